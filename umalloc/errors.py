@@ -1,0 +1,122 @@
+"""The typed exceptions of umalloc.
+
+Three failure tiers (shared/STYLE.md §3):
+
+* an expected shortage returns ``None`` or raises :class:`OutOfPages` (carrying ``requested`` and ``free``)
+  where an API says so;
+* caller misuse raises a :class:`UmallocValueError` subclass (also a :class:`ValueError`) naming the value
+  and the allowed range, and changes nothing;
+* a broken internal invariant raises :class:`InvariantError` (an :class:`AssertionError`) naming the
+  invariant.
+
+Transfer-engine failures are :class:`BackendError` subclasses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class UmallocError(Exception):
+    """Base class of every umalloc exception."""
+
+
+class UmallocValueError(UmallocError, ValueError):
+    """Caller misuse: a bad argument. Raised before any state changes."""
+
+
+class SpecError(UmallocValueError):
+    """An invalid geometry spec field.
+
+    Attributes:
+        field: dotted name of the offending field (``"ends[1].page_size"``).
+        value: the value given.
+        allowed: human-readable allowed range or set.
+    """
+
+    def __init__(self, field: str, value: object, allowed: str, detail: str = "") -> None:
+        self.field = field
+        self.value = value
+        self.allowed = allowed
+        msg = f"invalid {field}={value!r}: allowed {allowed}"
+        if detail:
+            msg += f" ({detail})"
+        super().__init__(msg)
+
+
+class InvalidIdError(UmallocValueError):
+    """An id (virtual/physical token or page) out of range, of the wrong dtype/shape, or otherwise unusable."""
+
+
+class DoubleFreeError(InvalidIdError):
+    """A page freed twice (or twice within one batch)."""
+
+
+class NotAllocatedError(InvalidIdError):
+    """A page freed, released or translated that was never allocated (or is not live now)."""
+
+
+class TombstoneError(InvalidIdError):
+    """Strict translation hit a tombstoned (unbound) table entry."""
+
+
+class LeaseError(UmallocValueError):
+    """Misuse of a lease: unknown pages, pinning a page that is not live, an already-ended lease, ..."""
+
+
+class OutOfPages(UmallocError):
+    """Not enough pages; nothing was allocated.
+
+    Attributes:
+        requested: pages asked for.
+        free: pages that were usable at the time.
+        end: the end (sub-pool) that ran short, when known.
+    """
+
+    def __init__(self, requested: int, free: int, end: str | None = None) -> None:
+        self.requested = int(requested)
+        self.free = int(free)
+        self.end = end
+        where = f" in end {end!r}" if end else ""
+        super().__init__(f"out of pages{where}: requested {self.requested}, free {self.free}")
+
+
+class InvariantError(AssertionError):
+    """A broken internal invariant; the message names it. Always a bug in umalloc."""
+
+
+class IncompatiblePeerError(UmallocValueError):
+    """A peer whose geometry differs from ours, refused at connect time.
+
+    Attributes:
+        differences: one human-readable line per differing field.
+    """
+
+    def __init__(self, differences: Sequence[str]) -> None:
+        self.differences = list(differences)
+        lines = "\n  - ".join(self.differences)
+        super().__init__(f"incompatible peer, {len(self.differences)} difference(s):\n  - {lines}")
+
+
+class DescriptorBoundsError(UmallocValueError):
+    """A transfer descriptor would touch bytes outside the registered regions or the leased pages."""
+
+
+class BackendError(UmallocError):
+    """A transfer backend failure."""
+
+
+class BackendUnavailable(BackendError, ImportError):
+    """The transfer engine cannot be imported or started on this machine."""
+
+
+class RegistrationError(BackendError, ValueError):
+    """Bad or unbalanced memory registration."""
+
+
+class TransferError(BackendError):
+    """A transfer failed (peer closed, engine error, unregistered destination, ...)."""
+
+
+class TransferTimeout(TransferError, TimeoutError):
+    """A transfer did not finish before its deadline."""

@@ -1,0 +1,148 @@
+"""Real model KV geometries as arena specs (numbers and sources: shared/data/models.md).
+
+Each preset yields ends:
+
+* ``full`` — the target's full-attention (or MLA) layers; grows ``up``; the id owner.
+* ``swa`` — the target's sliding-window layers, where the model slides; grows ``down``; bound to ``full``.
+* ``draft`` — the speculative drafter's layers, where the preset has one; grows ``down`` (or ``float``s in
+  the middle when an ``swa`` end holds the top); bound to ``full`` when it shares its page size, else its own
+  id owner (a draft with its own page size keeps its own block table).
+
+Sources (models.md): Llama-3.1-8B / Qwen3-8B / Qwen3-0.6B / gpt-oss-20b / DeepSeek-V3 from the HF
+``config.json`` copies in ai-dynamo/aiconfigurator; Gemma 3 from google-deepmind/gemma ``_gemma.py``
+(5 local : 1 global, ``i % 6 == 5`` global, window 1024 for 12B and 512 for 1B); EAGLE-LLaMA3 head from
+SafeAILab/EAGLE. Gemma-3-1B as a drafter for Gemma-3-12B relies on the family's shared tokenizer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from umalloc.errors import SpecError
+from umalloc.spec import ArenaSpec, EndRole, EndSpec, Grow, KVDtype, LayerSpec
+
+
+@dataclass(frozen=True)
+class ModelGeometry:
+    """Layers of one model (target or drafter) in model order, and the source they come from."""
+
+    name: str
+    layers: tuple[LayerSpec, ...]
+    source: str
+
+    @property
+    def full_layers(self) -> tuple[LayerSpec, ...]:
+        return tuple(x for x in self.layers if not x.is_sliding)
+
+    @property
+    def sliding_layers(self) -> tuple[LayerSpec, ...]:
+        return tuple(x for x in self.layers if x.is_sliding)
+
+
+def _gemma3(num_layers: int, kv_heads: int, head_dim: int, window: int) -> tuple[LayerSpec, ...]:
+    # GEMMA3_ATTENTION_PATTERN: (LOCAL x 5, GLOBAL) tiled then truncated to num_layers.
+    return tuple(LayerSpec.mha(kv_heads, head_dim, window_tokens=None if i % 6 == 5 else window)
+                 for i in range(num_layers))
+
+
+def _gpt_oss(num_layers: int) -> tuple[LayerSpec, ...]:
+    # layer_types: even layers sliding_attention (window 128), odd layers full_attention; 8 KV heads x 64.
+    return tuple(LayerSpec.mha(8, 64, window_tokens=128 if i % 2 == 0 else None) for i in range(num_layers))
+
+
+MODELS: dict[str, ModelGeometry] = {
+    m.name: m
+    for m in (
+        ModelGeometry("llama-3.1-8b", (LayerSpec.mha(8, 128),) * 32, "AIC meta-llama--Meta-Llama-3.1-8B"),
+        ModelGeometry("llama-3-8b", (LayerSpec.mha(8, 128),) * 32, "AIC meta-llama (same geometry as 3.1)"),
+        ModelGeometry("qwen3-8b", (LayerSpec.mha(8, 128),) * 36, "AIC Qwen--Qwen3-8B"),
+        ModelGeometry("qwen3-0.6b", (LayerSpec.mha(8, 128),) * 28, "AIC Qwen--Qwen3-0.6B"),
+        ModelGeometry("gemma-3-12b", _gemma3(48, 8, 256, 1024), "GEMMA Gemma3_12B"),
+        ModelGeometry("gemma-3-1b", _gemma3(26, 1, 256, 512), "GEMMA Gemma3_1B"),
+        ModelGeometry("gpt-oss-20b", _gpt_oss(24), "AIC openai--gpt-oss-20b"),
+        ModelGeometry("deepseek-v3", (LayerSpec.mla(512, 64),) * 61, "AIC deepseek-ai--DeepSeek-V3"),
+        ModelGeometry("deepseek-v3-mtp", (LayerSpec.mla(512, 64),), "AIC DeepSeek-V3 num_nextn_predict_layers=1"),
+        ModelGeometry("eagle-llama3-8b", (LayerSpec.mha(8, 128, dtype=KVDtype.FP16),),
+                      "EAGLE eagle/train/EAGLE-LLaMA3-Instruct-8B.json"),
+    )
+}
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A served model and, optionally, its drafter."""
+
+    name: str
+    target: str
+    draft: str | None = None
+
+
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in (
+        Preset("llama-3.1-8b", "llama-3.1-8b"),
+        Preset("llama-3-8b-eagle", "llama-3-8b", "eagle-llama3-8b"),
+        Preset("qwen3-8b", "qwen3-8b"),
+        Preset("qwen3-8b-draft", "qwen3-8b", "qwen3-0.6b"),
+        Preset("gemma-3-12b", "gemma-3-12b"),
+        Preset("gemma-3-12b-draft", "gemma-3-12b", "gemma-3-1b"),
+        Preset("gpt-oss-20b", "gpt-oss-20b"),
+        Preset("deepseek-v3", "deepseek-v3", "deepseek-v3-mtp"),
+    )
+}
+
+#: The preset `umalloc replay` uses by default: sliding-window layers and a drafter.
+DEFAULT_PRESET = "gemma-3-12b-draft"
+
+
+def _with_dtype(layers: tuple[LayerSpec, ...], dtype: KVDtype | None) -> tuple[LayerSpec, ...]:
+    if dtype is None:
+        return layers
+    return tuple(LayerSpec(x.kind, x.num_kv_heads, x.head_dim_k, x.head_dim_v, x.latent_dim, x.window_tokens,
+                           dtype) for x in layers)
+
+
+def preset_ends(name: str, *, page_size: int = 16, draft: bool = True, draft_page_size: int | None = None,
+                dtype: KVDtype | None = None) -> tuple[EndSpec, ...]:
+    """The ends of preset ``name``.
+
+    Args:
+        name: a key of :data:`PRESETS`.
+        page_size: tokens per page of the target ends.
+        draft: include the drafter's end (if the preset has a drafter).
+        draft_page_size: the draft end's page size (default ``page_size``); a different one makes the draft
+            end its own id owner.
+        dtype: override every layer's KV dtype (default: the model's own).
+
+    Raises:
+        SpecError: unknown preset, or an invalid page size.
+
+    >>> [(e.name, e.grow.value, e.owner, e.entry_bytes) for e in preset_ends("gpt-oss-20b")]
+    [('full', 'up', None, 24576), ('swa', 'down', 'full', 24576)]
+    """
+    try:
+        preset = PRESETS[name]
+    except KeyError:
+        raise SpecError("preset", name, f"one of {sorted(PRESETS)}") from None
+    target = MODELS[preset.target]
+    ends: list[EndSpec] = [EndSpec("full", _with_dtype(target.full_layers, dtype), page_size, Grow.UP,
+                                   None, EndRole.TARGET)]
+    if target.sliding_layers:
+        ends.append(EndSpec("swa", _with_dtype(target.sliding_layers, dtype), page_size, Grow.DOWN, "full",
+                            EndRole.SWA))
+    if draft and preset.draft is not None:
+        dmodel = MODELS[preset.draft]
+        dps = page_size if draft_page_size is None else draft_page_size
+        grow = Grow.FLOAT if target.sliding_layers else Grow.DOWN
+        ends.append(EndSpec("draft", _with_dtype(dmodel.layers, dtype), dps, grow,
+                            "full" if dps == page_size else None, EndRole.DRAFT))
+    return tuple(ends)
+
+
+def preset_arena_spec(name: str, arena_bytes: int, **kwargs: object) -> ArenaSpec:
+    """An :class:`ArenaSpec` of ``arena_bytes`` for preset ``name`` (kwargs as :func:`preset_ends`)."""
+    return ArenaSpec(preset_ends(name, **kwargs), arena_bytes=arena_bytes)  # type: ignore[arg-type]
+
+
+
+__all__ = ["DEFAULT_PRESET", "MODELS", "PRESETS", "ModelGeometry", "Preset", "preset_arena_spec", "preset_ends"]
