@@ -1,0 +1,381 @@
+#!/usr/bin/env python3
+"""Replay the peerbench op sequence through umalloc's MultiEndedAllocator (not a timed test).
+
+The op sequence (extend / decode / free, built from the Mooncake conversation trace) is the one
+``../shared/peerbench/workload.py`` writes and replays through SGLang's and vLLM's allocators, with the same
+fingerprint. The harness plays an SGLang-style scheduler:
+
+* it keeps a ``req_to_token`` block table (one int64 row per request, a torch tensor; the harness reads and
+  writes it through its numpy view), gathers ``last_loc`` from it, calls the batched ``alloc_extend`` /
+  ``alloc_decode`` and writes the returned virtual token ids back;
+* it frees every request finished in one op with one ``free`` call (page granular: one token per page);
+* mode ``umalloc-swa`` adds an SWA end (grows down, bound to ``full``) and, before each op, releases the SWA
+  pages that left the window (``release_end``; frontier from ``swa_tail_start``, SGLang's
+  ``free_swa_out_of_window_slots`` rule without prefix sharing, window 128 tokens after scaling).
+
+Per-op index arrays are prepared before timing (as the peers' harnesses do); the timed part is one
+``perf_counter`` around the whole replay on a fresh allocator, and the figure is the median of the repeats.
+Before timing, one checked pass verifies every op: the allocator's live counts equal the harness's, every live
+page's data marker (written through its physical envelope) reads back, ``check_invariants()`` holds, and nothing
+leaks at the end.
+
+``--peers`` runs ``../shared/peerbench/run_vllm.py --modes blockpool`` on the same op file right after and prints
+one table with ratios to vLLM's BlockPool measured in the same run.
+
+Usage::
+
+    python benchmarks/bench_allocator.py                      # builds the default workload (1000 req, /8, ps 16)
+    python benchmarks/bench_allocator.py --ops /tmp/peers/ops.json --repeats 7 --peers
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+HERE = Path(__file__).resolve().parent
+PEERBENCH = Path(os.environ.get("UMALLOC_PEERBENCH", HERE.parent.parent / "shared" / "peerbench"))
+sys.path.insert(0, str(PEERBENCH))
+import workload as wl  # noqa: E402  (the peers' workload module, reused, not copied)
+
+from umalloc.allocator import MultiEndedAllocator  # noqa: E402
+from umalloc.arena import Arena  # noqa: E402
+from umalloc.spec import ArenaSpec, EndRole, EndSpec, Grow, KVDtype, LayerSpec  # noqa: E402
+
+MODES = ("umalloc", "umalloc-swa")
+_E, _D, _F = 0, 1, 2
+
+
+class _Op:
+    __slots__ = ("ev", "ev_buf", "ev_t", "kind", "last_buf", "last_flat", "last_t", "n_req", "no_prefix", "out_np",
+                 "out_t", "pre_t", "runs", "seq_t", "target", "target_buf", "target_t", "write_flat")
+
+
+def _buffer(n: int) -> tuple[np.ndarray, torch.Tensor]:
+    """A persistent int64 torch tensor and its numpy view (the harness's reusable staging buffers)."""
+    t = torch.zeros(n, dtype=torch.int64)
+    return t.numpy(), t
+
+
+class Prepared:
+    """Per-op numpy index arrays into the flat block table (untimed), and the SWA release lists."""
+
+    def __init__(self, w: wl.Workload, swa_window: int | None) -> None:
+        ps = self.ps = w.params.page_size
+        self.width = width = w.max_seq_len() + ps
+        self.n_req = len(w.req_in)
+        self.ops: list[_Op] = []
+        self.n_release_calls = 0
+        self.release_pages = 0
+        length: dict[int, int] = {}
+        released: dict[int, int] = {}
+
+        def releases(rids: list[int], pre_lens: list[int]) -> np.ndarray | None:
+            if swa_window is None:
+                return None
+            chunks = []
+            for r, pre in zip(rids, pre_lens, strict=True):
+                ev = released.get(r, 0)
+                tail = MultiEndedAllocator.swa_tail_start(pre, swa_window, 0, ps)
+                if tail > ev:
+                    chunks.append(r * width + np.arange(ev, tail, ps, dtype=np.int64))
+                    released[r] = tail
+            if not chunks:
+                return None
+            flat = np.concatenate(chunks)
+            self.n_release_calls += 1
+            self.release_pages += flat.size
+            return flat
+
+        def stage(o: _Op) -> None:
+            o.ev_buf, o.ev_t = _buffer(o.ev.size) if o.ev is not None else (None, None)
+
+        for kind, payload in w.ops:
+            o = _Op()
+            if kind == "E":
+                rids = np.array([it[0] for it in payload], np.int64)
+                pre = np.array([it[1] for it in payload], np.int64)
+                ext = np.array([it[2] for it in payload], np.int64)
+                o.kind = _E
+                o.ev = releases(rids.tolist(), pre.tolist())
+                o.pre_t = torch.from_numpy(pre)
+                o.seq_t = torch.from_numpy(pre + ext)
+                o.last_flat = rids * width + np.maximum(pre - 1, 0)
+                nop = np.flatnonzero(pre == 0)
+                o.no_prefix = nop if nop.size else None
+                o.write_flat = np.concatenate([r * width + np.arange(p, p + e, dtype=np.int64)
+                                               for r, p, e in zip(rids.tolist(), pre.tolist(), ext.tolist(),
+                                                                  strict=True)])
+                # per request: (table start, table stop, out start, out stop) -- contiguous row slices
+                ends_ = np.cumsum(ext)
+                o.runs = [(int(r * width + p), int(r * width + p + e), int(c - e), int(c))
+                          for r, p, e, c in zip(rids.tolist(), pre.tolist(), ext.tolist(), ends_.tolist(),
+                                                strict=True) if e]
+                o.last_buf, o.last_t = _buffer(len(payload))
+                o.out_np, o.out_t = _buffer(int(ext.sum()))
+                stage(o)
+                o.n_req = len(payload)
+                for r, p, e in zip(rids.tolist(), pre.tolist(), ext.tolist(), strict=True):
+                    length[r] = p + e
+            elif kind == "D":
+                rids = np.array(payload, np.int64)
+                cur = np.array([length[r] for r in payload], np.int64)
+                o.kind = _D
+                o.ev = releases(list(payload), cur.tolist())
+                o.seq_t = torch.from_numpy(cur + 1)
+                o.last_flat = rids * width + cur - 1
+                o.write_flat = rids * width + cur
+                o.last_buf, o.last_t = _buffer(len(payload))
+                o.out_np, o.out_t = _buffer(len(payload))
+                stage(o)
+                o.n_req = len(payload)
+                for r in payload:
+                    length[r] += 1
+            else:
+                o.kind = _F
+                o.ev = None
+                o.target = np.concatenate([r * width + np.arange(0, length[r], ps, dtype=np.int64)
+                                           for r in payload])
+                o.target_buf, o.target_t = _buffer(o.target.size)
+                stage(o)
+                o.n_req = len(payload)
+            self.ops.append(o)
+
+    def api_calls(self, swa: bool) -> int:
+        return len(self.ops) + (self.n_release_calls if swa else 0)
+
+
+def tiny_ends(page_size: int, swa_window: int | None) -> tuple[EndSpec, ...]:
+    """One fp16 layer, 1 KV head x 16 dims: 64 B per token (1 KiB pages at page_size 16), as the peers' fake
+    pools; the SWA end has the same geometry with a sliding window."""
+    full = EndSpec("full", (LayerSpec.mha(1, 16, dtype=KVDtype.FP16),), page_size=page_size)
+    if swa_window is None:
+        return (full,)
+    swa = EndSpec("swa", (LayerSpec.mha(1, 16, dtype=KVDtype.FP16, window_tokens=swa_window),),
+                  page_size=page_size, grow=Grow.DOWN, owner="full", role=EndRole.SWA)
+    return full, swa
+
+
+def make_allocator(w: wl.Workload, swa_window: int | None, swa_ratio: float) -> MultiEndedAllocator:
+    """Arena = floor (one page) + P pages (+ S = swa_ratio * P pages for the SWA end), like the peers'
+    unified pools: the ``full`` end can take all P pages, and both ends share the rest dynamically."""
+    ends = tiny_ends(w.params.page_size, swa_window)
+    pb = ends[0].page_bytes
+    pages = w.params.pool_pages + (max(1, int(w.params.pool_pages * swa_ratio)) if swa_window else 0)
+    return MultiEndedAllocator(Arena(ArenaSpec(ends, arena_bytes=(1 + pages) * pb)), compaction="lazy")
+
+
+def replay(alloc: MultiEndedAllocator, prep: Prepared, table: np.ndarray, swa: bool) -> None:
+    """The timed loop: SGLang-scheduler-style calls, block-table gathers and scatters through persistent
+    staging tensors (``out=`` keeps the output pointers stable, as a CUDA-graph engine would)."""
+    take = table.take
+    alloc_extend, alloc_decode, free, release_end = (alloc.alloc_extend, alloc.alloc_decode, alloc.free,
+                                                     alloc.release_end)
+    for o in prep.ops:
+        if swa and o.ev is not None:
+            take(o.ev, out=o.ev_buf)
+            release_end("swa", o.ev_t)
+        k = o.kind
+        if k == _D:
+            take(o.last_flat, out=o.last_buf)
+            alloc_decode(o.seq_t, o.last_t, out=o.out_t)
+            table[o.write_flat] = o.out_np
+        elif k == _E:
+            last = o.last_buf
+            take(o.last_flat, out=last)
+            if o.no_prefix is not None:
+                last[o.no_prefix] = -1
+            alloc_extend(o.pre_t, o.seq_t, o.last_t, out=o.out_t)
+            out = o.out_np
+            for a, b, c, d in o.runs:
+                table[a:b] = out[c:d]
+        else:
+            take(o.target, out=o.target_buf)
+            free(o.target_t)
+
+
+def checked_replay(alloc: MultiEndedAllocator, prep: Prepared, table: np.ndarray, swa: bool) -> dict:
+    """Untimed verification pass (see the module docstring). Returns peaks."""
+    ps = prep.ps
+    live_v: set[int] = set()
+    peak_full = peak_swa = 0
+    env_full = alloc.arena.envelopes("full")
+    marks = torch.zeros(alloc.num_vpages(), dtype=torch.int64)
+    n_ops = len(prep.ops)
+
+    def stamp(vps: np.ndarray) -> None:
+        for end in alloc.ends:
+            if end == "swa" or end == "full":
+                env = alloc.arena.envelopes(end)
+                phys = alloc.translate_pages(torch.from_numpy(vps), end).numpy()
+                env[torch.from_numpy(phys), :8] = torch.from_numpy(vps.astype("<i8").view(np.uint8).reshape(-1, 8))
+
+    for i, o in enumerate(prep.ops):
+        if swa and o.ev is not None:
+            alloc.release_end("swa", torch.from_numpy(table[o.ev]))
+        if o.kind == _F:
+            vps = np.unique(table[o.target] // ps)
+            assert set(vps.tolist()) <= live_v, "free of a page the harness does not hold"
+            live_v.difference_update(vps.tolist())
+            alloc.free(torch.from_numpy(table[o.target]))
+        else:
+            if o.kind == _D:
+                last = table[o.last_flat]
+                out = alloc.alloc_decode(o.seq_t, torch.from_numpy(last))
+            else:
+                last = table[o.last_flat]
+                if o.no_prefix is not None:
+                    last[o.no_prefix] = -1
+                out = alloc.alloc_extend(o.pre_t, o.seq_t, torch.from_numpy(last))
+            assert out is not None, f"op {i}: allocation returned None"
+            table[o.write_flat] = out.numpy()
+            assert np.all(out.numpy() % ps == (o.write_flat % prep.width) % ps), "token not at its page offset"
+            vps = np.unique(out.numpy() // ps)
+            new = np.array(sorted(set(vps.tolist()) - live_v), np.int64)
+            live_v.update(new.tolist())
+            if new.size:
+                stamp(new)
+                marks[torch.from_numpy(new)] = torch.from_numpy(new)
+        st = alloc.stats()
+        assert st["full"].live_pages == len(live_v), (i, st["full"].live_pages, len(live_v))
+        peak_full = max(peak_full, st["full"].live_pages)
+        if swa:
+            peak_swa = max(peak_swa, st["swa"].live_pages)
+        if i % 97 == 0 or i == n_ops - 1:
+            alloc.check_invariants()
+            if live_v:
+                lv = torch.tensor(sorted(live_v), dtype=torch.int64)
+                for end in ("full", "swa") if swa else ("full",):
+                    phys = alloc.translate_pages(lv, end, strict=False)
+                    bound = phys > 0
+                    env = alloc.arena.envelopes(end) if end == "swa" else env_full
+                    got = env[phys[bound], :8].contiguous().view(torch.int64).view(-1)
+                    assert torch.equal(got, lv[bound]), f"op {i}: data marker lost on end {end}"
+    st = alloc.stats()
+    assert not live_v and all(s.live_pages == 0 and s.pending_pages == 0 for s in st.values()), "pages leaked"
+    alloc.check_invariants()
+    return {"peak_pages": peak_full, "swa_peak_pages": peak_swa if swa else None}
+
+
+def run_mode(mode: str, w: wl.Workload, args: argparse.Namespace) -> dict:
+    swa = mode == "umalloc-swa"
+    window = args.swa_window if swa else None
+    prep = Prepared(w, window)
+    extra: dict = {}
+    if not args.no_verify:
+        table = np.zeros(prep.n_req * prep.width, np.int64)
+        extra.update(checked_replay(make_allocator(w, window, args.swa_ratio), prep, table, swa))
+        extra["verified"] = True
+    walls = []
+    for _ in range(args.repeats):
+        alloc = make_allocator(w, window, args.swa_ratio)
+        table_t = torch.zeros(prep.n_req * prep.width, dtype=torch.int64)  # req_to_token, flat
+        table = table_t.numpy()
+        t0 = time.perf_counter()
+        replay(alloc, prep, table, swa)
+        walls.append(time.perf_counter() - t0)
+        st = alloc.stats()
+        assert st["full"].live_pages == 0, "pages leaked"
+    med = statistics.median(walls)
+    calls = prep.api_calls(swa)
+    res = {
+        "allocator": mode, "workload": w.fingerprint, "repeats": len(walls),
+        "wall_s_median": round(med, 4), "wall_s_min": round(min(walls), 4), "wall_s_max": round(max(walls), 4),
+        "req_ops_per_s": round(w.meta["req_ops"] / med), "api_calls": calls,
+        "api_calls_per_s": round(calls / med), "pages_alloc_per_s": round(w.meta["pages_allocated"] / med),
+        "workload_peak_pages": w.meta["peak_live_pages"],
+    }
+    if swa:
+        res.update({"swa_window": window, "swa_release_calls": prep.n_release_calls,
+                    "swa_pages_released": prep.release_pages})
+    res.update(extra)
+    return res
+
+
+def run_peers(ops_path: str, repeats: int) -> list[dict]:
+    out = tempfile.NamedTemporaryFile(suffix=".jsonl", delete=False).name
+    cmd = [sys.executable if os.path.exists(sys.executable) else "python3", str(PEERBENCH / "run_vllm.py"),
+           "--ops", ops_path, "--modes", "blockpool", "--repeats", str(repeats), "--json", out]
+    print("#", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
+    with open(out) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def print_table(rows: list[dict], baseline: dict | None) -> None:
+    base = baseline["pages_alloc_per_s"] if baseline else None
+    hdr = f"{'allocator':<16} {'wall s (med)':>12} {'req-ops/s':>11} {'calls/s':>9} {'pages/s':>11} " \
+          f"{'peak pages':>10} {'x blockpool':>11}"
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        ratio = f"{r['pages_alloc_per_s'] / base:.2f}" if base else "-"
+        peak = r.get("peak_pages", -1)
+        if r.get("swa_peak_pages"):
+            peak = f"{peak} (swa {r['swa_peak_pages']})"
+        print(f"{r['allocator']:<16} {r['wall_s_median']:>12.4f} {r['req_ops_per_s']:>11,} "
+              f"{r['api_calls_per_s']:>9,} {r['pages_alloc_per_s']:>11,} {str(peak):>10} {ratio:>11}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    wl.add_args(ap)  # --ops FILE or the workload options (same defaults as the peers)
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma list of {MODES}")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--swa-window", type=int, default=128, help="sliding window in tokens (after scaling)")
+    ap.add_argument("--swa-ratio", type=float, default=1.0, help="extra arena pages for SWA / pool pages")
+    ap.add_argument("--no-verify", action="store_true", help="skip the checked (untimed) pass")
+    ap.add_argument("--peers", action="store_true", help="also run peerbench's vLLM BlockPool on the same ops")
+    ap.add_argument("--peer-repeats", type=int, default=5)
+    ap.add_argument("--json", default=None, help="append one JSON line per result here")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(2)
+    w = wl.from_args(a)
+    print(f"# umalloc bench  torch {torch.__version__}  workload {w.fingerprint}: requests={w.meta['requests']} "
+          f"steps={w.meta['steps']} ops={w.meta['ops_total']} req_ops={w.meta['req_ops']} "
+          f"pages_allocated={w.meta['pages_allocated']} peak_live_pages={w.meta['peak_live_pages']}")
+    # warm the numba kernels (loaded from cache or compiled) outside any timing
+    run_mode(MODES[1], wl.build(wl.Params(n_requests=8), wl.load_trace(wl.trace_path(a.trace), 8)),
+             argparse.Namespace(swa_window=a.swa_window, swa_ratio=a.swa_ratio, no_verify=False, repeats=1))
+    rows = []
+    for mode in [m for m in a.modes.split(",") if m]:
+        if mode not in MODES:
+            raise SystemExit(f"unknown mode {mode!r}: allowed {MODES}")
+        res = run_mode(mode, w, a)
+        rows.append(res)
+        print("  ".join(f"{k}={res[k]}" for k in ("allocator", "wall_s_median", "req_ops_per_s",
+                                                   "api_calls_per_s", "pages_alloc_per_s")))
+        print("    " + json.dumps({k: v for k, v in res.items() if k not in ("allocator",)}))
+    baseline = None
+    if a.peers:
+        ops_path = a.ops
+        if ops_path is None:
+            ops_path = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
+            wl.save(w, ops_path)
+        peers = run_peers(ops_path, a.peer_repeats)
+        for p in peers:
+            if p["workload"] != w.fingerprint:
+                raise SystemExit(f"peer replayed workload {p['workload']}, we replayed {w.fingerprint}")
+        baseline = next((p for p in peers if p["allocator"] == "vllm-blockpool"), None)
+        rows = peers + rows
+    print()
+    print_table(rows, baseline)
+    if a.json:
+        with open(a.json, "a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

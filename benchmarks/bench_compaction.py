@@ -1,0 +1,144 @@
+"""Compaction throughput and pause per flush, against a plain torch copy of the same bytes in the same run.
+
+For each size N (moved pages per flush) and layout it builds an up-end band whose survivor walk moves exactly
+N pages, then times one flush = plan (:func:`umalloc.compaction.plan_up`) + apply (:func:`apply_plan`: one
+batched envelope copy + table rewrite). Baseline: ``torch.Tensor.copy_`` of N * page_bytes contiguous bytes
+between two ranges of the same arena. Layouts:
+
+* ``contiguous``: band pages ``[1, N]`` are holes, ``[N+1, 2N]`` live: one run on both sides.
+* ``fragmented``: N holes scattered at random among the lowest 2N pages, N live pages above them: N
+  destination runs (the copy cannot be one memcpy).
+
+Usage::
+
+    python benchmarks/bench_compaction.py [--sizes 1024,65536] [--page-bytes 4096] [--device cpu|cuda]
+        [--repeats 5] [--seed 0] [--threads N]
+
+Prints a table: per-flush pause (plan + apply, best of repeats, and the median), plan time, moved GB/s over
+the whole pause, torch copy GB/s, ``ratio`` = torch copy time / flush pause (target >= 0.7) and ``move-only``
+= torch copy time / the flush's batched envelope copy alone (:func:`copy_moves`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import numpy as np
+import torch
+
+from umalloc.arena import Arena
+from umalloc.compaction import apply_plan, copy_moves, plan_up
+from umalloc.pagestate import PAGE_GAP, PAGE_HOLE, PAGE_LIVE, PAGE_RESERVED, TOMBSTONE
+from umalloc.spec import ArenaSpec, EndSpec, LayerSpec
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def build(num_moved: int, layout: str, page_bytes: int, device: str, rng: np.random.Generator):
+    end = EndSpec("full", (LayerSpec.mha(1, page_bytes // 4),), page_size=1)  # bf16 K+V: 4 B per head_dim
+    assert end.page_bytes == page_bytes
+    low = num_moved if layout == "contiguous" else 2 * num_moved
+    wm = 1 + low + num_moved
+    slots = wm + 1
+    arena = Arena(ArenaSpec((end,), arena_bytes=page_bytes * slots), device=device, zero=False)
+    state = np.full(slots, PAGE_GAP, np.int8)
+    state[0] = PAGE_RESERVED
+    state[1:wm] = PAGE_LIVE
+    if layout == "contiguous":
+        holes = np.arange(1, 1 + num_moved)
+    else:
+        holes = 1 + np.sort(rng.choice(low, num_moved, replace=False))
+    state[holes] = PAGE_HOLE
+    p2v = np.full(slots, TOMBSTONE, np.int64)
+    live = np.flatnonzero(state == PAGE_LIVE)
+    p2v[live] = np.arange(live.size)
+    v2p = np.full(slots, TOMBSTONE, np.int64)
+    v2p[: live.size] = live
+    return arena, state, p2v, v2p, wm
+
+
+def bench(num_moved: int, layout: str, page_bytes: int, device: str, repeats: int, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    arena, state0, p2v0, v2p0, wm = build(num_moved, layout, page_bytes, device, rng)
+    dev = arena.device
+    pins = np.zeros(state0.size, np.int32)
+    nbytes = num_moved * page_bytes
+    pauses, plans = [], []
+    for _ in range(repeats + 1):  # first round warms numba / caches
+        state, p2v, v2p = state0.copy(), p2v0.copy(), v2p0.copy()
+        sync(dev)
+        t0 = time.perf_counter()
+        plan = plan_up(state, pins, 1, wm)
+        t1 = time.perf_counter()
+        moved = apply_plan(arena, "full", plan, state=state, p2v=p2v, v2p=v2p)
+        sync(dev)
+        t2 = time.perf_counter()
+        assert plan.num_moves == num_moved and moved == nbytes, (plan.num_moves, moved)
+        pauses.append(t2 - t0)
+        plans.append(t1 - t0)
+    pauses, plans = pauses[1:], plans[1:]
+    # the flush's byte move alone (same pages, bytes copied again)
+    moves = []
+    for _ in range(repeats + 1):
+        sync(dev)
+        t0 = time.perf_counter()
+        copy_moves(arena, "full", plan.src_pages, plan.dst_pages)
+        sync(dev)
+        moves.append(time.perf_counter() - t0)
+    moves = moves[1:]
+    # baseline: a plain torch copy of the same number of bytes inside the same arena
+    src = arena.data[page_bytes: page_bytes + nbytes]
+    dst = arena.data[arena.arena_bytes - nbytes:]
+    copies = []
+    for _ in range(repeats + 1):
+        sync(dev)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync(dev)
+        copies.append(time.perf_counter() - t0)
+    copies = copies[1:]
+    pause, copy, move = min(pauses), min(copies), min(moves)
+    return {"pages": num_moved, "layout": layout, "pause_ms": pause * 1e3, "plan_ms": min(plans) * 1e3,
+            "median_pause_ms": float(np.median(pauses)) * 1e3,
+            "gbps": nbytes / pause / 1e9, "copy_gbps": nbytes / copy / 1e9, "ratio": copy / pause,
+            "move_ratio": copy / move}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="1024,65536", help="moved pages per flush, comma separated")
+    ap.add_argument("--page-bytes", type=int, default=4096)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--layouts", default="contiguous,fragmented")
+    ap.add_argument("--seed", type=int, default=int(os.environ.get("UMALLOC_SEED", "0")))
+    ap.add_argument("--threads", type=int, default=0,
+                    help="CPU threads for BOTH torch and numba (0: leave the defaults)")
+    args = ap.parse_args()
+    if args.threads:
+        import numba
+
+        torch.set_num_threads(args.threads)
+        numba.set_num_threads(args.threads)
+    print(f"device={args.device} page_bytes={args.page_bytes} repeats={args.repeats} seed={args.seed} "
+          f"torch_threads={torch.get_num_threads()}")
+    header = (f"{'pages':>7} {'layout':>11} {'MiB':>8} {'pause ms':>9} {'median':>8} {'plan ms':>8} "
+              f"{'GB/s':>7} {'copy GB/s':>9} {'ratio':>6} {'move-only':>9}")
+    print(header)
+    print("-" * len(header))
+    for size in (int(s) for s in args.sizes.split(",")):
+        for layout in args.layouts.split(","):
+            r = bench(size, layout, args.page_bytes, args.device, args.repeats, args.seed)
+            mib = size * args.page_bytes / 2**20
+            print(f"{r['pages']:>7} {layout:>11} {mib:>8.1f} {r['pause_ms']:>9.3f} {r['median_pause_ms']:>8.3f} "
+                  f"{r['plan_ms']:>8.3f} {r['gbps']:>7.2f} {r['copy_gbps']:>9.2f} {r['ratio']:>6.2f} "
+                  f"{r['move_ratio']:>9.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""Benchmark transfer plans on a real geometry against a same-run per-layer baseline (a plain script, not a test).
+
+* Geometry: preset ``gemma-3-12b-draft`` (8 full layers, 40 sliding layers with window 1024, a 26-layer drafter
+  on its own 32-token pages), target page_size 16. Arenas are sized by :func:`arena_bytes_for_limits` and never
+  touched (``zero=False``), so only index work is timed.
+* Each request of ``L`` tokens is prefilled on one allocator (SWA bound only on its window tail, as a prefill
+  that drops out-of-window pages) and preallocated on the other (full + SWA tail + draft), with other requests
+  allocated and freed around it so the pages are not one run.
+* ``build_plan``: receiver half + sender plan + bounds check + both leases (then ``abort``), in-process.
+  ``split``: the same through ``to_dict`` / JSON / ``from_dict`` (the two-process path).
+  ``per-layer loop``: the baseline measured here: a Python loop emitting one descriptor per page per layer per
+  K/V from the same physical page lists (what a non-envelope design posts), no bounds check.
+* Columns ``desc`` and ``per-layer`` count descriptors; ``x fewer`` is their ratio; times are medians.
+
+Run: ``python benchmarks/bench_plan.py [--lengths 512,2048,8192] [--prefix-frac 0.25] [--repeats 7]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from umalloc.allocator import MultiEndedAllocator
+from umalloc.arena import Arena
+from umalloc.plan import PeerLayout, build_plan, build_receiver_half, build_send_plan
+from umalloc.presets import preset_ends
+from umalloc.spec import ArenaSpec, arena_bytes_for_limits
+
+
+def median_s(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def make_side(spec: ArenaSpec, L: int, P: int, noise: int) -> tuple[MultiEndedAllocator, dict[str, torch.Tensor]]:
+    alloc = MultiEndedAllocator(Arena(spec, zero=False))
+    ext = alloc.alloc_extend
+    junk = ext(torch.tensor([0]), torch.tensor([noise]), torch.tensor([-1]), owner="full", bind=[])
+    junk_d = ext(torch.tensor([0]), torch.tensor([noise]), torch.tensor([-1]), owner="draft")
+    vt = ext(torch.tensor([0]), torch.tensor([L]), torch.tensor([-1]), owner="full", bind=[])
+    alloc.free(junk, owner="full")
+    alloc.free(junk_d, owner="draft")
+    tail = MultiEndedAllocator.swa_tail_start(L, spec.end("swa").window_tokens, P, spec.end("swa").page_size)
+    assert alloc.bind_end("swa", vt[tail:])
+    vd = ext(torch.tensor([0]), torch.tensor([L]), torch.tensor([-1]), owner="draft")
+    return alloc, {"full": vt, "draft": vd}
+
+
+def per_layer_loop(plan) -> int:
+    """Baseline: one descriptor per (page, layer, K/V) from the plan's page lists, in plain Python."""
+    out = []
+    for v in plan.vectors.values():
+        src_end = plan.src_layout.end(v.src_end)
+        sb, db = plan.src_layout.arena_base_ptr, plan.dst_layout.arena_base_ptr
+        pb, ps = src_end.page_bytes, src_end.page_size
+        offs = src_end.layer_offsets_bytes
+        for sp, dp in zip(v.src_pages.tolist(), v.dst_pages.tolist(), strict=True):
+            for (k_off, v_off), layer in zip(offs, src_end.layers, strict=True):
+                out.append((sb + sp * pb + k_off, db + dp * pb + k_off, ps * layer.k_token_bytes))
+                if layer.v_token_bytes:
+                    out.append((sb + sp * pb + v_off, db + dp * pb + v_off, ps * layer.v_token_bytes))
+    return len(np.array(out, dtype=np.uint64))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--lengths", default="512,2048,8192")
+    ap.add_argument("--prefix-frac", type=float, default=0.25, help="share of tokens the receiver already holds")
+    ap.add_argument("--repeats", type=int, default=7)
+    args = ap.parse_args()
+    lengths = [int(x) for x in args.lengths.split(",")]
+    ends = preset_ends("gemma-3-12b-draft", page_size=16, draft_page_size=32)
+    spec = ArenaSpec(ends, arena_bytes=arena_bytes_for_limits(ends, max_seq_len_tokens=max(lengths) + 512,
+                                                               max_batch=1))
+    print(f"preset gemma-3-12b-draft, arena {spec.arena_bytes / 2**20:.0f} MiB per side (untouched), "
+          f"prefix = {args.prefix_frac:.0%} of L (+3 tokens, mid-page), median of {args.repeats}")
+    hdr = (f"{'L':>6} {'P':>5} | {'pages t/d/swa':>14} {'desc':>6} {'per-layer':>9} {'x fewer':>7} | "
+           f"{'build_plan ms':>13} {'split ms':>8} {'per-layer loop ms':>17} {'loop/build':>10}")
+    print(hdr)
+    print("-" * len(hdr))
+    for L in lengths:
+        P = int(L * args.prefix_frac) + 3 if args.prefix_frac else 0
+        print(bench_one(spec, L, P, args.repeats))
+
+
+def bench_one(spec: ArenaSpec, L: int, P: int, repeats: int) -> str:
+    src, vs = make_side(spec, L, 0, 37)
+    dst, vd = make_side(spec, L, P, 91)
+    dst_layout = PeerLayout.from_arena(dst.arena)
+
+    def in_process() -> None:
+        build_plan("b", src, vs, dst, vd, prefix_tokens=P).abort()
+
+    def split() -> None:
+        half = build_receiver_half("b", dst, vd, prefix_tokens=P)
+        wire = json.loads(json.dumps(half.to_dict()))
+        build_send_plan("b", src, vs, wire, dst_layout).abort()
+        half.abort()
+
+    plan = build_plan("b", src, vs, dst, vd, prefix_tokens=P)
+    pages = "/".join(str(plan.vectors[n].num_pages) for n in ("target", "draft", "swa_tail"))
+    assert per_layer_loop(plan) <= plan.per_layer_descriptor_equivalent
+    t_build = median_s(in_process, repeats)
+    t_split = median_s(split, repeats)
+    t_loop = median_s(lambda: per_layer_loop(plan), repeats)
+    plan.abort()
+    return (f"{L:>6} {P:>5} | {pages:>14} {plan.num_descriptors:>6} {plan.per_layer_descriptor_equivalent:>9} "
+            f"{plan.per_layer_descriptor_equivalent / max(plan.num_descriptors, 1):>7.1f} | "
+            f"{t_build * 1e3:>13.2f} {t_split * 1e3:>8.2f} {t_loop * 1e3:>17.2f} {t_loop / t_build:>10.2f}")
+
+
+if __name__ == "__main__":
+    main()

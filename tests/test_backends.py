@@ -1,0 +1,787 @@
+"""Conformance suite of the transfer backends: one set of tests run against local, NIXL and Mooncake.
+
+Every engine runs for real over loopback (127.0.0.1). Expected destination bytes are computed in the tests:
+either by a brute-force loop applying each descriptor to a copy of the destination, or page by page from the
+allocators' translations and hand-computed token ranges (SWA tail, prefix). Two-process tests share
+module-scoped workers (spawn + torch import costs seconds); failure tests use a separate "victim" worker per
+engine that they pause and finally kill. Every wait is bounded (``DEADLINE_S``) and every test carries a
+pytest-timeout, so a broken engine fails instead of hanging.
+
+Under ``UMALLOC_REQUIRE_BACKENDS=1`` a NIXL or Mooncake test that cannot import its engine fails instead of
+skipping (``umalloc.backends.require_or_skip``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import umalloc.backends as backends_mod
+from umalloc.allocator import MultiEndedAllocator
+from umalloc.arena import Arena
+from umalloc.backends import (
+    BACKEND_NAMES,
+    TransferBackend,
+    TransferHandle,
+    backend_available,
+    get_backend,
+    require_or_skip,
+)
+from umalloc.backends._worker import BackendWorker
+from umalloc.errors import (
+    BackendError,
+    DescriptorBoundsError,
+    IncompatiblePeerError,
+    RegistrationError,
+    TransferError,
+    TransferTimeout,
+    UmallocValueError,
+)
+from umalloc.plan import PeerLayout, build_plan, build_receiver_half, build_send_plan
+from umalloc.region import Region
+from umalloc.spec import ArenaSpec, EndRole, EndSpec, Grow, LayerSpec
+
+ENGINES = ["nixl", "mooncake"]
+DEADLINE_S = 10.0
+SEED = int(os.environ.get("UMALLOC_SEED", "20240607"))
+W = "umalloc.backends._worker:"
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _param(name: str):
+    return pytest.param(name, marks=[pytest.mark.backend] if name != "local" else [], id=name)
+
+
+ALL = [_param(n) for n in BACKEND_NAMES]
+ENG = [_param(n) for n in ENGINES]
+
+
+# ==== helpers ===================================================================================================
+
+
+def seeded_bytes(nbytes: int, seed: int) -> torch.Tensor:
+    """Independent re-creation of the worker's pattern: torch.randint over a seeded generator."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (nbytes,), generator=g, dtype=torch.uint8)
+
+
+def brute_apply(dst_before: bytes, dst_base: int, src: bytes, src_base: int, descs: np.ndarray) -> bytes:
+    """The destination after applying each descriptor, one by one, in plain Python."""
+    out = bytearray(dst_before)
+    for s, d, n in descs.tolist():
+        out[d - dst_base: d - dst_base + n] = src[s - src_base: s - src_base + n]
+    return bytes(out)
+
+
+def tbytes(t: torch.Tensor) -> bytes:
+    return bytes(t.numpy().tobytes())
+
+
+def descriptor_shapes(src_base: int, dst_base: int, nbytes: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Three batch shapes over ``nbytes`` buffers: per-page scattered, coalesced runs, odd sizes."""
+    out = {}
+    page = 1024  # 4 MiB / 1 KiB = 4096 descriptors: more than one Mooncake chunk of 2048
+    k = nbytes // page
+    perm = rng.permutation(k)
+    out["per_page_scattered"] = np.stack([src_base + np.arange(k) * page, dst_base + perm * page,
+                                          np.full(k, page)], axis=1).astype(np.uint64)
+    cuts = np.sort(rng.choice(np.arange(1, k), size=15, replace=False))
+    starts = np.concatenate([[0], cuts]) * page
+    lens = np.diff(np.concatenate([starts, [k * page]]))
+    order = rng.permutation(starts.size)  # runs land in another order on the destination
+    dst_starts = np.concatenate([[0], np.cumsum(lens[order])[:-1]])
+    out["coalesced_runs"] = np.stack([src_base + starts[order], dst_base + dst_starts, lens[order]],
+                                     axis=1).astype(np.uint64)
+    n = 200
+    sizes = rng.integers(1, 9000, size=n)
+    dst_off = np.concatenate([[0], np.cumsum(sizes + rng.integers(0, 50, size=n))[:-1]])
+    src_off = rng.integers(0, nbytes - 9000, size=n)
+    out["odd_sizes"] = np.stack([src_base + src_off, dst_base + dst_off, sizes], axis=1).astype(np.uint64)
+    return out
+
+
+def kv_spec(full_page_size: int = 4) -> ArenaSpec:
+    """target (full, up) + SWA (window 8, down, bound to full) + draft (own page size 2, own id owner)."""
+    full = EndSpec("full", (LayerSpec.mha(1, 8),), page_size=full_page_size)  # 32 B/token
+    swa = EndSpec("swa", (LayerSpec.mha(1, 4, window_tokens=8),), page_size=full_page_size, grow=Grow.DOWN,
+                  owner="full", role=EndRole.SWA)  # 16 B/token
+    draft = EndSpec("draft", (LayerSpec.mha(1, 4),), page_size=2, grow=Grow.FLOAT, owner=None,
+                    role=EndRole.DRAFT)  # 16 B/token, 32 B pages
+    return ArenaSpec((full, swa, draft), arena_bytes=16384)
+
+
+def kv_side(spec: ArenaSpec, seed: int | None) -> tuple[Arena, MultiEndedAllocator]:
+    arena = Arena(spec)
+    if seed is not None:
+        arena.data.copy_(seeded_bytes(spec.arena_bytes, seed))
+    return arena, MultiEndedAllocator(arena)
+
+
+def alloc_request(alloc: MultiEndedAllocator, tokens: int) -> dict[str, torch.Tensor]:
+    one = lambda x: torch.tensor([x], dtype=torch.int64)  # noqa: E731
+    return {owner: alloc.alloc_extend(one(0), one(tokens), one(-1), owner=owner) for owner in ("full", "draft")}
+
+
+L_TOKENS = 21  # request length used by the plan tests
+WINDOW = 8
+
+
+def expected_page_pairs(src_pages_of, dst_pages_of, src_vt, dst_vt) -> list[tuple[str, list[int], list[int]]]:
+    """Hand-computed pages that travel for prefix 0, L = 21 (full page size 4, draft page size 2):
+
+    full: every page of the 21 tokens -> sequence pages 0..5; swa: window tail from
+    floor_to_page(max(0, 21 - 8)) = floor_to_page(13) = 12 -> sequence pages 3..5; draft: pages 0..10.
+    """
+    pairs = []
+    for end, owner, ps, seq_pages in (("full", "full", 4, range(0, 6)), ("swa", "full", 4, range(3, 6)),
+                                      ("draft", "draft", 2, range(0, 11))):
+        vp_src = [int(src_vt[owner][p * ps]) // ps for p in seq_pages]
+        vp_dst = [int(dst_vt[owner][p * ps]) // ps for p in seq_pages]
+        pairs.append((end, src_pages_of(vp_src, end), dst_pages_of(vp_dst, end)))
+    return pairs
+
+
+@pytest.fixture(scope="module")
+def backend_pool():
+    """Idle Mooncake backends, reused across tests: a Mooncake engine takes about 1 s (holding the GIL) to stop,
+    so a test's Mooncake backends are ``reset()`` (every handle, peer, registration, layout and counter dropped,
+    a new peer id: the state of a new backend) and handed to the next test. All are closed at module end."""
+    idle: dict[tuple, list] = {}
+    yield idle
+    for lst in idle.values():
+        for b in lst:
+            b.close()
+
+
+@pytest.fixture
+def backend_factory(backend_pool):
+    """Create backends for one test; afterwards close (or reset and pool) them and check nothing leaked."""
+    made: list = []
+
+    def make(name: str, *, layout=None, **kw):
+        require_or_skip(name)
+        key = (name, tuple(sorted(kw.items())))
+        if name == "mooncake" and backend_pool.get(key):
+            b = backend_pool[key].pop()
+            b.set_layout(layout)
+        else:
+            b = get_backend(name, layout=layout, **kw)
+        made.append((key, b))
+        return b
+
+    yield make
+    for key, b in reversed(made):
+        if key[0] == "mooncake" and not b.closed:
+            b.reset()
+            backend_pool.setdefault(key, []).append(b)
+        else:
+            b.close()
+        b.check_invariants()
+        s = b.stats()
+        assert (s["open_handles"], s["registered_regions"], s["registrations"], s["peers"]) == (0, 0, 0, 0)
+
+
+@pytest.fixture(scope="module")
+def backend_workers():
+    """Per available engine: a shared worker and a victim worker (paused and killed by failure tests).
+    All start at once so their start-up costs overlap; all are ended at module teardown."""
+    print(f"UMALLOC_SEED={SEED}")
+    workers: dict[tuple[str, str], BackendWorker] = {}
+    for name in ENGINES:
+        if backend_available(name)[0]:
+            workers[(name, "shared")] = BackendWorker(name)
+            workers[(name, "victim")] = BackendWorker(name)
+    yield workers
+    for w in workers.values():
+        w.close()
+    assert not any(w.alive() for w in workers.values())
+
+
+def worker(backend_workers, name: str, role: str = "shared") -> BackendWorker:
+    require_or_skip(name)
+    w = backend_workers[(name, role)]
+    w.wait_ready(60.0)
+    return w
+
+
+# ==== protocol and handles ======================================================================================
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_backend_conforms_to_protocol(name, backend_factory):
+    b = backend_factory(name)
+    assert isinstance(b, TransferBackend) and b.name == name
+    assert set(b.stats()) == {"registered_regions", "registrations", "open_handles", "pending_handles", "peers",
+                              "handles_submitted", "handles_done", "handles_failed", "descriptors_posted",
+                              "bytes_posted", "bytes_done", "engine_parts_posted", "connects"}
+    md = json.loads(b.metadata())
+    assert md["backend"] == name and md["regions"] == [] and md["layout"] is None
+
+
+def test_get_backend_rejects_unknown_name():
+    with pytest.raises(UmallocValueError, match="allowed one of"):
+        get_backend("rdma-magic")
+
+
+def test_require_or_skip_fails_under_ci_flag(monkeypatch):
+    monkeypatch.setitem(backends_mod._MODULES, "ghost", ("umalloc._no_such_engine_module", "X"))
+    monkeypatch.setenv("UMALLOC_REQUIRE_BACKENDS", "1")
+    with pytest.raises(pytest.fail.Exception, match="required"):
+        require_or_skip("ghost")
+    monkeypatch.setenv("UMALLOC_REQUIRE_BACKENDS", "0")
+    with pytest.raises(pytest.skip.Exception):
+        require_or_skip("ghost")
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_handle_misuse_is_refused_and_changes_nothing(name, backend_factory):
+    a, b = backend_factory(name), backend_factory(name)
+    src, dst = torch.arange(256, dtype=torch.uint8), torch.zeros(256, dtype=torch.uint8)
+    a.register([Region(src.data_ptr(), 256)])
+    b.register([Region(dst.data_ptr(), 256)])
+    peer = a.connect(b.metadata())
+    before = a.stats()
+    bad = [np.zeros((2, 2), np.uint64), np.zeros((1, 3), np.float64), np.array([[-1, 0, 1]], np.int64),
+           np.array([[src.data_ptr(), dst.data_ptr(), 0]], np.uint64), [[1, 2, 3]]]
+    for d in bad:
+        with pytest.raises(UmallocValueError):
+            a.write_descriptors(d, peer)
+    with pytest.raises(UmallocValueError, match="connected peer"):
+        a.write_descriptors(np.array([[src.data_ptr(), dst.data_ptr(), 1]], np.uint64), "nobody")
+    assert a.stats() == before
+    h = a.write_descriptors(np.zeros((0, 3), np.uint64), peer)  # empty batch: done at once
+    assert isinstance(h, TransferHandle) and a.poll(h) == "done"
+    for t in (0, -1.0, float("nan"), float("inf"), True):
+        with pytest.raises(UmallocValueError, match="timeout_s"):
+            a.wait(h, t)
+    with pytest.raises(UmallocValueError, match="does not belong"):
+        b.poll(h)
+    a.release(h)
+    a.release(h)  # idempotent
+    assert a.poll(h) == "done" and a.stats()["open_handles"] == 0
+    a.check_invariants()
+
+
+# ==== registration (F21) ========================================================================================
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_registration_dedupes_merges_and_balances(name, backend_factory):
+    b = backend_factory(name)
+    buf = torch.zeros(64 << 10, dtype=torch.uint8)
+    base = buf.data_ptr()
+    K = 1024
+    r16 = Region(base, 16 * K)
+    r32 = Region(base, 32 * K)  # same base, another length: a different registration
+    r8_24 = Region(base + 8 * K, 16 * K)  # overlaps r16
+    r48 = Region(base + 48 * K, 8 * K)  # disjoint
+
+    def state():
+        b.check_invariants()
+        regs = [(r.base_ptr - base, r.nbytes) for r in b.registered_regions()]
+        md = [(r["base_ptr"] - base, r["nbytes"]) for r in json.loads(b.metadata())["regions"]]
+        assert md == regs
+        return regs, b.stats()["registrations"]
+
+    b.register([r16, r16])
+    assert state() == ([(0, 16 * K)], 2)  # identical regions: one engine region, refcount 2
+    b.register([r32])
+    assert state() == ([(0, 32 * K)], 3)  # same base, longer: merged into the union
+    b.register([r8_24, r48])
+    assert state() == ([(0, 32 * K), (48 * K, 8 * K)], 5)
+    b.deregister([r32])  # r16 x2 and r8_24 still registered: their union stays
+    assert state() == ([(0, 24 * K), (48 * K, 8 * K)], 4)
+    snapshot = state()
+    with pytest.raises(RegistrationError, match="registered 0 time"):
+        b.deregister([r32])
+    with pytest.raises(RegistrationError, match="registered 1 time"):
+        b.deregister([r48, r48])
+    with pytest.raises(RegistrationError):
+        b.register([("not", "a region")])
+    assert state() == snapshot  # refused calls changed nothing
+    b.deregister([r16, r8_24, r48, r16])
+    assert state() == ([], 0)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_merged_registration_carries_a_descriptor_spanning_both_inputs(name, backend_factory):
+    """Two overlapping registrations on the receiver become one engine region: one descriptor may span them."""
+    a, b = backend_factory(name), backend_factory(name)
+    src = seeded_bytes(32 << 10, SEED)
+    dst = torch.zeros(32 << 10, dtype=torch.uint8)
+    a.register([Region(src.data_ptr(), src.numel())])
+    b.register([Region(dst.data_ptr(), 16 << 10), Region(dst.data_ptr() + (8 << 10), 16 << 10)])
+    assert len(b.registered_regions()) == 1
+    peer = a.connect(b.metadata())
+    d = np.array([[src.data_ptr() + 100, dst.data_ptr() + (4 << 10), 16 << 10]], np.uint64)
+    h = a.write_descriptors(d, peer)
+    a.wait(h, DEADLINE_S)
+    a.release(h)
+    want = torch.zeros_like(dst)
+    want[4 << 10: 20 << 10] = src[100: 100 + (16 << 10)]
+    assert torch.equal(dst, want)
+
+
+@pytest.mark.parametrize("name", ENG)
+def test_registration_refuses_memory_the_engine_cannot_take(name, backend_factory):
+    b = backend_factory(name)
+    buf = torch.zeros(4096, dtype=torch.uint8)
+    bad = Region(buf.data_ptr(), 4096, "cuda:0", "VRAM")
+    if name == "nixl":
+        with pytest.raises(RegistrationError):  # no GPU here: NIXL/UCX refuse VRAM
+            b.register([bad])
+    else:
+        with pytest.raises(RegistrationError, match="host memory only"):
+            b.register([bad])
+    assert b.registered_regions() == [] and b.stats()["registrations"] == 0
+    b.check_invariants()
+
+
+def test_local_refuses_vram(backend_factory):
+    b = backend_factory("local")
+    with pytest.raises(RegistrationError, match="host memory only"):
+        b.register([Region(1 << 20, 4096, "cuda:0", "VRAM")])
+
+
+# ==== descriptor-level transfers ================================================================================
+
+
+@pytest.mark.parametrize("name,kw", [
+    pytest.param("local", {}, id="local"),
+    pytest.param("nixl", {"mode": "oneshot"}, id="nixl-oneshot", marks=pytest.mark.backend),
+    pytest.param("nixl", {"mode": "prepped"}, id="nixl-prepped", marks=pytest.mark.backend),
+    pytest.param("mooncake", {}, id="mooncake-polled", marks=pytest.mark.backend),
+    pytest.param("mooncake", {"poll_max_descriptors": 0}, id="mooncake-batch", marks=pytest.mark.backend),
+])
+def test_descriptor_batches_in_one_process(name, kw, backend_factory):
+    a, b = backend_factory(name, **kw), backend_factory(name)
+    n = 4 << 20
+    src = seeded_bytes(n, SEED)
+    dst = seeded_bytes(n, SEED + 1)
+    a.register([Region(src.data_ptr(), n)])
+    b.register([Region(dst.data_ptr(), n)])
+    peer = a.connect(b.metadata())
+    rng = np.random.default_rng(SEED)
+    src_b = tbytes(src)
+    for shape, d in descriptor_shapes(src.data_ptr(), dst.data_ptr(), n, rng).items():
+        want = brute_apply(tbytes(dst), dst.data_ptr(), src_b, src.data_ptr(), d)
+        h = a.write_descriptors(d, peer, item_bytes=1024 if shape == "per_page_scattered" else None)
+        a.wait(h, DEADLINE_S)
+        assert h.state == "done" and h.num_descriptors == d.shape[0], shape
+        if name == "mooncake" and d.shape[0] > 2048:
+            assert h.num_parts == -(-d.shape[0] // 2048)  # chunked per peer limit
+        a.release(h)
+        assert tbytes(dst) == want, shape
+    s = a.stats()
+    assert s["open_handles"] == 0 and s["handles_done"] == 3 and s["handles_failed"] == 0
+    a.check_invariants()
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_peers_send_both_ways(name, backend_factory):
+    """A and B each connect to the other (either order of hellos) and write to each other; closing one side
+    fails the other's later transfers to it."""
+    a, b = backend_factory(name), backend_factory(name)
+    x, y = seeded_bytes(8192, SEED), seeded_bytes(8192, SEED + 1)
+    a.register([Region(x.data_ptr(), 8192)])
+    b.register([Region(y.data_ptr(), 8192)])
+    pb = a.connect(b.metadata())
+    pa = b.connect(a.metadata())
+    want_y = tbytes(y)[:4096] + tbytes(x)[:4096]  # y's upper half <- x's lower half
+    want_x = tbytes(y)[:4096] + tbytes(x)[4096:]  # then x's lower half <- y's (untouched) lower half
+    h = a.write_descriptors(np.array([[x.data_ptr(), y.data_ptr() + 4096, 4096]], np.uint64), pb)
+    a.wait(h, DEADLINE_S)
+    a.release(h)
+    h = b.write_descriptors(np.array([[y.data_ptr(), x.data_ptr(), 4096]], np.uint64), pa)
+    b.wait(h, DEADLINE_S)
+    b.release(h)
+    assert tbytes(y) == want_y and tbytes(x) == want_x
+    pb = a.connect(b.metadata())  # reconnecting refreshes the peer; both directions keep working
+    h = a.write_descriptors(np.array([[x.data_ptr() + 4096, y.data_ptr(), 16]], np.uint64), pb)
+    a.wait(h, DEADLINE_S)
+    a.release(h)
+    assert tbytes(y)[:16] == tbytes(x)[4096:4112]
+    b.close()
+    h = a.write_descriptors(np.array([[x.data_ptr(), y.data_ptr(), 16]], np.uint64), pb)
+    with pytest.raises(TransferError):
+        a.wait(h, DEADLINE_S)
+    a.release(h)
+
+
+@pytest.mark.parametrize("name", ENG)
+def test_descriptor_batches_receiver_in_second_process(name, backend_workers, backend_factory):
+    w = worker(backend_workers, name)
+    w.call("reset_backend")
+    n = 4 << 20
+    buf_id, dst_base = w.call("alloc", n, seed=SEED + 1)
+    w.call("register", [Region(dst_base, n).to_dict()])
+    a = backend_factory(name)
+    src = seeded_bytes(n, SEED)
+    a.register([Region(src.data_ptr(), n)])
+    peer = a.connect(w.call("metadata"))  # a NIXL handshake: the idle worker progresses and answers
+    dst_now = tbytes(seeded_bytes(n, SEED + 1))  # independent copy of the worker's initial bytes
+    src_b = tbytes(src)
+    for shape, d in descriptor_shapes(src.data_ptr(), dst_base, n, np.random.default_rng(SEED + 2)).items():
+        dst_now = brute_apply(dst_now, dst_base, src_b, src.data_ptr(), d)
+        h = a.write_descriptors(d, peer)
+        a.wait(h, DEADLINE_S)
+        a.release(h)
+        assert w.call("read", buf_id, 0, n) == dst_now, shape
+    w.call("free", buf_id)
+
+
+@pytest.mark.parametrize("name", ENG)
+def test_descriptor_batches_sender_in_second_process(name, backend_workers, backend_factory):
+    w = worker(backend_workers, name)
+    w.call("reset_backend")
+    n = 4 << 20
+    src_buf, src_base = w.call("alloc", n, seed=SEED + 3)
+    w.call("register", [Region(src_base, n).to_dict()])
+    b = backend_factory(name)
+    dst = torch.zeros(n, dtype=torch.uint8)
+    b.register([Region(dst.data_ptr(), n)])
+    peer = w.call("connect", b.metadata(), progress=b.progress)  # this side is the NIXL target: progress it
+    src_b = tbytes(seeded_bytes(n, SEED + 3))
+    for shape, d in descriptor_shapes(src_base, dst.data_ptr(), n, np.random.default_rng(SEED + 4)).items():
+        want = brute_apply(tbytes(dst), dst.data_ptr(), src_b, src_base, d)
+        res = w.call("write", d, peer, DEADLINE_S, timeout_s=DEADLINE_S + 5, progress=b.progress)
+        assert len(res["elapsed_s"]) == 1
+        assert tbytes(dst) == want, shape
+    assert w.call("stats")["handles_done"] == 3
+    w.call("reset_backend")
+    w.call("free", src_buf)
+
+
+# ==== plan-level transfers ======================================================================================
+
+
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("prefix_tokens", [0, 6])
+def test_plan_target_draft_swa_in_one_process(name, prefix_tokens, backend_factory):
+    spec = kv_spec()
+    src_arena, src_alloc = kv_side(spec, SEED)
+    dst_arena, dst_alloc = kv_side(spec, SEED + 1)
+    noise = alloc_request(dst_alloc, 9)  # destination pages differ from source pages
+    src_vt, dst_vt = alloc_request(src_alloc, L_TOKENS), alloc_request(dst_alloc, L_TOKENS)
+    dst_alloc.free(noise["full"][:4], owner="full")  # a hole below the request's pages
+    a = backend_factory(name, layout=PeerLayout.from_arena(src_arena))
+    b = backend_factory(name, layout=PeerLayout.from_arena(dst_arena))
+    a.register(src_arena.regions())
+    b.register(dst_arena.regions())
+    peer = a.connect(b.metadata())
+    plan = build_plan("req-1", src_alloc, src_vt, dst_alloc, dst_vt, prefix_tokens=prefix_tokens)
+    assert set(plan.vectors) == {"target", "draft", "swa_tail"}
+    before = tbytes(dst_arena.data)
+    want = brute_apply(before, dst_arena.base_ptr, tbytes(src_arena.data), src_arena.base_ptr, plan.descriptors())
+    assert src_alloc.leases_active() == 1 and dst_alloc.leases_active() == 1
+    h = a.submit(plan, peer)
+    a.wait(h, DEADLINE_S)
+    a.release(h)
+    assert tbytes(dst_arena.data) == want
+    assert plan.state == "done" and src_alloc.leases_active() == 0 and dst_alloc.leases_active() == 0
+    senv = {e: src_arena.envelopes(e) for e in ("full", "swa", "draft")}
+    denv = {e: dst_arena.envelopes(e) for e in ("full", "swa", "draft")}
+    bvenv = {e: torch.frombuffer(bytearray(before), dtype=torch.uint8)[: denv[e].numel()].view_as(denv[e])
+             for e in denv}
+    if prefix_tokens == 0:  # independent page-level expectation (docstring of expected_page_pairs)
+        tp = lambda al: lambda vp, end: al.translate_pages(torch.tensor(vp), end).tolist()  # noqa: E731
+        for end, sp, dp in expected_page_pairs(tp(src_alloc), tp(dst_alloc), src_vt, dst_vt):
+            assert torch.equal(denv[end][dp], senv[end][sp]), end
+        swa_head = [int(dst_vt["full"][p * 4]) // 4 for p in range(0, 3)]  # outside the window: untouched
+        head = dst_alloc.translate_pages(torch.tensor(swa_head), "swa")
+        assert torch.equal(denv["swa"][head], bvenv["swa"][head])
+    else:  # P = 6: full sequence page 0 (tokens 0..3) lies inside the receiver's prefix: untouched (F23)
+        p0 = dst_alloc.translate_pages(torch.tensor([int(dst_vt["full"][0]) // 4]), "full")
+        assert torch.equal(denv["full"][p0], bvenv["full"][p0])
+        # draft tokens 6.. start on draft sequence page 3: pages 3..10 travel whole, 0..2 stay
+        dvp = [int(dst_vt["draft"][p * 2]) // 2 for p in range(11)]
+        svp = [int(src_vt["draft"][p * 2]) // 2 for p in range(11)]
+        dd = dst_alloc.translate_pages(torch.tensor(dvp), "draft")
+        sd = src_alloc.translate_pages(torch.tensor(svp), "draft")
+        assert torch.equal(denv["draft"][dd[3:]], senv["draft"][sd[3:]])
+        assert torch.equal(denv["draft"][dd[:3]], bvenv["draft"][dd[:3]])
+
+
+@pytest.mark.parametrize("name", ENG)
+def test_plan_sender_in_second_process(name, backend_workers, backend_factory):
+    """Prefill (sender) in the worker, decode (receiver) here: receiver half -> worker builds, submits, waits."""
+    w = worker(backend_workers, name)
+    w.call("reset_backend")
+    spec = kv_spec()
+    dst_arena, dst_alloc = kv_side(spec, SEED + 1)
+    b = backend_factory(name, layout=PeerLayout.from_arena(dst_arena))
+    b.register(dst_arena.regions())
+    w.run(W + "kv_setup", PeerLayout.from_arena(dst_arena).to_dict(), seed=SEED + 5)
+    peer = w.call("connect", b.metadata(), progress=b.progress)
+    noise = alloc_request(dst_alloc, 13)
+    dst_vt = alloc_request(dst_alloc, L_TOKENS)
+    dst_alloc.free(noise["draft"][:6], owner="draft")
+    src_vt = w.run(W + "kv_alloc", {"full": L_TOKENS, "draft": L_TOKENS})
+    half = build_receiver_half("req-2", dst_alloc, dst_vt)
+    before = tbytes(dst_arena.data)
+    res = w.run(W + "kv_send", "req-2", half.to_dict(), peer, src_vt, DEADLINE_S, progress=b.progress,
+                timeout_s=DEADLINE_S + 5)
+    assert (res["state"], res["plan_state"], res["error"], res["leases_active"]) == ("done", "done", None, 0)
+    half.complete()
+    assert dst_alloc.leases_active() == 0
+    src_bytes = seeded_bytes(spec.arena_bytes, SEED + 5)  # the worker's arena, re-created here
+    senv = {e: src_bytes[: dst_arena.envelopes(e).numel()].view_as(dst_arena.envelopes(e)) for e in ("full", "swa",
+                                                                                                   "draft")}
+    denv = {e: dst_arena.envelopes(e) for e in senv}
+    src_pages = lambda vp, end: w.run(W + "kv_translate_pages", vp, end)  # noqa: E731
+    dst_pages = lambda vp, end: dst_alloc.translate_pages(torch.tensor(vp), end).tolist()  # noqa: E731
+    touched = torch.zeros(spec.arena_bytes, dtype=torch.bool)
+    for end, sp, dp in expected_page_pairs(src_pages, dst_pages, src_vt, dst_vt):
+        assert torch.equal(denv[end][dp], senv[end][sp]), end
+        pb = spec.end(end).page_bytes
+        for p in dp:
+            touched[p * pb:(p + 1) * pb] = True
+    now = dst_arena.data
+    was = torch.frombuffer(bytearray(before), dtype=torch.uint8)
+    assert torch.equal(now[~touched], was[~touched])  # nothing outside the expected pages changed
+
+
+# ==== connect-time geometry (F22) ===============================================================================
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_incompatible_geometry_refused_at_connect(name, backend_factory):
+    a_arena, _ = kv_side(kv_spec(4), None)
+    b_arena, _ = kv_side(kv_spec(8), None)  # another page size (and so page bytes) on full and swa
+    a = backend_factory(name, layout=PeerLayout.from_arena(a_arena))
+    b = backend_factory(name, layout=PeerLayout.from_arena(b_arena))
+    bare = backend_factory(name)
+    a.register(a_arena.regions())
+    b.register(b_arena.regions())
+    with pytest.raises(IncompatiblePeerError) as e:
+        a.connect(b.metadata())
+    diffs = e.value.differences
+    assert any("'full': page_size local 4 != remote 8" in x for x in diffs)
+    assert any("'swa': page_size local 4 != remote 8" in x for x in diffs)
+    with pytest.raises(IncompatiblePeerError, match="layout: local set, peer missing"):
+        a.connect(bare.metadata())
+    with pytest.raises(IncompatiblePeerError, match="layout: local missing, peer set"):
+        bare.connect(a.metadata())
+    other = "mooncake" if name != "mooncake" else "local"
+    if backend_available(other)[0]:
+        o = backend_factory(other)
+        with pytest.raises(IncompatiblePeerError, match="backend"):
+            bare.connect(o.metadata())
+    with pytest.raises(UmallocValueError, match="metadata"):
+        a.connect(b"{not json")
+    assert a.peers() == [] and bare.peers() == []
+    a.check_invariants()
+
+
+@pytest.mark.parametrize("name", ENG)
+def test_incompatible_geometry_refused_across_processes(name, backend_workers, backend_factory):
+    w = worker(backend_workers, name)
+    w.call("reset_backend")
+    their = w.run(W + "kv_setup", PeerLayout.from_arena(kv_side(kv_spec(8), None)[0]).to_dict())
+    mine, _ = kv_side(kv_spec(4), None)
+    a = backend_factory(name, layout=PeerLayout.from_arena(mine))
+    a.register(mine.regions())
+    with pytest.raises(IncompatiblePeerError) as e:
+        a.connect(w.call("metadata"))
+    assert len(e.value.differences) >= 4 and their["ends"][0]["page_size"] == 8
+    assert a.peers() == []
+
+
+# ==== unregistered destinations, closed peers ==================================================================
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_unregistered_destination_is_refused_before_sending(name, backend_factory):
+    spec = kv_spec()
+    src_arena, src_alloc = kv_side(spec, SEED)
+    dst_arena, dst_alloc = kv_side(spec, SEED + 1)
+    a = backend_factory(name, layout=PeerLayout.from_arena(src_arena))
+    b = backend_factory(name, layout=PeerLayout.from_arena(dst_arena))
+    a.register(src_arena.regions())
+    # The receiver registers only the lower half of its arena; the SWA end grows down from the top.
+    b.register([Region(dst_arena.base_ptr, spec.arena_bytes // 2)])
+    peer = a.connect(b.metadata())
+    plan = build_plan("req-3", src_alloc, alloc_request(src_alloc, L_TOKENS), dst_alloc,
+                      alloc_request(dst_alloc, L_TOKENS))
+    before = tbytes(dst_arena.data)
+    with pytest.raises(DescriptorBoundsError, match="never registered by peer"):
+        a.submit(plan, peer)
+    assert tbytes(dst_arena.data) == before  # nothing sent
+    assert plan.state == "pending" and a.stats()["handles_submitted"] == 0
+    plan.abort()
+    assert src_alloc.leases_active() == 0 and dst_alloc.leases_active() == 0
+    # a source range this side never registered is refused the same way
+    lone = torch.zeros(64, dtype=torch.uint8)
+    with pytest.raises(DescriptorBoundsError, match="source"):
+        a.write_descriptors(np.array([[lone.data_ptr(), dst_arena.base_ptr + 64, 64]], np.uint64), peer)
+    assert a.stats()["open_handles"] == 0
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_peer_closed_before_transfer_fails_the_plan(name, backend_factory):
+    spec = kv_spec()
+    src_arena, src_alloc = kv_side(spec, SEED)
+    dst_arena, dst_alloc = kv_side(spec, SEED + 1)
+    a = backend_factory(name, layout=PeerLayout.from_arena(src_arena))
+    b = backend_factory(name, layout=PeerLayout.from_arena(dst_arena))
+    a.register(src_arena.regions())
+    b.register(dst_arena.regions())
+    peer = a.connect(b.metadata())
+    plan = build_plan("req-4", src_alloc, alloc_request(src_alloc, L_TOKENS), dst_alloc,
+                      alloc_request(dst_alloc, L_TOKENS))
+    before = tbytes(dst_arena.data)
+    b.close()
+    t0 = time.monotonic()
+    h = a.submit(plan, peer)
+    with pytest.raises(TransferError, match="closed") as e:
+        a.wait(h, DEADLINE_S)
+    assert not isinstance(e.value, TransferTimeout) and time.monotonic() - t0 < DEADLINE_S
+    assert plan.state == "failed" and plan.error is e.value
+    assert src_alloc.leases_active() == 0 and dst_alloc.leases_active() == 0
+    assert tbytes(dst_arena.data) == before
+    a.release(h)
+    s = a.stats()
+    assert s["open_handles"] == 0 and s["handles_failed"] == 1
+
+
+@pytest.mark.parametrize("name", ENG)
+def test_failure_paths_with_a_second_process(name, backend_workers, backend_factory):
+    """One victim worker per engine, as receiver; this process sends real plans (leases on both sides).
+
+    1. F11: while the (paused) peer has not finished, the handle is pending and the plan's lease stays;
+       multi-part on Mooncake (chunks of 2), every part must end before the plan does.
+    2. deadline: a paused peer -> TransferTimeout at the deadline, plan failed, lease released.
+    3. release while pending -> plan aborted, lease released; release is idempotent.
+    4. peer backend closed (process alive) -> TransferError (not a timeout), plan failed.
+    5. F12: peer killed mid-transfer -> TransferError within the deadline, plan failed.
+    """
+    w = worker(backend_workers, name, "victim")
+    spec = kv_spec()
+    src_arena, src_alloc = kv_side(spec, SEED)
+    kw = {"max_batch_descriptors": 2} if name == "mooncake" else {}
+    a = backend_factory(name, layout=PeerLayout.from_arena(src_arena), **kw)
+    a.register(src_arena.regions())
+    w.run(W + "kv_setup", PeerLayout.from_arena(src_arena).to_dict(), seed=SEED + 1)
+    peer = a.connect(w.call("metadata"))
+    src_bytes = tbytes(src_arena.data)
+
+    def fresh_peer() -> str:
+        """Reconnect: a NIXL WRITE over shared memory (CMA) completes without the target once the endpoint's
+        lanes are wired, so a paused target stalls only the first WRITE of a fresh connection (seen here)."""
+        md = w.call("metadata")
+        a.disconnect(peer)
+        return a.connect(md)
+
+    def new_plan(rid: str):
+        half = w.run(W + "kv_receiver_half", rid, w.run(W + "kv_alloc", {"full": L_TOKENS, "draft": L_TOKENS}))
+        return build_send_plan(rid, src_alloc, alloc_request(src_alloc, L_TOKENS), half, a.peer_layout(peer))
+
+    def dst_image(plan) -> bytes:  # worker arena after plan, by brute force from its current bytes
+        layout = a.peer_layout(peer)
+        return brute_apply(w.run(W + "kv_arena_bytes"), layout.arena_base_ptr, src_bytes, src_arena.base_ptr,
+                           plan.descriptors())
+
+    # 1. pending holds the lease until every part ends
+    peer = fresh_peer()
+    plan = new_plan("f-1")
+    want = dst_image(plan)
+    w.pause()
+    try:
+        h = a.submit(plan, peer)
+        if name == "mooncake":
+            assert h.num_parts == -(-plan.num_descriptors // 2) >= 2
+        time.sleep(0.3)
+        assert a.poll(h) == "pending" and plan.state == "pending" and src_alloc.leases_active() == 1
+        # registration changes that would drop or merge the engine region under the transfer are refused
+        regs = a.registered_regions()
+        with pytest.raises(RegistrationError, match="pending"):
+            a.deregister(src_arena.regions())
+        with pytest.raises(RegistrationError, match="pending"):
+            a.register([Region(src_arena.base_ptr + spec.arena_bytes - 64, 128)])
+        assert a.registered_regions() == regs and a.stats()["registrations"] == 1
+    finally:
+        w.resume()
+    a.wait(h, DEADLINE_S)
+    a.release(h)
+    assert plan.state == "done" and src_alloc.leases_active() == 0
+    assert w.run(W + "kv_arena_bytes") == want
+    assert w.run(W + "kv_finish_half", "f-1") == 0
+
+    # 2. deadline on a stalled peer
+    peer = fresh_peer()
+    plan = new_plan("f-2")
+    w.pause()
+    try:
+        h = a.submit(plan, peer)
+        t0 = time.monotonic()
+        with pytest.raises(TransferTimeout):
+            a.wait(h, 0.5)
+        assert 0.5 <= time.monotonic() - t0 < 5.0
+        assert plan.state == "failed" and isinstance(plan.error, TransferTimeout)
+        assert src_alloc.leases_active() == 0
+        a.release(h)
+    finally:
+        w.resume()
+    assert w.run(W + "kv_finish_half", "f-2", False) == 0
+
+    # 3. release while pending aborts the plan
+    peer = fresh_peer()
+    plan = new_plan("f-3")
+    w.pause()
+    try:
+        h = a.submit(plan, peer)
+        a.release(h)
+        a.release(h)
+        assert plan.state == "aborted" and src_alloc.leases_active() == 0 and h.state == "failed"
+    finally:
+        w.resume()
+    assert w.run(W + "kv_finish_half", "f-3", False) == 0
+    assert a.stats()["open_handles"] == 0
+
+    # 4. peer backend closed while its process lives
+    plan = new_plan("f-4")
+    w.call("close_backend")
+    t0 = time.monotonic()
+    h = a.submit(plan, peer)
+    with pytest.raises(TransferError) as e:
+        a.wait(h, DEADLINE_S)
+    assert not isinstance(e.value, TransferTimeout) and time.monotonic() - t0 < DEADLINE_S
+    assert plan.state == "failed" and src_alloc.leases_active() == 0
+    a.release(h)
+    a.disconnect(peer)
+
+    # 5. peer killed mid-transfer
+    w.call("new_backend")
+    w.run(W + "kv_setup", PeerLayout.from_arena(src_arena).to_dict())
+    peer = a.connect(w.call("metadata"))
+    plan = new_plan("f-5")
+    w.pause()
+    h = a.submit(plan, peer)
+    time.sleep(0.2)
+    assert a.poll(h) == "pending"
+    w.kill()
+    t0 = time.monotonic()
+    with pytest.raises(TransferError) as e:
+        a.wait(h, DEADLINE_S)
+    assert not isinstance(e.value, TransferTimeout) and time.monotonic() - t0 < DEADLINE_S
+    assert plan.state == "failed" and src_alloc.leases_active() == 0
+    a.release(h)
+    s = a.stats()
+    assert s["open_handles"] == 0 and s["pending_handles"] == 0
+    a.check_invariants()
+
+
+@pytest.mark.parametrize("name", ENG)
+def test_worker_errors_come_back_typed(name, backend_workers):
+    w = worker(backend_workers, name)
+    with pytest.raises(UmallocValueError, match="metadata"):
+        w.call("connect", b"garbage")
+    with pytest.raises(BackendError):
+        w.call("no_such_command")
+    assert w.call("stats")["peers"] >= 0  # still answering after errors

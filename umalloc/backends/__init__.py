@@ -1,0 +1,154 @@
+"""Transfer backends: the :class:`TransferBackend` protocol, its handles, and the three implementations.
+
+Policy:
+
+* One protocol, three implementations: ``local`` (in-process copies, the embedded default and the reference),
+  ``nixl`` (a real NIXL agent, UCX) and ``mooncake`` (a real Mooncake TransferEngine, TCP over loopback).
+  Every one passes the same conformance suite (``tests/test_backends.py``).
+* Importing :mod:`umalloc.backends` never imports an engine: :func:`get_backend` imports the implementation
+  module on first use, and a missing engine raises :class:`~umalloc.errors.BackendUnavailable`.
+* Transfers are WRITEs pushed by the sender: ``submit(plan, peer)`` posts ``plan.descriptors()`` — an
+  ``(N, 3)`` ``uint64`` array of ``(src_addr, dst_addr, nbytes)`` — and returns a :class:`TransferHandle`.
+  A plan's leases end exactly once, in the caller's thread, when its handle reaches a terminal state
+  (``plan.complete()`` on success, ``plan.fail(exc)`` on failure or deadline, ``plan.abort()`` when a pending
+  handle is released).
+* Every wait is bounded: ``wait(handle, timeout_s)`` raises :class:`~umalloc.errors.TransferTimeout` at the
+  deadline and :class:`~umalloc.errors.TransferError` for a failed or dead peer, never hangs.
+* :func:`require_or_skip` is the one place tests decide whether an engine may be skipped: under
+  ``UMALLOC_REQUIRE_BACKENDS=1`` (CI) a missing engine fails the test instead.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import numpy as np
+
+from umalloc.backends._handle import HANDLE_STATES, TransferHandle
+from umalloc.errors import BackendUnavailable, UmallocValueError
+
+if TYPE_CHECKING:
+    from umalloc.region import Region
+
+__all__ = [
+    "BACKEND_NAMES",
+    "HANDLE_STATES",
+    "TransferBackend",
+    "TransferHandle",
+    "available_backends",
+    "backend_available",
+    "get_backend",
+    "require_or_skip",
+]
+
+#: Names accepted by :func:`get_backend`, in conformance-suite order.
+BACKEND_NAMES: tuple[str, ...] = ("local", "nixl", "mooncake")
+
+_MODULES = {
+    "local": ("umalloc.backends.local", "LocalBackend"),
+    "nixl": ("umalloc.backends.nixl", "NixlBackend"),
+    "mooncake": ("umalloc.backends.mooncake", "MooncakeBackend"),
+}
+
+#: The Python module each engine needs (checked by :func:`backend_available`).
+_ENGINE_MODULES = {"local": None, "nixl": "nixl_cu12", "mooncake": "mooncake.engine"}
+
+#: Env var that turns engine skips into failures (set in CI).
+REQUIRE_ENV = "UMALLOC_REQUIRE_BACKENDS"
+
+
+@runtime_checkable
+class TransferBackend(Protocol):
+    """What every transfer backend provides (shared/DESIGN.md §4; /tmp/team/INTERFACES.md).
+
+    Lifecycle: ``register`` the arena regions, exchange ``metadata()`` out of band, ``connect`` to the peer's
+    metadata, then ``submit`` plans (or ``write_descriptors`` batches) and ``poll`` / ``wait`` / ``release``
+    their handles; ``close`` ends everything. All methods are called from one thread.
+    """
+
+    name: str
+
+    def register(self, regions: Sequence[Region]) -> None: ...
+    def deregister(self, regions: Sequence[Region]) -> None: ...
+    def metadata(self) -> bytes: ...
+    def connect(self, peer_metadata: bytes) -> str: ...
+    def disconnect(self, peer: str) -> None: ...
+    def submit(self, plan: object, peer: str) -> TransferHandle: ...
+    def write_descriptors(self, descriptors: np.ndarray, peer: str, *, plan: object | None = None,
+                          item_bytes: int | None = None) -> TransferHandle: ...
+    def poll(self, handle: TransferHandle) -> str: ...
+    def wait(self, handle: TransferHandle, timeout_s: float) -> None: ...
+    def release(self, handle: TransferHandle) -> None: ...
+    def progress(self) -> None: ...
+    def stats(self) -> dict[str, int]: ...
+    def check_invariants(self) -> None: ...
+    def close(self) -> None: ...
+
+
+def get_backend(name: str, **kw: object) -> TransferBackend:
+    """Create a transfer backend by name, importing its engine only now.
+
+    Args:
+        name: one of :data:`BACKEND_NAMES` (``"local"``, ``"nixl"``, ``"mooncake"``).
+        **kw: passed to the implementation's constructor (e.g. ``layout=PeerLayout``; see each class).
+
+    Raises:
+        UmallocValueError: unknown ``name``.
+        BackendUnavailable: the engine cannot be imported or started here.
+
+    >>> b = get_backend("local")
+    >>> b.name, b.stats()["registered_regions"]
+    ('local', 0)
+    >>> b.close()
+    """
+    if name not in _MODULES:
+        raise UmallocValueError(f"backend name={name!r}: allowed one of {BACKEND_NAMES}")
+    mod_name, cls_name = _MODULES[name]
+    try:
+        mod = importlib.import_module(mod_name)
+    except BackendUnavailable:
+        raise
+    except ImportError as e:  # pragma: no cover - the implementation modules wrap engine imports
+        raise BackendUnavailable(f"backend {name!r} cannot be imported: {e}") from e
+    return getattr(mod, cls_name)(**kw)
+
+
+def backend_available(name: str) -> tuple[bool, str]:
+    """``(True, "")`` if ``name``'s engine imports here, else ``(False, reason)``. Never raises for a known
+    name; imports the engine module (once). O(1) after the first call.
+
+    >>> backend_available("local")
+    (True, '')
+    """
+    if name not in _MODULES:
+        raise UmallocValueError(f"backend name={name!r}: allowed one of {BACKEND_NAMES}")
+    try:
+        importlib.import_module(_MODULES[name][0])
+    except ImportError as e:  # BackendUnavailable is an ImportError
+        return False, f"{type(e).__name__}: {e}"
+    return True, ""
+
+
+def available_backends() -> list[str]:
+    """The names of :data:`BACKEND_NAMES` whose engines import here, in order."""
+    return [n for n in BACKEND_NAMES if backend_available(n)[0]]
+
+
+def require_or_skip(name: str) -> None:
+    """Skip the calling pytest test if backend ``name`` cannot be imported — or FAIL it under
+    ``UMALLOC_REQUIRE_BACKENDS=1`` (CI), so a broken install can never pass as a skip.
+
+    Raises:
+        pytest's Skipped or Failed outcome (imports pytest lazily; only for use inside tests).
+    """
+    ok, why = backend_available(name)
+    if ok:
+        return
+    import pytest
+
+    if os.environ.get(REQUIRE_ENV, "") not in ("", "0"):
+        pytest.fail(f"backend {name!r} is required ({REQUIRE_ENV}=1) but unavailable: {why}", pytrace=False)
+    pytest.skip(f"backend {name!r} unavailable: {why}")

@@ -1,0 +1,138 @@
+"""``local``: in-process copies between registered host regions — the embedded default and the reference.
+
+Policy:
+
+* Both sides live in one process: ``connect`` accepts only metadata of a live ``LocalBackend`` of this process
+  (looked up by peer id); a peer in another process is refused (use ``nixl`` or ``mooncake`` there).
+* Host memory (``DRAM``) only; a ``VRAM`` region raises :class:`~umalloc.errors.RegistrationError`.
+* A submit copies synchronously and the handle is terminal when ``submit`` returns. Before copying it re-checks
+  that the peer is still open and still has every destination range registered (a peer closed or deregistered
+  after connect fails the handle, nothing copied).
+* Copy strategy per group of descriptors sharing ``(nbytes, source region, destination region)``: when the group
+  is large and both offsets are multiples of ``nbytes`` the copy is one numpy gather/scatter over
+  ``(n, nbytes)`` row views; otherwise one ``ctypes.memmove`` per descriptor (coalesced runs are few and long).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import weakref
+
+import numpy as np
+
+from umalloc.backends._base import BackendBase, PeerInfo, locate_ranges
+from umalloc.backends._handle import TransferHandle
+from umalloc.errors import BackendError, RegistrationError, TransferError
+from umalloc.region import DRAM, Region
+
+#: Live local backends of this process by peer id.
+_BY_PEER_ID: weakref.WeakValueDictionary[str, LocalBackend] = weakref.WeakValueDictionary()
+
+#: Below this many descriptors in a group, copy with memmove per descriptor instead of a row gather.
+GATHER_MIN_ROWS = 16
+
+
+def _host_view(region: Region) -> np.ndarray:
+    """A ``uint8`` numpy view of a host region (no copy; the caller keeps the memory alive)."""
+    buf = (ctypes.c_uint8 * region.nbytes).from_address(region.base_ptr)
+    return np.ctypeslib.as_array(buf)
+
+
+class LocalBackend(BackendBase):
+    """In-process copy backend.
+
+    Args:
+        layout: this side's ``PeerLayout`` (see :class:`~umalloc.backends._base.BackendBase`).
+
+    >>> import torch
+    >>> from umalloc.region import Region
+    >>> src, dst = torch.arange(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)
+    >>> a, b = LocalBackend(), LocalBackend()
+    >>> a.register([Region(src.data_ptr(), 64)]); b.register([Region(dst.data_ptr(), 64)])
+    >>> peer = a.connect(b.metadata())
+    >>> h = a.write_descriptors(np.array([[src.data_ptr() + 8, dst.data_ptr(), 4]], np.uint64), peer)
+    >>> a.wait(h, timeout_s=1.0); a.release(h)
+    >>> dst[:4].tolist()
+    [8, 9, 10, 11]
+    >>> a.close(); b.close()
+    """
+
+    name = "local"
+
+    def __init__(self, *, layout: object | None = None, host: str = "127.0.0.1") -> None:
+        super().__init__(layout=layout, host=host)
+        _BY_PEER_ID[self._peer_id] = self
+
+    def _check_region(self, region: Region) -> None:
+        if region.mem_kind != DRAM:
+            raise RegistrationError(f"local backend copies host memory only: {region} is {region.mem_kind}")
+
+    def _engine_register(self, region: Region) -> object:
+        return _host_view(region)
+
+    def _engine_deregister(self, region: Region, token: object) -> None:
+        return None
+
+    def _engine_metadata(self) -> dict:
+        return {"pid": os.getpid()}
+
+    def _engine_connect(self, md: dict) -> str:
+        if int(md.get("pid", -1)) != os.getpid():
+            raise BackendError(f"local backend: peer lives in process {md.get('pid')}, this is {os.getpid()}; "
+                               "use the nixl or mooncake backend between processes")
+        peer_id = str(md["peer_id"])
+        if _BY_PEER_ID.get(peer_id) is None:
+            raise BackendError(f"local backend: peer {peer_id} is closed")
+        return peer_id
+
+    def _engine_post(self, h: TransferHandle, d: np.ndarray, peer: PeerInfo, src_idx: np.ndarray,
+                     dst_idx: np.ndarray, item_bytes: int | None) -> None:
+        h.num_parts = 1
+        other = _BY_PEER_ID.get(peer.name)
+        if other is None or other.closed:
+            raise TransferError(f"local: peer {peer.name!r} was closed before the transfer")
+        # The peer's *current* registration decides, not what its metadata said at connect time.
+        cur = locate_ranges(d[:, 1], d[:, 2], other._local_starts, other._local_ends)
+        if (cur < 0).any():
+            row = int(np.flatnonzero(cur < 0)[0])
+            raise TransferError(f"local: destination row {row} is no longer registered by peer {peer.name!r}")
+        self._copy(d, src_idx, cur, self._local_regions, other._local_regions, other)
+        h.engine["done"] = True
+
+    def _copy(self, d: np.ndarray, src_idx: np.ndarray, dst_idx: np.ndarray, src_regions: tuple[Region, ...],
+              dst_regions: tuple[Region, ...], other: LocalBackend) -> None:
+        nb = d[:, 2]
+        if (nb == nb[0]).all() and (src_idx == src_idx[0]).all() and (dst_idx == dst_idx[0]).all():
+            groups = [(int(nb[0]), int(src_idx[0]), int(dst_idx[0]), np.arange(d.shape[0]))]
+        else:
+            key = np.stack([nb, src_idx.astype(np.uint64), dst_idx.astype(np.uint64)], axis=1)
+            uniq, inverse = np.unique(key, axis=0, return_inverse=True)
+            inverse = inverse.reshape(-1)
+            groups = [(nbytes, si, di, np.flatnonzero(inverse == g))
+                      for g, (nbytes, si, di) in enumerate(uniq.tolist())]
+        for nbytes, si, di, rows in groups:
+            sreg, dreg = src_regions[si], dst_regions[di]
+            s_off = d[rows, 0] - np.uint64(sreg.base_ptr)
+            d_off = d[rows, 1] - np.uint64(dreg.base_ptr)
+            if rows.size >= GATHER_MIN_ROWS and not (s_off % np.uint64(nbytes)).any() and not (
+                    d_off % np.uint64(nbytes)).any():
+                sv = self._engine_regions[sreg]
+                dv = other._engine_regions[dreg]
+                srows = sv[: (sreg.nbytes // nbytes) * nbytes].reshape(-1, nbytes)
+                drows = dv[: (dreg.nbytes // nbytes) * nbytes].reshape(-1, nbytes)
+                drows[(d_off // np.uint64(nbytes)).astype(np.int64)] = srows[(s_off // np.uint64(nbytes)).astype(np.int64)]
+            else:
+                mm = ctypes.memmove
+                for s, t in zip(d[rows, 0].tolist(), d[rows, 1].tolist(), strict=True):
+                    mm(t, s, nbytes)
+
+    def _engine_poll(self, h: TransferHandle) -> tuple[int, BaseException | None]:
+        return 0, None
+
+    def _on_reset(self, old_peer_id: str) -> None:
+        _BY_PEER_ID.pop(old_peer_id, None)
+        _BY_PEER_ID[self._peer_id] = self
+
+    def _engine_close(self) -> None:
+        _BY_PEER_ID.pop(self._peer_id, None)

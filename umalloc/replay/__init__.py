@@ -1,0 +1,14 @@
+"""The main job, ``umalloc replay``: a real request trace through a prefill arena and a decode arena.
+
+Modules: :mod:`~umalloc.replay.trace` (trace parsers), :mod:`~umalloc.replay.kvfill` (deterministic KV
+pattern fill and verify), :mod:`~umalloc.replay.workload` (request lifecycle, footprints, block table),
+:mod:`~umalloc.replay.prefill` (the prefill side in process, sequence allocation),
+:mod:`~umalloc.replay.remote` (the prefill side in a second process), :mod:`~umalloc.replay.report` (JSON report
+schema and the final table), :mod:`~umalloc.replay.plot` (occupancy plot), :mod:`~umalloc.replay.run` (the
+driver and its scheduler). The console script is :mod:`umalloc.cli`.
+"""
+
+#: ``umalloc replay`` with no arguments replays this many requests of the packaged trace ...
+DEFAULT_REQUESTS = 96
+#: ... with every token count divided by this (about two minutes on a 2-core CPU machine).
+DEFAULT_TOKEN_SCALE = 8

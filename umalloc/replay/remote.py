@@ -1,0 +1,250 @@
+"""The replay's prefill side in a second process (``--backend nixl`` / ``--backend mooncake``).
+
+Policy:
+
+* The child is a :class:`umalloc.backends._worker.BackendWorker` (the backends' one worker harness: spawn,
+  bounded calls, remote exceptions re-raised as their umalloc type); the ``child_*`` functions below run inside
+  it through :meth:`BackendWorker.run`. The child owns the prefill arena, its allocator and the KV pattern
+  (rebuilt from the preset name, page size, draft flag, arena bytes and seed, so both processes compute the same
+  bytes); the parent owns the decode arena and the receiving backend.
+* Per request (a real PD split, F13: only physical ids cross the process boundary): the parent preallocates on
+  decode and builds the receiver half (:func:`umalloc.plan.build_receiver_half`, which leases decode's pages);
+  the child allocates, fills, builds the send plan from the half (:func:`umalloc.plan.build_send_plan`, which
+  leases prefill's pages) and posts the WRITE without waiting. The parent then runs its decode step while the
+  transfer is in flight, and later asks the child to wait for it; the child ends its plan (source lease) and
+  frees its pages, and the parent completes the half (destination lease) and verifies every page.
+* Every call is bounded (``transfer_timeout_s`` plus a margin); a failed transfer fails the half (its lease ends)
+  and raises. The parent progresses its own backend while it waits for the child (a NIXL target).
+* Time: each call is measured in the parent as ``transfer``; the child reports its own split (allocator, fill,
+  translate+plan) which is moved to those phases, so the report's split means the same for every backend.
+"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import torch
+
+from umalloc.allocator import MultiEndedAllocator
+from umalloc.plan import PeerLayout, build_receiver_half
+from umalloc.replay.prefill import PlanFigures, warm_up
+from umalloc.replay.report import PhaseTimer
+from umalloc.replay.workload import RequestState
+from umalloc.spec import ArenaSpec
+
+_HERE = "umalloc.replay.remote:"
+#: Seconds a worker call may take beyond the transfer timeout (allocation, fill and plan building in the child).
+CALL_MARGIN_S = 120.0
+
+
+# ==== inside the child ==========================================================================================
+
+
+def _child_stats(ctx) -> dict:
+    alloc = ctx.objects["replay_alloc"]
+    t = alloc.lease_table
+    return {"ends": {n: s.to_dict() for n, s in alloc.stats().items()}, "leases_active": alloc.leases_active(),
+            "leases_taken": t.leases_taken, "leases_expired": t.leases_expired}
+
+
+def child_setup(ctx, model: str, page_size: int, draft: bool, arena_bytes: int, seed: int, compaction: str) -> dict:
+    """Create the prefill arena (preset ``model``), its allocator and the KV pattern; register the arena with the
+    child's backend and publish its layout. Returns the child's stats."""
+    from umalloc.arena import Arena
+    from umalloc.presets import preset_ends
+    from umalloc.replay.kvfill import KVPattern
+
+    spec = ArenaSpec(preset_ends(model, page_size=page_size, draft=draft), arena_bytes=arena_bytes)
+    arena = Arena(spec, zero=False)
+    alloc = MultiEndedAllocator(arena, compaction=compaction)
+    warm_up(alloc)
+    b = ctx._b()
+    b.register(arena.regions())
+    b.set_layout(PeerLayout.from_arena(arena))
+    torch.set_num_threads(1)
+    ctx.objects.update(replay_arena=arena, replay_alloc=alloc, replay_pattern=KVPattern(spec, seed),
+                       replay_inflight={}, replay_filled=0)
+    return _child_stats(ctx)
+
+
+def child_start(ctx, request_id: int, num_tokens: int, half: dict, peer: str,
+                deadline_s: float | None) -> dict:
+    """Allocate and fill a prompt of ``num_tokens``, build the send plan from the receiver ``half`` and post it
+    (no wait). Returns ``{"short": bool, "phases": {...}, "filled": bytes, "stats": ...}``; ``short`` means the
+    prefill arena could not take the prompt and nothing changed."""
+    from umalloc.plan import build_send_plan
+    from umalloc.replay.prefill import alloc_sequence, fill_sequence
+
+    alloc = ctx.objects["replay_alloc"]
+    b = ctx._b()
+    ph = {"allocator": 0.0, "fill": 0.0, "translate_plan": 0.0}
+    t0 = time.perf_counter()
+    vt = alloc_sequence(alloc, num_tokens)
+    ph["allocator"] += time.perf_counter() - t0
+    if vt is None:
+        return {"short": True, "phases": ph, "filled": 0, "stats": _child_stats(ctx)}
+    try:
+        t0 = time.perf_counter()
+        filled = fill_sequence(alloc, ctx.objects["replay_pattern"], request_id, vt, num_tokens)
+        t1 = time.perf_counter()
+        plan = build_send_plan(str(request_id), alloc, vt, half, b.peer_layout(peer), deadline_s=deadline_s)
+        t2 = time.perf_counter()
+        ph["fill"] += t1 - t0
+        ph["translate_plan"] += t2 - t1
+        handle = b.submit(plan, peer)
+    except BaseException:
+        alloc.free(vt)
+        raise
+    ctx.objects["replay_filled"] += filled
+    ctx.objects["replay_inflight"][request_id] = (plan, handle, vt)
+    leases = alloc.leases_active()
+    return {"short": False, "phases": ph, "filled": filled, "leases_at_post": leases, "stats": _child_stats(ctx)}
+
+
+def child_finish(ctx, request_id: int, timeout_s: float) -> dict:
+    """Wait for a posted plan (its source lease ends with it), free the prompt's pages, return the figures."""
+    plan, handle, vt = ctx.objects["replay_inflight"].pop(request_id)
+    alloc = ctx.objects["replay_alloc"]
+    b = ctx._b()
+    try:
+        b.wait(handle, timeout_s)
+    finally:
+        b.release(handle)
+        t0 = time.perf_counter()
+        alloc.free(vt)
+        dt = time.perf_counter() - t0
+    return {"phases": {"allocator": dt}, "bytes_total": plan.total_bytes,
+            "bytes_by_vector": {n: s.bytes for n, s in plan.stats_by_vector.items()},
+            "descriptors": plan.num_descriptors, "runs": plan.num_runs,
+            "per_layer_per_page": plan.per_layer_descriptor_equivalent, "stats": _child_stats(ctx)}
+
+
+def child_check(ctx) -> dict:
+    """``check_invariants`` of the child's allocator and backend; returns its stats."""
+    ctx.objects["replay_alloc"].check_invariants()
+    ctx._b().check_invariants()
+    return _child_stats(ctx)
+
+
+# ==== in the parent =============================================================================================
+
+
+class RemotePrefill:
+    """The prefill side in a spawned child; same interface as :class:`umalloc.replay.prefill.LocalPrefill`.
+
+    Args:
+        backend: ``"nixl"`` or ``"mooncake"`` (both processes use it; ``"local"`` cannot cross processes).
+        pre_spec: the prefill arena spec (its ``arena_bytes`` is what the child allocates).
+        decode: the decode allocator (this process).
+        timer: the replay's phase timer.
+        model, page_size, draft, seed, compaction: what the child rebuilds its arena and pattern from.
+        transfer_timeout_s, lease_deadline_s: bound of each transfer wait; deadline of both sides' leases.
+
+    Raises:
+        BackendUnavailable: the engine cannot start here (in either process).
+    """
+
+    name = "remote"
+
+    def __init__(self, backend: str, pre_spec: ArenaSpec, decode: MultiEndedAllocator, timer: PhaseTimer, *,
+                 model: str, page_size: int, draft: bool, seed: int, compaction: str, transfer_timeout_s: float,
+                 lease_deadline_s: float | None) -> None:
+        from umalloc.backends import get_backend
+        from umalloc.backends._worker import BackendWorker
+
+        self.decode = decode
+        self.timer = timer
+        self.timeout_s = transfer_timeout_s
+        self.deadline_s = lease_deadline_s
+        self.dst_layout = PeerLayout.from_arena(decode.arena)
+        self.worker = BackendWorker(backend)
+        self.b = None
+        try:
+            self.b = get_backend(backend, layout=self.dst_layout)
+            self.b.register(decode.arena.regions())
+            self.worker.wait_ready(timeout_s=CALL_MARGIN_S)
+            self._stats = self._call("child_setup", model, page_size, draft, pre_spec.arena_bytes, seed, compaction)
+            self.peer = self.worker.call("connect", self.b.metadata(), progress=self.b.progress,
+                                         timeout_s=CALL_MARGIN_S)
+        except BaseException:
+            self.close()
+            raise
+        self.bytes_filled = 0
+        self.max_leases = 0
+        self.step_leases = 0
+
+    def _call(self, fn: str, *args: object) -> dict:
+        return self.worker.run(_HERE + fn, *args, progress=self.b.progress,  # type: ignore[union-attr]
+                               timeout_s=self.timeout_s + CALL_MARGIN_S)
+
+    def _account(self, res: dict) -> None:
+        """Move the child's own phase split out of the parent's ``transfer`` measurement."""
+        for phase, secs in res["phases"].items():
+            self.timer.reassign("transfer", phase, secs)
+        self._stats = res["stats"]
+
+    def start(self, rs: RequestState, dst_vtokens: torch.Tensor) -> object | None:
+        """Receiver half (decode lease) here, then the child's prefill + send plan + post. ``None`` if the child's
+        arena is short (the half is aborted, nothing changed)."""
+        with self.timer.phase("translate_plan"):
+            half = build_receiver_half(str(rs.rid), self.decode, dst_vtokens, layout=self.dst_layout,
+                                       deadline_s=self.deadline_s)
+        try:
+            with self.timer.phase("transfer"):
+                res = self._call("child_start", rs.rid, rs.req.input_tokens, half.to_dict(), self.peer,
+                                 self.deadline_s)
+        except BaseException as exc:
+            half.fail(exc)
+            raise
+        self._account(res)
+        if res["short"]:
+            half.abort()
+            return None
+        self.bytes_filled += res["filled"]
+        held = res["leases_at_post"] + self.decode.leases_active()
+        self.max_leases = max(self.max_leases, held)
+        self.step_leases = max(self.step_leases, held)
+        return (half, rs.rid)
+
+    def finish(self, ticket: object) -> PlanFigures:
+        """Wait (in the child) for the transfer, end both leases, return the plan's figures."""
+        half, rid = ticket  # type: ignore[misc]
+        try:
+            with self.timer.phase("transfer"):
+                self.b.progress()  # type: ignore[union-attr]
+                res = self._call("child_finish", rid, self.timeout_s)
+        except BaseException as exc:
+            half.fail(exc)
+            raise
+        half.complete()
+        self._account(res)
+        return PlanFigures(res["bytes_total"], res["bytes_by_vector"], res["descriptors"], res["runs"],
+                           res["per_layer_per_page"])
+
+    # ---- observers ---------------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """The child's allocator stats as of its last reply (``EndStats`` fields as attributes)."""
+        return {n: SimpleNamespace(**d) for n, d in self._stats["ends"].items()}
+
+    def leases_active(self) -> int:
+        return int(self._stats["leases_active"])
+
+    def lease_counts(self) -> dict[str, int]:
+        return {"leases_taken": int(self._stats["leases_taken"]),
+                "leases_expired": int(self._stats["leases_expired"])}
+
+    def check_invariants(self) -> None:
+        self._stats = self._call("child_check")
+        self.b.check_invariants()  # type: ignore[union-attr]
+
+    def close(self) -> None:
+        """End the child and close the receiving backend (idempotent)."""
+        try:
+            self.worker.close()
+        finally:
+            if self.b is not None:
+                self.b.close()
+
+
+__all__ = ["CALL_MARGIN_S", "RemotePrefill", "child_check", "child_finish", "child_setup", "child_start"]

@@ -1,0 +1,224 @@
+"""Retraction: move a request's KV pages of every end into host memory, free them, and restore them later.
+
+Policy:
+
+* A retraction covers the id-owner end and *every* end bound to it (target, SWA window tail, draft, state):
+  a draft's pages are never dropped. An end whose page was deliberately left unbound (an SWA page that left
+  the window, tombstoned by ``release_end``) is recorded as unbound and stays unbound after restore.
+* While the device -> host copy is in flight the pages are leased (Note [Leases and compaction] in
+  :mod:`umalloc.leases`), so no compaction moves them and no reuse overwrites them; the pages are freed only
+  after the copy has completed. If the copy fails, the lease is released and nothing is freed.
+* Restore allocates fresh pages and writes the same bytes back. **Virtual ids are re-minted**: the returned
+  virtual token ids differ in general from the retracted ones (same offsets inside each page, same order as
+  the retracted tokens); the engine rewrites its block table (``req_to_token``) with them.
+* Only the allocator's public API is used (``v2p``, ``lease``, ``free``, ``can_alloc``, ``alloc_pages``,
+  ``bind_end``, ``translate_pages``, ``arena.envelopes``); ``MultiEndedAllocator.retract/restore`` delegate here.
+* Restore is all-or-nothing: if any end lacks space it returns ``None`` and the allocator's live set is
+  unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from umalloc.errors import InvalidIdError, NotAllocatedError, UmallocValueError
+from umalloc.pagestate import TOMBSTONE
+
+if TYPE_CHECKING:
+    from umalloc.allocator import MultiEndedAllocator
+
+
+@dataclass(frozen=True)
+class RetractedEnd:
+    """Host copy of one end's pages of a retracted request.
+
+    Attributes:
+        bound: bool ``(num_pages,)``: which of the request's pages were bound on this end.
+        data: uint8 CPU tensor ``(bound.sum(), page_bytes)``: the envelopes of the bound pages, in page order.
+    """
+
+    bound: np.ndarray
+    data: torch.Tensor
+
+
+@dataclass(frozen=True)
+class RetractedKV:
+    """A request's KV held in host memory by :func:`retract`.
+
+    Attributes:
+        owner: the id-owner end whose virtual ids the request used.
+        page_size: tokens per page (of the owner and every bound end).
+        num_pages: distinct virtual pages retracted.
+        page_index: int64 ``(num_tokens,)``: for each retracted token (input order), its page's index in
+            ``[0, num_pages)``.
+        token_offset: int64 ``(num_tokens,)``: each token's offset inside its page.
+        ends: end name -> :class:`RetractedEnd` (the owner and every bound end).
+        old_vpages: int64 ``(num_pages,)``: the virtual pages the request had (for logs; never reused).
+    """
+
+    owner: str
+    page_size: int
+    num_pages: int
+    page_index: np.ndarray
+    token_offset: np.ndarray
+    ends: dict[str, RetractedEnd]
+    old_vpages: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes held."""
+        return sum(int(e.data.numel()) for e in self.ends.values())
+
+    def pages_by_end(self) -> dict[str, int]:
+        """Pages each end needs at restore."""
+        return {name: int(e.bound.sum()) for name, e in self.ends.items()}
+
+
+def _resolve_owner(allocator: MultiEndedAllocator, owner: str | None) -> str:
+    spec = allocator.spec
+    owners = [e.name for e in spec.ends if e.owner is None]
+    if owner is None:
+        if len(owners) != 1:
+            raise UmallocValueError(f"owner=None is ambiguous: allowed one of {owners}")
+        return owners[0]
+    if owner not in owners:
+        raise UmallocValueError(f"owner={owner!r}: allowed an id-owner end, one of {owners}")
+    return owner
+
+
+def _bound_ends(allocator: MultiEndedAllocator, owner: str) -> list[str]:
+    return [owner] + [e.name for e in allocator.spec.ends if e.owner == owner]
+
+
+def retract(allocator: MultiEndedAllocator, vtokens: torch.Tensor, *, owner: str | None = None) -> RetractedKV:
+    """Copy every end's pages of a request to host memory, then free them in the arena.
+
+    Args:
+        allocator: the allocator holding the request.
+        vtokens: int64 1-D tensor (any device) of the request's virtual token ids; the pages containing them
+            are retracted whole (page granularity, F01). Duplicates are allowed.
+        owner: the id-owner end (``None``: the only one).
+
+    Returns:
+        :class:`RetractedKV` with CPU copies of the owner's and every bound end's envelopes (pinned host memory
+        when the arena is on CUDA).
+
+    Raises:
+        InvalidIdError: bad dtype/shape, a token outside the owner's virtual id space, or in virtual page 0.
+        NotAllocatedError: a page that is not live on the owner. Nothing changes on any error.
+
+    Complexity: O(pages * page_bytes) bytes copied per end, one gather per end.
+
+    >>> from umalloc.allocator import _doctest_allocator      # full (up, owner) + swa (down, bound), page_size 2
+    >>> alloc = _doctest_allocator()
+    >>> t = alloc.alloc_extend(torch.tensor([0]), torch.tensor([3]), torch.tensor([-1]))   # 3 tokens, 2 pages
+    >>> kv = retract(alloc, t)
+    >>> kv.pages_by_end(), alloc.stats()["full"].live_pages, alloc.leases_active()
+    ({'full': 2, 'swa': 2}, 0, 0)
+    """
+    owner = _resolve_owner(allocator, owner)
+    if not isinstance(vtokens, torch.Tensor) or vtokens.dtype != torch.int64 or vtokens.dim() != 1:
+        raise InvalidIdError(f"vtokens: allowed a 1-D torch.int64 tensor, got "
+                             f"{type(vtokens).__name__} {getattr(vtokens, 'dtype', '')}")
+    page_size = allocator.spec.end(owner).page_size
+    toks = vtokens.detach().cpu().numpy()
+    num_vpages = allocator.num_vpages(owner)
+    if toks.size and (toks.min() < 0 or toks.max() >= num_vpages * page_size):
+        raise InvalidIdError(f"virtual token ids of owner {owner!r}: allowed [0, {num_vpages * page_size - 1}]")
+    vpages, page_index = np.unique(toks // page_size, return_inverse=True)
+    vpages = vpages.astype(np.int64)
+    if vpages.size and vpages[0] == 0:
+        raise InvalidIdError(f"virtual page 0 of owner {owner!r} is reserved (the sink); allowed live pages >= 1")
+    owner_v2p = allocator.v2p(owner).cpu().numpy()
+    if vpages.size and (owner_v2p[vpages] == TOMBSTONE).any():
+        bad = vpages[owner_v2p[vpages] == TOMBSTONE][:8].tolist()
+        raise NotAllocatedError(f"virtual pages {bad} of owner {owner!r} are not live")
+    arena = allocator.arena
+    phys: dict[str, np.ndarray] = {}
+    bound: dict[str, np.ndarray] = {}
+    for end in _bound_ends(allocator, owner):
+        p = allocator.v2p(end).cpu().numpy()[vpages]
+        bound[end] = p != TOMBSTONE
+        phys[end] = p[bound[end]].astype(np.int64)
+    datas: dict[str, torch.Tensor] = {}
+    on_cuda = arena.device.type == "cuda"
+    with allocator.lease({e: torch.from_numpy(p) for e, p in phys.items() if p.size},
+                         tag=f"retract:{owner}"):
+        for end, p in phys.items():
+            env = arena.envelopes(end)
+            rows = env.index_select(0, torch.from_numpy(p).to(env.device))
+            if on_cuda:
+                host = torch.empty(rows.shape, dtype=torch.uint8, pin_memory=True)
+                host.copy_(rows, non_blocking=True)
+            else:
+                host = rows  # index_select already made a private CPU copy
+            datas[end] = host
+        if on_cuda:
+            torch.cuda.current_stream(arena.device).synchronize()  # the copy has landed before the lease ends
+    if vpages.size:
+        allocator.free(torch.from_numpy(vpages * page_size), owner=owner)
+    return RetractedKV(owner=owner, page_size=page_size, num_pages=int(vpages.size),
+                       page_index=page_index.astype(np.int64).reshape(-1),
+                       token_offset=(toks % page_size).astype(np.int64),
+                       ends={e: RetractedEnd(bound[e], datas[e]) for e in phys}, old_vpages=vpages)
+
+
+def restore(allocator: MultiEndedAllocator, retracted: RetractedKV) -> torch.Tensor | None:
+    """Allocate fresh pages on every end of a retracted request and write its bytes back.
+
+    Virtual ids are re-minted: the result holds the request's NEW virtual token ids, int64 ``(num_tokens,)`` on
+    the arena's device, in the order of the tokens given to :func:`retract`, each at the same offset inside its
+    page as before. Pages that were unbound on a bound end (tombstoned SWA pages) stay unbound.
+
+    Returns:
+        the new virtual token ids, or ``None`` if some end lacks space (the live set is then unchanged).
+
+    Complexity: O(pages * page_bytes) bytes copied per end, one scatter per end.
+
+    >>> from umalloc.allocator import _doctest_allocator
+    >>> alloc = _doctest_allocator()
+    >>> t = alloc.alloc_extend(torch.tensor([0]), torch.tensor([3]), torch.tensor([-1]))
+    >>> alloc.arena.envelopes("swa")[alloc.translate_pages(torch.tensor([1, 2]), "swa")] = torch.tensor(
+    ...     [[5], [6]], dtype=torch.uint8)
+    >>> kv = retract(alloc, t)
+    >>> _ = alloc.alloc_pages(1)                        # someone else takes virtual page 1 meanwhile
+    >>> new = restore(alloc, kv)
+    >>> new.tolist(), alloc.arena.envelopes("swa")[alloc.translate_pages(new[::2] // 2, "swa"), 0].tolist()
+    ([4, 5, 6], [5, 6])
+    """
+    if not isinstance(retracted, RetractedKV):
+        raise UmallocValueError(f"retracted={type(retracted).__name__}: allowed a RetractedKV from retract()")
+    owner, ps = retracted.owner, retracted.page_size
+    device = allocator.arena.device
+    if retracted.num_pages == 0:
+        return torch.zeros(0, dtype=torch.int64, device=device)
+    need = {e: n for e, n in retracted.pages_by_end().items() if n}
+    if not allocator.can_alloc(need):
+        return None
+    new_vp = allocator.alloc_pages(retracted.num_pages, owner=owner, bind=())
+    if new_vp is None:
+        return None
+    new_vp_np = new_vp.cpu().numpy().astype(np.int64)
+    for end, rec in retracted.ends.items():
+        if end == owner or not rec.bound.any():
+            continue
+        ok = allocator.bind_end(end, torch.from_numpy(new_vp_np[rec.bound] * ps).to(device))
+        if not ok:
+            allocator.free(torch.from_numpy(new_vp_np * ps).to(device), owner=owner)
+            return None
+    arena = allocator.arena
+    for end, rec in retracted.ends.items():
+        if not rec.bound.any():
+            continue
+        p = allocator.translate_pages(torch.from_numpy(new_vp_np[rec.bound]).to(device), end, strict=True)
+        env = arena.envelopes(end)
+        env.index_copy_(0, p.to(env.device, torch.int64), rec.data.to(env.device, non_blocking=True))
+    out = new_vp_np[retracted.page_index] * ps + retracted.token_offset
+    return torch.from_numpy(out).to(device)
+
+
+__all__ = ["RetractedEnd", "RetractedKV", "restore", "retract"]

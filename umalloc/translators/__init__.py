@@ -1,0 +1,38 @@
+"""Translators: pure functions over index tensors, with no allocator state.
+
+* ``virtual_to_physical`` / ``virtual_to_physical_pages``: virtual token/page ids to physical ones through a
+  v2p table; tombstones raise in strict mode and map to the sink page otherwise.
+* ``tokens_to_pages``: page ids of whole, aligned pages of tokens (misalignment raises, never truncates).
+* ``pages_to_runs`` / ``runs_to_descriptors``: coalesce page pairs into runs contiguous on both sides, then into
+  ``(src_addr, dst_addr, nbytes)`` uint64 descriptors per region pair.
+* ``kernel_page_ids``: ids a page-major layout gives attention kernels.
+* ``rank_local_positions``: what a decode-context-parallel rank owns and its rank-local rows.
+
+Three implementations expose the same functions (:class:`Translator`): ``reference`` (torch, any device),
+``cpu`` (numba), ``cuda`` (cupy). :func:`get_translator` picks one per device; ``impl=`` or the environment
+variable ``UMALLOC_TRANSLATOR`` forces one. This package imports nothing from the rest of umalloc except
+:mod:`umalloc.errors`.
+"""
+
+from umalloc.translators._common import SINK_PAGE, TOMBSTONE, IndexLike, RegionsLike
+from umalloc.translators._dispatch import (
+    ENV_VAR,
+    IMPL_NAMES,
+    Translator,
+    available_impls,
+    get_translator,
+    load_impl,
+)
+
+__all__ = [
+    "ENV_VAR",
+    "IMPL_NAMES",
+    "SINK_PAGE",
+    "TOMBSTONE",
+    "IndexLike",
+    "RegionsLike",
+    "Translator",
+    "available_impls",
+    "get_translator",
+    "load_impl",
+]
