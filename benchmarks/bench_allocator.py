@@ -5,10 +5,12 @@ The op sequence (extend / decode / free, built from the Mooncake conversation tr
 ``../shared/peerbench/workload.py`` writes and replays through SGLang's and vLLM's allocators, with the same
 fingerprint. The harness plays an SGLang-style scheduler:
 
-* it keeps a ``req_to_token`` block table (one int64 row per request, a torch tensor; the harness reads and
-  writes it through its numpy view), gathers ``last_loc`` from it, calls the batched ``alloc_extend`` /
-  ``alloc_decode`` and writes the returned virtual token ids back;
-* it frees every request finished in one op with one ``free`` call (page granular: one token per page);
+* it keeps a ``req_to_token`` block table (a torch int64 tensor with one row per live request, rows recycled as
+  SGLang's ``ReqToTokenPool`` does; the harness reads and writes it through its numpy view), gathers
+  ``last_loc`` from it into persistent staging tensors, calls the batched ``alloc_extend`` / ``alloc_decode``
+  with ``out=`` staging tensors and writes the returned virtual token ids back;
+* it frees every request finished in one op with one ``free`` call (page granular: the first token of each
+  page, gathered from the block table);
 * mode ``umalloc-swa`` adds an SWA end (grows down, bound to ``full``) and, before each op, releases the SWA
   pages that left the window (``release_end``; frontier from ``swa_tail_start``, SGLang's
   ``free_swa_out_of_window_slots`` rule without prefix sharing, window 128 tokens after scaling).
@@ -31,6 +33,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import heapq
 import json
 import os
 import statistics
@@ -68,17 +71,32 @@ def _buffer(n: int) -> tuple[np.ndarray, torch.Tensor]:
 
 
 class Prepared:
-    """Per-op numpy index arrays into the flat block table (untimed), and the SWA release lists."""
+    """Per-op numpy index arrays into the flat block table (untimed), and the SWA release lists.
+
+    The block table has one row per *live* request, recycled when a request finishes (as SGLang's
+    ``ReqToTokenPool`` does): the lowest free row goes to each newly admitted request.
+    """
 
     def __init__(self, w: wl.Workload, swa_window: int | None) -> None:
         ps = self.ps = w.params.page_size
         self.width = width = w.max_seq_len() + ps
-        self.n_req = len(w.req_in)
         self.ops: list[_Op] = []
         self.n_release_calls = 0
         self.release_pages = 0
         length: dict[int, int] = {}
         released: dict[int, int] = {}
+        base: dict[int, int] = {}          # request -> flat offset of its block-table row
+        free_rows: list[int] = []
+        self.n_req = 0                     # rows in the table (the most requests live at once)
+
+        def row(r: int) -> int:
+            if r not in base:
+                if free_rows:
+                    base[r] = heapq.heappop(free_rows) * width
+                else:
+                    base[r] = self.n_req * width
+                    self.n_req += 1
+            return base[r]
 
         def releases(rids: list[int], pre_lens: list[int]) -> np.ndarray | None:
             if swa_window is None:
@@ -88,7 +106,7 @@ class Prepared:
                 ev = released.get(r, 0)
                 tail = MultiEndedAllocator.swa_tail_start(pre, swa_window, 0, ps)
                 if tail > ev:
-                    chunks.append(r * width + np.arange(ev, tail, ps, dtype=np.int64))
+                    chunks.append(row(r) + np.arange(ev, tail, ps, dtype=np.int64))
                     released[r] = tail
             if not chunks:
                 return None
@@ -107,19 +125,20 @@ class Prepared:
                 pre = np.array([it[1] for it in payload], np.int64)
                 ext = np.array([it[2] for it in payload], np.int64)
                 o.kind = _E
+                rows = np.array([row(r) for r in rids.tolist()], np.int64)
                 o.ev = releases(rids.tolist(), pre.tolist())
                 o.pre_t = torch.from_numpy(pre)
                 o.seq_t = torch.from_numpy(pre + ext)
-                o.last_flat = rids * width + np.maximum(pre - 1, 0)
+                o.last_flat = rows + np.maximum(pre - 1, 0)
                 nop = np.flatnonzero(pre == 0)
                 o.no_prefix = nop if nop.size else None
-                o.write_flat = np.concatenate([r * width + np.arange(p, p + e, dtype=np.int64)
-                                               for r, p, e in zip(rids.tolist(), pre.tolist(), ext.tolist(),
+                o.write_flat = np.concatenate([b + np.arange(p, p + e, dtype=np.int64)
+                                               for b, p, e in zip(rows.tolist(), pre.tolist(), ext.tolist(),
                                                                   strict=True)])
                 # per request: (table start, table stop, out start, out stop) -- contiguous row slices
                 ends_ = np.cumsum(ext)
-                o.runs = [(int(r * width + p), int(r * width + p + e), int(c - e), int(c))
-                          for r, p, e, c in zip(rids.tolist(), pre.tolist(), ext.tolist(), ends_.tolist(),
+                o.runs = [(b + p, b + p + e, c - e, c)
+                          for b, p, e, c in zip(rows.tolist(), pre.tolist(), ext.tolist(), ends_.tolist(),
                                                 strict=True) if e]
                 o.last_buf, o.last_t = _buffer(len(payload))
                 o.out_np, o.out_t = _buffer(int(ext.sum()))
@@ -128,13 +147,13 @@ class Prepared:
                 for r, p, e in zip(rids.tolist(), pre.tolist(), ext.tolist(), strict=True):
                     length[r] = p + e
             elif kind == "D":
-                rids = np.array(payload, np.int64)
+                rows = np.array([row(r) for r in payload], np.int64)
                 cur = np.array([length[r] for r in payload], np.int64)
                 o.kind = _D
                 o.ev = releases(list(payload), cur.tolist())
                 o.seq_t = torch.from_numpy(cur + 1)
-                o.last_flat = rids * width + cur - 1
-                o.write_flat = rids * width + cur
+                o.last_flat = rows + cur - 1
+                o.write_flat = rows + cur
                 o.last_buf, o.last_t = _buffer(len(payload))
                 o.out_np, o.out_t = _buffer(len(payload))
                 stage(o)
@@ -144,8 +163,10 @@ class Prepared:
             else:
                 o.kind = _F
                 o.ev = None
-                o.target = np.concatenate([r * width + np.arange(0, length[r], ps, dtype=np.int64)
+                o.target = np.concatenate([row(r) + np.arange(0, length[r], ps, dtype=np.int64)
                                            for r in payload])
+                for r in payload:                 # the finished requests' rows are recycled
+                    heapq.heappush(free_rows, base.pop(r) // width)
                 o.target_buf, o.target_t = _buffer(o.target.size)
                 stage(o)
                 o.n_req = len(payload)
@@ -312,19 +333,26 @@ def run_peers(ops_path: str, repeats: int) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def print_table(rows: list[dict], baseline: dict | None) -> None:
-    base = baseline["pages_alloc_per_s"] if baseline else None
-    hdr = f"{'allocator':<16} {'wall s (med)':>12} {'req-ops/s':>11} {'calls/s':>9} {'pages/s':>11} " \
-          f"{'peak pages':>10} {'x blockpool':>11}"
+def print_table(rows: list[dict], baseline: dict | None, pages_allocated: int) -> None:
+    """One row per allocator; ratios of pages allocated per second to the baseline (vLLM BlockPool measured in
+    the same run), from the medians and from the fastest repeats (the latter is steadier on a busy machine)."""
+    hdr = (f"{'allocator':<16} {'wall s med':>10} {'wall s min':>10} {'req-ops/s':>11} {'calls/s':>9} "
+           f"{'pages/s (med)':>13} {'peak pages':>16} {'x bp (med)':>10} {'x bp (min)':>10}")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
-        ratio = f"{r['pages_alloc_per_s'] / base:.2f}" if base else "-"
+        med, best = r["wall_s_median"], r["wall_s_min"]
+        if baseline:
+            x_med = f"{baseline['wall_s_median'] / med:.2f}"
+            x_min = f"{baseline['wall_s_min'] / best:.2f}"
+        else:
+            x_med = x_min = "-"
         peak = r.get("peak_pages", -1)
         if r.get("swa_peak_pages"):
             peak = f"{peak} (swa {r['swa_peak_pages']})"
-        print(f"{r['allocator']:<16} {r['wall_s_median']:>12.4f} {r['req_ops_per_s']:>11,} "
-              f"{r['api_calls_per_s']:>9,} {r['pages_alloc_per_s']:>11,} {str(peak):>10} {ratio:>11}")
+        print(f"{r['allocator']:<16} {med:>10.4f} {best:>10.4f} {r['req_ops_per_s']:>11,} "
+              f"{r['api_calls_per_s']:>9,} {round(pages_allocated / med):>13,} {str(peak):>16} {x_med:>10} "
+              f"{x_min:>10}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -369,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
         baseline = next((p for p in peers if p["allocator"] == "vllm-blockpool"), None)
         rows = peers + rows
     print()
-    print_table(rows, baseline)
+    print_table(rows, baseline, w.meta["pages_allocated"])
     if a.json:
         with open(a.json, "a") as f:
             for r in rows:

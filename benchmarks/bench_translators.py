@@ -70,12 +70,13 @@ def measure(
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def one_thread(fn: Callable[[], object]) -> Callable[[], object]:
-    """``fn`` with the numba translator kept on the calling thread (no parallel chunks)."""
+def with_threshold(fn: Callable[[], object], min_items: int) -> Callable[[], object]:
+    """``fn`` with the numba translator's parallel threshold set to ``min_items`` (0: always parallel,
+    ``NEVER_PARALLEL``: always on the calling thread)."""
 
     def run() -> object:
         saved = cpu_mod.PARALLEL_MIN_ITEMS
-        cpu_mod.PARALLEL_MIN_ITEMS = 1 << 62
+        cpu_mod.PARALLEL_MIN_ITEMS = min_items
         try:
             return fn()
         finally:
@@ -137,7 +138,8 @@ def main() -> None:
     load = os.getloadavg()
     print(
         f"machine: {os.cpu_count()} cores, load avg {load[0]:.1f}; numba {numba.__version__} "
-        f"({numba.get_num_threads()} threads, layer {numba.config.THREADING_LAYER}); torch {torch.__version__} "
+        f"({numba.get_num_threads()} threads, layer {numba.config.THREADING_LAYER}, cpu.PARALLEL_MIN_ITEMS="
+        f"{cpu_mod.PARALLEL_MIN_ITEMS}); torch {torch.__version__} "
         f"({torch.get_num_threads()} threads); numpy {np.__version__}; page_size={ps}; seed={args.seed}"
     )
     print(f"cuda: {'cupy figures below' if cuda else f'not run ({cuda_mod.unavailable_reason()})'}")
@@ -159,7 +161,12 @@ def bench_v2p(n: int, ps: int, rng: np.random.Generator, ref, cpu, cuda) -> dict
         "reference": lambda: ref.virtual_to_physical(vt, v2p, ps),
         "cpu": lambda: cpu.virtual_to_physical(vt, v2p, ps),
         "cpu out=": lambda: cpu.virtual_to_physical(vt, v2p, ps, out=out),
-        "cpu out= 1 thread": one_thread(lambda: cpu.virtual_to_physical(vt, v2p, ps, out=out)),
+        "cpu out= 1 thread": with_threshold(
+            lambda: cpu.virtual_to_physical(vt, v2p, ps, out=out), cpu_mod.NEVER_PARALLEL
+        ),
+        f"cpu out= {numba.get_num_threads()} threads": with_threshold(
+            lambda: cpu.virtual_to_physical(vt, v2p, ps, out=out), 0
+        ),
         "cpu strict out=": lambda: cpu.virtual_to_physical(vt, v2p_bound, ps, out=out, strict=True),
     }
     row = {"n": n, **measure(fns, n)}
@@ -182,7 +189,8 @@ def bench_runs(n: int, rng: np.random.Generator, ref, cpu, cuda) -> dict:
         "numpy": lambda: numpy_runs(src_np, dst_np),
         "reference": lambda: ref.pages_to_runs(src, dst),
         "cpu": lambda: cpu.pages_to_runs(src, dst),
-        "cpu 1 thread": one_thread(lambda: cpu.pages_to_runs(src, dst)),
+        "cpu 1 thread": with_threshold(lambda: cpu.pages_to_runs(src, dst), cpu_mod.NEVER_PARALLEL),
+        f"cpu {numba.get_num_threads()} threads": with_threshold(lambda: cpu.pages_to_runs(src, dst), 0),
     }
     row = {"n": n, "runs": expect.shape[0], **measure(fns, n)}
     if cuda is not None:

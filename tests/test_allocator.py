@@ -587,3 +587,73 @@ def test_vstate_records_freed_ids() -> None:
     alloc.free(v[:1] * 2)
     vs = alloc.snapshot()["owners"]["full"]["vstate"]
     assert vs[1] == V_FREED and vs[2] == V_LIVE
+
+
+# ---- hostile lengths and argument types (review: each failed before its fix) -----------------------------------
+@pytest.mark.parametrize("seq", [
+    (2**62, 2**62, 2**62, 2**62 + 4),   # page_size 2: page and token sums wrap int64 to small positive counts
+    (2**63 - 1, 2**63 - 1),             # sums wrap negative
+    (2**62,),                           # no wrap: just far more pages than the id space
+])
+@pytest.mark.parametrize("with_out", [False, True])
+def test_extend_lengths_whose_sums_overflow_fall_short_and_change_nothing(seq, with_out) -> None:
+    # Before the fix the wrapped counts passed the plan and the output loop wrote far past its buffer (segfault).
+    alloc = full_swa()
+    t = alloc.alloc_extend(T(0), T(3), T(-1))                      # some live state to compare against
+    before = alloc.snapshot()
+    out = torch.empty(4, dtype=torch.int64) if with_out else None
+    B = len(seq)
+    assert alloc.alloc_extend(torch.zeros(B, dtype=torch.int64), T(*seq), torch.full((B,), -1), out=out) is None
+    assert "full" in alloc.last_shortfall                          # the owner's 7 free ids can never hold them
+    assert snapshots_equal(before, alloc.snapshot())
+    assert alloc.translate(t, "full").tolist() == [2, 3, 4]
+
+
+def test_alloc_pages_beyond_any_memory_is_a_shortfall_not_a_crash() -> None:
+    alloc = full_swa()
+    before = alloc.snapshot()
+    assert alloc.alloc_pages(2**62) is None                        # used to raise numpy's "array is too big"
+    assert alloc.last_shortfall == {"full": 2**62 - 9}             # 9 free virtual ids (1..9)
+    assert snapshots_equal(before, alloc.snapshot())
+
+
+def test_unhashable_end_and_non_tensor_out_raise_typed_errors() -> None:
+    alloc = full_swa()
+    t = alloc.alloc_extend(T(0), T(2), T(-1))
+    before = alloc.snapshot()
+    with pytest.raises(UmallocValueError):                         # used to be a bare TypeError
+        alloc.release_end(["swa"], t)
+    with pytest.raises(InvalidIdError):                            # used to be an AttributeError
+        alloc.translate(t, "full", out=[0, 0])
+    with pytest.raises(InvalidIdError):
+        alloc.translate_pages(T(1), "full", out=(0,))
+    assert snapshots_equal(before, alloc.snapshot())
+
+
+def test_sink_page_is_refused_as_reserved_not_as_never_allocated() -> None:
+    alloc = full_swa()                                             # page_size 2: tokens 0, 1 lie in vpage 0
+    alloc.alloc_pages(1)
+    before = alloc.snapshot()
+    for call in (lambda: alloc.free(T(0)), lambda: alloc.free(T(1)), lambda: alloc.release_end("swa", T(1)),
+                 lambda: alloc.alloc_decode(T(2), T(0)), lambda: alloc.alloc_extend(T(1), T(3), T(0))):
+        with pytest.raises(InvalidIdError, match="reserved, the sink") as info:
+            call()
+        assert type(info.value) is InvalidIdError                  # not NotAllocatedError: page 0 is special
+    assert snapshots_equal(before, alloc.snapshot())
+
+
+def test_extend_refuses_a_partial_tail_page_twice_in_a_batch_or_unbound_on_a_bind_end() -> None:
+    alloc = full_swa()
+    t = alloc.alloc_extend(T(0), T(3), T(-1))                      # tokens 2 3 | 4 (vpage 2 half full)
+    before = alloc.snapshot()
+    with pytest.raises(InvalidIdError, match="another request"):   # two requests extending tokens 5 of vpage 2
+        alloc.alloc_extend(T(3, 3), T(4, 4), T(int(t[2]), int(t[2])))
+    assert snapshots_equal(before, alloc.snapshot())
+    alloc.release_end("swa", t[2:])                                # vpage 2 unbound on swa, live on full
+    before = alloc.snapshot()
+    with pytest.raises(NotAllocatedError, match="not bound on end 'swa'"):
+        alloc.alloc_extend(T(3), T(4), T(4))                      # token 5 would need vpage 2 on swa too
+    with pytest.raises(NotAllocatedError, match="not bound on end 'swa'"):
+        alloc.alloc_decode(T(4), T(4))
+    assert snapshots_equal(before, alloc.snapshot())
+    assert alloc.alloc_extend(T(3), T(4), T(4), bind=[]).tolist() == [5]   # the owner alone may fill it

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -128,6 +129,23 @@ def alloc_request(alloc: MultiEndedAllocator, tokens: int) -> dict[str, torch.Te
     return {owner: alloc.alloc_extend(one(0), one(tokens), one(-1), owner=owner) for owner in ("full", "draft")}
 
 
+def kv_pair(make, name: str, dst_regions=None):
+    """Two seeded KV sides of :func:`kv_spec` with a backend each (``make`` is ``backend_factory``), layouts set,
+    arenas registered (the receiver registers ``dst_regions(dst_arena)`` instead when given).
+
+    Returns:
+        ``(src_arena, src_alloc, a, dst_arena, dst_alloc, b)``.
+    """
+    spec = kv_spec()
+    src_arena, src_alloc = kv_side(spec, SEED)
+    dst_arena, dst_alloc = kv_side(spec, SEED + 1)
+    a = make(name, layout=PeerLayout.from_arena(src_arena))
+    b = make(name, layout=PeerLayout.from_arena(dst_arena))
+    a.register(src_arena.regions())
+    b.register(dst_arena.regions() if dst_regions is None else dst_regions(dst_arena))
+    return src_arena, src_alloc, a, dst_arena, dst_alloc, b
+
+
 L_TOKENS = 21  # request length used by the plan tests
 WINDOW = 8
 
@@ -198,8 +216,8 @@ def backend_workers():
             workers[(name, "shared")] = BackendWorker(name)
             workers[(name, "victim")] = BackendWorker(name)
     yield workers
-    for w in workers.values():
-        w.close()
+    with ThreadPoolExecutor(max(1, len(workers))) as ex:  # each exit costs about a second (engine stop): overlap
+        list(ex.map(BackendWorker.close, workers.values()))
     assert not any(w.alive() for w in workers.values())
 
 
@@ -254,7 +272,14 @@ def test_handle_misuse_is_refused_and_changes_nothing(name, backend_factory):
             a.write_descriptors(d, peer)
     with pytest.raises(UmallocValueError, match="connected peer"):
         a.write_descriptors(np.array([[src.data_ptr(), dst.data_ptr(), 1]], np.uint64), "nobody")
-    assert a.stats() == before
+    for s_off, d_off in ((0, 255), (255, 0)):  # one byte past the end of either region
+        with pytest.raises(DescriptorBoundsError, match="destination" if d_off else "source"):
+            a.write_descriptors(np.array([[src.data_ptr() + s_off, dst.data_ptr() + d_off, 2]], np.uint64), peer)
+    assert a.stats() == before and not dst.any()
+    h = a.write_descriptors(np.array([[src.data_ptr() + 254, dst.data_ptr() + 254, 2]], np.uint64), peer)
+    a.wait(h, DEADLINE_S)  # the last two bytes of both regions: in bounds
+    a.release(h)
+    assert dst.tolist() == [0] * 254 + [254, 255]
     h = a.write_descriptors(np.zeros((0, 3), np.uint64), peer)  # empty batch: done at once
     assert isinstance(h, TransferHandle) and a.poll(h) == "done"
     for t in (0, -1.0, float("nan"), float("inf"), True):
@@ -414,48 +439,41 @@ def test_peers_send_both_ways(name, backend_factory):
     a.release(h)
 
 
+@pytest.mark.parametrize("sender", ["here", "worker"])
 @pytest.mark.parametrize("name", ENG)
-def test_descriptor_batches_receiver_in_second_process(name, backend_workers, backend_factory):
+def test_descriptor_batches_between_processes(name, sender, backend_workers, backend_factory):
+    """4 MiB of seeded bytes on each side; ``sender`` WRITEs three batch shapes to the other process. Expected
+    receiver bytes: a brute-force replay of the descriptors over independent re-creations of both buffers."""
     w = worker(backend_workers, name)
     w.call("reset_backend")
     n = 4 << 20
-    buf_id, dst_base = w.call("alloc", n, seed=SEED + 1)
-    w.call("register", [Region(dst_base, n).to_dict()])
-    a = backend_factory(name)
-    src = seeded_bytes(n, SEED)
-    a.register([Region(src.data_ptr(), n)])
-    peer = a.connect(w.call("metadata"))  # a NIXL handshake: the idle worker progresses and answers
-    dst_now = tbytes(seeded_bytes(n, SEED + 1))  # independent copy of the worker's initial bytes
-    src_b = tbytes(src)
-    for shape, d in descriptor_shapes(src.data_ptr(), dst_base, n, np.random.default_rng(SEED + 2)).items():
-        dst_now = brute_apply(dst_now, dst_base, src_b, src.data_ptr(), d)
-        h = a.write_descriptors(d, peer)
-        a.wait(h, DEADLINE_S)
-        a.release(h)
-        assert w.call("read", buf_id, 0, n) == dst_now, shape
-    w.call("free", buf_id)
-
-
-@pytest.mark.parametrize("name", ENG)
-def test_descriptor_batches_sender_in_second_process(name, backend_workers, backend_factory):
-    w = worker(backend_workers, name)
-    w.call("reset_backend")
-    n = 4 << 20
-    src_buf, src_base = w.call("alloc", n, seed=SEED + 3)
-    w.call("register", [Region(src_base, n).to_dict()])
+    buf_id, w_base = w.call("alloc", n, seed=SEED + 1)
+    w.call("register", [Region(w_base, n).to_dict()])
+    here = seeded_bytes(n, SEED)
     b = backend_factory(name)
-    dst = torch.zeros(n, dtype=torch.uint8)
-    b.register([Region(dst.data_ptr(), n)])
-    peer = w.call("connect", b.metadata(), progress=b.progress)  # this side is the NIXL target: progress it
-    src_b = tbytes(seeded_bytes(n, SEED + 3))
-    for shape, d in descriptor_shapes(src_base, dst.data_ptr(), n, np.random.default_rng(SEED + 4)).items():
-        want = brute_apply(tbytes(dst), dst.data_ptr(), src_b, src_base, d)
-        res = w.call("write", d, peer, DEADLINE_S, timeout_s=DEADLINE_S + 5, progress=b.progress)
-        assert len(res["elapsed_s"]) == 1
-        assert tbytes(dst) == want, shape
-    assert w.call("stats")["handles_done"] == 3
+    b.register([Region(here.data_ptr(), n)])
+    w_bytes = tbytes(seeded_bytes(n, SEED + 1))  # independent re-creation of the worker's buffer
+    if sender == "here":
+        peer = b.connect(w.call("metadata"))  # a NIXL handshake: the idle worker progresses and answers
+        src_base, dst_base, src_b, dst_now = here.data_ptr(), w_base, tbytes(here), w_bytes
+    else:
+        peer = w.call("connect", b.metadata(), progress=b.progress)  # this side is the NIXL target: progress it
+        src_base, dst_base, src_b, dst_now = w_base, here.data_ptr(), w_bytes, tbytes(here)
+    for shape, d in descriptor_shapes(src_base, dst_base, n, np.random.default_rng(SEED + 2)).items():
+        dst_now = brute_apply(dst_now, dst_base, src_b, src_base, d)
+        if sender == "here":
+            h = b.write_descriptors(d, peer)
+            b.wait(h, DEADLINE_S)
+            b.release(h)
+            got = w.call("read", buf_id, 0, n)
+        else:
+            res = w.call("write", d, peer, DEADLINE_S, timeout_s=DEADLINE_S + 5, progress=b.progress)
+            assert len(res["elapsed_s"]) == 1
+            got = tbytes(here)
+        assert got == dst_now, shape
+    assert (b.stats() if sender == "here" else w.call("stats"))["handles_done"] == 3
     w.call("reset_backend")
-    w.call("free", src_buf)
+    w.call("free", buf_id)
 
 
 # ==== plan-level transfers ======================================================================================
@@ -464,16 +482,10 @@ def test_descriptor_batches_sender_in_second_process(name, backend_workers, back
 @pytest.mark.parametrize("name", ALL)
 @pytest.mark.parametrize("prefix_tokens", [0, 6])
 def test_plan_target_draft_swa_in_one_process(name, prefix_tokens, backend_factory):
-    spec = kv_spec()
-    src_arena, src_alloc = kv_side(spec, SEED)
-    dst_arena, dst_alloc = kv_side(spec, SEED + 1)
+    src_arena, src_alloc, a, dst_arena, dst_alloc, b = kv_pair(backend_factory, name)
     noise = alloc_request(dst_alloc, 9)  # destination pages differ from source pages
     src_vt, dst_vt = alloc_request(src_alloc, L_TOKENS), alloc_request(dst_alloc, L_TOKENS)
     dst_alloc.free(noise["full"][:4], owner="full")  # a hole below the request's pages
-    a = backend_factory(name, layout=PeerLayout.from_arena(src_arena))
-    b = backend_factory(name, layout=PeerLayout.from_arena(dst_arena))
-    a.register(src_arena.regions())
-    b.register(dst_arena.regions())
     peer = a.connect(b.metadata())
     plan = build_plan("req-1", src_alloc, src_vt, dst_alloc, dst_vt, prefix_tokens=prefix_tokens)
     assert set(plan.vectors) == {"target", "draft", "swa_tail"}
@@ -591,6 +603,10 @@ def test_incompatible_geometry_refused_across_processes(name, backend_workers, b
         a.connect(w.call("metadata"))
     assert len(e.value.differences) >= 4 and their["ends"][0]["page_size"] == 8
     assert a.peers() == []
+    with pytest.raises(IncompatiblePeerError) as back:  # refused in the worker: the error travels back whole
+        w.call("connect", a.metadata())
+    assert any("'full': page_size local 8 != remote 4" in x for x in back.value.differences)
+    assert w.call("stats")["peers"] == 0
 
 
 # ==== unregistered destinations, closed peers ==================================================================
@@ -598,14 +614,9 @@ def test_incompatible_geometry_refused_across_processes(name, backend_workers, b
 
 @pytest.mark.parametrize("name", ALL)
 def test_unregistered_destination_is_refused_before_sending(name, backend_factory):
-    spec = kv_spec()
-    src_arena, src_alloc = kv_side(spec, SEED)
-    dst_arena, dst_alloc = kv_side(spec, SEED + 1)
-    a = backend_factory(name, layout=PeerLayout.from_arena(src_arena))
-    b = backend_factory(name, layout=PeerLayout.from_arena(dst_arena))
-    a.register(src_arena.regions())
     # The receiver registers only the lower half of its arena; the SWA end grows down from the top.
-    b.register([Region(dst_arena.base_ptr, spec.arena_bytes // 2)])
+    src_arena, src_alloc, a, dst_arena, dst_alloc, b = kv_pair(
+        backend_factory, name, lambda arena: [Region(arena.base_ptr, arena.spec.arena_bytes // 2)])
     peer = a.connect(b.metadata())
     plan = build_plan("req-3", src_alloc, alloc_request(src_alloc, L_TOKENS), dst_alloc,
                       alloc_request(dst_alloc, L_TOKENS))
@@ -625,13 +636,7 @@ def test_unregistered_destination_is_refused_before_sending(name, backend_factor
 
 @pytest.mark.parametrize("name", ALL)
 def test_peer_closed_before_transfer_fails_the_plan(name, backend_factory):
-    spec = kv_spec()
-    src_arena, src_alloc = kv_side(spec, SEED)
-    dst_arena, dst_alloc = kv_side(spec, SEED + 1)
-    a = backend_factory(name, layout=PeerLayout.from_arena(src_arena))
-    b = backend_factory(name, layout=PeerLayout.from_arena(dst_arena))
-    a.register(src_arena.regions())
-    b.register(dst_arena.regions())
+    src_arena, src_alloc, a, dst_arena, dst_alloc, b = kv_pair(backend_factory, name)
     peer = a.connect(b.metadata())
     plan = build_plan("req-4", src_alloc, alloc_request(src_alloc, L_TOKENS), dst_alloc,
                       alloc_request(dst_alloc, L_TOKENS))
@@ -690,6 +695,7 @@ def test_failure_paths_with_a_second_process(name, backend_workers, backend_fact
     # 1. pending holds the lease until every part ends
     peer = fresh_peer()
     plan = new_plan("f-1")
+    submitted = a.stats()["handles_submitted"]
     want = dst_image(plan)
     w.pause()
     try:
@@ -698,6 +704,9 @@ def test_failure_paths_with_a_second_process(name, backend_workers, backend_fact
             assert h.num_parts == -(-plan.num_descriptors // 2) >= 2
         time.sleep(0.3)
         assert a.poll(h) == "pending" and plan.state == "pending" and src_alloc.leases_active() == 1
+        with pytest.raises(UmallocValueError, match="in flight"):  # a 2nd handle would outlive the leases (F11)
+            a.submit(plan, peer)
+        assert a.stats()["handles_submitted"] == submitted + 1
         # registration changes that would drop or merge the engine region under the transfer are refused
         regs = a.registered_regions()
         with pytest.raises(RegistrationError, match="pending"):
@@ -761,17 +770,22 @@ def test_failure_paths_with_a_second_process(name, backend_workers, backend_fact
     w.run(W + "kv_setup", PeerLayout.from_arena(src_arena).to_dict())
     peer = a.connect(w.call("metadata"))
     plan = new_plan("f-5")
+    queued = plan.descriptors()[:1].copy()
     w.pause()
     h = a.submit(plan, peer)
+    h2 = a.write_descriptors(queued, peer)  # queued behind the plan (Mooncake: the same per-peer sender)
     time.sleep(0.2)
     assert a.poll(h) == "pending"
     w.kill()
     t0 = time.monotonic()
-    with pytest.raises(TransferError) as e:
-        a.wait(h, DEADLINE_S)
-    assert not isinstance(e.value, TransferTimeout) and time.monotonic() - t0 < DEADLINE_S
+    for hh in (h, h2):
+        with pytest.raises(TransferError) as e:
+            a.wait(hh, DEADLINE_S)
+        assert not isinstance(e.value, TransferTimeout) and time.monotonic() - t0 < DEADLINE_S
+        a.release(hh)
     assert plan.state == "failed" and src_alloc.leases_active() == 0
-    a.release(h)
+    if name == "mooncake":  # the plan's failed chunk found the peer dead: the queued batch is never posted
+        assert "not posted: peer closed or unreachable" in str(h2.error)
     s = a.stats()
     assert s["open_handles"] == 0 and s["pending_handles"] == 0
     a.check_invariants()

@@ -24,7 +24,6 @@ from umalloc.arena import Arena
 from umalloc.compaction import (
     CompactionReport,
     apply_plan,
-    compact_end,
     copy_moves,
     move_runs,
     plan_down,
@@ -673,26 +672,3 @@ class LeaseCompactionMachine(RuleBasedStateMachine):
 
 TestLeaseCompactionMachine = LeaseCompactionMachine.TestCase
 TestLeaseCompactionMachine.settings = settings(max_examples=40, stateful_step_count=40, deadline=None)
-
-
-@pytest.mark.parametrize("grow, lo, hi, free_edge, expect_src, expect_dst, new_band", [
-    ("up", 1, 7, "high", [5, 6], [2, 4], (1, 5)),
-    ("down", 2, 8, "high", [2, 3], [4, 6], (4, 8)),  # band (1, 7]: walk (2, 6), (3, 4); order-preserving
-    ("float", 2, 7, "low", [2], [5], (4, 7)),
-])
-def test_compact_end_on_an_end_view(grow, lo, hi, free_edge, expect_src, expect_dst, new_band) -> None:
-    from types import SimpleNamespace
-
-    arena = make_arena(8)
-    states = {"up": arr(R, L, H, L, H, L, L, G), "down": arr(R, G, L, L, H, L, H, L),
-              "float": arr(R, G, L, H, L, H, L, G)}
-    state = states[grow]
-    p2v = np.where(state == L, np.arange(8) + 10, TOMBSTONE).astype(np.int64)
-    v2p = np.full(20, TOMBSTONE, np.int64)
-    v2p[p2v[p2v != TOMBSTONE]] = np.flatnonzero(p2v != TOMBSTONE)
-    view = SimpleNamespace(name="full", grow=grow, first_page=1, top_page=7, lo=lo, hi=hi, state=state, p2v=p2v,
-                           v2p=v2p)
-    plan = compact_end(arena, view, no_pins(8), free_edge=free_edge)
-    assert (plan.src_pages.tolist(), plan.dst_pages.tolist()) == (expect_src, expect_dst)
-    assert (plan.new_lo, plan.new_hi) == new_band
-    assert (state[plan.dst_pages] == L).all() and (p2v[plan.dst_pages] == np.array(expect_src) + 10).all()

@@ -167,6 +167,42 @@ def test_bounds_page_past_arena_refused():
         plan_of(src, dst, vec(src, dst, [3], [1 << 40]), [3], [])
 
 
+def test_bounds_ids_that_would_wrap_uint64_addresses_refused():
+    """A corrupted id far past the end's pages whose address would wrap modulo 2**64 back onto a leased page
+    (64 B pages: page 3 + 2**58 lands on page 3) is refused before any address is computed."""
+    src, dst = layout(base=1000), layout(base=2000)
+    wraps_to_page_3 = 2 * (3 + (1 << 58))  # row 0 of page 3 + 2**58, page_size 2
+    with pytest.raises(DescriptorBoundsError, match=f"src row id {wraps_to_page_3} .*last page 9"):
+        plan_of(src, dst, vec(src, dst, sr=[wraps_to_page_3], dr=[14]), [3], [7])
+    with pytest.raises(DescriptorBoundsError, match=f"dst row id {wraps_to_page_3} "):
+        plan_of(src, dst, vec(src, dst, sr=[6], dr=[wraps_to_page_3]), [3], [3])
+    with pytest.raises(DescriptorBoundsError, match=f"src page id {3 + (1 << 58)} "):
+        plan_of(src, dst, vec(src, dst, [3 + (1 << 58)], [7]), [3], [7])
+    with pytest.raises(DescriptorBoundsError, match="row id 9223372036854775807 "):
+        plan_of(src, dst, vec(src, dst, sr=[(1 << 63) - 1], dr=[14]), [3], [7])
+
+
+def test_layout_past_the_64_bit_address_space_refused():
+    with pytest.raises(UmallocValueError, match="past the 64-bit address space"):
+        layout(base=(1 << 64) - 100)  # the 640 B arena would end past 2**64
+    layout(base=(1 << 64) - 640)  # ends exactly at 2**64: fine
+
+
+def test_layout_from_dict_refuses_non_int_fields():
+    """A peer's numbers are taken exactly: a float, string or bool is malformed, never truncated."""
+    good = layout(base=1000).to_dict()
+    for path, value in ((("arena_base_ptr",), 1000.7), (("arena_base_ptr",), "1000"), (("tp_size",), True),
+                        (("ends", 0, "layers", 0, "window_tokens"), 2.5), (("ends", 0, "page_size"), 2.0)):
+        d = json.loads(json.dumps(good))
+        holder = d
+        for key in path[:-1]:
+            holder = holder[key]
+        holder[path[-1]] = value
+        with pytest.raises(UmallocValueError, match="malformed PeerLayout dict: .*expected an int"):
+            PeerLayout.from_dict(d)
+    assert PeerLayout.from_dict(json.loads(json.dumps(good))) == layout(base=1000)
+
+
 def test_bounds_group_outside_registered_regions_refused():
     src, dst = layout(base=1000), layout(base=2000)
     lying = RegionGroup((RegionMember(Region(50_000, 640), 64),))  # a member the peer never registered

@@ -197,6 +197,26 @@ def test_request_that_can_never_fit_is_refused_up_front(tmp_path):
         Replay(ReplayConfig(trace=str(p), token_scale=1, prefill_arena_bytes=64 * MIB))
 
 
+def test_request_whose_bytes_fit_but_cannot_be_placed_is_refused_up_front(tmp_path):
+    # 11,000 prompt + 2 output tokens: 688 pages on full and draft, the SWA window tail 688 - (11000 - 1024) // 16
+    # = 65 pages. Its peak bytes fit a 1,400 MiB decode arena with room to spare, but the empty draft band is
+    # placed in the middle of the gap when the SWA tail is allocated, so the 623 head pages of the full end
+    # cannot be placed below it. Once this crashed the run ("nothing runs and request 0 cannot be admitted");
+    # now it is refused before anything runs (or, if the allocator learns to place it, the run is clean).
+    p = tmp_path / "t.jsonl"
+    p.write_text('{"timestamp": 0, "input_length": 11000, "output_length": 2}\n')
+    peak = 688 * PS * (G_FULL_TOKEN + G_DRAFT_TOKEN) + 65 * PS * G_SWA_TOKEN
+    assert peak < 1300 * MIB  # the bytes fit
+    cfg = ReplayConfig(trace=str(p), token_scale=1, decode_arena_bytes=1400 * MIB)
+    try:
+        r = Replay(cfg)
+    except UmallocValueError as exc:
+        assert "request 0 (11000 prompt + 2 output tokens" in str(exc) and "cannot be placed" in str(exc)
+        assert f"holds {peak:,} bytes" in str(exc)
+    else:
+        assert_clean(r.run())
+
+
 def test_verification_catches_a_corrupted_page(tmp_path):
     class Corrupting(Replay):
         def _verify_received(self, rs):
@@ -260,13 +280,23 @@ def test_cli_refuses_bad_arguments(tmp_path):
     assert res.exit_code == 2 and "no-such-model" in res.output
     res = runner.invoke(app, ["replay", "--trace", str(tmp_path / "missing.jsonl"), "--no-progress"])
     assert res.exit_code == 2 and "does not exist" in res.output
+    # more requests than the trace holds: refused, not silently shortened (the packaged trace has 12,031 rows)
+    res = runner.invoke(app, ["replay", "--requests", "12032", "--no-progress"])
+    assert res.exit_code == 2 and "holds only 12031 requests" in res.output
+    res = runner.invoke(app, ["replay", "--arena-bytes", "0.5", "--no-progress"])
+    assert res.exit_code == 2 and "size '0.5' is 0.5 bytes" in res.output
+    # an arena too small for the geometry is refused before the progress bar is drawn: the error comes first
+    res = runner.invoke(app, ["replay", "--arena-bytes", "1KiB"])
+    assert res.exit_code == 2 and res.output.startswith("error: invalid arena_bytes=1024")
 
 
 def test_size_parsing():
     assert parse_size_bytes("3GiB") == 3 << 30 and parse_size_bytes("1.5GB") == 1_500_000_000
     assert parse_size_bytes("512MiB") == 512 * MIB and parse_size_bytes("4096") == 4096
     assert parse_arena_bytes("1GiB,2GiB") == (1 << 30, 2 << 30) and parse_arena_bytes("64MiB") == (64 * MIB,) * 2
-    for bad in ("", "GiB", "1XB", "1,2,3", "-5"):
+    assert parse_size_bytes("4.1GB") == 4_100_000_000  # exact: float arithmetic gives 4,099,999,999
+    assert parse_size_bytes("0.5KiB") == 512
+    for bad in ("", "GiB", "1XB", "1,2,3", "-5", "0", "0.5", "1.5", "1GiB,0"):  # zero or a fraction of a byte
         with pytest.raises(UmallocValueError):
             parse_arena_bytes(bad)
 

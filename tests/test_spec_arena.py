@@ -272,3 +272,8 @@ def test_normalize_regions():
     assert got == [(100, 120, "cpu", 3), (400, 10, "cpu", 1), (100, 50, "cuda:0", 1)]
     with pytest.raises(UmallocValueError):
         Region(0, 0)
+    with pytest.raises(UmallocValueError):
+        Region((1 << 64) - 8, 16)  # would end past the 64-bit address space
+    with pytest.raises(UmallocValueError):
+        Region.from_dict({"base_ptr": 1000.7, "nbytes": 16, "device": "cpu", "mem_kind": "DRAM"})
+    assert Region.from_dict(Region(1000, 16).to_dict()) == Region(1000, 16)

@@ -460,6 +460,27 @@ def test_kernel_page_ids_hand_example(impl):
     assert impl.m.kernel_page_ids(impl.t([]), 4, 3).shape == (0,)
 
 
+def test_v2p_zero_dim_ids_translate_and_leave_the_table_alone(impl):
+    """A 0-d id tensor is one id: translated like any other, and the v2p table is never written."""
+    v2p = impl.t([5, -1, 2])
+    got = impl.m.virtual_to_physical(impl.t(5), v2p, 2)  # page 2 -> 2, offset 1: 2 * 2 + 1
+    assert got.shape == () and int(got) == 5
+    assert int(impl.m.virtual_to_physical(impl.t(2), v2p, 2)) == 0  # tombstoned page -> sink, offset 0
+    assert int(impl.m.virtual_to_physical_pages(impl.t(1), v2p)) == tr.SINK_PAGE
+    assert int(impl.m.virtual_to_physical_pages(impl.t(0), v2p)) == 5
+    assert as_list(v2p) == [5, -1, 2]
+
+
+def test_v2p_id_space_beyond_int64_is_refused(impl):
+    """len(v2p) * page_size virtual tokens must fit int64; otherwise a typed error, not wrapped ids."""
+    v2p = impl.t([5, -1, 2])
+    with pytest.raises(UmallocValueError, match="page_size <= 3074457345618258602"):
+        impl.m.virtual_to_physical(impl.t([0, 1]), v2p, 1 << 62)
+    ps = 1 << 61  # 3 pages of 2**61 tokens fit; entries below 2**63 // ps = 4
+    assert as_list(impl.m.virtual_to_physical(impl.t([0, 1, 2 * ps + 7]), impl.t([1, -1, 3]), ps)) == [
+        ps, ps + 1, 3 * ps + 7]
+
+
 def test_kernel_page_ids_errors(impl):
     with pytest.raises(InvalidIdError, match="negative"):
         impl.m.kernel_page_ids(impl.t([0, -4]), 4, 3)
@@ -467,6 +488,10 @@ def test_kernel_page_ids_errors(impl):
         impl.m.kernel_page_ids(impl.t([1 << 61]), 4, 8)
     with pytest.raises(UmallocValueError, match="layers_per_page"):
         impl.m.kernel_page_ids(impl.t([0]), 4, 0)
+    # a page envelope of more than 2**63 - 1 kernel rows: refused up front, whatever the tokens
+    for tokens in ([0], []):
+        with pytest.raises(UmallocValueError, match="times layers_per_page=4294967296 overflows"):
+            impl.m.kernel_page_ids(impl.t(tokens), 1 << 32, 1 << 32)
 
 
 @HYP

@@ -26,7 +26,7 @@ Policy:
   is on CUDA each owner's ``v2p`` rows have a device mirror refreshed by one batched scatter per call.
 * **Leases** (:mod:`umalloc.leases`): a physical page freed while pinned becomes *pending* (not reusable, not
   counted as available) until its last lease ends (F11). Expired leases are reclaimed at the start of every
-  allocator call (F12).
+  allocator call (F12). Compaction (:mod:`umalloc.compaction`) never moves a pinned or pending page.
 
 Note [Byte frontiers]
 ~~~~~~~~~~~~~~~~~~~~~
@@ -60,10 +60,14 @@ Virtual pages are minted lowest free id first.
 Note [Shortfall]
 ~~~~~~~~~~~~~~~~
 When an end cannot place its pages the ladder is: drain its holes, grow into the gap (both inside the one
-planning kernel, for every end of the call at once), then -- unless ``compaction="off"`` -- let compaction make
-room within the move budget (moving live pages of the ends that bound the short ends' gaps, so their frontiers
-retreat) and plan once more, then return ``None``. :attr:`MultiEndedAllocator.last_shortfall` names each short
-end with its own deficit (F20). Capacity queries count holes and reachable gap only: never pending pages.
+planning kernel, for every end of the call at once); then -- unless ``compaction="off"`` -- plan room within
+the move budget: compact the nearest present neighbour bounding each short end (the end above an up end frees
+its low edge, the end below a down end its high edge; a float end as the case may be) and slide a float
+neighbour away (Note [Float slide]). That plan is dry-run through the same planner first; only if the
+allocation then fits does anything move, and the allocation is planned once more. Otherwise ``None`` with
+nothing changed. :attr:`MultiEndedAllocator.last_shortfall` names each short end with its own deficit (F20).
+``compaction="eager"`` also compacts the ends a ``free``/``release_end`` touched, right after it. Capacity
+queries count holes and reachable gap only: never pending pages, never what compaction might free.
 
 Note [Float slide]
 ~~~~~~~~~~~~~~~~~~
@@ -117,7 +121,8 @@ logger = logging.getLogger(__name__)
 _LO, _HI, _FIRST, _TOP, _PB, _PS, _GROW, _POFF, _VOFF, _OWNER, _NV = range(11)
 _LIVE, _HOLES, _PENDING, _HINT, _PEAK, _ALLOCS, _FREES, _RELEASED, _MOVES = range(11, 20)
 _VLIVE, _VHINT, _STAMP, _SPLIT = range(20, 24)
-_FLOORB, _ARENAB, _VT, _CHOFF, _ERROFF, _SCROFF, _NE, _HBOFF, _VBOFF, _NFIELDS = range(24, 34)
+_FLOORB, _ARENAB, _VT, _CHOFF, _ERROFF, _SCROFF, _NE, _HBOFF, _VBOFF, _PSOFF, _PGOFF, _PSHIFT, _NFIELDS = \
+    range(24, 37)
 
 _G_UP, _G_DOWN, _G_FLOAT = 0, 1, 2
 _GROW_CODE = {Grow.UP: _G_UP, Grow.DOWN: _G_DOWN, Grow.FLOAT: _G_FLOAT}
@@ -171,7 +176,7 @@ def _view(addr, n):
     return carray(_i64_ptr(addr), (n,))
 
 
-@njit(cache=True, inline="always", error_model="numpy")
+@njit(cache=True, error_model="numpy")
 def _fail(meta, h64, code, pos, value, extra):
     b = meta[0, _ERROFF]
     h64[b] = code
@@ -179,6 +184,20 @@ def _fail(meta, h64, code, pos, value, extra):
     h64[b + 2] = value
     h64[b + 3] = extra
     return code
+
+
+@njit(cache=True, inline="always", error_model="numpy")
+def _plan_scratch(meta, h64):
+    """Four int64 scratch rows of length E in the heap (need, deficit, new_lo, new_hi): no allocation."""
+    E = meta.shape[0]
+    b = meta[0, _PSOFF]
+    return h64[b: b + E], h64[b + E: b + 2 * E], h64[b + 2 * E: b + 3 * E], h64[b + 3 * E: b + 4 * E]
+
+
+@njit(cache=True, inline="always", error_model="numpy")
+def _page_scratch(meta, h64, k):
+    b = meta[0, _PGOFF]
+    return h64[b: b + k]
 
 
 @njit(cache=True, inline="always", error_model="numpy")
@@ -198,39 +217,56 @@ def _bclr(h64, base, i):
 
 
 @njit(cache=True, inline="always", error_model="numpy")
-def _next_set(h64, base, i, nwords):
-    """Lowest set bit ``>= i`` of the bitmap at ``h64[base: base + nwords]``, or -1."""
-    w = i >> 6
-    if w >= nwords:
-        return -1
-    word = h64[base + w] & (np.int64(-1) << (i & 63))
-    while word == 0:
-        w += 1
-        if w >= nwords:
-            return -1
-        word = h64[base + w]
-    return (w << 6) + trailing_zeros(word)
-
-
-@njit(cache=True, inline="always", error_model="numpy")
-def _prev_set(h64, base, i):
-    """Highest set bit ``<= i`` of the bitmap at ``h64[base:]``, or -1."""
-    if i < 0:
-        return -1
-    w = i >> 6
-    b = i & 63
+def _pop_low(h64, base, start, k, out, out_off):
+    """Take the ``k`` lowest set bits ``>= start`` of the bitmap at ``h64[base:]`` (clearing them), write their
+    indices ascending to ``out[out_off: out_off + k]``; return one past the last. A word at a time."""
+    w = start >> 6
     word = h64[base + w]
-    if b != 63:
-        word &= (np.int64(1) << (b + 1)) - 1
-    while word == 0:
-        w -= 1
-        if w < 0:
-            return -1
-        word = h64[base + w]
-    return (w << 6) + 63 - leading_zeros(word)
+    mask = np.int64(-1) << (start & 63)
+    keep = word & ~mask  # bits below start are not ours to take
+    word &= mask
+    last = start - 1
+    for j in range(k):
+        while word == 0:
+            h64[base + w] = keep
+            keep = 0
+            w += 1
+            word = h64[base + w]
+        last = (w << 6) + trailing_zeros(word)
+        out[out_off + j] = last
+        word &= word - 1
+    h64[base + w] = keep | word
+    return last + 1
 
 
 @njit(cache=True, inline="always", error_model="numpy")
+def _pop_high(h64, base, start, k, out, out_off):
+    """Take the ``k`` highest set bits ``<= start`` (clearing them), write their indices ascending to
+    ``out[out_off: out_off + k]``; return one below the lowest taken."""
+    w = start >> 6
+    b0 = start & 63
+    word = h64[base + w]
+    mask = np.int64(-1) if b0 == 63 else (np.int64(1) << (b0 + 1)) - 1
+    keep = word & ~mask  # bits above start are not ours to take
+    word &= mask
+    last = start + 1
+    t = out_off + k - 1
+    for _ in range(k):
+        while word == 0:
+            h64[base + w] = keep
+            keep = 0
+            w -= 1
+            word = h64[base + w]
+        b = 63 - leading_zeros(word)
+        last = (w << 6) + b
+        out[t] = last
+        t -= 1
+        word &= ~(np.int64(1) << b)
+    h64[base + w] = keep | word
+    return last - 1
+
+
+@njit(cache=True, error_model="numpy")
 def _below_bytes(meta, chain, pos, new_lo, new_hi):
     """Byte frontier of the nearest present end below chain position ``pos`` (the floor if none)."""
     for j in range(pos - 1, -1, -1):
@@ -240,7 +276,7 @@ def _below_bytes(meta, chain, pos, new_lo, new_hi):
     return meta[chain[pos], _FLOORB]
 
 
-@njit(cache=True, inline="always", error_model="numpy")
+@njit(cache=True, error_model="numpy")
 def _above_bytes(meta, chain, pos, new_lo, new_hi):
     """Byte frontier of the nearest present end above chain position ``pos`` (the arena's end if none)."""
     for j in range(pos + 1, chain.shape[0]):
@@ -250,7 +286,7 @@ def _above_bytes(meta, chain, pos, new_lo, new_hi):
     return meta[chain[pos], _ARENAB]
 
 
-@njit(cache=True, inline="always", error_model="numpy")
+@njit(cache=True, error_model="numpy")
 def _plan(meta, chain, need, new_lo, new_hi, deficit):
     """Plan band growth: ``need[e]`` pages of fresh band per end (beyond its holes). Fills ``new_lo/new_hi``
     and ``deficit``; returns the total deficit (0: feasible). Up/down ends are planned first, then the float
@@ -330,13 +366,12 @@ def _reach(meta, h64, e):
     return max(0, highp - lowp)
 
 
-@njit(cache=True, inline="always", error_model="numpy")
+@njit(cache=True, error_model="numpy")
 def _plan_k(meta, h64, h8, mask, k, nlo, nhi):
     """Plan ``k`` pages on every end of bind mask ``mask``; on a shortfall write the per-end deficits to err
     and return False."""
     E = meta.shape[0]
-    need = np.empty(E, np.int64)
-    deficit = np.empty(E, np.int64)
+    need, deficit, _, _ = _plan_scratch(meta, h64)
     for e in range(E):
         need[e] = max(0, k - meta[e, _HOLES]) if h8[mask + e] else 0
     if _plan(meta, _chain(meta, h64), need, nlo, nhi, deficit) > 0:
@@ -348,7 +383,7 @@ def _plan_k(meta, h64, h8, mask, k, nlo, nhi):
     return True
 
 
-@njit(cache=True, inline="always", error_model="numpy")
+@njit(cache=True, error_model="numpy")
 def _take(meta, h64, h8, e, k, nlo, nhi, pages):
     """Take ``k`` pages on end ``e`` per Note [Placement order] into ``pages[:k]`` (ascending), mark them live
     and move the band to ``[nlo, nhi)`` (already planned). p2v is written by the caller."""
@@ -367,26 +402,11 @@ def _take(meta, h64, h8, e, k, nlo, nhi, pages):
             pages[j] = p
             j += 1
         if h > 0:  # holes from the bitmap, starting at the drain hint
-            hb = meta[e, _HBOFF]
-            p = meta[e, _HINT]
-            if g == _G_DOWN:  # highest holes first, written so that the slice ends up ascending
-                t = j + h - 1
-                for _ in range(h):
-                    p = _prev_set(h64, hb, p)
-                    pages[t] = p
-                    t -= 1
-                    _bclr(h64, hb, p)
-                    p -= 1
-                j += h
+            if g == _G_DOWN:  # the highest holes, written ascending
+                meta[e, _HINT] = _pop_high(h64, meta[e, _HBOFF], meta[e, _HINT], h, pages, j)
             else:
-                nw = (meta[e, _TOP] + 64) >> 6
-                for _ in range(h):
-                    p = _next_set(h64, hb, p, nw)
-                    pages[j] = p
-                    j += 1
-                    _bclr(h64, hb, p)
-                    p += 1
-            meta[e, _HINT] = p
+                meta[e, _HINT] = _pop_low(h64, meta[e, _HBOFF], meta[e, _HINT], h, pages, j)
+            j += h
             meta[e, _HOLES] -= h
         for p in range(hi, nhi):
             pages[j] = p
@@ -403,24 +423,18 @@ def _take(meta, h64, h8, e, k, nlo, nhi, pages):
         meta[e, _PEAK] = meta[e, _LIVE]
 
 
-@njit(cache=True, inline="always", error_model="numpy")
+@njit(cache=True, error_model="numpy")
 def _mint_bind(meta, h64, h8, owner, mask, k, nlo, nhi):
     """Mint ``k`` virtual pages of ``owner`` (lowest free id first) into the scratch area and bind a fresh
     page of every end of ``mask`` to each (Note [Placement order]). Returns the scratch offset of the ids."""
     voff = meta[owner, _VOFF]
     scr = meta[0, _SCROFF]
-    vb = meta[owner, _VBOFF]
-    nw = (meta[owner, _NV] + 63) >> 6
-    v = meta[owner, _VHINT]
+    if k > 0:
+        meta[owner, _VHINT] = _pop_low(h64, meta[owner, _VBOFF], meta[owner, _VHINT], k, h64, scr)
     for j in range(k):
-        v = _next_set(h64, vb, v, nw)
-        h64[scr + j] = v
-        h8[voff + v] = V_LIVE
-        _bclr(h64, vb, v)
-        v += 1
-    meta[owner, _VHINT] = v
+        h8[voff + h64[scr + j]] = V_LIVE
     meta[owner, _VLIVE] += k
-    pages = np.empty(k, np.int64)
+    pages = _page_scratch(meta, h64, k)
     for e in range(meta.shape[0]):
         if not h8[mask + e]:
             continue
@@ -435,7 +449,7 @@ def _mint_bind(meta, h64, h8, owner, mask, k, nlo, nhi):
     return scr
 
 
-@njit(cache=True, inline="always", error_model="numpy")
+@njit(cache=True, error_model="numpy")
 def _trim(meta, h64, h8, e):
     """Retreat the moving edge(s) of end ``e``'s band over trailing holes (they become gap)."""
     off = meta[e, _POFF]
@@ -466,7 +480,7 @@ def _trim(meta, h64, h8, e):
         meta[e, _HINT] = lo
 
 
-@njit(cache=True, inline="always", error_model="numpy")
+@njit(cache=True, error_model="numpy")
 def _to_hole(meta, h64, h8, e, p):
     h8[meta[e, _POFF] + p] = PAGE_HOLE
     _bset(h64, meta[e, _HBOFF], p)
@@ -478,7 +492,7 @@ def _to_hole(meta, h64, h8, e, p):
         meta[e, _HINT] = p
 
 
-@njit(cache=True, inline="always", error_model="numpy")
+@njit(cache=True, error_model="numpy")
 def _unbind(meta, h64, h8, pins, b, scr, n):
     """Unbind end ``b`` from the ``n`` virtual pages at ``h64[scr:]`` where bound (holes, or pending where
     pinned), then trim its band; returns the pages unbound."""
@@ -520,12 +534,13 @@ def _unbind(meta, h64, h8, pins, b, scr, n):
 
 
 @njit(cache=True, inline="always", error_model="numpy")
-def _vpage_of(h8, voff, ps, lim, t):
-    """The live virtual page of token ``t`` of an owner (``voff``, ``ps``, ``lim = nv * ps``), or minus an
-    error code (range, reserved page 0, never allocated, already free)."""
+def _vpage_of(h8, voff, ps, lim, t, shift):
+    """The live virtual page of token ``t`` of an owner (``voff``, ``ps``, ``lim = nv * ps``; ``shift`` =
+    log2(ps) for a power of two, else -1), or minus an error code (range, reserved page 0, never allocated,
+    already free)."""
     if t < 0 or t >= lim:
         return -_E_RANGE
-    vp = t // ps
+    vp = t >> shift if shift >= 0 else t // ps
     if vp == 0:
         return -_E_RESERVED
     s = h8[voff + vp]
@@ -552,9 +567,7 @@ def _check_tail(meta, h64, h8, owner, mask, stamp, vp, i, ll):
 
 @njit(cache=True, error_model="numpy")
 def _k_alloc_pages(meta, h64, h8, owner, mask, k, vids):
-    E = meta.shape[0]
-    nlo = np.empty(E, np.int64)
-    nhi = np.empty(E, np.int64)
+    _, _, nlo, nhi = _plan_scratch(meta, h64)
     if not _plan_k(meta, h64, h8, mask, k, nlo, nhi):
         return _E_SHORT
     scr = _mint_bind(meta, h64, h8, owner, mask, k, nlo, nhi)
@@ -567,19 +580,26 @@ def _k_alloc_pages(meta, h64, h8, owner, mask, k, vids):
 @njit(cache=True, error_model="numpy")
 def _k_extend(meta, h64, h8, owner, mask, pre_a, seq_a, last_a, B, out_a, n_out):
     """SGLang-style extend. Writes the virtual token ids to ``out_a`` (``n_out`` long) or, if ``out_a == 0``,
-    returns a new array of them; err[0] holds the result code, err[1] the number of fresh pages."""
+    returns a new array of them; err[0] holds the result code, err[1] the number of fresh pages.
+
+    Note [Extend overflow]: ``seq_lens`` are caller data, so the page and token sums could wrap int64 (huge
+    lengths whose sum wraps to a small count would pass the plan and the output loop would write far past the
+    buffer). A request needing more fresh pages than the owner has free virtual ids can never fit (the owner's
+    physical capacity is at most its id space), so the count saturates at ``free_ids + 1``: a shortfall."""
     pre = _view(pre_a, B)
     seq = _view(seq_a, B)
     last = _view(last_a, B)
-    E = meta.shape[0]
     ps = meta[owner, _PS]
     voff = meta[owner, _VOFF]
     lim = meta[owner, _NV] * ps
+    shift = meta[owner, _PSHIFT]
     meta[owner, _STAMP] += 1
     stamp = meta[owner, _STAMP]
     empty = np.empty(0, np.int64)
+    free_ids = meta[owner, _NV] - 1 - meta[owner, _VLIVE]
     k = 0
     ntok = 0
+    over = False  # more fresh pages than free virtual ids: can never fit (Note [Extend overflow])
     for i in range(B):
         P = pre[i]
         L = seq[i]
@@ -592,7 +612,7 @@ def _k_extend(meta, h64, h8, owner, mask, pre_a, seq_a, last_a, B, out_a, n_out)
                 _fail(meta, h64, _E_LAST_NOPREFIX, i, ll, 0)
                 return empty
         else:
-            vp = _vpage_of(h8, voff, ps, lim, ll)
+            vp = _vpage_of(h8, voff, ps, lim, ll, shift)
             if vp < 0:
                 _fail(meta, h64, -vp, i, ll, owner)
                 return empty
@@ -601,13 +621,17 @@ def _k_extend(meta, h64, h8, owner, mask, pre_a, seq_a, last_a, B, out_a, n_out)
                 return empty
             if P % ps != 0 and L > P and not _check_tail(meta, h64, h8, owner, mask, stamp, vp, i, ll):
                 return empty
-        k += -(-L // ps) - (-(-P // ps))
-        ntok += L - P
-    if out_a != 0 and ntok != n_out:
+        d = -(-L // ps) - (-(-P // ps))
+        if over or d > free_ids - k:
+            over = True
+            k = free_ids + 1  # saturate: the plan below reports the shortfall; sums never overflow int64
+        else:
+            k += d
+            ntok += L - P
+    if out_a != 0 and not over and ntok != n_out:
         _fail(meta, h64, _E_OUT, 0, n_out, ntok)
         return empty
-    nlo = np.empty(E, np.int64)
-    nhi = np.empty(E, np.int64)
+    _, _, nlo, nhi = _plan_scratch(meta, h64)
     if not _plan_k(meta, h64, h8, mask, k, nlo, nhi):
         return empty
     scr = _mint_bind(meta, h64, h8, owner, mask, k, nlo, nhi)
@@ -649,10 +673,10 @@ def _k_decode(meta, h64, h8, owner, mask, seq_a, last_a, B, out_a):
     """SGLang-style decode: one token per request at position ``seq - 1``, written to ``out_a``."""
     seq = _view(seq_a, B)
     last = _view(last_a, B)
-    E = meta.shape[0]
     ps = meta[owner, _PS]
     voff = meta[owner, _VOFF]
     lim = meta[owner, _NV] * ps
+    shift = meta[owner, _PSHIFT]
     meta[owner, _STAMP] += 1
     stamp = meta[owner, _STAMP]
     k = 0
@@ -666,7 +690,7 @@ def _k_decode(meta, h64, h8, owner, mask, seq_a, last_a, B, out_a):
                 return _fail(meta, h64, _E_LAST_NOPREFIX, i, ll, 0)
             k += 1
             continue
-        vp = _vpage_of(h8, voff, ps, lim, ll)
+        vp = _vpage_of(h8, voff, ps, lim, ll, shift)
         if vp < 0:
             return _fail(meta, h64, -vp, i, ll, owner)
         if ll % ps != (L - 2) % ps:
@@ -677,8 +701,7 @@ def _k_decode(meta, h64, h8, owner, mask, seq_a, last_a, B, out_a):
             return h64[meta[0, _ERROFF]]
     scr = meta[0, _SCROFF]
     if k > 0:
-        nlo = np.empty(E, np.int64)
-        nhi = np.empty(E, np.int64)
+        _, _, nlo, nhi = _plan_scratch(meta, h64)
         if not _plan_k(meta, h64, h8, mask, k, nlo, nhi):
             return _E_SHORT
         scr = _mint_bind(meta, h64, h8, owner, mask, k, nlo, nhi)
@@ -697,7 +720,7 @@ def _k_decode(meta, h64, h8, owner, mask, seq_a, last_a, B, out_a):
     return _OK
 
 
-@njit(cache=True, inline="always", error_model="numpy")
+@njit(cache=True, error_model="numpy")
 def _unique_vpages(meta, h64, h8, owner, toks, bound_end, strict_bound, want_unbound):
     """Validate ``toks`` (live virtual tokens of ``owner``) and collect their unique pages into the scratch
     area (first-occurrence order). With ``bound_end >= 0`` also check each page's binding on that end:
@@ -706,6 +729,7 @@ def _unique_vpages(meta, h64, h8, owner, toks, bound_end, strict_bound, want_unb
     voff = meta[owner, _VOFF]
     ps = meta[owner, _PS]
     lim = meta[owner, _NV] * ps
+    shift = meta[owner, _PSHIFT]
     st = meta[0, _VT] + voff
     scr = meta[0, _SCROFF]
     meta[owner, _STAMP] += 1
@@ -714,7 +738,7 @@ def _unique_vpages(meta, h64, h8, owner, toks, bound_end, strict_bound, want_unb
     n = 0
     for i in range(toks.shape[0]):
         t = toks[i]
-        vp = _vpage_of(h8, voff, ps, lim, t)
+        vp = _vpage_of(h8, voff, ps, lim, t, shift)
         if vp < 0:
             _fail(meta, h64, -vp, i, t, owner)
             return -1
@@ -784,12 +808,10 @@ def _k_bind(meta, h64, h8, b, mask, toks_a, n_tok):
     if n < 0:
         return -1
     if n > 0:
-        E = meta.shape[0]
-        nlo = np.empty(E, np.int64)
-        nhi = np.empty(E, np.int64)
+        _, _, nlo, nhi = _plan_scratch(meta, h64)
         if not _plan_k(meta, h64, h8, mask, n, nlo, nhi):
             return -1
-        pages = np.empty(n, np.int64)
+        pages = _page_scratch(meta, h64, n)
         _take(meta, h64, h8, b, n, nlo[b], nhi[b], pages)
         poff = meta[b, _POFF]
         bvoff = meta[b, _VOFF]
@@ -809,19 +831,33 @@ def _k_translate(meta, h64, e, toks_a, n, out_a, strict, pages):
     out = _view(out_a, n)
     o = meta[e, _OWNER]
     ps = 1 if pages else meta[e, _PS]
+    shift = 0 if pages else meta[e, _PSHIFT]
     lim = meta[o, _NV] * ps
     voff = meta[e, _VOFF]
-    for i in range(n):
-        t = toks[i]
-        if t < 0 or t >= lim:
-            return _fail(meta, h64, _E_RANGE, i, t, e)
-        vp = t // ps
-        p = h64[voff + vp]
-        if p < 0:
-            if strict:
-                return _fail(meta, h64, _E_TOMB, i, t, e)
-            p = 0
-        out[i] = p * ps + (t - vp * ps)
+    if shift >= 0:  # power-of-two page size: shifts and masks
+        msk = ps - 1
+        for i in range(n):
+            t = toks[i]
+            if t < 0 or t >= lim:
+                return _fail(meta, h64, _E_RANGE, i, t, e)
+            p = h64[voff + (t >> shift)]
+            if p < 0:
+                if strict:
+                    return _fail(meta, h64, _E_TOMB, i, t, e)
+                p = 0
+            out[i] = (p << shift) + (t & msk)
+    else:
+        for i in range(n):
+            t = toks[i]
+            if t < 0 or t >= lim:
+                return _fail(meta, h64, _E_RANGE, i, t, e)
+            vp = t // ps
+            p = h64[voff + vp]
+            if p < 0:
+                if strict:
+                    return _fail(meta, h64, _E_TOMB, i, t, e)
+                p = 0
+            out[i] = p * ps + (t - vp * ps)
     h64[meta[0, _ERROFF]] = _OK
     return _OK
 
@@ -1019,7 +1055,9 @@ _Tensor = torch.Tensor
 
 def _ids(t: object, name: str) -> torch.Tensor:
     """Validate a 1-D ``torch.int64`` id tensor; return a contiguous CPU tensor (itself when it already is one:
-    the kernels read it in place, Note [Zero-copy tensor inputs])."""
+    the kernels read it in place, Note [Zero-copy tensor inputs]). The first test is the hot path's."""
+    if type(t) is _Tensor and t.dtype is _I64 and t.dim() == 1 and t.is_cpu and t.is_contiguous():
+        return t
     if not isinstance(t, torch.Tensor):
         raise InvalidIdError(f"{name}: got {type(t).__name__}; allowed a 1-D torch.int64 tensor")
     if t.dtype is not _I64:
@@ -1031,14 +1069,19 @@ def _ids(t: object, name: str) -> torch.Tensor:
     return t
 
 
-def _out(out: object, n: int, name: str = "out") -> torch.Tensor:
-    """Validate a preallocated output: contiguous CPU ``torch.int64`` of shape ``(n,)``."""
-    if not isinstance(out, torch.Tensor) or out.dtype is not _I64 or out.dim() != 1 or out.numel() != n \
-            or not out.is_cpu or not out.is_contiguous():
-        desc = (f"{out.dtype}, shape {tuple(out.shape)}, {out.device}" if isinstance(out, torch.Tensor)
-                else type(out).__name__)
-        raise InvalidIdError(f"{name}: {desc}; allowed a contiguous CPU torch.int64 tensor of shape ({n},)")
-    return out
+def _out(out: object, n: int | None, name: str = "out") -> torch.Tensor:
+    """Validate a preallocated output: contiguous CPU ``torch.int64`` of shape ``(n,)`` (any length if ``n`` is
+    None: the kernel checks it)."""
+    if type(out) is _Tensor and out.dtype is _I64 and out.dim() == 1 and out.is_cpu and out.is_contiguous() \
+            and (n is None or out.numel() == n):
+        return out
+    if isinstance(out, torch.Tensor) and out.dtype is _I64 and out.dim() == 1 and out.is_cpu \
+            and out.is_contiguous() and (n is None or out.numel() == n):
+        return out
+    desc = (f"{out.dtype}, shape {tuple(out.shape)}, {out.device}" if isinstance(out, torch.Tensor)
+            else type(out).__name__)
+    shape = "(n,)" if n is None else f"({n},)"
+    raise InvalidIdError(f"{name}: {desc}; allowed a contiguous CPU torch.int64 tensor of shape {shape}")
 
 
 def _pack_bits(bits: np.ndarray) -> np.ndarray:
@@ -1145,7 +1188,9 @@ class MultiEndedAllocator:
         CH = PT + 2 * VT
         ERR = CH + E
         SCR = ERR + 4 + E
-        HB = SCR + max(max(nv), 1)
+        PS = SCR + max(max(nv), 1)              # plan scratch: need, deficit, new_lo, new_hi
+        PG = PS + 4 * E                         # page scratch: the pages one end takes in one call
+        HB = PG + max(max(slots), 1)
         hboff = [0] * E
         cur = HB
         for i in range(E):
@@ -1174,6 +1219,8 @@ class MultiEndedAllocator:
             m[_FLOORB], m[_ARENAB] = spec.floor_bytes, spec.arena_bytes
             m[_VT], m[_CHOFF], m[_ERROFF], m[_SCROFF], m[_NE] = VT, CH, ERR, SCR, E
             m[_HBOFF], m[_VBOFF] = hboff[i], vboff[i]
+            m[_PSOFF], m[_PGOFF] = PS, PG
+            m[_PSHIFT] = e.page_size.bit_length() - 1 if e.page_size & (e.page_size - 1) == 0 else -1
             if e.grow is Grow.DOWN:
                 m[_LO] = m[_HI] = top + 1
                 m[_HINT] = top
@@ -1210,9 +1257,7 @@ class MultiEndedAllocator:
                                   first_pages={n: int(meta[i, _FIRST]) for i, n in enumerate(self._names)},
                                   validator=self._validate_lease_pages)
         self._pins = tuple(self._leases.pin_count(n) for n in self._names)
-        # the table's registry of active leases: truthiness is the O(1) "any lease active?" test of the hot path
-        active = getattr(self._leases, "_active", None)
-        self._active_leases: Any = active if isinstance(active, dict) else _LenView(self._leases)
+        self._active_leases = self._leases.active_view  # O(1) truthiness: the hot path's "any lease?" test
         self._expired_by_end = [0] * E
 
         # ---- device mirrors of v2p (one 2-D block per owner group) when the arena lives on CUDA
@@ -1437,6 +1482,20 @@ class MultiEndedAllocator:
         self.last_shortfall = {self._names[e]: int(self._err[4 + e]) for e in range(E) if self._err[4 + e] > 0}
         logger.debug("allocation fell short: %s", self.last_shortfall)
         return self.last_shortfall
+
+    def _retry(self, kernel: Callable[..., Any], args: tuple[Any, ...], mask: int, where: str) -> Any:
+        """The slow path of a placement kernel that did not return OK (the hot path tests that inline): misuse
+        raises (nothing changed); a shortfall runs the ladder (Note [Shortfall]) and the kernel once more.
+        Returns the kernel's result, or None if the pages still do not fit (nothing changed)."""
+        if self._err[0] != _E_SHORT:
+            self._raise(where)
+        if not self._retry_after_shortfall(int(self._err[2]), mask):
+            return None
+        res = kernel(*args)
+        if self._err[0] != _OK:
+            self._short()
+            return None
+        return res
 
     def _retry_after_shortfall(self, k: int, mask: int) -> bool:
         """Note [Shortfall]: holes are drained and the gap grown inside the kernels; when that is not enough,
@@ -1665,20 +1724,16 @@ class MultiEndedAllocator:
         if self._active_leases:
             self._tick()
         k = int(num_pages)
-        vids = np.empty(k, np.int64)
         free_ids = int(self._meta[o, _NV]) - 1 - int(self._meta[o, _VLIVE])
         if k > free_ids:  # more pages than the owner's id space holds: no compaction can help
             self._err[4:] = 0
             self._err[4 + o] = k - free_ids
             self._short()
             return None
+        vids = np.empty(k, np.int64)  # after the check: a huge num_pages must not reach the allocation
         args = (self._meta, self._h64, self._h8, o, mask, k, vids)
-        if _k_alloc_pages(*args) != _OK:
-            if not self._retry_after_shortfall(k, mask):
-                return None
-            if _k_alloc_pages(*args) != _OK:
-                self._short()
-                return None
+        if _k_alloc_pages(*args) != _OK and self._retry(_k_alloc_pages, args, mask, "alloc_pages") is None:
+            return None
         if self._sync:
             self._after(o, k)
         return torch.from_numpy(vids)
@@ -1718,19 +1773,13 @@ class MultiEndedAllocator:
         >>> alloc.alloc_extend(torch.tensor([3]), torch.tensor([5]), torch.tensor([4])).tolist()
         [5, 8]
         """
-        if owner is None and bind is None and self._default_owner >= 0:
+        if owner is None and bind is None and self._default_owner >= 0:  # the hot path: no call
             o, mask = self._default_owner, self._default_mask
         else:
             o, mask = self._resolve(owner, bind)
-        if not (type(prefix_lens) is _Tensor and prefix_lens.dtype is _I64 and prefix_lens.dim() == 1
-                and prefix_lens.is_cpu and prefix_lens.is_contiguous()):
-            prefix_lens = _ids(prefix_lens, "prefix_lens")
-        if not (type(seq_lens) is _Tensor and seq_lens.dtype is _I64 and seq_lens.dim() == 1
-                and seq_lens.is_cpu and seq_lens.is_contiguous()):
-            seq_lens = _ids(seq_lens, "seq_lens")
-        if not (type(last_loc) is _Tensor and last_loc.dtype is _I64 and last_loc.dim() == 1
-                and last_loc.is_cpu and last_loc.is_contiguous()):
-            last_loc = _ids(last_loc, "last_loc")
+        prefix_lens = _ids(prefix_lens, "prefix_lens")
+        seq_lens = _ids(seq_lens, "seq_lens")
+        last_loc = _ids(last_loc, "last_loc")
         B = prefix_lens.numel()
         if seq_lens.numel() != B or last_loc.numel() != B:
             raise InvalidIdError(f"alloc_extend: shapes prefix_lens ({B},), seq_lens ({seq_lens.numel()},), "
@@ -1738,7 +1787,7 @@ class MultiEndedAllocator:
         if out is None:
             out_a = n_out = 0
         else:
-            _out(out, out.numel() if isinstance(out, torch.Tensor) else -1)
+            out = _out(out, None)
             out_a, n_out = out.data_ptr(), out.numel()
         if self._active_leases:
             self._tick()
@@ -1746,13 +1795,8 @@ class MultiEndedAllocator:
                 last_loc.data_ptr(), B, out_a, n_out)
         res = _k_extend(*args)
         if self._err[0] != _OK:
-            if self._err[0] != _E_SHORT:
-                self._raise("alloc_extend")
-            if not self._retry_after_shortfall(int(self._err[2]), mask):
-                return None
-            res = _k_extend(*args)
-            if self._err[0] != _OK:
-                self._short()
+            res = self._retry(_k_extend, args, mask, "alloc_extend")
+            if res is None:
                 return None
         if self._sync:
             self._after(o, int(self._err[1]))
@@ -1786,16 +1830,12 @@ class MultiEndedAllocator:
         ...
         umalloc.errors.InvalidIdError: alloc_decode: request 0: last_loc=3 is not at the page offset of token position 0 (page arithmetic uses absolute positions, F07)
         """
-        if owner is None and bind is None and self._default_owner >= 0:
+        if owner is None and bind is None and self._default_owner >= 0:  # the hot path: no call
             o, mask = self._default_owner, self._default_mask
         else:
             o, mask = self._resolve(owner, bind)
-        if not (type(seq_lens) is _Tensor and seq_lens.dtype is _I64 and seq_lens.dim() == 1
-                and seq_lens.is_cpu and seq_lens.is_contiguous()):
-            seq_lens = _ids(seq_lens, "seq_lens")
-        if not (type(last_loc) is _Tensor and last_loc.dtype is _I64 and last_loc.dim() == 1
-                and last_loc.is_cpu and last_loc.is_contiguous()):
-            last_loc = _ids(last_loc, "last_loc")
+        seq_lens = _ids(seq_lens, "seq_lens")
+        last_loc = _ids(last_loc, "last_loc")
         B = seq_lens.numel()
         if last_loc.numel() != B:
             raise InvalidIdError(f"alloc_decode: shapes seq_lens ({B},), last_loc ({last_loc.numel()},); allowed "
@@ -1805,15 +1845,8 @@ class MultiEndedAllocator:
             self._tick()
         args = (self._meta, self._h64, self._h8, o, mask, seq_lens.data_ptr(), last_loc.data_ptr(), B,
                 res.data_ptr())
-        code = _k_decode(*args)
-        if code != _OK:
-            if code != _E_SHORT:
-                self._raise("alloc_decode")
-            if not self._retry_after_shortfall(int(self._err[2]), mask):
-                return None
-            if _k_decode(*args) != _OK:
-                self._short()
-                return None
+        if _k_decode(*args) != _OK and self._retry(_k_decode, args, mask, "alloc_decode") is None:
+            return None
         if self._sync:
             self._after(o, int(self._err[1]))
         return res
@@ -1844,13 +1877,8 @@ class MultiEndedAllocator:
         args = (self._meta, self._h64, self._h8, b, mask, toks.data_ptr(), toks.numel())
         n = _k_bind(*args)
         if n < 0:
-            if self._err[0] != _E_SHORT:
-                self._raise("bind_end")
-            if not self._retry_after_shortfall(int(self._err[2]), mask):
-                return False
-            n = _k_bind(*args)
-            if n < 0:
-                self._short()
+            n = self._retry(_k_bind, args, mask, "bind_end")
+            if n is None:
                 return False
         if self._sync:
             self._after(o, n)
@@ -1894,9 +1922,7 @@ class MultiEndedAllocator:
             o = self._default_owner
         else:
             o = self._owner_index(owner)
-        if not (type(vtokens) is _Tensor and vtokens.dtype is _I64 and vtokens.dim() == 1 and vtokens.is_cpu
-                and vtokens.is_contiguous()):
-            vtokens = _ids(vtokens, "vtokens")
+        vtokens = _ids(vtokens, "vtokens")
         if self._active_leases:
             self._tick()
         n = _k_free(self._meta, self._h64, self._h8, self._pins, o, vtokens.data_ptr(), vtokens.numel())
@@ -1927,12 +1953,10 @@ class MultiEndedAllocator:
         >>> alloc.translate_pages(vp, "swa", strict=False).tolist(), alloc.translate_pages(vp, "full").tolist()
         ([0, 9], [1, 2])
         """
-        b = self._bound.get(end, -1)
+        b = self._bound.get(end, -1) if type(end) is str else -1
         if b < 0:
             b = self._bound_index(end, "release_end")
-        if not (type(vtokens) is _Tensor and vtokens.dtype is _I64 and vtokens.dim() == 1 and vtokens.is_cpu
-                and vtokens.is_contiguous()):
-            vtokens = _ids(vtokens, "vtokens")
+        vtokens = _ids(vtokens, "vtokens")
         if self._active_leases:
             self._tick()
         n = _k_release(self._meta, self._h64, self._h8, self._pins, b, vtokens.data_ptr(), vtokens.numel(),
@@ -2007,6 +2031,8 @@ class MultiEndedAllocator:
             return self._translate_device(ids, e, strict, out, pages=pages)
         toks = _ids(ids, "vpages" if pages else "vtokens")
         n = toks.numel()
+        if out is not None and not isinstance(out, torch.Tensor):
+            _out(out, n)  # raises: out must be a tensor
         res = torch.empty(n, dtype=_I64) if out is None or out.is_cuda else _out(out, n)
         if out is not None and out.is_cuda:
             _out(out.cpu(), n)
@@ -2432,16 +2458,6 @@ class MultiEndedAllocator:
     def __repr__(self) -> str:
         ends = ", ".join(repr(v) for v in self.ends.values())
         return f"MultiEndedAllocator({ends})"
-
-
-class _LenView:
-    """Truthiness of a lease table by ``len`` (fallback if its registry attribute is not available)."""
-
-    def __init__(self, table: LeaseTable) -> None:
-        self._table = table
-
-    def __bool__(self) -> bool:
-        return len(self._table) > 0
 
 
 def snapshots_equal(a: Any, b: Any) -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 from enum import Enum
+from fractions import Fraction
 from pathlib import Path
 from typing import Annotated
 
@@ -41,32 +42,40 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "ki": 2**10, "m"
 def parse_size_bytes(text: str) -> int:
     """``"3GiB"`` -> 3221225472; plain ints are bytes; ``k/M/G/T`` are decimal, ``Ki/Mi/Gi/Ti`` binary.
 
-    Raises:
-        UmallocValueError: not a size.
+    The value is exact (no float rounding) and must be a whole, positive number of bytes.
 
-    >>> parse_size_bytes("1536MiB"), parse_size_bytes("2GB"), parse_size_bytes("4096")
-    (1610612736, 2000000000, 4096)
+    Raises:
+        UmallocValueError: not a size, zero, or a fraction of a byte (``"0.5"``, ``"1.5"``).
+
+    >>> parse_size_bytes("1536MiB"), parse_size_bytes("2GB"), parse_size_bytes("4096"), parse_size_bytes("4.1GB")
+    (1610612736, 2000000000, 4096, 4100000000)
     """
     m = _SIZE_RE.match(text)
     if m is None:
         raise UmallocValueError(f"size {text!r}: allowed an int or a number with a unit (e.g. 512MiB, 2GiB)")
-    unit = (m.group(2) or "").lower()
-    return int(float(m.group(1)) * _UNITS[unit])
+    nbytes = Fraction(m.group(1)) * _UNITS[(m.group(2) or "").lower()]
+    if nbytes.denominator != 1 or nbytes < 1:
+        raise UmallocValueError(f"size {text!r} is {float(nbytes):g} bytes: allowed a whole number of bytes >= 1")
+    return int(nbytes)
 
 
 def parse_arena_bytes(text: str) -> tuple[int, int]:
     """``"SIZE"`` (both arenas) or ``"PREFILL,DECODE"`` -> ``(prefill_bytes, decode_bytes)``.
 
+    Raises:
+        UmallocValueError: not one or two sizes (see :func:`parse_size_bytes`).
+
     >>> parse_arena_bytes("1GiB,3GiB")
     (1073741824, 3221225472)
     """
-    parts = [p for p in text.split(",")]
-    if len(parts) == 1:
-        b = parse_size_bytes(parts[0])
-        return b, b
-    if len(parts) == 2:
-        return parse_size_bytes(parts[0]), parse_size_bytes(parts[1])
-    raise UmallocValueError(f"--arena-bytes {text!r}: allowed SIZE or PREFILL,DECODE")
+    parts = text.split(",")
+    if len(parts) not in (1, 2):
+        raise UmallocValueError(f"--arena-bytes {text!r}: allowed SIZE or PREFILL,DECODE")
+    try:
+        sizes = [parse_size_bytes(p) for p in parts]
+    except UmallocValueError as exc:
+        raise UmallocValueError(f"--arena-bytes: {exc}") from None
+    return (sizes[0], sizes[-1])
 
 
 class BackendName(str, Enum):
@@ -97,13 +106,14 @@ def replay(
                      ] = DEFAULT_PRESET,
     page_size: Annotated[int, typer.Option("--page-size", min=1, help="Tokens per page.")] = 16,
     arena_bytes: Annotated[str | None, typer.Option(
-        "--arena-bytes", help="Arena bytes: SIZE for both or PREFILL,DECODE (e.g. 2GiB,3GiB). Default: sized from "
-        "the slice, tight enough to keep the decode arena under pressure.")] = None,
+        "--arena-bytes", help="Arena bytes: SIZE for both or PREFILL,DECODE (e.g. 2GiB,3GiB; rounded down to 16 "
+        "bytes). Default: sized from the slice, tight enough to keep the decode arena under pressure.")] = None,
     backend: Annotated[BackendName, typer.Option(
         "--backend", help="Transfer backend; nixl and mooncake run the prefill side in a second process.")
     ] = BackendName.local,
     requests: Annotated[int | None, typer.Option(
-        "--requests", min=1, help=f"Replay the first N requests. [default: {DEFAULT_REQUESTS}]")] = None,
+        "--requests", min=1, help="Replay the first N requests (at most the trace's rows). "
+        f"[default: {DEFAULT_REQUESTS}, or every row of a shorter trace]")] = None,
     token_scale: Annotated[int | None, typer.Option(
         "--token-scale", min=1, help="Divide every token count by K (ceiling, at least 1). "
         f"[default: {DEFAULT_TOKEN_SCALE}]")] = None,

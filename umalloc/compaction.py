@@ -22,8 +22,8 @@ Policy:
   a numba row copy on CPU, run-wise or gather/scatter on CUDA), then rewrite ``p2v``/``v2p`` and the states;
   virtual ids never change, only the physical page behind them. Pages between the old and the new watermark
   become gap.
-* Planning is O(band) vectorized numpy (a 64k-page band plans in well under a millisecond); applying is
-  O(moved pages * page_bytes) bytes.
+* Planning is one O(band) numba pass with no allocation beyond the result (a 64k-page band plans in 0.2-0.8
+  ms on one CPU core here); applying is O(moved pages * page_bytes) bytes.
 
 Exact orders (asserted by tests/test_compaction.py)::
 
@@ -153,46 +153,78 @@ def _check_int(name: str, value: object, lo: int, hi: int) -> int:
     return int(value)
 
 
-def _check_band(band_state: np.ndarray, lo: int) -> None:
-    bad = (band_state != PAGE_HOLE) & (band_state != PAGE_LIVE) & (band_state != PAGE_PENDING)
-    if bad.any():
-        i = int(np.flatnonzero(bad)[0])
-        raise InvariantError(f"page {lo + i} inside the band has state {int(band_state[i])}; a band holds only "
-                             f"holes ({PAGE_HOLE}), live ({PAGE_LIVE}) and pending ({PAGE_PENDING}) pages")
+@numba.njit(cache=True, nogil=True)
+def _walk(state: np.ndarray, pins: np.ndarray, anchor: int, n: int, step: int, budget: int,
+          src: np.ndarray, dst: np.ndarray) -> tuple[int, int, int, int]:  # pragma: no cover - numba
+    """Survivor walk over the band pages ``anchor + step * i``, ``i in [0, n)`` (``i = 0`` nearest the anchor).
 
-
-# ---- the walk, in anchor-relative coordinates -------------------------------------------------------------
-def _walk(band_state: np.ndarray, band_pinned: np.ndarray, budget: int) -> tuple[np.ndarray, np.ndarray, int, int]:
-    """Survivor walk over a band given nearest-to-anchor first.
-
-    Returns ``(src_rel, dst_rel, new_len, skipped)`` with relative indices (0 = the anchor page) and the new
-    band length (the band keeps relative indices ``[0, new_len)``).
+    Writes the chosen relative indices to ``src`` (descending) and ``dst`` (ascending) and returns
+    ``(k, new_len, skipped, bad)``: k moves, the band keeps relative indices ``[0, new_len)`` after them,
+    ``skipped`` walls beyond the nearest usable hole, ``bad`` the first relative index whose state is neither
+    hole, live nor pending (-1 if none; then nothing else is meaningful). One pass to validate and find the
+    farthest wall, one two-pointer pass, one short retreat scan: O(n), no allocation.
     """
-    n = band_state.size
+    last_wall = -1
+    first_hole = -1
+    for i in range(n):
+        st = state[anchor + step * i]
+        if st != PAGE_HOLE and st != PAGE_LIVE and st != PAGE_PENDING:
+            return 0, 0, 0, i
+        if st == PAGE_PENDING or pins[anchor + step * i] > 0:
+            last_wall = i
+        elif st == PAGE_HOLE and first_hole < 0:
+            first_hole = i
+    skipped = 0
+    if first_hole >= 0:
+        for i in range(first_hole + 1, last_wall + 1):
+            p = anchor + step * i
+            if state[p] == PAGE_PENDING or pins[p] > 0:
+                skipped += 1
+    d = 0
+    s = n - 1
+    k = 0
+    while k < budget:
+        while d < n and not (state[anchor + step * d] == PAGE_HOLE and pins[anchor + step * d] == 0):
+            d += 1
+        while s > last_wall and not (state[anchor + step * s] == PAGE_LIVE and pins[anchor + step * s] == 0):
+            s -= 1
+        if s <= last_wall or d >= s:
+            break
+        src[k] = s
+        dst[k] = d
+        k += 1
+        d += 1
+        s -= 1
+    # Every page at or beyond the nearest source is a hole after the moves (beyond the farthest wall there are
+    # only unpinned holes and live pages, and the walk took every live one); every destination lies nearer.
+    i = n - 1
+    floor = -1
+    if k:
+        i = src[k - 1] - 1
+        floor = dst[k - 1]
+    while i > floor:
+        p = anchor + step * i
+        if state[p] == PAGE_HOLE and pins[p] == 0:
+            i -= 1
+        else:
+            break
+    return k, i + 1, skipped, -1
+
+
+def _run_walk(state: np.ndarray, pins: np.ndarray, anchor: int, n: int, step: int,
+              budget: int) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """:func:`_walk` plus the error path; returns ``(src_rel ascending, dst_rel ascending, new_len, skipped)``
+    paired order-preserving in relative coordinates."""
     if n == 0:
         return _EMPTY, _EMPTY, 0, 0
-    wall = (band_state == PAGE_PENDING) | band_pinned
-    hole = (band_state == PAGE_HOLE) & ~band_pinned
-    walls = np.flatnonzero(wall)
-    last_wall = int(walls[-1]) if walls.size else -1
-    dst = np.flatnonzero(hole)
-    skipped = int(np.count_nonzero(walls > dst[0])) if dst.size else 0
-    src = np.flatnonzero((band_state[last_wall + 1:] == PAGE_LIVE) & ~band_pinned[last_wall + 1:])[::-1]
-    src = src + (last_wall + 1)
-    k = min(src.size, dst.size, budget)
-    if k:
-        # dst ascends and src descends, so dst < src holds on a prefix: count it.
-        k = int(np.count_nonzero(dst[:k] < src[:k]))
-    src = src[:k][::-1].astype(np.int64)  # order-preserving pairing: both ascending (relative coordinates)
-    dst = dst[:k].astype(np.int64)
-    # occupied after the moves: everything that is not an unpinned hole, minus sources, plus destinations
-    occupied = ~hole
-    if k:
-        occupied[src] = False
-        occupied[dst] = True
-    occ = np.flatnonzero(occupied)
-    new_len = int(occ[-1]) + 1 if occ.size else 0
-    return src, dst, new_len, skipped
+    src = np.empty(n, np.int64)
+    dst = np.empty(n, np.int64)
+    k, new_len, skipped, bad = _walk(state, pins, anchor, n, step, budget, src, dst)
+    if bad >= 0:
+        page = anchor + step * bad
+        raise InvariantError(f"page {page} inside the band has state {int(state[page])}; a band holds only "
+                             f"holes ({PAGE_HOLE}), live ({PAGE_LIVE}) and pending ({PAGE_PENDING}) pages")
+    return src[:k][::-1].copy(), dst[:k].copy(), int(new_len), int(skipped)
 
 
 def plan_up(state: np.ndarray, pins: np.ndarray, first_page: int, watermark: int,
@@ -217,7 +249,7 @@ def plan_up(state: np.ndarray, pins: np.ndarray, first_page: int, watermark: int
     Raises:
         UmallocValueError: bad array, range or budget. InvariantError: a band page that is reserved or gap.
 
-    Complexity: O(watermark - first_page), vectorized.
+    Complexity: O(watermark - first_page), one numba pass.
 
     >>> from umalloc.pagestate import PAGE_HOLE as H, PAGE_LIVE as L, PAGE_GAP as G, PAGE_RESERVED as R
     >>> state = np.array([R, L, H, L, H, L, L, G], dtype=np.int8)
@@ -229,9 +261,7 @@ def plan_up(state: np.ndarray, pins: np.ndarray, first_page: int, watermark: int
     first = _check_int("first_page", first_page, 0, state.size)
     wm = _check_int("watermark", watermark, first, state.size)
     budget = _check_budget(budget_pages)
-    band = state[first:wm]
-    _check_band(band, first)
-    src, dst, new_len, skipped = _walk(band, pins[first:wm] > 0, budget)
+    src, dst, new_len, skipped = _run_walk(state, pins, first, wm - first, 1, budget)
     return MovePlan(UP, src + first, dst + first, first, wm, first, first + new_len, skipped)
 
 
@@ -250,7 +280,7 @@ def plan_down(state: np.ndarray, pins: np.ndarray, top_page: int, watermark: int
     Raises:
         UmallocValueError: bad array, range or budget. InvariantError: a band page that is reserved or gap.
 
-    Complexity: O(top_page - watermark), vectorized.
+    Complexity: O(top_page - watermark), one numba pass.
 
     >>> from umalloc.pagestate import PAGE_HOLE as H, PAGE_LIVE as L, PAGE_GAP as G, PAGE_RESERVED as R
     >>> state = np.array([R, G, L, L, H, L, H, L], dtype=np.int8)     # band (1, 7]
@@ -262,10 +292,7 @@ def plan_down(state: np.ndarray, pins: np.ndarray, top_page: int, watermark: int
     top = _check_int("top_page", top_page, 0, state.size - 1)
     wm = _check_int("watermark", watermark, -1, top)
     budget = _check_budget(budget_pages)
-    band = state[wm + 1: top + 1]
-    _check_band(band, wm + 1)
-    rev = slice(None, None, -1)
-    src, dst, new_len, skipped = _walk(band[rev], (pins[wm + 1: top + 1] > 0)[rev], budget)
+    src, dst, new_len, skipped = _run_walk(state, pins, top, top - wm, -1, budget)
     # relative ascending is physical descending: reverse both to keep src/dst ascending (still order-preserving)
     return MovePlan(DOWN, (top - src)[::-1].copy(), (top - dst)[::-1].copy(), wm + 1, top + 1,
                     top + 1 - new_len, top + 1, skipped)
@@ -446,32 +473,6 @@ def apply_plan(arena: Arena, end: str, plan: MovePlan, *, state: np.ndarray, p2v
     return moved_bytes
 
 
-def compact_end(arena: Arena, view: object, pins: np.ndarray, *, budget_pages: int | None = None,
-                free_edge: str = "high") -> MovePlan:
-    """Plan and apply one flush on an allocator end (duck-typed on :class:`umalloc.allocator.EndView`: ``name``,
-    ``grow``, ``first_page``, ``top_page``, ``lo``, ``hi``, ``state``, ``p2v``, ``v2p``).
-
-    ``free_edge`` matters only for a float end (:func:`plan_float`). Returns the applied :class:`MovePlan`. The
-    caller then sets the band to ``[plan.new_lo, plan.new_hi)``, recomputes the end's live/hole counters and
-    drain hint, adds ``plan.num_moves`` to its move counter and refreshes device mirrors of ``v2p`` for the
-    moved virtual pages ``view.p2v[plan.dst_pages]``.
-
-    Raises:
-        InvariantError: as :func:`apply_plan` (nothing changes). UmallocValueError: bad budget or edge.
-    """
-    grow = getattr(view.grow, "value", view.grow)
-    if grow == UP:
-        plan = plan_up(view.state, pins, view.first_page, view.hi, budget_pages)
-    elif grow == DOWN:
-        plan = plan_down(view.state, pins, view.top_page, view.lo - 1, budget_pages)
-    elif grow == FLOAT:
-        plan = plan_float(view.state, pins, view.lo, view.hi, free_edge=free_edge, budget_pages=budget_pages)
-    else:
-        raise UmallocValueError(f"grow={grow!r}: allowed 'up', 'down' or 'float'")
-    apply_plan(arena, view.name, plan, state=view.state, p2v=view.p2v, v2p=view.v2p, pins=pins)
-    return plan
-
-
 # ---- reporting --------------------------------------------------------------------------------------------
 @dataclass
 class CompactionReport:
@@ -526,5 +527,5 @@ class CompactionReport:
         )
 
 
-__all__ = ["CompactionReport", "MovePlan", "apply_plan", "compact_end", "copy_moves", "move_runs", "plan_down",
+__all__ = ["CompactionReport", "MovePlan", "apply_plan", "copy_moves", "move_runs", "plan_down",
            "plan_float", "plan_up"]

@@ -49,7 +49,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterator, Mapping
-from types import TracebackType
+from types import MappingProxyType, TracebackType
 
 import numpy as np
 
@@ -225,6 +225,7 @@ class LeaseTable:
         self._pins: dict[str, np.ndarray] = {e: np.zeros(n, dtype=np.int32) for e, n in self._slots.items()}
         self._pinned_pages: dict[str, int] = {e: 0 for e in self._slots}
         self._active: dict[int, Lease] = {}
+        self._active_view = MappingProxyType(self._active)
         self._deadlines: list[tuple[float, int]] = []  # heap of (deadline, lease id); stale entries skipped
         self._ids = itertools.count()
         self.leases_taken = 0
@@ -274,6 +275,19 @@ class LeaseTable:
 
     def __len__(self) -> int:
         return len(self._active)
+
+    @property
+    def active_view(self) -> Mapping[int, Lease]:
+        """Live read-only view of the active leases by id (the table's own registry, not a copy). Its truthiness
+        is the O(1) "any lease active?" test (a lease past its deadline counts until :meth:`expire` reclaims it);
+        a caller may keep the view: the allocator's hot paths test it before every call's expiry sweep.
+
+        >>> table = LeaseTable({"full": 4})
+        >>> view = table.active_view
+        >>> bool(view), table.pin({"full": [1]}, deadline_s=None).id in view, bool(view)
+        (False, True, True)
+        """
+        return self._active_view
 
     def __iter__(self) -> Iterator[Lease]:
         return iter(list(self._active.values()))

@@ -10,12 +10,13 @@ on one encoding:
 * ``PAGE_PENDING`` (4): freed while pinned by a lease; unreachable and not reusable until every lease on it ends
   (then it becomes a hole; F11).
 
-``TOMBSTONE`` (-1) marks an unmapped ``v2p``/``p2v`` entry.
+``TOMBSTONE`` (-1) marks an unmapped ``v2p``/``p2v`` entry; it is :data:`umalloc.translators.TOMBSTONE`,
+re-exported here (the translators' constant is the one source: core depends on translators, not back).
 """
 
 from __future__ import annotations
 
-TOMBSTONE = -1
+from umalloc.translators import TOMBSTONE
 
 PAGE_RESERVED = 0
 PAGE_GAP = 1

@@ -118,6 +118,8 @@ PLAN_FAILED = "failed"
 PLAN_ABORTED = "aborted"
 
 _LAYOUT_FORMAT = 1
+#: Descriptors carry uint64 addresses: no byte a layout names may lie at or past 2**64.
+_ADDRESS_LIMIT = 1 << 64
 _HALF_FORMAT = 1
 _EMPTY_I64 = np.zeros(0, dtype=np.int64)
 _EMPTY_I64.setflags(write=False)
@@ -321,6 +323,11 @@ class PeerLayout:
         if isinstance(self.arena_base_ptr, bool) or not isinstance(self.arena_base_ptr, int) \
                 or self.arena_base_ptr < 0:
             raise UmallocValueError(f"PeerLayout.arena_base_ptr={self.arena_base_ptr!r}: allowed an int >= 0")
+        for what, end_ptr in [("arena", self.arena_base_ptr + self.spec.arena_bytes)] + [
+                (f"region {r.base_ptr}+{r.nbytes}", r.end_ptr) for r in self.regions]:
+            if end_ptr > _ADDRESS_LIMIT:
+                raise UmallocValueError(f"PeerLayout: the {what} ends at byte {end_ptr}, past the 64-bit address "
+                                        f"space: allowed an end <= 2**64")
         if isinstance(self.tp_size, bool) or not isinstance(self.tp_size, int) or self.tp_size < 1:
             raise UmallocValueError(f"PeerLayout.tp_size={self.tp_size!r}: allowed an int >= 1")
         if isinstance(self.tp_rank, bool) or not isinstance(self.tp_rank, int) \
@@ -441,7 +448,8 @@ class PeerLayout:
             if d["format"] != _LAYOUT_FORMAT:
                 raise UmallocValueError(f"PeerLayout format {d['format']!r}: allowed {_LAYOUT_FORMAT}")
             ends = tuple(_end_from_dict(e) for e in d["ends"])
-            spec = ArenaSpec(ends, arena_bytes=int(d["arena_bytes"]), floor_bytes=int(d["floor_bytes"]))
+            spec = ArenaSpec(ends, arena_bytes=_wire_int(d["arena_bytes"]),
+                             floor_bytes=_wire_int(d["floor_bytes"]))
             for ed in d["ends"]:
                 e = spec.end(ed["name"])
                 declared = {k: ed[k] for k in ("entry_bytes", "page_bytes", "first_page", "top_page")}
@@ -449,9 +457,9 @@ class PeerLayout:
                           "first_page": spec.first_page(e.name), "top_page": spec.top_page(e.name)}
                 if declared != actual:
                     raise UmallocValueError(f"peer end {e.name!r} declares {declared} but its layers give {actual}")
-            return cls(spec, tuple(Region.from_dict(r) for r in d["regions"]), int(d["arena_base_ptr"]),
-                       int(d["tp_rank"]), int(d["tp_size"]), int(d["dcp_rank"]), int(d["dcp_size"]),
-                       str(d["device"]))
+            return cls(spec, tuple(Region.from_dict(r) for r in d["regions"]), _wire_int(d["arena_base_ptr"]),
+                       _wire_int(d["tp_rank"]), _wire_int(d["tp_size"]), _wire_int(d["dcp_rank"]),
+                       _wire_int(d["dcp_size"]), str(d["device"]))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             if isinstance(exc, UmallocValueError):
                 raise
@@ -462,6 +470,13 @@ class PeerLayout:
         """Short SHA-256 of the canonical :meth:`to_dict` JSON; a receiver half names the layout it was built on."""
         blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()[:32]
+
+
+def _wire_int(value: object) -> int:
+    """An int field of a peer's dict, exactly: a float, str or bool is malformed, never silently converted."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"expected an int, got {value!r}")
+    return value
 
 
 def _end_to_dict(spec: ArenaSpec, e: EndSpec) -> dict:
@@ -476,11 +491,11 @@ def _end_to_dict(spec: ArenaSpec, e: EndSpec) -> dict:
 
 
 def _end_from_dict(d: Mapping[str, Any]) -> EndSpec:
-    layers = tuple(LayerSpec(LayerKind(x["kind"]), int(x["num_kv_heads"]), int(x["head_dim_k"]),
-                             int(x["head_dim_v"]), int(x["latent_dim"]),
-                             None if x["window_tokens"] is None else int(x["window_tokens"]), KVDtype(x["dtype"]))
+    layers = tuple(LayerSpec(LayerKind(x["kind"]), _wire_int(x["num_kv_heads"]), _wire_int(x["head_dim_k"]),
+                             _wire_int(x["head_dim_v"]), _wire_int(x["latent_dim"]),
+                             None if x["window_tokens"] is None else _wire_int(x["window_tokens"]), KVDtype(x["dtype"]))
                    for x in d["layers"])
-    return EndSpec(str(d["name"]), layers, int(d["page_size"]), Grow(d["grow"]),
+    return EndSpec(str(d["name"]), layers, _wire_int(d["page_size"]), Grow(d["grow"]),
                    None if d["owner"] is None else str(d["owner"]), EndRole(d["role"]))
 
 
@@ -688,6 +703,15 @@ def _page_mask(geom: _EndGeom, leased: np.ndarray) -> np.ndarray:
     return np.cumsum(mask)
 
 
+def _refuse_first(ok: np.ndarray, sel: np.ndarray, vector: str, side: str, why: str, *cols: np.ndarray) -> None:
+    """Raise :class:`DescriptorBoundsError` naming the first row ``i`` where ``ok`` is False; ``why`` is
+    formatted with row ``i`` of each of ``cols`` (``{0}``, ``{1}``, ...)."""
+    if not ok.all():
+        i = int(np.flatnonzero(~ok)[0])
+        raise DescriptorBoundsError(f"vector {vector!r} {side} descriptor {int(sel[i])}: "
+                                    f"{why.format(*(int(c[i]) for c in cols))}; nothing was sent")
+
+
 def _check_side(vector: str, side: str, desc_addr: np.ndarray, nbytes: np.ndarray, member: np.ndarray,
                 group: RegionGroup, layout: PeerLayout, end: _EndGeom, leased_cum: np.ndarray) -> None:
     """Vectorized bounds check of one side of one vector's descriptors (DescriptorBoundsError on the first bad
@@ -705,30 +729,30 @@ def _check_side(vector: str, side: str, desc_addr: np.ndarray, nbytes: np.ndarra
         lo = np.uint64(max(reg_lo, arena_lo))
         hi = np.uint64(min(reg_hi, arena_lo + spec.arena_bytes))
         room = np.where(addr <= hi, hi - np.minimum(addr, hi), np.uint64(0))
-        ok = (addr >= lo) & (addr <= hi) & (n > np.uint64(0)) & (n <= room)
-        if not ok.all():
-            i = int(np.flatnonzero(~ok)[0])
-            raise DescriptorBoundsError(
-                f"vector {vector!r} {side} descriptor {int(sel[i])}: bytes [{int(addr[i])}, "
-                f"{int(addr[i]) + int(n[i])}) fall outside the registered region and arena [{int(lo)}, {int(hi)}); "
-                "nothing was sent")
+        _refuse_first((addr >= lo) & (addr <= hi) & (n > np.uint64(0)) & (n <= room), sel, vector, side,
+                      f"bytes [{{0}}, {{0}} + {{1}}) fall outside the registered region and arena [{lo}, {hi})",
+                      addr, n)
         off = (addr - np.uint64(arena_lo)).astype(np.int64)
         p_lo = off // pb
         p_hi = (off + n.astype(np.int64) - 1) // pb
-        range_ok = (p_lo >= first) & (p_hi <= top)
-        if not range_ok.all():
-            i = int(np.flatnonzero(~range_ok)[0])
-            raise DescriptorBoundsError(
-                f"vector {vector!r} {side} descriptor {int(sel[i])}: pages [{int(p_lo[i])}, {int(p_hi[i])}] of end "
-                f"{end.name!r} leave the handable range [{first}, {top}] (page 0 and the reserved floor are never "
-                "transferred); nothing was sent")
+        _refuse_first((p_lo >= first) & (p_hi <= top), sel, vector, side,
+                      f"pages [{{0}}, {{1}}] of end {end.name!r} leave the handable range [{first}, {top}] (page 0 "
+                      "and the reserved floor are never transferred)", p_lo, p_hi)
         covered = leased_cum[p_hi + 1] - leased_cum[p_lo]
-        lease_ok = covered == (p_hi - p_lo + 1)
-        if not lease_ok.all():
-            i = int(np.flatnonzero(~lease_ok)[0])
+        _refuse_first(covered == (p_hi - p_lo + 1), sel, vector, side,
+                      f"pages [{{0}}, {{1}}] of end {end.name!r} are not all leased by this plan", p_lo, p_hi)
+
+
+def _check_ids(vector: str, side: str, pages: torch.Tensor, rows: torch.Tensor, end: _EndGeom) -> None:
+    """Refuse a page id, or the page of a row id, past the end's last page *before* any address arithmetic:
+    such an id could wrap a uint64 address back into the arena and slip past :func:`_check_side`."""
+    for what, ids, ps in (("page", pages, 1), ("row", rows, end.page_size)):
+        beyond = torch.div(ids, ps, rounding_mode="floor") > end.top_page
+        if ids.numel() and bool(beyond.any()):
+            i = int(torch.nonzero(beyond)[0, 0])
             raise DescriptorBoundsError(
-                f"vector {vector!r} {side} descriptor {int(sel[i])}: pages [{int(p_lo[i])}, {int(p_hi[i])}] of end "
-                f"{end.name!r} are not all leased by this plan; nothing was sent")
+                f"vector {vector!r} {side} {what} id {int(ids[i])} (entry {i}) lies outside the pages of end "
+                f"{end.name!r} (last page {end.top_page}); nothing was sent")
 
 
 def _check_group(vector: str, side: str, group: RegionGroup, layout: PeerLayout, end: _EndGeom) -> None:
@@ -936,6 +960,8 @@ class TransferPlan(_LeaseHolder):
                                         "geometry (check_compatible the layouts first)")
             _check_group(v.name, "src", v.src_group, self.src_layout, s_end)
             _check_group(v.name, "dst", v.dst_group, self.dst_layout, d_end)
+            _check_ids(v.name, "src", v.src_pages, v.src_rows, s_end)
+            _check_ids(v.name, "dst", v.dst_pages, v.dst_rows, d_end)
             k = len(v.src_group.members)
             parts, members = [], []
             runs = translator.pages_to_runs(v.src_pages, v.dst_pages)
@@ -1095,10 +1121,10 @@ class ReceiverHalf(_LeaseHolder):
                     raise UmallocValueError(f"half vector {name!r} kind {hv['kind']!r}: allowed 'rows', 'slots'")
                 pages = _as_page_tensor(list(hv["pages"]), f"half vector {name!r} pages").numpy()
                 pages.setflags(write=False)
-                vectors[str(name)] = HalfVector(str(name), str(hv["end"]), hv["kind"], int(hv["row_lo"]),
-                                                int(hv["row_hi"]), pages)
-            return cls(str(d["request_id"]), str(d["layout_digest"]), int(d["seq_len_tokens"]),
-                       int(d["prefix_tokens"]), int(d["dcp_size"]), int(d["dcp_rank"]), vectors,
+                vectors[str(name)] = HalfVector(str(name), str(hv["end"]), hv["kind"], _wire_int(hv["row_lo"]),
+                                                _wire_int(hv["row_hi"]), pages)
+            return cls(str(d["request_id"]), str(d["layout_digest"]), _wire_int(d["seq_len_tokens"]),
+                       _wire_int(d["prefix_tokens"]), _wire_int(d["dcp_size"]), _wire_int(d["dcp_rank"]), vectors,
                        leased={str(e): list(p) for e, p in d["leased"].items()})
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             if isinstance(exc, UmallocValueError):

@@ -18,6 +18,11 @@ from umalloc.errors import UmallocValueError
 
 DRAM = "DRAM"
 VRAM = "VRAM"
+_ADDR_LIMIT = 1 << 64
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 @dataclass(frozen=True, order=True)
@@ -40,10 +45,13 @@ class Region:
     mem_kind: str = DRAM
 
     def __post_init__(self) -> None:
-        if not isinstance(self.base_ptr, int) or self.base_ptr < 0:
+        if not _is_int(self.base_ptr) or self.base_ptr < 0:
             raise UmallocValueError(f"Region.base_ptr={self.base_ptr!r}: allowed a non-negative int")
-        if not isinstance(self.nbytes, int) or self.nbytes <= 0:
+        if not _is_int(self.nbytes) or self.nbytes <= 0:
             raise UmallocValueError(f"Region.nbytes={self.nbytes!r}: allowed a positive int")
+        if self.base_ptr + self.nbytes > _ADDR_LIMIT:
+            raise UmallocValueError(f"Region [{self.base_ptr}, +{self.nbytes}) ends past the 64-bit address space: "
+                                    "allowed to end at or below 2**64")
         if self.mem_kind not in (DRAM, VRAM):
             raise UmallocValueError(f"Region.mem_kind={self.mem_kind!r}: allowed {DRAM!r} or {VRAM!r}")
 
@@ -62,7 +70,8 @@ class Region:
 
     @classmethod
     def from_dict(cls, d: dict) -> Region:
-        return cls(int(d["base_ptr"]), int(d["nbytes"]), str(d["device"]), str(d["mem_kind"]))
+        """Inverse of :meth:`to_dict`; a peer's non-int address or length is refused, never truncated."""
+        return cls(d["base_ptr"], d["nbytes"], str(d["device"]), str(d["mem_kind"]))
 
 
 @dataclass(frozen=True)

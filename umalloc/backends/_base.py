@@ -147,6 +147,16 @@ def locate_ranges(addrs: np.ndarray, nbytes: np.ndarray, starts: np.ndarray, end
     return np.where(ok, idx, -1)
 
 
+def _located(d: np.ndarray, col: int, starts: np.ndarray, ends: np.ndarray, what: str) -> np.ndarray:
+    """:func:`locate_ranges` of column ``col`` of a descriptor batch; raise DescriptorBoundsError naming the first
+    row outside every region (``what`` says which side and why)."""
+    idx = locate_ranges(d[:, col], d[:, 2], starts, ends)
+    if d.shape[0] and (idx < 0).any():
+        row = int(np.flatnonzero(idx < 0)[0])
+        raise DescriptorBoundsError(f"descriptor row {row}: [{int(d[row, col]):#x}, +{int(d[row, 2])}): {what}")
+    return idx
+
+
 class BackendBase:
     """Shared implementation of :class:`~umalloc.backends.TransferBackend`; engines override the ``_engine_*``
     hooks. Not thread-safe: call every method from one thread.
@@ -438,7 +448,8 @@ class BackendBase:
             peer: a name returned by :meth:`connect`.
 
         Raises:
-            UmallocValueError: the plan is not pending, or unknown peer.
+            UmallocValueError: the plan is not pending or already in flight on this backend (F11), or unknown
+                peer.
             DescriptorBoundsError: a source range not registered here, or a destination range the peer never
                 registered; nothing was sent and the plan is untouched.
             LeaseError: a lease the plan holds already ended (``plan.descriptors()`` refuses; F11).
@@ -483,20 +494,17 @@ class BackendBase:
         info = self._get_peer(peer)
         d = as_descriptors(descriptors)
         n = d.shape[0]
-        src_idx = locate_ranges(d[:, 0], d[:, 2], self._local_starts, self._local_ends)
-        if n and (src_idx < 0).any():
-            row = int(np.flatnonzero(src_idx < 0)[0])
-            raise DescriptorBoundsError(
-                f"descriptor row {row}: source [{int(d[row, 0]):#x}, +{int(d[row, 2])}) lies outside every "
-                f"region registered on this {self.name} backend ({len(self._local_regions)} region(s))")
-        dst_idx = locate_ranges(d[:, 1], d[:, 2], info.starts, info.ends)
-        if n and (dst_idx < 0).any():
-            row = int(np.flatnonzero(dst_idx < 0)[0])
-            raise DescriptorBoundsError(
-                f"descriptor row {row}: destination [{int(d[row, 1]):#x}, +{int(d[row, 2])}) was never "
-                f"registered by peer {peer!r} ({len(info.regions)} region(s) in its metadata)")
+        src_idx = _located(d, 0, self._local_starts, self._local_ends,
+                           f"source lies outside every region registered on this {self.name} backend "
+                           f"({len(self._local_regions)} region(s))")
+        dst_idx = _located(d, 1, info.starts, info.ends,
+                           f"destination was never registered by peer {peer!r} ({len(info.regions)} region(s) "
+                           "in its metadata)")
         if item_bytes is not None and (not isinstance(item_bytes, int) or item_bytes <= 0):
             raise UmallocValueError(f"item_bytes={item_bytes!r}: allowed a positive int or None")
+        if plan is not None and any(h.plan is plan and h.state == "pending" for h in self._handles.values()):
+            raise UmallocValueError("plan is already in flight on this backend (a second handle would outlive "
+                                    "its leases, F11): wait for or release its handle first")
         total = int(d[:, 2].sum()) if n else 0
         h = TransferHandle(handle_id=next(self._next_id), backend=self.name, peer=peer, num_descriptors=n,
                            total_bytes=total, submitted_at=time.monotonic(), plan=plan)

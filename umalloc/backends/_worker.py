@@ -9,8 +9,8 @@ Policy:
 * While idle the child progresses its backend every ``idle_poll_s`` when the backend needs it (a NIXL target
   without a progress thread advances only when progressed); otherwise it just waits for the next command. The parent may pass ``progress=`` to :meth:`BackendWorker.call` to progress its
   own backend while it waits for a reply (a parent-side NIXL receiver).
-* Errors raised in the child come back as the same umalloc exception type (message and remote traceback kept);
-  anything else becomes :class:`WorkerError`. A child that dies raises :class:`WorkerDied`.
+* Errors raised in the child come back as the same umalloc exception type (message, picklable attributes and
+  remote traceback kept); anything else becomes :class:`WorkerError`. A child that dies raises :class:`WorkerDied`.
 * Startup costs a few seconds (interpreter + torch + engine), so start workers early (``start()`` does not
   block; :meth:`BackendWorker.wait_ready` does) and share them across tests.
 * :meth:`BackendWorker.close` always ends the child: a polite ``exit``, then ``terminate``, then ``kill``.
@@ -26,6 +26,7 @@ import importlib
 import itertools
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import time
 import traceback
@@ -200,9 +201,18 @@ class WorkerContext:
             self.backend.progress()
 
 
-def _describe(e: BaseException) -> tuple[str, str, str, str]:
+def _describe(e: BaseException) -> tuple[str, str, str, str, dict]:
+    """What travels back for an exception: type, message, traceback, and its picklable attributes (so e.g.
+    ``IncompatiblePeerError.differences`` or ``OutOfPages.requested`` survive the trip)."""
+    attrs = {}
+    for k, v in vars(e).items():
+        try:
+            pickle.dumps(v)
+        except Exception:  # an attribute that cannot travel stays behind
+            continue
+        attrs[k] = v
     return (type(e).__module__, type(e).__qualname__, str(e),
-            "".join(traceback.format_exception(type(e), e, e.__traceback__)))
+            "".join(traceback.format_exception(type(e), e, e.__traceback__)), attrs)
 
 
 def _serve(conn, backend_name: str, backend_kw: dict, env: dict, idle_poll_s: float) -> None:
@@ -245,8 +255,8 @@ def _serve(conn, backend_name: str, backend_kw: dict, env: dict, idle_poll_s: fl
         pass
 
 
-def _rebuild(info: tuple[str, str, str, str]) -> BaseException:
-    module, qualname, message, tb = info
+def _rebuild(info: tuple[str, str, str, str, dict]) -> BaseException:
+    module, qualname, message, tb, attrs = info
     exc: BaseException
     cls = None
     if module.startswith("umalloc."):
@@ -257,6 +267,7 @@ def _rebuild(info: tuple[str, str, str, str]) -> BaseException:
     if isinstance(cls, type) and issubclass(cls, BaseException):
         exc = cls.__new__(cls)
         Exception.__init__(exc, message)
+        exc.__dict__.update(attrs)
     else:
         exc = WorkerError(f"{qualname}: {message}")
     exc.remote_traceback = tb  # type: ignore[attr-defined]

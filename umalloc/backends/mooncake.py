@@ -20,7 +20,9 @@ one sender thread that takes chunks in submit order: post a chunk (``batch_trans
 status (the call releases the GIL), record the result, take the next. A chunk of a handle that already failed or
 was cancelled is skipped (never posted). A transfer to a peer that stops answering ends by the engine's own
 timeout (``MC_TRANSFER_TIMEOUT``, default 30 s); ``wait``'s deadline fails the handle earlier and releases the
-plan's leases (F12), and the engine's batch drains in the background.
+plan's leases (F12), and the engine's batch drains in the background. When a chunk fails and the peer does not
+answer a probe, every later chunk to it fails without being posted (a post to a dead peer costs about a second,
+so queued handles would otherwise fail one after another) until ``connect`` reaches it again.
 
 Note [Mooncake status without spinning]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -79,6 +81,9 @@ class _PeerSender:
         self.peer = peer
         self.poll_max_descriptors = poll_max_descriptors
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        #: Why the peer is known unreachable (set by this thread when a failed chunk's probe fails, cleared by a
+        #: successful ``connect``), else ``None``: later chunks then fail without being posted.
+        self.unreachable: str | None = None
         self.thread = threading.Thread(target=self._run, name=f"umalloc-mooncake-{peer}", daemon=True)
         self.thread.start()
 
@@ -94,17 +99,23 @@ class _PeerSender:
                     state["results"][i] = "skipped"
             if skip:
                 continue
-            try:
-                if len(src) <= self.poll_max_descriptors:
-                    res: object = self._post_polled(src, dst, lengths)
-                else:
-                    res = self._post_batch(src, dst, lengths)
-            except Exception as e:  # pragma: no cover - engine raised instead of returning a code
-                res = TransferError(f"mooncake: transfer to {self.peer!r} raised {type(e).__name__}: {e}")
+            if self.unreachable is not None:
+                res: object = TransferError(f"mooncake: {len(src)} descriptors to {self.peer!r} not posted: "
+                                            f"{self.unreachable}")
+            else:
+                res = self._post(src, dst, lengths)
             with state["lock"]:
                 state["results"][i] = res
                 if res != "done":
                     state["failed"] = True
+
+    def _post(self, src: list[int], dst: list[int], lengths: list[int]) -> object:
+        try:
+            if len(src) <= self.poll_max_descriptors:
+                return self._post_polled(src, dst, lengths)
+            return self._post_batch(src, dst, lengths)
+        except Exception as e:  # pragma: no cover - engine raised instead of returning a code
+            return TransferError(f"mooncake: transfer to {self.peer!r} raised {type(e).__name__}: {e}")
 
     def _post_batch(self, src: list[int], dst: list[int], lengths: list[int]) -> object:
         """One batch; its status call blocks (spinning in the engine) until the batch ends. Queried once."""
@@ -153,11 +164,16 @@ class _PeerSender:
                              f"{failed[0]}); {self._why()}")
 
     def _why(self) -> str:
+        """Probe the peer after a failed chunk. An unreachable peer fails every later chunk without posting it
+        (each post to a dead peer costs about a second in the engine, so queued handles would fail one by one)."""
         probe = getattr(self.engine, "send_probe", None)
         if probe is None:  # pragma: no cover - older engines
             return "peer state unknown"
         rc = probe(self.peer)
-        return "peer reachable (it refused the write)" if rc == 0 else f"peer closed or unreachable (probe {rc})"
+        if rc == 0:
+            return "peer reachable (it refused the write)"
+        self.unreachable = f"peer closed or unreachable (probe {rc})"
+        return self.unreachable
 
     def stop(self, timeout_s: float) -> bool:
         self.jobs.put(_STOP)
@@ -236,6 +252,7 @@ class MooncakeBackend(BackendBase):
             self._engine.get_first_buffer_address(session)
         if session not in self._senders:
             self._senders[session] = _PeerSender(self._engine, session, self.poll_max_descriptors)
+        self._senders[session].unreachable = None  # it answered the probe above
         return session
 
     def _engine_disconnect(self, peer: PeerInfo) -> None:

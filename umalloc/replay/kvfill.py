@@ -258,12 +258,16 @@ class KVPattern:
         lk = max(1, nl * CHUNK_BYTES // ep.page_bytes)
         return [(i, 1, l0, min(nl, l0 + lk)) for i in range(n) for l0 in range(0, nl, lk)]
 
-    def _table(self, ep: _EndPattern, device: torch.device) -> torch.Tensor:
+    @staticmethod
+    def _table(ep: _EndPattern, device: torch.device, name: str = "table") -> torch.Tensor:
+        """``ep.<name>`` (``table`` or ``table_tok``) on ``device``; copies to other devices are cached."""
+        host = getattr(ep, name)
+        assert host is not None
         if device.type == "cpu":
-            return ep.table
-        cached = ep.__dict__.setdefault("_dev_tables", {})
+            return host
+        cached = ep.__dict__.setdefault("_dev_" + name, {})
         if device not in cached:
-            cached[device] = ep.table.to(device)
+            cached[device] = host.to(device)
         return cached[device]
 
     def _run_chunks(self, arena: Arena, ep: _EndPattern, request_id: int, sp: np.ndarray, pp: torch.Tensor):
@@ -380,6 +384,33 @@ class KVPattern:
                                  f"(position % {ps} != ptoken % {ps})")
         return ptokens // ps, slots
 
+    def _token_rows(self, arena: Arena, ep: _EndPattern, request_ids: np.ndarray | int, pos: np.ndarray,
+                    pt: torch.Tensor):
+        """Per token ``b``: ``(expected_fn, dst)``, where ``dst`` is the strided view of token ``b``'s rows in the
+        arena and ``expected_fn(out)`` writes its expected words into ``out`` (shaped like ``dst``). Row-uniform
+        ends only (Note [Token loop])."""
+        assert ep.row_shape is not None
+        pages, slots = self._token_slots(ep, pos, pt)
+        env = self._env_words(arena, ep)
+        dev = env.device
+        nl, nr, rw = ep.row_shape
+        env5 = env.view(env.shape[0], nl, nr, ep.page_size, rw)
+        rids = np.broadcast_to(np.asarray(request_ids, dtype=np.int64), pos.shape)
+        keys = self._token_keys(ep, rids, pos).to(dev)[:, :, None, None]
+        table = self._table(ep, dev, "table_tok")
+        for b, (pg, sl) in enumerate(zip(pages.tolist(), slots.tolist(), strict=True)):
+            yield (lambda out, t=table[sl], k=keys[b]: torch.bitwise_xor(t, k, out=out)), env5[pg, :, :, sl, :]
+
+    def _token_words(self, arena: Arena, ep: _EndPattern, request_ids: np.ndarray | int, pos: np.ndarray,
+                     pt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Generic token path: ``(arena words flattened, flat word indices (B, entry_words) on the arena's
+        device, expected words (B, entry_words) on the CPU)``."""
+        pages, slots = self._token_slots(ep, pos, pt)
+        env = self._env_words(arena, ep).reshape(-1)
+        offs, _ = ep.slot_offsets()
+        flat = (pages.unsqueeze(1) * ep.page_words + offs[slots]).to(env.device)
+        return env, flat, self.expected_tokens(ep.name, request_ids, pos)
+
     def fill_tokens(self, arena: Arena, end: str, request_ids: np.ndarray | int, positions: np.ndarray,
                     ptokens: torch.Tensor | np.ndarray) -> int:
         """Write the pattern of single tokens (every layer's K and V rows) of one or more requests.
@@ -397,30 +428,20 @@ class KVPattern:
         Raises:
             InvalidIdError: mismatched shapes/slots or a physical page out of ``[first_page, top_page]``.
 
-        Complexity: O(B x entry_bytes): one gather of table rows, one XOR, one scatter.
+        Complexity: O(B x entry_bytes): one XOR per token into its strided rows on row-uniform ends (Note [Token
+        loop]); otherwise one gather of table rows, one XOR, one scatter.
         """
         ep = self._end(end)
         pos = _as_np_i64(positions, "positions")
         pt = self._check_ptokens(arena, ep, ptokens, len(pos))
         if len(pos) == 0:
             return 0
-        pages, slots = self._token_slots(ep, pos, pt)
-        env = self._env_words(arena, ep)
-        dev = env.device
         if ep.row_shape is not None:
-            # Note [Token loop]: one XOR per token straight into its strided rows.
-            nl, nr, rw = ep.row_shape
-            env5 = env.view(env.shape[0], nl, nr, ep.page_size, rw)
-            rids = np.broadcast_to(np.asarray(request_ids, dtype=np.int64), pos.shape)
-            keys = self._token_keys(ep, rids, pos).to(dev)[:, :, None, None]
-            table = self._table_tok(ep, dev)
-            for b, (pg, sl) in enumerate(zip(pages.tolist(), slots.tolist(), strict=True)):
-                torch.bitwise_xor(table[sl], keys[b], out=env5[pg, :, :, sl, :])
+            for exp, dst in self._token_rows(arena, ep, request_ids, pos, pt):
+                exp(dst)
         else:
-            vals = self.expected_tokens(end, request_ids, pos)
-            offs, _ = ep.slot_offsets()
-            flat = pages.unsqueeze(1) * ep.page_words + offs[slots]
-            env.reshape(-1).index_copy_(0, flat.reshape(-1).to(dev), vals.reshape(-1).to(dev))
+            env, flat, vals = self._token_words(arena, ep, request_ids, pos, pt)
+            env.index_copy_(0, flat.reshape(-1), vals.reshape(-1).to(env.device))
         return len(pos) * ep.entry_words * ep.word_bytes
 
     def verify_tokens(self, arena: Arena, end: str, request_ids: np.ndarray | int, positions: np.ndarray,
@@ -432,44 +453,25 @@ class KVPattern:
         pt = self._check_ptokens(arena, ep, ptokens, len(pos))
         if len(pos) == 0:
             return VerifyResult(0)
-        pages, slots = self._token_slots(ep, pos, pt)
-        env = self._env_words(arena, ep)
-        dev = env.device
         nbytes = len(pos) * ep.entry_words * ep.word_bytes
         if ep.row_shape is not None:
-            nl, nr, rw = ep.row_shape
-            env5 = env.view(env.shape[0], nl, nr, ep.page_size, rw)
-            rids = np.broadcast_to(np.asarray(request_ids, dtype=np.int64), pos.shape)
-            keys = self._token_keys(ep, rids, pos).to(dev)[:, :, None, None]
-            table = self._table_tok(ep, dev)
-            buf = torch.empty((nl, nr, rw), dtype=ep.dtype, device=dev)
+            buf: torch.Tensor | None = None
             bad_tok = bad_bytes = 0
-            for b, (pg, sl) in enumerate(zip(pages.tolist(), slots.tolist(), strict=True)):
-                torch.bitwise_xor(table[sl], keys[b], out=buf)
-                got = env5[pg, :, :, sl, :]
+            for exp, got in self._token_rows(arena, ep, request_ids, pos, pt):
+                if buf is None:
+                    buf = torch.empty(got.shape, dtype=ep.dtype, device=got.device)
+                exp(buf)
                 if not torch.equal(buf, got):
-                    n = int((buf.view(torch.uint8) != got.contiguous().view(torch.uint8)).sum())
                     bad_tok += 1
-                    bad_bytes += n
+                    bad_bytes += int((buf.view(torch.uint8) != got.contiguous().view(torch.uint8)).sum())
             return VerifyResult(nbytes, bad_tok, bad_bytes)
-        vals = self.expected_tokens(end, request_ids, pos)
-        offs, _ = ep.slot_offsets()
-        flat = pages.unsqueeze(1) * ep.page_words + offs[slots]
-        got = env.reshape(-1).index_select(0, flat.reshape(-1).to(dev)).cpu().view(flat.shape)
+        env, flat, vals = self._token_words(arena, ep, request_ids, pos, pt)
+        got = env.index_select(0, flat.reshape(-1)).cpu().view(flat.shape)
         if torch.equal(got, vals):
             return VerifyResult(nbytes)
         diff = got.contiguous().view(torch.uint8).view(len(pos), -1) != vals.view(torch.uint8).view(len(pos), -1)
         per_tok = diff.sum(dim=1)
         return VerifyResult(nbytes, int((per_tok > 0).sum()), int(per_tok.sum()))
-
-    def _table_tok(self, ep: _EndPattern, device: torch.device) -> torch.Tensor:
-        assert ep.table_tok is not None
-        if device.type == "cpu":
-            return ep.table_tok
-        cached = ep.__dict__.setdefault("_dev_tables_tok", {})
-        if device not in cached:
-            cached[device] = ep.table_tok.to(device)
-        return cached[device]
 
     # ---- checks ----------------------------------------------------------------------------------------
     def _check_ppages(self, arena: Arena, ep: _EndPattern, ppages, n: int) -> torch.Tensor:
@@ -491,14 +493,6 @@ class KVPattern:
             pages = torch.unique(pt // ep.page_size)
             self._check_ppages(arena, ep, pages, int(pages.numel()))
         return pt
-
-    def entry_bytes(self, end: str) -> int:
-        """Bytes one token occupies in ``end`` (every layer)."""
-        ep = self._end(end)
-        return ep.entry_words * ep.word_bytes
-
-    def page_bytes(self, end: str) -> int:
-        return self._end(end).page_bytes
 
 
 def _runs(pages: torch.Tensor) -> list[tuple[int, int, int]]:

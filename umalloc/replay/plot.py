@@ -23,6 +23,7 @@ def plot_report(report: Mapping, path: str | Path) -> Path:
 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     tl = report["timeline"]
     steps = tl["step"]
@@ -51,6 +52,7 @@ def plot_report(report: Mapping, path: str | Path) -> Path:
     ax = axes[2]
     ax.plot(steps, tl["leases_active"], label="leases active", color="tab:purple")
     ax.set_ylabel("leases")
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # leases are counts
     ax2 = ax.twinx()
     ax2.plot(steps, tl["compaction_moves"], label="compaction moves (cumulative pages)", color="tab:red")
     ax2.plot(steps, tl["requests_done"], label="requests done", color="tab:green")

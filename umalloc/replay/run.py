@@ -206,9 +206,13 @@ class Replay:
     """One replay run. Build it, call :meth:`run`, get the report dict."""
 
     def __init__(self, cfg: ReplayConfig, *, on_progress: Callable[[dict], None] | None = None) -> None:
+        asked = cfg.requests
         self.cfg = cfg = cfg.resolved()
         self.trace = load_trace(cfg.trace, token_scale=cfg.token_scale, max_requests=cfg.requests,
                                 fmt=cfg.trace_format)
+        if asked is not None and len(self.trace) < asked:
+            raise UmallocValueError(f"requests={asked}: the trace {self.trace.path} holds only {len(self.trace)} "
+                                    f"requests: allowed 1..{len(self.trace)}")
         ends = preset_ends(cfg.model, page_size=cfg.page_size, draft=cfg.draft)
         owners = [e.name for e in ends if e.is_owner]
         if len(owners) != 1:
@@ -266,31 +270,49 @@ class Replay:
                              transfer_timeout_s=cfg.transfer_timeout_s, lease_deadline_s=cfg.lease_deadline_s)
 
     def _check_fits(self) -> None:
-        """Refuse, before anything runs, a slice with a request that cannot fit even in an empty arena (exact: the
-        empty allocators' joint placement plan, :meth:`MultiEndedAllocator.can_alloc`). The error names the
-        largest such request and the arena bytes the slice needs at least."""
-        pre_probe = MultiEndedAllocator(Arena(self.pre_spec, zero=False))  # untouched bytes: only tables
-        bad_dec: list[tuple[int, object]] = []
-        bad_pre: list[tuple[int, object]] = []
+        """Refuse, before anything runs, a slice with a request that cannot fit even in an empty arena. Two
+        checks per request and side: its bytes (the empty allocator's joint placement plan,
+        :meth:`MultiEndedAllocator.can_alloc`, of its peak on decode and its prompt on prefill), and its admission
+        (:func:`alloc_sequence` of its prompt, then freed, on an empty probe allocator: the floating draft band
+        can split free space so that bytes that fit cannot be placed, Note [Stranded space]). The error names
+        the largest such request and what to change."""
+        probes = {side: MultiEndedAllocator(Arena(spec, zero=False), compaction=self.cfg.compaction)
+                  for side, spec in (("decode", self.dec_spec), ("prefill", self.pre_spec))}  # only tables
+        bad: dict[str, list[tuple[int, object, bool]]] = {"decode": [], "prefill": []}
         for r in self.trace:
-            need_dec = {e.name: peak_pages(self.dec_spec, e.name, r.input_tokens, r.output_tokens)
-                        for e in self.dec_spec.ends}
-            if not self.dec.can_alloc(need_dec):
-                bad_dec.append((request_peak_bytes(self.dec_spec, r.input_tokens, r.output_tokens), r))
-            need_pre = {e.name: pages_held(self.pre_spec, e.name, r.input_tokens) for e in self.pre_spec.ends}
-            if not pre_probe.can_alloc(need_pre):
-                bad_pre.append((request_prompt_bytes(self.pre_spec, r.input_tokens), r))
+            for side, spec in (("decode", self.dec_spec), ("prefill", self.pre_spec)):
+                probe = probes[side]
+                if side == "decode":
+                    need = {e.name: peak_pages(spec, e.name, r.input_tokens, r.output_tokens) for e in spec.ends}
+                    nbytes = request_peak_bytes(spec, r.input_tokens, r.output_tokens)
+                else:
+                    need = {e.name: pages_held(spec, e.name, r.input_tokens) for e in spec.ends}
+                    nbytes = request_prompt_bytes(spec, r.input_tokens)
+                if not probe.can_alloc(need):
+                    bad[side].append((nbytes, r, False))
+                    continue
+                vt = alloc_sequence(probe, r.input_tokens)
+                if vt is None:
+                    bad[side].append((nbytes, r, True))
+                else:
+                    probe.free(vt)
         slack = self.dec_spec.floor_bytes + sum(e.page_bytes for e in self.dec_spec.ends)
-        for side, bad, have in (("decode", bad_dec, self.decode_arena_bytes),
-                                ("prefill", bad_pre, self.prefill_arena_bytes)):
-            if not bad:
+        for side, have in (("decode", self.decode_arena_bytes), ("prefill", self.prefill_arena_bytes)):
+            if not bad[side]:
                 continue
-            nbytes, r = max(bad, key=lambda x: x[0])
+            nbytes, r, placement = max(bad[side], key=lambda x: x[0])
+            what = (f"request {r.request_id} ({r.input_tokens} prompt + {r.output_tokens} output tokens after token "
+                    f"scale {self.cfg.token_scale})")
+            if placement:
+                raise UmallocValueError(
+                    f"{len(bad[side])} request(s) cannot be placed even in an empty {side} arena of {have:,} bytes; "
+                    f"the largest, {what}, holds {nbytes:,} bytes, which fit, but the allocator cannot place its "
+                    f"ends side by side (the floating draft band splits the free space): allowed a larger {side} "
+                    "--arena-bytes, a larger --token-scale, --no-draft, or fewer --requests")
             raise UmallocValueError(
-                f"{len(bad)} request(s) cannot fit even in an empty {side} arena of {have:,} bytes; the largest, "
-                f"request {r.request_id} ({r.input_tokens} prompt + {r.output_tokens} output tokens after token "
-                f"scale {self.cfg.token_scale}), holds {nbytes:,} bytes at its peak: allowed --arena-bytes with "
-                f"{side} >= ~{nbytes + slack:,}, a larger --token-scale, or fewer --requests")
+                f"{len(bad[side])} request(s) cannot fit even in an empty {side} arena of {have:,} bytes; the "
+                f"largest, {what}, holds {nbytes:,} bytes at its peak: allowed --arena-bytes with {side} >= "
+                f"~{nbytes + slack:,}, a larger --token-scale, or fewer --requests")
 
     # ---- scheduler pieces ----------------------------------------------------------------------------------
     def _reserve_pages(self) -> dict[str, int]:
@@ -439,7 +461,6 @@ class Replay:
         self.table.release(victim.slot)
         victim.slot = -1
         victim.state = RETRACTED
-        victim.times_retracted += 1
         self.retracted.append(victim)
         self.c["retractions"] += 1
         return True
@@ -678,14 +699,13 @@ def run_replay(cfg: ReplayConfig, *, progress: bool = False, console: object | N
     cols = (TextColumn("[bold]replay[/bold]"), BarColumn(), TextColumn("{task.completed}/{task.total} requests"),
             TextColumn("{task.fields[gb]:.2f} GB moved"), TextColumn("{task.fields[tps]:,.0f} tok/s"),
             TextColumn("{task.fields[running]} running"), TimeElapsedColumn())
+
+    def update(f: dict) -> None:
+        bar.update(task, completed=f["done"], gb=f["moved_bytes"] / 1e9, tps=f["tokens_per_s"],
+                   running=f["running"])
+
+    replay_obj = Replay(cfg, on_progress=update)  # bad arguments raise here, before the bar is drawn
     with Progress(*cols, console=console, transient=False) as bar:  # type: ignore[arg-type]
-        replay_obj: Replay | None = None
-
-        def update(f: dict) -> None:
-            bar.update(task, completed=f["done"], gb=f["moved_bytes"] / 1e9, tps=f["tokens_per_s"],
-                       running=f["running"])
-
-        replay_obj = Replay(cfg, on_progress=update)
         task = bar.add_task("replay", total=len(replay_obj.states), gb=0.0, tps=0.0, running=0)
         return replay_obj.run()
 

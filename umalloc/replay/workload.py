@@ -16,7 +16,7 @@ Policy:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -88,6 +88,7 @@ class RequestState:
         generated: decode steps done.
         swa_lo_page: first sequence page still bound on the SWA end (pages below it were released).
         retracted: the host copy while retracted.
+        admitted_step: scheduler step of the (last) admission; retraction picks the newest.
     """
 
     req: TraceRequest
@@ -98,8 +99,6 @@ class RequestState:
     swa_lo_page: int = 0
     retracted: object | None = None
     admitted_step: int = -1
-    times_retracted: int = 0
-    extra: dict = field(default_factory=dict)
 
     @property
     def rid(self) -> int:
@@ -136,10 +135,6 @@ class BlockTable:
     def release(self, slot: int) -> None:
         self.table[slot].fill_(-1)
         self._free.append(slot)
-
-    @property
-    def free_slots(self) -> int:
-        return len(self._free)
 
     def write(self, slot: int, start: int, vtokens: torch.Tensor) -> None:
         n = vtokens.numel()

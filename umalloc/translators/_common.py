@@ -81,6 +81,45 @@ def check_out(out: object, like: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def translate_args(
+    ids: object, v2p: object, page_size: object, out: object, name: str
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Checked ``(ids, v2p, page_size)`` of ``virtual_to_physical[_pages]`` (``name``: the ids' argument name).
+
+    Also checks ``out`` against ``ids`` and that the virtual id space ``len(v2p) * page_size`` fits in int64.
+    """
+    ids_t = as_index_tensor(ids, name)
+    tab = as_index_tensor(v2p, "v2p", ndim=1)
+    ps = positive_int(page_size, "page_size")
+    same_device(name, ids_t, "v2p", tab)
+    if out is not None:
+        check_out(out, ids_t)
+    if tab.numel() * ps > _I64_MAX:
+        raise UmallocValueError(
+            f"len(v2p)={tab.numel()} pages of page_size={ps} tokens overflow int64 token ids: "
+            f"allowed page_size <= {_I64_MAX // tab.numel()}"
+        )
+    return ids_t, tab, ps
+
+
+def kernel_ids_args(tokens: object, page_size: object, layers_per_page: object) -> tuple[torch.Tensor, int, int]:
+    """Checked ``(tokens, page_size, layers_per_page)`` of ``kernel_page_ids``; one page's kernel rows
+    (``page_size * layers_per_page``) must fit in int64."""
+    tok = as_index_tensor(tokens, "tokens")
+    ps = positive_int(page_size, "page_size")
+    layers = positive_int(layers_per_page, "layers_per_page")
+    if ps * layers > _I64_MAX:
+        raise UmallocValueError(
+            f"page_size={ps} times layers_per_page={layers} overflows int64: allowed a product <= {_I64_MAX}"
+        )
+    return tok, ps, layers
+
+
+def deliver(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """``result``, or ``out`` after copying ``result`` into it (``out`` was checked by :func:`translate_args`)."""
+    return result if out is None else out.copy_(result)
+
+
 def first_true(mask: torch.Tensor) -> int:
     """Flat position of the first True in ``mask`` (error paths only; syncs on CUDA)."""
     return int(torch.nonzero(mask.reshape(-1))[0, 0])
@@ -131,30 +170,44 @@ def raise_misaligned(tokens: torch.Tensor, page_size: int) -> None:
     )
 
 
-def raise_overflow(name: str, max_id: int, factor: int) -> None:
-    raise InvalidIdError(f"{name} id {max_id} times {factor} overflows int64 (max {_I64_MAX})")
-
-
-# --- tokens_to_pages / pages_to_runs argument checks --------------------------------------------------
-
-
-def check_token_count(tokens: torch.Tensor, page_size: int) -> None:
-    if tokens.numel() % page_size != 0:
+def check_kernel_ids_fit(max_token: int, page_size: int, layers_per_page: int) -> None:
+    """Raise :class:`InvalidIdError` if the kernel id of the page holding ``max_token`` overflows int64."""
+    if (max_token // page_size) * page_size * layers_per_page + page_size - 1 > _I64_MAX:
         raise InvalidIdError(
-            f"tokens has {tokens.numel()} entries, not a multiple of page_size={page_size}: "
-            "a trailing partial page is misaligned"
+            f"tokens id {max_token} times layers_per_page={layers_per_page} overflows int64 (max {_I64_MAX})"
         )
 
 
-def check_equal_lengths(src: torch.Tensor, dst: torch.Tensor) -> None:
+# --- tokens_to_pages / pages_to_runs / rank_local_positions argument checks --------------------------------
+
+
+def tokens_args(tokens: object, page_size: object) -> tuple[torch.Tensor, int]:
+    """Checked ``(tokens, page_size)`` of ``tokens_to_pages``: 1-D int64, a whole number of pages."""
+    tok = as_index_tensor(tokens, "tokens", ndim=1)
+    ps = positive_int(page_size, "page_size")
+    if tok.numel() % ps != 0:
+        raise InvalidIdError(
+            f"tokens has {tok.numel()} entries, not a multiple of page_size={ps}: "
+            "a trailing partial page is misaligned"
+        )
+    return tok, ps
+
+
+def runs_args(src_pages: object, dst_pages: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checked ``(src_pages, dst_pages)`` of ``pages_to_runs``: 1-D int64, same device, equal lengths."""
+    src = as_index_tensor(src_pages, "src_pages", ndim=1)
+    dst = as_index_tensor(dst_pages, "dst_pages", ndim=1)
     same_device("src_pages", src, "dst_pages", dst)
     if src.numel() != dst.numel():
         raise UmallocValueError(
             f"src_pages and dst_pages must have equal lengths, got {src.numel()} and {dst.numel()}"
         )
+    return src, dst
 
 
-def check_dcp(dcp_size: object, rank: object) -> tuple[int, int]:
+def dcp_args(positions: object, dcp_size: object, rank: object) -> tuple[torch.Tensor, int, int]:
+    """Checked ``(positions, dcp_size, rank)`` of ``rank_local_positions``."""
+    pos = as_index_tensor(positions, "positions", ndim=1)
     d = positive_int(dcp_size, "dcp_size")
     try:
         r = operator.index(rank)  # type: ignore[arg-type]
@@ -162,10 +215,22 @@ def check_dcp(dcp_size: object, rank: object) -> tuple[int, int]:
         raise UmallocValueError(f"rank must be an int in [0, {d}), got {rank!r}") from None
     if isinstance(rank, bool) or not 0 <= r < d:
         raise UmallocValueError(f"rank must be an int in [0, {d}), got {rank!r}")
-    return d, r
+    return pos, d, r
 
 
 # --- runs_to_descriptors ----------------------------------------------------------------------------------
+
+
+def descriptor_args(
+    runs: object, src_regions: object, dst_regions: object
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Checked ``runs_to_descriptors`` arguments: ``(runs (R, 3) int64, src_base, dst_base, item_bytes)``, the
+    last three uint64 ``(K,)``; every descriptor's last byte fits in uint64."""
+    arr = runs_as_numpy(runs)
+    check_runs_values(arr)
+    src_base, dst_base, item = parse_regions(src_regions, dst_regions)
+    check_descriptor_overflow(arr, src_base, dst_base, item)
+    return arr, src_base, dst_base, item
 
 
 def runs_as_numpy(runs: object) -> np.ndarray:

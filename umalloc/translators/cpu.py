@@ -9,10 +9,12 @@
   the chunk on the calling thread. ``kernel_page_ids``, ``rank_local_positions`` and ``runs_to_descriptors``
   are single memory-bound passes on the calling thread (parallel twins cost more JIT time than they saved).
 * Note [Parallel threshold]: on an idle 2-core machine the thread pool pays from about 10k items, but when
-  other processes keep the cores busy a parallel call waits for its second thread to be scheduled (measured:
-  up to 5x slower than one thread at 1M tokens). The default threshold, 128k items, keeps decode-step-sized
-  batches on the calling thread and parallelises only large transfers. Override it with the environment
-  variable ``UMALLOC_CPU_PARALLEL_MIN_ITEMS`` (0: always parallel), or set ``NUMBA_NUM_THREADS=1``.
+  other processes keep the cores busy (transfer-engine threads, other workers, CI neighbours) a parallel call
+  waits for its second thread to be scheduled. Measured on the project's 2-core machines at 1M tokens: idle,
+  2 threads were 1.3-2x faster than one; at load average 3-5, 5-10x *slower*. So with fewer than 4 numba
+  threads batches stay on the calling thread by default; with 4 or more, batches from 128k items run in
+  parallel. Override with the environment variable ``UMALLOC_CPU_PARALLEL_MIN_ITEMS`` (0: always
+  parallel) or by assigning :data:`PARALLEL_MIN_ITEMS`.
 * Validation first, then writes: a bad id raises before anything is written, so an ``out=`` aliasing the input
   survives the error unchanged, and no kernel ever reads outside the v2p table.
 * Page sizes that are powers of two use shifts and masks; others divide.
@@ -53,8 +55,14 @@ def _parallel_min_items_from_env(default: int) -> int:
     return value
 
 
+#: A threshold no batch reaches: every batch stays on the calling thread.
+NEVER_PARALLEL = 1 << 62
+
 #: Batches with at least this many items run on every numba thread; smaller ones on the caller's thread.
-PARALLEL_MIN_ITEMS = _parallel_min_items_from_env(1 << 17)  # Note [Parallel threshold]
+#: Default: 128k items with 4+ numba threads, else never (Note [Parallel threshold]).
+PARALLEL_MIN_ITEMS = _parallel_min_items_from_env(
+    1 << 17 if numba.config.NUMBA_NUM_THREADS >= 4 else NEVER_PARALLEL  # type: ignore[attr-defined]
+)
 
 
 def available() -> bool:
@@ -126,8 +134,11 @@ def _out_target(out: torch.Tensor, ids: np.ndarray, tab: np.ndarray) -> np.ndarr
 
 # --- kernels ------------------------------------------------------------------------------------------------
 # Every *_chunk function handles items [lo, hi) on the calling thread; the *_par twin runs one chunk per
-# prange iteration. Loop bodies avoid data-dependent branches where they can (flags are added, not tested):
-# on random page lists a mispredicted branch per item costs more than the memory traffic.
+# prange iteration. Two habits keep the loops at memory speed (each measured at about 2x on these machines):
+# * loop bodies avoid data-dependent branches (flags are added, not tested): on random page lists a
+#   mispredicted branch per item costs more than the memory traffic;
+# * loops index chunk views from 0 and index tables with unsigned ids, so numba's negative-index wraparound
+#   code disappears (it cannot be proven dead for a signed index of unknown sign).
 
 
 @njit(cache=True, nogil=True)
@@ -138,36 +149,49 @@ def _bounds(n, nchunks, k):
 @njit(cache=True, nogil=True)
 def _check_chunk(ids, tab, shift, ps, strict, lo, hi):
     """(#ids outside [0, len(tab) * ps), #in-range ids whose page is tombstoned when strict)."""
+    v = ids[lo:hi]
     limit = np.uint64(tab.shape[0] * ps)
+    zero = np.uint64(0)
     outside = 0
     tomb = 0
-    if strict:
-        for i in range(lo, hi):
-            t = ids[i]
-            inside = np.uint64(t) < limit
-            safe = t if inside else 0
-            p = safe >> shift if shift >= 0 else safe // ps
+    if not strict:
+        for k in range(v.shape[0]):
+            outside += np.uint64(v[k]) >= limit
+    elif shift >= 0:
+        us = np.uint64(shift)
+        for k in range(v.shape[0]):
+            u = np.uint64(v[k])
+            inside = u < limit
             outside += not inside
-            tomb += inside and tab[p] < 0
+            tomb += inside & (tab[(u if inside else zero) >> us] < 0)
     else:
-        for i in range(lo, hi):
-            outside += np.uint64(ids[i]) >= limit
+        ups = np.uint64(ps)
+        for k in range(v.shape[0]):
+            u = np.uint64(v[k])
+            inside = u < limit
+            outside += not inside
+            tomb += inside & (tab[(u if inside else zero) // ups] < 0)
     return outside, tomb
 
 
 @njit(cache=True, nogil=True)
 def _v2p_chunk(ids, tab, shift, ps, out, lo, hi):
+    """Translate [lo, hi) into ``out``; every id must already be in range (see :func:`_check_chunk`)."""
+    v = ids[lo:hi]
+    o = out[lo:hi]
     if shift >= 0:
+        us = np.uint64(shift)
         mask = ps - 1
-        for i in range(lo, hi):
-            t = ids[i]
-            p = tab[t >> shift]
-            out[i] = (max(p, 0) << shift) | (t & mask)
+        for k in range(v.shape[0]):
+            t = v[k]
+            p = tab[np.uint64(t) >> us]
+            o[k] = (max(p, 0) << shift) | (t & mask)
     else:
-        for i in range(lo, hi):
-            t = ids[i]
-            q = t // ps
-            out[i] = max(tab[q], 0) * ps + (t - q * ps)
+        ups = np.uint64(ps)
+        for k in range(v.shape[0]):
+            t = v[k]
+            q = np.uint64(t) // ups
+            o[k] = max(tab[q], 0) * ps + (t - np.int64(q) * ps)
 
 
 @njit(cache=True, nogil=True)
@@ -200,19 +224,22 @@ def _v2p_par(ids, tab, shift, ps, strict, out, nchunks):
 
 @njit(cache=True, nogil=True)
 def _t2p_chunk(tok, ps, shift, out, lo, hi):
-    """Groups [lo, hi): write each group's page id; return how many groups are not one aligned page."""
+    """Pages [lo, hi): write each group's page id; return how many groups are not one aligned page."""
+    tv = tok[lo * ps : hi * ps]
+    o = out[lo:hi]
     bad = 0
-    for g in range(lo, hi):
-        base = tok[g * ps]
+    for g in range(o.shape[0]):
+        seg = tv[g * ps : (g + 1) * ps]
+        base = seg[0]
         wrong = base < 0
         if shift >= 0:
             wrong |= (base & (ps - 1)) != 0
-            out[g] = base >> shift
+            o[g] = base >> shift
         else:
             wrong |= base % ps != 0
-            out[g] = base // ps
-        for j in range(1, ps):
-            wrong |= tok[g * ps + j] != base + j
+            o[g] = base // ps
+        for j in range(1, seg.shape[0]):
+            wrong |= seg[j] != base + j
         bad += wrong
     return bad
 
@@ -227,8 +254,8 @@ def _t2p_par(tok, ps, shift, out, nchunks):
 
 
 @njit(cache=True, nogil=True)
-def _runs_chunk(src, dst, out, row, lo, hi):
-    """Write the runs that start in [lo, hi) to ``out`` rows ``row, row + 1, ...``; the last may extend past hi.
+def _runs_chunk(src, dst, out, lo, hi):
+    """Write the runs that start in [lo, hi) to ``out`` rows ``lo, lo + 1, ...``; the last may extend past hi.
 
     Returns ``(number of runs written, whether any id in [lo, hi) is negative)``. At most ``hi - lo`` rows are
     written. Branch-free body: every item rewrites the row of the run it belongs to with
@@ -244,30 +271,35 @@ def _runs_chunk(src, dst, out, row, lo, hi):
             i0 += 1
     if i0 >= hi:
         return 0, acc < 0
-    cur = row
-    cur_start = i0
-    s0 = src[i0]
-    d0 = dst[i0]
-    acc |= s0 | d0
-    out[cur, 0] = s0
-    out[cur, 1] = d0
-    out[cur, 2] = 1
-    for i in range(i0 + 1, hi):
-        s = src[i]
-        d = dst[i]
+    sv = src[i0:hi]
+    dv = dst[i0:hi]
+    o = out[lo:]
+    cur = 0
+    cur_start = 0
+    prev_s = sv[0]
+    prev_d = dv[0]
+    acc |= prev_s | prev_d
+    o[0, 0] = prev_s
+    o[0, 1] = prev_d
+    o[0, 2] = 1
+    for k in range(1, sv.shape[0]):
+        s = sv[k]
+        d = dv[k]
         acc |= s | d
-        f = (s - src[i - 1] != 1) | (d - dst[i - 1] != 1)
+        f = (s - prev_s != 1) | (d - prev_d != 1)
+        prev_s = s
+        prev_d = d
         cur += f
-        cur_start = i if f else cur_start
-        off = i - cur_start
-        out[cur, 0] = s - off
-        out[cur, 1] = d - off
-        out[cur, 2] = off + 1
-    j = hi
+        cur_start = k if f else cur_start
+        off = k - cur_start
+        o[cur, 0] = s - off
+        o[cur, 1] = d - off
+        o[cur, 2] = off + 1
+    j = hi  # the last run may continue into later chunks
     while j < n and src[j] - src[j - 1] == 1 and dst[j] - dst[j - 1] == 1:
         j += 1
-    out[cur, 2] = j - cur_start
-    return cur - row + 1, acc < 0
+    o[cur, 2] = j - i0 - cur_start
+    return cur + 1, acc < 0
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -276,40 +308,41 @@ def _runs_par(src, dst, out, nchunks):
     res = np.zeros((nchunks, 2), dtype=np.int64)
     for k in prange(nchunks):
         lo, hi = _bounds(src.shape[0], nchunks, k)
-        a, b = _runs_chunk(src, dst, out, lo, lo, hi)
+        a, b = _runs_chunk(src, dst, out, lo, hi)
         res[k, 0] = a
         res[k, 1] = b
     return res
 
 
 @njit(cache=True, nogil=True)
-def _desc_chunk(runs, src_base, dst_base, item, out, lo, hi):
+def _desc_chunk(runs, src_base, dst_base, item, out):
+    """Region-major descriptors: row ``k * R + i`` is run ``i`` in region pair ``k``."""
     r = runs.shape[0]
     for k in range(item.shape[0]):
         it = item[k]
         sb = src_base[k]
         db = dst_base[k]
-        for i in range(lo, hi):
-            row = k * r + i
-            out[row, 0] = sb + np.uint64(runs[i, 0]) * it
-            out[row, 1] = db + np.uint64(runs[i, 1]) * it
-            out[row, 2] = np.uint64(runs[i, 2]) * it
+        o = out[k * r : (k + 1) * r]
+        for i in range(r):
+            o[i, 0] = sb + np.uint64(runs[i, 0]) * it
+            o[i, 1] = db + np.uint64(runs[i, 1]) * it
+            o[i, 2] = np.uint64(runs[i, 2]) * it
 
 
 @njit(cache=True, nogil=True)
-def _kernel_ids_chunk(tok, ps, shift, stride, out, lo, hi):
-    """Write kernel ids for [lo, hi); return (#negative tokens, max token) of the chunk."""
+def _kernel_ids_chunk(tok, ps, shift, stride, out):
+    """Write kernel ids; return (#negative tokens, max token)."""
     neg = 0
     hi_tok = 0
     if shift >= 0:
         mask = ps - 1
-        for i in range(lo, hi):
+        for i in range(tok.shape[0]):
             t = tok[i]
             neg += t < 0
             hi_tok = max(hi_tok, t)
             out[i] = (t >> shift) * stride + (t & mask)
     else:
-        for i in range(lo, hi):
+        for i in range(tok.shape[0]):
             t = tok[i]
             neg += t < 0
             hi_tok = max(hi_tok, t)
@@ -319,25 +352,48 @@ def _kernel_ids_chunk(tok, ps, shift, stride, out, lo, hi):
 
 
 @njit(cache=True, nogil=True)
-def _dcp_count_chunk(pos, d, r, lo, hi):
-    """(#owned positions, #negative positions) in [lo, hi)."""
+def _dcp_count(pos, d, r, shift):
+    """(#owned positions, #negative positions). ``shift`` = log2(d) when d is a power of two, else -1."""
     owned = 0
     neg = 0
-    for i in range(lo, hi):
-        p = pos[i]
-        neg += p < 0
-        owned += (p >= 0) & (p % d == r)
+    if shift >= 0:
+        mask = d - 1
+        for i in range(pos.shape[0]):
+            p = pos[i]
+            neg += p < 0
+            owned += (p >= 0) & ((p & mask) == r)
+    else:
+        ud = np.uint64(d)
+        ur = np.uint64(r)
+        for i in range(pos.shape[0]):
+            p = pos[i]
+            neg += p < 0
+            owned += (p >= 0) & (np.uint64(p) % ud == ur)
     return owned, neg
 
 
 @njit(cache=True, nogil=True)
-def _dcp_fill_chunk(pos, d, r, indices, rows, j, lo, hi):
-    for i in range(lo, hi):
-        p = pos[i]
-        if p % d == r:
-            indices[j] = i
-            rows[j] = p // d
-            j += 1
+def _dcp_fill(pos, d, r, shift, indices, rows):
+    """Fill owned positions' indices and local rows; every position must be >= 0."""
+    j = 0
+    if shift >= 0:
+        mask = d - 1
+        for i in range(pos.shape[0]):
+            p = pos[i]
+            if (p & mask) == r:
+                indices[j] = i
+                rows[j] = p >> shift
+                j += 1
+    else:
+        ud = np.uint64(d)
+        ur = np.uint64(r)
+        for i in range(pos.shape[0]):
+            u = np.uint64(pos[i])
+            q = u // ud
+            if u - q * ud == ur:
+                indices[j] = i
+                rows[j] = np.int64(q)
+                j += 1
 
 
 # --- public functions -----------------------------------------------------------------------------------
@@ -346,8 +402,6 @@ def _dcp_fill_chunk(pos, d, r, indices, rows, j, lo, hi):
 def _translate(ids_t, tab_t, ps, out, strict, name, unit):
     _cpu(ids_t, name)
     _cpu(tab_t, "v2p")
-    if out is not None:
-        c.check_out(out, ids_t)
     ids = _flat(ids_t)
     tab = _flat(tab_t)
     n = ids.shape[0]
@@ -390,10 +444,7 @@ def virtual_to_physical(
     >>> virtual_to_physical(torch.tensor([0, 1, 3, 4, 5]), torch.tensor([5, -1, 2]), 2)
     tensor([10, 11,  1,  4,  5])
     """
-    vt = c.as_index_tensor(vtokens, "vtokens")
-    tab = c.as_index_tensor(v2p, "v2p", ndim=1)
-    ps = c.positive_int(page_size, "page_size")
-    c.same_device("vtokens", vt, "v2p", tab)
+    vt, tab, ps = c.translate_args(vtokens, v2p, page_size, out, "vtokens")
     return _translate(vt, tab, ps, out, strict, "vtokens", "token")
 
 
@@ -409,9 +460,7 @@ def virtual_to_physical_pages(
     >>> virtual_to_physical_pages(torch.tensor([2, 1, 0]), torch.tensor([5, -1, 2]))
     tensor([2, 0, 5])
     """
-    vp = c.as_index_tensor(vpages, "vpages")
-    tab = c.as_index_tensor(v2p, "v2p", ndim=1)
-    c.same_device("vpages", vp, "v2p", tab)
+    vp, tab, _ = c.translate_args(vpages, v2p, 1, out, "vpages")
     return _translate(vp, tab, 1, out, strict, "vpages", "page")
 
 
@@ -421,9 +470,8 @@ def tokens_to_pages(tokens: c.IndexLike, page_size: int) -> torch.Tensor:
     >>> tokens_to_pages(torch.tensor([8, 9, 10, 11, 0, 1, 2, 3]), 4)
     tensor([2, 0])
     """
-    tok_t = _cpu(c.as_index_tensor(tokens, "tokens", ndim=1), "tokens")
-    ps = c.positive_int(page_size, "page_size")
-    c.check_token_count(tok_t, ps)
+    tok_t, ps = c.tokens_args(tokens, page_size)
+    _cpu(tok_t, "tokens")
     tok = _flat(tok_t)
     num_pages = tok.shape[0] // ps
     res = _empty(num_pages)
@@ -452,9 +500,9 @@ def pages_to_runs(src_pages: c.IndexLike, dst_pages: c.IndexLike) -> torch.Tenso
             [5, 2, 1],
             [9, 3, 1]])
     """
-    src_t = _cpu(c.as_index_tensor(src_pages, "src_pages", ndim=1), "src_pages")
-    dst_t = _cpu(c.as_index_tensor(dst_pages, "dst_pages", ndim=1), "dst_pages")
-    c.check_equal_lengths(src_t, dst_t)
+    src_t, dst_t = c.runs_args(src_pages, dst_pages)
+    _cpu(src_t, "src_pages")
+    _cpu(dst_t, "dst_pages")
     src, dst = _flat(src_t), _flat(dst_t)
     n = src.shape[0]
     if n == 0:
@@ -462,7 +510,7 @@ def pages_to_runs(src_pages: c.IndexLike, dst_pages: c.IndexLike) -> torch.Tenso
     runs = np.empty((n, 3), dtype=np.int64)
     nchunks = _chunks(n)
     if nchunks == 1:
-        num_runs, neg = _runs_chunk(src, dst, runs, 0, 0, n)
+        num_runs, neg = _runs_chunk(src, dst, runs, 0, n)
     else:
         counts = _runs_par(src, dst, runs, nchunks)
         neg = bool(counts[:, 1].any())
@@ -491,14 +539,11 @@ def runs_to_descriptors(
     >>> runs_to_descriptors(torch.tensor([[3, 7, 2]]), [(1000, 64)], [(2000, 64)])
     array([[1192, 2448,  128]], dtype=uint64)
     """
-    arr = c.runs_as_numpy(runs)
-    c.check_runs_values(arr)
-    src_base, dst_base, item = c.parse_regions(src_regions, dst_regions)
-    c.check_descriptor_overflow(arr, src_base, dst_base, item)
+    arr, src_base, dst_base, item = c.descriptor_args(runs, src_regions, dst_regions)
     r, k = arr.shape[0], item.shape[0]
     out = np.empty((k * r, 3), dtype=np.uint64)
     if r and k:
-        _desc_chunk(arr, src_base, dst_base, item, out, 0, r)
+        _desc_chunk(arr, src_base, dst_base, item, out)
     return out
 
 
@@ -508,22 +553,18 @@ def kernel_page_ids(tokens: c.IndexLike, page_size: int, layers_per_page: int) -
     >>> kernel_page_ids(torch.tensor([0, 5, 9]), 4, 3)
     tensor([ 0, 13, 25])
     """
-    tok_t = _cpu(c.as_index_tensor(tokens, "tokens"), "tokens")
-    ps = c.positive_int(page_size, "page_size")
-    layers = c.positive_int(layers_per_page, "layers_per_page")
+    tok_t, ps, layers = c.kernel_ids_args(tokens, page_size, layers_per_page)
+    _cpu(tok_t, "tokens")
     tok = _flat(tok_t)
     n = tok.shape[0]
     res = _empty(n)
     if n == 0:
         return _wrap(res, tok_t.shape)
-    if ps * layers > c._I64_MAX:
-        c.raise_overflow("tokens", 0, ps * layers)
-    neg, hi = _kernel_ids_chunk(tok, ps, _shift_of(ps), ps * layers, res, 0, n)
+    neg, hi = _kernel_ids_chunk(tok, ps, _shift_of(ps), ps * layers, res)
     if neg:
         c.raise_negative(tok_t, "tokens")
     hi = int(hi)
-    if (hi // ps) * ps * layers + ps - 1 > c._I64_MAX:
-        c.raise_overflow("tokens", hi, layers)
+    c.check_kernel_ids_fit(hi, ps, layers)
     return _wrap(res, tok_t.shape)
 
 
@@ -537,15 +578,15 @@ def rank_local_positions(
     >>> rank_local_positions(torch.tensor([4, 5, 6, 7, 9]), 2, 1)
     (tensor([1, 3, 4]), tensor([2, 3, 4]))
     """
-    pos_t = _cpu(c.as_index_tensor(positions, "positions", ndim=1), "positions")
-    d, r = c.check_dcp(dcp_size, rank)
+    pos_t, d, r = c.dcp_args(positions, dcp_size, rank)
+    _cpu(pos_t, "positions")
     pos = _flat(pos_t)
-    n = pos.shape[0]
-    owned, neg = _dcp_count_chunk(pos, d, r, 0, n)
+    shift = _shift_of(d)
+    owned, neg = _dcp_count(pos, d, r, shift)
     if neg:
         c.raise_negative(pos_t, "positions")
     indices = _empty(owned)
     rows = _empty(owned)
     if owned:
-        _dcp_fill_chunk(pos, d, r, indices, rows, 0, 0, n)
+        _dcp_fill(pos, d, r, shift, indices, rows)
     return torch.from_numpy(indices), torch.from_numpy(rows)

@@ -157,8 +157,6 @@ def _grid(n: int) -> tuple[int]:
 
 def _translate(ids_t, tab_t, ps, out, strict, name, unit):
     _require((name, ids_t), ("v2p", tab_t))
-    if out is not None:
-        c.check_out(out, ids_t)
     ids_c = ids_t.contiguous()
     tab_c = tab_t.contiguous()
     n = ids_c.numel()
@@ -178,9 +176,7 @@ def _translate(ids_t, tab_t, ps, out, strict, name, unit):
                 c.raise_tombstone(ids_t, tab_t, ps, name)
             args = (ids, np.int64(n), tab, np.int64(ps), res)
             mod.get_function("umalloc_v2p_apply")(_grid(n), (_THREADS,), args)
-    if out is None:
-        return result
-    return out.copy_(result)
+    return c.deliver(result, out)
 
 
 def virtual_to_physical(
@@ -196,10 +192,7 @@ def virtual_to_physical(
     One validation kernel, one synchronization, one gather kernel into a fresh tensor, then a copy into
     ``out`` when given (so ``out`` may alias the input).
     """
-    vt = c.as_index_tensor(vtokens, "vtokens")
-    tab = c.as_index_tensor(v2p, "v2p", ndim=1)
-    ps = c.positive_int(page_size, "page_size")
-    c.same_device("vtokens", vt, "v2p", tab)
+    vt, tab, ps = c.translate_args(vtokens, v2p, page_size, out, "vtokens")
     return _translate(vt, tab, ps, out, strict, "vtokens", "token")
 
 
@@ -211,9 +204,7 @@ def virtual_to_physical_pages(
     strict: bool = False,
 ) -> torch.Tensor:
     """CUDA version of :func:`umalloc.translators.reference.virtual_to_physical_pages` (CUDA tensors only)."""
-    vp = c.as_index_tensor(vpages, "vpages")
-    tab = c.as_index_tensor(v2p, "v2p", ndim=1)
-    c.same_device("vpages", vp, "v2p", tab)
+    vp, tab, _ = c.translate_args(vpages, v2p, 1, out, "vpages")
     return _translate(vp, tab, 1, out, strict, "vpages", "page")
 
 
@@ -222,9 +213,7 @@ def pages_to_runs(src_pages: c.IndexLike, dst_pages: c.IndexLike) -> torch.Tenso
 
     One fused kernel writes run-start flags and counts negative ids; torch then compacts the starts.
     """
-    src_t = c.as_index_tensor(src_pages, "src_pages", ndim=1)
-    dst_t = c.as_index_tensor(dst_pages, "dst_pages", ndim=1)
-    c.check_equal_lengths(src_t, dst_t)
+    src_t, dst_t = c.runs_args(src_pages, dst_pages)
     _require(("src_pages", src_t), ("dst_pages", dst_t))
     n = src_t.numel()
     if n == 0:

@@ -55,7 +55,8 @@ def virtual_to_physical(
     Args:
         vtokens: int64 tensor of virtual token ids, any shape, on the same device as ``v2p``.
         v2p: 1-D int64 tensor, ``v2p[vpage]`` is the physical page bound to ``vpage`` or negative
-            (:data:`TOMBSTONE`) when unbound. Entries must be below ``2**63 // page_size``.
+            (:data:`TOMBSTONE`) when unbound. Entries must be below ``2**63 // page_size`` (not checked:
+            that would cost a pass over the gathered entries; the allocator's tables always meet it).
         page_size: tokens per page, >= 1.
         out: optional int64 tensor of ``vtokens``' shape and device to write into (may be ``vtokens``
             itself); returned.
@@ -68,7 +69,8 @@ def virtual_to_physical(
         InvalidIdError: a virtual token outside ``[0, len(v2p) * page_size)`` (never clamped); a wrong dtype,
             rank or ``out`` shape.
         TombstoneError: ``strict`` and a token falls in a tombstoned page.
-        UmallocValueError: ``page_size < 1``; tensors on different devices.
+        UmallocValueError: ``page_size < 1``; ``len(v2p) * page_size`` beyond int64; tensors on different
+            devices.
 
     Nothing is written when an error is raised. O(n) time, O(n) temporaries.
     Follows SGLang's paged ``req_to_token`` convention (token id = page id * page_size + offset).
@@ -77,23 +79,16 @@ def virtual_to_physical(
     >>> virtual_to_physical(torch.tensor([0, 1, 3, 4, 5]), v2p, 2)
     tensor([10, 11,  1,  4,  5])
     """
-    vt = c.as_index_tensor(vtokens, "vtokens")
-    tab = c.as_index_tensor(v2p, "v2p", ndim=1)
-    ps = c.positive_int(page_size, "page_size")
-    c.same_device("vtokens", vt, "v2p", tab)
-    if out is not None:
-        c.check_out(out, vt)
+    vt, tab, ps = c.translate_args(vtokens, v2p, page_size, out, "vtokens")
     limit = tab.numel() * ps
     if vt.numel() and bool(((vt < 0) | (vt >= limit)).any()):
         c.raise_out_of_range(vt, limit, "vtokens", "token")
     vpages = torch.div(vt, ps, rounding_mode="floor")
-    ppages = tab[vpages]
+    ppages = torch.take(tab, vpages)  # always a new tensor (tab[0-d index] would be a view of tab)
     if strict and vt.numel() and bool((ppages < 0).any()):
         c.raise_tombstone(vt, tab, ps, "vtokens")
     result = ppages.clamp_(min=c.SINK_PAGE).mul_(ps).add_(vt - vpages * ps)
-    if out is None:
-        return result
-    return out.copy_(result)
+    return c.deliver(result, out)
 
 
 def virtual_to_physical_pages(
@@ -124,21 +119,15 @@ def virtual_to_physical_pages(
     >>> virtual_to_physical_pages(torch.tensor([2, 1, 0]), torch.tensor([5, -1, 2]))
     tensor([2, 0, 5])
     """
-    vp = c.as_index_tensor(vpages, "vpages")
-    tab = c.as_index_tensor(v2p, "v2p", ndim=1)
-    c.same_device("vpages", vp, "v2p", tab)
-    if out is not None:
-        c.check_out(out, vp)
+    vp, tab, _ = c.translate_args(vpages, v2p, 1, out, "vpages")
     limit = tab.numel()
     if vp.numel() and bool(((vp < 0) | (vp >= limit)).any()):
         c.raise_out_of_range(vp, limit, "vpages", "page")
-    ppages = tab[vp]
+    ppages = torch.take(tab, vp)  # a new tensor, never a view of tab
     if strict and vp.numel() and bool((ppages < 0).any()):
         c.raise_tombstone(vp, tab, 1, "vpages")
     result = ppages.clamp_(min=c.SINK_PAGE)
-    if out is None:
-        return result
-    return out.copy_(result)
+    return c.deliver(result, out)
 
 
 def tokens_to_pages(tokens: c.IndexLike, page_size: int) -> torch.Tensor:
@@ -163,9 +152,7 @@ def tokens_to_pages(tokens: c.IndexLike, page_size: int) -> torch.Tensor:
     >>> tokens_to_pages(torch.tensor([8, 9, 10, 11, 0, 1, 2, 3]), 4)
     tensor([2, 0])
     """
-    tok = c.as_index_tensor(tokens, "tokens", ndim=1)
-    ps = c.positive_int(page_size, "page_size")
-    c.check_token_count(tok, ps)
+    tok, ps = c.tokens_args(tokens, page_size)
     if tok.numel() == 0:
         return torch.empty(0, dtype=torch.int64, device=tok.device)
     groups = tok.reshape(-1, ps)
@@ -203,9 +190,7 @@ def pages_to_runs(src_pages: c.IndexLike, dst_pages: c.IndexLike) -> torch.Tenso
             [5, 2, 1],
             [9, 3, 1]])
     """
-    src = c.as_index_tensor(src_pages, "src_pages", ndim=1)
-    dst = c.as_index_tensor(dst_pages, "dst_pages", ndim=1)
-    c.check_equal_lengths(src, dst)
+    src, dst = c.runs_args(src_pages, dst_pages)
     n = src.numel()
     if n == 0:
         return torch.empty((0, 3), dtype=torch.int64, device=src.device)
@@ -249,11 +234,7 @@ def runs_to_descriptors(
     >>> runs_to_descriptors(pages_to_runs(torch.tensor([3, 4]), torch.tensor([7, 8])), [(1000, 64)], [(2000, 64)])
     array([[1192, 2448,  128]], dtype=uint64)
     """
-    arr = c.runs_as_numpy(runs)
-    c.check_runs_values(arr)
-    src_base, dst_base, item = c.parse_regions(src_regions, dst_regions)
-    c.check_descriptor_overflow(arr, src_base, dst_base, item)
-    return c.descriptors_numpy(arr, src_base, dst_base, item)
+    return c.descriptors_numpy(*c.descriptor_args(runs, src_regions, dst_regions))
 
 
 def kernel_page_ids(tokens: c.IndexLike, page_size: int, layers_per_page: int) -> torch.Tensor:
@@ -272,23 +253,20 @@ def kernel_page_ids(tokens: c.IndexLike, page_size: int, layers_per_page: int) -
 
     Raises:
         InvalidIdError: a negative token; a result that would overflow int64; wrong dtype.
-        UmallocValueError: ``page_size`` or ``layers_per_page`` < 1.
+        UmallocValueError: ``page_size`` or ``layers_per_page`` < 1, or their product beyond int64.
 
     O(n).
 
     >>> kernel_page_ids(torch.tensor([0, 5, 9]), 4, 3)
     tensor([ 0, 13, 25])
     """
-    tok = c.as_index_tensor(tokens, "tokens")
-    ps = c.positive_int(page_size, "page_size")
-    layers = c.positive_int(layers_per_page, "layers_per_page")
+    tok, ps, layers = c.kernel_ids_args(tokens, page_size, layers_per_page)
     if tok.numel() == 0:
         return torch.empty_like(tok)
     lo, hi = (int(v) for v in torch.aminmax(tok))
     if lo < 0:
         c.raise_negative(tok, "tokens")
-    if (hi // ps) * ps * layers + ps - 1 > c._I64_MAX:
-        c.raise_overflow("tokens", hi, layers)
+    c.check_kernel_ids_fit(hi, ps, layers)
     pages = torch.div(tok, ps, rounding_mode="floor")
     return pages * (ps * layers) + (tok - pages * ps)
 
@@ -320,8 +298,7 @@ def rank_local_positions(
     >>> rank_local_positions(torch.tensor([4, 5, 6, 7, 9]), 2, 1)
     (tensor([1, 3, 4]), tensor([2, 3, 4]))
     """
-    pos = c.as_index_tensor(positions, "positions", ndim=1)
-    d, r = c.check_dcp(dcp_size, rank)
+    pos, d, r = c.dcp_args(positions, dcp_size, rank)
     if pos.numel() and bool((pos < 0).any()):
         c.raise_negative(pos, "positions")
     indices = torch.nonzero(pos % d == r).reshape(-1)
