@@ -39,7 +39,9 @@ if [ ! -x .venv/bin/python ]; then
 fi
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "[setup] installing umalloc[dev] into .venv (torch pinned by constraints.txt)"
-  .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[dev]"
+  # (this machine's pip config names local package folders that may be absent: drop those warnings only)
+  .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[dev]" \
+    2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
   echo "$want" > "$stamp"
 fi
 echo "[setup] ready: $(.venv/bin/python -c 'import torch, umalloc; print("torch", torch.__version__)')"

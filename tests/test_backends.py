@@ -297,7 +297,7 @@ def test_handle_misuse_is_refused_and_changes_nothing(name, backend_factory):
 
 
 @pytest.mark.parametrize("name", ALL)
-def test_registration_dedupes_merges_and_balances(name, backend_factory):
+def test_F21_registration_dedupes_merges_and_balances(name, backend_factory):
     b = backend_factory(name)
     buf = torch.zeros(64 << 10, dtype=torch.uint8)
     base = buf.data_ptr()
