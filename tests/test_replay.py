@@ -278,8 +278,10 @@ def test_cli_refuses_bad_arguments(tmp_path):
     assert res.exit_code == 2 and "cannot fit" in res.output
     res = runner.invoke(app, ["replay", "--model", "no-such-model", "--no-progress"])
     assert res.exit_code == 2 and "no-such-model" in res.output
-    res = runner.invoke(app, ["replay", "--trace", str(tmp_path / "missing.jsonl"), "--no-progress"])
-    assert res.exit_code == 2 and "does not exist" in res.output
+    # a long path (CI clones into deep folders) stays whole on one line, and "[...]" in it is not rich markup
+    missing = tmp_path / ("deep-" * 30) / "[red]missing[/red].jsonl"
+    res = runner.invoke(app, ["replay", "--trace", str(missing), "--no-progress"])
+    assert res.exit_code == 2 and "does not exist" in res.output and str(missing) in res.output
     # more requests than the trace holds: refused, not silently shortened (the packaged trace has 12,031 rows)
     res = runner.invoke(app, ["replay", "--requests", "12032", "--no-progress"])
     assert res.exit_code == 2 and "holds only 12031 requests" in res.output

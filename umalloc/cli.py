@@ -132,6 +132,7 @@ def replay(
 ) -> None:
     """Replay a real request trace through a prefill arena and a decode arena; verify every byte."""
     from rich.console import Console
+    from rich.markup import escape
 
     from umalloc.replay.report import check_report, report_table
     from umalloc.replay.run import ReplayConfig, run_replay
@@ -148,7 +149,9 @@ def replay(
         )
         result = run_replay(cfg, progress=progress, console=console)
     except UmallocValueError as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        # soft_wrap: a path or a figure in the message is never split across lines; escape: "[...]" in a
+        # message is text, not rich markup
+        console.print(f"[red]error:[/red] {escape(str(exc))}", soft_wrap=True)
         raise typer.Exit(2) from None
     console.print(report_table(result))
     if report is not None:
@@ -164,7 +167,7 @@ def replay(
     problems = check_report(result)
     if problems:
         for p in problems:
-            console.print(f"[red]invariant:[/red] {p}")
+            console.print(f"[red]invariant:[/red] {escape(str(p))}", soft_wrap=True)
         raise typer.Exit(1)
 
 
