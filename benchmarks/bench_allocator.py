@@ -55,12 +55,13 @@ from umalloc.allocator import MultiEndedAllocator  # noqa: E402
 from umalloc.arena import Arena  # noqa: E402
 from umalloc.spec import ArenaSpec, EndRole, EndSpec, Grow, KVDtype, LayerSpec  # noqa: E402
 
-MODES = ("umalloc", "umalloc-swa")
+MODES = ("umalloc", "umalloc-swa", "umalloc-pages", "umalloc-pages-swa")
 _E, _D, _F = 0, 1, 2
 
 
 class _Op:
-    __slots__ = ("ev", "ev_buf", "ev_t", "kind", "last_buf", "last_flat", "last_t", "n_req", "no_prefix", "out_np",
+    __slots__ = ("ev", "ev_buf", "ev_t", "kind", "last_buf", "last_flat", "last_t", "n_pages", "n_req", "no_prefix",
+                 "out_np",
                  "out_t", "pre_t", "runs", "seq_t", "target", "target_buf", "target_t", "write_flat")
 
 
@@ -176,6 +177,93 @@ class Prepared:
         return len(self.ops) + (self.n_release_calls if swa else 0)
 
 
+class PreparedPages:
+    """The page-table form (vLLM style) of the same op sequence: the engine keeps a ``req_to_page`` block table
+    of virtual page ids (one row per live request, rows recycled like :class:`Prepared`'s) and asks for pages,
+    not tokens: per op one ``alloc_pages(k)`` for all the pages its requests newly need (``k = 0``: no call,
+    as peerbench's BlockPool adapter skips ``get_new_blocks(0)``), one scatter of them into the table, one
+    ``free_pages`` for every request finished in the op, and (SWA) one ``release_pages`` of the pages that left
+    the window -- the same pages, frontiers (``swa_tail_start``) and call order as the token form.
+    """
+
+    def __init__(self, w: wl.Workload, swa_window: int | None) -> None:
+        ps = self.ps = w.params.page_size
+        self.width = width = -(-w.max_seq_len() // ps) + 1    # pages per table row
+        self.ops: list[_Op] = []
+        self.n_release_calls = 0
+        self.release_pages = 0
+        self.n_alloc_calls = 0
+        length: dict[int, int] = {}
+        released: dict[int, int] = {}      # request -> first page still bound on the SWA end
+        base: dict[int, int] = {}
+        free_rows: list[int] = []
+        self.n_req = 0
+
+        def row(r: int) -> int:
+            if r not in base:
+                if free_rows:
+                    base[r] = heapq.heappop(free_rows) * width
+                else:
+                    base[r] = self.n_req * width
+                    self.n_req += 1
+            return base[r]
+
+        def releases(rids: list[int], lens: list[int]) -> np.ndarray | None:
+            if swa_window is None:
+                return None
+            chunks = []
+            for r, n in zip(rids, lens, strict=True):
+                first = released.get(r, 0)
+                tail = MultiEndedAllocator.swa_tail_start(n, swa_window, 0, ps) // ps
+                if tail > first:
+                    chunks.append(row(r) + np.arange(first, tail, dtype=np.int64))
+                    released[r] = tail
+            if not chunks:
+                return None
+            flat = np.concatenate(chunks)
+            self.n_release_calls += 1
+            self.release_pages += flat.size
+            return flat
+
+        def new_pages(items: list[tuple[int, int, int]]) -> None:
+            slots = [row(r) + np.arange(-(-pre // ps), -(-(pre + n) // ps), dtype=np.int64) for r, pre, n in items]
+            o.write_flat = np.concatenate(slots) if slots else np.empty(0, np.int64)
+            o.n_pages = int(o.write_flat.size)
+            o.out_np, o.out_t = _buffer(o.n_pages)
+            self.n_alloc_calls += o.n_pages > 0
+
+        for kind, payload in w.ops:
+            o = _Op()
+            o.ev = None
+            if kind == "E":
+                o.kind = _E
+                o.ev = releases([it[0] for it in payload], [it[1] for it in payload])
+                new_pages([(r, pre, n) for r, pre, n in payload])
+                for r, pre, n in payload:
+                    length[r] = pre + n
+            elif kind == "D":
+                o.kind = _D
+                o.ev = releases(list(payload), [length[r] for r in payload])
+                new_pages([(r, length[r], 1) for r in payload])
+                for r in payload:
+                    length[r] += 1
+            else:
+                o.kind = _F
+                o.target = np.concatenate([row(r) + np.arange(-(-length[r] // ps), dtype=np.int64)
+                                           for r in payload])
+                for r in payload:
+                    heapq.heappush(free_rows, base.pop(r) // width)
+                    released.pop(r, None)
+                o.target_buf, o.target_t = _buffer(o.target.size)
+            o.ev_buf, o.ev_t = _buffer(o.ev.size) if o.ev is not None else (None, None)
+            o.n_req = len(payload)
+            self.ops.append(o)
+
+    def api_calls(self, swa: bool) -> int:
+        n_free = sum(1 for o in self.ops if o.kind == _F)
+        return self.n_alloc_calls + n_free + (self.n_release_calls if swa else 0)
+
+
 def tiny_ends(page_size: int, swa_window: int | None) -> tuple[EndSpec, ...]:
     """One fp16 layer, 1 KV head x 16 dims: 64 B per token (1 KiB pages at page_size 16), as the peers' fake
     pools; the SWA end has the same geometry with a sliding window."""
@@ -204,16 +292,16 @@ def replay(alloc: MultiEndedAllocator, prep: Prepared, table: np.ndarray, swa: b
                                                      alloc.release_end)
     for o in prep.ops:
         if swa and o.ev is not None:
-            take(o.ev, out=o.ev_buf)
+            take(o.ev, out=o.ev_buf, mode="clip")
             release_end("swa", o.ev_t)
         k = o.kind
         if k == _D:
-            take(o.last_flat, out=o.last_buf)
+            take(o.last_flat, out=o.last_buf, mode="clip")
             alloc_decode(o.seq_t, o.last_t, out=o.out_t)
             table[o.write_flat] = o.out_np
         elif k == _E:
             last = o.last_buf
-            take(o.last_flat, out=last)
+            take(o.last_flat, out=last, mode="clip")
             if o.no_prefix is not None:
                 last[o.no_prefix] = -1
             alloc_extend(o.pre_t, o.seq_t, o.last_t, out=o.out_t)
@@ -221,8 +309,77 @@ def replay(alloc: MultiEndedAllocator, prep: Prepared, table: np.ndarray, swa: b
             for a, b, c, d in o.runs:
                 table[a:b] = out[c:d]
         else:
-            take(o.target, out=o.target_buf)
+            take(o.target, out=o.target_buf, mode="clip")
             free(o.target_t)
+
+
+def replay_pages(alloc: MultiEndedAllocator, prep: PreparedPages, table: np.ndarray, swa: bool) -> None:
+    """The timed loop of the page-table form (see :class:`PreparedPages`): the block table and the staging
+    buffers are numpy int64 arrays (as vLLM's ``BlockTable.block_table_np``), passed to umalloc as they are."""
+    take = table.take
+    alloc_pages, free_pages, release_pages = alloc.alloc_pages, alloc.free_pages, alloc.release_pages
+    for o in prep.ops:
+        if swa and o.ev is not None:
+            release_pages("swa", take(o.ev, out=o.ev_buf, mode="clip"))
+        if o.kind == _F:
+            free_pages(take(o.target, out=o.target_buf, mode="clip"))
+        elif o.n_pages:
+            table[o.write_flat] = alloc_pages(o.n_pages, out=o.out_np)
+
+
+def checked_replay_pages(alloc: MultiEndedAllocator, prep: PreparedPages, table: np.ndarray, swa: bool) -> dict:
+    """Untimed verification pass of the page-table form: after every op the allocator's live pages equal the
+    harness's, every allocation is fresh, every page freed or released is one the harness holds; every 97 ops
+    ``check_invariants()`` and a data marker written through each live page's envelope on every end reads back;
+    nothing leaks at the end."""
+    live: set[int] = set()
+    swa_live: set[int] = set()
+    peak_full = peak_swa = 0
+    marks = {end: alloc.arena.envelopes(end) for end in (("full", "swa") if swa else ("full",))}
+    n_ops = len(prep.ops)
+    for i, o in enumerate(prep.ops):
+        if swa and o.ev is not None:
+            ev = table[o.ev]
+            assert set(ev.tolist()) <= swa_live, f"op {i}: release of a page not bound on swa"
+            alloc.release_pages("swa", torch.from_numpy(ev))
+            swa_live.difference_update(ev.tolist())
+        if o.kind == _F:
+            vps = table[o.target]
+            assert set(vps.tolist()) <= live and len(set(vps.tolist())) == vps.size, f"op {i}: bad free"
+            alloc.free_pages(torch.from_numpy(vps))
+            live.difference_update(vps.tolist())
+            swa_live.difference_update(vps.tolist())
+        elif o.n_pages:
+            out = alloc.alloc_pages(o.n_pages)
+            assert out is not None, f"op {i}: allocation returned None"
+            got = out.numpy()
+            assert not (set(got.tolist()) & live) and len(set(got.tolist())) == got.size, f"op {i}: page reused"
+            table[o.write_flat] = got
+            live.update(got.tolist())
+            if swa:
+                swa_live.update(got.tolist())
+            for end, env in marks.items():
+                phys = alloc.translate_pages(out, end)
+                env[phys, :8] = torch.from_numpy(got.astype("<i8").view(np.uint8).reshape(-1, 8))
+        st = alloc.stats()
+        assert st["full"].live_pages == len(live), (i, st["full"].live_pages, len(live))
+        peak_full = max(peak_full, st["full"].live_pages)
+        if swa:
+            assert st["swa"].live_pages == len(swa_live), (i, st["swa"].live_pages, len(swa_live))
+            peak_swa = max(peak_swa, st["swa"].live_pages)
+        if i % 97 == 0 or i == n_ops - 1:
+            alloc.check_invariants()
+            for end, env in marks.items():
+                held = sorted(live if end == "full" else swa_live)
+                if held:
+                    lv = torch.tensor(held, dtype=torch.int64)
+                    phys = alloc.translate_pages(lv, end)
+                    assert torch.equal(env[phys, :8].contiguous().view(torch.int64).view(-1), lv), \
+                        f"op {i}: data marker lost on end {end}"
+    st = alloc.stats()
+    assert not live and all(s.live_pages == 0 and s.pending_pages == 0 for s in st.values()), "pages leaked"
+    alloc.check_invariants()
+    return {"peak_pages": peak_full, "swa_peak_pages": peak_swa if swa else None}
 
 
 def checked_replay(alloc: MultiEndedAllocator, prep: Prepared, table: np.ndarray, swa: bool) -> dict:
@@ -289,21 +446,23 @@ def checked_replay(alloc: MultiEndedAllocator, prep: Prepared, table: np.ndarray
 
 
 def run_mode(mode: str, w: wl.Workload, args: argparse.Namespace) -> dict:
-    swa = mode == "umalloc-swa"
+    swa = mode.endswith("-swa")
+    pages = mode.startswith("umalloc-pages")
     window = args.swa_window if swa else None
-    prep = Prepared(w, window)
-    extra: dict = {}
+    prep: Prepared | PreparedPages = PreparedPages(w, window) if pages else Prepared(w, window)
+    timed, checked = (replay_pages, checked_replay_pages) if pages else (replay, checked_replay)
+    extra: dict = {"block_table": "req_to_page (vLLM style)" if pages else "req_to_token (SGLang style)"}
     if not args.no_verify:
         table = np.zeros(prep.n_req * prep.width, np.int64)
-        extra.update(checked_replay(make_allocator(w, window, args.swa_ratio), prep, table, swa))
+        extra.update(checked(make_allocator(w, window, args.swa_ratio), prep, table, swa))
         extra["verified"] = True
     walls = []
     for _ in range(args.repeats):
         alloc = make_allocator(w, window, args.swa_ratio)
-        table_t = torch.zeros(prep.n_req * prep.width, dtype=torch.int64)  # req_to_token, flat
+        table_t = torch.zeros(prep.n_req * prep.width, dtype=torch.int64)  # the block table, flat
         table = table_t.numpy()
         t0 = time.perf_counter()
-        replay(alloc, prep, table, swa)
+        timed(alloc, prep, table, swa)
         walls.append(time.perf_counter() - t0)
         st = alloc.stats()
         assert st["full"].live_pages == 0, "pages leaked"

@@ -98,7 +98,7 @@ import numpy as np
 import torch
 from numba import carray, njit, types
 from numba.cpython.unsafe.numbers import leading_zeros, trailing_zeros
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from umalloc.arena import Arena
 from umalloc.compaction import CompactionReport, MovePlan, apply_plan, plan_down, plan_float, plan_up
@@ -132,7 +132,7 @@ V_NEVER, V_LIVE, V_FREED, V_RESERVED = 0, 1, 2, 3
 
 # ---- kernel result codes (err[0]) --------------------------------------------------------------------------
 _OK, _E_SHORT, _E_RANGE, _E_RESERVED, _E_NOTALLOC, _E_DOUBLE, _E_UNBOUND, _E_BOUND = range(8)
-_E_LENS, _E_LAST_OFFSET, _E_LAST_NOPREFIX, _E_TAIL_SHARED, _E_TAIL_UNBOUND, _E_TOMB, _E_OUT = range(8, 15)
+_E_LENS, _E_LAST_OFFSET, _E_LAST_NOPREFIX, _E_TAIL_SHARED, _E_TAIL_UNBOUND, _E_TOMB, _E_OUT, _E_IDS = range(8, 16)
 
 _SPLIT_ONE = 1_000_000  # float_split is stored in parts per million
 _MASK_SLOTS = 64  # cached bind masks per allocator
@@ -152,28 +152,95 @@ COMPACTION_MODES = ("eager", "lazy", "off")
 # owner's vstate (h8); vstamp is at ``_VT + _VOFF``. :class:`EndView` exposes the per-end slices (the agreed
 # representation).
 #
+# Note [Heap root]
+# ~~~~~~~~~~~~~~~~
+# numba's dispatcher unboxes each array argument (about 0.2 us each, more for a tuple of arrays) but an int in
+# tens of ns. The hot kernels (``_k_*``) therefore take one int, the address of a small int64 *root* vector:
+# ``[meta address, E, h64 address, len, h8 address, len, (pin-count address, len) per end]``, and view the
+# masters with ``numba.carray``. The allocator owns every array named there and never reallocates one.
+#
+# Note [Direct entry]
+# ~~~~~~~~~~~~~~~~~~~
+# The page-level hot path (Note [Page-level hot path]) calls the compiled entry point of a kernel for one fixed
+# signature (ints, and 1-D int64 numpy arrays of any layout) instead of the numba dispatcher, which spends
+# 150-250 ns per call typing the arguments and picking the overload. The entry point does not check types: the
+# caller has already checked the dtype and ndim of every array it passes (layout ``A`` indexes by the array's
+# own strides, so any 1-D array is read correctly).
+#
 # Note [Zero-copy tensor inputs]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # Batched id tensors reach the kernels as (address, length) of a validated contiguous CPU int64 tensor, viewed
 # in the kernel with ``numba.carray``; this skips ``Tensor.numpy()`` (about 1 us per tensor). The Python wrapper
-# keeps the tensor alive for the call.
+# keeps the tensor alive for the call. The page-level calls (``alloc_pages(out=)``, ``free_pages``,
+# ``release_pages``, and ``free`` / ``release_end``) also take 1-D int64 numpy arrays, which numba unboxes
+# itself (``_ids_view``): engines that keep their block table in numpy (vLLM's ``BlockTable``) pass a
+# gathered slice of it without a torch wrapper, and a numpy array is validated in three attribute reads where a
+# torch tensor needs seven.
 # =============================================================================================================
-@intrinsic
-def _i64_ptr(typingctx, addr):  # noqa: ARG001 - numba intrinsic signature
-    """``int -> int64*`` (the address of a validated contiguous int64 buffer)."""
-    if not isinstance(addr, types.Integer):
-        return None
-    sig = types.CPointer(types.int64)(addr)
+def _ptr_intrinsic(elem: types.Type, doc: str) -> Any:
+    """A numba intrinsic ``int -> elem*`` (the address of a validated buffer the caller keeps alive)."""
 
-    def codegen(context, builder, signature, args):  # noqa: ARG001
-        return builder.inttoptr(args[0], context.get_value_type(types.CPointer(types.int64)))
+    @intrinsic
+    def ptr(typingctx, addr):  # noqa: ARG001 - numba intrinsic signature
+        if not isinstance(addr, types.Integer):
+            return None
+        sig = types.CPointer(elem)(addr)
 
-    return sig, codegen
+        def codegen(context, builder, signature, args):  # noqa: ARG001
+            return builder.inttoptr(args[0], context.get_value_type(types.CPointer(elem)))
+
+        return sig, codegen
+
+    ptr.__doc__ = doc
+    return ptr
+
+
+_i64_ptr = _ptr_intrinsic(types.int64, "``int -> int64*``")
+_i32_ptr = _ptr_intrinsic(types.int32, "``int -> int32*``")
+_i8_ptr = _ptr_intrinsic(types.int8, "``int -> int8*``")
 
 
 @njit(cache=True, inline="always", error_model="numpy")
 def _view(addr, n):
     return carray(_i64_ptr(addr), (n,))
+
+
+def _ids_view(x, n):  # noqa: ARG001 - typed by the overload below
+    """Inside a kernel: the int64 ids a caller passed, as an address (``int``, a validated contiguous torch
+    tensor) or as a 1-D int64 numpy array (any strides); Note [Zero-copy tensor inputs]."""
+    raise NotImplementedError("numba-only")
+
+
+# not inline="always": numba's IR inlining of this overload miscompiled _k_free (the owner's live-id counter
+# stopped moving; tests/test_allocator.py caught it). The call costs nothing measurable.
+@overload(_ids_view)
+def _ids_view_impl(x, n):
+    if isinstance(x, types.Integer):
+        return lambda x, n: carray(_i64_ptr(x), (n,))
+    if isinstance(x, types.Array) and x.ndim == 1 and x.dtype == types.int64:
+        return lambda x, n: x
+    return None
+
+
+# root vector (Note [Heap root]): addresses and lengths of the host masters
+_R_META, _R_E, _R_H64, _R_N64, _R_H8, _R_N8, _R_PINS = range(7)
+
+
+@njit(cache=True, inline="always", error_model="numpy")
+def _heaps(root_a):
+    """(meta, h64, h8) viewed from the root vector at address ``root_a`` (Note [Heap root])."""
+    root = carray(_i64_ptr(root_a), (_R_PINS,))
+    meta = carray(_i64_ptr(root[_R_META]), (root[_R_E], _NFIELDS))
+    h64 = carray(_i64_ptr(root[_R_H64]), (root[_R_N64],))
+    h8 = carray(_i8_ptr(root[_R_H8]), (root[_R_N8],))
+    return meta, h64, h8
+
+
+@njit(cache=True, inline="always", error_model="numpy")
+def _pins_of(root_a, e):
+    """End ``e``'s per-page pin counts (int32, owned by the lease table)."""
+    root = carray(_i64_ptr(root_a), (_R_PINS + 2 * (e + 1),))
+    return carray(_i32_ptr(root[_R_PINS + 2 * e]), (root[_R_PINS + 2 * e + 1],))
 
 
 @njit(cache=True, error_model="numpy")
@@ -493,12 +560,11 @@ def _to_hole(meta, h64, h8, e, p):
 
 
 @njit(cache=True, error_model="numpy")
-def _unbind(meta, h64, h8, pins, b, scr, n):
+def _unbind(meta, h64, h8, pin, b, scr, n):
     """Unbind end ``b`` from the ``n`` virtual pages at ``h64[scr:]`` where bound (holes, or pending where
     pinned), then trim its band; returns the pages unbound."""
     off = meta[b, _POFF]
     voff = meta[b, _VOFF]
-    pin = pins[b]
     down = meta[b, _GROW] == _G_DOWN
     hb = meta[b, _HBOFF]
     hint = meta[b, _HINT]
@@ -566,7 +632,18 @@ def _check_tail(meta, h64, h8, owner, mask, stamp, vp, i, ll):
 
 
 @njit(cache=True, error_model="numpy")
-def _k_alloc_pages(meta, h64, h8, owner, mask, k, vids):
+def _k_alloc_pages(root, owner, mask, k, vids_a):
+    """Mint ``k`` virtual pages into ``vids_a`` (Note [Placement order]). More pages than the owner has free
+    virtual ids can never fit (no compaction helps): _E_IDS with the owner's deficit, nothing changed."""
+    meta, h64, h8 = _heaps(root)
+    free_ids = meta[owner, _NV] - 1 - meta[owner, _VLIVE]
+    if k > free_ids:
+        b = meta[0, _ERROFF] + 4
+        for e in range(meta.shape[0]):
+            h64[b + e] = 0
+        h64[b + owner] = k - free_ids
+        return _fail(meta, h64, _E_IDS, 0, k, 0)
+    vids = _ids_view(vids_a, k)
     _, _, nlo, nhi = _plan_scratch(meta, h64)
     if not _plan_k(meta, h64, h8, mask, k, nlo, nhi):
         return _E_SHORT
@@ -578,7 +655,7 @@ def _k_alloc_pages(meta, h64, h8, owner, mask, k, vids):
 
 
 @njit(cache=True, error_model="numpy")
-def _k_extend(meta, h64, h8, owner, mask, pre_a, seq_a, last_a, B, out_a, n_out):
+def _k_extend(root, owner, mask, pre_a, seq_a, last_a, B, out_a, n_out):
     """SGLang-style extend. Writes the virtual token ids to ``out_a`` (``n_out`` long) or, if ``out_a == 0``,
     returns a new array of them; err[0] holds the result code, err[1] the number of fresh pages.
 
@@ -586,6 +663,7 @@ def _k_extend(meta, h64, h8, owner, mask, pre_a, seq_a, last_a, B, out_a, n_out)
     lengths whose sum wraps to a small count would pass the plan and the output loop would write far past the
     buffer). A request needing more fresh pages than the owner has free virtual ids can never fit (the owner's
     physical capacity is at most its id space), so the count saturates at ``free_ids + 1``: a shortfall."""
+    meta, h64, h8 = _heaps(root)
     pre = _view(pre_a, B)
     seq = _view(seq_a, B)
     last = _view(last_a, B)
@@ -669,8 +747,9 @@ def _k_extend(meta, h64, h8, owner, mask, pre_a, seq_a, last_a, B, out_a, n_out)
 
 
 @njit(cache=True, error_model="numpy")
-def _k_decode(meta, h64, h8, owner, mask, seq_a, last_a, B, out_a):
+def _k_decode(root, owner, mask, seq_a, last_a, B, out_a):
     """SGLang-style decode: one token per request at position ``seq - 1``, written to ``out_a``."""
+    meta, h64, h8 = _heaps(root)
     seq = _view(seq_a, B)
     last = _view(last_a, B)
     ps = meta[owner, _PS]
@@ -721,15 +800,15 @@ def _k_decode(meta, h64, h8, owner, mask, seq_a, last_a, B, out_a):
 
 
 @njit(cache=True, error_model="numpy")
-def _unique_vpages(meta, h64, h8, owner, toks, bound_end, strict_bound, want_unbound):
-    """Validate ``toks`` (live virtual tokens of ``owner``) and collect their unique pages into the scratch
+def _unique_vpages(meta, h64, h8, owner, toks, bound_end, strict_bound, want_unbound, pages):
+    """Validate ``toks`` (live virtual tokens of ``owner``; virtual pages if ``pages``) and collect their unique pages into the scratch
     area (first-occurrence order). With ``bound_end >= 0`` also check each page's binding on that end:
     ``want_unbound`` -> it must be unbound (else _E_BOUND); else it must be bound (_E_UNBOUND if
     ``strict_bound``, skipped otherwise). Returns the count, or -1 (err filled)."""
     voff = meta[owner, _VOFF]
-    ps = meta[owner, _PS]
+    ps = 1 if pages else meta[owner, _PS]
     lim = meta[owner, _NV] * ps
-    shift = meta[owner, _PSHIFT]
+    shift = 0 if pages else meta[owner, _PSHIFT]
     st = meta[0, _VT] + voff
     scr = meta[0, _SCROFF]
     meta[owner, _STAMP] += 1
@@ -761,17 +840,18 @@ def _unique_vpages(meta, h64, h8, owner, toks, bound_end, strict_bound, want_unb
 
 
 @njit(cache=True, error_model="numpy")
-def _k_free(meta, h64, h8, pins, owner, toks_a, n_tok):
+def _k_free(root, owner, toks_a, n_tok, pages):
     """Free the unique virtual pages of the tokens on the owner and every bound end still bound. Returns the
     number of unique pages (ids in the scratch area), or -1 on misuse (nothing changed)."""
-    toks = _view(toks_a, n_tok)
-    n = _unique_vpages(meta, h64, h8, owner, toks, -1, False, False)
+    meta, h64, h8 = _heaps(root)
+    toks = _ids_view(toks_a, n_tok)
+    n = _unique_vpages(meta, h64, h8, owner, toks, -1, False, False, pages)
     if n < 0:
         return -1
     scr = meta[0, _SCROFF]
     for b in range(meta.shape[0]):
         if meta[b, _OWNER] == owner:
-            meta[b, _FREES] += _unbind(meta, h64, h8, pins, b, scr, n)
+            meta[b, _FREES] += _unbind(meta, h64, h8, _pins_of(root, b), b, scr, n)
     voff = meta[owner, _VOFF]
     vb = meta[owner, _VBOFF]
     hint = meta[owner, _VHINT]
@@ -788,23 +868,25 @@ def _k_free(meta, h64, h8, pins, owner, toks_a, n_tok):
 
 
 @njit(cache=True, error_model="numpy")
-def _k_release(meta, h64, h8, pins, b, toks_a, n_tok, strict):
+def _k_release(root, b, toks_a, n_tok, strict, pages):
     """Unbind bound end ``b`` from the unique virtual pages of the tokens (the owner stays live)."""
-    toks = _view(toks_a, n_tok)
-    n = _unique_vpages(meta, h64, h8, meta[b, _OWNER], toks, b, strict, False)
+    meta, h64, h8 = _heaps(root)
+    toks = _ids_view(toks_a, n_tok)
+    n = _unique_vpages(meta, h64, h8, meta[b, _OWNER], toks, b, strict, False, pages)
     if n < 0:
         return -1
-    meta[b, _RELEASED] += _unbind(meta, h64, h8, pins, b, meta[0, _SCROFF], n)
+    meta[b, _RELEASED] += _unbind(meta, h64, h8, _pins_of(root, b), b, meta[0, _SCROFF], n)
     h64[meta[0, _ERROFF]] = _OK
     return n
 
 
 @njit(cache=True, error_model="numpy")
-def _k_bind(meta, h64, h8, b, mask, toks_a, n_tok):
+def _k_bind(root, b, mask, toks_a, n_tok):
     """Bind fresh pages of bound end ``b`` (``mask`` selects it alone) to the unique live, unbound virtual
     pages of the tokens, in first-occurrence order."""
+    meta, h64, h8 = _heaps(root)
     toks = _view(toks_a, n_tok)
-    n = _unique_vpages(meta, h64, h8, meta[b, _OWNER], toks, b, True, True)
+    n = _unique_vpages(meta, h64, h8, meta[b, _OWNER], toks, b, True, True, False)
     if n < 0:
         return -1
     if n > 0:
@@ -825,8 +907,9 @@ def _k_bind(meta, h64, h8, b, mask, toks_a, n_tok):
 
 
 @njit(cache=True, error_model="numpy")
-def _k_translate(meta, h64, e, toks_a, n, out_a, strict, pages):
+def _k_translate(root, e, toks_a, n, out_a, strict, pages):
     """Virtual tokens (``pages``: virtual pages) of ``e``'s owner -> physical ids of end ``e``."""
+    meta, h64, _ = _heaps(root)
     toks = _view(toks_a, n)
     out = _view(out_a, n)
     o = meta[e, _OWNER]
@@ -912,6 +995,28 @@ def _k_recount(meta, h64, h8, e):
     if holes:
         meta[e, _HINT] = last_hole if meta[e, _GROW] == _G_DOWN else first_hole
     _trim(meta, h64, h8, e)
+
+
+class _Entries:
+    """Compiled entry points of the hot kernels for the exact argument types the page-level hot path passes
+    (Note [Direct entry])."""
+
+    def __init__(self) -> None:
+        i, b, ids = types.int64, types.boolean, types.Array(types.int64, 1, "A")
+        self.free = _k_free.compile((i, i, ids, i, b))
+        self.release = _k_release.compile((i, i, ids, i, b, b))
+        self.alloc_pages = _k_alloc_pages.compile((i, i, i, i, ids))
+
+
+_entries: _Entries | None = None
+
+
+def _hot_entries() -> _Entries:
+    """The process-wide :class:`_Entries`, compiled (or loaded from numba's cache) on first use."""
+    global _entries
+    if _entries is None:
+        _entries = _Entries()
+    return _entries
 
 
 # =============================================================================================================
@@ -1082,6 +1187,40 @@ def _out(out: object, n: int | None, name: str = "out") -> torch.Tensor:
             else type(out).__name__)
     shape = "(n,)" if n is None else f"({n},)"
     raise InvalidIdError(f"{name}: {desc}; allowed a contiguous CPU torch.int64 tensor of shape {shape}")
+
+
+_NP_I64 = np.dtype(np.int64)
+
+
+def _id_arg(t: object, name: str) -> tuple[Any, Any, int]:
+    """Validate 1-D int64 ids given as a torch tensor or a numpy array; return ``(keepalive, kernel argument,
+    length)``: a contiguous CPU tensor goes by address, a numpy array as itself (Note [Zero-copy tensor
+    inputs]). Anything else gets :func:`_ids`' typed errors and conversions."""
+    tt = type(t)
+    if tt is _Tensor:
+        if t.dtype is _I64 and t.dim() == 1 and t.is_cpu and t.is_contiguous():  # type: ignore[attr-defined]
+            return t, t.data_ptr(), t.numel()  # type: ignore[attr-defined]
+    elif tt is np.ndarray:
+        if t.dtype is _NP_I64 and t.ndim == 1:  # type: ignore[attr-defined]
+            return t, t, t.shape[0]  # type: ignore[attr-defined]
+        if t.ndim != 1 or t.dtype.kind not in "iu":  # type: ignore[attr-defined]
+            raise InvalidIdError(f"{name}: numpy {t.dtype}, shape {t.shape}; allowed a 1-D int64 "  # type: ignore
+                                 f"array")
+        raise InvalidIdError(f"{name}: numpy dtype {t.dtype}; allowed int64")  # type: ignore[attr-defined]
+    c = _ids(t, name)
+    return c, c.data_ptr(), c.numel()
+
+
+def _out_arg(out: object, n: int) -> tuple[Any, Any]:
+    """Validate a preallocated page output of ``n`` int64s (a torch tensor as :func:`_out`, or a writeable 1-D
+    int64 numpy array); return ``(out, kernel argument)``."""
+    if type(out) is np.ndarray:
+        if out.dtype is _NP_I64 and out.ndim == 1 and out.shape[0] == n and out.flags.writeable:
+            return out, out
+        raise InvalidIdError(f"out: numpy {out.dtype}, shape {out.shape}, writeable={out.flags.writeable}; "
+                             f"allowed a writeable 1-D int64 array of shape ({n},)")
+    res = _out(out, n)
+    return res, res.data_ptr()
 
 
 def _pack_bits(bits: np.ndarray) -> np.ndarray:
@@ -1257,6 +1396,18 @@ class MultiEndedAllocator:
                                   first_pages={n: int(meta[i, _FIRST]) for i, n in enumerate(self._names)},
                                   validator=self._validate_lease_pages)
         self._pins = tuple(self._leases.pin_count(n) for n in self._names)
+        # Note [Heap root]: the hot kernels take one int; every array it names is owned by self (or the lease
+        # table self holds) and is never reallocated
+        root = np.zeros(_R_PINS + 2 * E, np.int64)
+        root[[_R_META, _R_E, _R_H64, _R_N64, _R_H8, _R_N8]] = (meta.ctypes.data, E, h64.ctypes.data, h64.size,
+                                                                h8.ctypes.data, h8.size)
+        for i, pins in enumerate(self._pins):
+            if pins.dtype != np.int32 or not pins.flags.c_contiguous or pins.size != slots[i]:
+                raise InvariantError(f"pin counts of end {self._names[i]!r}: {pins.dtype} x {pins.size}; "
+                                     f"allowed contiguous int32 x {slots[i]}")
+            root[_R_PINS + 2 * i: _R_PINS + 2 * i + 2] = (pins.ctypes.data, pins.size)
+        self._root = root
+        self._root_a = int(root.ctypes.data)
         self._active_leases = self._leases.active_view  # O(1) truthiness: the hot path's "any lease?" test
         self._expired_by_end = [0] * E
 
@@ -1272,6 +1423,11 @@ class MultiEndedAllocator:
                 self._mirror[o] = torch.from_numpy(self._host2d[o]).to(self._device, copy=True)
         self._sync = bool(self._mirror) or self.debug_checks
         self._eager = compaction == "eager"
+        # Note [Page-level hot path]: alloc_pages / free_pages / release_pages with numpy ids, the default owner
+        # and nothing to do after the kernel (no device mirror, no debug checks, no eager compaction, no lease)
+        # run the kernel straight from the public method; anything else takes the general path
+        self._plain = not self._sync and not self._eager and len(owners) == 1
+        self._hot = _hot_entries()
         self._bound: dict[str, int] = {n: i for i, n in enumerate(self._names) if int(meta[i, _OWNER]) != i}
         if self.debug_checks:
             self.check_invariants()
@@ -1411,26 +1567,29 @@ class MultiEndedAllocator:
                 if pages.size:
                     self._expired_by_end[self._index[name]] += 1
 
-    def _raise(self, where: str) -> None:
+    def _raise(self, where: str, *, pages: bool = False) -> None:
+        """Raise the typed error the last kernel left in err (ids are virtual pages if ``pages``)."""
         code, pos, value, extra = (int(x) for x in self._err[:4])
         name = self._names[extra] if 0 <= extra < len(self._names) else "?"
         if code == _E_RANGE:
             raise InvalidIdError(f"{where}: id {value} at position {pos} is out of range for end {name!r}: "
-                                 f"allowed [0, {self._limit(extra)})")
+                                 f"allowed [0, {self._limit(extra, pages)})")
+        what = f"virtual page {value}" if pages else f"token {value}"
+        in_page = "is a virtual page" if pages else "is in a virtual page"
         if code == _E_RESERVED:
-            raise InvalidIdError(f"{where}: token {value} at position {pos} lies in virtual page 0 (reserved, the "
+            raise InvalidIdError(f"{where}: {what} at position {pos} lies in virtual page 0 (reserved, the "
                                  f"sink); allowed live virtual pages >= 1")
         if code == _E_NOTALLOC:
-            raise NotAllocatedError(f"{where}: token {value} at position {pos} is in a virtual page of {name!r} "
+            raise NotAllocatedError(f"{where}: {what} at position {pos} {in_page} of {name!r} "
                                     f"that was never allocated")
         if code == _E_DOUBLE:
-            raise DoubleFreeError(f"{where}: token {value} at position {pos} is in a virtual page of {name!r} "
+            raise DoubleFreeError(f"{where}: {what} at position {pos} {in_page} of {name!r} "
                                   f"that is already free")
         if code == _E_UNBOUND:
-            raise NotAllocatedError(f"{where}: token {value} at position {pos} is not bound on end {name!r} "
+            raise NotAllocatedError(f"{where}: {what} at position {pos} is not bound on end {name!r} "
                                     f"(already released, or never bound); strict=False skips such pages")
         if code == _E_BOUND:
-            raise InvalidIdError(f"{where}: token {value} at position {pos} is already bound on end {name!r}; "
+            raise InvalidIdError(f"{where}: {what} at position {pos} is already bound on end {name!r}; "
                                  f"allowed only live pages unbound on that end")
         if code == _E_LENS:
             raise InvalidIdError(f"{where}: request {pos} has prefix_len={value}, seq_len={extra}; allowed "
@@ -1453,9 +1612,9 @@ class MultiEndedAllocator:
             raise InvalidIdError(f"{where}: out has {value} elements; allowed exactly {extra} (the new tokens)")
         raise InvariantError(f"{where}: unknown kernel result code {code}")
 
-    def _limit(self, e: int) -> int:
+    def _limit(self, e: int, pages: bool = False) -> int:
         o = int(self._meta[e, _OWNER])
-        return int(self._meta[o, _NV] * self._meta[o, _PS])
+        return int(self._meta[o, _NV] * (1 if pages else self._meta[o, _PS]))
 
     def _after(self, o: int, n_scratch: int) -> None:
         """After a mutating call: refresh owner ``o``'s ``v2p`` mirror for the ``n_scratch`` virtual pages the
@@ -1487,6 +1646,9 @@ class MultiEndedAllocator:
         """The slow path of a placement kernel that did not return OK (the hot path tests that inline): misuse
         raises (nothing changed); a shortfall runs the ladder (Note [Shortfall]) and the kernel once more.
         Returns the kernel's result, or None if the pages still do not fit (nothing changed)."""
+        if self._err[0] == _E_IDS:  # the owner's virtual id space is exhausted: no ladder can help
+            self._short()
+            return None
         if self._err[0] != _E_SHORT:
             self._raise(where)
         if not self._retry_after_shortfall(int(self._err[2]), mask):
@@ -1695,20 +1857,26 @@ class MultiEndedAllocator:
         return o, self._bind_mask(o, bind)
 
     def alloc_pages(self, num_pages: int, *, owner: str | None = None,
-                    bind: Sequence[str] | None = None) -> torch.Tensor | None:
-        """Mint ``num_pages`` fresh virtual pages and bind a physical page of the owner and of each bound end.
+                    bind: Sequence[str] | None = None,
+                    out: torch.Tensor | np.ndarray | None = None) -> torch.Tensor | np.ndarray | None:
+        """Mint ``num_pages`` fresh virtual pages and bind a physical page of the owner and of each bound end
+        (the page-level call of an engine that keeps a per-request page table, as vLLM's
+        ``BlockPool.get_new_blocks`` does).
 
         Args:
             num_pages: pages to allocate (``int >= 0``).
             owner: id-owner end (``None``: the only one; ambiguous -> error).
             bind: bound ends to bind too (default: every bound end of the owner; ``[]``: the owner only).
+            out: optional preallocated output of ``num_pages`` int64s: a contiguous CPU ``torch.int64`` tensor or
+                a writeable 1-D ``numpy.int64`` array.
 
         Returns:
-            ``int64`` CPU tensor ``(num_pages,)`` of virtual pages (ascending, lowest free ids first), or ``None``
-            if any end lacks space (nothing changed; :attr:`last_shortfall` holds each end's deficit).
+            ``int64`` CPU tensor ``(num_pages,)`` of virtual pages (ascending, lowest free ids first; ``out`` if
+            given), or ``None`` if any end lacks space (nothing changed; :attr:`last_shortfall` holds each end's
+            deficit).
 
         Raises:
-            UmallocValueError: bad ``num_pages``, owner or bind names.
+            UmallocValueError: bad ``num_pages``, owner or bind names. InvalidIdError: a wrong ``out``.
 
         Complexity: O(num_pages + holes scanned) in one numba kernel; pages per Note [Placement order].
 
@@ -1718,25 +1886,41 @@ class MultiEndedAllocator:
         >>> alloc.alloc_pages(100) is None, alloc.last_shortfall
         (True, {'full': 93})
         """
-        if isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer)) or num_pages < 0:
+        if type(out) is np.ndarray and type(num_pages) is int and owner is None and bind is None and self._plain \
+                and not self._active_leases and out.dtype is _NP_I64 and out.ndim == 1 \
+                and out.shape[0] == num_pages and out.flags.writeable:  # the hot path, Note [Page-level hot path]
+            args = (self._root_a, self._default_owner, self._default_mask, num_pages, out)
+            if self._hot.alloc_pages(*args) != _OK and self._retry(_k_alloc_pages, args, self._default_mask,
+                                                             "alloc_pages") is None:
+                return None
+            return out
+        if type(num_pages) is not int:
+            if isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer)):
+                raise UmallocValueError(f"num_pages={num_pages!r}: allowed an int >= 0")
+            num_pages = int(num_pages)
+        if num_pages < 0:
             raise UmallocValueError(f"num_pages={num_pages!r}: allowed an int >= 0")
-        o, mask = self._resolve(owner, bind)
+        if owner is None and bind is None and self._default_owner >= 0:  # the hot path: no call
+            o, mask = self._default_owner, self._default_mask
+        else:
+            o, mask = self._resolve(owner, bind)
+        k = num_pages
+        if out is None:
+            # more pages than the owner has free virtual ids is refused by the kernel before anything is
+            # written, so a huge num_pages must not size the output either
+            free_ids = int(self._meta[o, _NV]) - 1 - int(self._meta[o, _VLIVE])
+            res = torch.empty(min(k, free_ids + 1), dtype=_I64)
+            arg: Any = res.data_ptr()
+        else:
+            res, arg = _out_arg(out, k)
         if self._active_leases:
             self._tick()
-        k = int(num_pages)
-        free_ids = int(self._meta[o, _NV]) - 1 - int(self._meta[o, _VLIVE])
-        if k > free_ids:  # more pages than the owner's id space holds: no compaction can help
-            self._err[4:] = 0
-            self._err[4 + o] = k - free_ids
-            self._short()
-            return None
-        vids = np.empty(k, np.int64)  # after the check: a huge num_pages must not reach the allocation
-        args = (self._meta, self._h64, self._h8, o, mask, k, vids)
+        args = (self._root_a, o, mask, k, arg)
         if _k_alloc_pages(*args) != _OK and self._retry(_k_alloc_pages, args, mask, "alloc_pages") is None:
             return None
         if self._sync:
             self._after(o, k)
-        return torch.from_numpy(vids)
+        return res
 
     def alloc_extend(self, prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_loc: torch.Tensor, *,
                      owner: str | None = None, bind: Sequence[str] | None = None,
@@ -1791,7 +1975,7 @@ class MultiEndedAllocator:
             out_a, n_out = out.data_ptr(), out.numel()
         if self._active_leases:
             self._tick()
-        args = (self._meta, self._h64, self._h8, o, mask, prefix_lens.data_ptr(), seq_lens.data_ptr(),
+        args = (self._root_a, o, mask, prefix_lens.data_ptr(), seq_lens.data_ptr(),
                 last_loc.data_ptr(), B, out_a, n_out)
         res = _k_extend(*args)
         if self._err[0] != _OK:
@@ -1843,7 +2027,7 @@ class MultiEndedAllocator:
         res = torch.empty(B, dtype=_I64) if out is None else _out(out, B)
         if self._active_leases:
             self._tick()
-        args = (self._meta, self._h64, self._h8, o, mask, seq_lens.data_ptr(), last_loc.data_ptr(), B,
+        args = (self._root_a, o, mask, seq_lens.data_ptr(), last_loc.data_ptr(), B,
                 res.data_ptr())
         if _k_decode(*args) != _OK and self._retry(_k_decode, args, mask, "alloc_decode") is None:
             return None
@@ -1874,7 +2058,7 @@ class MultiEndedAllocator:
         mask = self._bind_mask(o, None, only=b)
         if self._active_leases:
             self._tick()
-        args = (self._meta, self._h64, self._h8, b, mask, toks.data_ptr(), toks.numel())
+        args = (self._root_a, b, mask, toks.data_ptr(), toks.numel())
         n = _k_bind(*args)
         if n < 0:
             n = self._retry(_k_bind, args, mask, "bind_end")
@@ -1894,14 +2078,15 @@ class MultiEndedAllocator:
     # ------------------------------------------------------------------------------------------------------
     # free / release
     # ------------------------------------------------------------------------------------------------------
-    def free(self, vtokens: torch.Tensor, *, owner: str | None = None) -> None:
+    def free(self, vtokens: torch.Tensor | np.ndarray, *, owner: str | None = None) -> None:
         """Free the unique virtual pages containing ``vtokens`` on the owner and on every bound end where they
         are still bound (page granularity: one token frees its whole page, duplicates merge; F01/F06/F07).
 
         Physical pages pinned by a lease become pending (Note [Pending pages]); the virtual ids are free at once.
 
         Args:
-            vtokens: ``int64 (n,)`` virtual token ids of the owner.
+            vtokens: ``int64 (n,)`` virtual token ids of the owner: a torch tensor, or a 1-D numpy array (Note
+                [Zero-copy tensor inputs]).
 
         Raises:
             InvalidIdError: bad dtype/shape, id out of range, or in virtual page 0. DoubleFreeError: a page already
@@ -1918,28 +2103,58 @@ class MultiEndedAllocator:
         ...
         umalloc.errors.DoubleFreeError: free: token 2 at position 0 is in a virtual page of 'full' that is already free
         """
+        self._free(vtokens, owner, False, "free")
+
+    def free_pages(self, vpages: torch.Tensor | np.ndarray, *, owner: str | None = None) -> None:
+        """:meth:`free` for virtual *page* ids (an engine with a per-request page table, vLLM style): the same
+        checks, errors and effects, with ``vpages`` instead of tokens (``token = vpage * page_size + offset``).
+
+        Args:
+            vpages: ``int64 (n,)`` live virtual pages of the owner (duplicates merge): a torch tensor, or a 1-D
+                numpy array.
+
+        Raises: as :meth:`free`. Nothing changes on any error.
+
+        >>> alloc = _doctest_allocator()
+        >>> vp = alloc.alloc_pages(3)
+        >>> alloc.free_pages(vp[1:]); alloc.stats()["full"].live_pages
+        1
+        >>> alloc.free_pages(vp[1:2])
+        Traceback (most recent call last):
+        ...
+        umalloc.errors.DoubleFreeError: free_pages: virtual page 2 at position 0 is a virtual page of 'full' that is already free
+        """
+        if type(vpages) is np.ndarray and owner is None and self._plain and not self._active_leases \
+                and vpages.dtype is _NP_I64 and vpages.ndim == 1:  # the hot path, Note [Page-level hot path]
+            if self._hot.free(self._root_a, self._default_owner, vpages, vpages.shape[0], True) < 0:
+                self._raise("free_pages", pages=True)
+            return
+        self._free(vpages, owner, True, "free_pages")
+
+    def _free(self, ids: torch.Tensor | np.ndarray, owner: str | None, pages: bool, where: str) -> None:
         if owner is None and self._default_owner >= 0:
             o = self._default_owner
         else:
             o = self._owner_index(owner)
-        vtokens = _ids(vtokens, "vtokens")
+        keep, arg, n_ids = _id_arg(ids, "vpages" if pages else "vtokens")
         if self._active_leases:
             self._tick()
-        n = _k_free(self._meta, self._h64, self._h8, self._pins, o, vtokens.data_ptr(), vtokens.numel())
+        n = _k_free(self._root_a, o, arg, n_ids, pages)
+        del keep
         if n < 0:
-            self._raise("free")
+            self._raise(where, pages=pages)
         if n and self._eager:
             self._after_free(self._group[o])
         if self._sync:
             self._after(o, n)
 
-    def release_end(self, end: str, vtokens: torch.Tensor, *, strict: bool = True) -> None:
+    def release_end(self, end: str, vtokens: torch.Tensor | np.ndarray, *, strict: bool = True) -> None:
         """Tombstone bound ``end`` only, for the unique virtual pages of ``vtokens`` (SWA pages that left the
         window: use :meth:`swa_tail_start` for the frontier, F18). The virtual ids and the other ends stay live.
 
         Args:
             end: a bound end (SWA, or a draft bound to the owner).
-            vtokens: ``int64 (n,)`` live virtual token ids of the owner.
+            vtokens: ``int64 (n,)`` live virtual token ids of the owner: a torch tensor, or a 1-D numpy array.
             strict: a page already unbound on ``end`` raises (default); ``strict=False`` skips it.
 
         Raises:
@@ -1953,16 +2168,40 @@ class MultiEndedAllocator:
         >>> alloc.translate_pages(vp, "swa", strict=False).tolist(), alloc.translate_pages(vp, "full").tolist()
         ([0, 9], [1, 2])
         """
+        self._release(end, vtokens, strict, False, "release_end")
+
+    def release_pages(self, end: str, vpages: torch.Tensor | np.ndarray, *, strict: bool = True) -> None:
+        """:meth:`release_end` for virtual *page* ids (vLLM-style page tables): tombstone bound ``end`` only for
+        ``vpages``; the same checks, errors and effects.
+
+        Raises: as :meth:`release_end`. Nothing changes on any error.
+
+        >>> alloc = _doctest_allocator()
+        >>> vp = alloc.alloc_pages(2)
+        >>> alloc.release_pages("swa", vp[:1])
+        >>> alloc.translate_pages(vp, "swa", strict=False).tolist()
+        [0, 9]
+        """
+        if type(vpages) is np.ndarray and self._plain and not self._active_leases and vpages.dtype is _NP_I64 \
+                and vpages.ndim == 1 and type(end) is str:  # the hot path, Note [Page-level hot path]
+            b = self._bound.get(end, -1)
+            if b >= 0:
+                if self._hot.release(self._root_a, b, vpages, vpages.shape[0], strict is not False, True) < 0:
+                    self._raise("release_pages", pages=True)
+                return
+        self._release(end, vpages, strict, True, "release_pages")
+
+    def _release(self, end: str, ids: torch.Tensor | np.ndarray, strict: bool, pages: bool, where: str) -> None:
         b = self._bound.get(end, -1) if type(end) is str else -1
         if b < 0:
-            b = self._bound_index(end, "release_end")
-        vtokens = _ids(vtokens, "vtokens")
+            b = self._bound_index(end, where)
+        keep, arg, n_ids = _id_arg(ids, "vpages" if pages else "vtokens")
         if self._active_leases:
             self._tick()
-        n = _k_release(self._meta, self._h64, self._h8, self._pins, b, vtokens.data_ptr(), vtokens.numel(),
-                       strict is not False)
+        n = _k_release(self._root_a, b, arg, n_ids, strict is not False, pages)
+        del keep
         if n < 0:
-            self._raise("release_end")
+            self._raise(where, pages=pages)
         if n and self._eager:
             self._after_free((b,))
         if self._sync:
@@ -2036,7 +2275,7 @@ class MultiEndedAllocator:
         res = torch.empty(n, dtype=_I64) if out is None or out.is_cuda else _out(out, n)
         if out is not None and out.is_cuda:
             _out(out.cpu(), n)
-        _k_translate(self._meta, self._h64, e, toks.data_ptr(), n, res.data_ptr(), bool(strict), bool(pages))
+        _k_translate(self._root_a, e, toks.data_ptr(), n, res.data_ptr(), bool(strict), bool(pages))
         if self._err[0] != _OK:
             self._raise(where)
         if out is not None and out.is_cuda:
