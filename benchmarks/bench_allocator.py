@@ -15,6 +15,14 @@ fingerprint. The harness plays an SGLang-style scheduler:
   pages that left the window (``release_end``; frontier from ``swa_tail_start``, SGLang's
   ``free_swa_out_of_window_slots`` rule without prefix sharing, window 128 tokens after scaling).
 
+Modes ``umalloc-pages`` / ``umalloc-pages-swa`` replay the same ops as a vLLM-style scheduler does (see
+:class:`PreparedPages`): a ``req_to_page`` block table of virtual page ids in numpy (as vLLM's ``BlockTable``
+keeps it), one ``alloc_pages(k, out=table, index=slots)`` per op for the pages its requests newly need, one
+``free_pages(table, index=slots)`` per op for the finished requests, one ``release_pages`` per op for the pages
+that left the SWA window. This is the
+like-for-like comparison with vLLM's BlockPool, which is itself a page-level allocator (``get_new_blocks``,
+``free_blocks``); the token modes are the like-for-like comparison with SGLang's token-level allocators.
+
 Per-op index arrays are prepared before timing (as the peers' harnesses do); the timed part is one
 ``perf_counter`` around the whole replay on a fresh allocator, and the figure is the median of the repeats.
 Before timing, one checked pass verifies every op: the allocator's live counts equal the harness's, every live
@@ -27,7 +35,7 @@ one table with ratios to vLLM's BlockPool measured in the same run.
 Usage::
 
     python benchmarks/bench_allocator.py                      # builds the default workload (1000 req, /8, ps 16)
-    python benchmarks/bench_allocator.py --ops /tmp/peers/ops.json --repeats 7 --peers
+    python benchmarks/bench_allocator.py --ops /tmp/peers/ops.json --repeats 15 --peers --peer-repeats 15
 """
 
 from __future__ import annotations
@@ -314,17 +322,18 @@ def replay(alloc: MultiEndedAllocator, prep: Prepared, table: np.ndarray, swa: b
 
 
 def replay_pages(alloc: MultiEndedAllocator, prep: PreparedPages, table: np.ndarray, swa: bool) -> None:
-    """The timed loop of the page-table form (see :class:`PreparedPages`): the block table and the staging
-    buffers are numpy int64 arrays (as vLLM's ``BlockTable.block_table_np``), passed to umalloc as they are."""
-    take = table.take
+    """The timed loop of the page-table form (see :class:`PreparedPages`): the block table is a flat numpy int64
+    array (as vLLM's ``BlockTable.block_table_np``); umalloc writes new pages straight into its slots and reads
+    the pages to free or release from them (``index=``), so the harness does no gather or scatter of its own.
+    The checked pass does the gathers and scatters itself, so the two forms check each other."""
     alloc_pages, free_pages, release_pages = alloc.alloc_pages, alloc.free_pages, alloc.release_pages
     for o in prep.ops:
         if swa and o.ev is not None:
-            release_pages("swa", take(o.ev, out=o.ev_buf, mode="clip"))
+            release_pages("swa", table, index=o.ev)
         if o.kind == _F:
-            free_pages(take(o.target, out=o.target_buf, mode="clip"))
+            free_pages(table, index=o.target)
         elif o.n_pages:
-            table[o.write_flat] = alloc_pages(o.n_pages, out=o.out_np)
+            alloc_pages(o.n_pages, out=table, index=o.write_flat)
 
 
 def checked_replay_pages(alloc: MultiEndedAllocator, prep: PreparedPages, table: np.ndarray, swa: bool) -> dict:
@@ -492,6 +501,26 @@ def run_peers(ops_path: str, repeats: int) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def merge_rounds(rounds: list[list[dict]]) -> list[dict]:
+    """One row per allocator over all rounds: ``wall_s_median`` = median of the rounds' medians, ``wall_s_min`` =
+    the fastest repeat of any round (rates recomputed from the merged median)."""
+    merged = []
+    for rows in zip(*rounds, strict=True):
+        r = dict(rows[-1])
+        r["wall_s_median"] = round(statistics.median(x["wall_s_median"] for x in rows), 4)
+        r["wall_s_min"] = min(x["wall_s_min"] for x in rows)
+        r["rounds"] = len(rows)
+        for x in rows:                      # the checked pass ran in the first round only
+            for k in ("peak_pages", "swa_peak_pages", "verified"):
+                if k in x:
+                    r.setdefault(k, x[k])
+        med = r["wall_s_median"]
+        r["req_ops_per_s"] = round(r["req_ops_per_s"] * rows[-1]["wall_s_median"] / med)
+        r["api_calls_per_s"] = round(r["api_calls_per_s"] * rows[-1]["wall_s_median"] / med)
+        merged.append(r)
+    return merged
+
+
 def print_table(rows: list[dict], baseline: dict | None, pages_allocated: int) -> None:
     """One row per allocator; ratios of pages allocated per second to the baseline (vLLM BlockPool measured in
     the same run), from the medians and from the fastest repeats (the latter is steadier on a busy machine)."""
@@ -524,6 +553,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-verify", action="store_true", help="skip the checked (untimed) pass")
     ap.add_argument("--peers", action="store_true", help="also run peerbench's vLLM BlockPool on the same ops")
     ap.add_argument("--peer-repeats", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="alternate umalloc's modes and the peers this many times (noisy hosts); the table takes "
+                         "the median of the rounds' medians and the minimum of their minima")
     ap.add_argument("--json", default=None, help="append one JSON line per result here")
     a = ap.parse_args(argv)
     torch.set_num_threads(2)
@@ -534,27 +566,33 @@ def main(argv: list[str] | None = None) -> int:
     # warm the numba kernels (loaded from cache or compiled) outside any timing
     run_mode(MODES[1], wl.build(wl.Params(n_requests=8), wl.load_trace(wl.trace_path(a.trace), 8)),
              argparse.Namespace(swa_window=a.swa_window, swa_ratio=a.swa_ratio, no_verify=False, repeats=1))
-    rows = []
-    for mode in [m for m in a.modes.split(",") if m]:
+    modes = [m for m in a.modes.split(",") if m]
+    for mode in modes:
         if mode not in MODES:
             raise SystemExit(f"unknown mode {mode!r}: allowed {MODES}")
-        res = run_mode(mode, w, a)
-        rows.append(res)
-        print("  ".join(f"{k}={res[k]}" for k in ("allocator", "wall_s_median", "req_ops_per_s",
-                                                   "api_calls_per_s", "pages_alloc_per_s")))
-        print("    " + json.dumps({k: v for k, v in res.items() if k not in ("allocator",)}))
-    baseline = None
-    if a.peers:
-        ops_path = a.ops
-        if ops_path is None:
-            ops_path = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
-            wl.save(w, ops_path)
-        peers = run_peers(ops_path, a.peer_repeats)
-        for p in peers:
-            if p["workload"] != w.fingerprint:
-                raise SystemExit(f"peer replayed workload {p['workload']}, we replayed {w.fingerprint}")
-        baseline = next((p for p in peers if p["allocator"] == "vllm-blockpool"), None)
-        rows = peers + rows
+    ops_path = a.ops
+    if a.peers and ops_path is None:
+        ops_path = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
+        wl.save(w, ops_path)
+    rounds: list[list[dict]] = []
+    for rnd in range(a.rounds):   # ours, then the peers, per round: both sides see the same phases of a noisy host
+        rows = []
+        for mode in modes:
+            res = run_mode(mode, w, argparse.Namespace(**{**vars(a), "no_verify": a.no_verify or rnd > 0}))
+            rows.append(res)
+            print(f"[round {rnd + 1}/{a.rounds}] " + "  ".join(
+                f"{k}={res[k]}" for k in ("allocator", "wall_s_median", "req_ops_per_s", "api_calls_per_s",
+                                          "pages_alloc_per_s")))
+            print("    " + json.dumps({k: v for k, v in res.items() if k not in ("allocator",)}))
+        if a.peers:
+            peers = run_peers(ops_path, a.peer_repeats)
+            for p in peers:
+                if p["workload"] != w.fingerprint:
+                    raise SystemExit(f"peer replayed workload {p['workload']}, we replayed {w.fingerprint}")
+            rows = peers + rows
+        rounds.append(rows)
+    rows = merge_rounds(rounds)
+    baseline = next((r for r in rows if r["allocator"] == "vllm-blockpool"), None)
     print()
     print_table(rows, baseline, w.meta["pages_allocated"])
     if a.json:

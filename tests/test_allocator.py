@@ -657,3 +657,162 @@ def test_extend_refuses_a_partial_tail_page_twice_in_a_batch_or_unbound_on_a_bin
         alloc.alloc_decode(T(4), T(4))
     assert snapshots_equal(before, alloc.snapshot())
     assert alloc.alloc_extend(T(3), T(4), T(4), bind=[]).tolist() == [5]   # the owner alone may fill it
+
+
+# ---- page-level calls (vLLM-style page tables): alloc_pages(out=), free_pages, release_pages ---------------------
+@pytest.fixture(params=[False, True], ids=["hot-path", "checked-path"])
+def page_alloc(request) -> MultiEndedAllocator:
+    """full + swa as :func:`full_swa` but 416 B: pages 1..12, room for 6 virtual pages bound on both ends.
+    Without debug checks the numpy calls take the page-level hot path (Note [Page-level hot path]), with them
+    the general one: every test below must hold on both."""
+    alloc = make((full_end(), swa_end()), 416, debug_checks=request.param)
+    assert alloc._plain is not request.param
+    return alloc
+
+
+def test_alloc_pages_into_numpy_and_torch_out(page_alloc) -> None:
+    alloc = page_alloc
+    out = np.full(3, -7, dtype=np.int64)
+    assert alloc.alloc_pages(3, out=out) is out and out.tolist() == [1, 2, 3]
+    assert pages(alloc, T(1, 2, 3), "full") == [1, 2, 3] and pages(alloc, T(1, 2, 3), "swa") == [10, 11, 12]
+    t = torch.full((2,), -7, dtype=torch.int64)
+    assert alloc.alloc_pages(2, out=t) is t and t.tolist() == [4, 5]
+    assert pages(alloc, t, "full") == [4, 5] and pages(alloc, t, "swa") == [8, 9]   # swa: [lo - 2, lo)
+    assert alloc.alloc_pages(0, out=np.empty(0, np.int64)).size == 0
+    # out of space into a numpy out (one virtual page is left: 2 pages): None, nothing changed, out untouched
+    snap = alloc.snapshot()
+    big = np.full(2, -7, dtype=np.int64)
+    assert alloc.alloc_pages(2, out=big) is None and (big == -7).all()
+    assert snapshots_equal(snap, alloc.snapshot()) and alloc.last_shortfall
+
+
+@pytest.mark.parametrize("bad", [np.zeros(2, np.int32), np.zeros((2, 1), np.int64), np.zeros(3, np.int64),
+                                 torch.zeros(2, dtype=torch.int32), [0, 0]],
+                         ids=["np-int32", "np-2d", "np-wrong-length", "torch-int32", "list"])
+def test_alloc_pages_refuses_a_bad_out(page_alloc, bad) -> None:
+    snap = page_alloc.snapshot()
+    with pytest.raises(InvalidIdError):
+        page_alloc.alloc_pages(2, out=bad)
+    assert snapshots_equal(snap, page_alloc.snapshot())
+
+
+def test_alloc_pages_refuses_a_read_only_numpy_out(page_alloc) -> None:
+    out = np.zeros(2, np.int64)
+    out.flags.writeable = False
+    with pytest.raises(InvalidIdError, match="writeable"):
+        page_alloc.alloc_pages(2, out=out)
+    assert page_alloc.stats()["full"].live_pages == 0
+
+
+def test_free_pages_equals_free_of_tokens(page_alloc) -> None:
+    """The same frees by page ids (numpy, strided numpy, torch) and by tokens give identical snapshots."""
+    by_tokens = make((full_end(), swa_end()), 416, debug_checks=False)
+    alloc = page_alloc
+    vp = alloc.alloc_pages(6)
+    assert by_tokens.alloc_pages(6).tolist() == vp.tolist() == [1, 2, 3, 4, 5, 6]
+    wide = np.array([2, 0, 5, 0, 2, 0], np.int64)               # a strided view: pages 2, 5, 2 (2 twice: merges)
+    alloc.free_pages(wide[::2])
+    by_tokens.free(T(2 * 2, 5 * 2 + 1, 2 * 2 + 1))
+    assert snapshots_equal(alloc.snapshot(), by_tokens.snapshot())
+    alloc.free_pages(T(1, 6))
+    by_tokens.free(np.array([1 * 2, 6 * 2], np.int64))          # free also takes numpy tokens
+    assert snapshots_equal(alloc.snapshot(), by_tokens.snapshot())
+    # live 3 4; 1 2 are holes below them, 5 6 retreated into the gap (the frontier moved back to 5)
+    st = alloc.stats()["full"]
+    assert (st.live_pages, st.hole_pages, alloc.watermark("full")) == (2, 2, 5)
+    alloc.check_invariants()
+
+
+@pytest.mark.parametrize("ids, err", [
+    (np.array([3], np.int64), DoubleFreeError),       # freed just before
+    (np.array([7], np.int64), NotAllocatedError),     # never allocated
+    (np.array([0], np.int64), InvalidIdError),        # the sink page
+    (np.array([13], np.int64), InvalidIdError),       # out of range: virtual pages are [0, 13)
+    (np.array([-1], np.int64), InvalidIdError),
+    (np.array([1, 2, 99], np.int64), InvalidIdError),  # a bad id late in the batch: nothing at all is freed
+    (np.array([1], np.int32), InvalidIdError),        # dtype
+    (np.array([[1]], np.int64), InvalidIdError),      # shape
+])
+def test_free_pages_misuse_is_typed_and_changes_nothing(page_alloc, ids, err) -> None:
+    alloc = page_alloc
+    alloc.alloc_pages(3)
+    alloc.free_pages(np.array([3], np.int64))
+    snap = alloc.snapshot()
+    with pytest.raises(err):
+        alloc.free_pages(ids)
+    assert snapshots_equal(snap, alloc.snapshot())
+
+
+def test_release_pages_tombstones_only_the_bound_end(page_alloc) -> None:
+    alloc = page_alloc
+    vp = alloc.alloc_pages(3)                                   # full 1 2 3, swa 10 11 12
+    alloc.release_pages("swa", np.array([1, 2, 1], np.int64))  # duplicates merge
+    assert pages(alloc, vp, "swa") == [0, 0, 12] and pages(alloc, vp, "full") == [1, 2, 3]
+    snap = alloc.snapshot()
+    with pytest.raises(NotAllocatedError, match="not bound"):  # strict: page 1 is already released
+        alloc.release_pages("swa", np.array([3, 1], np.int64))
+    assert snapshots_equal(snap, alloc.snapshot())
+    alloc.release_pages("swa", np.array([3, 1], np.int64), strict=False)
+    assert pages(alloc, vp, "swa") == [0, 0, 0] and alloc.stats()["swa"].live_pages == 0
+    with pytest.raises(UmallocValueError, match="id-owner"):
+        alloc.release_pages("full", np.array([1], np.int64))
+    with pytest.raises(UmallocValueError):
+        alloc.release_pages("nope", np.array([1], np.int64))
+    assert alloc.stats()["full"].live_pages == 3
+
+
+def test_page_level_calls_respect_leases(page_alloc) -> None:
+    """A lease turns the numpy calls onto the general path: a leased page freed by page id goes pending and is
+    not handed out again until the lease ends (F11)."""
+    alloc = page_alloc
+    vp = alloc.alloc_pages(2)                                   # full 1 2
+    lease = alloc.lease({"full": alloc.translate_pages(vp[:1], "full")})
+    alloc.free_pages(vp.numpy())
+    st = alloc.stats()["full"]
+    assert st.pending_pages == 1 and st.live_pages == 0
+    out = np.zeros(1, np.int64)
+    alloc.alloc_pages(1, out=out)
+    assert pages(alloc, torch.from_numpy(out), "full") != [1]   # page 1 is pending, not reused
+    lease.release()
+    assert alloc.stats()["full"].pending_pages == 0
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+def test_page_calls_through_a_block_table_index(page_alloc, lib) -> None:
+    """index=: alloc_pages writes straight into a req_to_page table, free_pages / release_pages gather from it.
+    Expected slots and pages by hand: two requests of 2 and 1 pages in rows 0 and 1 of a 2 x 4 table."""
+    alloc = page_alloc
+    arr = (lambda *xs: np.array(xs, np.int64)) if lib == "numpy" else T
+    table = np.full(8, -1, np.int64) if lib == "numpy" else torch.full((8,), -1, dtype=torch.int64)
+    assert alloc.alloc_pages(3, out=table, index=arr(0, 1, 4)) is table
+    assert table.tolist() == [1, 2, -1, -1, 3, -1, -1, -1]
+    alloc.release_pages("swa", table, index=arr(0, 0))           # row 0's first page left the window
+    assert pages(alloc, T(1, 2, 3), "swa") == [0, 11, 12] and pages(alloc, T(1, 2, 3), "full") == [1, 2, 3]
+    alloc.free_pages(table, index=arr(0, 1))                     # request 0 finishes
+    assert alloc.stats()["full"].live_pages == 1 and alloc.stats()["swa"].live_pages == 1
+    assert alloc.alloc_pages(1, out=table, index=arr(2)).tolist()[2] == 1    # the lowest free id again
+    alloc.check_invariants()
+
+
+@pytest.mark.parametrize("call", ["alloc", "free", "release"])
+def test_block_table_index_out_of_range_changes_nothing(page_alloc, call) -> None:
+    alloc = page_alloc
+    table = np.zeros(4, np.int64)
+    alloc.alloc_pages(2, out=table, index=np.array([0, 1], np.int64))
+    snap, before = alloc.snapshot(), table.copy()
+    bad = np.array([1, 4], np.int64)                             # slot 4 is past the 4-slot table
+    with pytest.raises(InvalidIdError, match=r"index\[1\] = 4 is outside the block table: allowed \[0, 4\)"):
+        if call == "alloc":
+            alloc.alloc_pages(2, out=table, index=bad)
+        elif call == "free":
+            alloc.free_pages(table, index=bad)
+        else:
+            alloc.release_pages("swa", table, index=bad)
+    assert snapshots_equal(snap, alloc.snapshot()) and np.array_equal(table, before)
+    with pytest.raises(InvalidIdError, match="exactly num_pages"):
+        alloc.alloc_pages(2, out=table, index=np.array([2], np.int64))
+    with pytest.raises(InvalidIdError, match="without out"):
+        alloc.alloc_pages(1, index=np.array([2], np.int64))
+    with pytest.raises(InvalidIdError):
+        alloc.free_pages(table, index=np.array([-1], np.int64))
+    assert snapshots_equal(snap, alloc.snapshot())

@@ -153,12 +153,51 @@ class AllocatorMachine(RuleBasedStateMachine):
             self.reqs[r] = torch.cat([self.reqs[r], torch.tensor([tok])])
         self._new_pages(out, before, None)
 
+    @rule(data=st.data(), k=st.integers(0, 4))
+    def alloc_pages(self, data, k: int) -> None:
+        """Page-level allocation (vLLM style): a new request of ``k`` full pages; output to a fresh tensor, a torch
+        ``out`` or a numpy ``out``."""
+        how = data.draw(st.sampled_from(["new", "torch", "numpy"]))
+        before = self._live_vpages()
+        snap = self.alloc.snapshot()
+        out = {"new": None, "torch": torch.full((k,), -7, dtype=torch.int64),
+               "numpy": np.full(k, -7, dtype=np.int64)}[how]
+        res = self.alloc.alloc_pages(k, out=out)
+        self._unchanged_on_none(snap, res)
+        if res is None:
+            return
+        assert res is out or how == "new"
+        vps = torch.as_tensor(res)
+        assert vps.numel() == k and not set(vps.tolist()) & before and len(set(vps.tolist())) == k
+        if k:
+            rid = next(self.rid)
+            self.reqs[rid] = (vps[:, None] * self.ps + torch.arange(self.ps)).reshape(-1)
+            self.released[rid] = 0
+            self._new_pages(self.reqs[rid], before, None)
+
+    def _ids(self, data, toks: torch.Tensor, pages: bool) -> torch.Tensor | np.ndarray:
+        """The ids of ``toks`` as the page-level or token-level calls take them: page ids (repeated where
+        tokens share a page: duplicates merge) or tokens; a torch tensor, a numpy array, or a strided numpy
+        view."""
+        ids = toks // self.ps if pages else toks
+        form = data.draw(st.sampled_from(["torch", "numpy", "strided"]))
+        if form == "torch":
+            return ids
+        if form == "numpy":
+            return ids.numpy().copy()
+        wide = np.zeros(2 * ids.numel(), np.int64)
+        wide[::2] = ids.numpy()
+        return wide[::2]
+
     @precondition(lambda self: bool(self.reqs))
     @rule(data=st.data())
     def free(self, data) -> None:
         rids = data.draw(st.lists(st.sampled_from(sorted(self.reqs)), min_size=1, max_size=3, unique=True))
         toks = torch.cat([self.reqs.pop(r) for r in rids])
-        self.alloc.free(toks)
+        if data.draw(st.booleans()):
+            self.alloc.free_pages(self._ids(data, toks, True))
+        else:
+            self.alloc.free(self._ids(data, toks, False))
         self.freed.append(toks)
         for v in np.unique(toks.numpy() // self.ps).tolist():
             for end in self.ends:
@@ -172,7 +211,11 @@ class AllocatorMachine(RuleBasedStateMachine):
         tail = self.alloc.swa_tail_start(int(t.numel()), WINDOW, 0, self.ps)
         if tail <= self.released[r]:
             return
-        self.alloc.release_end("swa", t[self.released[r]:tail], strict=False)
+        part = t[self.released[r]:tail]
+        if data.draw(st.booleans()):
+            self.alloc.release_pages("swa", self._ids(data, part, True), strict=False)
+        else:
+            self.alloc.release_end("swa", self._ids(data, part, False), strict=False)
         for v in np.unique(t[self.released[r]:tail].numpy() // self.ps).tolist():
             self.marks.pop(("swa", v), None)
         self.released[r] = tail
@@ -212,12 +255,26 @@ class AllocatorMachine(RuleBasedStateMachine):
                 pass
             else:
                 raise AssertionError("a double free was accepted")
+        if not freed_vps & live:                          # the same through the page-level call, numpy ids
+            try:
+                self.alloc.free_pages(np.array(sorted(freed_vps), dtype=np.int64))
+            except (DoubleFreeError, NotAllocatedError):
+                pass
+            else:
+                raise AssertionError("a double free_pages was accepted")
+        for bad in (torch.tensor([self.alloc.num_vpages() * self.ps]), np.array([-1], dtype=np.int64)):
+            try:
+                self.alloc.free(bad)
+            except InvalidIdError:
+                pass
+            else:
+                raise AssertionError("an out-of-range free was accepted")
         try:
-            self.alloc.free(torch.tensor([self.alloc.num_vpages() * self.ps]))
+            self.alloc.free_pages(np.array([self.alloc.num_vpages()], dtype=np.int64))
         except InvalidIdError:
             pass
         else:
-            raise AssertionError("an out-of-range free was accepted")
+            raise AssertionError("an out-of-range free_pages was accepted")
         assert snapshots_equal(snap, self.alloc.snapshot())
 
     # ---- invariants ----------------------------------------------------------------------------------------

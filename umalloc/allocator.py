@@ -132,7 +132,8 @@ V_NEVER, V_LIVE, V_FREED, V_RESERVED = 0, 1, 2, 3
 
 # ---- kernel result codes (err[0]) --------------------------------------------------------------------------
 _OK, _E_SHORT, _E_RANGE, _E_RESERVED, _E_NOTALLOC, _E_DOUBLE, _E_UNBOUND, _E_BOUND = range(8)
-_E_LENS, _E_LAST_OFFSET, _E_LAST_NOPREFIX, _E_TAIL_SHARED, _E_TAIL_UNBOUND, _E_TOMB, _E_OUT, _E_IDS = range(8, 16)
+_E_LENS, _E_LAST_OFFSET, _E_LAST_NOPREFIX, _E_TAIL_SHARED, _E_TAIL_UNBOUND, _E_TOMB, _E_OUT, _E_IDS, _E_INDEX = \
+    range(8, 17)
 
 _SPLIT_ONE = 1_000_000  # float_split is stored in parts per million
 _MASK_SLOTS = 64  # cached bind masks per allocator
@@ -632,10 +633,18 @@ def _check_tail(meta, h64, h8, owner, mask, stamp, vp, i, ll):
 
 
 @njit(cache=True, error_model="numpy")
-def _k_alloc_pages(root, owner, mask, k, vids_a):
-    """Mint ``k`` virtual pages into ``vids_a`` (Note [Placement order]). More pages than the owner has free
-    virtual ids can never fit (no compaction helps): _E_IDS with the owner's deficit, nothing changed."""
+def _k_alloc_pages(root, owner, mask, k, vids_a, n_vids, idx_a, n_idx):
+    """Mint ``k`` virtual pages into ``vids_a`` (``n_vids`` long; with ``n_idx >= 0`` page ``j`` goes to
+    ``vids[idx[j]]``, a scatter into a block table, every index checked first) per Note [Placement order].
+    More pages than the owner has free virtual ids can never fit (no compaction helps): _E_IDS with the owner's
+    deficit, nothing changed."""
     meta, h64, h8 = _heaps(root)
+    use_idx = n_idx >= 0
+    idx = _ids_view(idx_a, n_idx if use_idx else 0)
+    if use_idx:
+        for j in range(k):
+            if idx[j] < 0 or idx[j] >= n_vids:
+                return _fail(meta, h64, _E_INDEX, j, idx[j], n_vids)
     free_ids = meta[owner, _NV] - 1 - meta[owner, _VLIVE]
     if k > free_ids:
         b = meta[0, _ERROFF] + 4
@@ -643,13 +652,17 @@ def _k_alloc_pages(root, owner, mask, k, vids_a):
             h64[b + e] = 0
         h64[b + owner] = k - free_ids
         return _fail(meta, h64, _E_IDS, 0, k, 0)
-    vids = _ids_view(vids_a, k)
+    vids = _ids_view(vids_a, n_vids)
     _, _, nlo, nhi = _plan_scratch(meta, h64)
     if not _plan_k(meta, h64, h8, mask, k, nlo, nhi):
         return _E_SHORT
     scr = _mint_bind(meta, h64, h8, owner, mask, k, nlo, nhi)
-    for j in range(k):
-        vids[j] = h64[scr + j]
+    if use_idx:
+        for j in range(k):
+            vids[idx[j]] = h64[scr + j]
+    else:
+        for j in range(k):
+            vids[j] = h64[scr + j]
     h64[meta[0, _ERROFF]] = _OK
     return _OK
 
@@ -800,11 +813,12 @@ def _k_decode(root, owner, mask, seq_a, last_a, B, out_a):
 
 
 @njit(cache=True, error_model="numpy")
-def _unique_vpages(meta, h64, h8, owner, toks, bound_end, strict_bound, want_unbound, pages):
-    """Validate ``toks`` (live virtual tokens of ``owner``; virtual pages if ``pages``) and collect their unique pages into the scratch
-    area (first-occurrence order). With ``bound_end >= 0`` also check each page's binding on that end:
-    ``want_unbound`` -> it must be unbound (else _E_BOUND); else it must be bound (_E_UNBOUND if
-    ``strict_bound``, skipped otherwise). Returns the count, or -1 (err filled)."""
+def _unique_vpages(meta, h64, h8, owner, toks, bound_end, strict_bound, want_unbound, pages, idx, use_idx):
+    """Validate ``toks`` (live virtual tokens of ``owner``; virtual pages if ``pages``) -- or, with ``use_idx``,
+    the entries ``toks[idx[i]]`` (a gather from a block table, every ``idx[i]`` in range) -- and collect their
+    unique pages into the scratch area (first-occurrence order). With ``bound_end >= 0`` also check each page's
+    binding on that end: ``want_unbound`` -> it must be unbound (else _E_BOUND); else it must be bound
+    (_E_UNBOUND if ``strict_bound``, skipped otherwise). Returns the count, or -1 (err filled)."""
     voff = meta[owner, _VOFF]
     ps = 1 if pages else meta[owner, _PS]
     lim = meta[owner, _NV] * ps
@@ -815,8 +829,16 @@ def _unique_vpages(meta, h64, h8, owner, toks, bound_end, strict_bound, want_unb
     stamp = meta[owner, _STAMP]
     bvoff = meta[bound_end, _VOFF] if bound_end >= 0 else 0
     n = 0
-    for i in range(toks.shape[0]):
-        t = toks[i]
+    n_tab = toks.shape[0]
+    for i in range(idx.shape[0] if use_idx else n_tab):
+        if use_idx:
+            j = idx[i]
+            if j < 0 or j >= n_tab:
+                _fail(meta, h64, _E_INDEX, i, j, n_tab)
+                return -1
+            t = toks[j]
+        else:
+            t = toks[i]
         vp = _vpage_of(h8, voff, ps, lim, t, shift)
         if vp < 0:
             _fail(meta, h64, -vp, i, t, owner)
@@ -827,11 +849,11 @@ def _unique_vpages(meta, h64, h8, owner, toks, bound_end, strict_bound, want_unb
         if bound_end >= 0:
             bound = h64[bvoff + vp] >= 0
             if want_unbound and bound:
-                _fail(meta, h64, _E_BOUND, i, toks[i], bound_end)
+                _fail(meta, h64, _E_BOUND, i, t, bound_end)
                 return -1
             if not want_unbound and not bound:
                 if strict_bound:
-                    _fail(meta, h64, _E_UNBOUND, i, toks[i], bound_end)
+                    _fail(meta, h64, _E_UNBOUND, i, t, bound_end)
                     return -1
                 continue
         h64[scr + n] = vp
@@ -840,12 +862,13 @@ def _unique_vpages(meta, h64, h8, owner, toks, bound_end, strict_bound, want_unb
 
 
 @njit(cache=True, error_model="numpy")
-def _k_free(root, owner, toks_a, n_tok, pages):
+def _k_free(root, owner, toks_a, n_tok, pages, idx_a, n_idx):
     """Free the unique virtual pages of the tokens on the owner and every bound end still bound. Returns the
     number of unique pages (ids in the scratch area), or -1 on misuse (nothing changed)."""
     meta, h64, h8 = _heaps(root)
     toks = _ids_view(toks_a, n_tok)
-    n = _unique_vpages(meta, h64, h8, owner, toks, -1, False, False, pages)
+    idx = _ids_view(idx_a, max(n_idx, 0))
+    n = _unique_vpages(meta, h64, h8, owner, toks, -1, False, False, pages, idx, n_idx >= 0)
     if n < 0:
         return -1
     scr = meta[0, _SCROFF]
@@ -868,11 +891,12 @@ def _k_free(root, owner, toks_a, n_tok, pages):
 
 
 @njit(cache=True, error_model="numpy")
-def _k_release(root, b, toks_a, n_tok, strict, pages):
+def _k_release(root, b, toks_a, n_tok, strict, pages, idx_a, n_idx):
     """Unbind bound end ``b`` from the unique virtual pages of the tokens (the owner stays live)."""
     meta, h64, h8 = _heaps(root)
     toks = _ids_view(toks_a, n_tok)
-    n = _unique_vpages(meta, h64, h8, meta[b, _OWNER], toks, b, strict, False, pages)
+    idx = _ids_view(idx_a, max(n_idx, 0))
+    n = _unique_vpages(meta, h64, h8, meta[b, _OWNER], toks, b, strict, False, pages, idx, n_idx >= 0)
     if n < 0:
         return -1
     meta[b, _RELEASED] += _unbind(meta, h64, h8, _pins_of(root, b), b, meta[0, _SCROFF], n)
@@ -886,7 +910,7 @@ def _k_bind(root, b, mask, toks_a, n_tok):
     pages of the tokens, in first-occurrence order."""
     meta, h64, h8 = _heaps(root)
     toks = _view(toks_a, n_tok)
-    n = _unique_vpages(meta, h64, h8, meta[b, _OWNER], toks, b, True, True, False)
+    n = _unique_vpages(meta, h64, h8, meta[b, _OWNER], toks, b, True, True, False, toks, False)
     if n < 0:
         return -1
     if n > 0:
@@ -1003,9 +1027,9 @@ class _Entries:
 
     def __init__(self) -> None:
         i, b, ids = types.int64, types.boolean, types.Array(types.int64, 1, "A")
-        self.free = _k_free.compile((i, i, ids, i, b))
-        self.release = _k_release.compile((i, i, ids, i, b, b))
-        self.alloc_pages = _k_alloc_pages.compile((i, i, i, i, ids))
+        self.free = _k_free.compile((i, i, ids, i, b, ids, i))
+        self.release = _k_release.compile((i, i, ids, i, b, b, ids, i))
+        self.alloc_pages = _k_alloc_pages.compile((i, i, i, i, ids, i, ids, i))
 
 
 _entries: _Entries | None = None
@@ -1209,6 +1233,18 @@ def _id_arg(t: object, name: str) -> tuple[Any, Any, int]:
         raise InvalidIdError(f"{name}: numpy dtype {t.dtype}; allowed int64")  # type: ignore[attr-defined]
     c = _ids(t, name)
     return c, c.data_ptr(), c.numel()
+
+
+def _table_arg(table: object) -> tuple[Any, Any, int]:
+    """Validate a block table written through an index: a writeable 1-D int64 numpy array or a contiguous CPU
+    ``torch.int64`` tensor, any length; return ``(table, kernel argument, length)``."""
+    if type(table) is np.ndarray:
+        if table.dtype is _NP_I64 and table.ndim == 1 and table.flags.writeable:
+            return table, table, table.shape[0]
+        raise InvalidIdError(f"out: numpy {table.dtype}, shape {table.shape}, writeable={table.flags.writeable}; "
+                             f"allowed a writeable 1-D int64 array (the block table index= points into)")
+    res = _out(table, None)
+    return res, res.data_ptr(), res.numel()
 
 
 def _out_arg(out: object, n: int) -> tuple[Any, Any]:
@@ -1608,6 +1644,9 @@ class MultiEndedAllocator:
         if code == _E_TOMB:
             raise TombstoneError(f"{where}: id {value} at position {pos} is tombstoned (unbound) on end "
                                  f"{name!r}; strict=False maps it to the sink")
+        if code == _E_INDEX:
+            raise InvalidIdError(f"{where}: index[{pos}] = {value} is outside the block table: allowed "
+                                 f"[0, {extra})")
         if code == _E_OUT:
             raise InvalidIdError(f"{where}: out has {value} elements; allowed exactly {extra} (the new tokens)")
         raise InvariantError(f"{where}: unknown kernel result code {code}")
@@ -1857,8 +1896,8 @@ class MultiEndedAllocator:
         return o, self._bind_mask(o, bind)
 
     def alloc_pages(self, num_pages: int, *, owner: str | None = None,
-                    bind: Sequence[str] | None = None,
-                    out: torch.Tensor | np.ndarray | None = None) -> torch.Tensor | np.ndarray | None:
+                    bind: Sequence[str] | None = None, out: torch.Tensor | np.ndarray | None = None,
+                    index: torch.Tensor | np.ndarray | None = None) -> torch.Tensor | np.ndarray | None:
         """Mint ``num_pages`` fresh virtual pages and bind a physical page of the owner and of each bound end
         (the page-level call of an engine that keeps a per-request page table, as vLLM's
         ``BlockPool.get_new_blocks`` does).
@@ -1868,7 +1907,12 @@ class MultiEndedAllocator:
             owner: id-owner end (``None``: the only one; ambiguous -> error).
             bind: bound ends to bind too (default: every bound end of the owner; ``[]``: the owner only).
             out: optional preallocated output of ``num_pages`` int64s: a contiguous CPU ``torch.int64`` tensor or
-                a writeable 1-D ``numpy.int64`` array.
+                a writeable 1-D ``numpy.int64`` array. With ``index``: the flat block table to write into (any
+                length).
+            index: optional ``int64 (num_pages,)`` slots of ``out`` (a torch tensor or numpy array): page ``j`` is
+                written to ``out[index[j]]`` -- straight into a ``req_to_page`` block table, no scatter by the
+                caller. Every slot is checked to lie in ``[0, len(out))`` before anything changes; slots should be
+                distinct (a repeated slot keeps the last page written to it).
 
         Returns:
             ``int64`` CPU tensor ``(num_pages,)`` of virtual pages (ascending, lowest free ids first; ``out`` if
@@ -1876,7 +1920,8 @@ class MultiEndedAllocator:
             deficit).
 
         Raises:
-            UmallocValueError: bad ``num_pages``, owner or bind names. InvalidIdError: a wrong ``out``.
+            UmallocValueError: bad ``num_pages``, owner or bind names. InvalidIdError: a wrong ``out`` or
+            ``index`` (dtype, shape, an index outside ``out``); nothing changes.
 
         Complexity: O(num_pages + holes scanned) in one numba kernel; pages per Note [Placement order].
 
@@ -1887,13 +1932,24 @@ class MultiEndedAllocator:
         (True, {'full': 93})
         """
         if type(out) is np.ndarray and type(num_pages) is int and owner is None and bind is None and self._plain \
-                and not self._active_leases and out.dtype is _NP_I64 and out.ndim == 1 \
-                and out.shape[0] == num_pages and out.flags.writeable:  # the hot path, Note [Page-level hot path]
-            args = (self._root_a, self._default_owner, self._default_mask, num_pages, out)
-            if self._hot.alloc_pages(*args) != _OK and self._retry(_k_alloc_pages, args, self._default_mask,
-                                                             "alloc_pages") is None:
-                return None
-            return out
+                and not self._active_leases and out.dtype is _NP_I64 and out.ndim == 1 and out.flags.writeable:
+            # the hot path, Note [Page-level hot path]
+            if index is None:
+                if out.shape[0] == num_pages:
+                    args = (self._root_a, self._default_owner, self._default_mask, num_pages, out, num_pages, out,
+                            -1)
+                    if self._hot.alloc_pages(*args) != _OK and self._retry(
+                            _k_alloc_pages, args, self._default_mask, "alloc_pages") is None:
+                        return None
+                    return out
+            elif type(index) is np.ndarray and index.dtype is _NP_I64 and index.ndim == 1 \
+                    and index.shape[0] == num_pages:
+                args = (self._root_a, self._default_owner, self._default_mask, num_pages, out, out.shape[0], index,
+                        num_pages)
+                if self._hot.alloc_pages(*args) != _OK and self._retry(
+                        _k_alloc_pages, args, self._default_mask, "alloc_pages") is None:
+                    return None
+                return out
         if type(num_pages) is not int:
             if isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer)):
                 raise UmallocValueError(f"num_pages={num_pages!r}: allowed an int >= 0")
@@ -1905,19 +1961,30 @@ class MultiEndedAllocator:
         else:
             o, mask = self._resolve(owner, bind)
         k = num_pages
-        if out is None:
+        keep_idx, idx_arg, n_idx = None, 0, -1
+        if index is not None:
+            if out is None:
+                raise InvalidIdError("alloc_pages: index given without out; allowed index only with out (the "
+                                     "block table it indexes)")
+            keep_idx, idx_arg, n_idx = _id_arg(index, "index")
+            if n_idx != k:
+                raise InvalidIdError(f"alloc_pages: index has {n_idx} slots; allowed exactly num_pages={k}")
+            res, arg, n_out = _table_arg(out)
+        elif out is None:
             # more pages than the owner has free virtual ids is refused by the kernel before anything is
             # written, so a huge num_pages must not size the output either
             free_ids = int(self._meta[o, _NV]) - 1 - int(self._meta[o, _VLIVE])
             res = torch.empty(min(k, free_ids + 1), dtype=_I64)
-            arg: Any = res.data_ptr()
+            arg, n_out = res.data_ptr(), k
         else:
             res, arg = _out_arg(out, k)
+            n_out = k
         if self._active_leases:
             self._tick()
-        args = (self._root_a, o, mask, k, arg)
+        args = (self._root_a, o, mask, k, arg, n_out, idx_arg, n_idx)
         if _k_alloc_pages(*args) != _OK and self._retry(_k_alloc_pages, args, mask, "alloc_pages") is None:
             return None
+        del keep_idx
         if self._sync:
             self._after(o, k)
         return res
@@ -2105,13 +2172,16 @@ class MultiEndedAllocator:
         """
         self._free(vtokens, owner, False, "free")
 
-    def free_pages(self, vpages: torch.Tensor | np.ndarray, *, owner: str | None = None) -> None:
+    def free_pages(self, vpages: torch.Tensor | np.ndarray, *, owner: str | None = None,
+                   index: torch.Tensor | np.ndarray | None = None) -> None:
         """:meth:`free` for virtual *page* ids (an engine with a per-request page table, vLLM style): the same
         checks, errors and effects, with ``vpages`` instead of tokens (``token = vpage * page_size + offset``).
 
         Args:
             vpages: ``int64 (n,)`` live virtual pages of the owner (duplicates merge): a torch tensor, or a 1-D
-                numpy array.
+                numpy array. With ``index``: the flat block table holding them (any length).
+            index: optional ``int64 (m,)`` slots of ``vpages`` to free (a gather from a ``req_to_page`` block table,
+                no gather by the caller); every slot is checked to lie in ``[0, len(vpages))``.
 
         Raises: as :meth:`free`. Nothing changes on any error.
 
@@ -2126,21 +2196,29 @@ class MultiEndedAllocator:
         """
         if type(vpages) is np.ndarray and owner is None and self._plain and not self._active_leases \
                 and vpages.dtype is _NP_I64 and vpages.ndim == 1:  # the hot path, Note [Page-level hot path]
-            if self._hot.free(self._root_a, self._default_owner, vpages, vpages.shape[0], True) < 0:
-                self._raise("free_pages", pages=True)
-            return
-        self._free(vpages, owner, True, "free_pages")
+            if index is None:
+                if self._hot.free(self._root_a, self._default_owner, vpages, vpages.shape[0], True, vpages, -1) < 0:
+                    self._raise("free_pages", pages=True)
+                return
+            if type(index) is np.ndarray and index.dtype is _NP_I64 and index.ndim == 1:
+                if self._hot.free(self._root_a, self._default_owner, vpages, vpages.shape[0], True, index,
+                                  index.shape[0]) < 0:
+                    self._raise("free_pages", pages=True)
+                return
+        self._free(vpages, owner, True, "free_pages", index)
 
-    def _free(self, ids: torch.Tensor | np.ndarray, owner: str | None, pages: bool, where: str) -> None:
+    def _free(self, ids: torch.Tensor | np.ndarray, owner: str | None, pages: bool, where: str,
+              index: torch.Tensor | np.ndarray | None = None) -> None:
         if owner is None and self._default_owner >= 0:
             o = self._default_owner
         else:
             o = self._owner_index(owner)
         keep, arg, n_ids = _id_arg(ids, "vpages" if pages else "vtokens")
+        keep_idx, idx_arg, n_idx = (None, 0, -1) if index is None else _id_arg(index, "index")
         if self._active_leases:
             self._tick()
-        n = _k_free(self._root_a, o, arg, n_ids, pages)
-        del keep
+        n = _k_free(self._root_a, o, arg, n_ids, pages, idx_arg, n_idx)
+        del keep, keep_idx
         if n < 0:
             self._raise(where, pages=pages)
         if n and self._eager:
@@ -2170,9 +2248,11 @@ class MultiEndedAllocator:
         """
         self._release(end, vtokens, strict, False, "release_end")
 
-    def release_pages(self, end: str, vpages: torch.Tensor | np.ndarray, *, strict: bool = True) -> None:
+    def release_pages(self, end: str, vpages: torch.Tensor | np.ndarray, *, strict: bool = True,
+                      index: torch.Tensor | np.ndarray | None = None) -> None:
         """:meth:`release_end` for virtual *page* ids (vLLM-style page tables): tombstone bound ``end`` only for
-        ``vpages``; the same checks, errors and effects.
+        ``vpages`` (or, with ``index``, for ``vpages[index]``: a gather from the block table, as
+        :meth:`free_pages`); the same checks, errors and effects.
 
         Raises: as :meth:`release_end`. Nothing changes on any error.
 
@@ -2186,20 +2266,30 @@ class MultiEndedAllocator:
                 and vpages.ndim == 1 and type(end) is str:  # the hot path, Note [Page-level hot path]
             b = self._bound.get(end, -1)
             if b >= 0:
-                if self._hot.release(self._root_a, b, vpages, vpages.shape[0], strict is not False, True) < 0:
-                    self._raise("release_pages", pages=True)
-                return
-        self._release(end, vpages, strict, True, "release_pages")
+                if index is None:
+                    idx, n_idx = vpages, -1
+                elif type(index) is np.ndarray and index.dtype is _NP_I64 and index.ndim == 1:
+                    idx, n_idx = index, index.shape[0]
+                else:
+                    b = -1
+                if b >= 0:
+                    if self._hot.release(self._root_a, b, vpages, vpages.shape[0], strict is not False, True, idx,
+                                         n_idx) < 0:
+                        self._raise("release_pages", pages=True)
+                    return
+        self._release(end, vpages, strict, True, "release_pages", index)
 
-    def _release(self, end: str, ids: torch.Tensor | np.ndarray, strict: bool, pages: bool, where: str) -> None:
+    def _release(self, end: str, ids: torch.Tensor | np.ndarray, strict: bool, pages: bool, where: str,
+                 index: torch.Tensor | np.ndarray | None = None) -> None:
         b = self._bound.get(end, -1) if type(end) is str else -1
         if b < 0:
             b = self._bound_index(end, where)
         keep, arg, n_ids = _id_arg(ids, "vpages" if pages else "vtokens")
+        keep_idx, idx_arg, n_idx = (None, 0, -1) if index is None else _id_arg(index, "index")
         if self._active_leases:
             self._tick()
-        n = _k_release(self._root_a, b, arg, n_ids, strict is not False, pages)
-        del keep
+        n = _k_release(self._root_a, b, arg, n_ids, strict is not False, pages, idx_arg, n_idx)
+        del keep, keep_idx
         if n < 0:
             self._raise(where, pages=pages)
         if n and self._eager:
