@@ -38,11 +38,13 @@ from umalloc.errors import (
     BackendError,
     DescriptorBoundsError,
     IncompatiblePeerError,
+    LeaseError,
     RegistrationError,
     TransferError,
     TransferTimeout,
     UmallocValueError,
 )
+from umalloc.pagestate import PAGE_PENDING
 from umalloc.plan import PeerLayout, build_plan, build_receiver_half, build_send_plan
 from umalloc.region import Region
 from umalloc.spec import ArenaSpec, EndRole, EndSpec, Grow, LayerSpec
@@ -235,9 +237,10 @@ def worker(backend_workers, name: str, role: str = "shared") -> BackendWorker:
 def test_backend_conforms_to_protocol(name, backend_factory):
     b = backend_factory(name)
     assert isinstance(b, TransferBackend) and b.name == name
-    assert set(b.stats()) == {"registered_regions", "registrations", "open_handles", "pending_handles", "peers",
-                              "handles_submitted", "handles_done", "handles_failed", "descriptors_posted",
-                              "bytes_posted", "bytes_done", "engine_parts_posted", "connects"}
+    assert set(b.stats()) == {"registered_regions", "registrations", "open_handles", "pending_handles",
+                              "draining_handles", "peers", "handles_submitted", "handles_done", "handles_failed",
+                              "handles_drained_late", "descriptors_posted", "bytes_posted", "bytes_done",
+                              "engine_parts_posted", "connects"}
     md = json.loads(b.metadata())
     assert md["backend"] == name and md["regions"] == [] and md["layout"] is None
 
@@ -382,7 +385,7 @@ def test_local_refuses_vram(backend_factory):
     pytest.param("nixl", {"mode": "oneshot"}, id="nixl-oneshot", marks=pytest.mark.backend),
     pytest.param("nixl", {"mode": "prepped"}, id="nixl-prepped", marks=pytest.mark.backend),
     pytest.param("mooncake", {}, id="mooncake-polled", marks=pytest.mark.backend),
-    pytest.param("mooncake", {"poll_max_descriptors": 0}, id="mooncake-batch", marks=pytest.mark.backend),
+    pytest.param("mooncake", {"max_batch_descriptors": 100}, id="mooncake-chunks100", marks=pytest.mark.backend),
 ])
 def test_descriptor_batches_in_one_process(name, kw, backend_factory):
     a, b = backend_factory(name, **kw), backend_factory(name)
@@ -399,8 +402,9 @@ def test_descriptor_batches_in_one_process(name, kw, backend_factory):
         h = a.write_descriptors(d, peer, item_bytes=1024 if shape == "per_page_scattered" else None)
         a.wait(h, DEADLINE_S)
         assert h.state == "done" and h.num_descriptors == d.shape[0], shape
-        if name == "mooncake" and d.shape[0] > 2048:
-            assert h.num_parts == -(-d.shape[0] // 2048)  # chunked per peer limit
+        if name == "mooncake":
+            chunk = kw.get("max_batch_descriptors", 2048)
+            assert h.num_parts == -(-d.shape[0] // chunk)  # chunked per peer limit
         a.release(h)
         assert tbytes(dst) == want, shape
     s = a.stats()
@@ -655,14 +659,167 @@ def test_peer_closed_before_transfer_fails_the_plan(name, backend_factory):
     assert s["open_handles"] == 0 and s["handles_failed"] == 1
 
 
+class ManualClock:
+    """A settable lease clock in seconds (no sleeps)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("name", ENG)
+def test_F11_wait_deadline_keeps_the_leases_until_the_engine_lets_go(name, backend_workers, backend_factory):
+    """F11 ordering at a deadline: ``wait`` raises TransferTimeout on time, but while the engine may still read
+    the source pages (a paused receiver: Mooncake cannot cancel what it was handed) the plan stays pending and its
+    lease keeps every page: freed pages stay pending (not reused), compaction does not move them, the engine
+    memory stays registered. Once the peer resumes and the engine reports the chunk ended, the plan fails and the
+    pages come free. Mooncake's bytes land *after* the deadline: exactly what the held lease protects."""
+    w = worker(backend_workers, name)
+    w.call("reset_backend")
+    spec = kv_spec()
+    src_arena, src_alloc = kv_side(spec, SEED)
+    a = backend_factory(name, layout=PeerLayout.from_arena(src_arena))
+    a.register(src_arena.regions())
+    w.run(W + "kv_setup", PeerLayout.from_arena(src_arena).to_dict(), seed=SEED + 1)
+    peer = a.connect(w.call("metadata"))  # a fresh connection: NIXL's first WRITE needs the target too
+    src_vt = alloc_request(src_alloc, L_TOKENS)
+    half = w.run(W + "kv_receiver_half", "d-1", w.run(W + "kv_alloc", {"full": L_TOKENS, "draft": L_TOKENS}))
+    plan = build_send_plan("d-1", src_alloc, src_vt, half, a.peer_layout(peer))
+    leased = {e: p.copy() for e, p in plan.src_lease.pages.items() if p.size}
+    assert set(leased) == {"full", "swa", "draft"}
+    before = w.run(W + "kv_arena_bytes")
+    want = brute_apply(before, a.peer_layout(peer).arena_base_ptr, tbytes(src_arena.data), src_arena.base_ptr,
+                       plan.descriptors())
+    w.pause()
+    try:
+        h = a.submit(plan, peer)
+        with pytest.raises(TransferTimeout):
+            a.wait(h, 0.5)
+        assert h.state == "failed"
+        if name == "mooncake":
+            assert h.draining and a.stats()["draining_handles"] == 1
+        if h.draining:  # the ordering under test: the deadline did not end the plan
+            assert plan.state == "pending" and src_alloc.leases_active() == 1
+            src_alloc.free(src_vt["full"], owner="full")  # the request goes away meanwhile
+            src_alloc.free(src_vt["draft"], owner="draft")
+            st = src_alloc.stats()
+            assert {e: st[e].pending_pages for e in leased} == {e: len(p) for e, p in leased.items()}
+            reuse = alloc_request(src_alloc, L_TOKENS)  # a new request never gets a leased page
+            new_pages = {"full": reuse["full"][::4] // 4, "swa": reuse["full"][::4] // 4,
+                         "draft": reuse["draft"][::2] // 2}
+            for e, p in leased.items():
+                got = src_alloc.translate_pages(new_pages[e], e, strict=False).numpy()
+                assert not np.isin(got, p).any(), e
+            src_alloc.compact()
+            for e, p in leased.items():  # not moved, not reused: still pending
+                assert (src_alloc.ends[e].state[p] == PAGE_PENDING).all(), e
+            with pytest.raises(RegistrationError, match="draining"):
+                a.deregister(src_arena.regions())
+            with pytest.raises(UmallocValueError, match="in flight"):
+                a.submit(plan, peer)
+            a.release(h)  # released while draining: the plan still waits for the engine
+            assert h.draining and plan.state == "pending" and a.stats()["open_handles"] == 0
+        else:  # NIXL cancelled the request: nothing of it is in flight, the plan ended at the deadline
+            assert plan.state == "failed" and src_alloc.leases_active() == 0
+            a.release(h)
+    finally:
+        w.resume()
+    assert a.drain(h, DEADLINE_S)
+    assert plan.state == "failed" and isinstance(plan.error, TransferTimeout)
+    assert src_alloc.leases_active() == 0 and a.stats()["draining_handles"] == 0
+    st = src_alloc.stats()
+    assert all(st[e].pending_pages == 0 for e in leased)  # the held pages came free only now
+    if name == "mooncake":
+        assert a.stats()["handles_drained_late"] == 1
+        assert w.run(W + "kv_arena_bytes") == want  # the engine finished the copy after wait gave up
+    assert w.run(W + "kv_finish_half", "d-1", False) == 0
+    src_alloc.check_invariants()
+    a.check_invariants()
+
+
+def test_mooncake_queued_chunk_is_never_posted_after_its_lease_deadline(backend_workers, backend_factory):
+    """A plan's chunks wait in the per-peer queue behind a stalled transfer; meanwhile its lease passes its
+    deadline (the allocator may reclaim the pages at any call). When the queue moves on, those chunks are not
+    handed to the engine: the handle fails, and no byte of the plan reaches the receiver."""
+    name = "mooncake"
+    w = worker(backend_workers, name)
+    w.call("reset_backend")
+    spec = kv_spec()
+    src_arena = Arena(spec)
+    src_arena.data.copy_(seeded_bytes(spec.arena_bytes, SEED))
+    clock = ManualClock()
+    src_alloc = MultiEndedAllocator(src_arena, clock=clock)
+    a = backend_factory(name, layout=PeerLayout.from_arena(src_arena), max_batch_descriptors=2)
+    a.register(src_arena.regions())
+    w.run(W + "kv_setup", PeerLayout.from_arena(src_arena).to_dict(), seed=SEED + 1)
+    peer = a.connect(w.call("metadata"))
+    half = w.run(W + "kv_receiver_half", "d-2", w.run(W + "kv_alloc", {"full": L_TOKENS, "draft": L_TOKENS}))
+    plan = build_send_plan("d-2", src_alloc, alloc_request(src_alloc, L_TOKENS), half, a.peer_layout(peer),
+                           deadline_s=5.0)
+    base = a.peer_layout(peer).arena_base_ptr
+    free_dst = base  # 64 bytes of the receiver's reserved floor: no plan ever writes there (checked below)
+    blocker = np.array([[src_arena.base_ptr, free_dst, 64]], np.uint64)
+    assert not any(d <= free_dst < d + n for _, d, n in plan.descriptors().tolist())
+    before = w.run(W + "kv_arena_bytes")
+    w.pause()
+    try:
+        hb = a.write_descriptors(blocker, peer)  # taken by the sender thread, stuck on the paused peer
+        time.sleep(0.2)
+        h = a.submit(plan, peer)  # queued behind it
+        assert a.poll(h) == "pending" and h.num_parts >= 2
+        clock.now = 6.0  # the plan's lease is past its deadline while its chunks wait
+    finally:
+        w.resume()
+    a.wait(hb, DEADLINE_S)
+    with pytest.raises(TransferError, match="not posted: the plan's src_lease is past its deadline"):
+        a.wait(h, DEADLINE_S)
+    assert not h.draining and plan.state == "failed"
+    a.release(hb)
+    a.release(h)
+    # only the blocker's 64 bytes changed on the receiver
+    assert w.run(W + "kv_arena_bytes") == brute_apply(before, base, tbytes(src_arena.data), src_arena.base_ptr,
+                                                      blocker)
+    assert w.run(W + "kv_finish_half", "d-2", False) == 0
+    a.check_invariants()
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_submit_refuses_a_plan_whose_lease_is_past_its_deadline(name, backend_factory):
+    """A lease past its deadline no longer protects its pages, even before the allocator reclaimed it: the plan
+    is refused at submit with a LeaseError and nothing is sent."""
+    spec = kv_spec()
+    clock = ManualClock()
+    src_arena, dst_arena = Arena(spec), Arena(spec)
+    src_arena.data.copy_(seeded_bytes(spec.arena_bytes, SEED))
+    src_alloc = MultiEndedAllocator(src_arena, clock=clock)
+    dst_alloc = MultiEndedAllocator(dst_arena, clock=clock)
+    a = backend_factory(name, layout=PeerLayout.from_arena(src_arena))
+    b = backend_factory(name, layout=PeerLayout.from_arena(dst_arena))
+    a.register(src_arena.regions())
+    b.register(dst_arena.regions())
+    peer = a.connect(b.metadata())
+    plan = build_plan("d-3", src_alloc, alloc_request(src_alloc, L_TOKENS), dst_alloc,
+                      alloc_request(dst_alloc, L_TOKENS), deadline_s=1.0)
+    clock.now = 1.0  # exactly at the deadline: expired, not yet reclaimed (no allocator call since)
+    assert plan.src_lease.active and plan.src_lease.expired
+    with pytest.raises(LeaseError, match="past its deadline"):
+        a.submit(plan, peer)
+    assert not dst_arena.data.any() and a.stats()["handles_submitted"] == 0 and plan.state == "pending"
+    plan.abort()
+    assert src_alloc.leases_active() == 0 and dst_alloc.leases_active() == 0
+
+
 @pytest.mark.parametrize("name", ENG)
 def test_failure_paths_with_a_second_process(name, backend_workers, backend_factory):
     """One victim worker per engine, as receiver; this process sends real plans (leases on both sides).
 
     1. F11: while the (paused) peer has not finished, the handle is pending and the plan's lease stays;
        multi-part on Mooncake (chunks of 2), every part must end before the plan does.
-    2. deadline: a paused peer -> TransferTimeout at the deadline, plan failed, lease released.
-    3. release while pending -> plan aborted, lease released; release is idempotent.
+    2. deadline: a paused peer -> TransferTimeout at the deadline, handle failed; the plan fails and its lease
+       ends once the engine let go of every part (Mooncake: after the peer resumes).
+    3. release while pending -> plan aborted (once the engine let go), lease released; release is idempotent.
     4. peer backend closed (process alive) -> TransferError (not a timeout), plan failed.
     5. F12: peer killed mid-transfer -> TransferError within the deadline, plan failed.
     """
@@ -722,7 +879,8 @@ def test_failure_paths_with_a_second_process(name, backend_workers, backend_fact
     assert w.run(W + "kv_arena_bytes") == want
     assert w.run(W + "kv_finish_half", "f-1") == 0
 
-    # 2. deadline on a stalled peer
+    # 2. deadline on a stalled peer: the handle fails on time; the plan and its lease end once the engine lets go
+    #    of every part (at once where the engine could cancel; Note [Deadlines and in-flight parts])
     peer = fresh_peer()
     plan = new_plan("f-2")
     w.pause()
@@ -732,26 +890,36 @@ def test_failure_paths_with_a_second_process(name, backend_workers, backend_fact
         with pytest.raises(TransferTimeout):
             a.wait(h, 0.5)
         assert 0.5 <= time.monotonic() - t0 < 5.0
-        assert plan.state == "failed" and isinstance(plan.error, TransferTimeout)
-        assert src_alloc.leases_active() == 0
+        assert h.state == "failed" and isinstance(h.error, TransferTimeout)
+        if name == "mooncake":  # Mooncake cannot cancel: the chunk it was handed is still in the engine
+            assert h.draining
+        assert (plan.state, src_alloc.leases_active()) == (("pending", 1) if h.draining else ("failed", 0))
         a.release(h)
     finally:
         w.resume()
-    assert w.run(W + "kv_finish_half", "f-2", False) == 0
+    assert a.drain(h, DEADLINE_S) and not h.draining
+    assert plan.state == "failed" and isinstance(plan.error, TransferTimeout) and src_alloc.leases_active() == 0
+    assert w.run(W + "kv_finish_half", "f-2", False) == 0  # the receiver lets go after the sender's plan ended
 
-    # 3. release while pending aborts the plan
+    # 3. release while pending aborts the plan (once the engine let go of it)
     peer = fresh_peer()
     plan = new_plan("f-3")
     w.pause()
     try:
         h = a.submit(plan, peer)
+        time.sleep(0.2)
         a.release(h)
         a.release(h)
-        assert plan.state == "aborted" and src_alloc.leases_active() == 0 and h.state == "failed"
+        assert h.state == "failed" and h.released
+        if name == "mooncake":
+            assert h.draining
+        assert (plan.state, src_alloc.leases_active()) == (("pending", 1) if h.draining else ("aborted", 0))
     finally:
         w.resume()
+    assert a.drain(h, DEADLINE_S)
+    assert plan.state == "aborted" and src_alloc.leases_active() == 0
     assert w.run(W + "kv_finish_half", "f-3", False) == 0
-    assert a.stats()["open_handles"] == 0
+    assert a.stats()["open_handles"] == 0 and a.stats()["draining_handles"] == 0
 
     # 4. peer backend closed while its process lives
     plan = new_plan("f-4")

@@ -168,6 +168,21 @@ COMPACTION_MODES = ("eager", "lazy", "off")
 # caller has already checked the dtype and ndim of every array it passes (layout ``A`` indexes by the array's
 # own strides, so any 1-D array is read correctly).
 #
+# Note [Page-level hot path]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``alloc_pages(out=)``, ``free_pages`` and ``release_pages`` call the kernel's direct entry (Note [Direct
+# entry]) from the public method when every argument has the one form the entry was compiled for -- an ``int``
+# ``num_pages``, 1-D arrays whose dtype *is* the canonical native int64 (``type(x) is np.ndarray``; a writeable
+# ``out``), the default owner -- and nothing runs around the kernel: one id owner (``_plain``), no device mirror,
+# no debug checks, no eager compaction, and no active lease. With no active lease ``_tick`` has nothing to
+# reclaim: a lease past its deadline stays in the active table until ``_tick`` takes it out, so the first call
+# after a deadline still sees it and takes the general path (F12). Anything else -- torch ids, other dtypes or
+# dtype objects, ``owner=``, a shortfall's retry -- takes the general path, which validates and converts, then
+# runs the same kernel through the dispatcher: both paths give the same result and the same typed errors.
+# The kernels bound every read and write by the lengths they are given (an ``index`` slot is checked against
+# the table before anything changes, and all slots are read before the first write, so ``index`` may overlap
+# ``out``).
+#
 # Note [Zero-copy tensor inputs]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # Batched id tensors reach the kernels as (address, length) of a validated contiguous CPU int64 tensor, viewed
@@ -658,8 +673,13 @@ def _k_alloc_pages(root, owner, mask, k, vids_a, n_vids, idx_a, n_idx):
         return _E_SHORT
     scr = _mint_bind(meta, h64, h8, owner, mask, k, nlo, nhi)
     if use_idx:
+        # every slot is read before the first write: ``index`` may overlap the table (even be it), and a slot
+        # overwritten by a page id must not steer a later write outside the table (Note [Page-level hot path])
+        slot = _page_scratch(meta, h64, k)
         for j in range(k):
-            vids[idx[j]] = h64[scr + j]
+            slot[j] = idx[j]
+        for j in range(k):
+            vids[slot[j]] = h64[scr + j]
     else:
         for j in range(k):
             vids[j] = h64[scr + j]
@@ -1193,6 +1213,8 @@ def _ids(t: object, name: str) -> torch.Tensor:
         raise InvalidIdError(f"{name}: dtype {t.dtype}; allowed torch.int64")
     if t.dim() != 1:
         raise InvalidIdError(f"{name}: shape {tuple(t.shape)}; allowed a 1-D tensor")
+    if t.layout is not torch.strided or t.is_meta:  # no dense data to read (copying one raises untyped)
+        raise InvalidIdError(f"{name}: layout {t.layout} on {t.device}; allowed a dense (strided) tensor with data")
     if not t.is_cpu or not t.is_contiguous():
         t = t.to("cpu").contiguous()
     return t
@@ -1214,6 +1236,7 @@ def _out(out: object, n: int | None, name: str = "out") -> torch.Tensor:
 
 
 _NP_I64 = np.dtype(np.int64)
+_I64_END = 1 << 63  # the first count an int64 kernel argument cannot hold
 
 
 def _id_arg(t: object, name: str) -> tuple[Any, Any, int]:
@@ -1227,10 +1250,14 @@ def _id_arg(t: object, name: str) -> tuple[Any, Any, int]:
     elif tt is np.ndarray:
         if t.dtype is _NP_I64 and t.ndim == 1:  # type: ignore[attr-defined]
             return t, t, t.shape[0]  # type: ignore[attr-defined]
+        if t.ndim == 1 and t.dtype == _NP_I64:  # type: ignore[attr-defined]
+            # native int64 under another dtype object (unpickled, np.longlong): the kernels get the canonical one
+            v = t.view(_NP_I64)  # type: ignore[attr-defined]
+            return v, v, v.shape[0]
         if t.ndim != 1 or t.dtype.kind not in "iu":  # type: ignore[attr-defined]
             raise InvalidIdError(f"{name}: numpy {t.dtype}, shape {t.shape}; allowed a 1-D int64 "  # type: ignore
                                  f"array")
-        raise InvalidIdError(f"{name}: numpy dtype {t.dtype}; allowed int64")  # type: ignore[attr-defined]
+        raise InvalidIdError(f"{name}: numpy dtype {t.dtype.str}; allowed native int64")  # type: ignore[attr-defined]
     c = _ids(t, name)
     return c, c.data_ptr(), c.numel()
 
@@ -1239,10 +1266,11 @@ def _table_arg(table: object) -> tuple[Any, Any, int]:
     """Validate a block table written through an index: a writeable 1-D int64 numpy array or a contiguous CPU
     ``torch.int64`` tensor, any length; return ``(table, kernel argument, length)``."""
     if type(table) is np.ndarray:
-        if table.dtype is _NP_I64 and table.ndim == 1 and table.flags.writeable:
-            return table, table, table.shape[0]
-        raise InvalidIdError(f"out: numpy {table.dtype}, shape {table.shape}, writeable={table.flags.writeable}; "
-                             f"allowed a writeable 1-D int64 array (the block table index= points into)")
+        if table.dtype == _NP_I64 and table.ndim == 1 and table.flags.writeable:
+            return table, table.view(_NP_I64), table.shape[0]
+        raise InvalidIdError(f"out: numpy {table.dtype.str}, shape {table.shape}, "
+                             f"writeable={table.flags.writeable}; allowed a writeable 1-D native int64 array (the "
+                             f"block table index= points into)")
     res = _out(table, None)
     return res, res.data_ptr(), res.numel()
 
@@ -1251,10 +1279,10 @@ def _out_arg(out: object, n: int) -> tuple[Any, Any]:
     """Validate a preallocated page output of ``n`` int64s (a torch tensor as :func:`_out`, or a writeable 1-D
     int64 numpy array); return ``(out, kernel argument)``."""
     if type(out) is np.ndarray:
-        if out.dtype is _NP_I64 and out.ndim == 1 and out.shape[0] == n and out.flags.writeable:
-            return out, out
-        raise InvalidIdError(f"out: numpy {out.dtype}, shape {out.shape}, writeable={out.flags.writeable}; "
-                             f"allowed a writeable 1-D int64 array of shape ({n},)")
+        if out.dtype == _NP_I64 and out.ndim == 1 and out.shape[0] == n and out.flags.writeable:
+            return out, out.view(_NP_I64)
+        raise InvalidIdError(f"out: numpy {out.dtype.str}, shape {out.shape}, writeable={out.flags.writeable}; "
+                             f"allowed a writeable 1-D native int64 array of shape ({n},)")
     res = _out(out, n)
     return res, res.data_ptr()
 
@@ -1903,25 +1931,28 @@ class MultiEndedAllocator:
         ``BlockPool.get_new_blocks`` does).
 
         Args:
-            num_pages: pages to allocate (``int >= 0``).
+            num_pages: pages to allocate (an ``int`` or numpy integer in ``[0, 2**63)``; not a ``bool``).
             owner: id-owner end (``None``: the only one; ambiguous -> error).
             bind: bound ends to bind too (default: every bound end of the owner; ``[]``: the owner only).
             out: optional preallocated output of ``num_pages`` int64s: a contiguous CPU ``torch.int64`` tensor or
-                a writeable 1-D ``numpy.int64`` array. With ``index``: the flat block table to write into (any
-                length).
-            index: optional ``int64 (num_pages,)`` slots of ``out`` (a torch tensor or numpy array): page ``j`` is
-                written to ``out[index[j]]`` -- straight into a ``req_to_page`` block table, no scatter by the
-                caller. Every slot is checked to lie in ``[0, len(out))`` before anything changes; slots should be
-                distinct (a repeated slot keeps the last page written to it).
+                a writeable 1-D native ``int64`` numpy array (any strides). With ``index``: the flat block table
+                to write into (any length).
+            index: optional ``int64 (num_pages,)`` slots of ``out`` (a 1-D torch tensor or numpy array): page
+                ``j`` is written to ``out[index[j]]`` -- straight into a ``req_to_page`` block table, no scatter by
+                the caller. Every slot is checked to lie in ``[0, len(out))`` before anything changes, and all are
+                read before the first write (``index`` may overlap ``out``); slots should be distinct (a repeated
+                slot keeps the last page written to it).
 
         Returns:
-            ``int64`` CPU tensor ``(num_pages,)`` of virtual pages (ascending, lowest free ids first; ``out`` if
-            given), or ``None`` if any end lacks space (nothing changed; :attr:`last_shortfall` holds each end's
-            deficit).
+            the virtual pages (ascending, lowest free ids first): a new ``int64`` CPU tensor ``(num_pages,)``, or
+            ``out`` itself if given (with ``index``: the whole table, pages at the slots), or ``None`` if any end
+            lacks space or the owner lacks free virtual ids (nothing changed, ``out`` untouched;
+            :attr:`last_shortfall` holds each end's deficit).
 
         Raises:
             UmallocValueError: bad ``num_pages``, owner or bind names. InvalidIdError: a wrong ``out`` or
-            ``index`` (dtype, shape, an index outside ``out``); nothing changes.
+            ``index`` (type, dtype, shape, device, a read-only numpy ``out``, ``index`` without ``out``, an
+            ``index`` length other than ``num_pages``, a slot outside ``out``). Nothing changes on any error.
 
         Complexity: O(num_pages + holes scanned) in one numba kernel; pages per Note [Placement order].
 
@@ -1952,10 +1983,10 @@ class MultiEndedAllocator:
                 return out
         if type(num_pages) is not int:
             if isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer)):
-                raise UmallocValueError(f"num_pages={num_pages!r}: allowed an int >= 0")
+                raise UmallocValueError(f"num_pages={num_pages!r}: allowed an int in [0, 2**63)")
             num_pages = int(num_pages)
-        if num_pages < 0:
-            raise UmallocValueError(f"num_pages={num_pages!r}: allowed an int >= 0")
+        if not 0 <= num_pages < _I64_END:  # the kernels take an int64: a larger count must not reach them
+            raise UmallocValueError(f"num_pages={num_pages!r}: allowed an int in [0, 2**63)")
         if owner is None and bind is None and self._default_owner >= 0:  # the hot path: no call
             o, mask = self._default_owner, self._default_mask
         else:
@@ -2152,8 +2183,9 @@ class MultiEndedAllocator:
         Physical pages pinned by a lease become pending (Note [Pending pages]); the virtual ids are free at once.
 
         Args:
-            vtokens: ``int64 (n,)`` virtual token ids of the owner: a torch tensor, or a 1-D numpy array (Note
-                [Zero-copy tensor inputs]).
+            vtokens: ``int64 (n,)`` virtual token ids of the owner: a 1-D ``torch.int64`` tensor (read in place
+                if contiguous on the CPU, else copied there), or a 1-D native ``int64`` numpy array of any strides
+                (Note [Zero-copy tensor inputs]).
 
         Raises:
             InvalidIdError: bad dtype/shape, id out of range, or in virtual page 0. DoubleFreeError: a page already
@@ -2178,12 +2210,17 @@ class MultiEndedAllocator:
         checks, errors and effects, with ``vpages`` instead of tokens (``token = vpage * page_size + offset``).
 
         Args:
-            vpages: ``int64 (n,)`` live virtual pages of the owner (duplicates merge): a torch tensor, or a 1-D
-                numpy array. With ``index``: the flat block table holding them (any length).
-            index: optional ``int64 (m,)`` slots of ``vpages`` to free (a gather from a ``req_to_page`` block table,
-                no gather by the caller); every slot is checked to lie in ``[0, len(vpages))``.
+            vpages: ``int64 (n,)`` live virtual pages of the owner (duplicates merge), in the forms :meth:`free`
+                takes. With ``index``: the flat block table holding them (any length).
+            owner: id-owner end (``None``: the only one; ambiguous -> error).
+            index: optional ``int64 (m,)`` slots of ``vpages`` to free, same forms (a gather from a
+                ``req_to_page`` block table, no gather by the caller).
 
-        Raises: as :meth:`free`. Nothing changes on any error.
+        Raises:
+            as :meth:`free`; also InvalidIdError for a bad ``index`` (type, dtype, shape) or a slot outside
+            ``[0, len(vpages))``. Nothing changes on any error.
+
+        Complexity: O(n, or m with ``index``, + pages freed) in one numba kernel.
 
         >>> alloc = _doctest_allocator()
         >>> vp = alloc.alloc_pages(3)
@@ -2232,7 +2269,7 @@ class MultiEndedAllocator:
 
         Args:
             end: a bound end (SWA, or a draft bound to the owner).
-            vtokens: ``int64 (n,)`` live virtual token ids of the owner: a torch tensor, or a 1-D numpy array.
+            vtokens: ``int64 (n,)`` live virtual token ids of the owner, in the forms :meth:`free` takes.
             strict: a page already unbound on ``end`` raises (default); ``strict=False`` skips it.
 
         Raises:
@@ -2254,7 +2291,18 @@ class MultiEndedAllocator:
         ``vpages`` (or, with ``index``, for ``vpages[index]``: a gather from the block table, as
         :meth:`free_pages`); the same checks, errors and effects.
 
-        Raises: as :meth:`release_end`. Nothing changes on any error.
+        Args:
+            end: a bound end (SWA, or a draft bound to the owner).
+            vpages: ``int64 (n,)`` live virtual pages of the owner (duplicates merge), in the forms :meth:`free`
+                takes. With ``index``: the flat block table holding them (any length).
+            strict: a page already unbound on ``end`` raises (default); ``strict=False`` skips it.
+            index: optional ``int64 (m,)`` slots of ``vpages`` to release, same forms.
+
+        Raises:
+            as :meth:`release_end`; also InvalidIdError for a bad ``index`` (type, dtype, shape) or a slot outside
+            ``[0, len(vpages))``. Nothing changes on any error.
+
+        Complexity: O(n, or m with ``index``, + pages released) in one numba kernel.
 
         >>> alloc = _doctest_allocator()
         >>> vp = alloc.alloc_pages(2)

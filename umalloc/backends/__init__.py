@@ -11,9 +11,12 @@ Policy:
   ``(N, 3)`` ``uint64`` array of ``(src_addr, dst_addr, nbytes)`` — and returns a :class:`TransferHandle`.
   A plan's leases end exactly once, in the caller's thread, when its handle reaches a terminal state
   (``plan.complete()`` on success, ``plan.fail(exc)`` on failure or deadline, ``plan.abort()`` when a pending
-  handle is released).
+  handle is released) — and never while the engine may still read or write the plan's pages: a handle failed
+  by a deadline or a release while the engine still holds one of its parts is ``draining``, and its plan ends
+  when the engine confirms (Note [Deadlines and in-flight parts] in :mod:`umalloc.backends._base`).
 * Every wait is bounded: ``wait(handle, timeout_s)`` raises :class:`~umalloc.errors.TransferTimeout` at the
-  deadline and :class:`~umalloc.errors.TransferError` for a failed or dead peer, never hangs.
+  deadline and :class:`~umalloc.errors.TransferError` for a failed or dead peer, never hangs;
+  ``drain(handle, timeout_s)`` waits, bounded too, for a draining handle's plan to end.
 * :func:`require_or_skip` is the one place tests decide whether an engine may be skipped: under
   ``UMALLOC_REQUIRE_BACKENDS=1`` (CI) a missing engine fails the test instead.
 """
@@ -66,7 +69,8 @@ class TransferBackend(Protocol):
 
     Lifecycle: ``register`` the arena regions, exchange ``metadata()`` out of band, ``connect`` to the peer's
     metadata, then ``submit`` plans (or ``write_descriptors`` batches) and ``poll`` / ``wait`` / ``release``
-    their handles; ``close`` ends everything. All methods are called from one thread.
+    their handles (``drain`` a failed one whose engine parts may still move bytes); ``close`` ends everything.
+    All methods are called from one thread.
     """
 
     name: str
@@ -81,6 +85,7 @@ class TransferBackend(Protocol):
                           item_bytes: int | None = None) -> TransferHandle: ...
     def poll(self, handle: TransferHandle) -> str: ...
     def wait(self, handle: TransferHandle, timeout_s: float) -> None: ...
+    def drain(self, handle: TransferHandle, timeout_s: float) -> bool: ...
     def release(self, handle: TransferHandle) -> None: ...
     def progress(self) -> None: ...
     def stats(self) -> dict[str, int]: ...

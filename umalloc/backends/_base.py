@@ -22,14 +22,45 @@ Policy:
   :class:`~umalloc.errors.UmallocValueError`) and changes nothing — not even the plan.
 * Engine failures never raise from ``submit``: they fail the handle, and ``poll`` / ``wait`` report them. A
   handle is terminal only when every engine part of it has ended or its deadline passed (F11); then, in the
-  caller's thread, its plan ends exactly once (Note [Plan endings]).
+  caller's thread, its plan ends exactly once (Note [Plan endings]) — but never while a part the engine was
+  handed may still read or write the plan's pages (Note [Deadlines and in-flight parts]).
 
 Note [Plan endings]
 ~~~~~~~~~~~~~~~~~~~
 ``plan.complete()`` when every part is done; ``plan.fail(exc)`` when a part failed, the peer died, or ``wait``'s
 deadline passed (F12: a dead peer releases the held pages); ``plan.abort()`` when a pending handle is released.
 Leases are not thread-safe (umalloc/leases.py), so engine threads (Mooncake's status waiter) only record
-results; the plan is ended by ``poll`` / ``wait`` / ``release`` / ``close`` in the caller's thread.
+results; the plan is ended by ``poll`` / ``wait`` / ``release`` / ``progress`` / ``drain`` / ``close`` in the
+caller's thread.
+
+Note [Deadlines and in-flight parts]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The rule (DESIGN: compaction gating, F11): while a transfer may still read or write a page, the page stays
+leased. ``wait``'s deadline bounds the *caller's wait*, not the engine: no engine here can take back bytes it
+was handed (Mooncake has no cancel; its ``TIMEOUT`` status is the engine's slice-age report about a slice that
+is still in flight; NIXL can refuse to release a request that is still active). Setting the engine's timeout
+below the lease deadline would not help either, since an engine timeout does not mean the engine stopped. So
+the ordering is made correct by construction on the backend side:
+
+* at the deadline (or on ``release`` of a pending handle) the handle is failed at once — ``wait`` raises
+  :class:`~umalloc.errors.TransferTimeout` on time, never hangs — and every part not yet handed to the engine
+  is withdrawn and never posted;
+* if the engine may still be working on a part it was handed (``_engine_in_flight``), the handle is
+  ``draining``: its plan stays pending and keeps its leases; ``poll`` / ``progress`` / ``drain`` end the plan
+  (``fail``, or ``abort`` after a release) in the caller's thread once the engine reports every such part
+  ended (completed or failed). Registration changes that would drop engine memory wait for drains too;
+* an engine thread posts a queued part only while the plan's leases are active and not past their deadline.
+
+::
+
+    submit ── posted ──────────── wait deadline ─────── engine: last part ended
+      |  leases held               | handle failed          | plan.fail(TransferTimeout)
+      |                            | leases still held      | leases released, pages reusable
+
+Lease deadlines set by the plan's builder (``deadline_s``) are the allocator's F12 backstop for a peer that
+never answers; they are reclaimed by the allocator, not by a backend. Choose them longer than any transfer can
+stay in an engine. A receiver learns the outcome from the sender, which should report it once its plan ended
+(``drain``), so the receiver's half is not released while bytes may still land in it.
 """
 
 from __future__ import annotations
@@ -53,6 +84,7 @@ from umalloc.errors import (
     DescriptorBoundsError,
     IncompatiblePeerError,
     InvariantError,
+    LeaseError,
     RegistrationError,
     TransferError,
     TransferTimeout,
@@ -157,6 +189,27 @@ def _located(d: np.ndarray, col: int, starts: np.ndarray, ends: np.ndarray, what
     return idx
 
 
+def plan_leases_gone(plan: object | None) -> str | None:
+    """Why ``plan``'s leases no longer protect its pages (a lease released, expired, or past its deadline), or
+    ``None`` while they do (or for no plan / a plan without leases). Reads lease state only, so an engine thread
+    may call it before it hands a queued part to the engine (Note [Deadlines and in-flight parts]). O(1).
+
+    >>> plan_leases_gone(None) is None
+    True
+    """
+    if plan is None:
+        return None
+    for side in ("src_lease", "dst_lease"):
+        lease = getattr(plan, side, None)
+        if lease is None:
+            continue
+        if not lease.active:
+            return f"the plan's {side} ended ({lease.state})"
+        if getattr(lease, "expired", False):
+            return f"the plan's {side} is past its deadline"
+    return None
+
+
 class BackendBase:
     """Shared implementation of :class:`~umalloc.backends.TransferBackend`; engines override the ``_engine_*``
     hooks. Not thread-safe: call every method from one thread.
@@ -188,6 +241,9 @@ class BackendBase:
         self._local_starts, self._local_ends = region_ranges(())
         self._peers: dict[str, PeerInfo] = {}
         self._handles: dict[int, TransferHandle] = {}
+        #: Failed handles whose engine parts may still touch memory (released or not): their plans end when the
+        #: engine confirms (Note [Deadlines and in-flight parts]).
+        self._draining: dict[int, TransferHandle] = {}
         self._next_id = itertools.count(1)
         self._counts: Counter[str] = Counter()
         self._closed = False
@@ -279,10 +335,10 @@ class BackendBase:
         current = set(self._engine_regions)
         to_remove = sorted(current - target)
         to_add = sorted(target - current)
-        if to_remove and self._num_pending():
+        if to_remove and self._num_busy():
             raise RegistrationError(
                 f"registration change drops or merges {len(to_remove)} engine region(s) while "
-                f"{self._num_pending()} transfer(s) are pending: wait for them first")
+                f"{self._num_busy()} transfer(s) are pending or draining: wait for them first")
         removed: list[tuple[Region, object]] = []
         added: list[Region] = []
         try:
@@ -452,14 +508,19 @@ class BackendBase:
                 peer.
             DescriptorBoundsError: a source range not registered here, or a destination range the peer never
                 registered; nothing was sent and the plan is untouched.
-            LeaseError: a lease the plan holds already ended (``plan.descriptors()`` refuses; F11).
+            LeaseError: a lease the plan holds already ended (``plan.descriptors()`` refuses) or is past its
+                deadline (F11).
         """
         self._check_open()
         state = getattr(plan, "state", "pending")
         if state != "pending":
             raise UmallocValueError(f"submit: plan state={state!r}, allowed 'pending'")
         item_bytes = self._plan_item_bytes(plan)
-        return self.write_descriptors(plan.descriptors(), peer, plan=plan, item_bytes=item_bytes)
+        descriptors = plan.descriptors()
+        gone = plan_leases_gone(plan)
+        if gone is not None:
+            raise LeaseError(f"submit: {gone}; its pages may be reused, nothing may be posted (F11)")
+        return self.write_descriptors(descriptors, peer, plan=plan, item_bytes=item_bytes)
 
     @staticmethod
     def _plan_item_bytes(plan: object) -> int | None:
@@ -502,7 +563,8 @@ class BackendBase:
                            "in its metadata)")
         if item_bytes is not None and (not isinstance(item_bytes, int) or item_bytes <= 0):
             raise UmallocValueError(f"item_bytes={item_bytes!r}: allowed a positive int or None")
-        if plan is not None and any(h.plan is plan and h.state == "pending" for h in self._handles.values()):
+        if plan is not None and any(h.plan is plan and (h.state == "pending" or h.draining)
+                                    for h in (*self._handles.values(), *self._draining.values())):
             raise UmallocValueError("plan is already in flight on this backend (a second handle would outlive "
                                     "its leases, F11): wait for or release its handle first")
         total = int(d[:, 2].sum()) if n else 0
@@ -528,9 +590,12 @@ class BackendBase:
 
     def poll(self, handle: TransferHandle) -> str:
         """Progress and return the handle's state: ``"pending"``, ``"done"`` or ``"failed"``. Non-blocking.
-        Ends the plan when the handle becomes terminal (Note [Plan endings])."""
+        Ends the plan when the handle becomes terminal (Note [Plan endings]), or, for a ``draining`` handle,
+        once the engine confirms its parts ended (Note [Deadlines and in-flight parts])."""
         h = self._own(handle)
         if h.state != "pending":
+            if h.draining:
+                self.progress()
             return h.state
         self.progress()
         pending, err = self._engine_poll(h)
@@ -552,8 +617,11 @@ class BackendBase:
 
         Raises:
             UmallocValueError: ``timeout_s`` not a positive finite number.
-            TransferTimeout: deadline passed; engine parts are cancelled where the engine can, the handle is
-                failed and its plan's leases are released (``plan.fail``).
+            TransferTimeout: deadline passed; parts not yet handed to the engine are withdrawn, engine parts are
+                cancelled where the engine can, and the handle is failed. Its plan fails (releasing the leases)
+                at once if no part can still touch memory, else when the engine confirms that every part ended:
+                until then the handle is ``draining`` and the pages stay leased (Note [Deadlines and in-flight
+                parts]; see :meth:`drain`).
             TransferError: the transfer failed (engine error, dead or closed peer); plan failed.
         """
         h = self._own(handle)
@@ -582,7 +650,9 @@ class BackendBase:
 
     def release(self, handle: TransferHandle) -> None:
         """Free the handle's engine resources. Idempotent. A pending handle is cancelled first (its plan
-        aborted, Note [Plan endings])."""
+        aborted, Note [Plan endings]); if the engine may still be working on one of its parts, the handle keeps
+        draining after release and its plan is aborted (and its engine resources freed) when the engine confirms
+        (Note [Deadlines and in-flight parts])."""
         if handle.released:
             return
         h = self._own(handle)
@@ -592,11 +662,48 @@ class BackendBase:
             finally:
                 self._finish(h, "failed", TransferError(f"{self.name}: transfer {h.handle_id} released while "
                                                         "pending"), abort=True)
+        if h.draining:  # engine resources go when the engine is done with them (_reap_draining)
+            h.released = True
+            self._handles.pop(h.handle_id, None)
+            return
         try:
             self._engine_release(h)
         finally:
             h.released = True
             self._handles.pop(h.handle_id, None)
+
+    def drain(self, handle: TransferHandle, timeout_s: float) -> bool:
+        """Block until a terminal handle is no longer ``draining`` (its plan ended, its leases released) or
+        ``timeout_s`` passed. Returns True when drained (also for a handle that never drained), False if the
+        engine still holds one of its parts. Never raises for the handle's own failure.
+
+        Raises:
+            UmallocValueError: ``timeout_s`` not a positive finite number, a pending handle (``wait`` for it
+                first), or a handle of another backend.
+
+        Complexity: polls the engine until drained or the deadline (sleeps between polls).
+        """
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not (
+                timeout_s > 0 and math.isfinite(timeout_s)):
+            raise UmallocValueError(f"timeout_s={timeout_s!r}: allowed a positive finite number of seconds")
+        if not isinstance(handle, TransferHandle):
+            raise UmallocValueError(f"handle={handle!r}: allowed a TransferHandle")
+        if handle.draining and self._draining.get(handle.handle_id) is not handle:
+            raise UmallocValueError(f"handle {handle.handle_id} does not belong to this {self.name} backend")
+        if not handle.draining:
+            self._own(handle)
+            if handle.state == "pending":
+                raise UmallocValueError(f"drain: handle {handle.handle_id} is pending: wait for it first")
+            return True
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.progress()
+            if not handle.draining:
+                return True
+            now = time.monotonic()
+            if now >= deadline:
+                return False
+            time.sleep(min(self.wait_max_sleep_s * 4, deadline - now))
 
     def _own(self, handle: TransferHandle) -> TransferHandle:
         if not isinstance(handle, TransferHandle):
@@ -619,44 +726,82 @@ class BackendBase:
             self._counts["bytes_done"] += h.total_bytes
         else:
             self._counts["handles_failed"] += 1
+        if state != "done" and self._engine_in_flight(h):  # Note [Deadlines and in-flight parts]
+            h.draining = True
+            h.engine["ending_abort"] = abort
+            self._draining[h.handle_id] = h
+            self._counts["handles_drained_late"] += 1
+            return
+        self._end_plan(h, abort)
+
+    def _end_plan(self, h: TransferHandle, abort: bool) -> None:
         plan = h.plan
         if plan is None:
             return
-        if state == "done":
+        if h.state == "done":
             plan.complete()
         elif abort:
             plan.abort()
         else:
-            plan.fail(error)
+            plan.fail(h.error)
+
+    def _reap_draining(self) -> None:
+        """End the plans of draining handles whose engine parts all ended (caller's thread)."""
+        for hid, h in list(self._draining.items()):
+            if self._engine_in_flight(h):
+                continue
+            del self._draining[hid]
+            h.draining = False
+            try:
+                if h.released:
+                    self._engine_release(h)
+            finally:
+                self._end_plan(h, bool(h.engine.pop("ending_abort", False)))
 
     def _num_pending(self) -> int:
         return sum(1 for h in self._handles.values() if h.state == "pending")
+
+    def _num_busy(self) -> int:
+        """Transfers whose engine parts may touch registered memory: pending plus draining."""
+        return self._num_pending() + len(self._draining)
+
+    def draining_handles(self) -> list[TransferHandle]:
+        """Failed handles (released or not) whose engine parts may still read or write memory; their plans
+        end when the engine confirms (Note [Deadlines and in-flight parts])."""
+        return list(self._draining.values())
 
     def open_handles(self) -> list[TransferHandle]:
         """Handles submitted and not yet released."""
         return list(self._handles.values())
 
     def progress(self) -> None:
-        """Progress every live backend of this kind in this process (NIXL targets need it; no-op elsewhere)."""
+        """Progress every live backend of this kind in this process (NIXL targets need it; no-op elsewhere),
+        then end the plans of this backend's draining handles whose engine parts all ended."""
         for b in list(type(self)._live):
             if not b._closed:
                 b._engine_progress()
+        if self._draining:
+            self._reap_draining()
 
     # ---- observability ---------------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
         """Fixed-schema counters (ints): registered_regions (engine-level), registrations (outstanding
-        caller registrations), open_handles, pending_handles, peers, handles_submitted, handles_done,
-        handles_failed, descriptors_posted, bytes_posted, bytes_done, engine_parts_posted, connects."""
+        caller registrations), open_handles, pending_handles, draining_handles (failed, engine parts maybe still
+        in flight, plan not ended yet), peers, handles_submitted, handles_done, handles_failed,
+        handles_drained_late (failed handles whose plan had to wait for the engine), descriptors_posted,
+        bytes_posted, bytes_done, engine_parts_posted, connects."""
         c = self._counts
         return {
             "registered_regions": len(self._engine_regions),
             "registrations": sum(self._reg_counts.values()),
             "open_handles": len(self._handles),
             "pending_handles": self._num_pending(),
+            "draining_handles": len(self._draining),
             "peers": len(self._peers),
             "handles_submitted": c["handles_submitted"],
             "handles_done": c["handles_done"],
             "handles_failed": c["handles_failed"],
+            "handles_drained_late": c["handles_drained_late"],
             "descriptors_posted": c["descriptors_posted"],
             "bytes_posted": c["bytes_posted"],
             "bytes_done": c["bytes_done"],
@@ -680,11 +825,20 @@ class BackendBase:
                 raise InvariantError(f"handle table entry {hid} inconsistent (released={h.released})")
             if (h.state == "pending") != (h.finished_at is None):
                 raise InvariantError(f"handle {hid}: state {h.state} vs finished_at {h.finished_at}")
+            if h.draining != (hid in self._draining):
+                raise InvariantError(f"handle {hid}: draining={h.draining} but in the draining table: "
+                                     f"{hid in self._draining}")
+        for hid, h in self._draining.items():
+            if h.handle_id != hid or not h.draining or h.state != "failed":
+                raise InvariantError(f"draining handle {hid} inconsistent (state {h.state}, draining={h.draining})")
+            if not h.released and self._handles.get(hid) is not h:
+                raise InvariantError(f"draining handle {hid} is neither released nor open")
         c = self._counts
         if c["handles_done"] + c["handles_failed"] + self._num_pending() != c["handles_submitted"]:
             raise InvariantError("handles submitted != done + failed + pending")
         if self._closed and (self._handles or self._engine_regions or self._peers):
             raise InvariantError("closed backend still holds handles, regions or peers")
+        # (a closed backend may keep draining handles: their engine parts never ended, so their leases stay)
 
     # ---- lifecycle -------------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -694,11 +848,19 @@ class BackendBase:
         Cheaper than ``close`` + a new backend where engines are slow to stop (Mooncake: about 1 s).
 
         Raises:
-            BackendError: the backend is closed.
+            BackendError: the backend is closed, or a released transfer is still in the engine after
+                ``_engine_quiesce``: every handle is released by then, but peers, registrations (the engine may
+                still touch that memory) and the layout stay, and the transfer's plan stays pending.
         """
         self._check_open()
         for h in list(self._handles.values()):
             self.release(h)
+        if self._draining:
+            self._engine_quiesce()
+            self.progress()
+            if self._draining:
+                raise BackendError(f"{self.name}: reset refused: {len(self._draining)} transfer(s) still in the "
+                                   "engine (Note [Deadlines and in-flight parts]); drain them first")
         for p in list(self._peers):
             self.disconnect(p)
         if self._reg_counts or self._engine_regions:
@@ -729,6 +891,9 @@ class BackendBase:
         try:
             for h in list(self._handles.values()):
                 self.release(h)
+            if self._draining:  # let the engine finish what it was handed before memory goes
+                self._engine_quiesce()
+                self.progress()
             for p in list(self._peers.values()):
                 try:
                     self._engine_disconnect(p)
@@ -747,6 +912,8 @@ class BackendBase:
             self._closed = True
             type(self)._live.discard(self)
             self._engine_close()
+            if self._draining:
+                self._reap_draining()
 
     def __enter__(self):
         return self
@@ -788,7 +955,17 @@ class BackendBase:
         raise NotImplementedError
 
     def _engine_cancel(self, h: TransferHandle) -> None:
-        """Cancel pending parts where the engine can (best effort)."""
+        """Cancel pending parts where the engine can (best effort); parts not yet handed to the engine must never
+        be handed to it afterwards."""
+
+    def _engine_in_flight(self, h: TransferHandle) -> int:
+        """Parts of ``h`` the engine may still be reading or writing memory for (after ``_engine_cancel``): a
+        part handed to the engine that it has not reported ended. Conservative default: the parts
+        ``_engine_poll`` still reports pending. Called in the caller's thread."""
+        return self._engine_poll(h)[0]
+
+    def _engine_quiesce(self) -> None:
+        """Give the engine a bounded time to finish the parts it was handed (``close`` / ``reset``)."""
 
     def _engine_release(self, h: TransferHandle) -> None:
         """Free engine resources of a terminal handle."""

@@ -196,6 +196,10 @@ class WorkerContext:
         h = self.handles.pop(handle_id)
         self._b().release(h)
 
+    def cmd_drain(self, handle_id: int, timeout_s: float) -> bool:
+        """``backend.drain`` of a handle posted with ``post`` (and not released yet)."""
+        return self._b().drain(self.handles[handle_id], timeout_s)
+
     def progress(self) -> None:
         if self.backend is not None and self.progress_enabled and not self.backend.closed:
             self.backend.progress()
@@ -491,8 +495,13 @@ def kv_send(ctx: WorkerContext, request_id: str, half: dict, peer: str, vtokens:
             timeout_s: float = 30.0, wait: bool = True) -> dict:
     """Build the sender plan from a receiver half and submit it; with ``wait`` wait for it and release the handle.
 
+    A failed wait is followed by a bounded ``drain`` (up to ``timeout_s`` more), so the outcome is reported only
+    once the sender's plan ended and the receiver may release its half (Note [Deadlines and in-flight parts]);
+    ``"draining": True`` says the engine still held a part when the drain gave up: keep the receiver's half.
+
     Returns:
-        ``{"state", "plan_state", "descriptors", "bytes", "num_parts", "leases_active", "error"}``.
+        ``{"state", "plan_state", "draining", "descriptors", "bytes", "num_parts", "handle_id", "leases_active",
+        "error"}``.
     """
     from umalloc.plan import build_send_plan
 
@@ -505,10 +514,11 @@ def kv_send(ctx: WorkerContext, request_id: str, half: dict, peer: str, vtokens:
             b.wait(h, timeout_s)
         except BackendError as e:
             err = f"{type(e).__name__}: {e}"
+            b.drain(h, timeout_s)
         b.release(h)
     else:
         ctx.handles[h.handle_id] = h
-    return {"state": h.state, "plan_state": plan.state, "descriptors": plan.num_descriptors,
+    return {"state": h.state, "plan_state": plan.state, "draining": h.draining, "descriptors": plan.num_descriptors,
             "bytes": plan.total_bytes, "num_parts": h.num_parts, "handle_id": h.handle_id,
             "leases_active": ctx.objects["alloc"].leases_active(), "error": err}
 

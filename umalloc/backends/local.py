@@ -130,6 +130,10 @@ class LocalBackend(BackendBase):
     def _engine_poll(self, h: TransferHandle) -> tuple[int, BaseException | None]:
         return 0, None
 
+    def _engine_in_flight(self, h: TransferHandle) -> int:
+        """Copies end inside ``submit``: nothing is ever in flight afterwards."""
+        return 0
+
     def _on_reset(self, old_peer_id: str) -> None:
         _BY_PEER_ID.pop(old_peer_id, None)
         _BY_PEER_ID[self._peer_id] = self

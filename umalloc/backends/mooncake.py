@@ -9,20 +9,42 @@ Policy:
   and the first transfer does not pay the handshake.
 * Descriptors are posted in chunks of at most ``max_batch_descriptors`` (2048: the engine's default limit of
   queued transfers per peer; a larger batch, or two batches in flight together, fails) — Note [Mooncake chunks].
-* A chunk's status is queried exactly ONCE (``get_batch_transfer_status`` blocks until the batch ends and frees
-  its id; a second query of the same id is a use-after-free that crashed the process when tried).
+* Every descriptor is posted as its own transfer id (``transfer_submit_write``) and polled with
+  ``transfer_check_status`` until the engine reports it ended (COMPLETED or FAILED, which free the id) and never
+  after: a second query of a freed id is a use-after-free that crashed the process when tried.
 * Engine threads only record results; the handle and its plan end in the caller's thread (``poll``/``wait``).
+* A plan's leases outlive every descriptor the engine was handed (Note [Mooncake deadlines]).
 
 Note [Mooncake chunks]
 ~~~~~~~~~~~~~~~~~~~~~~
 The per-peer limit counts every descriptor in flight to that peer, across batches and handles. So each peer gets
-one sender thread that takes chunks in submit order: post a chunk (``batch_transfer_async_write``), block on its
-status (the call releases the GIL), record the result, take the next. A chunk of a handle that already failed or
-was cancelled is skipped (never posted). A transfer to a peer that stops answering ends by the engine's own
-timeout (``MC_TRANSFER_TIMEOUT``, default 30 s); ``wait``'s deadline fails the handle earlier and releases the
-plan's leases (F12), and the engine's batch drains in the background. When a chunk fails and the peer does not
-answer a probe, every later chunk to it fails without being posted (a post to a dead peer costs about a second,
-so queued handles would otherwise fail one after another) until ``connect`` reaches it again.
+one sender thread that takes chunks in submit order: post a chunk, poll its ids until each ended (the calls
+release the GIL), record the result, take the next. A chunk of a handle that already failed or was cancelled is
+skipped (never posted), and so is a chunk whose plan's leases ended or passed their deadline while it was queued.
+When a chunk fails and the peer does not answer a probe, every later chunk to it fails without being posted (a
+post to a dead peer costs about a second, so queued handles would otherwise fail one after another) until
+``connect`` reaches it again.
+
+Note [Mooncake deadlines]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+Mooncake cannot cancel a transfer it was handed, and its timeouts do not end one. In the engine's source,
+``transfer_check_status`` answers TIMEOUT (-2) from a slice-age check while the slice is still in flight (the id
+is kept), and the spinning ``get_batch_transfer_status`` frees the batch's ids at its own timeout
+(``MC_TRANSFER_TIMEOUT`` plus one second per GiB) or at the first failed task while other slices are still moving.
+Seen here (0.3.13, TCP, ``MC_TRANSFER_TIMEOUT=5``): descriptors to a paused peer stayed WAITING for 8 s, and every
+byte landed when the peer resumed. None of this tells when the engine stopped reading the source pages or writing
+the destination, so an engine timeout shorter than the lease deadline would prove nothing; umalloc takes the other
+design (Note [Deadlines and in-flight parts] in :mod:`umalloc.backends._base`):
+
+* only COMPLETED (1) and FAILED (-1) end a descriptor; TIMEOUT keeps it in flight and it is polled on; the
+  spinning batch call is not used at all;
+* a chunk is *in flight* from the moment the sender thread takes it (under the handle's lock, after checking
+  that the handle is not cancelled or failed and that the plan's leases still hold) until every id it posted
+  ended; ``_engine_in_flight`` counts such chunks;
+* ``wait``'s deadline and ``release`` mark the handle cancelled (its queued chunks are never posted) and fail
+  it at once, but its plan — and so its leases — ends only when no chunk of it is in flight any more. A chunk
+  stuck on a peer that never answers keeps its pages leased until the engine gives it up or the lease's own
+  deadline (the allocator's F12 backstop) reclaims them.
 
 Note [Mooncake status without spinning]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -31,9 +53,8 @@ small host that core is taken from the TCP threads of both ends. ``transfer_subm
 ``transfer_check_status`` (one descriptor per id, non-blocking) let the sender thread sleep between rounds
 instead. Measured here (two processes on a loaded 2-core host): 64 MiB in a few large descriptors moved about 2.1 GB/s
 polled against 1.0-1.3 GB/s with the spinning batch call; 256 MiB as 2058 runs of 32 pages (4 KiB) moved
-1.1-1.5 GB/s polled against 0.5-1.1 GB/s; page-sized descriptors move about 0.2 GB/s either way. So every
-chunk up to ``poll_max_descriptors`` (default: the whole 2048-descriptor chunk) is polled; the batch call
-remains for larger chunks (engines whose per-peer limits were raised).
+1.1-1.5 GB/s polled against 0.5-1.1 GB/s; page-sized descriptors move about 0.2 GB/s either way. Polling is
+also the only way to learn when each descriptor ended (Note [Mooncake deadlines]), so every chunk is polled.
 """
 
 from __future__ import annotations
@@ -45,7 +66,7 @@ import time
 
 import numpy as np
 
-from umalloc.backends._base import BackendBase, PeerInfo
+from umalloc.backends._base import BackendBase, PeerInfo, plan_leases_gone
 from umalloc.backends._handle import TransferHandle
 from umalloc.errors import (
     BackendError,
@@ -66,20 +87,18 @@ except (ImportError, OSError) as _e:  # pragma: no cover - depends on the instal
 
 #: Default chunk size (descriptors in flight per peer), Note [Mooncake chunks].
 MAX_BATCH_DESCRIPTORS = 2048
-#: Chunks of at most this many descriptors are posted one descriptor per id and polled without spinning
-#: (Note [Mooncake status without spinning]).
-POLL_MAX_DESCRIPTORS = 2048
 
 _STOP = object()
+#: Result of a chunk the sender thread has taken and not finished: the engine may be touching its memory.
+IN_FLIGHT = "in_flight"
 
 
 class _PeerSender:
     """One thread per peer posting chunks in order (Note [Mooncake chunks])."""
 
-    def __init__(self, engine: object, peer: str, poll_max_descriptors: int) -> None:
+    def __init__(self, engine: object, peer: str) -> None:
         self.engine = engine
         self.peer = peer
-        self.poll_max_descriptors = poll_max_descriptors
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         #: Why the peer is known unreachable (set by this thread when a failed chunk's probe fails, cleared by a
         #: successful ``connect``), else ``None``: later chunks then fail without being posted.
@@ -93,54 +112,42 @@ class _PeerSender:
             if job is _STOP:
                 return
             state, i, src, dst, lengths = job
-            with state["lock"]:
-                skip = state["cancelled"] or state["failed"]
-                if skip:
+            with state["lock"]:  # Note [Mooncake deadlines]: decide and claim under the handle's lock
+                if state["cancelled"] or state["failed"]:
                     state["results"][i] = "skipped"
-            if skip:
-                continue
-            if self.unreachable is not None:
-                res: object = TransferError(f"mooncake: {len(src)} descriptors to {self.peer!r} not posted: "
-                                            f"{self.unreachable}")
-            else:
-                res = self._post(src, dst, lengths)
+                    continue
+                try:
+                    why = plan_leases_gone(state["plan"])
+                except Exception as e:  # a lease that cannot be read cannot be trusted: do not post
+                    why = f"the plan's leases could not be checked ({type(e).__name__}: {e})"
+                if why is None and self.unreachable is not None:
+                    why = self.unreachable
+                if why is not None:
+                    state["results"][i] = TransferError(f"mooncake: {len(src)} descriptors to {self.peer!r} not "
+                                                        f"posted: {why}")
+                    state["failed"] = True
+                    continue
+                state["results"][i] = IN_FLIGHT
+            res = self._post(src, dst, lengths)
             with state["lock"]:
                 state["results"][i] = res
                 if res != "done":
                     state["failed"] = True
 
     def _post(self, src: list[int], dst: list[int], lengths: list[int]) -> object:
-        try:
-            if len(src) <= self.poll_max_descriptors:
-                return self._post_polled(src, dst, lengths)
-            return self._post_batch(src, dst, lengths)
-        except Exception as e:  # pragma: no cover - engine raised instead of returning a code
-            return TransferError(f"mooncake: transfer to {self.peer!r} raised {type(e).__name__}: {e}")
-
-    def _post_batch(self, src: list[int], dst: list[int], lengths: list[int]) -> object:
-        """One batch; its status call blocks (spinning in the engine) until the batch ends. Queried once."""
-        eng = self.engine
-        bid = eng.batch_transfer_async_write(self.peer, src, dst, lengths)
-        if bid is None or bid <= 0:
-            return TransferError(f"mooncake: posting {len(src)} descriptors to {self.peer!r} failed (batch id {bid})")
-        rc = eng.get_batch_transfer_status([bid])  # exactly once per id: it frees the id
-        if rc == 0:
-            return "done"
-        return TransferError(f"mooncake: batch of {len(src)} descriptors to {self.peer!r} failed (status {rc}); "
-                             f"{self._why()}")
-
-    def _post_polled(self, src: list[int], dst: list[int], lengths: list[int]) -> object:
-        """One single-descriptor batch per descriptor, checked without spinning (sleeps between rounds).
-
-        Each id is checked until it is terminal and never after: COMPLETED (1) and FAILED (-1) free the id;
-        TIMEOUT (-2) is terminal here (the engine keeps that id). Ids already posted are always drained, even
-        after a failure, so no part of the chunk is still in flight when the chunk reports (F11).
-        """
+        """One transfer id per descriptor, each polled without spinning (sleeps between rounds) until the engine
+        reports it ended, and never after: COMPLETED (1) and FAILED (-1) end an id and free it; TIMEOUT (-2)
+        does not (the slice is still in flight, Note [Mooncake deadlines]), nor does WAITING (0). Ids already
+        posted are always drained, even after a failure, so no part of the chunk is still in flight when the
+        chunk reports (F11)."""
         eng = self.engine
         pending: list[int] = []
         failed: list[int] = []
         for s, d, n in zip(src, dst, lengths, strict=True):
-            bid = eng.transfer_submit_write(self.peer, s, d, n)
+            try:
+                bid = eng.transfer_submit_write(self.peer, s, d, n)
+            except Exception:  # pragma: no cover - the engine returns codes; nothing was posted for this one
+                bid = None
             if bid is None or bid <= 0:
                 failed.append(-100)
                 break
@@ -150,10 +157,12 @@ class _PeerSender:
             keep = []
             for bid in pending:
                 st = eng.transfer_check_status(bid)
-                if st == 0:
-                    keep.append(bid)
-                elif st != 1:
+                if st == 1:
+                    continue
+                if st == -1:
                     failed.append(st)
+                else:  # 0 (waiting) or -2 (TIMEOUT: older than MC_TRANSFER_TIMEOUT, still in flight)
+                    keep.append(bid)
             pending = keep
             if pending:
                 time.sleep(nap)
@@ -190,9 +199,8 @@ class MooncakeBackend(BackendBase):
         protocol: ``"tcp"`` (CPU machines) or ``"rdma"``.
         max_batch_descriptors: chunk size (1..2048 unless the engine's per-peer limits were raised through
             ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` before the engine started).
-        poll_max_descriptors: chunks up to this size are polled without spinning, larger ones wait in the
-            engine's (spinning) batch status call (Note [Mooncake status without spinning]).
-        close_timeout_s: how long :meth:`close` waits for peer sender threads to drain.
+        close_timeout_s: how long :meth:`close` / ``reset`` / ``disconnect`` wait for a peer's sender thread to
+            finish the chunk the engine is working on (Note [Mooncake deadlines]).
 
     Raises:
         BackendUnavailable: the engine does not initialise.
@@ -201,14 +209,12 @@ class MooncakeBackend(BackendBase):
     name = "mooncake"
 
     def __init__(self, *, layout: object | None = None, host: str = "127.0.0.1", protocol: str = "tcp",
-                 max_batch_descriptors: int = MAX_BATCH_DESCRIPTORS, poll_max_descriptors: int = POLL_MAX_DESCRIPTORS,
-                 close_timeout_s: float = 5.0) -> None:
+                 max_batch_descriptors: int = MAX_BATCH_DESCRIPTORS, close_timeout_s: float = 5.0) -> None:
         if isinstance(max_batch_descriptors, bool) or not isinstance(max_batch_descriptors, int) or \
                 max_batch_descriptors < 1:
             raise UmallocValueError(f"max_batch_descriptors={max_batch_descriptors!r}: allowed an int >= 1")
         super().__init__(layout=layout, host=host)
         self.max_batch_descriptors = max_batch_descriptors
-        self.poll_max_descriptors = int(poll_max_descriptors)
         self.close_timeout_s = float(close_timeout_s)
         self._engine = _mc_engine.TransferEngine()
         rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, "")
@@ -251,7 +257,7 @@ class MooncakeBackend(BackendBase):
         if md.get("regions"):  # open the segment now (handshake); raises nothing, returns its first buffer
             self._engine.get_first_buffer_address(session)
         if session not in self._senders:
-            self._senders[session] = _PeerSender(self._engine, session, self.poll_max_descriptors)
+            self._senders[session] = _PeerSender(self._engine, session)
         self._senders[session].unreachable = None  # it answered the probe above
         return session
 
@@ -269,7 +275,8 @@ class MooncakeBackend(BackendBase):
         n = d.shape[0]
         step = self.max_batch_descriptors
         chunks = [(i, min(i + step, n)) for i in range(0, n, step)]
-        state = {"lock": threading.Lock(), "results": [None] * len(chunks), "cancelled": False, "failed": False}
+        state = {"lock": threading.Lock(), "results": [None] * len(chunks), "cancelled": False, "failed": False,
+                 "plan": h.plan}
         h.engine["state"] = state
         h.num_parts = len(chunks)
         src, dst, lengths = d[:, 0].tolist(), d[:, 1].tolist(), d[:, 2].tolist()
@@ -284,7 +291,7 @@ class MooncakeBackend(BackendBase):
         err = None
         with state["lock"]:
             for res in state["results"]:
-                if res is None:
+                if res is None or res is IN_FLIGHT:
                     pending += 1
                 elif isinstance(res, BaseException) and err is None:
                     err = res
@@ -294,7 +301,27 @@ class MooncakeBackend(BackendBase):
         state = h.engine.get("state")
         if state is not None:
             with state["lock"]:
-                state["cancelled"] = True
+                state["cancelled"] = True  # queued chunks are skipped from now on, never posted
+
+    def _engine_in_flight(self, h: TransferHandle) -> int:
+        """Chunks the sender thread has taken and not finished, plus queued chunks that may still be taken
+        (none once the handle is cancelled or failed). Note [Mooncake deadlines]."""
+        state = h.engine.get("state")
+        if state is None:
+            return 0
+        with state["lock"]:
+            results = state["results"]
+            taken = sum(1 for r in results if r is IN_FLIGHT)
+            if state["cancelled"] or state["failed"]:
+                return taken
+            return taken + sum(1 for r in results if r is None)
+
+    def _engine_quiesce(self) -> None:
+        """Stop every sender thread: each finishes the chunk it is working on (bounded by ``close_timeout_s``)
+        and skips the cancelled ones queued behind it."""
+        for session in list(self._senders):
+            sender = self._senders.pop(session)
+            sender.stop(self.close_timeout_s)
 
     def _engine_close(self) -> None:
         for sender in self._senders.values():

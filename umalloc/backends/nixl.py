@@ -21,6 +21,8 @@ Policy:
 * Engine errors (``nixlRemoteDisconnectError`` from a dead peer, ``ERR`` states, refused requests) fail the
   handle with :class:`~umalloc.errors.TransferError`; cancelling releases the request (NIXL aborts it) and keeps
   a request that cannot be released yet for a later retry, so the agent never leaks it.
+* A request NIXL refused to release is still active: its handle stays ``draining`` and its plan keeps its
+  leases until a retried release succeeds (Note [NIXL cancel and leases]).
 
 Note [UCX modules on loopback]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -48,6 +50,17 @@ here). umalloc therefore adds a small handshake on NIXL's own notification chann
   peer's open/closed state is read directly.
 
 Notifications are drained with ``get_new_notifs`` (``update_notifs`` keeps every message forever).
+
+Note [NIXL cancel and leases]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+At ``wait``'s deadline or a release, a pending request is released: NIXL checks it once more and, if it is
+still in progress, asks the UCX backend to cancel it; a release that succeeds means NIXL no longer runs the
+request. A release that fails (``NIXL_ERR_REPOST_ACTIVE``: the request is still active) leaves a *zombie*,
+retried on every :meth:`~umalloc.backends._base.BackendBase.progress`; the zombie counts as in flight
+(``_engine_in_flight``), so its handle drains and its plan ends only once the retried release succeeds (Note
+[Deadlines and in-flight parts] in :mod:`umalloc.backends._base`). Closing the backend ends the agent and with it
+every zombie. What UCX had already put on the wire before the cancel is beyond any sender's reach; a receiver
+keeps its half leased until the sender reports its plan ended.
 
 Note [NIXL post mode]
 ~~~~~~~~~~~~~~~~~~~~~
@@ -135,7 +148,7 @@ class NixlBackend(BackendBase):
             self._closed = True
             raise BackendUnavailable(f"nixl: UCX plugin not available (plugins: {self._agent.get_plugin_list()})")
         self._prepped: dict[tuple, tuple] = {}
-        self._zombies: list = []  # requests whose release must be retried
+        self._zombies: list[dict] = []  # parts whose request NIXL refused to release: retried (Note [NIXL cancel ...])
         self._senders: set[str] = set()  # agents that said hello to us (we are their target)
         self._acked: set[str] = set()  # targets that answered our hello
         self._gone: set[str] = set()  # targets that said bye
@@ -363,8 +376,15 @@ class NixlBackend(BackendBase):
             return
         try:
             xh.release()
-        except Exception:  # NIXL started an abort; retry later so the agent does not leak the request
-            self._zombies.append(xh)
+        except Exception:  # still active in NIXL: retry later (the agent must not leak it) and keep it in flight
+            part["zombie"] = xh
+            self._zombies.append(part)
+
+    def _engine_in_flight(self, h: TransferHandle) -> int:
+        """Parts NIXL may still be running: pending requests not released yet, and zombies (Note [NIXL cancel
+        and leases])."""
+        return sum(1 for part in h.engine.get("parts", ())
+                   if "zombie" in part or (part["state"] == "pending" and "xh" in part))
 
     def _engine_release(self, h: TransferHandle) -> None:
         for part in h.engine.get("parts", ()):
@@ -382,11 +402,13 @@ class NixlBackend(BackendBase):
                 self._on_notif(sender, bytes(msg))
         if self._zombies:
             keep = []
-            for xh in self._zombies:
+            for part in self._zombies:
                 try:
-                    xh.release()
+                    part["zombie"].release()
                 except Exception:
-                    keep.append(xh)
+                    keep.append(part)
+                else:
+                    del part["zombie"]
             self._zombies = keep
 
     def _on_notif(self, sender: str, msg: bytes) -> None:
@@ -429,6 +451,8 @@ class NixlBackend(BackendBase):
     def _engine_close(self) -> None:
         self._drop_prepped(lambda key: True)
         self._say_bye()
+        for part in self._zombies:  # the agent ends below, and every request with it
+            part.pop("zombie", None)
         self._zombies.clear()
         _AGENTS.pop(self.agent_name, None)
         agent = getattr(self, "_agent", None)
