@@ -107,9 +107,15 @@ def child_finish(ctx, request_id: int, timeout_s: float) -> dict:
     plan, handle, vt = ctx.objects["replay_inflight"].pop(request_id)
     alloc = ctx.objects["replay_alloc"]
     b = ctx._b()
+    done = False
     try:
         b.wait(handle, timeout_s)
+        done = True
     finally:
+        if not done and handle.state != "pending":
+            # the engine may still write into the receiver's pages: report the failure (after which the parent
+            # releases the receiver's half) only once it let go (Note [Deadlines and in-flight parts])
+            b.drain(handle, timeout_s)
         b.release(handle)
         t0 = time.perf_counter()
         alloc.free(vt)
