@@ -162,9 +162,10 @@ COMPACTION_MODES = ("eager", "lazy", "off")
 #
 # Note [Direct entry]
 # ~~~~~~~~~~~~~~~~~~~
-# The page-level hot path (Note [Page-level hot path]) calls the compiled entry point of a kernel for one fixed
-# signature (ints, and 1-D int64 numpy arrays of any layout) instead of the numba dispatcher, which spends
-# 150-250 ns per call typing the arguments and picking the overload. The entry point does not check types: the
+# The page-level hot path (Note [Page-level hot path]) and the token-level calls on validated torch tensors
+# (passed by address) call the compiled entry point of a kernel for one fixed signature (ints, bools, and 1-D
+# int64 numpy arrays of any layout) instead of the numba dispatcher, which spends 150-250 ns per call typing the
+# arguments and picking the overload. The entry point does not check types: the
 # caller has already checked the dtype and ndim of every array it passes (layout ``A`` indexes by the array's
 # own strides, so any 1-D array is read correctly).
 #
@@ -1050,6 +1051,11 @@ class _Entries:
         self.free = _k_free.compile((i, i, ids, i, b, ids, i))
         self.release = _k_release.compile((i, i, ids, i, b, b, ids, i))
         self.alloc_pages = _k_alloc_pages.compile((i, i, i, i, ids, i, ids, i))
+        # the token-level calls pass validated torch tensors by address: every argument an int (or a bool)
+        self.decode = _k_decode.compile((i,) * 7)
+        self.extend = _k_extend.compile((i,) * 9)
+        self.free_addr = _k_free.compile((i, i, i, i, b, i, i))
+        self.release_addr = _k_release.compile((i, i, i, i, b, b, i, i))
 
 
 _entries: _Entries | None = None
@@ -2075,7 +2081,7 @@ class MultiEndedAllocator:
             self._tick()
         args = (self._root_a, o, mask, prefix_lens.data_ptr(), seq_lens.data_ptr(),
                 last_loc.data_ptr(), B, out_a, n_out)
-        res = _k_extend(*args)
+        res = self._hot.extend(*args)
         if self._err[0] != _OK:
             res = self._retry(_k_extend, args, mask, "alloc_extend")
             if res is None:
@@ -2127,7 +2133,7 @@ class MultiEndedAllocator:
             self._tick()
         args = (self._root_a, o, mask, seq_lens.data_ptr(), last_loc.data_ptr(), B,
                 res.data_ptr())
-        if _k_decode(*args) != _OK and self._retry(_k_decode, args, mask, "alloc_decode") is None:
+        if self._hot.decode(*args) != _OK and self._retry(_k_decode, args, mask, "alloc_decode") is None:
             return None
         if self._sync:
             self._after(o, int(self._err[1]))
@@ -2254,7 +2260,10 @@ class MultiEndedAllocator:
         keep_idx, idx_arg, n_idx = (None, 0, -1) if index is None else _id_arg(index, "index")
         if self._active_leases:
             self._tick()
-        n = _k_free(self._root_a, o, arg, n_ids, pages, idx_arg, n_idx)
+        if type(arg) is int and type(idx_arg) is int:  # torch ids by address: Note [Direct entry]
+            n = self._hot.free_addr(self._root_a, o, arg, n_ids, pages, idx_arg, n_idx)
+        else:
+            n = _k_free(self._root_a, o, arg, n_ids, pages, idx_arg, n_idx)
         del keep, keep_idx
         if n < 0:
             self._raise(where, pages=pages)
@@ -2336,7 +2345,10 @@ class MultiEndedAllocator:
         keep_idx, idx_arg, n_idx = (None, 0, -1) if index is None else _id_arg(index, "index")
         if self._active_leases:
             self._tick()
-        n = _k_release(self._root_a, b, arg, n_ids, strict is not False, pages, idx_arg, n_idx)
+        if type(arg) is int and type(idx_arg) is int:  # torch ids by address: Note [Direct entry]
+            n = self._hot.release_addr(self._root_a, b, arg, n_ids, strict is not False, pages, idx_arg, n_idx)
+        else:
+            n = _k_release(self._root_a, b, arg, n_ids, strict is not False, pages, idx_arg, n_idx)
         del keep, keep_idx
         if n < 0:
             self._raise(where, pages=pages)
