@@ -19,7 +19,12 @@ Policy:
 * Descriptors are checked before anything is sent: shape ``(N, 3)``, non-negative integers, ``nbytes > 0``,
   every source range inside one locally registered region and every destination range inside one region the
   peer registered (from its metadata). A bad batch raises :class:`~umalloc.errors.DescriptorBoundsError` (or
-  :class:`~umalloc.errors.UmallocValueError`) and changes nothing — not even the plan.
+  :class:`~umalloc.errors.UmallocValueError`) and changes nothing — not even the plan. A plan (``submit`` or
+  ``write_descriptors(plan=...)``) must be pending with its leases active and not past their deadline, and may be
+  in flight on one handle at a time across every backend of the process (pending or draining): a second handle
+  would outlive the leases the first one's ending releases (F11).
+* Handles belong to the backend that made them: ``poll`` / ``wait`` / ``release`` / ``drain`` refuse another
+  backend's handle, released or not.
 * Engine failures never raise from ``submit``: they fail the handle, and ``poll`` / ``wait`` report them. A
   handle is terminal only when every engine part of it has ended or its deadline passed (F11); then, in the
   caller's thread, its plan ends exactly once (Note [Plan endings]) — but never while a part the engine was
@@ -97,6 +102,12 @@ METADATA_FORMAT = "umalloc-backend-md/1"
 
 #: Loopback host every backend binds to by default.
 LOOPBACK = "127.0.0.1"
+
+#: The handle each plan is in flight on (pending, or draining: its plan not ended yet), across every backend of
+#: this process, by ``id(plan)`` (the handle keeps the plan alive, so the id is not reused meanwhile). A plan is in
+#: flight on one handle at a time (F11: a second handle, on this backend or another, would outlive the leases
+#: that the first one's ending releases). Touched only in callers' threads.
+_PLANS_IN_FLIGHT: dict[int, TransferHandle] = {}
 
 
 @dataclass(frozen=True)
@@ -244,6 +255,8 @@ class BackendBase:
         #: Failed handles whose engine parts may still touch memory (released or not): their plans end when the
         #: engine confirms (Note [Deadlines and in-flight parts]).
         self._draining: dict[int, TransferHandle] = {}
+        #: Every handle this backend made (released ones too): the others are refused, even once released.
+        self._made: weakref.WeakSet[TransferHandle] = weakref.WeakSet()
         self._next_id = itertools.count(1)
         self._counts: Counter[str] = Counter()
         self._closed = False
@@ -504,23 +517,32 @@ class BackendBase:
             peer: a name returned by :meth:`connect`.
 
         Raises:
-            UmallocValueError: the plan is not pending or already in flight on this backend (F11), or unknown
-                peer.
+            UmallocValueError: the plan is not pending, or already in flight (pending or draining) on this or
+                any other backend of this process (F11), or unknown peer.
             DescriptorBoundsError: a source range not registered here, or a destination range the peer never
                 registered; nothing was sent and the plan is untouched.
             LeaseError: a lease the plan holds already ended (``plan.descriptors()`` refuses) or is past its
                 deadline (F11).
         """
         self._check_open()
-        state = getattr(plan, "state", "pending")
-        if state != "pending":
-            raise UmallocValueError(f"submit: plan state={state!r}, allowed 'pending'")
+        if not callable(getattr(plan, "descriptors", None)):
+            raise UmallocValueError(f"submit: plan={type(plan).__name__}: allowed a TransferPlan (an object with "
+                                    "descriptors(), complete(), fail(exc) and abort())")
+        self._check_plan(plan, "submit")
         item_bytes = self._plan_item_bytes(plan)
         descriptors = plan.descriptors()
+        return self.write_descriptors(descriptors, peer, plan=plan, item_bytes=item_bytes)
+
+    @staticmethod
+    def _check_plan(plan: object, what: str) -> None:
+        """Refuse a plan that is not pending (UmallocValueError) or whose leases no longer protect its pages
+        (LeaseError): nothing may be posted for it (F11)."""
+        state = getattr(plan, "state", "pending")
+        if state != "pending":
+            raise UmallocValueError(f"{what}: plan state={state!r}, allowed 'pending'")
         gone = plan_leases_gone(plan)
         if gone is not None:
-            raise LeaseError(f"submit: {gone}; its pages may be reused, nothing may be posted (F11)")
-        return self.write_descriptors(descriptors, peer, plan=plan, item_bytes=item_bytes)
+            raise LeaseError(f"{what}: {gone}; its pages may be reused, nothing may be posted (F11)")
 
     @staticmethod
     def _plan_item_bytes(plan: object) -> int | None:
@@ -542,12 +564,15 @@ class BackendBase:
         Args:
             descriptors: ``(N, 3)`` uint64 (see :func:`as_descriptors`); sources local, destinations the peer's.
             peer: a connected peer name.
-            plan: ended with the handle (Note [Plan endings]), or ``None``.
+            plan: ended with the handle (Note [Plan endings]), or ``None``; it must be pending, its leases active
+                and not past their deadline, and not in flight on another handle.
             item_bytes: page size in bytes the descriptors are made of (a hint engines may use to post
                 per-page prepared lists); ``None`` when unknown.
 
         Raises:
-            UmallocValueError / DescriptorBoundsError: bad batch or unknown peer; nothing sent.
+            UmallocValueError / DescriptorBoundsError: bad batch, unknown peer, ``plan`` not pending, or ``plan``
+                already in flight on a handle of any backend of this process (F11); nothing sent.
+            LeaseError: a lease of ``plan`` ended or is past its deadline (F11); nothing sent.
 
         Complexity: O(N log R) checks plus the engine's post.
         """
@@ -561,16 +586,26 @@ class BackendBase:
         dst_idx = _located(d, 1, info.starts, info.ends,
                            f"destination was never registered by peer {peer!r} ({len(info.regions)} region(s) "
                            "in its metadata)")
-        if item_bytes is not None and (not isinstance(item_bytes, int) or item_bytes <= 0):
+        if item_bytes is not None and (isinstance(item_bytes, bool) or not isinstance(item_bytes, int)
+                                       or item_bytes <= 0):
             raise UmallocValueError(f"item_bytes={item_bytes!r}: allowed a positive int or None")
-        if plan is not None and any(h.plan is plan and (h.state == "pending" or h.draining)
-                                    for h in (*self._handles.values(), *self._draining.values())):
-            raise UmallocValueError("plan is already in flight on this backend (a second handle would outlive "
-                                    "its leases, F11): wait for or release its handle first")
+        if plan is not None:
+            self._check_plan(plan, "write_descriptors")
+            other = _PLANS_IN_FLIGHT.get(id(plan))
+            if other is not None and other.plan is plan:
+                mine = self._handles.get(other.handle_id) is other or self._draining.get(other.handle_id) is other
+                where = "this" if mine else f"another {other.backend}"
+                raise UmallocValueError(
+                    f"plan is already in flight on {where} backend (handle {other.handle_id}, "
+                    f"{'draining' if other.draining else other.state}): a second handle would outlive its leases "
+                    "(F11); wait for, release or drain that handle first")
         total = int(d[:, 2].sum()) if n else 0
         h = TransferHandle(handle_id=next(self._next_id), backend=self.name, peer=peer, num_descriptors=n,
                            total_bytes=total, submitted_at=time.monotonic(), plan=plan)
         self._handles[h.handle_id] = h
+        self._made.add(h)
+        if plan is not None:
+            _PLANS_IN_FLIGHT[id(plan)] = h
         self._counts["handles_submitted"] += 1
         self._counts["descriptors_posted"] += n
         self._counts["bytes_posted"] += total
@@ -652,10 +687,14 @@ class BackendBase:
         """Free the handle's engine resources. Idempotent. A pending handle is cancelled first (its plan
         aborted, Note [Plan endings]); if the engine may still be working on one of its parts, the handle keeps
         draining after release and its plan is aborted (and its engine resources freed) when the engine confirms
-        (Note [Deadlines and in-flight parts])."""
-        if handle.released:
-            return
+        (Note [Deadlines and in-flight parts]).
+
+        Raises:
+            UmallocValueError: not a handle of this backend (also once released).
+        """
         h = self._own(handle)
+        if h.released:
+            return
         if h.state == "pending":
             try:
                 self._engine_cancel(h)
@@ -679,19 +718,15 @@ class BackendBase:
 
         Raises:
             UmallocValueError: ``timeout_s`` not a positive finite number, a pending handle (``wait`` for it
-                first), or a handle of another backend.
+                first), or a handle of another backend (released or not).
 
         Complexity: polls the engine until drained or the deadline (sleeps between polls).
         """
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not (
                 timeout_s > 0 and math.isfinite(timeout_s)):
             raise UmallocValueError(f"timeout_s={timeout_s!r}: allowed a positive finite number of seconds")
-        if not isinstance(handle, TransferHandle):
-            raise UmallocValueError(f"handle={handle!r}: allowed a TransferHandle")
-        if handle.draining and self._draining.get(handle.handle_id) is not handle:
-            raise UmallocValueError(f"handle {handle.handle_id} does not belong to this {self.name} backend")
+        self._own(handle)
         if not handle.draining:
-            self._own(handle)
             if handle.state == "pending":
                 raise UmallocValueError(f"drain: handle {handle.handle_id} is pending: wait for it first")
             return True
@@ -706,12 +741,12 @@ class BackendBase:
             time.sleep(min(self.wait_max_sleep_s * 4, deadline - now))
 
     def _own(self, handle: TransferHandle) -> TransferHandle:
+        """``handle`` if this backend made it (released or not), else UmallocValueError."""
         if not isinstance(handle, TransferHandle):
             raise UmallocValueError(f"handle={handle!r}: allowed a TransferHandle")
-        if handle.released:
-            return handle
-        if self._handles.get(handle.handle_id) is not handle:
-            raise UmallocValueError(f"handle {handle.handle_id} does not belong to this {self.name} backend")
+        if handle not in self._made:
+            raise UmallocValueError(f"handle {handle.handle_id} (of a {handle.backend} backend) does not belong to "
+                                    f"this {self.name} backend")
         return handle
 
     def _finish(self, h: TransferHandle, state: str, error: BaseException | None = None, *,
@@ -738,6 +773,8 @@ class BackendBase:
         plan = h.plan
         if plan is None:
             return
+        if _PLANS_IN_FLIGHT.get(id(plan)) is h:
+            del _PLANS_IN_FLIGHT[id(plan)]
         if h.state == "done":
             plan.complete()
         elif abort:
@@ -828,6 +865,11 @@ class BackendBase:
             if h.draining != (hid in self._draining):
                 raise InvariantError(f"handle {hid}: draining={h.draining} but in the draining table: "
                                      f"{hid in self._draining}")
+        for h in (*self._handles.values(), *self._draining.values()):
+            if h.plan is not None and (h.state == "pending" or h.draining) and \
+                    _PLANS_IN_FLIGHT.get(id(h.plan)) is not h:
+                raise InvariantError(f"handle {h.handle_id}: its plan is in flight but not recorded as in flight "
+                                     "on it")
         for hid, h in self._draining.items():
             if h.handle_id != hid or not h.draining or h.state != "failed":
                 raise InvariantError(f"draining handle {hid} inconsistent (state {h.state}, draining={h.draining})")

@@ -185,13 +185,17 @@ class LocalPrefill:
     def finish(self, ticket: object) -> PlanFigures:
         """Wait for the transfer (its plan's leases end with it), free the prefill pages, return figures."""
         plan, handle, vt = ticket  # type: ignore[misc]
-        with self.timer.phase("transfer"):
-            try:
-                self.src.wait(handle, self.timeout_s)
-            finally:
-                self.src.release(handle)
-        with self.timer.phase("allocator"):
-            self.alloc.free(vt)
+        try:
+            with self.timer.phase("transfer"):
+                try:
+                    self.src.wait(handle, self.timeout_s)
+                finally:
+                    self.src.release(handle)
+        finally:
+            # also when the transfer failed: the prompt's pages are freed (still-leased ones go pending until the
+            # plan's leases end, Note [Pending pages]), never leaked
+            with self.timer.phase("allocator"):
+                self.alloc.free(vt)
         return PlanFigures(plan.total_bytes, {n: s.bytes for n, s in plan.stats_by_vector.items()},
                            plan.num_descriptors, plan.num_runs, plan.per_layer_descriptor_equivalent)
 

@@ -13,8 +13,11 @@ Policy:
   leases prefill's pages) and posts the WRITE without waiting. The parent then runs its decode step while the
   transfer is in flight, and later asks the child to wait for it; the child ends its plan (source lease) and
   frees its pages, and the parent completes the half (destination lease) and verifies every page.
-* Every call is bounded (``transfer_timeout_s`` plus a margin); a failed transfer fails the half (its lease ends)
-  and raises. The parent progresses its own backend while it waits for the child (a NIXL target).
+* Every call is bounded (``transfer_timeout_s``, twice that for the wait-and-drain of ``child_finish``, plus a
+  margin); a failed transfer fails the half (its lease ends) and raises — except while bytes may still land in
+  the half (the child's drain gave up, or the child did not answer): then the half stays leased until its lease
+  deadline reclaims it (:func:`settle_failed_half`). The parent progresses its own backend while it waits for
+  the child (a NIXL target).
 * Time: each call is measured in the parent as ``transfer``; the child reports its own split (allocator, fill,
   translate+plan) which is moved to those phases, so the report's split means the same for every backend.
 """
@@ -103,19 +106,32 @@ def child_start(ctx, request_id: int, num_tokens: int, half: dict, peer: str,
 
 
 def child_finish(ctx, request_id: int, timeout_s: float) -> dict:
-    """Wait for a posted plan (its source lease ends with it), free the prompt's pages, return the figures."""
+    """Wait for a posted plan (its source lease ends with it), free the prompt's pages, return the figures.
+
+    A failed transfer is drained (up to ``timeout_s`` more) before the failure is reported, since the parent
+    releases the receiver's half on it (Note [Deadlines and in-flight parts]). If the engine still holds a part
+    when the drain gives up, the error raised is a ``TransferError`` with ``draining = True`` (it survives the
+    trip to the parent): the receiver must keep its half leased (:func:`settle_failed_half`). Takes at most about
+    ``2 * timeout_s``.
+    """
+    from umalloc.errors import TransferError
+
     plan, handle, vt = ctx.objects["replay_inflight"].pop(request_id)
     alloc = ctx.objects["replay_alloc"]
     b = ctx._b()
-    done = False
     try:
         b.wait(handle, timeout_s)
-        done = True
+    except Exception as exc:
+        # the engine may still write into the receiver's pages: report the failure (after which the parent
+        # releases the receiver's half) only once it let go
+        if handle.state != "pending" and not b.drain(handle, timeout_s):
+            err = TransferError(f"{type(exc).__name__}: {exc}; the engine still held a part of the transfer after "
+                                f"draining {timeout_s:.3g} s more: keep the receiver's half leased (Note [Deadlines "
+                                "and in-flight parts])")
+            err.draining = True  # type: ignore[attr-defined]
+            raise err from exc
+        raise
     finally:
-        if not done and handle.state != "pending":
-            # the engine may still write into the receiver's pages: report the failure (after which the parent
-            # releases the receiver's half) only once it let go (Note [Deadlines and in-flight parts])
-            b.drain(handle, timeout_s)
         b.release(handle)
         t0 = time.perf_counter()
         alloc.free(vt)
@@ -134,6 +150,25 @@ def child_check(ctx) -> dict:
 
 
 # ==== in the parent =============================================================================================
+
+
+def settle_failed_half(half: object, exc: BaseException) -> bool:
+    """End the receiver ``half`` of a transfer that failed with ``exc`` — unless bytes may still land in its pages.
+
+    The half is kept pending (leased: its lease deadline, F12, is the backstop) when the child said its engine
+    still holds a part of the transfer (``exc.draining``, set by :func:`child_finish` when its bounded drain gave
+    up) or when the child did not answer in time (:class:`~umalloc.backends._worker.WorkerTimeout`: it may still be
+    sending). Otherwise (a transfer that ended, a dead child) it is failed, which releases its lease.
+
+    Returns:
+        True if the half was failed, False if it was kept pending.
+    """
+    from umalloc.backends._worker import WorkerTimeout
+
+    if getattr(exc, "draining", False) or isinstance(exc, WorkerTimeout):
+        return False
+    half.fail(exc)
+    return True
 
 
 class RemotePrefill:
@@ -180,9 +215,12 @@ class RemotePrefill:
         self.max_leases = 0
         self.step_leases = 0
 
-    def _call(self, fn: str, *args: object) -> dict:
+    def _call(self, fn: str, *args: object, transfer_s: float | None = None) -> dict:
+        """Run ``child_<fn>`` in the child, bounded by ``transfer_s`` (default: one transfer timeout) plus
+        :data:`CALL_MARGIN_S`."""
+        bound = (self.timeout_s if transfer_s is None else transfer_s) + CALL_MARGIN_S
         return self.worker.run(_HERE + fn, *args, progress=self.b.progress,  # type: ignore[union-attr]
-                               timeout_s=self.timeout_s + CALL_MARGIN_S)
+                               timeout_s=bound)
 
     def _account(self, res: dict) -> None:
         """Move the child's own phase split out of the parent's ``transfer`` measurement."""
@@ -201,7 +239,7 @@ class RemotePrefill:
                 res = self._call("child_start", rs.rid, rs.req.input_tokens, half.to_dict(), self.peer,
                                  self.deadline_s)
         except BaseException as exc:
-            half.fail(exc)
+            settle_failed_half(half, exc)  # a child that did not answer may have posted: keep the half then
             raise
         self._account(res)
         if res["short"]:
@@ -219,9 +257,10 @@ class RemotePrefill:
         try:
             with self.timer.phase("transfer"):
                 self.b.progress()  # type: ignore[union-attr]
-                res = self._call("child_finish", rid, self.timeout_s)
+                # the child waits up to timeout_s, then drains a failed transfer up to timeout_s more
+                res = self._call("child_finish", rid, self.timeout_s, transfer_s=2 * self.timeout_s)
         except BaseException as exc:
-            half.fail(exc)
+            settle_failed_half(half, exc)  # kept leased while bytes may still land in it
             raise
         half.complete()
         self._account(res)
@@ -253,4 +292,5 @@ class RemotePrefill:
                 self.b.close()
 
 
-__all__ = ["CALL_MARGIN_S", "RemotePrefill", "child_check", "child_finish", "child_setup", "child_start"]
+__all__ = ["CALL_MARGIN_S", "RemotePrefill", "child_check", "child_finish", "child_setup", "child_start",
+           "settle_failed_half"]
