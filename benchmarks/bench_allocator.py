@@ -521,6 +521,19 @@ def merge_rounds(rounds: list[list[dict]]) -> list[dict]:
     return merged
 
 
+def print_round_ratios(rounds: list[list[dict]]) -> None:
+    """Per round, each allocator's median wall time over vLLM BlockPool's median in the same round (pages/s
+    ratio), then the median over the rounds: the ratio least moved by a host whose speed drifts between rounds."""
+    names = [r["allocator"] for r in rounds[0] if r["allocator"] != "vllm-blockpool"]
+    print("\nx BlockPool (median/median) per round:")
+    for name in names:
+        ratios = []
+        for rows in rounds:
+            bp = next(r for r in rows if r["allocator"] == "vllm-blockpool")["wall_s_median"]
+            ratios.append(bp / next(r for r in rows if r["allocator"] == name)["wall_s_median"])
+        print(f"  {name:<18} " + " ".join(f"{x:5.2f}" for x in ratios) + f"   median {statistics.median(ratios):.2f}")
+
+
 def print_table(rows: list[dict], baseline: dict | None, pages_allocated: int) -> None:
     """One row per allocator; ratios of pages allocated per second to the baseline (vLLM BlockPool measured in
     the same run), from the medians and from the fastest repeats (the latter is steadier on a busy machine)."""
@@ -593,6 +606,8 @@ def main(argv: list[str] | None = None) -> int:
         rounds.append(rows)
     rows = merge_rounds(rounds)
     baseline = next((r for r in rows if r["allocator"] == "vllm-blockpool"), None)
+    if baseline is not None and len(rounds) > 1:
+        print_round_ratios(rounds)
     print()
     print_table(rows, baseline, w.meta["pages_allocated"])
     if a.json:
