@@ -1194,7 +1194,7 @@ def test_mooncake_close_while_a_chunk_is_in_the_engine(backend_workers, backend_
         time.sleep(0.2)
         t0 = time.monotonic()
         a.close()
-        assert time.monotonic() - t0 < 2.5
+        assert time.monotonic() - t0 < 4.0  # close_timeout_s = 0.5 plus slack for a loaded host
         assert a.closed and h.released and h.draining and a.draining_handles() == [h]
         assert plan.state == "pending" and src_alloc.leases_active() == 1
         a.check_invariants()
@@ -1231,7 +1231,7 @@ def test_mooncake_disconnect_while_a_handle_drains_does_not_wait_for_the_engine(
         assert h.draining
         t0 = time.monotonic()
         a.disconnect(peer)
-        assert time.monotonic() - t0 < 1.0 and a.peers() == []
+        assert time.monotonic() - t0 < 3.0 and a.peers() == []  # the old wait was close_timeout_s = 5 s
         assert h.draining and a.draining_handles() == [h]  # still in the engine: still held
     finally:
         w.resume()
