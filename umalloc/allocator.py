@@ -1268,6 +1268,17 @@ def _id_arg(t: object, name: str) -> tuple[Any, Any, int]:
     return c, c.data_ptr(), c.numel()
 
 
+def _hot_index(table: np.ndarray, index: object) -> tuple[Any, int]:
+    """The ``(index array, length)`` a page-level hot-path gather passes its kernel: ``(table, -1)`` (a dummy,
+    unread) without ``index``, ``(None, 0)`` when ``index`` is not a 1-D native numpy int64 array (the general
+    path then validates it). Note [Page-level hot path]."""
+    if index is None:
+        return table, -1
+    if type(index) is np.ndarray and index.dtype is _NP_I64 and index.ndim == 1:
+        return index, index.shape[0]
+    return None, 0
+
+
 def _table_arg(table: object) -> tuple[Any, Any, int]:
     """Validate a block table written through an index: a writeable 1-D int64 numpy array or a contiguous CPU
     ``torch.int64`` tensor, any length; return ``(table, kernel argument, length)``."""
@@ -1970,19 +1981,16 @@ class MultiEndedAllocator:
         """
         if type(out) is np.ndarray and type(num_pages) is int and owner is None and bind is None and self._plain \
                 and not self._active_leases and out.dtype is _NP_I64 and out.ndim == 1 and out.flags.writeable:
-            # the hot path, Note [Page-level hot path]
+            # the hot path, Note [Page-level hot path]: out holds the pages, or with index is the table
+            idx: Any = None
             if index is None:
                 if out.shape[0] == num_pages:
-                    args = (self._root_a, self._default_owner, self._default_mask, num_pages, out, num_pages, out,
-                            -1)
-                    if self._hot.alloc_pages(*args) != _OK and self._retry(
-                            _k_alloc_pages, args, self._default_mask, "alloc_pages") is None:
-                        return None
-                    return out
+                    idx, n_idx, n_out = out, -1, num_pages
             elif type(index) is np.ndarray and index.dtype is _NP_I64 and index.ndim == 1 \
                     and index.shape[0] == num_pages:
-                args = (self._root_a, self._default_owner, self._default_mask, num_pages, out, out.shape[0], index,
-                        num_pages)
+                idx, n_idx, n_out = index, num_pages, out.shape[0]
+            if idx is not None:
+                args = (self._root_a, self._default_owner, self._default_mask, num_pages, out, n_out, idx, n_idx)
                 if self._hot.alloc_pages(*args) != _OK and self._retry(
                         _k_alloc_pages, args, self._default_mask, "alloc_pages") is None:
                     return None
@@ -2239,13 +2247,9 @@ class MultiEndedAllocator:
         """
         if type(vpages) is np.ndarray and owner is None and self._plain and not self._active_leases \
                 and vpages.dtype is _NP_I64 and vpages.ndim == 1:  # the hot path, Note [Page-level hot path]
-            if index is None:
-                if self._hot.free(self._root_a, self._default_owner, vpages, vpages.shape[0], True, vpages, -1) < 0:
-                    self._raise("free_pages", pages=True)
-                return
-            if type(index) is np.ndarray and index.dtype is _NP_I64 and index.ndim == 1:
-                if self._hot.free(self._root_a, self._default_owner, vpages, vpages.shape[0], True, index,
-                                  index.shape[0]) < 0:
+            idx, n_idx = _hot_index(vpages, index)
+            if idx is not None:
+                if self._hot.free(self._root_a, self._default_owner, vpages, vpages.shape[0], True, idx, n_idx) < 0:
                     self._raise("free_pages", pages=True)
                 return
         self._free(vpages, owner, True, "free_pages", index)
@@ -2322,18 +2326,12 @@ class MultiEndedAllocator:
         if type(vpages) is np.ndarray and self._plain and not self._active_leases and vpages.dtype is _NP_I64 \
                 and vpages.ndim == 1 and type(end) is str:  # the hot path, Note [Page-level hot path]
             b = self._bound.get(end, -1)
-            if b >= 0:
-                if index is None:
-                    idx, n_idx = vpages, -1
-                elif type(index) is np.ndarray and index.dtype is _NP_I64 and index.ndim == 1:
-                    idx, n_idx = index, index.shape[0]
-                else:
-                    b = -1
-                if b >= 0:
-                    if self._hot.release(self._root_a, b, vpages, vpages.shape[0], strict is not False, True, idx,
-                                         n_idx) < 0:
-                        self._raise("release_pages", pages=True)
-                    return
+            idx, n_idx = _hot_index(vpages, index)
+            if b >= 0 and idx is not None:
+                if self._hot.release(self._root_a, b, vpages, vpages.shape[0], strict is not False, True, idx,
+                                     n_idx) < 0:
+                    self._raise("release_pages", pages=True)
+                return
         self._release(end, vpages, strict, True, "release_pages", index)
 
     def _release(self, end: str, ids: torch.Tensor | np.ndarray, strict: bool, pages: bool, where: str,
