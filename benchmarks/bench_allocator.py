@@ -69,14 +69,66 @@ _E, _D, _F = 0, 1, 2
 
 class _Op:
     __slots__ = ("ev", "ev_buf", "ev_t", "kind", "last_buf", "last_flat", "last_t", "n_pages", "n_req", "no_prefix",
-                 "out_np",
-                 "out_t", "pre_t", "runs", "seq_t", "target", "target_buf", "target_t", "write_flat")
+                 "out_np", "out_t", "pre_t", "runs", "seq_t", "target", "target_buf", "target_t", "write_flat")
 
 
 def _buffer(n: int) -> tuple[np.ndarray, torch.Tensor]:
     """A persistent int64 torch tensor and its numpy view (the harness's reusable staging buffers)."""
     t = torch.zeros(n, dtype=torch.int64)
     return t.numpy(), t
+
+
+class _Rows:
+    """Block-table rows, one per *live* request, recycled when a request finishes (as SGLang's
+    ``ReqToTokenPool`` does): the lowest free row goes to each newly admitted request."""
+
+    def __init__(self, width: int) -> None:
+        self.width = width
+        self.n_rows = 0                    # rows in the table (the most requests live at once)
+        self._base: dict[int, int] = {}    # request -> flat offset of its row
+        self._free: list[int] = []
+
+    def base(self, r: int) -> int:
+        if r not in self._base:
+            if self._free:
+                self._base[r] = heapq.heappop(self._free) * self.width
+            else:
+                self._base[r] = self.n_rows * self.width
+                self.n_rows += 1
+        return self._base[r]
+
+    def recycle(self, r: int) -> None:
+        heapq.heappush(self._free, self._base.pop(r) // self.width)
+
+
+class _SwaReleases:
+    """The SWA pages that leave the window before an op, as flat slots of the block table: per request, pages
+    from its last frontier up to ``swa_tail_start`` (SGLang's ``free_swa_out_of_window_slots`` rule without prefix
+    sharing). A token table (``tokens_per_slot = 1``) names each page by its first token's slot, a page table
+    (``tokens_per_slot = page_size``) by its page's slot."""
+
+    def __init__(self, window: int | None, page_size: int, tokens_per_slot: int) -> None:
+        self.window, self.ps, self.per_slot = window, page_size, tokens_per_slot
+        self.frontier: dict[int, int] = {}  # request -> first token still bound on the SWA end
+        self.n_calls = 0
+        self.n_pages = 0
+
+    def __call__(self, rows: _Rows, rids: list[int], lens: list[int]) -> np.ndarray | None:
+        if self.window is None:
+            return None
+        chunks = []
+        for r, n in zip(rids, lens, strict=True):
+            first = self.frontier.get(r, 0)
+            tail = MultiEndedAllocator.swa_tail_start(n, self.window, 0, self.ps)
+            if tail > first:
+                chunks.append(rows.base(r) + np.arange(first, tail, self.ps, dtype=np.int64) // self.per_slot)
+                self.frontier[r] = tail
+        if not chunks:
+            return None
+        flat = np.concatenate(chunks)
+        self.n_calls += 1
+        self.n_pages += flat.size
+        return flat
 
 
 class Prepared:
@@ -88,41 +140,12 @@ class Prepared:
 
     def __init__(self, w: wl.Workload, swa_window: int | None) -> None:
         ps = self.ps = w.params.page_size
-        self.width = width = w.max_seq_len() + ps
+        self.width = w.max_seq_len() + ps
         self.ops: list[_Op] = []
-        self.n_release_calls = 0
-        self.release_pages = 0
         length: dict[int, int] = {}
-        released: dict[int, int] = {}
-        base: dict[int, int] = {}          # request -> flat offset of its block-table row
-        free_rows: list[int] = []
-        self.n_req = 0                     # rows in the table (the most requests live at once)
-
-        def row(r: int) -> int:
-            if r not in base:
-                if free_rows:
-                    base[r] = heapq.heappop(free_rows) * width
-                else:
-                    base[r] = self.n_req * width
-                    self.n_req += 1
-            return base[r]
-
-        def releases(rids: list[int], pre_lens: list[int]) -> np.ndarray | None:
-            if swa_window is None:
-                return None
-            chunks = []
-            for r, pre in zip(rids, pre_lens, strict=True):
-                ev = released.get(r, 0)
-                tail = MultiEndedAllocator.swa_tail_start(pre, swa_window, 0, ps)
-                if tail > ev:
-                    chunks.append(row(r) + np.arange(ev, tail, ps, dtype=np.int64))
-                    released[r] = tail
-            if not chunks:
-                return None
-            flat = np.concatenate(chunks)
-            self.n_release_calls += 1
-            self.release_pages += flat.size
-            return flat
+        rows_ = _Rows(self.width)
+        row = rows_.base
+        releases = _SwaReleases(swa_window, ps, 1)
 
         def stage(o: _Op) -> None:
             o.ev_buf, o.ev_t = _buffer(o.ev.size) if o.ev is not None else (None, None)
@@ -135,7 +158,7 @@ class Prepared:
                 ext = np.array([it[2] for it in payload], np.int64)
                 o.kind = _E
                 rows = np.array([row(r) for r in rids.tolist()], np.int64)
-                o.ev = releases(rids.tolist(), pre.tolist())
+                o.ev = releases(rows_, rids.tolist(), pre.tolist())
                 o.pre_t = torch.from_numpy(pre)
                 o.seq_t = torch.from_numpy(pre + ext)
                 o.last_flat = rows + np.maximum(pre - 1, 0)
@@ -159,7 +182,7 @@ class Prepared:
                 rows = np.array([row(r) for r in payload], np.int64)
                 cur = np.array([length[r] for r in payload], np.int64)
                 o.kind = _D
-                o.ev = releases(list(payload), cur.tolist())
+                o.ev = releases(rows_, list(payload), cur.tolist())
                 o.seq_t = torch.from_numpy(cur + 1)
                 o.last_flat = rows + cur - 1
                 o.write_flat = rows + cur
@@ -175,11 +198,13 @@ class Prepared:
                 o.target = np.concatenate([row(r) + np.arange(0, length[r], ps, dtype=np.int64)
                                            for r in payload])
                 for r in payload:                 # the finished requests' rows are recycled
-                    heapq.heappush(free_rows, base.pop(r) // width)
+                    rows_.recycle(r)
                 o.target_buf, o.target_t = _buffer(o.target.size)
                 stage(o)
                 o.n_req = len(payload)
             self.ops.append(o)
+        self.n_req = rows_.n_rows
+        self.n_release_calls, self.release_pages = releases.n_calls, releases.n_pages
 
     def api_calls(self, swa: bool) -> int:
         return len(self.ops) + (self.n_release_calls if swa else 0)
@@ -196,48 +221,18 @@ class PreparedPages:
 
     def __init__(self, w: wl.Workload, swa_window: int | None) -> None:
         ps = self.ps = w.params.page_size
-        self.width = width = -(-w.max_seq_len() // ps) + 1    # pages per table row
+        self.width = -(-w.max_seq_len() // ps) + 1    # pages per table row
         self.ops: list[_Op] = []
-        self.n_release_calls = 0
-        self.release_pages = 0
         self.n_alloc_calls = 0
         length: dict[int, int] = {}
-        released: dict[int, int] = {}      # request -> first page still bound on the SWA end
-        base: dict[int, int] = {}
-        free_rows: list[int] = []
-        self.n_req = 0
-
-        def row(r: int) -> int:
-            if r not in base:
-                if free_rows:
-                    base[r] = heapq.heappop(free_rows) * width
-                else:
-                    base[r] = self.n_req * width
-                    self.n_req += 1
-            return base[r]
-
-        def releases(rids: list[int], lens: list[int]) -> np.ndarray | None:
-            if swa_window is None:
-                return None
-            chunks = []
-            for r, n in zip(rids, lens, strict=True):
-                first = released.get(r, 0)
-                tail = MultiEndedAllocator.swa_tail_start(n, swa_window, 0, ps) // ps
-                if tail > first:
-                    chunks.append(row(r) + np.arange(first, tail, dtype=np.int64))
-                    released[r] = tail
-            if not chunks:
-                return None
-            flat = np.concatenate(chunks)
-            self.n_release_calls += 1
-            self.release_pages += flat.size
-            return flat
+        rows_ = _Rows(self.width)
+        row = rows_.base
+        releases = _SwaReleases(swa_window, ps, ps)
 
         def new_pages(items: list[tuple[int, int, int]]) -> None:
             slots = [row(r) + np.arange(-(-pre // ps), -(-(pre + n) // ps), dtype=np.int64) for r, pre, n in items]
             o.write_flat = np.concatenate(slots) if slots else np.empty(0, np.int64)
             o.n_pages = int(o.write_flat.size)
-            o.out_np, o.out_t = _buffer(o.n_pages)
             self.n_alloc_calls += o.n_pages > 0
 
         for kind, payload in w.ops:
@@ -245,13 +240,13 @@ class PreparedPages:
             o.ev = None
             if kind == "E":
                 o.kind = _E
-                o.ev = releases([it[0] for it in payload], [it[1] for it in payload])
+                o.ev = releases(rows_, [it[0] for it in payload], [it[1] for it in payload])
                 new_pages([(r, pre, n) for r, pre, n in payload])
                 for r, pre, n in payload:
                     length[r] = pre + n
             elif kind == "D":
                 o.kind = _D
-                o.ev = releases(list(payload), [length[r] for r in payload])
+                o.ev = releases(rows_, list(payload), [length[r] for r in payload])
                 new_pages([(r, length[r], 1) for r in payload])
                 for r in payload:
                     length[r] += 1
@@ -260,12 +255,11 @@ class PreparedPages:
                 o.target = np.concatenate([row(r) + np.arange(-(-length[r] // ps), dtype=np.int64)
                                            for r in payload])
                 for r in payload:
-                    heapq.heappush(free_rows, base.pop(r) // width)
-                    released.pop(r, None)
-                o.target_buf, o.target_t = _buffer(o.target.size)
-            o.ev_buf, o.ev_t = _buffer(o.ev.size) if o.ev is not None else (None, None)
+                    rows_.recycle(r)
             o.n_req = len(payload)
             self.ops.append(o)
+        self.n_req = rows_.n_rows
+        self.n_release_calls, self.release_pages = releases.n_calls, releases.n_pages
 
     def api_calls(self, swa: bool) -> int:
         n_free = sum(1 for o in self.ops if o.kind == _F)
