@@ -233,7 +233,7 @@ def _ids_view(x, n):  # noqa: ARG001 - typed by the overload below
 @overload(_ids_view)
 def _ids_view_impl(x, n):
     if isinstance(x, types.Integer):
-        return lambda x, n: carray(_i64_ptr(x), (n,))
+        return lambda x, n: _view(x, n)
     if isinstance(x, types.Array) and x.ndim == 1 and x.dtype == types.int64:
         return lambda x, n: x
     return None
@@ -1279,29 +1279,18 @@ def _hot_index(table: np.ndarray, index: object) -> tuple[Any, int]:
     return None, 0
 
 
-def _table_arg(table: object) -> tuple[Any, Any, int]:
-    """Validate a block table written through an index: a writeable 1-D int64 numpy array or a contiguous CPU
-    ``torch.int64`` tensor, any length; return ``(table, kernel argument, length)``."""
-    if type(table) is np.ndarray:
-        if table.dtype == _NP_I64 and table.ndim == 1 and table.flags.writeable:
-            return table, table.view(_NP_I64), table.shape[0]
-        raise InvalidIdError(f"out: numpy {table.dtype.str}, shape {table.shape}, "
-                             f"writeable={table.flags.writeable}; allowed a writeable 1-D native int64 array (the "
-                             f"block table index= points into)")
-    res = _out(table, None)
-    return res, res.data_ptr(), res.numel()
-
-
-def _out_arg(out: object, n: int) -> tuple[Any, Any]:
-    """Validate a preallocated page output of ``n`` int64s (a torch tensor as :func:`_out`, or a writeable 1-D
-    int64 numpy array); return ``(out, kernel argument)``."""
+def _out_arg(out: object, n: int | None) -> tuple[Any, Any, int]:
+    """Validate a preallocated page output: a writeable 1-D native int64 numpy array or a contiguous CPU
+    ``torch.int64`` tensor (as :func:`_out`) of ``n`` elements, or of any length for ``n = None`` (a block table
+    written through ``index=``); return ``(out, kernel argument, length)``."""
     if type(out) is np.ndarray:
-        if out.dtype == _NP_I64 and out.ndim == 1 and out.shape[0] == n and out.flags.writeable:
-            return out, out.view(_NP_I64)
+        if out.dtype == _NP_I64 and out.ndim == 1 and (n is None or out.shape[0] == n) and out.flags.writeable:
+            return out, out.view(_NP_I64), out.shape[0]
+        allowed = "(the block table index= points into)" if n is None else f"of shape ({n},)"
         raise InvalidIdError(f"out: numpy {out.dtype.str}, shape {out.shape}, writeable={out.flags.writeable}; "
-                             f"allowed a writeable 1-D native int64 array of shape ({n},)")
+                             f"allowed a writeable 1-D native int64 array {allowed}")
     res = _out(out, n)
-    return res, res.data_ptr()
+    return res, res.data_ptr(), res.numel()
 
 
 def _pack_bits(bits: np.ndarray) -> np.ndarray:
@@ -2014,7 +2003,7 @@ class MultiEndedAllocator:
             keep_idx, idx_arg, n_idx = _id_arg(index, "index")
             if n_idx != k:
                 raise InvalidIdError(f"alloc_pages: index has {n_idx} slots; allowed exactly num_pages={k}")
-            res, arg, n_out = _table_arg(out)
+            res, arg, n_out = _out_arg(out, None)
         elif out is None:
             # more pages than the owner has free virtual ids is refused by the kernel before anything is
             # written, so a huge num_pages must not size the output either
@@ -2022,8 +2011,7 @@ class MultiEndedAllocator:
             res = torch.empty(min(k, free_ids + 1), dtype=_I64)
             arg, n_out = res.data_ptr(), k
         else:
-            res, arg = _out_arg(out, k)
-            n_out = k
+            res, arg, n_out = _out_arg(out, k)
         if self._active_leases:
             self._tick()
         args = (self._root_a, o, mask, k, arg, n_out, idx_arg, n_idx)
