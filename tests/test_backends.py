@@ -786,10 +786,10 @@ def test_mooncake_queued_chunk_is_never_posted_after_its_lease_deadline(backend_
     a.check_invariants()
 
 
-@pytest.mark.parametrize("name", ALL)
-def test_submit_refuses_a_plan_whose_lease_is_past_its_deadline(name, backend_factory):
-    """A lease past its deadline no longer protects its pages, even before the allocator reclaimed it: the plan
-    is refused at submit with a LeaseError and nothing is sent."""
+def _plan_with_a_1s_lease(name, backend_factory, plan_id: str):
+    """Two in-process backends of kind ``name`` over two arenas under one manual clock (time 0), connected, and a
+    plan between them whose leases end at t = 1 s; ``(clock, a, b, peer, plan, src_alloc, dst_alloc,
+    dst_arena)``."""
     spec = kv_spec()
     clock = ManualClock()
     src_arena, dst_arena = Arena(spec), Arena(spec)
@@ -801,8 +801,16 @@ def test_submit_refuses_a_plan_whose_lease_is_past_its_deadline(name, backend_fa
     a.register(src_arena.regions())
     b.register(dst_arena.regions())
     peer = a.connect(b.metadata())
-    plan = build_plan("d-3", src_alloc, alloc_request(src_alloc, L_TOKENS), dst_alloc,
+    plan = build_plan(plan_id, src_alloc, alloc_request(src_alloc, L_TOKENS), dst_alloc,
                       alloc_request(dst_alloc, L_TOKENS), deadline_s=1.0)
+    return clock, a, b, peer, plan, src_alloc, dst_alloc, dst_arena
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_submit_refuses_a_plan_whose_lease_is_past_its_deadline(name, backend_factory):
+    """A lease past its deadline no longer protects its pages, even before the allocator reclaimed it: the plan
+    is refused at submit with a LeaseError and nothing is sent."""
+    clock, a, b, peer, plan, src_alloc, dst_alloc, dst_arena = _plan_with_a_1s_lease(name, backend_factory, "d-3")
     clock.now = 1.0  # exactly at the deadline: expired, not yet reclaimed (no allocator call since)
     assert plan.src_lease.active and plan.src_lease.expired
     with pytest.raises(LeaseError, match="past its deadline"):
@@ -1284,19 +1292,7 @@ def test_write_descriptors_with_a_plan_refuses_an_ended_or_expired_plan(name, ba
     """``write_descriptors(..., plan=plan)`` ties the batch to the plan's leases like ``submit`` does: a plan past
     its lease deadline (LeaseError) or already ended (UmallocValueError) is refused and nothing is sent (local
     and NIXL used to copy into pages the lease no longer protected; Mooncake failed the handle instead)."""
-    spec = kv_spec()
-    clock = ManualClock()
-    src_arena, dst_arena = Arena(spec), Arena(spec)
-    src_arena.data.copy_(seeded_bytes(spec.arena_bytes, SEED))
-    src_alloc = MultiEndedAllocator(src_arena, clock=clock)
-    dst_alloc = MultiEndedAllocator(dst_arena, clock=clock)
-    a = backend_factory(name, layout=PeerLayout.from_arena(src_arena))
-    b = backend_factory(name, layout=PeerLayout.from_arena(dst_arena))
-    a.register(src_arena.regions())
-    b.register(dst_arena.regions())
-    peer = a.connect(b.metadata())
-    plan = build_plan("d-4", src_alloc, alloc_request(src_alloc, L_TOKENS), dst_alloc,
-                      alloc_request(dst_alloc, L_TOKENS), deadline_s=1.0)
+    clock, a, b, peer, plan, src_alloc, dst_alloc, dst_arena = _plan_with_a_1s_lease(name, backend_factory, "d-4")
     d = plan.descriptors()
     clock.now = 1.0  # at the deadline: expired, not reclaimed yet
     with pytest.raises(LeaseError, match="past its deadline"):
