@@ -713,6 +713,10 @@ def test_free_pages_equals_free_of_tokens(page_alloc) -> None:
     wide = np.array([2, 0, 5, 0, 2, 0], np.int64)               # a strided view: pages 2, 5, 2 (2 twice: merges)
     alloc.free_pages(wide[::2])
     by_tokens.free(T(2 * 2, 5 * 2 + 1, 2 * 2 + 1))
+    # by hand: full pages 1..6 held vpages 1..6; freeing 2 and 5 leaves holes at 2 and 5 below the frontier 7
+    st = alloc.stats()["full"]
+    assert (st.live_pages, st.hole_pages, alloc.watermark("full")) == (4, 2, 7)
+    assert pages(alloc, T(1, 3, 4, 6), "full") == [1, 3, 4, 6] and pages(alloc, T(2, 5), "full") == [0, 0]
     assert snapshots_equal(alloc.snapshot(), by_tokens.snapshot())
     alloc.free_pages(T(1, 6))
     by_tokens.free(np.array([1 * 2, 6 * 2], np.int64))          # free also takes numpy tokens
