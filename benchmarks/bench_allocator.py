@@ -59,9 +59,9 @@ PEERBENCH = Path(os.environ.get("UMALLOC_PEERBENCH", HERE.parent.parent / "share
 sys.path.insert(0, str(PEERBENCH))
 import workload as wl  # noqa: E402  (the peers' workload module, reused, not copied)
 
-from umalloc.allocator import MultiEndedAllocator  # noqa: E402
-from umalloc.arena import Arena  # noqa: E402
-from umalloc.spec import ArenaSpec, EndRole, EndSpec, Grow, KVDtype, LayerSpec  # noqa: E402
+from umalloc.core.allocator import MultiEndedAllocator  # noqa: E402
+from umalloc.geometry.arena import Arena  # noqa: E402
+from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, KVDtype, LayerSpec  # noqa: E402
 
 MODES = ("umalloc", "umalloc-swa", "umalloc-pages", "umalloc-pages-swa")
 _E, _D, _F = 0, 1, 2

@@ -35,7 +35,7 @@ import torch
 
 from umalloc.backends import backend_available, get_backend
 from umalloc.backends._worker import BackendWorker
-from umalloc.region import Region
+from umalloc.geometry.region import Region
 
 PAGE_SIZES = {"4KiB": 4 << 10, "64KiB": 64 << 10, "1MiB": 1 << 20}
 LAYOUTS = ("contiguous", "replay", "scattered")

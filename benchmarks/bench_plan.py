@@ -26,11 +26,11 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from umalloc.allocator import MultiEndedAllocator
-from umalloc.arena import Arena
-from umalloc.plan import PeerLayout, build_plan, build_receiver_half, build_send_plan
-from umalloc.presets import preset_ends
-from umalloc.spec import ArenaSpec, arena_bytes_for_limits
+from umalloc.core.allocator import MultiEndedAllocator
+from umalloc.geometry.arena import Arena
+from umalloc.transfer.plan import PeerLayout, build_plan, build_receiver_half, build_send_plan
+from umalloc.geometry.presets import preset_ends
+from umalloc.geometry.spec import ArenaSpec, arena_bytes_for_limits
 
 
 def median_s(fn: Callable[[], object], repeats: int) -> float:

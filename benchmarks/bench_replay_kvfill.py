@@ -17,8 +17,8 @@ import time
 import numpy as np
 import torch
 
-from umalloc.arena import Arena
-from umalloc.presets import DEFAULT_PRESET, preset_arena_spec
+from umalloc.geometry.arena import Arena
+from umalloc.geometry.presets import DEFAULT_PRESET, preset_arena_spec
 from umalloc.replay.kvfill import KVPattern
 
 

@@ -8,10 +8,10 @@ import os
 import numpy as np
 import torch
 
-from umalloc.allocator import MultiEndedAllocator
-from umalloc.arena import Arena
-from umalloc.pagestate import PAGE_GAP, PAGE_HOLE, PAGE_LIVE, PAGE_PENDING, PAGE_RESERVED, TOMBSTONE
-from umalloc.spec import ArenaSpec, EndRole, EndSpec, Grow, LayerSpec
+from umalloc.core.allocator import MultiEndedAllocator
+from umalloc.geometry.arena import Arena
+from umalloc.core.pagestate import PAGE_GAP, PAGE_HOLE, PAGE_LIVE, PAGE_PENDING, PAGE_RESERVED, TOMBSTONE
+from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, LayerSpec
 
 
 def seed_from_env(default: int) -> int:

@@ -2,7 +2,7 @@
 gaps, floats, leases/pending pages, observability.
 
 Every expected page sequence below is worked out by hand from the geometry in the comment above it (page
-bytes, first/top pages, Note [Placement order] of umalloc.allocator).
+bytes, first/top pages, Note [Placement order] of umalloc.core.allocator).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from umalloc.allocator import _HBOFF, _PB, _VOFF, V_FREED, V_LIVE, MultiEndedAllocator, snapshots_equal
-from umalloc.arena import Arena
+from umalloc.core.allocator import _HBOFF, _PB, _VOFF, V_FREED, V_LIVE, MultiEndedAllocator, snapshots_equal
+from umalloc.geometry.arena import Arena
 from umalloc.errors import (
     DoubleFreeError,
     InvalidIdError,
@@ -22,8 +22,8 @@ from umalloc.errors import (
     TombstoneError,
     UmallocValueError,
 )
-from umalloc.pagestate import PAGE_GAP, PAGE_HOLE, PAGE_LIVE, PAGE_PENDING, PAGE_RESERVED, TOMBSTONE
-from umalloc.spec import ArenaSpec, EndRole, EndSpec, Grow, LayerSpec
+from umalloc.core.pagestate import PAGE_GAP, PAGE_HOLE, PAGE_LIVE, PAGE_PENDING, PAGE_RESERVED, TOMBSTONE
+from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, LayerSpec
 
 
 def T(*xs: int) -> torch.Tensor:
@@ -401,7 +401,7 @@ def test_float_split_is_configurable_and_validated() -> None:
 
 
 def test_default_preset_gemma_with_a_float_draft() -> None:
-    from umalloc.presets import DEFAULT_PRESET, preset_arena_spec
+    from umalloc.geometry.presets import DEFAULT_PRESET, preset_arena_spec
 
     # 1 MiB full pages, 5 MiB swa pages, 416 KiB draft pages at page_size 16; 64 MiB arena
     spec = preset_arena_spec(DEFAULT_PRESET, 64 << 20)

@@ -19,7 +19,7 @@ import pytest
 import torch
 from test_allocator import T, draft_end, full_end, make, pages, swa_end
 
-from umalloc.allocator import MultiEndedAllocator, snapshots_equal
+from umalloc.core.allocator import MultiEndedAllocator, snapshots_equal
 from umalloc.errors import (
     DoubleFreeError,
     InvalidIdError,
@@ -27,7 +27,7 @@ from umalloc.errors import (
     UmallocError,
     UmallocValueError,
 )
-from umalloc.spec import Grow
+from umalloc.geometry.spec import Grow
 
 I64 = np.int64
 

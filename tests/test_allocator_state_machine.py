@@ -18,11 +18,11 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from umalloc.allocator import MultiEndedAllocator, snapshots_equal
-from umalloc.arena import Arena
+from umalloc.core.allocator import MultiEndedAllocator, snapshots_equal
+from umalloc.geometry.arena import Arena
 from umalloc.errors import DoubleFreeError, InvalidIdError, NotAllocatedError
-from umalloc.pagestate import TOMBSTONE
-from umalloc.spec import ArenaSpec, EndRole, EndSpec, Grow, LayerSpec
+from umalloc.core.pagestate import TOMBSTONE
+from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, LayerSpec
 
 WINDOW = 3
 

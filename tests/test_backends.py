@@ -23,8 +23,8 @@ import pytest
 import torch
 
 import umalloc.backends as backends_mod
-from umalloc.allocator import MultiEndedAllocator
-from umalloc.arena import Arena
+from umalloc.core.allocator import MultiEndedAllocator
+from umalloc.geometry.arena import Arena
 from umalloc.backends import (
     BACKEND_NAMES,
     TransferBackend,
@@ -45,10 +45,10 @@ from umalloc.errors import (
     TransferTimeout,
     UmallocValueError,
 )
-from umalloc.pagestate import PAGE_PENDING
-from umalloc.plan import PeerLayout, build_plan, build_receiver_half, build_send_plan
-from umalloc.region import Region
-from umalloc.spec import ArenaSpec, EndRole, EndSpec, Grow, LayerSpec
+from umalloc.core.pagestate import PAGE_PENDING
+from umalloc.transfer.plan import PeerLayout, build_plan, build_receiver_half, build_send_plan
+from umalloc.geometry.region import Region
+from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, LayerSpec
 
 ENGINES = ["nixl", "mooncake"]
 DEADLINE_S = 10.0

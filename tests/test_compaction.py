@@ -19,9 +19,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from umalloc.allocator import MultiEndedAllocator
-from umalloc.arena import Arena
-from umalloc.compaction import (
+from umalloc.core.allocator import MultiEndedAllocator
+from umalloc.geometry.arena import Arena
+from umalloc.core.compaction import (
     CompactionReport,
     apply_plan,
     copy_moves,
@@ -31,8 +31,8 @@ from umalloc.compaction import (
     plan_up,
 )
 from umalloc.errors import InvariantError, UmallocValueError
-from umalloc.pagestate import PAGE_GAP, PAGE_HOLE, PAGE_LIVE, PAGE_PENDING, PAGE_RESERVED, TOMBSTONE
-from umalloc.spec import ArenaSpec, EndSpec, Grow, KVDtype, LayerSpec
+from umalloc.core.pagestate import PAGE_GAP, PAGE_HOLE, PAGE_LIVE, PAGE_PENDING, PAGE_RESERVED, TOMBSTONE
+from umalloc.geometry.spec import ArenaSpec, EndSpec, Grow, KVDtype, LayerSpec
 
 R, G, H, L, P = PAGE_RESERVED, PAGE_GAP, PAGE_HOLE, PAGE_LIVE, PAGE_PENDING
 
@@ -338,7 +338,7 @@ def test_order_preserving_pairing_keeps_a_contiguous_block_contiguous() -> None:
 @pytest.mark.parametrize("num_pages, page_floats", [(6, 4), (300, 64)])
 def test_copy_moves_matches_a_cloned_reference(num_pages: int, page_floats: int, parallel: bool,
                                                monkeypatch) -> None:
-    import umalloc.compaction as compaction
+    import umalloc.core.compaction as compaction
 
     monkeypatch.setattr(compaction, "PARALLEL_COPY_MIN_BYTES", 0 if parallel else 1 << 62)
     end = EndSpec("full", (LayerSpec.mha(1, page_floats // 2, dtype=KVDtype.FP32),), page_size=1)

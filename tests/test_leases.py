@@ -13,10 +13,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from umalloc.allocator import snapshots_equal
+from umalloc.core.allocator import snapshots_equal
 from umalloc.errors import InvariantError, LeaseError
-from umalloc.leases import Lease, LeaseTable
-from umalloc.pagestate import PAGE_PENDING
+from umalloc.core.leases import Lease, LeaseTable
+from umalloc.core.pagestate import PAGE_PENDING
 
 
 class FakeClock:
@@ -132,7 +132,7 @@ def test_deadline_reclaim_counts_logs_and_is_harmless_to_release(caplog) -> None
     clock.now = 2.0
     assert short.expired and short.state == "active"  # past its deadline, not yet reclaimed
     assert table.pins_current("full") == 2
-    with caplog.at_level(logging.WARNING, logger="umalloc.leases"):
+    with caplog.at_level(logging.WARNING, logger="umalloc.core.leases"):
         reclaimed = table.expire()
     assert reclaimed == [short] and short.state == "expired"
     assert "peer-a" in caplog.text and "expired" in caplog.text
@@ -372,7 +372,7 @@ def test_deadline_reclaim_is_counted_logged_and_pages_become_reusable(caplog) ->
     assert extend(alloc, 2) is None and lease.state == "active"
     clock.now = 5.0
     assert lease.expired and lease.state == "active"  # due, reclaimed by the next allocator call
-    with caplog.at_level(logging.WARNING, logger="umalloc.leases"):
+    with caplog.at_level(logging.WARNING, logger="umalloc.core.leases"):
         t = extend(alloc, 2)
     assert t is not None, "an expired lease's pages must be reusable"
     assert lease.state == "expired" and "dead-peer" in caplog.text

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from umalloc.allocator import MultiEndedAllocator
-from umalloc.arena import Arena
+from umalloc.core.allocator import MultiEndedAllocator
+from umalloc.geometry.arena import Arena
 from umalloc.errors import (
     DescriptorBoundsError,
     IncompatiblePeerError,
@@ -25,8 +25,8 @@ from umalloc.errors import (
     TombstoneError,
     UmallocValueError,
 )
-from umalloc.leases import LeaseTable
-from umalloc.plan import (
+from umalloc.core.leases import LeaseTable
+from umalloc.transfer.plan import (
     IndexVector,
     PeerLayout,
     ReceiverHalf,
@@ -40,8 +40,8 @@ from umalloc.plan import (
     swa_tail_start,
     vector_rows,
 )
-from umalloc.region import Region, RegionGroup, RegionMember
-from umalloc.spec import ArenaSpec, EndRole, EndSpec, Grow, KVDtype, LayerSpec
+from umalloc.geometry.region import Region, RegionGroup, RegionMember
+from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, KVDtype, LayerSpec
 
 # ---- fixtures ------------------------------------------------------------------------------------------------
 
@@ -325,7 +325,7 @@ def test_bound_draft_refused_under_dcp():
 
 
 def test_receiver_half_roundtrip_and_validation():
-    from umalloc.plan import HalfVector
+    from umalloc.transfer.plan import HalfVector
 
     pages = np.array([5, 6], dtype=np.int64)
     half = ReceiverHalf("r9", "abc", 7, 3, 1, 0, {"target": HalfVector("target", "full", "rows", 3, 7, pages)})

@@ -15,10 +15,10 @@ import json
 import pytest
 import torch
 
-from umalloc.allocator import MultiEndedAllocator
-from umalloc.arena import Arena
-from umalloc.plan import PeerLayout, build_receiver_half, build_send_plan, check_compatible, source_ranks
-from umalloc.spec import ArenaSpec, EndRole, EndSpec, Grow, KVDtype, LayerSpec
+from umalloc.core.allocator import MultiEndedAllocator
+from umalloc.geometry.arena import Arena
+from umalloc.transfer.plan import PeerLayout, build_receiver_half, build_send_plan, check_compatible, source_ranks
+from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, KVDtype, LayerSpec
 
 W = 5
 F32 = KVDtype.FP32

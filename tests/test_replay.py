@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from umalloc.backends import require_or_skip
 from umalloc.cli import app, parse_arena_bytes, parse_size_bytes
 from umalloc.errors import UmallocValueError
-from umalloc.presets import preset_ends
+from umalloc.geometry.presets import preset_ends
 from umalloc.replay.report import check_report
 from umalloc.replay.run import Replay, ReplayConfig, default_arena_bytes
 from umalloc.replay.trace import default_trace_path, load_trace

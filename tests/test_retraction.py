@@ -19,12 +19,12 @@ from compaction_fixtures import (
     three_end_allocator,
 )
 
-from umalloc.allocator import MultiEndedAllocator, snapshots_equal
-from umalloc.arena import Arena
+from umalloc.core.allocator import MultiEndedAllocator, snapshots_equal
+from umalloc.geometry.arena import Arena
 from umalloc.errors import InvalidIdError, NotAllocatedError, UmallocValueError
-from umalloc.pagestate import TOMBSTONE
-from umalloc.retraction import RetractedKV, restore, retract
-from umalloc.spec import ArenaSpec, EndRole, EndSpec, Grow, LayerSpec
+from umalloc.core.pagestate import TOMBSTONE
+from umalloc.core.retraction import RetractedKV, restore, retract
+from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, LayerSpec
 
 
 def extend(alloc, seq_len: int) -> torch.Tensor:

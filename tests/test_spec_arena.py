@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from umalloc.arena import Arena
+from umalloc.geometry.arena import Arena
 from umalloc.errors import InvalidIdError, SpecError, UmallocValueError
-from umalloc.presets import DEFAULT_PRESET, PRESETS, preset_arena_spec, preset_ends
-from umalloc.region import Region, normalize_regions
-from umalloc.spec import (
+from umalloc.geometry.presets import DEFAULT_PRESET, PRESETS, preset_arena_spec, preset_ends
+from umalloc.geometry.region import Region, normalize_regions
+from umalloc.geometry.spec import (
     ArenaSpec,
     EndRole,
     EndSpec,

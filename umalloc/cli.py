@@ -21,7 +21,7 @@ from typing import Annotated
 import typer
 
 from umalloc.errors import UmallocValueError
-from umalloc.presets import DEFAULT_PRESET, PRESETS
+from umalloc.geometry.presets import DEFAULT_PRESET, PRESETS
 from umalloc.replay import DEFAULT_REQUESTS, DEFAULT_TOKEN_SCALE
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,

@@ -34,7 +34,7 @@ from umalloc.backends._handle import HANDLE_STATES, TransferHandle
 from umalloc.errors import BackendUnavailable, UmallocValueError
 
 if TYPE_CHECKING:
-    from umalloc.region import Region
+    from umalloc.geometry.region import Region
 
 __all__ = [
     "BACKEND_NAMES",

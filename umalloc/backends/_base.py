@@ -11,10 +11,10 @@ Policy:
   A change that would drop or merge an engine region is refused while a transfer is pending. The caller keeps
   registered memory alive until it is deregistered (engines read and write it by address).
 * Metadata is JSON bytes: format tag, backend name, peer id, pid, host, the local
-  :class:`~umalloc.plan.PeerLayout` dict (or ``null``), the engine-registered regions, and engine data. It
+  :class:`~umalloc.transfer.plan.PeerLayout` dict (or ``null``), the engine-registered regions, and engine data. It
   reflects the registrations at the time it is taken: register first, then export.
 * ``connect`` refuses a peer of another backend, and a peer whose layout is incompatible
-  (``umalloc.plan.check_compatible``, F22) — before any engine call. Both sides without a layout is allowed
+  (``umalloc.transfer.plan.check_compatible``, F22) — before any engine call. Both sides without a layout is allowed
   (descriptor-level use); exactly one side without a layout is refused.
 * Descriptors are checked before anything is sent: shape ``(N, 3)``, non-negative integers, ``nbytes > 0``,
   every source range inside one locally registered region and every destination range inside one region the
@@ -95,7 +95,7 @@ from umalloc.errors import (
     TransferTimeout,
     UmallocValueError,
 )
-from umalloc.region import Region, normalize_regions
+from umalloc.geometry.region import Region, normalize_regions
 
 #: Format tag of backend metadata.
 METADATA_FORMAT = "umalloc-backend-md/1"
@@ -300,7 +300,7 @@ class BackendBase:
         out = list(regions)
         for r in out:
             if not isinstance(r, Region):
-                raise RegistrationError(f"region {r!r}: allowed umalloc.region.Region")
+                raise RegistrationError(f"region {r!r}: allowed umalloc.geometry.region.Region")
             self._check_region(r)
         return out
 
@@ -308,7 +308,7 @@ class BackendBase:
         """Register byte ranges with the engine (F21 normalisation, see the module policy).
 
         Args:
-            regions: :class:`~umalloc.region.Region` objects (a single Region is accepted too).
+            regions: :class:`~umalloc.geometry.region.Region` objects (a single Region is accepted too).
 
         Raises:
             RegistrationError: not a Region, a kind this engine cannot register, a merge refused while
@@ -437,7 +437,7 @@ class BackendBase:
         if local is None or remote is None:
             raise IncompatiblePeerError([f"layout: local {'set' if local else 'missing'}, "
                                          f"peer {'set' if remote else 'missing'}"])
-        from umalloc.plan import PeerLayout, check_compatible
+        from umalloc.transfer.plan import PeerLayout, check_compatible
 
         mine = self._layout_obj if isinstance(self._layout_obj, PeerLayout) else PeerLayout.from_dict(local)
         check_compatible(mine, PeerLayout.from_dict(remote))
@@ -493,11 +493,11 @@ class BackendBase:
         return self._get_peer(peer)
 
     def peer_layout(self, peer: str) -> object | None:
-        """The peer's :class:`~umalloc.plan.PeerLayout` rebuilt from its metadata (``None`` if it sent none)."""
+        """The peer's :class:`~umalloc.transfer.plan.PeerLayout` rebuilt from its metadata (``None`` if it sent none)."""
         info = self._get_peer(peer)
         if info.layout is None:
             return None
-        from umalloc.plan import PeerLayout
+        from umalloc.transfer.plan import PeerLayout
 
         return PeerLayout.from_dict(info.layout)
 

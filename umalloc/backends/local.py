@@ -24,7 +24,7 @@ import numpy as np
 from umalloc.backends._base import BackendBase, PeerInfo, locate_ranges
 from umalloc.backends._handle import TransferHandle
 from umalloc.errors import BackendError, RegistrationError, TransferError
-from umalloc.region import DRAM, Region
+from umalloc.geometry.region import DRAM, Region
 
 #: Live local backends of this process by peer id.
 _BY_PEER_ID: weakref.WeakValueDictionary[str, LocalBackend] = weakref.WeakValueDictionary()
@@ -46,7 +46,7 @@ class LocalBackend(BackendBase):
         layout: this side's ``PeerLayout`` (see :class:`~umalloc.backends._base.BackendBase`).
 
     >>> import torch
-    >>> from umalloc.region import Region
+    >>> from umalloc.geometry.region import Region
     >>> src, dst = torch.arange(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)
     >>> a, b = LocalBackend(), LocalBackend()
     >>> a.register([Region(src.data_ptr(), 64)]); b.register([Region(dst.data_ptr(), 64)])

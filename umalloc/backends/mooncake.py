@@ -84,7 +84,7 @@ from umalloc.errors import (
     TransferError,
     UmallocValueError,
 )
-from umalloc.region import DRAM, Region
+from umalloc.geometry.region import DRAM, Region
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 try:

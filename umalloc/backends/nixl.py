@@ -86,7 +86,7 @@ import numpy as np
 from umalloc.backends._base import BackendBase, PeerInfo
 from umalloc.backends._handle import TransferHandle
 from umalloc.errors import BackendError, BackendUnavailable, TransferError, UmallocValueError
-from umalloc.region import Region
+from umalloc.geometry.region import Region
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 if os.environ["UCX_NET_DEVICES"] == "lo" and "UCX_MODULES" not in os.environ:

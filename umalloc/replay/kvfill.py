@@ -49,9 +49,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from umalloc.arena import Arena
+from umalloc.geometry.arena import Arena
 from umalloc.errors import InvalidIdError, UmallocValueError
-from umalloc.spec import ArenaSpec
+from umalloc.geometry.spec import ArenaSpec
 
 _M64 = (1 << 64) - 1
 _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
@@ -177,7 +177,7 @@ class KVPattern:
         spec: the arena spec (both sides of a transfer share its ends' geometry; ``arena_bytes`` is unused).
         seed: pattern seed (int; the replay's ``--seed``).
 
-    >>> from umalloc.spec import EndSpec, LayerSpec
+    >>> from umalloc.geometry.spec import EndSpec, LayerSpec
     >>> spec = ArenaSpec((EndSpec("full", (LayerSpec.mha(1, 4),) * 2, page_size=2),), arena_bytes=1024)
     >>> arena = Arena(spec)
     >>> pat = KVPattern(spec, seed=7)

@@ -17,14 +17,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from umalloc.allocator import MultiEndedAllocator
-from umalloc.arena import Arena
+from umalloc.core.allocator import MultiEndedAllocator
+from umalloc.geometry.arena import Arena
 from umalloc.errors import UmallocValueError
-from umalloc.plan import PeerLayout, build_plan
+from umalloc.transfer.plan import PeerLayout, build_plan
 from umalloc.replay.kvfill import KVPattern
 from umalloc.replay.report import PhaseTimer
 from umalloc.replay.workload import RequestState, first_kept_page, pages_held
-from umalloc.spec import ArenaSpec, EndRole, pages_for_tokens
+from umalloc.geometry.spec import ArenaSpec, EndRole, pages_for_tokens
 
 # ==== sequence helpers (both sides) =============================================================================
 #

@@ -8,8 +8,8 @@ Policy:
   (rebuilt from the preset name, page size, draft flag, arena bytes and seed, so both processes compute the same
   bytes); the parent owns the decode arena and the receiving backend.
 * Per request (a real PD split, F13: only physical ids cross the process boundary): the parent preallocates on
-  decode and builds the receiver half (:func:`umalloc.plan.build_receiver_half`, which leases decode's pages);
-  the child allocates, fills, builds the send plan from the half (:func:`umalloc.plan.build_send_plan`, which
+  decode and builds the receiver half (:func:`umalloc.transfer.plan.build_receiver_half`, which leases decode's pages);
+  the child allocates, fills, builds the send plan from the half (:func:`umalloc.transfer.plan.build_send_plan`, which
   leases prefill's pages) and posts the WRITE without waiting. The parent then runs its decode step while the
   transfer is in flight, and later asks the child to wait for it; the child ends its plan (source lease) and
   frees its pages, and the parent completes the half (destination lease) and verifies every page.
@@ -29,12 +29,12 @@ from types import SimpleNamespace
 
 import torch
 
-from umalloc.allocator import MultiEndedAllocator
-from umalloc.plan import PeerLayout, build_receiver_half
+from umalloc.core.allocator import MultiEndedAllocator
+from umalloc.transfer.plan import PeerLayout, build_receiver_half
 from umalloc.replay.prefill import PlanFigures, warm_up
 from umalloc.replay.report import PhaseTimer
 from umalloc.replay.workload import RequestState
-from umalloc.spec import ArenaSpec
+from umalloc.geometry.spec import ArenaSpec
 
 _HERE = "umalloc.replay.remote:"
 #: Seconds a worker call may take beyond the transfer timeout (allocation, fill and plan building in the child).
@@ -54,8 +54,8 @@ def _child_stats(ctx) -> dict:
 def child_setup(ctx, model: str, page_size: int, draft: bool, arena_bytes: int, seed: int, compaction: str) -> dict:
     """Create the prefill arena (preset ``model``), its allocator and the KV pattern; register the arena with the
     child's backend and publish its layout. Returns the child's stats."""
-    from umalloc.arena import Arena
-    from umalloc.presets import preset_ends
+    from umalloc.geometry.arena import Arena
+    from umalloc.geometry.presets import preset_ends
     from umalloc.replay.kvfill import KVPattern
 
     spec = ArenaSpec(preset_ends(model, page_size=page_size, draft=draft), arena_bytes=arena_bytes)
@@ -76,7 +76,7 @@ def child_start(ctx, request_id: int, num_tokens: int, half: dict, peer: str,
     """Allocate and fill a prompt of ``num_tokens``, build the send plan from the receiver ``half`` and post it
     (no wait). Returns ``{"short": bool, "phases": {...}, "filled": bytes, "stats": ...}``; ``short`` means the
     prefill arena could not take the prompt and nothing changed."""
-    from umalloc.plan import build_send_plan
+    from umalloc.transfer.plan import build_send_plan
     from umalloc.replay.prefill import alloc_sequence, fill_sequence
 
     alloc = ctx.objects["replay_alloc"]

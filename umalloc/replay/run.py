@@ -9,7 +9,7 @@ Policy (shared/DESIGN.md §5; the scheduler is a simplified SGLang-style PD loop
   on the target and draft ends and only the SWA window tail on the SWA end (``bind=`` + ``bind_end``, the one
   SWA formula, F19), and fills every page with the deterministic pattern (:mod:`umalloc.replay.kvfill`).
 * **Decode preallocates** the same shape (full + SWA tail + draft) before the transfer. A plan
-  (:func:`umalloc.plan.build_plan`) leases both sides and goes through the backend. Every page of every vector
+  (:func:`umalloc.transfer.plan.build_plan`) leases both sides and goes through the backend. Every page of every vector
   (``target``, ``swa_tail``, ``draft``) is then read back through decode's own block table and compared with
   the pattern; the leases end; prefill frees.
 * **Decode step.** Every running request grows one token per step: SWA pages that left the window are
@@ -67,10 +67,10 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from umalloc.allocator import MultiEndedAllocator
-from umalloc.arena import Arena
+from umalloc.core.allocator import MultiEndedAllocator
+from umalloc.geometry.arena import Arena
 from umalloc.errors import InvariantError, UmallocValueError
-from umalloc.presets import DEFAULT_PRESET, PRESETS, preset_ends
+from umalloc.geometry.presets import DEFAULT_PRESET, PRESETS, preset_ends
 from umalloc.replay import DEFAULT_REQUESTS, DEFAULT_TOKEN_SCALE
 from umalloc.replay.kvfill import KVPattern, VerifyResult
 from umalloc.replay.prefill import LocalPrefill, alloc_sequence, swa_ends, warm_up
@@ -87,7 +87,7 @@ from umalloc.replay.workload import (
     pages_held,
     peak_pages,
 )
-from umalloc.spec import ARENA_ALIGN_BYTES, ArenaSpec, pages_for_tokens
+from umalloc.geometry.spec import ARENA_ALIGN_BYTES, ArenaSpec, pages_for_tokens
 
 #: Default decode arena: room for this many average requests at their peak (the rest waits or retracts).
 DEFAULT_DECODE_CONCURRENCY = 6.0
@@ -110,7 +110,7 @@ class ReplayConfig:
     Attributes:
         trace: trace file (``None``: the packaged Mooncake conversation trace); trace_format: ``"mooncake"``,
             ``"azure"`` or ``None`` (detect).
-        model: preset name (:data:`umalloc.presets.PRESETS`); page_size: tokens per page; draft: include the
+        model: preset name (:data:`umalloc.geometry.presets.PRESETS`); page_size: tokens per page; draft: include the
             drafter's end.
         prefill_arena_bytes, decode_arena_bytes: arena sizes (``None``: sized from the slice, see
             :func:`default_arena_bytes`).

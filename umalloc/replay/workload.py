@@ -23,7 +23,7 @@ import torch
 
 from umalloc.errors import InvariantError, UmallocValueError
 from umalloc.replay.trace import TraceRequest
-from umalloc.spec import ArenaSpec, EndRole, pages_for_tokens, swa_pages_per_seq
+from umalloc.geometry.spec import ArenaSpec, EndRole, pages_for_tokens, swa_pages_per_seq
 
 WAITING = "waiting"
 TRANSFERRING = "transferring"
@@ -34,12 +34,12 @@ DONE = "done"
 
 def swa_tail_start(seq_len: int, window: int, prefix_len: int, page_size: int) -> int:
     """``floor_to_page(max(prefix_len, seq_len - window))`` — the allocator's one SWA formula (re-exported
-    from :meth:`umalloc.allocator.MultiEndedAllocator.swa_tail_start`).
+    from :meth:`umalloc.core.allocator.MultiEndedAllocator.swa_tail_start`).
 
     >>> swa_tail_start(100, 32, 0, 16)
     64
     """
-    from umalloc.allocator import MultiEndedAllocator
+    from umalloc.core.allocator import MultiEndedAllocator
 
     return MultiEndedAllocator.swa_tail_start(seq_len, window, prefix_len, page_size)
 
@@ -56,7 +56,7 @@ def first_kept_page(spec: ArenaSpec, end: str, seq_len: int) -> int:
 def pages_held(spec: ArenaSpec, end: str, seq_len: int) -> int:
     """Pages of ``end`` a request of ``seq_len`` tokens holds (whole sequence, or the SWA window tail).
 
-    >>> from umalloc.presets import preset_arena_spec
+    >>> from umalloc.geometry.presets import preset_arena_spec
     >>> spec = preset_arena_spec("gemma-3-12b-draft", 1 << 30, page_size=16)
     >>> pages_held(spec, "full", 1500), pages_held(spec, "swa", 1500), pages_held(spec, "draft", 1500)
     (94, 65, 94)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from umalloc.errors import SpecError
-from umalloc.spec import ArenaSpec, EndRole, EndSpec, Grow, KVDtype, LayerSpec
+from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, KVDtype, LayerSpec
 
 
 @dataclass(frozen=True)

@@ -24,9 +24,9 @@ Policy:
   :class:`~umalloc.errors.InvariantError` from :meth:`MultiEndedAllocator.check_invariants`.
 * **Bookkeeping lives on the host** (numpy masters driven by numba kernels, one kernel per call); when the arena
   is on CUDA each owner's ``v2p`` rows have a device mirror refreshed by one batched scatter per call.
-* **Leases** (:mod:`umalloc.leases`): a physical page freed while pinned becomes *pending* (not reusable, not
+* **Leases** (:mod:`umalloc.core.leases`): a physical page freed while pinned becomes *pending* (not reusable, not
   counted as available) until its last lease ends (F11). Expired leases are reclaimed at the start of every
-  allocator call (F12). Compaction (:mod:`umalloc.compaction`) never moves a pinned or pending page.
+  allocator call (F12). Compaction (:mod:`umalloc.core.compaction`) never moves a pinned or pending page.
 
 Note [Byte frontiers]
 ~~~~~~~~~~~~~~~~~~~~~
@@ -100,8 +100,8 @@ from numba import carray, njit, types
 from numba.cpython.unsafe.numbers import leading_zeros, trailing_zeros
 from numba.extending import intrinsic, overload
 
-from umalloc.arena import Arena
-from umalloc.compaction import CompactionReport, MovePlan, apply_plan, plan_down, plan_float, plan_up
+from umalloc.geometry.arena import Arena
+from umalloc.core.compaction import CompactionReport, MovePlan, apply_plan, plan_down, plan_float, plan_up
 from umalloc.errors import (
     DoubleFreeError,
     InvalidIdError,
@@ -111,9 +111,9 @@ from umalloc.errors import (
     TombstoneError,
     UmallocValueError,
 )
-from umalloc.leases import Lease, LeaseTable
-from umalloc.pagestate import PAGE_GAP, PAGE_HOLE, PAGE_LIVE, PAGE_PENDING, PAGE_RESERVED, TOMBSTONE
-from umalloc.spec import ArenaSpec, EndRole, Grow
+from umalloc.core.leases import Lease, LeaseTable
+from umalloc.core.pagestate import PAGE_GAP, PAGE_HOLE, PAGE_LIVE, PAGE_PENDING, PAGE_RESERVED, TOMBSTONE
+from umalloc.geometry.spec import ArenaSpec, EndRole, Grow
 
 logger = logging.getLogger(__name__)
 
@@ -1135,14 +1135,14 @@ class EndStats:
 
 
 class EndView:
-    """The agreed internal representation of one end, for :mod:`umalloc.compaction` / :mod:`umalloc.leases`
+    """The agreed internal representation of one end, for :mod:`umalloc.core.compaction` / :mod:`umalloc.core.leases`
     and tests (views into the allocator's host masters: read them, mutate only through the allocator).
 
     Attributes:
-        name, index, spec, owner (id-owner end name), grow (:class:`~umalloc.spec.Grow`), page_size, page_bytes,
+        name, index, spec, owner (id-owner end name), grow (:class:`~umalloc.geometry.spec.Grow`), page_size, page_bytes,
         first_page, top_page, num_page_slots.
         p2v: ``int64`` ``(num_page_slots,)``: virtual page bound to each physical page, TOMBSTONE if none.
-        state: ``int8`` ``(num_page_slots,)``: :mod:`umalloc.pagestate` codes.
+        state: ``int8`` ``(num_page_slots,)``: :mod:`umalloc.core.pagestate` codes.
         v2p: ``int64`` ``(num_vpages(owner),)``: physical page of each of the owner's virtual pages.
     """
 
@@ -1318,12 +1318,12 @@ def _swa_tail_start(seq_len: int, window: int, prefix_len: int, page_size: int) 
 # the allocator
 # =============================================================================================================
 class MultiEndedAllocator:
-    """Hands out pages of every end of one :class:`~umalloc.arena.Arena` under virtual token ids.
+    """Hands out pages of every end of one :class:`~umalloc.geometry.arena.Arena` under virtual token ids.
 
     Args:
         arena: the arena whose ends this allocator manages (one allocator per arena).
         compaction: ``"lazy"`` (default: compact only when an allocation falls short), ``"eager"`` (compact
-            after every free) or ``"off"``. Compaction is :mod:`umalloc.compaction`'s (Note [Shortfall]).
+            after every free) or ``"off"``. Compaction is :mod:`umalloc.core.compaction`'s (Note [Shortfall]).
         move_budget_pages: most pages one lazy compaction may move per call (``None``: unbounded).
         clock: monotonic clock in seconds for lease deadlines (tests pass a fake one).
         debug_checks: run :meth:`check_invariants` after every mutating call (O(slots) each: tests only).
@@ -1333,9 +1333,9 @@ class MultiEndedAllocator:
             mirror: :meth:`v2p` then aliases the host masters). A CPU mirror exercises the refresh path in tests.
 
     Internal representation (the agreed one, see :class:`EndView` and Note [Host heaps]): per end, host ``p2v``
-    (int64) and ``state`` (int8, :mod:`umalloc.pagestate`) of length ``num_page_slots(end)`` and ``v2p`` (int64)
+    (int64) and ``state`` (int8, :mod:`umalloc.core.pagestate`) of length ``num_page_slots(end)`` and ``v2p`` (int64)
     of length ``num_vpages(owner)``; per owner a virtual-page state array (``V_NEVER/V_LIVE/V_FREED/
-    V_RESERVED``); pin counts live in the :class:`~umalloc.leases.LeaseTable`.
+    V_RESERVED``); pin counts live in the :class:`~umalloc.core.leases.LeaseTable`.
 
     Not thread-safe: call from the thread that owns the scheduler.
 
@@ -1352,7 +1352,7 @@ class MultiEndedAllocator:
                  float_split: float | Mapping[str, float] = 0.5,
                  mirror_device: str | torch.device | None = None) -> None:
         if not isinstance(arena, Arena):
-            raise UmallocValueError(f"arena={arena!r}: allowed an umalloc.arena.Arena")
+            raise UmallocValueError(f"arena={arena!r}: allowed an umalloc.geometry.arena.Arena")
         if compaction not in COMPACTION_MODES:
             raise UmallocValueError(f"compaction={compaction!r}: allowed one of {COMPACTION_MODES}")
         if move_budget_pages is not None and (isinstance(move_budget_pages, bool)
@@ -2513,11 +2513,11 @@ class MultiEndedAllocator:
         return {self._names[e]: int(deficit[e]) for e in range(E) if deficit[e] > 0}
 
     # ------------------------------------------------------------------------------------------------------
-    # compaction and retraction (issue 5: umalloc.compaction, umalloc.retraction)
+    # compaction and retraction (issue 5: umalloc.core.compaction, umalloc.core.retraction)
     # ------------------------------------------------------------------------------------------------------
     def compact(self, end: str | None = None, *, budget_pages: int | None = None) -> CompactionReport:
         """Compact ``end`` (default: every end, in chain order): move the live pages at the far edge of its band
-        into its holes nearest the anchor (:mod:`umalloc.compaction`'s survivor walk), one batched envelope copy
+        into its holes nearest the anchor (:mod:`umalloc.core.compaction`'s survivor walk), one batched envelope copy
         per end, then retreat the band past trailing holes. Virtual ids never change; pinned and pending pages
         are walls (never moved, never written, never retreated past). A float end compacts toward its low edge.
 
@@ -2526,7 +2526,7 @@ class MultiEndedAllocator:
             budget_pages: most pages moved per end (``None``: unlimited; 0: only retreat).
 
         Returns:
-            :class:`~umalloc.compaction.CompactionReport` summed over the ends.
+            :class:`~umalloc.core.compaction.CompactionReport` summed over the ends.
 
         Raises:
             UmallocValueError: unknown end or a bad budget.
@@ -2558,15 +2558,15 @@ class MultiEndedAllocator:
 
     def retract(self, vtokens: torch.Tensor, *, owner: str | None = None) -> Any:
         """Copy a request's pages of every end (owner and every bound end) to host memory, then free them;
-        see :func:`umalloc.retraction.retract` (returns a ``RetractedKV``)."""
-        from umalloc.retraction import retract
+        see :func:`umalloc.core.retraction.retract` (returns a ``RetractedKV``)."""
+        from umalloc.core.retraction import retract
 
         return retract(self, vtokens, owner=owner)
 
     def restore(self, retracted: Any) -> torch.Tensor | None:
         """Re-allocate a retracted request (virtual ids re-minted) and write its bytes back; ``None`` (nothing
-        changed) if an end lacks space. See :func:`umalloc.retraction.restore`."""
-        from umalloc.retraction import restore
+        changed) if an end lacks space. See :func:`umalloc.core.retraction.restore`."""
+        from umalloc.core.retraction import restore
 
         return restore(self, retracted)
 
@@ -2574,7 +2574,7 @@ class MultiEndedAllocator:
     # leases
     # ------------------------------------------------------------------------------------------------------
     def lease(self, pages: Mapping[str, torch.Tensor], *, deadline_s: float | None = None, tag: str = "") -> Lease:
-        """Pin *physical* pages of any ends (Note [Leases and compaction] in :mod:`umalloc.leases`): they are not
+        """Pin *physical* pages of any ends (Note [Leases and compaction] in :mod:`umalloc.core.leases`): they are not
         moved, and if freed they stay pending (not reusable) until the lease ends.
 
         Args:
@@ -2583,7 +2583,7 @@ class MultiEndedAllocator:
             tag: label for logs and ``lease_table.release_tagged``.
 
         Returns:
-            the active :class:`~umalloc.leases.Lease` (context manager; ``release()`` idempotent).
+            the active :class:`~umalloc.core.leases.Lease` (context manager; ``release()`` idempotent).
 
         Raises:
             LeaseError: unknown end, bad pages, or a page that is not live. Nothing changes.
@@ -2615,7 +2615,7 @@ class MultiEndedAllocator:
 
     @property
     def lease_table(self) -> LeaseTable:
-        """The :class:`~umalloc.leases.LeaseTable` holding this arena's pins."""
+        """The :class:`~umalloc.core.leases.LeaseTable` holding this arena's pins."""
         return self._leases
 
     def _validate_lease_pages(self, end: str, pages: np.ndarray) -> None:
@@ -2851,7 +2851,7 @@ def snapshots_equal(a: Any, b: Any) -> bool:
 def _doctest_allocator(**kwargs: Any) -> MultiEndedAllocator:
     """A tiny allocator for the doctests: ``full`` (up, id owner) and ``swa`` (down, bound), both with
     ``page_size = 2`` and 32 B pages, in a 320 B arena: 10 page slots each (page 0 the sink, pages 1..9 usable)."""
-    from umalloc.spec import EndSpec, LayerSpec
+    from umalloc.geometry.spec import EndSpec, LayerSpec
 
     full = EndSpec("full", (LayerSpec.mha(1, 4),), page_size=2)
     swa = EndSpec("swa", (LayerSpec.mha(1, 4, window_tokens=4),), page_size=2, grow=Grow.DOWN, owner="full",

@@ -2,7 +2,7 @@
 
 Policy:
 
-* Planning is pure: the planners read an end's page ``state`` (:mod:`umalloc.pagestate`) and the lease pin
+* Planning is pure: the planners read an end's page ``state`` (:mod:`umalloc.core.pagestate`) and the lease pin
   counts and return the moves; they change nothing. :func:`apply_plan` (or the allocator) executes a plan.
 * A *survivor walk* with two pointers picks the moves: one pointer walks the live pages from the band's far
   edge toward the anchor, the other the holes from the anchor outward; the walk takes the next (source, hole)
@@ -13,7 +13,7 @@ Policy:
   anchor than every chosen source); this one keeps physically contiguous runs contiguous, so blocks of a
   request stay few transfer descriptors and a flush copies whole runs.
 * Pinned pages (leases) and pending pages (freed while pinned) are walls (Note [Leases and compaction] in
-  :mod:`umalloc.leases`): they are never a source, never a destination, and the watermark never retreats past
+  :mod:`umalloc.core.leases`): they are never a source, never a destination, and the watermark never retreats past
   them. Live pages between the anchor and the farthest wall never move: moving them could not lower the
   watermark, so it would be wasted bytes.
 * After the moves the watermark retreats past every trailing unpinned hole, also when the budget allowed no
@@ -65,12 +65,12 @@ import numba
 import numpy as np
 
 from umalloc.errors import InvariantError, UmallocValueError
-from umalloc.pagestate import PAGE_GAP, PAGE_HOLE, PAGE_LIVE, PAGE_PENDING, TOMBSTONE
+from umalloc.core.pagestate import PAGE_GAP, PAGE_HOLE, PAGE_LIVE, PAGE_PENDING, TOMBSTONE
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    from umalloc.arena import Arena
+    from umalloc.geometry.arena import Arena
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 _EMPTY.setflags(write=False)
@@ -232,7 +232,7 @@ def plan_up(state: np.ndarray, pins: np.ndarray, first_page: int, watermark: int
     """Plan compaction of an up-end band ``[first_page, watermark)`` toward ``first_page``.
 
     Args:
-        state: int8 ``(num_page_slots,)`` page states (:mod:`umalloc.pagestate`); band pages must be hole, live or
+        state: int8 ``(num_page_slots,)`` page states (:mod:`umalloc.core.pagestate`); band pages must be hole, live or
             pending.
         pins: integer ``(num_page_slots,)`` pin counts (:meth:`LeaseTable.pin_count`).
         first_page: lowest handable page (``ArenaSpec.first_page``).
@@ -251,7 +251,7 @@ def plan_up(state: np.ndarray, pins: np.ndarray, first_page: int, watermark: int
 
     Complexity: O(watermark - first_page), one numba pass.
 
-    >>> from umalloc.pagestate import PAGE_HOLE as H, PAGE_LIVE as L, PAGE_GAP as G, PAGE_RESERVED as R
+    >>> from umalloc.core.pagestate import PAGE_HOLE as H, PAGE_LIVE as L, PAGE_GAP as G, PAGE_RESERVED as R
     >>> state = np.array([R, L, H, L, H, L, L, G], dtype=np.int8)
     >>> src, dst, wm = plan_up(state, np.zeros(8, np.int32), 1, 7)
     >>> src.tolist(), dst.tolist(), wm
@@ -282,7 +282,7 @@ def plan_down(state: np.ndarray, pins: np.ndarray, top_page: int, watermark: int
 
     Complexity: O(top_page - watermark), one numba pass.
 
-    >>> from umalloc.pagestate import PAGE_HOLE as H, PAGE_LIVE as L, PAGE_GAP as G, PAGE_RESERVED as R
+    >>> from umalloc.core.pagestate import PAGE_HOLE as H, PAGE_LIVE as L, PAGE_GAP as G, PAGE_RESERVED as R
     >>> state = np.array([R, G, L, L, H, L, H, L], dtype=np.int8)     # band (1, 7]
     >>> src, dst, wm = plan_down(state, np.zeros(8, np.int32), 7, 1)
     >>> src.tolist(), dst.tolist(), wm      # walk: (2, 6), (3, 4); order-preserving: 2->4, 3->6
@@ -308,7 +308,7 @@ def plan_float(state: np.ndarray, pins: np.ndarray, lo: int, hi: int, *, free_ed
     Returns:
         :class:`MovePlan` (unpacks as ``src_pages, dst_pages, new_lo, new_hi``).
 
-    >>> from umalloc.pagestate import PAGE_HOLE as H, PAGE_LIVE as L, PAGE_GAP as G
+    >>> from umalloc.core.pagestate import PAGE_HOLE as H, PAGE_LIVE as L, PAGE_GAP as G
     >>> state = np.array([G, G, L, H, L, H, G, G], dtype=np.int8)     # band [2, 6)
     >>> tuple(plan_float(state, np.zeros(8, np.int32), 2, 6, free_edge="low"))[2:]
     (4, 6)

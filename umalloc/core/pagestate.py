@@ -1,6 +1,6 @@
 """Per-page state codes of an end's physical pages (host ``int8`` arrays of length ``num_page_slots(end)``).
 
-Shared by :mod:`umalloc.allocator`, :mod:`umalloc.compaction` and :mod:`umalloc.leases` so that all three agree
+Shared by :mod:`umalloc.core.allocator`, :mod:`umalloc.core.compaction` and :mod:`umalloc.core.leases` so that all three agree
 on one encoding:
 
 * ``PAGE_RESERVED`` (0): below ``first_page`` (the sink and the reserved floor); never handed out, moved or freed.

@@ -7,9 +7,9 @@ Policy:
 * The lowest ``floor_bytes`` are the reserved floor. Page 0 of every end lies inside it: the *sink* that
   padded lanes may write and nobody reads. Pages below :meth:`ArenaSpec.first_page` are never handed out.
 * One page is one contiguous envelope holding every layer of the end (Note [Page-major envelope] in
-  :mod:`umalloc.spec`); per-layer K/V views alias the arena with strides, so kernels and transfers see the
+  :mod:`umalloc.geometry.spec`); per-layer K/V views alias the arena with strides, so kernels and transfers see the
   same bytes.
-* A transfer backend registers the whole arena once as one :class:`~umalloc.region.Region` and addresses a
+* A transfer backend registers the whole arena once as one :class:`~umalloc.geometry.region.Region` and addresses a
   page as ``base + physical_page * page_bytes``.
 
 ::
@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 
 from umalloc.errors import InvalidIdError, UmallocValueError
-from umalloc.region import DRAM, VRAM, Region, RegionMember
-from umalloc.spec import ArenaSpec, EndSpec, LayerKind
+from umalloc.geometry.region import DRAM, VRAM, Region, RegionMember
+from umalloc.geometry.spec import ArenaSpec, EndSpec, LayerKind
 
 
 class Arena:
@@ -40,7 +40,7 @@ class Arena:
         spec: the :class:`ArenaSpec`.
         data: ``torch.uint8`` tensor of shape ``(arena_bytes,)`` on ``device``.
 
-    >>> from umalloc.spec import EndSpec, LayerSpec
+    >>> from umalloc.geometry.spec import EndSpec, LayerSpec
     >>> a = Arena(ArenaSpec((EndSpec("full", (LayerSpec.mha(1, 4),), page_size=2),), arena_bytes=128))
     >>> a.page_bytes("full"), a.first_page("full"), a.top_page("full")
     (32, 1, 3)

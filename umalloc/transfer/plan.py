@@ -89,7 +89,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from umalloc.allocator import MultiEndedAllocator
+from umalloc.core.allocator import MultiEndedAllocator
 from umalloc.errors import (
     DescriptorBoundsError,
     IncompatiblePeerError,
@@ -97,8 +97,8 @@ from umalloc.errors import (
     LeaseError,
     UmallocValueError,
 )
-from umalloc.region import Region, RegionGroup, RegionMember
-from umalloc.spec import ArenaSpec, EndRole, EndSpec, Grow, KVDtype, LayerKind, LayerSpec
+from umalloc.geometry.region import Region, RegionGroup, RegionMember
+from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, KVDtype, LayerKind, LayerSpec
 from umalloc.translators import get_translator
 
 #: Vector name of each end role (a second end of the same role is named ``"<role name>.<end name>"``).
@@ -195,7 +195,7 @@ def vector_rows(end: EndSpec, seq_len_tokens: int, prefix_tokens: int = 0, *, dc
     Raises:
         UmallocValueError: a state end, negative lengths, ``P > L``, bad DCP.
 
-    >>> from umalloc.spec import LayerSpec
+    >>> from umalloc.geometry.spec import LayerSpec
     >>> full = EndSpec("full", (LayerSpec.mha(1, 4),), page_size=4)
     >>> swa = EndSpec("swa", (LayerSpec.mha(1, 4, window_tokens=5),), 4, owner="full", role=EndRole.SWA)
     >>> vector_rows(full, 19, 6), vector_rows(swa, 19, 6), vector_rows(swa, 19, 17)
@@ -298,7 +298,7 @@ class PeerLayout:
         UmallocValueError: ranks out of range, no region containing the arena, or (under DCP) a bound end whose
             sharding differs from its owner's (a draft that keeps logical rows must be its own id owner).
 
-    >>> from umalloc.spec import LayerSpec
+    >>> from umalloc.geometry.spec import LayerSpec
     >>> spec = ArenaSpec((EndSpec("full", (LayerSpec.mha(1, 8),), page_size=2),), arena_bytes=640)
     >>> lay = PeerLayout(spec, (Region(1000, 640),), 1000)
     >>> lay.region_member("full").address(3), PeerLayout.from_dict(lay.to_dict()) == lay
@@ -362,7 +362,7 @@ class PeerLayout:
     @classmethod
     def from_arena(cls, arena: Any, *, tp_rank: int = 0, tp_size: int = 1, dcp_rank: int = 0,
                    dcp_size: int = 1) -> PeerLayout:
-        """The layout of an :class:`~umalloc.arena.Arena` (its spec, regions and base address).
+        """The layout of an :class:`~umalloc.geometry.arena.Arena` (its spec, regions and base address).
 
         Cached per arena and arguments (the arena's bytes never move), so repeated plans reuse one layout and
         its digest."""
@@ -552,7 +552,7 @@ def check_compatible(local: PeerLayout, remote: PeerLayout) -> None:
     Raises:
         IncompatiblePeerError: with ``differences`` listing every difference, one line each.
 
-    >>> from umalloc.spec import LayerSpec
+    >>> from umalloc.geometry.spec import LayerSpec
     >>> def lay(ps, heads):
     ...     spec = ArenaSpec((EndSpec("full", (LayerSpec.mha(heads, 8),), page_size=ps),), arena_bytes=4096)
     ...     return PeerLayout(spec, (Region(1 << 20, 4096),), 1 << 20)
@@ -891,7 +891,7 @@ class TransferPlan(_LeaseHolder):
 
     Complexity: O(pages + rows * blocks + page slots) at construction; :meth:`descriptors` is O(1).
 
-    >>> from umalloc.spec import LayerSpec
+    >>> from umalloc.geometry.spec import LayerSpec
     >>> spec = ArenaSpec((EndSpec("full", (LayerSpec.mha(1, 8),), page_size=2),), arena_bytes=640)
     >>> src, dst = PeerLayout(spec, (Region(1000, 640),), 1000), PeerLayout(spec, (Region(2000, 640),), 2000)
     >>> v = IndexVector("target", "full", "full", torch.tensor([3, 4]), torch.tensor([7, 8]),

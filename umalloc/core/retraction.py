@@ -6,7 +6,7 @@ Policy:
   a draft's pages are never dropped. An end whose page was deliberately left unbound (an SWA page that left
   the window, tombstoned by ``release_end``) is recorded as unbound and stays unbound after restore.
 * While the device -> host copy is in flight the pages are leased (Note [Leases and compaction] in
-  :mod:`umalloc.leases`), so no compaction moves them and no reuse overwrites them; the pages are freed only
+  :mod:`umalloc.core.leases`), so no compaction moves them and no reuse overwrites them; the pages are freed only
   after the copy has completed. If the copy fails, the lease is released and nothing is freed.
 * Restore allocates fresh pages and writes the same bytes back. **Virtual ids are re-minted**: the returned
   virtual token ids differ in general from the retracted ones (same offsets inside each page, same order as
@@ -19,7 +19,7 @@ Policy:
 
 Note [Restore checks the whole record]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-A :class:`RetractedKV` carries the :class:`~umalloc.spec.EndSpec` of every end it holds. :func:`restore`
+A :class:`RetractedKV` carries the :class:`~umalloc.geometry.spec.EndSpec` of every end it holds. :func:`restore`
 checks the *whole* record against the allocator before it allocates a single page: the owner is an id-owner
 end; the record's ends are exactly the owner and its bound ends; every end's layers, page_size, owner and
 role equal the allocator's (so page_bytes and the envelope layout agree; grow directions and the arena size may
@@ -43,11 +43,11 @@ import numpy as np
 import torch
 
 from umalloc.errors import InvalidIdError, NotAllocatedError, UmallocValueError
-from umalloc.pagestate import TOMBSTONE
-from umalloc.spec import EndSpec
+from umalloc.core.pagestate import TOMBSTONE
+from umalloc.geometry.spec import EndSpec
 
 if TYPE_CHECKING:
-    from umalloc.allocator import MultiEndedAllocator
+    from umalloc.core.allocator import MultiEndedAllocator
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ class RetractedKV:
         token_offset: int64 ``(num_tokens,)``: each token's offset inside its page.
         ends: end name -> :class:`RetractedEnd` (the owner and every bound end).
         old_vpages: int64 ``(num_pages,)``: the virtual pages the request had (for logs; never reused).
-        specs: end name -> the :class:`~umalloc.spec.EndSpec` the end had at retract (the geometry
+        specs: end name -> the :class:`~umalloc.geometry.spec.EndSpec` the end had at retract (the geometry
             :func:`restore` checks, Note [Restore checks the whole record]).
     """
 
@@ -134,7 +134,7 @@ def retract(allocator: MultiEndedAllocator, vtokens: torch.Tensor, *, owner: str
 
     Complexity: O(pages * page_bytes) bytes copied per end, one gather per end.
 
-    >>> from umalloc.allocator import _doctest_allocator      # full (up, owner) + swa (down, bound), page_size 2
+    >>> from umalloc.core.allocator import _doctest_allocator      # full (up, owner) + swa (down, bound), page_size 2
     >>> alloc = _doctest_allocator()
     >>> t = alloc.alloc_extend(torch.tensor([0]), torch.tensor([3]), torch.tensor([-1]))   # 3 tokens, 2 pages
     >>> kv = retract(alloc, t)
@@ -291,7 +291,7 @@ def restore(allocator: MultiEndedAllocator, retracted: RetractedKV) -> torch.Ten
     Complexity: O(num_tokens + pages) checks, then O(pages * page_bytes) bytes copied per end, one scatter per
     end.
 
-    >>> from umalloc.allocator import _doctest_allocator
+    >>> from umalloc.core.allocator import _doctest_allocator
     >>> alloc = _doctest_allocator()
     >>> t = alloc.alloc_extend(torch.tensor([0]), torch.tensor([3]), torch.tensor([-1]))
     >>> alloc.arena.envelopes("swa")[alloc.translate_pages(torch.tensor([1, 2]), "swa")] = torch.tensor(

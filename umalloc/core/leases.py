@@ -5,7 +5,7 @@ Policy:
 * A :class:`Lease` pins a set of *physical* pages of one or more ends (every end of the arena may appear:
   F17). Pins are counted per page (``int32`` per end), so overlapping leases compose; a page is pinned while
   its count is positive.
-* Compaction never moves a pinned page and never writes into one (:mod:`umalloc.compaction` takes the pin
+* Compaction never moves a pinned page and never writes into one (:mod:`umalloc.core.compaction` takes the pin
   arrays as input). A page freed while pinned becomes *pending* in the allocator and is handed out again only
   after its count drops to zero: the table reports every such page through ``on_unpinned`` (F11).
 * Every terminal path ends a lease: :meth:`Lease.release` (idempotent), leaving a ``with`` block (normally or by

@@ -1,0 +1,1 @@
+"""The allocator core: heap, kernels, shortfall ladder, compaction, leases, retraction and the allocator facade."""

@@ -1,0 +1,1 @@
+"""The transfer layer: peer layouts, row arithmetic, descriptors, transfer plans and their builders."""
