@@ -113,7 +113,7 @@ from umalloc.errors import (
 )
 from umalloc.core.leases import Lease, LeaseTable
 from umalloc.core.pagestate import PAGE_GAP, PAGE_HOLE, PAGE_LIVE, PAGE_PENDING, PAGE_RESERVED, TOMBSTONE
-from umalloc.geometry.spec import ArenaSpec, EndRole, Grow
+from umalloc.geometry.spec import ArenaSpec, EndRole, Grow, swa_tail_start
 
 logger = logging.getLogger(__name__)
 
@@ -1302,18 +1302,6 @@ def _unpack_bits(words: np.ndarray, n: int) -> np.ndarray:
     return np.unpackbits(words.astype("<i8").view(np.uint8), bitorder="little")[:n].astype(bool)
 
 
-def _swa_tail_start(seq_len: int, window: int, prefix_len: int, page_size: int) -> int:
-    for nm, v, lo in (("seq_len", seq_len, 0), ("window", window, 1), ("prefix_len", prefix_len, 0),
-                      ("page_size", page_size, 1)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
-            raise UmallocValueError(f"swa_tail_start: {nm}={v!r}; allowed an int >= {lo}")
-    if prefix_len > seq_len:
-        raise UmallocValueError(f"swa_tail_start: prefix_len={prefix_len} > seq_len={seq_len}; "
-                                f"allowed prefix_len in [0, seq_len]")
-    first = max(prefix_len, seq_len - window)
-    return int(first // page_size * page_size)
-
-
 # =============================================================================================================
 # the allocator
 # =============================================================================================================
@@ -2361,7 +2349,7 @@ class MultiEndedAllocator:
         >>> MultiEndedAllocator.swa_tail_start(100, 32, 90, 16)    # the receiver holds 90 tokens already
         80
         """
-        return _swa_tail_start(seq_len, window, prefix_len, page_size)
+        return swa_tail_start(seq_len, window, prefix_len, page_size)
 
     # ------------------------------------------------------------------------------------------------------
     # translation

@@ -32,9 +32,10 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from umalloc.errors import SpecError
+from umalloc.errors import SpecError, UmallocValueError
 
 #: Byte alignment of the arena size and of every layer block inside a page.
 ARENA_ALIGN_BYTES = 16
@@ -450,3 +451,31 @@ __all__ = [
     "arena_bytes_for_limits", "arena_spec_for_budget", "pages_for_tokens", "swa_pages_per_seq",
 ]
 
+
+def swa_tail_start(seq_len: int, window: int, prefix_len: int, page_size: int) -> int:
+    """First token whose SWA page must exist: ``floor_to_page(max(prefix_len, seq_len - window))``.
+
+    The one SWA formula (F18/F19): prefill (what to send), decode (what to keep: pages wholly before it may be
+    released), plans and the replay all call this, so every side works in the same units (tokens floored to the
+    page), also when ``page_size > window``. O(1).
+
+    Raises:
+        UmallocValueError: a non-int argument, negative lengths, ``window < 1``, ``page_size < 1`` or
+            ``prefix_len > seq_len``.
+
+    >>> swa_tail_start(100, 32, 0, 16)     # window [68, 100): pages from token 64
+    64
+    >>> swa_tail_start(10, 3, 0, 16)       # page_size > window: keep page 0
+    0
+    >>> swa_tail_start(100, 32, 90, 16)    # the receiver holds 90 tokens already
+    80
+    """
+    for nm, v, lo in (("seq_len", seq_len, 0), ("window", window, 1), ("prefix_len", prefix_len, 0),
+                      ("page_size", page_size, 1)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
+            raise UmallocValueError(f"swa_tail_start: {nm}={v!r}; allowed an int >= {lo}")
+    if prefix_len > seq_len:
+        raise UmallocValueError(f"swa_tail_start: prefix_len={prefix_len} > seq_len={seq_len}; "
+                                f"allowed prefix_len in [0, seq_len]")
+    first = max(prefix_len, seq_len - window)
+    return int(first // page_size * page_size)

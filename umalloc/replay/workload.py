@@ -23,25 +23,13 @@ import torch
 
 from umalloc.errors import InvariantError, UmallocValueError
 from umalloc.replay.trace import TraceRequest
-from umalloc.geometry.spec import ArenaSpec, EndRole, pages_for_tokens, swa_pages_per_seq
+from umalloc.geometry.spec import ArenaSpec, EndRole, pages_for_tokens, swa_pages_per_seq, swa_tail_start
 
 WAITING = "waiting"
 TRANSFERRING = "transferring"
 RUNNING = "running"
 RETRACTED = "retracted"
 DONE = "done"
-
-
-def swa_tail_start(seq_len: int, window: int, prefix_len: int, page_size: int) -> int:
-    """``floor_to_page(max(prefix_len, seq_len - window))`` — the allocator's one SWA formula (re-exported
-    from :meth:`umalloc.core.allocator.MultiEndedAllocator.swa_tail_start`).
-
-    >>> swa_tail_start(100, 32, 0, 16)
-    64
-    """
-    from umalloc.core.allocator import MultiEndedAllocator
-
-    return MultiEndedAllocator.swa_tail_start(seq_len, window, prefix_len, page_size)
 
 
 def first_kept_page(spec: ArenaSpec, end: str, seq_len: int) -> int:

@@ -98,7 +98,7 @@ from umalloc.errors import (
     UmallocValueError,
 )
 from umalloc.geometry.region import Region, RegionGroup, RegionMember
-from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, KVDtype, LayerKind, LayerSpec
+from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, KVDtype, LayerKind, LayerSpec, swa_tail_start
 from umalloc.translators import get_translator
 
 #: Vector name of each end role (a second end of the same role is named ``"<role name>.<end name>"``).
@@ -125,19 +125,7 @@ _EMPTY_I64 = np.zeros(0, dtype=np.int64)
 _EMPTY_I64.setflags(write=False)
 
 
-# ==== the shared SWA formula ==================================================================================
 
-
-def swa_tail_start(seq_len: int, window: int, prefix_len: int, page_size: int) -> int:
-    """First token of the SWA pages a sequence keeps: ``floor_to_page(max(prefix_len, seq_len - window))``.
-
-    This *is* ``MultiEndedAllocator.swa_tail_start``, the one function prefill and decode use (F19); plans call
-    it, never a copy of the formula.
-
-    >>> swa_tail_start(10, 4, 0, 4), swa_tail_start(10, 4, 9, 4), swa_tail_start(3, 8, 0, 2)
-    (4, 8, 0)
-    """
-    return MultiEndedAllocator.swa_tail_start(seq_len, window, prefix_len, page_size)
 
 
 # ==== DCP row arithmetic ======================================================================================
