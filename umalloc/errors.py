@@ -120,3 +120,11 @@ class TransferError(BackendError):
 
 class TransferTimeout(TransferError, TimeoutError):
     """A transfer did not finish before its deadline."""
+
+
+class HeapCopyError(UmallocError, TypeError):
+    """An object owning raw addresses (the allocator's heap, the allocator) was copied, pickled or rebound."""
+
+
+class ArenaInUseError(UmallocValueError):
+    """A second allocator was built on an :class:`~umalloc.geometry.arena.Arena` that a live one manages."""

@@ -73,6 +73,9 @@ def _as_page_array(end: str, pages: object, lo: int, hi: int) -> np.ndarray:
 
         if not isinstance(pages, torch.Tensor):
             raise LeaseError(f"pages[{end!r}]: allowed a 1-D integer torch tensor, numpy array or sequence")
+        if pages.layout is not torch.strided or pages.is_meta:  # no dense data to read
+            raise LeaseError(f"pages[{end!r}]: layout {pages.layout} on {pages.device}; allowed a dense tensor "
+                             f"with data")
         if pages.dtype.is_floating_point or pages.dtype.is_complex or pages.dtype == torch.bool:
             raise LeaseError(f"pages[{end!r}] dtype {pages.dtype}: allowed an integer dtype (int64)")
         arr = pages.detach().cpu().numpy()
@@ -188,6 +191,9 @@ class LeaseTable:
         validator: called as ``validator(end, pages)`` for every end of a lease after the range checks and
             before anything changes; raise :class:`LeaseError` to refuse (the allocator refuses pages that
             are not live).
+        pins: per end, a zeroed contiguous ``int32 (page_slots[end],)`` array the table counts pins in (lent by
+            its owner: the allocator's heap owns them, so its kernels read them in place); default: the table
+            allocates its own. The table never rebinds them.
 
     Counters: ``leases_taken``, ``leases_released``, ``leases_expired``, ``pages_expired``; per end
     :meth:`pins_current` (distinct pinned pages). ``version`` increments on every change of holds.
@@ -204,7 +210,7 @@ class LeaseTable:
 
     def __init__(self, page_slots: Mapping[str, int], *, clock: Callable[[], float] = time.monotonic,
                  on_unpinned: UnpinnedHook | None = None, first_pages: Mapping[str, int] | None = None,
-                 validator: PageValidator | None = None) -> None:
+                 validator: PageValidator | None = None, pins: Mapping[str, np.ndarray] | None = None) -> None:
         if not isinstance(page_slots, Mapping) or not page_slots:
             raise LeaseError(f"page_slots={page_slots!r}: allowed a non-empty mapping end -> num_page_slots")
         self._slots: dict[str, int] = {}
@@ -213,16 +219,31 @@ class LeaseTable:
                 raise LeaseError(f"page_slots[{end!r}]={n!r}: allowed an int >= 1 per end name")
             self._slots[end] = int(n)
         self._lo: dict[str, int] = {e: 0 for e in self._slots}
+        if not callable(clock):
+            raise LeaseError(f"clock={clock!r}: allowed a callable returning monotonic seconds")
+        if first_pages is not None and not isinstance(first_pages, Mapping):
+            raise LeaseError(f"first_pages={first_pages!r}: allowed a mapping end -> first page")
         for end, lo in (first_pages or {}).items():
             if end not in self._slots:
                 raise LeaseError(f"first_pages names end {end!r}: allowed one of {sorted(self._slots)}")
+            if isinstance(lo, bool) or not isinstance(lo, (int, np.integer)):
+                raise LeaseError(f"first_pages[{end!r}]={lo!r}: allowed an int in [0, {self._slots[end] - 1}]")
             if not 0 <= int(lo) < self._slots[end]:
                 raise LeaseError(f"first_pages[{end!r}]={lo}: allowed [0, {self._slots[end] - 1}]")
             self._lo[end] = int(lo)
         self.clock = clock
         self.on_unpinned = on_unpinned
         self.validator = validator
-        self._pins: dict[str, np.ndarray] = {e: np.zeros(n, dtype=np.int32) for e, n in self._slots.items()}
+        if pins is None:
+            pins = {e: np.zeros(n, dtype=np.int32) for e, n in self._slots.items()}
+        if not isinstance(pins, Mapping) or set(pins) != set(self._slots):
+            raise LeaseError(f"pins: allowed a mapping with exactly the ends {sorted(self._slots)}")
+        for end, arr in pins.items():
+            if not (isinstance(arr, np.ndarray) and arr.dtype == np.int32 and arr.shape == (self._slots[end],)
+                    and arr.flags.c_contiguous and arr.flags.writeable and not arr.any()):
+                raise LeaseError(f"pins[{end!r}]: allowed a zeroed writeable contiguous int32 array of shape "
+                                 f"({self._slots[end]},)")
+        self._pins: dict[str, np.ndarray] = {e: pins[e] for e in self._slots}
         self._pinned_pages: dict[str, int] = {e: 0 for e in self._slots}
         self._active: dict[int, Lease] = {}
         self._active_view = MappingProxyType(self._active)

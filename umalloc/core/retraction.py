@@ -12,7 +12,8 @@ Policy:
   virtual token ids differ in general from the retracted ones (same offsets inside each page, same order as
   the retracted tokens); the engine rewrites its block table (``req_to_token``) with them.
 * Only the allocator's public API is used (``v2p``, ``lease``, ``free``, ``can_alloc``, ``alloc_pages``,
-  ``bind_end``, ``translate_pages``, ``arena.envelopes``); ``MultiEndedAllocator.retract/restore`` delegate here.
+  ``bind_end``, ``translate_pages``, ``arena.envelopes``; the :class:`MultiEndedAllocator` protocol below); this module never imports the
+  allocator: ``MultiEndedAllocator.retract/restore`` call in here.
 * Restore is all-or-nothing: if any end lacks space it returns ``None`` and the allocator's live set is
   unchanged.
 * A record is restored only into the geometry it was taken from (Note [Restore checks the whole record]).
@@ -36,18 +37,34 @@ its own, or a device error while writing bytes), every page allocated so far is 
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from umalloc.errors import InvalidIdError, NotAllocatedError, UmallocValueError
 from umalloc.core.pagestate import TOMBSTONE
-from umalloc.geometry.spec import EndSpec
+from umalloc.errors import InvalidIdError, NotAllocatedError, UmallocValueError
+from umalloc.geometry.arena import Arena
+from umalloc.geometry.spec import ArenaSpec, EndSpec
 
-if TYPE_CHECKING:
-    from umalloc.core.allocator import MultiEndedAllocator
+
+class MultiEndedAllocator(Protocol):
+    """What retraction uses of an allocator: only its public API (the allocator imports this module, never the
+    other way round; ``MultiEndedAllocator.retract``/``restore`` call :func:`retract`/:func:`restore`)."""
+
+    spec: ArenaSpec
+    arena: Arena
+
+    def num_vpages(self, owner: str | None = None) -> int: ...
+    def v2p(self, end: str) -> torch.Tensor: ...
+    def lease(self, pages: Mapping[str, torch.Tensor], *, deadline_s: float | None = None, tag: str = "") -> Any: ...
+    def free(self, vtokens: torch.Tensor, *, owner: str | None = None) -> None: ...
+    def can_alloc(self, num_pages_by_end: Mapping[str, int]) -> bool: ...
+    def alloc_pages(self, num_pages: int, *, owner: str | None = None, bind: Sequence[str] | None = None) -> Any: ...
+    def bind_end(self, end: str, vtokens: torch.Tensor) -> bool: ...
+    def translate_pages(self, vpages: torch.Tensor, end: str, *, strict: bool = True) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -134,8 +151,8 @@ def retract(allocator: MultiEndedAllocator, vtokens: torch.Tensor, *, owner: str
 
     Complexity: O(pages * page_bytes) bytes copied per end, one gather per end.
 
-    >>> from umalloc.core.allocator import _doctest_allocator      # full (up, owner) + swa (down, bound), page_size 2
-    >>> alloc = _doctest_allocator()
+    >>> from umalloc.testing import small_allocator   # full (up, owner) + swa (down, bound), page_size 2
+    >>> alloc = small_allocator()
     >>> t = alloc.alloc_extend(torch.tensor([0]), torch.tensor([3]), torch.tensor([-1]))   # 3 tokens, 2 pages
     >>> kv = retract(alloc, t)
     >>> kv.pages_by_end(), alloc.stats()["full"].live_pages, alloc.leases_active()
@@ -145,6 +162,9 @@ def retract(allocator: MultiEndedAllocator, vtokens: torch.Tensor, *, owner: str
     if not isinstance(vtokens, torch.Tensor) or vtokens.dtype != torch.int64 or vtokens.dim() != 1:
         raise InvalidIdError(f"vtokens: allowed a 1-D torch.int64 tensor, got "
                              f"{type(vtokens).__name__} {getattr(vtokens, 'dtype', '')}")
+    if vtokens.layout is not torch.strided or vtokens.is_meta:  # no dense data to read
+        raise InvalidIdError(f"vtokens: layout {vtokens.layout} on {vtokens.device}; allowed a dense tensor with "
+                             f"data")
     page_size = allocator.spec.end(owner).page_size
     toks = vtokens.detach().cpu().numpy()
     num_vpages = allocator.num_vpages(owner)
@@ -291,8 +311,8 @@ def restore(allocator: MultiEndedAllocator, retracted: RetractedKV) -> torch.Ten
     Complexity: O(num_tokens + pages) checks, then O(pages * page_bytes) bytes copied per end, one scatter per
     end.
 
-    >>> from umalloc.core.allocator import _doctest_allocator
-    >>> alloc = _doctest_allocator()
+    >>> from umalloc.testing import small_allocator
+    >>> alloc = small_allocator()
     >>> t = alloc.alloc_extend(torch.tensor([0]), torch.tensor([3]), torch.tensor([-1]))
     >>> alloc.arena.envelopes("swa")[alloc.translate_pages(torch.tensor([1, 2]), "swa")] = torch.tensor(
     ...     [[5], [6]], dtype=torch.uint8)
