@@ -64,8 +64,8 @@ from typing import TYPE_CHECKING
 import numba
 import numpy as np
 
-from umalloc.core.pagestate import PAGE_GAP, PAGE_HOLE, PAGE_LIVE, PAGE_PENDING, TOMBSTONE
 from umalloc.errors import InvariantError, UmallocValueError
+from umalloc.core.pagestate import PAGE_GAP, PAGE_HOLE, PAGE_LIVE, PAGE_PENDING, TOMBSTONE
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
