@@ -1100,7 +1100,8 @@ class MultiEndedAllocator:
         >>> alloc.num_contiguous_runs(vp, "full"), alloc.num_contiguous_runs(vp.flip(0), "full")
         (1, 4)
         """
-        phys = self.translate_pages(vpages, end).numpy()
+        res = self.translate_pages(vpages, end)
+        phys = res if isinstance(res, np.ndarray) else res.cpu().numpy()
         if phys.size == 0:
             return 0
         return int(1 + np.count_nonzero(phys[1:] != phys[:-1] + 1))
