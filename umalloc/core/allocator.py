@@ -78,12 +78,10 @@ import numpy as np
 import torch
 
 from umalloc.core import retraction
-from umalloc.core.compaction import CompactionReport, MovePlan, apply_plan
 from umalloc.core.heap import Heap
 from umalloc.core.ids import (
     _I64,
     _NP_I64,
-    ReadOnlyTable,
     _hot_index,
     _id_arg,
     _ids,
@@ -91,21 +89,15 @@ from umalloc.core.ids import (
     _out_arg,
     check_strict,
     count_arg,
-    read_only_table,
 )
 from umalloc.core.kernels import raw
-from umalloc.core.kernels.codes import _E_IDS, _E_SHORT, _OK, raise_for
+from umalloc.core.kernels.codes import _OK, raise_for
 from umalloc.core.kernels.layout import (
     _FIRST,
     _HI,
-    _HOLES,
     _LO,
-    _MASK_SLOTS,
-    _MOVES,
     _NV,
     _OWNER,
-    _PB,
-    _PS,
     _SPLIT_ONE,
     _VLIVE,
     V_FREED,
@@ -120,20 +112,20 @@ from umalloc.core.kernels.ops import (
     _k_extend,
     _k_free,
     _k_release,
-    _k_translate,
     hot_entries,
 )
-from umalloc.core.kernels.placement import _k_recount, _k_unpend, _plan, _reach
-from umalloc.core.ladder import plan_end, plan_shortfall, slide_plan
+from umalloc.core.kernels.placement import _k_unpend
 from umalloc.core.leases import Lease, LeaseTable
+from umalloc.core.mirror import make_mirrors, refresh
 from umalloc.core.observe import EndStats, EndView, check_invariants, end_stats, snapshot, snapshots_equal
-from umalloc.core.pagestate import PAGE_HOLE, PAGE_LIVE
+from umalloc.core.pagestate import PAGE_LIVE
+from umalloc.core.space import SpacePart
+from umalloc.core.translation import TranslationPart
 from umalloc.errors import (
     ArenaInUseError,
     HeapCopyError,
     InvalidIdError,
     LeaseError,
-    TombstoneError,
     UmallocValueError,
 )
 from umalloc.geometry.arena import Arena
@@ -162,7 +154,7 @@ def _claim(arena: Arena, alloc: MultiEndedAllocator) -> None:
 
     _arena_claims[key] = (weakref.ref(arena, drop), weakref.ref(alloc, drop))
 
-class MultiEndedAllocator:
+class MultiEndedAllocator(TranslationPart, SpacePart):
     """Hands out pages of every end of one :class:`~umalloc.geometry.arena.Arena` under virtual token ids.
 
     Args:
@@ -223,7 +215,6 @@ class MultiEndedAllocator:
         self._chain, self._err, self._scratch = heap.chain, heap.err, heap.scratch
         self._owners, self._group, self._host2d = heap.owners, heap.group, heap.host2d
         self._root_a, self._mask_base = heap.root_a, heap.mask_base
-        self._masks: dict[tuple[int, Any], int] = {}
         owners = self._owners
         self._default_owner = owners[0] if len(owners) == 1 else -1
         self._default_mask = self._bind_mask(owners[0], None) if len(owners) == 1 else -1
@@ -243,8 +234,7 @@ class MultiEndedAllocator:
         self._device = device
         self._mirror: dict[int, torch.Tensor] = {}
         if device.type == "cuda" or mirror_device is not None:
-            for o in owners:
-                self._mirror[o] = torch.from_numpy(self._host2d[o]).to(device, copy=True)
+            self._mirror = make_mirrors(self._host2d, device)
         self._sync = bool(self._mirror) or self.debug_checks
         self._eager = compaction == "eager"
         # Note [Page-level hot path]: alloc_pages / free_pages / release_pages with numpy ids, the default owner
@@ -303,48 +293,9 @@ class MultiEndedAllocator:
                                     f"end: {[self._names[i] for i in self._owners]}")
         return o
 
-    def _bind_mask(self, o: int, bind: Sequence[str] | None, *, only: int = -1) -> int:
-        """Offset in ``h8`` of the bind mask of owner ``o``: the owner plus ``bind`` (None: all bound ends);
-        ``only >= 0``: that end alone."""
-        if bind is not None and only < 0:
-            if isinstance(bind, (str, bytes)) or not isinstance(bind, Iterable):
-                raise UmallocValueError(f"bind={bind!r}: allowed a sequence of end names (not a str) or None")
-            bind = tuple(bind)  # an iterator is read once, here: the cache key and the mask see the same names
-            if not all(isinstance(name, str) for name in bind):
-                raise UmallocValueError(f"bind={bind!r}: allowed end names (str)")
-        key: tuple[int, Any] = (o, ("#only", only) if only >= 0 else bind)
-        off = self._masks.get(key)
-        if off is not None:
-            return off
-        E = len(self._names)
-        mask = np.zeros(E, np.int8)
-        if only >= 0:
-            mask[only] = 1
-        else:
-            group = self._group[o]
-            mask[o] = 1
-            if bind is None:
-                mask[list(group)] = 1
-            else:
-                for name in bind:
-                    b = self._end_index(name)
-                    if b == o or b not in group:
-                        raise UmallocValueError(f"bind names {name!r}: allowed the bound ends of "
-                                                f"{self._names[o]!r}: {[self._names[i] for i in group[1:]]}")
-                    mask[b] = 1
-        slot = len(self._masks)
-        if slot >= _MASK_SLOTS:  # an unusual number of distinct bind sets: recycle the cache
-            self._masks.clear()
-            slot = 0
-            if self._default_owner >= 0:
-                self._masks[(self._default_owner, None)] = self._mask_base
-                slot = 1
-                self._h8[self._mask_base: self._mask_base + E] = 0
-                self._h8[self._mask_base + np.array(self._group[self._default_owner])] = 1
-        off = self._mask_base + slot * E
-        self._h8[off: off + E] = mask
-        self._masks[key] = off
-        return off
+    def _bind_mask(self, o: int, bind: Iterable[str] | None, *, only: int = -1) -> int:
+        """Offset in ``h8`` of the bind mask of owner ``o`` (:meth:`umalloc.core.heap.Heap.bind_mask`)."""
+        return self._heap.bind_mask(o, bind, only=only)
 
     def owner_of(self, end: str) -> str:
         """Name of the id-owner end whose virtual ids ``end`` uses (``end`` itself for an owner).
@@ -377,27 +328,6 @@ class MultiEndedAllocator:
         """``hi`` of an up/float end's band; ``lo - 1`` of a down end's (band ``(watermark, top]``). O(1)."""
         return self.ends[self._names[self._end_index(end)]].watermark
 
-    def v2p(self, end: str) -> torch.Tensor:
-        """``int64`` tensor ``(num_vpages(owner),)`` on the arena's device: physical page of each virtual page
-        of ``end``'s owner, TOMBSTONE (-1) where unbound; entry 0 is the sink (0).
-
-        A :class:`~umalloc.core.ids.ReadOnlyTable` sharing the table's memory (zero-copy: it follows every later
-        call): writes, in-place ops and passing it as ``out=`` raise InvalidIdError; ``.clone()`` gives a
-        writable copy. On CPU it views the host master; on CUDA the device mirror refreshed by every call. O(1).
-        """
-        e = self._end_index(end)
-        o = int(self._meta[e, _OWNER])
-        row = self._group[o].index(e)
-        if self._mirror:
-            return read_only_table(self._mirror[o][row])
-        return read_only_table(torch.from_numpy(self._host2d[o][row]))
-
-    def p2v(self, end: str) -> torch.Tensor:
-        """``int64`` CPU tensor ``(num_page_slots(end),)``: virtual page bound to each physical page, TOMBSTONE
-        where none. A read-only view of the host master (as :meth:`v2p`). O(1)."""
-        e = self._end_index(end)
-        return read_only_table(torch.from_numpy(self._heap.end_tables(e)[0]))
-
     # ------------------------------------------------------------------------------------------------------
     # per-call plumbing
     # ------------------------------------------------------------------------------------------------------
@@ -423,95 +353,9 @@ class MultiEndedAllocator:
             self.check_invariants()
 
     def _refresh_mirror(self, o: int, vids: np.ndarray) -> None:
-        """One host->device copy of ``[vids; v2p rows at vids]`` and one column scatter into the mirror."""
-        if not self._mirror or vids.size == 0:
-            return
-        host = self._host2d[o]
-        packed = np.empty((host.shape[0] + 1, vids.size), np.int64)
-        packed[0] = vids
-        packed[1:] = host[:, vids]
-        dev = torch.from_numpy(packed).to(self._device)
-        self._mirror[o].index_copy_(1, dev[0], dev[1:])
-
-    def _short(self) -> dict[str, int]:
-        """The per-end deficits of the last shortfall (F20), kept in :attr:`last_shortfall`."""
-        E = len(self._names)
-        self.last_shortfall = {self._names[e]: int(self._err[4 + e]) for e in range(E) if self._err[4 + e] > 0}
-        logger.debug("allocation fell short: %s", self.last_shortfall)
-        return self.last_shortfall
-
-    def _retry(self, kernel: Callable[..., Any], args: tuple[Any, ...], mask: int, where: str) -> Any:
-        """The slow path of a placement kernel that did not return OK (the hot path tests that inline): misuse
-        raises (nothing changed); a shortfall runs the ladder (Note [Shortfall]) and the kernel once more.
-        Returns the kernel's result, or None if the pages still do not fit (nothing changed)."""
-        if self._err[0] == _E_IDS:  # the owner's virtual id space is exhausted: no ladder can help
-            self._short()
-            return None
-        if self._err[0] != _E_SHORT:
-            self._raise(where)
-        if not self._retry_after_shortfall(int(self._err[2]), mask):
-            return None
-        res = kernel(*args)
-        if self._err[0] != _OK:
-            self._short()
-            return None
-        return res
-
-    def _retry_after_shortfall(self, k: int, mask: int) -> bool:
-        """Note [Shortfall] (:mod:`umalloc.core.ladder`): record each end's deficit and -- unless compaction is
-        off -- apply the ladder's plan (neighbour compaction, float slides) if its dry run says ``k`` pages on
-        the ends of bind mask ``mask`` then fit. True if pages moved and the caller should plan once more."""
-        deficits = self._short()
-        if self.compaction_mode == "off" or not deficits:
-            return False
-        E = len(self._names)
-        states = [self._heap.end_tables(e)[1] for e in range(E)]
-        planned = plan_shortfall(self._meta, self._chain.tolist(), self._h8[mask: mask + E],
-                                 {self._index[n] for n in deficits}, k, states, self._pins, self.move_budget_pages,
-                                 self.spec.floor_bytes, self.spec.arena_bytes)
-        if planned is None:
-            return False
-        plans, slides = planned
-        for e, plan in plans.items():
-            self._apply_plan(e, plan)
-        for f, shift in slides.items():
-            self._apply_slide(f, shift)
-        return True
-
-    def _apply_slide(self, f: int, shift: int) -> None:
-        """Shift float end ``f``'s band by ``shift`` pages (Note [Float slide] in :mod:`umalloc.core.ladder`)."""
-        plan, wide_lo, wide_hi = slide_plan(int(self._meta[f, _LO]), int(self._meta[f, _HI]), shift)
-        self._heap.end_tables(f)[1][plan.dst_pages] = PAGE_HOLE  # the band first widens over the gap, as holes
-        self._meta[f, _LO], self._meta[f, _HI] = wide_lo, wide_hi
-        self._apply_plan(f, plan)
-
-    def _plan_end(self, e: int, budget: int | None, free_edge: str = "high") -> MovePlan:
-        """The compaction plan of end ``e`` (pure, :func:`umalloc.core.ladder.plan_end`)."""
-        return plan_end(self._meta, e, self._heap.end_tables(e)[1], self._pins[e], budget, free_edge)
-
-    def _apply_plan(self, e: int, plan: MovePlan) -> CompactionReport:
-        """Execute a plan of end ``e``: one batched envelope copy, tables, band, counters, bitmaps, mirror."""
-        name = self._names[e]
-        v = self.ends[name]
-        p2v, state, v2p = self._heap.end_tables(e)
-        apply_plan(self.arena, name, plan, state=state, p2v=p2v, v2p=v2p, pins=self._pins[e])
-        self._meta[e, _LO], self._meta[e, _HI] = plan.new_lo, plan.new_hi
-        _k_recount(self._meta, self._h64, self._h8, e)
-        self._meta[e, _MOVES] += plan.num_moves
-        if self._mirror and plan.num_moves:
-            self._refresh_mirror(int(self._meta[e, _OWNER]), v.p2v[plan.dst_pages])
-        if plan.num_moves:
-            logger.debug("compaction of %r moved %d page(s); band [%d, %d)", name, plan.num_moves,
-                         plan.new_lo, plan.new_hi)
-        return CompactionReport.from_plan(name, plan, v.page_bytes)
-
-    def _after_free(self, touched_ends: Sequence[int]) -> None:
-        """Eager compaction (``compaction="eager"``): after a free/release/unpin touched ``touched_ends``,
-        compact each of them within the move budget (a float end toward its low edge)."""
-        for e in touched_ends:
-            plan = self._plan_end(e, self.move_budget_pages, "high")
-            if plan.num_moves or plan.retreated_pages:
-                self._apply_plan(e, plan)
+        """Refresh owner ``o``'s device mirror at the virtual pages ``vids`` (:func:`umalloc.core.mirror.refresh`)."""
+        if self._mirror:
+            refresh(self._mirror[o], self._host2d[o], vids)
 
     # ------------------------------------------------------------------------------------------------------
     # allocation
@@ -959,251 +803,6 @@ class MultiEndedAllocator:
         80
         """
         return swa_tail_start(seq_len, window, prefix_len, page_size)
-
-    # ------------------------------------------------------------------------------------------------------
-    # translation
-    # ------------------------------------------------------------------------------------------------------
-    def translate(self, vtokens: torch.Tensor | np.ndarray, end: str, *, strict: bool = True,
-                  out: torch.Tensor | np.ndarray | None = None) -> torch.Tensor | np.ndarray:
-        """Physical token ids of ``end`` for virtual token ids: ``v2p[end][t // ps] * ps + t % ps``.
-
-        Args:
-            vtokens: ``(n,)`` virtual token ids of ``end``'s owner: a 1-D integer torch tensor (``int64``; int32
-                and narrower are converted) or numpy array. CPU ids are translated on the host masters; ids on
-                the arena's CUDA device are translated there against the device mirror.
-            strict: ``True`` (default): a tombstoned (unbound) page raises :class:`TombstoneError`; ``False``
-                maps it to the sink (page 0). Virtual page 0 (padding) always maps to the sink. A bool.
-            out: optional preallocated ``int64 (n,)`` output on the ids' device (CUDA-graph-stable pointers);
-                a writeable int64 numpy array for numpy ids. Untouched when the call raises.
-
-        Returns:
-            ``int64 (n,)``: a torch tensor for torch ids, a numpy array for numpy ids (``out`` if given).
-
-        Raises:
-            InvalidIdError: bad dtype/shape, an id outside the owner's id space (in every mode, F15), a bad or
-            read-only ``out``. TombstoneError: strict mode and an unbound page. UmallocValueError: a non-bool
-            ``strict``, an unknown end.
-
-        >>> from umalloc.testing import small_allocator
-        >>> alloc = small_allocator()
-        >>> t = alloc.alloc_extend(torch.tensor([0]), torch.tensor([3]), torch.tensor([-1]))
-        >>> alloc.translate(t, "full").tolist(), alloc.translate(t, "swa").tolist()
-        ([2, 3, 4], [16, 17, 18])
-        """
-        return self._translate(vtokens, end, strict, out, pages=False)
-
-    def translate_pages(self, vpages: torch.Tensor | np.ndarray, end: str, *, strict: bool = True,
-                        out: torch.Tensor | np.ndarray | None = None) -> torch.Tensor | np.ndarray:
-        """Physical pages of ``end`` for virtual pages (``(n,)``, the forms :meth:`translate` takes: torch or
-        numpy, as :meth:`free_pages` takes them); modes, results and errors as :meth:`translate`.
-
-        >>> from umalloc.testing import small_allocator
-        >>> alloc = small_allocator()
-        >>> alloc.translate_pages(alloc.alloc_pages(2), "swa").tolist()
-        [8, 9]
-        >>> alloc.translate_pages(np.array([1, 2], np.int32), "full").tolist()
-        [1, 2]
-        """
-        return self._translate(vpages, end, strict, out, pages=True)
-
-    def _translate(self, ids: Any, end: str, strict: object, out: Any, *, pages: bool) -> Any:
-        """Validation at the boundary, then :meth:`_translate_ids` (the one translation call)."""
-        e = self._end_index(end)
-        where = "translate_pages" if pages else "translate"
-        strict = check_strict(strict, where)
-        if type(ids) is np.ndarray:
-            _, toks_np, n = _id_arg(ids, "vpages" if pages else "vtokens")
-            if out is None:
-                res_np = np.empty(n, np.int64)
-            elif type(out) is np.ndarray:
-                res_np = _out_arg(out, n)[1]
-            else:
-                raise InvalidIdError(f"{where}: out={type(out).__name__} for numpy ids; allowed a writeable 1-D "
-                                     f"int64 numpy array of shape ({n},)")
-            direct = res_np.flags.c_contiguous
-            self._translate_ids(torch.from_numpy(np.ascontiguousarray(toks_np)), e, strict,
-                                torch.from_numpy(res_np) if direct else None, pages, where,
-                                res_np=None if direct else res_np)
-            return res_np if out is None else out
-        if isinstance(ids, torch.Tensor) and ids.is_cuda and self._mirror:
-            return self._translate_device(ids, e, strict, out, pages=pages, where=where)
-        toks = _ids(ids, "vpages" if pages else "vtokens")
-        n = toks.numel()
-        if out is not None and (not isinstance(out, torch.Tensor) or not out.is_cuda):
-            res = _out(out, n)
-        else:
-            if out is not None:
-                _out(out.cpu(), n)  # a CUDA out for CPU ids: same checks, result copied over below
-            res = torch.empty(n, dtype=_I64)
-        self._translate_ids(toks, e, strict, res, pages, where)
-        if out is not None and out.is_cuda:
-            out.copy_(res)
-            return out
-        return res
-
-    # ---- the allocator's own translation, isolated (the translators of umalloc.translators may replace it) -----
-    def _translate_ids(self, toks: torch.Tensor, e: int, strict: bool, res: torch.Tensor | None, pages: bool,
-                       where: str, *, res_np: np.ndarray | None = None) -> None:
-        """THE host translation of the allocator: ``res[i] = v2p[e][toks[i] // ps] * ps + toks[i] % ps``
-        (``ps = 1`` if ``pages``), from the host masters, in one numba kernel that checks every id before it
-        writes (``res`` untouched on error). ``toks``: validated contiguous CPU int64 ``(n,)``; ``res``: a
-        contiguous CPU int64 ``(n,)`` (or None with ``res_np``, a strided numpy int64 output written after a
-        contiguous temporary). Raises the typed errors of :meth:`translate`. O(n)."""
-        n = toks.numel()
-        tmp = res if res is not None else torch.empty(n, dtype=_I64)
-        _k_translate(self._root_a, e, self._addr(toks), n, self._addr(tmp), strict, pages)
-        if self._err[0] != _OK:
-            self._raise(where)
-        if res is None and res_np is not None:
-            res_np[:] = tmp.numpy()
-
-    def _translate_device(self, ids: torch.Tensor, e: int, strict: bool, out: torch.Tensor | None, *,
-                          pages: bool, where: str) -> torch.Tensor:
-        """The device translation against the CUDA mirror (validated first: ``out`` untouched on error)."""
-        if ids.dtype not in (_I64, torch.int32) or ids.dim() != 1:
-            raise InvalidIdError(f"{where}: dtype {ids.dtype}, shape {tuple(ids.shape)}; allowed 1-D torch.int64 "
-                                 f"(or int32)")
-        if out is not None and (not isinstance(out, torch.Tensor) or isinstance(out, ReadOnlyTable)
-                                or out.dtype is not _I64 or out.shape != ids.shape or out.device != ids.device):
-            raise InvalidIdError(f"{where}: out must be a caller-owned int64 tensor of shape {tuple(ids.shape)} on "
-                                 f"{ids.device}")
-        ids = ids.to(_I64)
-        o = int(self._meta[e, _OWNER])
-        ps = 1 if pages else int(self._meta[e, _PS])
-        row = self._mirror[o][self._group[o].index(e)]
-        lim = int(self._meta[o, _NV]) * ps
-        if ids.numel() and bool(((ids < 0) | (ids >= lim)).any()):
-            raise InvalidIdError(f"{where}: an id is out of range for end {self._names[e]!r}: allowed [0, {lim})")
-        vp = ids if pages else torch.div(ids, ps, rounding_mode="floor")
-        phys = row[vp]
-        if strict:
-            if phys.numel() and bool((phys < 0).any()):
-                raise TombstoneError(f"{where}: an id is tombstoned (unbound) on end {self._names[e]!r}; "
-                                     f"strict=False maps it to the sink")
-        else:
-            phys = phys.clamp_min(0)
-        res = phys if pages else phys * ps + (ids - vp * ps)
-        if out is not None:
-            out.copy_(res)
-            return out
-        return res
-
-    def num_contiguous_runs(self, vpages: torch.Tensor, end: str) -> int:
-        """How many runs of consecutive ascending physical pages ``vpages`` (in the given order) forms on ``end``
-        (the descriptor count of a transfer of these pages, per region pair). 0 for an empty input.
-
-        Raises: as :meth:`translate_pages` (strict).
-
-        >>> from umalloc.testing import small_allocator
-        >>> alloc = small_allocator()
-        >>> vp = alloc.alloc_pages(4)
-        >>> alloc.num_contiguous_runs(vp, "full"), alloc.num_contiguous_runs(vp.flip(0), "full")
-        (1, 4)
-        """
-        res = self.translate_pages(vpages, end)
-        phys = res if isinstance(res, np.ndarray) else res.cpu().numpy()
-        if phys.size == 0:
-            return 0
-        return int(1 + np.count_nonzero(phys[1:] != phys[:-1] + 1))
-
-    # ------------------------------------------------------------------------------------------------------
-    # capacity
-    # ------------------------------------------------------------------------------------------------------
-    def available_pages(self, end: str) -> int:
-        """Pages ``end`` can allocate now: its holes plus the gap it can reach between its neighbours' byte
-        frontiers. Pending (leased, freed) pages are not counted. Ends sharing a gap each count all of it, so use
-        :meth:`can_alloc` for several ends at once. O(ends).
-
-        >>> from umalloc.testing import small_allocator
-        >>> alloc = small_allocator()
-        >>> alloc.available_pages("full"), alloc.available_tokens("swa")
-        (9, 18)
-        """
-        e = self._end_index(end)
-        if self._active_leases:
-            self._tick()
-        return int(self._meta[e, _HOLES]) + int(_reach(self._meta, self._h64, e))
-
-    def available_tokens(self, end: str) -> int:
-        """:meth:`available_pages` times ``page_size``."""
-        return self.available_pages(end) * int(self._meta[self._end_index(end), _PS])
-
-    def can_alloc(self, num_pages_by_end: Mapping[str, int]) -> bool:
-        """True if every named end can take its page count *at the same time* (the joint plan over the shared
-        gaps, exactly as an allocation would place them). O(ends).
-
-        >>> from umalloc.testing import small_allocator
-        >>> alloc = small_allocator()
-        >>> alloc.can_alloc({"full": 5, "swa": 4}), alloc.can_alloc({"full": 5, "swa": 5})
-        (True, False)
-        """
-        return not self.shortfall_pages(num_pages_by_end)
-
-    def shortfall_pages(self, num_pages_by_end: Mapping[str, int]) -> dict[str, int]:
-        """Per end, the pages it would lack if every named end allocated its count now (ends that fit are
-        omitted; an empty dict means everything fits). Each end is driven by its own deficit (F20). O(ends).
-
-        >>> from umalloc.testing import small_allocator
-        >>> small_allocator().shortfall_pages({"full": 6, "swa": 6})
-        {'swa': 3}
-        """
-        if not isinstance(num_pages_by_end, Mapping):
-            raise UmallocValueError(f"num_pages_by_end={num_pages_by_end!r}: allowed a mapping end -> pages")
-        if self._active_leases:
-            self._tick()
-        E = len(self._names)
-        need = np.zeros(E, np.int64)
-        for name, k in num_pages_by_end.items():
-            e = self._end_index(name)
-            need[e] = max(0, count_arg(k, f"num_pages_by_end[{name!r}]") - int(self._meta[e, _HOLES]))
-        nlo, nhi, deficit = np.empty(E, np.int64), np.empty(E, np.int64), np.empty(E, np.int64)
-        _plan(self._meta, self._chain, need, nlo, nhi, deficit)
-        return {self._names[e]: int(deficit[e]) for e in range(E) if deficit[e] > 0}
-
-    # ------------------------------------------------------------------------------------------------------
-    # compaction and retraction (issue 5: umalloc.core.compaction, umalloc.core.retraction)
-    # ------------------------------------------------------------------------------------------------------
-    def compact(self, end: str | None = None, *, budget_pages: int | None = None) -> CompactionReport:
-        """Compact ``end`` (default: every end, in chain order): move the live pages at the far edge of its band
-        into its holes nearest the anchor (:mod:`umalloc.core.compaction`'s survivor walk), one batched envelope copy
-        per end, then retreat the band past trailing holes. Virtual ids never change; pinned and pending pages
-        are walls (never moved, never written, never retreated past). A float end compacts toward its low edge.
-
-        Args:
-            end: an end name, or ``None`` for all.
-            budget_pages: most pages moved per end (``None``: unlimited; 0: only retreat).
-
-        Returns:
-            :class:`~umalloc.core.compaction.CompactionReport` summed over the ends.
-
-        Raises:
-            UmallocValueError: unknown end or a bad budget.
-
-        Complexity: O(band) planning + O(moved pages * page_bytes) bytes per end.
-
-        >>> from umalloc.testing import small_allocator
-        >>> alloc = small_allocator()
-        >>> vp = alloc.alloc_pages(3)                       # full 1 2 3
-        >>> alloc.free(vp[:1] * 2)                          # page 1 becomes a hole
-        >>> r = alloc.compact("full"); r.pages_moved, alloc.translate_pages(vp[1:], "full").tolist()
-        (1, [2, 1])
-        """
-        if budget_pages is not None and (isinstance(budget_pages, bool) or not isinstance(budget_pages, int)
-                                         or budget_pages < 0):
-            raise UmallocValueError(f"budget_pages={budget_pages!r}: allowed None or an int >= 0")
-        if self._active_leases:
-            self._tick()
-        ends = [self._end_index(end)] if end is not None else self._chain.tolist()
-        report = CompactionReport()
-        for e in ends:
-            plan = self._plan_end(e, budget_pages, "high")
-            if plan.num_moves or plan.retreated_pages:
-                report = report + self._apply_plan(e, plan)
-            else:
-                report = report + CompactionReport.from_plan(self._names[e], plan, int(self._meta[e, _PB]))
-        if self.debug_checks:
-            self.check_invariants()
-        return report
 
     def retract(self, vtokens: torch.Tensor, *, owner: str | None = None) -> Any:
         """Copy a request's pages of every end (owner and every bound end) to host memory, then free them;

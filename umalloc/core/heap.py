@@ -26,7 +26,7 @@ block per owner (:attr:`Heap.host2d`), which the device mirror copies.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, NoReturn
 
 import numpy as np
@@ -70,7 +70,7 @@ from umalloc.core.kernels.layout import (
 from umalloc.core.kernels.ops import live_roots
 from umalloc.core.kernels.raw import build_root, root_address
 from umalloc.core.pagestate import PAGE_GAP, PAGE_RESERVED, TOMBSTONE
-from umalloc.errors import HeapCopyError
+from umalloc.errors import HeapCopyError, UmallocValueError
 from umalloc.geometry.spec import ArenaSpec, Grow
 
 _GROW_CODE = {Grow.UP: _G_UP, Grow.DOWN: _G_DOWN, Grow.FLOAT: _G_FLOAT}
@@ -96,7 +96,7 @@ class Heap:
     Construction is O(slots); nothing else allocates. Not thread-safe (the allocator's thread owns it).
     """
 
-    __slots__ = ("_frozen", "chain", "err", "group", "h64", "h8", "host2d", "index", "mask_base", "meta",
+    __slots__ = ("_frozen", "_mask_cache", "chain", "err", "group", "h64", "h8", "host2d", "index", "mask_base", "meta",
                  "names", "owners", "pins", "root", "root_a", "scratch", "slots", "__weakref__")
 
     def __init__(self, spec: ArenaSpec, splits: Mapping[str, int]) -> None:
@@ -188,7 +188,7 @@ class Heap:
                      ("root_a", root_address(root)), ("names", names), ("index", index),
                      ("owners", tuple(owners)), ("group", group), ("host2d", host2d), ("chain", h64[CH: CH + E]),
                      ("err", h64[ERR: SCR]), ("scratch", h64[SCR:]), ("mask_base", MASK), ("slots", tuple(slots)),
-                     ("_frozen", True)):
+                     ("_mask_cache", {}), ("_frozen", True)):
             init(self, k, v)
         live_roots[self.root_a] = E
 
@@ -213,6 +213,52 @@ class Heap:
     __reduce_ex__ = _refuse
     __reduce__ = _refuse
     __getstate__ = _refuse
+
+    def bind_mask(self, o: int, bind: Iterable[str] | None, *, only: int = -1) -> int:
+        """Offset in ``h8`` of the bind mask of owner ``o``: the owner plus ``bind`` (end names; None: all bound
+        ends; any iterable, read once); ``only >= 0``: that end alone. Masks are cached (``_MASK_SLOTS`` slots in
+        ``h8``; the default owner's full mask keeps slot 0). Raises UmallocValueError for a str, a non-iterable,
+        non-str names or an end that is not bound to ``o``. O(1) on a hit, O(E) on a miss."""
+        if bind is not None and only < 0:
+            if isinstance(bind, (str, bytes)) or not isinstance(bind, Iterable):
+                raise UmallocValueError(f"bind={bind!r}: allowed a sequence of end names (not a str) or None")
+            bind = tuple(bind)  # an iterator is read once, here: the cache key and the mask see the same names
+            if not all(isinstance(name, str) for name in bind):
+                raise UmallocValueError(f"bind={bind!r}: allowed end names (str)")
+        key: tuple[int, Any] = (o, ("#only", only) if only >= 0 else bind)
+        off = self._mask_cache.get(key)
+        if off is not None:
+            return off
+        E = len(self.names)
+        mask = np.zeros(E, np.int8)
+        if only >= 0:
+            mask[only] = 1
+        else:
+            group = self.group[o]
+            mask[o] = 1
+            if bind is None:
+                mask[list(group)] = 1
+            else:
+                for name in bind:
+                    b = self.index.get(name, -1)
+                    if b == o or b not in group:
+                        raise UmallocValueError(f"bind names {name!r}: allowed the bound ends of "
+                                                f"{self.names[o]!r}: {[self.names[i] for i in group[1:]]}")
+                    mask[b] = 1
+        default = self.owners[0] if len(self.owners) == 1 else -1
+        slot = len(self._mask_cache)
+        if slot >= _MASK_SLOTS:  # an unusual number of distinct bind sets: recycle the cache
+            self._mask_cache.clear()
+            slot = 0
+            if default >= 0:
+                self._mask_cache[(default, None)] = self.mask_base
+                slot = 1
+                self.h8[self.mask_base: self.mask_base + E] = 0
+                self.h8[self.mask_base + np.array(self.group[default])] = 1
+        off = self.mask_base + slot * E
+        self.h8[off: off + E] = mask
+        self._mask_cache[key] = off
+        return off
 
     def end_tables(self, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Writable ``(p2v, state, v2p)`` views of end ``e`` (the allocator's own code only). O(1)."""
