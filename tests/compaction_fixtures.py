@@ -3,32 +3,14 @@ that follows every virtual page through moves (data written through a virtual pa
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 
 from umalloc.core.allocator import MultiEndedAllocator
-from umalloc.geometry.arena import Arena
 from umalloc.core.pagestate import PAGE_GAP, PAGE_HOLE, PAGE_LIVE, PAGE_PENDING, PAGE_RESERVED, TOMBSTONE
+from umalloc.geometry.arena import Arena
 from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, LayerSpec
-
-
-def seed_from_env(default: int) -> int:
-    seed = int(os.environ.get("UMALLOC_SEED", default))
-    print(f"seed={seed} (override with UMALLOC_SEED)")
-    return seed
-
-
-class FakeClock:
-    """A settable clock in seconds (no sleeps in tests)."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
+from umalloc.testing import FakeClock, seed_from_env  # noqa: F401  (re-exported for the tests)
 
 PAGE_SIZE = 2
 

@@ -291,3 +291,37 @@ def test_error_ranges_are_the_ranges_checked() -> None:
         alloc.free_pages(np.array([10]))
     with pytest.raises(InvalidIdError, match=r"allowed \[0, 4\)"):
         alloc.free_pages(np.zeros(4, np.int64), index=np.array([4]))
+
+
+def test_core_imports_form_no_cycle_not_even_inside_functions() -> None:
+    """Every import in umalloc/core (module level, inside functions, under TYPE_CHECKING) points one way."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "umalloc"
+    graph: dict[str, set[str]] = {}
+    for path in (root / "core").rglob("*.py"):
+        mod = "umalloc." + ".".join(path.relative_to(root).with_suffix("").parts)
+        mod = mod.removesuffix(".__init__")
+        deps = graph.setdefault(mod, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            deps.update(n for n in names if n.startswith("umalloc.core"))
+    state: dict[str, int] = {}
+
+    def visit(m: str, path: list[str]) -> None:
+        if state.get(m) == 2:
+            return
+        assert state.get(m) != 1, f"import cycle: {' -> '.join([*path, m])}"
+        state[m] = 1
+        for d in graph.get(m, ()):
+            visit(d, [*path, m])
+        state[m] = 2
+
+    for m in graph:
+        visit(m, [])
+    assert "umalloc.core.allocator" not in graph["umalloc.core.retraction"]
+    assert {m for m, deps in graph.items() if "umalloc.core.kernels.raw" in deps} <= {
+        "umalloc.core.kernels.ops", "umalloc.core.heap", "umalloc.core.ids", "umalloc.core.allocator",
+        "umalloc.core.kernels.placement"}

@@ -20,6 +20,7 @@ _EXPORTS: dict[str, str] = {
     "EndStats": "umalloc.core.allocator",
     "EndView": "umalloc.core.allocator",
     "snapshots_equal": "umalloc.core.allocator",
+    "ReadOnlyTable": "umalloc.core.ids",
     # geometry
     "Arena": "umalloc.geometry.arena",
     "ArenaSpec": "umalloc.geometry.spec",
@@ -51,6 +52,8 @@ _EXPORTS: dict[str, str] = {
     "LeaseError": "umalloc.errors",
     "OutOfPages": "umalloc.errors",
     "InvariantError": "umalloc.errors",
+    "ArenaInUseError": "umalloc.errors",
+    "HeapCopyError": "umalloc.errors",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -99,6 +99,24 @@ class Heap:
     __slots__ = ("_frozen", "_mask_cache", "chain", "err", "group", "h64", "h8", "host2d", "index", "mask_base", "meta",
                  "names", "owners", "pins", "root", "root_a", "scratch", "slots", "__weakref__")
 
+    meta: np.ndarray
+    h64: np.ndarray
+    h8: np.ndarray
+    pins: tuple[np.ndarray, ...]
+    root: np.ndarray
+    root_a: int
+    names: tuple[str, ...]
+    index: dict[str, int]
+    owners: tuple[int, ...]
+    group: dict[int, tuple[int, ...]]
+    host2d: dict[int, np.ndarray]
+    chain: np.ndarray
+    err: np.ndarray
+    scratch: np.ndarray
+    mask_base: int
+    slots: tuple[int, ...]
+    _mask_cache: dict[tuple[int, Any], int]
+
     def __init__(self, spec: ArenaSpec, splits: Mapping[str, int]) -> None:
         ends = spec.ends
         E = len(ends)

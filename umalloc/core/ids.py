@@ -78,7 +78,7 @@ def check_strict(strict: object, where: str) -> bool:
     raise UmallocValueError(f"{where}: strict={strict!r}; allowed True or False")
 
 
-def _refuse_float(t: object, name: str) -> None:
+def _refuse_float(t: torch.Tensor, name: str) -> None:
     raise InvalidIdError(f"{name}: dtype {t.dtype}; allowed an integer dtype (int64, or int32 and narrower)")
 
 

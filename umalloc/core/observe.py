@@ -385,9 +385,9 @@ def snapshot(heap: Heap, views: Mapping[str, EndView], leases: LeaseTable) -> di
         m = heap.meta[o]
         owners[heap.names[o]] = {"vstate": heap.h8[m[_VOFF]: m[_VOFF] + m[_NV]].copy(),
                                   "live": int(m[_VLIVE])}
-    leases = [{"id": lease.id, "tag": lease.tag, "deadline": lease.deadline,
-               "pages": {k: v.copy() for k, v in lease.pages.items()}} for lease in leases.active()]
-    return {"ends": ends, "owners": owners, "leases": leases}
+    held = [{"id": lease.id, "tag": lease.tag, "deadline": lease.deadline,
+             "pages": {k: v.copy() for k, v in lease.pages.items()}} for lease in leases.active()]
+    return {"ends": ends, "owners": owners, "leases": held}
 
 
 __all__ = ["EndStats", "EndView", "check_invariants", "end_stats", "snapshot", "snapshots_equal"]

@@ -476,11 +476,11 @@ def _check_args(name: str, args: tuple[Any, ...]) -> None:
     roles = _ROLES[name]
     if len(args) != len(roles):
         raise InvalidIdError(f"{name}: {len(args)} arguments; allowed {len(roles)}")
-    n_ends = live_roots.get(args[0]) if type(args[0]) is int else None
+    n_ends = live_roots.get(args[0], 0) if type(args[0]) is int else 0
     for pos, (role, a) in enumerate(zip(roles, args, strict=True)):
         where = f"{name} argument {pos}"
         if role == "root":
-            if n_ends is None:
+            if not n_ends:
                 raise InvalidIdError(f"{where}: {a!r} is not the root of a live heap")
         elif role == "end":
             if type(a) is not int or not 0 <= a < n_ends:
@@ -507,6 +507,14 @@ def _check_args(name: str, args: tuple[Any, ...]) -> None:
 
 class CheckedEntries:
     """:class:`Entries` with every argument checked first (Note [Direct entry]; debug mode)."""
+
+    free: Callable[..., Any]
+    release: Callable[..., Any]
+    alloc_pages: Callable[..., Any]
+    decode: Callable[..., Any]
+    extend: Callable[..., Any]
+    free_addr: Callable[..., Any]
+    release_addr: Callable[..., Any]
 
     def __init__(self, entries: Entries) -> None:
         for name in _ROLES:
