@@ -241,7 +241,8 @@ class MultiEndedAllocator(TranslationPart, SpacePart):
         # and nothing to do after the kernel (no device mirror, no debug checks, no eager compaction, no lease)
         # run the kernel straight from the public method; anything else takes the general path
         self._plain = not self._sync and not self._eager and len(owners) == 1
-        # UMALLOC_DEBUG=1: every direct-entry argument is checked (Note [Direct entry]) and ids are lent by address
+        # UMALLOC_DEBUG=1: every direct-entry argument is checked (Note [Direct entry]); ids a direct entry reads
+        # by address are lent (raw.lend) so the check can bound them. Dispatcher calls type their own arguments.
         self._debug = os.environ.get("UMALLOC_DEBUG", "") == "1"
         self._hot = hot_entries(self._debug)
         self._addr = raw.lend if self._debug else raw.address
@@ -433,18 +434,18 @@ class MultiEndedAllocator(TranslationPart, SpacePart):
             if out is None:
                 raise InvalidIdError("alloc_pages: index given without out; allowed index only with out (the "
                                      "block table it indexes)")
-            keep_idx, idx_arg, n_idx = _id_arg(index, "index", self._addr)
+            keep_idx, idx_arg, n_idx = _id_arg(index, "index")  # dispatcher path: plain addresses
             if n_idx != k:
                 raise InvalidIdError(f"alloc_pages: index has {n_idx} slots; allowed exactly num_pages={k}")
-            res, arg, n_out = _out_arg(out, None, self._addr)
+            res, arg, n_out = _out_arg(out, None)
         elif out is None:
             # more pages than the owner has free virtual ids is refused by the kernel before anything is
             # written, so a huge num_pages must not size the output either
             free_ids = int(self._meta[o, _NV]) - 1 - int(self._meta[o, _VLIVE])
             res = torch.empty(min(k, free_ids + 1), dtype=_I64)
-            arg, n_out = self._addr(res), k
+            arg, n_out = raw.address(res), k
         else:
-            res, arg, n_out = _out_arg(out, k, self._addr)
+            res, arg, n_out = _out_arg(out, k)
         if self._active_leases:
             self._tick()
         args = (self._root_a, o, mask, k, arg, n_out, idx_arg, n_idx)
@@ -594,7 +595,7 @@ class MultiEndedAllocator(TranslationPart, SpacePart):
         mask = self._bind_mask(o, None, only=b)
         if self._active_leases:
             self._tick()
-        args = (self._root_a, b, mask, self._addr(toks), toks.numel())
+        args = (self._root_a, b, mask, raw.address(toks), toks.numel())
         n = _k_bind(*args)
         if n < 0:
             n = self._retry(_k_bind, args, mask, "bind_end")

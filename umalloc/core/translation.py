@@ -23,6 +23,7 @@ from umalloc.core.ids import _I64, _id_arg, _ids, _out, _out_arg, check_strict, 
 from umalloc.core.kernels.codes import _OK
 from umalloc.core.kernels.layout import _NV, _OWNER, _PS
 from umalloc.core.kernels.ops import _k_translate
+from umalloc.core.kernels.raw import address
 from umalloc.core.mirror import translate_on_device
 from umalloc.errors import InvalidIdError
 
@@ -38,7 +39,6 @@ class TranslationPart:
     _host2d: dict[int, np.ndarray]
     _mirror: dict[int, torch.Tensor]
     _root_a: int
-    _addr: Any
     _end_index: Callable[[str], int]
     _raise: Callable[..., NoReturn]
 
@@ -154,7 +154,7 @@ class TranslationPart:
         contiguous temporary). Raises the typed errors of :meth:`translate`. O(n)."""
         n = toks.numel()
         tmp = res if res is not None else torch.empty(n, dtype=_I64)
-        _k_translate(self._root_a, e, self._addr(toks), n, self._addr(tmp), strict, pages)
+        _k_translate(self._root_a, e, address(toks), n, address(tmp), strict, pages)  # the dispatcher
         if self._err[0] != _OK:
             self._raise(where)
         if res is None and res_np is not None:
