@@ -114,18 +114,16 @@ from umalloc.core.kernels.ops import (
     _k_release,
     hot_entries,
 )
-from umalloc.core.kernels.placement import _k_unpend
-from umalloc.core.leases import Lease, LeaseTable
+from umalloc.core.leases import LeaseTable
+from umalloc.core.leasing import LeasePart
 from umalloc.core.mirror import make_mirrors, refresh
 from umalloc.core.observe import EndStats, EndView, check_invariants, end_stats, snapshot, snapshots_equal
-from umalloc.core.pagestate import PAGE_LIVE
 from umalloc.core.space import SpacePart
 from umalloc.core.translation import TranslationPart
 from umalloc.errors import (
     ArenaInUseError,
     HeapCopyError,
     InvalidIdError,
-    LeaseError,
     UmallocValueError,
 )
 from umalloc.geometry.arena import Arena
@@ -154,7 +152,7 @@ def _claim(arena: Arena, alloc: MultiEndedAllocator) -> None:
 
     _arena_claims[key] = (weakref.ref(arena, drop), weakref.ref(alloc, drop))
 
-class MultiEndedAllocator(TranslationPart, SpacePart):
+class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart):
     """Hands out pages of every end of one :class:`~umalloc.geometry.arena.Arena` under virtual token ids.
 
     Args:
@@ -332,14 +330,6 @@ class MultiEndedAllocator(TranslationPart, SpacePart):
     # ------------------------------------------------------------------------------------------------------
     # per-call plumbing
     # ------------------------------------------------------------------------------------------------------
-    def _tick(self) -> None:
-        """Reclaim leases past their deadline (F12); the unpinned-hook turns their pending pages into holes."""
-        expired = self._leases.expire()
-        for lease in expired:
-            for name, pages in lease.pages.items():
-                if pages.size:
-                    self._expired_by_end[self._index[name]] += 1
-
     def _raise(self, where: str, *, pages: bool = False) -> NoReturn:
         """Raise the typed error the last kernel left in err (ids are virtual pages if ``pages``)."""
         raise_for(self._err, self._meta, self._names, where, pages=pages)
@@ -814,67 +804,6 @@ class MultiEndedAllocator(TranslationPart, SpacePart):
         """Re-allocate a retracted request (virtual ids re-minted) and write its bytes back; ``None`` (nothing
         changed) if an end lacks space. See :func:`umalloc.core.retraction.restore`."""
         return retraction.restore(self, retracted)
-
-    # ------------------------------------------------------------------------------------------------------
-    # leases
-    # ------------------------------------------------------------------------------------------------------
-    def lease(self, pages: Mapping[str, torch.Tensor], *, deadline_s: float | None = None, tag: str = "") -> Lease:
-        """Pin *physical* pages of any ends (Note [Leases and compaction] in :mod:`umalloc.core.leases`): they are not
-        moved, and if freed they stay pending (not reusable) until the lease ends.
-
-        Args:
-            pages: end name -> ``int64`` physical pages (live pages of that end).
-            deadline_s: seconds until the next allocator call reclaims the lease; ``None``: until released.
-            tag: label for logs and ``lease_table.release_tagged``.
-
-        Returns:
-            the active :class:`~umalloc.core.leases.Lease` (context manager; ``release()`` idempotent).
-
-        Raises:
-            LeaseError: unknown end, bad pages, or a page that is not live. Nothing changes.
-
-        >>> from umalloc.testing import small_allocator
-        >>> alloc = small_allocator()
-        >>> vp = alloc.alloc_pages(2)
-        >>> with alloc.lease({"full": alloc.translate_pages(vp, "full")}, tag="xfer") as lease:
-        ...     alloc.free(vp * 2); alloc.stats()["full"].pending_pages
-        2
-        >>> alloc.stats()["full"].pending_pages, alloc.available_pages("full")
-        (0, 9)
-        """
-        if self._active_leases:
-            self._tick()
-        return self._leases.pin(pages, deadline_s=deadline_s, tag=tag)
-
-    def leases_active(self) -> int:
-        """Active leases over all ends (after reclaiming expired ones)."""
-        if self._active_leases:
-            self._tick()
-        return len(self._leases)
-
-    def moves_blocked(self, end: str) -> bool:
-        """Coarse gate: True while any page of ``end`` is pinned (umalloc's compaction plans around single pins)."""
-        self._end_index(end)
-        if self._active_leases:
-            self._tick()
-        return self._leases.moves_blocked(end)
-
-    @property
-    def lease_table(self) -> LeaseTable:
-        """The :class:`~umalloc.core.leases.LeaseTable` holding this arena's pins."""
-        return self._leases
-
-    def _validate_lease_pages(self, end: str, pages: np.ndarray) -> None:
-        view = self.ends[end]
-        bad = pages[view.state[pages] != PAGE_LIVE]
-        if bad.size:
-            raise LeaseError(f"lease: pages {bad[:8].tolist()} of end {end!r} are not live; allowed live pages")
-
-    def _on_unpinned(self, end: str, pages: np.ndarray) -> None:
-        e = self._index[end]
-        # pending pages whose last pin dropped become holes (or gap at a band edge); eager compaction runs on the
-        # next free, lazy compaction on the next shortfall
-        _k_unpend(self._meta, self._h64, self._h8, e, np.ascontiguousarray(pages, dtype=np.int64))
 
     # ------------------------------------------------------------------------------------------------------
     # observability
