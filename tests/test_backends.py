@@ -23,8 +23,6 @@ import pytest
 import torch
 
 import umalloc.backends as backends_mod
-from umalloc.core.allocator import MultiEndedAllocator
-from umalloc.geometry.arena import Arena
 from umalloc.backends import (
     BACKEND_NAMES,
     TransferBackend,
@@ -33,8 +31,10 @@ from umalloc.backends import (
     get_backend,
     require_or_skip,
 )
-from umalloc.backends._base import plan_leases_gone
 from umalloc.backends._worker import BackendWorker
+from umalloc.backends.protocol import plan_leases_gone
+from umalloc.core.allocator import MultiEndedAllocator
+from umalloc.core.pagestate import PAGE_PENDING
 from umalloc.errors import (
     BackendError,
     DescriptorBoundsError,
@@ -45,15 +45,15 @@ from umalloc.errors import (
     TransferTimeout,
     UmallocValueError,
 )
-from umalloc.core.pagestate import PAGE_PENDING
-from umalloc.transfer.plan import PeerLayout, build_plan, build_receiver_half, build_send_plan
+from umalloc.geometry.arena import Arena
 from umalloc.geometry.region import Region
 from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, LayerSpec
+from umalloc.transfer.plan import PeerLayout, build_plan, build_receiver_half, build_send_plan
 
 ENGINES = ["nixl", "mooncake"]
 DEADLINE_S = 10.0
 SEED = int(os.environ.get("UMALLOC_SEED", "20240607"))
-W = "umalloc.backends._worker:"
+W = "kv_worker:"
 
 pytestmark = pytest.mark.timeout(60)
 

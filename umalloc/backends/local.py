@@ -21,8 +21,10 @@ import weakref
 
 import numpy as np
 
-from umalloc.backends._base import BackendBase, PeerInfo, locate_ranges
-from umalloc.backends._handle import TransferHandle
+from umalloc.backends.base import BackendBase
+from umalloc.backends.descriptors import locate_ranges
+from umalloc.backends.handle import TransferHandle
+from umalloc.backends.peers import PeerInfo
 from umalloc.errors import BackendError, RegistrationError, TransferError
 from umalloc.geometry.region import DRAM, Region
 
@@ -43,7 +45,7 @@ class LocalBackend(BackendBase):
     """In-process copy backend.
 
     Args:
-        layout: this side's ``PeerLayout`` (see :class:`~umalloc.backends._base.BackendBase`).
+        layout: this side's ``PeerLayout`` (see :class:`~umalloc.backends.base.BackendBase`).
 
     >>> import torch
     >>> from umalloc.geometry.region import Region
@@ -78,10 +80,10 @@ class LocalBackend(BackendBase):
         return {"pid": os.getpid()}
 
     def _engine_connect(self, md: dict) -> str:
-        if int(md.get("pid", -1)) != os.getpid():
-            raise BackendError(f"local backend: peer lives in process {md.get('pid')}, this is {os.getpid()}; "
+        if md["pid"] != os.getpid():
+            raise BackendError(f"local backend: peer lives in process {md['pid']}, this is {os.getpid()}; "
                                "use the nixl or mooncake backend between processes")
-        peer_id = str(md["peer_id"])
+        peer_id = md["peer_id"]
         if _BY_PEER_ID.get(peer_id) is None:
             raise BackendError(f"local backend: peer {peer_id} is closed")
         return peer_id
@@ -93,11 +95,11 @@ class LocalBackend(BackendBase):
         if other is None or other.closed:
             raise TransferError(f"local: peer {peer.name!r} was closed before the transfer")
         # The peer's *current* registration decides, not what its metadata said at connect time.
-        cur = locate_ranges(d[:, 1], d[:, 2], other._local_starts, other._local_ends)
+        cur = locate_ranges(d[:, 1], d[:, 2], other._reg.starts, other._reg.ends)
         if (cur < 0).any():
             row = int(np.flatnonzero(cur < 0)[0])
             raise TransferError(f"local: destination row {row} is no longer registered by peer {peer.name!r}")
-        self._copy(d, src_idx, cur, self._local_regions, other._local_regions, other)
+        self._copy(d, src_idx, cur, self._reg.regions, other._reg.regions, other)
         h.engine["done"] = True
 
     def _copy(self, d: np.ndarray, src_idx: np.ndarray, dst_idx: np.ndarray, src_regions: tuple[Region, ...],
@@ -117,8 +119,8 @@ class LocalBackend(BackendBase):
             d_off = d[rows, 1] - np.uint64(dreg.base_ptr)
             if rows.size >= GATHER_MIN_ROWS and not (s_off % np.uint64(nbytes)).any() and not (
                     d_off % np.uint64(nbytes)).any():
-                sv = self._engine_regions[sreg]
-                dv = other._engine_regions[dreg]
+                sv = self._reg.engine[sreg]
+                dv = other._reg.engine[dreg]
                 srows = sv[: (sreg.nbytes // nbytes) * nbytes].reshape(-1, nbytes)
                 drows = dv[: (dreg.nbytes // nbytes) * nbytes].reshape(-1, nbytes)
                 drows[(d_off // np.uint64(nbytes)).astype(np.int64)] = srows[(s_off // np.uint64(nbytes)).astype(np.int64)]
