@@ -11,6 +11,7 @@ Policy:
 * Copy strategy per group of descriptors sharing ``(nbytes, source region, destination region)``: when the group
   is large and both offsets are multiples of ``nbytes`` the copy is one numpy gather/scatter over
   ``(n, nbytes)`` row views; otherwise one ``ctypes.memmove`` per descriptor (coalesced runs are few and long).
+  A batch of fewer than ``GATHER_MIN_ROWS`` descriptors is copied row by row without grouping.
 """
 
 from __future__ import annotations
@@ -104,17 +105,24 @@ class LocalBackend(BackendBase):
 
     def _copy(self, d: np.ndarray, src_idx: np.ndarray, dst_idx: np.ndarray, src_regions: tuple[Region, ...],
               dst_regions: tuple[Region, ...], other: LocalBackend) -> None:
+        """Copy every row of ``d`` (the module policy's copy strategy). O(N log N) grouping."""
+        n = d.shape[0]
+        if n < GATHER_MIN_ROWS:  # no group can be gathered: copy row by row
+            mm = ctypes.memmove
+            for s, t, k in d.tolist():
+                mm(t, s, k)
+            return
         nb = d[:, 2]
         if (nb == nb[0]).all() and (src_idx == src_idx[0]).all() and (dst_idx == dst_idx[0]).all():
-            groups = [(int(nb[0]), int(src_idx[0]), int(dst_idx[0]), np.arange(d.shape[0]))]
-        else:
-            key = np.stack([nb, src_idx.astype(np.uint64), dst_idx.astype(np.uint64)], axis=1)
-            uniq, inverse = np.unique(key, axis=0, return_inverse=True)
-            inverse = inverse.reshape(-1)
-            groups = [(nbytes, si, di, np.flatnonzero(inverse == g))
-                      for g, (nbytes, si, di) in enumerate(uniq.tolist())]
-        for nbytes, si, di, rows in groups:
-            sreg, dreg = src_regions[si], dst_regions[di]
+            groups = [np.arange(n)]
+        else:  # one int64 key per (nbytes rank, source region, destination region), rows kept in batch order
+            _, nb_rank = np.unique(nb, return_inverse=True)
+            key = (nb_rank.reshape(-1).astype(np.int64) * len(src_regions) + src_idx) * len(dst_regions) + dst_idx
+            order = np.argsort(key, kind="stable")
+            groups = np.split(order, np.flatnonzero(np.diff(key[order])) + 1)
+        for rows in groups:
+            first = int(rows[0])
+            nbytes, sreg, dreg = int(nb[first]), src_regions[int(src_idx[first])], dst_regions[int(dst_idx[first])]
             s_off = d[rows, 0] - np.uint64(sreg.base_ptr)
             d_off = d[rows, 1] - np.uint64(dreg.base_ptr)
             if rows.size >= GATHER_MIN_ROWS and not (s_off % np.uint64(nbytes)).any() and not (
