@@ -196,6 +196,24 @@ def bad_peers(w):
     return st.one_of(st.text(max_size=8).filter(lambda p: p not in w["peers"]), not_str)
 
 
+class DuckPlan:
+    """A plan by its members (PlanLike) whose ``descriptors()`` returns ``junk``; it must never be ended."""
+
+    state = "pending"
+    src_lease = dst_lease = None
+
+    def __init__(self, junk: object) -> None:
+        self.junk = junk
+
+    def descriptors(self) -> object:
+        return self.junk
+
+    def complete(self, *exc: object) -> bool:
+        raise AssertionError("a refused plan was ended")
+
+    fail = abort = complete
+
+
 def calls(w):
     """``(label, thunk)`` pairs: every thunk must raise a umalloc error and change nothing."""
     a = w["a"]
@@ -218,6 +236,9 @@ def calls(w):
         bad_plans.map(lambda p: ("write_descriptors-plan", lambda: a.write_descriptors(good_d, w["peer_b"], plan=p))),
         bad_plans.map(lambda p: ("submit", lambda: a.submit(p, w["peer_b"]))),
         st.just(("submit-other-peer", lambda: a.submit(w["for_b"], w["peer_c"]))),
+        st.one_of(json_junk, st.sampled_from([np.zeros((1, 3), np.int64), np.zeros((2, 2), np.uint64),
+                                              np.zeros(3, np.uint64)])).map(
+            lambda j: ("submit-duck-plan", lambda: a.submit(DuckPlan(j), w["peer_b"]))),
         bad_peers(w).map(lambda p: ("submit-peer", lambda: a.submit(w["for_b"], p))),
         bad_handles(w).map(lambda h: ("poll", lambda: a.poll(h))),
         bad_handles(w).map(lambda h: ("release", lambda: a.release(h))),

@@ -17,6 +17,12 @@ Policy:
 * Every wait is bounded: ``wait(handle, timeout_s)`` raises :class:`~umalloc.errors.TransferTimeout` at the
   deadline and :class:`~umalloc.errors.TransferError` for a failed or dead peer, never hangs;
   ``drain(handle, timeout_s)`` waits, bounded too, for a draining handle's plan to end.
+* Modules, one concept each, imported one way (left needs nothing on its right): ``handle`` (handles, their
+  lifecycle, the process-wide in-flight table) <- ``protocol`` (:class:`TransferBackend`, :class:`PlanLike`,
+  the plan checks) ; ``descriptors`` (raw batch validation, region lookup) <- ``registry`` (registration
+  multiset, F21) and ``peers`` (metadata, connect-time layout check, F22) ; all <- ``base`` (:class:`BackendBase`)
+  <- ``local`` / ``nixl`` / ``mooncake``; ``_worker`` (a backend in a second process) uses only
+  :func:`get_backend`. Backends know plans (by protocol) and regions, never allocators.
 * :func:`require_or_skip` is the one place tests decide whether an engine may be skipped: under
   ``UMALLOC_REQUIRE_BACKENDS=1`` (CI) a missing engine fails the test instead.
 """

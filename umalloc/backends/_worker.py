@@ -31,7 +31,9 @@ import signal
 import time
 import traceback
 
+from umalloc.backends import get_backend
 from umalloc.errors import BackendError
+from umalloc.geometry.region import Region
 
 #: Idle progress interval of the child (seconds).
 IDLE_POLL_S = 0.0002
@@ -73,8 +75,6 @@ class WorkerContext:
     # ---- backend ---------------------------------------------------------------------------------------
     def cmd_new_backend(self, **kw: object) -> str:
         """Close the current backend (if any) and start a fresh one; returns its peer id."""
-        from umalloc.backends import get_backend
-
         self.cmd_close_backend()
         merged = dict(self.backend_kw)
         merged.update(kw)
@@ -103,13 +103,9 @@ class WorkerContext:
         self._b().set_layout(layout)
 
     def cmd_register(self, regions: list[dict]) -> None:
-        from umalloc.geometry.region import Region
-
         self._b().register([Region.from_dict(r) for r in regions])
 
     def cmd_deregister(self, regions: list[dict]) -> None:
-        from umalloc.geometry.region import Region
-
         self._b().deregister([Region.from_dict(r) for r in regions])
 
     def cmd_metadata(self) -> bytes:

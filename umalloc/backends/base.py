@@ -294,8 +294,9 @@ class BackendBase:
             peer: a name returned by :meth:`connect`.
 
         Raises:
-            UmallocValueError: not a plan, the plan is not pending, or already in flight (pending or draining) on
-                this or any other backend of this process (F11), or unknown peer.
+            UmallocValueError: not a plan (or ``descriptors()`` not an ``(N, 3)`` uint64 array), the plan is not
+                pending, or already in flight (pending or draining) on this or any other backend of this process
+                (F11), or unknown peer.
             IncompatiblePeerError: the plan was built for another layout than the peer's.
             DescriptorBoundsError: a source range not registered here, or a destination range the peer never
                 registered; nothing was sent and the plan is untouched.
@@ -306,7 +307,13 @@ class BackendBase:
         info = self._get_peer(peer)
         check_plan_peer(plan, info, "submit")
         self._ht.refuse_in_flight(plan, "submit")
-        return self._post(plan.descriptors(), info, peer, plan, plan_item_bytes(plan))
+        d = plan.descriptors()
+        if not (isinstance(d, np.ndarray) and d.dtype == np.uint64 and d.ndim == 2 and d.shape[1] == 3):
+            # its values were validated when the plan was built; only its type is checked here (O(1))
+            raise UmallocValueError(f"submit: plan.descriptors() returned {type(d).__name__} "
+                                    f"{getattr(d, 'dtype', '')} {getattr(d, 'shape', '')}: allowed an (N, 3) "
+                                    "uint64 array")
+        return self._post(d, info, peer, plan, plan_item_bytes(plan))
 
     def write_descriptors(self, descriptors: np.ndarray, peer: str, *, plan: PlanLike | None = None,
                           item_bytes: int | None = None) -> TransferHandle:
