@@ -1513,3 +1513,28 @@ def test_transfer_plans_conform_to_the_plan_protocol(backend_factory):
                       alloc_request(dst_alloc, L_TOKENS))
     assert isinstance(plan, PlanLike) and not isinstance(object(), PlanLike)
     plan.abort()
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_plan_descriptors_are_validated_once_when_the_plan_is_built(name, backend_factory, monkeypatch):
+    """A plan's descriptors were validated when it was built: ``submit`` locates them against the registered
+    regions but does not validate them again (it used to run the raw-batch validator on every plan, after the plan
+    had); a raw ``write_descriptors`` batch is validated exactly once."""
+    import umalloc.backends.base as base_mod
+
+    validated = []
+    real = base_mod.as_descriptors
+    monkeypatch.setattr(base_mod, "as_descriptors", lambda d: validated.append(d) or real(d))
+    src_arena, src_alloc, a, dst_arena, dst_alloc, b = kv_pair(backend_factory, name)
+    peer = a.connect(b.metadata())
+    plan = build_plan("once-v", src_alloc, alloc_request(src_alloc, L_TOKENS), dst_alloc,
+                      alloc_request(dst_alloc, L_TOKENS))
+    d = plan.descriptors().copy()
+    h = a.submit(plan, peer)
+    a.wait(h, DEADLINE_S)
+    a.release(h)
+    assert validated == [] and plan.state == "done" and h.num_descriptors == d.shape[0]
+    h = a.write_descriptors(d, peer)
+    a.wait(h, DEADLINE_S)
+    a.release(h)
+    assert len(validated) == 1 and validated[0] is d

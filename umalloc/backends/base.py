@@ -221,8 +221,6 @@ class BackendBase:
         return encode_metadata(backend=self.name, peer_id=self._peer_id, pid=os.getpid(), host=self._host,
                                layout=self._layout, regions=self._reg.regions, engine=self._engine_metadata())
 
-    parse_metadata = staticmethod(parse_metadata)
-
     def _check_engine_metadata(self, engine: dict) -> None:
         """Engine hook: raise UmallocValueError for engine metadata this engine cannot connect to (called before
         any engine call)."""
