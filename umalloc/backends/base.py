@@ -14,10 +14,11 @@ Policy:
   one region the peer registered (from its metadata). A bad batch raises
   :class:`~umalloc.errors.DescriptorBoundsError` (or :class:`~umalloc.errors.UmallocValueError`) and changes
   nothing — not even the plan.
-* A plan (``submit`` or ``write_descriptors(plan=...)``) must be a plan (:class:`~umalloc.backends.protocol.PlanLike`),
-  pending, with its leases active and not past their deadline, and may be in flight on one handle at a time
-  across every backend of the process (pending or draining): a second handle would outlive the leases the first
-  one's ending releases (F11). Every one of these is checked before a byte is copied or a handle is made.
+* A plan (``submit`` or ``write_descriptors(plan=...)``) must be a plan
+  (:class:`~umalloc.backends.protocol.PlanLike`), pending, with its leases active and not past their deadline,
+  and may be in flight on one handle at a time across every backend of the process (pending or draining): a
+  second handle would outlive the leases the first one's ending releases (F11). Every one of these is checked
+  before a byte is copied or a handle is made.
 * Handles (:mod:`umalloc.backends.handle`) belong to the backend that made them: ``poll`` / ``wait`` /
   ``release`` / ``drain`` refuse another backend's handle, released or not.
 * Engine failures never raise from ``submit``: they fail the handle, and ``poll`` / ``wait`` report them. A

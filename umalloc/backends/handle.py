@@ -272,7 +272,8 @@ class HandleTable:
                 raise InvariantError(f"handle {hid}: draining={h.draining} but in the draining table: "
                                      f"{hid in self.draining}")
         for h in (*self.open.values(), *self.draining.values()):
-            if h.plan is not None and (h.state == "pending" or h.draining) and PLANS_IN_FLIGHT.holder(h.plan) is not h:
+            in_flight = h.state == "pending" or h.draining
+            if h.plan is not None and in_flight and PLANS_IN_FLIGHT.holder(h.plan) is not h:
                 raise InvariantError(f"handle {h.handle_id}: its plan is in flight but not recorded as in flight "
                                      "on it")
         for hid, h in self.draining.items():
