@@ -15,6 +15,11 @@ What it measures (not a test; nothing is asserted, the targets are printed as PA
   measured in the same run (best of ``--repeat + 2``); ``x memcpy`` = backend GB/s / memcpy GB/s. Every timed transfer is the best of ``--repeat`` after one
   warm-up; after each row a sample of destination pages is checked against the source.
 
+* ``plan overhead`` (``--plan-repeats``, local backend, in-process): the backend's own cost per plan, for a
+  2048-token request over a small KV spec (a few KiB of bytes, fragmented: one descriptor per hole page plus
+  the contiguous rest): ``submit`` + ``wait`` + ``release`` of a fresh plan (building it is not timed), against
+  the same descriptors posted raw (``write_descriptors`` + ``wait`` + ``release``) in the same run; median us.
+
 Targets (issue 7): NIXL >= 0.8x memcpy for runs >= 64 KiB; Mooncake coalesced >= 10x its per-page rate on the
 replay-shaped layout. A second reference, the kernel's cross-process copy (``process_vm_writev``, which UCX's CMA
 transport uses between two processes on one host), shows how much of memcpy any two-process engine can reach.
@@ -35,7 +40,11 @@ import torch
 
 from umalloc.backends import backend_available, get_backend
 from umalloc.backends._worker import BackendWorker
+from umalloc.core.allocator import MultiEndedAllocator
+from umalloc.geometry.arena import Arena
 from umalloc.geometry.region import Region
+from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, LayerSpec
+from umalloc.transfer.plan import PeerLayout, build_plan
 
 PAGE_SIZES = {"4KiB": 4 << 10, "64KiB": 64 << 10, "1MiB": 1 << 20}
 LAYOUTS = ("contiguous", "replay", "scattered")
@@ -224,6 +233,49 @@ def run(args: argparse.Namespace) -> list[dict]:
     return rows, base, cma
 
 
+def plan_overhead(repeats: int, seq_len_tokens: int = 2048) -> dict[str, float]:
+    """Median microseconds per plan on the local backend: ``submit`` path vs the raw path of the same descriptors
+    (see the module docstring). Returns ``{"submit_us", "raw_us", "descriptors"}``."""
+    full = EndSpec("full", (LayerSpec.mha(1, 8),), page_size=16)
+    swa = EndSpec("swa", (LayerSpec.mha(1, 4, window_tokens=512),), page_size=16, grow=Grow.DOWN, owner="full",
+                  role=EndRole.SWA)
+    spec = ArenaSpec((full, swa), arena_bytes=1 << 20)
+    one = lambda x: torch.tensor([x], dtype=torch.int64)  # noqa: E731
+    sides = []
+    for _ in range(2):
+        alloc = MultiEndedAllocator(Arena(spec))
+        junk = [alloc.alloc_extend(one(0), one(16), one(-1)) for _ in range(64)]
+        for j in junk[::2]:  # 32 one-page holes below the request
+            alloc.free(j)
+        b = get_backend("local", layout=PeerLayout.from_arena(alloc.arena))
+        b.register(alloc.arena.regions())
+        sides.append((alloc, b))
+    (src, a), (dst, b) = sides
+    peer = a.connect(b.metadata())
+    vs, vd = src.alloc_extend(one(0), one(seq_len_tokens), one(-1)), dst.alloc_extend(one(0), one(seq_len_tokens),
+                                                                                      one(-1))
+    submit_s, raw_s = [], []
+    n = 0
+    for _ in range(repeats + 1):
+        plan = build_plan("bench", src, vs, dst, vd)
+        d = plan.descriptors().copy()
+        n = d.shape[0]
+        t0 = time.perf_counter()
+        h = a.submit(plan, peer)
+        a.wait(h, 10.0)
+        a.release(h)
+        submit_s.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        h = a.write_descriptors(d, peer)
+        a.wait(h, 10.0)
+        a.release(h)
+        raw_s.append(time.perf_counter() - t0)
+    a.close()
+    b.close()
+    return {"submit_us": float(np.median(submit_s[1:])) * 1e6, "raw_us": float(np.median(raw_s[1:])) * 1e6,
+            "descriptors": n}
+
+
 def targets(rows: list[dict], base: float, cma: float | None) -> list[str]:
     out = []
     nixl = [r for r in rows if r["backend"].startswith("nixl") and r["descriptors"] == "coalesced"
@@ -257,9 +309,14 @@ def main() -> None:
     ap.add_argument("--mean-run-pages", type=int, default=32, help="mean run length of the replay layout")
     ap.add_argument("--timeout-s", type=float, default=120.0)
     ap.add_argument("--seed", type=int, default=int(os.environ.get("UMALLOC_SEED", "7")))
+    ap.add_argument("--plan-repeats", type=int, default=300, help="plans timed by the plan-overhead section")
     ap.add_argument("--json", default=None, help="write rows and baseline here")
     args = ap.parse_args()
     args.backends = [b for b in args.backends.split(",") if b]
+    over = plan_overhead(args.plan_repeats)
+    print(f"plan overhead (local, L=2048, {over['descriptors']} descriptors, median of {args.plan_repeats}): "
+          f"submit {over['submit_us']:.1f} us, raw write_descriptors {over['raw_us']:.1f} us, "
+          f"submit / raw {over['submit_us'] / over['raw_us']:.2f}")
     rows, base, cma = run(args)
     print()
     print(f"{'backend':14s} {'page':>6s} {'layout':10s} {'descs':9s} {'count':>7s} {'ms':>9s} "
@@ -273,7 +330,7 @@ def main() -> None:
         print(line)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"memcpy_gbps": base, "cma_gbps": cma, "rows": rows, "args": vars(args)}, f, indent=1)
+            json.dump({"memcpy_gbps": base, "cma_gbps": cma, "rows": rows, "plan_overhead": over, "args": vars(args)}, f, indent=1)
 
 
 if __name__ == "__main__":

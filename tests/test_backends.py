@@ -23,18 +23,19 @@ import pytest
 import torch
 
 import umalloc.backends as backends_mod
-from umalloc.core.allocator import MultiEndedAllocator
-from umalloc.geometry.arena import Arena
 from umalloc.backends import (
     BACKEND_NAMES,
+    PlanLike,
     TransferBackend,
     TransferHandle,
     backend_available,
     get_backend,
     require_or_skip,
 )
-from umalloc.backends._base import plan_leases_gone
 from umalloc.backends._worker import BackendWorker
+from umalloc.backends.protocol import plan_leases_gone
+from umalloc.core.allocator import MultiEndedAllocator
+from umalloc.core.pagestate import PAGE_PENDING
 from umalloc.errors import (
     BackendError,
     DescriptorBoundsError,
@@ -45,15 +46,15 @@ from umalloc.errors import (
     TransferTimeout,
     UmallocValueError,
 )
-from umalloc.core.pagestate import PAGE_PENDING
-from umalloc.transfer.plan import PeerLayout, build_plan, build_receiver_half, build_send_plan
+from umalloc.geometry.arena import Arena
 from umalloc.geometry.region import Region
 from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, LayerSpec
+from umalloc.transfer.plan import PeerLayout, build_plan, build_receiver_half, build_send_plan
 
 ENGINES = ["nixl", "mooncake"]
 DEADLINE_S = 10.0
 SEED = int(os.environ.get("UMALLOC_SEED", "20240607"))
-W = "umalloc.backends._worker:"
+W = "kv_worker:"
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -1371,3 +1372,169 @@ def test_mooncake_chunk_stuck_on_a_stalled_peer_is_polled_sparingly(backend_work
     assert_backend_idle(a)
     w.call("reset_backend")
     w.call("free", buf_id)
+
+
+# ==== validation at the boundary: typed errors, state unchanged =================================================
+
+
+def connected_pair(make, name: str, nbytes: int = 4096):
+    """Two fresh backends of kind ``name`` with one host buffer registered each; ``(a, b, src, dst, peer)``."""
+    a, b = make(name), make(name)
+    src, dst = seeded_bytes(nbytes, SEED), torch.zeros(nbytes, dtype=torch.uint8)
+    a.register([Region(src.data_ptr(), nbytes)])
+    b.register([Region(dst.data_ptr(), nbytes)])
+    return a, b, src, dst, a.connect(b.metadata())
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_connect_validates_every_metadata_field_before_any_engine_call(name, backend_factory, monkeypatch):
+    """Metadata with a field missing or mistyped raises UmallocValueError and the engine is never asked (it used to
+    raise KeyError after the engine call went out); the same metadata made whole connects."""
+    a, b = backend_factory(name), backend_factory(name)
+    buf = torch.zeros(64, dtype=torch.uint8)
+    b.register([Region(buf.data_ptr(), 64)])
+    good = json.loads(b.metadata())
+    engine_calls = []
+    real = a._engine_connect
+    monkeypatch.setattr(a, "_engine_connect", lambda md: engine_calls.append(md) or real(md))
+    engine_key = {"local": None, "nixl": "agent_md", "mooncake": "session"}[name]
+    bad = []
+    for key in ("backend", "peer_id", "pid", "host", "regions", "engine"):
+        bad.append({k: v for k, v in good.items() if k != key})  # a field missing
+    for key, value in (("pid", "12"), ("pid", True), ("pid", 0), ("peer_id", ""), ("peer_id", 7), ("host", None),
+                       ("regions", "r"), ("regions", [{"base_ptr": 1}]), ("regions", [7]), ("engine", []),
+                       ("layout", "l"), ("regions", [{"base_ptr": -1, "nbytes": 64, "device": "cpu",
+                                                      "mem_kind": "DRAM"}])):
+        bad.append({**good, key: value})  # a field of the wrong type or value
+    if engine_key is not None:
+        bad.append({**good, "engine": {k: v for k, v in good["engine"].items() if k != engine_key}})
+        bad.append({**good, "engine": {**good["engine"], engine_key: 5}})
+    for md in bad:
+        with pytest.raises(UmallocValueError):
+            a.connect(json.dumps(md).encode())
+    for raw in (None, 5, "text", b"[]"):
+        with pytest.raises(UmallocValueError, match="metadata"):
+            a.connect(raw)
+    assert engine_calls == [] and a.peers() == [] and a.stats()["connects"] == 0
+    peer = a.connect(json.dumps(good).encode())
+    assert len(engine_calls) == 1 and a.peers() == [peer]
+    a.check_invariants()
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_peer_layout_is_checked_once_at_connect(name, backend_factory, monkeypatch):
+    """F22 once: ``connect`` runs check_compatible once and keeps the peer's checked layout; ``peer_layout`` hands
+    out that same object, and submitting plans for the peer never checks again. A plan built for another peer's
+    layout is refused at submit (IncompatiblePeerError) before anything is sent."""
+    import umalloc.backends.peers as peers_mod
+
+    checks = []
+    real = peers_mod.check_compatible
+    monkeypatch.setattr(peers_mod, "check_compatible", lambda x, y: checks.append((x, y)) or real(x, y))
+    src_arena, src_alloc, a, dst_arena, dst_alloc, b = kv_pair(backend_factory, name)
+    peer = a.connect(b.metadata())
+    assert len(checks) == 1
+    layout = a.peer_layout(peer)
+    assert layout is a.peer_layout(peer) is a.peer_info(peer).checked_layout
+    assert layout == PeerLayout.from_arena(dst_arena)  # what b published, rebuilt here
+    for rid in ("once-1", "once-2"):
+        plan = build_plan(rid, src_alloc, alloc_request(src_alloc, L_TOKENS), dst_alloc,
+                          alloc_request(dst_alloc, L_TOKENS))
+        checks.clear()
+        h = a.submit(plan, peer)
+        a.wait(h, DEADLINE_S)
+        a.release(h)
+        assert checks == [] and plan.state == "done"
+    other_arena, other_alloc = kv_side(kv_spec(), None)  # same geometry, another arena: another layout
+    c = backend_factory(name, layout=PeerLayout.from_arena(other_arena))
+    c.register(other_arena.regions())
+    peer_c = a.connect(c.metadata())
+    plan = build_plan("once-3", src_alloc, alloc_request(src_alloc, L_TOKENS), dst_alloc,
+                      alloc_request(dst_alloc, L_TOKENS))
+    before = a.stats()
+    with pytest.raises(IncompatiblePeerError, match="peer_layout"):
+        a.submit(plan, peer_c)
+    assert a.stats() == before and not other_arena.data.any() and plan.state == "pending"
+    plan.abort()
+    assert src_alloc.leases_active() == 0 and dst_alloc.leases_active() == 0
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_write_descriptors_refuses_a_plan_that_is_not_a_plan_before_copying(name, backend_factory):
+    """``write_descriptors(d, peer, plan=object())`` used to copy the bytes, then raise AttributeError ending the
+    plan and leave the handle open: now a UmallocValueError before any copy, no handle made."""
+    a, b, src, dst, peer = connected_pair(backend_factory, name)
+    d = np.array([[src.data_ptr(), dst.data_ptr(), 4096]], np.uint64)
+    before = a.stats()
+
+    class StateOnly:
+        state = "pending"
+
+    for not_a_plan in (object(), "plan", StateOnly(), 1):
+        with pytest.raises(UmallocValueError, match="allowed a plan"):
+            a.write_descriptors(d, peer, plan=not_a_plan)
+        with pytest.raises(UmallocValueError, match="allowed a plan"):
+            a.submit(not_a_plan, peer)
+    assert a.stats() == before and not dst.any() and a.open_handles() == []
+    h = a.write_descriptors(d, peer)  # the same batch without the bogus plan goes through
+    a.wait(h, DEADLINE_S)
+    a.release(h)
+    assert torch.equal(dst, src)
+    assert_backend_idle(a)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_memory_without_an_address_is_refused_at_registration(name, backend_factory):
+    """A ``meta`` tensor (what ``Arena(spec, device="meta")`` gives) has no memory: registering it raises
+    RegistrationError, so no backend ever copies from or to it (the local backend used to segfault in submit).
+    A null base address and a device no engine knows are refused the same way; nothing is registered."""
+    b = backend_factory(name)
+    meta = torch.empty(4096, dtype=torch.uint8, device="meta")
+    host = torch.zeros(4096, dtype=torch.uint8)
+    for bad in (Region(meta.data_ptr(), 4096, str(meta.device)), Region(host.data_ptr(), 4096, "meta"),
+                Region(0, 4096), Region(host.data_ptr(), 4096, "xpu:0"), Region(host.data_ptr(), 4096, "cuda:x")):
+        with pytest.raises(RegistrationError, match="addressable|null pointer"):
+            b.register([bad])
+        with pytest.raises(RegistrationError):
+            b.register([Region(host.data_ptr(), 4096), bad])  # one bad region refuses the whole call
+    for not_regions in (None, 5):
+        with pytest.raises(RegistrationError, match="allowed a Region"):
+            b.register(not_regions)
+    assert b.registered_regions() == [] and b.stats()["registrations"] == 0
+    b.register(Region(host.data_ptr(), 4096))  # a single Region is accepted too
+    assert b.registered_regions() == [Region(host.data_ptr(), 4096)]
+    b.deregister([Region(host.data_ptr(), 4096)])
+    b.check_invariants()
+
+
+def test_transfer_plans_conform_to_the_plan_protocol(backend_factory):
+    src_arena, src_alloc, a, dst_arena, dst_alloc, b = kv_pair(backend_factory, "local")
+    plan = build_plan("proto", src_alloc, alloc_request(src_alloc, L_TOKENS), dst_alloc,
+                      alloc_request(dst_alloc, L_TOKENS))
+    assert isinstance(plan, PlanLike) and not isinstance(object(), PlanLike)
+    plan.abort()
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_plan_descriptors_are_validated_once_when_the_plan_is_built(name, backend_factory, monkeypatch):
+    """A plan's descriptors were validated when it was built: ``submit`` locates them against the registered
+    regions but does not validate them again (it used to run the raw-batch validator on every plan, after the plan
+    had); a raw ``write_descriptors`` batch is validated exactly once."""
+    import umalloc.backends.base as base_mod
+
+    validated = []
+    real = base_mod.as_descriptors
+    monkeypatch.setattr(base_mod, "as_descriptors", lambda d: validated.append(d) or real(d))
+    src_arena, src_alloc, a, dst_arena, dst_alloc, b = kv_pair(backend_factory, name)
+    peer = a.connect(b.metadata())
+    plan = build_plan("once-v", src_alloc, alloc_request(src_alloc, L_TOKENS), dst_alloc,
+                      alloc_request(dst_alloc, L_TOKENS))
+    d = plan.descriptors().copy()
+    h = a.submit(plan, peer)
+    a.wait(h, DEADLINE_S)
+    a.release(h)
+    assert validated == [] and plan.state == "done" and h.num_descriptors == d.shape[0]
+    h = a.write_descriptors(d, peer)
+    a.wait(h, DEADLINE_S)
+    a.release(h)
+    assert len(validated) == 1 and validated[0] is d

@@ -13,10 +13,16 @@ Policy:
   (``plan.complete()`` on success, ``plan.fail(exc)`` on failure or deadline, ``plan.abort()`` when a pending
   handle is released) — and never while the engine may still read or write the plan's pages: a handle failed
   by a deadline or a release while the engine still holds one of its parts is ``draining``, and its plan ends
-  when the engine confirms (Note [Deadlines and in-flight parts] in :mod:`umalloc.backends._base`).
+  when the engine confirms (Note [Deadlines and in-flight parts] in :mod:`umalloc.backends.base`).
 * Every wait is bounded: ``wait(handle, timeout_s)`` raises :class:`~umalloc.errors.TransferTimeout` at the
   deadline and :class:`~umalloc.errors.TransferError` for a failed or dead peer, never hangs;
   ``drain(handle, timeout_s)`` waits, bounded too, for a draining handle's plan to end.
+* Modules, one concept each, imported one way (left needs nothing on its right): ``handle`` (handles, their
+  lifecycle, the process-wide in-flight table) <- ``protocol`` (:class:`TransferBackend`, :class:`PlanLike`,
+  the plan checks) ; ``descriptors`` (raw batch validation, region lookup) <- ``registry`` (registration
+  multiset, F21) and ``peers`` (metadata, connect-time layout check, F22) ; all <- ``base`` (:class:`BackendBase`)
+  <- ``local`` / ``nixl`` / ``mooncake``; ``_worker`` (a backend in a second process) uses only
+  :func:`get_backend`. Backends know plans (by protocol) and regions, never allocators.
 * :func:`require_or_skip` is the one place tests decide whether an engine may be skipped: under
   ``UMALLOC_REQUIRE_BACKENDS=1`` (CI) a missing engine fails the test instead.
 """
@@ -25,20 +31,15 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-import numpy as np
-
-from umalloc.backends._handle import HANDLE_STATES, TransferHandle
+from umalloc.backends.handle import HANDLE_STATES, TransferHandle
+from umalloc.backends.protocol import PlanLike, TransferBackend
 from umalloc.errors import BackendUnavailable, UmallocValueError
-
-if TYPE_CHECKING:
-    from umalloc.geometry.region import Region
 
 __all__ = [
     "BACKEND_NAMES",
     "HANDLE_STATES",
+    "PlanLike",
     "TransferBackend",
     "TransferHandle",
     "available_backends",
@@ -61,36 +62,6 @@ _ENGINE_MODULES = {"local": None, "nixl": "nixl_cu12", "mooncake": "mooncake.eng
 
 #: Env var that turns engine skips into failures (set in CI).
 REQUIRE_ENV = "UMALLOC_REQUIRE_BACKENDS"
-
-
-@runtime_checkable
-class TransferBackend(Protocol):
-    """What every transfer backend provides (shared/DESIGN.md §4; /tmp/team/INTERFACES.md).
-
-    Lifecycle: ``register`` the arena regions, exchange ``metadata()`` out of band, ``connect`` to the peer's
-    metadata, then ``submit`` plans (or ``write_descriptors`` batches) and ``poll`` / ``wait`` / ``release``
-    their handles (``drain`` a failed one whose engine parts may still move bytes); ``close`` ends everything.
-    All methods are called from one thread.
-    """
-
-    name: str
-
-    def register(self, regions: Sequence[Region]) -> None: ...
-    def deregister(self, regions: Sequence[Region]) -> None: ...
-    def metadata(self) -> bytes: ...
-    def connect(self, peer_metadata: bytes) -> str: ...
-    def disconnect(self, peer: str) -> None: ...
-    def submit(self, plan: object, peer: str) -> TransferHandle: ...
-    def write_descriptors(self, descriptors: np.ndarray, peer: str, *, plan: object | None = None,
-                          item_bytes: int | None = None) -> TransferHandle: ...
-    def poll(self, handle: TransferHandle) -> str: ...
-    def wait(self, handle: TransferHandle, timeout_s: float) -> None: ...
-    def drain(self, handle: TransferHandle, timeout_s: float) -> bool: ...
-    def release(self, handle: TransferHandle) -> None: ...
-    def progress(self) -> None: ...
-    def stats(self) -> dict[str, int]: ...
-    def check_invariants(self) -> None: ...
-    def close(self) -> None: ...
 
 
 def get_backend(name: str, **kw: object) -> TransferBackend:

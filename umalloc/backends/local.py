@@ -11,6 +11,7 @@ Policy:
 * Copy strategy per group of descriptors sharing ``(nbytes, source region, destination region)``: when the group
   is large and both offsets are multiples of ``nbytes`` the copy is one numpy gather/scatter over
   ``(n, nbytes)`` row views; otherwise one ``ctypes.memmove`` per descriptor (coalesced runs are few and long).
+  A batch of fewer than ``GATHER_MIN_ROWS`` descriptors is copied row by row without grouping.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ import weakref
 
 import numpy as np
 
-from umalloc.backends._base import BackendBase, PeerInfo, locate_ranges
-from umalloc.backends._handle import TransferHandle
+from umalloc.backends.base import BackendBase
+from umalloc.backends.descriptors import locate_ranges
+from umalloc.backends.handle import TransferHandle
+from umalloc.backends.peers import PeerInfo
 from umalloc.errors import BackendError, RegistrationError, TransferError
 from umalloc.geometry.region import DRAM, Region
 
@@ -43,7 +46,7 @@ class LocalBackend(BackendBase):
     """In-process copy backend.
 
     Args:
-        layout: this side's ``PeerLayout`` (see :class:`~umalloc.backends._base.BackendBase`).
+        layout: this side's ``PeerLayout`` (see :class:`~umalloc.backends.base.BackendBase`).
 
     >>> import torch
     >>> from umalloc.geometry.region import Region
@@ -78,10 +81,10 @@ class LocalBackend(BackendBase):
         return {"pid": os.getpid()}
 
     def _engine_connect(self, md: dict) -> str:
-        if int(md.get("pid", -1)) != os.getpid():
-            raise BackendError(f"local backend: peer lives in process {md.get('pid')}, this is {os.getpid()}; "
+        if md["pid"] != os.getpid():
+            raise BackendError(f"local backend: peer lives in process {md['pid']}, this is {os.getpid()}; "
                                "use the nixl or mooncake backend between processes")
-        peer_id = str(md["peer_id"])
+        peer_id = md["peer_id"]
         if _BY_PEER_ID.get(peer_id) is None:
             raise BackendError(f"local backend: peer {peer_id} is closed")
         return peer_id
@@ -93,32 +96,39 @@ class LocalBackend(BackendBase):
         if other is None or other.closed:
             raise TransferError(f"local: peer {peer.name!r} was closed before the transfer")
         # The peer's *current* registration decides, not what its metadata said at connect time.
-        cur = locate_ranges(d[:, 1], d[:, 2], other._local_starts, other._local_ends)
+        cur = locate_ranges(d[:, 1], d[:, 2], other._reg.starts, other._reg.ends)
         if (cur < 0).any():
             row = int(np.flatnonzero(cur < 0)[0])
             raise TransferError(f"local: destination row {row} is no longer registered by peer {peer.name!r}")
-        self._copy(d, src_idx, cur, self._local_regions, other._local_regions, other)
+        self._copy(d, src_idx, cur, self._reg.regions, other._reg.regions, other)
         h.engine["done"] = True
 
     def _copy(self, d: np.ndarray, src_idx: np.ndarray, dst_idx: np.ndarray, src_regions: tuple[Region, ...],
               dst_regions: tuple[Region, ...], other: LocalBackend) -> None:
+        """Copy every row of ``d`` (the module policy's copy strategy). O(N log N) grouping."""
+        n = d.shape[0]
+        if n < GATHER_MIN_ROWS:  # no group can be gathered: copy row by row
+            mm = ctypes.memmove
+            for s, t, k in d.tolist():
+                mm(t, s, k)
+            return
         nb = d[:, 2]
         if (nb == nb[0]).all() and (src_idx == src_idx[0]).all() and (dst_idx == dst_idx[0]).all():
-            groups = [(int(nb[0]), int(src_idx[0]), int(dst_idx[0]), np.arange(d.shape[0]))]
-        else:
-            key = np.stack([nb, src_idx.astype(np.uint64), dst_idx.astype(np.uint64)], axis=1)
-            uniq, inverse = np.unique(key, axis=0, return_inverse=True)
-            inverse = inverse.reshape(-1)
-            groups = [(nbytes, si, di, np.flatnonzero(inverse == g))
-                      for g, (nbytes, si, di) in enumerate(uniq.tolist())]
-        for nbytes, si, di, rows in groups:
-            sreg, dreg = src_regions[si], dst_regions[di]
+            groups = [np.arange(n)]
+        else:  # one int64 key per (nbytes rank, source region, destination region), rows kept in batch order
+            _, nb_rank = np.unique(nb, return_inverse=True)
+            key = (nb_rank.reshape(-1).astype(np.int64) * len(src_regions) + src_idx) * len(dst_regions) + dst_idx
+            order = np.argsort(key, kind="stable")
+            groups = np.split(order, np.flatnonzero(np.diff(key[order])) + 1)
+        for rows in groups:
+            first = int(rows[0])
+            nbytes, sreg, dreg = int(nb[first]), src_regions[int(src_idx[first])], dst_regions[int(dst_idx[first])]
             s_off = d[rows, 0] - np.uint64(sreg.base_ptr)
             d_off = d[rows, 1] - np.uint64(dreg.base_ptr)
             if rows.size >= GATHER_MIN_ROWS and not (s_off % np.uint64(nbytes)).any() and not (
                     d_off % np.uint64(nbytes)).any():
-                sv = self._engine_regions[sreg]
-                dv = other._engine_regions[dreg]
+                sv = self._reg.engine[sreg]
+                dv = other._reg.engine[dreg]
                 srows = sv[: (sreg.nbytes // nbytes) * nbytes].reshape(-1, nbytes)
                 drows = dv[: (dreg.nbytes // nbytes) * nbytes].reshape(-1, nbytes)
                 drows[(d_off // np.uint64(nbytes)).astype(np.int64)] = srows[(s_off // np.uint64(nbytes)).astype(np.int64)]

@@ -37,7 +37,7 @@ is kept), and the spinning ``get_batch_transfer_status`` frees the batch's ids a
 Seen here (0.3.13, TCP, ``MC_TRANSFER_TIMEOUT=5``): descriptors to a paused peer stayed WAITING for 8 s, and every
 byte landed when the peer resumed. None of this tells when the engine stopped reading the source pages or writing
 the destination, so an engine timeout shorter than the lease deadline would prove nothing; umalloc takes the other
-design (Note [Deadlines and in-flight parts] in :mod:`umalloc.backends._base`):
+design (Note [Deadlines and in-flight parts] in :mod:`umalloc.backends.base`):
 
 * only COMPLETED (1) and FAILED (-1) end a descriptor; TIMEOUT keeps it in flight and it is polled on; the
   spinning batch call is not used at all;
@@ -75,8 +75,10 @@ import time
 
 import numpy as np
 
-from umalloc.backends._base import BackendBase, PeerInfo, plan_leases_gone
-from umalloc.backends._handle import TransferHandle
+from umalloc.backends.base import BackendBase
+from umalloc.backends.handle import TransferHandle
+from umalloc.backends.peers import PeerInfo
+from umalloc.backends.protocol import plan_leases_gone
 from umalloc.errors import (
     BackendError,
     BackendUnavailable,
@@ -226,7 +228,7 @@ class MooncakeBackend(BackendBase):
     """Transfer backend on a Mooncake TransferEngine.
 
     Args:
-        layout: this side's ``PeerLayout`` (see :class:`~umalloc.backends._base.BackendBase`).
+        layout: this side's ``PeerLayout`` (see :class:`~umalloc.backends.base.BackendBase`).
         host: address the engine binds to (``127.0.0.1``).
         protocol: ``"tcp"`` (CPU machines) or ``"rdma"``.
         max_batch_descriptors: chunk size (1..2048 unless the engine's per-peer limits were raised through
@@ -295,11 +297,15 @@ class MooncakeBackend(BackendBase):
     def _engine_metadata(self) -> dict:
         return {"session": self.session, "rpc_port": self.rpc_port}
 
+    def _check_engine_metadata(self, engine: dict) -> None:
+        session = engine.get("session")
+        if not isinstance(session, str) or not session:
+            raise UmallocValueError(f"mooncake peer metadata: engine.session={session!r}, allowed a non-empty "
+                                    "'host:rpc_port' str")
+
     def _engine_connect(self, md: dict) -> str:
-        session = str(md.get("engine", {}).get("session", ""))
-        if not session:
-            raise BackendError("mooncake: peer metadata has no session")
-        self._reach(session, bool(md.get("regions")))
+        session = md["engine"]["session"]  # checked by _check_engine_metadata
+        self._reach(session, bool(md["regions"]))
         if session not in self._senders:
             self._senders[session] = _PeerSender(self._engine, session, self._retired.pop(session, None),
                                                  self._sender_counts)
@@ -400,7 +406,7 @@ class MooncakeBackend(BackendBase):
             return taken + sum(1 for r in results if r is None)
 
     def _chunks_in_flight(self) -> int:
-        return sum(self._engine_in_flight(h) for h in self._draining.values())
+        return sum(self._engine_in_flight(h) for h in self._ht.draining.values())
 
     def _engine_quiesce(self) -> None:
         """Wait, at most ``close_timeout_s`` in all, until no chunk of a draining handle is in the engine any

@@ -56,9 +56,9 @@ Note [NIXL cancel and leases]
 At ``wait``'s deadline or a release, a pending request is released: NIXL checks it once more and, if it is
 still in progress, asks the UCX backend to cancel it; a release that succeeds means NIXL no longer runs the
 request. A release that fails (``NIXL_ERR_REPOST_ACTIVE``: the request is still active) leaves a *zombie*,
-retried on every :meth:`~umalloc.backends._base.BackendBase.progress`; the zombie counts as in flight
+retried on every :meth:`~umalloc.backends.base.BackendBase.progress`; the zombie counts as in flight
 (``_engine_in_flight``), so its handle drains and its plan ends only once the retried release succeeds (Note
-[Deadlines and in-flight parts] in :mod:`umalloc.backends._base`). Closing the backend ends the agent and with it
+[Deadlines and in-flight parts] in :mod:`umalloc.backends.base`). Closing the backend ends the agent and with it
 every zombie. What UCX had already put on the wire before the cancel is beyond any sender's reach; a receiver
 keeps its half leased until the sender reports its plan ended.
 
@@ -83,8 +83,9 @@ import weakref
 
 import numpy as np
 
-from umalloc.backends._base import BackendBase, PeerInfo
-from umalloc.backends._handle import TransferHandle
+from umalloc.backends.base import BackendBase
+from umalloc.backends.handle import TransferHandle
+from umalloc.backends.peers import PeerInfo
 from umalloc.errors import BackendError, BackendUnavailable, TransferError, UmallocValueError
 from umalloc.geometry.region import Region
 
@@ -119,7 +120,7 @@ class NixlBackend(BackendBase):
     """Transfer backend on a NIXL agent.
 
     Args:
-        layout: this side's ``PeerLayout`` (see :class:`~umalloc.backends._base.BackendBase`).
+        layout: this side's ``PeerLayout`` (see :class:`~umalloc.backends.base.BackendBase`).
         mode: ``"auto"``, ``"oneshot"`` or ``"prepped"`` (Note [NIXL post mode]).
         agent_name: NIXL agent name (default ``umalloc-<peer id>``; must be unique among connected agents).
 
@@ -178,9 +179,20 @@ class NixlBackend(BackendBase):
         md = self._agent.get_agent_metadata()
         return {"agent_name": self.agent_name, "agent_md": base64.b64encode(md).decode()}
 
+    def _check_engine_metadata(self, engine: dict) -> None:
+        name, md = engine.get("agent_name"), engine.get("agent_md")
+        if not isinstance(name, str) or not name:
+            raise UmallocValueError(f"nixl peer metadata: engine.agent_name={name!r}, allowed a non-empty str")
+        try:
+            ok = isinstance(md, str) and bool(base64.b64decode(md, validate=True))
+        except ValueError:  # binascii.Error
+            ok = False
+        if not ok:
+            raise UmallocValueError("nixl peer metadata: engine.agent_md allowed the base64 of NIXL agent metadata")
+
     def _engine_connect(self, md: dict) -> str:
-        eng = md.get("engine", {})
-        want = eng.get("agent_name")
+        eng = md["engine"]  # checked by _check_engine_metadata
+        want = eng["agent_name"]
         if want in self._peers:
             self._engine_disconnect(self._peers[want])
         elif want in self._senders:  # loaded when it said hello to us: reload its current metadata
@@ -193,7 +205,7 @@ class NixlBackend(BackendBase):
         except Exception as e:
             raise BackendError(f"nixl: add_remote_agent failed: {e}") from e
         name = name.decode() if isinstance(name, bytes) else str(name)
-        if want is not None and name != want:
+        if name != want:
             raise BackendError(f"nixl: metadata names agent {want!r} but NIXL loaded {name!r}")
         self._acked.discard(name)
         self._gone.discard(name)
@@ -279,7 +291,7 @@ class NixlBackend(BackendBase):
         self._engine_progress()
         if self._peer_closed(peer.name):
             raise TransferError(f"nixl: peer {peer.name!r} closed before the transfer")
-        src_regions = self._local_regions
+        src_regions = self._reg.regions
         if (src_idx == src_idx[0]).all() and (dst_idx == dst_idx[0]).all():
             batches: list[np.ndarray | None] = [None]
         else:  # one request per (source kind/device, destination kind/device)

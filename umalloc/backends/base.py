@@ -1,0 +1,667 @@
+"""What every backend shares: :class:`BackendBase` ties the registry, the peers and the handle table together.
+
+Policy:
+
+* Registration (F21): :mod:`umalloc.backends.registry` (multiset, normalisation, addressable devices only).
+* Metadata, peers and the connect-time layout check (F22): :mod:`umalloc.backends.peers`. ``connect`` validates
+  the whole metadata, refuses a peer of another backend and a peer whose layout is incompatible — all before any
+  engine call — and records the peer's checked layout: a plan submitted to that peer is matched against it by
+  identity (or digest), never checked again.
+* Descriptors (:mod:`umalloc.backends.descriptors`) are checked before anything is sent: a raw batch
+  (``write_descriptors``) is validated once (shape ``(N, 3)``, non-negative integers, ``nbytes > 0``); a plan's
+  batch was validated when the plan was built. Every batch, raw or planned, is located against the regions
+  registered *now*: every source range inside one locally registered region, every destination range inside
+  one region the peer registered (from its metadata). A bad batch raises
+  :class:`~umalloc.errors.DescriptorBoundsError` (or :class:`~umalloc.errors.UmallocValueError`) and changes
+  nothing — not even the plan.
+* A plan (``submit`` or ``write_descriptors(plan=...)``) must be a plan
+  (:class:`~umalloc.backends.protocol.PlanLike`), pending, with its leases active and not past their deadline,
+  and may be in flight on one handle at a time across every backend of the process (pending or draining): a
+  second handle would outlive the leases the first one's ending releases (F11). Every one of these is checked
+  before a byte is copied or a handle is made.
+* Handles (:mod:`umalloc.backends.handle`) belong to the backend that made them: ``poll`` / ``wait`` /
+  ``release`` / ``drain`` refuse another backend's handle, released or not.
+* Engine failures never raise from ``submit``: they fail the handle, and ``poll`` / ``wait`` report them. A
+  handle is terminal only when every engine part of it has ended or its deadline passed (F11); then, in the
+  caller's thread, its plan ends exactly once (Note [Plan endings]) — but never while a part the engine was
+  handed may still read or write the plan's pages (Note [Deadlines and in-flight parts]).
+
+Note [Plan endings]
+~~~~~~~~~~~~~~~~~~~
+``plan.complete()`` when every part is done; ``plan.fail(exc)`` when a part failed, the peer died, or ``wait``'s
+deadline passed (F12: a dead peer releases the held pages); ``plan.abort()`` when a pending handle is released.
+Leases are not thread-safe, so engine threads (Mooncake's status waiter) only record results; the plan is ended by
+``poll`` / ``wait`` / ``release`` / ``progress`` / ``drain`` / ``close`` in the caller's thread.
+
+Note [Deadlines and in-flight parts]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The rule (DESIGN: compaction gating, F11): while a transfer may still read or write a page, the page stays
+leased. ``wait``'s deadline bounds the *caller's wait*, not the engine: no engine here can take back bytes it
+was handed (Mooncake has no cancel; its ``TIMEOUT`` status is the engine's slice-age report about a slice that
+is still in flight; NIXL can refuse to release a request that is still active). Setting the engine's timeout
+below the lease deadline would not help either, since an engine timeout does not mean the engine stopped. So
+the ordering is made correct by construction on the backend side:
+
+* at the deadline (or on ``release`` of a pending handle) the handle is failed at once — ``wait`` raises
+  :class:`~umalloc.errors.TransferTimeout` on time, never hangs — and every part not yet handed to the engine
+  is withdrawn and never posted;
+* if the engine may still be working on a part it was handed (``_engine_in_flight``), the handle is
+  ``draining``: its plan stays pending and keeps its leases; ``poll`` / ``progress`` / ``drain`` end the plan
+  (``fail``, or ``abort`` after a release) in the caller's thread once the engine reports every such part
+  ended (completed or failed). Registration changes that would drop engine memory wait for drains too;
+* an engine thread posts a queued part only while the plan's leases are active and not past their deadline.
+
+::
+
+    submit ── posted ──────────── wait deadline ─────── engine: last part ended
+      |  leases held               | handle failed          | plan.fail(TransferTimeout)
+      |                            | leases still held      | leases released, pages reusable
+
+Lease deadlines set by the plan's builder (``deadline_s``) are the allocator's F12 backstop for a peer that
+never answers; they are reclaimed by the allocator, not by a backend. Choose them longer than any transfer can
+stay in an engine. A receiver learns the outcome from the sender, which should report it once its plan ended
+(``drain``), so the receiver's half is not released while bytes may still land in it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+import uuid
+import weakref
+from collections import Counter
+from collections.abc import Sequence
+
+import numpy as np
+
+from umalloc.backends.descriptors import as_descriptors, locate
+from umalloc.backends.handle import HandleTable, TransferHandle
+from umalloc.backends.peers import (
+    LOOPBACK,
+    PeerInfo,
+    check_layouts,
+    check_plan_peer,
+    encode_metadata,
+    layout_pair,
+    parse_metadata,
+    peer_info,
+)
+from umalloc.backends.protocol import PlanLike, check_plan, plan_item_bytes
+from umalloc.backends.registry import Registry, validate_regions
+from umalloc.errors import (
+    BackendError,
+    IncompatiblePeerError,
+    InvariantError,
+    TransferError,
+    TransferTimeout,
+    UmallocValueError,
+)
+from umalloc.geometry.region import Region
+from umalloc.transfer.plan import PeerLayout
+
+
+def _check_timeout(timeout_s: object) -> None:
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not (
+            timeout_s > 0 and math.isfinite(timeout_s)):
+        raise UmallocValueError(f"timeout_s={timeout_s!r}: allowed a positive finite number of seconds")
+
+
+class BackendBase:
+    """Shared implementation of :class:`~umalloc.backends.TransferBackend`; engines override the ``_engine_*``
+    hooks. Not thread-safe: call every method from one thread.
+
+    Args:
+        layout: this side's ``PeerLayout`` (or its ``to_dict()``), carried in :meth:`metadata` and checked at
+            :meth:`connect`; ``None`` for descriptor-level use.
+        host: address the engine binds to (loopback by default).
+
+    Raises:
+        UmallocValueError: a malformed ``layout``.
+    """
+
+    name = "base"
+    #: True when a target only advances while it is progressed (:meth:`progress`); NIXL without a progress thread.
+    needs_progress = False
+    #: Live backends per class in this process (engines whose targets need progress use it).
+    _live: weakref.WeakSet
+
+    def __init_subclass__(cls, **kw: object) -> None:
+        super().__init_subclass__(**kw)
+        cls._live = weakref.WeakSet()
+
+    def __init__(self, *, layout: object | None = None, host: str = LOOPBACK) -> None:
+        self._layout, self._layout_obj = layout_pair(layout)
+        self._host = host
+        self._peer_id = uuid.uuid4().hex
+        self._reg = Registry(self._engine_register, self._engine_deregister)
+        self._peers: dict[str, PeerInfo] = {}
+        self._ht = HandleTable(self.name, self._engine_in_flight, self._engine_release)
+        self._counts: Counter[str] = Counter()  # connects, register_calls, deregister_calls
+        self._closed = False
+        type(self)._live.add(self)
+
+    # ---- layout ----------------------------------------------------------------------------------------
+    def set_layout(self, layout: object | None) -> None:
+        """Set the layout carried by :meth:`metadata` (affects later ``metadata`` / ``connect`` calls only).
+
+        Raises:
+            BackendError: the backend is closed.
+            UmallocValueError: a malformed layout (nothing changed).
+        """
+        self._check_open()
+        self._layout, self._layout_obj = layout_pair(layout)
+
+    @property
+    def layout(self) -> dict | None:
+        """This side's layout dict, or ``None``."""
+        return self._layout
+
+    @property
+    def peer_id(self) -> str:
+        """Unique id of this backend instance (travels in the metadata)."""
+        return self._peer_id
+
+    # ---- registration (F21) ----------------------------------------------------------------------------
+    def _check_region(self, region: Region) -> None:
+        """Engine hook: raise RegistrationError for a region this engine cannot register."""
+
+    def register(self, regions: Sequence[Region]) -> None:
+        """Register byte ranges with the engine (F21 normalisation, :mod:`umalloc.backends.registry`).
+
+        Args:
+            regions: :class:`~umalloc.geometry.region.Region` objects (a single Region is accepted too).
+
+        Raises:
+            RegistrationError: not a Region, memory no engine can address (a ``meta`` device, address 0), a kind
+                this engine cannot register, a merge refused while transfers are pending, or the engine refused;
+                nothing changed.
+
+        Complexity: O(R log R) over the distinct registered regions plus one engine call per changed region.
+        """
+        self._check_open()
+        regs = validate_regions(regions, self._check_region)
+        if not regs:
+            return
+        self._apply(self._reg.added(regs))
+        self._counts["register_calls"] += 1
+
+    def deregister(self, regions: Sequence[Region]) -> None:
+        """Undo earlier :meth:`register` calls, region by region (each must have been registered at least as
+        many times as it is deregistered).
+
+        Raises:
+            RegistrationError: a region registered fewer times than asked (nothing changed), or an engine
+                region would be dropped while a transfer is pending.
+        """
+        self._check_open()
+        regs = validate_regions(regions, self._check_region)
+        self._apply(self._reg.removed(regs))
+        self._counts["deregister_calls"] += 1
+
+    def _apply(self, new_counts: Counter[Region]) -> None:
+        if self._reg.apply(new_counts, self._ht.num_busy(), self.name):
+            self._on_registration_change()
+
+    def registered_regions(self) -> list[Region]:
+        """The engine-registered (normalised) regions, sorted by base."""
+        return list(self._reg.regions)
+
+    def registration_counts(self) -> dict[Region, int]:
+        """Each region as registered by callers with its outstanding registration count."""
+        return dict(self._reg.counts)
+
+    # ---- metadata and peers ----------------------------------------------------------------------------
+    def metadata(self) -> bytes:
+        """This side's metadata as JSON bytes (:mod:`umalloc.backends.peers`). Take it after registering.
+
+        Raises:
+            BackendError: the backend is closed.
+        """
+        self._check_open()
+        return encode_metadata(backend=self.name, peer_id=self._peer_id, pid=os.getpid(), host=self._host,
+                               layout=self._layout, regions=self._reg.regions, engine=self._engine_metadata())
+
+    def _check_engine_metadata(self, engine: dict) -> None:
+        """Engine hook: raise UmallocValueError for engine metadata this engine cannot connect to (called before
+        any engine call)."""
+
+    def connect(self, peer_metadata: bytes) -> str:
+        """Connect to a peer from its :meth:`metadata` bytes; returns the peer name for :meth:`submit`.
+
+        Reconnecting to an already-connected peer refreshes its regions (and engine metadata). Every field is
+        validated and the layouts are checked (once) before any engine call.
+
+        Raises:
+            UmallocValueError: bytes that are not umalloc backend metadata, or a field missing or mistyped.
+            IncompatiblePeerError: another backend kind, or an incompatible layout (F22).
+            BackendError: the engine refused the peer (unreachable, closed).
+        """
+        self._check_open()
+        d = parse_metadata(peer_metadata)
+        if d["backend"] != self.name:
+            raise IncompatiblePeerError([f"backend: local {self.name!r}, peer {d['backend']!r}"])
+        self._check_engine_metadata(d["engine"])
+        checked = check_layouts(self._layout_obj, d["layout"])
+        name = self._engine_connect(d)
+        self._peers[name] = peer_info(name, d, checked)
+        self._counts["connects"] += 1
+        return name
+
+    def disconnect(self, peer: str) -> None:
+        """Forget a peer.
+
+        Raises:
+            UmallocValueError: unknown peer, or transfers to it still pending (wait or release them first).
+        """
+        self._check_open()
+        info = self._get_peer(peer)
+        busy = sum(1 for h in self._ht.open.values() if h.peer == peer and h.state == "pending")
+        if busy:
+            raise UmallocValueError(f"disconnect {peer!r}: {busy} transfer(s) still pending")
+        try:
+            self._engine_disconnect(info)
+        finally:
+            del self._peers[peer]
+
+    def peers(self) -> list[str]:
+        """Connected peer names."""
+        return list(self._peers)
+
+    def peer_info(self, peer: str) -> PeerInfo:
+        """What the peer's metadata said (regions, layout, pid)."""
+        return self._get_peer(peer)
+
+    def peer_layout(self, peer: str) -> PeerLayout | None:
+        """The peer's :class:`~umalloc.transfer.plan.PeerLayout` as checked at connect (the same object every
+        call; ``None`` if it sent none). Build plans for the peer with it. O(1)."""
+        return self._get_peer(peer).checked_layout
+
+    def _get_peer(self, peer: str) -> PeerInfo:
+        try:
+            return self._peers[peer]
+        except (KeyError, TypeError):
+            raise UmallocValueError(f"peer={peer!r}: allowed a connected peer, one of {sorted(self._peers)}") from None
+
+    # ---- transfers -------------------------------------------------------------------------------------
+    def submit(self, plan: PlanLike, peer: str) -> TransferHandle:
+        """WRITE a plan's descriptors to ``peer``; returns its handle.
+
+        Args:
+            plan: a :class:`~umalloc.backends.protocol.PlanLike` (a ``TransferPlan``), built for the peer's
+                layout (:meth:`peer_layout`); its descriptors were validated when it was built.
+            peer: a name returned by :meth:`connect`.
+
+        Raises:
+            UmallocValueError: not a plan (or ``descriptors()`` not an ``(N, 3)`` uint64 array), the plan is not
+                pending, or already in flight (pending or draining) on this or any other backend of this process
+                (F11), or unknown peer.
+            IncompatiblePeerError: the plan was built for another layout than the peer's.
+            DescriptorBoundsError: a source range not registered here, or a destination range the peer never
+                registered; nothing was sent and the plan is untouched.
+            LeaseError: a lease the plan holds already ended or is past its deadline (F11).
+        """
+        self._check_open()
+        check_plan(plan, "submit", descriptors=True)
+        info = self._get_peer(peer)
+        check_plan_peer(plan, info, "submit")
+        self._ht.refuse_in_flight(plan, "submit")
+        d = plan.descriptors()
+        if not (isinstance(d, np.ndarray) and d.dtype == np.uint64 and d.ndim == 2 and d.shape[1] == 3):
+            # its values were validated when the plan was built; only its type is checked here (O(1))
+            raise UmallocValueError(f"submit: plan.descriptors() returned {type(d).__name__} "
+                                    f"{getattr(d, 'dtype', '')} {getattr(d, 'shape', '')}: allowed an (N, 3) "
+                                    "uint64 array")
+        return self._post(d, info, peer, plan, plan_item_bytes(plan))
+
+    def write_descriptors(self, descriptors: np.ndarray, peer: str, *, plan: PlanLike | None = None,
+                          item_bytes: int | None = None) -> TransferHandle:
+        """WRITE a raw descriptor batch ``(src_addr, dst_addr, nbytes)`` to ``peer``.
+
+        Args:
+            descriptors: ``(N, 3)`` uint64 (see :func:`~umalloc.backends.descriptors.as_descriptors`); sources
+                local, destinations the peer's.
+            peer: a connected peer name.
+            plan: ended with the handle (Note [Plan endings]), or ``None``; it must be a plan (``state``,
+                ``complete()``, ``fail(exc)``, ``abort()``), pending, its leases active and not past their
+                deadline, and not in flight on another handle.
+            item_bytes: page size in bytes the descriptors are made of (a hint engines may use to post
+                per-page prepared lists); ``None`` when unknown.
+
+        Raises:
+            UmallocValueError / DescriptorBoundsError: bad batch, unknown peer, ``plan`` not a plan or not
+                pending, or ``plan`` already in flight on a handle of any backend of this process (F11); nothing
+                sent, no handle made.
+            LeaseError: a lease of ``plan`` ended or is past its deadline (F11); nothing sent.
+
+        Complexity: O(N log R) checks plus the engine's post.
+        """
+        self._check_open()
+        info = self._get_peer(peer)
+        d = as_descriptors(descriptors)
+        if item_bytes is not None and (isinstance(item_bytes, bool) or not isinstance(item_bytes, int)
+                                       or item_bytes <= 0):
+            raise UmallocValueError(f"item_bytes={item_bytes!r}: allowed a positive int or None")
+        if plan is not None:
+            check_plan(plan, "write_descriptors", descriptors=False)
+            self._ht.refuse_in_flight(plan, "write_descriptors")
+        return self._post(d, info, peer, plan, item_bytes)
+
+    def _post(self, d: np.ndarray, info: PeerInfo, peer: str, plan: PlanLike | None,
+              item_bytes: int | None) -> TransferHandle:
+        """Locate a validated batch against the regions registered now, make the handle, hand it to the engine."""
+        reg = self._reg
+        src_idx = locate(d, 0, reg.starts, reg.ends,
+                         f"source lies outside every region registered on this {self.name} backend "
+                         f"({len(reg.regions)} region(s))")
+        dst_idx = locate(d, 1, info.starts, info.ends,
+                         f"destination was never registered by peer {peer!r} ({len(info.regions)} region(s) "
+                         "in its metadata)")
+        n = d.shape[0]
+        total = int(d[:, 2].sum()) if n else 0
+        h = self._ht.new(peer, n, total, plan)
+        if n == 0:
+            self._ht.finish(h, "done")
+            return h
+        try:
+            self._engine_post(h, d, info, src_idx, dst_idx, item_bytes)
+        except Exception as e:  # engine refused part of it: fail once every posted part has ended
+            err = e if isinstance(e, TransferError) else TransferError(f"{self.name}: post to {peer!r} failed: {e}")
+            if err is not e:
+                err.__cause__ = e
+            h.engine["post_error"] = err
+        self._ht.counts["engine_parts_posted"] += h.num_parts
+        self.poll(h)
+        return h
+
+    def poll(self, handle: TransferHandle) -> str:
+        """Progress and return the handle's state: ``"pending"``, ``"done"`` or ``"failed"``. Non-blocking.
+        Ends the plan when the handle becomes terminal (Note [Plan endings]), or, for a ``draining`` handle,
+        once the engine confirms its parts ended (Note [Deadlines and in-flight parts]).
+
+        Raises:
+            UmallocValueError: not a handle of this backend (also once released).
+        """
+        h = self._ht.own(handle)
+        if h.state != "pending":
+            if h.draining:
+                self.progress()
+            return h.state
+        self.progress()
+        pending, err = self._engine_poll(h)
+        if pending == 0:
+            err = err or h.engine.get("post_error")
+            if err is not None:
+                self._ht.finish(h, "failed", err)
+            else:
+                self._ht.finish(h, "done")
+        return h.state
+
+    #: Busy polls before ``wait`` starts sleeping between polls.
+    wait_spin_polls = 64
+    #: Longest sleep between polls in ``wait`` (seconds).
+    wait_max_sleep_s = 0.0005
+
+    def wait(self, handle: TransferHandle, timeout_s: float) -> None:
+        """Block until the handle is terminal or ``timeout_s`` passed.
+
+        Raises:
+            UmallocValueError: ``timeout_s`` not a positive finite number, or not a handle of this backend.
+            TransferTimeout: deadline passed; parts not yet handed to the engine are withdrawn, engine parts are
+                cancelled where the engine can, and the handle is failed. Its plan fails (releasing the leases)
+                at once if no part can still touch memory, else when the engine confirms that every part ended:
+                until then the handle is ``draining`` and the pages stay leased (Note [Deadlines and in-flight
+                parts]; see :meth:`drain`).
+            TransferError: the transfer failed (engine error, dead or closed peer); plan failed.
+        """
+        h = self._ht.own(handle)
+        _check_timeout(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        spins = 0
+        while self.poll(h) == "pending":
+            now = time.monotonic()
+            if now >= deadline:
+                exc = TransferTimeout(f"{self.name}: transfer {h.handle_id} to {h.peer!r} "
+                                      f"({h.num_descriptors} descriptors, {h.total_bytes} bytes) not done "
+                                      f"after {timeout_s:.3g} s")
+                try:
+                    self._engine_cancel(h)
+                finally:
+                    self._ht.finish(h, "failed", exc)
+                break
+            spins += 1
+            if spins > self.wait_spin_polls:
+                time.sleep(min(self.wait_max_sleep_s, deadline - now))
+        if h.state == "failed":
+            assert h.error is not None
+            raise h.error
+
+    def release(self, handle: TransferHandle) -> None:
+        """Free the handle's engine resources. Idempotent. A pending handle is cancelled first (its plan
+        aborted, Note [Plan endings]); if the engine may still be working on one of its parts, the handle keeps
+        draining after release and its plan is aborted (and its engine resources freed) when the engine confirms
+        (Note [Deadlines and in-flight parts]).
+
+        Raises:
+            UmallocValueError: not a handle of this backend (also once released).
+        """
+        h = self._ht.own(handle)
+        if h.released:
+            return
+        if h.state == "pending":
+            try:
+                self._engine_cancel(h)
+            finally:
+                self._ht.finish(h, "failed", TransferError(f"{self.name}: transfer {h.handle_id} released while "
+                                                           "pending"), abort=True)
+        self._ht.forget(h)
+
+    def drain(self, handle: TransferHandle, timeout_s: float) -> bool:
+        """Block until a terminal handle is no longer ``draining`` (its plan ended, its leases released) or
+        ``timeout_s`` passed. Returns True when drained (also for a handle that never drained), False if the
+        engine still holds one of its parts. Never raises for the handle's own failure.
+
+        Raises:
+            UmallocValueError: ``timeout_s`` not a positive finite number, a pending handle (``wait`` for it
+                first), or a handle of another backend (released or not).
+
+        Complexity: polls the engine until drained or the deadline (sleeps between polls).
+        """
+        _check_timeout(timeout_s)
+        handle = self._ht.own(handle)
+        if not handle.draining:
+            if handle.state == "pending":
+                raise UmallocValueError(f"drain: handle {handle.handle_id} is pending: wait for it first")
+            return True
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.progress()
+            if not handle.draining:
+                return True
+            now = time.monotonic()
+            if now >= deadline:
+                return False
+            time.sleep(min(self.wait_max_sleep_s * 4, deadline - now))
+
+    def draining_handles(self) -> list[TransferHandle]:
+        """Failed handles (released or not) whose engine parts may still read or write memory; their plans
+        end when the engine confirms (Note [Deadlines and in-flight parts])."""
+        return list(self._ht.draining.values())
+
+    def open_handles(self) -> list[TransferHandle]:
+        """Handles submitted and not yet released."""
+        return list(self._ht.open.values())
+
+    def progress(self) -> None:
+        """Progress every live backend of this kind in this process (NIXL targets need it; no-op elsewhere),
+        then end the plans of this backend's draining handles whose engine parts all ended."""
+        for b in list(type(self)._live):
+            if not b._closed:
+                b._engine_progress()
+        if self._ht.draining:
+            self._ht.reap()
+
+    # ---- observability ---------------------------------------------------------------------------------
+    def stats(self) -> dict[str, int]:
+        """Fixed-schema counters (ints): registered_regions (engine-level), registrations (outstanding
+        caller registrations), open_handles, pending_handles, draining_handles (failed, engine parts maybe still
+        in flight, plan not ended yet), peers, handles_submitted, handles_done, handles_failed,
+        handles_drained_late (failed handles whose plan had to wait for the engine), descriptors_posted,
+        bytes_posted, bytes_done, engine_parts_posted, connects."""
+        c = self._ht.counts
+        return {
+            "registered_regions": len(self._reg.engine),
+            "registrations": sum(self._reg.counts.values()),
+            "open_handles": len(self._ht.open),
+            "pending_handles": self._ht.num_pending(),
+            "draining_handles": len(self._ht.draining),
+            "peers": len(self._peers),
+            "handles_submitted": c["handles_submitted"],
+            "handles_done": c["handles_done"],
+            "handles_failed": c["handles_failed"],
+            "handles_drained_late": c["handles_drained_late"],
+            "descriptors_posted": c["descriptors_posted"],
+            "bytes_posted": c["bytes_posted"],
+            "bytes_done": c["bytes_done"],
+            "engine_parts_posted": c["engine_parts_posted"],
+            "connects": self._counts["connects"],
+        }
+
+    def check_invariants(self) -> None:
+        """O(R log R + H): engine regions are exactly the normalised registrations; handle tables consistent;
+        a closed backend holds nothing. Raises InvariantError naming the broken invariant."""
+        self._reg.check_invariants()
+        self._ht.check_invariants()
+        if self._closed and (self._ht.open or self._reg.engine or self._peers):
+            raise InvariantError("closed backend still holds handles, regions or peers")
+        # (a closed backend may keep draining handles: their engine parts never ended, so their leases stay)
+
+    # ---- lifecycle -------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Return to the just-constructed state without restarting the engine: release every handle (pending
+        ones cancelled, their plans aborted), disconnect every peer, deregister everything, drop the layout, zero
+        the counters and take a new peer id (metadata taken before the reset no longer names this backend).
+        Cheaper than ``close`` + a new backend where engines are slow to stop (Mooncake: about 1 s).
+
+        Raises:
+            BackendError: the backend is closed, or a released transfer is still in the engine after
+                ``_engine_quiesce``: every handle is released by then, but peers, registrations (the engine may
+                still touch that memory) and the layout stay, and the transfer's plan stays pending.
+        """
+        self._check_open()
+        for h in list(self._ht.open.values()):
+            self.release(h)
+        if self._ht.draining:
+            self._engine_quiesce()
+            self.progress()
+            if self._ht.draining:
+                raise BackendError(f"{self.name}: reset refused: {len(self._ht.draining)} transfer(s) still in "
+                                   "the engine (Note [Deadlines and in-flight parts]); drain them first")
+        for p in list(self._peers):
+            self.disconnect(p)
+        if self._reg.counts or self._reg.engine:
+            self._apply(Counter())
+        self._layout = None
+        self._layout_obj = None
+        self._counts.clear()
+        self._ht.counts.clear()
+        old = self._peer_id
+        self._peer_id = uuid.uuid4().hex
+        self._on_reset(old)
+
+    def _on_reset(self, old_peer_id: str) -> None:
+        """Engine hook: the peer id changed from ``old_peer_id``."""
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BackendError(f"{self.name} backend is closed")
+
+    def close(self) -> None:
+        """Release every handle (cancelling pending ones), forget peers, deregister everything, stop the
+        engine. Idempotent."""
+        if self._closed:
+            return
+        try:
+            for h in list(self._ht.open.values()):
+                self.release(h)
+            if self._ht.draining:  # let the engine finish what it was handed before memory goes
+                self._engine_quiesce()
+                self.progress()
+            for p in list(self._peers.values()):
+                try:
+                    self._engine_disconnect(p)
+                except Exception:  # pragma: no cover - best effort on close
+                    pass
+            self._peers.clear()
+            self._reg.drop_all()
+        finally:
+            self._closed = True
+            type(self)._live.discard(self)
+            self._engine_close()
+            if self._ht.draining:
+                self._ht.reap()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        return (f"<{type(self).__name__} {'closed' if self._closed else 'open'} regions={s['registered_regions']} "
+                f"peers={s['peers']} open_handles={s['open_handles']}>")
+
+    # ---- engine hooks ----------------------------------------------------------------------------------
+    def _engine_register(self, region: Region) -> object:
+        raise NotImplementedError
+
+    def _engine_deregister(self, region: Region, token: object) -> None:
+        raise NotImplementedError
+
+    def _on_registration_change(self) -> None:
+        """Called after the engine region set changed (drop caches keyed by regions)."""
+
+    def _engine_metadata(self) -> dict:
+        return {}
+
+    def _engine_connect(self, md: dict) -> str:
+        raise NotImplementedError
+
+    def _engine_disconnect(self, peer: PeerInfo) -> None:
+        """Forget the peer in the engine."""
+
+    def _engine_post(self, h: TransferHandle, d: np.ndarray, peer: PeerInfo, src_idx: np.ndarray,
+                     dst_idx: np.ndarray, item_bytes: int | None) -> None:
+        """Post the batch; record parts in ``h.engine`` and ``h.num_parts``. May raise after posting some."""
+        raise NotImplementedError
+
+    def _engine_poll(self, h: TransferHandle) -> tuple[int, BaseException | None]:
+        """``(parts still pending, first error or None)``; non-blocking."""
+        raise NotImplementedError
+
+    def _engine_cancel(self, h: TransferHandle) -> None:
+        """Cancel pending parts where the engine can (best effort); parts not yet handed to the engine must never
+        be handed to it afterwards."""
+
+    def _engine_in_flight(self, h: TransferHandle) -> int:
+        """Parts of ``h`` the engine may still be reading or writing memory for (after ``_engine_cancel``): a
+        part handed to the engine that it has not reported ended. Conservative default: the parts
+        ``_engine_poll`` still reports pending. Called in the caller's thread."""
+        return self._engine_poll(h)[0]
+
+    def _engine_quiesce(self) -> None:
+        """Give the engine a bounded time to finish the parts it was handed (``close`` / ``reset``)."""
+
+    def _engine_release(self, h: TransferHandle) -> None:
+        """Free engine resources of a terminal handle."""
+
+    def _engine_progress(self) -> None:
+        """Drive the engine's target side (NIXL without a progress thread)."""
+
+    def _engine_close(self) -> None:
+        """Stop the engine."""

@@ -1,0 +1,286 @@
+"""Transfer handles and their lifecycle: the handle, the per-backend handle table, the process-wide in-flight table.
+
+Policy:
+
+* A :class:`TransferHandle` is ``pending`` until every engine part of its transfer has ended (F11), then ``done``
+  or ``failed``. A failed handle whose engine parts may still read or write memory is ``draining``: its plan
+  (and the plan's leases) ends only once the engine confirms (Note [Deadlines and in-flight parts] in
+  :mod:`umalloc.backends.base`).
+* :class:`HandleTable` owns one backend's handles: the open ones (submitted, not released), the draining ones
+  (released or not), and a weak set of every handle it made (another backend's handle is refused, also once
+  released). Its transitions (:meth:`HandleTable.finish`, :meth:`HandleTable.reap`) end a handle's plan exactly
+  once (Note [Plan endings] in :mod:`umalloc.backends.base`).
+* :data:`PLANS_IN_FLIGHT` records, across every backend of the process, the handle each plan is in flight on
+  (pending or draining). A plan is in flight on one handle at a time: a second handle, on this backend or
+  another, would outlive the leases that the first one's ending releases (F11).
+* Not thread-safe: touched only in the callers' thread (engine threads only record results in ``engine``).
+
+::
+
+    new ──> pending ──finish("done")───────────────────────────> done      plan.complete()
+               │
+               └─finish("failed") ─┬─ engine holds no part ────> failed    plan.fail(exc) / plan.abort()
+                                   └─ engine holds a part ─────> failed + draining
+                                                                   │ reap(): the engine let go
+                                                                   └──> plan.fail(exc) / plan.abort()
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import weakref
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from umalloc.errors import InvariantError, UmallocValueError
+
+#: Handle states. ``pending`` until every engine part of the transfer has ended (F11); then ``done`` or
+#: ``failed`` (engine error, dead peer, deadline, or released while pending). A handle failed by a deadline or a
+#: release may still be ``draining``: the engine has not confirmed that its parts stopped touching memory, so its
+#: plan (and leases) has not ended yet (Note [Deadlines and in-flight parts] in ``umalloc.backends.base``).
+HANDLE_STATES: tuple[str, ...] = ("pending", "done", "failed")
+
+
+@dataclass(eq=False)
+class TransferHandle:
+    """One submitted transfer (one plan or one descriptor batch) to one peer.
+
+    A handle may own several engine parts (Mooncake batches of at most 2048 descriptors, NIXL requests per
+    memory kind); it is ``done`` only when every part is done, and ``failed`` once a part failed and every part
+    has ended, or when ``wait``'s deadline passed or it was released while pending. In the last two cases parts
+    already handed to the engine may still be moving bytes: the handle is then ``draining`` and its plan ends
+    (releasing its leases) only when the engine confirms that every part ended (F11: every handle of a
+    multi-part transfer; Note [Deadlines and in-flight parts]).
+
+    Attributes:
+        handle_id: id unique within its backend.
+        backend: the backend's name.
+        peer: the peer name given to ``submit``.
+        num_descriptors: descriptors posted (rows of the batch).
+        total_bytes: sum of the descriptors' ``nbytes``.
+        num_parts: engine requests/batches the transfer was split into.
+        plan: the plan submitted, or ``None`` for a raw descriptor batch.
+        state: ``"pending"``, ``"done"`` or ``"failed"``.
+        error: the exception that failed the handle (a ``TransferError``), else ``None``.
+        released: ``True`` once :meth:`TransferBackend.release` ran (idempotent).
+        draining: ``True`` while the handle is failed but the engine may still read or write its memory; the
+            plan's leases are held until it turns ``False`` (``poll`` / ``progress`` / ``drain`` observe it).
+        submitted_at / finished_at: ``time.monotonic()`` stamps in seconds (``finished_at`` ``None`` while
+            pending).
+    """
+
+    handle_id: int
+    backend: str
+    peer: str
+    num_descriptors: int
+    total_bytes: int
+    submitted_at: float
+    plan: object | None = None
+    num_parts: int = 0
+    state: str = "pending"
+    error: BaseException | None = None
+    released: bool = False
+    draining: bool = False
+    finished_at: float | None = None
+    engine: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def elapsed_s(self) -> float | None:
+        """Seconds from submit to the terminal state, ``None`` while pending."""
+        return None if self.finished_at is None else self.finished_at - self.submitted_at
+
+    @property
+    def terminal(self) -> bool:
+        return self.state != "pending"
+
+
+class PlansInFlight:
+    """The handle each plan is in flight on (pending, or draining: its plan not ended yet), by ``id(plan)``
+    (the handle keeps the plan alive, so the id is not reused meanwhile). O(1) per call.
+
+    >>> t, plan = PlansInFlight(), object()
+    >>> h = TransferHandle(1, "local", "p", 0, 0, 0.0, plan=plan)
+    >>> t.claim(h); t.holder(plan) is h
+    True
+    >>> t.drop(h); t.holder(plan) is None
+    True
+    """
+
+    def __init__(self) -> None:
+        self._by_plan: dict[int, TransferHandle] = {}
+
+    def holder(self, plan: object) -> TransferHandle | None:
+        """The handle ``plan`` is in flight on, or ``None``."""
+        h = self._by_plan.get(id(plan))
+        return h if h is not None and h.plan is plan else None
+
+    def claim(self, h: TransferHandle) -> None:
+        """Record ``h``'s plan as in flight on ``h`` (the caller checked :meth:`holder` first)."""
+        self._by_plan[id(h.plan)] = h
+
+    def drop(self, h: TransferHandle) -> None:
+        """Forget ``h``'s plan if it is in flight on ``h``."""
+        if self._by_plan.get(id(h.plan)) is h:
+            del self._by_plan[id(h.plan)]
+
+
+#: The process-wide table (every backend of this process shares it).
+PLANS_IN_FLIGHT = PlansInFlight()
+
+
+class HandleTable:
+    """One backend's handles and their transitions.
+
+    Args:
+        backend: the backend's name (stamped on each handle, named in errors).
+        in_flight: ``in_flight(h)`` -> engine parts of ``h`` that may still touch memory (the engine hook).
+        release_engine: ``release_engine(h)`` frees the engine resources of a terminal handle (the engine hook).
+
+    Attributes:
+        open: handles submitted and not released, by id.
+        draining: failed handles (released or not) whose engine parts may still touch memory, by id.
+        counts: ``handles_submitted``, ``handles_done``, ``handles_failed``, ``handles_drained_late``,
+            ``descriptors_posted``, ``bytes_posted``, ``bytes_done``, ``engine_parts_posted``.
+    """
+
+    def __init__(self, backend: str, in_flight: Callable[[TransferHandle], int],
+                 release_engine: Callable[[TransferHandle], None]) -> None:
+        self.backend = backend
+        self._in_flight = in_flight
+        self._release_engine = release_engine
+        self.open: dict[int, TransferHandle] = {}
+        self.draining: dict[int, TransferHandle] = {}
+        self._made: weakref.WeakSet[TransferHandle] = weakref.WeakSet()
+        self._next_id = itertools.count(1)
+        self.counts: Counter[str] = Counter()
+
+    def refuse_in_flight(self, plan: object, what: str) -> None:
+        """UmallocValueError if ``plan`` is in flight on any handle of this process (F11). O(1)."""
+        other = PLANS_IN_FLIGHT.holder(plan)
+        if other is None:
+            return
+        mine = self.open.get(other.handle_id) is other or self.draining.get(other.handle_id) is other
+        where = "this" if mine else f"another {other.backend}"
+        raise UmallocValueError(
+            f"{what}: plan is already in flight on {where} backend (handle {other.handle_id}, "
+            f"{'draining' if other.draining else other.state}): a second handle would outlive its leases "
+            "(F11); wait for, release or drain that handle first")
+
+    def new(self, peer: str, num_descriptors: int, total_bytes: int, plan: object | None) -> TransferHandle:
+        """A pending handle, recorded as open (and its plan as in flight on it). The caller checked everything."""
+        h = TransferHandle(handle_id=next(self._next_id), backend=self.backend, peer=peer,
+                           num_descriptors=num_descriptors, total_bytes=total_bytes, submitted_at=time.monotonic(),
+                           plan=plan)
+        self.open[h.handle_id] = h
+        self._made.add(h)
+        if plan is not None:
+            PLANS_IN_FLIGHT.claim(h)
+        c = self.counts
+        c["handles_submitted"] += 1
+        c["descriptors_posted"] += num_descriptors
+        c["bytes_posted"] += total_bytes
+        return h
+
+    def own(self, handle: object) -> TransferHandle:
+        """``handle`` if this table made it (released or not), else UmallocValueError."""
+        if not isinstance(handle, TransferHandle):
+            raise UmallocValueError(f"handle={handle!r}: allowed a TransferHandle")
+        if handle not in self._made:
+            raise UmallocValueError(f"handle {handle.handle_id} (of a {handle.backend} backend) does not belong to "
+                                    f"this {self.backend} backend")
+        return handle
+
+    def finish(self, h: TransferHandle, state: str, error: BaseException | None = None, *,
+               abort: bool = False) -> None:
+        """``pending`` -> ``state`` (``"done"`` / ``"failed"``). Ends the plan now, or, when the engine may still
+        touch a part of a failed handle, marks it draining (its plan ends in :meth:`reap`)."""
+        if h.state != "pending":
+            raise InvariantError(f"handle {h.handle_id} finished twice ({h.state} -> {state})")
+        h.state = state
+        h.error = error
+        h.finished_at = time.monotonic()
+        if state == "done":
+            self.counts["handles_done"] += 1
+            self.counts["bytes_done"] += h.total_bytes
+        else:
+            self.counts["handles_failed"] += 1
+        if state != "done" and self._in_flight(h):  # Note [Deadlines and in-flight parts]
+            h.draining = True
+            h.engine["ending_abort"] = abort
+            self.draining[h.handle_id] = h
+            self.counts["handles_drained_late"] += 1
+            return
+        self._end_plan(h, abort)
+
+    @staticmethod
+    def _end_plan(h: TransferHandle, abort: bool) -> None:
+        plan = h.plan
+        if plan is None:
+            return
+        PLANS_IN_FLIGHT.drop(h)
+        if h.state == "done":
+            plan.complete()
+        elif abort:
+            plan.abort()
+        else:
+            plan.fail(h.error)
+
+    def reap(self) -> None:
+        """End the plans of draining handles whose engine parts all ended (caller's thread)."""
+        for hid, h in list(self.draining.items()):
+            if self._in_flight(h):
+                continue
+            del self.draining[hid]
+            h.draining = False
+            try:
+                if h.released:
+                    self._release_engine(h)
+            finally:
+                self._end_plan(h, bool(h.engine.pop("ending_abort", False)))
+
+    def forget(self, h: TransferHandle) -> None:
+        """Mark a terminal handle released and drop it from the open table; its engine resources are freed now
+        (``release_engine``) unless it is draining (then :meth:`reap` frees them)."""
+        if h.draining:
+            h.released = True
+            self.open.pop(h.handle_id, None)
+            return
+        try:
+            self._release_engine(h)
+        finally:
+            h.released = True
+            self.open.pop(h.handle_id, None)
+
+    def num_pending(self) -> int:
+        return sum(1 for h in self.open.values() if h.state == "pending")
+
+    def num_busy(self) -> int:
+        """Transfers whose engine parts may touch registered memory: pending plus draining."""
+        return self.num_pending() + len(self.draining)
+
+    def check_invariants(self) -> None:
+        """O(H): open and draining tables consistent with each handle's state, plans recorded as in flight on
+        their handles, counters balanced. Raises InvariantError naming the broken invariant."""
+        for hid, h in self.open.items():
+            if h.handle_id != hid or h.released:
+                raise InvariantError(f"handle table entry {hid} inconsistent (released={h.released})")
+            if (h.state == "pending") != (h.finished_at is None):
+                raise InvariantError(f"handle {hid}: state {h.state} vs finished_at {h.finished_at}")
+            if h.draining != (hid in self.draining):
+                raise InvariantError(f"handle {hid}: draining={h.draining} but in the draining table: "
+                                     f"{hid in self.draining}")
+        for h in (*self.open.values(), *self.draining.values()):
+            in_flight = h.state == "pending" or h.draining
+            if h.plan is not None and in_flight and PLANS_IN_FLIGHT.holder(h.plan) is not h:
+                raise InvariantError(f"handle {h.handle_id}: its plan is in flight but not recorded as in flight "
+                                     "on it")
+        for hid, h in self.draining.items():
+            if h.handle_id != hid or not h.draining or h.state != "failed":
+                raise InvariantError(f"draining handle {hid} inconsistent (state {h.state}, draining={h.draining})")
+            if not h.released and self.open.get(hid) is not h:
+                raise InvariantError(f"draining handle {hid} is neither released nor open")
+        c = self.counts
+        if c["handles_done"] + c["handles_failed"] + self.num_pending() != c["handles_submitted"]:
+            raise InvariantError("handles submitted != done + failed + pending")

@@ -1,0 +1,167 @@
+"""What a transfer backend is, and what it needs of a plan: :class:`TransferBackend`, :class:`PlanLike`,
+:class:`LeaseLike`, and the plan checks every backend runs before it posts anything.
+
+Policy:
+
+* Interfaces are ``typing.Protocol`` s; ``tests/test_backends.py`` asserts every implementation conforms.
+* Backends know plans and regions, not allocators: a plan is anything with the :class:`PlanLike` members
+  (a :class:`umalloc.transfer.plan.TransferPlan` has them). :func:`check_plan` refuses, with a typed error and
+  before anything is copied or posted, an object without them, a plan that is not pending, and a plan whose
+  leases no longer protect its pages (F11).
+* Optional plan members, read when present: ``dst_layout`` (the peer layout the plan was built for; compared
+  with the peer's layout checked at connect, never re-checked) and ``vectors`` (their region groups' page sizes
+  give the ``item_bytes`` hint of :func:`plan_item_bytes`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import numpy as np
+
+from umalloc.backends.handle import TransferHandle
+from umalloc.errors import LeaseError, UmallocValueError
+
+if TYPE_CHECKING:
+    from umalloc.geometry.region import Region
+
+
+class LeaseLike(Protocol):
+    """What a backend reads of a plan's lease (engine threads read it too, before posting a queued part)."""
+
+    @property
+    def active(self) -> bool: ...
+
+    @property
+    def state(self) -> str: ...
+
+    @property
+    def expired(self) -> bool: ...
+
+
+@runtime_checkable
+class PlanLike(Protocol):
+    """What a backend needs of a plan.
+
+    Attributes:
+        state: ``"pending"`` while it may be posted (anything else: ended).
+        src_lease, dst_lease: the leases protecting its pages on each side (``None``: held elsewhere).
+
+    Methods:
+        descriptors(): ``(N, 3)`` ``uint64`` ``(src_addr, dst_addr, nbytes)``, validated when the plan was built
+            (shape, dtype, ``nbytes > 0``, inside the layouts' regions and leased pages); a backend checks only
+            that the ranges are registered now. Used by ``submit`` only.
+        complete(), fail(exc), abort(): end the plan and release its leases, idempotently (the first call wins).
+    """
+
+    state: str
+
+    @property
+    def src_lease(self) -> LeaseLike | None: ...
+
+    @property
+    def dst_lease(self) -> LeaseLike | None: ...
+
+    def descriptors(self) -> np.ndarray: ...
+
+    def complete(self) -> bool: ...
+
+    def fail(self, exc: BaseException | None = None) -> bool: ...
+
+    def abort(self) -> bool: ...
+
+
+@runtime_checkable
+class TransferBackend(Protocol):
+    """What every transfer backend provides (DESIGN §4).
+
+    Lifecycle: ``register`` the arena regions, exchange ``metadata()`` out of band, ``connect`` to the peer's
+    metadata, then ``submit`` plans (or ``write_descriptors`` batches) and ``poll`` / ``wait`` / ``release``
+    their handles (``drain`` a failed one whose engine parts may still move bytes); ``close`` ends everything.
+    All methods are called from one thread.
+    """
+
+    name: str
+
+    def register(self, regions: Sequence[Region]) -> None: ...
+    def deregister(self, regions: Sequence[Region]) -> None: ...
+    def metadata(self) -> bytes: ...
+    def connect(self, peer_metadata: bytes) -> str: ...
+    def disconnect(self, peer: str) -> None: ...
+    def submit(self, plan: PlanLike, peer: str) -> TransferHandle: ...
+    def write_descriptors(self, descriptors: np.ndarray, peer: str, *, plan: PlanLike | None = None,
+                          item_bytes: int | None = None) -> TransferHandle: ...
+    def poll(self, handle: TransferHandle) -> str: ...
+    def wait(self, handle: TransferHandle, timeout_s: float) -> None: ...
+    def drain(self, handle: TransferHandle, timeout_s: float) -> bool: ...
+    def release(self, handle: TransferHandle) -> None: ...
+    def progress(self) -> None: ...
+    def stats(self) -> dict[str, int]: ...
+    def check_invariants(self) -> None: ...
+    def close(self) -> None: ...
+
+
+#: The members :func:`check_plan` requires to be callable (``descriptors`` only for ``submit``).
+_PLAN_METHODS = ("complete", "fail", "abort")
+
+
+def plan_leases_gone(plan: object | None) -> str | None:
+    """Why ``plan``'s leases no longer protect its pages (a lease released, expired, or past its deadline), or
+    ``None`` while they do (or for no plan / a plan without leases). Reads lease state only, so an engine thread
+    may call it before it hands a queued part to the engine (Note [Deadlines and in-flight parts]). O(1).
+
+    >>> plan_leases_gone(None) is None
+    True
+    """
+    if plan is None:
+        return None
+    for side in ("src_lease", "dst_lease"):
+        lease = getattr(plan, side, None)
+        if lease is None:
+            continue
+        if not lease.active:
+            return f"the plan's {side} ended ({lease.state})"
+        if getattr(lease, "expired", False):
+            return f"the plan's {side} is past its deadline"
+    return None
+
+
+def check_plan(plan: object, what: str, *, descriptors: bool) -> None:
+    """Refuse, before anything is copied or posted, an object that is not a plan (UmallocValueError naming the
+    missing member), a plan that is not pending (UmallocValueError), or one whose leases no longer protect its
+    pages (LeaseError, F11). ``descriptors``: ``descriptors()`` is required too (``submit``). O(1).
+
+    >>> try:
+    ...     check_plan(object(), "submit", descriptors=True)
+    ... except UmallocValueError as e:
+    ...     print(str(e)[:44])
+    submit: plan=object: allowed a plan (missing
+    """
+    need = ("descriptors", *_PLAN_METHODS) if descriptors else _PLAN_METHODS
+    missing = [m for m in need if not callable(getattr(plan, m, None))]
+    state = getattr(plan, "state", None)
+    if not isinstance(state, str):
+        missing.append("state")
+    if missing:
+        raise UmallocValueError(f"{what}: plan={type(plan).__name__}: allowed a plan (missing {', '.join(missing)}; "
+                                "a TransferPlan has state, descriptors(), complete(), fail(exc) and abort())")
+    if state != "pending":
+        raise UmallocValueError(f"{what}: plan state={state!r}, allowed 'pending'")
+    gone = plan_leases_gone(plan)
+    if gone is not None:
+        raise LeaseError(f"{what}: {gone}; its pages may be reused, nothing may be posted (F11)")
+
+
+def plan_item_bytes(plan: object) -> int | None:
+    """The one page size (bytes) every vector of a plan uses on both sides, else ``None`` (no ``vectors``, or
+    several sizes). O(vectors x region members)."""
+    vectors = getattr(plan, "vectors", None)
+    if not vectors:
+        return None
+    sizes = set()
+    for v in vectors.values():
+        for group in (getattr(v, "src_group", None), getattr(v, "dst_group", None)):
+            for m in getattr(group, "members", ()):
+                sizes.add(int(m.item_bytes))
+    return sizes.pop() if len(sizes) == 1 else None
