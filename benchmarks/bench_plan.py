@@ -28,7 +28,7 @@ import torch
 
 from umalloc.core.allocator import MultiEndedAllocator
 from umalloc.geometry.arena import Arena
-from umalloc.transfer.plan import PeerLayout, build_plan, build_receiver_half, build_send_plan
+from umalloc.transfer import PeerLayout, build_plan, build_receiver_half, build_send_plan
 from umalloc.geometry.presets import preset_ends
 from umalloc.geometry.spec import ArenaSpec, arena_bytes_for_limits
 

@@ -46,7 +46,7 @@ from umalloc.errors import (
     UmallocValueError,
 )
 from umalloc.core.pagestate import PAGE_PENDING
-from umalloc.transfer.plan import PeerLayout, build_plan, build_receiver_half, build_send_plan
+from umalloc.transfer import PeerLayout, build_plan, build_receiver_half, build_send_plan
 from umalloc.geometry.region import Region
 from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, LayerSpec
 

@@ -26,7 +26,7 @@ from umalloc.errors import (
     UmallocValueError,
 )
 from umalloc.core.leases import LeaseTable
-from umalloc.transfer.plan import (
+from umalloc.transfer import (
     IndexVector,
     PeerLayout,
     ReceiverHalf,
@@ -325,7 +325,7 @@ def test_bound_draft_refused_under_dcp():
 
 
 def test_receiver_half_roundtrip_and_validation():
-    from umalloc.transfer.plan import HalfVector
+    from umalloc.transfer import HalfVector
 
     pages = np.array([5, 6], dtype=np.int64)
     half = ReceiverHalf("r9", "abc", 7, 3, 1, 0, {"target": HalfVector("target", "full", "rows", 3, 7, pages)})

@@ -437,7 +437,7 @@ class BackendBase:
         if local is None or remote is None:
             raise IncompatiblePeerError([f"layout: local {'set' if local else 'missing'}, "
                                          f"peer {'set' if remote else 'missing'}"])
-        from umalloc.transfer.plan import PeerLayout, check_compatible
+        from umalloc.transfer import PeerLayout, check_compatible
 
         mine = self._layout_obj if isinstance(self._layout_obj, PeerLayout) else PeerLayout.from_dict(local)
         check_compatible(mine, PeerLayout.from_dict(remote))
@@ -497,7 +497,7 @@ class BackendBase:
         info = self._get_peer(peer)
         if info.layout is None:
             return None
-        from umalloc.transfer.plan import PeerLayout
+        from umalloc.transfer import PeerLayout
 
         return PeerLayout.from_dict(info.layout)
 

@@ -435,7 +435,7 @@ def kv_setup(ctx: WorkerContext, layout: dict, seed: int | None = None) -> dict:
     """
     from umalloc.core.allocator import MultiEndedAllocator
     from umalloc.geometry.arena import Arena
-    from umalloc.transfer.plan import PeerLayout
+    from umalloc.transfer import PeerLayout
 
     spec = PeerLayout.from_dict(layout).spec
     arena = Arena(spec)
@@ -476,7 +476,7 @@ def _vtokens(v: dict[str, list[int]]) -> dict:
 def kv_receiver_half(ctx: WorkerContext, request_id: str, vtokens: dict[str, list[int]], prefix_tokens: int = 0,
                      seq_len_tokens: int | None = None) -> dict:
     """Build and keep (leased) the receiver half of a request; returns ``half.to_dict()``."""
-    from umalloc.transfer.plan import build_receiver_half
+    from umalloc.transfer import build_receiver_half
 
     half = build_receiver_half(request_id, ctx.objects["alloc"], _vtokens(vtokens), prefix_tokens=prefix_tokens,
                                seq_len_tokens=seq_len_tokens)
@@ -503,7 +503,7 @@ def kv_send(ctx: WorkerContext, request_id: str, half: dict, peer: str, vtokens:
         ``{"state", "plan_state", "draining", "descriptors", "bytes", "num_parts", "handle_id", "leases_active",
         "error"}``.
     """
-    from umalloc.transfer.plan import build_send_plan
+    from umalloc.transfer import build_send_plan
 
     b = ctx._b()
     plan = build_send_plan(request_id, ctx.objects["alloc"], _vtokens(vtokens), half, b.peer_layout(peer))
