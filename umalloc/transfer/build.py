@@ -503,10 +503,9 @@ def build_plan(request_id: str, src_alloc: PlanAllocator, src_vtokens: VTokens, 
     """A plan between two in-process allocators (the local backend): receiver half + sender plan in one call.
 
     Args: as :func:`build_receiver_half` (``dst_*``) and :func:`build_send_plan` (``src_*``); the layouts
-    default to :meth:`PeerLayout.from_arena` of each allocator's arena. ``checked``: a
-    :class:`~umalloc.transfer.layout.CheckedLayouts` from
-    :func:`~umalloc.transfer.layout.compatible_layouts` ``(src layout, dst layout)`` made at connect: its layouts
-    are used (``src_layout`` / ``dst_layout``, when given too, must be the same) and the pair is not checked again.
+    default to :meth:`PeerLayout.from_arena` of each allocator's arena. ``checked``: the
+    :class:`~umalloc.transfer.layout.CheckedLayouts` that :func:`~umalloc.transfer.layout.compatible_layouts`
+    made for ``(src_layout, dst_layout)`` at connect: the pair is not checked again (it must be that pair).
     Without it the pair is :func:`check_compatible`-checked (cached per pair of digests).
 
     Returns:
@@ -517,19 +516,16 @@ def build_plan(request_id: str, src_alloc: PlanAllocator, src_vtokens: VTokens, 
         UmallocValueError: ``checked`` is not a CheckedLayouts, or does not cover the layouts given.
         Everything :func:`build_receiver_half` and :func:`build_send_plan` raise; on any error no lease is held.
     """
-    if checked is not None:
-        if not isinstance(checked, CheckedLayouts):
-            raise UmallocValueError(f"checked={type(checked).__name__}: allowed a CheckedLayouts from "
-                                    "compatible_layouts(src_layout, dst_layout)")
-        src_layout = checked.local if src_layout is None else src_layout
-        dst_layout = checked.remote if dst_layout is None else dst_layout
-        if not checked.covers(src_layout, dst_layout):
-            raise UmallocValueError("checked: the CheckedLayouts pair is not (src_layout, dst_layout); allowed the "
-                                    "token compatible_layouts made for these layouts")
-    else:
-        src_layout = PeerLayout.from_arena(src_alloc.arena) if src_layout is None else src_layout
-        dst_layout = PeerLayout.from_arena(dst_alloc.arena) if dst_layout is None else dst_layout
+    src_layout = PeerLayout.from_arena(src_alloc.arena) if src_layout is None else src_layout
+    dst_layout = PeerLayout.from_arena(dst_alloc.arena) if dst_layout is None else dst_layout
+    if checked is None:
         check_compatible(src_layout, dst_layout)
+    elif not isinstance(checked, CheckedLayouts):
+        raise UmallocValueError(f"checked={type(checked).__name__}: allowed a CheckedLayouts from "
+                                "compatible_layouts(src_layout, dst_layout)")
+    elif not checked.covers(src_layout, dst_layout):
+        raise UmallocValueError("checked: the CheckedLayouts pair is not (src_layout, dst_layout); allowed the "
+                                "token compatible_layouts made for these layouts")
     half = build_receiver_half(request_id, dst_alloc, dst_vtokens, seq_len_tokens=seq_len_tokens,
                                prefix_tokens=prefix_tokens, dst_owner=dst_owner, layout=dst_layout,
                                deadline_s=deadline_s)
