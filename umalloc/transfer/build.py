@@ -42,7 +42,7 @@ from umalloc.errors import InvalidIdError, InvariantError, UmallocValueError
 from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec
 from umalloc.transfer.layout import CheckedLayouts, PeerLayout, check_compatible
 from umalloc.transfer.plan import EMPTY_IDS, HalfVector, IndexVector, ReceiverHalf, TransferPlan
-from umalloc.transfer.rows import check_tokens, is_dcp_sharded, vector_rows
+from umalloc.transfer.rows import check_tokens, is_dcp_sharded, rows_of_checked
 from umalloc.translators import get_translator
 
 #: Virtual token ids of one request: one 1-D int64/int32 tensor (or numpy array) for the target owner, or a
@@ -191,8 +191,10 @@ def _translate(alloc: PlanAllocator, vpages: np.ndarray, end: str) -> np.ndarray
     """Strict physical pages of ``vpages`` on ``end``: read-only int64 numpy (one torch round trip)."""
     if vpages.shape[0] == 0:
         return EMPTY_IDS
-    phys = alloc.translate_pages(torch.from_numpy(np.ascontiguousarray(vpages)), end, strict=True)
-    out = phys.detach().cpu().numpy().astype(np.int64, copy=False)
+    phys = alloc.translate_pages(torch.from_numpy(vpages), end, strict=True)
+    if phys.device.type != "cpu" or phys.dtype != torch.int64:
+        phys = phys.to("cpu", torch.int64)
+    out = phys.numpy()
     out.setflags(write=False)
     return out
 
@@ -301,7 +303,7 @@ def build_receiver_half(request_id: str, dst_alloc: PlanAllocator, dst_vtokens: 
             span = (0, -(-row_hi // end.page_size))
         else:
             d, r = layout.dcp_for(end_name)
-            row_lo, row_hi = vector_rows(end, L, prefix_tokens, dcp_size=d, dcp_rank=r)
+            row_lo, row_hi = rows_of_checked(end, L, prefix_tokens, d, r)
             kind = "rows"
             if vt.shape[0] < row_hi:
                 raise UmallocValueError(f"dst_vtokens[{spec.owner_of(end_name)!r}] has {vt.shape[0]} rows; end "
@@ -463,8 +465,7 @@ def build_send_plan(request_id: str, src_alloc: PlanAllocator, src_vtokens: VTok
             spans[end_name] = (0, -(-vt.shape[0] // ps))
             continue
         d, r = dst_layout.dcp_for(hv.end)
-        expect = vector_rows(dst_layout.end(hv.end), half.seq_len_tokens, half.prefix_tokens, dcp_size=d,
-                             dcp_rank=r)
+        expect = rows_of_checked(dst_layout.end(hv.end), half.seq_len_tokens, half.prefix_tokens, d, r)
         page_lo, page_hi = _page_span(hv.row_lo, hv.row_hi, ps)
         if (hv.row_lo, hv.row_hi) != expect or hv.pages.size != page_hi - page_lo:
             raise UmallocValueError(

@@ -132,12 +132,20 @@ def vector_rows(end: EndSpec, seq_len_tokens: int, prefix_tokens: int = 0, *, dc
     check_tokens(seq_len_tokens, prefix_tokens)
     d, r = (dcp_size, dcp_rank) if is_dcp_sharded(end) else (1, 0)
     check_dcp(d, r)
-    row_hi = owned_count(seq_len_tokens, d, r)
-    prefix_rows = owned_count(prefix_tokens, d, r)
+    return rows_of_checked(end, seq_len_tokens, prefix_tokens, d, r)
+
+
+def rows_of_checked(end: EndSpec, seq_len_tokens: int, prefix_tokens: int, dcp_size: int, dcp_rank: int
+                    ) -> tuple[int, int]:
+    """:func:`vector_rows` for arguments the caller already checked (a token-addressed end, ``0 <= P <= L``,
+    ``(dcp_size, dcp_rank)`` valid and already ``(1, 0)`` for an end that is not sharded). O(1)."""
+    d, r = dcp_size, dcp_rank
+    row_hi = (seq_len_tokens - r + d - 1) // d
+    prefix_rows = (prefix_tokens - r + d - 1) // d
     window = end.window_tokens
     if window is None:
         return prefix_rows, row_hi
-    window_rows = row_hi - owned_count(max(0, seq_len_tokens - window), d, r)
+    window_rows = row_hi - (max(0, seq_len_tokens - window) - r + d - 1) // d
     if window_rows == 0:
         return row_hi, row_hi
     tail = swa_tail_start(row_hi, window_rows, prefix_rows, end.page_size)
@@ -166,5 +174,5 @@ def check_tokens(seq_len_tokens: object, prefix_tokens: object) -> None:
         raise UmallocValueError(f"prefix_tokens={prefix_tokens!r}: allowed an int in [0, {seq_len_tokens}]")
 
 
-__all__ = ["DCP_SHARDED_ROLES", "check_dcp", "check_tokens", "is_dcp_sharded", "owned_count", "source_ranks",
-           "vector_rows"]
+__all__ = ["DCP_SHARDED_ROLES", "check_dcp", "check_tokens", "is_dcp_sharded", "owned_count", "rows_of_checked",
+           "source_ranks", "vector_rows"]
