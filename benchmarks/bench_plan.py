@@ -32,10 +32,9 @@ import torch
 
 from umalloc.core.allocator import MultiEndedAllocator
 from umalloc.geometry.arena import Arena
-from umalloc.transfer import PeerLayout, build_plan, build_receiver_half, build_send_plan
 from umalloc.geometry.presets import preset_ends
 from umalloc.geometry.spec import ArenaSpec, arena_bytes_for_limits, swa_tail_start
-
+from umalloc.transfer import PeerLayout, build_plan, build_receiver_half, build_send_plan
 
 #: SHA-256 (first 16 hex digits) of the relative descriptors at L (prefix share 0.25), as the code before the
 #: transfer-layer restructure built them (same geometry, same allocations).

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from umalloc.core.allocator import MultiEndedAllocator
-from umalloc.geometry.arena import Arena
+from umalloc.core.leases import LeaseTable
 from umalloc.errors import (
     DescriptorBoundsError,
     IncompatiblePeerError,
@@ -25,7 +25,9 @@ from umalloc.errors import (
     TombstoneError,
     UmallocValueError,
 )
-from umalloc.core.leases import LeaseTable
+from umalloc.geometry.arena import Arena
+from umalloc.geometry.region import Region, RegionGroup, RegionMember
+from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, KVDtype, LayerSpec
 from umalloc.transfer import (
     IndexVector,
     PeerLayout,
@@ -40,8 +42,6 @@ from umalloc.transfer import (
     swa_tail_start,
     vector_rows,
 )
-from umalloc.geometry.region import Region, RegionGroup, RegionMember
-from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, KVDtype, LayerSpec
 
 # ---- fixtures ------------------------------------------------------------------------------------------------
 
