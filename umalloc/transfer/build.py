@@ -71,10 +71,10 @@ def _host_ids(vt: object, what: str) -> np.ndarray:
     if isinstance(vt, torch.Tensor):
         if vt.dtype not in _ID_DTYPES:
             raise InvalidIdError(f"{what}: dtype {vt.dtype}, allowed torch.int64 or torch.int32 virtual token ids")
-        if vt.layout != torch.strided or vt.device.type == "meta":
+        if vt.layout is not torch.strided or vt.is_meta:
             raise InvalidIdError(f"{what}: a {vt.layout} tensor on {vt.device}, allowed a strided CPU or CUDA "
                                  "tensor")
-        arr = vt.detach().cpu().numpy()
+        arr = (vt if vt.is_cpu else vt.cpu()).numpy()  # integer tensors never require grad
     elif isinstance(vt, np.ndarray):
         arr = vt
         if arr.dtype not in (np.int64, np.int32):
@@ -191,9 +191,7 @@ def _translate(alloc: PlanAllocator, vpages: np.ndarray, end: str) -> np.ndarray
     """Strict physical pages of ``vpages`` on ``end``: read-only int64 numpy (one torch round trip)."""
     if vpages.shape[0] == 0:
         return EMPTY_IDS
-    phys = alloc.translate_pages(torch.from_numpy(vpages), end, strict=True)
-    if phys.device.type != "cpu" or phys.dtype != torch.int64:
-        phys = phys.to("cpu", torch.int64)
+    phys = alloc.translate_pages(torch.from_numpy(vpages), end, strict=True)  # host ids in: host int64 out
     out = phys.numpy()
     out.setflags(write=False)
     return out
