@@ -58,7 +58,8 @@ class PlanAllocator(Protocol):
     arena: Any
     spec: ArenaSpec
 
-    def translate_pages(self, vpages: torch.Tensor, end: str, *, strict: bool = True) -> torch.Tensor: ...
+    def translate_pages(self, vpages: torch.Tensor, end: str, *, strict: bool = True,
+                        out: torch.Tensor | None = None) -> torch.Tensor: ...
 
     def lease(self, pages: Mapping[str, Any], *, deadline_s: float | None = None, tag: str = "") -> Any: ...
 
@@ -188,11 +189,13 @@ class _OwnerPages:
 
 
 def _translate(alloc: PlanAllocator, vpages: np.ndarray, end: str) -> np.ndarray:
-    """Strict physical pages of ``vpages`` on ``end``: read-only int64 numpy (one torch round trip)."""
-    if vpages.shape[0] == 0:
+    """Strict physical pages of ``vpages`` on ``end``: read-only int64 numpy. The allocator writes into a numpy
+    buffer wrapped zero-copy (``out=``), so nothing converts back from torch."""
+    n = vpages.shape[0]
+    if n == 0:
         return EMPTY_IDS
-    phys = alloc.translate_pages(torch.from_numpy(vpages), end, strict=True)  # host ids in: host int64 out
-    out = phys.numpy()
+    out = np.empty(n, dtype=np.int64)
+    alloc.translate_pages(torch.from_numpy(vpages), end, strict=True, out=torch.from_numpy(out))
     out.setflags(write=False)
     return out
 
