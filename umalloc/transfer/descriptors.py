@@ -60,126 +60,61 @@ class SideBounds(NamedTuple):
     leased: np.ndarray
 
 
-class VectorIds(NamedTuple):
-    """One vector's input to :func:`plan_descriptors`.
+def vector_descriptors(vector: str, src_pages: np.ndarray, dst_pages: np.ndarray, src_rows: np.ndarray,
+                       dst_rows: np.ndarray, src: SideBounds, dst: SideBounds,
+                       translator: Any = None) -> VectorDescriptors:
+    """Bounds-checked descriptors of one vector.
 
-    Attributes:
+    Args:
         vector: the vector's name (for messages).
         src_pages, dst_pages: int64 ``(n,)`` physical page pairs, non-negative; pair ``i`` is one envelope copy.
         src_rows, dst_rows: int64 ``(m,)`` physical token-row pairs, non-negative; pair ``i`` copies one row of
             every layer block.
         src, dst: the two sides (:class:`SideBounds`).
-    """
-
-    vector: str
-    src_pages: np.ndarray
-    dst_pages: np.ndarray
-    src_rows: np.ndarray
-    dst_rows: np.ndarray
-    src: SideBounds
-    dst: SideBounds
-
-
-def plan_descriptors(vectors: list[VectorIds], translator: Any = None) -> list[VectorDescriptors]:
-    """Bounds-checked descriptors of every vector of a plan, in order.
-
-    Every id is checked first, then the page pairs and the (page-spread) row pairs of all vectors are coalesced
-    by one translators' ``pages_to_runs`` call (:func:`_coalesce`), then each vector's descriptors are filled
-    and checked (one compiled pass for one-member groups).
-
-    Args:
-        vectors: the vectors (:class:`VectorIds`).
         translator: the translator that coalesces runs (default ``get_translator("cpu")``).
 
     Returns:
-        One :class:`VectorDescriptors` per vector.
+        :class:`VectorDescriptors`.
 
     Raises:
-        UmallocValueError: the two ends of a vector differ in page geometry (layouts not checked compatible).
+        UmallocValueError: the two ends differ in page geometry (the layouts were not checked compatible).
         DescriptorBoundsError: an id past its end's last page, a group member that is not a registered region of
             its side or steps by other than the end's page bytes, or a descriptor outside the region and arena,
             the handable pages or the leased pages. Nothing is returned.
 
-    Complexity: O(ids + rows * blocks * members + N log leased).
+    Complexity: O(n + m * blocks * members + N log leased).
     """
-    for v in vectors:
-        s_geom, d_geom = v.src.geom, v.dst.geom
-        if not s_geom.same_bytes(d_geom):
-            raise UmallocValueError(f"vector {v.vector!r}: ends {s_geom.name!r} and {d_geom.name!r} differ in "
-                                    "geometry (check_compatible the layouts first)")
-        if not _own_groups(v):  # a layout's own groups are right by construction
-            for side, bounds in (("src", v.src), ("dst", v.dst)):
-                _check_group(v.vector, side, bounds)
-        # before any arithmetic on them: a wrapped id could slip back into the arena
-        _check_ids(v.vector, "src", v.src_pages, v.src_rows, s_geom)
-        _check_ids(v.vector, "dst", v.dst_pages, v.dst_rows, d_geom)
-    pairs = []
-    for v in vectors:
-        ps = v.src.geom.page_size
-        # rows spread by one per page (t + t // ps): a row run never crosses a page on either side
-        pairs += [(v.src_pages, v.dst_pages), (v.src_rows + v.src_rows // ps, v.dst_rows + v.dst_rows // ps)]
-    runs = _coalesce(pairs, get_translator("cpu") if translator is None else translator)
-    out = []
-    for i, v in enumerate(vectors):
-        row_runs = runs[2 * i + 1]
-        if row_runs.shape[0]:
-            ps1 = v.src.geom.page_size + 1
-            row_runs[:, 0] -= row_runs[:, 0] // ps1
-            row_runs[:, 1] -= row_runs[:, 1] // ps1
-        out.append(_vector_descriptors(v, runs[2 * i], row_runs))
-    return out
-
-
-def _own_groups(v: VectorIds) -> bool:
-    return v.src.group is v.src.layout.region_group(v.src.geom.name) and \
-        v.dst.group is v.dst.layout.region_group(v.dst.geom.name)
-
-
-def _coalesce(pairs: list[tuple[np.ndarray, np.ndarray]], translator: Any) -> list[np.ndarray]:
-    """Runs ``(src, dst, count)`` (int64 ``(R_j, 3)``, writable) of every id-pair list, with one
-    ``pages_to_runs`` call: list ``j`` is shifted by an offset that puts its source ids at least 2 past those of
-    list ``j - 1``, so no run joins two lists, and the offset is taken off again. Ids are non-negative and
-    checked against their ends' pages, so the shifts cannot overflow."""
-    offsets, parts_s, parts_d = [], [], []
-    base = 0
-    for s_ids, d_ids in pairs:
-        offsets.append(base)
-        if s_ids.shape[0]:
-            parts_s.append(s_ids + base)
-            parts_d.append(d_ids + base)
-            base += int(s_ids.max()) + 2
-    if not parts_s:
-        return [_EMPTY_RUNS] * len(pairs)
-    runs = translator.pages_to_runs(np.concatenate(parts_s), np.concatenate(parts_d)).numpy()
-    # run starts are grouped by list and the lists' source ranges ascend: binary search finds each group
-    bounds = np.searchsorted(runs[:, 0], np.array(offsets + [base], dtype=np.int64))
-    out = []
-    for j, off in enumerate(offsets):
-        r = runs[bounds[j]:bounds[j + 1]]
-        if off and r.shape[0]:
-            r[:, :2] -= off
-        out.append(r)
-    return out
-
-
-def _vector_descriptors(v: VectorIds, page_runs: np.ndarray, row_runs: np.ndarray) -> VectorDescriptors:
-    """Fill and check one vector's descriptors from its coalesced runs."""
-    src, dst, s_geom = v.src, v.dst, v.src.geom
+    s_geom, d_geom = src.geom, dst.geom
+    if not s_geom.same_bytes(d_geom):
+        raise UmallocValueError(f"vector {vector!r}: ends {s_geom.name!r} and {d_geom.name!r} differ in geometry "
+                                "(check_compatible the layouts first)")
+    own = src.group is src.layout.region_group(s_geom.name) and dst.group is dst.layout.region_group(d_geom.name)
+    if not own:  # a layout's own groups are right by construction
+        for side, bounds in (("src", src), ("dst", dst)):
+            _check_group(vector, side, bounds)
+    # the compiled check below covers page ids; row ids are checked first (spreading them could overflow)
+    fast = own and len(src.group.members) == 1
+    _check_ids(vector, "src", EMPTY_IDS if fast else src_pages, src_rows, s_geom)
+    _check_ids(vector, "dst", EMPTY_IDS if fast else dst_pages, dst_rows, d_geom)
+    translator = get_translator("cpu") if translator is None else translator
+    page_runs = translator.pages_to_runs(src_pages, dst_pages).numpy() if src_pages.shape[0] else _EMPTY_RUNS
+    row_runs = _row_runs(translator, src_rows, dst_rows, s_geom.page_size)
     if page_runs.shape[0] == 0 and row_runs.shape[0] == 0:
         return VectorDescriptors(_NO_DESCRIPTORS, 0, 0)
     if len(src.group.members) == 1:
-        own = _own_groups(v)
         desc = np.empty((page_runs.shape[0] + row_runs.shape[0] * s_geom.num_blocks, 3), dtype=np.uint64)
         s_lim, s_pages = src.layout.page_limits(s_geom.name) if own else _limits(src)
-        d_lim, d_pages = dst.layout.page_limits(dst.geom.name) if own else _limits(dst)
+        d_lim, d_pages = dst.layout.page_limits(d_geom.name) if own else _limits(dst)
         bad = _fill_checked(page_runs, row_runs, s_geom.page_size, s_geom.block_offs, s_geom.block_bytes,
                             np.uint64(s_geom.page_bytes), s_lim, d_lim, s_pages, d_pages, src.leased,
                             dst.leased, np.uint64(src.group.members[0].base_addr),
                             np.uint64(dst.group.members[0].base_addr), desc)
-        if bad >= 0:  # the vectorized check names the first bad row and its reason
+        if bad >= 0:  # the vectorized checks name the first bad id or row and its reason
+            _check_ids(vector, "src", src_pages, src_rows, s_geom)
+            _check_ids(vector, "dst", dst_pages, dst_rows, d_geom)
             for side, col, bounds in (("src", 0, src), ("dst", 1, dst)):
-                _check_side(v.vector, side, desc[:, col], desc[:, 2], None, bounds)
-            raise InvariantError(f"vector {v.vector!r}: descriptor {bad} failed the compiled bounds check but not "
+                _check_side(vector, side, desc[:, col], desc[:, 2], None, bounds)
+            raise InvariantError(f"vector {vector!r}: descriptor {bad} failed the compiled bounds check but not "
                                  "the vectorized one")
     else:
         parts = []
@@ -190,7 +125,7 @@ def _vector_descriptors(v: VectorIds, page_runs: np.ndarray, row_runs: np.ndarra
         desc = parts[0] if len(parts) == 1 else np.concatenate(parts)
         k = len(src.group.members)
         for side, col, bounds in (("src", 0, src), ("dst", 1, dst)):
-            _check_side(v.vector, side, desc[:, col], desc[:, 2], _members(parts, k), bounds)
+            _check_side(vector, side, desc[:, col], desc[:, 2], _members(parts, k), bounds)
     desc.setflags(write=False)
     return VectorDescriptors(desc, int(page_runs.shape[0]), int(row_runs.shape[0]))
 
@@ -217,9 +152,15 @@ def _fill_checked(page_runs: np.ndarray, row_runs: np.ndarray, ps: np.int64, off
                   s_pages: np.ndarray, d_pages: np.ndarray, s_leased: np.ndarray, d_leased: np.ndarray,
                   s_base: np.uint64, d_base: np.uint64, out: np.ndarray) -> np.int64:
     """Fill ``out`` with the descriptors of one-member groups (page runs, then row runs x blocks) and check both
-    sides as :func:`_check_side` does; returns the first bad row, or -1. ``*_lim``: uint64 ``(arena_lo, lo, hi,
-    page_bytes)``; ``*_pages``: int64 ``(first, top)``; ``*_base``: the members' base addresses. The ids were
-    checked against their ends' last pages (:func:`_check_ids`), so no address overflows."""
+    sides as :func:`_check_ids` and :func:`_check_side` do; returns the first bad run or row, or -1.
+    ``*_lim``: uint64 ``(arena_lo, lo, hi, page_bytes)``; ``*_pages``: int64 ``(first, top)``; ``*_base``: the
+    members' base addresses. Ids past an end's last page are refused before any address arithmetic."""
+    for r in range(page_runs.shape[0]):
+        if page_runs[r, 0] + page_runs[r, 2] - 1 > s_pages[1] or page_runs[r, 1] + page_runs[r, 2] - 1 > d_pages[1]:
+            return np.int64(r)
+    for r in range(row_runs.shape[0]):
+        if row_runs[r, 0] // ps > s_pages[1] or row_runs[r, 1] // ps > d_pages[1]:
+            return np.int64(r)
     k = 0
     bad = np.int64(-1)
     for r in range(page_runs.shape[0]):
@@ -279,6 +220,22 @@ def _page_descriptors(runs: np.ndarray, src_group: RegionGroup, dst_group: Regio
         out[m, :, 1] += np.uint64(dm.base_addr)
         np.multiply(u[:, 2], item, out=out[m, :, 2])
     return out.reshape(k * r, 3)
+
+
+def _row_runs(translator: object, src_rows: np.ndarray, dst_rows: np.ndarray, page_size: int) -> np.ndarray:
+    """Runs ``(src_token, dst_token, num_rows)`` of row pairs contiguous on both sides *inside one page*.
+
+    Coalescing is the translators' ``pages_to_runs`` on ids spread by one per page (``t + t // page_size``), so
+    a run never crosses a page boundary on either side.
+    """
+    if src_rows.shape[0] == 0:
+        return _EMPTY_RUNS
+    spread_s = src_rows + src_rows // page_size
+    spread_d = dst_rows + dst_rows // page_size
+    runs = translator.pages_to_runs(spread_s, spread_d).numpy()  # type: ignore[attr-defined]
+    runs[:, 0] -= runs[:, 0] // (page_size + 1)
+    runs[:, 1] -= runs[:, 1] // (page_size + 1)
+    return runs
 
 
 def _row_descriptors(runs: np.ndarray, geom: EndGeometry, src_group: RegionGroup, dst_group: RegionGroup
@@ -374,4 +331,4 @@ def _check_group(vector: str, side: str, bounds: SideBounds) -> None:
                                         f"{mem.offset_bytes} B); allowed addresses below 2**64")
 
 
-__all__ = ["EMPTY_IDS", "SideBounds", "VectorDescriptors", "VectorIds", "plan_descriptors"]
+__all__ = ["SideBounds", "VectorDescriptors", "vector_descriptors"]

@@ -33,7 +33,7 @@ import torch
 
 from umalloc.errors import InvalidIdError, LeaseError, UmallocValueError
 from umalloc.geometry.region import RegionGroup
-from umalloc.transfer.descriptors import EMPTY_IDS, SideBounds, VectorIds, plan_descriptors
+from umalloc.transfer.descriptors import EMPTY_IDS, SideBounds, vector_descriptors
 from umalloc.transfer.layout import PeerLayout, wire_int
 from umalloc.transfer.rows import check_dcp, check_tokens
 from umalloc.translators import get_translator
@@ -373,20 +373,20 @@ class TransferPlan(_LeaseHolder):
         self._leases = (src_lease, dst_lease)
 
     def _build_descriptors(self) -> tuple[dict[str, np.ndarray], dict[str, VectorStats]]:
-        src_lay, dst_lay = self.src_layout, self.dst_layout
-        vecs = list(self.vectors.values())
-        inputs = [VectorIds(
-            v.name, v.src_pages, v.dst_pages, v.src_rows, v.dst_rows,
-            SideBounds(src_lay, src_lay.geometry(v.src_end), v.src_group,
-                       self.src_leased_pages.get(v.src_end, EMPTY_IDS)),
-            SideBounds(dst_lay, dst_lay.geometry(v.dst_end), v.dst_group,
-                       self.dst_leased_pages.get(v.dst_end, EMPTY_IDS))) for v in vecs]
         by_vector: dict[str, np.ndarray] = {}
         stats: dict[str, VectorStats] = {}
-        for v, x, made in zip(vecs, inputs, plan_descriptors(inputs, get_translator("cpu")), strict=True):
+        src_lay, dst_lay = self.src_layout, self.dst_layout
+        translator = get_translator("cpu")
+        for v in self.vectors.values():
+            s_geom, d_geom = src_lay.geometry(v.src_end), dst_lay.geometry(v.dst_end)
+            made = vector_descriptors(
+                v.name, v.src_pages, v.dst_pages, v.src_rows, v.dst_rows,
+                SideBounds(src_lay, s_geom, v.src_group, self.src_leased_pages.get(v.src_end, EMPTY_IDS)),
+                SideBounds(dst_lay, d_geom, v.dst_group, self.dst_leased_pages.get(v.dst_end, EMPTY_IDS)),
+                translator)
             desc = made.descriptors
             by_vector[v.name] = desc
-            blocks, k = x.src.geom.num_blocks, len(v.src_group.members)
+            blocks, k = s_geom.num_blocks, len(v.src_group.members)
             stats[v.name] = VectorStats(
                 pages=v.num_pages, rows=v.num_rows, runs=made.page_runs + made.row_runs,
                 descriptors=int(desc.shape[0]),
