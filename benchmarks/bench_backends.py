@@ -44,7 +44,7 @@ from umalloc.core.allocator import MultiEndedAllocator
 from umalloc.geometry.arena import Arena
 from umalloc.geometry.region import Region
 from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, LayerSpec
-from umalloc.transfer.plan import PeerLayout, build_plan
+from umalloc.transfer import PeerLayout, build_plan
 
 PAGE_SIZES = {"4KiB": 4 << 10, "64KiB": 64 << 10, "1MiB": 1 << 20}
 LAYOUTS = ("contiguous", "replay", "scattered")

@@ -11,6 +11,9 @@
   ``per-layer loop``: the baseline measured here: a Python loop emitting one descriptor per page per layer per
   K/V from the same physical page lists (what a non-envelope design posts), no bounds check.
 * Columns ``desc`` and ``per-layer`` count descriptors; ``x fewer`` is their ratio; times are medians.
+* ``same``: the descriptors (addresses relative to each arena, so independent of where the arenas landed) hash
+  to the digest the code before the transfer-layer restructure produced for this geometry (:data:`BEFORE_DIGESTS`,
+  default prefix share only); ``-`` where no digest was recorded. A mismatch stops the run.
 
 Run: ``python benchmarks/bench_plan.py [--lengths 512,2048,8192] [--prefix-frac 0.25] [--repeats 7]``.
 """
@@ -18,6 +21,7 @@ Run: ``python benchmarks/bench_plan.py [--lengths 512,2048,8192] [--prefix-frac 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import statistics
 import time
@@ -28,9 +32,21 @@ import torch
 
 from umalloc.core.allocator import MultiEndedAllocator
 from umalloc.geometry.arena import Arena
-from umalloc.transfer.plan import PeerLayout, build_plan, build_receiver_half, build_send_plan
 from umalloc.geometry.presets import preset_ends
-from umalloc.geometry.spec import ArenaSpec, arena_bytes_for_limits
+from umalloc.geometry.spec import ArenaSpec, arena_bytes_for_limits, swa_tail_start
+from umalloc.transfer import PeerLayout, build_plan, build_receiver_half, build_send_plan
+
+#: SHA-256 (first 16 hex digits) of the relative descriptors at L (prefix share 0.25), as the code before the
+#: transfer-layer restructure built them (same geometry, same allocations).
+BEFORE_DIGESTS = {512: "a5a576c8b47fc03a", 2048: "86779f6664c1c75a", 8192: "0791360341432528"}
+
+
+def descriptor_digest(plan) -> str:
+    """Digest of a plan's descriptors with addresses taken relative to each side's arena."""
+    d = plan.descriptors().astype(np.uint64, copy=True)
+    d[:, 0] -= np.uint64(plan.src_layout.arena_base_ptr)
+    d[:, 1] -= np.uint64(plan.dst_layout.arena_base_ptr)
+    return hashlib.sha256(d.tobytes()).hexdigest()[:16]
 
 
 def median_s(fn: Callable[[], object], repeats: int) -> float:
@@ -51,7 +67,7 @@ def make_side(spec: ArenaSpec, L: int, P: int, noise: int) -> tuple[MultiEndedAl
     vt = ext(torch.tensor([0]), torch.tensor([L]), torch.tensor([-1]), owner="full", bind=[])
     alloc.free(junk, owner="full")
     alloc.free(junk_d, owner="draft")
-    tail = MultiEndedAllocator.swa_tail_start(L, spec.end("swa").window_tokens, P, spec.end("swa").page_size)
+    tail = swa_tail_start(L, spec.end("swa").window_tokens, P, spec.end("swa").page_size)
     assert alloc.bind_end("swa", vt[tail:])
     vd = ext(torch.tensor([0]), torch.tensor([L]), torch.tensor([-1]), owner="draft")
     return alloc, {"full": vt, "draft": vd}
@@ -85,16 +101,16 @@ def main() -> None:
                                                                max_batch=1))
     print(f"preset gemma-3-12b-draft, arena {spec.arena_bytes / 2**20:.0f} MiB per side (untouched), "
           f"prefix = {args.prefix_frac:.0%} of L (+3 tokens, mid-page), median of {args.repeats}")
-    hdr = (f"{'L':>6} {'P':>5} | {'pages t/d/swa':>14} {'desc':>6} {'per-layer':>9} {'x fewer':>7} | "
+    hdr = (f"{'L':>6} {'P':>5} | {'pages t/d/swa':>14} {'desc':>6} {'per-layer':>9} {'x fewer':>7} {'same':>4} | "
            f"{'build_plan ms':>13} {'split ms':>8} {'per-layer loop ms':>17} {'loop/build':>10}")
     print(hdr)
     print("-" * len(hdr))
     for L in lengths:
         P = int(L * args.prefix_frac) + 3 if args.prefix_frac else 0
-        print(bench_one(spec, L, P, args.repeats))
+        print(bench_one(spec, L, P, args.repeats, BEFORE_DIGESTS.get(L) if args.prefix_frac == 0.25 else None))
 
 
-def bench_one(spec: ArenaSpec, L: int, P: int, repeats: int) -> str:
+def bench_one(spec: ArenaSpec, L: int, P: int, repeats: int, digest: str | None) -> str:
     src, vs = make_side(spec, L, 0, 37)
     dst, vd = make_side(spec, L, P, 91)
     dst_layout = PeerLayout.from_arena(dst.arena)
@@ -109,6 +125,12 @@ def bench_one(spec: ArenaSpec, L: int, P: int, repeats: int) -> str:
         half.abort()
 
     plan = build_plan("b", src, vs, dst, vd, prefix_tokens=P)
+    same = "-"
+    if digest is not None:
+        got = descriptor_digest(plan)
+        if got != digest:
+            raise SystemExit(f"L={L}: descriptors differ from the code before (digest {got}, expected {digest})")
+        same = "yes"
     pages = "/".join(str(plan.vectors[n].num_pages) for n in ("target", "draft", "swa_tail"))
     assert per_layer_loop(plan) <= plan.per_layer_descriptor_equivalent
     t_build = median_s(in_process, repeats)
@@ -116,7 +138,7 @@ def bench_one(spec: ArenaSpec, L: int, P: int, repeats: int) -> str:
     t_loop = median_s(lambda: per_layer_loop(plan), repeats)
     plan.abort()
     return (f"{L:>6} {P:>5} | {pages:>14} {plan.num_descriptors:>6} {plan.per_layer_descriptor_equivalent:>9} "
-            f"{plan.per_layer_descriptor_equivalent / max(plan.num_descriptors, 1):>7.1f} | "
+            f"{plan.per_layer_descriptor_equivalent / max(plan.num_descriptors, 1):>7.1f} {same:>4} | "
             f"{t_build * 1e3:>13.2f} {t_split * 1e3:>8.2f} {t_loop * 1e3:>17.2f} {t_loop / t_build:>10.2f}")
 
 

@@ -14,7 +14,7 @@ from umalloc.backends._worker import WorkerContext, pattern_fill
 from umalloc.core.allocator import MultiEndedAllocator
 from umalloc.errors import BackendError
 from umalloc.geometry.arena import Arena
-from umalloc.transfer.plan import PeerLayout, build_receiver_half, build_send_plan
+from umalloc.transfer import PeerLayout, build_receiver_half, build_send_plan
 
 
 def kv_setup(ctx: WorkerContext, layout: dict, seed: int | None = None) -> dict:

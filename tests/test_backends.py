@@ -49,7 +49,7 @@ from umalloc.errors import (
 from umalloc.geometry.arena import Arena
 from umalloc.geometry.region import Region
 from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, LayerSpec
-from umalloc.transfer.plan import PeerLayout, build_plan, build_receiver_half, build_send_plan
+from umalloc.transfer import PeerLayout, build_plan, build_receiver_half, build_send_plan
 
 ENGINES = ["nixl", "mooncake"]
 DEADLINE_S = 10.0

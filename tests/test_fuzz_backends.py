@@ -29,7 +29,7 @@ from umalloc.errors import UmallocError
 from umalloc.geometry.arena import Arena
 from umalloc.geometry.region import Region
 from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, LayerSpec
-from umalloc.transfer.plan import PeerLayout, build_plan
+from umalloc.transfer import PeerLayout, build_plan
 
 SEED = int(os.environ.get("UMALLOC_SEED", "20240607"))
 EXAMPLES = int(os.environ.get("UMALLOC_FUZZ_EXAMPLES", "1000"))

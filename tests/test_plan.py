@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from umalloc.core.allocator import MultiEndedAllocator
-from umalloc.geometry.arena import Arena
+from umalloc.core.leases import LeaseTable
 from umalloc.errors import (
     DescriptorBoundsError,
     IncompatiblePeerError,
@@ -25,8 +25,10 @@ from umalloc.errors import (
     TombstoneError,
     UmallocValueError,
 )
-from umalloc.core.leases import LeaseTable
-from umalloc.transfer.plan import (
+from umalloc.geometry.arena import Arena
+from umalloc.geometry.region import Region, RegionGroup, RegionMember
+from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, KVDtype, LayerSpec
+from umalloc.transfer import (
     IndexVector,
     PeerLayout,
     ReceiverHalf,
@@ -40,8 +42,6 @@ from umalloc.transfer.plan import (
     swa_tail_start,
     vector_rows,
 )
-from umalloc.geometry.region import Region, RegionGroup, RegionMember
-from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, KVDtype, LayerSpec
 
 # ---- fixtures ------------------------------------------------------------------------------------------------
 
@@ -325,7 +325,7 @@ def test_bound_draft_refused_under_dcp():
 
 
 def test_receiver_half_roundtrip_and_validation():
-    from umalloc.transfer.plan import HalfVector
+    from umalloc.transfer import HalfVector
 
     pages = np.array([5, 6], dtype=np.int64)
     half = ReceiverHalf("r9", "abc", 7, 3, 1, 0, {"target": HalfVector("target", "full", "rows", 3, 7, pages)})
@@ -887,3 +887,170 @@ def test_token_ids_that_do_not_fill_pages_in_order_are_refused():
     with pytest.raises(InvalidIdError, match="offset"):
         build_plan("bad", pr.src, shifted, pr.dst, pr.vt_dst)
     assert pr.src.leases_active() == 0 and pr.dst.leases_active() == 0
+
+
+# ---- validation at the API boundary: typed errors, nothing changed -------------------------------------------
+
+
+def _state(*allocs):
+    return [(a.snapshot(), a.leases_active()) for a in allocs]
+
+
+def _assert_unchanged(before, *allocs):
+    from umalloc.core.allocator import snapshots_equal
+
+    after = _state(*allocs)
+    for (snap_a, leases_a), (snap_b, leases_b) in zip(before, after, strict=True):
+        assert snapshots_equal(snap_a, snap_b) and leases_a == leases_b == 0
+
+
+def test_build_plan_refuses_a_virtual_page_named_twice():
+    pr = Pair(tiny_spec(), L=8)
+    vt = pr.vt_dst["full"].clone()
+    vt[6:8] = vt[2:4]  # local page 3 names local page 1's virtual page: two descriptors would write one page
+    before = _state(pr.src, pr.dst)
+    with pytest.raises(InvalidIdError, match=f"virtual page {int(vt[2]) // 2} is named twice"):
+        build_plan("dup", pr.src, pr.vt_src, pr.dst, {**pr.vt_dst, "full": vt})
+    _assert_unchanged(before, pr.src, pr.dst)
+    src_vt = pr.vt_src["full"].clone()
+    src_vt[6:8] = src_vt[2:4]
+    with pytest.raises(InvalidIdError, match="named twice"):
+        build_plan("dup", pr.src, {**pr.vt_src, "full": src_vt}, pr.dst, pr.vt_dst)
+    _assert_unchanged(before, pr.src, pr.dst)
+
+
+def test_receiver_half_from_dict_refuses_float_and_oversized_page_ids():
+    pr = Pair(tiny_spec(), L=8)
+    half = build_receiver_half("h", pr.dst, pr.vt_dst)
+    wire = json.loads(json.dumps(half.to_dict()))
+    pages = wire["vectors"]["target"]["pages"]
+    for bad in (1.5, float(pages[0]), True, "3", 1 << 63):
+        broken = json.loads(json.dumps(wire))
+        broken["vectors"]["target"]["pages"] = [bad] + pages[1:]
+        with pytest.raises(UmallocValueError):
+            ReceiverHalf.from_dict(broken)
+        broken = json.loads(json.dumps(wire))
+        broken["leased"]["full"] = [bad] + broken["leased"]["full"][1:]
+        with pytest.raises(UmallocValueError):
+            ReceiverHalf.from_dict(broken)
+    assert ReceiverHalf.from_dict(wire).vectors["target"].pages.tolist() == pages  # the int form still loads
+    half.abort()
+
+
+def test_meta_and_sparse_id_tensors_are_refused_typed():
+    pr = Pair(tiny_spec(), L=8)
+    before = _state(pr.src, pr.dst)
+    meta = torch.empty(8, dtype=torch.int64, device="meta")
+    sparse = pr.vt_dst["full"].to_sparse()
+    for bad in (meta, sparse):
+        with pytest.raises(InvalidIdError, match="allowed a strided CPU or CUDA tensor"):
+            build_plan("m", pr.src, pr.vt_src, pr.dst, {**pr.vt_dst, "full": bad})
+        with pytest.raises(InvalidIdError, match="allowed a strided CPU or CUDA tensor"):
+            build_plan("m", pr.src, {**pr.vt_src, "full": bad}, pr.dst, pr.vt_dst)
+    with pytest.raises(InvalidIdError):
+        IndexVector("t", "full", "full", meta, meta, layout().region_group("full"), layout().region_group("full"))
+    _assert_unchanged(before, pr.src, pr.dst)
+
+
+def test_int32_id_tensors_are_accepted_like_int64():
+    pr = Pair(tiny_spec(), L=11, P=3)
+    want = build_plan("a", pr.src, pr.vt_src, pr.dst, pr.vt_dst, prefix_tokens=3)
+    expect = want.descriptors().copy()
+    want.abort()
+    i32 = lambda d: {k: v.to(torch.int32) for k, v in d.items()}  # noqa: E731
+    got = build_plan("a", pr.src, i32(pr.vt_src), pr.dst, i32(pr.vt_dst), prefix_tokens=3)
+    assert np.array_equal(got.descriptors(), expect)
+    got.abort()
+    np32 = {k: v.numpy().astype(np.int32) for k, v in pr.vt_dst.items()}
+    got = build_plan("a", pr.src, pr.vt_src, pr.dst, np32, prefix_tokens=3)
+    assert np.array_equal(got.descriptors(), expect)
+    got.abort()
+    before = _state(pr.src, pr.dst)
+    for bad in (pr.vt_dst["full"].to(torch.int16), pr.vt_dst["full"].double(), pr.vt_dst["full"].numpy().astype(np.uint64)):
+        with pytest.raises(InvalidIdError, match="allowed"):
+            build_plan("a", pr.src, pr.vt_src, pr.dst, {**pr.vt_dst, "full": bad})
+    _assert_unchanged(before, pr.src, pr.dst)
+
+
+def test_physical_ids_that_do_not_fit_int64_are_refused():
+    src, dst = layout(), layout(base=5000)
+    too_big = np.array([(1 << 63) + 5], dtype=np.uint64)
+    with pytest.raises(InvalidIdError, match=r"allowed \[0, 9223372036854775807\]"):
+        IndexVector("t", "full", "full", too_big, too_big, src.region_group("full"),
+                    dst.region_group("full"))
+    with pytest.raises(InvalidIdError, match=r"allowed \[0, 9223372036854775807\]"):
+        IndexVector("t", "full", "full", [1 << 63], [3], src.region_group("full"), dst.region_group("full"))
+    ok = IndexVector("t", "full", "full", np.array([3], dtype=np.uint64), np.array([7], dtype=np.int32),
+                     src.region_group("full"), dst.region_group("full"))
+    assert ok.src_pages.dtype == ok.dst_pages.dtype == np.int64 and ok.dst_pages.tolist() == [7]
+
+
+def test_ranges_named_in_messages_are_the_ranges_allowed():
+    import re
+
+    end = tiny_spec().end("full")
+
+    def bounds_of(call) -> tuple[int, int]:
+        with pytest.raises(UmallocValueError) as e:
+            call()
+        lo, hi = re.findall(r"\[(-?\d+), (-?\d+)\]", str(e.value))[-1]  # the allowed range is named last
+        return int(lo), int(hi)
+
+    # DCP rank: named [0, d - 1]; both ends are accepted, one past either is refused
+    lo, hi = bounds_of(lambda: source_ranks(9, 4, 2))
+    assert (lo, hi) == (0, 3)
+    source_ranks(lo, 4, 2), source_ranks(hi, 4, 2)
+    # prefix: named [0, L]
+    lo, hi = bounds_of(lambda: vector_rows(end, 7, 9))
+    assert (lo, hi) == (0, 7)
+    vector_rows(end, 7, lo), vector_rows(end, 7, hi)
+    with pytest.raises(UmallocValueError):
+        vector_rows(end, 7, hi + 1)
+    # TP rank: named [0, tp_size - 1]
+    lo, hi = bounds_of(lambda: layout(tp_rank=2, tp_size=2))
+    assert (lo, hi) == (0, 1)
+    layout(tp_rank=hi, tp_size=2)
+    # a descriptor's pages: named [first, top], the handable range of the end
+    src, dst = layout(), layout(base=5000)
+    lo, hi = bounds_of(lambda: plan_of(src, dst, vec(src, dst, [0], [3]), [0], [3]))
+    assert (lo, hi) == (src.geometry("full").first_page, src.geometry("full").top_page)
+    for p in (lo, hi):
+        plan_of(src, dst, vec(src, dst, [p], [3]), [p], [3])
+
+
+def test_checked_layouts_skip_the_recheck_and_must_match():
+    from umalloc.transfer import CheckedLayouts, compatible_layouts
+
+    pr = Pair(tiny_spec(), L=9, P=3)
+    sl, dl = PeerLayout.from_arena(pr.src.arena), PeerLayout.from_arena(pr.dst.arena)
+    checked = compatible_layouts(sl, dl)
+    assert isinstance(checked, CheckedLayouts) and checked.covers(sl, dl) and not checked.covers(dl, sl)
+    plain = build_plan("c", pr.src, pr.vt_src, pr.dst, pr.vt_dst, prefix_tokens=3)
+    expect = plain.descriptors().copy()
+    plain.abort()
+    plan = build_plan("c", pr.src, pr.vt_src, pr.dst, pr.vt_dst, prefix_tokens=3, checked=checked)
+    assert np.array_equal(plan.descriptors(), expect)
+    plan.abort()
+    before = _state(pr.src, pr.dst)
+    with pytest.raises(UmallocValueError, match="not \\(src_layout, dst_layout\\)"):
+        build_plan("c", pr.src, pr.vt_src, pr.dst, pr.vt_dst, checked=compatible_layouts(dl, sl))
+    with pytest.raises(UmallocValueError, match="allowed a CheckedLayouts"):
+        build_plan("c", pr.src, pr.vt_src, pr.dst, pr.vt_dst, checked=(sl, dl))
+    _assert_unchanged(before, pr.src, pr.dst)
+    other = layout(base=1 << 20)
+    with pytest.raises(IncompatiblePeerError):
+        compatible_layouts(sl, other)
+
+
+def test_transfer_plan_is_plan_like():
+    from umalloc.transfer import PlanLike
+
+    pr = Pair(tiny_spec(), L=8)
+    plan = build_plan("p", pr.src, pr.vt_src, pr.dst, pr.vt_dst)
+    assert isinstance(plan, PlanLike)
+    members = {"state", "vectors", "num_descriptors", "total_bytes", "src_lease", "dst_lease", "descriptors",
+               "complete", "fail", "abort"}
+    declared = set(PlanLike.__annotations__) | {n for n in vars(PlanLike) if not n.startswith("_")}
+    assert declared == members and members <= set(dir(plan))
+    assert not isinstance(object(), PlanLike)
+    plan.abort()

@@ -17,7 +17,7 @@ import torch
 
 from umalloc.core.allocator import MultiEndedAllocator
 from umalloc.geometry.arena import Arena
-from umalloc.transfer.plan import PeerLayout, build_receiver_half, build_send_plan, check_compatible, source_ranks
+from umalloc.transfer import PeerLayout, build_receiver_half, build_send_plan, check_compatible, source_ranks
 from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, KVDtype, LayerSpec
 
 W = 5

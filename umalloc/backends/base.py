@@ -98,7 +98,7 @@ from umalloc.errors import (
     UmallocValueError,
 )
 from umalloc.geometry.region import Region
-from umalloc.transfer.plan import PeerLayout
+from umalloc.transfer import PeerLayout
 
 
 def _check_timeout(timeout_s: object) -> None:

@@ -24,7 +24,7 @@ import numpy as np
 from umalloc.backends.descriptors import region_ranges
 from umalloc.errors import IncompatiblePeerError, UmallocValueError
 from umalloc.geometry.region import Region
-from umalloc.transfer.plan import PeerLayout, check_compatible
+from umalloc.transfer import PeerLayout, check_compatible
 
 #: Format tag of backend metadata.
 METADATA_FORMAT = "umalloc-backend-md/1"

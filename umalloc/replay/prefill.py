@@ -20,7 +20,7 @@ import torch
 from umalloc.core.allocator import MultiEndedAllocator
 from umalloc.geometry.arena import Arena
 from umalloc.errors import UmallocValueError
-from umalloc.transfer.plan import PeerLayout, build_plan
+from umalloc.transfer import PeerLayout, build_plan
 from umalloc.replay.kvfill import KVPattern
 from umalloc.replay.report import PhaseTimer
 from umalloc.replay.workload import RequestState, first_kept_page, pages_held

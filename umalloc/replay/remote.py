@@ -30,7 +30,7 @@ from types import SimpleNamespace
 import torch
 
 from umalloc.core.allocator import MultiEndedAllocator
-from umalloc.transfer.plan import PeerLayout, build_receiver_half
+from umalloc.transfer import PeerLayout, build_receiver_half
 from umalloc.replay.prefill import PlanFigures, warm_up
 from umalloc.replay.report import PhaseTimer
 from umalloc.replay.workload import RequestState
@@ -76,7 +76,7 @@ def child_start(ctx, request_id: int, num_tokens: int, half: dict, peer: str,
     """Allocate and fill a prompt of ``num_tokens``, build the send plan from the receiver ``half`` and post it
     (no wait). Returns ``{"short": bool, "phases": {...}, "filled": bytes, "stats": ...}``; ``short`` means the
     prefill arena could not take the prompt and nothing changed."""
-    from umalloc.transfer.plan import build_send_plan
+    from umalloc.transfer import build_send_plan
     from umalloc.replay.prefill import alloc_sequence, fill_sequence
 
     alloc = ctx.objects["replay_alloc"]

@@ -1,0 +1,334 @@
+"""Descriptors of one index vector: coalesced runs to ``(src_addr, dst_addr, nbytes)``, bounds-checked once.
+
+Policy:
+
+* Input ids are numpy ``int64`` 1-D arrays of *physical* ids (pages, or token rows ``page * page_size + row``),
+  already checked non-negative by their vector; output descriptors are a read-only numpy ``uint64`` ``(N, 3)``
+  array, member-major (one block of rows per region-group member), page runs before row runs.
+* Run coalescing is the translators' ``pages_to_runs`` (the one implementation); a row run never crosses a page
+  boundary on either side (rows of two pages are not adjacent bytes: Note [Boundary page] in
+  :mod:`umalloc.transfer.build`).
+* Every id is checked against its end's last page *before* any address arithmetic (an id past it could wrap a
+  uint64 address back into the arena), every group member against the side's registered regions, then every
+  descriptor, vectorized, against the region and arena, the handable page range and the pages the plan leases
+  on that side. A violation raises :class:`~umalloc.errors.DescriptorBoundsError` naming the first bad row and
+  nothing is returned. The check runs once, when the plan is built; nothing re-checks a built plan's rows.
+* Cost: O(ids + descriptors * log leased pages) numpy work per vector, a handful of calls; no Python loop over
+  pages, rows or runs (loops run over region-group members, a handful).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+from numba import njit
+
+from umalloc.errors import DescriptorBoundsError, InvariantError, UmallocValueError
+from umalloc.geometry.region import RegionGroup
+from umalloc.transfer.layout import ADDRESS_LIMIT, EndGeometry, PeerLayout
+from umalloc.translators import get_translator
+
+EMPTY_IDS = np.zeros(0, dtype=np.int64)
+EMPTY_IDS.setflags(write=False)
+_EMPTY_RUNS = np.zeros((0, 3), dtype=np.int64)
+_EMPTY_RUNS.setflags(write=False)
+_NO_DESCRIPTORS = np.zeros((0, 3), dtype=np.uint64)
+_NO_DESCRIPTORS.setflags(write=False)
+
+
+class VectorDescriptors(NamedTuple):
+    """What :func:`vector_descriptors` returns.
+
+    Attributes:
+        descriptors: read-only uint64 ``(N, 3)`` ``(src_addr, dst_addr, nbytes)``.
+        page_runs, row_runs: runs coalesced from the page pairs and from the row pairs.
+    """
+
+    descriptors: np.ndarray
+    page_runs: int
+    row_runs: int
+
+
+class SideBounds(NamedTuple):
+    """One side of a vector for :func:`vector_descriptors`: its layout, end geometry, region group and the
+    sorted unique int64 pages the plan leases on that end (the only pages a descriptor may touch)."""
+
+    layout: PeerLayout
+    geom: EndGeometry
+    group: RegionGroup
+    leased: np.ndarray
+
+
+def vector_descriptors(vector: str, src_pages: np.ndarray, dst_pages: np.ndarray, src_rows: np.ndarray,
+                       dst_rows: np.ndarray, src: SideBounds, dst: SideBounds,
+                       translator: Any = None) -> VectorDescriptors:
+    """Bounds-checked descriptors of one vector.
+
+    Args:
+        vector: the vector's name (for messages).
+        src_pages, dst_pages: int64 ``(n,)`` physical page pairs, non-negative; pair ``i`` is one envelope copy.
+        src_rows, dst_rows: int64 ``(m,)`` physical token-row pairs, non-negative; pair ``i`` copies one row of
+            every layer block.
+        src, dst: the two sides (:class:`SideBounds`).
+        translator: the translator that coalesces runs (default ``get_translator("cpu")``).
+
+    Returns:
+        :class:`VectorDescriptors`.
+
+    Raises:
+        UmallocValueError: the two ends differ in page geometry (the layouts were not checked compatible).
+        DescriptorBoundsError: an id past its end's last page, a group member that is not a registered region of
+            its side or steps by other than the end's page bytes, or a descriptor outside the region and arena,
+            the handable pages or the leased pages. Nothing is returned.
+
+    Complexity: O(n + m * blocks * members + N log leased).
+    """
+    s_geom, d_geom = src.geom, dst.geom
+    if not s_geom.same_bytes(d_geom):
+        raise UmallocValueError(f"vector {vector!r}: ends {s_geom.name!r} and {d_geom.name!r} differ in geometry "
+                                "(check_compatible the layouts first)")
+    own = src.group is src.layout.region_group(s_geom.name) and dst.group is dst.layout.region_group(d_geom.name)
+    if not own:  # a layout's own groups are right by construction
+        for side, bounds in (("src", src), ("dst", dst)):
+            _check_group(vector, side, bounds)
+    # the compiled check below covers page ids; row ids are checked first (spreading them could overflow)
+    fast = own and len(src.group.members) == 1
+    _check_ids(vector, "src", EMPTY_IDS if fast else src_pages, src_rows, s_geom)
+    _check_ids(vector, "dst", EMPTY_IDS if fast else dst_pages, dst_rows, d_geom)
+    translator = get_translator("cpu") if translator is None else translator
+    page_runs = translator.pages_to_runs(src_pages, dst_pages).numpy() if src_pages.shape[0] else _EMPTY_RUNS
+    row_runs = _row_runs(translator, src_rows, dst_rows, s_geom.page_size)
+    if page_runs.shape[0] == 0 and row_runs.shape[0] == 0:
+        return VectorDescriptors(_NO_DESCRIPTORS, 0, 0)
+    if len(src.group.members) == 1:
+        desc = np.empty((page_runs.shape[0] + row_runs.shape[0] * s_geom.num_blocks, 3), dtype=np.uint64)
+        s_lim, s_pages = src.layout.page_limits(s_geom.name) if own else _limits(src)
+        d_lim, d_pages = dst.layout.page_limits(d_geom.name) if own else _limits(dst)
+        bad = _fill_checked(page_runs, row_runs, s_geom.page_size, s_geom.block_offs, s_geom.block_bytes,
+                            np.uint64(s_geom.page_bytes), s_lim, d_lim, s_pages, d_pages, src.leased,
+                            dst.leased, np.uint64(src.group.members[0].base_addr),
+                            np.uint64(dst.group.members[0].base_addr), desc)
+        if bad >= 0:  # the vectorized checks name the first bad id or row and its reason
+            _check_ids(vector, "src", src_pages, src_rows, s_geom)
+            _check_ids(vector, "dst", dst_pages, dst_rows, d_geom)
+            for side, col, bounds in (("src", 0, src), ("dst", 1, dst)):
+                _check_side(vector, side, desc[:, col], desc[:, 2], None, bounds)
+            raise InvariantError(f"vector {vector!r}: descriptor {bad} failed the compiled bounds check but not "
+                                 "the vectorized one")
+    else:
+        parts = []
+        if page_runs.shape[0]:
+            parts.append(_page_descriptors(page_runs, src.group, dst.group))
+        if row_runs.shape[0]:
+            parts.append(_row_descriptors(row_runs, s_geom, src.group, dst.group))
+        desc = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        k = len(src.group.members)
+        for side, col, bounds in (("src", 0, src), ("dst", 1, dst)):
+            _check_side(vector, side, desc[:, col], desc[:, 2], _members(parts, k), bounds)
+    desc.setflags(write=False)
+    return VectorDescriptors(desc, int(page_runs.shape[0]), int(row_runs.shape[0]))
+
+
+@njit(cache=True, nogil=True)
+def _side_ok(addr: np.uint64, n: np.uint64, arena_lo: np.uint64, lo: np.uint64, hi: np.uint64, pb: np.uint64,
+             first: np.int64, top: np.int64, leased: np.ndarray) -> bool:
+    """One descriptor side inside ``[lo, hi)``, the handable pages and the leased pages (sorted unique)."""
+    if addr < lo or addr > hi or n == 0 or n > hi - addr:
+        return False
+    off = addr - arena_lo
+    p_lo = np.int64(off // pb)
+    p_hi = np.int64((off + n - np.uint64(1)) // pb)
+    if p_lo < first or p_hi > top:
+        return False
+    i = np.searchsorted(leased, p_lo)
+    j = i + (p_hi - p_lo)
+    return j < leased.shape[0] and leased[i] == p_lo and leased[j] == p_hi
+
+
+@njit(cache=True, nogil=True)
+def _fill_checked(page_runs: np.ndarray, row_runs: np.ndarray, ps: np.int64, offs: np.ndarray,
+                  tok_bytes: np.ndarray, item: np.uint64, s_lim: np.ndarray, d_lim: np.ndarray,
+                  s_pages: np.ndarray, d_pages: np.ndarray, s_leased: np.ndarray, d_leased: np.ndarray,
+                  s_base: np.uint64, d_base: np.uint64, out: np.ndarray) -> np.int64:
+    """Fill ``out`` with the descriptors of one-member groups (page runs, then row runs x blocks) and check both
+    sides as :func:`_check_ids` and :func:`_check_side` do; returns the first bad run or row, or -1.
+    ``*_lim``: uint64 ``(arena_lo, lo, hi, page_bytes)``; ``*_pages``: int64 ``(first, top)``; ``*_base``: the
+    members' base addresses. Ids past an end's last page are refused before any address arithmetic."""
+    for r in range(page_runs.shape[0]):
+        if page_runs[r, 0] + page_runs[r, 2] - 1 > s_pages[1] or page_runs[r, 1] + page_runs[r, 2] - 1 > d_pages[1]:
+            return np.int64(r)
+    for r in range(row_runs.shape[0]):
+        if row_runs[r, 0] // ps > s_pages[1] or row_runs[r, 1] // ps > d_pages[1]:
+            return np.int64(r)
+    k = 0
+    bad = np.int64(-1)
+    for r in range(page_runs.shape[0]):
+        out[k, 0] = s_base + np.uint64(page_runs[r, 0]) * item
+        out[k, 1] = d_base + np.uint64(page_runs[r, 1]) * item
+        out[k, 2] = np.uint64(page_runs[r, 2]) * item
+        k += 1
+    ups = np.uint64(ps)
+    for r in range(row_runs.shape[0]):
+        st, dt = np.uint64(row_runs[r, 0]), np.uint64(row_runs[r, 1])
+        s0 = s_base + (st // ups) * item
+        d0 = d_base + (dt // ups) * item
+        cnt = np.uint64(row_runs[r, 2])
+        for b in range(offs.shape[0]):
+            out[k, 0] = s0 + offs[b] + (st % ups) * tok_bytes[b]
+            out[k, 1] = d0 + offs[b] + (dt % ups) * tok_bytes[b]
+            out[k, 2] = cnt * tok_bytes[b]
+            k += 1
+    for i in range(k):
+        if not (_side_ok(out[i, 0], out[i, 2], s_lim[0], s_lim[1], s_lim[2], s_lim[3], s_pages[0], s_pages[1],
+                         s_leased)
+                and _side_ok(out[i, 1], out[i, 2], d_lim[0], d_lim[1], d_lim[2], d_lim[3], d_pages[0], d_pages[1],
+                             d_leased)):
+            bad = i
+            break
+    return bad
+
+
+def _limits(bounds: SideBounds) -> tuple[np.ndarray, np.ndarray]:
+    """``(uint64 (arena_lo, lo, hi, page_bytes), int64 (first, top))`` of a one-member side."""
+    mem, layout, geom = bounds.group.members[0], bounds.layout, bounds.geom
+    arena_lo = layout.arena_base_ptr
+    lo = max(mem.region.base_ptr, arena_lo)
+    hi = min(mem.region.end_ptr, arena_lo + layout.spec.arena_bytes)
+    return (np.array([arena_lo, lo, max(lo, hi), geom.page_bytes], dtype=np.uint64),
+            np.array([geom.first_page, geom.top_page], dtype=np.int64))
+
+
+def _members(parts: list[np.ndarray], k: int) -> np.ndarray | None:
+    """Member index of every descriptor row (``None`` for one-member groups: every row is member 0)."""
+    if k == 1:
+        return None
+    return np.concatenate([np.repeat(np.arange(k, dtype=np.int64), p.shape[0] // k) for p in parts])
+
+
+def _page_descriptors(runs: np.ndarray, src_group: RegionGroup, dst_group: RegionGroup) -> np.ndarray:
+    """``(K * R, 3)`` uint64 whole-envelope descriptors of ``R`` page runs (member-major). The ids were checked
+    against the ends' last pages, so no address overflows."""
+    k, r = len(src_group.members), runs.shape[0]
+    out = np.empty((k, r, 3), dtype=np.uint64)
+    u = runs.astype(np.uint64)
+    for m, (sm, dm) in enumerate(zip(src_group.members, dst_group.members, strict=True)):
+        item = np.uint64(sm.item_bytes)
+        np.multiply(u[:, 0], item, out=out[m, :, 0])
+        out[m, :, 0] += np.uint64(sm.base_addr)
+        np.multiply(u[:, 1], item, out=out[m, :, 1])
+        out[m, :, 1] += np.uint64(dm.base_addr)
+        np.multiply(u[:, 2], item, out=out[m, :, 2])
+    return out.reshape(k * r, 3)
+
+
+def _row_runs(translator: object, src_rows: np.ndarray, dst_rows: np.ndarray, page_size: int) -> np.ndarray:
+    """Runs ``(src_token, dst_token, num_rows)`` of row pairs contiguous on both sides *inside one page*.
+
+    Coalescing is the translators' ``pages_to_runs`` on ids spread by one per page (``t + t // page_size``), so
+    a run never crosses a page boundary on either side.
+    """
+    if src_rows.shape[0] == 0:
+        return _EMPTY_RUNS
+    spread_s = src_rows + src_rows // page_size
+    spread_d = dst_rows + dst_rows // page_size
+    runs = translator.pages_to_runs(spread_s, spread_d).numpy()  # type: ignore[attr-defined]
+    runs[:, 0] -= runs[:, 0] // (page_size + 1)
+    runs[:, 1] -= runs[:, 1] // (page_size + 1)
+    return runs
+
+
+def _row_descriptors(runs: np.ndarray, geom: EndGeometry, src_group: RegionGroup, dst_group: RegionGroup
+                     ) -> np.ndarray:
+    """``(K * R * B, 3)`` uint64 descriptors (member-major, then run, then layer block)."""
+    offs, tok_bytes = geom.block_offs, geom.block_bytes
+    ps = geom.page_size
+    k, r, b = len(src_group.members), runs.shape[0], offs.shape[0]
+    out = np.empty((k, r, b, 3), dtype=np.uint64)
+    u = runs.astype(np.uint64)
+    s_page, s_row = u[:, 0] // np.uint64(ps), u[:, 0] % np.uint64(ps)
+    d_page, d_row = u[:, 1] // np.uint64(ps), u[:, 1] % np.uint64(ps)
+    for m, (sm, dm) in enumerate(zip(src_group.members, dst_group.members, strict=True)):  # K is tiny (regions)
+        s_base = np.uint64(sm.base_addr) + s_page * np.uint64(sm.item_bytes)
+        d_base = np.uint64(dm.base_addr) + d_page * np.uint64(dm.item_bytes)
+        out[m, :, :, 0] = s_base[:, None] + offs[None, :] + s_row[:, None] * tok_bytes[None, :]
+        out[m, :, :, 1] = d_base[:, None] + offs[None, :] + d_row[:, None] * tok_bytes[None, :]
+        out[m, :, :, 2] = u[:, 2][:, None] * tok_bytes[None, :]
+    return out.reshape(k * r * b, 3)
+
+
+def _refuse_first(ok: np.ndarray, sel: np.ndarray | None, vector: str, side: str, why: str,
+                  *cols: np.ndarray) -> None:
+    """Raise :class:`DescriptorBoundsError` naming the first row ``i`` where ``ok`` is False; ``why`` is
+    formatted with row ``i`` of each of ``cols`` (``{0}``, ``{1}``, ...)."""
+    if not ok.all():
+        i = int(np.flatnonzero(~ok)[0])
+        row = i if sel is None else int(sel[i])
+        raise DescriptorBoundsError(f"vector {vector!r} {side} descriptor {row}: "
+                                    f"{why.format(*(int(c[i]) for c in cols))}; nothing was sent")
+
+
+def _check_side(vector: str, side: str, desc_addr: np.ndarray, nbytes: np.ndarray, member: np.ndarray | None,
+                bounds: SideBounds) -> None:
+    """Vectorized bounds check of one side of one vector's descriptors (DescriptorBoundsError on the first bad
+    row, naming it). O(N log leased)."""
+    layout, end, leased = bounds.layout, bounds.geom, bounds.leased
+    first, top = end.first_page, end.top_page
+    pb = np.uint64(end.page_bytes)  # == every member's item_bytes (_check_group)
+    arena_lo = layout.arena_base_ptr
+    arena_hi = arena_lo + layout.spec.arena_bytes
+    for m, mem in enumerate(bounds.group.members):
+        if member is None:
+            sel, addr, n = None, desc_addr, nbytes
+        else:
+            sel = np.flatnonzero(member == m)
+            if sel.size == 0:
+                continue
+            addr, n = desc_addr[sel], nbytes[sel]
+        lo = np.uint64(max(mem.region.base_ptr, arena_lo))
+        hi = np.uint64(min(mem.region.end_ptr, arena_hi))
+        # hi - addr wraps where addr > hi, but that row already fails addr <= hi; n - 1 wraps to 2**64 - 1 for
+        # n == 0, which no room exceeds
+        _refuse_first((addr >= lo) & (addr <= hi) & (n - np.uint64(1) < hi - addr), sel, vector, side,
+                      f"bytes [{{0}}, {{0}} + {{1}}) fall outside the registered region and arena [{lo}, {hi})",
+                      addr, n)
+        off = addr - np.uint64(arena_lo)
+        p_lo = (off // pb).astype(np.int64)
+        p_hi = ((off + n - np.uint64(1)) // pb).astype(np.int64)
+        _refuse_first((p_lo >= first) & (p_hi <= top), sel, vector, side,
+                      f"pages [{{0}}, {{1}}] of end {end.name!r} leave the handable range [{first}, {top}] (page 0 "
+                      "and the reserved floor are never transferred)", p_lo, p_hi)
+        covered = np.searchsorted(leased, p_hi, "right") - np.searchsorted(leased, p_lo, "left")
+        _refuse_first(covered == p_hi - p_lo + 1, sel, vector, side,
+                      f"pages [{{0}}, {{1}}] of end {end.name!r} are not all leased by this plan", p_lo, p_hi)
+
+
+def _check_ids(vector: str, side: str, pages: np.ndarray, rows: np.ndarray, end: EndGeometry) -> None:
+    """Refuse a page id, or the page of a row id, past the end's last page *before* any address arithmetic:
+    such an id could wrap a uint64 address back into the arena and slip past :func:`_check_side`."""
+    for what, ids, limit in (("page", pages, end.top_page), ("row", rows, (end.top_page + 1) * end.page_size - 1)):
+        if ids.shape[0] and int(ids.max()) > limit:
+            i = int(np.flatnonzero(ids > limit)[0])
+            raise DescriptorBoundsError(
+                f"vector {vector!r} {side} {what} id {int(ids[i])} (entry {i}) lies outside the pages of end "
+                f"{end.name!r} (last page {end.top_page}); nothing was sent")
+
+
+def _check_group(vector: str, side: str, bounds: SideBounds) -> None:
+    """A group's members must step by the end's page bytes and lie inside a region that side registered."""
+    end = bounds.geom
+    for m, mem in enumerate(bounds.group.members):
+        if mem.item_bytes != end.page_bytes:
+            raise DescriptorBoundsError(f"vector {vector!r} {side}: region member {m} steps {mem.item_bytes} B "
+                                        f"but end {end.name!r} pages are {end.page_bytes} B")
+        if not any(r.contains(mem.region.base_ptr, mem.region.nbytes) for r in bounds.layout.regions):
+            raise DescriptorBoundsError(f"vector {vector!r} {side}: region member {m} "
+                                        f"({mem.region.base_ptr}, {mem.region.nbytes}) is not a registered region "
+                                        f"of that side")
+        if mem.base_addr + (end.top_page + 1) * end.page_bytes > ADDRESS_LIMIT:
+            raise DescriptorBoundsError(f"vector {vector!r} {side}: region member {m} addresses page "
+                                        f"{end.top_page} of end {end.name!r} past 2**64 (offset "
+                                        f"{mem.offset_bytes} B); allowed addresses below 2**64")
+
+
+__all__ = ["SideBounds", "VectorDescriptors", "vector_descriptors"]
