@@ -54,7 +54,8 @@ class Impl:
 def impl(request, monkeypatch):
     name = request.param
     if name == "cpu-chunked":
-        monkeypatch.setattr(cpu_impl, "_chunks", lambda num_items: 5)
+        monkeypatch.setattr(cpu_impl, "_parallel_batch", lambda num_items: True)
+        monkeypatch.setattr(cpu_impl, "_chunks", lambda: 5)
         return Impl(cpu_impl, "cpu")
     if name == "cuda":
         return Impl(cuda_impl, "cuda")
@@ -771,21 +772,3 @@ def test_page_size_beyond_int64_is_refused_with_the_allowed_range(impl):
         impl.m.virtual_to_physical(impl.t([]), impl.t([]), 1 << 70)
     with pytest.raises(UmallocValueError, match=r"item_bytes=18446744073709551616 must lie in \[1, 2\*\*64\)"):
         impl.m.runs_to_descriptors(impl.t([[1, 1, 1]]), [(0, 1 << 64)], [(0, 1 << 64)])
-
-
-def test_parallel_kernels_keep_the_callers_torch_threads(monkeypatch):
-    """Note [Parallel kernels and torch threads]: numba's OpenMP layer used to leave torch on numba's count."""
-    import numba
-
-    monkeypatch.setattr(cpu_impl, "PARALLEL_MIN_ITEMS", 0)
-    before_torch, before_numba = torch.get_num_threads(), numba.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        ids = torch.arange(4096)
-        assert torch.equal(cpu_impl.virtual_to_physical_pages(ids, ids.flip(0)), ids.flip(0))
-        cpu_impl.pages_to_runs(ids, ids)
-        cpu_impl.tokens_to_pages(ids, 4)
-        assert torch.get_num_threads() == 1
-        assert numba.get_num_threads() == before_numba
-    finally:
-        torch.set_num_threads(before_torch)

@@ -19,7 +19,8 @@ Policy:
 * After the moves the watermark retreats past every trailing unpinned hole, also when the budget allowed no
   move (a free retreat).
 * Applying a plan: copy the bytes ``src -> dst`` in ONE batched envelope copy per flush (:func:`copy_moves`:
-  a numba row copy on CPU, run-wise or gather/scatter on CUDA), then rewrite ``p2v``/``v2p`` and the states;
+  a numba row copy on the calling thread on CPU, run-wise or gather/scatter on CUDA; it never changes the
+  caller's threading, Note [Compaction copies and threads]), then rewrite ``p2v``/``v2p`` and the states;
   virtual ids never change, only the physical page behind them. Pages between the old and the new watermark
   become gap.
 * Planning is one O(band) numba pass with no allocation beyond the result (a 64k-page band plans in 0.2-0.8
@@ -63,9 +64,11 @@ from typing import TYPE_CHECKING
 
 import numba
 import numpy as np
+import torch
 
-from umalloc.errors import InvariantError, UmallocValueError
 from umalloc.core.pagestate import PAGE_GAP, PAGE_HOLE, PAGE_LIVE, PAGE_PENDING, TOMBSTONE
+from umalloc.errors import InvariantError, UmallocValueError
+from umalloc.translators.cpu import pages_to_runs
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -327,9 +330,6 @@ def plan_float(state: np.ndarray, pins: np.ndarray, lo: int, hi: int, *, free_ed
 
 
 # ---- execution --------------------------------------------------------------------------------------------
-#: Copies of at least this many bytes use the multi-threaded row copy on CPU (smaller ones are serial: a thread
-#: pool wake-up costs more than it saves on a few MiB, and contends with torch's own pool).
-PARALLEL_COPY_MIN_BYTES = 16 << 20
 #: On CUDA, plans with at most this many runs are copied run by run (one memcpy each), else gather/scatter.
 MAX_RUNWISE_COPIES = 32
 
@@ -337,7 +337,7 @@ MAX_RUNWISE_COPIES = 32
 # Explicit element loops: a slice assignment ``buf[d, :] = buf[s, :]`` within one array makes numba copy through
 # a temporary (it cannot rule out overlap) and runs ~5x slower; rows of disjoint page sets never overlap.
 @numba.njit(cache=True, nogil=True)
-def _copy_rows_serial(buf: np.ndarray, src: np.ndarray, dst: np.ndarray) -> None:  # pragma: no cover - numba
+def _copy_rows(buf: np.ndarray, src: np.ndarray, dst: np.ndarray) -> None:  # pragma: no cover - numba
     width = buf.shape[1]
     for i in range(src.size):
         s = src[i]
@@ -346,42 +346,24 @@ def _copy_rows_serial(buf: np.ndarray, src: np.ndarray, dst: np.ndarray) -> None
             buf[d, j] = buf[s, j]
 
 
-@numba.njit(cache=True, nogil=True, parallel=True)
-def _copy_rows_parallel(buf: np.ndarray, src: np.ndarray, dst: np.ndarray) -> None:  # pragma: no cover
-    width = buf.shape[1]
-    for i in numba.prange(src.size):
-        s = src[i]
-        d = dst[i]
-        for j in range(width):
-            buf[d, j] = buf[s, j]
-
-
-def move_runs(src_pages: np.ndarray, dst_pages: np.ndarray) -> np.ndarray:
-    """Coalesce page moves into runs contiguous on both sides: int64 ``(R, 3)`` rows
-    ``[src_start, dst_start, num_pages]``. O(n) vectorized.
-
-    >>> move_runs(np.array([7, 8, 9, 12]), np.array([1, 2, 4, 5])).tolist()
-    [[7, 1, 2], [9, 4, 1], [12, 5, 1]]
-    """
-    n = src_pages.size
-    if n == 0:
-        return np.zeros((0, 3), dtype=np.int64)
-    brk = np.flatnonzero((np.diff(src_pages) != 1) | (np.diff(dst_pages) != 1)) + 1
-    starts = np.r_[0, brk]
-    lengths = np.diff(np.r_[starts, n])
-    return np.stack([src_pages[starts], dst_pages[starts], lengths], axis=1).astype(np.int64)
-
-
 def copy_moves(arena: Arena, end: str, src_pages: np.ndarray, dst_pages: np.ndarray) -> int:
     """Copy whole envelopes ``src_pages[i] -> dst_pages[i]`` of ``end`` as one batched copy; returns bytes.
 
     The two page sets must be disjoint (a plan's sources are live pages, its destinations holes), so the copy
-    order does not matter. CPU: one numba row-copy pass (multi-threaded from ``PARALLEL_COPY_MIN_BYTES``),
-    reading each byte once. CUDA: run-wise ``copy_`` when the plan has at most ``MAX_RUNWISE_COPIES`` runs,
-    else one ``index_select`` + ``index_copy_``. Complexity: O(n * page_bytes).
-    """
-    import torch
+    order does not matter. CPU: one numba row-copy pass on the calling thread, reading each byte once (Note
+    [Compaction copies and threads]). CUDA: run-wise ``copy_`` when the plan has at most
+    ``MAX_RUNWISE_COPIES`` runs (:func:`umalloc.translators.cpu.pages_to_runs`, the one run-coalescing
+    implementation), else one ``index_select`` + ``index_copy_``. Complexity: O(n * page_bytes).
 
+    Note [Compaction copies and threads]
+        The CPU copy used to switch to a ``parallel=True`` numba loop from 16 MiB. Under numba's OpenMP layer
+        the first parallel launch set the calling thread's OpenMP thread count, which torch shares: the
+        replay's torch thread count went from 1 to 2 after the first big eager compaction, and its token loop
+        then ran 3-5x slower (``umalloc replay --compaction eager`` 4-6x slower than lazy). Measured here (2
+        cores, 64 MiB moved): the serial loop copies 24 GB/s contiguous and 12 GB/s fragmented, the parallel
+        one 12 and 8.5 GB/s. So compaction copies on the calling thread and never touches a thread pool; it
+        leaves ``torch.get_num_threads()`` and ``numba.get_num_threads()`` as they were (tested).
+    """
     n = int(src_pages.size)
     if n == 0:
         return 0
@@ -391,14 +373,10 @@ def copy_moves(arena: Arena, end: str, src_pages: np.ndarray, dst_pages: np.ndar
         buf = env.numpy()
         if pb % 8 == 0 and buf.ctypes.data % 8 == 0:
             buf = buf.view(np.uint64)  # 8-byte words: same bytes, fewer iterations
-        s = np.ascontiguousarray(src_pages, dtype=np.int64)
-        d = np.ascontiguousarray(dst_pages, dtype=np.int64)
-        if n * pb >= PARALLEL_COPY_MIN_BYTES and n > 1:
-            _copy_rows_parallel(buf, s, d)
-        else:
-            _copy_rows_serial(buf, s, d)
+        _copy_rows(buf, np.ascontiguousarray(src_pages, dtype=np.int64),
+                   np.ascontiguousarray(dst_pages, dtype=np.int64))
         return n * pb
-    runs = move_runs(src_pages, dst_pages)
+    runs = pages_to_runs(src_pages, dst_pages)
     if runs.shape[0] <= MAX_RUNWISE_COPIES:
         for s0, d0, m in runs.tolist():
             env[d0:d0 + m].copy_(env[s0:s0 + m])
@@ -527,5 +505,4 @@ class CompactionReport:
         )
 
 
-__all__ = ["CompactionReport", "MovePlan", "apply_plan", "copy_moves", "move_runs", "plan_down",
-           "plan_float", "plan_up"]
+__all__ = ["CompactionReport", "MovePlan", "apply_plan", "copy_moves", "plan_down", "plan_float", "plan_up"]

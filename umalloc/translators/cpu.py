@@ -135,22 +135,29 @@ def _shift_of(page_size: int) -> int:
     return page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1
 
 
-def _chunks(num_items: int) -> int:
-    """How many chunks to split ``num_items`` into: 1 below the threshold, else one per numba thread."""
-    return 1 if num_items < PARALLEL_MIN_ITEMS else max(1, numba.get_num_threads())
+def _parallel_batch(num_items: int) -> bool:
+    """True when a batch of ``num_items`` runs on every numba thread (:data:`PARALLEL_MIN_ITEMS`)."""
+    return num_items >= PARALLEL_MIN_ITEMS
 
 
-def _keeping_torch_threads(kernel, *args):  # noqa: ANN001, ANN202 - a numba dispatcher and its arguments
-    """Run a ``parallel=True`` kernel without changing the caller's threading.
+def _chunks() -> int:
+    """Chunks of a parallel batch: one per numba thread (starts numba's thread pool on first use)."""
+    return max(1, numba.get_num_threads())
+
+
+def _parallel(kernel, *args):  # noqa: ANN001, ANN202 - a numba dispatcher and its arguments
+    """Run a ``parallel=True`` kernel on :func:`_chunks` chunks (the last argument) without changing the
+    caller's threading.
 
     Note [Parallel kernels and torch threads]: numba's OpenMP threading layer sets the calling thread's
-    OpenMP thread count (``omp_set_num_threads``) when it launches a parallel region, and torch reads the same
-    setting: after one parallel kernel ``torch.get_num_threads()`` went from 1 to 2 and every later torch op
-    of the caller ran on two threads. So the count is restored after every parallel launch.
+    OpenMP thread count (``omp_set_num_threads``) when it starts its thread pool (the first parallel launch,
+    or the first ``numba.get_num_threads()``), and torch reads the same setting: after it,
+    ``torch.get_num_threads()`` went from 1 to 2 and every later torch op of the caller ran on two threads.
+    So the count is read before and restored after.
     """
     threads = torch.get_num_threads()
     try:
-        return kernel(*args)
+        return kernel(*args, _chunks())
     finally:
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
@@ -425,11 +432,10 @@ def _translate(ids: object, v2p: object, page_size: object, out: torch.Tensor | 
         id_max = c.ID_MAX[dtype]
         pmax = c.max_entry(ps, id_max)
         shift = _shift_of(ps)
-        nchunks = _chunks(n)
-        if nchunks == 1:
-            outside, tomb, over = _v2p_chunk(flat, tab, shift, ps, pmax, res, 0, n)
+        if _parallel_batch(n):
+            outside, tomb, over = _parallel(_v2p_par, flat, tab, shift, ps, pmax, res)
         else:
-            outside, tomb, over = _keeping_torch_threads(_v2p_par, flat, tab, shift, ps, pmax, res, nchunks)
+            outside, tomb, over = _v2p_chunk(flat, tab, shift, ps, pmax, res, 0, n)
         if outside or (flag and tomb) or over:
             ids_t, tab_t = c.wrap_numpy(flat), c.wrap_numpy(tab)
             if outside:
@@ -496,11 +502,10 @@ def tokens_to_pages(tokens: c.IndexLike, page_size: int) -> torch.Tensor:
     res = _empty(num_pages)
     if num_pages:
         shift = _shift_of(ps)
-        nchunks = _chunks(tok.shape[0])
-        if nchunks == 1:
-            bad = _t2p_chunk(tok, ps, shift, res, 0, num_pages)
+        if _parallel_batch(tok.shape[0]):
+            bad = _parallel(_t2p_par, tok, ps, shift, res)
         else:
-            bad = _keeping_torch_threads(_t2p_par, tok, ps, shift, res, nchunks)
+            bad = _t2p_chunk(tok, ps, shift, res, 0, num_pages)
         if bad:
             c.raise_misaligned(c.wrap_numpy(tok), ps)
     return _wrap(res, (num_pages,), tok_t.numpy().dtype)
@@ -528,11 +533,11 @@ def pages_to_runs(src_pages: c.IndexLike, dst_pages: c.IndexLike) -> torch.Tenso
     if n == 0:
         return torch.from_numpy(np.empty((0, 3), dtype=np.int64))
     runs = np.empty((n, 3), dtype=np.int64)
-    nchunks = _chunks(n)
-    if nchunks == 1:
+    if not _parallel_batch(n):
         num_runs, neg = _runs_chunk(src, dst, runs, 0, n)
     else:
-        counts = _keeping_torch_threads(_runs_par, src, dst, runs, nchunks)
+        counts = _parallel(_runs_par, src, dst, runs)
+        nchunks = counts.shape[0]
         neg = bool(counts[:, 1].any())
         num_runs = int(counts[0, 0])
         for k in range(1, nchunks):  # over chunks (a handful), never over runs
