@@ -167,7 +167,7 @@ def test_region_is_whole_arena():
 
 
 # ---------------------------------------------------------------------------------------------------------
-# presets: bytes per token by hand from shared/data/models.md
+# presets: bytes per token by hand from each model's published config
 # ---------------------------------------------------------------------------------------------------------
 KIB = 1024
 
