@@ -20,7 +20,6 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from umalloc.core.allocator import MultiEndedAllocator
-from umalloc.geometry.arena import Arena
 from umalloc.core.compaction import (
     CompactionReport,
     apply_plan,
@@ -29,8 +28,9 @@ from umalloc.core.compaction import (
     plan_float,
     plan_up,
 )
-from umalloc.errors import InvariantError, UmallocValueError
 from umalloc.core.pagestate import PAGE_GAP, PAGE_HOLE, PAGE_LIVE, PAGE_PENDING, PAGE_RESERVED, TOMBSTONE
+from umalloc.errors import InvariantError, UmallocValueError
+from umalloc.geometry.arena import Arena
 from umalloc.geometry.spec import ArenaSpec, EndSpec, Grow, KVDtype, LayerSpec
 from umalloc.translators.cpu import pages_to_runs
 

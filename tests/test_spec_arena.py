@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from umalloc.geometry.arena import Arena
 from umalloc.errors import InvalidIdError, SpecError, UmallocValueError
+from umalloc.geometry.arena import Arena
 from umalloc.geometry.presets import DEFAULT_PRESET, PRESETS, preset_arena_spec, preset_ends
 from umalloc.geometry.region import Region, normalize_regions
 from umalloc.geometry.spec import (

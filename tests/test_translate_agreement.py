@@ -68,9 +68,9 @@ def brute_force(vtokens: list[int], v2p: list[int], ps: int) -> list[int]:
     return [(max(v2p[t // ps], 0)) * ps + t % ps for t in vtokens]
 
 
-def outcome(fn):
+def outcome(fn, *args, **kwargs):
     try:
-        return "ok", fn().cpu().tolist()
+        return "ok", fn(*args, **kwargs).cpu().tolist()
     except TombstoneError:
         return "tombstone", None
     except InvalidIdError:
@@ -98,14 +98,13 @@ def test_translators_agree_with_the_allocator(impl, device, page_size):
                     vp = vt // page_size if rng.random() < 0.5 else vt
                     for ids, pages in ((vt, False), (vp, True)):
                         ids_t = torch.from_numpy(ids.astype(np.int64))
+                        ids_d = ids_t.to(device)
                         if pages:
-                            want = outcome(lambda ids_t=ids_t: alloc.translate_pages(ids_t, end, strict=strict))
-                            got = outcome(lambda ids_t=ids_t: impl.virtual_to_physical_pages(
-                                ids_t.to(device), v2p_dev, strict=strict))
+                            want = outcome(alloc.translate_pages, ids_t, end, strict=strict)
+                            got = outcome(impl.virtual_to_physical_pages, ids_d, v2p_dev, strict=strict)
                         else:
-                            want = outcome(lambda ids_t=ids_t: alloc.translate(ids_t, end, strict=strict))
-                            got = outcome(lambda ids_t=ids_t: impl.virtual_to_physical(
-                                ids_t.to(device), v2p_dev, page_size, strict=strict))
+                            want = outcome(alloc.translate, ids_t, end, strict=strict)
+                            got = outcome(impl.virtual_to_physical, ids_d, v2p_dev, page_size, strict=strict)
                         limit = nv if pages else nv * page_size
                         if ((ids < 0) | (ids >= limit)).any():
                             # documented translator order: range errors first, over the whole batch; the
@@ -117,12 +116,12 @@ def test_translators_agree_with_the_allocator(impl, device, page_size):
                             assert want[1] == brute_force(ids.tolist(), v2p_host.tolist(), 1 if pages else page_size)
                         if impl is cpu_impl:  # the host fast path: numpy master table, out= tensor
                             out = torch.full((ids.size,), -7, dtype=torch.int64)
+                            table = alloc.v2p(end).numpy()
                             if pages:
-                                fast = outcome(lambda ids_t=ids_t, out=out: impl.virtual_to_physical_pages(
-                                    ids_t, alloc.v2p(end).numpy(), out=out, strict=strict))
+                                fast = outcome(impl.virtual_to_physical_pages, ids_t, table, out=out, strict=strict)
                             else:
-                                fast = outcome(lambda ids_t=ids_t, out=out: impl.virtual_to_physical(
-                                    ids_t, alloc.v2p(end).numpy(), page_size, out=out, strict=strict))
+                                fast = outcome(impl.virtual_to_physical, ids_t, table, page_size, out=out,
+                                               strict=strict)
                             assert fast == want
                             if want[0] != "ok":
                                 assert out.tolist() == [-7] * ids.size  # a refused call writes nothing

@@ -27,7 +27,6 @@ from umalloc.errors import InvalidIdError, UmallocValueError
 from umalloc.geometry.region import DRAM, VRAM, Region, RegionMember
 from umalloc.geometry.spec import ArenaSpec, EndSpec, LayerKind
 
-
 #: Device types an arena may live on.
 ARENA_DEVICE_TYPES = ("cpu", "cuda")
 
