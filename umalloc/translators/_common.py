@@ -191,7 +191,7 @@ def raise_out_of_range(ids: torch.Tensor, limit: int, name: str, unit: str) -> N
     flat = ids.reshape(-1)
     i = first_true((flat < 0) | (flat >= limit))
     raise InvalidIdError(
-        f"{name}[{i}] = {int(flat[i])} is out of range: virtual {unit} ids must lie in [0, {limit})"
+        f"{name}[{i}] = {int(flat[i])} is out of range: allowed virtual {unit} ids [0, {limit})"
     )
 
 
@@ -233,7 +233,7 @@ def raise_negative(ids: torch.Tensor, name: str) -> None:
     """Raise :class:`InvalidIdError` naming the first negative id of ``ids``."""
     flat = ids.reshape(-1)
     i = first_true(flat < 0)
-    raise InvalidIdError(f"{name}[{i}] = {int(flat[i])} is negative: ids must be >= 0")
+    raise InvalidIdError(f"{name}[{i}] = {int(flat[i])} is negative: allowed ids >= 0")
 
 
 def raise_misaligned(tokens: torch.Tensor, page_size: int) -> None:

@@ -19,9 +19,10 @@
   parallel. Override with the environment variable ``UMALLOC_CPU_PARALLEL_MIN_ITEMS`` (0: always
   parallel) or by assigning :data:`PARALLEL_MIN_ITEMS`. A parallel launch never changes the caller's torch
   thread count (Note [Parallel kernels and torch threads]).
-* Translation is one fused pass into scratch that counts range, tombstone and overflow errors; only an
-  error-free result reaches ``out`` (one copy), so ``out`` survives every error unchanged (also when it
-  aliases the input), and no kernel ever reads outside the v2p table.
+* Translation is a validation pass (range; tombstones when strict) and a translating pass into scratch that
+  also detects entries too large for the ids' dtype; only an error-free result reaches ``out`` (one copy), so
+  ``out`` survives every error unchanged (also when it aliases the input), and no kernel ever reads outside
+  the v2p table.
 * Page sizes that are powers of two use shifts and masks; others divide.
 * Kernels compile lazily on first use and are cached on disk (``cache=True``), so a process pays the JIT once
   per kernel and signature; all inputs are normalised to C-contiguous int64 so there is one signature each
@@ -178,58 +179,91 @@ def _bounds(n, nchunks, k):
 
 
 @njit(cache=True, nogil=True)
-def _v2p_chunk(ids, tab, shift, ps, pmax, out, lo, hi):
-    """Translate ids [lo, hi) into ``out`` in one pass and count the errors met on the way.
-
-    Returns ``(#ids outside [0, len(tab) * ps), #ids whose page is tombstoned, #ids whose entry exceeds
-    pmax)``; the caller discards ``out`` unless the counts it cares about are 0. An id outside the table reads
-    entry 0 instead (never out of bounds; the table has at least one entry).
-    """
+def _check_chunk(ids, tab, shift, ps, strict, lo, hi):
+    """(#ids outside [0, len(tab) * ps), #in-range ids whose page is tombstoned when strict)."""
     v = ids[lo:hi]
-    o = out[lo:hi]
     limit = np.uint64(tab.shape[0]) * np.uint64(ps)
     zero = np.uint64(0)
     outside = 0
     tomb = 0
-    over = 0
-    if shift >= 0:
-        us = np.uint64(shift)
-        mask = ps - 1
+    if not strict:
         for k in range(v.shape[0]):
-            t = v[k]
-            u = np.uint64(t)
+            outside += np.uint64(v[k]) >= limit
+    elif shift >= 0:
+        us = np.uint64(shift)
+        for k in range(v.shape[0]):
+            u = np.uint64(v[k])
             inside = u < limit
-            p = tab[(u if inside else zero) >> us]
             outside += not inside
-            tomb += p < 0
-            over += p > pmax
-            o[k] = (max(p, 0) << shift) | (t & mask)
+            tomb += inside & (tab[(u if inside else zero) >> us] < 0)
     else:
         ups = np.uint64(ps)
         for k in range(v.shape[0]):
-            t = v[k]
-            u = np.uint64(t)
+            u = np.uint64(v[k])
             inside = u < limit
-            q = (u if inside else zero) // ups
-            p = tab[q]
             outside += not inside
-            tomb += p < 0
-            over += p > pmax
-            o[k] = max(p, 0) * ps + (t - np.int64(q) * ps)
+            tomb += inside & (tab[(u if inside else zero) // ups] < 0)
+    return outside, tomb
+
+
+@njit(cache=True, nogil=True)
+def _v2p_chunk(ids, tab, shift, ps, pmax, out, lo, hi):
+    """Translate [lo, hi) into ``out``; every id must already be in range (see :func:`_check_chunk`).
+
+    Returns the number of entries above ``pmax`` (their ids would not fit; the caller discards ``out``). With a
+    power-of-two page size ``pmax`` is ``2**b - 1``, so the test is one OR over the entries, checked once.
+    """
+    v = ids[lo:hi]
+    o = out[lo:hi]
+    if shift >= 0:
+        us = np.uint64(shift)
+        mask = ps - 1
+        acc = 0
+        for k in range(v.shape[0]):
+            t = v[k]
+            p = max(tab[np.uint64(t) >> us], 0)
+            acc |= p
+            o[k] = (p << shift) | (t & mask)
+        return 1 if acc > pmax else 0
+    ups = np.uint64(ps)
+    over = 0
+    for k in range(v.shape[0]):
+        t = v[k]
+        q = np.uint64(t) // ups
+        p = tab[q]
+        over += p > pmax
+        o[k] = max(p, 0) * ps + (t - np.int64(q) * ps)
+    return over
+
+
+@njit(cache=True, nogil=True)
+def _v2p_serial(ids, tab, shift, ps, strict, pmax, out):
+    """Validate every id, then (only if all are valid) translate into ``out``. Returns the three error counts
+    (outside, tombstoned when strict, entry overflow)."""
+    n = ids.shape[0]
+    outside, tomb = _check_chunk(ids, tab, shift, ps, strict, 0, n)
+    over = 0
+    if outside == 0 and tomb == 0:
+        over = _v2p_chunk(ids, tab, shift, ps, pmax, out, 0, n)
     return outside, tomb, over
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _v2p_par(ids, tab, shift, ps, pmax, out, nchunks):
+def _v2p_par(ids, tab, shift, ps, strict, pmax, out, nchunks):
     n = ids.shape[0]
     res = np.zeros((nchunks, 3), dtype=np.int64)
     for k in prange(nchunks):
         lo, hi = _bounds(n, nchunks, k)
-        a, b, d = _v2p_chunk(ids, tab, shift, ps, pmax, out, lo, hi)
+        a, b = _check_chunk(ids, tab, shift, ps, strict, lo, hi)
         res[k, 0] = a
         res[k, 1] = b
-        res[k, 2] = d
-    return res[:, 0].sum(), res[:, 1].sum(), res[:, 2].sum()
+    outside = res[:, 0].sum()
+    tomb = res[:, 1].sum()
+    if outside == 0 and tomb == 0:
+        for k in prange(nchunks):
+            lo, hi = _bounds(n, nchunks, k)
+            res[k, 2] = _v2p_chunk(ids, tab, shift, ps, pmax, out, lo, hi)
+    return outside, tomb, res[:, 2].sum()
 
 
 @njit(cache=True, nogil=True)
@@ -411,8 +445,8 @@ def _dcp_fill(pos, d, r, shift, indices, rows):
 
 def _translate(ids: object, v2p: object, page_size: object, out: torch.Tensor | None, strict: object, name: str,
                unit: str) -> torch.Tensor:
-    """The one host translation: validate everything, translate into scratch in one fused pass, then (only if
-    no error was counted) deliver to ``out`` or a fresh tensor. ``out`` is never written on an error."""
+    """The one host translation: validate everything, translate into scratch (detecting entry overflow), then
+    (only if no error was counted) deliver to ``out`` or a fresh tensor. ``out`` is never written on an error."""
     flag = c.strict_flag(strict)
     ids_np = _host(ids, name)
     tab = _host(v2p, "v2p", ndim=1, int64_only=True)
@@ -433,14 +467,14 @@ def _translate(ids: object, v2p: object, page_size: object, out: torch.Tensor | 
         pmax = c.max_entry(ps, id_max)
         shift = _shift_of(ps)
         if _parallel_batch(n):
-            outside, tomb, over = _parallel(_v2p_par, flat, tab, shift, ps, pmax, res)
+            outside, tomb, over = _parallel(_v2p_par, flat, tab, shift, ps, flag, pmax, res)
         else:
-            outside, tomb, over = _v2p_chunk(flat, tab, shift, ps, pmax, res, 0, n)
-        if outside or (flag and tomb) or over:
+            outside, tomb, over = _v2p_serial(flat, tab, shift, ps, flag, pmax, res)
+        if outside or tomb or over:
             ids_t, tab_t = c.wrap_numpy(flat), c.wrap_numpy(tab)
             if outside:
                 c.raise_out_of_range(ids_t, num_vpages * ps, name, unit)
-            if flag and tomb:
+            if tomb:
                 c.raise_tombstone(ids_t, tab_t, ps, name)
             c.raise_entry_overflow(ids_t.to(_TORCH_DTYPE[dtype]), tab_t, ps, name, id_max)
     if out is None:
@@ -463,8 +497,8 @@ def virtual_to_physical(
     """Numba version of :func:`umalloc.translators.reference.virtual_to_physical` (CPU tensors and numpy
     arrays only; the fastest call for host tables, e.g. an allocator's numpy v2p master).
 
-    One fused O(n) pass over ``vtokens`` (translate into scratch while counting range, tombstone and overflow
-    errors; parallel from :data:`PARALLEL_MIN_ITEMS` tokens), then one copy into ``out`` when given. Raises
+    Two O(n) passes over ``vtokens`` (validate; translate into scratch, detecting entry overflow), parallel
+    from :data:`PARALLEL_MIN_ITEMS` tokens, then one copy into ``out`` when given. Raises
     exactly what the reference raises, plus :class:`UmallocValueError` for a non-CPU tensor; ``out`` is
     untouched on every error.
 
