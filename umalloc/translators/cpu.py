@@ -104,15 +104,28 @@ _CPU = torch.device("cpu")
 def _host(x: object, name: str, *, ndim: int | None = None, int64_only: bool = False) -> np.ndarray:
     """``x`` (a CPU tensor or numpy array of int64/int32 ids) as a numpy array over the same memory.
 
-    The common case (a numpy array or CPU tensor of the right dtype) costs a few attribute checks; anything
-    else goes through :func:`umalloc.translators._common.as_index_tensor` for the same typed errors as every
-    implementation, plus :class:`UmallocValueError` for a tensor that is not on the CPU.
+    The common cases (a numpy array or dense CPU tensor of the right dtype) cost a few attribute checks;
+    anything else goes through :func:`umalloc.translators._common.as_index_tensor` for the same typed errors
+    as every implementation, plus :class:`UmallocValueError` for a tensor that is not on the CPU.
     """
-    if type(x) is np.ndarray and (x.dtype == np.int64 or (x.dtype == np.int32 and not int64_only)):
-        if ndim is None or x.ndim == ndim:
+    kind = type(x)
+    if kind is np.ndarray:
+        if (x.dtype == np.int64 or (x.dtype == np.int32 and not int64_only)) and (ndim is None or x.ndim == ndim):
             return x
+    elif kind is torch.Tensor and x.is_cpu and x.layout is torch.strided:
+        dt = x.dtype
+        if (dt is torch.int64 or (dt is torch.int32 and not int64_only)) and (ndim is None or x.dim() == ndim):
+            return x.numpy()
     t = c.as_index_tensor(x, name, ndim=ndim, int64_only=int64_only)
     return _cpu(t, name).numpy()
+
+
+def _check_out(out: object, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """:func:`umalloc.translators._common.check_out` for CPU results, with a fast accept."""
+    if (type(out) is torch.Tensor and out.dtype is dtype and out.is_cpu and out.layout is torch.strided
+            and out.shape == shape):
+        return
+    c.check_out(out, shape, dtype, _CPU)
 
 
 def _flat(a: np.ndarray) -> np.ndarray:
@@ -453,16 +466,17 @@ def _translate(ids: object, v2p: object, page_size: object, out: torch.Tensor | 
     ps = c.positive_int(page_size, "page_size")
     dtype = ids_np.dtype
     if out is not None:
-        c.check_out(out, ids_np.shape, _TORCH_DTYPE[dtype], _CPU)
+        _check_out(out, ids_np.shape, _TORCH_DTYPE[dtype])
     num_vpages = tab.shape[0]
     c.check_id_space(num_vpages, ps)
-    flat = _flat(ids_np)
+    flat = ids_np.reshape(-1) if dtype == np.int64 and ids_np.flags.c_contiguous else _flat(ids_np)
     n = flat.shape[0]
     res = _empty(n)
     if n:
         if num_vpages == 0:
             c.raise_out_of_range(c.wrap_numpy(flat), 0, name, unit)
-        tab = np.ascontiguousarray(tab)
+        if not tab.flags.c_contiguous:
+            tab = np.ascontiguousarray(tab)
         id_max = c.ID_MAX[dtype]
         pmax = c.max_entry(ps, id_max)
         shift = _shift_of(ps)
