@@ -119,7 +119,7 @@ class Arena:
     def _check_page(self, end: str, ppage: int) -> None:
         top = self.top_page(end)
         if isinstance(ppage, bool) or not isinstance(ppage, int) or not 0 <= ppage <= top:
-            raise InvalidIdError(f"physical page {ppage!r} of end {end!r}: allowed [0, {top}]")
+            raise InvalidIdError(f"physical page {ppage!r} of end {end!r}: allowed a Python int in [0, {top}]")
 
     def page_offset_bytes(self, end: str, ppage: int) -> int:
         """Byte offset of physical page ``ppage`` of ``end`` from the arena's start. O(1).
