@@ -191,7 +191,7 @@ def raise_out_of_range(ids: torch.Tensor, limit: int, name: str, unit: str) -> N
     flat = ids.reshape(-1)
     i = first_true((flat < 0) | (flat >= limit))
     raise InvalidIdError(
-        f"{name}[{i}] = {int(flat[i])} is out of range: allowed virtual {unit} ids [0, {limit})"
+        f"{name}[{i}] = {int(flat[i])} is out of range for virtual {unit} ids: allowed [0, {limit})"
     )
 
 
