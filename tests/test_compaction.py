@@ -334,8 +334,13 @@ def test_order_preserving_pairing_keeps_a_contiguous_block_contiguous() -> None:
     assert pages_to_runs(plan.src_pages, plan.dst_pages).tolist() == [[4, 1, 3]]
 
 
-@pytest.mark.parametrize("num_pages, page_floats", [(6, 4), (300, 64), (2100, 4096)])
-def test_copy_moves_matches_a_cloned_reference(num_pages: int, page_floats: int) -> None:
+@pytest.mark.parametrize("parallel", [False, True])
+@pytest.mark.parametrize("num_pages, page_floats", [(6, 4), (300, 64)])
+def test_copy_moves_matches_a_cloned_reference(num_pages: int, page_floats: int, parallel: bool,
+                                               monkeypatch) -> None:
+    import umalloc.core.compaction as compaction
+
+    monkeypatch.setattr(compaction, "PARALLEL_COPY_MIN_BYTES", 0 if parallel else 1 << 62)
     end = EndSpec("full", (LayerSpec.mha(1, page_floats // 2, dtype=KVDtype.FP32),), page_size=1)
     arena = Arena(ArenaSpec((end,), arena_bytes=end.page_bytes * (2 * num_pages + 1)))
     arena.data.copy_(torch.randint(0, 256, arena.data.shape, dtype=torch.uint8))
@@ -352,8 +357,9 @@ def test_copy_moves_matches_a_cloned_reference(num_pages: int, page_floats: int)
 
 
 _THREADS_SCRIPT = r"""
+import sys
 import numba, numpy as np, torch
-torch.set_num_threads(1)  # what umalloc replay does around its token loop
+torch.set_num_threads(int(sys.argv[1]))  # 1: what umalloc replay does around its token loop
 from umalloc.core.compaction import apply_plan, plan_up
 from umalloc.core.pagestate import PAGE_HOLE, PAGE_LIVE, PAGE_RESERVED, TOMBSTONE
 from umalloc.geometry.arena import Arena
@@ -376,19 +382,20 @@ print(moved, torch_after_compaction, torch_after, numba.get_num_threads() == num
 """
 
 
-def test_compaction_and_translators_keep_the_callers_threading() -> None:
-    """Note [Compaction copies and threads]: a 32 MiB compaction (and parallel translator kernels) leave
-    torch's and numba's thread counts as the caller set them. A fresh interpreter: numba's thread pool starts
-    (and used to reset torch's count) only on its first parallel launch in a process."""
+@pytest.mark.parametrize("torch_threads", [1, 2])
+def test_compaction_and_translators_keep_the_callers_threading(torch_threads: int) -> None:
+    """Note [Compaction copies and threads]: a 32 MiB compaction (serial with 1 torch thread, parallel with 2)
+    and parallel translator kernels leave torch's and numba's thread counts as the caller set them. A fresh
+    interpreter: numba's thread pool starts (and used to reset torch's count) on its first use in a process."""
     import os
     import subprocess
     import sys
 
     env = dict(os.environ, NUMBA_NUM_THREADS="2")
-    res = subprocess.run([sys.executable, "-c", _THREADS_SCRIPT], capture_output=True, text=True, env=env,
-                         timeout=300, check=False)
+    res = subprocess.run([sys.executable, "-c", _THREADS_SCRIPT, str(torch_threads)], capture_output=True,
+                         text=True, env=env, timeout=300, check=False)
     assert res.returncode == 0, res.stderr
-    assert res.stdout.split() == [str(1024 * 32 * 1024), "1", "1", "True"]
+    assert res.stdout.split() == [str(1024 * 32 * 1024), str(torch_threads), str(torch_threads), "True"]
 
 
 # =============================================================================================================

@@ -332,12 +332,15 @@ def plan_float(state: np.ndarray, pins: np.ndarray, lo: int, hi: int, *, free_ed
 # ---- execution --------------------------------------------------------------------------------------------
 #: On CUDA, plans with at most this many runs are copied run by run (one memcpy each), else gather/scatter.
 MAX_RUNWISE_COPIES = 32
+#: CPU copies of at least this many bytes may use several threads, if the caller's torch thread count allows
+#: (Note [Compaction copies and threads]); smaller ones always run on the calling thread.
+PARALLEL_COPY_MIN_BYTES = 16 << 20
 
 
 # Explicit element loops: a slice assignment ``buf[d, :] = buf[s, :]`` within one array makes numba copy through
 # a temporary (it cannot rule out overlap) and runs ~5x slower; rows of disjoint page sets never overlap.
 @numba.njit(cache=True, nogil=True)
-def _copy_rows(buf: np.ndarray, src: np.ndarray, dst: np.ndarray) -> None:  # pragma: no cover - numba
+def _copy_rows_serial(buf: np.ndarray, src: np.ndarray, dst: np.ndarray) -> None:  # pragma: no cover - numba
     width = buf.shape[1]
     for i in range(src.size):
         s = src[i]
@@ -346,23 +349,52 @@ def _copy_rows(buf: np.ndarray, src: np.ndarray, dst: np.ndarray) -> None:  # pr
             buf[d, j] = buf[s, j]
 
 
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _copy_rows_parallel(buf: np.ndarray, src: np.ndarray, dst: np.ndarray) -> None:  # pragma: no cover
+    width = buf.shape[1]
+    for i in numba.prange(src.size):
+        s = src[i]
+        d = dst[i]
+        for j in range(width):
+            buf[d, j] = buf[s, j]
+
+
+def _copy_rows(buf: np.ndarray, src: np.ndarray, dst: np.ndarray) -> None:
+    """Row copy on at most the caller's torch thread count, leaving torch's and numba's counts as they were."""
+    threads = torch.get_num_threads()
+    if threads < 2 or src.size < 2 or src.size * buf.strides[0] < PARALLEL_COPY_MIN_BYTES:
+        _copy_rows_serial(buf, src, dst)
+        return
+    numba_threads = numba.get_num_threads()  # starts numba's pool (which may reset torch's count: restored below)
+    try:
+        numba.set_num_threads(min(threads, numba_threads))
+        _copy_rows_parallel(buf, src, dst)
+    finally:
+        numba.set_num_threads(numba_threads)
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+
+
 def copy_moves(arena: Arena, end: str, src_pages: np.ndarray, dst_pages: np.ndarray) -> int:
     """Copy whole envelopes ``src_pages[i] -> dst_pages[i]`` of ``end`` as one batched copy; returns bytes.
 
     The two page sets must be disjoint (a plan's sources are live pages, its destinations holes), so the copy
-    order does not matter. CPU: one numba row-copy pass on the calling thread, reading each byte once (Note
-    [Compaction copies and threads]). CUDA: run-wise ``copy_`` when the plan has at most
+    order does not matter. CPU: one numba row-copy pass reading each byte once, on the calling thread, or from
+    ``PARALLEL_COPY_MIN_BYTES`` on at most ``torch.get_num_threads()`` threads (Note [Compaction copies and
+    threads]). CUDA: run-wise ``copy_`` when the plan has at most
     ``MAX_RUNWISE_COPIES`` runs (:func:`umalloc.translators.cpu.pages_to_runs`, the one run-coalescing
     implementation), else one ``index_select`` + ``index_copy_``. Complexity: O(n * page_bytes).
 
     Note [Compaction copies and threads]
-        The CPU copy used to switch to a ``parallel=True`` numba loop from 16 MiB. Under numba's OpenMP layer
-        the first parallel launch set the calling thread's OpenMP thread count, which torch shares: the
-        replay's torch thread count went from 1 to 2 after the first big eager compaction, and its token loop
-        then ran 3-5x slower (``umalloc replay --compaction eager`` 4-6x slower than lazy). Measured here (2
-        cores, 64 MiB moved): the serial loop copies 24 GB/s contiguous and 12 GB/s fragmented, the parallel
-        one 12 and 8.5 GB/s. So compaction copies on the calling thread and never touches a thread pool; it
-        leaves ``torch.get_num_threads()`` and ``numba.get_num_threads()`` as they were (tested).
+        The CPU copy used to switch to a ``parallel=True`` numba loop from 16 MiB whatever the caller wanted.
+        Under numba's OpenMP layer starting the thread pool sets the calling thread's OpenMP thread count,
+        which torch shares: the replay's torch thread count went from 1 to 2 after the first big eager
+        compaction, and its token loop then ran 3-5x slower (``umalloc replay --compaction eager`` 6x slower
+        than lazy on 30 requests). Now the caller's torch thread count is the copy's budget: with 1 thread
+        (the replay) the copy stays on the calling thread and no pool starts; with more, large copies run on
+        ``min(torch, numba)`` threads, and both counts are restored afterwards (tested). Measured on 2 cores:
+        a 256 MiB flush took 16-17 ms on two threads vs 27 ms on one when the cores were free, while under
+        load one thread was as fast or faster (64 MiB: 24 vs 12 GB/s contiguous).
     """
     n = int(src_pages.size)
     if n == 0:
