@@ -28,9 +28,9 @@ import time
 import numpy as np
 import torch
 
-from umalloc.geometry.arena import Arena
 from umalloc.core.compaction import apply_plan, copy_moves, plan_up
 from umalloc.core.pagestate import PAGE_GAP, PAGE_HOLE, PAGE_LIVE, PAGE_RESERVED, TOMBSTONE
+from umalloc.geometry.arena import Arena
 from umalloc.geometry.spec import ArenaSpec, EndSpec, LayerSpec
 
 

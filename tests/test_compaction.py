@@ -20,19 +20,19 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from umalloc.core.allocator import MultiEndedAllocator
-from umalloc.geometry.arena import Arena
 from umalloc.core.compaction import (
     CompactionReport,
     apply_plan,
     copy_moves,
-    move_runs,
     plan_down,
     plan_float,
     plan_up,
 )
-from umalloc.errors import InvariantError, UmallocValueError
 from umalloc.core.pagestate import PAGE_GAP, PAGE_HOLE, PAGE_LIVE, PAGE_PENDING, PAGE_RESERVED, TOMBSTONE
+from umalloc.errors import InvariantError, UmallocValueError
+from umalloc.geometry.arena import Arena
 from umalloc.geometry.spec import ArenaSpec, EndSpec, Grow, KVDtype, LayerSpec
+from umalloc.translators.cpu import pages_to_runs
 
 R, G, H, L, P = PAGE_RESERVED, PAGE_GAP, PAGE_HOLE, PAGE_LIVE, PAGE_PENDING
 
@@ -331,7 +331,7 @@ def test_order_preserving_pairing_keeps_a_contiguous_block_contiguous() -> None:
     state = arr(R, H, H, H, L, L, L, G, G)
     plan = plan_up(state, no_pins(9), 1, 7)
     assert plan.src_pages.tolist() == [4, 5, 6] and plan.dst_pages.tolist() == [1, 2, 3]
-    assert move_runs(plan.src_pages, plan.dst_pages).tolist() == [[4, 1, 3]]
+    assert pages_to_runs(plan.src_pages, plan.dst_pages).tolist() == [[4, 1, 3]]
 
 
 @pytest.mark.parametrize("parallel", [False, True])
@@ -354,6 +354,48 @@ def test_copy_moves_matches_a_cloned_reference(num_pages: int, page_floats: int,
     for s, d in zip(src.tolist(), dst.tolist(), strict=True):
         expect[d] = before[s]
     assert torch.equal(arena.envelopes("full"), expect)
+
+
+_THREADS_SCRIPT = r"""
+import sys
+import numba, numpy as np, torch
+torch.set_num_threads(int(sys.argv[1]))  # 1: what umalloc replay does around its token loop
+from umalloc.core.compaction import apply_plan, plan_up
+from umalloc.core.pagestate import PAGE_HOLE, PAGE_LIVE, PAGE_RESERVED, TOMBSTONE
+from umalloc.geometry.arena import Arena
+from umalloc.geometry.spec import ArenaSpec, EndSpec, KVDtype, LayerSpec
+from umalloc.translators import cpu
+end = EndSpec("full", (LayerSpec.mha(1, 4096, dtype=KVDtype.FP32),), page_size=1)   # 32 KiB pages
+n = 1024                                                                        # 32 MiB moved
+arena = Arena(ArenaSpec((end,), arena_bytes=end.page_bytes * (2 * n + 1)))
+state = np.full(2 * n + 1, PAGE_LIVE, np.int8); state[0] = PAGE_RESERVED; state[1:n + 1] = PAGE_HOLE
+p2v = np.full(2 * n + 1, TOMBSTONE, np.int64); p2v[n + 1:] = np.arange(n)
+v2p = np.arange(n + 1, 2 * n + 1, dtype=np.int64)
+plan = plan_up(state, np.zeros(2 * n + 1, np.int32), 1, 2 * n + 1)
+moved = apply_plan(arena, "full", plan, state=state, p2v=p2v, v2p=v2p)
+torch_after_compaction = torch.get_num_threads()
+cpu.PARALLEL_MIN_ITEMS = 0                                                      # every translator kernel parallel
+ids = torch.arange(1 << 16)
+cpu.virtual_to_physical_pages(ids, ids.flip(0)); cpu.pages_to_runs(ids, ids); cpu.tokens_to_pages(ids, 4)
+torch_after = torch.get_num_threads()  # before numba.get_num_threads(), which starts numba's pool itself
+print(moved, torch_after_compaction, torch_after, numba.get_num_threads() == numba.config.NUMBA_NUM_THREADS)
+"""
+
+
+@pytest.mark.parametrize("torch_threads", [1, 2])
+def test_compaction_and_translators_keep_the_callers_threading(torch_threads: int) -> None:
+    """Note [Compaction copies and threads]: a 32 MiB compaction (serial with 1 torch thread, parallel with 2)
+    and parallel translator kernels leave torch's and numba's thread counts as the caller set them. A fresh
+    interpreter: numba's thread pool starts (and used to reset torch's count) on its first use in a process."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, NUMBA_NUM_THREADS="2")
+    res = subprocess.run([sys.executable, "-c", _THREADS_SCRIPT, str(torch_threads)], capture_output=True,
+                         text=True, env=env, timeout=300, check=False)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == [str(1024 * 32 * 1024), str(torch_threads), str(torch_threads), "True"]
 
 
 # =============================================================================================================

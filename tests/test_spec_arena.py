@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from umalloc.geometry.arena import Arena
 from umalloc.errors import InvalidIdError, SpecError, UmallocValueError
+from umalloc.geometry.arena import Arena
 from umalloc.geometry.presets import DEFAULT_PRESET, PRESETS, preset_arena_spec, preset_ends
 from umalloc.geometry.region import Region, normalize_regions
 from umalloc.geometry.spec import (
@@ -116,6 +116,48 @@ def test_copy_pages_moves_whole_envelopes_overlapping():
         arena.copy_pages("full", torch.tensor([1, 2]), torch.tensor([1]))
 
 
+@pytest.mark.parametrize("device", ["meta", torch.device("meta"), "mps", "xla", "bogus:0", 3, None])
+def test_arena_refuses_devices_other_than_cpu_and_cuda(device):
+    with pytest.raises(UmallocValueError, match="allowed 'cpu', 'cuda' or 'cuda:N'"):
+        Arena(two_end_spec(), device=device)
+
+
+def test_copy_pages_validates_before_moving_any_byte():
+    """Floats, the sink, out-of-range ids, repeated destinations, meta/sparse ids, an unknown end: typed errors
+    naming the allowed range [first_page, top_page] = [1, 7] of 'full', and not one byte moved."""
+    import numpy as np
+
+    arena = Arena(two_end_spec())
+    env = arena.envelopes("full")
+    for p in range(8):
+        env[p].fill_(p)
+    before = arena.data.clone()
+    cases = [
+        (torch.tensor([2.0]), torch.tensor([1]), InvalidIdError, "dtype"),
+        (torch.tensor([2]), torch.tensor([1.5]), InvalidIdError, "dtype"),
+        (np.array([2.0]), np.array([1]), InvalidIdError, "dtype"),
+        (torch.tensor([True]), torch.tensor([1]), InvalidIdError, "dtype"),
+        (torch.tensor([0]), torch.tensor([1]), InvalidIdError, r"dst_pages\[0\] = 0 .* allowed \[1, 7\]"),
+        (torch.tensor([2]), torch.tensor([0]), InvalidIdError, r"src_pages\[0\] = 0 .* allowed \[1, 7\]"),
+        (torch.tensor([2, 8]), torch.tensor([1, 3]), InvalidIdError, r"dst_pages\[1\] = 8 .* allowed \[1, 7\]"),
+        (torch.tensor([2, 3]), torch.tensor([-1, 3]), InvalidIdError, r"allowed \[1, 7\]"),
+        (torch.tensor([4, 2, 4]), torch.tensor([1, 3, 5]), InvalidIdError, "page 4 .* more than once"),
+        (torch.zeros(1, dtype=torch.int64, device="meta"), torch.tensor([1]), InvalidIdError, "dense"),
+        (torch.tensor([2]).to_sparse(), torch.tensor([1]), InvalidIdError, "dense"),
+        ([2], torch.tensor([1]), InvalidIdError, "tensor or numpy"),
+        (torch.tensor([[2]]), torch.tensor([[1]]), UmallocValueError, "1-D"),
+    ]
+    for dst, src, err, match in cases:
+        with pytest.raises(err, match=match):
+            arena.copy_pages("full", dst, src)
+        assert torch.equal(arena.data, before)
+    with pytest.raises(SpecError):
+        arena.copy_pages("nope", torch.tensor([2]), torch.tensor([1]))
+    # the bounds named are allowed: page 1 and page 7 both move; int32 and numpy ids work like int64
+    arena.copy_pages("full", torch.tensor([1, 7], dtype=torch.int32), np.array([7, 1]))
+    assert [int(env[p, 0]) for p in range(8)] == [0, 7, 2, 3, 4, 5, 6, 1]
+
+
 def test_region_is_whole_arena():
     arena = Arena(two_end_spec())
     r = arena.region()
@@ -125,7 +167,7 @@ def test_region_is_whole_arena():
 
 
 # ---------------------------------------------------------------------------------------------------------
-# presets: bytes per token by hand from shared/data/models.md
+# presets: bytes per token by hand from each model's published config
 # ---------------------------------------------------------------------------------------------------------
 KIB = 1024
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 import os
 import random
+import re
 
 import numpy as np
 import pytest
@@ -53,7 +54,8 @@ class Impl:
 def impl(request, monkeypatch):
     name = request.param
     if name == "cpu-chunked":
-        monkeypatch.setattr(cpu_impl, "_chunks", lambda num_items: 5)
+        monkeypatch.setattr(cpu_impl, "_parallel_batch", lambda num_items: True)
+        monkeypatch.setattr(cpu_impl, "_chunks", lambda: 5)
         return Impl(cpu_impl, "cpu")
     if name == "cuda":
         return Impl(cuda_impl, "cuda")
@@ -144,7 +146,7 @@ def test_every_module_conforms_to_protocol(module):
 def test_v2p_hand_example(impl):
     v2p = impl.t([5, tr.TOMBSTONE, 2])
     # token 3 is page 1 (tombstoned) offset 1 -> sink page 0, offset 1 -> 1
-    got = impl.m.virtual_to_physical(impl.t([0, 1, 3, 4, 5]), v2p, 2)
+    got = impl.m.virtual_to_physical(impl.t([0, 1, 3, 4, 5]), v2p, 2, strict=False)
     assert as_list(got) == [10, 11, 1, 4, 5]
     assert got.dtype == torch.int64 and got.device.type == impl.device
 
@@ -183,11 +185,11 @@ def test_v2p_out_of_range_raises_in_both_modes(impl, bad):
 def test_v2p_out_in_place_and_aliasing(impl):
     v2p = impl.t([5, -1, 2])
     out = impl.t([99, 99, 99])
-    res = impl.m.virtual_to_physical(impl.t([0, 3, 5]), v2p, 2, out=out)
+    res = impl.m.virtual_to_physical(impl.t([0, 3, 5]), v2p, 2, out=out, strict=False)
     assert res is out
     assert as_list(out) == [10, 1, 5]
     buf = impl.t([0, 3, 5])
-    res = impl.m.virtual_to_physical(buf, v2p, 2, out=buf)
+    res = impl.m.virtual_to_physical(buf, v2p, 2, out=buf, strict=False)
     assert res is buf and as_list(buf) == [10, 1, 5]
 
 
@@ -224,7 +226,7 @@ def test_v2p_bad_out_and_bad_inputs(impl):
     with pytest.raises(UmallocValueError):
         impl.m.virtual_to_physical(vt, v2p, 2, out=[0, 0])
     with pytest.raises(InvalidIdError, match="dtype"):
-        impl.m.virtual_to_physical(vt.to(torch.int32), v2p, 2)
+        impl.m.virtual_to_physical(vt.to(torch.int16), v2p, 2)
     with pytest.raises(InvalidIdError, match="dtype"):
         impl.m.virtual_to_physical(vt, v2p.to(torch.int32), 2)
     with pytest.raises(InvalidIdError, match="1-D"):
@@ -238,7 +240,7 @@ def test_v2p_bad_out_and_bad_inputs(impl):
 
 def test_v2p_pages(impl):
     v2p = impl.t([5, -1, 2])
-    assert as_list(impl.m.virtual_to_physical_pages(impl.t([2, 1, 0]), v2p)) == [2, tr.SINK_PAGE, 5]
+    assert as_list(impl.m.virtual_to_physical_pages(impl.t([2, 1, 0]), v2p, strict=False)) == [2, tr.SINK_PAGE, 5]
     with pytest.raises(TombstoneError, match=r"vpages\[1\] = 1"):
         impl.m.virtual_to_physical_pages(impl.t([2, 1]), v2p, strict=True)
     with pytest.raises(InvalidIdError, match=r"\[0, 3\)"):
@@ -465,8 +467,8 @@ def test_v2p_zero_dim_ids_translate_and_leave_the_table_alone(impl):
     v2p = impl.t([5, -1, 2])
     got = impl.m.virtual_to_physical(impl.t(5), v2p, 2)  # page 2 -> 2, offset 1: 2 * 2 + 1
     assert got.shape == () and int(got) == 5
-    assert int(impl.m.virtual_to_physical(impl.t(2), v2p, 2)) == 0  # tombstoned page -> sink, offset 0
-    assert int(impl.m.virtual_to_physical_pages(impl.t(1), v2p)) == tr.SINK_PAGE
+    assert int(impl.m.virtual_to_physical(impl.t(2), v2p, 2, strict=False)) == 0  # tombstoned -> sink, offset 0
+    assert int(impl.m.virtual_to_physical_pages(impl.t(1), v2p, strict=False)) == tr.SINK_PAGE
     assert int(impl.m.virtual_to_physical_pages(impl.t(0), v2p)) == 5
     assert as_list(v2p) == [5, -1, 2]
 
@@ -549,7 +551,7 @@ def test_seeded_batches_through_real_dispatch(impl, monkeypatch):
     v2p = [rng.randrange(1, 50_000) if rng.random() > 0.1 else -1 for _ in range(num_pages)]
     n = 9_999
     vt = [rng.randrange(num_pages * ps) for _ in range(n)]
-    got = impl.m.virtual_to_physical(impl.t(vt), impl.t(v2p), ps)
+    got = impl.m.virtual_to_physical(impl.t(vt), impl.t(v2p), ps, strict=False)
     assert as_list(got) == bf_v2p_tokens(vt, v2p, ps)
     with pytest.raises(TombstoneError):
         impl.m.virtual_to_physical(impl.t(vt), impl.t(v2p), ps, strict=True)
@@ -568,10 +570,10 @@ def test_seeded_batches_through_real_dispatch(impl, monkeypatch):
 @pytest.mark.parametrize("module", [ref_impl, cpu_impl], ids=lambda m: m.NAME)
 def test_numpy_inputs_are_accepted(module):
     v2p = np.array([5, -1, 2], dtype=np.int64)
-    got = module.virtual_to_physical(np.array([0, 3, 5], dtype=np.int64), v2p, 2)
+    got = module.virtual_to_physical(np.array([0, 3, 5], dtype=np.int64), v2p, 2, strict=False)
     assert isinstance(got, torch.Tensor) and got.tolist() == [10, 1, 5]
     with pytest.raises(InvalidIdError, match="int64"):
-        module.virtual_to_physical(np.array([0], dtype=np.int32), v2p, 2)
+        module.virtual_to_physical(np.array([0], dtype=np.int16), v2p, 2)
 
 
 def test_cpu_impl_rejects_other_devices():
@@ -642,3 +644,131 @@ def test_cpu_parallel_threshold_env(monkeypatch):
         monkeypatch.setenv(cpu_impl.PARALLEL_ENV_VAR, bad)
         with pytest.raises(UmallocValueError, match=cpu_impl.PARALLEL_ENV_VAR):
             cpu_impl._parallel_min_items_from_env(7)
+
+
+# --- strict is a bool with one default; overflow, int32 ids, meta/sparse, named ranges ------------------------
+
+
+def test_strict_default_is_true_everywhere(impl):
+    """One default in every implementation (and the protocol): a tombstone raises unless strict=False."""
+    assert tr.STRICT_DEFAULT is True
+    v2p = impl.t([5, -1, 2])
+    with pytest.raises(TombstoneError):
+        impl.m.virtual_to_physical(impl.t([3]), v2p, 2)
+    with pytest.raises(TombstoneError):
+        impl.m.virtual_to_physical_pages(impl.t([1]), v2p)
+    for fn in (impl.m.virtual_to_physical, impl.m.virtual_to_physical_pages):
+        assert inspect.signature(fn).parameters["strict"].default is True
+
+
+@pytest.mark.parametrize("bad", [0, 1, "no", "yes", None, 1.0])
+def test_strict_must_be_a_bool(impl, bad):
+    v2p = impl.t([5, 3, 2])
+    out = impl.t([-7, -7])
+    with pytest.raises(UmallocValueError, match="strict must be True or False"):
+        impl.m.virtual_to_physical(impl.t([0, 1]), v2p, 2, out=out, strict=bad)
+    with pytest.raises(UmallocValueError, match="strict must be True or False"):
+        impl.m.virtual_to_physical_pages(impl.t([0, 1]), v2p, out=out, strict=bad)
+    assert as_list(out) == [-7, -7]
+    assert as_list(impl.m.virtual_to_physical_pages(impl.t([0]), v2p, strict=np.bool_(True))) == [5]
+
+
+def test_entry_overflow_is_refused_never_wrapped(impl):
+    """A v2p entry whose physical ids p * page_size + offset do not fit int64 raises; it used to wrap (to 0)."""
+    ps = 1 << 61  # 3 pages of 2**61 tokens; the largest entry whose ids fit is (2**63 - 1 - (ps - 1)) // ps = 3
+    for strict in (False, True):
+        out = impl.t([-7, -7])
+        with pytest.raises(InvalidIdError, match=r"vtokens\[1\] = 2305843009213693952 .*allowed v2p entries <= 3"):
+            impl.m.virtual_to_physical(impl.t([0, ps]), impl.t([1, 4, 3]), ps, out=out, strict=strict)
+        assert as_list(out) == [-7, -7]
+    # the named bound is exactly what is allowed: entry 3 translates, its last token is 2**63 - 1
+    assert as_list(impl.m.virtual_to_physical(impl.t([ps - 1]), impl.t([3]), ps)) == [(1 << 63) - 1]
+
+
+def test_range_error_leaves_out_untouched_also_when_later_ids_are_fine(impl):
+    v2p = impl.t([5, 3, 2])
+    out = impl.t([-7] * 6)
+    with pytest.raises(InvalidIdError, match=r"vtokens\[4\] = 6 is out of range.*\[0, 6\)"):
+        impl.m.virtual_to_physical(impl.t([0, 1, 2, 3, 6, 0]), v2p, 2, out=out)
+    assert as_list(out) == [-7] * 6
+    with pytest.raises(TombstoneError):
+        impl.m.virtual_to_physical(impl.t([0, 1, 2, 3, 4, 5]), impl.t([5, 3, -1]), 2, out=out)
+    assert as_list(out) == [-7] * 6
+
+
+def test_int32_ids_are_accepted_like_int64(impl):
+    """vLLM's and SGLang's block tables are int32: accepted, results keep int32, values that do not fit are
+    refused (and out stays untouched)."""
+    v2p = impl.t([5, -1, 2])
+    i32 = impl.t([0, 1, 4, 5]).to(torch.int32)
+    got = impl.m.virtual_to_physical(i32, v2p, 2)
+    assert got.dtype == torch.int32 and as_list(got) == [10, 11, 4, 5]
+    pages = impl.t([2, 0]).to(torch.int32)
+    got = impl.m.virtual_to_physical_pages(pages, v2p, out=pages)
+    assert got is pages and pages.dtype == torch.int32 and as_list(pages) == [2, 5]
+    # entry 2**27 of 16-token pages: physical ids reach 2**31 + 15, beyond int32 (the int64 call is fine)
+    big = impl.t([1 << 27])
+    out = torch.full((1,), -7, dtype=torch.int32, device=impl.device)
+    with pytest.raises(InvalidIdError, match=r"does not fit torch.int32: allowed v2p entries <= 134217727"):
+        impl.m.virtual_to_physical(impl.t([15]).to(torch.int32), big, 16, out=out)
+    assert as_list(out) == [-7]
+    assert as_list(impl.m.virtual_to_physical(impl.t([15]), big, 16)) == [(1 << 31) + 15]
+    # the named bound is allowed: entry 134217727 -> its last id is 2**31 - 1
+    top = impl.m.virtual_to_physical(impl.t([15]).to(torch.int32), impl.t([134217727]), 16)
+    assert as_list(top) == [(1 << 31) - 1]
+    with pytest.raises(InvalidIdError, match="allowed v2p entries <= 2147483647"):
+        impl.m.virtual_to_physical_pages(impl.t([0]).to(torch.int32), impl.t([1 << 31]))
+    # the other functions take int32 as well
+    tok = impl.t([8, 9, 10, 11]).to(torch.int32)
+    got = impl.m.tokens_to_pages(tok, 4)
+    assert got.dtype == torch.int32 and as_list(got) == [2]
+    runs = impl.m.pages_to_runs(impl.t([3, 4]).to(torch.int32), impl.t([7, 8]).to(torch.int32))
+    assert runs.dtype == torch.int64 and as_list(runs) == [[3, 7, 2]]
+    got = impl.m.kernel_page_ids(impl.t([0, 5, 9]).to(torch.int32), 4, 3)
+    assert got.dtype == torch.int32 and as_list(got) == [0, 13, 25]
+    with pytest.raises(InvalidIdError, match=r"allowed tokens in \[0, 1073741823\]"):
+        impl.m.kernel_page_ids(impl.t([1 << 30]).to(torch.int32), 1, 2)
+    assert as_list(impl.m.kernel_page_ids(impl.t([(1 << 30) - 1]).to(torch.int32), 1, 2)) == [(1 << 31) - 2]
+    idx, rows = impl.m.rank_local_positions(impl.t([4, 5, 6, 7, 9]).to(torch.int32), 2, 1)
+    assert idx.dtype == torch.int64 and rows.dtype == torch.int32
+    assert as_list(idx) == [1, 3, 4] and as_list(rows) == [2, 3, 4]
+
+
+def test_kernel_ids_bound_in_message_is_the_allowed_one(impl):
+    """'allowed tokens in [0, top]': top is accepted, top + 1 refused."""
+    ps, layers = 4, 8
+    with pytest.raises(InvalidIdError, match=r"allowed tokens in \[0, (\d+)\]") as info:
+        impl.m.kernel_page_ids(impl.t([1 << 61]), ps, layers)
+    top = int(re.search(r"allowed tokens in \[0, (\d+)\]", str(info.value)).group(1))
+    assert (top // ps) * ps * layers + top % ps <= (1 << 63) - 1
+    assert as_list(impl.m.kernel_page_ids(impl.t([top]), ps, layers)) == [(top // ps) * ps * layers + top % ps]
+    with pytest.raises(InvalidIdError):
+        impl.m.kernel_page_ids(impl.t([top + 1]), ps, layers)
+
+
+@pytest.mark.parametrize("module", [ref_impl, cpu_impl], ids=lambda m: m.NAME)
+def test_meta_and_sparse_tensors_raise_typed_errors(module):
+    meta = torch.zeros(3, dtype=torch.int64, device="meta")
+    sparse = torch.tensor([0, 1, 0]).to_sparse()
+    dense = torch.tensor([0, 1, 2])
+    for bad in (meta, sparse):
+        for call in (
+            lambda b: module.virtual_to_physical(b, dense, 1),
+            lambda b: module.virtual_to_physical(dense, b, 1),
+            lambda b: module.virtual_to_physical_pages(dense, dense, out=b),
+            lambda b: module.tokens_to_pages(b, 1),
+            lambda b: module.pages_to_runs(b, b),
+            lambda b: module.kernel_page_ids(b, 1, 1),
+            lambda b: module.rank_local_positions(b, 2, 0),
+            lambda b: module.runs_to_descriptors(b[None, :] if b.layout is torch.strided else
+                                                 torch.tensor([[0, 1, 1]]).to_sparse(), [(0, 8)], [(0, 8)]),
+        ):
+            with pytest.raises(InvalidIdError):
+                call(bad)
+
+
+def test_page_size_beyond_int64_is_refused_with_the_allowed_range(impl):
+    with pytest.raises(UmallocValueError, match=r"page_size must be an int in \[1, 9223372036854775807\]"):
+        impl.m.virtual_to_physical(impl.t([]), impl.t([]), 1 << 70)
+    with pytest.raises(UmallocValueError, match=r"item_bytes=18446744073709551616 must lie in \[1, 2\*\*64\)"):
+        impl.m.runs_to_descriptors(impl.t([[1, 1, 1]]), [(0, 1 << 64)], [(0, 1 << 64)])

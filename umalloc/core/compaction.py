@@ -19,7 +19,8 @@ Policy:
 * After the moves the watermark retreats past every trailing unpinned hole, also when the budget allowed no
   move (a free retreat).
 * Applying a plan: copy the bytes ``src -> dst`` in ONE batched envelope copy per flush (:func:`copy_moves`:
-  a numba row copy on CPU, run-wise or gather/scatter on CUDA), then rewrite ``p2v``/``v2p`` and the states;
+  a numba row copy on the calling thread on CPU, run-wise or gather/scatter on CUDA; it never changes the
+  caller's threading, Note [Compaction copies and threads]), then rewrite ``p2v``/``v2p`` and the states;
   virtual ids never change, only the physical page behind them. Pages between the old and the new watermark
   become gap.
 * Planning is one O(band) numba pass with no allocation beyond the result (a 64k-page band plans in 0.2-0.8
@@ -63,9 +64,11 @@ from typing import TYPE_CHECKING
 
 import numba
 import numpy as np
+import torch
 
-from umalloc.errors import InvariantError, UmallocValueError
 from umalloc.core.pagestate import PAGE_GAP, PAGE_HOLE, PAGE_LIVE, PAGE_PENDING, TOMBSTONE
+from umalloc.errors import InvariantError, UmallocValueError
+from umalloc.translators.cpu import pages_to_runs
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -327,11 +330,11 @@ def plan_float(state: np.ndarray, pins: np.ndarray, lo: int, hi: int, *, free_ed
 
 
 # ---- execution --------------------------------------------------------------------------------------------
-#: Copies of at least this many bytes use the multi-threaded row copy on CPU (smaller ones are serial: a thread
-#: pool wake-up costs more than it saves on a few MiB, and contends with torch's own pool).
-PARALLEL_COPY_MIN_BYTES = 16 << 20
 #: On CUDA, plans with at most this many runs are copied run by run (one memcpy each), else gather/scatter.
 MAX_RUNWISE_COPIES = 32
+#: CPU copies of at least this many bytes may use several threads, if the caller's torch thread count allows
+#: (Note [Compaction copies and threads]); smaller ones always run on the calling thread.
+PARALLEL_COPY_MIN_BYTES = 16 << 20
 
 
 # Explicit element loops: a slice assignment ``buf[d, :] = buf[s, :]`` within one array makes numba copy through
@@ -356,32 +359,43 @@ def _copy_rows_parallel(buf: np.ndarray, src: np.ndarray, dst: np.ndarray) -> No
             buf[d, j] = buf[s, j]
 
 
-def move_runs(src_pages: np.ndarray, dst_pages: np.ndarray) -> np.ndarray:
-    """Coalesce page moves into runs contiguous on both sides: int64 ``(R, 3)`` rows
-    ``[src_start, dst_start, num_pages]``. O(n) vectorized.
-
-    >>> move_runs(np.array([7, 8, 9, 12]), np.array([1, 2, 4, 5])).tolist()
-    [[7, 1, 2], [9, 4, 1], [12, 5, 1]]
-    """
-    n = src_pages.size
-    if n == 0:
-        return np.zeros((0, 3), dtype=np.int64)
-    brk = np.flatnonzero((np.diff(src_pages) != 1) | (np.diff(dst_pages) != 1)) + 1
-    starts = np.r_[0, brk]
-    lengths = np.diff(np.r_[starts, n])
-    return np.stack([src_pages[starts], dst_pages[starts], lengths], axis=1).astype(np.int64)
+def _copy_rows(buf: np.ndarray, src: np.ndarray, dst: np.ndarray) -> None:
+    """Row copy on at most the caller's torch thread count, leaving torch's and numba's counts as they were."""
+    threads = torch.get_num_threads()
+    if threads < 2 or src.size < 2 or src.size * buf.strides[0] < PARALLEL_COPY_MIN_BYTES:
+        _copy_rows_serial(buf, src, dst)
+        return
+    numba_threads = numba.get_num_threads()  # starts numba's pool (which may reset torch's count: restored below)
+    try:
+        numba.set_num_threads(min(threads, numba_threads))
+        _copy_rows_parallel(buf, src, dst)
+    finally:
+        numba.set_num_threads(numba_threads)
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
 
 
 def copy_moves(arena: Arena, end: str, src_pages: np.ndarray, dst_pages: np.ndarray) -> int:
     """Copy whole envelopes ``src_pages[i] -> dst_pages[i]`` of ``end`` as one batched copy; returns bytes.
 
     The two page sets must be disjoint (a plan's sources are live pages, its destinations holes), so the copy
-    order does not matter. CPU: one numba row-copy pass (multi-threaded from ``PARALLEL_COPY_MIN_BYTES``),
-    reading each byte once. CUDA: run-wise ``copy_`` when the plan has at most ``MAX_RUNWISE_COPIES`` runs,
-    else one ``index_select`` + ``index_copy_``. Complexity: O(n * page_bytes).
-    """
-    import torch
+    order does not matter. CPU: one numba row-copy pass reading each byte once, on the calling thread, or from
+    ``PARALLEL_COPY_MIN_BYTES`` on at most ``torch.get_num_threads()`` threads (Note [Compaction copies and
+    threads]). CUDA: run-wise ``copy_`` when the plan has at most
+    ``MAX_RUNWISE_COPIES`` runs (:func:`umalloc.translators.cpu.pages_to_runs`, the one run-coalescing
+    implementation), else one ``index_select`` + ``index_copy_``. Complexity: O(n * page_bytes).
 
+    Note [Compaction copies and threads]
+        The CPU copy used to switch to a ``parallel=True`` numba loop from 16 MiB whatever the caller wanted.
+        Under numba's OpenMP layer starting the thread pool sets the calling thread's OpenMP thread count,
+        which torch shares: the replay's torch thread count went from 1 to 2 after the first big eager
+        compaction, and its token loop then ran 3-5x slower (``umalloc replay --compaction eager`` 6x slower
+        than lazy on 30 requests). Now the caller's torch thread count is the copy's budget: with 1 thread
+        (the replay) the copy stays on the calling thread and no pool starts; with more, large copies run on
+        ``min(torch, numba)`` threads, and both counts are restored afterwards (tested). Measured on 2 cores:
+        a 256 MiB flush took 16-17 ms on two threads vs 27 ms on one when the cores were free, while under
+        load one thread was as fast or faster (64 MiB: 24 vs 12 GB/s contiguous).
+    """
     n = int(src_pages.size)
     if n == 0:
         return 0
@@ -391,14 +405,10 @@ def copy_moves(arena: Arena, end: str, src_pages: np.ndarray, dst_pages: np.ndar
         buf = env.numpy()
         if pb % 8 == 0 and buf.ctypes.data % 8 == 0:
             buf = buf.view(np.uint64)  # 8-byte words: same bytes, fewer iterations
-        s = np.ascontiguousarray(src_pages, dtype=np.int64)
-        d = np.ascontiguousarray(dst_pages, dtype=np.int64)
-        if n * pb >= PARALLEL_COPY_MIN_BYTES and n > 1:
-            _copy_rows_parallel(buf, s, d)
-        else:
-            _copy_rows_serial(buf, s, d)
+        _copy_rows(buf, np.ascontiguousarray(src_pages, dtype=np.int64),
+                   np.ascontiguousarray(dst_pages, dtype=np.int64))
         return n * pb
-    runs = move_runs(src_pages, dst_pages)
+    runs = pages_to_runs(src_pages, dst_pages)
     if runs.shape[0] <= MAX_RUNWISE_COPIES:
         for s0, d0, m in runs.tolist():
             env[d0:d0 + m].copy_(env[s0:s0 + m])
@@ -527,5 +537,4 @@ class CompactionReport:
         )
 
 
-__all__ = ["CompactionReport", "MovePlan", "apply_plan", "copy_moves", "move_runs", "plan_down",
-           "plan_float", "plan_up"]
+__all__ = ["CompactionReport", "MovePlan", "apply_plan", "copy_moves", "plan_down", "plan_float", "plan_up"]

@@ -3,7 +3,7 @@
 Policy:
 
 * Physical page ``p`` of end ``e`` occupies bytes ``[p * page_bytes(e), (p + 1) * page_bytes(e))`` of the
-  arena; every end indexes from byte 0 (shared/DESIGN.md §2).
+  arena; every end indexes from byte 0 (the README glossary, "arena").
 * The lowest ``floor_bytes`` are the reserved floor. Page 0 of every end lies inside it: the *sink* that
   padded lanes may write and nobody reads. Pages below :meth:`ArenaSpec.first_page` are never handed out.
 * One page is one contiguous envelope holding every layer of the end (Note [Page-major envelope] in
@@ -20,11 +20,29 @@ Policy:
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from umalloc.errors import InvalidIdError, UmallocValueError
 from umalloc.geometry.region import DRAM, VRAM, Region, RegionMember
 from umalloc.geometry.spec import ArenaSpec, EndSpec, LayerKind
+
+#: Device types an arena may live on.
+ARENA_DEVICE_TYPES = ("cpu", "cuda")
+
+
+def _arena_device(device: object) -> torch.device:
+    """``device`` as a ``torch.device`` of type cpu or cuda, or raise :class:`UmallocValueError`."""
+    allowed = "allowed 'cpu', 'cuda' or 'cuda:N' (a str or torch.device)"
+    if not isinstance(device, (str, torch.device)):
+        raise UmallocValueError(f"device={device!r}: {allowed}")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise UmallocValueError(f"device={device!r} is not a torch device: {allowed}") from None
+    if dev.type not in ARENA_DEVICE_TYPES:
+        raise UmallocValueError(f"device={device!r}: an arena's bytes must be addressable memory; {allowed}")
+    return dev
 
 
 class Arena:
@@ -32,7 +50,9 @@ class Arena:
 
     Args:
         spec: the validated arena spec.
-        device: torch device for the bytes (``"cpu"`` default, ``"cuda"`` when asked).
+        device: torch device for the bytes: ``"cpu"`` (default) or a CUDA device (``"cuda"``, ``"cuda:N"``, a
+            ``torch.device``). Any other device (``"meta"``, which holds no bytes, ``"mps"``, ...) raises
+            :class:`UmallocValueError`: transfer backends address the bytes by pointer.
         zero: fill with zeros at creation (default True; ``False`` leaves ``torch.empty`` contents).
         pin_memory: allocate CPU bytes in pinned memory (faster host<->device copies).
 
@@ -53,7 +73,7 @@ class Arena:
         if not isinstance(spec, ArenaSpec):
             raise UmallocValueError(f"spec={spec!r}: allowed an ArenaSpec")
         self.spec = spec
-        dev = torch.device(device)
+        dev = _arena_device(device)
         alloc = torch.zeros if zero else torch.empty
         self.data: torch.Tensor = alloc(spec.arena_bytes, dtype=torch.uint8, device=dev,
                                         pin_memory=pin_memory and dev.type == "cpu")
@@ -99,7 +119,7 @@ class Arena:
     def _check_page(self, end: str, ppage: int) -> None:
         top = self.top_page(end)
         if isinstance(ppage, bool) or not isinstance(ppage, int) or not 0 <= ppage <= top:
-            raise InvalidIdError(f"physical page {ppage!r} of end {end!r}: allowed [0, {top}]")
+            raise InvalidIdError(f"physical page {ppage!r} of end {end!r}: allowed a Python int in [0, {top}]")
 
     def page_offset_bytes(self, end: str, ppage: int) -> int:
         """Byte offset of physical page ``ppage`` of ``end`` from the arena's start. O(1).
@@ -162,24 +182,53 @@ class Arena:
                 view(v_off, lspec.num_kv_heads, lspec.head_dim_v))
 
     # ---- moves -----------------------------------------------------------------------------------------
-    def copy_pages(self, end: str, dst_pages: torch.Tensor, src_pages: torch.Tensor) -> None:
+    def copy_pages(self, end: str, dst_pages: torch.Tensor | np.ndarray, src_pages: torch.Tensor | np.ndarray) -> None:
         """Copy whole envelopes ``src_pages[i] -> dst_pages[i]`` of ``end`` in one batched gather/scatter.
 
         Args:
-            dst_pages, src_pages: int64 tensors (any device) of equal shape ``(n,)``; ``dst_pages`` unique.
-                Sources are read before any destination is written, so the sets may overlap.
+            end: an end of the spec.
+            dst_pages, src_pages: integer (int64 or int32) 1-D tensors (any device) or numpy arrays of equal
+                length, every id in ``[first_page(end), top_page(end)]`` (never the sink page 0 or another
+                reserved-floor page); ``dst_pages`` unique. Sources are read before any destination is written,
+                so the sets may overlap. Which pages are live is the allocator's business, not checked here.
 
-        Complexity: O(n * page_bytes) bytes moved, one gather + one scatter.
+        Raises:
+            InvalidIdError: a non-integer dtype (floats are never truncated), a meta or sparse tensor, an id
+                outside the allowed range (the message names it), a repeated destination.
+            UmallocValueError: unequal or non-1-D shapes. SpecError: an unknown end.
+            Every check runs before any byte moves.
+
+        Complexity: O(n * page_bytes) bytes moved, one gather + one scatter; O(n log n) validation.
+
+        >>> from umalloc.geometry.spec import EndSpec, LayerSpec
+        >>> a = Arena(ArenaSpec((EndSpec("full", (LayerSpec.mha(1, 4),), page_size=2),), arena_bytes=128))
+        >>> a.copy_pages("full", torch.tensor([2]), torch.tensor([0]))
+        Traceback (most recent call last):
+        ...
+        umalloc.errors.InvalidIdError: copy_pages: src_pages[0] = 0 of end 'full' is out of range: allowed [1, 3]
         """
-        if dst_pages.shape != src_pages.shape or dst_pages.dim() != 1:
-            raise UmallocValueError(f"copy_pages: shapes {tuple(dst_pages.shape)} vs "
-                                    f"{tuple(src_pages.shape)}: allowed equal 1-D shapes")
-        if dst_pages.numel() == 0:
+        lo, hi = self.first_page(end), self.top_page(end)
+        dst = _page_ids(dst_pages, "dst_pages")
+        src = _page_ids(src_pages, "src_pages")
+        if dst.shape != src.shape or dst.dim() != 1:
+            raise UmallocValueError(f"copy_pages: shapes {tuple(dst.shape)} vs "
+                                    f"{tuple(src.shape)}: allowed equal 1-D shapes")
+        if dst.numel() == 0:
             return
+        for name, ids in (("dst_pages", dst), ("src_pages", src)):
+            bad = (ids < lo) | (ids > hi)
+            if bool(bad.any()):
+                i = int(torch.nonzero(bad)[0, 0])
+                raise InvalidIdError(f"copy_pages: {name}[{i}] = {int(ids[i])} of end {end!r} is out of range: "
+                                     f"allowed [{lo}, {hi}]")
+        uniq = torch.unique(dst)
+        if uniq.numel() != dst.numel():
+            counts = torch.bincount(dst - lo)
+            page = int(torch.nonzero(counts > 1)[0, 0]) + lo
+            raise InvalidIdError(f"copy_pages: dst_pages names page {page} of end {end!r} more than once: "
+                                 "allowed distinct destinations")
         env = self.envelopes(end)
-        dst = dst_pages.to(device=env.device, dtype=torch.int64)
-        src = src_pages.to(device=env.device, dtype=torch.int64)
-        env.index_copy_(0, dst, env.index_select(0, src))
+        env.index_copy_(0, dst.to(env.device), env.index_select(0, src.to(env.device)))
 
     # ---- registration ----------------------------------------------------------------------------------
     def region(self) -> Region:
@@ -195,3 +244,21 @@ class Arena:
     def region_member(self, end: str) -> RegionMember:
         """The arena region with ``item_bytes = page_bytes(end)``: index ``p`` addresses page ``p``."""
         return RegionMember(self.region(), self.page_bytes(end))
+
+
+def _page_ids(ids: object, name: str) -> torch.Tensor:
+    """``ids`` as an int64 tensor (numpy wrapped), or raise :class:`InvalidIdError` for a float, bool or other
+    dtype, a meta or sparse tensor."""
+    if isinstance(ids, np.ndarray):
+        if ids.dtype not in (np.int64, np.int32):
+            raise InvalidIdError(f"copy_pages: {name} must have an int64 or int32 dtype, got numpy {ids.dtype}")
+        ids = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))
+    if not isinstance(ids, torch.Tensor):
+        raise InvalidIdError(f"copy_pages: {name} must be an int64/int32 tensor or numpy array, "
+                             f"got {type(ids).__name__}")
+    if ids.dtype not in (torch.int64, torch.int32):
+        raise InvalidIdError(f"copy_pages: {name} must have dtype torch.int64 or torch.int32, got {ids.dtype}")
+    if ids.layout is not torch.strided or ids.device.type == "meta":
+        raise InvalidIdError(f"copy_pages: {name} must be a dense tensor holding values, got {ids.layout} on "
+                             f"{ids.device}")
+    return ids.to(torch.int64)

@@ -1,4 +1,4 @@
-"""Real model KV geometries as arena specs (numbers and sources: shared/data/models.md).
+"""Real model KV geometries as arena specs (numbers from each model's published configuration; sources below).
 
 Each preset yields ends:
 
@@ -8,7 +8,7 @@ Each preset yields ends:
   the middle when an ``swa`` end holds the top); bound to ``full`` when it shares its page size, else its own
   id owner (a draft with its own page size keeps its own block table).
 
-Sources (models.md): Llama-3.1-8B / Qwen3-8B / Qwen3-0.6B / gpt-oss-20b / DeepSeek-V3 from the HF
+Sources: Llama-3.1-8B / Qwen3-8B / Qwen3-0.6B / gpt-oss-20b / DeepSeek-V3 from the HF
 ``config.json`` copies in ai-dynamo/aiconfigurator; Gemma 3 from google-deepmind/gemma ``_gemma.py``
 (5 local : 1 global, ``i % 6 == 5`` global, window 1024 for 12B and 512 for 1B); EAGLE-LLaMA3 head from
 SafeAILab/EAGLE. Gemma-3-1B as a drafter for Gemma-3-12B relies on the family's shared tokenizer.

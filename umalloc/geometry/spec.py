@@ -4,8 +4,8 @@ Policy:
 
 * Specs are immutable values (frozen dataclasses), validated on construction; every invalid field raises
   :class:`~umalloc.errors.SpecError` naming the field, the value and the allowed range.
-* Bytes follow the standard KV arithmetic (vLLM ``AttentionSpec.real_page_size_bytes``;
-  shared/data/models.md): an MHA layer stores ``num_kv_heads * (head_dim_k + head_dim_v) * dtype_bytes``
+* Bytes follow the standard KV arithmetic (vLLM ``AttentionSpec.real_page_size_bytes``):
+  an MHA layer stores ``num_kv_heads * (head_dim_k + head_dim_v) * dtype_bytes``
   per token; an MLA layer stores one latent row of ``kv_lora_rank + qk_rope_head_dim`` elements (vLLM
   ``MLAAttentionSpec``: no separate V).
 * ``entry_bytes`` of an end is the bytes one token occupies across every layer that end holds;

@@ -1,7 +1,12 @@
 """Translators: pure functions over index tensors, with no allocator state.
 
 * ``virtual_to_physical`` / ``virtual_to_physical_pages``: virtual token/page ids to physical ones through a
-  v2p table; tombstones raise in strict mode and map to the sink page otherwise.
+  v2p table; tombstones raise in strict mode and map to the sink page otherwise. ``strict`` is a bool
+  (``strict=0`` or ``"no"`` are refused) whose one default, :data:`STRICT_DEFAULT`, is True in every
+  implementation, as in the allocator's ``translate``: a tombstone maps to the sink only when asked.
+* Ids may be int64 or int32 tensors or numpy arrays (vLLM's and SGLang's block tables are int32); id results
+  keep the input's dtype, and a result that would not fit it (or would overflow int64) is refused, never
+  wrapped. A refused call writes nothing: ``out=`` is left untouched.
 * ``tokens_to_pages``: page ids of whole, aligned pages of tokens (misalignment raises, never truncates).
 * ``pages_to_runs`` / ``runs_to_descriptors``: coalesce page pairs into runs contiguous on both sides, then into
   ``(src_addr, dst_addr, nbytes)`` uint64 descriptors per region pair.
@@ -14,7 +19,7 @@ variable ``UMALLOC_TRANSLATOR`` forces one. This package imports nothing from th
 :mod:`umalloc.errors`.
 """
 
-from umalloc.translators._common import SINK_PAGE, TOMBSTONE, IndexLike, RegionsLike
+from umalloc.translators._common import SINK_PAGE, STRICT_DEFAULT, TOMBSTONE, IndexLike, RegionsLike
 from umalloc.translators._dispatch import (
     ENV_VAR,
     IMPL_NAMES,
@@ -28,6 +33,7 @@ __all__ = [
     "ENV_VAR",
     "IMPL_NAMES",
     "SINK_PAGE",
+    "STRICT_DEFAULT",
     "TOMBSTONE",
     "IndexLike",
     "RegionsLike",

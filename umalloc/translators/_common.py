@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import operator
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
@@ -21,44 +22,84 @@ TOMBSTONE: int = -1
 #: The physical page that unbound (tombstoned) entries map to in non-strict mode: the reserved sink page.
 SINK_PAGE: int = 0
 
-#: What translators accept as an index vector: an int64 torch tensor, or an int64 numpy array
-#: (wrapped zero-copy as a CPU tensor).
+#: What translators accept as an index vector: an int64 or int32 torch tensor (dense, on a device that holds
+#: data), or an int64 or int32 numpy array (wrapped zero-copy as a CPU tensor).
 IndexLike = torch.Tensor | np.ndarray
 #: A region group: a sequence of ``(base_addr, item_bytes)`` pairs, or a ``(K, 2)`` integer array.
 RegionsLike = Sequence[Sequence[int]] | np.ndarray
 
+#: The default of every ``strict`` argument, in every implementation (and in the allocator's ``translate``):
+#: a tombstoned entry raises unless the caller asks for the sink explicitly with ``strict=False``.
+STRICT_DEFAULT: bool = True
+
 _U64_LIMIT = 1 << 64
 _I64_MAX = (1 << 63) - 1
+_I32_MAX = (1 << 31) - 1
+#: Largest value each accepted id dtype holds (results must fit the ids' own dtype).
+ID_MAX = {torch.int64: _I64_MAX, torch.int32: _I32_MAX, np.dtype(np.int64): _I64_MAX,
+          np.dtype(np.int32): _I32_MAX}
+_ID_DTYPES = (torch.int64, torch.int32)
+_NP_ID_DTYPES = (np.dtype(np.int64), np.dtype(np.int32))
 
 
-def as_index_tensor(x: object, name: str, *, ndim: int | None = None) -> torch.Tensor:
-    """Return ``x`` as an int64 torch tensor without copying, or raise :class:`InvalidIdError`.
+def strict_flag(strict: object) -> bool:
+    """``strict`` as a bool, or raise :class:`UmallocValueError`: only ``True``/``False`` (or a numpy bool)
+    are accepted, so ``strict=0``, ``1`` or ``"no"`` cannot pick a mode by accident."""
+    if isinstance(strict, (bool, np.bool_)):
+        return bool(strict)
+    raise UmallocValueError(f"strict must be True or False, got {strict!r} ({type(strict).__name__})")
 
-    A numpy array is wrapped zero-copy (``torch.from_numpy``); a tensor is returned as is.
+
+def check_dense(x: torch.Tensor, name: str) -> None:
+    """Raise :class:`InvalidIdError` for a sparse/quantized layout or a meta tensor (no values to read)."""
+    if x.layout is not torch.strided:
+        raise InvalidIdError(f"{name} must be a dense (strided) tensor, got layout {x.layout}")
+    if x.device.type == "meta":
+        raise InvalidIdError(f"{name} is on meta, which holds no values: translators need CPU tensors or "
+                             "tensors on a device with memory (cuda)")
+
+
+def as_index_tensor(x: object, name: str, *, ndim: int | None = None, int64_only: bool = False) -> torch.Tensor:
+    """Return ``x`` as an int64 (or int32) torch tensor without copying, or raise :class:`InvalidIdError`.
+
+    A numpy array is wrapped zero-copy (``torch.from_numpy``; a read-only array too, the translators never
+    write their inputs); a tensor is returned as is. ``int64_only`` refuses int32 (the v2p table).
     """
+    allowed = "int64" if int64_only else "int64 or int32"
     if isinstance(x, np.ndarray):
-        if x.dtype != np.int64:
-            raise InvalidIdError(f"{name} must have dtype int64, got numpy {x.dtype}")
-        x = torch.from_numpy(x) if x.flags.writeable else torch.from_numpy(x.copy())
+        if x.dtype not in _NP_ID_DTYPES or (int64_only and x.dtype != np.int64):
+            raise InvalidIdError(f"{name} must have dtype {allowed}, got numpy {x.dtype}")
+        x = wrap_numpy(x)
     elif not isinstance(x, torch.Tensor):
-        raise InvalidIdError(f"{name} must be an int64 torch.Tensor or numpy array, got {type(x).__name__}")
-    if x.dtype != torch.int64:
-        raise InvalidIdError(f"{name} must have dtype torch.int64, got {x.dtype}")
+        raise InvalidIdError(f"{name} must be an {allowed} torch.Tensor or numpy array, got {type(x).__name__}")
+    if x.dtype not in _ID_DTYPES or (int64_only and x.dtype != torch.int64):
+        raise InvalidIdError(f"{name} must have dtype torch.{allowed.replace(' or ', ' or torch.')}, "
+                             f"got {x.dtype}")
+    check_dense(x, name)
     if ndim is not None and x.dim() != ndim:
         raise InvalidIdError(f"{name} must be {ndim}-D, got shape {tuple(x.shape)}")
     return x
 
 
+def wrap_numpy(x: np.ndarray) -> torch.Tensor:
+    """A CPU tensor over ``x``'s memory (no copy; torch's read-only warning is silenced: nothing writes it)."""
+    if x.flags.writeable:
+        return torch.from_numpy(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(x)
+
+
 def positive_int(value: object, name: str) -> int:
-    """Return ``value`` as a Python int >= 1, or raise :class:`UmallocValueError`."""
-    if isinstance(value, bool):
-        raise UmallocValueError(f"{name} must be an int >= 1, got {value!r}")
+    """Return ``value`` as a Python int in ``[1, 2**63 - 1]``, or raise :class:`UmallocValueError`."""
+    if isinstance(value, (bool, np.bool_)):
+        raise UmallocValueError(f"{name} must be an int in [1, {_I64_MAX}], got {value!r}")
     try:
         v = operator.index(value)  # type: ignore[arg-type]
     except TypeError:
-        raise UmallocValueError(f"{name} must be an int >= 1, got {value!r}") from None
-    if v < 1:
-        raise UmallocValueError(f"{name} must be an int >= 1, got {v}")
+        raise UmallocValueError(f"{name} must be an int in [1, {_I64_MAX}], got {value!r}") from None
+    if not 1 <= v <= _I64_MAX:
+        raise UmallocValueError(f"{name} must be an int in [1, {_I64_MAX}], got {v}")
     return v
 
 
@@ -68,38 +109,52 @@ def same_device(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> N
         raise UmallocValueError(f"{name_a} is on {a.device} but {name_b} is on {b.device}; they must match")
 
 
-def check_out(out: object, like: torch.Tensor) -> torch.Tensor:
-    """Validate an ``out=`` tensor against the result it will hold (int64, ``like``'s shape and device)."""
+def check_out(out: object, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, device: torch.device) -> None:
+    """Validate an ``out=`` tensor against the result it will hold: the ids' ``dtype``, ``shape`` and
+    ``device``, dense."""
     if not isinstance(out, torch.Tensor):
         raise UmallocValueError(f"out must be a torch.Tensor, got {type(out).__name__}")
-    if out.dtype != torch.int64:
-        raise InvalidIdError(f"out must have dtype torch.int64, got {out.dtype}")
-    if tuple(out.shape) != tuple(like.shape):
-        raise InvalidIdError(f"out must have shape {tuple(like.shape)}, got {tuple(out.shape)}")
-    if out.device != like.device:
-        raise UmallocValueError(f"out is on {out.device} but the input is on {like.device}; they must match")
-    return out
+    if out.dtype != dtype:
+        raise InvalidIdError(f"out must have the ids' dtype {dtype}, got {out.dtype}")
+    check_dense(out, "out")
+    if tuple(out.shape) != tuple(shape):
+        raise InvalidIdError(f"out must have shape {tuple(shape)}, got {tuple(out.shape)}")
+    if out.device != device:
+        raise UmallocValueError(f"out is on {out.device} but the input is on {device}; they must match")
+
+
+def check_id_space(num_vpages: int, page_size: int) -> None:
+    """Raise :class:`UmallocValueError` unless ``num_vpages * page_size`` virtual token ids fit in int64."""
+    if num_vpages * page_size > _I64_MAX:
+        raise UmallocValueError(
+            f"len(v2p)={num_vpages} pages of page_size={page_size} tokens overflow int64 token ids: "
+            f"allowed page_size <= {_I64_MAX // num_vpages}"
+        )
+
+
+def max_entry(page_size: int, id_max: int) -> int:
+    """Largest v2p entry ``p`` whose physical ids ``p * page_size + offset`` (offset < page_size) fit
+    ``id_max``."""
+    return (id_max - (page_size - 1)) // page_size
 
 
 def translate_args(
-    ids: object, v2p: object, page_size: object, out: object, name: str
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Checked ``(ids, v2p, page_size)`` of ``virtual_to_physical[_pages]`` (``name``: the ids' argument name).
+    ids: object, v2p: object, page_size: object, out: object, name: str, strict: object
+) -> tuple[torch.Tensor, torch.Tensor, int, bool]:
+    """Checked ``(ids, v2p, page_size, strict)`` of ``virtual_to_physical[_pages]`` (``name``: the ids'
+    argument name).
 
     Also checks ``out`` against ``ids`` and that the virtual id space ``len(v2p) * page_size`` fits in int64.
     """
+    flag = strict_flag(strict)
     ids_t = as_index_tensor(ids, name)
-    tab = as_index_tensor(v2p, "v2p", ndim=1)
+    tab = as_index_tensor(v2p, "v2p", ndim=1, int64_only=True)
     ps = positive_int(page_size, "page_size")
     same_device(name, ids_t, "v2p", tab)
     if out is not None:
-        check_out(out, ids_t)
-    if tab.numel() * ps > _I64_MAX:
-        raise UmallocValueError(
-            f"len(v2p)={tab.numel()} pages of page_size={ps} tokens overflow int64 token ids: "
-            f"allowed page_size <= {_I64_MAX // tab.numel()}"
-        )
-    return ids_t, tab, ps
+        check_out(out, ids_t.shape, ids_t.dtype, ids_t.device)
+    check_id_space(tab.numel(), ps)
+    return ids_t, tab, ps, flag
 
 
 def kernel_ids_args(tokens: object, page_size: object, layers_per_page: object) -> tuple[torch.Tensor, int, int]:
@@ -115,9 +170,12 @@ def kernel_ids_args(tokens: object, page_size: object, layers_per_page: object) 
     return tok, ps, layers
 
 
-def deliver(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    """``result``, or ``out`` after copying ``result`` into it (``out`` was checked by :func:`translate_args`)."""
-    return result if out is None else out.copy_(result)
+def deliver(result: torch.Tensor, out: torch.Tensor | None, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """``result`` as ``dtype``, or ``out`` after copying ``result`` into it (``out`` was checked by
+    :func:`translate_args`; every value already fits ``dtype``)."""
+    if out is not None:
+        return out.copy_(result)
+    return result if result.dtype == dtype else result.to(dtype)
 
 
 def first_true(mask: torch.Tensor) -> int:
@@ -133,7 +191,7 @@ def raise_out_of_range(ids: torch.Tensor, limit: int, name: str, unit: str) -> N
     flat = ids.reshape(-1)
     i = first_true((flat < 0) | (flat >= limit))
     raise InvalidIdError(
-        f"{name}[{i}] = {int(flat[i])} is out of range: virtual {unit} ids must lie in [0, {limit})"
+        f"{name}[{i}] = {int(flat[i])} is out of range for virtual {unit} ids: allowed [0, {limit})"
     )
 
 
@@ -149,11 +207,33 @@ def raise_tombstone(ids: torch.Tensor, v2p: torch.Tensor, page_size: int, name: 
     )
 
 
+def raise_entry_overflow(ids: torch.Tensor, v2p: torch.Tensor, page_size: int, name: str, id_max: int) -> None:
+    """Raise :class:`InvalidIdError` naming the first id of ``ids`` whose v2p entry is too large for its
+    physical ids to fit ``id_max`` (int64, or int32 for int32 ids): never wrapped, never clamped."""
+    flat = ids.reshape(-1).to(torch.int64)
+    vpages = torch.div(flat, page_size, rounding_mode="floor")
+    limit = max_entry(page_size, id_max)
+    i = first_true(v2p[vpages] > limit)
+    vpage = int(vpages[i])
+    raise InvalidIdError(
+        f"{name}[{i}] = {int(flat[i])} lies in virtual page {vpage}, whose v2p entry {int(v2p[vpage])} times "
+        f"page_size={page_size} does not fit {ids.dtype}: allowed v2p entries <= {limit}"
+    )
+
+
+def raise_result_overflow(result_max: int, id_max: int, name: str, dtype: object) -> None:
+    """Raise :class:`InvalidIdError`: a result id ``result_max`` does not fit the input's dtype."""
+    raise InvalidIdError(
+        f"a result id derived from {name} is {result_max}, which does not fit {name}'s dtype {dtype}: "
+        f"allowed results in [0, {id_max}] (pass int64 ids)"
+    )
+
+
 def raise_negative(ids: torch.Tensor, name: str) -> None:
     """Raise :class:`InvalidIdError` naming the first negative id of ``ids``."""
     flat = ids.reshape(-1)
     i = first_true(flat < 0)
-    raise InvalidIdError(f"{name}[{i}] = {int(flat[i])} is negative: ids must be >= 0")
+    raise InvalidIdError(f"{name}[{i}] = {int(flat[i])} is negative: allowed ids >= 0")
 
 
 def raise_misaligned(tokens: torch.Tensor, page_size: int) -> None:
@@ -170,11 +250,15 @@ def raise_misaligned(tokens: torch.Tensor, page_size: int) -> None:
     )
 
 
-def check_kernel_ids_fit(max_token: int, page_size: int, layers_per_page: int) -> None:
-    """Raise :class:`InvalidIdError` if the kernel id of the page holding ``max_token`` overflows int64."""
-    if (max_token // page_size) * page_size * layers_per_page + page_size - 1 > _I64_MAX:
+def check_kernel_ids_fit(max_token: int, page_size: int, layers_per_page: int, id_max: int = _I64_MAX) -> None:
+    """Raise :class:`InvalidIdError` if the kernel ids of the page holding ``max_token`` do not fit ``id_max``
+    (int64, or int32 for int32 tokens); the message names the largest token allowed."""
+    stride = page_size * layers_per_page
+    if (max_token // page_size) * stride + page_size - 1 > id_max:
+        top = ((id_max - (page_size - 1)) // stride) * page_size + page_size - 1
         raise InvalidIdError(
-            f"tokens id {max_token} times layers_per_page={layers_per_page} overflows int64 (max {_I64_MAX})"
+            f"tokens id {max_token} with page_size={page_size} and layers_per_page={layers_per_page} overflows "
+            f"the kernel id range [0, {id_max}]: allowed tokens in [0, {top}]"
         )
 
 
@@ -194,9 +278,12 @@ def tokens_args(tokens: object, page_size: object) -> tuple[torch.Tensor, int]:
 
 
 def runs_args(src_pages: object, dst_pages: object) -> tuple[torch.Tensor, torch.Tensor]:
-    """Checked ``(src_pages, dst_pages)`` of ``pages_to_runs``: 1-D int64, same device, equal lengths."""
+    """Checked ``(src_pages, dst_pages)`` of ``pages_to_runs``: 1-D int64 or int32 (one dtype for both), same
+    device, equal lengths."""
     src = as_index_tensor(src_pages, "src_pages", ndim=1)
     dst = as_index_tensor(dst_pages, "dst_pages", ndim=1)
+    if src.dtype != dst.dtype:
+        raise InvalidIdError(f"src_pages and dst_pages must share one dtype, got {src.dtype} and {dst.dtype}")
     same_device("src_pages", src, "dst_pages", dst)
     if src.numel() != dst.numel():
         raise UmallocValueError(
@@ -236,6 +323,7 @@ def descriptor_args(
 def runs_as_numpy(runs: object) -> np.ndarray:
     """``runs`` as a C-contiguous ``(R, 3)`` int64 numpy array (CUDA tensors are copied to the host)."""
     if isinstance(runs, torch.Tensor):
+        check_dense(runs, "runs")
         if runs.dtype != torch.int64:
             raise InvalidIdError(f"runs must have dtype int64, got {runs.dtype}")
         arr = runs.detach().cpu().numpy()
@@ -300,8 +388,8 @@ def _region_list(regions: object, name: str) -> list[tuple[int, int]]:
             ) from None
         if not 0 <= base < _U64_LIMIT:
             raise UmallocValueError(f"{name}[{k}] base_addr={base} must lie in [0, 2**64)")
-        if item < 1:
-            raise UmallocValueError(f"{name}[{k}] item_bytes={item} must be >= 1")
+        if not 1 <= item < _U64_LIMIT:
+            raise UmallocValueError(f"{name}[{k}] item_bytes={item} must lie in [1, 2**64)")
         out.append((base, item))
     return out
 

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from umalloc.errors import UmallocValueError
-from umalloc.translators._common import IndexLike, RegionsLike
+from umalloc.translators._common import STRICT_DEFAULT, IndexLike, RegionsLike
 
 #: Names accepted by ``impl=`` and ``UMALLOC_TRANSLATOR``.
 IMPL_NAMES: tuple[str, ...] = ("reference", "cpu", "cuda")
@@ -32,7 +32,8 @@ ENV_VAR = "UMALLOC_TRANSLATOR"
 @runtime_checkable
 class Translator(Protocol):
     """What every translator implementation provides (see :mod:`umalloc.translators.reference` for the
-    semantics, shapes, dtypes and errors of each function)."""
+    semantics, shapes, dtypes and errors of each function). ``strict`` is a bool (``True``/``False`` only)
+    with the one default :data:`~umalloc.translators.STRICT_DEFAULT` (True) in every implementation."""
 
     NAME: str
 
@@ -49,7 +50,7 @@ class Translator(Protocol):
         page_size: int,
         *,
         out: torch.Tensor | None = None,
-        strict: bool = False,
+        strict: bool = STRICT_DEFAULT,
     ) -> torch.Tensor: ...
 
     def virtual_to_physical_pages(
@@ -58,7 +59,7 @@ class Translator(Protocol):
         v2p: IndexLike,
         *,
         out: torch.Tensor | None = None,
-        strict: bool = False,
+        strict: bool = STRICT_DEFAULT,
     ) -> torch.Tensor: ...
 
     def tokens_to_pages(self, tokens: IndexLike, page_size: int) -> torch.Tensor: ...

@@ -1,8 +1,11 @@
 """CPU translators: numba-compiled loops over numpy views of CPU tensors.
 
-* Same functions, arguments, results and errors as :mod:`umalloc.translators.reference`; CPU tensors only
-  (numpy int64 arrays are accepted and wrapped zero-copy). Tensors are viewed through ``Tensor.numpy()``,
-  so no input is copied unless it is non-contiguous.
+* Same functions, arguments, results and errors as :mod:`umalloc.translators.reference`; CPU tensors and
+  numpy arrays only (int64 or int32 ids; read-only arrays too). Tensors are viewed through ``Tensor.numpy()``,
+  so no input is copied unless it is int32 or non-contiguous.
+* The fastest call for host tables (an allocator's numpy v2p master, out= a CPU tensor):
+  ``virtual_to_physical[_pages](ids, v2p_numpy, ..., out=out, strict=strict)``; a numpy ``v2p`` skips every
+  torch wrapper.
 * Each kernel is one ``@njit`` loop over a half-open chunk ``[lo, hi)``. For the batch-sized hot paths
   (``virtual_to_physical[_pages]``, ``tokens_to_pages``, ``pages_to_runs``) batches of at least
   :data:`PARALLEL_MIN_ITEMS` items split into one chunk per numba thread under ``prange``; smaller batches run
@@ -14,12 +17,16 @@
   2 threads were 1.3-2x faster than one; at load average 3-5, 5-10x *slower*. So with fewer than 4 numba
   threads batches stay on the calling thread by default; with 4 or more, batches from 128k items run in
   parallel. Override with the environment variable ``UMALLOC_CPU_PARALLEL_MIN_ITEMS`` (0: always
-  parallel) or by assigning :data:`PARALLEL_MIN_ITEMS`.
-* Validation first, then writes: a bad id raises before anything is written, so an ``out=`` aliasing the input
-  survives the error unchanged, and no kernel ever reads outside the v2p table.
+  parallel) or by assigning :data:`PARALLEL_MIN_ITEMS`. A parallel launch never changes the caller's torch
+  thread count (Note [Parallel kernels and torch threads]).
+* Translation is a validation pass (range; tombstones when strict) and a translating pass into scratch that
+  also detects entries too large for the ids' dtype; only an error-free result reaches ``out`` (one copy), so
+  ``out`` survives every error unchanged (also when it aliases the input), and no kernel ever reads outside
+  the v2p table.
 * Page sizes that are powers of two use shifts and masks; others divide.
 * Kernels compile lazily on first use and are cached on disk (``cache=True``), so a process pays the JIT once
-  per kernel and signature; all inputs are normalised to C-contiguous int64 so there is one signature each.
+  per kernel and signature; all inputs are normalised to C-contiguous int64 so there is one signature each
+  (a read-only table is a second one).
 
 See Note [Tombstones map to the sink] in :mod:`umalloc.translators.reference`.
 """
@@ -89,20 +96,51 @@ def _cpu(t: torch.Tensor, name: str) -> torch.Tensor:
     return t
 
 
-def _flat(t: torch.Tensor) -> np.ndarray:
-    """A C-contiguous 1-D numpy view of a CPU tensor (a copy only when ``t`` is not contiguous).
+_NP_IDS = (np.dtype(np.int64), np.dtype(np.int32))
+_TORCH_DTYPE = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
+_CPU = torch.device("cpu")
 
-    Goes through numpy rather than torch view ops: on small batches torch's per-op overhead dominates.
+
+def _host(x: object, name: str, *, ndim: int | None = None, int64_only: bool = False) -> np.ndarray:
+    """``x`` (a CPU tensor or numpy array of int64/int32 ids) as a numpy array over the same memory.
+
+    The common cases (a numpy array or dense CPU tensor of the right dtype) cost a few attribute checks;
+    anything else goes through :func:`umalloc.translators._common.as_index_tensor` for the same typed errors
+    as every implementation, plus :class:`UmallocValueError` for a tensor that is not on the CPU.
     """
-    return np.ascontiguousarray(t.numpy()).reshape(-1)
+    kind = type(x)
+    if kind is np.ndarray:
+        if (x.dtype == np.int64 or (x.dtype == np.int32 and not int64_only)) and (ndim is None or x.ndim == ndim):
+            return x
+    elif kind is torch.Tensor and x.is_cpu and x.layout is torch.strided:
+        dt = x.dtype
+        if (dt is torch.int64 or (dt is torch.int32 and not int64_only)) and (ndim is None or x.dim() == ndim):
+            return x.numpy()
+    t = c.as_index_tensor(x, name, ndim=ndim, int64_only=int64_only)
+    return _cpu(t, name).numpy()
+
+
+def _check_out(out: object, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """:func:`umalloc.translators._common.check_out` for CPU results, with a fast accept."""
+    if (type(out) is torch.Tensor and out.dtype is dtype and out.is_cpu and out.layout is torch.strided
+            and out.shape == shape):
+        return
+    c.check_out(out, shape, dtype, _CPU)
+
+
+def _flat(a: np.ndarray) -> np.ndarray:
+    """A C-contiguous 1-D int64 array over ``a`` (a copy only when ``a`` is int32 or not contiguous)."""
+    return np.ascontiguousarray(a, dtype=np.int64).reshape(-1)
 
 
 def _empty(num_items: int) -> np.ndarray:
     return np.empty(num_items, dtype=np.int64)
 
 
-def _wrap(arr: np.ndarray, shape: tuple[int, ...] | torch.Size) -> torch.Tensor:
-    """A tensor over ``arr`` (no copy) with ``shape``."""
+def _wrap(arr: np.ndarray, shape: tuple[int, ...] | torch.Size, dtype: np.dtype = _NP_IDS[0]) -> torch.Tensor:
+    """A tensor over ``arr`` (no copy unless ``dtype`` is int32) with ``shape``."""
+    if arr.dtype != dtype:
+        arr = arr.astype(dtype)
     return torch.from_numpy(arr.reshape(shape))
 
 
@@ -111,25 +149,32 @@ def _shift_of(page_size: int) -> int:
     return page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1
 
 
-def _chunks(num_items: int) -> int:
-    """How many chunks to split ``num_items`` into: 1 below the threshold, else one per numba thread."""
-    return 1 if num_items < PARALLEL_MIN_ITEMS else max(1, numba.get_num_threads())
+def _parallel_batch(num_items: int) -> bool:
+    """True when a batch of ``num_items`` runs on every numba thread (:data:`PARALLEL_MIN_ITEMS`)."""
+    return num_items >= PARALLEL_MIN_ITEMS
 
 
-def _out_target(out: torch.Tensor, ids: np.ndarray, tab: np.ndarray) -> np.ndarray | None:
-    """``out``'s memory as a flat array when a kernel may write there directly, else None.
+def _chunks() -> int:
+    """Chunks of a parallel batch: one per numba thread (starts numba's thread pool on first use)."""
+    return max(1, numba.get_num_threads())
 
-    Safe when ``out`` is contiguous and either overlaps neither input or is exactly ``ids`` (element ``i`` is
-    read before it is written, by the same thread). Partial overlaps go through a temporary.
+
+def _parallel(kernel, *args):  # noqa: ANN001, ANN202 - a numba dispatcher and its arguments
+    """Run a ``parallel=True`` kernel on :func:`_chunks` chunks (the last argument) without changing the
+    caller's threading.
+
+    Note [Parallel kernels and torch threads]: numba's OpenMP threading layer sets the calling thread's
+    OpenMP thread count (``omp_set_num_threads``) when it starts its thread pool (the first parallel launch,
+    or the first ``numba.get_num_threads()``), and torch reads the same setting: after it,
+    ``torch.get_num_threads()`` went from 1 to 2 and every later torch op of the caller ran on two threads.
+    So the count is read before and restored after.
     """
-    if not out.is_contiguous():
-        return None
-    res = out.numpy().reshape(-1)
-    if np.may_share_memory(res, tab):
-        return None
-    if np.may_share_memory(res, ids) and res.ctypes.data != ids.ctypes.data:
-        return None
-    return res
+    threads = torch.get_num_threads()
+    try:
+        return kernel(*args, _chunks())
+    finally:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
 
 
 # --- kernels ------------------------------------------------------------------------------------------------
@@ -150,7 +195,7 @@ def _bounds(n, nchunks, k):
 def _check_chunk(ids, tab, shift, ps, strict, lo, hi):
     """(#ids outside [0, len(tab) * ps), #in-range ids whose page is tombstoned when strict)."""
     v = ids[lo:hi]
-    limit = np.uint64(tab.shape[0] * ps)
+    limit = np.uint64(tab.shape[0]) * np.uint64(ps)
     zero = np.uint64(0)
     outside = 0
     tomb = 0
@@ -175,39 +220,51 @@ def _check_chunk(ids, tab, shift, ps, strict, lo, hi):
 
 
 @njit(cache=True, nogil=True)
-def _v2p_chunk(ids, tab, shift, ps, out, lo, hi):
-    """Translate [lo, hi) into ``out``; every id must already be in range (see :func:`_check_chunk`)."""
+def _v2p_chunk(ids, tab, shift, ps, pmax, out, lo, hi):
+    """Translate [lo, hi) into ``out``; every id must already be in range (see :func:`_check_chunk`).
+
+    Returns the number of entries above ``pmax`` (their ids would not fit; the caller discards ``out``). With a
+    power-of-two page size ``pmax`` is ``2**b - 1``, so the test is one OR over the entries, checked once.
+    """
     v = ids[lo:hi]
     o = out[lo:hi]
     if shift >= 0:
         us = np.uint64(shift)
         mask = ps - 1
+        acc = 0
         for k in range(v.shape[0]):
             t = v[k]
-            p = tab[np.uint64(t) >> us]
-            o[k] = (max(p, 0) << shift) | (t & mask)
-    else:
-        ups = np.uint64(ps)
-        for k in range(v.shape[0]):
-            t = v[k]
-            q = np.uint64(t) // ups
-            o[k] = max(tab[q], 0) * ps + (t - np.int64(q) * ps)
+            p = max(tab[np.uint64(t) >> us], 0)
+            acc |= p
+            o[k] = (p << shift) | (t & mask)
+        return 1 if acc > pmax else 0
+    ups = np.uint64(ps)
+    over = 0
+    for k in range(v.shape[0]):
+        t = v[k]
+        q = np.uint64(t) // ups
+        p = tab[q]
+        over += p > pmax
+        o[k] = max(p, 0) * ps + (t - np.int64(q) * ps)
+    return over
 
 
 @njit(cache=True, nogil=True)
-def _v2p_serial(ids, tab, shift, ps, strict, out):
-    """Validate every id, then (only if all are valid) translate into ``out``. Returns the two error counts."""
+def _v2p_serial(ids, tab, shift, ps, strict, pmax, out):
+    """Validate every id, then (only if all are valid) translate into ``out``. Returns the three error counts
+    (outside, tombstoned when strict, entry overflow)."""
     n = ids.shape[0]
     outside, tomb = _check_chunk(ids, tab, shift, ps, strict, 0, n)
+    over = 0
     if outside == 0 and tomb == 0:
-        _v2p_chunk(ids, tab, shift, ps, out, 0, n)
-    return outside, tomb
+        over = _v2p_chunk(ids, tab, shift, ps, pmax, out, 0, n)
+    return outside, tomb, over
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _v2p_par(ids, tab, shift, ps, strict, out, nchunks):
+def _v2p_par(ids, tab, shift, ps, strict, pmax, out, nchunks):
     n = ids.shape[0]
-    res = np.zeros((nchunks, 2), dtype=np.int64)
+    res = np.zeros((nchunks, 3), dtype=np.int64)
     for k in prange(nchunks):
         lo, hi = _bounds(n, nchunks, k)
         a, b = _check_chunk(ids, tab, shift, ps, strict, lo, hi)
@@ -218,8 +275,8 @@ def _v2p_par(ids, tab, shift, ps, strict, out, nchunks):
     if outside == 0 and tomb == 0:
         for k in prange(nchunks):
             lo, hi = _bounds(n, nchunks, k)
-            _v2p_chunk(ids, tab, shift, ps, out, lo, hi)
-    return outside, tomb
+            res[k, 2] = _v2p_chunk(ids, tab, shift, ps, pmax, out, lo, hi)
+    return outside, tomb, res[:, 2].sum()
 
 
 @njit(cache=True, nogil=True)
@@ -399,31 +456,47 @@ def _dcp_fill(pos, d, r, shift, indices, rows):
 # --- public functions -----------------------------------------------------------------------------------
 
 
-def _translate(ids_t, tab_t, ps, out, strict, name, unit):
-    _cpu(ids_t, name)
-    _cpu(tab_t, "v2p")
-    ids = _flat(ids_t)
-    tab = _flat(tab_t)
-    n = ids.shape[0]
-    res = _out_target(out, ids, tab) if out is not None else None
-    direct = res is not None
-    if not direct:
-        res = _empty(n)
+def _translate(ids: object, v2p: object, page_size: object, out: torch.Tensor | None, strict: object, name: str,
+               unit: str) -> torch.Tensor:
+    """The one host translation: validate everything, translate into scratch (detecting entry overflow), then
+    (only if no error was counted) deliver to ``out`` or a fresh tensor. ``out`` is never written on an error."""
+    flag = c.strict_flag(strict)
+    ids_np = _host(ids, name)
+    tab = _host(v2p, "v2p", ndim=1, int64_only=True)
+    ps = c.positive_int(page_size, "page_size")
+    dtype = ids_np.dtype
+    if out is not None:
+        _check_out(out, ids_np.shape, _TORCH_DTYPE[dtype])
+    num_vpages = tab.shape[0]
+    c.check_id_space(num_vpages, ps)
+    flat = ids_np.reshape(-1) if dtype == np.int64 and ids_np.flags.c_contiguous else _flat(ids_np)
+    n = flat.shape[0]
+    res = _empty(n)
     if n:
-        nchunks = _chunks(n)
+        if num_vpages == 0:
+            c.raise_out_of_range(c.wrap_numpy(flat), 0, name, unit)
+        if not tab.flags.c_contiguous:
+            tab = np.ascontiguousarray(tab)
+        id_max = c.ID_MAX[dtype]
+        pmax = c.max_entry(ps, id_max)
         shift = _shift_of(ps)
-        if nchunks == 1:
-            outside, tomb = _v2p_serial(ids, tab, shift, ps, bool(strict), res)
+        if _parallel_batch(n):
+            outside, tomb, over = _parallel(_v2p_par, flat, tab, shift, ps, flag, pmax, res)
         else:
-            outside, tomb = _v2p_par(ids, tab, shift, ps, bool(strict), res, nchunks)
-        if outside:
-            c.raise_out_of_range(ids_t, tab.shape[0] * ps, name, unit)
-        if tomb:
-            c.raise_tombstone(ids_t, tab_t, ps, name)
+            outside, tomb, over = _v2p_serial(flat, tab, shift, ps, flag, pmax, res)
+        if outside or tomb or over:
+            ids_t, tab_t = c.wrap_numpy(flat), c.wrap_numpy(tab)
+            if outside:
+                c.raise_out_of_range(ids_t, num_vpages * ps, name, unit)
+            if tomb:
+                c.raise_tombstone(ids_t, tab_t, ps, name)
+            c.raise_entry_overflow(ids_t.to(_TORCH_DTYPE[dtype]), tab_t, ps, name, id_max)
     if out is None:
-        return _wrap(res, ids_t.shape)
-    if not direct:
-        out.copy_(_wrap(res, out.shape))
+        return _wrap(res, ids_np.shape, dtype)
+    if out.is_contiguous():
+        np.copyto(out.numpy().reshape(-1), res, casting="unsafe")  # int32 results were checked to fit
+    else:
+        out.copy_(torch.from_numpy(res.reshape(ids_np.shape)))
     return out
 
 
@@ -433,19 +506,20 @@ def virtual_to_physical(
     page_size: int,
     *,
     out: torch.Tensor | None = None,
-    strict: bool = False,
+    strict: bool = c.STRICT_DEFAULT,
 ) -> torch.Tensor:
-    """Numba version of :func:`umalloc.translators.reference.virtual_to_physical` (CPU tensors only).
+    """Numba version of :func:`umalloc.translators.reference.virtual_to_physical` (CPU tensors and numpy
+    arrays only; the fastest call for host tables, e.g. an allocator's numpy v2p master).
 
-    Two passes over ``vtokens`` (validate, then translate), each O(n), parallel from
-    :data:`PARALLEL_MIN_ITEMS` tokens. Raises exactly what the reference raises, plus
-    :class:`UmallocValueError` for a non-CPU tensor.
+    Two O(n) passes over ``vtokens`` (validate; translate into scratch, detecting entry overflow), parallel
+    from :data:`PARALLEL_MIN_ITEMS` tokens, then one copy into ``out`` when given. Raises
+    exactly what the reference raises, plus :class:`UmallocValueError` for a non-CPU tensor; ``out`` is
+    untouched on every error.
 
-    >>> virtual_to_physical(torch.tensor([0, 1, 3, 4, 5]), torch.tensor([5, -1, 2]), 2)
+    >>> virtual_to_physical(torch.tensor([0, 1, 3, 4, 5]), torch.tensor([5, -1, 2]), 2, strict=False)
     tensor([10, 11,  1,  4,  5])
     """
-    vt, tab, ps = c.translate_args(vtokens, v2p, page_size, out, "vtokens")
-    return _translate(vt, tab, ps, out, strict, "vtokens", "token")
+    return _translate(vtokens, v2p, page_size, out, strict, "vtokens", "token")
 
 
 def virtual_to_physical_pages(
@@ -453,15 +527,14 @@ def virtual_to_physical_pages(
     v2p: c.IndexLike,
     *,
     out: torch.Tensor | None = None,
-    strict: bool = False,
+    strict: bool = c.STRICT_DEFAULT,
 ) -> torch.Tensor:
-    """Numba version of :func:`umalloc.translators.reference.virtual_to_physical_pages` (CPU tensors only).
+    """Numba version of :func:`umalloc.translators.reference.virtual_to_physical_pages` (CPU only).
 
-    >>> virtual_to_physical_pages(torch.tensor([2, 1, 0]), torch.tensor([5, -1, 2]))
+    >>> virtual_to_physical_pages(torch.tensor([2, 1, 0]), torch.tensor([5, -1, 2]), strict=False)
     tensor([2, 0, 5])
     """
-    vp, tab, _ = c.translate_args(vpages, v2p, 1, out, "vpages")
-    return _translate(vp, tab, 1, out, strict, "vpages", "page")
+    return _translate(vpages, v2p, 1, out, strict, "vpages", "page")
 
 
 def tokens_to_pages(tokens: c.IndexLike, page_size: int) -> torch.Tensor:
@@ -472,23 +545,23 @@ def tokens_to_pages(tokens: c.IndexLike, page_size: int) -> torch.Tensor:
     """
     tok_t, ps = c.tokens_args(tokens, page_size)
     _cpu(tok_t, "tokens")
-    tok = _flat(tok_t)
+    tok = _flat(tok_t.numpy())
     num_pages = tok.shape[0] // ps
     res = _empty(num_pages)
     if num_pages:
         shift = _shift_of(ps)
-        nchunks = _chunks(tok.shape[0])
-        if nchunks == 1:
-            bad = _t2p_chunk(tok, ps, shift, res, 0, num_pages)
+        if _parallel_batch(tok.shape[0]):
+            bad = _parallel(_t2p_par, tok, ps, shift, res)
         else:
-            bad = _t2p_par(tok, ps, shift, res, nchunks)
+            bad = _t2p_chunk(tok, ps, shift, res, 0, num_pages)
         if bad:
-            c.raise_misaligned(tok_t, ps)
-    return torch.from_numpy(res)
+            c.raise_misaligned(c.wrap_numpy(tok), ps)
+    return _wrap(res, (num_pages,), tok_t.numpy().dtype)
 
 
 def pages_to_runs(src_pages: c.IndexLike, dst_pages: c.IndexLike) -> torch.Tensor:
-    """Numba version of :func:`umalloc.translators.reference.pages_to_runs` (CPU tensors only).
+    """Numba version of :func:`umalloc.translators.reference.pages_to_runs` (CPU tensors and numpy arrays;
+    the one run-coalescing implementation on the host: compaction and the plan builders call it).
 
     One O(n) pass (parallel from :data:`PARALLEL_MIN_ITEMS` pages) writes runs into an ``(n, 3)`` scratch
     array; chunks are then moved together (one ``memmove`` per chunk after the first) and the array is shrunk
@@ -503,16 +576,16 @@ def pages_to_runs(src_pages: c.IndexLike, dst_pages: c.IndexLike) -> torch.Tenso
     src_t, dst_t = c.runs_args(src_pages, dst_pages)
     _cpu(src_t, "src_pages")
     _cpu(dst_t, "dst_pages")
-    src, dst = _flat(src_t), _flat(dst_t)
+    src, dst = _flat(src_t.numpy()), _flat(dst_t.numpy())
     n = src.shape[0]
     if n == 0:
         return torch.from_numpy(np.empty((0, 3), dtype=np.int64))
     runs = np.empty((n, 3), dtype=np.int64)
-    nchunks = _chunks(n)
-    if nchunks == 1:
+    if not _parallel_batch(n):
         num_runs, neg = _runs_chunk(src, dst, runs, 0, n)
     else:
-        counts = _runs_par(src, dst, runs, nchunks)
+        counts = _parallel(_runs_par, src, dst, runs)
+        nchunks = counts.shape[0]
         neg = bool(counts[:, 1].any())
         num_runs = int(counts[0, 0])
         for k in range(1, nchunks):  # over chunks (a handful), never over runs
@@ -522,9 +595,9 @@ def pages_to_runs(src_pages: c.IndexLike, dst_pages: c.IndexLike) -> torch.Tenso
                 runs[num_runs : num_runs + cnt] = runs[lo : lo + cnt]  # overlapping copies are memmoves
             num_runs += cnt
     if neg:
-        if bool((src_t < 0).any()):
-            c.raise_negative(src_t, "src_pages")
-        c.raise_negative(dst_t, "dst_pages")
+        if bool((src < 0).any()):
+            c.raise_negative(c.wrap_numpy(src), "src_pages")
+        c.raise_negative(c.wrap_numpy(dst), "dst_pages")
     runs.resize((num_runs, 3), refcheck=False)  # shrinks in place (realloc); no view of runs exists
     return torch.from_numpy(runs)
 
@@ -555,17 +628,17 @@ def kernel_page_ids(tokens: c.IndexLike, page_size: int, layers_per_page: int) -
     """
     tok_t, ps, layers = c.kernel_ids_args(tokens, page_size, layers_per_page)
     _cpu(tok_t, "tokens")
-    tok = _flat(tok_t)
+    dtype = tok_t.numpy().dtype
+    tok = _flat(tok_t.numpy())
     n = tok.shape[0]
     res = _empty(n)
     if n == 0:
-        return _wrap(res, tok_t.shape)
+        return _wrap(res, tok_t.shape, dtype)
     neg, hi = _kernel_ids_chunk(tok, ps, _shift_of(ps), ps * layers, res)
     if neg:
-        c.raise_negative(tok_t, "tokens")
-    hi = int(hi)
-    c.check_kernel_ids_fit(hi, ps, layers)
-    return _wrap(res, tok_t.shape)
+        c.raise_negative(c.wrap_numpy(tok), "tokens")
+    c.check_kernel_ids_fit(int(hi), ps, layers, c.ID_MAX[dtype])
+    return _wrap(res, tok_t.shape, dtype)
 
 
 def rank_local_positions(
@@ -580,13 +653,14 @@ def rank_local_positions(
     """
     pos_t, d, r = c.dcp_args(positions, dcp_size, rank)
     _cpu(pos_t, "positions")
-    pos = _flat(pos_t)
+    dtype = pos_t.numpy().dtype
+    pos = _flat(pos_t.numpy())
     shift = _shift_of(d)
     owned, neg = _dcp_count(pos, d, r, shift)
     if neg:
-        c.raise_negative(pos_t, "positions")
+        c.raise_negative(c.wrap_numpy(pos), "positions")
     indices = _empty(owned)
     rows = _empty(owned)
     if owned:
         _dcp_fill(pos, d, r, shift, indices, rows)
-    return torch.from_numpy(indices), torch.from_numpy(rows)
+    return torch.from_numpy(indices), _wrap(rows, (owned,), dtype)

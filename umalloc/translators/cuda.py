@@ -41,19 +41,22 @@ _MAX_BLOCKS = 65535
 _SOURCE = r"""
 extern "C" __global__ void umalloc_v2p_check(
         const long long* ids, long long n, const long long* tab, long long limit, long long ps,
-        int strict, unsigned long long* counts) {
-    unsigned long long outside = 0, tomb = 0;
+        int strict, long long pmax, unsigned long long* counts) {
+    unsigned long long outside = 0, tomb = 0, over = 0;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {
         long long t = ids[i];
         if ((unsigned long long)t >= (unsigned long long)limit) {
             outside += 1;
-        } else if (strict && tab[t / ps] < 0) {
-            tomb += 1;
+        } else {
+            long long p = tab[t / ps];
+            if (strict && p < 0) tomb += 1;
+            if (p > pmax) over += 1;
         }
     }
     if (outside) atomicAdd(&counts[0], outside);
     if (tomb) atomicAdd(&counts[1], tomb);
+    if (over) atomicAdd(&counts[2], over);
 }
 
 extern "C" __global__ void umalloc_v2p_apply(
@@ -155,8 +158,10 @@ def _grid(n: int) -> tuple[int]:
     return (max(1, min(_MAX_BLOCKS, (n + _THREADS - 1) // _THREADS)),)
 
 
-def _translate(ids_t, tab_t, ps, out, strict, name, unit):
-    _require((name, ids_t), ("v2p", tab_t))
+def _translate(ids_in, tab_t, ps, out, strict, name, unit):
+    _require((name, ids_in), ("v2p", tab_t))
+    ids_t = ids_in.to(torch.int64)
+    id_max = c.ID_MAX[ids_in.dtype]
     ids_c = ids_t.contiguous()
     tab_c = tab_t.contiguous()
     n = ids_c.numel()
@@ -166,17 +171,20 @@ def _translate(ids_t, tab_t, ps, out, strict, name, unit):
         mod = _kernels()
         with _OnTorchStream(ids_t.device):
             ids, tab, res = _cupy(ids_c.view(-1)), _cupy(tab_c), _cupy(result.view(-1))
-            counts = _cp.zeros(2, dtype=_cp.uint64)
-            args = (ids, np.int64(n), tab, np.int64(limit), np.int64(ps), np.int32(bool(strict)), counts)
+            counts = _cp.zeros(3, dtype=_cp.uint64)
+            pmax = np.int64(c.max_entry(ps, id_max))
+            args = (ids, np.int64(n), tab, np.int64(limit), np.int64(ps), np.int32(strict), pmax, counts)
             mod.get_function("umalloc_v2p_check")(_grid(n), (_THREADS,), args)
-            outside, tomb = (int(v) for v in counts.get())  # the one synchronization
+            outside, tomb, over = (int(v) for v in counts.get())  # the one synchronization
             if outside:
                 c.raise_out_of_range(ids_t, limit, name, unit)
             if tomb:
                 c.raise_tombstone(ids_t, tab_t, ps, name)
+            if over:
+                c.raise_entry_overflow(ids_in, tab_t, ps, name, id_max)
             args = (ids, np.int64(n), tab, np.int64(ps), res)
             mod.get_function("umalloc_v2p_apply")(_grid(n), (_THREADS,), args)
-    return c.deliver(result, out)
+    return c.deliver(result, out, ids_in.dtype)
 
 
 def virtual_to_physical(
@@ -185,15 +193,15 @@ def virtual_to_physical(
     page_size: int,
     *,
     out: torch.Tensor | None = None,
-    strict: bool = False,
+    strict: bool = c.STRICT_DEFAULT,
 ) -> torch.Tensor:
     """CUDA version of :func:`umalloc.translators.reference.virtual_to_physical` (CUDA tensors only).
 
     One validation kernel, one synchronization, one gather kernel into a fresh tensor, then a copy into
     ``out`` when given (so ``out`` may alias the input).
     """
-    vt, tab, ps = c.translate_args(vtokens, v2p, page_size, out, "vtokens")
-    return _translate(vt, tab, ps, out, strict, "vtokens", "token")
+    vt, tab, ps, flag = c.translate_args(vtokens, v2p, page_size, out, "vtokens", strict)
+    return _translate(vt, tab, ps, out, flag, "vtokens", "token")
 
 
 def virtual_to_physical_pages(
@@ -201,11 +209,11 @@ def virtual_to_physical_pages(
     v2p: c.IndexLike,
     *,
     out: torch.Tensor | None = None,
-    strict: bool = False,
+    strict: bool = c.STRICT_DEFAULT,
 ) -> torch.Tensor:
     """CUDA version of :func:`umalloc.translators.reference.virtual_to_physical_pages` (CUDA tensors only)."""
-    vp, tab, _ = c.translate_args(vpages, v2p, 1, out, "vpages")
-    return _translate(vp, tab, 1, out, strict, "vpages", "page")
+    vp, tab, _, flag = c.translate_args(vpages, v2p, 1, out, "vpages", strict)
+    return _translate(vp, tab, 1, out, flag, "vpages", "page")
 
 
 def pages_to_runs(src_pages: c.IndexLike, dst_pages: c.IndexLike) -> torch.Tensor:
@@ -218,16 +226,16 @@ def pages_to_runs(src_pages: c.IndexLike, dst_pages: c.IndexLike) -> torch.Tenso
     n = src_t.numel()
     if n == 0:
         return torch.empty((0, 3), dtype=torch.int64, device=src_t.device)
-    src_c, dst_c = src_t.contiguous(), dst_t.contiguous()
+    src_c, dst_c = src_t.to(torch.int64).contiguous(), dst_t.to(torch.int64).contiguous()
     flags = torch.empty(n, dtype=torch.uint8, device=src_t.device)
     with _OnTorchStream(src_t.device):
         neg = _cp.zeros(1, dtype=_cp.uint64)
         args = (_cupy(src_c), _cupy(dst_c), np.int64(n), _cupy(flags), neg)
         _kernels().get_function("umalloc_run_starts")(_grid(n), (_THREADS,), args)
         if int(neg.get()[0]):
-            if bool((src_t < 0).any()):
-                c.raise_negative(src_t, "src_pages")
-            c.raise_negative(dst_t, "dst_pages")
+            if bool((src_c < 0).any()):
+                c.raise_negative(src_c, "src_pages")
+            c.raise_negative(dst_c, "dst_pages")
     starts = torch.nonzero(flags).reshape(-1)
     ends = torch.empty_like(starts)
     ends[:-1] = starts[1:]

@@ -3,7 +3,12 @@
 * The readable definition every other implementation is tested against (together with brute-force loops in
   the tests); correct on CPU, CUDA or any other torch device, not tuned for speed.
 * Validation first, then the result: bad input raises a typed error before anything is written, so an
-  ``out=`` that aliases the input survives an error unchanged.
+  ``out=`` survives an error unchanged (also one that aliases the input).
+* Ids may be int64 or int32 (vLLM's and SGLang's block tables are int32); id results keep the input's dtype
+  and a result that would not fit it is refused. Structural results (runs, DCP indices) are int64, v2p
+  tables are int64.
+* ``strict`` is a bool everywhere, default :data:`~umalloc.translators.STRICT_DEFAULT` (True): tombstones
+  raise unless the caller passes ``strict=False`` (the allocator's ``translate`` has the same default).
 * Validation reads values back to the host, so on CUDA each call synchronizes the stream once (more on the
   error path).
 * ``runs_to_descriptors`` is host work whatever the device: descriptors are numpy ``uint64`` arrays handed to
@@ -14,7 +19,7 @@ Note [Tombstones map to the sink]
     strict mode translating it raises :class:`TombstoneError`. Otherwise it maps to physical page
     :data:`SINK_PAGE` (0), the reserved page padded lanes may hit, keeping the in-page offset: virtual token
     ``t`` becomes physical token ``0 * page_size + t % page_size``. Reads from the sink return garbage that
-    nobody uses; writes land in a page that is never handed out (DESIGN.md §2, "reserved floor").
+    nobody uses; writes land in a page that is never handed out (the README glossary, "reserved floor"; docs/faults.md F05).
 """
 
 from __future__ import annotations
@@ -48,47 +53,42 @@ def virtual_to_physical(
     page_size: int,
     *,
     out: torch.Tensor | None = None,
-    strict: bool = False,
+    strict: bool = c.STRICT_DEFAULT,
 ) -> torch.Tensor:
     """Translate virtual token ids to physical token ids: ``v2p[t // page_size] * page_size + t % page_size``.
 
     Args:
-        vtokens: int64 tensor of virtual token ids, any shape, on the same device as ``v2p``.
-        v2p: 1-D int64 tensor, ``v2p[vpage]`` is the physical page bound to ``vpage`` or negative
-            (:data:`TOMBSTONE`) when unbound. Entries must be below ``2**63 // page_size`` (not checked:
-            that would cost a pass over the gathered entries; the allocator's tables always meet it).
-        page_size: tokens per page, >= 1.
-        out: optional int64 tensor of ``vtokens``' shape and device to write into (may be ``vtokens``
-            itself); returned.
-        strict: raise on a tombstoned entry instead of mapping it to the sink (Note [Tombstones map to the sink]).
+        vtokens: int64 or int32 tensor (or numpy array) of virtual token ids, any shape, on ``v2p``'s device.
+        v2p: 1-D int64 tensor (or numpy array), ``v2p[vpage]`` is the physical page bound to ``vpage`` or
+            negative (:data:`TOMBSTONE`) when unbound.
+        page_size: tokens per page, in ``[1, 2**63 - 1]``.
+        out: optional tensor of ``vtokens``' dtype, shape and device to write into (may be ``vtokens``
+            itself, or overlap it); returned.
+        strict: a bool (``True``/``False`` only, default :data:`STRICT_DEFAULT` = True): raise on a
+            tombstoned entry; ``False`` maps it to the sink (Note [Tombstones map to the sink]).
 
     Returns:
-        int64 tensor of ``vtokens``' shape and device: physical token ids.
+        tensor of ``vtokens``' shape, dtype and device: physical token ids.
 
     Raises:
-        InvalidIdError: a virtual token outside ``[0, len(v2p) * page_size)`` (never clamped); a wrong dtype,
-            rank or ``out`` shape.
+        InvalidIdError: a virtual token outside ``[0, len(v2p) * page_size)`` (never clamped); a v2p entry
+            whose physical ids ``entry * page_size + offset`` would not fit ``vtokens``' dtype (never wrapped;
+            the message names the largest entry allowed); a wrong dtype, rank, layout (sparse), a meta
+            tensor, or a wrong ``out`` dtype/shape.
         TombstoneError: ``strict`` and a token falls in a tombstoned page.
-        UmallocValueError: ``page_size < 1``; ``len(v2p) * page_size`` beyond int64; tensors on different
-            devices.
+        UmallocValueError: ``strict`` not a bool; ``page_size`` outside ``[1, 2**63 - 1]``;
+            ``len(v2p) * page_size`` beyond int64; tensors on different devices.
 
-    Nothing is written when an error is raised. O(n) time, O(n) temporaries.
+    Errors are checked in that order (range, tombstone, entry overflow) and raised before anything is
+    written: ``out`` is left untouched. O(n) time, O(n) temporaries.
     Follows SGLang's paged ``req_to_token`` convention (token id = page id * page_size + offset).
 
     >>> v2p = torch.tensor([5, -1, 2])
-    >>> virtual_to_physical(torch.tensor([0, 1, 3, 4, 5]), v2p, 2)
+    >>> virtual_to_physical(torch.tensor([0, 1, 3, 4, 5]), v2p, 2, strict=False)
     tensor([10, 11,  1,  4,  5])
     """
-    vt, tab, ps = c.translate_args(vtokens, v2p, page_size, out, "vtokens")
-    limit = tab.numel() * ps
-    if vt.numel() and bool(((vt < 0) | (vt >= limit)).any()):
-        c.raise_out_of_range(vt, limit, "vtokens", "token")
-    vpages = torch.div(vt, ps, rounding_mode="floor")
-    ppages = torch.take(tab, vpages)  # always a new tensor (tab[0-d index] would be a view of tab)
-    if strict and vt.numel() and bool((ppages < 0).any()):
-        c.raise_tombstone(vt, tab, ps, "vtokens")
-    result = ppages.clamp_(min=c.SINK_PAGE).mul_(ps).add_(vt - vpages * ps)
-    return c.deliver(result, out)
+    vt, tab, ps, flag = c.translate_args(vtokens, v2p, page_size, out, "vtokens", strict)
+    return _translate(vt, tab, ps, out, flag, "vtokens", "token")
 
 
 def virtual_to_physical_pages(
@@ -96,51 +96,65 @@ def virtual_to_physical_pages(
     v2p: c.IndexLike,
     *,
     out: torch.Tensor | None = None,
-    strict: bool = False,
+    strict: bool = c.STRICT_DEFAULT,
 ) -> torch.Tensor:
     """Translate virtual page ids to physical page ids: ``v2p[vpage]``, tombstones to the sink page.
 
     Args:
-        vpages: int64 tensor of virtual page ids, any shape, on ``v2p``'s device.
+        vpages: int64 or int32 tensor (or numpy array) of virtual page ids, any shape, on ``v2p``'s device.
         v2p: 1-D int64 table as in :func:`virtual_to_physical`.
-        out: optional int64 tensor of ``vpages``' shape and device (may alias ``vpages``); returned.
-        strict: raise on a tombstoned entry instead of returning :data:`SINK_PAGE`.
+        out: optional tensor of ``vpages``' dtype, shape and device (may alias ``vpages``); returned.
+        strict: a bool (default True): raise on a tombstoned entry; ``False`` returns :data:`SINK_PAGE`.
 
     Returns:
-        int64 tensor of ``vpages``' shape: physical page ids (0 for tombstones when not strict).
+        tensor of ``vpages``' shape and dtype: physical page ids (0 for tombstones when not strict).
 
     Raises:
-        InvalidIdError: a page outside ``[0, len(v2p))``; wrong dtype, rank or ``out`` shape.
+        InvalidIdError: a page outside ``[0, len(v2p))``; an entry beyond int32 for int32 ids; wrong dtype,
+            rank, layout, a meta tensor, or a wrong ``out``.
         TombstoneError: ``strict`` and a tombstoned entry.
-        UmallocValueError: tensors on different devices.
+        UmallocValueError: ``strict`` not a bool; tensors on different devices.
 
     Nothing is written when an error is raised. O(n).
 
-    >>> virtual_to_physical_pages(torch.tensor([2, 1, 0]), torch.tensor([5, -1, 2]))
+    >>> virtual_to_physical_pages(torch.tensor([2, 1, 0]), torch.tensor([5, -1, 2]), strict=False)
     tensor([2, 0, 5])
     """
-    vp, tab, _ = c.translate_args(vpages, v2p, 1, out, "vpages")
-    limit = tab.numel()
-    if vp.numel() and bool(((vp < 0) | (vp >= limit)).any()):
-        c.raise_out_of_range(vp, limit, "vpages", "page")
-    ppages = torch.take(tab, vp)  # a new tensor, never a view of tab
-    if strict and vp.numel() and bool((ppages < 0).any()):
-        c.raise_tombstone(vp, tab, 1, "vpages")
+    vp, tab, _, flag = c.translate_args(vpages, v2p, 1, out, "vpages", strict)
+    return _translate(vp, tab, 1, out, flag, "vpages", "page")
+
+
+def _translate(
+    ids: torch.Tensor, tab: torch.Tensor, ps: int, out: torch.Tensor | None, strict: bool, name: str, unit: str
+) -> torch.Tensor:
+    v = ids if ids.dtype == torch.int64 else ids.to(torch.int64)
+    limit = tab.numel() * ps
+    if v.numel() and bool(((v < 0) | (v >= limit)).any()):
+        c.raise_out_of_range(v, limit, name, unit)
+    vpages = torch.div(v, ps, rounding_mode="floor") if ps > 1 else v
+    ppages = torch.take(tab, vpages)  # always a new tensor (tab[0-d index] would be a view of tab)
+    if strict and v.numel() and bool((ppages < 0).any()):
+        c.raise_tombstone(v, tab, ps, name)
+    id_max = c.ID_MAX[ids.dtype]
+    if v.numel() and bool((ppages > c.max_entry(ps, id_max)).any()):
+        c.raise_entry_overflow(ids, tab, ps, name, id_max)
     result = ppages.clamp_(min=c.SINK_PAGE)
-    return c.deliver(result, out)
+    if ps > 1:
+        result = result.mul_(ps).add_(v - vpages * ps)
+    return c.deliver(result, out, ids.dtype)
 
 
 def tokens_to_pages(tokens: c.IndexLike, page_size: int) -> torch.Tensor:
     """Page ids of page-aligned token segments.
 
     Args:
-        tokens: 1-D int64 tensor whose length is a multiple of ``page_size``; each consecutive group of
+        tokens: 1-D int64 or int32 tensor whose length is a multiple of ``page_size``; each consecutive group of
             ``page_size`` entries must be exactly ``p*page_size, p*page_size + 1, ..., p*page_size + page_size-1``
             for some page ``p >= 0``.
         page_size: tokens per page, >= 1.
 
     Returns:
-        1-D int64 tensor of ``len(tokens) // page_size`` page ids, on ``tokens``' device.
+        1-D tensor of ``len(tokens) // page_size`` page ids, of ``tokens``' dtype and device.
 
     Raises:
         InvalidIdError: a trailing partial page, a segment that is not one whole aligned page, a negative id,
@@ -152,9 +166,10 @@ def tokens_to_pages(tokens: c.IndexLike, page_size: int) -> torch.Tensor:
     >>> tokens_to_pages(torch.tensor([8, 9, 10, 11, 0, 1, 2, 3]), 4)
     tensor([2, 0])
     """
-    tok, ps = c.tokens_args(tokens, page_size)
-    if tok.numel() == 0:
-        return torch.empty(0, dtype=torch.int64, device=tok.device)
+    tok_in, ps = c.tokens_args(tokens, page_size)
+    if tok_in.numel() == 0:
+        return torch.empty(0, dtype=tok_in.dtype, device=tok_in.device)
+    tok = tok_in.to(torch.int64)
     groups = tok.reshape(-1, ps)
     first = groups[:, 0]
     ok = (first >= 0) & (first % ps == 0)
@@ -163,7 +178,7 @@ def tokens_to_pages(tokens: c.IndexLike, page_size: int) -> torch.Tensor:
         ok &= (groups == first[:, None] + offsets).all(dim=1)
     if not bool(ok.all()):
         c.raise_misaligned(tok, ps)
-    return torch.div(first, ps, rounding_mode="floor")
+    return torch.div(first, ps, rounding_mode="floor").to(tok_in.dtype)
 
 
 def pages_to_runs(src_pages: c.IndexLike, dst_pages: c.IndexLike) -> torch.Tensor:
@@ -173,7 +188,8 @@ def pages_to_runs(src_pages: c.IndexLike, dst_pages: c.IndexLike) -> torch.Tenso
     inside it. Runs are returned in input order; every pair belongs to exactly one run.
 
     Args:
-        src_pages, dst_pages: 1-D int64 tensors of equal length, ids >= 0, same device.
+        src_pages, dst_pages: 1-D tensors of equal length and one dtype (int64 or int32), ids >= 0, same
+            device.
 
     Returns:
         ``(R, 3)`` int64 tensor of ``(src_start, dst_start, num_pages)`` rows on the inputs' device;
@@ -190,7 +206,7 @@ def pages_to_runs(src_pages: c.IndexLike, dst_pages: c.IndexLike) -> torch.Tenso
             [5, 2, 1],
             [9, 3, 1]])
     """
-    src, dst = c.runs_args(src_pages, dst_pages)
+    src, dst = (t.to(torch.int64) for t in c.runs_args(src_pages, dst_pages))
     n = src.numel()
     if n == 0:
         return torch.empty((0, 3), dtype=torch.int64, device=src.device)
@@ -244,15 +260,16 @@ def kernel_page_ids(tokens: c.IndexLike, page_size: int, layers_per_page: int) -
     stride spans one layer sees token ``t`` at this row, plus the layer's own row offset.
 
     Args:
-        tokens: int64 tensor of physical token ids >= 0, any shape, any device.
+        tokens: int64 or int32 tensor of physical token ids >= 0, any shape, any device.
         page_size: tokens per page (``ps``), >= 1.
         layers_per_page: layers (row blocks) per page envelope (``L``), >= 1.
 
     Returns:
-        int64 tensor of ``tokens``' shape and device.
+        tensor of ``tokens``' shape, dtype and device.
 
     Raises:
-        InvalidIdError: a negative token; a result that would overflow int64; wrong dtype.
+        InvalidIdError: a negative token; a result that would not fit ``tokens``' dtype (the message names
+            the largest token allowed); wrong dtype, layout, a meta tensor.
         UmallocValueError: ``page_size`` or ``layers_per_page`` < 1, or their product beyond int64.
 
     O(n).
@@ -260,15 +277,16 @@ def kernel_page_ids(tokens: c.IndexLike, page_size: int, layers_per_page: int) -
     >>> kernel_page_ids(torch.tensor([0, 5, 9]), 4, 3)
     tensor([ 0, 13, 25])
     """
-    tok, ps, layers = c.kernel_ids_args(tokens, page_size, layers_per_page)
-    if tok.numel() == 0:
-        return torch.empty_like(tok)
+    tok_in, ps, layers = c.kernel_ids_args(tokens, page_size, layers_per_page)
+    if tok_in.numel() == 0:
+        return torch.empty_like(tok_in)
+    tok = tok_in.to(torch.int64)
     lo, hi = (int(v) for v in torch.aminmax(tok))
     if lo < 0:
         c.raise_negative(tok, "tokens")
-    c.check_kernel_ids_fit(hi, ps, layers)
+    c.check_kernel_ids_fit(hi, ps, layers, c.ID_MAX[tok_in.dtype])
     pages = torch.div(tok, ps, rounding_mode="floor")
-    return pages * (ps * layers) + (tok - pages * ps)
+    return (pages * (ps * layers) + (tok - pages * ps)).to(tok_in.dtype)
 
 
 def rank_local_positions(
@@ -280,12 +298,13 @@ def rank_local_positions(
     ``p // d``. This is the token-interleaved layout of vLLM's decode context parallelism (interleave size 1).
 
     Args:
-        positions: 1-D int64 tensor of token positions >= 0 (any order, repeats allowed), any device.
+        positions: 1-D int64 or int32 tensor of token positions >= 0 (any order, repeats allowed), any device.
         dcp_size: number of DCP ranks ``d``, >= 1.
         rank: this rank ``r``, in ``[0, d)``.
 
     Returns:
-        ``(indices, local_rows)``: two 1-D int64 tensors of equal length ``R`` on ``positions``' device.
+        ``(indices, local_rows)``: two 1-D tensors of equal length ``R`` on ``positions``' device; ``indices``
+        int64, ``local_rows`` of ``positions``' dtype.
         ``indices`` are the ascending positions *in the input* (``0 .. len-1``) of the owned entries;
         ``local_rows[j] = positions[indices[j]] // dcp_size``.
 
@@ -298,8 +317,9 @@ def rank_local_positions(
     >>> rank_local_positions(torch.tensor([4, 5, 6, 7, 9]), 2, 1)
     (tensor([1, 3, 4]), tensor([2, 3, 4]))
     """
-    pos, d, r = c.dcp_args(positions, dcp_size, rank)
+    pos_in, d, r = c.dcp_args(positions, dcp_size, rank)
+    pos = pos_in.to(torch.int64)
     if pos.numel() and bool((pos < 0).any()):
         c.raise_negative(pos, "positions")
     indices = torch.nonzero(pos % d == r).reshape(-1)
-    return indices, torch.div(pos[indices], d, rounding_mode="floor")
+    return indices, torch.div(pos[indices], d, rounding_mode="floor").to(pos_in.dtype)
