@@ -15,7 +15,13 @@ import torch
 
 from umalloc.core.allocator import MultiEndedAllocator, snapshots_equal
 from umalloc.core.requests import RequestTable
-from umalloc.errors import DoubleFreeError, InvalidIdError, InvariantError, NotAllocatedError, UmallocValueError
+from umalloc.errors import (
+    DoubleFreeError,
+    InvalidIdError,
+    InvariantError,
+    NotAllocatedError,
+    UmallocValueError,
+)
 from umalloc.geometry.arena import Arena
 from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, KVDtype, LayerSpec
 

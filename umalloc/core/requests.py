@@ -559,7 +559,7 @@ class RequestTable:
             raise UmallocValueError(f"owner={owner!r}: allowed an id-owner end, one of {owners}")
         self.alloc = alloc
         self.owner = owner
-        self._owner_kw: dict[str, str] = {} if len(owners) == 1 else {"owner": owner}
+        self._owner_arg: str | None = None if len(owners) == 1 else owner   # None: the allocator's fast path
         self.page_size = ps = alloc.spec.end(owner).page_size
         self.bound_ends: tuple[str, ...] = alloc.bound_ends(owner)
         self._win = np.array([alloc.spec.end(b).window_tokens or 0 for b in self.bound_ends], np.int64)
@@ -596,10 +596,11 @@ class RequestTable:
         self.pad_write_vtoken = 0
         self.zero_vpage = 0
         if zero_page:
-            vp = alloc.alloc_pages(1, **self._owner_kw)
-            if vp is None:
+            got = alloc.alloc_pages(1, owner=self._owner_arg)
+            if got is None:
                 raise UmallocValueError(f"zero_page=True: the arena has no free page on {alloc.last_shortfall}; "
                                         f"allowed an arena with a free page on every end (or zero_page=False)")
+            vp = torch.as_tensor(got)
             self.zero_vpage = z = int(vp[0])
             for end in (owner, *self.bound_ends):
                 alloc.arena.envelopes(end)[int(alloc.translate_pages(vp, end)[0])] = 0
@@ -669,7 +670,7 @@ class RequestTable:
 
     def _free_listed(self, n: int) -> None:
         if n:
-            self.alloc.free_pages(self._freed[:n], **self._owner_kw)
+            self.alloc.free_pages(self._freed[:n], owner=self._owner_arg)
 
     def _take(self, k: int) -> np.ndarray | None:
         """``k`` fresh virtual pages (bound on every bound end), evicting cached pages LRU first while the
@@ -677,8 +678,10 @@ class RequestTable:
         buf = self._pagebuf[:k]
         if k == 0:
             return buf
+        if k >= self._pagebuf.shape[0]:   # more than the owner's whole id space: no eviction can help
+            return None
         alloc_pages = self.alloc.alloc_pages
-        while alloc_pages(k, out=buf, **self._owner_kw) is None:
+        while alloc_pages(k, out=buf, owner=self._owner_arg) is None:
             if self._lru[_NEXT, 0] == 0:
                 return None
             self.evict(max(1, sum(self.alloc.last_shortfall.values())))
