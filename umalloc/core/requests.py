@@ -277,6 +277,8 @@ def _k_grow_apply(rq, pg, r2p, r2t, slots, ext, ps, cow, pages, out, flat, cowpa
     nb = rel.shape[0]
     mt = r2t.shape[1]
     want_flat = flat.shape[0] > 0
+    for b in range(nb):
+        info[_REL + b] = 0
     c = 0
     o = 0
     f = 0
@@ -385,6 +387,36 @@ def _k_drop(rq, pg, r2p, r2t, lru, slots, keep, ps, cache, clear, pad, freed, re
 
 
 @njit(cache=True)
+def _k_fork(rq, pg, r2p, r2t, src, n, ps, win):
+    """Open the lowest free slot sharing the first ``n`` tokens of ``src`` (validated); -1 if none is free."""
+    c = -1
+    for s in range(rq.shape[1]):
+        if rq[_INUSE, s] == 0:
+            c = s
+            break
+    if c < 0:
+        return -1
+    kp = (n + ps - 1) // ps
+    rq[_INUSE, c] = 1
+    rq[_LEN, c] = n
+    for j in range(kp):
+        vp = r2p[src, j]
+        r2p[c, j] = vp
+        pg[_REF, vp] += 1
+    for p in range(n):
+        r2t[c, p] = r2t[src, p]
+    for b in range(win.shape[0]):
+        f = rq[_FRONT + b, src]
+        if win[b] > 0:
+            f = max(f, max(0, n - win[b]) // ps)
+        f = min(f, kp)
+        rq[_FRONT + b, c] = f
+        for j in range(f, kp):
+            pg[_NEED + b, r2p[src, j]] += 1
+    return c
+
+
+@njit(cache=True)
 def _k_check_truncate(rq, slots, keep, mark, info):
     info[:] = 0
     if not _check_slots(rq, slots, mark, info):
@@ -478,6 +510,8 @@ class RequestTableStats:
 
 def _ids_arg(x: object, name: str) -> np.ndarray:
     """A 1-D integer id batch as int64 numpy (torch int32/int64 on any device, numpy integers, or a list)."""
+    if type(x) is np.ndarray and x.dtype is _NP_I64 and x.ndim == 1:   # the engine's own index arrays
+        return x
     if isinstance(x, torch.Tensor):
         if x.dtype not in (torch.int64, torch.int32) or x.dim() != 1 or x.is_sparse or x.is_meta:
             raise InvalidIdError(f"{name}: dtype {x.dtype}, shape {tuple(x.shape)}; allowed a dense 1-D "
@@ -611,6 +645,10 @@ class RequestTable:
         self._r2t[:] = self.pad_read_vtoken
         device = alloc.arena.device
         self._dev = device if device.type != "cpu" else None
+        # whole-page views per end for copy-on-write (numpy on the CPU: one fancy-index copy per end)
+        self._envelopes: dict[str, np.ndarray | torch.Tensor] = {
+            end: alloc.arena.envelopes(end).numpy() if self._dev is None else alloc.arena.envelopes(end)
+            for end in (owner, *self.bound_ends)}
         self.req_to_token: torch.Tensor = (torch.from_numpy(self._r2t) if self._dev is None
                                            else torch.from_numpy(self._r2t).to(device))
 
@@ -648,8 +686,10 @@ class RequestTable:
             slot = int(slot.reshape(-1)[0])
         if isinstance(slot, bool) or not isinstance(slot, (int, np.integer)):
             raise InvalidIdError(f"{where}: slot={slot!r}; allowed an int in [0, {self.max_requests})")
-        self._slots(np.array([int(slot)], np.int64), where)
-        return int(slot)
+        s = int(slot)
+        if not 0 <= s < self.max_requests or not self._rq[_INUSE, s]:
+            self._slots(np.array([s], np.int64), where)   # raises the typed error
+        return s
 
     def _page_ids(self, vpages: object, where: str) -> np.ndarray:
         vp = _ids_arg(vpages, "vpages")
@@ -680,8 +720,12 @@ class RequestTable:
             return buf
         if k >= self._pagebuf.shape[0]:   # more than the owner's whole id space: no eviction can help
             return None
-        alloc_pages = self.alloc.alloc_pages
-        while alloc_pages(k, out=buf, owner=self._owner_arg) is None:
+        alloc_pages, owner = self.alloc.alloc_pages, self._owner_arg
+        if self._lru[_NEXT, 0]:   # a cache: make room first rather than run the allocator's shortfall ladder
+            short = k - self.alloc.available_pages(self.owner)
+            if short > 0:
+                self.evict(short)
+        while alloc_pages(k, out=buf, owner=owner) is None:
             if self._lru[_NEXT, 0] == 0:
                 return None
             self.evict(max(1, sum(self.alloc.last_shortfall.values())))
@@ -707,16 +751,16 @@ class RequestTable:
     def _copy_pages(self, n: int) -> None:
         """Whole-envelope copies ``old -> new`` of the first ``n`` copy-on-write pairs, on the owner and on every
         bound end where both pages are bound (Note [Copy-on-write])."""
-        pairs = torch.from_numpy(self._cowpairs[:, :n].copy())
-        arena, alloc = self.alloc.arena, self.alloc
-        for end in (self.owner, *self.bound_ends):
-            src = alloc.translate_pages(pairs[0], end, strict=False)
-            dst = alloc.translate_pages(pairs[1], end, strict=False)
-            both = (src > 0) & (dst > 0)
-            if bool(both.all()):
-                arena.copy_pages(end, dst, src)
-            elif bool(both.any()):
-                arena.copy_pages(end, dst[both], src[both])
+        pairs = self._cowpairs[:, :n]
+        for end, env in self._envelopes.items():
+            phys = self.alloc.ends[end].v2p[pairs]
+            both = (phys[0] > 0) & (phys[1] > 0)
+            src, dst = phys[0][both], phys[1][both]
+            if isinstance(env, np.ndarray):
+                env[dst] = env[src]
+            elif src.size:
+                env.index_copy_(0, torch.from_numpy(dst).to(env.device), env.index_select(
+                    0, torch.from_numpy(src).to(env.device)))
         self._counters["copied"] += n
 
     # ------------------------------------------------------------------------------------------------------
@@ -774,29 +818,27 @@ class RequestTable:
                           else np.ones(s.shape[0], np.int64), "decode")
 
     def _grow(self, s: np.ndarray, e: np.ndarray, where: str) -> torch.Tensor | None:
-        info = self._info
+        info, rel = self._info, self._rel
         _k_grow_plan(self._rq, self._pg, self._r2p, s, e, self.page_size, self.max_tokens_per_request, self._win,
-                     self._mark, self._cow, self._rel, info)
+                     self._mark, self._cow, rel, info)
         if info[_CODE]:
             self._raise(where)
-        if self._rel.shape[0]:
+        if rel.shape[0]:
             self._release_bound()
-        total = int(info[_TOTAL])
+        total, ncow = int(info[_TOTAL]), int(info[_NCOW])
         pages = self._take(int(info[_K]))
         if pages is None:
             return None
-        ncow = int(info[_NCOW])
-        out = torch.empty(total, dtype=torch.int64)
+        out = np.empty(total, np.int64)
         flat = self._no_flat if self._dev is None else np.empty(total + s.shape[0] * self.page_size, np.int64)
-        info[_REL:] = 0
-        _k_grow_apply(self._rq, self._pg, self._r2p, self._r2t, s, e, self.page_size, self._cow, pages, out.numpy(),
-                      flat, self._cowpairs, self._rel, info)
+        _k_grow_apply(self._rq, self._pg, self._r2p, self._r2t, s, e, self.page_size, self._cow, pages, out, flat,
+                      self._cowpairs, rel, info)
         if ncow:
             self._copy_pages(ncow)
             self._release_bound()
         if self._dev is not None:
             self._push(flat[: int(info[_TOTAL])])
-        return out
+        return torch.from_numpy(out)
 
     def truncate(self, slots: object, num_tokens: object) -> None:
         """Roll requests back to ``num_tokens[i]`` tokens (speculative decoding: drop rejected drafts): frees
@@ -847,10 +889,10 @@ class RequestTable:
         if old is not None:
             self._push_ranges(s, keep, old)
 
-    def fork(self, src_slot: object, num_tokens: int) -> int | None:
-        """Open a request holding the first ``num_tokens`` tokens of request ``src_slot``: it shares every page
-        of that prefix (counts + 1), a partial last page included (copied on the first write into it, Note
-        [Copy-on-write]); windowed bound ends hold the source's pages from ``max(source front, tail of
+    def fork(self, src_slot: object, num_tokens: int | None = None) -> int | None:
+        """Open a request holding the first ``num_tokens`` tokens (default: all) of request ``src_slot``: it shares
+        every page of that prefix (counts + 1), a partial last page included (copied on the first write into it,
+        Note [Copy-on-write]); windowed bound ends hold the source's pages from ``max(source front, tail of
         num_tokens)`` (Note [Windows]). Nothing is allocated.
 
         Returns:
@@ -863,27 +905,15 @@ class RequestTable:
         Complexity: O(num_tokens).
         """
         src = self._slot(src_slot, "fork")
-        n = _count_arg(num_tokens, "num_tokens")
         L = int(self._rq[_LEN, src])
+        n = L if num_tokens is None else _count_arg(num_tokens, "num_tokens")
         if n > L:
             raise UmallocValueError(f"fork: num_tokens={n}; allowed [0, {L}] (the source's length)")
-        new = np.empty(1, np.int64)
-        if _k_new(self._rq, 1, new) < 0:
+        c = int(_k_fork(self._rq, self._pg, self._r2p, self._r2t, src, n, self.page_size, self._win))
+        if c < 0:
             return None
-        c = int(new[0])
-        ps = self.page_size
-        kp = -(-n // ps)
-        pages = self._r2p[src, :kp]
-        self._r2p[c, :kp] = pages
-        self._r2t[c, :n] = self._r2t[src, :n]
-        self._rq[_LEN, c] = n
-        self._pg[_REF, pages] += 1
-        for b in range(len(self.bound_ends)):
-            w = int(self._win[b])
-            f = min(kp, max(int(self._rq[_FRONT + b, src]), max(0, n - w) // ps if w else 0))
-            self._rq[_FRONT + b, c] = f
-            self._pg[_NEED + b, pages[f:]] += 1
-        self._push_ranges(new, np.zeros(1, np.int64), np.array([n], np.int64))
+        if self._dev is not None:
+            self._push_ranges(np.array([c], np.int64), np.zeros(1, np.int64), np.array([n], np.int64))
         return c
 
     def attach_prefix(self, slot: object, vpages: object) -> bool:
