@@ -20,6 +20,9 @@ _EXPORTS: dict[str, str] = {
     "EndStats": "umalloc.core.allocator",
     "EndView": "umalloc.core.allocator",
     "snapshots_equal": "umalloc.core.allocator",
+    # request ownership
+    "RequestTable": "umalloc.core.requests",
+    "RequestTableStats": "umalloc.core.requests",
     # geometry
     "Arena": "umalloc.geometry.arena",
     "ArenaSpec": "umalloc.geometry.spec",

@@ -95,10 +95,46 @@ from typing import Any
 
 import numpy as np
 import torch
-from numba import njit
 
 from umalloc.core.allocator import MultiEndedAllocator
 from umalloc.core.pagestate import TOMBSTONE
+from umalloc.core.refcounts import (
+    E_DUP,
+    E_FREE_SLOT,
+    E_LONG,
+    E_NEG,
+    E_RANGE,
+    E_TRUNC,
+    I_CODE,
+    I_NCACHED,
+    I_NCOW,
+    I_NFREED,
+    I_PAGES,
+    I_REL,
+    I_TOTAL,
+    LRU_NEXT,
+    PAGE_CACHED,
+    PAGE_HELD,
+    PAGE_NOT_MANAGED,
+    PG_ENG,
+    PG_NEED,
+    PG_REF,
+    PG_STATE,
+    RQ_FRONT,
+    RQ_INUSE,
+    RQ_LEN,
+    check_slots,
+    check_state,
+    k_check_truncate,
+    k_drop,
+    k_evict,
+    k_fork,
+    k_grow_apply,
+    k_grow_plan,
+    k_new,
+    k_revive,
+    k_unref,
+)
 from umalloc.errors import (
     DoubleFreeError,
     InvalidIdError,
@@ -107,370 +143,8 @@ from umalloc.errors import (
     UmallocValueError,
 )
 
-# ---- per-request rows of ``rq`` (int64 [2 + NB, R]) and per-page rows of ``pg`` (int32 [3 + NB, NV]) --------
-_LEN, _INUSE, _FRONT = 0, 1, 2
-_REF, _ENG, _STATE, _NEED = 0, 1, 2, 3
-#: page states (``pg[_STATE]``)
-PAGE_NOT_MANAGED, PAGE_HELD, PAGE_CACHED = 0, 1, 2
-_PREV, _NEXT = 0, 1   # LRU links (int64 [2, NV]); virtual page 0 is the list's sentinel
-
-# ---- kernel result slots (``info``, int64) -----------------------------------------------------------------
-_CODE, _POS, _VAL, _K, _TOTAL, _NCOW, _NFREED, _NCACHED, _REL = range(9)
-_OK, _E_RANGE, _E_FREE_SLOT, _E_DUP, _E_NEG, _E_LONG, _E_TRUNC = range(7)
-
 _NP_I64 = np.dtype(np.int64)
 _I32_MAX = (1 << 31) - 1
-
-
-# =============================================================================================================
-# numba kernels. Each validates its whole batch before it writes anything (the ``_plan`` kernels write only
-# after their validation loop has passed).
-# =============================================================================================================
-@njit(cache=True)
-def _fail(info, code, pos, value):
-    info[_CODE] = code
-    info[_POS] = pos
-    info[_VAL] = value
-
-
-@njit(cache=True)
-def _check_slots(rq, slots, mark, info):
-    """Every slot in range, in use and once; ``mark`` is left all zero."""
-    R = rq.shape[1]
-    n = slots.shape[0]
-    ok = True
-    for i in range(n):
-        s = slots[i]
-        if s < 0 or s >= R:
-            _fail(info, _E_RANGE, i, s)
-            ok = False
-            break
-        if rq[_INUSE, s] == 0:
-            _fail(info, _E_FREE_SLOT, i, s)
-            ok = False
-            break
-        if mark[s] != 0:
-            _fail(info, _E_DUP, i, s)
-            ok = False
-            break
-        mark[s] = 1
-    for i in range(n):
-        s = slots[i]
-        if 0 <= s < R:
-            mark[s] = 0
-    return ok
-
-
-@njit(cache=True)
-def _lru_push(lru, vp):
-    tail = lru[_PREV, 0]
-    lru[_NEXT, tail] = vp
-    lru[_PREV, vp] = tail
-    lru[_NEXT, vp] = 0
-    lru[_PREV, 0] = vp
-
-
-@njit(cache=True)
-def _lru_unlink(lru, vp):
-    p = lru[_PREV, vp]
-    n = lru[_NEXT, vp]
-    lru[_NEXT, p] = n
-    lru[_PREV, n] = p
-    lru[_PREV, vp] = 0
-    lru[_NEXT, vp] = 0
-
-
-@njit(cache=True)
-def _k_new(rq, n, out):
-    """The ``n`` lowest free slots into ``out``, marked in use; nothing changes (returns -1) if fewer are free."""
-    R = rq.shape[1]
-    c = 0
-    for s in range(R):
-        if c == n:
-            break
-        if rq[_INUSE, s] == 0:
-            out[c] = s
-            c += 1
-    if c < n:
-        return -1
-    for i in range(n):
-        rq[_INUSE, out[i]] = 1
-    return n
-
-
-@njit(cache=True)
-def _k_grow_plan(rq, pg, r2p, slots, ext, ps, mt, win, mark, cow, rel, info):
-    """Validate an extend batch; count its fresh pages (copies included, Note [Copy-on-write]) and tokens;
-    then advance every windowed bound end (Note [Windows]) and list the pages whose last holder there left."""
-    info[:] = 0
-    if not _check_slots(rq, slots, mark, info):
-        return
-    n = slots.shape[0]
-    k = 0
-    total = 0
-    for i in range(n):
-        s = slots[i]
-        L = rq[_LEN, s]
-        e = ext[i]
-        if e < 0:
-            _fail(info, _E_NEG, i, e)
-            return
-        if L + e > mt:
-            _fail(info, _E_LONG, i, L + e)
-            return
-        if e > 0:
-            k += (L + e + ps - 1) // ps - (L + ps - 1) // ps
-            total += e
-    # copy-on-write decisions, in batch order (a shared partial page's count drops by one per copy)
-    ncow = 0
-    for i in range(n):
-        cow[i] = 0
-        s = slots[i]
-        L = rq[_LEN, s]
-        if ext[i] > 0 and L % ps != 0:
-            vp = r2p[s, (L - 1) // ps]
-            if pg[_REF, vp] > 1:
-                cow[i] = 1
-                pg[_REF, vp] -= 1
-                ncow += 1
-    for i in range(n):
-        if cow[i]:
-            s = slots[i]
-            pg[_REF, r2p[s, (rq[_LEN, s] - 1) // ps]] += 1
-    info[_K] = k + ncow
-    info[_TOTAL] = total
-    info[_NCOW] = ncow
-    for b in range(win.shape[0]):
-        W = win[b]
-        c = 0
-        if W > 0:
-            for i in range(n):
-                if ext[i] == 0:
-                    continue
-                s = slots[i]
-                tail = max(0, rq[_LEN, s] - W) // ps
-                f = rq[_FRONT + b, s]
-                if tail > f:
-                    for j in range(f, tail):
-                        vp = r2p[s, j]
-                        pg[_NEED + b, vp] -= 1
-                        if pg[_NEED + b, vp] == 0:
-                            rel[b, c] = vp
-                            c += 1
-                    rq[_FRONT + b, s] = tail
-        info[_REL + b] = c
-
-
-@njit(cache=True)
-def _fresh(pg, vp, nb):
-    pg[_REF, vp] = 1
-    pg[_ENG, vp] = 0
-    pg[_STATE, vp] = PAGE_HELD
-    for b in range(nb):
-        pg[_NEED + b, vp] = 1
-
-
-@njit(cache=True)
-def _k_grow_apply(rq, pg, r2p, r2t, slots, ext, ps, cow, pages, out, flat, cowpairs, rel, info):
-    """Hand out the tokens of a planned extend batch: copies first, then each request's partial page, then its
-    fresh pages (``pages`` in order). Lists the copied pages' bound-end releases after the window's ones."""
-    nb = rel.shape[0]
-    mt = r2t.shape[1]
-    want_flat = flat.shape[0] > 0
-    for b in range(nb):
-        info[_REL + b] = 0
-    c = 0
-    o = 0
-    f = 0
-    ncow = 0
-    n = slots.shape[0]
-    for i in range(n):
-        e = ext[i]
-        if e == 0:
-            continue
-        s = slots[i]
-        L = rq[_LEN, s]
-        if cow[i]:
-            j = (L - 1) // ps
-            old = r2p[s, j]
-            new = pages[c]
-            c += 1
-            pg[_REF, old] -= 1
-            _fresh(pg, new, nb)
-            for b in range(nb):
-                if j >= rq[_FRONT + b, s]:
-                    pg[_NEED + b, old] -= 1
-                    if pg[_NEED + b, old] == 0:
-                        rel[b, info[_REL + b]] = old
-                        info[_REL + b] += 1
-                else:  # the request does not hold its last page there (a short window): unbind the copy
-                    pg[_NEED + b, new] = 0
-                    rel[b, info[_REL + b]] = new
-                    info[_REL + b] += 1
-            cowpairs[0, ncow] = old
-            cowpairs[1, ncow] = new
-            ncow += 1
-            r2p[s, j] = new
-            for p in range(j * ps, L):
-                r2t[s, p] = new * ps + p % ps
-                if want_flat:
-                    flat[o + f] = s * mt + p
-                    f += 1
-        for p in range(L, L + e):
-            j = p // ps
-            if p % ps == 0:
-                vp = pages[c]
-                c += 1
-                r2p[s, j] = vp
-                _fresh(pg, vp, nb)
-            else:
-                vp = r2p[s, j]
-            t = vp * ps + p % ps
-            r2t[s, p] = t
-            out[o] = t
-            if want_flat:
-                flat[o + f] = s * mt + p
-            o += 1
-        rq[_LEN, s] = L + e
-    info[_TOTAL] = o + f
-
-
-@njit(cache=True)
-def _k_drop(rq, pg, r2p, r2t, lru, slots, keep, ps, cache, clear, pad, freed, rel, info):
-    """Drop each slot's pages past ``keep[i]`` tokens, last page first (free / truncate). Pages whose count
-    reaches 0 are freed, or cached if ``cache`` and full; bound-end holds that reach 0 on pages that stay
-    (held or cached) are listed for release."""
-    nb = rel.shape[0]
-    nf = 0
-    nc = 0
-    for b in range(nb):
-        info[_REL + b] = 0
-    for i in range(slots.shape[0]):
-        s = slots[i]
-        L = rq[_LEN, s]
-        kt = keep[i]
-        kp = (kt + ps - 1) // ps
-        full = L // ps
-        for j in range((L + ps - 1) // ps - 1, kp - 1, -1):
-            vp = r2p[s, j]
-            pg[_REF, vp] -= 1
-            gone = pg[_REF, vp] == 0
-            keep_it = gone and cache and j < full
-            for b in range(nb):
-                if j >= rq[_FRONT + b, s]:
-                    pg[_NEED + b, vp] -= 1
-                    if pg[_NEED + b, vp] == 0 and (keep_it or not gone):
-                        rel[b, info[_REL + b]] = vp
-                        info[_REL + b] += 1
-            if gone:
-                if keep_it:
-                    pg[_STATE, vp] = PAGE_CACHED
-                    _lru_push(lru, vp)
-                    nc += 1
-                else:
-                    pg[_STATE, vp] = PAGE_NOT_MANAGED
-                    freed[nf] = vp
-                    nf += 1
-            r2p[s, j] = 0
-        for p in range(kt, L):
-            r2t[s, p] = pad
-        rq[_LEN, s] = kt
-        for b in range(nb):
-            if rq[_FRONT + b, s] > kp:
-                rq[_FRONT + b, s] = kp
-        if clear:
-            rq[_INUSE, s] = 0
-            for b in range(nb):
-                rq[_FRONT + b, s] = 0
-    info[_NFREED] = nf
-    info[_NCACHED] = nc
-
-
-@njit(cache=True)
-def _k_fork(rq, pg, r2p, r2t, src, n, ps, win):
-    """Open the lowest free slot sharing the first ``n`` tokens of ``src`` (validated); -1 if none is free."""
-    c = -1
-    for s in range(rq.shape[1]):
-        if rq[_INUSE, s] == 0:
-            c = s
-            break
-    if c < 0:
-        return -1
-    kp = (n + ps - 1) // ps
-    rq[_INUSE, c] = 1
-    rq[_LEN, c] = n
-    for j in range(kp):
-        vp = r2p[src, j]
-        r2p[c, j] = vp
-        pg[_REF, vp] += 1
-    for p in range(n):
-        r2t[c, p] = r2t[src, p]
-    for b in range(win.shape[0]):
-        f = rq[_FRONT + b, src]
-        if win[b] > 0:
-            f = max(f, max(0, n - win[b]) // ps)
-        f = min(f, kp)
-        rq[_FRONT + b, c] = f
-        for j in range(f, kp):
-            pg[_NEED + b, r2p[src, j]] += 1
-    return c
-
-
-@njit(cache=True)
-def _k_check_truncate(rq, slots, keep, mark, info):
-    info[:] = 0
-    if not _check_slots(rq, slots, mark, info):
-        return
-    for i in range(slots.shape[0]):
-        if keep[i] < 0 or keep[i] > rq[_LEN, slots[i]]:
-            _fail(info, _E_TRUNC, i, keep[i])
-            return
-
-
-@njit(cache=True)
-def _k_evict(pg, lru, n, out):
-    """Take up to ``n`` pages from the LRU head (state -> not managed); returns how many."""
-    c = 0
-    while c < n:
-        vp = lru[_NEXT, 0]
-        if vp == 0:
-            break
-        _lru_unlink(lru, vp)
-        pg[_STATE, vp] = PAGE_NOT_MANAGED
-        out[c] = vp
-        c += 1
-    return c
-
-
-@njit(cache=True)
-def _k_unref(pg, lru, vps, cache, freed):
-    """Engine references dropped (validated by the caller): pages reaching 0 are cached (in order) or listed
-    in ``freed``; returns how many were freed."""
-    nf = 0
-    for i in range(vps.shape[0]):
-        vp = vps[i]
-        pg[_ENG, vp] -= 1
-        pg[_REF, vp] -= 1
-        if pg[_REF, vp] == 0:
-            if cache:
-                pg[_STATE, vp] = PAGE_CACHED
-                _lru_push(lru, vp)
-            else:
-                pg[_STATE, vp] = PAGE_NOT_MANAGED
-                freed[nf] = vp
-                nf += 1
-    return nf
-
-
-@njit(cache=True)
-def _k_revive(pg, lru, vps):
-    for i in range(vps.shape[0]):
-        vp = vps[i]
-        if pg[_STATE, vp] == PAGE_CACHED:
-            _lru_unlink(lru, vp)
-            pg[_STATE, vp] = PAGE_HELD
-        pg[_ENG, vp] += 1
-        pg[_REF, vp] += 1
 
 
 # =============================================================================================================
@@ -608,8 +282,8 @@ class RequestTable:
         self.dtype = dtype
         self.exclusive = bool(exclusive)
         self.on_evict = on_evict
-        self._rq = np.zeros((_FRONT + NB, R), np.int64)
-        self._pg = np.zeros((_NEED + NB, NV), np.int32)
+        self._rq = np.zeros((RQ_FRONT + NB, R), np.int64)
+        self._pg = np.zeros((PG_NEED + NB, NV), np.int32)
         self._lru = np.zeros((2, NV), np.int64)
         self._r2p = np.zeros((R, MP), np.int64)
         np_dtype = np.int32 if dtype is torch.int32 else np.int64
@@ -621,7 +295,7 @@ class RequestTable:
         self._freed = np.zeros(NV, np.int64)
         self._pagebuf = np.zeros(NV, np.int64)
         self._cowpairs = np.zeros((2, R), np.int64)
-        self._info = np.zeros(_REL + NB, np.int64)
+        self._info = np.zeros(I_REL + NB, np.int64)
         self._slotbuf = np.zeros(R, np.int64)
         self._zeros = np.zeros(R, np.int64)
         self._ones = np.ones(R, np.int64)
@@ -638,9 +312,9 @@ class RequestTable:
             self.zero_vpage = z = int(vp[0])
             for end in (owner, *self.bound_ends):
                 alloc.arena.envelopes(end)[int(alloc.translate_pages(vp, end)[0])] = 0
-            self._pg[_REF, z] = 1
-            self._pg[_STATE, z] = PAGE_HELD
-            self._pg[_NEED:, z] = 1
+            self._pg[PG_REF, z] = 1
+            self._pg[PG_STATE, z] = PAGE_HELD
+            self._pg[PG_NEED:, z] = 1
         self.pad_read_vtoken = self.zero_vpage * ps
         self._r2t[:] = self.pad_read_vtoken
         device = alloc.arena.device
@@ -657,19 +331,19 @@ class RequestTable:
     # ------------------------------------------------------------------------------------------------------
     def _raise(self, where: str, what: str = "slots") -> None:
         code, pos, val = (int(x) for x in self._info[:3])
-        if code == _E_RANGE:
+        if code == E_RANGE:
             raise InvalidIdError(f"{where}: {what}[{pos}]={val} is out of range; allowed [0, {self.max_requests})")
-        if code == _E_FREE_SLOT:
+        if code == E_FREE_SLOT:
             cls = DoubleFreeError if where == "free_requests" else NotAllocatedError
             raise cls(f"{where}: {what}[{pos}]={val} is not a live request (never created or already freed)")
-        if code == _E_DUP:
+        if code == E_DUP:
             raise InvalidIdError(f"{where}: {what}[{pos}]={val} appears twice in the batch; allowed each slot once")
-        if code == _E_NEG:
+        if code == E_NEG:
             raise UmallocValueError(f"{where}: extend_lens[{pos}]={val}; allowed >= 0")
-        if code == _E_LONG:
+        if code == E_LONG:
             raise UmallocValueError(f"{where}: request at {what}[{pos}] would hold {val} tokens; allowed at most "
                                     f"max_tokens_per_request={self.max_tokens_per_request}")
-        if code == _E_TRUNC:
+        if code == E_TRUNC:
             raise UmallocValueError(f"{where}: num_tokens[{pos}]={val}; allowed [0, the request's length]")
         raise InvariantError(f"{where}: unknown kernel result {code}")
 
@@ -677,7 +351,7 @@ class RequestTable:
         s = _ids_arg(slots, "slots")
         info = self._info
         info[:] = 0
-        if not _check_slots(self._rq, s, self._mark, info):
+        if not check_slots(self._rq, s, self._mark, info):
             self._raise(where)
         return s
 
@@ -687,7 +361,7 @@ class RequestTable:
         if isinstance(slot, bool) or not isinstance(slot, (int, np.integer)):
             raise InvalidIdError(f"{where}: slot={slot!r}; allowed an int in [0, {self.max_requests})")
         s = int(slot)
-        if not 0 <= s < self.max_requests or not self._rq[_INUSE, s]:
+        if not 0 <= s < self.max_requests or not self._rq[RQ_INUSE, s]:
             self._slots(np.array([s], np.int64), where)   # raises the typed error
         return s
 
@@ -701,10 +375,10 @@ class RequestTable:
         return vp
 
     def _release_bound(self) -> None:
-        """Release the listed bound-end pages (kernels leave their counts in ``info[_REL:]``)."""
+        """Release the listed bound-end pages (kernels leave their counts in ``info[I_REL:]``)."""
         info, rel, release = self._info, self._rel, self.alloc.release_pages
         for b, end in enumerate(self.bound_ends):
-            c = int(info[_REL + b])
+            c = int(info[I_REL + b])
             if c:
                 release(end, rel[b, :c])
 
@@ -721,12 +395,12 @@ class RequestTable:
         if k >= self._pagebuf.shape[0]:   # more than the owner's whole id space: no eviction can help
             return None
         alloc_pages, owner = self.alloc.alloc_pages, self._owner_arg
-        if self._lru[_NEXT, 0]:   # a cache: make room first rather than run the allocator's shortfall ladder
+        if self._lru[LRU_NEXT, 0]:   # a cache: make room first rather than run the allocator's shortfall ladder
             short = k - self.alloc.available_pages(self.owner)
             if short > 0:
                 self.evict(short)
         while alloc_pages(k, out=buf, owner=owner) is None:
-            if self._lru[_NEXT, 0] == 0:
+            if self._lru[LRU_NEXT, 0] == 0:
                 return None
             self.evict(max(1, sum(self.alloc.last_shortfall.values())))
         return buf
@@ -777,7 +451,7 @@ class RequestTable:
         """
         n = _count_arg(num_requests, "num_requests")
         out = np.empty(n, np.int64)
-        if _k_new(self._rq, n, out) < 0:
+        if k_new(self._rq, n, out) < 0:
             return None
         return torch.from_numpy(out)
 
@@ -819,25 +493,25 @@ class RequestTable:
 
     def _grow(self, s: np.ndarray, e: np.ndarray, where: str) -> torch.Tensor | None:
         info, rel = self._info, self._rel
-        _k_grow_plan(self._rq, self._pg, self._r2p, s, e, self.page_size, self.max_tokens_per_request, self._win,
+        k_grow_plan(self._rq, self._pg, self._r2p, s, e, self.page_size, self.max_tokens_per_request, self._win,
                      self._mark, self._cow, rel, info)
-        if info[_CODE]:
+        if info[I_CODE]:
             self._raise(where)
         if rel.shape[0]:
             self._release_bound()
-        total, ncow = int(info[_TOTAL]), int(info[_NCOW])
-        pages = self._take(int(info[_K]))
+        total, ncow = int(info[I_TOTAL]), int(info[I_NCOW])
+        pages = self._take(int(info[I_PAGES]))
         if pages is None:
             return None
         out = np.empty(total, np.int64)
         flat = self._no_flat if self._dev is None else np.empty(total + s.shape[0] * self.page_size, np.int64)
-        _k_grow_apply(self._rq, self._pg, self._r2p, self._r2t, s, e, self.page_size, self._cow, pages, out, flat,
+        k_grow_apply(self._rq, self._pg, self._r2p, self._r2t, s, e, self.page_size, self._cow, pages, out, flat,
                       self._cowpairs, rel, info)
         if ncow:
             self._copy_pages(ncow)
             self._release_bound()
         if self._dev is not None:
-            self._push(flat[: int(info[_TOTAL])])
+            self._push(flat[: int(info[I_TOTAL])])
         return torch.from_numpy(out)
 
     def truncate(self, slots: object, num_tokens: object) -> None:
@@ -855,8 +529,8 @@ class RequestTable:
         if keep.shape[0] != s.shape[0]:
             raise InvalidIdError(f"truncate: slots ({s.shape[0]},) and num_tokens ({keep.shape[0]},); allowed "
                                  f"equal (B,) shapes")
-        _k_check_truncate(self._rq, s, keep, self._mark, self._info)
-        if self._info[_CODE]:
+        k_check_truncate(self._rq, s, keep, self._mark, self._info)
+        if self._info[I_CODE]:
             self._raise("truncate")
         self._drop(s, keep, False, False)
 
@@ -878,14 +552,14 @@ class RequestTable:
         self._drop(s, self._zeros[: s.shape[0]], cache, True)
 
     def _drop(self, s: np.ndarray, keep: np.ndarray, cache: bool, clear: bool) -> None:
-        old = self._rq[_LEN, s] if self._dev is not None else None
+        old = self._rq[RQ_LEN, s] if self._dev is not None else None
         info = self._info
-        _k_drop(self._rq, self._pg, self._r2p, self._r2t, self._lru, s, keep, self.page_size, cache, clear,
+        k_drop(self._rq, self._pg, self._r2p, self._r2t, self._lru, s, keep, self.page_size, cache, clear,
                 self.pad_read_vtoken, self._freed, self._rel, info)
-        self._counters["cached"] += int(info[_NCACHED])
+        self._counters["cached"] += int(info[I_NCACHED])
         if self._rel.shape[0]:
             self._release_bound()
-        self._free_listed(int(info[_NFREED]))
+        self._free_listed(int(info[I_NFREED]))
         if old is not None:
             self._push_ranges(s, keep, old)
 
@@ -905,11 +579,11 @@ class RequestTable:
         Complexity: O(num_tokens).
         """
         src = self._slot(src_slot, "fork")
-        L = int(self._rq[_LEN, src])
+        L = int(self._rq[RQ_LEN, src])
         n = L if num_tokens is None else _count_arg(num_tokens, "num_tokens")
         if n > L:
             raise UmallocValueError(f"fork: num_tokens={n}; allowed [0, {L}] (the source's length)")
-        c = int(_k_fork(self._rq, self._pg, self._r2p, self._r2t, src, n, self.page_size, self._win))
+        c = int(k_fork(self._rq, self._pg, self._r2p, self._r2t, src, n, self.page_size, self._win))
         if c < 0:
             return None
         if self._dev is not None:
@@ -934,14 +608,14 @@ class RequestTable:
         vp = self._page_ids(vpages, "attach_prefix")
         ps = self.page_size
         n = vp.shape[0] * ps
-        if self._rq[_LEN, s] != 0:
-            raise UmallocValueError(f"attach_prefix: request {s} holds {int(self._rq[_LEN, s])} tokens; allowed an "
+        if self._rq[RQ_LEN, s] != 0:
+            raise UmallocValueError(f"attach_prefix: request {s} holds {int(self._rq[RQ_LEN, s])} tokens; allowed an "
                                     f"empty request")
         if n > self.max_tokens_per_request:
             raise UmallocValueError(f"attach_prefix: {n} tokens; allowed at most {self.max_tokens_per_request}")
         if np.unique(vp).shape[0] != vp.shape[0]:
             raise InvalidIdError("attach_prefix: a page appears twice; allowed each page once")
-        held = self._pg[_STATE, vp] == PAGE_HELD
+        held = self._pg[PG_STATE, vp] == PAGE_HELD
         if not held.all():
             bad = int(vp[np.flatnonzero(~held)[0]])
             raise NotAllocatedError(f"attach_prefix: virtual page {bad} is not held (cached pages need reclaim "
@@ -960,28 +634,28 @@ class RequestTable:
         self._r2p[s, : vp.shape[0]] = vp
         pos = np.arange(n, dtype=np.int64)
         self._r2t[s, :n] = vp[pos // ps] * ps + pos % ps
-        self._rq[_LEN, s] = n
-        self._pg[_REF, vp] += 1
+        self._rq[RQ_LEN, s] = n
+        self._pg[PG_REF, vp] += 1
         for b in range(len(self.bound_ends)):
-            self._rq[_FRONT + b, s] = fronts[b]
-            self._pg[_NEED + b, vp[fronts[b]:]] += 1
+            self._rq[RQ_FRONT + b, s] = fronts[b]
+            self._pg[PG_NEED + b, vp[fronts[b]:]] += 1
         self._push_ranges(np.array([s], np.int64), np.zeros(1, np.int64), np.array([n], np.int64))
         return True
 
     def num_tokens(self, slots: object) -> torch.Tensor:
         """``int64 (B,)`` lengths of live requests. Raises: as :meth:`extend` for bad slots."""
         s = self._slots(slots, "num_tokens")
-        return torch.from_numpy(self._rq[_LEN, s].copy())
+        return torch.from_numpy(self._rq[RQ_LEN, s].copy())
 
     def tokens(self, slot: object) -> torch.Tensor:
         """``int64 (length,)`` virtual token ids of one live request (a copy). Raises: as :meth:`extend`."""
         s = self._slot(slot, "tokens")
-        return torch.from_numpy(self._r2t[s, : self._rq[_LEN, s]].astype(np.int64))
+        return torch.from_numpy(self._r2t[s, : self._rq[RQ_LEN, s]].astype(np.int64))
 
     def pages(self, slot: object) -> torch.Tensor:
         """``int64 (ceil(length / page_size),)`` virtual pages of one live request (a copy)."""
         s = self._slot(slot, "pages")
-        return torch.from_numpy(self._r2p[s, : -(-int(self._rq[_LEN, s]) // self.page_size)].copy())
+        return torch.from_numpy(self._r2p[s, : -(-int(self._rq[RQ_LEN, s]) // self.page_size)].copy())
 
     # ------------------------------------------------------------------------------------------------------
     # engine references and the cache
@@ -996,12 +670,12 @@ class RequestTable:
             :meth:`reclaim` for cached pages). Nothing changes on any error.
         """
         vp = self._page_ids(vpages, "retain")
-        held = self._pg[_STATE, vp] == PAGE_HELD
+        held = self._pg[PG_STATE, vp] == PAGE_HELD
         if not held.all():
             bad = int(vp[np.flatnonzero(~held)[0]])
             raise NotAllocatedError(f"retain: virtual page {bad} has no holder; allowed held pages (reclaim a "
                                     f"cached one)")
-        _k_revive(self._pg, self._lru, vp)
+        k_revive(self._pg, self._lru, vp)
 
     def reclaim(self, vpages: object) -> None:
         """A prefix hit: the engine takes one reference per entry of ``vpages``, held or cached; cached pages
@@ -1012,13 +686,13 @@ class RequestTable:
             the engine was told through ``on_evict``). Nothing changes on any error.
         """
         vp = self._page_ids(vpages, "reclaim")
-        st = self._pg[_STATE, vp]
+        st = self._pg[PG_STATE, vp]
         ok = st != PAGE_NOT_MANAGED
         if not ok.all():
             bad = int(vp[np.flatnonzero(~ok)[0]])
             raise NotAllocatedError(f"reclaim: virtual page {bad} is neither held nor cached (evicted?)")
         n_cached = int(np.unique(vp[st == PAGE_CACHED]).shape[0])
-        _k_revive(self._pg, self._lru, vp)
+        k_revive(self._pg, self._lru, vp)
         self._counters["reclaimed"] += n_cached
 
     def release(self, vpages: object, cache: bool = False) -> None:
@@ -1033,13 +707,13 @@ class RequestTable:
             raise UmallocValueError(f"release: cache={cache!r}; allowed True or False")
         vp = self._page_ids(vpages, "release")
         u, c = np.unique(vp, return_counts=True)
-        bad = np.flatnonzero(self._pg[_ENG, u] < c)
+        bad = np.flatnonzero(self._pg[PG_ENG, u] < c)
         if bad.size:
             raise NotAllocatedError(f"release: virtual page {int(u[bad[0]])} released {int(c[bad[0]])} times, the "
-                                    f"engine holds {int(self._pg[_ENG, u[bad[0]]])} references")
-        nf = _k_unref(self._pg, self._lru, vp, cache, self._freed)
+                                    f"engine holds {int(self._pg[PG_ENG, u[bad[0]]])} references")
+        nf = k_unref(self._pg, self._lru, vp, cache, self._freed)
         if cache:
-            self._counters["cached"] += int(np.count_nonzero(self._pg[_STATE, u] == PAGE_CACHED))
+            self._counters["cached"] += int(np.count_nonzero(self._pg[PG_STATE, u] == PAGE_CACHED))
         self._free_listed(nf)
 
     def evict(self, num_pages: int) -> int:
@@ -1047,7 +721,7 @@ class RequestTable:
         freed (an exception from ``on_evict`` propagates once they are freed). Allocation calls this itself
         under pressure. Returns the pages evicted. O(num_pages)."""
         n = _count_arg(num_pages, "num_pages")
-        got = _k_evict(self._pg, self._lru, n, self._freed)
+        got = k_evict(self._pg, self._lru, n, self._freed)
         if got == 0:
             return 0
         self._counters["evicted"] += got
@@ -1061,10 +735,10 @@ class RequestTable:
     def cached_pages(self) -> torch.Tensor:
         """``int64`` cached pages in LRU order (the next to be evicted first). O(cached pages)."""
         out = []
-        vp = int(self._lru[_NEXT, 0])
+        vp = int(self._lru[LRU_NEXT, 0])
         while vp:
             out.append(vp)
-            vp = int(self._lru[_NEXT, vp])
+            vp = int(self._lru[LRU_NEXT, vp])
         return torch.tensor(out, dtype=torch.int64)
 
     # ------------------------------------------------------------------------------------------------------
@@ -1074,19 +748,19 @@ class RequestTable:
         """Owner-end pages: ``free_pages`` (allocatable now), ``reclaimable_pages`` (cached, evictable) and
         ``available_pages`` (their sum: what allocations can get). O(ends)."""
         free = self.alloc.available_pages(self.owner)
-        cached = int(np.count_nonzero(self._pg[_STATE] == PAGE_CACHED))
+        cached = int(np.count_nonzero(self._pg[PG_STATE] == PAGE_CACHED))
         return {"free_pages": free, "reclaimable_pages": cached, "available_pages": free + cached}
 
     def stats(self) -> RequestTableStats:
         """:class:`RequestTableStats` now. O(max_requests + virtual pages)."""
         pg, rq = self._pg, self._rq
-        live = int(np.count_nonzero(rq[_INUSE]))
-        held = pg[_STATE] == PAGE_HELD
+        live = int(np.count_nonzero(rq[RQ_INUSE]))
+        held = pg[PG_STATE] == PAGE_HELD
         cap = self.capacity()
         return RequestTableStats(
-            live_requests=live, free_slots=self.max_requests - live, tokens=int(rq[_LEN].sum()),
-            held_pages=int(np.count_nonzero(held)), shared_pages=int(np.count_nonzero(held & (pg[_REF] > 1))),
-            engine_refs=int(pg[_ENG].sum()), cached_pages=cap["reclaimable_pages"], free_pages=cap["free_pages"],
+            live_requests=live, free_slots=self.max_requests - live, tokens=int(rq[RQ_LEN].sum()),
+            held_pages=int(np.count_nonzero(held)), shared_pages=int(np.count_nonzero(held & (pg[PG_REF] > 1))),
+            engine_refs=int(pg[PG_ENG].sum()), cached_pages=cap["reclaimable_pages"], free_pages=cap["free_pages"],
             reclaimable_pages=cap["reclaimable_pages"], pages_cached=self._counters["cached"],
             pages_reclaimed=self._counters["reclaimed"], pages_evicted=self._counters["evicted"],
             pages_copied=self._counters["copied"])
@@ -1118,69 +792,14 @@ class RequestTable:
         """
         if allocator:
             self.alloc.check_invariants()
-        ps, rq, pg, r2p, r2t = self.page_size, self._rq, self._pg, self._r2p, self._r2t
-        NV = pg.shape[1]
-        NB = len(self.bound_ends)
-        R, MP = r2p.shape
+        pg = self._pg
+        check_state(self._rq, pg, self._lru, self._r2p, self._r2t, self.page_size, self.zero_vpage,
+                    self.pad_read_vtoken, self.bound_ends, f"request table on {self.owner!r}")
 
         def bad(inv: str, msg: str) -> InvariantError:
             return InvariantError(f"[{inv}] request table on {self.owner!r}: {msg}")
 
-        lens = rq[_LEN]
-        kp = -(-lens // ps)
-        col = np.arange(MP)[None, :]
-        inside = col < kp[:, None]
-        if np.any((rq[_INUSE] == 0) & ((lens != 0) | np.any(rq[_FRONT:] != 0, axis=0))):
-            raise bad("rows", "a free slot holds tokens or a front")
-        if np.any(inside & ((r2p < 1) | (r2p >= NV))) or np.any(~inside & (r2p != 0)):
-            raise bad("rows", "a page entry is out of range inside an extent or set outside it")
-        held_rows = r2p[inside]
-        if held_rows.size and np.any(pg[_STATE, held_rows] != PAGE_HELD):
-            raise bad("rows", "a request holds a page that is not held")
-        for s in np.flatnonzero(kp > 1).tolist():
-            row = r2p[s, : kp[s]]
-            if np.unique(row).size != row.size:
-                raise bad("rows", f"request {s} holds a page twice")
-        pos = np.arange(r2t.shape[1])[None, :]
-        within = pos < lens[:, None]
-        want = np.where(within, r2p[np.arange(R)[:, None], np.minimum(pos // ps, MP - 1)] * ps + pos % ps,
-                        self.pad_read_vtoken)
-        if not np.array_equal(r2t.astype(np.int64), want):
-            raise bad("rows", "req_to_token differs from page * page_size + offset (or the pad past the length)")
-        if NB and np.any(rq[_FRONT:] > kp[None, :]):
-            raise bad("rows", "a bound-end front lies past the request's extent")
-        ref = np.bincount(held_rows, minlength=NV).astype(np.int64) + pg[_ENG]
-        if self.zero_vpage:
-            ref[self.zero_vpage] += 1
-        if not np.array_equal(ref, pg[_REF]):
-            v = int(np.flatnonzero(ref != pg[_REF])[0])
-            raise bad("counts", f"page {v}: count {int(pg[_REF, v])}, holders {int(ref[v])}")
-        for b in range(NB):
-            on_b = inside & (col >= rq[_FRONT + b][:, None])
-            need = np.bincount(r2p[on_b], minlength=NV)
-            if self.zero_vpage:
-                need[self.zero_vpage] += 1
-            if not np.array_equal(need, pg[_NEED + b]):
-                v = int(np.flatnonzero(need != pg[_NEED + b])[0])
-                raise bad("counts", f"page {v} on {self.bound_ends[b]!r}: count {int(pg[_NEED + b, v])}, "
-                                    f"requests holding it there {int(need[v])}")
-        st = pg[_STATE]
-        if np.any((st == PAGE_HELD) != (pg[_REF] > 0)):
-            v = int(np.flatnonzero((st == PAGE_HELD) != (pg[_REF] > 0))[0])
-            raise bad("held", f"page {v}: state {int(st[v])} with {int(pg[_REF, v])} holders (a page held by no "
-                              f"one is a leak)")
-        cached = np.flatnonzero(st == PAGE_CACHED)
-        walk: list[int] = []
-        vp = int(self._lru[_NEXT, 0])
-        while vp and len(walk) <= NV:
-            walk.append(vp)
-            if int(self._lru[_PREV, int(self._lru[_NEXT, vp])]) != vp:
-                raise bad("cached", f"LRU links broken after page {vp}")
-            vp = int(self._lru[_NEXT, vp])
-        if sorted(walk) != cached.tolist():
-            raise bad("cached", f"the LRU list {walk[:8]} differs from the cached pages {cached[:8].tolist()}")
-        if cached.size and (np.any(pg[_ENG, cached] != 0) or (NB and np.any(pg[_NEED:, cached] != 0))):
-            raise bad("cached", "a cached page has a holder")
+        st = pg[PG_STATE]
         v2p = self.alloc.ends[self.owner].v2p
         managed = st != PAGE_NOT_MANAGED
         live = v2p != TOMBSTONE
@@ -1194,11 +813,11 @@ class RequestTable:
                                     f"(allocated outside it, or leaked)")
         for b, end in enumerate(self.bound_ends):
             on_b = self.alloc.ends[end].v2p != TOMBSTONE
-            if np.any(managed & (on_b != (pg[_NEED + b] > 0))):
-                v = int(np.flatnonzero(managed & (on_b != (pg[_NEED + b] > 0)))[0])
+            if np.any(managed & (on_b != (pg[PG_NEED + b] > 0))):
+                v = int(np.flatnonzero(managed & (on_b != (pg[PG_NEED + b] > 0)))[0])
                 raise bad("bound", f"page {v} on {end!r}: bound {bool(on_b[v])}, requests holding it there "
-                                   f"{int(pg[_NEED + b, v])}")
-        if self._dev is not None and not torch.equal(self.req_to_token.cpu(), torch.from_numpy(r2t)):
+                                   f"{int(pg[PG_NEED + b, v])}")
+        if self._dev is not None and not torch.equal(self.req_to_token.cpu(), torch.from_numpy(self._r2t)):
             raise bad("device", "the device req_to_token differs from the master")
 
     def __repr__(self) -> str:
