@@ -34,7 +34,7 @@ ownership) runs beside, to show what the ownership layer costs.
 
 Usage::
 
-    python benchmarks/bench_requests.py --ops /tmp/peers/ops.json --repeats 7 --peers
+    python benchmarks/bench_requests.py --ops /tmp/peers/ops.json --repeats 7 --peers --rounds 3
 """
 
 from __future__ import annotations
@@ -185,8 +185,13 @@ def run_mode(mode: str, w: wl.Workload, args: argparse.Namespace) -> dict:
     prep = PreparedTable(w, fork)
     extra: dict = {"block_table": "req_to_token owned by umalloc (int32)"}
     if not args.no_verify:
-        extra.update(checked_replay(make_table(w, prep, swa, args.swa_window, args.swa_ratio), prep,
-                                    np.zeros(prep.n_rids, np.int64), cache, w.params.page_size))
+        table = make_table(w, prep, swa, args.swa_window, args.swa_ratio)
+        extra.update(checked_replay(table, prep, np.zeros(prep.n_rids, np.int64), cache, w.params.page_size))
+        if swa:   # the windows advanced exactly as bench_allocator's explicit releases (same pages, same rule)
+            released = table.alloc.stats()["swa"].pages_released
+            want = ba.PreparedPages(w, args.swa_window).release_pages
+            assert released == want, f"swa pages released {released}, bench_allocator releases {want}"
+            extra["swa_pages_released"] = released
         extra["verified"] = True
     walls = []
     for _ in range(args.repeats):
@@ -225,21 +230,34 @@ def run_peers(ops_path: str, repeats: int, modes: str) -> list[dict]:
 
 
 def print_table(rows: list[dict], pages_allocated: int) -> None:
-    """One row per allocator: pages allocated per second and the ratios of median wall times to vLLM's
-    KVCacheManager (prefix caching off), KVCacheManager with caching on, and BlockPool, all of this run."""
+    """One row per allocator: pages allocated per second and the ratios of wall times to vLLM's KVCacheManager
+    with prefix caching off (``kvcm``; from the medians and from the fastest repeats, the latter steadier on a busy
+    host), with caching on (``kvcm-apc``) and to BlockPool, all measured in this run."""
     base = {r["allocator"]: r for r in rows}
-    refs = [("vllm-kvcm", "x kvcm"), ("vllm-kvcm-apc", "x kvcm-apc"), ("vllm-blockpool", "x blockpool")]
+
+    def ratio(ref: str, r: dict, key: str = "wall_s_median") -> str:
+        return f"{base[ref][key] / r[key]:.2f}" if ref in base else "-"
+
     hdr = (f"{'allocator':<22} {'wall s med':>10} {'wall s min':>10} {'req-ops/s':>11} {'calls/s':>9} "
-           f"{'pages/s (med)':>13} {'peak':>6}" + "".join(f" {h:>11}" for _, h in refs))
+           f"{'pages/s (med)':>13} {'peak':>6} {'x kvcm':>7} {'(min)':>6} {'x apc':>6} {'x bpool':>7}")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
         med = r["wall_s_median"]
-        ratios = "".join(f" {base[k]['wall_s_median'] / med:>11.2f}" if k in base else f" {'-':>11}"
-                         for k, _ in refs)
         print(f"{r['allocator']:<22} {med:>10.4f} {r['wall_s_min']:>10.4f} {r['req_ops_per_s']:>11,} "
-              f"{r['api_calls_per_s']:>9,} {round(pages_allocated / med):>13,} {r.get('peak_pages', -1):>6}"
-              + ratios)
+              f"{r['api_calls_per_s']:>9,} {round(pages_allocated / med):>13,} {r.get('peak_pages', -1):>6} "
+              f"{ratio('vllm-kvcm', r):>7} {ratio('vllm-kvcm', r, 'wall_s_min'):>6} "
+              f"{ratio('vllm-kvcm-apc', r):>6} {ratio('vllm-blockpool', r):>7}")
+
+
+def print_round_ratios(rounds: list[list[dict]]) -> None:
+    """Per round, each umalloc mode's median wall time over KVCacheManager's (caching off) in the same round,
+    then the median over the rounds: the ratio least moved by a host whose load drifts between rounds."""
+    print("\nx KVCacheManager (median/median) per round:")
+    for name in [r["allocator"] for r in rounds[0] if r["allocator"].startswith("umalloc")]:
+        xs = [next(r for r in rows if r["allocator"] == "vllm-kvcm")["wall_s_median"]
+              / next(r for r in rows if r["allocator"] == name)["wall_s_median"] for rows in rounds]
+        print(f"  {name:<20} " + " ".join(f"{x:6.2f}" for x in xs) + f"   median {statistics.median(xs):.2f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -254,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peers", action="store_true", help="also run peerbench's vLLM adapters on the same ops")
     ap.add_argument("--peer-modes", default="blockpool,kvcm,kvcm-apc")
     ap.add_argument("--peer-repeats", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="alternate umalloc's modes and the peers this many times (busy hosts); the table takes the "
+                         "median of the rounds' medians and the minimum of their minima")
     ap.add_argument("--json", default=None, help="append one JSON line per result here")
     a = ap.parse_args(argv)
     torch.set_num_threads(2)
@@ -268,25 +289,34 @@ def main(argv: list[str] | None = None) -> int:
     for mode in modes:
         if mode not in MODES:
             raise SystemExit(f"unknown mode {mode!r}: allowed {MODES}")
-    rows = []
-    if not a.no_pages:
-        rows.append(ba.run_mode("umalloc-pages", w, argparse.Namespace(**{**vars(a), "no_verify": True})))
-    for mode in modes:
-        res = run_mode(mode, w, a)
-        rows.append(res)
-        print("  ".join(f"{k}={res[k]}" for k in ("allocator", "wall_s_median", "req_ops_per_s",
-                                                  "pages_alloc_per_s")))
-        print("    " + json.dumps({k: v for k, v in res.items() if k != "allocator"}))
-    if a.peers:
-        ops_path = a.ops
-        if ops_path is None:
-            ops_path = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
-            wl.save(w, ops_path)
-        peers = run_peers(ops_path, a.peer_repeats, a.peer_modes)
-        for p in peers:
-            if p["workload"] != w.fingerprint:
-                raise SystemExit(f"peer replayed workload {p['workload']}, we replayed {w.fingerprint}")
-        rows = peers + rows
+    ops_path = a.ops
+    if a.peers and ops_path is None:
+        ops_path = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
+        wl.save(w, ops_path)
+    rounds: list[list[dict]] = []
+    for rnd in range(a.rounds):   # ours, then the peers, per round: both sides see the same phases of a busy host
+        rows = []
+        if not a.no_pages:
+            rows.append(ba.run_mode("umalloc-pages", w, argparse.Namespace(**{**vars(a), "no_verify": True})))
+        for mode in modes:
+            res = run_mode(mode, w, argparse.Namespace(**{**vars(a), "no_verify": a.no_verify or rnd > 0}))
+            rows.append(res)
+            print(f"[round {rnd + 1}/{a.rounds}] " + "  ".join(
+                f"{k}={res[k]}" for k in ("allocator", "wall_s_median", "req_ops_per_s", "pages_alloc_per_s")))
+            print("    " + json.dumps({k: v for k, v in res.items() if k != "allocator"}))
+        if a.peers:
+            peers = run_peers(ops_path, a.peer_repeats, a.peer_modes)
+            for p in peers:
+                if p["workload"] != w.fingerprint:
+                    raise SystemExit(f"peer replayed workload {p['workload']}, we replayed {w.fingerprint}")
+            rows = peers + rows
+        rounds.append(rows)
+    if len(rounds) > 1 and all(len(r) == len(rounds[0]) for r in rounds):
+        rows = ba.merge_rounds(rounds)
+        if any(r["allocator"] == "vllm-kvcm" for r in rows):
+            print_round_ratios(rounds)
+    else:
+        rows = rounds[-1]
     print()
     print_table(rows, w.meta["pages_allocated"])
     if a.json:

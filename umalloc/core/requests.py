@@ -231,8 +231,11 @@ class RequestTable:
         pad_read_vtoken / pad_write_vtoken: the token ids padded lanes read from / write to.
 
     Raises:
-        UmallocValueError: bad arguments; OutOfPages-free: if the zero page cannot be allocated,
-        :class:`~umalloc.errors.UmallocValueError` too (an arena without one free page per end).
+        UmallocValueError: bad arguments, an int32 table over an id space that does not fit, or (``zero_page``)
+        an arena without a free page on every end. Nothing is allocated on any error.
+
+    Complexity: O(max_requests * max_tokens_per_request) to fill ``req_to_token``; O(virtual pages) memory for
+    the counts (int32 ``[3 + bound ends, num_vpages]``) and the LRU links.
 
     >>> from umalloc.core.allocator import _doctest_allocator
     >>> alloc = _doctest_allocator()          # full (up) + swa (down, window 4), page_size 2, 9 usable pages each
