@@ -32,7 +32,10 @@ Policy:
   change then: windows advanced and cached pages evicted, both harmless); a broken invariant raises
   :class:`~umalloc.errors.InvariantError` from :meth:`RequestTable.check_invariants`.
 
-Not thread-safe: call from the thread that owns the scheduler (as the allocator).
+The table's pages are freed and released only through it: the allocator's ``free`` / ``release_end`` /
+``retract`` on them are reported by :meth:`RequestTable.check_invariants` (``owner-live`` / ``bound``); its
+``compact`` is always fine (virtual ids never change). Not thread-safe: call from the thread that owns the
+scheduler (as the allocator).
 
 Note [Holders]
 ~~~~~~~~~~~~~~
@@ -526,6 +529,14 @@ class RequestTable:
             ``[0, length]``. Nothing changes on any error.
 
         Complexity: O(B + dropped tokens).
+
+        >>> from umalloc.core.allocator import _doctest_allocator
+        >>> alloc = _doctest_allocator()            # page_size 2; the zero page is virtual page 1
+        >>> table = RequestTable(alloc, max_requests=2, max_tokens_per_request=8)
+        >>> (s,) = table.new_requests(1).tolist(); table.extend([s], [5]).tolist()     # pages 2, 3, 4
+        [4, 5, 6, 7, 8]
+        >>> table.truncate([s], [2]); table.pages(s).tolist(), alloc.stats()["full"].live_pages
+        ([2], 2)
         """
         s = _ids_arg(slots, "slots")
         keep = _ids_arg(num_tokens, "num_tokens")
@@ -580,6 +591,18 @@ class RequestTable:
             outside ``[0, length]``. Nothing changes on any error.
 
         Complexity: O(num_tokens).
+
+        >>> from umalloc.core.allocator import _doctest_allocator
+        >>> table = RequestTable(_doctest_allocator(), max_requests=2, max_tokens_per_request=8)
+        >>> (a,) = table.new_requests(1).tolist(); _ = table.extend([a], [3])   # pages 2, 3 (3 partial)
+        >>> b = table.fork(a); table.pages(b).tolist(), table.stats().shared_pages
+        ([2, 3], 2)
+        >>> table.decode([b]).tolist(), table.pages(b).tolist()                # b copies page 3 to 4 first
+        ([9], [2, 4])
+        >>> table.free_requests([a, b], cache=True); table.cached_pages().tolist()   # a's partial 3 is freed
+        [4, 2]
+        >>> table.reclaim([2]); table.cached_pages().tolist(), table.stats().engine_refs
+        ([4], 1)
         """
         src = self._slot(src_slot, "fork")
         L = int(self._rq[RQ_LEN, src])
