@@ -300,6 +300,34 @@ def test_check_invariants_reports_pages_freed_behind_the_table_and_pages_allocat
     RequestTable(_alloc(2, 8), max_requests=1, max_tokens_per_request=2, exclusive=False).check_invariants()
 
 
+def test_check_invariants_reports_a_bound_end_released_behind_the_table() -> None:
+    alloc = _alloc(2, 12, window=4)
+    table = RequestTable(alloc, max_requests=2, max_tokens_per_request=8)
+    (s,) = table.new_requests(1).tolist()
+    table.extend([s], [4])
+    table.check_invariants()
+    alloc.release_pages("swa", table.pages(s)[:1])    # the engine's own window release, beside the table's
+    with pytest.raises(InvariantError, match="bound.*on 'swa'"):
+        table.check_invariants()
+
+
+def test_on_evict_runs_while_the_pages_are_still_allocated() -> None:
+    """The engine hears of an eviction before the ids can be re-minted: inside on_evict the pages are still
+    live on the allocator; right after, the allocation that needed them reuses the lowest one."""
+    seen: list[tuple[list[int], list[int]]] = []
+    alloc = _alloc(1, 4)                              # page_size 1: every page full
+    table = RequestTable(alloc, max_requests=2, max_tokens_per_request=4, zero_page=False,
+                         on_evict=lambda vp: seen.append((vp.tolist(),
+                                                          alloc.translate_pages(vp, "full").tolist())))
+    s = table.new_requests(2)
+    table.extend(s[:1], [3])                          # pages 1, 2, 3
+    table.free_requests(s[:1], cache=True)            # cached 3, 2, 1
+    assert table.extend(s[1:], [2]).tolist() == [3, 4]   # id 4 free + LRU head 3 evicted, lowest first
+    assert seen == [([3], [3])]
+    assert table.cached_pages().tolist() == [2, 1]
+    table.check_invariants()
+
+
 # ---- the three public bug classes --------------------------------------------------------------------------------
 def _everything_returned(alloc: MultiEndedAllocator, kept: int = 0) -> None:
     st = alloc.stats()["full"]
