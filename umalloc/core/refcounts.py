@@ -29,8 +29,7 @@ LRU_PREV, LRU_NEXT = 0, 1   # LRU links (int64 [2, NV]); virtual page 0 is the l
 
 # ---- kernel result slots (``info``, int64) -----------------------------------------------------------------
 I_CODE, I_POS, I_VAL, I_PAGES, I_TOTAL, I_NCOW, I_NFREED, I_NCACHED, I_REL = range(9)
-E_OK, E_RANGE, E_FREE_SLOT, E_DUP, E_NEG, E_LONG, E_TRUNC = range(7)
-
+E_RANGE, E_FREE_SLOT, E_DUP, E_NEG, E_LONG, E_TRUNC = range(1, 7)   # 0: ok
 
 
 # ---- kernels. Each validates its whole batch before it writes anything (``k_grow_plan`` writes only after its

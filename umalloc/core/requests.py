@@ -302,7 +302,6 @@ class RequestTable:
         self._pagebuf = np.zeros(NV, np.int64)
         self._cowpairs = np.zeros((2, R), np.int64)
         self._info = np.zeros(I_REL + NB, np.int64)
-        self._slotbuf = np.zeros(R, np.int64)
         self._zeros = np.zeros(R, np.int64)
         self._ones = np.ones(R, np.int64)
         self._no_flat = np.zeros(0, np.int64)
