@@ -454,6 +454,41 @@ def test_sink_reads_padded_lane_masked_read_is_finite_through_the_table_F05() ->
     table.check_invariants()
 
 
+def test_one_table_per_owner_end_on_an_allocator_with_two_id_owners() -> None:
+    full = EndSpec("full", (LayerSpec.mha(1, 4),), page_size=2)                  # 32 B pages, grows up
+    draft = EndSpec("draft", (LayerSpec.mha(1, 2),), page_size=4, grow=Grow.DOWN, role=EndRole.DRAFT)  # own ids
+    alloc = MultiEndedAllocator(Arena(ArenaSpec((full, draft), arena_bytes=640)))
+    with pytest.raises(UmallocValueError, match="ambiguous"):
+        RequestTable(alloc, max_requests=2, max_tokens_per_request=8)
+    target = RequestTable(alloc, max_requests=2, max_tokens_per_request=8, owner="full")
+    drafts = RequestTable(alloc, max_requests=2, max_tokens_per_request=8, owner="draft")
+    (t,) = target.new_requests(1).tolist()
+    (d,) = drafts.new_requests(1).tolist()
+    assert target.extend([t], [3]).tolist() == [4, 5, 6] and drafts.extend([d], [5]).tolist() == [8, 9, 10, 11, 12]
+    assert alloc.stats()["full"].live_pages == 3 and alloc.stats()["draft"].live_pages == 3
+    drafts.free_requests([d])
+    assert alloc.stats()["draft"].live_pages == 1 and alloc.stats()["full"].live_pages == 3
+    target.check_invariants()
+    drafts.check_invariants()
+
+
+def test_pages_freed_under_a_lease_stay_pending_and_are_nobody_s_leak() -> None:
+    """Every live page is held by a request or an engine reference; a page a lease pins when its request frees
+    it is pending (not live, not reusable) until the lease ends, and no check calls it a leak."""
+    alloc = _alloc(2, 8)
+    table = RequestTable(alloc, max_requests=1, max_tokens_per_request=8)
+    (s,) = table.new_requests(1).tolist()
+    table.extend([s], [4])                            # pages 2, 3
+    lease = alloc.lease({"full": alloc.translate_pages(table.pages(s), "full")})
+    table.free_requests([s], cache=False)
+    st = alloc.stats()["full"]
+    assert (st.live_pages, st.pending_pages) == (1, 2)
+    table.check_invariants()
+    lease.release()
+    assert alloc.stats()["full"].pending_pages == 0 and alloc.available_pages("full") == 7
+    table.check_invariants()
+
+
 # ---- compaction, devices ------------------------------------------------------------------------------------------
 def test_compaction_moves_shared_pages_and_req_to_token_stays() -> None:
     alloc = _alloc(2, 10)
