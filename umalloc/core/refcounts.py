@@ -224,21 +224,26 @@ def k_grow_apply(rq, pg, r2p, r2t, slots, ext, ps, cow, pages, out, flat, cowpai
                 if want_flat:
                     flat[o + f] = s * mt + p
                     f += 1
-        for p in range(L, L + e):
+        p = L
+        while p < L + e:   # page by page: token t = vp * ps + (p - j * ps), one division per page
             j = p // ps
-            if p % ps == 0:
+            if p == j * ps:
                 vp = pages[c]
                 c += 1
                 r2p[s, j] = vp
                 _fresh(pg, vp, nb)
             else:
                 vp = r2p[s, j]
-            t = vp * ps + p % ps
-            r2t[s, p] = t
-            out[o] = t
+            stop = min(L + e, (j + 1) * ps)
+            shift = (vp - j) * ps
+            for q in range(p, stop):
+                r2t[s, q] = shift + q
+                out[o + q - p] = shift + q
             if want_flat:
-                flat[o + f] = s * mt + p
-            o += 1
+                for q in range(p, stop):
+                    flat[o + f + q - p] = s * mt + q
+            o += stop - p
+            p = stop
         rq[RQ_LEN, s] = L + e
     info[I_TOTAL] = o + f
 
