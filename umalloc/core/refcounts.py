@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from umalloc.core.pagestate import TOMBSTONE
 from umalloc.errors import InvariantError
 
 # ---- per-request rows of ``rq`` (int64 [2 + NB, R]) and per-page rows of ``pg`` (int32 [3 + NB, NV]) --------
@@ -386,8 +387,7 @@ def k_revive(pg, lru, vps):
         pg[PG_REF, vp] += 1
 
 
-def check_state(rq, pg, lru, r2p, r2t, ps: int, zero: int, pad: int, bound_ends: tuple[str, ...],
-                where: str) -> None:
+def check_state(rq, pg, lru, r2p, r2t, ps: int, zero: int, pad: int, where: str) -> None:
     """Recompute the table's counts from its page tables and compare (``where`` names the table in messages).
 
     Raises :class:`~umalloc.errors.InvariantError` naming the first broken invariant: ``rows`` (free slots empty;
@@ -398,7 +398,7 @@ def check_state(rq, pg, lru, r2p, r2t, ps: int, zero: int, pad: int, bound_ends:
     O(R * MT + NV).
     """
     NV = pg.shape[1]
-    NB = len(bound_ends)
+    NB = pg.shape[0] - PG_NEED
     R, MP = r2p.shape
 
     def bad(inv: str, msg: str) -> InvariantError:
@@ -440,7 +440,7 @@ def check_state(rq, pg, lru, r2p, r2t, ps: int, zero: int, pad: int, bound_ends:
             need[zero] += 1
         if not np.array_equal(need, pg[PG_NEED + b]):
             v = int(np.flatnonzero(need != pg[PG_NEED + b])[0])
-            raise bad("counts", f"page {v} on {bound_ends[b]!r}: count {int(pg[PG_NEED + b, v])}, "
+            raise bad("counts", f"page {v} on bound end {b}: count {int(pg[PG_NEED + b, v])}, "
                                 f"requests holding it there {int(need[v])}")
     st = pg[PG_STATE]
     if np.any((st == PAGE_HELD) != (pg[PG_REF] > 0)):
@@ -459,3 +459,32 @@ def check_state(rq, pg, lru, r2p, r2t, ps: int, zero: int, pad: int, bound_ends:
         raise bad("cached", f"the LRU list {walk[:8]} differs from the cached pages {cached[:8].tolist()}")
     if cached.size and (np.any(pg[PG_ENG, cached] != 0) or (NB and np.any(pg[PG_NEED:, cached] != 0))):
         raise bad("cached", "a cached page has a holder")
+
+
+def check_against_allocator(pg, v2p: dict, exclusive: bool, where: str) -> None:
+    """Compare the table's page states with the allocator's tables: ``v2p`` maps the owner end first, then each
+    bound end in ``pg``'s order, to its ``v2p`` array (TOMBSTONE where unbound).
+
+    Raises :class:`~umalloc.errors.InvariantError`: ``owner-live`` (a managed page not live on the owner: freed
+    behind the table; with ``exclusive``, a live owner page the table does not manage: allocated outside it or
+    leaked) or ``bound`` (a managed page bound on a bound end iff a request holds it there). O(NV * ends).
+    """
+    (owner, owner_v2p), *bound = v2p.items()
+    managed = pg[PG_STATE] != PAGE_NOT_MANAGED
+    live = owner_v2p != TOMBSTONE
+    live[0] = False
+    if np.any(managed & ~live):
+        v = int(np.flatnonzero(managed & ~live)[0])
+        raise InvariantError(f"[owner-live] {where}: managed page {v} is not live on {owner!r} (freed behind the "
+                             f"table)")
+    if exclusive and np.any(live & ~managed):
+        v = int(np.flatnonzero(live & ~managed)[0])
+        raise InvariantError(f"[owner-live] {where}: page {v} is live on {owner!r} but held by no one the table "
+                             f"knows (allocated outside it, or leaked)")
+    for b, (end, end_v2p) in enumerate(bound):
+        on_b = end_v2p != TOMBSTONE
+        wrong = managed & (on_b != (pg[PG_NEED + b] > 0))
+        if np.any(wrong):
+            v = int(np.flatnonzero(wrong)[0])
+            raise InvariantError(f"[bound] {where}: page {v} on {end!r}: bound {bool(on_b[v])}, requests holding "
+                                 f"it there {int(pg[PG_NEED + b, v])}")

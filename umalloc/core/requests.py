@@ -100,7 +100,6 @@ import numpy as np
 import torch
 
 from umalloc.core.allocator import MultiEndedAllocator
-from umalloc.core.pagestate import TOMBSTONE
 from umalloc.core.refcounts import (
     E_DUP,
     E_FREE_SLOT,
@@ -126,6 +125,7 @@ from umalloc.core.refcounts import (
     RQ_FRONT,
     RQ_INUSE,
     RQ_LEN,
+    check_against_allocator,
     check_slots,
     check_state,
     k_check_truncate,
@@ -817,33 +817,13 @@ class RequestTable:
         """
         if allocator:
             self.alloc.check_invariants()
-        pg = self._pg
-        check_state(self._rq, pg, self._lru, self._r2p, self._r2t, self.page_size, self.zero_vpage,
-                    self.pad_read_vtoken, self.bound_ends, f"request table on {self.owner!r}")
-
-        def bad(inv: str, msg: str) -> InvariantError:
-            return InvariantError(f"[{inv}] request table on {self.owner!r}: {msg}")
-
-        st = pg[PG_STATE]
-        v2p = self.alloc.ends[self.owner].v2p
-        managed = st != PAGE_NOT_MANAGED
-        live = v2p != TOMBSTONE
-        live[0] = False
-        if np.any(managed & ~live):
-            v = int(np.flatnonzero(managed & ~live)[0])
-            raise bad("owner-live", f"managed page {v} is not live on {self.owner!r} (freed behind the table)")
-        if self.exclusive and np.any(live & ~managed):
-            v = int(np.flatnonzero(live & ~managed)[0])
-            raise bad("owner-live", f"page {v} is live on {self.owner!r} but held by no one the table knows "
-                                    f"(allocated outside it, or leaked)")
-        for b, end in enumerate(self.bound_ends):
-            on_b = self.alloc.ends[end].v2p != TOMBSTONE
-            if np.any(managed & (on_b != (pg[PG_NEED + b] > 0))):
-                v = int(np.flatnonzero(managed & (on_b != (pg[PG_NEED + b] > 0)))[0])
-                raise bad("bound", f"page {v} on {end!r}: bound {bool(on_b[v])}, requests holding it there "
-                                   f"{int(pg[PG_NEED + b, v])}")
+        where = f"request table on {self.owner!r}"
+        check_state(self._rq, self._pg, self._lru, self._r2p, self._r2t, self.page_size, self.zero_vpage,
+                    self.pad_read_vtoken, where)
+        check_against_allocator(self._pg, {e: self.alloc.ends[e].v2p for e in (self.owner, *self.bound_ends)},
+                                self.exclusive, where)
         if self._dev is not None and not torch.equal(self.req_to_token.cpu(), torch.from_numpy(self._r2t)):
-            raise bad("device", "the device req_to_token differs from the master")
+            raise InvariantError(f"[device] {where}: the device req_to_token differs from the master")
 
     def __repr__(self) -> str:
         s = self.stats()
