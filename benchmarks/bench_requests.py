@@ -32,9 +32,11 @@ the same op file right after, and prints one table with ratios to vLLM's ``KVCac
 ``BlockPool`` measured in the same run. ``umalloc-pages`` (bench_allocator's page-level replay, no request
 ownership) runs beside, to show what the ownership layer costs.
 
-Usage::
+Usage (``UMALLOC_PEERBENCH`` names the peerbench folder when the tree is not beside ``shared/``; ``PEERS_VENV``
+the peers' venv, default ``/tmp/peers/venv``)::
 
-    python benchmarks/bench_requests.py --ops /tmp/peers/ops.json --repeats 7 --peers --rounds 3
+    python benchmarks/bench_requests.py --repeats 9 --peers --rounds 3
+    python benchmarks/bench_requests.py --ops /tmp/peers/ops.json --modes table,table-apc --no-pages
 """
 
 from __future__ import annotations
