@@ -21,6 +21,9 @@ _EXPORTS: dict[str, str] = {
     "EndView": "umalloc.core.allocator",
     "snapshots_equal": "umalloc.core.allocator",
     "ReadOnlyTable": "umalloc.core.ids",
+    # request ownership
+    "RequestTable": "umalloc.core.requests",
+    "RequestTableStats": "umalloc.core.requests",
     # geometry
     "Arena": "umalloc.geometry.arena",
     "ArenaSpec": "umalloc.geometry.spec",

@@ -1,0 +1,332 @@
+#!/usr/bin/env python3
+"""Replay the peerbench op sequence through umalloc's RequestTable (not a timed test).
+
+The op file is the one ``benchmarks/bench_allocator.py`` reads (peerbench's ``workload.py``: extend / decode / free
+built from the Mooncake conversation trace, same fingerprint); this file reuses that module's loader, arena sizing
+and checked page-form replay by import. The harness plays a scheduler that lets umalloc own its requests, as an
+engine on vLLM's ``KVCacheManager`` does:
+
+* an extend op opens its new requests with one ``new_requests(n)`` and calls one ``extend(slots, extend_lens)``
+  for the whole batch; a decode op one ``decode(slots)``; a free op one ``free_requests(slots)``. The harness keeps
+  only a request -> slot array (what the engine's scheduler keeps anyway); umalloc fills ``req_to_token``.
+
+Modes:
+
+* ``table`` -- prefix caching off (the like-for-like with ``KVCacheManager(enable_caching=False)``);
+* ``table-swa`` -- with an SWA end (window 128 tokens after scaling): windows advance inside ``extend`` /
+  ``decode`` (the same pages, frontiers and release order as ``bench_allocator.py --modes umalloc-swa``);
+* ``table-apc`` -- prefix caching on: ``free_requests(cache=True)`` keeps every full page as cached, and
+  allocation evicts them LRU first when the pool runs out (vLLM ``kvcm-apc``: no hits, prompts are unique);
+* ``table-fork`` -- fork-heavy prefix caching: at its first decode every request is forked at its length
+  (parallel sampling, n = 2); the fork decodes in the same batch (the shared partial page is copied on the first
+  write) and is then freed with ``cache=True``; finished requests free with ``cache=True``. Request-ops and pages
+  count the forks' work too (reported beside the base figures).
+
+Each mode is checked once before timing (untimed): after every op the table's live pages equal the harness's
+count (held by requests + the zero page, + cached in the caching modes), every 97 ops ``check_invariants()``,
+nothing leaks at the end. The timed part is one ``perf_counter`` around the replay on a fresh allocator and table;
+the figure is the median of the repeats.
+
+``--peers`` runs ``../shared/peerbench/run_vllm.py --modes blockpool,kvcm,kvcm-apc`` (under ``$PEERS_VENV``) on
+the same op file right after, and prints one table with ratios to vLLM's ``KVCacheManager`` (``kvcm``) and
+``BlockPool`` measured in the same run. ``umalloc-pages`` (bench_allocator's page-level replay, no request
+ownership) runs beside, to show what the ownership layer costs.
+
+Usage (``UMALLOC_PEERBENCH`` names the peerbench folder when the tree is not beside ``shared/``; ``PEERS_VENV``
+the peers' venv, default ``/tmp/peers/venv``)::
+
+    python benchmarks/bench_requests.py --repeats 9 --peers --rounds 3
+    python benchmarks/bench_requests.py --ops /tmp/peers/ops.json --modes table,table-apc --no-pages
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import bench_allocator as ba  # noqa: E402  (the op-file loader, arena sizing and page-form replay, reused)
+
+from umalloc.core.requests import RequestTable  # noqa: E402
+
+wl = ba.wl
+MODES = ("table", "table-swa", "table-apc", "table-fork")
+_E, _D, _F = 0, 1, 2
+
+
+class _Op:
+    __slots__ = ("forks", "kind", "new_rids", "rids", "lens")
+
+
+class PreparedTable:
+    """Per-op numpy arrays of request ids (untimed): ``new_rids`` opened by an extend, ``rids`` the batch,
+    ``lens`` the extend lengths, ``forks`` (fork mode) the requests whose first decode this op is."""
+
+    def __init__(self, w: wl.Workload, fork: bool) -> None:
+        self.ops: list[_Op] = []
+        self.n_forks = 0
+        seen_decode: set[int] = set()
+        live: set[int] = set()
+        self.max_live = 0
+        for kind, payload in w.ops:
+            o = _Op()
+            o.forks = None
+            if kind == "E":
+                o.kind = _E
+                o.rids = np.array([it[0] for it in payload], np.int64)
+                o.lens = np.array([it[2] for it in payload], np.int64)
+                o.new_rids = np.array([it[0] for it in payload if it[1] == 0], np.int64)
+                live.update(o.new_rids.tolist())
+            elif kind == "D":
+                o.kind = _D
+                o.rids = np.array(payload, np.int64)
+                if fork:
+                    first = [r for r in payload if r not in seen_decode]
+                    seen_decode.update(first)
+                    o.forks = np.array(first, np.int64) if first else None
+                    self.n_forks += len(first)
+            else:
+                o.kind = _F
+                o.rids = np.array(payload, np.int64)
+                live.difference_update(payload)
+            self.max_live = max(self.max_live, len(live) + (len(o.forks) if o.forks is not None else 0))
+            self.ops.append(o)
+        self.n_rids = max(w.req_in) + 1
+
+
+def make_table(w: wl.Workload, prep: PreparedTable, swa: bool, swa_window: int, swa_ratio: float
+               ) -> RequestTable:
+    alloc = ba.make_allocator(w, swa_window if swa else None, swa_ratio)
+    return RequestTable(alloc, max_requests=prep.max_live, max_tokens_per_request=w.max_seq_len() + 1)
+
+
+def replay(table: RequestTable, prep: PreparedTable, slot_of: np.ndarray, cache: bool) -> None:
+    """The timed loop: one table call per op (plus the forks' calls in fork mode)."""
+    new_requests, extend, decode, free_requests, fork = (table.new_requests, table.extend, table.decode,
+                                                         table.free_requests, table.fork)
+    for o in prep.ops:
+        k = o.kind
+        if k == _D:
+            if o.forks is None:
+                decode(slot_of[o.rids])
+            else:
+                kids = [fork(s) for s in slot_of[o.forks].tolist()]
+                batch = np.concatenate([slot_of[o.rids], np.array(kids, np.int64)])
+                decode(batch)
+                free_requests(batch[o.rids.shape[0]:], cache=True)
+        elif k == _E:
+            if o.new_rids.shape[0]:
+                slot_of[o.new_rids] = new_requests(o.new_rids.shape[0]).numpy()
+            extend(slot_of[o.rids], o.lens)
+        else:
+            free_requests(slot_of[o.rids], cache=cache)
+
+
+def checked_replay(table: RequestTable, prep: PreparedTable, slot_of: np.ndarray, cache: bool, ps: int) -> dict:
+    """Untimed verification pass (module docstring). Returns peaks and cache counters."""
+    alloc = table.alloc
+    length: dict[int, int] = {}
+    peak = 0
+    for i, o in enumerate(prep.ops):
+        if o.kind == _E:
+            if o.new_rids.shape[0]:
+                got = table.new_requests(o.new_rids.shape[0])
+                assert got is not None, f"op {i}: no free slot"
+                slot_of[o.new_rids] = got.numpy()
+            out = table.extend(slot_of[o.rids], o.lens)
+            assert out is not None and out.shape[0] == int(o.lens.sum()), f"op {i}: extend returned {out}"
+            for r, n in zip(o.rids.tolist(), o.lens.tolist(), strict=True):
+                length[r] = length.get(r, 0) + n
+        elif o.kind == _D:
+            batch = slot_of[o.rids]
+            kids = np.zeros(0, np.int64)
+            if o.forks is not None:
+                kids = np.array([table.fork(s, length[r]) for r, s in
+                                 zip(o.forks.tolist(), slot_of[o.forks].tolist(), strict=True)], np.int64)
+                assert (kids >= 0).all(), f"op {i}: fork found no slot"
+                batch = np.concatenate([batch, kids])
+            out = table.decode(batch)
+            assert out is not None and out.shape[0] == batch.shape[0], f"op {i}: decode returned {out}"
+            assert np.unique(out.numpy()).shape[0] == out.shape[0], f"op {i}: a token handed out twice"
+            for r in o.rids.tolist():
+                length[r] += 1
+            if kids.shape[0]:
+                table.free_requests(kids, cache=True)
+        else:
+            for r in o.rids.tolist():
+                assert int(table.num_tokens([int(slot_of[r])])[0]) == length.pop(r), f"op {i}: length differs"
+            table.free_requests(slot_of[o.rids], cache=cache)
+        want = sum(-(-n // ps) for n in length.values()) + 1
+        st = table.stats()
+        assert st.held_pages == want, (i, st.held_pages, want)
+        live = alloc.stats()["full"].live_pages
+        assert live == want + st.cached_pages, (i, live, want, st.cached_pages)
+        peak = max(peak, live)
+        if i % 97 == 0 or i == len(prep.ops) - 1:
+            table.check_invariants()
+    st = table.stats()
+    assert not length and st.held_pages == 1 and st.live_requests == 0, "pages or requests leaked"
+    table.check_invariants()
+    return {"peak_pages": peak, "pages_cached": st.pages_cached, "pages_evicted": st.pages_evicted,
+            "pages_copied": st.pages_copied}
+
+
+def run_mode(mode: str, w: wl.Workload, args: argparse.Namespace) -> dict:
+    swa, cache, fork = mode == "table-swa", mode in ("table-apc", "table-fork"), mode == "table-fork"
+    prep = PreparedTable(w, fork)
+    extra: dict = {"block_table": "req_to_token owned by umalloc (int32)"}
+    if not args.no_verify:
+        table = make_table(w, prep, swa, args.swa_window, args.swa_ratio)
+        extra.update(checked_replay(table, prep, np.zeros(prep.n_rids, np.int64), cache, w.params.page_size))
+        if swa:   # the windows advanced exactly as bench_allocator's explicit releases (same pages, same rule)
+            released = table.alloc.stats()["swa"].pages_released
+            want = ba.PreparedPages(w, args.swa_window).release_pages
+            assert released == want, f"swa pages released {released}, bench_allocator releases {want}"
+            extra["swa_pages_released"] = released
+        extra["verified"] = True
+    walls = []
+    for _ in range(args.repeats):
+        table = make_table(w, prep, swa, args.swa_window, args.swa_ratio)
+        slot_of = np.zeros(prep.n_rids, np.int64)
+        t0 = time.perf_counter()
+        replay(table, prep, slot_of, cache)
+        walls.append(time.perf_counter() - t0)
+        assert table.stats().held_pages == 1, "pages leaked"
+    med = statistics.median(walls)
+    calls = sum(1 + (o.kind == _E and o.new_rids.shape[0] > 0) for o in prep.ops) + 2 * prep.n_forks
+    res = {
+        "allocator": f"umalloc-{mode}", "workload": w.fingerprint, "repeats": len(walls),
+        "wall_s_median": round(med, 4), "wall_s_min": round(min(walls), 4), "wall_s_max": round(max(walls), 4),
+        "req_ops_per_s": round(w.meta["req_ops"] / med), "api_calls": calls, "api_calls_per_s": round(calls / med),
+        "pages_alloc_per_s": round(w.meta["pages_allocated"] / med),
+    }
+    if fork:
+        res["forks"] = prep.n_forks
+    res.update(extra)
+    return res
+
+
+def run_peers(ops_path: str, repeats: int, modes: str) -> list[dict]:
+    """peerbench's vLLM adapters on the same op file (under ``$PEERS_VENV``); ``[]`` with a note if that venv is
+    missing or the run fails."""
+    out = tempfile.NamedTemporaryFile(suffix=".jsonl", delete=False).name
+    cmd = [sys.executable, str(ba.PEERBENCH / "run_vllm.py"), "--ops", ops_path, "--modes", modes,
+           "--repeats", str(repeats), "--json", out]
+    print("#", " ".join(cmd), f"(PEERS_VENV={os.environ.get('PEERS_VENV', '/tmp/peers/venv')})", flush=True)
+    if subprocess.run(cmd).returncode != 0:
+        print("# the vLLM peers did not run (build their venv: ../shared/peerbench/setup_peers.sh)")
+        return []
+    with open(out) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def print_table(rows: list[dict], pages_allocated: int) -> None:
+    """One row per allocator: pages allocated per second and the ratios of wall times to vLLM's KVCacheManager
+    with prefix caching off (``kvcm``; from the medians and from the fastest repeats, the latter steadier on a busy
+    host), with caching on (``kvcm-apc``) and to BlockPool, all measured in this run."""
+    base = {r["allocator"]: r for r in rows}
+
+    def ratio(ref: str, r: dict, key: str = "wall_s_median") -> str:
+        return f"{base[ref][key] / r[key]:.2f}" if ref in base else "-"
+
+    hdr = (f"{'allocator':<22} {'wall s med':>10} {'wall s min':>10} {'req-ops/s':>11} {'calls/s':>9} "
+           f"{'pages/s (med)':>13} {'peak':>6} {'x kvcm':>7} {'(min)':>6} {'x apc':>6} {'x bpool':>7}")
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        med = r["wall_s_median"]
+        print(f"{r['allocator']:<22} {med:>10.4f} {r['wall_s_min']:>10.4f} {r['req_ops_per_s']:>11,} "
+              f"{r['api_calls_per_s']:>9,} {round(pages_allocated / med):>13,} {r.get('peak_pages', -1):>6} "
+              f"{ratio('vllm-kvcm', r):>7} {ratio('vllm-kvcm', r, 'wall_s_min'):>6} "
+              f"{ratio('vllm-kvcm-apc', r):>6} {ratio('vllm-blockpool', r):>7}")
+
+
+def print_round_ratios(rounds: list[list[dict]]) -> None:
+    """Per round, each umalloc mode's median wall time over KVCacheManager's (caching off) in the same round,
+    then the median over the rounds: the ratio least moved by a host whose load drifts between rounds."""
+    print("\nx KVCacheManager (median/median) per round:")
+    for name in [r["allocator"] for r in rounds[0] if r["allocator"].startswith("umalloc")]:
+        xs = [next(r for r in rows if r["allocator"] == "vllm-kvcm")["wall_s_median"]
+              / next(r for r in rows if r["allocator"] == name)["wall_s_median"] for rows in rounds]
+        print(f"  {name:<20} " + " ".join(f"{x:6.2f}" for x in xs) + f"   median {statistics.median(xs):.2f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    wl.add_args(ap)
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma list of {MODES}")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--swa-window", type=int, default=128, help="sliding window in tokens (after scaling)")
+    ap.add_argument("--swa-ratio", type=float, default=1.0, help="extra arena pages for SWA / pool pages")
+    ap.add_argument("--no-verify", action="store_true", help="skip the checked (untimed) pass")
+    ap.add_argument("--no-pages", action="store_true", help="skip bench_allocator's umalloc-pages beside")
+    ap.add_argument("--peers", action="store_true", help="also run peerbench's vLLM adapters on the same ops")
+    ap.add_argument("--peer-modes", default="blockpool,kvcm,kvcm-apc")
+    ap.add_argument("--peer-repeats", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="alternate umalloc's modes and the peers this many times (busy hosts); the table takes the "
+                         "median of the rounds' medians and the minimum of their minima")
+    ap.add_argument("--json", default=None, help="append one JSON line per result here")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(2)
+    w = wl.from_args(a)
+    print(f"# umalloc request-table bench  torch {torch.__version__}  workload {w.fingerprint}: "
+          f"requests={w.meta['requests']} ops={w.meta['ops_total']} req_ops={w.meta['req_ops']} "
+          f"pages_allocated={w.meta['pages_allocated']} peak_live_pages={w.meta['peak_live_pages']}")
+    small = wl.build(wl.Params(n_requests=8), wl.load_trace(wl.trace_path(a.trace), 8))
+    for mode in MODES:   # warm the numba kernels (cache or compile) outside any timing
+        run_mode(mode, small, argparse.Namespace(**{**vars(a), "no_verify": False, "repeats": 1}))
+    modes = [m for m in a.modes.split(",") if m]
+    for mode in modes:
+        if mode not in MODES:
+            raise SystemExit(f"unknown mode {mode!r}: allowed {MODES}")
+    ops_path = a.ops
+    if a.peers and ops_path is None:
+        ops_path = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
+        wl.save(w, ops_path)
+    rounds: list[list[dict]] = []
+    for rnd in range(a.rounds):   # ours, then the peers, per round: both sides see the same phases of a busy host
+        rows = []
+        if not a.no_pages:
+            rows.append(ba.run_mode("umalloc-pages", w, argparse.Namespace(**{**vars(a), "no_verify": True})))
+        for mode in modes:
+            res = run_mode(mode, w, argparse.Namespace(**{**vars(a), "no_verify": a.no_verify or rnd > 0}))
+            rows.append(res)
+            print(f"[round {rnd + 1}/{a.rounds}] " + "  ".join(
+                f"{k}={res[k]}" for k in ("allocator", "wall_s_median", "req_ops_per_s", "pages_alloc_per_s")))
+            print("    " + json.dumps({k: v for k, v in res.items() if k != "allocator"}))
+        if a.peers:
+            peers = run_peers(ops_path, a.peer_repeats, a.peer_modes)
+            for p in peers:
+                if p["workload"] != w.fingerprint:
+                    raise SystemExit(f"peer replayed workload {p['workload']}, we replayed {w.fingerprint}")
+            rows = peers + rows
+        rounds.append(rows)
+    if len(rounds) > 1 and all(len(r) == len(rounds[0]) for r in rounds):
+        rows = ba.merge_rounds(rounds)
+        if any(r["allocator"] == "vllm-kvcm" for r in rows):
+            print_round_ratios(rounds)
+    else:
+        rows = rounds[-1]
+    print()
+    print_table(rows, w.meta["pages_allocated"])
+    if a.json:
+        with open(a.json, "a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
