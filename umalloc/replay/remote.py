@@ -33,6 +33,7 @@ from umalloc.core.allocator import MultiEndedAllocator
 from umalloc.transfer.plan import PeerLayout, build_receiver_half
 from umalloc.replay.prefill import PlanFigures, warm_up
 from umalloc.replay.report import PhaseTimer
+from umalloc.replay.signals import sigint_ignored
 from umalloc.replay.workload import RequestState
 from umalloc.geometry.spec import ArenaSpec
 
@@ -51,14 +52,19 @@ def _child_stats(ctx) -> dict:
             "leases_taken": t.leases_taken, "leases_expired": t.leases_expired}
 
 
-def child_setup(ctx, model: str, page_size: int, draft: bool, arena_bytes: int, seed: int, compaction: str) -> dict:
-    """Create the prefill arena (preset ``model``), its allocator and the KV pattern; register the arena with the
+def child_setup(ctx, model: str, page_size: int, draft: bool, arena_bytes: int, seed: int, compaction: str,
+                padded: bool) -> dict:
+    """Create the prefill arena (preset ``model``; its ends padded as vLLM pads them when ``padded``,
+    :func:`umalloc.replay.layouts.padded_ends`), its allocator and the KV pattern; register the arena with the
     child's backend and publish its layout. Returns the child's stats."""
     from umalloc.geometry.arena import Arena
     from umalloc.geometry.presets import preset_ends
     from umalloc.replay.kvfill import KVPattern
 
-    spec = ArenaSpec(preset_ends(model, page_size=page_size, draft=draft), arena_bytes=arena_bytes)
+    from umalloc.replay.layouts import padded_ends
+
+    ends = preset_ends(model, page_size=page_size, draft=draft)
+    spec = ArenaSpec(padded_ends(ends) if padded else ends, arena_bytes=arena_bytes)
     arena = Arena(spec, zero=False)
     alloc = MultiEndedAllocator(arena, compaction=compaction)
     warm_up(alloc)
@@ -179,7 +185,7 @@ class RemotePrefill:
         pre_spec: the prefill arena spec (its ``arena_bytes`` is what the child allocates).
         decode: the decode allocator (this process).
         timer: the replay's phase timer.
-        model, page_size, draft, seed, compaction: what the child rebuilds its arena and pattern from.
+        model, page_size, draft, seed, compaction, padded: what the child rebuilds its arena and pattern from.
         transfer_timeout_s, lease_deadline_s: bound of each transfer wait; deadline of both sides' leases.
 
     Raises:
@@ -189,8 +195,8 @@ class RemotePrefill:
     name = "remote"
 
     def __init__(self, backend: str, pre_spec: ArenaSpec, decode: MultiEndedAllocator, timer: PhaseTimer, *,
-                 model: str, page_size: int, draft: bool, seed: int, compaction: str, transfer_timeout_s: float,
-                 lease_deadline_s: float | None) -> None:
+                 model: str, page_size: int, draft: bool, seed: int, compaction: str, padded: bool,
+                 transfer_timeout_s: float, lease_deadline_s: float | None) -> None:
         from umalloc.backends import get_backend
         from umalloc.backends._worker import BackendWorker
 
@@ -199,13 +205,15 @@ class RemotePrefill:
         self.timeout_s = transfer_timeout_s
         self.deadline_s = lease_deadline_s
         self.dst_layout = PeerLayout.from_arena(decode.arena)
-        self.worker = BackendWorker(backend)
+        with sigint_ignored():  # the child inherits SIGINT ignored: Ctrl-C is the parent's (umalloc.replay.signals)
+            self.worker = BackendWorker(backend)
         self.b = None
         try:
             self.b = get_backend(backend, layout=self.dst_layout)
             self.b.register(decode.arena.regions())
             self.worker.wait_ready(timeout_s=CALL_MARGIN_S)
-            self._stats = self._call("child_setup", model, page_size, draft, pre_spec.arena_bytes, seed, compaction)
+            self._stats = self._call("child_setup", model, page_size, draft, pre_spec.arena_bytes, seed, compaction,
+                                     padded)
             self.peer = self.worker.call("connect", self.b.metadata(), progress=self.b.progress,
                                          timeout_s=CALL_MARGIN_S)
         except BaseException:
