@@ -704,6 +704,11 @@ class Replay:
                 idle_steps = idle_steps + 1 if not (self.running or self.inflight) else 0
                 if idle_steps > 2:
                     head = self.retracted[0] if self.retracted else self.waiting[0]
+                    if self.cfg.compaction == "off":  # freed space is never compacted: bands need not retreat
+                        raise UmallocValueError(
+                            f"step {self.step}: nothing runs and request {head.rid} cannot be admitted into the "
+                            "emptied arenas with --compaction off (freed pages are never compacted away): allowed "
+                            "--compaction lazy, or larger --arena-bytes")
                     raise InvariantError(f"step {self.step}: nothing runs and request {head.rid} cannot be "
                                          "admitted into empty arenas")
             self.dec.check_invariants()
