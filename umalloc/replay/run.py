@@ -463,8 +463,8 @@ class Replay:
 
     def _complete_inflight(self) -> None:
         """Wait for every submitted transfer, verify every page of every vector on decode, free prefill."""
-        for rs, ticket in self.inflight:
-            fig = self.prefill.finish(ticket)
+        figs = self.prefill.finish_all([ticket for _rs, ticket in self.inflight])
+        for (rs, _ticket), fig in zip(self.inflight, figs, strict=True):
             res = self._verify_received(rs)
             self.c["bytes_moved"] += fig.bytes_total
             self.c["bytes_verified"] += res.checked_bytes
