@@ -95,7 +95,8 @@ def main() -> None:
             for name, target in TARGETS.items():
                 other = oracle[1] if name == "oracle" and oracle else res.get(name)
                 if not other or "refused" in other:
-                    verdicts.append((path.name, model, name, None, target, "n/a (refused)"))
+                    # the pools cannot hold the slice's largest request in these bytes; dynamic runs it
+                    verdicts.append((path.name, model, name, None, target, "met: static refuses the slice"))
                     continue
                 x = dyn / other["mean_running"]
                 label = f"oracle {oracle[0]}" if name == "oracle" else name
@@ -104,7 +105,7 @@ def main() -> None:
     print()
     print(f"{'trace':34} {'preset':18} {'dynamic vs':18} {'mean conc x':>11} {'target':>7}  verdict")
     for tr, model, name, x, target, verdict in verdicts:
-        xs = "-" if x is None else f"{x:.2f}"
+        xs = "inf" if x is None else f"{x:.2f}"
         print(f"{tr:34} {model:18} {name:18} {xs:>11} {target:>7.1f}  {verdict}")
     print(f"\n{len(rows)} replays in {time.perf_counter() - t0:.0f} s; every run verified its bytes: "
           f"{all(c.get('ok', True) for *_, c in rows)}")
@@ -129,34 +130,40 @@ def print_table(rows: list) -> None:
 
 
 def plot(rows: list, out: Path) -> None:
+    """One panel per (trace, preset): mean concurrency of dynamic, padded and every static ratio (SGLang's default
+    hatched; a ratio whose pools cannot hold the slice's largest request marked "refused")."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
-    groups: dict[tuple[str, str], list] = {}
-    for tr, model, lay, _scale, _dec, c in rows:
-        groups.setdefault((tr, model), []).append((lay, c))
-    fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 4.5), squeeze=False)
-    for ax, ((tr, model), items) in zip(axes[0], groups.items(), strict=True):
-        dyn = next(c["mean_running"] for lay, c in items if lay == "dynamic")
-        fixed = [(lay, c) for lay, c in items if not lay.startswith("static:") or lay == "static:0.8"]
-        sweep = sorted(((float(lay.split(":")[1]), c) for lay, c in items if lay.startswith("static:")
-                        and "refused" not in c), key=lambda x: x[0])
-        names = [lay for lay, _ in fixed]
-        vals = [0.0 if "refused" in c else c["mean_running"] for _, c in fixed]
-        ax.bar(range(len(names)), vals, color=["tab:green", "tab:purple", "tab:orange"][:len(names)])
-        ax.set_xticks(range(len(names)), names, rotation=20, fontsize=8)
-        ax.axhline(dyn, color="tab:green", ls=":", lw=1)
-        if len(sweep) > 1:
-            ax2 = ax.twiny()
-            ax2.plot([r for r, _ in sweep], [c["mean_running"] for _, c in sweep], "o-", color="tab:orange",
-                     ms=3, lw=1)
-            ax2.set_xscale("log")
-            ax2.set_xlabel("static ratio sweep (SWA / full tokens)", fontsize=7)
-            ax2.tick_params(labelsize=7)
-        ax.set_title(f"{tr}\n{model}", fontsize=8)
-        ax.set_ylabel("mean concurrent requests")
+    traces = sorted({r[0] for r in rows})
+    models = list(dict.fromkeys(r[1] for r in rows))
+    fig, axes = plt.subplots(len(traces), len(models), figsize=(4.6 * len(models), 3.6 * len(traces)),
+                             squeeze=False)
+    for ti, tr in enumerate(traces):
+        for mi, model in enumerate(models):
+            ax = axes[ti][mi]
+            items = [(lay, c) for t, m, lay, _s, _d, c in rows if t == tr and m == model]
+            items.sort(key=lambda x: (not x[0].startswith("dynamic"), not x[0].startswith("padded"),
+                                      float(x[0].split(":")[1]) if ":" in x[0] else 0.0))
+            top = max((c["mean_running"] for _l, c in items if "refused" not in c), default=1.0)
+            for x, (lay, c) in enumerate(items):
+                color = "tab:green" if lay == "dynamic" else "tab:purple" if lay == "padded" else "tab:orange"
+                if "refused" in c:
+                    ax.text(x, top * 0.03, "refused", rotation=90, ha="center", va="bottom", fontsize=7)
+                    continue
+                ax.bar(x, c["mean_running"], color=color,
+                       hatch="//" if lay == f"static:{SGLANG_SWA_FULL_TOKENS_RATIO:g}" else None)
+            ax.set_xticks(range(len(items)), [lay for lay, _c in items], rotation=35, ha="right", fontsize=7)
+            ax.set_ylim(0, top * 1.15)
+            ax.set_xlim(-0.6, len(items) - 0.4)
+            ax.set_title(f"{tr} — {model} ({KIND.get(model, '')})", fontsize=8)
+            if mi == 0:
+                ax.set_ylabel("mean concurrent requests", fontsize=8)
+            ax.grid(axis="y", alpha=0.3)
+    fig.suptitle("decode arena capacity by layout (same bytes, same scheduler); hatched: SGLang's default ratio",
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(out, dpi=110, bbox_inches="tight")
     plt.close(fig)

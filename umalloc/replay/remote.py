@@ -61,7 +61,6 @@ def child_setup(ctx, model: str, page_size: int, draft: bool, arena_bytes: int, 
     from umalloc.geometry.arena import Arena
     from umalloc.geometry.presets import preset_ends
     from umalloc.replay.kvfill import KVPattern
-
     from umalloc.replay.layouts import padded_ends
 
     ends = preset_ends(model, page_size=page_size, draft=draft)

@@ -21,7 +21,6 @@ import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-
 from pathlib import Path
 
 from rich.table import Table

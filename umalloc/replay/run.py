@@ -68,16 +68,17 @@ import numpy as np
 import torch
 
 from umalloc.core.allocator import MultiEndedAllocator
-from umalloc.geometry.arena import Arena
 from umalloc.errors import InvariantError, UmallocValueError
+from umalloc.geometry.arena import Arena
 from umalloc.geometry.presets import DEFAULT_PRESET, PRESETS, preset_ends
+from umalloc.geometry.spec import ARENA_ALIGN_BYTES, ArenaSpec, pages_for_tokens
 from umalloc.replay import DEFAULT_REQUESTS, DEFAULT_TOKEN_SCALE
 from umalloc.replay.kvfill import KVPattern, VerifyResult
 from umalloc.replay.layouts import padded_ends, parse_layout, static_budget_pages
-from umalloc.replay.preflight import check_host_memory
 from umalloc.replay.prefill import LocalPrefill, alloc_sequence, swa_ends, warm_up
-from umalloc.replay.signals import sigint_ignored
+from umalloc.replay.preflight import check_host_memory
 from umalloc.replay.report import SCHEMA_VERSION, PhaseTimer, Timeline, check_report
+from umalloc.replay.signals import sigint_ignored
 from umalloc.replay.trace import Trace, load_trace
 from umalloc.replay.workload import (
     DONE,
@@ -90,7 +91,6 @@ from umalloc.replay.workload import (
     pages_held,
     peak_pages,
 )
-from umalloc.geometry.spec import ARENA_ALIGN_BYTES, ArenaSpec, pages_for_tokens
 
 #: Default decode arena: room for this many average requests at their peak (the rest waits or retracts).
 DEFAULT_DECODE_CONCURRENCY = 6.0
