@@ -198,5 +198,30 @@ def padded_ends(ends: tuple[EndSpec, ...]) -> tuple[EndSpec, ...]:
     return tuple(out)
 
 
-__all__ = ["LAYOUTS", "SGLANG_SWA_FULL_TOKENS_RATIO", "Layout", "UnifiedPage", "padded_ends", "parse_layout",
-           "static_budget_pages", "vllm_unified_page"]
+def byte_accounting(spec: ArenaSpec, stats: dict, natural_page_bytes: dict[str, int]) -> dict[str, int]:
+    """Where every byte of a decode arena is, from one :meth:`MultiEndedAllocator.stats` snapshot.
+
+    Returns ``{"live_bytes", "padding_bytes", "pending_bytes", "free_bytes", "floor_bytes", "held_bytes"}``:
+    ``live_bytes`` the live pages at their natural (unpadded) page bytes, ``padding_bytes`` what the padded
+    layout adds to them, ``pending_bytes`` freed pages still leased, ``free_bytes`` holes plus the bytes no band
+    covers, ``held_bytes = live + padding + pending``. The bands are measured from their page bounds, so
+    ``live + padding + pending + free + floor == arena_bytes`` is a check, not a definition: it fails if a band
+    held a page the counts miss.
+    """
+    out = dict.fromkeys(("live_bytes", "padding_bytes", "pending_bytes", "free_bytes"), 0)
+    band_bytes = 0
+    for name, st in stats.items():
+        pb = spec.end(name).page_bytes
+        out["live_bytes"] += st.live_pages * natural_page_bytes[name]
+        out["padding_bytes"] += st.live_pages * (pb - natural_page_bytes[name])
+        out["pending_bytes"] += st.pending_pages * pb
+        out["free_bytes"] += st.hole_pages * pb
+        band_bytes += max(0, st.band_hi - st.band_lo) * pb
+    out["free_bytes"] += spec.usable_bytes() - band_bytes
+    out["floor_bytes"] = spec.floor_bytes
+    out["held_bytes"] = out["live_bytes"] + out["padding_bytes"] + out["pending_bytes"]
+    return out
+
+
+__all__ = ["LAYOUTS", "SGLANG_SWA_FULL_TOKENS_RATIO", "Layout", "UnifiedPage", "byte_accounting", "padded_ends",
+           "parse_layout", "static_budget_pages", "vllm_unified_page"]

@@ -73,8 +73,9 @@ from umalloc.geometry.arena import Arena
 from umalloc.geometry.presets import DEFAULT_PRESET, PRESETS, preset_ends
 from umalloc.geometry.spec import ARENA_ALIGN_BYTES, ArenaSpec, pages_for_tokens
 from umalloc.replay import DEFAULT_REQUESTS, DEFAULT_TOKEN_SCALE
+from umalloc.replay.fit import check_slice_fits, request_peak_bytes, request_prompt_bytes
 from umalloc.replay.kvfill import KVPattern, VerifyResult
-from umalloc.replay.layouts import padded_ends, parse_layout, static_budget_pages
+from umalloc.replay.layouts import byte_accounting, padded_ends, parse_layout, static_budget_pages
 from umalloc.replay.prefill import LocalPrefill, alloc_sequence, swa_ends, warm_up
 from umalloc.replay.preflight import check_host_memory
 from umalloc.replay.report import SCHEMA_VERSION, PhaseTimer, Timeline, check_report
@@ -181,16 +182,6 @@ def _round_arena(nbytes: float) -> int:
     return int(math.ceil(nbytes / _MIB)) * _MIB
 
 
-def request_peak_bytes(spec: ArenaSpec, input_tokens: int, output_tokens: int) -> int:
-    """Decode-side bytes one request holds at its peak (every end)."""
-    return sum(peak_pages(spec, e.name, input_tokens, output_tokens) * e.page_bytes for e in spec.ends)
-
-
-def request_prompt_bytes(spec: ArenaSpec, input_tokens: int) -> int:
-    """Prefill-side bytes one prompt holds (every end; SWA window tail only)."""
-    return sum(pages_held(spec, e.name, input_tokens) * e.page_bytes for e in spec.ends)
-
-
 def default_arena_bytes(spec_ends: tuple, trace: Trace) -> tuple[int, int]:
     """Default ``(prefill, decode)`` arena bytes for a trace slice.
 
@@ -255,7 +246,9 @@ class Replay:
         self.dec_arena = Arena(self.dec_spec, zero=False)  # every byte read back is written first
         self.dec = MultiEndedAllocator(self.dec_arena, compaction=cfg.compaction)
         warm_up(self.dec)
-        self._check_fits()
+        check_slice_fits(self.trace, self.dec_spec, self.pre_spec, compaction=cfg.compaction,
+                         token_scale=cfg.token_scale, budget=self.budget,  # type: ignore[arg-type]
+                         layout_label=self.layout.label)
         self.prefill = self._make_prefill()
         self.owner = owners[0]
         self.swa = swa_ends(self.dec_spec)
@@ -306,70 +299,6 @@ class Replay:
                 f"{big.request_id} ({big.input_tokens} prompt + {big.output_tokens} output tokens, the longest)")
         check_host_memory({"prefill arena": self.prefill_arena_bytes, "decode arena": self.decode_arena_bytes,
                            "block table": self.table_rows * max_tokens * 8}, hint)
-
-    def _check_fits(self) -> None:
-        """Refuse, before anything runs, a slice with a request that cannot fit even in an empty arena. Two
-        checks per request and side: its bytes (the empty allocator's joint placement plan,
-        :meth:`MultiEndedAllocator.can_alloc`, of its peak on decode and its prompt on prefill), and its admission
-        (:func:`alloc_sequence` of its prompt, then freed, on an empty probe allocator: the floating draft band
-        can split free space so that bytes that fit cannot be placed, Note [Stranded space]). The error names
-        the largest such request and what to change."""
-        probes = {side: MultiEndedAllocator(Arena(spec, zero=False), compaction=self.cfg.compaction)
-                  for side, spec in (("decode", self.dec_spec), ("prefill", self.pre_spec))}  # only tables
-        bad: dict[str, list[tuple[int, object, bool]]] = {"decode": [], "prefill": []}
-        for r in self.trace:
-            for side, spec in (("decode", self.dec_spec), ("prefill", self.pre_spec)):
-                probe = probes[side]
-                if side == "decode":
-                    need = {e.name: peak_pages(spec, e.name, r.input_tokens, r.output_tokens) for e in spec.ends}
-                    nbytes = request_peak_bytes(spec, r.input_tokens, r.output_tokens)
-                else:
-                    need = {e.name: pages_held(spec, e.name, r.input_tokens) for e in spec.ends}
-                    nbytes = request_prompt_bytes(spec, r.input_tokens)
-                if not probe.can_alloc(need) or (side == "decode" and not self._within_budget(need, {})):
-                    bad[side].append((nbytes, r, False))
-                    continue
-                vt = alloc_sequence(probe, r.input_tokens)
-                if vt is None:
-                    bad[side].append((nbytes, r, True))
-                else:
-                    probe.free(vt)
-        slack = self.dec_spec.floor_bytes + sum(e.page_bytes for e in self.dec_spec.ends)
-        first_row = self.trace.requests[0].request_id
-        for side, have in (("decode", self.decode_arena_bytes), ("prefill", self.prefill_arena_bytes)):
-            if not bad[side]:
-                continue
-            nbytes, r, placement = max(bad[side], key=lambda x: x[0])
-            what = (f"request {r.request_id} ({r.input_tokens} prompt + {r.output_tokens} output tokens after token "
-                    f"scale {self.cfg.token_scale})")
-            # fewer --requests helps only if the slice starts with requests that fit
-            fit_before = min(x[1].request_id for x in bad[side]) - first_row
-            fewer = f", or --requests {fit_before} (the requests before it fit)" if fit_before > 0 else ""
-            lazy = ("; --compaction lazy places it" if placement and self.cfg.compaction == "off"
-                    and self._places_with_lazy(side, r) else "")
-            if placement:
-                raise UmallocValueError(
-                    f"{len(bad[side])} request(s) cannot be placed even in an empty {side} arena of {have:,} bytes; "
-                    f"the largest, {what}, holds {nbytes:,} bytes, which fit, but the allocator cannot place its "
-                    f"ends side by side (the floating draft band splits the free space): allowed a larger {side} "
-                    f"--arena-bytes, a larger --token-scale, --no-draft{fewer}{lazy}")
-            if side == "decode" and self.budget is not None:
-                raise UmallocValueError(
-                    f"{len(bad[side])} request(s) cannot fit even in an empty decode arena of {have:,} bytes with "
-                    f"the static pools of --layout {self.layout.label} (pages per end {self.budget}); the largest, "
-                    f"{what}, holds {nbytes:,} bytes at its peak: allowed a larger decode --arena-bytes, another "
-                    f"RATIO, a larger --token-scale{fewer}")
-            raise UmallocValueError(
-                f"{len(bad[side])} request(s) cannot fit even in an empty {side} arena of {have:,} bytes; the "
-                f"largest, {what}, holds {nbytes:,} bytes at its peak: allowed --arena-bytes with {side} >= "
-                f"~{nbytes + slack:,}, a larger --token-scale{fewer}")
-
-    def _places_with_lazy(self, side: str, r) -> bool:
-        """Whether an empty ``side`` arena with lazy compaction places request ``r``'s prompt (the hint of a
-        refusal under ``--compaction off``)."""
-        spec = self.dec_spec if side == "decode" else self.pre_spec
-        probe = MultiEndedAllocator(Arena(spec, zero=False), compaction="lazy")
-        return alloc_sequence(probe, r.input_tokens) is not None
 
     # ---- scheduler pieces ----------------------------------------------------------------------------------
     def _held_pages(self) -> dict[str, int]:
@@ -810,31 +739,6 @@ class Replay:
         return report
 
 
-def byte_accounting(spec: ArenaSpec, stats: dict, natural_page_bytes: dict[str, int]) -> dict[str, int]:
-    """Where every byte of a decode arena is, from one :meth:`MultiEndedAllocator.stats` snapshot.
-
-    Returns ``{"live_bytes", "padding_bytes", "pending_bytes", "free_bytes", "floor_bytes", "held_bytes"}``:
-    ``live_bytes`` the live pages at their natural (unpadded) page bytes, ``padding_bytes`` what the padded
-    layout adds to them, ``pending_bytes`` freed pages still leased, ``free_bytes`` holes plus the bytes no band
-    covers, ``held_bytes = live + padding + pending``. The bands are measured from their page bounds, so
-    ``live + padding + pending + free + floor == arena_bytes`` is a check, not a definition: it fails if a band
-    held a page the counts miss.
-    """
-    out = dict.fromkeys(("live_bytes", "padding_bytes", "pending_bytes", "free_bytes"), 0)
-    band_bytes = 0
-    for name, st in stats.items():
-        pb = spec.end(name).page_bytes
-        out["live_bytes"] += st.live_pages * natural_page_bytes[name]
-        out["padding_bytes"] += st.live_pages * (pb - natural_page_bytes[name])
-        out["pending_bytes"] += st.pending_pages * pb
-        out["free_bytes"] += st.hole_pages * pb
-        band_bytes += max(0, st.band_hi - st.band_lo) * pb
-    out["free_bytes"] += spec.usable_bytes() - band_bytes
-    out["floor_bytes"] = spec.floor_bytes
-    out["held_bytes"] = out["live_bytes"] + out["padding_bytes"] + out["pending_bytes"]
-    return out
-
-
 def run_replay(cfg: ReplayConfig, *, progress: bool = False, console: object | None = None) -> dict:
     """Run ``umalloc replay`` with ``cfg``; show a rich progress bar when ``progress``. Returns the report.
 
@@ -859,6 +763,5 @@ def run_replay(cfg: ReplayConfig, *, progress: bool = False, console: object | N
         return replay_obj.run()
 
 
-__all__ = ["DEFAULT_REQUESTS", "DEFAULT_TOKEN_SCALE", "Replay", "ReplayConfig", "byte_accounting",
-           "default_arena_bytes",
+__all__ = ["DEFAULT_REQUESTS", "DEFAULT_TOKEN_SCALE", "Replay", "ReplayConfig", "default_arena_bytes",
            "request_peak_bytes", "request_prompt_bytes", "run_replay"]
