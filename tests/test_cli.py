@@ -224,3 +224,18 @@ def test_ctrl_c_is_quiet_ends_every_child_and_exits_130(tmp_path, backend):
     while any(_alive(k) for k in kids) and time.monotonic() < end:
         time.sleep(0.1)
     assert not [k for k in kids if _alive(k)], "a child outlived the replay"
+
+
+def test_compaction_off_refusal_suggests_lazy_when_lazy_places_it(tmp_path):
+    # 11,000 prompt tokens in a 1,595 MiB decode arena: with compaction off the empty draft band stays where it
+    # was first placed and the head pages cannot be placed below it; lazy compaction's ladder slides the empty
+    # band and the same request runs (found by bisecting the arena size)
+    tr = tmp_path / "t.jsonl"
+    tr.write_text('{"timestamp": 0, "input_length": 11000, "output_length": 2}\n')
+    base = ["--trace", str(tr), "--arena-bytes", "3GiB,1595MiB", *QUICK]
+    out = refused([*base, "--compaction", "off"], tmp_path, "cannot be placed", "--compaction lazy places it")
+    assert "--requests" not in out  # request 0 is the culprit: fewer requests cannot help
+    from umalloc.replay.run import Replay, ReplayConfig
+
+    Replay(ReplayConfig(trace=str(tr), token_scale=1, prefill_arena_bytes=3 << 30, decode_arena_bytes=1595 << 20,
+                        compaction="lazy"))  # accepted: the hint is true
