@@ -102,7 +102,7 @@ def test_binary_or_directory_traces_are_refused(tmp_path):
 def test_sizes_larger_than_the_machine_are_refused(tmp_path, azure):
     base = ["--trace", str(azure), *QUICK]
     refused([*base, "--arena-bytes", "10TiB"], tmp_path, "host memory", "available")
-    half = mem_available() // 2 + (64 << 20)  # the two arenas together exceed what is available
+    half = mem_available() // 2 + (1 << 30)  # the two arenas together exceed what is available by 2 GiB
     refused([*base, "--arena-bytes", str(half)], tmp_path, "host memory", "prefill arena", "decode arena")
     # a row of 100,000,000 context tokens: its default arenas alone exceed any machine here
     huge = tmp_path / "huge.jsonl"
