@@ -165,3 +165,36 @@ def test_packaged_trace_is_the_mooncake_file():
     # every row: one hash id per 512-token block (SOURCES.md)
     assert all(len(r.hash_ids) == -(-r.input_tokens // 512) for r in t)
     assert t.requests[-1].arrival_s == pytest.approx(3536.999, abs=1.0)
+
+
+def test_skip_starts_later_and_keeps_file_rows_as_request_ids(tmp_path):
+    a = tmp_path / "a.csv"
+    a.write_text(AZURE)
+    t = load_trace(a, skip=1, max_requests=2)
+    # rows 1 and 2 of the file; arrival relative to the first kept row (18:15:50.9951690)
+    assert [(r.request_id, r.input_tokens, r.output_tokens) for r in t] == [(1, 396, 109), (2, 10, 1)]
+    assert t.requests[1].arrival_s == pytest.approx(9.004831, abs=1e-6)
+    m = tmp_path / "m.jsonl"
+    m.write_text(MOONCAKE)
+    rows = [ln for ln in MOONCAKE.splitlines() if ln.strip()]
+    t = load_trace(m, skip=len(rows) - 1)
+    assert [r.request_id for r in t] == [len(rows) - 1] and t.requests[0].arrival_s == 0.0
+    with pytest.raises(TraceFormatError, match=f"skip={len(rows)} passes every one of its {len(rows)}"):
+        load_trace(m, skip=len(rows))
+    with pytest.raises(UmallocValueError, match="skip"):
+        load_trace(m, skip=-1)
+
+
+def test_binary_non_utf8_and_directory_traces_are_refused(tmp_path):
+    b = tmp_path / "b.jsonl"
+    b.write_bytes(b'{"timestamp": 0}\n\x00\x01\x02')
+    with pytest.raises(TraceFormatError, match="binary"):
+        load_trace(b)
+    # invalid UTF-8 past the sniffed head: the reader names the line
+    late = tmp_path / "late.jsonl"
+    good = '{"timestamp": 0, "input_length": 5, "output_length": 1}\n'
+    late.write_bytes(good.encode() * 4000 + b'{"timestamp": 1, "input_length": 5, "output_length": 1, "x": "\xff"}\n')
+    with pytest.raises(TraceFormatError, match=r"late.jsonl:4001: not UTF-8"):
+        load_trace(late)
+    with pytest.raises(TraceFormatError, match="is a directory"):
+        load_trace(tmp_path)

@@ -6,8 +6,10 @@
   through the local backend, under memory pressure, in about two minutes on a 2-core machine.
 
 Sizes accept plain bytes or a binary/decimal suffix (``512MiB``, ``2GiB``, ``1.5GB``); ``--arena-bytes`` takes one
-size for both arenas or ``PREFILL,DECODE``. The exit status is 0 when every invariant of the report holds, 1 when
-one does not, and 2 for bad arguments.
+size for both arenas or ``PREFILL,DECODE``. Every argument, the trace file and both output paths are checked
+before anything runs (:mod:`umalloc.replay.preflight`). The exit status is 0 when every invariant of the report
+holds, 1 when one does not, 2 for bad arguments (one ``error:`` line, nothing written), and 130 after Ctrl-C (one
+``interrupted`` line; the second process of ``nixl``/``mooncake`` is ended).
 """
 
 from __future__ import annotations
@@ -112,13 +114,20 @@ def replay(
         "--backend", help="Transfer backend; nixl and mooncake run the prefill side in a second process.")
     ] = BackendName.local,
     requests: Annotated[int | None, typer.Option(
-        "--requests", min=1, help="Replay the first N requests (at most the trace's rows). "
+        "--requests", min=1, help="Replay N requests (at most the trace's rows after --skip). "
         f"[default: {DEFAULT_REQUESTS}, or every row of a shorter trace]")] = None,
+    skip: Annotated[int, typer.Option("--skip", min=0, help="Start the slice after the first N rows of the "
+                                      "trace.")] = 0,
     token_scale: Annotated[int | None, typer.Option(
         "--token-scale", min=1, help="Divide every token count by K (ceiling, at least 1). "
         f"[default: {DEFAULT_TOKEN_SCALE}]")] = None,
-    draft: Annotated[bool, typer.Option("--draft/--no-draft", help="Include the drafter's pool (if the preset has "
-                                        "one).")] = True,
+    draft: Annotated[bool | None, typer.Option(
+        "--draft/--no-draft", help="Include the drafter's pool. [default: --draft where the preset has a drafter]",
+        show_default=False)] = None,
+    layout: Annotated[str, typer.Option(
+        "--layout", help="Decode arena layout: dynamic (one multi-ended arena), static[:RATIO] (a fixed region "
+        "per end, RATIO = SWA tokens / full tokens as SGLang's --swa-full-tokens-ratio) or padded (every end "
+        "padded as vLLM's hybrid allocator unifies page sizes).")] = "dynamic",
     seed: Annotated[int, typer.Option("--seed", help="Seed of the KV pattern.")] = 0,
     report: Annotated[Path | None, typer.Option("--report", help="Write the JSON report here.")] = None,
     plot: Annotated[Path | None, typer.Option("--plot", help="Write the occupancy plot (PNG) here.")] = None,
@@ -134,36 +143,59 @@ def replay(
     from rich.console import Console
     from rich.markup import escape
 
+    from umalloc.replay.preflight import check_output_file, check_trace_file, resolve_plot_path
     from umalloc.replay.report import check_report, report_table
     from umalloc.replay.run import ReplayConfig, run_replay
 
     console = Console()
-    try:
-        pre_b, dec_b = parse_arena_bytes(arena_bytes) if arena_bytes is not None else (None, None)
-        cfg = ReplayConfig(
-            trace=None if trace is None else str(trace),
-            trace_format=None if trace_format is TraceFormat.auto else trace_format.value,
-            model=model, page_size=page_size, prefill_arena_bytes=pre_b, decode_arena_bytes=dec_b,
-            backend=backend.value, requests=requests, token_scale=token_scale, draft=draft, seed=seed,
-            max_batch=max_batch, compaction=compaction.value, check_every=check_every,
-        )
-        result = run_replay(cfg, progress=progress, console=console)
-    except UmallocValueError as exc:
+
+    def fail(msg: str, code: int) -> typer.Exit:
         # soft_wrap: a path or a figure in the message is never split across lines; escape: "[...]" in a
         # message is text, not rich markup
-        console.print(f"[red]error:[/red] {escape(str(exc))}", soft_wrap=True)
-        raise typer.Exit(2) from None
-    console.print(report_table(result))
-    if report is not None:
-        import json
+        console.print(f"[red]error:[/red] {escape(msg)}", soft_wrap=True)
+        return typer.Exit(code)
 
-        report.write_text(json.dumps(result, indent=1) + "\n")
-        console.print(f"report: {report}")
-    if plot is not None:
-        from umalloc.replay.plot import plot_report
+    try:
+        try:
+            pre_b, dec_b = parse_arena_bytes(arena_bytes) if arena_bytes is not None else (None, None)
+            if trace is not None:
+                check_trace_file(trace)
+            if draft and model in PRESETS and PRESETS[model].draft is None:
+                raise UmallocValueError(
+                    f"--draft: preset {model!r} has no drafter: allowed --no-draft, or a preset with one "
+                    f"({', '.join(sorted(n for n, p in PRESETS.items() if p.draft is not None))})")
+            if report is not None:
+                check_output_file(report, "--report")
+            plot_path = resolve_plot_path(plot) if plot is not None else None
+            if plot_path is not None and report is not None and plot_path.resolve() == report.resolve():
+                raise UmallocValueError(f"--report and --plot name the same file {str(report)!r}")
+            cfg = ReplayConfig(
+                trace=None if trace is None else str(trace),
+                trace_format=None if trace_format is TraceFormat.auto else trace_format.value,
+                model=model, page_size=page_size, prefill_arena_bytes=pre_b, decode_arena_bytes=dec_b,
+                backend=backend.value, requests=requests, skip=skip, token_scale=token_scale,
+                draft=True if draft is None else draft, seed=seed, max_batch=max_batch, compaction=compaction.value,
+                check_every=check_every, layout=layout,
+            )
+            result = run_replay(cfg, progress=progress, console=console)
+        except UmallocValueError as exc:
+            raise fail(str(exc), 2) from None
+        console.print(report_table(result))
+        try:
+            if report is not None:
+                import json
 
-        plot_report(result, plot)
-        console.print(f"plot: {plot}")
+                report.write_text(json.dumps(result, indent=1) + "\n")
+                console.print(f"report: {report}", soft_wrap=True)
+            if plot_path is not None:
+                from umalloc.replay.plot import plot_report
+
+                console.print(f"plot: {plot_report(result, plot_path)}", soft_wrap=True)
+        except OSError as exc:  # checked up front; the disk may still fill up or the folder go away
+            raise fail(f"writing the output failed: {exc}", 1) from None
+    except KeyboardInterrupt:
+        console.print("interrupted")
+        raise typer.Exit(130) from None
     problems = check_report(result)
     if problems:
         for p in problems:

@@ -4,8 +4,11 @@ Modules: :mod:`~umalloc.replay.trace` (trace parsers), :mod:`~umalloc.replay.kvf
 pattern fill and verify), :mod:`~umalloc.replay.workload` (request lifecycle, footprints, block table),
 :mod:`~umalloc.replay.prefill` (the prefill side in process, sequence allocation),
 :mod:`~umalloc.replay.remote` (the prefill side in a second process), :mod:`~umalloc.replay.report` (JSON report
-schema and the final table), :mod:`~umalloc.replay.plot` (occupancy plot), :mod:`~umalloc.replay.run` (the
-driver and its scheduler). The console script is :mod:`umalloc.cli`.
+schema and the final table), :mod:`~umalloc.replay.plot` (occupancy plot), :mod:`~umalloc.replay.layouts`
+(dynamic / static / padded decode layouts and their byte accounting), :mod:`~umalloc.replay.fit` (the up-front
+fit check), :mod:`~umalloc.replay.preflight` (argument, path and memory checks), :mod:`~umalloc.replay.signals`
+(Ctrl-C and the second process), :mod:`~umalloc.replay.kvfill_kernels` (compiled pattern loops),
+:mod:`~umalloc.replay.run` (the driver and its scheduler). The console script is :mod:`umalloc.cli`.
 """
 
 #: ``umalloc replay`` with no arguments replays this many requests of the packaged trace ...

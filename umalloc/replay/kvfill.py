@@ -10,10 +10,11 @@ Policy:
   ``(request, page of the sequence, layer)`` 64-bit key (splitmix64). Every page of every request, every layer
   block and every row offset inside a page therefore gets different bytes; swapped pages, swapped layers,
   swapped tokens inside a page and stale bytes all show up as mismatches.
-* Hot paths are vectorised torch ops over whole batches of pages (one XOR per layer block, or one for the
-  whole page when the end's layers are uniform, then one ``index_copy_``/``index_select`` against the arena's
-  envelopes); keys are computed in numpy ``uint64`` (``pages x layers`` of them, tiny). Batches are chunked
-  to bound the temporary buffer.
+* Hot paths: on CPU arenas, page and token fills and verifies are compiled loops
+  (:mod:`umalloc.replay.kvfill_kernels`: one write pass per fill, one read pass per verify, no expected buffer,
+  one call per batch); on CUDA arenas, torch XORs written in place into the envelopes (one per layer block, or
+  one per chunk of pages when the end's layers are uniform) and compared per chunk. Keys are computed in numpy
+  ``uint64`` (``pages x layers`` of them, tiny). Torch batches are chunked to bound the temporary buffer.
 * A page holds ``page_size`` consecutive positions of one sequence; :meth:`KVPattern.fill_pages` writes every
   slot of a page, including positions past the sequence's current end, so a partial last page is whole after
   prefill. The pattern is positional, so a later decode write of such a position writes the same bytes.
@@ -33,12 +34,12 @@ Words are 8 bytes when every layer block and the page are multiples of 8 bytes (
 Note [Token loop]
 ~~~~~~~~~~~~~~~~~
 A decode step writes one token per request: on a row-uniform end that token's rows are the strided block
-``envelopes.view(pages, layers, K/V, page_size, row)[page, :, :, slot, :]``. Measured on the 2-core CPU box, one
-``bitwise_xor(table_tok[slot], key, out=that block)`` per token (a loop over the batch, each call moving
-``entry_bytes``: 320 KiB for Gemma-3-12B's SWA end) runs at about 2.5 GB/s, while the fully vectorised form (gather
-the table rows, XOR, advanced-index scatter) runs at 0.2-0.9 GB/s: its batch-sized temporaries are fresh
-allocations whose page faults cost more than the copy. Page fills and verifies work in place for the same reason,
-in :data:`CHUNK_BYTES` chunks.
+``envelopes.view(pages, layers, K/V, page_size, row)[page, :, :, slot, :]``. On CPU one compiled loop over the
+batch writes (or compares) those blocks in place. On CUDA one ``bitwise_xor(table_tok[slot], key, out=that
+block)`` per token is used: the fully vectorised form (gather the table rows, XOR, advanced-index scatter) ran at
+0.2-0.9 GB/s on CPU against 2.5 GB/s for the per-token loop, its batch-sized temporaries being fresh allocations
+whose page faults cost more than the copy; the per-token torch call in turn costs ~10 us, which the compiled loop
+removes. Page fills work in place for the same reason, in :data:`CHUNK_BYTES` chunks.
 """
 
 from __future__ import annotations
@@ -49,9 +50,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from umalloc.geometry.arena import Arena
 from umalloc.errors import InvalidIdError, UmallocValueError
+from umalloc.geometry.arena import Arena
 from umalloc.geometry.spec import ArenaSpec
+from umalloc.replay import kvfill_kernels as _kernels
 
 _M64 = (1 << 64) - 1
 _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
@@ -122,6 +124,8 @@ class _EndPattern:
         self.page_words = end.page_bytes // wb
         self.num_layers = len(end.layers)
         self.blocks_words = [(a // wb, b // wb) for a, b in blocks]
+        #: layer l's words are [bounds[l], bounds[l + 1]) of a page (the compiled verify's block table)
+        self.bounds = np.array([a for a, _ in self.blocks_words] + [self.page_words], dtype=np.int64)
         sizes = {b - a for a, b in self.blocks_words}
         self.uniform = len(sizes) == 1 and self.blocks_words[0][0] == 0
         rng = np.random.Generator(np.random.PCG64([seed & _M64, end_index]))
@@ -315,6 +319,11 @@ class KVPattern:
         ep = self._end(end)
         sp = _as_np_i64(seq_pages, "seq_pages")
         pp = self._check_ppages(arena, ep, ppages, len(sp))
+        env = self._env_words(arena, ep)
+        if env.device.type == "cpu":
+            _kernels.fill_pages(env.numpy(), pp.numpy(), ep.table.numpy(),
+                                self._keys_torch(ep, request_id, sp).numpy(), ep.bounds)
+            return len(sp) * ep.page_bytes
         for dst, exp in self._run_chunks(arena, ep, request_id, sp, pp):
             exp(dst)
         return len(sp) * ep.page_bytes
@@ -334,6 +343,13 @@ class KVPattern:
         ep = self._end(end)
         sp = _as_np_i64(seq_pages, "seq_pages")
         pp = self._check_ppages(arena, ep, ppages, len(sp))
+        env = self._env_words(arena, ep)
+        if env.device.type == "cpu":
+            per_page = np.zeros(len(sp), dtype=np.int64)
+            nbad = _kernels.verify_pages(env.numpy(), pp.numpy(), ep.table.numpy(),
+                                         self._keys_torch(ep, request_id, sp).numpy(), ep.bounds, ep.word_bytes,
+                                         per_page)
+            return VerifyResult(len(sp) * ep.page_bytes, int(nbad), int(per_page.sum()))
         buf: torch.Tensor | None = None
         bad: dict[tuple[int, int], int] = {}
         for dst, exp in self._run_chunks(arena, ep, request_id, sp, pp):
@@ -401,6 +417,21 @@ class KVPattern:
         for b, (pg, sl) in enumerate(zip(pages.tolist(), slots.tolist(), strict=True)):
             yield (lambda out, t=table[sl], k=keys[b]: torch.bitwise_xor(t, k, out=out)), env5[pg, :, :, sl, :]
 
+    def _cpu_token_args(self, arena: Arena, ep: _EndPattern, request_ids: np.ndarray | int, pos: np.ndarray,
+                        pt: torch.Tensor) -> tuple | None:
+        """Arguments of the compiled token loops (:mod:`umalloc.replay.kvfill_kernels`): ``(env5, pages, slots,
+        table_tok, keys)`` as numpy views, or ``None`` when they do not apply (a CUDA arena or an end that is not
+        row-uniform)."""
+        env = self._env_words(arena, ep)
+        if ep.row_shape is None or env.device.type != "cpu":
+            return None
+        pages, slots = self._token_slots(ep, pos, pt)
+        nl, nr, rw = ep.row_shape
+        env5 = env.view(env.shape[0], nl, nr, ep.page_size, rw).numpy()
+        rids = np.broadcast_to(np.asarray(request_ids, dtype=np.int64), pos.shape)
+        return (env5, pages.numpy(), slots.numpy(), ep.table_tok.numpy(),  # type: ignore[union-attr]
+                self._token_keys(ep, rids, pos).numpy())
+
     def _token_words(self, arena: Arena, ep: _EndPattern, request_ids: np.ndarray | int, pos: np.ndarray,
                      pt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Generic token path: ``(arena words flattened, flat word indices (B, entry_words) on the arena's
@@ -436,7 +467,10 @@ class KVPattern:
         pt = self._check_ptokens(arena, ep, ptokens, len(pos))
         if len(pos) == 0:
             return 0
-        if ep.row_shape is not None:
+        cpu = self._cpu_token_args(arena, ep, request_ids, pos, pt)
+        if cpu is not None:
+            _kernels.fill_tokens(*cpu)
+        elif ep.row_shape is not None:
             for exp, dst in self._token_rows(arena, ep, request_ids, pos, pt):
                 exp(dst)
         else:
@@ -454,6 +488,11 @@ class KVPattern:
         if len(pos) == 0:
             return VerifyResult(0)
         nbytes = len(pos) * ep.entry_words * ep.word_bytes
+        cpu = self._cpu_token_args(arena, ep, request_ids, pos, pt)
+        if cpu is not None:
+            per_tok = np.zeros(len(pos), dtype=np.int64)
+            nbad = _kernels.verify_tokens(*cpu, ep.word_bytes, per_tok)
+            return VerifyResult(nbytes, int(nbad), int(per_tok.sum()))
         if ep.row_shape is not None:
             buf: torch.Tensor | None = None
             bad_tok = bad_bytes = 0

@@ -4,8 +4,18 @@
   embedded default). :class:`umalloc.replay.remote.RemotePrefill` is the same side in a second process.
 * Both expose one small interface to the driver: ``start(request, decode vtokens) -> ticket | None`` (allocate,
   fill, plan with leases on both sides, submit; ``None`` when the prefill arena is short and nothing changed),
-  ``finish(ticket) -> PlanFigures`` (wait, end the plan's leases, free the prefill pages), and observers
-  (``stats``, ``leases_active``, ``lease_counts``, ``check_invariants``, ``bytes_filled``), ``close``.
+  ``finish_all(tickets) -> [PlanFigures]`` (wait for every transfer of the step and end its plan's leases, then
+  free the prefill pages), and observers (``stats``, ``leases_active``, ``lease_counts``, ``check_invariants``,
+  ``bytes_filled``), ``close``.
+
+Note [Finishing a step's transfers]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A step's transfers all end before any of their prompts is freed. Freed one by one instead (wait, release,
+free, next), a prompt is freed while the later transfers of the step still pin prefill pages, and eager
+compaction, which never moves a pinned page, does less — by backend: Mooncake's plans end in ``wait`` (the
+caller's thread), NIXL's and the local backend's earlier (on completion), so with the same input the prefill
+side of a Mooncake replay compacted 0 times where NIXL and local compacted 5-25 times. Ending every plan first
+gives every backend the same pins at each free, so the same compactions.
 * :func:`alloc_sequence` and :func:`fill_sequence` are the one way a fresh sequence is allocated and filled,
   on the prefill side and for decode's preallocation (Note [Sequence placement]).
 """
@@ -127,7 +137,7 @@ class PlanFigures:
 class LocalPrefill:
     """The prefill side in this process: its arena, allocator, pattern, and a local backend pair.
 
-    ``start`` allocates, fills, plans (leasing both sides) and submits; ``finish`` waits, frees the prefill
+    ``start`` allocates, fills, plans (leasing both sides) and submits; ``finish_all`` waits, frees the prefill
     pages and returns the plan's figures. Both sides' allocators are used from this one thread.
     """
 
@@ -182,22 +192,31 @@ class LocalPrefill:
             handle = self.src.submit(plan, self.peer)
         return (plan, handle, vt)
 
-    def finish(self, ticket: object) -> PlanFigures:
-        """Wait for the transfer (its plan's leases end with it), free the prefill pages, return figures."""
-        plan, handle, vt = ticket  # type: ignore[misc]
+    def finish_all(self, tickets: list) -> list[PlanFigures]:
+        """Wait for every transfer of ``tickets`` and release it (its plan's leases end with it), then free every
+        prompt (Note [Finishing a step's transfers]); the plans' figures, in order. A failure is raised (the
+        first) once every handle was released and every prompt freed."""
+        first: BaseException | None = None
         try:
             with self.timer.phase("transfer"):
-                try:
-                    self.src.wait(handle, self.timeout_s)
-                finally:
-                    self.src.release(handle)
+                for _plan, handle, _vt in tickets:
+                    try:
+                        self.src.wait(handle, self.timeout_s)
+                    except BaseException as exc:
+                        first = first or exc
+                    finally:
+                        self.src.release(handle)
         finally:
-            # also when the transfer failed: the prompt's pages are freed (still-leased ones go pending until the
+            # also when a transfer failed: the prompts' pages are freed (still-leased ones go pending until their
             # plan's leases end, Note [Pending pages]), never leaked
             with self.timer.phase("allocator"):
-                self.alloc.free(vt)
-        return PlanFigures(plan.total_bytes, {n: s.bytes for n, s in plan.stats_by_vector.items()},
-                           plan.num_descriptors, plan.num_runs, plan.per_layer_descriptor_equivalent)
+                for _plan, _handle, vt in tickets:
+                    self.alloc.free(vt)
+        if first is not None:
+            raise first
+        return [PlanFigures(plan.total_bytes, {n: s.bytes for n, s in plan.stats_by_vector.items()},
+                            plan.num_descriptors, plan.num_runs, plan.per_layer_descriptor_equivalent)
+                for plan, _h, _vt in tickets]
 
     # ---- observers (the replay reads the prefill side only through these) -----------------------------------
     def stats(self) -> dict:

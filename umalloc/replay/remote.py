@@ -11,8 +11,9 @@ Policy:
   decode and builds the receiver half (:func:`umalloc.transfer.plan.build_receiver_half`, which leases decode's pages);
   the child allocates, fills, builds the send plan from the half (:func:`umalloc.transfer.plan.build_send_plan`, which
   leases prefill's pages) and posts the WRITE without waiting. The parent then runs its decode step while the
-  transfer is in flight, and later asks the child to wait for it; the child ends its plan (source lease) and
-  frees its pages, and the parent completes the half (destination lease) and verifies every page.
+  transfer is in flight, and later asks the child to wait for the step's transfers (one call); the child ends
+  their plans (source leases), then frees their pages, and the parent completes the halves (destination
+  leases) and verifies every page.
 * Every call is bounded (``transfer_timeout_s``, twice that for the wait-and-drain of ``child_finish``, plus a
   margin); a failed transfer fails the half (its lease ends) and raises — except while bytes may still land in
   the half (the child's drain gave up, or the child did not answer): then the half stays leased until its lease
@@ -33,6 +34,7 @@ from umalloc.core.allocator import MultiEndedAllocator
 from umalloc.transfer import PeerLayout, build_receiver_half
 from umalloc.replay.prefill import PlanFigures, warm_up
 from umalloc.replay.report import PhaseTimer
+from umalloc.replay.signals import sigint_ignored
 from umalloc.replay.workload import RequestState
 from umalloc.geometry.spec import ArenaSpec
 
@@ -51,14 +53,18 @@ def _child_stats(ctx) -> dict:
             "leases_taken": t.leases_taken, "leases_expired": t.leases_expired}
 
 
-def child_setup(ctx, model: str, page_size: int, draft: bool, arena_bytes: int, seed: int, compaction: str) -> dict:
-    """Create the prefill arena (preset ``model``), its allocator and the KV pattern; register the arena with the
+def child_setup(ctx, model: str, page_size: int, draft: bool, arena_bytes: int, seed: int, compaction: str,
+                padded: bool) -> dict:
+    """Create the prefill arena (preset ``model``; its ends padded as vLLM pads them when ``padded``,
+    :func:`umalloc.replay.layouts.padded_ends`), its allocator and the KV pattern; register the arena with the
     child's backend and publish its layout. Returns the child's stats."""
     from umalloc.geometry.arena import Arena
     from umalloc.geometry.presets import preset_ends
     from umalloc.replay.kvfill import KVPattern
+    from umalloc.replay.layouts import padded_ends
 
-    spec = ArenaSpec(preset_ends(model, page_size=page_size, draft=draft), arena_bytes=arena_bytes)
+    ends = preset_ends(model, page_size=page_size, draft=draft)
+    spec = ArenaSpec(padded_ends(ends) if padded else ends, arena_bytes=arena_bytes)
     arena = Arena(spec, zero=False)
     alloc = MultiEndedAllocator(arena, compaction=compaction)
     warm_up(alloc)
@@ -105,25 +111,16 @@ def child_start(ctx, request_id: int, num_tokens: int, half: dict, peer: str,
     return {"short": False, "phases": ph, "filled": filled, "leases_at_post": leases, "stats": _child_stats(ctx)}
 
 
-def child_finish(ctx, request_id: int, timeout_s: float) -> dict:
-    """Wait for a posted plan (its source lease ends with it), free the prompt's pages, return the figures.
-
-    A failed transfer is drained (up to ``timeout_s`` more) before the failure is reported, since the parent
-    releases the receiver's half on it (Note [Deadlines and in-flight parts]). If the engine still holds a part
-    when the drain gives up, the error raised is a ``TransferError`` with ``draining = True`` (it survives the
-    trip to the parent): the receiver must keep its half leased (:func:`settle_failed_half`). Takes at most about
-    ``2 * timeout_s``.
-    """
+def _wait_drained(b, handle, timeout_s: float) -> None:
+    """``b.wait(handle)``; a failed transfer is drained (up to ``timeout_s`` more) before the failure is raised,
+    since the parent releases the receiver's half on it (Note [Deadlines and in-flight parts]). If the engine
+    still holds a part when the drain gives up, the error is a ``TransferError`` with ``draining = True`` (it
+    survives the trip to the parent): the receiver must keep its half leased (:func:`settle_failed_half`)."""
     from umalloc.errors import TransferError
 
-    plan, handle, vt = ctx.objects["replay_inflight"].pop(request_id)
-    alloc = ctx.objects["replay_alloc"]
-    b = ctx._b()
     try:
         b.wait(handle, timeout_s)
     except Exception as exc:
-        # the engine may still write into the receiver's pages: report the failure (after which the parent
-        # releases the receiver's half) only once it let go
         if handle.state != "pending" and not b.drain(handle, timeout_s):
             err = TransferError(f"{type(exc).__name__}: {exc}; the engine still held a part of the transfer after "
                                 f"draining {timeout_s:.3g} s more: keep the receiver's half leased (Note [Deadlines "
@@ -131,15 +128,45 @@ def child_finish(ctx, request_id: int, timeout_s: float) -> dict:
             err.draining = True  # type: ignore[attr-defined]
             raise err from exc
         raise
+
+
+def child_finish_all(ctx, request_ids: list[int], timeout_s: float) -> dict:
+    """Wait for every posted plan of ``request_ids`` and release it (its source lease ends with it), then free
+    every prompt's pages; returns ``{"phases", "stats", "plans": [figures per request, in order]}``.
+
+    Every wait comes before any free (Note [Finishing a step's transfers] in :mod:`umalloc.replay.prefill`).
+    A failure is raised once every handle was released and every prompt freed (the first failure, drained as
+    :func:`_wait_drained` says). Takes at most about ``2 * timeout_s`` per request.
+    """
+    items = [(rid, *ctx.objects["replay_inflight"].pop(rid)) for rid in request_ids]
+    alloc = ctx.objects["replay_alloc"]
+    b = ctx._b()
+    first: BaseException | None = None
+    try:
+        for _rid, _plan, handle, _vt in items:
+            try:
+                _wait_drained(b, handle, timeout_s)
+            except BaseException as exc:
+                first = first or exc
+            finally:
+                b.release(handle)
     finally:
-        b.release(handle)
         t0 = time.perf_counter()
-        alloc.free(vt)
+        for _rid, _plan, _handle, vt in items:
+            alloc.free(vt)
         dt = time.perf_counter() - t0
-    return {"phases": {"allocator": dt}, "bytes_total": plan.total_bytes,
-            "bytes_by_vector": {n: s.bytes for n, s in plan.stats_by_vector.items()},
-            "descriptors": plan.num_descriptors, "runs": plan.num_runs,
-            "per_layer_per_page": plan.per_layer_descriptor_equivalent, "stats": _child_stats(ctx)}
+    if first is not None:
+        raise first
+    plans = [{"bytes_total": plan.total_bytes, "bytes_by_vector": {n: s.bytes for n, s in plan.stats_by_vector.items()},
+              "descriptors": plan.num_descriptors, "runs": plan.num_runs,
+              "per_layer_per_page": plan.per_layer_descriptor_equivalent} for _rid, plan, _h, _vt in items]
+    return {"phases": {"allocator": dt}, "stats": _child_stats(ctx), "plans": plans}
+
+
+def child_finish(ctx, request_id: int, timeout_s: float) -> dict:
+    """:func:`child_finish_all` of one request; returns its figures with ``phases`` and ``stats``."""
+    res = child_finish_all(ctx, [request_id], timeout_s)
+    return {"phases": res["phases"], "stats": res["stats"], **res["plans"][0]}
 
 
 def child_check(ctx) -> dict:
@@ -179,7 +206,7 @@ class RemotePrefill:
         pre_spec: the prefill arena spec (its ``arena_bytes`` is what the child allocates).
         decode: the decode allocator (this process).
         timer: the replay's phase timer.
-        model, page_size, draft, seed, compaction: what the child rebuilds its arena and pattern from.
+        model, page_size, draft, seed, compaction, padded: what the child rebuilds its arena and pattern from.
         transfer_timeout_s, lease_deadline_s: bound of each transfer wait; deadline of both sides' leases.
 
     Raises:
@@ -189,8 +216,8 @@ class RemotePrefill:
     name = "remote"
 
     def __init__(self, backend: str, pre_spec: ArenaSpec, decode: MultiEndedAllocator, timer: PhaseTimer, *,
-                 model: str, page_size: int, draft: bool, seed: int, compaction: str, transfer_timeout_s: float,
-                 lease_deadline_s: float | None) -> None:
+                 model: str, page_size: int, draft: bool, seed: int, compaction: str, padded: bool,
+                 transfer_timeout_s: float, lease_deadline_s: float | None) -> None:
         from umalloc.backends import get_backend
         from umalloc.backends._worker import BackendWorker
 
@@ -199,13 +226,15 @@ class RemotePrefill:
         self.timeout_s = transfer_timeout_s
         self.deadline_s = lease_deadline_s
         self.dst_layout = PeerLayout.from_arena(decode.arena)
-        self.worker = BackendWorker(backend)
+        with sigint_ignored():  # the child inherits SIGINT ignored: Ctrl-C is the parent's (umalloc.replay.signals)
+            self.worker = BackendWorker(backend)
         self.b = None
         try:
             self.b = get_backend(backend, layout=self.dst_layout)
             self.b.register(decode.arena.regions())
             self.worker.wait_ready(timeout_s=CALL_MARGIN_S)
-            self._stats = self._call("child_setup", model, page_size, draft, pre_spec.arena_bytes, seed, compaction)
+            self._stats = self._call("child_setup", model, page_size, draft, pre_spec.arena_bytes, seed, compaction,
+                                     padded)
             self.peer = self.worker.call("connect", self.b.metadata(), progress=self.b.progress,
                                          timeout_s=CALL_MARGIN_S)
         except BaseException:
@@ -251,21 +280,28 @@ class RemotePrefill:
         self.step_leases = max(self.step_leases, held)
         return (half, rs.rid)
 
-    def finish(self, ticket: object) -> PlanFigures:
-        """Wait (in the child) for the transfer, end both leases, return the plan's figures."""
-        half, rid = ticket  # type: ignore[misc]
+    def finish_all(self, tickets: list) -> list[PlanFigures]:
+        """Wait (in the child) for every transfer of ``tickets``, end both sides' leases, free the prompts (every
+        wait before any free: Note [Finishing a step's transfers]); the plans' figures, in order. On a failure
+        every receiver half is settled (:func:`settle_failed_half`: kept leased while bytes may still land)."""
+        if not tickets:
+            return []
+        halves = [half for half, _rid in tickets]
         try:
             with self.timer.phase("transfer"):
                 self.b.progress()  # type: ignore[union-attr]
-                # the child waits up to timeout_s, then drains a failed transfer up to timeout_s more
-                res = self._call("child_finish", rid, self.timeout_s, transfer_s=2 * self.timeout_s)
+                # the child waits up to timeout_s per transfer, then drains a failed one up to timeout_s more
+                res = self._call("child_finish_all", [rid for _half, rid in tickets], self.timeout_s,
+                                 transfer_s=2 * self.timeout_s * len(tickets))
         except BaseException as exc:
-            settle_failed_half(half, exc)  # kept leased while bytes may still land in it
+            for half in halves:
+                settle_failed_half(half, exc)
             raise
-        half.complete()
+        for half in halves:
+            half.complete()
         self._account(res)
-        return PlanFigures(res["bytes_total"], res["bytes_by_vector"], res["descriptors"], res["runs"],
-                           res["per_layer_per_page"])
+        return [PlanFigures(f["bytes_total"], f["bytes_by_vector"], f["descriptors"], f["runs"],
+                            f["per_layer_per_page"]) for f in res["plans"]]
 
     # ---- observers ---------------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -292,5 +328,5 @@ class RemotePrefill:
                 self.b.close()
 
 
-__all__ = ["CALL_MARGIN_S", "RemotePrefill", "child_check", "child_finish", "child_setup", "child_start",
-           "settle_failed_half"]
+__all__ = ["CALL_MARGIN_S", "RemotePrefill", "child_check", "child_finish", "child_finish_all", "child_setup",
+           "child_start", "settle_failed_half"]

@@ -21,10 +21,11 @@ import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from rich.table import Table
 
-SCHEMA_VERSION = "umalloc.replay.report/1"
+SCHEMA_VERSION = "umalloc.replay.report/2"
 
 #: Phases of :class:`PhaseTimer`, in report order.
 PHASES = ("allocator", "translate_plan", "transfer", "verify", "fill", "other")
@@ -45,7 +46,7 @@ REPORT_SCHEMA: dict = {
     "config": {
         "trace": str, "trace_format": str, "model": str, "page_size": int, "prefill_arena_bytes": int,
         "decode_arena_bytes": int, "backend": str, "requests": int, "token_scale": int, "draft": bool,
-        "seed": int, "max_batch": int, "compaction": str,
+        "seed": int, "max_batch": int, "compaction": str, "skip": int, "layout": str,
         "ends": list,
     },
     "requests": {"total": int, "completed": int, "retracted": int, "restored": int, "admission_waits": int,
@@ -61,13 +62,20 @@ REPORT_SCHEMA: dict = {
     "leases": {"taken": int, "waits": int, "expired": int, "max_active": int},
     "shortfall": {"alloc_retries": int, "lease_waits": int, "retractions": int, "replacements": int},
     "occupancy": {"prefill": {"*": _END_OCC}, "decode": {"*": _END_OCC}},
+    # the layout comparison (decode arena): means are over scheduler steps; held = live + padding + pending
+    # bytes; wrong-pool bytes are the free bytes of the static pools that were not short, at the admission waits
+    # the whole arena had room for
+    "capacity": {"layout": str, "steps": int, "max_running": int, "mean_running": float, "admission_waits": int,
+                 "retractions": int, "peak_held_bytes": int, "mean_held_bytes": float,
+                 "peak_padding_bytes": int, "mean_padding_bytes": float, "wrong_pool_waits": int,
+                 "mean_wrong_pool_bytes": float, "budget_pages": {"*": int}},
     "time_s": {"total": float, **{p: float for p in PHASES}},
     "throughput": {"requests_per_s": float, "tokens_per_s": float, "moved_gb_per_s": float},
     "end_state": {"prefill": {"ends": {"*": _END_FINAL}, "leases_active": int},
                   "decode": {"ends": {"*": _END_FINAL}, "leases_active": int}},
     "timeline": {"step": list, "time_s": list, "requests_done": list, "leases_active": list,
                  "compaction_moves": list, "prefill_live_pages": {"*": list}, "decode_live_pages": {"*": list},
-                 "compaction_events": list},
+                 "compaction_events": list, "admission_wait_events": list, "retraction_events": list},
 }
 
 
@@ -144,6 +152,9 @@ class Timeline:
     decode_live_pages: dict[str, list[int]] = field(default_factory=dict)
     #: ``[step, time_s, side, pages_moved]`` per compaction that moved pages.
     compaction_events: list[list] = field(default_factory=list)
+    #: ``[step, count]`` per step in which admission waited / requests were retracted.
+    admission_wait_events: list[list] = field(default_factory=list)
+    retraction_events: list[list] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.prefill_live_pages = {e: [] for e in self.prefill_ends}
@@ -164,6 +175,12 @@ class Timeline:
     def add_compaction_event(self, step: int, time_s: float, side: str, pages_moved: int) -> None:
         self.compaction_events.append([step, round(time_s, 4), side, int(pages_moved)])
 
+    def add_scheduler_events(self, step: int, admission_waits: int, retractions: int) -> None:
+        if admission_waits:
+            self.admission_wait_events.append([step, int(admission_waits)])
+        if retractions:
+            self.retraction_events.append([step, int(retractions)])
+
     def to_dict(self, max_points: int = MAX_TIMELINE_POINTS) -> dict:
         """The timeline, downsampled to at most ``max_points`` points (every k-th point, the last kept)."""
         n = len(self.step)
@@ -181,7 +198,17 @@ class Timeline:
             "prefill_live_pages": {e: pick(v) for e, v in self.prefill_live_pages.items()},
             "decode_live_pages": {e: pick(v) for e, v in self.decode_live_pages.items()},
             "compaction_events": list(self.compaction_events[:max_points]),
+            "admission_wait_events": _thin(self.admission_wait_events, max_points),
+            "retraction_events": _thin(self.retraction_events, max_points),
         }
+
+
+def _thin(events: list[list], max_points: int) -> list[list]:
+    """``[step, count]`` events merged into at most ``max_points`` (counts summed, each at its first step)."""
+    if len(events) <= max_points:
+        return [list(e) for e in events]
+    k = -(-len(events) // max_points)
+    return [[events[i][0], sum(e[1] for e in events[i:i + k])] for i in range(0, len(events), k)]
 
 
 def _check_schema(value: object, schema: object, path: str, problems: list[str]) -> None:
@@ -253,10 +280,24 @@ def _gb(x: int) -> str:
     return f"{x / 1e9:,.2f} GB"
 
 
+def report_title(report: Mapping) -> str:
+    """One line naming what ran: trace, slice, token scale, model, page size, layout, backend.
+
+    >>> cfg = {"trace": "/x/conv.jsonl", "skip": 10, "requests": 5, "token_scale": 8, "model": "m",
+    ...        "page_size": 16, "layout": "static:0.8", "backend": "local"}
+    >>> report_title({"config": cfg})
+    'umalloc replay — conv.jsonl rows 10-14, token scale 8, m, 16-token pages, layout static:0.8, backend local'
+    """
+    c = report["config"]
+    lo = c.get("skip", 0)
+    return (f"umalloc replay — {Path(c['trace']).name} rows {lo}-{lo + c['requests'] - 1}, token scale "
+            f"{c['token_scale']}, {c['model']}, {c['page_size']}-token pages, layout {c.get('layout', 'dynamic')}, "
+            f"backend {c['backend']}")
+
+
 def report_table(report: Mapping) -> Table:
     """The final table (rich) of a report: one row per figure, with a short meaning."""
-    t = Table(title=f"umalloc replay — {report['config']['model']}, backend {report['config']['backend']}",
-              show_lines=False)
+    t = Table(title=report_title(report), show_lines=False)
     t.add_column("figure", style="bold")
     t.add_column("value", justify="right")
     t.add_column("meaning")
@@ -287,6 +328,15 @@ def report_table(report: Mapping) -> Table:
     t.add_row("admission waits", f"{r['admission_waits']:,}", "steps a request waited for memory")
     t.add_row("retractions", f"{r['retracted']:,} ({r['restored']:,} restored)", "requests parked in host memory")
     t.add_row("re-placements", f"{sf['replacements']:,}", "lone requests moved to unstrand free space")
+    cap = report["capacity"]
+    t.add_row("concurrency", f"{cap['mean_running']:,.2f} mean, {cap['max_running']:,} max",
+              f"requests decoding per step, over {cap['steps']:,} scheduler steps")
+    t.add_row("decode bytes held", f"{_gb(int(cap['mean_held_bytes']))} mean, {_gb(cap['peak_held_bytes'])} peak",
+              "live + padding + pending bytes of the decode arena")
+    if cap["mean_padding_bytes"] or cap["wrong_pool_waits"]:
+        t.add_row("lost bytes", f"{_gb(int(cap['mean_padding_bytes']))} padding, "
+                  f"{_gb(int(cap['mean_wrong_pool_bytes']))} wrong pool",
+                  "mean padding held; mean free bytes of other pools when admission waited")
     for side in ("prefill", "decode"):
         arena = report["config"][f"{side}_arena_bytes"]
         for end, o in report["occupancy"][side].items():
@@ -304,4 +354,4 @@ def report_table(report: Mapping) -> Table:
 
 
 __all__ = ["MAX_TIMELINE_POINTS", "PHASES", "REPORT_SCHEMA", "SCHEMA_VERSION", "PhaseTimer", "Timeline",
-           "check_report", "report_table"]
+           "check_report", "report_table", "report_title"]

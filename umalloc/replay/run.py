@@ -68,13 +68,18 @@ import numpy as np
 import torch
 
 from umalloc.core.allocator import MultiEndedAllocator
-from umalloc.geometry.arena import Arena
 from umalloc.errors import InvariantError, UmallocValueError
+from umalloc.geometry.arena import Arena
 from umalloc.geometry.presets import DEFAULT_PRESET, PRESETS, preset_ends
+from umalloc.geometry.spec import ARENA_ALIGN_BYTES, ArenaSpec, pages_for_tokens
 from umalloc.replay import DEFAULT_REQUESTS, DEFAULT_TOKEN_SCALE
+from umalloc.replay.fit import check_slice_fits, request_peak_bytes, request_prompt_bytes
 from umalloc.replay.kvfill import KVPattern, VerifyResult
+from umalloc.replay.layouts import byte_accounting, padded_ends, parse_layout, static_budget_pages
 from umalloc.replay.prefill import LocalPrefill, alloc_sequence, swa_ends, warm_up
+from umalloc.replay.preflight import check_host_memory
 from umalloc.replay.report import SCHEMA_VERSION, PhaseTimer, Timeline, check_report
+from umalloc.replay.signals import sigint_ignored
 from umalloc.replay.trace import Trace, load_trace
 from umalloc.replay.workload import (
     DONE,
@@ -87,7 +92,6 @@ from umalloc.replay.workload import (
     pages_held,
     peak_pages,
 )
-from umalloc.geometry.spec import ARENA_ALIGN_BYTES, ArenaSpec, pages_for_tokens
 
 #: Default decode arena: room for this many average requests at their peak (the rest waits or retracts).
 DEFAULT_DECODE_CONCURRENCY = 6.0
@@ -115,10 +119,12 @@ class ReplayConfig:
         prefill_arena_bytes, decode_arena_bytes: arena sizes (``None``: sized from the slice, see
             :func:`default_arena_bytes`).
         backend: ``"local"``, ``"nixl"`` or ``"mooncake"``.
-        requests: replay the first N requests (``None``: :data:`DEFAULT_REQUESTS`); token_scale: divide token
-            counts by K (``None``: :data:`DEFAULT_TOKEN_SCALE`).
+        requests: replay N requests (``None``: :data:`DEFAULT_REQUESTS`) starting after ``skip`` rows of the
+            trace; token_scale: divide token counts by K (``None``: :data:`DEFAULT_TOKEN_SCALE`).
         seed: KV pattern seed; max_batch: most requests decoding at once; compaction: allocator mode.
         check_every: ``check_invariants()`` every N steps on both sides (0: at the end only).
+        layout: the decode arena's layout, ``"dynamic"``, ``"static[:RATIO]"`` or ``"padded"``
+            (:mod:`umalloc.replay.layouts`; the arena bytes are the same for every layout).
         verify_final: re-verify every live page of a request when it finishes.
         transfer_timeout_s: bound of each transfer wait; lease_deadline_s: deadline of plan leases.
     """
@@ -131,12 +137,14 @@ class ReplayConfig:
     decode_arena_bytes: int | None = None
     backend: str = "local"
     requests: int | None = None
+    skip: int = 0
     token_scale: int | None = None
     draft: bool = True
     seed: int = 0
     max_batch: int = 64
     compaction: str = "lazy"
     check_every: int = 0
+    layout: str = "dynamic"
     verify_final: bool = True
     transfer_timeout_s: float = 120.0
     lease_deadline_s: float | None = 600.0
@@ -159,8 +167,11 @@ class ReplayConfig:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise UmallocValueError(f"{name}={v!r}: allowed None or an int >= 1")
-        if self.check_every < 0:
-            raise UmallocValueError(f"check_every={self.check_every!r}: allowed an int >= 0")
+        for name in ("check_every", "skip"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise UmallocValueError(f"{name}={v!r}: allowed an int >= 0")
+        parse_layout(self.layout)
         d = asdict(self)
         d["requests"] = DEFAULT_REQUESTS if self.requests is None else self.requests
         d["token_scale"] = DEFAULT_TOKEN_SCALE if self.token_scale is None else self.token_scale
@@ -169,16 +180,6 @@ class ReplayConfig:
 
 def _round_arena(nbytes: float) -> int:
     return int(math.ceil(nbytes / _MIB)) * _MIB
-
-
-def request_peak_bytes(spec: ArenaSpec, input_tokens: int, output_tokens: int) -> int:
-    """Decode-side bytes one request holds at its peak (every end)."""
-    return sum(peak_pages(spec, e.name, input_tokens, output_tokens) * e.page_bytes for e in spec.ends)
-
-
-def request_prompt_bytes(spec: ArenaSpec, input_tokens: int) -> int:
-    """Prefill-side bytes one prompt holds (every end; SWA window tail only)."""
-    return sum(pages_held(spec, e.name, input_tokens) * e.page_bytes for e in spec.ends)
 
 
 def default_arena_bytes(spec_ends: tuple, trace: Trace) -> tuple[int, int]:
@@ -209,34 +210,49 @@ class Replay:
         asked = cfg.requests
         self.cfg = cfg = cfg.resolved()
         self.trace = load_trace(cfg.trace, token_scale=cfg.token_scale, max_requests=cfg.requests,
-                                fmt=cfg.trace_format)
+                                fmt=cfg.trace_format, skip=cfg.skip)
         if asked is not None and len(self.trace) < asked:
+            if cfg.skip:
+                raise UmallocValueError(f"requests={asked}: the trace {self.trace.path} holds only "
+                                        f"{len(self.trace)} requests after skip={cfg.skip}: allowed "
+                                        f"1..{len(self.trace)}")
             raise UmallocValueError(f"requests={asked}: the trace {self.trace.path} holds only {len(self.trace)} "
                                     f"requests: allowed 1..{len(self.trace)}")
-        ends = preset_ends(cfg.model, page_size=cfg.page_size, draft=cfg.draft)
+        self.layout = parse_layout(cfg.layout)
+        natural = preset_ends(cfg.model, page_size=cfg.page_size, draft=cfg.draft)
+        ends = padded_ends(natural) if self.layout.name == "padded" else natural
+        self.natural_page_bytes = {e.name: e.page_bytes for e in natural}
         owners = [e.name for e in ends if e.is_owner]
         if len(owners) != 1:
             raise UmallocValueError(f"model={cfg.model!r} with page_size={cfg.page_size}: the replay drives one "
                                     f"id owner, the preset has {owners}")
-        pre_b, dec_b = default_arena_bytes(ends, self.trace)
+        pre_b, dec_b = default_arena_bytes(natural, self.trace)  # one size for every layout
         pre_b = cfg.prefill_arena_bytes or pre_b
         dec_b = cfg.decode_arena_bytes or dec_b
         self.prefill_arena_bytes = pre_b // ARENA_ALIGN_BYTES * ARENA_ALIGN_BYTES
         self.decode_arena_bytes = dec_b // ARENA_ALIGN_BYTES * ARENA_ALIGN_BYTES
         self.pre_spec = ArenaSpec(ends, arena_bytes=self.prefill_arena_bytes)
         self.dec_spec = ArenaSpec(ends, arena_bytes=self.decode_arena_bytes)
+        #: Static layout: pages each end may hold (Note [SGLang's static SWA split]); None: no budget.
+        self.budget = (static_budget_pages(self.dec_spec, self.layout.swa_full_tokens_ratio)  # type: ignore[arg-type]
+                       if self.layout.name == "static" else None)
+        max_tokens = max(r.input_tokens + r.output_tokens for r in self.trace)
+        # at most max_batch requests, and never more than the slice, hold a row of the block table
+        self.table_rows = min(cfg.max_batch, len(self.trace))
+        self._check_memory(max_tokens)
         self.on_progress = on_progress
         self.timer = PhaseTimer()
         self.pattern = KVPattern(self.dec_spec, cfg.seed)
         self.dec_arena = Arena(self.dec_spec, zero=False)  # every byte read back is written first
         self.dec = MultiEndedAllocator(self.dec_arena, compaction=cfg.compaction)
         warm_up(self.dec)
-        self._check_fits()
+        check_slice_fits(self.trace, self.dec_spec, self.pre_spec, compaction=cfg.compaction,
+                         token_scale=cfg.token_scale, budget=self.budget,  # type: ignore[arg-type]
+                         layout_label=self.layout.label)
         self.prefill = self._make_prefill()
         self.owner = owners[0]
         self.swa = swa_ends(self.dec_spec)
-        max_tokens = max(r.input_tokens + r.output_tokens for r in self.trace)
-        self.table = BlockTable(cfg.max_batch, max_tokens)
+        self.table = BlockTable(self.table_rows, max_tokens)
         self.states = [RequestState(r) for r in self.trace]
         self.waiting: deque[RequestState] = deque(self.states)
         self.retracted: deque[RequestState] = deque()
@@ -249,7 +265,12 @@ class Replay:
             "bytes_moved", "bytes_verified", "bytes_verified_final", "bytes_decode_written", "mismatch_pages",
             "mismatch_bytes", "descriptors", "runs", "per_layer", "plans", "desc_max", "admission_waits",
             "lease_waits", "retractions", "restores", "alloc_retries", "max_running", "tokens_generated",
-            "max_leases", "replacements"), 0)
+            "max_leases", "replacements", "wrong_pool_bytes", "wrong_pool_waits"), 0)
+        self._short_ends: list[str] = []
+        self._step_waits = 0
+        self._step_retractions = 0
+        self.cap = {"running_sum": 0, "steps": 0, "held_bytes_sum": 0, "held_bytes_peak": 0,
+                    "padding_bytes_sum": 0, "padding_bytes_peak": 0}
         self.bytes_by_vector: dict[str, int] = {}
         self.new_token_ratio = RATIO_INIT
         self._moves_seen = {"prefill": 0, "decode": 0}
@@ -267,54 +288,34 @@ class Replay:
 
         return RemotePrefill(cfg.backend, self.pre_spec, self.dec, self.timer, model=cfg.model,  # type: ignore
                              page_size=cfg.page_size, draft=cfg.draft, seed=cfg.seed, compaction=cfg.compaction,
+                             padded=self.layout.name == "padded",
                              transfer_timeout_s=cfg.transfer_timeout_s, lease_deadline_s=cfg.lease_deadline_s)
 
-    def _check_fits(self) -> None:
-        """Refuse, before anything runs, a slice with a request that cannot fit even in an empty arena. Two
-        checks per request and side: its bytes (the empty allocator's joint placement plan,
-        :meth:`MultiEndedAllocator.can_alloc`, of its peak on decode and its prompt on prefill), and its admission
-        (:func:`alloc_sequence` of its prompt, then freed, on an empty probe allocator: the floating draft band
-        can split free space so that bytes that fit cannot be placed, Note [Stranded space]). The error names
-        the largest such request and what to change."""
-        probes = {side: MultiEndedAllocator(Arena(spec, zero=False), compaction=self.cfg.compaction)
-                  for side, spec in (("decode", self.dec_spec), ("prefill", self.pre_spec))}  # only tables
-        bad: dict[str, list[tuple[int, object, bool]]] = {"decode": [], "prefill": []}
-        for r in self.trace:
-            for side, spec in (("decode", self.dec_spec), ("prefill", self.pre_spec)):
-                probe = probes[side]
-                if side == "decode":
-                    need = {e.name: peak_pages(spec, e.name, r.input_tokens, r.output_tokens) for e in spec.ends}
-                    nbytes = request_peak_bytes(spec, r.input_tokens, r.output_tokens)
-                else:
-                    need = {e.name: pages_held(spec, e.name, r.input_tokens) for e in spec.ends}
-                    nbytes = request_prompt_bytes(spec, r.input_tokens)
-                if not probe.can_alloc(need):
-                    bad[side].append((nbytes, r, False))
-                    continue
-                vt = alloc_sequence(probe, r.input_tokens)
-                if vt is None:
-                    bad[side].append((nbytes, r, True))
-                else:
-                    probe.free(vt)
-        slack = self.dec_spec.floor_bytes + sum(e.page_bytes for e in self.dec_spec.ends)
-        for side, have in (("decode", self.decode_arena_bytes), ("prefill", self.prefill_arena_bytes)):
-            if not bad[side]:
-                continue
-            nbytes, r, placement = max(bad[side], key=lambda x: x[0])
-            what = (f"request {r.request_id} ({r.input_tokens} prompt + {r.output_tokens} output tokens after token "
-                    f"scale {self.cfg.token_scale})")
-            if placement:
-                raise UmallocValueError(
-                    f"{len(bad[side])} request(s) cannot be placed even in an empty {side} arena of {have:,} bytes; "
-                    f"the largest, {what}, holds {nbytes:,} bytes, which fit, but the allocator cannot place its "
-                    f"ends side by side (the floating draft band splits the free space): allowed a larger {side} "
-                    "--arena-bytes, a larger --token-scale, --no-draft, or fewer --requests")
-            raise UmallocValueError(
-                f"{len(bad[side])} request(s) cannot fit even in an empty {side} arena of {have:,} bytes; the "
-                f"largest, {what}, holds {nbytes:,} bytes at its peak: allowed --arena-bytes with {side} >= "
-                f"~{nbytes + slack:,}, a larger --token-scale, or fewer --requests")
+    def _check_memory(self, max_tokens: int) -> None:
+        """Refuse, before anything is allocated, arenas and a block table larger than the host's available
+        memory (:func:`umalloc.replay.preflight.check_host_memory`)."""
+        big = max(self.trace, key=lambda r: r.input_tokens + r.output_tokens)
+        hint = ("smaller --arena-bytes, a larger --token-scale, fewer --requests, or a slice without request "
+                f"{big.request_id} ({big.input_tokens} prompt + {big.output_tokens} output tokens, the longest)")
+        check_host_memory({"prefill arena": self.prefill_arena_bytes, "decode arena": self.decode_arena_bytes,
+                           "block table": self.table_rows * max_tokens * 8}, hint)
 
     # ---- scheduler pieces ----------------------------------------------------------------------------------
+    def _held_pages(self) -> dict[str, int]:
+        """Pages every decode end holds now (live and pending: both occupy the end's pool)."""
+        return {n: st.live_pages + st.pending_pages for n, st in self.dec.stats().items()}
+
+    def _within_budget(self, need: dict[str, int], held: dict[str, int] | None = None) -> bool:
+        """Static layout: whether ``need`` more pages per end stay inside every end's budget (always true for
+        the other layouts). ``held``: pages held now (default: :meth:`_held_pages`)."""
+        if self.budget is None:
+            return True
+        held = self._held_pages() if held is None else held
+        short = [e for e, n in need.items() if held.get(e, 0) + n > self.budget[e]]
+        if short:
+            self._short_ends = short
+        return not short
+
     def _reserve_pages(self) -> dict[str, int]:
         """Pages per end held back for the growth of admitted requests (Note [Admission reserve])."""
         out = dict.fromkeys(self.dec_spec.end_names, 0)
@@ -337,10 +338,10 @@ class Replay:
             reserve = self._reserve_pages()
             need = {e: n + reserve[e] for e, n in rs.retracted.pages_by_end().items()}  # type: ignore[union-attr]
             with self.timer.phase("allocator"):
-                ok = self.dec.can_alloc(need)
+                ok = self.dec.can_alloc(need) and self._within_budget(need)
                 new_vt = self.dec.restore(rs.retracted) if ok else None  # type: ignore[arg-type]
             if new_vt is None:
-                self.c["admission_waits"] += 1
+                self._admission_wait(need)
                 return
             self.retracted.popleft()
             rs.slot = self.table.acquire()
@@ -355,16 +356,16 @@ class Replay:
             reserve = self._reserve_pages()
             need = {e.name: pages_held(self.dec_spec, e.name, L) + reserve[e.name] for e in self.dec_spec.ends}
             with self.timer.phase("allocator"):
-                ok = self.dec.can_alloc(need)
+                ok = self.dec.can_alloc(need) and self._within_budget(need)
                 vt = alloc_sequence(self.dec, L) if ok else None
             if vt is None:
-                self.c["admission_waits"] += 1
+                self._admission_wait(need)
                 return
             ticket = self.prefill.start(rs, vt)
             if ticket is None:  # prefill arena short: undo decode's preallocation, wait
                 with self.timer.phase("allocator"):
                     self.dec.free(vt)
-                self.c["admission_waits"] += 1
+                self._admission_wait({})
                 return
             self.waiting.popleft()
             rs.slot = self.table.acquire()
@@ -376,10 +377,23 @@ class Replay:
             self.inflight.append((rs, ticket))
             self.c["max_leases"] = max(self.c["max_leases"], self.prefill.max_leases)
 
+    def _admission_wait(self, need: dict[str, int]) -> None:
+        """Count an admission wait; under static pools, add the free bytes of the pools that were not short
+        (bytes lost to the wrong pool) when the arena as a whole had room for ``need``."""
+        self.c["admission_waits"] += 1
+        self._step_waits += 1
+        if self.budget is None or not need or not self.dec.can_alloc(need):
+            return
+        held = self._held_pages()
+        short = set(self._short_ends)
+        self.c["wrong_pool_bytes"] += sum((self.budget[e] - held[e]) * self.dec_spec.end(e).page_bytes
+                                          for e in self.budget if e not in short and self.budget[e] > held[e])
+        self.c["wrong_pool_waits"] += 1
+
     def _complete_inflight(self) -> None:
         """Wait for every submitted transfer, verify every page of every vector on decode, free prefill."""
-        for rs, ticket in self.inflight:
-            fig = self.prefill.finish(ticket)
+        figs = self.prefill.finish_all([ticket for _rs, ticket in self.inflight])
+        for (rs, _ticket), fig in zip(self.inflight, figs, strict=True):
             res = self._verify_received(rs)
             self.c["bytes_moved"] += fig.bytes_total
             self.c["bytes_verified"] += res.checked_bytes
@@ -463,6 +477,7 @@ class Replay:
         victim.state = RETRACTED
         self.retracted.append(victim)
         self.c["retractions"] += 1
+        self._step_retractions += 1
         return True
 
     def _replace_alone(self) -> None:
@@ -490,8 +505,10 @@ class Replay:
             self._release_swa(batch, seq + 1)  # idempotent: only pages not released yet
             slots = np.array([r.slot for r in batch], dtype=np.int64)
             last = self.table.gather(slots, seq - 1)
+            step_need = self._step_need(seq)
             with self.timer.phase("allocator"):
-                out = self.dec.alloc_decode(torch.from_numpy(seq + 1), last)
+                out = self.dec.alloc_decode(torch.from_numpy(seq + 1), last) if self._within_budget(step_need) \
+                    else None
             if out is not None:
                 break
             self.c["alloc_retries"] += 1
@@ -520,6 +537,12 @@ class Replay:
                     pt = self.dec.translate(out, e.name)
                 self.c["bytes_decode_written"] += self.pattern.fill_tokens(self.dec_arena, e.name, rids, seq, pt)
         self.c["tokens_generated"] += len(batch)
+
+    def _step_need(self, seq: np.ndarray) -> dict[str, int]:
+        """Pages one decode step adds per end: one for each request whose next token starts a page."""
+        if self.budget is None:
+            return {}
+        return {e.name: int((seq % e.page_size == 0).sum()) for e in self.dec_spec.ends}
 
     def _finish_requests(self) -> None:
         still = []
@@ -570,6 +593,16 @@ class Replay:
         self._pre_live_mid = None
         self.timeline.add(self.step, t, self.done, leases, moves_total, pre_live,
                           {k: v.live_pages for k, v in ds.items()})
+        self.timeline.add_scheduler_events(self.step, self._step_waits, self._step_retractions)
+        self._step_waits = self._step_retractions = 0
+        acc = byte_accounting(self.dec_spec, ds, self.natural_page_bytes)
+        cap = self.cap
+        cap["steps"] += 1
+        cap["running_sum"] += len(self.running)
+        cap["held_bytes_sum"] += acc["held_bytes"]
+        cap["held_bytes_peak"] = max(cap["held_bytes_peak"], acc["held_bytes"])
+        cap["padding_bytes_sum"] += acc["padding_bytes"]
+        cap["padding_bytes_peak"] = max(cap["padding_bytes_peak"], acc["padding_bytes"])
 
     # ---- the loop ------------------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -600,6 +633,11 @@ class Replay:
                 idle_steps = idle_steps + 1 if not (self.running or self.inflight) else 0
                 if idle_steps > 2:
                     head = self.retracted[0] if self.retracted else self.waiting[0]
+                    if self.cfg.compaction == "off":  # freed space is never compacted: bands need not retreat
+                        raise UmallocValueError(
+                            f"step {self.step}: nothing runs and request {head.rid} cannot be admitted into the "
+                            "emptied arenas with --compaction off (freed pages are never compacted away): allowed "
+                            "--compaction lazy, or larger --arena-bytes")
                     raise InvariantError(f"step {self.step}: nothing runs and request {head.rid} cannot be "
                                          "admitted into empty arenas")
             self.dec.check_invariants()
@@ -607,7 +645,8 @@ class Replay:
             return self.report()
         finally:
             torch.set_num_threads(threads)
-            self.prefill.close()
+            with sigint_ignored():  # a second Ctrl-C does not cut the cleanup short (children left behind)
+                self.prefill.close()
 
     def progress_figures(self) -> dict:
         t = self.timer.total()
@@ -618,6 +657,18 @@ class Replay:
                 "step": self.step}
 
     # ---- report --------------------------------------------------------------------------------------------
+    def _capacity(self) -> dict:
+        """The layout comparison's figures (decode side), see :data:`umalloc.replay.report.REPORT_SCHEMA`."""
+        cap, n = self.cap, max(1, self.cap["steps"])
+        waits = self.c["wrong_pool_waits"]
+        return {"layout": self.layout.label, "steps": self.step, "max_running": self.c["max_running"],
+                "mean_running": cap["running_sum"] / n, "admission_waits": self.c["admission_waits"],
+                "retractions": self.c["retractions"], "peak_held_bytes": cap["held_bytes_peak"],
+                "mean_held_bytes": cap["held_bytes_sum"] / n, "peak_padding_bytes": cap["padding_bytes_peak"],
+                "mean_padding_bytes": cap["padding_bytes_sum"] / n,
+                "wrong_pool_waits": waits, "mean_wrong_pool_bytes": self.c["wrong_pool_bytes"] / max(1, waits),
+                "budget_pages": dict(self.budget or {})}
+
     def report(self) -> dict:
         cfg, c = self.cfg, self.c
         split = self.timer.split()
@@ -648,7 +699,8 @@ class Replay:
                 "page_size": cfg.page_size, "prefill_arena_bytes": self.prefill_arena_bytes,
                 "decode_arena_bytes": self.decode_arena_bytes, "backend": cfg.backend,
                 "requests": len(self.trace), "token_scale": cfg.token_scale, "draft": cfg.draft, "seed": cfg.seed,
-                "max_batch": cfg.max_batch, "compaction": cfg.compaction,
+                "max_batch": cfg.max_batch, "compaction": cfg.compaction, "skip": cfg.skip,
+                "layout": self.layout.label,
                 "ends": [{"name": e.name, "role": e.role.value, "grow": e.grow.value, "owner": e.owner,
                           "layers": len(e.layers), "page_size": e.page_size, "entry_bytes": e.entry_bytes,
                           "page_bytes": e.page_bytes, "window_tokens": e.window_tokens} for e in self.dec_spec.ends],
@@ -674,6 +726,7 @@ class Replay:
             "shortfall": {"alloc_retries": c["alloc_retries"], "lease_waits": c["lease_waits"],
                           "retractions": c["retractions"], "replacements": c["replacements"]},
             "occupancy": {"prefill": occ(ps, self.pre_spec), "decode": occ(ds, self.dec_spec)},
+            "capacity": self._capacity(),
             "time_s": {k: float(v) for k, v in split.items()},
             "throughput": {"requests_per_s": self.done / total_s if total_s else 0.0,
                            "tokens_per_s": (prompt + generated) / total_s if total_s else 0.0,

@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from umalloc.errors import UmallocValueError
+from umalloc.replay.preflight import SNIFF_BYTES, check_trace_file
 
 #: Block size (tokens) of the Mooncake ``hash_ids``.
 MOONCAKE_HASH_BLOCK_TOKENS = 512
@@ -55,8 +56,9 @@ class TraceRequest:
     """One request of a trace.
 
     Attributes:
-        request_id: 0-based position in the trace (after ``--requests`` truncation, before scaling).
-        arrival_s: arrival in seconds relative to the trace's first row.
+        request_id: 0-based row of the trace file (``--skip`` rows included), so a message naming a request
+            names its row.
+        arrival_s: arrival in seconds relative to the slice's first row.
         input_tokens: prompt length in tokens (after ``token_scale``), >= 1.
         output_tokens: generated length in tokens (after ``token_scale``), >= 1.
         hash_ids: Mooncake prefix-block hashes (one per 512 unscaled tokens), empty for Azure traces.
@@ -174,92 +176,127 @@ def _nonneg_int(value: object, where: str, field: str) -> int:
     return value
 
 
-def _check_limit(max_requests: int | None) -> None:
+def _check_limit(max_requests: int | None, skip: int) -> None:
     if max_requests is not None and (isinstance(max_requests, bool) or not isinstance(max_requests, int)
                                      or max_requests < 1):
         raise UmallocValueError(f"max_requests={max_requests!r}: allowed None or an int >= 1")
+    if isinstance(skip, bool) or not isinstance(skip, int) or skip < 0:
+        raise UmallocValueError(f"skip={skip!r}: allowed an int >= 0")
 
 
-def read_mooncake_jsonl(path: str | Path, *, token_scale: int = 1, max_requests: int | None = None) -> Trace:
+def _no_rows(path: Path, skip: int, rows: int) -> TraceFormatError:
+    if skip and rows:
+        return TraceFormatError(f"{path}: skip={skip} passes every one of its {rows} requests: allowed skip "
+                                f"<= {rows - 1}")
+    return TraceFormatError(f"{path}: no requests")
+
+
+def read_mooncake_jsonl(path: str | Path, *, token_scale: int = 1, max_requests: int | None = None,
+                        skip: int = 0) -> Trace:
     """Read a Mooncake JSONL trace.
 
     Args:
         path: the ``.jsonl`` file.
         token_scale: divide every token count by this (ceiling, at least 1 token); see :func:`scale_tokens`.
-        max_requests: keep only the first N rows (``None``: all).
+        max_requests: keep only the first N rows after ``skip`` (``None``: all).
+        skip: pass over the first ``skip`` rows (not parsed, only counted).
 
     Returns:
-        A :class:`Trace` with ``arrival_s = (timestamp - first timestamp) / 1000``.
+        A :class:`Trace` with ``arrival_s = (timestamp - first kept timestamp) / 1000``.
 
     Raises:
         TraceFormatError: a line that is not a JSON object with int ``timestamp``, ``input_length``,
-            ``output_length`` (and, if present, a list of int ``hash_ids``), or a file with no rows.
+            ``output_length`` (and, if present, a list of int ``hash_ids``), a line that is not UTF-8, or no rows
+            after ``skip``.
         UmallocValueError: bad ``token_scale`` / ``max_requests``.
 
     Complexity: O(rows read); stops reading after ``max_requests`` rows.
     """
     scale_tokens(0, token_scale)
-    _check_limit(max_requests)
+    _check_limit(max_requests, skip)
     path = Path(path)
     reqs: list[TraceRequest] = []
     t0: int | None = None
-    with path.open("r", encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise TraceFormatError(f"{where}: not JSON ({exc.msg})") from None
-            if not isinstance(row, dict):
-                raise TraceFormatError(f"{where}: allowed a JSON object per line")
-            for key in ("timestamp", "input_length", "output_length"):
-                if key not in row:
-                    raise TraceFormatError(f"{where}: missing field {key!r}")
-            ts = _nonneg_int(row["timestamp"], where, "timestamp")
-            inp = _nonneg_int(row["input_length"], where, "input_length")
-            out = _nonneg_int(row["output_length"], where, "output_length")
-            hashes = row.get("hash_ids", [])
-            if not isinstance(hashes, list) or not all(
-                    isinstance(h, int) and not isinstance(h, bool) for h in hashes):
-                raise TraceFormatError(f"{where}: field 'hash_ids': allowed a list of ints")
-            if t0 is None:
-                t0 = ts
-            reqs.append(TraceRequest(len(reqs), (ts - t0) / 1000.0, scale_tokens(inp, token_scale),
-                                     scale_tokens(out, token_scale), tuple(hashes)))
-            if max_requests is not None and len(reqs) >= max_requests:
-                break
+    row_index = -1
+    for lineno, line in _text_lines(path):
+        if not line.strip():
+            continue
+        row_index += 1
+        if row_index < skip:
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise TraceFormatError(f"{where}: not JSON ({exc.msg})") from None
+        if not isinstance(row, dict):
+            raise TraceFormatError(f"{where}: allowed a JSON object per line")
+        for key in ("timestamp", "input_length", "output_length"):
+            if key not in row:
+                raise TraceFormatError(f"{where}: missing field {key!r}")
+        ts = _nonneg_int(row["timestamp"], where, "timestamp")
+        inp = _nonneg_int(row["input_length"], where, "input_length")
+        out = _nonneg_int(row["output_length"], where, "output_length")
+        hashes = row.get("hash_ids", [])
+        if not isinstance(hashes, list) or not all(
+                isinstance(h, int) and not isinstance(h, bool) for h in hashes):
+            raise TraceFormatError(f"{where}: field 'hash_ids': allowed a list of ints")
+        if t0 is None:
+            t0 = ts
+        reqs.append(TraceRequest(row_index, (ts - t0) / 1000.0, scale_tokens(inp, token_scale),
+                                 scale_tokens(out, token_scale), tuple(hashes)))
+        if max_requests is not None and len(reqs) >= max_requests:
+            break
     if not reqs:
-        raise TraceFormatError(f"{path}: no requests")
+        raise _no_rows(path, skip, row_index + 1)
     return Trace(str(path), "mooncake", token_scale, tuple(reqs))
+
+
+def _text_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """``(line number, line)`` of a UTF-8 text file; a line that is not UTF-8 raises :class:`TraceFormatError`."""
+    with path.open("rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            try:
+                yield lineno, raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise TraceFormatError(f"{path}:{lineno}: not UTF-8 text (byte {exc.start} of the line)") from None
 
 
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 
 
-def read_azure_csv(path: str | Path, *, token_scale: int = 1, max_requests: int | None = None) -> Trace:
+def read_azure_csv(path: str | Path, *, token_scale: int = 1, max_requests: int | None = None,
+                   skip: int = 0) -> Trace:
     """Read an Azure LLM inference trace CSV (``TIMESTAMP,ContextTokens,GeneratedTokens``).
 
     Args:
         path: the ``.csv`` file (a missing final newline is fine).
         token_scale: see :func:`scale_tokens`.
-        max_requests: keep only the first N rows.
+        max_requests: keep only the first N rows after ``skip``.
+        skip: pass over the first ``skip`` data rows (not parsed, only counted).
 
     Returns:
-        A :class:`Trace` whose ``arrival_s`` is ``TIMESTAMP`` minus the first row's, in seconds (exact to the
+        A :class:`Trace` whose ``arrival_s`` is ``TIMESTAMP`` minus the first kept row's, in seconds (exact to the
         100 ns tick before conversion to float).
 
     Raises:
         TraceFormatError: missing columns, a bad timestamp (see :func:`parse_timestamp_ns`), a non-integer or
-            negative token count, or no rows.
+            negative token count, text that is not UTF-8, or no rows after ``skip``.
 
     Complexity: O(rows read).
     """
     scale_tokens(0, token_scale)
-    _check_limit(max_requests)
+    _check_limit(max_requests, skip)
     path = Path(path)
+    try:
+        return _read_azure(path, token_scale, max_requests, skip)
+    except UnicodeDecodeError as exc:
+        raise TraceFormatError(f"{path}: not UTF-8 text (byte {exc.start} of a read block)") from None
+
+
+def _read_azure(path: Path, token_scale: int, max_requests: int | None, skip: int) -> Trace:
     reqs: list[TraceRequest] = []
+    row_index = -1
     with path.open("r", encoding="utf-8", newline="") as fh:
         reader = csv.reader(fh)
         try:
@@ -276,6 +313,9 @@ def read_azure_csv(path: str | Path, *, token_scale: int = 1, max_requests: int 
             lineno = reader.line_num
             if not row or all(not c.strip() for c in row):
                 continue
+            row_index += 1
+            if row_index < skip:
+                continue
             where = f"{path}:{lineno}"
             if len(row) != len(header):
                 raise TraceFormatError(f"{where}: {len(row)} fields, allowed {len(header)}")
@@ -291,12 +331,12 @@ def read_azure_csv(path: str | Path, *, token_scale: int = 1, max_requests: int 
                 counts.append(int(text))
             if t0 is None:
                 t0 = ts
-            reqs.append(TraceRequest(len(reqs), (ts - t0) / 1e9, scale_tokens(counts[0], token_scale),
+            reqs.append(TraceRequest(row_index, (ts - t0) / 1e9, scale_tokens(counts[0], token_scale),
                                      scale_tokens(counts[1], token_scale)))
             if max_requests is not None and len(reqs) >= max_requests:
                 break
     if not reqs:
-        raise TraceFormatError(f"{path}: no requests")
+        raise _no_rows(path, skip, row_index + 1)
     return Trace(str(path), "azure", token_scale, tuple(reqs))
 
 
@@ -311,18 +351,18 @@ def detect_format(path: str | Path) -> str:
     path = Path(path)
     if path.suffix.lower() == ".csv":
         return "azure"
-    with path.open("r", encoding="utf-8") as fh:
-        first = fh.readline()
+    with path.open("rb") as fh:
+        first = fh.readline(SNIFF_BYTES).decode("utf-8", errors="replace")
     return "azure" if "TIMESTAMP" in first and not first.lstrip().startswith("{") else "mooncake"
 
 
 def load_trace(path: str | Path | None = None, *, token_scale: int = 1, max_requests: int | None = None,
-               fmt: str | None = None) -> Trace:
+               fmt: str | None = None, skip: int = 0) -> Trace:
     """Read a trace of either format (``fmt=None``: :func:`detect_format`); ``path=None`` reads the packaged
-    Mooncake conversation trace.
+    Mooncake conversation trace. ``skip`` rows are passed over, then up to ``max_requests`` kept.
 
     Raises:
-        TraceFormatError: see the readers; also a missing file.
+        TraceFormatError: see the readers; also a missing file, a directory, or a binary file.
         UmallocValueError: ``fmt`` not in :data:`TRACE_FORMATS`.
 
     >>> t = load_trace(token_scale=16, max_requests=2)
@@ -330,14 +370,16 @@ def load_trace(path: str | Path | None = None, *, token_scale: int = 1, max_requ
     [(0, 0.0, 423, 32), (1, 0.0, 458, 31)]
     """
     p = default_trace_path() if path is None else Path(path)
-    if not p.is_file():
-        raise TraceFormatError(f"trace file {str(p)!r} does not exist")
+    try:
+        check_trace_file(p)
+    except UmallocValueError as exc:
+        raise TraceFormatError(str(exc).replace("--trace ", "trace file ", 1)) from None
     if fmt is None:
         fmt = detect_format(p)
     if fmt == "mooncake":
-        return read_mooncake_jsonl(p, token_scale=token_scale, max_requests=max_requests)
+        return read_mooncake_jsonl(p, token_scale=token_scale, max_requests=max_requests, skip=skip)
     if fmt == "azure":
-        return read_azure_csv(p, token_scale=token_scale, max_requests=max_requests)
+        return read_azure_csv(p, token_scale=token_scale, max_requests=max_requests, skip=skip)
     raise UmallocValueError(f"trace format {fmt!r}: allowed one of {TRACE_FORMATS}")
 
 

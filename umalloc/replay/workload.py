@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from umalloc.errors import InvariantError, UmallocValueError
-from umalloc.replay.trace import TraceRequest
 from umalloc.geometry.spec import ArenaSpec, EndRole, pages_for_tokens, swa_pages_per_seq, swa_tail_start
+from umalloc.replay.trace import TraceRequest
 
 WAITING = "waiting"
 TRANSFERRING = "transferring"
