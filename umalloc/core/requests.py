@@ -240,8 +240,8 @@ class RequestTable:
     Complexity: O(max_requests * max_tokens_per_request) to fill ``req_to_token``; O(virtual pages) memory for
     the counts (int32 ``[3 + bound ends, num_vpages]``) and the LRU links.
 
-    >>> from umalloc.core.allocator import _doctest_allocator
-    >>> alloc = _doctest_allocator()          # full (up) + swa (down, window 4), page_size 2, 9 usable pages each
+    >>> from umalloc.testing import small_allocator
+    >>> alloc = small_allocator()          # full (up) + swa (down, window 4), page_size 2, 9 usable pages each
     >>> table = RequestTable(alloc, max_requests=4, max_tokens_per_request=12)   # zero page: virtual page 1
     >>> slots = table.new_requests(2)
     >>> table.extend(slots, torch.tensor([3, 1])).tolist()   # request 0: pages 2, 3; request 1: page 4
@@ -529,8 +529,8 @@ class RequestTable:
 
         Complexity: O(B + dropped tokens).
 
-        >>> from umalloc.core.allocator import _doctest_allocator
-        >>> alloc = _doctest_allocator()            # page_size 2; the zero page is virtual page 1
+        >>> from umalloc.testing import small_allocator
+        >>> alloc = small_allocator()            # page_size 2; the zero page is virtual page 1
         >>> table = RequestTable(alloc, max_requests=2, max_tokens_per_request=8)
         >>> (s,) = table.new_requests(1).tolist(); table.extend([s], [5]).tolist()     # pages 2, 3, 4
         [4, 5, 6, 7, 8]
@@ -591,8 +591,8 @@ class RequestTable:
 
         Complexity: O(num_tokens).
 
-        >>> from umalloc.core.allocator import _doctest_allocator
-        >>> table = RequestTable(_doctest_allocator(), max_requests=2, max_tokens_per_request=8)
+        >>> from umalloc.testing import small_allocator
+        >>> table = RequestTable(small_allocator(), max_requests=2, max_tokens_per_request=8)
         >>> (a,) = table.new_requests(1).tolist(); _ = table.extend([a], [3])   # pages 2, 3 (3 partial)
         >>> b = table.fork(a); table.pages(b).tolist(), table.stats().shared_pages
         ([2, 3], 2)
