@@ -1,6 +1,6 @@
 """The typed exceptions of umalloc.
 
-Three failure tiers (shared/STYLE.md §3):
+Three failure tiers (docs/architecture.md, "Failure tiers"):
 
 * an expected shortage returns ``None`` or raises :class:`OutOfPages` (carrying ``requested`` and ``free``)
   where an API says so;

@@ -18,7 +18,7 @@ Policy:
   contiguous runs on every end.
 * **Freed frontier pages retreat the band**: freeing the page at a band's moving edge turns it and every hole
   behind it into gap (no bytes move), so the facing end can grow. Pages in the middle become holes.
-* **Failures** (shared/STYLE.md §3): out of space returns ``None`` and nothing changes (the whole plan over
+* **Failures** (docs/architecture.md, "Failure tiers"): out of space returns ``None`` and nothing changes (the whole plan over
   every end is computed before anything is written); misuse raises a typed
   :class:`~umalloc.errors.UmallocValueError` subclass and nothing changes; a broken invariant raises
   :class:`~umalloc.errors.InvariantError` from :meth:`MultiEndedAllocator.check_invariants`.

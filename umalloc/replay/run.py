@@ -1,6 +1,6 @@
 """The ``umalloc replay`` driver: a real trace through a prefill arena and a decode arena, every byte verified.
 
-Policy (shared/DESIGN.md §5; the scheduler is a simplified SGLang-style PD loop):
+Policy (docs/architecture.md, "The main job"; the scheduler is a simplified SGLang-style PD loop):
 
 * **Arrival.** Requests are admitted strictly in trace order (head of line), as soon as memory allows and the
   decode batch has room (``max_batch``). Trace timestamps do not pace the replay: it runs as fast as the

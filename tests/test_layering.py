@@ -1,0 +1,89 @@
+"""The package's layering, read from the source: imports point one way and modules stay small.
+
+Every import counts: module level, inside functions, under ``TYPE_CHECKING``. Layers, lowest first (a module may
+import its own layer and the ones below it): errors, translators, geometry, core, transfer, backends,
+integrations, replay/cli, and ``umalloc.testing`` on top (imported by nothing in the package; doctests use it). Backends know plans and regions, not allocators.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent / "umalloc"
+
+#: layer rank of each top-level part (lower may not import higher)
+RANK = {"errors": 0, "translators": 1, "geometry": 2, "core": 3, "transfer": 4, "backends": 5,
+        "integrations": 6, "replay": 7, "cli": 7, "testing": 8}
+MAX_MODULE_LINES = 860  # "about 800": the two largest modules (allocator facade, request table) are within 7 %
+
+
+def _module_name(path: Path) -> str:
+    return ".".join(("umalloc", *path.relative_to(ROOT).with_suffix("").parts)).removesuffix(".__init__")
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = {_module_name(p): p for p in ROOT.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for mod, path in modules.items():
+        deps = graph.setdefault(mod, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                if node.module == "umalloc":
+                    deps.update(f"umalloc.{a.name}" for a in node.names if f"umalloc.{a.name}" in modules)
+                elif node.module.startswith("umalloc."):
+                    deps.add(node.module)
+            elif isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names if a.name.startswith("umalloc."))
+        deps.discard(mod)
+    return graph
+
+
+def _part(mod: str) -> str:
+    return mod.split(".")[1] if mod.count(".") else ""
+
+
+def test_no_import_cycle_anywhere_in_the_package() -> None:
+    graph = _graph()
+    state: dict[str, int] = {}
+
+    def visit(m: str, path: list[str]) -> None:
+        if state.get(m) == 2:
+            return
+        assert state.get(m) != 1, f"import cycle: {' -> '.join([*path, m])}"
+        state[m] = 1
+        for d in sorted(graph.get(m, ())):
+            visit(d, [*path, m])
+        state[m] = 2
+
+    for m in sorted(graph):
+        visit(m, [])
+
+
+def test_imports_point_down_the_layers() -> None:
+    wrong = []
+    for mod, deps in _graph().items():
+        here = _part(mod)
+        if here not in RANK:  # umalloc/__init__.py: the lazy export table names every layer
+            continue
+        for d in deps:
+            there = _part(d)
+            if there == "testing" and here != "testing":
+                wrong.append(f"{mod} -> {d} (test helpers stay out of the library proper)")
+            elif there in RANK and RANK[there] > RANK[here]:
+                wrong.append(f"{mod} -> {d}")
+            elif here == "backends" and there == "core":
+                wrong.append(f"{mod} -> {d} (backends know plans and regions, not allocators)")
+    assert not wrong, "imports against the layering:\n" + "\n".join(sorted(wrong))
+
+
+def test_modules_stay_small() -> None:
+    big = {str(p.relative_to(ROOT)): n for p in ROOT.rglob("*.py")
+           if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not big, f"modules over {MAX_MODULE_LINES} lines: {big}"
+
+
+def test_the_library_reads_nothing_from_the_team_folder() -> None:
+    """The package must not depend on the team's ``shared/`` folder at run time (docs/faults.md is the catalogue)."""
+    hits = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py") if "shared/" in p.read_text()]
+    assert not hits, f"modules naming shared/: {hits}"
