@@ -7,7 +7,8 @@
 #   2. the vLLM sdist from PyPI (only its tests/ extracted, so its vllm/ sources never shadow the wheel);
 #   3. pytest --noconftest over the KV-manager test files twice: stock, and with -p vllm_plugin --umalloc-pool;
 #   4. each run's outcomes against tests/peer/vllm_expected.txt: any failure not listed, or a listed test that
-#      passes, fails this script.
+#      passes, fails this script;
+#   5. umalloc's own tests of the integration (tests/test_integration_vllm.py) in the same venv, where vLLM is.
 # Idempotent: downloads are cached in .peer/cache, the venv is rebuilt only when the requirements change.
 # Usage: bash scripts/peer_suite_vllm.sh      (extra arguments go to both pytest runs)
 set -euo pipefail
@@ -26,7 +27,7 @@ PY=${PYTHON:-python3}
 t0=$SECONDS
 mkdir -p "$CACHE"
 pip_q() {  # this machine's pip config names local package folders that may be absent: drop those warnings only
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@" \
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-compile "$@" \
     2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 }
 
@@ -38,13 +39,16 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   rm -rf "$VENV"
   "$PY" -m venv "$VENV"
   pip_q -c constraints.txt -r "$REQ"
-  wheel=$(ls "$CACHE"/vllm-"$VLLM_VERSION"-*.whl 2>/dev/null | head -n 1)
-  if [ -z "$wheel" ]; then
+  echo "[vllm-peer] requirements installed at $((SECONDS - t0)) s"
+  shopt -s nullglob
+  wheels=("$CACHE"/vllm-"$VLLM_VERSION"-*.whl)
+  if [ ${#wheels[@]} -eq 0 ]; then
     "$VENV/bin/python" -m pip download -q --disable-pip-version-check --no-deps --only-binary :all: \
       -d "$CACHE" "vllm==$VLLM_VERSION" 2> >(grep -v "is ignored: it is neither" >&2)
-    wheel=$(ls "$CACHE"/vllm-"$VLLM_VERSION"-*.whl | head -n 1)
+    wheels=("$CACHE"/vllm-"$VLLM_VERSION"-*.whl)
   fi
-  pip_q --no-deps "$wheel"
+  shopt -u nullglob
+  pip_q --no-deps "${wheels[0]}"
   echo "$want" > "$stamp"
 fi
 
@@ -89,5 +93,10 @@ for run in stock umalloc; do
   fi
   "$VENV/bin/python" tests/peer/vllm_expectations.py "$EXPECTED" "$run" "$PEER/outcomes-$run.json" || status=1
 done
+t1=$SECONDS
+HF_HUB_OFFLINE=1 PYTHONPATH="$PEER/path" "$VENV/bin/python" -m pytest -q -p no:cacheprovider -o addopts="" \
+  -W ignore::pytest.PytestConfigWarning tests/test_integration_vllm.py > "$PEER/pytest-integration.log" 2>&1 \
+  || { tail -n 40 "$PEER/pytest-integration.log"; status=1; }
+echo "[vllm-peer] tests/test_integration_vllm.py: $(tail -n 1 "$PEER/pytest-integration.log") ($((SECONDS - t1)) s)"
 echo "[vllm-peer] done in $((SECONDS - t0)) s"
 exit $status
