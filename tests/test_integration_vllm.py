@@ -153,7 +153,7 @@ def test_pool_touch_revives_cached_blocks_and_adopts_never_allocated_ids(vllm_po
 def test_pool_reset_prefix_cache_and_evict_blocks_return_ids_to_umalloc(vllm_pool):
     pool = vllm_pool(6, enable_caching=True, hash_block_size=16)
     b = pool.get_new_blocks(3)                       # 1 2 3
-    for blk, key in zip(b, (b"a", b"b", b"c")):
+    for blk, key in zip(b, (b"a", b"b", b"c"), strict=True):
         _hashed(pool, blk, key)
     pool.free_blocks(b[:2])                          # 1, 2 cached; 3 still held
     pool.evict_blocks({2, 3})                        # 2: un-hashed and back to umalloc; 3: un-hashed, still held
@@ -246,3 +246,44 @@ def test_install_refuses_an_untested_vllm(vllm_pool, monkeypatch):
     monkeypatch.setattr(vllm, "__version__", "0.0.1")
     with pytest.raises(UmallocError, match="0.33.0"):
         umalloc_vllm.install()
+
+
+def _bench_hybrid():
+    """benchmarks/bench_hybrid_pages.py (a script, not a package module)."""
+    path = PEER.parent.parent / "benchmarks" / "bench_hybrid_pages.py"
+    if "bench_hybrid_pages" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("bench_hybrid_pages", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    return sys.modules["bench_hybrid_pages"]
+
+
+def test_hybrid_demo_block_rule_by_hand():
+    bench = _bench_hybrid()
+    # Nemotron-H-8B per layer: attention 8 heads x (128 + 128) x 2 B = 4096 B/token; Mamba2 conv (10240, 3) bf16
+    # = 61,440 B plus ssm 128 x 64 x 128 = 1,048,576 elements (x 4 B float32, x 2 B bf16)
+    assert bench.attention_token_bytes() == 4096
+    assert bench.mamba_state_bytes(4) == 61_440 + 4_194_304 and bench.mamba_state_bytes(2) == 61_440 + 2_097_152
+    # 16 * cdiv(state, 16 * 4096): float32 cdiv(4,255,744, 65,536) = 65 -> 1040; bf16 cdiv(2,158,592, 65,536) = 33
+    # -> 528, the block the vLLM issues about Mamba hybrids report
+    assert bench.vllm_block_tokens(4096, 4_255_744) == 1040 and bench.vllm_block_tokens(4096, 2_158_592) == 528
+    assert bench.vllm_block_tokens(4096, 1000) == 16                     # never below the configured block
+    lay = bench.layouts("bfloat16")
+    assert lay.attn_end.page_bytes == 16 * 4 * 4096 and lay.state_end.page_bytes == 24 * 2_158_592
+
+
+def test_hybrid_demo_sizes_match_vllms_specs(vllm_pool):
+    import torch
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    bench = _bench_hybrid()
+    shapes = MambaStateShapeCalculator.mamba2_state_shape(
+        tp_world_size=1, intermediate_size=128 * 64, n_groups=8, num_heads=128, head_dim=64, state_size=128,
+        conv_kernel=4)
+    for ssm_dtype, itemsize in ((torch.float32, 4), (torch.bfloat16, 2)):
+        page = MambaSpec(shapes=shapes, dtypes=(torch.bfloat16, ssm_dtype), block_size=-1).page_size_bytes
+        assert bench.mamba_state_bytes(itemsize) == page
+    attn = FullAttentionSpec(block_size=1, num_kv_heads=8, head_size=128, dtype=torch.bfloat16).page_size_bytes
+    assert bench.attention_token_bytes() == attn

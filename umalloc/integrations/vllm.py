@@ -342,15 +342,13 @@ def install() -> type:
     if version not in SUPPORTED_VLLM_VERSIONS:
         raise UmallocError(f"vLLM {version} is untested with umalloc.integrations.vllm; allowed "
                            f"{', '.join(SUPPORTED_VLLM_VERSIONS)} (pip install 'umalloc[vllm]')")
-    import vllm.v1.core.block_pool as block_pool
     import vllm.v1.core.kv_cache_coordinator  # noqa: F401 - the module that builds the pool
 
     pool = _pool_class()
     stock = pool.__mro__[1]
     for name, module in list(sys.modules.items()):
         if name.startswith("vllm.v1.core") and getattr(module, "BlockPool", None) is stock:
-            module.BlockPool = pool
-    block_pool.BlockPool = pool
+            setattr(module, "BlockPool", pool)  # noqa: B010 - rebinding another package's module attribute
     return pool
 
 
@@ -360,5 +358,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["END", "ID_PAGE_BYTES", "SUPPORTED_VLLM_VERSIONS", "UmallocBlockPool", "UmallocFreeBlockQueue",
-           "id_allocator", "install"]
+# UmallocBlockPool is reached as an attribute (module __getattr__: it imports vLLM), so it is not in __all__
+__all__ = ["END", "ID_PAGE_BYTES", "SUPPORTED_VLLM_VERSIONS", "UmallocFreeBlockQueue", "id_allocator", "install"]
