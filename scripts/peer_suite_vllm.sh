@@ -64,7 +64,7 @@ if [ ! -f "$SRC/.extracted" ]; then
   rm -rf "$SRC"
   mkdir -p "$SRC"
   tar -xzf "$sdist" -C "$SRC" --strip-components=1 "vllm-$VLLM_VERSION/tests"
-  printf '[pytest]\n' > "$SRC/pytest.ini"   # keep pytest from reading this repo's pyproject.toml
+  printf '[pytest]\n' > "$SRC/pytest.ini"   # the runs name it (-c): this repo's pyproject.toml must not apply
   touch "$SRC/.extracted"
 fi
 # umalloc from this checkout, and nothing else of it, on the peer venv's path
@@ -81,8 +81,9 @@ for run in stock umalloc; do
   [ "$run" = umalloc ] && extra=(--umalloc-pool)
   t1=$SECONDS
   (cd "$SRC" && HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONPATH="$PEER/path:$ROOT/tests/peer" \
-     "$VENV/bin/python" -m pytest --noconftest -q -p no:cacheprovider -p vllm_plugin "${extra[@]}" \
-     -W ignore::pytest.PytestUnknownMarkWarning --outcomes-json "$PEER/outcomes-$run.json" "${tests[@]}" "$@" \
+     "$VENV/bin/python" -m pytest -c pytest.ini --rootdir . --noconftest -q -p no:cacheprovider -p vllm_plugin \
+     "${extra[@]}" -W ignore::pytest.PytestUnknownMarkWarning --outcomes-json="$PEER/outcomes-$run.json" \
+     "${tests[@]}" "$@" \
      > "$PEER/pytest-$run.log" 2>&1) || true
   echo "[vllm-peer] $run: $(tail -n 1 "$PEER/pytest-$run.log") ($((SECONDS - t1)) s, log .peer/pytest-$run.log)"
   if [ ! -s "$PEER/outcomes-$run.json" ]; then
