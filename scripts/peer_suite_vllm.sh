@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# vLLM's own KV-cache-manager tests, run against vLLM's BlockPool and against umalloc's (umalloc.integrations.vllm),
+# each run compared with the committed expectation file tests/peer/vllm_expected.txt.
+#
+#   1. a separate venv in .peer/vllm-venv (never .venv) with CPU torch 2.13.0 and the imports of
+#      tests/peer/vllm-requirements.txt (under constraints.txt), then the vLLM wheel installed --no-deps;
+#   2. the vLLM sdist from PyPI (only its tests/ extracted, so its vllm/ sources never shadow the wheel);
+#   3. pytest --noconftest over the KV-manager test files twice: stock, and with -p vllm_plugin --umalloc-pool;
+#   4. each run's outcomes against tests/peer/vllm_expected.txt: any failure not listed, or a listed test that
+#      passes, fails this script;
+#   5. umalloc's own tests of the integration (tests/test_integration_vllm.py) in the same venv, where vLLM is.
+# Idempotent: downloads are cached in .peer/cache, the venv is rebuilt only when the requirements change.
+# Usage: bash scripts/peer_suite_vllm.sh      (extra arguments go to both pytest runs)
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+VLLM_VERSION=0.33.0
+PEER=$ROOT/.peer
+VENV=$PEER/vllm-venv
+CACHE=$PEER/cache
+SRC=$PEER/vllm-$VLLM_VERSION
+REQ=tests/peer/vllm-requirements.txt
+EXPECTED=tests/peer/vllm_expected.txt
+FILES=(test_single_type_kv_cache_manager test_prefix_caching test_kv_cache_utils test_kv_sharing
+       test_kv_cache_metrics test_mamba_align_chunk_split test_contiguous_kv_packing)
+PY=${PYTHON:-python3}
+t0=$SECONDS
+mkdir -p "$CACHE"
+pip_q() {  # this machine's pip config names local package folders that may be absent: drop those warnings only
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-compile "$@" \
+    2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+}
+
+# ---- 1. the venv
+stamp=$VENV/.umalloc-peer-installed
+want=$( (echo "$VLLM_VERSION"; cat "$REQ" constraints.txt) | sha256sum | cut -c1-16)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "[vllm-peer] building $VENV (torch pinned by constraints.txt)"
+  rm -rf "$VENV"
+  "$PY" -m venv "$VENV"
+  pip_q -c constraints.txt -r "$REQ"
+  echo "[vllm-peer] requirements installed at $((SECONDS - t0)) s"
+  shopt -s nullglob
+  wheels=("$CACHE"/vllm-"$VLLM_VERSION"-*.whl)
+  if [ ${#wheels[@]} -eq 0 ]; then
+    "$VENV/bin/python" -m pip download -q --disable-pip-version-check --no-deps --only-binary :all: \
+      -d "$CACHE" "vllm==$VLLM_VERSION" 2> >(grep -v "is ignored: it is neither" >&2)
+    wheels=("$CACHE"/vllm-"$VLLM_VERSION"-*.whl)
+  fi
+  shopt -u nullglob
+  pip_q --no-deps "${wheels[0]}"
+  echo "$want" > "$stamp"
+fi
+
+# ---- 2. the sdist's tests (the download builds the sdist's metadata: needs the venv's CPU torch, no isolation)
+sdist=$CACHE/vllm-$VLLM_VERSION.tar.gz
+if [ ! -f "$sdist" ]; then
+  echo "[vllm-peer] downloading the vLLM $VLLM_VERSION sdist"
+  VLLM_VERSION_OVERRIDE=$VLLM_VERSION VLLM_TARGET_DEVICE=empty "$VENV/bin/python" -m pip download -q \
+    --disable-pip-version-check --no-deps --no-binary vllm --no-build-isolation -d "$CACHE" "vllm==$VLLM_VERSION" \
+    2> >(grep -v "is ignored: it is neither" >&2)
+fi
+if [ ! -f "$SRC/.extracted" ]; then
+  rm -rf "$SRC"
+  mkdir -p "$SRC"
+  tar -xzf "$sdist" -C "$SRC" --strip-components=1 "vllm-$VLLM_VERSION/tests"
+  printf '[pytest]\n' > "$SRC/pytest.ini"   # the runs name it (-c): this repo's pyproject.toml must not apply
+  touch "$SRC/.extracted"
+fi
+# umalloc from this checkout, and nothing else of it, on the peer venv's path
+mkdir -p "$PEER/path"
+ln -sfn "$ROOT/umalloc" "$PEER/path/umalloc"
+echo "[vllm-peer] set-up done in $((SECONDS - t0)) s"
+
+# ---- 3. + 4. the two runs
+tests=()
+for f in "${FILES[@]}"; do tests+=("tests/v1/core/$f.py"); done
+status=0
+for run in stock umalloc; do
+  extra=()
+  [ "$run" = umalloc ] && extra=(--umalloc-pool)
+  t1=$SECONDS
+  (cd "$SRC" && HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONPATH="$PEER/path:$ROOT/tests/peer" \
+     "$VENV/bin/python" -m pytest -c pytest.ini --rootdir . --noconftest -q -p no:cacheprovider -p vllm_plugin \
+     "${extra[@]}" -W ignore::pytest.PytestUnknownMarkWarning --outcomes-json="$PEER/outcomes-$run.json" \
+     "${tests[@]}" "$@" \
+     > "$PEER/pytest-$run.log" 2>&1) || true
+  echo "[vllm-peer] $run: $(tail -n 1 "$PEER/pytest-$run.log") ($((SECONDS - t1)) s, log .peer/pytest-$run.log)"
+  if [ ! -s "$PEER/outcomes-$run.json" ]; then
+    tail -n 30 "$PEER/pytest-$run.log"
+    echo "[vllm-peer] $run: pytest wrote no outcomes" >&2
+    status=1
+    continue
+  fi
+  "$VENV/bin/python" tests/peer/vllm_expectations.py "$EXPECTED" "$run" "$PEER/outcomes-$run.json" || status=1
+done
+t1=$SECONDS
+HF_HUB_OFFLINE=1 PYTHONPATH="$PEER/path" "$VENV/bin/python" -m pytest -q -p no:cacheprovider -o addopts="" \
+  -W ignore::pytest.PytestConfigWarning tests/test_integration_vllm.py > "$PEER/pytest-integration.log" 2>&1 \
+  || { tail -n 40 "$PEER/pytest-integration.log"; status=1; }
+echo "[vllm-peer] tests/test_integration_vllm.py: $(tail -n 1 "$PEER/pytest-integration.log") ($((SECONDS - t1)) s)"
+echo "[vllm-peer] done in $((SECONDS - t0)) s"
+exit $status
