@@ -32,3 +32,16 @@ def test_readme_page_table_example_runs(tmp_path, capsys):
     # leaves the swa end only and vpages 4, 5 leave every end: full and draft keep 3 pages, swa keeps 2
     assert out[-1] == ("[[1, 2, 3, 0, 0, 0, 0, 0], [4, 5, 0, 0, 0, 0, 0, 0]] "
                        "{'full': 3, 'swa': 2, 'draft': 3}")
+
+
+def test_readme_request_table_example_runs(tmp_path, capsys):
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    assert len(blocks) >= 3, "README lost its request-table example"
+    script = tmp_path / "readme_requests.py"
+    script.write_text(blocks[2])
+    runpy.run_path(str(script), run_name="__main__")
+    out = capsys.readouterr().out.strip().splitlines()
+    # by hand, 16-token pages: request 0 = 40 + 1 tokens, truncated to 32 = pages A, B; the fork keeps 16 tokens
+    # = page A; request 1 = 7 + 1 = 8 tokens = one page C. Freeing request 0 with cache=True leaves A (held by
+    # the fork) and caches B (full, no holder). Held: A, C and the table's zero page = 3; cached: B = 1.
+    assert out[-1] == "[16, 8] 3 1"
