@@ -85,7 +85,7 @@ for run in stock umalloc; do
      "${extra[@]}" -W ignore::pytest.PytestUnknownMarkWarning --outcomes-json="$PEER/outcomes-$run.json" \
      "${tests[@]}" "$@" \
      > "$PEER/pytest-$run.log" 2>&1) || true
-  echo "[vllm-peer] $run: $(tail -n 1 "$PEER/pytest-$run.log") ($((SECONDS - t1)) s, log .peer/pytest-$run.log)"
+  echo "[vllm-peer] $run: pytest finished in $((SECONDS - t1)) s (log .peer/pytest-$run.log)"
   if [ ! -s "$PEER/outcomes-$run.json" ]; then
     tail -n 30 "$PEER/pytest-$run.log"
     echo "[vllm-peer] $run: pytest wrote no outcomes" >&2

@@ -77,8 +77,9 @@ def main(argv: list[str]) -> int:
     for item in missing:
         print(f"[vllm-peer] {run}: LISTED AS FAILING BUT {item}: update {expected_path}")
     verdict = "ok" if not unexpected and not missing and counts["passed"] else "MISMATCH"
-    print(f"[vllm-peer] {run}: {counts['passed']} passed, {counts['failed']} failed (all listed as expected: "
-          f"{verdict == 'ok'}), {counts['skipped']} skipped: {verdict}")
+    # worded so no CI log reader takes the expected failures for a failed run of this project's own suite
+    print(f"[vllm-peer] {run}: vLLM tests passing {counts['passed']} of {len(outcomes)}; expected (listed) "
+          f"non-passing {counts['failed']}, skipped {counts['skipped']}: {verdict}")
     return 0 if verdict == "ok" else 1
 
 
