@@ -30,8 +30,13 @@ Note [Plan endings]
 ~~~~~~~~~~~~~~~~~~~
 ``plan.complete()`` when every part is done; ``plan.fail(exc)`` when a part failed, the peer died, or ``wait``'s
 deadline passed (F12: a dead peer releases the held pages); ``plan.abort()`` when a pending handle is released.
-Leases are not thread-safe, so engine threads (Mooncake's status waiter) only record results; the plan is ended by
-``poll`` / ``wait`` / ``release`` / ``progress`` / ``drain`` / ``close`` in the caller's thread.
+The plan is ended by ``poll`` / ``wait`` / ``release`` / ``progress`` / ``drain`` / ``close`` in the caller's
+thread. Before the first part is handed to the engine the backend takes an engine hold on the plan's leases
+(:class:`~umalloc.backends.protocol.EngineHold`), let go when the engine reported every part ended — on the
+caller's thread, or on the engine's own thread where it has one (Mooncake's sender): leases may be ended from any
+thread (Note [Lease threading] in :mod:`umalloc.core.leases`). A lease deadline passing, or the caller ending the
+plan (``plan.abort()``/``fail()``) while a hold is outstanding leaves the lease *in doubt*: the plan reports its
+failure at once, the pages stay pinned until the hold is let go (F24).
 
 Note [Deadlines and in-flight parts]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -87,7 +92,7 @@ from umalloc.backends.peers import (
     parse_metadata,
     peer_info,
 )
-from umalloc.backends.protocol import PlanLike, check_plan, plan_item_bytes
+from umalloc.backends.protocol import EngineHold, PlanLike, check_plan, plan_item_bytes
 from umalloc.backends.registry import Registry, validate_regions
 from umalloc.errors import (
     BackendError,
@@ -364,6 +369,9 @@ class BackendBase:
             self._ht.finish(h, "done")
             return h
         try:
+            # before any part reaches the engine: a deadline or a plan ending from now on leaves the plan's
+            # leases in doubt until the engine lets go (Note [Lease states] in umalloc.core.leases, F24)
+            h.engine["hold"] = EngineHold(plan)
             self._engine_post(h, d, info, src_idx, dst_idx, item_bytes)
         except Exception as e:  # engine refused part of it: fail once every posted part has ended
             err = e if isinstance(e, TransferError) else TransferError(f"{self.name}: post to {peer!r} failed: {e}")

@@ -219,6 +219,9 @@ class HandleTable:
         plan = h.plan
         if plan is None:
             return
+        hold = h.engine.get("hold")
+        if hold is not None:  # the engine let go of every part: in-doubt leases settle (F24)
+            hold.drop()
         PLANS_IN_FLIGHT.drop(h)
         if h.state == "done":
             plan.complete()
