@@ -17,12 +17,19 @@ Policy:
   them, idempotently, the first terminal transition winning; the plan is a context manager (an exception fails
   it). A :class:`ReceiverHalf` is the receiver's side in the two-process form (JSON-safe, physical ids only).
 * :class:`PlanLike` is what the backends use of a plan; :class:`TransferPlan` implements it.
-* Not thread-safe: a plan is built, posted and ended by one thread at a time (backends end it in the caller's
-  thread).
+* Ending a plan while an engine may hold a part of it (a backend's engine hold on its leases) marks it failed
+  or aborted at once, and the leases go in doubt: the pages stay pinned until the engine lets go (F24). A
+  :class:`ReceiverHalf` whose pages were sent to a peer (:meth:`ReceiverHalf.publish`) is held the same way
+  until the sender's terminal report (:meth:`~ReceiverHalf.complete`) or a confirmed end
+  (:meth:`~ReceiverHalf.settle`).
+* Threading: a plan is built and posted by one thread; its ending (``complete``/``fail``/``abort``/``settle``)
+  may come from any thread, once (the first terminal transition wins; leases are thread-safe, Note [Lease
+  threading] in :mod:`umalloc.core.leases`).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -44,6 +51,7 @@ PLAN_FAILED = "failed"
 PLAN_ABORTED = "aborted"
 
 _HALF_FORMAT = 1
+_ENDING = threading.Lock()  # the first terminal transition wins, whichever thread it comes from
 _I64_MAX = (1 << 63) - 1
 _NO_DESCRIPTORS = np.zeros((0, 3), dtype=np.uint64)
 _NO_DESCRIPTORS.setflags(write=False)
@@ -205,10 +213,11 @@ class _LeaseHolder:
     error: BaseException | None
 
     def _finish(self, state: str, exc: BaseException | None = None) -> bool:
-        if self.state != PLAN_PENDING:
-            return False  # idempotent: the first terminal transition wins
-        self.state = state
-        self.error = exc
+        with _ENDING:
+            if self.state != PLAN_PENDING:
+                return False  # idempotent: the first terminal transition wins
+            self.state = state
+            self.error = exc
         for lease in self._leases:
             if lease is not None:
                 lease.release()
@@ -224,7 +233,8 @@ class _LeaseHolder:
         return self._finish(PLAN_FAILED, exc)
 
     def abort(self) -> bool:
-        """Mark aborted and release every lease. Idempotent like :meth:`complete`."""
+        """Mark aborted and release every lease. Idempotent like :meth:`complete`. A lease an engine still holds
+        a part of goes in doubt instead (its pages stay pinned until the engine lets go, F24)."""
         return self._finish(PLAN_ABORTED)
 
     def __enter__(self) -> Any:
@@ -481,6 +491,7 @@ class ReceiverHalf(_LeaseHolder):
         self.state = PLAN_PENDING
         self.error: BaseException | None = None
         self._leases = (lease,)
+        self._published: tuple[Any, int] | None = None
 
     @classmethod
     def of_checked(cls, request_id: str, layout_digest: str, seq_len_tokens: int, prefix_tokens: int,
@@ -494,7 +505,48 @@ class ReceiverHalf(_LeaseHolder):
         half.dcp_size, half.dcp_rank = dcp_size, dcp_rank
         half.vectors, half._leased = vectors, leased
         half.state, half.error, half._leases = PLAN_PENDING, None, (lease,)
+        half._published = None
         return half
+
+    def publish(self) -> dict:
+        """:meth:`to_dict` for sending to a peer: from now on the peer's engine may write these pages, so the
+        lease takes an engine hold (Note [Lease states] in :mod:`umalloc.core.leases`): its deadline, or
+        :meth:`fail` / :meth:`abort`, leaves it in doubt — pages pinned — until the sender's terminal report
+        (:meth:`complete`) or a confirmed end (:meth:`settle`). Idempotent. O(pages).
+
+        Raises:
+            LeaseError: the half's lease is no longer active (its pages may be reused: do not publish them).
+            UmallocValueError: the half already ended.
+        """
+        self._check_usable()
+        lease = self.lease
+        if self._published is None and lease is not None and hasattr(lease, "hold_engine"):
+            self._published = (lease, lease.hold_engine())
+        return self.to_dict()
+
+    def _let_go(self) -> None:
+        with _ENDING:
+            published, self._published = self._published, None
+        if published is not None:
+            lease, generation = published
+            lease.release_engine(generation)
+
+    def complete(self) -> bool:
+        """The sender reported the transfer done (its plan ended): mark done and release the lease (also one
+        that went in doubt meanwhile). Returns False if the half had already ended (its lease is still let go
+        of if it was in doubt). O(leased pages)."""
+        ended = self._finish(PLAN_DONE)
+        self._let_go()
+        return ended
+
+    def settle(self, exc: BaseException | None = None) -> bool:
+        """A confirmed end of everything the peer was sent: the sender's terminal report of a failed transfer,
+        the sender process confirmed gone, or this side's backend closed/reset after the engine released its
+        registrations. Fails the half if still pending (``exc``), then lets go of the publication hold, so an
+        in-doubt lease settles. Returns True if the half was still pending. Any thread. O(leased pages)."""
+        ended = self._finish(PLAN_FAILED, exc)
+        self._let_go()
+        return ended
 
     @property
     def lease(self) -> LeaseLike | None:
