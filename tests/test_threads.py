@@ -46,9 +46,12 @@ class _Completions(threading.Thread):
                 return
             try:
                 kind = job[0]
-                if kind == "pin":  # a lease taken on this thread, maybe while the owner compacts
-                    _, key, pages = job
-                    self.back.put((key, self.alloc.lease({"full": pages}, tag="t")))
+                if kind == "pin":  # a lease taken on this thread, maybe while the owner compacts: translate
+                    _, key, vpages = job  # and pin under the table's lock, so no move comes in between
+                    with self.alloc.lease_table.lock:
+                        pages = self.alloc.translate_pages(torch.from_numpy(vpages), "full").numpy()
+                        lease = self.alloc.lease({"full": pages}, tag="t")
+                    self.back.put((key, pages, lease))
                 elif kind == "release":
                     job[1].release()
                 elif kind == "engine":  # release while an engine holds a part, then the engine's report
@@ -106,8 +109,7 @@ def test_completion_thread_races_alloc_free_compact() -> None:
                 if rng.random() < 0.5:  # leased on the worker thread
                     key = next(keys)
                     in_transit[key] = vp
-                    worker.jobs.put(("pin", key, pp))
-                    held[-key - 1] = (vp, pp)
+                    worker.jobs.put(("pin", key, vp))
                 else:
                     lease = alloc.lease({"full": pp})
                     held[lease.id] = (vp, pp)
@@ -144,11 +146,10 @@ def test_completion_thread_races_alloc_free_compact() -> None:
                 alloc.stats()
             while True:  # leases the worker took: the main thread owns their pages again
                 try:
-                    key, lease = worker.back.get_nowait()
+                    key, pp, lease = worker.back.get_nowait()
                 except queue.Empty:
                     break
-                vp, pp = held.pop(-key - 1)
-                in_transit.pop(key)
+                vp = in_transit.pop(key)
                 held[lease.id] = (vp, pp)
                 leases[lease.id] = lease
                 owned.extend(vp.tolist())
@@ -162,9 +163,8 @@ def test_completion_thread_races_alloc_free_compact() -> None:
         sys.setswitchinterval(old_interval)
     assert not worker.errors, worker.errors[:3]
     while not worker.back.empty():
-        key, lease = worker.back.get()
-        in_transit.pop(key)
-        owned.extend(held.pop(-key - 1)[0].tolist())
+        key, _, lease = worker.back.get()
+        owned.extend(in_transit.pop(key).tolist())
         leases[lease.id] = lease
     for lease in leases.values():
         lease.release()

@@ -41,8 +41,10 @@ Completions arrive on engine threads (a Mooncake sender, a NIXL poller, an async
 * :attr:`LeaseTable.work_view` is non-empty while any lease is active or the queue holds pages: the allocator's
   lock-free hot path tests its truthiness (one dict read) and skips the lease work otherwise.
 * :meth:`LeaseTable.pin` takes the lock too, and the allocator holds it while it plans and applies compaction,
-  so a lease taken on another thread never races a move. Leasing a page on one thread while freeing the same
-  page on another is the caller's race (each lease names pages its caller owns).
+  so a lease taken on another thread never races a move. A thread other than the owner translates virtual
+  pages and leases the physical ones under ``lock`` (``with table.lock: pages = translate(...); lease(...)``),
+  so no compaction moves them in between. Leasing a page on one thread while freeing the same page on another
+  is the caller's race (each lease names pages its caller owns).
 
 Note [Lease states]
 ~~~~~~~~~~~~~~~~~~~
