@@ -35,9 +35,9 @@ from test_backends import (  # noqa: F401 - fixtures are used by name
 
 from umalloc.core.allocator import MultiEndedAllocator
 from umalloc.core.pagestate import PAGE_PENDING
-from umalloc.errors import LeaseError, TransferError, UmallocValueError
+from umalloc.errors import LeaseError, PeerDiedError, RegistrationError, TransferError, UmallocValueError
 from umalloc.geometry.arena import Arena
-from umalloc.transfer import PeerLayout, build_plan, build_send_plan
+from umalloc.transfer import PeerLayout, build_plan, build_receiver_half, build_send_plan
 
 ENGINES = ["nixl", "mooncake"]
 ALL = ["local", "nixl", "mooncake"]
@@ -240,3 +240,125 @@ def test_F11_same_plan_submitted_twice_is_refused(name, backend_factory):
     leaked = _settled(src_alloc) + _settled(dst_alloc)
     assert leaked == 0 and src_alloc.leases_active() == 0 and dst_alloc.leases_active() == 0
     _row("same plan submitted twice", name, wrong, leaked, 0, t_err)
+
+
+@pytest.mark.parametrize("name", ENGINES)
+def test_F12_sender_killed_mid_transfer_the_receiver_learns_and_settles(name, backend_workers, backend_factory):
+    """The sender (a worker process) is SIGKILLed right after it submitted: the receiver learns it through
+    ``peer_state`` (the process is gone, so its engine can write no more) and settles its published half: the
+    pages come free. Every destination byte is either its old value or the transfer's (never another one)."""
+    w = worker(backend_workers, name, "victim")
+    w.call("reset_backend")
+    spec = kv_spec()
+    dst_arena, dst_alloc = kv_side(spec, SEED + 1)
+    b = backend_factory(name, layout=PeerLayout.from_arena(dst_arena))
+    b.register(dst_arena.regions())
+    w.run(W + "kv_setup", PeerLayout.from_arena(dst_arena).to_dict(), seed=SEED)
+    sender = b.connect(w.call("metadata"))
+    me = w.call("connect", b.metadata(), progress=b.progress)  # NIXL's handshake needs this side progressed
+    src_vt = w.run(W + "kv_alloc", {"full": L_TOKENS, "draft": L_TOKENS})
+    half = build_receiver_half("f-4", dst_alloc, alloc_request(dst_alloc, L_TOKENS))
+    wire = half.publish()
+    before = tbytes(dst_arena.data)
+    assert b.peer_state(sender) == "alive" and b.fail_half_if_peer_died(half, sender) == "alive"
+    w.run(W + "kv_send", "f-4", wire, me, src_vt, wait=False, progress=b.progress)
+    t0 = time.monotonic()
+    w.kill()
+    deadline = time.monotonic() + DEADLINE_S
+    while b.fail_half_if_peer_died(half, sender) == "alive":
+        assert time.monotonic() < deadline, "the receiver never learned that its sender died"
+        time.sleep(0.01)
+    t_err = time.monotonic() - t0
+    assert half.state == "failed" and isinstance(half.error, PeerDiedError)
+    assert half.lease.state == "settled"
+    got = np.frombuffer(tbytes(dst_arena.data), np.uint8)
+    old = np.frombuffer(before, np.uint8)
+    changed = np.flatnonzero(got != old)
+    inside = np.zeros(got.size, bool)
+    st = dst_alloc.stats()
+    for end, pages in half.lease.pages.items():
+        pb = st[end].page_bytes
+        for p in pages.tolist():
+            inside[p * pb:(p + 1) * pb] = True
+    wrong = int(np.count_nonzero(~inside[changed]))  # a byte outside the half's pages changed
+    assert wrong == 0
+    b.disconnect(sender)
+    leaked = _settled(dst_alloc)
+    assert leaked == 0 and dst_alloc.leases_active() == 0
+    dst_alloc.check_invariants()
+    _row("sender SIGKILL mid-transfer (receiver side)", name, wrong, leaked, 0, t_err)
+
+
+@pytest.mark.parametrize("name", ENGINES)
+def test_F12_receiver_killed_mid_transfer_fails_the_handle_and_settles(name, backend_workers, backend_factory):
+    """The receiver (SIGSTOPped, the transfer in the engine) is SIGKILLed: the handle fails with a
+    TransferError within the bound, the source lease settles once the engine reports the part ended, and no
+    page of it was reused meanwhile. Runs last: it kills the shared worker."""
+    clock = ManualClock()
+    w, src_arena, src_alloc, a, peer, src_vt, plan, want = _sender(name, backend_workers, backend_factory, clock)
+    leased = {e: p.copy() for e, p in plan.src_lease.pages.items() if p.size}
+    w.pause()
+    h = a.submit(plan, peer)
+    time.sleep(0.3)
+    clock.now = 6.0  # the lease deadline passes too: in doubt, not reclaimed
+    st = src_alloc.stats()
+    in_doubt = sum(st[e].in_doubt_pages for e in st)
+    if a.poll(h) == "pending":
+        _free_and_reuse(src_arena, src_alloc, src_vt, leased)
+    t0 = time.monotonic()
+    w.kill()
+    with pytest.raises(TransferError):
+        a.wait(h, DEADLINE_S)
+    t_err = time.monotonic() - t0
+    assert a.drain(h, DEADLINE_S)
+    a.release(h)
+    leaked = _settled(src_alloc)
+    assert leaked == 0 and plan.src_lease.state in ("settled", "expired", "released")
+    a.disconnect(peer)
+    src_alloc.check_invariants()
+    _row("receiver SIGKILL mid-transfer (sender side)", name, 0, leaked, in_doubt, t_err)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_F25_receiver_deregisters_then_the_sender_writes(name, backend_factory):
+    """Nothing lands in memory its owner deregistered: ``local`` re-checks the peer's registration at every
+    copy (the handle fails); ``nixl`` refuses the deregistration while the sender is connected; ``mooncake``'s
+    receiving engine serves writes into its registered buffers only (the write fails, nothing lands)."""
+    spec = kv_spec()
+    src_arena, src_alloc = kv_side(spec, SEED)
+    dst_arena, dst_alloc = kv_side(spec, SEED + 1)
+    a = backend_factory(name, layout=PeerLayout.from_arena(src_arena))
+    b = backend_factory(name, layout=PeerLayout.from_arena(dst_arena))
+    a.register(src_arena.regions())
+    b.register(dst_arena.regions())
+    peer = a.connect(b.metadata())
+    plan = build_plan("f-5", src_alloc, alloc_request(src_alloc, L_TOKENS), dst_alloc,
+                      alloc_request(dst_alloc, L_TOKENS))
+    before = tbytes(dst_arena.data)
+    t0 = time.monotonic()
+    if name == "nixl":
+        with pytest.raises(RegistrationError, match="F25"):
+            b.deregister(dst_arena.regions())
+        t_err = time.monotonic() - t0
+        a.disconnect(peer)  # told first: the receiver may deregister now
+        b.deregister(dst_arena.regions())
+        plan.abort()
+        wrong = _diff(tbytes(dst_arena.data), before)
+    else:
+        b.deregister(dst_arena.regions())
+        h = a.submit(plan, peer)
+        err = None
+        try:
+            a.wait(h, DEADLINE_S)
+        except TransferError as e:
+            err = e
+        t_err = time.monotonic() - t0
+        a.drain(h, DEADLINE_S)
+        a.release(h)
+        wrong = _diff(tbytes(dst_arena.data), before)
+        if name == "local":
+            assert err is not None and plan.state == "failed"
+    assert wrong == 0
+    leaked = _settled(src_alloc) + _settled(dst_alloc)
+    assert leaked == 0
+    _row("receiver deregisters, sender writes", name, wrong, leaked, 0, t_err)

@@ -98,6 +98,7 @@ from umalloc.errors import (
     BackendError,
     IncompatiblePeerError,
     InvariantError,
+    PeerDiedError,
     TransferError,
     TransferTimeout,
     UmallocValueError,
@@ -268,6 +269,49 @@ class BackendBase:
             self._engine_disconnect(info)
         finally:
             del self._peers[peer]
+
+    def peer_state(self, peer: str) -> str:
+        """What this side knows of a connected peer's liveness (F12), cheapest evidence first:
+
+        * ``"gone"``: its process is confirmed gone (its metadata names a process on this host — loopback —
+          and no such process exists any more): its engine can read or write nothing more;
+        * ``"unreachable"``: the engine reports the peer down (Mooncake: a failed probe; NIXL: the agent said
+          goodbye or closed) but the process may live — what it may still write is in doubt;
+        * ``"alive"`` otherwise.
+
+        Raises:
+            UmallocValueError: unknown peer.
+
+        Complexity: one ``kill(pid, 0)`` plus the engine's check (Mooncake: a probe bounded by 1 s).
+        """
+        info = self._get_peer(peer)
+        if info.host in (LOOPBACK, "localhost") and info.pid != os.getpid():
+            try:
+                os.kill(info.pid, 0)
+            except ProcessLookupError:
+                return "gone"
+            except PermissionError:
+                pass
+        return "alive" if self._engine_peer_alive(info) else "unreachable"
+
+    def fail_half_if_peer_died(self, half: object, peer: str) -> str:
+        """Receiver side: fail ``half`` (a :class:`~umalloc.transfer.plan.ReceiverHalf` published to ``peer``)
+        with :class:`~umalloc.errors.PeerDiedError` if :meth:`peer_state` says the sender is not alive. A
+        ``"gone"`` sender can write nothing more, so the half settles (its pages come free); an
+        ``"unreachable"`` one leaves it in doubt (pages pinned) until a confirmed end. Returns the peer state.
+        Call it from the receiver's scheduler loop (or any thread) while waiting for a sender.
+
+        Raises:
+            UmallocValueError: unknown peer.
+        """
+        state = self.peer_state(peer)
+        if state != "alive":
+            exc = PeerDiedError(f"{self.name}: sender {peer!r} is {state}")
+            if state == "gone":
+                half.settle(exc)  # type: ignore[attr-defined]
+            else:
+                half.fail(exc)  # type: ignore[attr-defined]
+        return state
 
     def peers(self) -> list[str]:
         """Connected peer names."""
@@ -642,6 +686,10 @@ class BackendBase:
 
     def _engine_disconnect(self, peer: PeerInfo) -> None:
         """Forget the peer in the engine."""
+
+    def _engine_peer_alive(self, peer: PeerInfo) -> bool:
+        """Engine hook: False when the engine reports the peer down (connection state, goodbye)."""
+        return True
 
     def _engine_post(self, h: TransferHandle, d: np.ndarray, peer: PeerInfo, src_idx: np.ndarray,
                      dst_idx: np.ndarray, item_bytes: int | None) -> None:

@@ -364,6 +364,20 @@ class MooncakeBackend(BackendBase):
         if out["probe"] != 0:
             raise BackendError(f"mooncake: peer {session!r} unreachable (probe -> {out['probe']})")
 
+    def _engine_peer_alive(self, peer: PeerInfo) -> bool:
+        """The peer answers ``send_probe`` within 1 s (Mooncake's connection state; a stopped process that does
+        not answer counts as down)."""
+        eng = self._engine
+        probe = getattr(eng, "send_probe", None)
+        if probe is None:  # pragma: no cover - older engines
+            return True
+        out: dict[str, int] = {}
+        t = threading.Thread(target=lambda: out.setdefault("rc", probe(peer.name)), daemon=True,
+                             name=f"umalloc-mooncake-probe-{peer.name}")
+        t.start()
+        t.join(1.0)
+        return out.get("rc") == 0
+
     def _engine_disconnect(self, peer: PeerInfo) -> None:
         """Stop the peer's sender without waiting: a chunk the engine still holds (a draining handle) ends in the
         background, and a later sender to the same peer starts posting only after it (Note [Mooncake chunks])."""
