@@ -9,6 +9,7 @@ bounded. Each test prints one matrix row (``FAULT-ROW``: fault, backend, wrong b
 pages until settle, seconds to the error).
 """
 
+# ruff: noqa: F811  (the backend fixtures are imported from test_backends by name)
 from __future__ import annotations
 
 import time
@@ -17,9 +18,10 @@ import numpy as np
 import pytest
 from test_backends import (  # noqa: F401 - fixtures are used by name
     DEADLINE_S,
+    L_TOKENS,
     SEED,
-    W,
     ManualClock,
+    W,
     alloc_request,
     backend_factory,
     backend_pool,
@@ -27,11 +29,9 @@ from test_backends import (  # noqa: F401 - fixtures are used by name
     brute_apply,
     kv_side,
     kv_spec,
-    L_TOKENS,
     tbytes,
     worker,
 )
-
 
 from umalloc.core.allocator import MultiEndedAllocator
 from umalloc.core.pagestate import PAGE_PENDING

@@ -112,11 +112,12 @@ def test_F27_a_stale_release_never_touches_the_new_owner() -> None:
 
 def test_plan_abort_with_a_part_in_the_engine_fails_at_once_and_keeps_the_pages() -> None:
     """The plan reports its ending at once; its leases wait for the engine (F24, priority 2 of the issue)."""
+    import torch
+
+    from umalloc.core.allocator import MultiEndedAllocator
     from umalloc.geometry.arena import Arena
     from umalloc.testing import tiny_spec
     from umalloc.transfer import build_plan
-    from umalloc.core.allocator import MultiEndedAllocator
-    import torch
 
     src = MultiEndedAllocator(Arena(tiny_spec()))
     dst = MultiEndedAllocator(Arena(tiny_spec()))
@@ -139,11 +140,12 @@ def test_plan_abort_with_a_part_in_the_engine_fails_at_once_and_keeps_the_pages(
 
 
 def test_receiver_half_published_to_a_peer_stays_in_doubt_until_the_sender_reports() -> None:
+    import torch
+
+    from umalloc.core.allocator import MultiEndedAllocator
     from umalloc.geometry.arena import Arena
     from umalloc.testing import tiny_spec
     from umalloc.transfer import build_receiver_half
-    from umalloc.core.allocator import MultiEndedAllocator
-    import torch
 
     clock = FakeClock()
     dst = MultiEndedAllocator(Arena(tiny_spec()), clock=clock)

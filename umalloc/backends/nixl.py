@@ -87,7 +87,13 @@ import numpy as np
 from umalloc.backends.base import BackendBase
 from umalloc.backends.handle import TransferHandle
 from umalloc.backends.peers import PeerInfo
-from umalloc.errors import BackendError, BackendUnavailable, RegistrationError, TransferError, UmallocValueError
+from umalloc.errors import (
+    BackendError,
+    BackendUnavailable,
+    RegistrationError,
+    TransferError,
+    UmallocValueError,
+)
 from umalloc.geometry.region import Region
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")

@@ -78,6 +78,7 @@ import numpy as np
 import torch
 
 from umalloc.core import retraction
+from umalloc.core.compaction import CompactionReport
 from umalloc.core.heap import Heap
 from umalloc.core.ids import (
     _I64,
@@ -118,7 +119,6 @@ from umalloc.core.leases import LeaseTable
 from umalloc.core.leasing import LeasePart
 from umalloc.core.mirror import make_mirrors, refresh
 from umalloc.core.observe import EndStats, EndView, check_invariants, end_stats, snapshot, snapshots_equal
-from umalloc.core.compaction import CompactionReport
 from umalloc.core.space import SpacePart
 from umalloc.core.translation import TranslationPart
 from umalloc.errors import (

@@ -554,8 +554,8 @@ class LeaseTable:
         if self.on_unpinned is None or not unpinned:
             return
         if threading.get_ident() != self._owner:
-            for end, chunks in unpinned.items():
-                self._queue.extend((end, c) for c in chunks)
+            for end, end_chunks in unpinned.items():
+                self._queue.extend((end, c) for c in end_chunks)
             self._work[_DRAIN] = None
             return
         for end in self._slots:  # table end order: deterministic

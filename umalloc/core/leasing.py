@@ -13,10 +13,9 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
-
-import threading
 
 import numpy as np
 import torch
