@@ -517,14 +517,13 @@ class LeaseTable:
             if end not in self._slots:
                 raise LeaseError(f"lease names end {end!r}: allowed one of {sorted(self._slots)}")
             checked[end] = _as_page_array(end, arr, self._lo[end], self._slots[end])
-        if self.validator is not None:
-            with self.lock:  # the allocator holds it while it compacts (Note [Lease threading])
+        deadline = None if deadline_s is None else self.clock() + float(deadline_s)
+        with self.lock:  # the allocator holds it while it compacts (Note [Lease threading])
+            if self.validator is not None:
                 for end, arr in checked.items():
                     if arr.size:
                         self.validator(end, arr)
-        # ---- nothing has changed up to here
-        deadline = None if deadline_s is None else self.clock() + float(deadline_s)
-        with self.lock:
+            # ---- nothing has changed up to here
             lease = Lease(self, next(self._ids), next(_GENERATIONS), checked, deadline, tag)
             for end, arr in checked.items():
                 if arr.size:
