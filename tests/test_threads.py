@@ -111,7 +111,8 @@ def test_completion_thread_races_alloc_free_compact() -> None:
                     in_transit[key] = vp
                     worker.jobs.put(("pin", key, vp))
                 else:
-                    lease = alloc.lease({"full": pp})
+                    # some with a deadline of a few ms: the owner's expiry races the worker's release
+                    lease = alloc.lease({"full": pp}, deadline_s=0.002 if rng.random() < 0.3 else None)
                     held[lease.id] = (vp, pp)
                     leases[lease.id] = lease
                     owned.extend(vp.tolist())  # the main thread may free leased pages (they go pending)
@@ -125,7 +126,7 @@ def test_completion_thread_races_alloc_free_compact() -> None:
                 lid = list(leases)[int(rng.integers(len(leases)))]
                 lease = leases.pop(lid)
                 held.pop(lid, None)  # pages may come free from now on
-                if rng.random() < 0.5:
+                if rng.random() < 0.5 or not lease.active:  # (an expired lease takes no engine hold)
                     worker.jobs.put(("release", lease))
                 else:
                     worker.jobs.put(("engine", lease, lease.hold_engine()))
@@ -153,6 +154,8 @@ def test_completion_thread_races_alloc_free_compact() -> None:
                 held[lease.id] = (vp, pp)
                 leases[lease.id] = lease
                 owned.extend(vp.tolist())
+            for lid in [lid for lid in held if leases[lid].state not in ("active", "in_doubt")]:
+                del held[lid]  # expired (reclaimed): its pages may move from now on
             alloc.check_invariants()
             other.check_invariants()
             _check_unmoved(alloc, held)
@@ -171,7 +174,8 @@ def test_completion_thread_races_alloc_free_compact() -> None:
     alloc.free_pages(np.array(sorted(set(owned)), dtype=np.int64))
     alloc.check_invariants()
     st = alloc.stats()["full"]
-    print(f"seed={seed} steps={steps} completions={worker.done}")
+    print(f"seed={seed} steps={steps} completions={worker.done} expired={alloc.lease_table.leases_expired} "
+          f"settled={alloc.lease_table.leases_settled}")
     assert (st.live_pages, st.pending_pages, st.pinned_pages, st.in_doubt_pages) == (0, 0, 0, 0)
     assert alloc.leases_active() == 0 and not alloc.lease_table.in_doubt()
     assert steps > 100 and worker.done > 10
