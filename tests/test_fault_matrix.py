@@ -362,3 +362,76 @@ def test_F25_receiver_deregisters_then_the_sender_writes(name, backend_factory):
     leaked = _settled(src_alloc) + _settled(dst_alloc)
     assert leaked == 0
     _row("receiver deregisters, sender writes", name, wrong, leaked, 0, t_err)
+
+
+def _two_sides(name, backend_factory, clock):
+    spec = kv_spec()
+    src_arena, dst_arena = Arena(spec), Arena(spec)
+    src_arena.data.copy_(kv_side(spec, SEED)[0].data)
+    dst_arena.data.copy_(kv_side(spec, SEED + 1)[0].data)
+    src_alloc = MultiEndedAllocator(src_arena, clock=clock)
+    dst_alloc = MultiEndedAllocator(dst_arena, clock=clock)
+    a = backend_factory(name, layout=PeerLayout.from_arena(src_arena))
+    b = backend_factory(name, layout=PeerLayout.from_arena(dst_arena))
+    a.register(src_arena.regions())
+    b.register(dst_arena.regions())
+    peer = a.connect(b.metadata())
+    plan = build_plan("f-6", src_alloc, alloc_request(src_alloc, L_TOKENS), dst_alloc,
+                      alloc_request(dst_alloc, L_TOKENS), deadline_s=5.0)
+    return src_arena, dst_arena, src_alloc, dst_alloc, a, peer, plan
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_F10_vectors_submitted_at_different_times_complete_the_plan_only_together(name, backend_factory):
+    clock = ManualClock()
+    src_arena, dst_arena, src_alloc, dst_alloc, a, peer, plan = _two_sides(name, backend_factory, clock)
+    names = list(plan.vectors)
+    assert "draft" in names and len(names) >= 2
+    first = plan.split([n for n in names if n != "draft"])
+    later = plan.split(["draft"])
+    with pytest.raises(UmallocValueError, match="per vector"):
+        a.submit(plan, peer)
+    by_vec = plan.descriptors_by_vector()
+    before = tbytes(dst_arena.data)
+    want_first = brute_apply(before, dst_arena.base_ptr, tbytes(src_arena.data), src_arena.base_ptr,
+                             np.concatenate([by_vec[n] for n in first.names]))
+    h = a.submit(first, peer)
+    a.wait(h, DEADLINE_S)
+    a.release(h)
+    assert first.state == "done" and plan.state == "pending" and plan.missing_vectors() == ["draft"]
+    assert plan.src_lease.active and plan.dst_lease.active  # the draft's pages are still held
+    assert _diff(tbytes(dst_arena.data), want_first) == 0
+    h = a.submit(later, peer)
+    a.wait(h, DEADLINE_S)
+    a.release(h)
+    want = brute_apply(before, dst_arena.base_ptr, tbytes(src_arena.data), src_arena.base_ptr,
+                       np.concatenate([by_vec[n] for n in names]))
+    wrong = _diff(tbytes(dst_arena.data), want)
+    assert plan.state == "done" and wrong == 0 and not plan.src_lease.active
+    leaked = _settled(src_alloc) + _settled(dst_alloc)
+    assert leaked == 0 and src_alloc.leases_active() == 0 and dst_alloc.leases_active() == 0
+    _row("vectors submitted at different times", name, wrong, leaked, 0, None)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_F10_a_vector_never_submitted_fails_the_plan_at_its_deadline(name, backend_factory):
+    clock = ManualClock()
+    src_arena, dst_arena, src_alloc, dst_alloc, a, peer, plan = _two_sides(name, backend_factory, clock)
+    first = plan.split([n for n in plan.vectors if n != "draft"])
+    later = plan.split(["draft"])
+    h = a.submit(first, peer)
+    a.wait(h, DEADLINE_S)
+    a.release(h)
+    assert plan.check_deadline() is False and plan.state == "pending"
+    clock.now = 6.0
+    src_alloc.stats()
+    dst_alloc.stats()  # the leases are reclaimed (nothing in an engine)
+    t0 = time.monotonic()
+    assert plan.check_deadline() is True
+    t_err = time.monotonic() - t0
+    assert plan.state == "failed" and "draft" in str(plan.error)
+    with pytest.raises((UmallocValueError, LeaseError)):
+        a.submit(later, peer)  # too late: its pages may be reused
+    leaked = _settled(src_alloc) + _settled(dst_alloc)
+    assert leaked == 0
+    _row("vector never submitted", name, 0, leaked, 0, t_err)
