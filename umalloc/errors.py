@@ -128,3 +128,12 @@ class HeapCopyError(UmallocError, TypeError):
 
 class ArenaInUseError(UmallocValueError):
     """A second allocator was built on an :class:`~umalloc.geometry.arena.Arena` that a live one manages."""
+
+
+class StaleLeaseError(LeaseError):
+    """A release or settle carried a lease generation that is no longer live (the lease ended and its pages may
+    belong to a new owner since, F27), or asked for a transition the lease's state does not allow."""
+
+
+class PeerDiedError(TransferError):
+    """The peer of a transfer (its process, agent or connection) is gone; what it may have written is in doubt."""

@@ -30,8 +30,13 @@ Note [Plan endings]
 ~~~~~~~~~~~~~~~~~~~
 ``plan.complete()`` when every part is done; ``plan.fail(exc)`` when a part failed, the peer died, or ``wait``'s
 deadline passed (F12: a dead peer releases the held pages); ``plan.abort()`` when a pending handle is released.
-Leases are not thread-safe, so engine threads (Mooncake's status waiter) only record results; the plan is ended by
-``poll`` / ``wait`` / ``release`` / ``progress`` / ``drain`` / ``close`` in the caller's thread.
+The plan is ended by ``poll`` / ``wait`` / ``release`` / ``progress`` / ``drain`` / ``close`` in the caller's
+thread. Before the first part is handed to the engine the backend takes an engine hold on the plan's leases
+(:class:`~umalloc.backends.protocol.EngineHold`), let go when the engine reported every part ended — on the
+caller's thread, or on the engine's own thread where it has one (Mooncake's sender): leases may be ended from any
+thread (Note [Lease threading] in :mod:`umalloc.core.leases`). A lease deadline passing, or the caller ending the
+plan (``plan.abort()``/``fail()``) while a hold is outstanding leaves the lease *in doubt*: the plan reports its
+failure at once, the pages stay pinned until the hold is let go (F24).
 
 Note [Deadlines and in-flight parts]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -87,12 +92,13 @@ from umalloc.backends.peers import (
     parse_metadata,
     peer_info,
 )
-from umalloc.backends.protocol import PlanLike, check_plan, plan_item_bytes
+from umalloc.backends.protocol import EngineHold, PlanLike, check_plan, plan_item_bytes
 from umalloc.backends.registry import Registry, validate_regions
 from umalloc.errors import (
     BackendError,
     IncompatiblePeerError,
     InvariantError,
+    PeerDiedError,
     TransferError,
     TransferTimeout,
     UmallocValueError,
@@ -264,6 +270,49 @@ class BackendBase:
         finally:
             del self._peers[peer]
 
+    def peer_state(self, peer: str) -> str:
+        """What this side knows of a connected peer's liveness (F12), cheapest evidence first:
+
+        * ``"gone"``: its process is confirmed gone (its metadata names a process on this host — loopback —
+          and no such process exists any more): its engine can read or write nothing more;
+        * ``"unreachable"``: the engine reports the peer down (Mooncake: a failed probe; NIXL: the agent said
+          goodbye or closed) but the process may live — what it may still write is in doubt;
+        * ``"alive"`` otherwise.
+
+        Raises:
+            UmallocValueError: unknown peer.
+
+        Complexity: one ``kill(pid, 0)`` plus the engine's check (Mooncake: a probe bounded by 1 s).
+        """
+        info = self._get_peer(peer)
+        if info.host in (LOOPBACK, "localhost") and info.pid != os.getpid():
+            try:
+                os.kill(info.pid, 0)
+            except ProcessLookupError:
+                return "gone"
+            except PermissionError:
+                pass
+        return "alive" if self._engine_peer_alive(info) else "unreachable"
+
+    def fail_half_if_peer_died(self, half: object, peer: str) -> str:
+        """Receiver side: fail ``half`` (a :class:`~umalloc.transfer.plan.ReceiverHalf` published to ``peer``)
+        with :class:`~umalloc.errors.PeerDiedError` if :meth:`peer_state` says the sender is not alive. A
+        ``"gone"`` sender can write nothing more, so the half settles (its pages come free); an
+        ``"unreachable"`` one leaves it in doubt (pages pinned) until a confirmed end. Returns the peer state.
+        Call it from the receiver's scheduler loop (or any thread) while waiting for a sender.
+
+        Raises:
+            UmallocValueError: unknown peer.
+        """
+        state = self.peer_state(peer)
+        if state != "alive":
+            exc = PeerDiedError(f"{self.name}: sender {peer!r} is {state}")
+            if state == "gone":
+                half.settle(exc)  # type: ignore[attr-defined]
+            else:
+                half.fail(exc)  # type: ignore[attr-defined]
+        return state
+
     def peers(self) -> list[str]:
         """Connected peer names."""
         return list(self._peers)
@@ -364,6 +413,9 @@ class BackendBase:
             self._ht.finish(h, "done")
             return h
         try:
+            # before any part reaches the engine: a deadline or a plan ending from now on leaves the plan's
+            # leases in doubt until the engine lets go (Note [Lease states] in umalloc.core.leases, F24)
+            h.engine["hold"] = EngineHold(plan)
             self._engine_post(h, d, info, src_idx, dst_idx, item_bytes)
         except Exception as e:  # engine refused part of it: fail once every posted part has ended
             err = e if isinstance(e, TransferError) else TransferError(f"{self.name}: post to {peer!r} failed: {e}")
@@ -634,6 +686,10 @@ class BackendBase:
 
     def _engine_disconnect(self, peer: PeerInfo) -> None:
         """Forget the peer in the engine."""
+
+    def _engine_peer_alive(self, peer: PeerInfo) -> bool:
+        """Engine hook: False when the engine reports the peer down (connection state, goodbye)."""
+        return True
 
     def _engine_post(self, h: TransferHandle, d: np.ndarray, peer: PeerInfo, src_idx: np.ndarray,
                      dst_idx: np.ndarray, item_bytes: int | None) -> None:

@@ -13,7 +13,8 @@ Policy:
 * :data:`PLANS_IN_FLIGHT` records, across every backend of the process, the handle each plan is in flight on
   (pending or draining). A plan is in flight on one handle at a time: a second handle, on this backend or
   another, would outlive the leases that the first one's ending releases (F11).
-* Not thread-safe: touched only in the callers' thread (engine threads only record results in ``engine``).
+* Not thread-safe: touched only in the callers' thread (engine threads only record results in ``engine`` and
+  let go of the plan's engine hold, :class:`~umalloc.backends.protocol.EngineHold`, which is thread-safe).
 
 ::
 
@@ -219,6 +220,9 @@ class HandleTable:
         plan = h.plan
         if plan is None:
             return
+        hold = h.engine.get("hold")
+        if hold is not None:  # the engine let go of every part: in-doubt leases settle (F24)
+            hold.drop()
         PLANS_IN_FLIGHT.drop(h)
         if h.state == "done":
             plan.complete()

@@ -13,7 +13,10 @@ Policy:
 * Every descriptor is posted as its own transfer id (``transfer_submit_write``) and polled with
   ``transfer_check_status`` until the engine reports it ended (COMPLETED or FAILED, which free the id) and never
   after: a second query of a freed id is a use-after-free that crashed the process when tried.
-* Engine threads only record results; the handle and its plan end in the caller's thread (``poll``/``wait``).
+* Engine threads record results, and the sender thread lets go of the plan's engine hold once the engine
+  reported every chunk of a handle ended (COMPLETED or FAILED, or skipped unposted), so an in-doubt lease settles
+  without a poll (F24, F26); the handle and its plan end in the caller's thread (``poll``/``wait``). The classic
+  engine cannot cancel a posted transfer: only that terminal status, or ``close``, ends a chunk.
 * A plan's leases outlive every descriptor the engine was handed (Note [Mooncake deadlines]).
 
 Note [Mooncake chunks]
@@ -111,6 +114,18 @@ _STOP = object()
 IN_FLIGHT = "in_flight"
 
 
+def _let_go_if_ended(state: dict) -> None:
+    """Once every chunk of a handle ended (none queued or taken), let go of the engine holds on its plan's leases
+    from this sender thread: an in-doubt lease settles now, without waiting for the caller to poll (F24, F26).
+    Chunks of a cancelled or failed handle count as ended once the sender skipped them. Handle lock held."""
+    hold = state.get("hold")
+    if hold is None or not hold.held:
+        return
+    if any(r is None or r is IN_FLIGHT for r in state["results"]):
+        return
+    hold.drop()
+
+
 class _PeerSender:
     """One thread per peer posting chunks in order (Note [Mooncake chunks]).
 
@@ -145,6 +160,7 @@ class _PeerSender:
             with state["lock"]:  # Note [Mooncake deadlines]: decide and claim under the handle's lock
                 if state["cancelled"] or state["failed"]:
                     state["results"][i] = "skipped"
+                    _let_go_if_ended(state)
                     continue
                 try:
                     why = plan_leases_gone(state["plan"])
@@ -156,6 +172,7 @@ class _PeerSender:
                     state["results"][i] = TransferError(f"mooncake: {len(src)} descriptors to {self.peer!r} not "
                                                         f"posted: {why}")
                     state["failed"] = True
+                    _let_go_if_ended(state)
                     continue
                 state["results"][i] = IN_FLIGHT
             res = self._post(src, dst, lengths)
@@ -163,6 +180,7 @@ class _PeerSender:
                 state["results"][i] = res
                 if res != "done":
                     state["failed"] = True
+                _let_go_if_ended(state)
 
     def _post(self, src: list[int], dst: list[int], lengths: list[int]) -> object:
         """One transfer id per descriptor, each polled without spinning (sleeps between rounds) until the engine
@@ -346,6 +364,20 @@ class MooncakeBackend(BackendBase):
         if out["probe"] != 0:
             raise BackendError(f"mooncake: peer {session!r} unreachable (probe -> {out['probe']})")
 
+    def _engine_peer_alive(self, peer: PeerInfo) -> bool:
+        """The peer answers ``send_probe`` within 1 s (Mooncake's connection state; a stopped process that does
+        not answer counts as down)."""
+        eng = self._engine
+        probe = getattr(eng, "send_probe", None)
+        if probe is None:  # pragma: no cover - older engines
+            return True
+        out: dict[str, int] = {}
+        t = threading.Thread(target=lambda: out.setdefault("rc", probe(peer.name)), daemon=True,
+                             name=f"umalloc-mooncake-probe-{peer.name}")
+        t.start()
+        t.join(1.0)
+        return out.get("rc") == 0
+
     def _engine_disconnect(self, peer: PeerInfo) -> None:
         """Stop the peer's sender without waiting: a chunk the engine still holds (a draining handle) ends in the
         background, and a later sender to the same peer starts posting only after it (Note [Mooncake chunks])."""
@@ -365,7 +397,7 @@ class MooncakeBackend(BackendBase):
         step = self.max_batch_descriptors
         chunks = [(i, min(i + step, n)) for i in range(0, n, step)]
         state = {"lock": threading.Lock(), "results": [None] * len(chunks), "cancelled": False, "failed": False,
-                 "plan": h.plan}
+                 "plan": h.plan, "hold": h.engine.get("hold")}
         h.engine["state"] = state
         h.num_parts = len(chunks)
         src, dst, lengths = d[:, 0].tolist(), d[:, 1].tolist(), d[:, 2].tolist()

@@ -80,13 +80,20 @@ import logging
 import os
 import time
 import weakref
+from collections.abc import Sequence
 
 import numpy as np
 
 from umalloc.backends.base import BackendBase
 from umalloc.backends.handle import TransferHandle
 from umalloc.backends.peers import PeerInfo
-from umalloc.errors import BackendError, BackendUnavailable, TransferError, UmallocValueError
+from umalloc.errors import (
+    BackendError,
+    BackendUnavailable,
+    RegistrationError,
+    TransferError,
+    UmallocValueError,
+)
 from umalloc.geometry.region import Region
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
@@ -159,6 +166,23 @@ class NixlBackend(BackendBase):
     def _engine_register(self, region: Region) -> object:
         return self._agent.register_memory([(region.base_ptr, region.nbytes, _dev_id(region), "")],
                                            mem_type=region.mem_kind, backends=["UCX"])
+
+    def deregister(self, regions: Sequence[Region]) -> None:
+        """As :meth:`BackendBase.deregister`, refused while a sender that said hello is still connected (F25): a
+        UCX WRITE over shared memory lands in memory the target deregistered and NIXL reports it DONE (seen
+        here), so a connected sender could write into memory its owner reused. Senders disconnect first (their
+        ``disconnect``/``close`` sends the forget this side waits for), or this side closes (its goodbye fails
+        their transfers).
+
+        Raises:
+            RegistrationError: a sender is connected (named), or as :meth:`BackendBase.deregister`.
+        """
+        self._check_open()
+        self._engine_progress()  # take in pending forgets
+        if self._senders:
+            raise RegistrationError(f"nixl: deregister refused: sender(s) {sorted(self._senders)} are connected "
+                                    "and may still write this memory (F25); they must disconnect first")
+        super().deregister(regions)
 
     def _engine_deregister(self, region: Region, token: object) -> None:
         self._agent.deregister_memory(token, backends=["UCX"])
@@ -240,6 +264,11 @@ class NixlBackend(BackendBase):
             self._agent.remove_remote_agent(peer.name)
         except Exception:  # a peer already gone is fine to forget
             pass
+
+    def _engine_peer_alive(self, peer: PeerInfo) -> bool:
+        """Down once the peer's agent said goodbye (its ``close`` sends BYE) or, in this process, closed."""
+        self._engine_progress()
+        return not self._peer_closed(peer.name)
 
     def _peer_closed(self, peer: str) -> bool:
         if peer in self._gone:

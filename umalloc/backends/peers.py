@@ -48,6 +48,7 @@ class PeerInfo:
         engine: the engine part of its metadata.
         checked_layout: the peer's :class:`PeerLayout`, checked compatible with this side's at connect
             (``None`` when neither side has one).
+        host: the address its engine binds to (its process is on this host when it is loopback).
     """
 
     name: str
@@ -60,6 +61,7 @@ class PeerInfo:
     layout: dict | None
     engine: dict
     checked_layout: PeerLayout | None = None
+    host: str = LOOPBACK
 
 
 def layout_pair(layout: object | None) -> tuple[dict | None, PeerLayout | None]:
@@ -176,7 +178,8 @@ def peer_info(name: str, d: dict, checked_layout: PeerLayout | None) -> PeerInfo
     """The :class:`PeerInfo` of a peer from its parsed metadata ``d`` (:func:`parse_metadata`)."""
     starts, ends = region_ranges(d["regions"])
     return PeerInfo(name=name, peer_id=d["peer_id"], pid=d["pid"], backend=d["backend"], regions=d["regions"],
-                    starts=starts, ends=ends, layout=d["layout"], engine=d["engine"], checked_layout=checked_layout)
+                    starts=starts, ends=ends, layout=d["layout"], engine=d["engine"], checked_layout=checked_layout,
+                    host=d["host"])
 
 
 def check_plan_peer(plan: object, info: PeerInfo, what: str) -> None:

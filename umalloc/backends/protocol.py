@@ -15,8 +15,9 @@ Policy:
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -125,6 +126,46 @@ def plan_leases_gone(plan: object | None) -> str | None:
         if getattr(lease, "expired", False):
             return f"the plan's {side} is past its deadline"
     return None
+
+
+class EngineHold:
+    """The engine holds a backend keeps on a plan's leases while an engine may read or write a part of its
+    transfer (Note [Lease states] in :mod:`umalloc.core.leases`): taken before the first part is handed to the
+    engine, let go once every part ended (:meth:`drop`). A lease whose deadline passes, or whose plan fails or
+    is aborted, while a hold is outstanding goes in doubt instead of freeing its pages (F24), and settles on
+    the drop. Leases without ``hold_engine`` (hand-made lease objects) are not held.
+
+    Thread-safe: :meth:`drop` is idempotent and may run on an engine thread (Mooncake's sender) or the caller's.
+    """
+
+    __slots__ = ("_held", "_lock")
+
+    def __init__(self, plan: object | None) -> None:
+        self._lock = threading.Lock()
+        self._held: list[tuple[Any, int]] = []
+        if plan is None:
+            return
+        try:
+            for side in ("src_lease", "dst_lease"):
+                lease = getattr(plan, side, None)
+                hold = getattr(lease, "hold_engine", None)
+                if hold is not None:
+                    self._held.append((lease, hold()))
+        except BaseException:
+            self.drop()
+            raise
+
+    @property
+    def held(self) -> bool:
+        return bool(self._held)
+
+    def drop(self) -> None:
+        """Let go of every hold (the engine reported every part ended). Idempotent. O(1), or O(pages) for a
+        lease that settles."""
+        with self._lock:
+            held, self._held = self._held, []
+        for lease, generation in held:
+            lease.release_engine(generation)
 
 
 def check_plan(plan: object, what: str, *, descriptors: bool) -> None:

@@ -78,6 +78,7 @@ import numpy as np
 import torch
 
 from umalloc.core import retraction
+from umalloc.core.compaction import CompactionReport
 from umalloc.core.heap import Heap
 from umalloc.core.ids import (
     _I64,
@@ -225,7 +226,9 @@ class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart):
                                   first_pages={n: int(self._meta[i, _FIRST]) for i, n in enumerate(self._names)},
                                   validator=self._validate_lease_pages,
                                   pins=dict(zip(self._names, heap.pins, strict=True)))
-        self._active_leases = self._leases.active_view  # O(1) truthiness: the hot path's "any lease?" test
+        # O(1) truthiness: the hot path's "any lease work?" test (an active lease, or pages unpinned on another
+        # thread waiting to be delivered: Note [Lease threading])
+        self._active_leases = self._leases.work_view
         self._expired_by_end = [0] * len(self._names)
 
         # ---- device mirrors of v2p (one 2-D block per owner group) when the arena lives on CUDA
@@ -834,12 +837,33 @@ class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart):
 
     def check_invariants(self) -> None:
         """Check every invariant in O(slots + virtual pages) (:func:`umalloc.core.observe.check_invariants` lists
-        them); raise :class:`~umalloc.errors.InvariantError` naming the first broken one.
+        them); raise :class:`~umalloc.errors.InvariantError` naming the first broken one. Call it on the owner
+        thread: it first delivers pages that leases ended on other threads (Note [Lease threading]) and holds
+        the lease table's lock while it checks.
 
         >>> from umalloc.testing import small_allocator
         >>> alloc = small_allocator(); _ = alloc.alloc_pages(2); alloc.check_invariants()
         """
-        check_invariants(self._heap, self.spec, self.ends, self._mirror, self._leases)
+        with self._leases.lock:
+            if self._leases._queue:
+                self._leases.drain()
+            check_invariants(self._heap, self.spec, self.ends, self._mirror, self._leases)
+
+    # ---- compaction holds the lease table's lock (Note [Lease threading]): a lease taken on another thread
+    # waits for the move plan to be applied, so it never pins a page that is being moved
+    def compact(self, end: str | None = None, *, budget_pages: int | None = None) -> CompactionReport:
+        with self._leases.lock:
+            return super().compact(end, budget_pages=budget_pages)
+
+    compact.__doc__ = SpacePart.compact.__doc__
+
+    def _retry_after_shortfall(self, k: int, mask: int) -> bool:
+        with self._leases.lock:
+            return super()._retry_after_shortfall(k, mask)
+
+    def _after_free(self, touched_ends: Sequence[int]) -> None:
+        with self._leases.lock:
+            super()._after_free(touched_ends)
 
     def __repr__(self) -> str:
         ends = ", ".join(repr(v) for v in self.ends.values())

@@ -3,12 +3,17 @@
 * Pins live in the heap's pin arrays, lent to the :class:`~umalloc.core.leases.LeaseTable` (Note [Leases and
   compaction] there); the table reports pages whose last pin dropped through ``_on_unpinned``, which turns the
   pending ones into holes.
-* Every allocator call first reclaims leases past their deadline (:meth:`LeasePart._tick`, F12); the page-level
-  hot path skips it only while no lease is active (Note [Page-level hot path]).
+* Every allocator call first delivers the pages that leases ended on other threads unpinned, then reclaims leases
+  past their deadline or puts them in doubt (:meth:`LeasePart._tick`, F12, F24, F26); the page-level hot path
+  skips it only while the table's ``work_view`` is empty (Note [Page-level hot path], Note [Lease threading]).
+* Threading (Note [Lease threading] in :mod:`umalloc.core.leases`): the allocator runs on one owner thread;
+  ``lease`` and every :class:`~umalloc.core.leases.Lease` method may be called from any thread; compaction holds
+  the table's lock, so a lease taken on another thread never races a move.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -16,7 +21,7 @@ import numpy as np
 import torch
 
 from umalloc.core.kernels.placement import _k_unpend
-from umalloc.core.leases import Lease, LeaseTable
+from umalloc.core.leases import LEASE_EXPIRED, Lease, LeaseTable
 from umalloc.core.pagestate import PAGE_LIVE
 from umalloc.errors import LeaseError
 
@@ -35,9 +40,15 @@ class LeasePart:
     _end_index: Callable[[str], int]
 
     def _tick(self) -> None:
-        """Reclaim leases past their deadline (F12); the unpinned-hook turns their pending pages into holes."""
-        expired = self._leases.expire()
+        """Deliver pages unpinned on other threads, then reclaim leases past their deadline (F12) or put them in
+        doubt (F24); the unpinned-hook turns their pending pages into holes."""
+        table = self._leases
+        if table._queue:
+            table.drain()
+        expired = table.expire()
         for lease in expired:
+            if lease.state != LEASE_EXPIRED:
+                continue  # in doubt: nothing reclaimed
             for name, pages in lease.pages.items():
                 if pages.size:
                     self._expired_by_end[self._index[name]] += 1
@@ -48,7 +59,8 @@ class LeasePart:
 
         Args:
             pages: end name -> ``int64`` physical pages (live pages of that end).
-            deadline_s: seconds until the next allocator call reclaims the lease; ``None``: until released.
+            deadline_s: seconds until the next allocator call reclaims the lease (or puts it in doubt when an
+                engine holds a part of its transfer, F24); ``None``: until released.
             tag: label for logs and ``lease_table.release_tagged``.
 
         Returns:
@@ -56,6 +68,8 @@ class LeasePart:
 
         Raises:
             LeaseError: unknown end, bad pages, or a page that is not live. Nothing changes.
+
+        Threading: may be called from any thread (it waits while the owner thread compacts).
 
         >>> from umalloc.testing import small_allocator
         >>> alloc = small_allocator()
@@ -66,7 +80,7 @@ class LeasePart:
         >>> alloc.stats()["full"].pending_pages, alloc.available_pages("full")
         (0, 9)
         """
-        if self._active_leases:
+        if self._active_leases and threading.get_ident() == self._leases._owner:
             self._tick()
         return self._leases.pin(pages, deadline_s=deadline_s, tag=tag)
 

@@ -86,6 +86,9 @@ class EndStats:
             moved by compaction).
         pinned_pages: pages of this end pinned by leases now; leases_active: active leases naming this end;
             leases_expired: leases naming this end reclaimed at their deadline.
+        in_doubt_pages: pages of this end pinned by in-doubt leases (F24: an engine may still touch them; they
+            are counted in ``pinned_pages`` too, never as free or leaked); leases_in_doubt: in-doubt leases
+            naming this end.
     """
 
     name: str
@@ -121,6 +124,8 @@ class EndStats:
     pinned_pages: int
     leases_active: int
     leases_expired: int
+    in_doubt_pages: int = 0
+    leases_in_doubt: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -338,6 +343,11 @@ def end_stats(heap: Heap, spec: ArenaSpec, leases: LeaseTable, expired_by_end: S
         for name, arr in lease.pages.items():
             if arr.size:
                 leases_by_end[heap.index[name]] += 1
+    doubt_by_end = [0] * len(heap.names)
+    for lease in leases.in_doubt():
+        for name, arr in lease.pages.items():
+            if arr.size:
+                doubt_by_end[heap.index[name]] += 1
     out = {}
     for i, name in enumerate(heap.names):
         m = heap.meta[i]
@@ -360,7 +370,8 @@ def end_stats(heap: Heap, spec: ArenaSpec, leases: LeaseTable, expired_by_end: S
             pages_allocated=int(m[_ALLOCS]), pages_freed=int(m[_FREES]), pages_released=int(m[_RELEASED]),
             pages_moved=int(m[_MOVES]), bytes_moved=int(m[_MOVES]) * pb,
             pinned_pages=leases.pins_current(name), leases_active=leases_by_end[i],
-            leases_expired=expired_by_end[i],
+            leases_expired=expired_by_end[i], in_doubt_pages=leases.in_doubt_pages(name),
+            leases_in_doubt=doubt_by_end[i],
         )
     return out
 
@@ -385,8 +396,9 @@ def snapshot(heap: Heap, views: Mapping[str, EndView], leases: LeaseTable) -> di
         m = heap.meta[o]
         owners[heap.names[o]] = {"vstate": heap.h8[m[_VOFF]: m[_VOFF] + m[_NV]].copy(),
                                   "live": int(m[_VLIVE])}
-    held = [{"id": lease.id, "tag": lease.tag, "deadline": lease.deadline,
-             "pages": {k: v.copy() for k, v in lease.pages.items()}} for lease in leases.active()]
+    held = [{"id": lease.id, "tag": lease.tag, "deadline": lease.deadline, "state": lease.state,
+             "generation": lease.generation, "pages": {k: v.copy() for k, v in lease.pages.items()}}
+            for lease in (*leases.active(), *leases.in_doubt())]
     return {"ends": ends, "owners": owners, "leases": held}
 
 

@@ -18,6 +18,10 @@ Policy:
   :class:`~umalloc.transfer.layout.CheckedLayouts` passed as ``checked=`` skips the check in :func:`build_plan`.
 * Errors are typed (:mod:`umalloc.errors`) and leave both allocators as they were: validation and translation
   run before any lease, and a failure after the receiver's lease releases it.
+* Every lease has a finite deadline by default (:data:`DEFAULT_DEADLINE_S`, F12): a peer that never answers
+  cannot pin pages forever. Pass ``deadline_s=None`` to hold until released, or another number of seconds. A
+  deadline that passes while an engine may hold a part leaves the lease in doubt instead of freeing its pages
+  (Note [Lease states] in :mod:`umalloc.core.leases`).
 
 Note [Boundary page]
 ~~~~~~~~~~~~~~~~~~~~
@@ -255,9 +259,15 @@ def _lease(alloc: PlanAllocator, pages: Mapping[str, np.ndarray], deadline_s: fl
 # ==== receiver ================================================================================================
 
 
+#: Default lease deadline of receiver halves and plans (seconds): longer than any transfer of one request stays
+#: in an engine here, short enough that a lost peer's pages come back (F12). Overridable per call.
+DEFAULT_DEADLINE_S = 300.0
+
+
 def build_receiver_half(request_id: str, dst_alloc: PlanAllocator, dst_vtokens: VTokens, *,
                         seq_len_tokens: int | None = None, prefix_tokens: int = 0, dst_owner: str | None = None,
-                        layout: PeerLayout | None = None, deadline_s: float | None = None) -> ReceiverHalf:
+                        layout: PeerLayout | None = None,
+                        deadline_s: float | None = DEFAULT_DEADLINE_S) -> ReceiverHalf:
     """The receiver's half of a plan: its physical pages per vector, leased.
 
     Args:
@@ -273,7 +283,7 @@ def build_receiver_half(request_id: str, dst_alloc: PlanAllocator, dst_vtokens: 
         dst_owner: the owner a single tensor belongs to (default: the target's id owner).
         layout: the receiver's :class:`PeerLayout` (default: ``PeerLayout.from_arena(dst_alloc.arena)``);
             carries its DCP rank/size.
-        deadline_s: lease deadline in seconds (``None``: until released).
+        deadline_s: lease deadline in seconds (default :data:`DEFAULT_DEADLINE_S`; ``None``: until released).
 
     Returns:
         A pending :class:`ReceiverHalf` holding the lease.
@@ -405,7 +415,8 @@ def _sender_vector(name: str, src_end: EndSpec, dst_end: EndSpec, hv: HalfVector
 def build_send_plan(request_id: str, src_alloc: PlanAllocator, src_vtokens: VTokens,
                     half: ReceiverHalf | Mapping[str, Any], dst_layout: PeerLayout, *,
                     src_layout: PeerLayout | None = None, src_owner: str | None = None,
-                    seq_len_tokens: int | None = None, deadline_s: float | None = None) -> TransferPlan:
+                    seq_len_tokens: int | None = None,
+                    deadline_s: float | None = DEFAULT_DEADLINE_S) -> TransferPlan:
     """The sender's plan for one request, from its own allocator and the receiver's half.
 
     Args:
@@ -418,7 +429,8 @@ def build_send_plan(request_id: str, src_alloc: PlanAllocator, src_vtokens: VTok
         src_layout: the sender's layout (default from ``src_alloc.arena``; carries the sender's DCP rank/size).
         src_owner: the owner a single ``src_vtokens`` tensor belongs to.
         seq_len_tokens: the sender's ``L``, cross-checked against the half's when given.
-        deadline_s: source lease deadline.
+        deadline_s: source lease deadline in seconds (default :data:`DEFAULT_DEADLINE_S`; ``None``: until
+            released).
 
     Returns:
         A pending :class:`TransferPlan` holding the source lease (``dst_lease`` is ``None``: the receiver holds
@@ -501,7 +513,7 @@ def build_plan(request_id: str, src_alloc: PlanAllocator, src_vtokens: VTokens, 
                dst_vtokens: VTokens, *, prefix_tokens: int = 0, seq_len_tokens: int | None = None,
                src_owner: str | None = None, dst_owner: str | None = None, src_layout: PeerLayout | None = None,
                dst_layout: PeerLayout | None = None, checked: CheckedLayouts | None = None,
-               deadline_s: float | None = None) -> TransferPlan:
+               deadline_s: float | None = DEFAULT_DEADLINE_S) -> TransferPlan:
     """A plan between two in-process allocators (the local backend): receiver half + sender plan in one call.
 
     Args: as :func:`build_receiver_half` (``dst_*``) and :func:`build_send_plan` (``src_*``); the layouts
@@ -541,4 +553,4 @@ def build_plan(request_id: str, src_alloc: PlanAllocator, src_vtokens: VTokens, 
     return plan
 
 
-__all__ = ["PlanAllocator", "VTokens", "build_plan", "build_receiver_half", "build_send_plan"]
+__all__ = ["DEFAULT_DEADLINE_S", "PlanAllocator", "VTokens", "build_plan", "build_receiver_half", "build_send_plan"]

@@ -17,12 +17,19 @@ Policy:
   them, idempotently, the first terminal transition winning; the plan is a context manager (an exception fails
   it). A :class:`ReceiverHalf` is the receiver's side in the two-process form (JSON-safe, physical ids only).
 * :class:`PlanLike` is what the backends use of a plan; :class:`TransferPlan` implements it.
-* Not thread-safe: a plan is built, posted and ended by one thread at a time (backends end it in the caller's
-  thread).
+* Ending a plan while an engine may hold a part of it (a backend's engine hold on its leases) marks it failed
+  or aborted at once, and the leases go in doubt: the pages stay pinned until the engine lets go (F24). A
+  :class:`ReceiverHalf` whose pages were sent to a peer (:meth:`ReceiverHalf.publish`) is held the same way
+  until the sender's terminal report (:meth:`~ReceiverHalf.complete`) or a confirmed end
+  (:meth:`~ReceiverHalf.settle`).
+* Threading: a plan is built and posted by one thread; its ending (``complete``/``fail``/``abort``/``settle``)
+  may come from any thread, once (the first terminal transition wins; leases are thread-safe, Note [Lease
+  threading] in :mod:`umalloc.core.leases`).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -31,7 +38,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from umalloc.errors import InvalidIdError, LeaseError, UmallocValueError
+from umalloc.errors import InvalidIdError, LeaseError, TransferTimeout, UmallocValueError
 from umalloc.geometry.region import RegionGroup
 from umalloc.transfer.descriptors import EMPTY_IDS, SideBounds, vector_descriptors
 from umalloc.transfer.layout import PeerLayout, wire_int
@@ -44,6 +51,7 @@ PLAN_FAILED = "failed"
 PLAN_ABORTED = "aborted"
 
 _HALF_FORMAT = 1
+_ENDING = threading.Lock()  # the first terminal transition wins, whichever thread it comes from
 _I64_MAX = (1 << 63) - 1
 _NO_DESCRIPTORS = np.zeros((0, 3), dtype=np.uint64)
 _NO_DESCRIPTORS.setflags(write=False)
@@ -205,10 +213,11 @@ class _LeaseHolder:
     error: BaseException | None
 
     def _finish(self, state: str, exc: BaseException | None = None) -> bool:
-        if self.state != PLAN_PENDING:
-            return False  # idempotent: the first terminal transition wins
-        self.state = state
-        self.error = exc
+        with _ENDING:
+            if self.state != PLAN_PENDING:
+                return False  # idempotent: the first terminal transition wins
+            self.state = state
+            self.error = exc
         for lease in self._leases:
             if lease is not None:
                 lease.release()
@@ -224,7 +233,8 @@ class _LeaseHolder:
         return self._finish(PLAN_FAILED, exc)
 
     def abort(self) -> bool:
-        """Mark aborted and release every lease. Idempotent like :meth:`complete`."""
+        """Mark aborted and release every lease. Idempotent like :meth:`complete`. A lease an engine still holds
+        a part of goes in doubt instead (its pages stay pinned until the engine lets go, F24)."""
         return self._finish(PLAN_ABORTED)
 
     def __enter__(self) -> Any:
@@ -347,6 +357,8 @@ class TransferPlan(_LeaseHolder):
         self.state = PLAN_PENDING
         self.error: BaseException | None = None
         self._leases = ()
+        self._split: dict[str, VectorPart] = {}  # vector name -> the part it is submitted in (F10)
+        self._arrived: set[str] = set()
         self._by_vector, self.stats_by_vector = self._build_descriptors()
         parts = [d for d in self._by_vector.values() if d.shape[0]]
         all_desc = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else _NO_DESCRIPTORS
@@ -399,11 +411,63 @@ class TransferPlan(_LeaseHolder):
         ``(src_addr, dst_addr, nbytes)``, bounds-checked at construction.
 
         Raises:
-            UmallocValueError: the plan already ended.
+            UmallocValueError: the plan already ended, or it is submitted per vector (:meth:`split`).
             LeaseError: a lease the plan holds ended (expired or released elsewhere) before posting.
         """
         self._check_usable()
+        if self._split:
+            raise UmallocValueError(f"plan {self.request_id!r} is submitted per vector ({sorted(self._split)} "
+                                    "split off): submit its parts, not the whole plan")
         return self._all
+
+    # ---- per-vector submission (F10) ----------------------------------------------------------------------
+    def split(self, names: Sequence[str]) -> VectorPart:
+        """A part of this plan made of the vectors ``names``, to submit on its own (target now, draft after the
+        drafter's pass). The plan completes only once every vector arrived (each part done); a part that fails
+        or is aborted fails (aborts) the plan; a vector never submitted fails it at its lease deadline
+        (:meth:`check_deadline`). The plan's leases stay with the plan and end with it. O(descriptors of the
+        part).
+
+        Raises:
+            UmallocValueError: the plan ended, an unknown name, no names, or a vector already split off.
+        """
+        if self.state != PLAN_PENDING:
+            raise UmallocValueError(f"plan {self.request_id!r} is {self.state}: nothing may be split off")
+        names = tuple(names)
+        bad = [n for n in names if n not in self.vectors or n in self._split]
+        if not names or bad or len(set(names)) != len(names):
+            raise UmallocValueError(f"split({list(names)}): allowed distinct vectors of {list(self.vectors)} not "
+                                    f"yet split off ({sorted(self._split)} are)")
+        part = VectorPart(self, names)
+        for n in names:
+            self._split[n] = part
+        return part
+
+    def missing_vectors(self) -> list[str]:
+        """Vectors that have not arrived yet (plan order)."""
+        return [n for n in self.vectors if n not in self._arrived]
+
+    def check_deadline(self) -> bool:
+        """Fail the plan with :class:`~umalloc.errors.TransferTimeout` naming the vectors that never arrived if a
+        lease it holds is past its deadline (F10: never a silent partial transfer). Returns True if this call
+        failed it. Call it from the loop that waits for the parts. O(vectors)."""
+        if self.state != PLAN_PENDING:
+            return False
+        for lease in self._leases:
+            if lease is not None and (not lease.active or getattr(lease, "expired", False)):
+                return self.fail(TransferTimeout(f"plan {self.request_id!r}: vectors {self.missing_vectors()} "
+                                                 f"never arrived before the lease deadline ({lease.state})"))
+        return False
+
+    def _part_ended(self, part: VectorPart, state: str, exc: BaseException | None) -> None:
+        if state == PLAN_DONE:
+            self._arrived.update(part.names)
+            if len(self._arrived) == len(self.vectors):
+                self.complete()
+        elif state == PLAN_ABORTED:
+            self.abort()
+        else:
+            self.fail(exc)
 
     def descriptors_by_vector(self) -> dict[str, np.ndarray]:
         """``{vector name: read-only (n, 3) uint64 descriptors}`` (the rows of :meth:`descriptors`, split).
@@ -423,6 +487,58 @@ class TransferPlan(_LeaseHolder):
     def __repr__(self) -> str:
         return (f"TransferPlan({self.request_id!r}, state={self.state}, vectors={list(self.vectors)}, "
                 f"descriptors={self.num_descriptors}, bytes={self.total_bytes})")
+
+
+class VectorPart(_LeaseHolder):
+    """Some vectors of a :class:`TransferPlan`, submitted on their own (:meth:`TransferPlan.split`, F10); a
+    :class:`PlanLike` a backend posts like a plan. Its leases are the plan's (a backend's engine hold reaches
+    them), but ending the part does not release them: it reports to the plan, which completes when every
+    vector arrived and fails or aborts with any part.
+
+    Attributes:
+        plan: the whole plan; names: the part's vector names; vectors, num_descriptors, total_bytes, state,
+            error: as on a plan.
+    """
+
+    def __init__(self, plan: TransferPlan, names: tuple[str, ...]) -> None:
+        self.plan = plan
+        self.names = names
+        self.request_id = plan.request_id
+        self.src_layout, self.dst_layout = plan.src_layout, plan.dst_layout
+        self.vectors = {n: plan.vectors[n] for n in names}
+        parts = [plan._by_vector[n] for n in names if plan._by_vector[n].shape[0]]
+        desc = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else _NO_DESCRIPTORS
+        desc.setflags(write=False)
+        self._all = desc
+        self.num_descriptors = int(desc.shape[0])
+        self.total_bytes = sum(plan.stats_by_vector[n].bytes for n in names)
+        self.state = PLAN_PENDING
+        self.error: BaseException | None = None
+        self._leases = ()  # the plan's leases end with the plan
+
+    @property
+    def src_lease(self) -> LeaseLike | None:
+        return self.plan.src_lease
+
+    @property
+    def dst_lease(self) -> LeaseLike | None:
+        return self.plan.dst_lease
+
+    def descriptors(self) -> np.ndarray:
+        """The part's descriptors (its vectors' rows, plan order). Raises UmallocValueError if the part or the
+        plan ended, LeaseError if a lease of the plan ended."""
+        self._check_usable()
+        self.plan._check_usable()
+        return self._all
+
+    def _finish(self, state: str, exc: BaseException | None = None) -> bool:
+        if not super()._finish(state, exc):
+            return False
+        self.plan._part_ended(self, state, exc)
+        return True
+
+    def __repr__(self) -> str:
+        return f"VectorPart({self.request_id!r}, {list(self.names)}, state={self.state})"
 
 
 # ==== receiver half ===========================================================================================
@@ -481,6 +597,7 @@ class ReceiverHalf(_LeaseHolder):
         self.state = PLAN_PENDING
         self.error: BaseException | None = None
         self._leases = (lease,)
+        self._published: tuple[Any, int] | None = None
 
     @classmethod
     def of_checked(cls, request_id: str, layout_digest: str, seq_len_tokens: int, prefix_tokens: int,
@@ -494,7 +611,48 @@ class ReceiverHalf(_LeaseHolder):
         half.dcp_size, half.dcp_rank = dcp_size, dcp_rank
         half.vectors, half._leased = vectors, leased
         half.state, half.error, half._leases = PLAN_PENDING, None, (lease,)
+        half._published = None
         return half
+
+    def publish(self) -> dict:
+        """:meth:`to_dict` for sending to a peer: from now on the peer's engine may write these pages, so the
+        lease takes an engine hold (Note [Lease states] in :mod:`umalloc.core.leases`): its deadline, or
+        :meth:`fail` / :meth:`abort`, leaves it in doubt — pages pinned — until the sender's terminal report
+        (:meth:`complete`) or a confirmed end (:meth:`settle`). Idempotent. O(pages).
+
+        Raises:
+            LeaseError: the half's lease is no longer active (its pages may be reused: do not publish them).
+            UmallocValueError: the half already ended.
+        """
+        self._check_usable()
+        lease = self.lease
+        if self._published is None and lease is not None and hasattr(lease, "hold_engine"):
+            self._published = (lease, lease.hold_engine())
+        return self.to_dict()
+
+    def _let_go(self) -> None:
+        with _ENDING:
+            published, self._published = self._published, None
+        if published is not None:
+            lease, generation = published
+            lease.release_engine(generation)
+
+    def complete(self) -> bool:
+        """The sender reported the transfer done (its plan ended): mark done and release the lease (also one
+        that went in doubt meanwhile). Returns False if the half had already ended (its lease is still let go
+        of if it was in doubt). O(leased pages)."""
+        ended = self._finish(PLAN_DONE)
+        self._let_go()
+        return ended
+
+    def settle(self, exc: BaseException | None = None) -> bool:
+        """A confirmed end of everything the peer was sent: the sender's terminal report of a failed transfer,
+        the sender process confirmed gone, or this side's backend closed/reset after the engine released its
+        registrations. Fails the half if still pending (``exc``), then lets go of the publication hold, so an
+        in-doubt lease settles. Returns True if the half was still pending. Any thread. O(leased pages)."""
+        ended = self._finish(PLAN_FAILED, exc)
+        self._let_go()
+        return ended
 
     @property
     def lease(self) -> LeaseLike | None:
@@ -590,5 +748,5 @@ class PlanLike(Protocol):
 
 
 __all__ = ["EMPTY_IDS", "PLAN_ABORTED", "PLAN_DONE", "PLAN_FAILED", "PLAN_PENDING", "HalfVector", "IndexVector",
-           "LeaseLike", "PlanHalf", "PlanLike", "ReceiverHalf", "TransferPlan", "VectorStats", "as_ids",
-           "unique_pages_by_end"]
+           "LeaseLike", "PlanHalf", "PlanLike", "ReceiverHalf", "TransferPlan", "VectorPart", "VectorStats",
+           "as_ids", "unique_pages_by_end"]

@@ -1,0 +1,437 @@
+"""The fault matrix on the real engines (F11, F12, F16, F24, F27): the sender in this process, the receiver in a
+worker process (``tests/kv_worker.py``) that the tests pause (SIGSTOP) or kill (SIGKILL), and one-process runs.
+
+For each fault: the destination bytes are compared with bytes computed independently (a brute-force loop
+applying the plan's descriptors to a copy of the destination taken before the transfer, from a copy of the
+source taken before the fault); a *reuser* allocates after the fault and writes a marker into its pages, which
+must never reach the peer; after the engine settles, no page is pending, pinned or in doubt; every wait is
+bounded. Each test prints one matrix row (``FAULT-ROW``: fault, backend, wrong bytes, leaked pages, in-doubt
+pages until settle, seconds to the error).
+"""
+
+# ruff: noqa: F811  (the backend fixtures are imported from test_backends by name)
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from test_backends import (  # noqa: F401 - fixtures are used by name
+    DEADLINE_S,
+    L_TOKENS,
+    SEED,
+    ManualClock,
+    W,
+    alloc_request,
+    backend_factory,
+    backend_pool,
+    backend_workers,
+    brute_apply,
+    kv_side,
+    kv_spec,
+    tbytes,
+    worker,
+)
+
+from umalloc.core.allocator import MultiEndedAllocator
+from umalloc.core.pagestate import PAGE_PENDING
+from umalloc.errors import LeaseError, PeerDiedError, RegistrationError, TransferError, UmallocValueError
+from umalloc.geometry.arena import Arena
+from umalloc.transfer import PeerLayout, build_plan, build_receiver_half, build_send_plan
+
+ENGINES = ["nixl", "mooncake"]
+ALL = ["local", "nixl", "mooncake"]
+MARKER = 0xAB
+pytestmark = pytest.mark.timeout(180)
+
+
+def _row(fault: str, name: str, wrong: int, leaked: int, in_doubt: int, t_err: float | None) -> None:
+    t = "-" if t_err is None else f"{t_err:.3f}"
+    print(f"FAULT-ROW | {fault} | {name} | {wrong} | {leaked} | {in_doubt} | {t}")
+
+
+def _diff(a: bytes, b: bytes) -> int:
+    return int(np.count_nonzero(np.frombuffer(a, np.uint8) != np.frombuffer(b, np.uint8)))
+
+
+def _sender(name, backend_workers, backend_factory, clock=None):
+    """A fresh receiver state in the shared worker, a fresh sender here, connected (a fresh connection: NIXL's
+    first WRITE of a connection needs the target), one request's plan with a 5 s source lease."""
+    w = worker(backend_workers, name)
+    w.call("reset_backend")
+    spec = kv_spec()
+    src_arena = Arena(spec)
+    src_arena.data.copy_(kv_side(spec, SEED)[0].data)
+    src_alloc = MultiEndedAllocator(src_arena, clock=clock or time.monotonic)
+    a = backend_factory(name, layout=PeerLayout.from_arena(src_arena))
+    a.register(src_arena.regions())
+    w.run(W + "kv_setup", PeerLayout.from_arena(src_arena).to_dict(), seed=SEED + 1)
+    peer = a.connect(w.call("metadata"))
+    src_vt = alloc_request(src_alloc, L_TOKENS)
+    half = w.run(W + "kv_receiver_half", "f-1", w.run(W + "kv_alloc", {"full": L_TOKENS, "draft": L_TOKENS}))
+    plan = build_send_plan("f-1", src_alloc, src_vt, half, a.peer_layout(peer), deadline_s=5.0)
+    before = w.run(W + "kv_arena_bytes")
+    want = brute_apply(before, a.peer_layout(peer).arena_base_ptr, tbytes(src_arena.data), src_arena.base_ptr,
+                       plan.descriptors())
+    return w, src_arena, src_alloc, a, peer, src_vt, plan, want
+
+
+def _free_and_reuse(src_arena, src_alloc, src_vt, leased) -> None:
+    """The request goes away; a new request takes pages and writes the marker into them. No leased page may be
+    among them (F11, F24)."""
+    src_alloc.free(src_vt["full"], owner="full")
+    src_alloc.free(src_vt["draft"], owner="draft")
+    reuse = alloc_request(src_alloc, L_TOKENS)
+    st = src_alloc.stats()
+    data = src_arena.data.numpy()
+    for end, owner, ps in (("full", "full", 4), ("swa", "full", 4), ("draft", "draft", 2)):
+        vp = reuse[owner][::ps] // ps
+        pages = src_alloc.translate_pages(vp, end, strict=False).numpy()
+        pages = pages[pages > 0]
+        assert not np.isin(pages, leased.get(end, [])).any(), end  # never a page in doubt
+        pb = st[end].page_bytes
+        for p in pages.tolist():
+            data[p * pb:(p + 1) * pb] = MARKER
+    src_alloc.compact()
+    for end, p in leased.items():  # not moved, not reused
+        assert (src_alloc.ends[end].state[p] == PAGE_PENDING).all(), end
+
+
+def _settled(src_alloc) -> int:
+    st = src_alloc.stats()
+    return sum(st[e].pending_pages + st[e].in_doubt_pages for e in st)
+
+
+@pytest.mark.parametrize("name", ENGINES)
+def test_F24_lease_deadline_mid_flight_with_the_receiver_stalled(name, backend_workers, backend_factory):
+    """The source lease's deadline passes while the engine holds the transfer (receiver SIGSTOPped): the lease
+    goes in doubt — pages pinned, pending after the free, never reused — and settles on the engine's terminal
+    report after the receiver resumes. The destination gets exactly the request's bytes."""
+    clock = ManualClock()
+    w, src_arena, src_alloc, a, peer, src_vt, plan, want = _sender(name, backend_workers, backend_factory, clock)
+    leased = {e: p.copy() for e, p in plan.src_lease.pages.items() if p.size}
+    n_leased = sum(p.size for p in leased.values())
+    w.pause()
+    try:
+        h = a.submit(plan, peer)
+        time.sleep(0.3)
+        clock.now = 6.0  # past the lease deadline
+        st = src_alloc.stats()
+        in_doubt = sum(st[e].in_doubt_pages for e in st)
+        if a.poll(h) == "pending":  # the engine holds the transfer: the lease must be in doubt
+            assert plan.src_lease.state == "in_doubt" and in_doubt == n_leased
+            _free_and_reuse(src_arena, src_alloc, src_vt, leased)
+        else:  # the engine finished before the deadline passed: nothing in doubt
+            assert in_doubt == 0
+    finally:
+        w.resume()
+    a.wait(h, DEADLINE_S)
+    a.release(h)
+    got = w.run(W + "kv_arena_bytes")
+    wrong = _diff(got, want)
+    assert wrong == 0
+    assert plan.src_lease.state in ("settled", "released")
+    leaked = _settled(src_alloc)
+    assert leaked == 0 and src_alloc.leases_active() == 0
+    assert w.run(W + "kv_finish_half", "f-1", True) == 0
+    src_alloc.check_invariants()
+    a.check_invariants()
+    _row("lease deadline mid-flight, receiver stalled", name, wrong, leaked, in_doubt, None)
+
+
+@pytest.mark.parametrize("name", ENGINES)
+def test_F24_abort_mid_flight_fails_the_plan_at_once_and_keeps_the_pages(name, backend_workers, backend_factory):
+    """``plan.abort()`` while the engine holds the transfer: the plan is aborted at once, its lease is in doubt
+    until the engine lets go; no page is reused meanwhile, and the destination gets the request's bytes (the
+    engine cannot take back what it was handed) and never the reuser's marker."""
+    w, src_arena, src_alloc, a, peer, src_vt, plan, want = _sender(name, backend_workers, backend_factory)
+    leased = {e: p.copy() for e, p in plan.src_lease.pages.items() if p.size}
+    in_doubt = 0
+    w.pause()
+    try:
+        h = a.submit(plan, peer)
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        assert plan.abort() is True and plan.state == "aborted"
+        t_err = time.monotonic() - t0
+        if a.poll(h) == "pending":
+            assert plan.src_lease.state == "in_doubt"
+            st = src_alloc.stats()
+            in_doubt = sum(st[e].in_doubt_pages for e in st)
+            _free_and_reuse(src_arena, src_alloc, src_vt, leased)
+    finally:
+        w.resume()
+    try:
+        a.wait(h, DEADLINE_S)
+    except TransferError:
+        pass
+    assert a.drain(h, DEADLINE_S)
+    a.release(h)
+    got = w.run(W + "kv_arena_bytes")
+    wrong = _diff(got, want)
+    assert wrong == 0
+    leaked = _settled(src_alloc)
+    assert leaked == 0 and plan.src_lease.state in ("settled", "released")
+    assert w.run(W + "kv_finish_half", "f-1", False) == 0
+    src_alloc.check_invariants()
+    a.check_invariants()
+    _row("abort() mid-flight", name, wrong, leaked, in_doubt, t_err)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_F12_deadline_before_submit_reclaims_at_once_and_refuses_the_post(name, backend_factory):
+    spec = kv_spec()
+    clock = ManualClock()
+    src_arena, dst_arena = Arena(spec), Arena(spec)
+    src_arena.data.copy_(kv_side(spec, SEED)[0].data)
+    src_alloc = MultiEndedAllocator(src_arena, clock=clock)
+    dst_alloc = MultiEndedAllocator(dst_arena, clock=clock)
+    a = backend_factory(name, layout=PeerLayout.from_arena(src_arena))
+    b = backend_factory(name, layout=PeerLayout.from_arena(dst_arena))
+    a.register(src_arena.regions())
+    b.register(dst_arena.regions())
+    peer = a.connect(b.metadata())
+    svt, dvt = alloc_request(src_alloc, L_TOKENS), alloc_request(dst_alloc, L_TOKENS)
+    plan = build_plan("f-2", src_alloc, svt, dst_alloc, dvt, deadline_s=1.0)
+    before = tbytes(dst_arena.data)
+    clock.now = 2.0
+    src_alloc.free(svt["full"], owner="full")
+    st = src_alloc.stats()
+    assert plan.src_lease.state == "expired" and sum(st[e].pending_pages for e in st) == 0  # reclaimed at once
+    t0 = time.monotonic()
+    with pytest.raises(LeaseError):
+        a.submit(plan, peer)
+    t_err = time.monotonic() - t0
+    assert tbytes(dst_arena.data) == before
+    plan.abort()
+    dst_alloc.stats()
+    leaked = _settled(src_alloc) + _settled(dst_alloc)
+    assert leaked == 0
+    src_alloc.check_invariants()
+    dst_alloc.check_invariants()
+    _row("deadline before submit", name, 0, leaked, 0, t_err)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_F11_same_plan_submitted_twice_is_refused(name, backend_factory):
+    spec = kv_spec()
+    src_arena, src_alloc = kv_side(spec, SEED)
+    dst_arena, dst_alloc = kv_side(spec, SEED + 1)
+    a = backend_factory(name, layout=PeerLayout.from_arena(src_arena))
+    b = backend_factory(name, layout=PeerLayout.from_arena(dst_arena))
+    a.register(src_arena.regions())
+    b.register(dst_arena.regions())
+    peer = a.connect(b.metadata())
+    plan = build_plan("f-3", src_alloc, alloc_request(src_alloc, L_TOKENS), dst_alloc,
+                      alloc_request(dst_alloc, L_TOKENS))
+    want = brute_apply(tbytes(dst_arena.data), dst_arena.base_ptr, tbytes(src_arena.data), src_arena.base_ptr,
+                       plan.descriptors())
+    h = a.submit(plan, peer)
+    t0 = time.monotonic()
+    with pytest.raises(UmallocValueError):
+        a.submit(plan, peer)  # in flight, or already ended
+    t_err = time.monotonic() - t0
+    a.wait(h, DEADLINE_S)
+    with pytest.raises(UmallocValueError):
+        a.submit(plan, peer)  # done: nothing may be posted again
+    a.release(h)
+    wrong = _diff(tbytes(dst_arena.data), want)
+    assert wrong == 0 and plan.state == "done"
+    leaked = _settled(src_alloc) + _settled(dst_alloc)
+    assert leaked == 0 and src_alloc.leases_active() == 0 and dst_alloc.leases_active() == 0
+    _row("same plan submitted twice", name, wrong, leaked, 0, t_err)
+
+
+@pytest.mark.parametrize("name", ENGINES)
+def test_F12_sender_killed_mid_transfer_the_receiver_learns_and_settles(name, backend_workers, backend_factory):
+    """The sender (a worker process) is SIGKILLed right after it submitted: the receiver learns it through
+    ``peer_state`` (the process is gone, so its engine can write no more) and settles its published half: the
+    pages come free. Every destination byte is either its old value or the transfer's (never another one)."""
+    w = worker(backend_workers, name, "victim")
+    w.call("reset_backend")
+    spec = kv_spec()
+    dst_arena, dst_alloc = kv_side(spec, SEED + 1)
+    b = backend_factory(name, layout=PeerLayout.from_arena(dst_arena))
+    b.register(dst_arena.regions())
+    w.run(W + "kv_setup", PeerLayout.from_arena(dst_arena).to_dict(), seed=SEED)
+    sender = b.connect(w.call("metadata"))
+    me = w.call("connect", b.metadata(), progress=b.progress)  # NIXL's handshake needs this side progressed
+    src_vt = w.run(W + "kv_alloc", {"full": L_TOKENS, "draft": L_TOKENS})
+    half = build_receiver_half("f-4", dst_alloc, alloc_request(dst_alloc, L_TOKENS))
+    wire = half.publish()
+    before = tbytes(dst_arena.data)
+    assert b.peer_state(sender) == "alive" and b.fail_half_if_peer_died(half, sender) == "alive"
+    w.run(W + "kv_send", "f-4", wire, me, src_vt, wait=False, progress=b.progress)
+    t0 = time.monotonic()
+    w.kill()
+    deadline = time.monotonic() + DEADLINE_S
+    while b.fail_half_if_peer_died(half, sender) == "alive":
+        assert time.monotonic() < deadline, "the receiver never learned that its sender died"
+        time.sleep(0.01)
+    t_err = time.monotonic() - t0
+    assert half.state == "failed" and isinstance(half.error, PeerDiedError)
+    assert half.lease.state == "settled"
+    got = np.frombuffer(tbytes(dst_arena.data), np.uint8)
+    old = np.frombuffer(before, np.uint8)
+    changed = np.flatnonzero(got != old)
+    inside = np.zeros(got.size, bool)
+    st = dst_alloc.stats()
+    for end, pages in half.lease.pages.items():
+        pb = st[end].page_bytes
+        for p in pages.tolist():
+            inside[p * pb:(p + 1) * pb] = True
+    wrong = int(np.count_nonzero(~inside[changed]))  # a byte outside the half's pages changed
+    assert wrong == 0
+    b.disconnect(sender)
+    leaked = _settled(dst_alloc)
+    assert leaked == 0 and dst_alloc.leases_active() == 0
+    dst_alloc.check_invariants()
+    _row("sender SIGKILL mid-transfer (receiver side)", name, wrong, leaked, 0, t_err)
+
+
+@pytest.mark.parametrize("name", ENGINES)
+def test_F12_receiver_killed_mid_transfer_fails_the_handle_and_settles(name, backend_workers, backend_factory):
+    """The receiver (SIGSTOPped, the transfer in the engine) is SIGKILLed: the handle fails with a
+    TransferError within the bound, the source lease settles once the engine reports the part ended, and no
+    page of it was reused meanwhile. Runs last: it kills the shared worker."""
+    clock = ManualClock()
+    w, src_arena, src_alloc, a, peer, src_vt, plan, want = _sender(name, backend_workers, backend_factory, clock)
+    leased = {e: p.copy() for e, p in plan.src_lease.pages.items() if p.size}
+    w.pause()
+    h = a.submit(plan, peer)
+    time.sleep(0.3)
+    clock.now = 6.0  # the lease deadline passes too: in doubt, not reclaimed
+    st = src_alloc.stats()
+    in_doubt = sum(st[e].in_doubt_pages for e in st)
+    if a.poll(h) == "pending":
+        _free_and_reuse(src_arena, src_alloc, src_vt, leased)
+    t0 = time.monotonic()
+    w.kill()
+    with pytest.raises(TransferError):
+        a.wait(h, DEADLINE_S)
+    t_err = time.monotonic() - t0
+    assert a.drain(h, DEADLINE_S)
+    a.release(h)
+    leaked = _settled(src_alloc)
+    assert leaked == 0 and plan.src_lease.state in ("settled", "expired", "released")
+    a.disconnect(peer)
+    src_alloc.check_invariants()
+    _row("receiver SIGKILL mid-transfer (sender side)", name, 0, leaked, in_doubt, t_err)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_F25_receiver_deregisters_then_the_sender_writes(name, backend_factory):
+    """Nothing lands in memory its owner deregistered: ``local`` re-checks the peer's registration at every
+    copy (the handle fails); ``nixl`` refuses the deregistration while the sender is connected; ``mooncake``'s
+    receiving engine serves writes into its registered buffers only (the write fails, nothing lands)."""
+    spec = kv_spec()
+    src_arena, src_alloc = kv_side(spec, SEED)
+    dst_arena, dst_alloc = kv_side(spec, SEED + 1)
+    a = backend_factory(name, layout=PeerLayout.from_arena(src_arena))
+    b = backend_factory(name, layout=PeerLayout.from_arena(dst_arena))
+    a.register(src_arena.regions())
+    b.register(dst_arena.regions())
+    peer = a.connect(b.metadata())
+    plan = build_plan("f-5", src_alloc, alloc_request(src_alloc, L_TOKENS), dst_alloc,
+                      alloc_request(dst_alloc, L_TOKENS))
+    before = tbytes(dst_arena.data)
+    t0 = time.monotonic()
+    if name == "nixl":
+        with pytest.raises(RegistrationError, match="F25"):
+            b.deregister(dst_arena.regions())
+        t_err = time.monotonic() - t0
+        a.disconnect(peer)  # told first: the receiver may deregister now
+        b.deregister(dst_arena.regions())
+        plan.abort()
+        wrong = _diff(tbytes(dst_arena.data), before)
+    else:
+        b.deregister(dst_arena.regions())
+        h = a.submit(plan, peer)
+        err = None
+        try:
+            a.wait(h, DEADLINE_S)
+        except TransferError as e:
+            err = e
+        t_err = time.monotonic() - t0
+        a.drain(h, DEADLINE_S)
+        a.release(h)
+        wrong = _diff(tbytes(dst_arena.data), before)
+        if name == "local":
+            assert err is not None and plan.state == "failed"
+    assert wrong == 0
+    leaked = _settled(src_alloc) + _settled(dst_alloc)
+    assert leaked == 0
+    _row("receiver deregisters, sender writes", name, wrong, leaked, 0, t_err)
+
+
+def _two_sides(name, backend_factory, clock):
+    spec = kv_spec()
+    src_arena, dst_arena = Arena(spec), Arena(spec)
+    src_arena.data.copy_(kv_side(spec, SEED)[0].data)
+    dst_arena.data.copy_(kv_side(spec, SEED + 1)[0].data)
+    src_alloc = MultiEndedAllocator(src_arena, clock=clock)
+    dst_alloc = MultiEndedAllocator(dst_arena, clock=clock)
+    a = backend_factory(name, layout=PeerLayout.from_arena(src_arena))
+    b = backend_factory(name, layout=PeerLayout.from_arena(dst_arena))
+    a.register(src_arena.regions())
+    b.register(dst_arena.regions())
+    peer = a.connect(b.metadata())
+    plan = build_plan("f-6", src_alloc, alloc_request(src_alloc, L_TOKENS), dst_alloc,
+                      alloc_request(dst_alloc, L_TOKENS), deadline_s=5.0)
+    return src_arena, dst_arena, src_alloc, dst_alloc, a, peer, plan
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_F10_vectors_submitted_at_different_times_complete_the_plan_only_together(name, backend_factory):
+    clock = ManualClock()
+    src_arena, dst_arena, src_alloc, dst_alloc, a, peer, plan = _two_sides(name, backend_factory, clock)
+    names = list(plan.vectors)
+    assert "draft" in names and len(names) >= 2
+    first = plan.split([n for n in names if n != "draft"])
+    later = plan.split(["draft"])
+    with pytest.raises(UmallocValueError, match="per vector"):
+        a.submit(plan, peer)
+    by_vec = plan.descriptors_by_vector()
+    before = tbytes(dst_arena.data)
+    want_first = brute_apply(before, dst_arena.base_ptr, tbytes(src_arena.data), src_arena.base_ptr,
+                             np.concatenate([by_vec[n] for n in first.names]))
+    h = a.submit(first, peer)
+    a.wait(h, DEADLINE_S)
+    a.release(h)
+    assert first.state == "done" and plan.state == "pending" and plan.missing_vectors() == ["draft"]
+    assert plan.src_lease.active and plan.dst_lease.active  # the draft's pages are still held
+    assert _diff(tbytes(dst_arena.data), want_first) == 0
+    h = a.submit(later, peer)
+    a.wait(h, DEADLINE_S)
+    a.release(h)
+    want = brute_apply(before, dst_arena.base_ptr, tbytes(src_arena.data), src_arena.base_ptr,
+                       np.concatenate([by_vec[n] for n in names]))
+    wrong = _diff(tbytes(dst_arena.data), want)
+    assert plan.state == "done" and wrong == 0 and not plan.src_lease.active
+    leaked = _settled(src_alloc) + _settled(dst_alloc)
+    assert leaked == 0 and src_alloc.leases_active() == 0 and dst_alloc.leases_active() == 0
+    _row("vectors submitted at different times", name, wrong, leaked, 0, None)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_F10_a_vector_never_submitted_fails_the_plan_at_its_deadline(name, backend_factory):
+    clock = ManualClock()
+    src_arena, dst_arena, src_alloc, dst_alloc, a, peer, plan = _two_sides(name, backend_factory, clock)
+    first = plan.split([n for n in plan.vectors if n != "draft"])
+    later = plan.split(["draft"])
+    h = a.submit(first, peer)
+    a.wait(h, DEADLINE_S)
+    a.release(h)
+    assert plan.check_deadline() is False and plan.state == "pending"
+    clock.now = 6.0
+    src_alloc.stats()
+    dst_alloc.stats()  # the leases are reclaimed (nothing in an engine)
+    t0 = time.monotonic()
+    assert plan.check_deadline() is True
+    t_err = time.monotonic() - t0
+    assert plan.state == "failed" and "draft" in str(plan.error)
+    with pytest.raises((UmallocValueError, LeaseError)):
+        a.submit(later, peer)  # too late: its pages may be reused
+    leaked = _settled(src_alloc) + _settled(dst_alloc)
+    assert leaked == 0
+    _row("vector never submitted", name, 0, leaked, 0, t_err)
