@@ -128,7 +128,7 @@ from umalloc.errors import (
     UmallocValueError,
 )
 from umalloc.geometry.arena import Arena
-from umalloc.geometry.spec import ArenaSpec, Grow, swa_tail_start
+from umalloc.geometry.spec import ArenaSpec, Grow
 
 logger = logging.getLogger(__name__)
 
@@ -220,6 +220,7 @@ class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart):
         self.ends: Mapping[str, EndView] = MappingProxyType(
             {n: EndView(heap, self.spec, i) for i, n in enumerate(self._names)})
 
+        self._holder_checks: list[weakref.WeakMethod] = []  # attach_holder_check: RequestTable checks
         # ---- leases: the heap's pin arrays, lent to the table
         self._leases = LeaseTable({n: heap.slots[i] for i, n in enumerate(self._names)}, clock=clock,
                                   on_unpinned=self._on_unpinned,
@@ -778,26 +779,6 @@ class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart):
         if self._sync:
             self._after(int(self._meta[b, _OWNER]), n)
 
-    @staticmethod
-    def swa_tail_start(seq_len: int, window: int, prefix_len: int, page_size: int) -> int:
-        """First token whose SWA page must exist: ``floor_to_page(max(prefix_len, seq_len - window))``.
-
-        The one function prefill (what to send) and decode (what to keep: pages wholly before it may be released)
-        use, so both work in the same units (tokens floored to the page) also when ``page_size > window``
-        (F18/F19).
-
-        Raises:
-            UmallocValueError: negative lengths, ``window < 1``, ``page_size < 1`` or ``prefix_len > seq_len``.
-
-        >>> MultiEndedAllocator.swa_tail_start(100, 32, 0, 16)     # window [68, 100): pages from token 64
-        64
-        >>> MultiEndedAllocator.swa_tail_start(10, 3, 0, 16)       # page_size > window: keep page 0
-        0
-        >>> MultiEndedAllocator.swa_tail_start(100, 32, 90, 16)    # the receiver holds 90 tokens already
-        80
-        """
-        return swa_tail_start(seq_len, window, prefix_len, page_size)
-
     def retract(self, vtokens: torch.Tensor, *, owner: str | None = None) -> Any:
         """Copy a request's pages of every end (owner and every bound end) to host memory, then free them;
         see :func:`umalloc.core.retraction.retract` (returns a ``RetractedKV``)."""
@@ -848,22 +829,15 @@ class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart):
             if self._leases._queue:
                 self._leases.drain()
             check_invariants(self._heap, self.spec, self.ends, self._mirror, self._leases)
+        for ref in tuple(self._holder_checks):
+            if (check := ref()) is not None:
+                check()
 
-    # ---- compaction holds the lease table's lock (Note [Lease threading]): a lease taken on another thread
-    # waits for the move plan to be applied, so it never pins a page that is being moved
-    def compact(self, end: str | None = None, *, budget_pages: int | None = None) -> CompactionReport:
-        with self._leases.lock:
-            return super().compact(end, budget_pages=budget_pages)
-
-    compact.__doc__ = SpacePart.compact.__doc__
-
-    def _retry_after_shortfall(self, k: int, mask: int) -> bool:
-        with self._leases.lock:
-            return super()._retry_after_shortfall(k, mask)
-
-    def _after_free(self, touched_ends: Sequence[int]) -> None:
-        with self._leases.lock:
-            super()._after_free(touched_ends)
+    def attach_holder_check(self, check: Callable[[], None]) -> None:
+        """Run bound method ``check`` (held weakly) at the end of every :meth:`check_invariants`: a holder of
+        pages (the :class:`~umalloc.core.requests.RequestTable`) adds what only it can see, e.g. a live page
+        held by no one (F08, F28). O(1)."""
+        self._holder_checks.append(weakref.WeakMethod(check))  # type: ignore[arg-type]
 
     def __repr__(self) -> str:
         ends = ", ".join(repr(v) for v in self.ends.values())

@@ -330,6 +330,10 @@ class RequestTable:
             for end in (owner, *self.bound_ends)}
         self.req_to_token: torch.Tensor = (torch.from_numpy(self._r2t) if self._dev is None
                                            else torch.from_numpy(self._r2t).to(device))
+        alloc.attach_holder_check(self._check_as_holder)  # the allocator's invariants now see this table's holds
+
+    def _check_as_holder(self) -> None:
+        self.check_invariants(allocator=False)
 
     # ------------------------------------------------------------------------------------------------------
     # helpers
@@ -816,7 +820,8 @@ class RequestTable:
         Complexity: O(max_requests * max_tokens_per_request + virtual pages).
         """
         if allocator:
-            self.alloc.check_invariants()
+            self.alloc.check_invariants()  # runs this table's checks too (attach_holder_check at creation)
+            return
         where = f"request table on {self.owner!r}"
         check_state(self._rq, self._pg, self._lru, self._r2p, self._r2t, self.page_size, self.zero_vpage,
                     self.pad_read_vtoken, where)

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
@@ -28,9 +29,20 @@ from umalloc.core.ladder import plan_end, plan_shortfall, slide_plan
 from umalloc.core.pagestate import PAGE_HOLE
 from umalloc.errors import UmallocValueError
 from umalloc.geometry.arena import Arena
-from umalloc.geometry.spec import ArenaSpec
+from umalloc.geometry.spec import ArenaSpec, swa_tail_start
 
 logger = logging.getLogger("umalloc.core.allocator")
+
+
+def _under_lease_lock(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Run ``method`` holding the lease table's (reentrant) lock (Note [Lease threading]): a lease taken on
+    another thread waits until the move plan is applied, so it never pins a page that is being moved."""
+    @functools.wraps(method)
+    def locked(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with self._leases.lock:
+            return method(self, *args, **kwargs)
+
+    return locked
 
 
 class SpacePart:
@@ -84,6 +96,7 @@ class SpacePart:
             return None
         return res
 
+    @_under_lease_lock
     def _retry_after_shortfall(self, k: int, mask: int) -> bool:
         """Note [Shortfall] (:mod:`umalloc.core.ladder`): record each end's deficit and -- unless compaction is
         off -- apply the ladder's plan (neighbour compaction, float slides) if its dry run says ``k`` pages on
@@ -132,6 +145,7 @@ class SpacePart:
                          plan.new_lo, plan.new_hi)
         return CompactionReport.from_plan(name, plan, v.page_bytes)
 
+    @_under_lease_lock
     def _after_free(self, touched_ends: Sequence[int]) -> None:
         """Eager compaction (``compaction="eager"``): after a free/release/unpin touched ``touched_ends``,
         compact each of them within the move budget (a float end toward its low edge)."""
@@ -191,6 +205,28 @@ class SpacePart:
         _plan(self._meta, self._chain, need, nlo, nhi, deficit)
         return {self._names[e]: int(deficit[e]) for e in range(E) if deficit[e] > 0}
 
+    @staticmethod
+    def swa_tail_start(seq_len: int, window: int, prefix_len: int, page_size: int) -> int:
+        """First token whose SWA page must exist: ``floor_to_page(max(prefix_len, seq_len - window))``.
+
+        The one function prefill (what to send) and decode (what to keep: pages wholly before it may be released)
+        use, so both work in the same units (tokens floored to the page) also when ``page_size > window``
+        (F18/F19).
+
+        Raises:
+            UmallocValueError: negative lengths, ``window < 1``, ``page_size < 1`` or ``prefix_len > seq_len``.
+
+        >>> from umalloc.core.allocator import MultiEndedAllocator
+        >>> MultiEndedAllocator.swa_tail_start(100, 32, 0, 16)     # window [68, 100): pages from token 64
+        64
+        >>> MultiEndedAllocator.swa_tail_start(10, 3, 0, 16)       # page_size > window: keep page 0
+        0
+        >>> MultiEndedAllocator.swa_tail_start(100, 32, 90, 16)    # the receiver holds 90 tokens already
+        80
+        """
+        return swa_tail_start(seq_len, window, prefix_len, page_size)
+
+    @_under_lease_lock
     def compact(self, end: str | None = None, *, budget_pages: int | None = None) -> CompactionReport:
         """Compact ``end`` (default: every end, in chain order): move the live pages at the far edge of its band
         into its holes nearest the anchor (:mod:`umalloc.core.compaction`'s survivor walk), one batched envelope copy
