@@ -49,18 +49,18 @@ class Translator(Protocol):
         v2p: IndexLike,
         page_size: int,
         *,
-        out: torch.Tensor | None = None,
+        out: torch.Tensor | np.ndarray | None = None,
         strict: bool = STRICT_DEFAULT,
-    ) -> torch.Tensor: ...
+    ) -> torch.Tensor | np.ndarray: ...
 
     def virtual_to_physical_pages(
         self,
         vpages: IndexLike,
         v2p: IndexLike,
         *,
-        out: torch.Tensor | None = None,
+        out: torch.Tensor | np.ndarray | None = None,
         strict: bool = STRICT_DEFAULT,
-    ) -> torch.Tensor: ...
+    ) -> torch.Tensor | np.ndarray: ...
 
     def tokens_to_pages(self, tokens: IndexLike, page_size: int) -> torch.Tensor: ...
 
