@@ -662,26 +662,42 @@ def tokens_to_pages(tokens: c.IndexLike, page_size: int) -> torch.Tensor:
 
 
 def pages_to_runs(src_pages: c.IndexLike, dst_pages: c.IndexLike) -> torch.Tensor:
-    """Numba version of :func:`umalloc.translators.reference.pages_to_runs` (CPU tensors and numpy arrays;
-    the one run-coalescing implementation on the host: compaction and the plan builders call it).
-
-    One O(n) pass (parallel from :data:`PARALLEL_MIN_ITEMS` pages) writes runs into an ``(n, 3)`` scratch
-    array; chunks are then moved together (one ``memmove`` per chunk after the first) and the array is shrunk
-    in place to ``(R, 3)``. Only the rows written are ever touched, so the scratch costs address space, not
-    memory traffic.
+    """Numba version of :func:`umalloc.translators.reference.pages_to_runs` (CPU tensors and numpy arrays):
+    :func:`pages_to_runs_numpy` with the result as a tensor.
 
     >>> pages_to_runs(torch.tensor([3, 4, 5, 9]), torch.tensor([7, 8, 2, 3]))
     tensor([[3, 7, 2],
             [5, 2, 1],
             [9, 3, 1]])
     """
-    src_t, dst_t = c.runs_args(src_pages, dst_pages)
-    _cpu(src_t, "src_pages")
-    _cpu(dst_t, "dst_pages")
-    src, dst = _flat(src_t.numpy()), _flat(dst_t.numpy())
+    return torch.from_numpy(pages_to_runs_numpy(src_pages, dst_pages))
+
+
+def pages_to_runs_numpy(src_pages: c.IndexLike, dst_pages: c.IndexLike) -> np.ndarray:
+    """:func:`pages_to_runs` returning a numpy ``int64 (R, 3)`` array: the one run-coalescing implementation on
+    the host (compaction, the descriptor builders and :func:`pages_to_runs` call it). Two 1-D int64 numpy
+    arrays of one length are taken as they are (no torch wrapper either way); anything else is validated as
+    :func:`pages_to_runs` validates it, with the same typed errors.
+
+    One O(n) pass (parallel from :data:`PARALLEL_MIN_ITEMS` pages) writes runs into an ``(n, 3)`` scratch
+    array; chunks are then moved together (one ``memmove`` per chunk after the first) and the array is shrunk
+    in place to ``(R, 3)``. Only the rows written are ever touched, so the scratch costs address space, not
+    memory traffic. Raises InvalidIdError (a negative id, a bad dtype or rank), UmallocValueError (unequal
+    lengths, a tensor not on the CPU).
+
+    >>> pages_to_runs_numpy(np.array([3, 4, 5, 9]), np.array([7, 8, 2, 3])).tolist()
+    [[3, 7, 2], [5, 2, 1], [9, 3, 1]]
+    """
+    if not (type(src_pages) is np.ndarray and type(dst_pages) is np.ndarray and src_pages.dtype is _I64
+            and dst_pages.dtype is _I64 and src_pages.ndim == 1 and dst_pages.shape == src_pages.shape):
+        src_t, dst_t = c.runs_args(src_pages, dst_pages)
+        _cpu(src_t, "src_pages")
+        _cpu(dst_t, "dst_pages")
+        src_pages, dst_pages = src_t.numpy(), dst_t.numpy()
+    src, dst = _flat(src_pages), _flat(dst_pages)  # type: ignore[arg-type]
     n = src.shape[0]
     if n == 0:
-        return torch.from_numpy(np.empty((0, 3), dtype=np.int64))
+        return np.empty((0, 3), dtype=np.int64)
     runs = np.empty((n, 3), dtype=np.int64)
     if not _parallel_batch(n):
         num_runs, neg = _runs_chunk(src, dst, runs, 0, n)
@@ -701,7 +717,7 @@ def pages_to_runs(src_pages: c.IndexLike, dst_pages: c.IndexLike) -> torch.Tenso
             c.raise_negative(c.wrap_numpy(src), "src_pages")
         c.raise_negative(c.wrap_numpy(dst), "dst_pages")
     runs.resize((num_runs, 3), refcheck=False)  # shrinks in place (realloc); no view of runs exists
-    return torch.from_numpy(runs)
+    return runs
 
 
 def runs_to_descriptors(
