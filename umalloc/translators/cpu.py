@@ -693,8 +693,9 @@ def pages_to_runs_numpy(src_pages: c.IndexLike, dst_pages: c.IndexLike) -> np.nd
         src_t, dst_t = c.runs_args(src_pages, dst_pages)
         _cpu(src_t, "src_pages")
         _cpu(dst_t, "dst_pages")
-        src_pages, dst_pages = src_t.numpy(), dst_t.numpy()
-    src, dst = _flat(src_pages), _flat(dst_pages)  # type: ignore[arg-type]
+        src, dst = _flat(src_t.numpy()), _flat(dst_t.numpy())
+    else:  # any strides: the kernel indexes by them
+        src, dst = src_pages, dst_pages
     n = src.shape[0]
     if n == 0:
         return np.empty((0, 3), dtype=np.int64)
