@@ -143,7 +143,8 @@ class TranslationPart:
         if strict is not True and strict is not False:
             strict = check_strict(strict, "translate_pages" if pages else "translate")
         kind = type(ids)
-        ids_np = None
+        ids_np: np.ndarray | None = None
+        out_np: np.ndarray | None = None
         if kind is np.ndarray:
             if ids.dtype is _NP_I64 and ids.ndim == 1 and (out is None or type(out) is np.ndarray):
                 ids_np, out_np = ids, (np.empty(ids.shape[0], np.int64) if out is None else out)

@@ -35,6 +35,7 @@ See Note [Tombstones map to the sink] in :mod:`umalloc.translators.reference`.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import numba
 import numpy as np
@@ -510,7 +511,7 @@ def _dcp_fill(pos, d, r, shift, indices, rows):
 # --- public functions -----------------------------------------------------------------------------------
 
 
-def _translate(ids: object, v2p: object, page_size: object, out: object, strict: object, name: str,
+def _translate(ids: Any, v2p: Any, page_size: object, out: Any, strict: object, name: str,
                unit: str) -> torch.Tensor | np.ndarray:
     """The one host translation. Note [Host fast path]: ids given as a numpy array or a CPU tensor, a numpy
     table, ``out`` None or a numpy array or a CPU tensor, an int page size and a bool ``strict`` go straight to
@@ -521,22 +522,22 @@ def _translate(ids: object, v2p: object, page_size: object, out: object, strict:
     kind = type(ids)
     if (kind is np.ndarray or kind is torch.Tensor) and type(page_size) is int and (strict is True or strict is False):
         try:
-            ids_np = ids if kind is np.ndarray else ids.numpy()  # type: ignore[union-attr]
+            ids_np = ids if kind is np.ndarray else ids.numpy()
             kout = type(out)
             res = (np.empty(ids_np.size, dtype=np.int64) if out is None else out if kout is np.ndarray
-                   else out.numpy() if kout is torch.Tensor else None)  # type: ignore[union-attr]
+                   else out.numpy() if kout is torch.Tensor else None)
             code = (_UNFIT if res is None or ids_np.size >= PARALLEL_MIN_ITEMS
                     else _v2p_serial(ids_np, v2p, page_size, _I64_MAX, strict, res))
         except (TypeError, RuntimeError, OverflowError):  # not CPU data, or not the kernel's signature
             code = _UNFIT
         if code == 0:
-            return torch.from_numpy(res) if out is None else out  # type: ignore[arg-type, return-value]
+            return torch.from_numpy(res) if out is None else out
         if code > 0:
-            _raise_code(code, ids_np, v2p, page_size, name, unit)  # type: ignore[arg-type]
+            _raise_code(code, ids_np, v2p, page_size, name, unit)
     return _translate_checked(ids, v2p, page_size, out, strict, name, unit)
 
 
-def _translate_checked(ids: object, v2p: object, page_size: object, out: object, strict: object, name: str,
+def _translate_checked(ids: Any, v2p: Any, page_size: object, out: Any, strict: object, name: str,
                        unit: str) -> torch.Tensor | np.ndarray:
     """:func:`_translate` for every other input: validate everything, then one kernel call into ``out`` (when
     it is int64 and contiguous) or into scratch that is then copied into ``out`` or returned."""
@@ -551,7 +552,7 @@ def _translate_checked(ids: object, v2p: object, page_size: object, out: object,
     flat = ids_np.reshape(-1) if dtype == np.int64 and ids_np.flags.c_contiguous else _flat(ids_np)
     n = flat.shape[0]
     direct = out_np is not None and dtype == np.int64 and out_np.flags.c_contiguous
-    res = out_np.reshape(-1) if direct else _empty(n)
+    res = out_np.reshape(-1) if direct and out_np is not None else _empty(n)
     if n:
         if num_vpages == 0:
             c.raise_out_of_range(c.wrap_numpy(flat), 0, name, unit)
@@ -570,20 +571,20 @@ def _translate_checked(ids: object, v2p: object, page_size: object, out: object,
         if out_np is not None:
             np.copyto(out_np, res.reshape(ids_np.shape), casting="unsafe")  # int32 results were checked to fit
         else:
-            out.copy_(torch.from_numpy(res.reshape(ids_np.shape)))  # type: ignore[union-attr]
+            out.copy_(torch.from_numpy(res.reshape(ids_np.shape)))
     return out  # type: ignore[return-value]
 
 
-def _out_view(out: object, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
+def _out_view(out: Any, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
     """A checked ``out=`` (:func:`umalloc.translators._common.check_out`): a numpy view of it to write into,
     or None for a non-contiguous tensor (written with ``copy_``)."""
     if type(out) is np.ndarray:
         c.check_out(out, shape, _TORCH_DTYPE[dtype], _CPU)
         return out
     _check_out(out, shape, _TORCH_DTYPE[dtype])
-    if not out.is_contiguous():  # type: ignore[union-attr]
+    if not out.is_contiguous():
         return None
-    view = out.numpy()  # type: ignore[union-attr]
+    view = out.numpy()
     if not view.flags.writeable:
         raise InvalidIdError("out is read-only: allowed a writeable tensor")
     return view
