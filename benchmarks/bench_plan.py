@@ -10,7 +10,8 @@
   ``split``: the same through ``to_dict`` / JSON / ``from_dict`` (the two-process path).
   ``per-layer loop``: the baseline measured here: a Python loop emitting one descriptor per page per layer per
   K/V from the same physical page lists (what a non-envelope design posts), no bounds check.
-* Columns ``desc`` and ``per-layer`` count descriptors; ``x fewer`` is their ratio; times are medians.
+* Columns ``desc`` and ``per-layer`` count descriptors; ``x fewer`` is their ratio; times are medians of
+  this thread's CPU time (``time.thread_time``).
 * ``same``: the descriptors (addresses relative to each arena, so independent of where the arenas landed) hash
   to the digest the code before the transfer-layer restructure produced for this geometry (:data:`BEFORE_DIGESTS`,
   default prefix share only); ``-`` where no digest was recorded. A mismatch stops the run.
@@ -50,12 +51,18 @@ def descriptor_digest(plan) -> str:
 
 
 def median_s(fn: Callable[[], object], repeats: int) -> float:
+    """Median CPU seconds of this thread per call (``time.thread_time``: on a shared machine load from other
+    processes inflates it less than wall time), over ``repeats`` blocks of calls lasting about 20 ms each."""
     fn()
+    t0 = time.thread_time()
+    fn()
+    calls = max(1, min(200, int(0.02 / max(time.thread_time() - t0, 1e-6))))
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
+        t0 = time.thread_time()
+        for _ in range(calls):
+            fn()
+        times.append((time.thread_time() - t0) / calls)
     return statistics.median(times)
 
 

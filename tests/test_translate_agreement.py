@@ -4,7 +4,7 @@ agree on real allocator tables with tombstones (freed pages, pages released on a
 Tables come from seeded random allocator histories (the seed is printed; override with ``UMALLOC_SEED``).
 The expected values are the allocator's answers and a brute-force loop over its v2p table; errors must agree
 in type (out of range -> InvalidIdError in every mode, a tombstone in strict mode -> TombstoneError; in a
-batch with both, the translators report the range error, the allocator's kernel the first bad position).
+batch with both, every implementation reports the range error; the allocator calls the cpu translator).
 The cpu translator is also called exactly as a host fast path would: the numpy v2p master and an ``out=``.
 """
 

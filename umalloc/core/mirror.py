@@ -5,8 +5,8 @@ Policy:
 * The host masters (:mod:`umalloc.core.heap`) are the truth; a mirror is a copy the device translation reads, so
   no allocator call waits on the GPU. After every call the allocator refreshes the columns of the virtual pages
   that call touched with one host->device copy and one column scatter (:func:`refresh`).
-* :func:`translate_on_device` is the device translation of ids that live on the mirror's device: validated first
-  (range, tombstones in strict mode), so a refused call writes nothing into ``out``.
+* Ids on the mirror's device are translated there by :mod:`umalloc.translators.cuda` with a mirror row as the
+  table (:mod:`umalloc.core.translation`).
 """
 
 from __future__ import annotations
@@ -15,9 +15,6 @@ from collections.abc import Mapping
 
 import numpy as np
 import torch
-
-from umalloc.core.ids import ReadOnlyTable
-from umalloc.errors import InvalidIdError, TombstoneError
 
 
 def make_mirrors(host2d: Mapping[int, np.ndarray], device: torch.device) -> dict[int, torch.Tensor]:
@@ -37,34 +34,4 @@ def refresh(mirror: torch.Tensor, host: np.ndarray, vids: np.ndarray) -> None:
     mirror.index_copy_(1, dev[0], dev[1:])
 
 
-def translate_on_device(row: torch.Tensor, ids: torch.Tensor, page_size: int, lim: int, strict: bool,
-                        out: torch.Tensor | None, end: str, where: str) -> torch.Tensor:
-    """Physical ids of one end for ``ids`` (virtual tokens; pages with ``page_size = 1``) against its mirror row
-    ``row``: ``row[t // ps] * ps + t % ps``; ``lim``: one past the largest id. All checks before ``out`` is
-    written. Raises InvalidIdError (dtype, shape, range, a bad ``out``), TombstoneError (strict, unbound)."""
-    if ids.dtype not in (torch.int64, torch.int32) or ids.dim() != 1:
-        raise InvalidIdError(f"{where}: dtype {ids.dtype}, shape {tuple(ids.shape)}; allowed 1-D torch.int64 "
-                             f"(or int32)")
-    if out is not None and (not isinstance(out, torch.Tensor) or isinstance(out, ReadOnlyTable)
-                            or out.dtype is not torch.int64 or out.shape != ids.shape or out.device != ids.device):
-        raise InvalidIdError(f"{where}: out must be a caller-owned int64 tensor of shape {tuple(ids.shape)} on "
-                             f"{ids.device}")
-    ids = ids.to(torch.int64)
-    if ids.numel() and bool(((ids < 0) | (ids >= lim)).any()):
-        raise InvalidIdError(f"{where}: an id is out of range for end {end!r}: allowed [0, {lim})")
-    vp = ids if page_size == 1 else torch.div(ids, page_size, rounding_mode="floor")
-    phys = row[vp]
-    if strict:
-        if phys.numel() and bool((phys < 0).any()):
-            raise TombstoneError(f"{where}: an id is tombstoned (unbound) on end {end!r}; strict=False maps it to "
-                                 f"the sink")
-    else:
-        phys = phys.clamp_min(0)
-    res = phys if page_size == 1 else phys * page_size + (ids - vp * page_size)
-    if out is not None:
-        out.copy_(res)
-        return out
-    return res
-
-
-__all__ = ["make_mirrors", "refresh", "translate_on_device"]
+__all__ = ["make_mirrors", "refresh"]

@@ -1,11 +1,17 @@
 """The allocator's translation and table views (a part of :class:`~umalloc.core.allocator.MultiEndedAllocator`).
 
 * :meth:`TranslationPart.translate` / :meth:`~TranslationPart.translate_pages` validate at the boundary (torch or
-  numpy ids, ``int32`` and narrower converted once, ``strict`` a bool, default ``True``) and then call
-  :meth:`TranslationPart._translate_ids`, THE one host translation of the allocator (one numba kernel over the
-  host masters that checks every id before it writes). It is the swap point for :mod:`umalloc.translators`:
-  ``_translate_ids(toks, e, strict, res, pages, where, *, res_np=None) -> None``.
-* Ids on the arena's CUDA device are translated there against the device mirror (:mod:`umalloc.core.mirror`).
+  numpy ids, ``int32`` and narrower converted once, ``strict`` a bool, default ``True``) and then translate with
+  the translators, the one translation implementation: host ids through
+  :func:`umalloc.translators.cpu.virtual_to_physical` (``_pages``) with the end's host master v2p row as the
+  table, ids on the arena's CUDA device through :mod:`umalloc.translators.cuda` with the end's device mirror
+  row (:mod:`umalloc.core.mirror`) as the table.
+* Note [Translate fast path]: 1-D int64 CPU ids (a tensor or a numpy array) with no ``out`` or a caller-owned
+  contiguous one of the same kind go to the translator as numpy views (the translators' host fast path); every
+  other input is validated and converted here first (:meth:`TranslationPart._translate_checked`). A refused
+  call is then re-validated here, so a bad argument raises the allocator's own message; a range or tombstone
+  error keeps the translator's message (which names the position, the value and the allowed range) behind
+  ``"<call> on end '<end>': "``.
 * :meth:`~TranslationPart.v2p` / :meth:`~TranslationPart.p2v` return read-only zero-copy views
   (:class:`~umalloc.core.ids.ReadOnlyTable`).
 """
@@ -13,19 +19,29 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 import numpy as np
 import torch
 
 from umalloc.core.heap import Heap
-from umalloc.core.ids import _I64, _id_arg, _ids, _out, _out_arg, check_strict, read_only_table
-from umalloc.core.kernels.codes import _OK
-from umalloc.core.kernels.layout import _NV, _OWNER, _PS
-from umalloc.core.kernels.ops import _k_translate
-from umalloc.core.kernels.raw import address
-from umalloc.core.mirror import translate_on_device
-from umalloc.errors import InvalidIdError
+from umalloc.core.ids import _NP_I64, _ids, _np_ids, _out, _out_arg, check_strict, read_only_table
+from umalloc.core.kernels.layout import _OWNER, _PS
+from umalloc.errors import InvalidIdError, UmallocError
+from umalloc.translators import cpu as host_translator
+from umalloc.translators import cuda as device_translator
+
+_Tensor = torch.Tensor
+
+
+class _EndTables(NamedTuple):
+    """What translating on one end needs, built once per end (the heap never rebinds its arrays)."""
+
+    e: int
+    name: str
+    host: np.ndarray  # the end's host master v2p row, int64 (num_vpages(owner),)
+    page_size: int
+    device: torch.Tensor | None  # the end's device mirror row, or None without mirrors
 
 
 class TranslationPart:
@@ -38,9 +54,8 @@ class TranslationPart:
     _group: dict[int, tuple[int, ...]]
     _host2d: dict[int, np.ndarray]
     _mirror: dict[int, torch.Tensor]
-    _root_a: int
     _end_index: Callable[[str], int]
-    _raise: Callable[..., NoReturn]
+    _end_tables: dict[object, _EndTables]
 
     def v2p(self, end: str) -> torch.Tensor:
         """``int64`` tensor ``(num_vpages(owner),)`` on the arena's device: physical page of each virtual page
@@ -106,59 +121,123 @@ class TranslationPart:
         """
         return self._translate(vpages, end, strict, out, pages=True)
 
+    def _tables(self, end: object) -> _EndTables:
+        """The :class:`_EndTables` of ``end`` (built on first use). Raises UmallocValueError for an unknown end."""
+        try:
+            return self._end_tables[end]
+        except AttributeError:
+            self._end_tables = {}
+        except (KeyError, TypeError):
+            pass
+        e = self._end_index(end)  # type: ignore[arg-type]
+        o = int(self._meta[e, _OWNER])
+        row = self._group[o].index(e)
+        tables = _EndTables(e, self._names[e], self._host2d[o][row], int(self._meta[e, _PS]),
+                            self._mirror[o][row] if self._mirror else None)
+        self._end_tables[end] = tables
+        return tables
+
     def _translate(self, ids: Any, end: str, strict: object, out: Any, *, pages: bool) -> Any:
-        """Validation at the boundary, then :meth:`_translate_ids` (the one translation call)."""
-        e = self._end_index(end)
+        """Note [Translate fast path]; then :meth:`_translate_checked` for everything else."""
+        t = self._tables(end)
+        if strict is not True and strict is not False:
+            strict = check_strict(strict, "translate_pages" if pages else "translate")
+        kind = type(ids)
+        ids_np: np.ndarray | None = None
+        out_np: np.ndarray | None = None
+        if kind is np.ndarray:
+            if ids.dtype is _NP_I64 and ids.ndim == 1 and (out is None or type(out) is np.ndarray):
+                ids_np, out_np = ids, (np.empty(ids.shape[0], np.int64) if out is None else out)
+        elif kind is _Tensor and (out is None or type(out) is _Tensor):
+            try:
+                ids_np = ids.numpy()
+                out_np = None if out is None else out.numpy()
+            except (TypeError, RuntimeError):  # not on the CPU, or not a plain dense tensor
+                ids_np = None
+            if ids_np is not None and not (ids_np.dtype is _NP_I64 and ids_np.ndim == 1 and
+                                           (out_np is None or out_np.flags.c_contiguous)):
+                ids_np = None
+        if ids_np is None:
+            return self._translate_checked(t, ids, strict, out, pages)
+        try:
+            if pages:
+                res = host_translator.virtual_to_physical_pages(ids_np, t.host, out=out_np, strict=strict)
+            else:
+                res = host_translator.virtual_to_physical(ids_np, t.host, t.page_size, out=out_np, strict=strict)
+        except UmallocError as exc:
+            self._refused(exc, t, ids, out, pages)
+        return res if out is None else out  # a fresh result (numpy for numpy ids), or the caller's out
+
+    def _translate_checked(self, t: _EndTables, ids: Any, strict: bool, out: Any, pages: bool) -> Any:
+        """Validate and convert every other input (int32 and narrower ids, strided numpy outputs, ids on the
+        arena's CUDA device, a CUDA ``out`` for CPU ids), then translate with the translators."""
         where = "translate_pages" if pages else "translate"
-        strict = check_strict(strict, where)
+        ps = 1 if pages else t.page_size
+        if isinstance(ids, torch.Tensor) and ids.is_cuda and t.device is not None:
+            ids_d, out_d = self._device_args(ids, out, where)
+            try:
+                if pages:
+                    return device_translator.virtual_to_physical_pages(ids_d, t.device, out=out_d, strict=strict)
+                return device_translator.virtual_to_physical(ids_d, t.device, ps, out=out_d, strict=strict)
+            except UmallocError as exc:
+                raise type(exc)(f"{where} on end {t.name!r}: {exc}") from None
+        name = "vpages" if pages else "vtokens"
         if type(ids) is np.ndarray:
-            _, toks_np, n = _id_arg(ids, "vpages" if pages else "vtokens")
+            toks_np = _np_ids(ids, name)
             if out is None:
-                res_np = np.empty(n, np.int64)
+                out_np = np.empty(toks_np.shape[0], np.int64)
             elif type(out) is np.ndarray:
-                res_np = _out_arg(out, n)[1]
+                out_np = _out_arg(out, toks_np.shape[0])[1]
             else:
                 raise InvalidIdError(f"{where}: out={type(out).__name__} for numpy ids; allowed a writeable 1-D "
-                                     f"int64 numpy array of shape ({n},)")
-            direct = res_np.flags.c_contiguous
-            self._translate_ids(torch.from_numpy(np.ascontiguousarray(toks_np)), e, strict,
-                                torch.from_numpy(res_np) if direct else None, pages, where,
-                                res_np=None if direct else res_np)
-            return res_np if out is None else out
-        if isinstance(ids, torch.Tensor) and ids.is_cuda and self._mirror:
-            o = int(self._meta[e, _OWNER])
-            ps = 1 if pages else int(self._meta[e, _PS])
-            return translate_on_device(self._mirror[o][self._group[o].index(e)], ids, ps,
-                                       int(self._meta[o, _NV]) * ps, strict, out, self._names[e], where)
-        toks = _ids(ids, "vpages" if pages else "vtokens")
+                                     f"int64 numpy array of shape ({toks_np.shape[0]},)")
+            self._host_call(t, toks_np, out_np, strict, pages, where)
+            return out_np if out is None else out
+        toks = _ids(ids, name)
         n = toks.numel()
-        if out is not None and (not isinstance(out, torch.Tensor) or not out.is_cuda):
-            res = _out(out, n)
-        else:
-            if out is not None:
-                _out(out.cpu(), n)  # a CUDA out for CPU ids: same checks, result copied over below
-            res = torch.empty(n, dtype=_I64)
-        self._translate_ids(toks, e, strict, res, pages, where)
-        if out is not None and out.is_cuda:
-            out.copy_(res)
-            return out
+        cuda_out = isinstance(out, torch.Tensor) and out.is_cuda
+        if out is not None:
+            _out(out.cpu() if cuda_out else out, n)  # a CUDA out for CPU ids: same checks, result copied below
+        res = torch.from_numpy(np.empty(n, np.int64)) if out is None or cuda_out else out
+        self._host_call(t, toks.numpy(), res.numpy(), strict, pages, where)
+        if cuda_out:
+            return out.copy_(res)
         return res
 
-    # ---- the allocator's own translation, isolated (the translators of umalloc.translators may replace it) -----
-    def _translate_ids(self, toks: torch.Tensor, e: int, strict: bool, res: torch.Tensor | None, pages: bool,
-                       where: str, *, res_np: np.ndarray | None = None) -> None:
-        """THE host translation of the allocator: ``res[i] = v2p[e][toks[i] // ps] * ps + toks[i] % ps``
-        (``ps = 1`` if ``pages``), from the host masters, in one numba kernel that checks every id before it
-        writes (``res`` untouched on error). ``toks``: validated contiguous CPU int64 ``(n,)``; ``res``: a
-        contiguous CPU int64 ``(n,)`` (or None with ``res_np``, a strided numpy int64 output written after a
-        contiguous temporary). Raises the typed errors of :meth:`translate`. O(n)."""
-        n = toks.numel()
-        tmp = res if res is not None else torch.empty(n, dtype=_I64)
-        _k_translate(self._root_a, e, address(toks), n, address(tmp), strict, pages)  # the dispatcher
-        if self._err[0] != _OK:
-            self._raise(where)
-        if res is None and res_np is not None:
-            res_np[:] = tmp.numpy()
+    def _host_call(self, t: _EndTables, toks: np.ndarray, res: np.ndarray, strict: bool, pages: bool,
+                   where: str) -> None:
+        """The host translator on validated ids ``toks`` into ``res`` (int64, of their length)."""
+        try:
+            if pages:
+                host_translator.virtual_to_physical_pages(toks, t.host, out=res, strict=strict)
+            else:
+                host_translator.virtual_to_physical(toks, t.host, t.page_size, out=res, strict=strict)
+        except UmallocError as exc:
+            raise type(exc)(f"{where} on end {t.name!r}: {exc}") from None
+
+    @staticmethod
+    def _device_args(ids: torch.Tensor, out: Any, where: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Checked device ids (int64, 1-D; int32 converted) and ``out`` (a caller-owned int64 tensor of the
+        ids' shape on their device)."""
+        if ids.layout is not torch.strided or ids.dtype not in (torch.int64, torch.int32) or ids.dim() != 1:
+            raise InvalidIdError(f"{where}: dtype {ids.dtype}, shape {tuple(ids.shape)}, layout {ids.layout}; "
+                                 f"allowed 1-D torch.int64 (or int32)")
+        if out is not None and (type(out) is not torch.Tensor or out.dtype is not torch.int64
+                                or out.shape != ids.shape or out.device != ids.device):
+            raise InvalidIdError(f"{where}: out must be a caller-owned int64 tensor of shape {tuple(ids.shape)} on "
+                                 f"{ids.device}")
+        return ids.to(torch.int64), out
+
+    def _refused(self, exc: UmallocError, t: _EndTables, ids: Any, out: Any, pages: bool) -> NoReturn:
+        """A fast-path call the translator refused: the allocator's own checks first (a bad argument raises
+        their message), else the translator's error behind the call and the end."""
+        where = "translate_pages" if pages else "translate"
+        if out is not None:
+            if type(out) is np.ndarray:
+                _out_arg(out, ids.shape[0])
+            else:
+                _out(out, ids.shape[0])
+        raise type(exc)(f"{where} on end {t.name!r}: {exc}") from None
 
     def num_contiguous_runs(self, vpages: torch.Tensor, end: str) -> int:
         """How many runs of consecutive ascending physical pages ``vpages`` (in the given order) forms on ``end``
@@ -177,7 +256,6 @@ class TranslationPart:
         if phys.size == 0:
             return 0
         return int(1 + np.count_nonzero(phys[1:] != phys[:-1] + 1))
-
 
 
 __all__ = ["TranslationPart"]

@@ -27,7 +27,7 @@ from numba import njit
 from umalloc.errors import DescriptorBoundsError, InvariantError, UmallocValueError
 from umalloc.geometry.region import RegionGroup
 from umalloc.transfer.layout import ADDRESS_LIMIT, EndGeometry, PeerLayout
-from umalloc.translators import get_translator
+from umalloc.translators import cpu as host_translator
 
 EMPTY_IDS = np.zeros(0, dtype=np.int64)
 EMPTY_IDS.setflags(write=False)
@@ -71,7 +71,9 @@ def vector_descriptors(vector: str, src_pages: np.ndarray, dst_pages: np.ndarray
         src_rows, dst_rows: int64 ``(m,)`` physical token-row pairs, non-negative; pair ``i`` copies one row of
             every layer block.
         src, dst: the two sides (:class:`SideBounds`).
-        translator: the translator that coalesces runs (default ``get_translator("cpu")``).
+        translator: the translator that coalesces runs (default None: the host one,
+            :func:`umalloc.translators.cpu.pages_to_runs_numpy`, numpy in and out); another implementation
+            module is called through its ``pages_to_runs``.
 
     Returns:
         :class:`VectorDescriptors`.
@@ -96,8 +98,7 @@ def vector_descriptors(vector: str, src_pages: np.ndarray, dst_pages: np.ndarray
     fast = own and len(src.group.members) == 1
     _check_ids(vector, "src", EMPTY_IDS if fast else src_pages, src_rows, s_geom)
     _check_ids(vector, "dst", EMPTY_IDS if fast else dst_pages, dst_rows, d_geom)
-    translator = get_translator("cpu") if translator is None else translator
-    page_runs = translator.pages_to_runs(src_pages, dst_pages).numpy() if src_pages.shape[0] else _EMPTY_RUNS
+    page_runs = _runs(translator, src_pages, dst_pages) if src_pages.shape[0] else _EMPTY_RUNS
     row_runs = _row_runs(translator, src_rows, dst_rows, s_geom.page_size)
     if page_runs.shape[0] == 0 and row_runs.shape[0] == 0:
         return VectorDescriptors(_NO_DESCRIPTORS, 0, 0)
@@ -222,7 +223,14 @@ def _page_descriptors(runs: np.ndarray, src_group: RegionGroup, dst_group: Regio
     return out.reshape(k * r, 3)
 
 
-def _row_runs(translator: object, src_rows: np.ndarray, dst_rows: np.ndarray, page_size: int) -> np.ndarray:
+def _runs(translator: Any, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+    """Runs of ``(src, dst)`` (int64 numpy ``(R, 3)``): the host coalescing, or ``translator``'s."""
+    if translator is None or translator is host_translator:
+        return host_translator.pages_to_runs_numpy(src, dst)
+    return translator.pages_to_runs(src, dst).cpu().numpy()
+
+
+def _row_runs(translator: Any, src_rows: np.ndarray, dst_rows: np.ndarray, page_size: int) -> np.ndarray:
     """Runs ``(src_token, dst_token, num_rows)`` of row pairs contiguous on both sides *inside one page*.
 
     Coalescing is the translators' ``pages_to_runs`` on ids spread by one per page (``t + t // page_size``), so
@@ -232,7 +240,7 @@ def _row_runs(translator: object, src_rows: np.ndarray, dst_rows: np.ndarray, pa
         return _EMPTY_RUNS
     spread_s = src_rows + src_rows // page_size
     spread_d = dst_rows + dst_rows // page_size
-    runs = translator.pages_to_runs(spread_s, spread_d).numpy()  # type: ignore[attr-defined]
+    runs = _runs(translator, spread_s, spread_d)
     runs[:, 0] -= runs[:, 0] // (page_size + 1)
     runs[:, 1] -= runs[:, 1] // (page_size + 1)
     return runs

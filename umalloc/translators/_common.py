@@ -40,6 +40,7 @@ ID_MAX = {torch.int64: _I64_MAX, torch.int32: _I32_MAX, np.dtype(np.int64): _I64
           np.dtype(np.int32): _I32_MAX}
 _ID_DTYPES = (torch.int64, torch.int32)
 _NP_ID_DTYPES = (np.dtype(np.int64), np.dtype(np.int32))
+_TORCH_OF = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
 
 
 def strict_flag(strict: object) -> bool:
@@ -110,10 +111,22 @@ def same_device(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> N
 
 
 def check_out(out: object, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, device: torch.device) -> None:
-    """Validate an ``out=`` tensor against the result it will hold: the ids' ``dtype``, ``shape`` and
-    ``device``, dense."""
+    """Validate an ``out=`` against the result it will hold: the ids' ``dtype``, ``shape`` and ``device``, a
+    dense tensor, or for CPU ids a writeable numpy array (the host form, written in place and returned)."""
+    if isinstance(out, np.ndarray):
+        if device.type != "cpu":
+            raise UmallocValueError(f"out is a numpy array (host memory) but the input is on {device}; they must "
+                                    "match")
+        if out.dtype not in _NP_ID_DTYPES or _TORCH_OF[out.dtype] != dtype:
+            raise InvalidIdError(f"out must have the ids' dtype {dtype}, got numpy {out.dtype}")
+        if tuple(out.shape) != tuple(shape):
+            raise InvalidIdError(f"out must have shape {tuple(shape)}, got {out.shape}")
+        if not out.flags.writeable:
+            raise InvalidIdError("out is a read-only numpy array: allowed a writeable one")
+        return
     if not isinstance(out, torch.Tensor):
-        raise UmallocValueError(f"out must be a torch.Tensor, got {type(out).__name__}")
+        raise UmallocValueError(f"out must be a torch.Tensor (or, for CPU ids, a numpy array), got "
+                                f"{type(out).__name__}")
     if out.dtype != dtype:
         raise InvalidIdError(f"out must have the ids' dtype {dtype}, got {out.dtype}")
     check_dense(out, "out")
@@ -170,9 +183,13 @@ def kernel_ids_args(tokens: object, page_size: object, layers_per_page: object) 
     return tok, ps, layers
 
 
-def deliver(result: torch.Tensor, out: torch.Tensor | None, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+def deliver(result: torch.Tensor, out: torch.Tensor | np.ndarray | None,
+            dtype: torch.dtype = torch.int64) -> torch.Tensor | np.ndarray:
     """``result`` as ``dtype``, or ``out`` after copying ``result`` into it (``out`` was checked by
-    :func:`translate_args`; every value already fits ``dtype``)."""
+    :func:`check_out`; every value already fits ``dtype``)."""
+    if isinstance(out, np.ndarray):
+        np.copyto(out, result.numpy(), casting="unsafe")
+        return out
     if out is not None:
         return out.copy_(result)
     return result if result.dtype == dtype else result.to(dtype)

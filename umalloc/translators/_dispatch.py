@@ -49,18 +49,18 @@ class Translator(Protocol):
         v2p: IndexLike,
         page_size: int,
         *,
-        out: torch.Tensor | None = None,
+        out: torch.Tensor | np.ndarray | None = None,
         strict: bool = STRICT_DEFAULT,
-    ) -> torch.Tensor: ...
+    ) -> torch.Tensor | np.ndarray: ...
 
     def virtual_to_physical_pages(
         self,
         vpages: IndexLike,
         v2p: IndexLike,
         *,
-        out: torch.Tensor | None = None,
+        out: torch.Tensor | np.ndarray | None = None,
         strict: bool = STRICT_DEFAULT,
-    ) -> torch.Tensor: ...
+    ) -> torch.Tensor | np.ndarray: ...
 
     def tokens_to_pages(self, tokens: IndexLike, page_size: int) -> torch.Tensor: ...
 
@@ -77,8 +77,16 @@ class Translator(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
+#: Implementations already loaded and found runnable (a process-wide cache: availability does not change).
+_loaded: dict[str, ModuleType] = {}
+
+
 def load_impl(name: str) -> ModuleType:
-    """Import implementation ``name`` and check it can run here, or raise :class:`UmallocValueError`."""
+    """Import implementation ``name`` and check it can run here, or raise :class:`UmallocValueError`. A
+    runnable implementation is remembered, so later calls cost one dict lookup."""
+    module = _loaded.get(name) if type(name) is str else None
+    if module is not None:
+        return module
     if name not in IMPL_NAMES:
         raise UmallocValueError(f"unknown translator {name!r}: allowed {', '.join(IMPL_NAMES)}")
     try:
@@ -88,6 +96,7 @@ def load_impl(name: str) -> ModuleType:
     reason = module.unavailable_reason()
     if reason is not None:
         raise UmallocValueError(f"translator {name!r} is unavailable: {reason}")
+    _loaded[name] = module
     return module
 
 

@@ -3,9 +3,10 @@
 * Same functions, arguments, results and errors as :mod:`umalloc.translators.reference`; CPU tensors and
   numpy arrays only (int64 or int32 ids; read-only arrays too). Tensors are viewed through ``Tensor.numpy()``,
   so no input is copied unless it is int32 or non-contiguous.
-* The fastest call for host tables (an allocator's numpy v2p master, out= a CPU tensor):
-  ``virtual_to_physical[_pages](ids, v2p_numpy, ..., out=out, strict=strict)``; a numpy ``v2p`` skips every
-  torch wrapper.
+* The fastest call for host tables (an allocator's numpy v2p master):
+  ``virtual_to_physical[_pages](ids, v2p_numpy, ..., out=out, strict=strict)`` with 1-D contiguous int64 ids
+  and ``out`` (numpy or a CPU tensor; a numpy ``out`` is written in place and returned, so numpy in, numpy out)
+  costs a few attribute tests and one kernel call (Note [Host fast path] at :func:`_translate`).
 * Each kernel is one ``@njit`` loop over a half-open chunk ``[lo, hi)``. For the batch-sized hot paths
   (``virtual_to_physical[_pages]``, ``tokens_to_pages``, ``pages_to_runs``) batches of at least
   :data:`PARALLEL_MIN_ITEMS` items split into one chunk per numba thread under ``prange``; smaller batches run
@@ -19,10 +20,10 @@
   parallel. Override with the environment variable ``UMALLOC_CPU_PARALLEL_MIN_ITEMS`` (0: always
   parallel) or by assigning :data:`PARALLEL_MIN_ITEMS`. A parallel launch never changes the caller's torch
   thread count (Note [Parallel kernels and torch threads]).
-* Translation is a validation pass (range; tombstones when strict) and a translating pass into scratch that
-  also detects entries too large for the ids' dtype; only an error-free result reaches ``out`` (one copy), so
-  ``out`` survives every error unchanged (also when it aliases the input), and no kernel ever reads outside
-  the v2p table.
+* Translation is a validation pass (range; tombstones when strict; entries too large for the ids' dtype) and a
+  translating pass that runs only when nothing was counted, straight into ``out`` (into scratch first when
+  ``out`` overlaps the ids shifted, or is int32 or strided), so ``out`` survives every error unchanged (also
+  when it aliases the input), and no kernel ever reads outside the v2p table.
 * Page sizes that are powers of two use shifts and masks; others divide.
 * Kernels compile lazily on first use and are cached on disk (``cache=True``), so a process pays the JIT once
   per kernel and signature; all inputs are normalised to C-contiguous int64 so there is one signature each
@@ -34,13 +35,14 @@ See Note [Tombstones map to the sink] in :mod:`umalloc.translators.reference`.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import numba
 import numpy as np
 import torch
-from numba import njit, prange
+from numba import njit, prange, types
 
-from umalloc.errors import UmallocValueError
+from umalloc.errors import InvalidIdError, UmallocValueError
 from umalloc.translators import _common as c
 
 NAME = "cpu"
@@ -96,7 +98,9 @@ def _cpu(t: torch.Tensor, name: str) -> torch.Tensor:
     return t
 
 
-_NP_IDS = (np.dtype(np.int64), np.dtype(np.int32))
+_I64 = np.dtype(np.int64)
+_I64_MAX = (1 << 63) - 1
+_NP_IDS = (_I64, np.dtype(np.int32))
 _TORCH_DTYPE = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
 _CPU = torch.device("cpu")
 
@@ -192,91 +196,142 @@ def _bounds(n, nchunks, k):
 
 
 @njit(cache=True, nogil=True)
-def _check_chunk(ids, tab, shift, ps, strict, lo, hi):
-    """(#ids outside [0, len(tab) * ps), #in-range ids whose page is tombstoned when strict)."""
+def _shift_pmax(ps, id_max):
+    """``(shift, pmax)``: log2(ps) for a power of two (else -1), and the largest v2p entry whose ids
+    ``p * ps + offset`` fit ``id_max`` (:func:`umalloc.translators._common.max_entry`)."""
+    shift = -1
+    if ps & (ps - 1) == 0:
+        shift = 0
+        while (np.int64(1) << shift) < ps:
+            shift += 1
+    return shift, (id_max - (ps - 1)) // ps
+
+
+@njit(cache=True, nogil=True)
+def _check_chunk(ids, tab, shift, ps, pmax, lo, hi):
+    """Counts over ids [lo, hi): ``(outside [0, len(tab) * ps), in range but tombstoned, in range with an entry
+    above pmax)``. Every id reads its entry (an id outside reads entry 0), so the body has no branch."""
     v = ids[lo:hi]
     limit = np.uint64(tab.shape[0]) * np.uint64(ps)
     zero = np.uint64(0)
     outside = 0
     tomb = 0
-    if not strict:
-        for k in range(v.shape[0]):
-            outside += np.uint64(v[k]) >= limit
-    elif shift >= 0:
+    over = 0
+    if shift >= 0:  # pmax is 2**b - 1: one OR over the entries decides
         us = np.uint64(shift)
+        acc = 0
         for k in range(v.shape[0]):
             u = np.uint64(v[k])
             inside = u < limit
             outside += not inside
-            tomb += inside & (tab[(u if inside else zero) >> us] < 0)
+            p = tab[(u if inside else zero) >> us]
+            tomb += inside & (p < 0)
+            acc |= max(p, 0)
+        over = 1 if acc > pmax else 0
     else:
         ups = np.uint64(ps)
         for k in range(v.shape[0]):
             u = np.uint64(v[k])
             inside = u < limit
             outside += not inside
-            tomb += inside & (tab[(u if inside else zero) // ups] < 0)
-    return outside, tomb
+            p = tab[(u if inside else zero) // ups]
+            tomb += inside & (p < 0)
+            over += inside & (p > pmax)
+    return outside, tomb, over
 
 
 @njit(cache=True, nogil=True)
-def _v2p_chunk(ids, tab, shift, ps, pmax, out, lo, hi):
-    """Translate [lo, hi) into ``out``; every id must already be in range (see :func:`_check_chunk`).
-
-    Returns the number of entries above ``pmax`` (their ids would not fit; the caller discards ``out``). With a
-    power-of-two page size ``pmax`` is ``2**b - 1``, so the test is one OR over the entries, checked once.
-    """
+def _v2p_chunk(ids, tab, shift, ps, out, lo, hi):
+    """Translate [lo, hi) into ``out``; every id must already be checked (:func:`_check_chunk`). Element ``k``
+    is read before ``out[k]`` is written, so ``out`` may be ``ids`` itself (not a shifted view of it)."""
     v = ids[lo:hi]
     o = out[lo:hi]
     if shift >= 0:
         us = np.uint64(shift)
         mask = ps - 1
-        acc = 0
         for k in range(v.shape[0]):
             t = v[k]
-            p = max(tab[np.uint64(t) >> us], 0)
-            acc |= p
-            o[k] = (p << shift) | (t & mask)
-        return 1 if acc > pmax else 0
-    ups = np.uint64(ps)
-    over = 0
-    for k in range(v.shape[0]):
-        t = v[k]
-        q = np.uint64(t) // ups
-        p = tab[q]
-        over += p > pmax
-        o[k] = max(p, 0) * ps + (t - np.int64(q) * ps)
-    return over
+            o[k] = (max(tab[np.uint64(t) >> us], 0) << shift) | (t & mask)
+    else:
+        ups = np.uint64(ps)
+        for k in range(v.shape[0]):
+            t = v[k]
+            q = np.uint64(t) // ups
+            o[k] = max(tab[q], 0) * ps + (t - np.int64(q) * ps)
 
 
 @njit(cache=True, nogil=True)
-def _v2p_serial(ids, tab, shift, ps, strict, pmax, out):
-    """Validate every id, then (only if all are valid) translate into ``out``. Returns the three error counts
-    (outside, tombstoned when strict, entry overflow)."""
+def _target(ids, out):
+    """``out``, or a fresh array when ``out`` overlaps ``ids`` other than element for element (addresses are
+    compared, never dereferenced)."""
     n = ids.shape[0]
-    outside, tomb = _check_chunk(ids, tab, shift, ps, strict, 0, n)
-    over = 0
-    if outside == 0 and tomb == 0:
-        over = _v2p_chunk(ids, tab, shift, ps, pmax, out, 0, n)
-    return outside, tomb, over
+    a = ids.ctypes.data
+    b = out.ctypes.data
+    if a != b and a < b + 8 * n and b < a + 8 * n:
+        return np.empty(n, dtype=np.int64), True
+    return out, False
+
+
+@njit(cache=True, nogil=True)
+def _code(outside, tomb, over):
+    """The error code of the counts (a range error first, then a tombstone, then an entry overflow)."""
+    return 1 if outside else 2 if tomb else 3 if over else 0
+
+
+#: :func:`_v2p_serial` takes exactly these: 1-D C-contiguous int64 ids and table (read-only or not), an int64
+#: page size and id bound, a bool, a writeable 1-D C-contiguous int64 out. Compilation is disabled after this
+#: signature, so numba's dispatcher checks every array's dtype, rank and layout (a TypeError for anything else:
+#: the checked path takes it) at the cost of typing the call.
+_IDS_C = types.Array(types.int64, 1, "C", readonly=True)
+_OUT_C = types.Array(types.int64, 1, "C")
+#: :func:`_v2p_serial`'s result for a call it does not take (out's length, a page size below 1, an empty
+#: table, an id space beyond int64): the checked path raises the typed error.
+_UNFIT = -1
+
+
+@njit((_IDS_C, _IDS_C, types.int64, types.int64, types.boolean, _OUT_C), cache=True, nogil=True)
+def _v2p_serial(ids, tab, ps, id_max, strict, out):
+    """Check every id, then (only if nothing was counted) translate into ``out``. Returns 0, an error code
+    (1: an id outside, 2: a tombstone when strict, 3: an entry above the largest that fits ``id_max``) or
+    :data:`_UNFIT`."""
+    n = ids.shape[0]
+    nv = tab.shape[0]
+    if out.shape[0] != n or ps < 1 or nv < 1 or ps > id_max // nv:
+        return _UNFIT
+    shift, pmax = _shift_pmax(ps, id_max)
+    outside, tomb, over = _check_chunk(ids, tab, shift, ps, pmax, 0, n)
+    code = _code(outside, tomb if strict else 0, over)
+    if code == 0:
+        dst, moved = _target(ids, out)
+        _v2p_chunk(ids, tab, shift, ps, dst, 0, n)
+        if moved:
+            out[:] = dst
+    return code
+
+
+_v2p_serial.disable_compile()
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _v2p_par(ids, tab, shift, ps, strict, pmax, out, nchunks):
+def _v2p_par(ids, tab, ps, id_max, strict, out, nchunks):
     n = ids.shape[0]
+    shift, pmax = _shift_pmax(ps, id_max)
     res = np.zeros((nchunks, 3), dtype=np.int64)
     for k in prange(nchunks):
         lo, hi = _bounds(n, nchunks, k)
-        a, b = _check_chunk(ids, tab, shift, ps, strict, lo, hi)
+        a, b, d = _check_chunk(ids, tab, shift, ps, pmax, lo, hi)
         res[k, 0] = a
         res[k, 1] = b
-    outside = res[:, 0].sum()
-    tomb = res[:, 1].sum()
-    if outside == 0 and tomb == 0:
+        res[k, 2] = d
+    code = _code(res[:, 0].sum(), res[:, 1].sum() if strict else 0, res[:, 2].sum())
+    if code == 0:
+        dst, moved = _target(ids, out)
         for k in prange(nchunks):
             lo, hi = _bounds(n, nchunks, k)
-            res[k, 2] = _v2p_chunk(ids, tab, shift, ps, pmax, out, lo, hi)
-    return outside, tomb, res[:, 2].sum()
+            _v2p_chunk(ids, tab, shift, ps, dst, lo, hi)
+        if moved:
+            out[:] = dst
+    return code
 
 
 @njit(cache=True, nogil=True)
@@ -456,48 +511,95 @@ def _dcp_fill(pos, d, r, shift, indices, rows):
 # --- public functions -----------------------------------------------------------------------------------
 
 
-def _translate(ids: object, v2p: object, page_size: object, out: torch.Tensor | None, strict: object, name: str,
-               unit: str) -> torch.Tensor:
-    """The one host translation: validate everything, translate into scratch (detecting entry overflow), then
-    (only if no error was counted) deliver to ``out`` or a fresh tensor. ``out`` is never written on an error."""
+def _translate(ids: Any, v2p: Any, page_size: object, out: Any, strict: object, name: str,
+               unit: str) -> torch.Tensor | np.ndarray:
+    """The one host translation. Note [Host fast path]: ids given as a numpy array or a CPU tensor, a numpy
+    table, ``out`` None or a numpy array or a CPU tensor, an int page size and a bool ``strict`` go straight to
+    :func:`_v2p_serial`, whose fixed signature makes numba's dispatcher check dtypes, ranks and layouts (1-D
+    C-contiguous int64, ``out`` writeable); anything it does not take, and batches from
+    :data:`PARALLEL_MIN_ITEMS`, take :func:`_translate_checked`, which validates with the shared typed errors.
+    ``out`` is never written on an error."""
+    kind = type(ids)
+    if (kind is np.ndarray or kind is torch.Tensor) and type(page_size) is int and (strict is True or strict is False):
+        try:
+            ids_np = ids if kind is np.ndarray else ids.numpy()
+            kout = type(out)
+            res = (np.empty(ids_np.size, dtype=np.int64) if out is None else out if kout is np.ndarray
+                   else out.numpy() if kout is torch.Tensor else None)
+            code = (_UNFIT if res is None or ids_np.size >= PARALLEL_MIN_ITEMS
+                    else _v2p_serial(ids_np, v2p, page_size, _I64_MAX, strict, res))
+        except (TypeError, RuntimeError, OverflowError):  # not CPU data, or not the kernel's signature
+            code = _UNFIT
+        if code == 0:
+            return torch.from_numpy(res) if out is None else out
+        if code > 0:
+            _raise_code(code, ids_np, v2p, page_size, name, unit)
+    return _translate_checked(ids, v2p, page_size, out, strict, name, unit)
+
+
+def _translate_checked(ids: Any, v2p: Any, page_size: object, out: Any, strict: object, name: str,
+                       unit: str) -> torch.Tensor | np.ndarray:
+    """:func:`_translate` for every other input: validate everything, then one kernel call into ``out`` (when
+    it is int64 and contiguous) or into scratch that is then copied into ``out`` or returned."""
     flag = c.strict_flag(strict)
     ids_np = _host(ids, name)
     tab = _host(v2p, "v2p", ndim=1, int64_only=True)
     ps = c.positive_int(page_size, "page_size")
     dtype = ids_np.dtype
-    if out is not None:
-        _check_out(out, ids_np.shape, _TORCH_DTYPE[dtype])
+    out_np = None if out is None else _out_view(out, ids_np.shape, dtype)
     num_vpages = tab.shape[0]
     c.check_id_space(num_vpages, ps)
     flat = ids_np.reshape(-1) if dtype == np.int64 and ids_np.flags.c_contiguous else _flat(ids_np)
     n = flat.shape[0]
-    res = _empty(n)
+    direct = out_np is not None and dtype == np.int64 and out_np.flags.c_contiguous
+    res = out_np.reshape(-1) if direct and out_np is not None else _empty(n)
     if n:
         if num_vpages == 0:
             c.raise_out_of_range(c.wrap_numpy(flat), 0, name, unit)
         if not tab.flags.c_contiguous:
             tab = np.ascontiguousarray(tab)
         id_max = c.ID_MAX[dtype]
-        pmax = c.max_entry(ps, id_max)
-        shift = _shift_of(ps)
         if _parallel_batch(n):
-            outside, tomb, over = _parallel(_v2p_par, flat, tab, shift, ps, flag, pmax, res)
+            code = _parallel(_v2p_par, flat, tab, ps, id_max, flag, res)
         else:
-            outside, tomb, over = _v2p_serial(flat, tab, shift, ps, flag, pmax, res)
-        if outside or tomb or over:
-            ids_t, tab_t = c.wrap_numpy(flat), c.wrap_numpy(tab)
-            if outside:
-                c.raise_out_of_range(ids_t, num_vpages * ps, name, unit)
-            if tomb:
-                c.raise_tombstone(ids_t, tab_t, ps, name)
-            c.raise_entry_overflow(ids_t.to(_TORCH_DTYPE[dtype]), tab_t, ps, name, id_max)
+            code = _v2p_serial(flat, tab, ps, id_max, flag, res)
+        if code:
+            _raise_code(code, flat, tab, ps, name, unit, dtype)
     if out is None:
         return _wrap(res, ids_np.shape, dtype)
-    if out.is_contiguous():
-        np.copyto(out.numpy().reshape(-1), res, casting="unsafe")  # int32 results were checked to fit
-    else:
-        out.copy_(torch.from_numpy(res.reshape(ids_np.shape)))
-    return out
+    if not direct:
+        if out_np is not None:
+            np.copyto(out_np, res.reshape(ids_np.shape), casting="unsafe")  # int32 results were checked to fit
+        else:
+            out.copy_(torch.from_numpy(res.reshape(ids_np.shape)))
+    return out  # type: ignore[return-value]
+
+
+def _out_view(out: Any, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
+    """A checked ``out=`` (:func:`umalloc.translators._common.check_out`): a numpy view of it to write into,
+    or None for a non-contiguous tensor (written with ``copy_``)."""
+    if type(out) is np.ndarray:
+        c.check_out(out, shape, _TORCH_DTYPE[dtype], _CPU)
+        return out
+    _check_out(out, shape, _TORCH_DTYPE[dtype])
+    if not out.is_contiguous():
+        return None
+    view = out.numpy()
+    if not view.flags.writeable:
+        raise InvalidIdError("out is read-only: allowed a writeable tensor")
+    return view
+
+
+def _raise_code(code: int, flat: np.ndarray, tab: np.ndarray, ps: int, name: str, unit: str,
+                dtype: np.dtype = _I64) -> None:
+    """Raise the error a kernel reported (1: range, 2: tombstone, 3: entry overflow), naming the first
+    offender."""
+    ids_t, tab_t = c.wrap_numpy(flat), c.wrap_numpy(tab)
+    if code == 1:
+        c.raise_out_of_range(ids_t, tab.shape[0] * ps, name, unit)
+    if code == 2:
+        c.raise_tombstone(ids_t, tab_t, ps, name)
+    c.raise_entry_overflow(ids_t.to(_TORCH_DTYPE[dtype]), tab_t, ps, name, c.ID_MAX[dtype])
 
 
 def virtual_to_physical(
@@ -505,16 +607,17 @@ def virtual_to_physical(
     v2p: c.IndexLike,
     page_size: int,
     *,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | np.ndarray | None = None,
     strict: bool = c.STRICT_DEFAULT,
-) -> torch.Tensor:
+) -> torch.Tensor | np.ndarray:
     """Numba version of :func:`umalloc.translators.reference.virtual_to_physical` (CPU tensors and numpy
     arrays only; the fastest call for host tables, e.g. an allocator's numpy v2p master).
 
-    Two O(n) passes over ``vtokens`` (validate; translate into scratch, detecting entry overflow), parallel
-    from :data:`PARALLEL_MIN_ITEMS` tokens, then one copy into ``out`` when given. Raises
-    exactly what the reference raises, plus :class:`UmallocValueError` for a non-CPU tensor; ``out`` is
-    untouched on every error.
+    Two O(n) passes over ``vtokens`` (validate, including entry overflow; translate into ``out`` or a fresh
+    array), parallel from :data:`PARALLEL_MIN_ITEMS` tokens. ``out``: a CPU tensor or a writeable numpy array
+    of the ids' dtype and shape (returned). Raises exactly what the reference raises, plus
+    :class:`UmallocValueError` for a non-CPU tensor; ``out`` is untouched on every error. Thread-safe for
+    distinct ``out`` (no shared state).
 
     >>> virtual_to_physical(torch.tensor([0, 1, 3, 4, 5]), torch.tensor([5, -1, 2]), 2, strict=False)
     tensor([10, 11,  1,  4,  5])
@@ -526,9 +629,9 @@ def virtual_to_physical_pages(
     vpages: c.IndexLike,
     v2p: c.IndexLike,
     *,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | np.ndarray | None = None,
     strict: bool = c.STRICT_DEFAULT,
-) -> torch.Tensor:
+) -> torch.Tensor | np.ndarray:
     """Numba version of :func:`umalloc.translators.reference.virtual_to_physical_pages` (CPU only).
 
     >>> virtual_to_physical_pages(torch.tensor([2, 1, 0]), torch.tensor([5, -1, 2]), strict=False)
@@ -560,26 +663,43 @@ def tokens_to_pages(tokens: c.IndexLike, page_size: int) -> torch.Tensor:
 
 
 def pages_to_runs(src_pages: c.IndexLike, dst_pages: c.IndexLike) -> torch.Tensor:
-    """Numba version of :func:`umalloc.translators.reference.pages_to_runs` (CPU tensors and numpy arrays;
-    the one run-coalescing implementation on the host: compaction and the plan builders call it).
-
-    One O(n) pass (parallel from :data:`PARALLEL_MIN_ITEMS` pages) writes runs into an ``(n, 3)`` scratch
-    array; chunks are then moved together (one ``memmove`` per chunk after the first) and the array is shrunk
-    in place to ``(R, 3)``. Only the rows written are ever touched, so the scratch costs address space, not
-    memory traffic.
+    """Numba version of :func:`umalloc.translators.reference.pages_to_runs` (CPU tensors and numpy arrays):
+    :func:`pages_to_runs_numpy` with the result as a tensor.
 
     >>> pages_to_runs(torch.tensor([3, 4, 5, 9]), torch.tensor([7, 8, 2, 3]))
     tensor([[3, 7, 2],
             [5, 2, 1],
             [9, 3, 1]])
     """
-    src_t, dst_t = c.runs_args(src_pages, dst_pages)
-    _cpu(src_t, "src_pages")
-    _cpu(dst_t, "dst_pages")
-    src, dst = _flat(src_t.numpy()), _flat(dst_t.numpy())
+    return torch.from_numpy(pages_to_runs_numpy(src_pages, dst_pages))
+
+
+def pages_to_runs_numpy(src_pages: c.IndexLike, dst_pages: c.IndexLike) -> np.ndarray:
+    """:func:`pages_to_runs` returning a numpy ``int64 (R, 3)`` array: the one run-coalescing implementation on
+    the host (compaction, the descriptor builders and :func:`pages_to_runs` call it). Two 1-D int64 numpy
+    arrays of one length are taken as they are (no torch wrapper either way); anything else is validated as
+    :func:`pages_to_runs` validates it, with the same typed errors.
+
+    One O(n) pass (parallel from :data:`PARALLEL_MIN_ITEMS` pages) writes runs into an ``(n, 3)`` scratch
+    array; chunks are then moved together (one ``memmove`` per chunk after the first) and the array is shrunk
+    in place to ``(R, 3)``. Only the rows written are ever touched, so the scratch costs address space, not
+    memory traffic. Raises InvalidIdError (a negative id, a bad dtype or rank), UmallocValueError (unequal
+    lengths, a tensor not on the CPU).
+
+    >>> pages_to_runs_numpy(np.array([3, 4, 5, 9]), np.array([7, 8, 2, 3])).tolist()
+    [[3, 7, 2], [5, 2, 1], [9, 3, 1]]
+    """
+    if not (type(src_pages) is np.ndarray and type(dst_pages) is np.ndarray and src_pages.dtype is _I64
+            and dst_pages.dtype is _I64 and src_pages.ndim == 1 and dst_pages.shape == src_pages.shape):
+        src_t, dst_t = c.runs_args(src_pages, dst_pages)
+        _cpu(src_t, "src_pages")
+        _cpu(dst_t, "dst_pages")
+        src, dst = _flat(src_t.numpy()), _flat(dst_t.numpy())
+    else:  # any strides: the kernel indexes by them
+        src, dst = src_pages, dst_pages
     n = src.shape[0]
     if n == 0:
-        return torch.from_numpy(np.empty((0, 3), dtype=np.int64))
+        return np.empty((0, 3), dtype=np.int64)
     runs = np.empty((n, 3), dtype=np.int64)
     if not _parallel_batch(n):
         num_runs, neg = _runs_chunk(src, dst, runs, 0, n)
@@ -599,7 +719,7 @@ def pages_to_runs(src_pages: c.IndexLike, dst_pages: c.IndexLike) -> torch.Tenso
             c.raise_negative(c.wrap_numpy(src), "src_pages")
         c.raise_negative(c.wrap_numpy(dst), "dst_pages")
     runs.resize((num_runs, 3), refcheck=False)  # shrinks in place (realloc); no view of runs exists
-    return torch.from_numpy(runs)
+    return runs
 
 
 def runs_to_descriptors(

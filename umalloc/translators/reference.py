@@ -52,9 +52,9 @@ def virtual_to_physical(
     v2p: c.IndexLike,
     page_size: int,
     *,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | np.ndarray | None = None,
     strict: bool = c.STRICT_DEFAULT,
-) -> torch.Tensor:
+) -> torch.Tensor | np.ndarray:
     """Translate virtual token ids to physical token ids: ``v2p[t // page_size] * page_size + t % page_size``.
 
     Args:
@@ -63,12 +63,12 @@ def virtual_to_physical(
             negative (:data:`TOMBSTONE`) when unbound.
         page_size: tokens per page, in ``[1, 2**63 - 1]``.
         out: optional tensor of ``vtokens``' dtype, shape and device to write into (may be ``vtokens``
-            itself, or overlap it); returned.
+            itself, or overlap it), or for CPU ids a writeable numpy array of their dtype and shape; returned.
         strict: a bool (``True``/``False`` only, default :data:`STRICT_DEFAULT` = True): raise on a
             tombstoned entry; ``False`` maps it to the sink (Note [Tombstones map to the sink]).
 
     Returns:
-        tensor of ``vtokens``' shape, dtype and device: physical token ids.
+        tensor of ``vtokens``' shape, dtype and device: physical token ids (``out`` itself when given).
 
     Raises:
         InvalidIdError: a virtual token outside ``[0, len(v2p) * page_size)`` (never clamped); a v2p entry
@@ -95,15 +95,16 @@ def virtual_to_physical_pages(
     vpages: c.IndexLike,
     v2p: c.IndexLike,
     *,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | np.ndarray | None = None,
     strict: bool = c.STRICT_DEFAULT,
-) -> torch.Tensor:
+) -> torch.Tensor | np.ndarray:
     """Translate virtual page ids to physical page ids: ``v2p[vpage]``, tombstones to the sink page.
 
     Args:
         vpages: int64 or int32 tensor (or numpy array) of virtual page ids, any shape, on ``v2p``'s device.
         v2p: 1-D int64 table as in :func:`virtual_to_physical`.
-        out: optional tensor of ``vpages``' dtype, shape and device (may alias ``vpages``); returned.
+        out: optional tensor of ``vpages``' dtype, shape and device (may alias ``vpages``), or for CPU ids
+            a writeable numpy array; returned.
         strict: a bool (default True): raise on a tombstoned entry; ``False`` returns :data:`SINK_PAGE`.
 
     Returns:
@@ -125,8 +126,9 @@ def virtual_to_physical_pages(
 
 
 def _translate(
-    ids: torch.Tensor, tab: torch.Tensor, ps: int, out: torch.Tensor | None, strict: bool, name: str, unit: str
-) -> torch.Tensor:
+    ids: torch.Tensor, tab: torch.Tensor, ps: int, out: torch.Tensor | np.ndarray | None, strict: bool, name: str,
+    unit: str,
+) -> torch.Tensor | np.ndarray:
     v = ids if ids.dtype == torch.int64 else ids.to(torch.int64)
     limit = tab.numel() * ps
     if v.numel() and bool(((v < 0) | (v >= limit)).any()):

@@ -1,4 +1,4 @@
-"""Kernel entry points (numba): allocation, extend/decode, free/release, bind, translate; their compiled entries.
+"""Kernel entry points (numba): allocation, extend/decode, free/release, bind; their compiled entries.
 
 Each ``_k_*`` kernel takes the heap root address (Note [Heap root] in :mod:`umalloc.core.kernels.raw`), validates
 its whole batch first and writes nothing on misuse (the error record, :mod:`umalloc.core.kernels.codes`).
@@ -40,7 +40,6 @@ from umalloc.core.kernels.codes import (
     _E_SHORT,
     _E_TAIL_SHARED,
     _E_TAIL_UNBOUND,
-    _E_TOMB,
     _E_UNBOUND,
     _OK,
     _fail,
@@ -402,40 +401,6 @@ def _k_bind(root, b, mask, toks_a, n_tok):
             h64[bvoff + v] = pages[j]
     h64[meta[0, _ERROFF]] = _OK
     return n
-
-
-@njit(cache=True, error_model="numpy")
-def _k_translate(root, e, toks_a, n, out_a, strict, pages):
-    """Virtual tokens (``pages``: virtual pages) of ``e``'s owner -> physical ids of end ``e``. Every id is
-    checked before the first write, so a refused call leaves ``out`` untouched (``toks`` may alias ``out``)."""
-    meta, h64, _ = _heaps(root)
-    toks = _view(toks_a, n)
-    out = _view(out_a, n)
-    o = meta[e, _OWNER]
-    ps = 1 if pages else meta[e, _PS]
-    shift = 0 if pages else meta[e, _PSHIFT]
-    lim = meta[o, _NV] * ps
-    voff = meta[e, _VOFF]
-    for i in range(n):
-        t = toks[i]
-        if t < 0 or t >= lim:
-            return _fail(meta, h64, _E_RANGE, i, t, e)
-        if strict and h64[voff + (t >> shift if shift >= 0 else t // ps)] < 0:
-            return _fail(meta, h64, _E_TOMB, i, t, e)
-    if shift >= 0:  # power-of-two page size: shifts and masks
-        msk = ps - 1
-        for i in range(n):
-            t = toks[i]
-            p = max(h64[voff + (t >> shift)], 0)
-            out[i] = (p << shift) + (t & msk)
-    else:
-        for i in range(n):
-            t = toks[i]
-            vp = t // ps
-            p = max(h64[voff + vp], 0)
-            out[i] = p * ps + (t - vp * ps)
-    h64[meta[0, _ERROFF]] = _OK
-    return _OK
 
 
 class Entries:
