@@ -241,3 +241,19 @@ def test_compaction_off_refusal_suggests_lazy_when_lazy_places_it(tmp_path):
 
     Replay(ReplayConfig(trace=str(tr), token_scale=1, prefill_arena_bytes=3 << 30, decode_arena_bytes=1595 << 20,
                         compaction="lazy"))  # accepted: the hint is true
+
+
+@pytest.mark.backend
+def test_mooncake_replay_is_quiet_on_success():
+    """A successful Mooncake run prints the result and no engine log lines: the engine's glog reports
+    "Local segment descriptor not found" at ERROR on every P2P start unless its flag is raised for that call."""
+    from umalloc.backends import require_or_skip
+
+    require_or_skip("mooncake")
+    cmd = [sys.executable, "-c", "from umalloc.cli import app; app()", "replay", "--backend", "mooncake",
+           "--requests", "2", "--no-progress"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stdout + res.stderr
+    glog = [ln for ln in (res.stdout + res.stderr).splitlines()
+            if "transfer_metadata" in ln or (len(ln) > 5 and ln[0] in "EWF" and ln[1:5].isdigit())]
+    assert not glog, glog

@@ -70,11 +70,14 @@ about 40 % (2048 ids at a 1 ms cap, measured here).
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 import queue
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -125,6 +128,27 @@ def _let_go_if_ended(state: dict) -> None:
         return
     hold.drop()
 
+
+
+@contextmanager
+def _glog_errors_muted() -> Iterator[None]:
+    """Raise glog's ``minloglevel`` to FATAL inside the engine's library for one call.
+
+    ``TransferEngine.initialize(..., "P2PHANDSHAKE", ...)`` logs "Local segment descriptor not found" at ERROR
+    level on every successful start; neither ``MC_LOG_LEVEL`` nor the ``GLOG_*`` environment variables reach
+    the copy of glog linked into the engine, whose exported flag variable does. Where the symbol is missing
+    (another build) nothing is muted.
+    """
+    try:
+        flag = ctypes.c_int.in_dll(ctypes.CDLL(_mc_engine.__file__), "_ZN3fLI17FLAGS_minloglevelE")
+    except (OSError, ValueError, AttributeError, NameError):
+        yield
+        return
+    old, flag.value = flag.value, 3
+    try:
+        yield
+    finally:
+        flag.value = old
 
 class _PeerSender:
     """One thread per peer posting chunks in order (Note [Mooncake chunks]).
@@ -277,7 +301,8 @@ class MooncakeBackend(BackendBase):
         self.close_timeout_s = float(close_timeout_s)
         self.connect_timeout_s = float(connect_timeout_s)
         self._engine = _mc_engine.TransferEngine()
-        rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, "")
+        with _glog_errors_muted():
+            rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, "")
         if rc != 0:
             self._closed = True
             raise BackendUnavailable(f"mooncake engine initialize({host!r}, P2PHANDSHAKE, {protocol!r}) -> {rc}")

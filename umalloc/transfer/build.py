@@ -193,13 +193,13 @@ class _OwnerPages:
 
 
 def _translate(alloc: PlanAllocator, vpages: np.ndarray, end: str) -> np.ndarray:
-    """Strict physical pages of ``vpages`` on ``end``: read-only int64 numpy. The allocator writes into a numpy
-    buffer wrapped zero-copy (``out=``), so nothing converts back from torch."""
+    """Strict physical pages of ``vpages`` on ``end``: read-only int64 numpy. Numpy ids and a numpy ``out=``
+    take the allocator's numpy fast path, so nothing converts to or from torch."""
     n = vpages.shape[0]
     if n == 0:
         return EMPTY_IDS
     out = np.empty(n, dtype=np.int64)
-    alloc.translate_pages(torch.from_numpy(vpages), end, strict=True, out=torch.from_numpy(out))
+    alloc.translate_pages(vpages, end, strict=True, out=out)
     out.setflags(write=False)
     return out
 
