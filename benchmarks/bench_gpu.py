@@ -4,7 +4,9 @@
   to it, measured in the same run.
 * Translate 1M / 16M tokens (page_size 16, a v2p table that is a random permutation): ``torch`` indexing
   (``v2p[t // ps] * ps + t % ps``), the capturable torch formulation and the one-kernel cupy path of
-  :mod:`umalloc.translators.capture`, each eager and graph-replayed. Bytes counted: ids read + ids written
+  :mod:`umalloc.translators.capture`, each eager and graph-replayed; and, to measure the cupy-or-Triton choice,
+  a Triton kernel of the same Note [Capturable arithmetic] written here (benchmark only; checked for
+  correctness in the table's ``ok`` column). Bytes counted: ids read + ids written
   (16 B per token; the table is small and cached). Targets: cupy graph-replayed >= 0.8x the ceiling at 16M.
 * Compaction: :meth:`Arena.copy_pages` (the batched envelope move compaction issues) over random page pairs of
   a 2-end arena; bytes read + written. Target >= 0.7x the ceiling.
@@ -36,6 +38,39 @@ from umalloc.geometry.spec import ArenaSpec, EndSpec, Grow, LayerSpec
 from umalloc.translators import capture as cap
 
 PAGE_SIZE = 16
+
+try:  # the Triton variant of the benchmark (the image has Triton; a CPU machine need not)
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _triton_v2p(ids_ptr, tab_ptr, out_ptr, flag_ptr, n, limit, ps, pmax, strict, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        t = tl.load(ids_ptr + offs, mask=m, other=0).to(tl.int64)
+        inb = (t >= 0) & (t < limit)
+        tc = tl.where(inb, t, 0)
+        q = tc // ps
+        r = tc - q * ps
+        p = tl.load(tab_ptr + q, mask=m & inb, other=-1)
+        tomb = p < 0
+        over = p > pmax
+        res = tl.where(tomb | over, 0, p) * ps + r
+        tl.store(out_ptr + offs, res.to(out_ptr.dtype.element_ty), mask=m)
+        bits = (tl.max(tl.where(m & ~inb, 1, 0), 0) + tl.max(tl.where(m & inb & tomb & (strict != 0), 2, 0), 0)
+                + tl.max(tl.where(m & over, 4, 0), 0))
+        if bits != 0:
+            tl.atomic_or(flag_ptr, bits)
+
+    def triton_translate(vt: torch.Tensor, v2p: torch.Tensor, ps: int, out: torch.Tensor, flag: cap.ErrorFlag,
+                         strict: bool) -> None:
+        n = vt.numel()
+        block = 1024
+        pmax = ((1 << 63) - 1 - (ps - 1)) // ps
+        _triton_v2p[(triton.cdiv(n, block),)](vt, v2p, out, flag.word, n, v2p.numel() * ps, ps, pmax, int(strict),
+                                              BLOCK=block)
+except ImportError:
+    triton_translate = None
 TARGETS = {"translate_16M": 0.8, "compaction": 0.7, "decode_256_us": 10.0}
 
 
@@ -104,6 +139,8 @@ def translate_rows(timer: Timer, device: torch.device, n: int, ceiling: float, r
     if cupy_ok:
         variants["capture cupy"] = lambda: cap.virtual_to_physical(vt, v2p, PAGE_SIZE, out=out, flag=flag,
                                                                    strict=False, impl="cupy")
+    if triton_translate is not None and device.type == "cuda":
+        variants["triton (bench only)"] = lambda: triton_translate(vt, v2p, PAGE_SIZE, out, flag, False)
     rows = []
     calls = 3 if n >= 1 << 22 else 20
     for name, fn in variants.items():
@@ -111,7 +148,12 @@ def translate_rows(timer: Timer, device: torch.device, n: int, ceiling: float, r
             if f is None:
                 continue
             out.fill_(-1)
-            t = timer(f, calls)
+            try:
+                t = timer(f, calls)
+            except Exception as exc:  # noqa: BLE001 - a variant that fails is reported, not fatal
+                rows.append({"what": f"{name} {mode}: FAILED {type(exc).__name__}: {str(exc)[:60]}",
+                             "time_us": None, "GB/s": None, "x_ceiling": None, "correct": False})
+                continue
             ok = bool(torch.equal(out, want)) and flag.value() == 0
             gbs = 16 * n / t / 1e9
             rows.append({"what": f"translate {n >> 20 or n}{'M' if n >= 1 << 20 else ''} {name} {mode}",

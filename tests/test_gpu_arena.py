@@ -19,7 +19,6 @@ from umalloc.backends import backend_available, get_backend
 from umalloc.core.allocator import MultiEndedAllocator
 from umalloc.core.mirror import refresh
 from umalloc.geometry.arena import Arena
-from umalloc.geometry.region import Region
 from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, LayerSpec
 from umalloc.testing import seed_from_env, tiny_spec
 

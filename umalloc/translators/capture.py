@@ -217,8 +217,8 @@ def _args(ids: object, v2p: object, page_size: object, out: object, flag: object
             raise UmallocValueError(f"impl='cupy' is unavailable: {reason}")
         if ids_t.device.type != "cuda":
             raise UmallocValueError(f"impl='cupy' needs CUDA tensors; the ids are on {ids_t.device}")
-        for what, x in (((name, ids_t), ("v2p", tab), ("out", out))):
-            if not x.is_contiguous():
+        for what, x in ((name, ids_t), ("v2p", tab), ("out", out)):
+            if not isinstance(x, torch.Tensor) or not x.is_contiguous():
                 raise InvalidIdError(f"impl='cupy' needs contiguous tensors (fixed addresses); {what} is strided")
     return ids_t, tab, ps, out, flag, flag_strict, str(impl)  # type: ignore[return-value]
 
