@@ -26,25 +26,25 @@ needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 needs_cupy = pytest.mark.skipif(CUPY_REASON is not None, reason=f"cupy kernel: {CUPY_REASON}")
 
 
-def brute(ids: list[int], v2p: list[int], ps: int, strict: bool, id_max: int) -> tuple[list[int], int]:
+def brute(ids: list[int], v2p: list[int], ps: int, strict: bool, id_max: int, sink: int = 0) -> tuple[list[int], int]:
     """Plain-Python oracle of the capturable contract: results and flag bits."""
     limit = len(v2p) * ps
     pmax = (id_max - (ps - 1)) // ps
     res, bits = [], 0
     for t in ids:
         if not 0 <= t < limit:
-            res.append(0)
+            res.append(sink * ps)
             bits |= cap.BAD_RANGE
             continue
         page, off = divmod(t, ps)
         p = v2p[page]
         if p > pmax:
             bits |= cap.BAD_OVERFLOW
-            p = 0
+            p = sink
         elif p < 0:
             if strict:
                 bits |= cap.BAD_TOMBSTONE
-            p = 0
+            p = sink
         res.append(p * ps + off)
     return res, bits
 
@@ -75,10 +75,11 @@ def test_torch_arithmetic_matches_the_oracle_with_bad_ids(dtype, ps, strict):
         if dtype == torch.int32:
             ids = [t if -(1 << 31) <= t < (1 << 31) else -3 for t in ids]
         flag = cap.ErrorFlag("cpu")
+        sink = int(rng.choice([0, 0, 3, 1000]))
         out = torch.full((len(ids),), 12345, dtype=dtype)  # poisoned: every lane must be written
         cap.virtual_to_physical(torch.tensor(ids, dtype=dtype), torch.tensor(v2p), ps, out=out, flag=flag,
-                                strict=strict, impl="torch")
-        want, bits = brute(ids, v2p, ps, strict, id_max)
+                                strict=strict, impl="torch", sink_page=sink)
+        want, bits = brute(ids, v2p, ps, strict, id_max, sink)
         assert out.tolist() == want
         assert flag.value() == bits
 
@@ -137,6 +138,15 @@ def test_flag_accumulates_until_checked_and_names_each_kind():
     assert flag.value() == 0 and out.tolist() == [0]
 
 
+def test_kernel_source_is_the_template_for_both_dtypes_with_every_constant_substituted():
+    src = cap._source()
+    assert "umalloc_v2p_graph_i64(" in src and "umalloc_v2p_graph_i32(" in src
+    assert "const long long* ids" in src and "const int* ids" in src
+    for leftover in ("ID_T", "NAME", "BAD_RANGE_V", "BAD_TOMBSTONE_V", "BAD_OVERFLOW_V"):
+        assert leftover not in src
+    assert f"inb ? 0 : {cap.BAD_RANGE}" in src and "? sink : p" in src
+
+
 def test_empty_table_and_empty_ids():
     flag = cap.ErrorFlag("cpu")
     out = torch.full((2,), 9, dtype=torch.int64)
@@ -161,6 +171,9 @@ def test_argument_errors_are_typed_and_enqueue_nothing():
         (UmallocValueError, dict(out=out, flag=flag, strict=1)),
         (InvalidIdError, dict(out=torch.empty(1, dtype=torch.int32), flag=flag)),
         (InvalidIdError, dict(out=torch.empty(2, dtype=torch.int64), flag=flag)),
+        (UmallocValueError, dict(out=out, flag=flag, sink_page=-1)),
+        (UmallocValueError, dict(out=out, flag=flag, sink_page=True)),
+        (UmallocValueError, dict(out=out, flag=flag, sink_page=1 << 63)),
     ]
     if CUPY_REASON is not None or not HAS_CUDA:
         cases.append((UmallocValueError, dict(out=out, flag=flag, impl="cupy")))
@@ -209,15 +222,17 @@ def test_cupy_kernel_equals_the_torch_formulation_bit_for_bit(dtype, ps):
                 ids = [t if -(1 << 31) <= t < (1 << 31) else -3 for t in ids]
             vt = torch.tensor(ids, dtype=dtype, device="cuda")
             tab = torch.tensor(v2p, device="cuda")
+            sink = int(rng.choice([0, 5]))
             outs, bits = [], []
             for impl in ("cupy", "torch"):
                 flag = cap.ErrorFlag("cuda")
                 out = torch.full_like(vt, 777)
-                cap.virtual_to_physical(vt, tab, ps, out=out, flag=flag, strict=strict, impl=impl)
+                cap.virtual_to_physical(vt, tab, ps, out=out, flag=flag, strict=strict, impl=impl, sink_page=sink)
                 outs.append(out.cpu())
                 bits.append(flag.value())
             assert torch.equal(outs[0], outs[1]) and bits[0] == bits[1]
-            want, wbits = brute(ids, v2p, ps, strict, (1 << 63) - 1 if dtype == torch.int64 else (1 << 31) - 1)
+            id_max = (1 << 63) - 1 if dtype == torch.int64 else (1 << 31) - 1
+            want, wbits = brute(ids, v2p, ps, strict, id_max, sink)
             assert outs[0].tolist() == want and bits[0] == wbits
 
 

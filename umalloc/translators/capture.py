@@ -7,20 +7,21 @@ Policy:
   through its pointer on every launch, so a graph replayed after the table changed (the allocator's device
   mirror is refreshed in place, never reallocated) sees the new entries.
 * Nothing is checked on the device before the write. Every lane is written; a bad lane goes to the sink
-  (page 0, the zero/trash page padded lanes may hit, Note [Tombstones map to the sink] in
-  :mod:`umalloc.translators.reference`) and ORs a bit into a caller-owned device error flag
+  page ``sink_page`` (default :data:`~umalloc.translators.SINK_PAGE` 0, the trash page padded writes may hit,
+  Note [Tombstones map to the sink] in :mod:`umalloc.translators.reference`; pass a zero page, such as the one
+  a request table mints, where padded lanes are read) and ORs a bit into a caller-owned device error flag
   (:class:`ErrorFlag`), which a later host call (:meth:`ErrorFlag.check`, outside the graph) reads and turns into
   the typed error. Strict checking before any write stays in the other translators.
-* Flag bits: :data:`BAD_RANGE` (an id outside ``[0, len(v2p) * page_size)``: result 0), :data:`BAD_TOMBSTONE`
-  (``strict`` and a tombstoned entry: result ``0 * page_size + offset``), :data:`BAD_OVERFLOW` (an entry whose
-  ids would not fit the ids' dtype: result ``0 * page_size + offset``). A tombstone with ``strict=False`` maps to
-  the sink and sets nothing, as everywhere else.
+* Flag bits: :data:`BAD_RANGE` (an id outside ``[0, len(v2p) * page_size)``: result ``sink * page_size``),
+  :data:`BAD_TOMBSTONE` (``strict`` and a tombstoned entry: result ``sink * page_size + offset``),
+  :data:`BAD_OVERFLOW` (an entry whose ids would not fit the ids' dtype: result ``sink * page_size + offset``).
+  A tombstone with ``strict=False`` maps to the sink and sets nothing, as everywhere else.
 * Note [Capturable arithmetic]: the one definition, branch-free, per lane with ``limit = len(v2p) * ps`` and
   ``pmax`` the largest entry whose ids fit the dtype::
 
       inb  = 0 <= t < limit;      tc = inb ? t : 0;       q = tc / ps;   r = tc - q * ps
       p    = inb ? v2p[q] : -1;   tomb = p < 0;           over = p > pmax
-      out  = ((tomb | over) ? 0 : p) * ps + r
+      out  = ((tomb | over) ? sink : p) * ps + r
       flag |= (!inb) * BAD_RANGE | (inb & tomb & strict) * BAD_TOMBSTONE | over * BAD_OVERFLOW
 
   :func:`reference_arithmetic` is exactly this in torch ops (any device; several kernels, also capturable) and
@@ -29,9 +30,10 @@ Policy:
 * Implementations: ``"cupy"`` (one ``RawKernel`` launched on torch's current stream with raw pointers -- no
   DLPack exchange, no cupy allocation, so nothing in the launch can synchronise or break a capture) and
   ``"torch"`` (:func:`reference_arithmetic`). ``impl="auto"`` takes cupy for CUDA tensors when it loads, else
-  torch. Why cupy and not Triton: both are on the target image; the cupy kernel is compiled once by NVRTC
-  (cached on disk), takes raw pointers and shares the module style of :mod:`umalloc.translators.cuda`.
-  ``benchmarks/bench_gpu.py`` measures it against torch indexing and the graph-replayed torch arithmetic.
+  torch. Why cupy rather than Triton (both are on the target image): the kernel is compiled once by NVRTC
+  (cached on disk), takes raw pointers, needs no JIT specialisation per argument value and shares the module
+  of :mod:`umalloc.translators.cuda`; ``benchmarks/bench_gpu.py`` times it against torch indexing, the
+  graph-replayed torch arithmetic and a Triton kernel of the same arithmetic, so the choice is checked there.
 * Threading: calls only enqueue work on the current stream; the flag and ``out`` belong to the caller.
   Complexity O(n) device work, O(1) host work (argument checks read metadata only).
 """
@@ -69,7 +71,7 @@ except Exception as exc:  # noqa: BLE001
 _TEMPLATE = r"""
 extern "C" __global__ void umalloc_v2p_graph_NAME(
         const ID_T* ids, long long n, const long long* tab, long long limit, long long ps,
-        int strict, long long pmax, ID_T* out, int* flag) {
+        int strict, long long pmax, long long sink, ID_T* out, int* flag) {
     int bits = 0;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {
@@ -81,8 +83,9 @@ extern "C" __global__ void umalloc_v2p_graph_NAME(
         long long p = inb ? tab[q] : -1;
         int tomb = p < 0;
         int over = p > pmax;
-        out[i] = (ID_T)(((tomb | over) ? 0 : p) * ps + r);
-        bits |= (inb ? 0 : BAD_RANGE_V) | ((inb & tomb & strict) ? BAD_TOMBSTONE_V : 0) | (over ? BAD_OVERFLOW_V : 0);
+        out[i] = (ID_T)(((tomb | over) ? sink : p) * ps + r);
+        bits |= (inb ? 0 : BAD_RANGE_V) | ((inb & tomb & strict) ? BAD_TOMBSTONE_V : 0)
+                | (over ? BAD_OVERFLOW_V : 0);
     }
     if (bits) atomicOr(flag, bits);
 }
@@ -174,7 +177,7 @@ class ErrorFlag:
 
 
 def reference_arithmetic(ids: torch.Tensor, v2p: torch.Tensor, page_size: int, strict: bool,
-                         out: torch.Tensor, flag: torch.Tensor) -> None:
+                         out: torch.Tensor, flag: torch.Tensor, sink_page: int = c.SINK_PAGE) -> None:
     """Note [Capturable arithmetic] in torch ops: writes ``out`` (ids' dtype and shape), ORs into ``flag``
     (``int32 (1,)``). No host synchronisation; on CUDA its temporaries come from the caching allocator (or a
     graph's private pool). The specification the CUDA kernel is tested against."""
@@ -188,13 +191,22 @@ def reference_arithmetic(ids: torch.Tensor, v2p: torch.Tensor, page_size: int, s
     p = torch.where(inb, v2p[q], -1) if v2p.numel() else torch.full_like(t, -1)
     tomb = p < 0
     over = p > pmax
-    res = torch.where(tomb | over, 0, p) * page_size + r
+    res = torch.where(tomb | over, sink_page, p) * page_size + r
     out.view(-1).copy_(res)
     bits = (~inb).any().to(torch.int32) * BAD_RANGE
     if strict:
         bits = bits + (inb & tomb).any().to(torch.int32) * BAD_TOMBSTONE
     bits = bits + over.any().to(torch.int32) * BAD_OVERFLOW
     flag.bitwise_or_(bits.reshape(1))
+
+
+def _sink(sink_page: object, ps: int, dtype: torch.dtype) -> int:
+    """``sink_page`` as an int whose ids ``sink * ps + offset`` fit ``dtype``, or raise UmallocValueError."""
+    top = c.max_entry(ps, c.ID_MAX[dtype])
+    if isinstance(sink_page, (bool, np.bool_)) or not isinstance(sink_page, (int, np.integer)) \
+            or not 0 <= int(sink_page) <= top:
+        raise UmallocValueError(f"sink_page={sink_page!r}: allowed an int in [0, {top}] (its ids must fit {dtype})")
+    return int(sink_page)
 
 
 def _args(ids: object, v2p: object, page_size: object, out: object, flag: object, strict: object,
@@ -223,7 +235,8 @@ def _args(ids: object, v2p: object, page_size: object, out: object, flag: object
     return ids_t, tab, ps, out, flag, flag_strict, str(impl)  # type: ignore[return-value]
 
 
-def _launch(ids: torch.Tensor, tab: torch.Tensor, ps: int, strict: bool, out: torch.Tensor, flag: ErrorFlag) -> None:
+def _launch(ids: torch.Tensor, tab: torch.Tensor, ps: int, strict: bool, out: torch.Tensor, flag: ErrorFlag,
+            sink: int) -> None:
     n = ids.numel()
     if n == 0:
         return
@@ -234,24 +247,25 @@ def _launch(ids: torch.Tensor, tab: torch.Tensor, ps: int, strict: bool, out: to
     pmax = c.max_entry(ps, c.ID_MAX[ids.dtype])
     grid = (max(1, min(_MAX_BLOCKS, (n + _THREADS - 1) // _THREADS)),)
     args = (np.uint64(ids.data_ptr()), np.int64(n), np.uint64(tab.data_ptr()), np.int64(tab.numel() * ps),
-            np.int64(ps), np.int32(strict), np.int64(pmax), np.uint64(out.data_ptr()),
+            np.int64(ps), np.int32(strict), np.int64(pmax), np.int64(sink), np.uint64(out.data_ptr()),
             np.uint64(flag.word.data_ptr()))
     with _cp.cuda.Device(dev.index if dev.index is not None else torch.cuda.current_device()), stream:
         fn(grid, (_THREADS,), args)
 
 
 def _run(ids: torch.Tensor, tab: torch.Tensor, ps: int, out: torch.Tensor, flag: ErrorFlag, strict: bool,
-         impl: str) -> torch.Tensor:
+         impl: str, sink: int) -> torch.Tensor:
     plain = tab.as_subclass(torch.Tensor)  # an allocator's read-only view reads the same memory
     if impl == "cupy":
-        _launch(ids, plain, ps, strict, out, flag)
+        _launch(ids, plain, ps, strict, out, flag, sink)
     else:
-        reference_arithmetic(ids, plain, ps, strict, out, flag.word)
+        reference_arithmetic(ids, plain, ps, strict, out, flag.word, sink)
     return out
 
 
 def virtual_to_physical(vtokens: c.IndexLike, v2p: c.IndexLike, page_size: int, *, out: torch.Tensor,
-                        flag: ErrorFlag, strict: bool = c.STRICT_DEFAULT, impl: str = "auto") -> torch.Tensor:
+                        flag: ErrorFlag, strict: bool = c.STRICT_DEFAULT, impl: str = "auto",
+                        sink_page: int = c.SINK_PAGE) -> torch.Tensor:
     """Capturable ``v2p[t // page_size] * page_size + t % page_size`` into ``out`` (Note [Capturable arithmetic]).
 
     Args:
@@ -265,13 +279,15 @@ def virtual_to_physical(vtokens: c.IndexLike, v2p: c.IndexLike, page_size: int, 
         flag: the :class:`ErrorFlag` on the same device that bad lanes OR their bits into.
         strict: a bool; True flags tombstones (:data:`BAD_TOMBSTONE`), False maps them to the sink silently.
         impl: ``"auto"`` (cupy for CUDA tensors when it loads, else torch), ``"cupy"`` or ``"torch"``.
+        sink_page: the physical page bad lanes and (non-strict) tombstones go to, default 0; its ids must fit
+            the ids' dtype.
 
     Returns:
         ``out``.
 
     Raises (host checks only, before anything is enqueued):
         InvalidIdError: wrong dtype/rank/layout, a wrong ``out``, a strided tensor for cupy.
-        UmallocValueError: missing ``out``, a bad ``flag``, ``impl`` or ``strict``, devices that differ,
+        UmallocValueError: missing ``out``, a bad ``flag``, ``impl``, ``strict`` or ``sink_page``, devices that differ,
             cupy unavailable when forced.
 
     O(n) device work; one kernel (cupy), no host synchronisation, no allocation (cupy).
@@ -283,11 +299,12 @@ def virtual_to_physical(vtokens: c.IndexLike, v2p: c.IndexLike, page_size: int, 
     """
     args = _args(vtokens, v2p, page_size, out, flag, strict, impl, "vtokens")
     ids_t, tab, ps, out_t, flag_o, flag_strict, which = args
-    return _run(ids_t, tab, ps, out_t, flag_o, flag_strict, which)
+    return _run(ids_t, tab, ps, out_t, flag_o, flag_strict, which, _sink(sink_page, ps, ids_t.dtype))
 
 
 def virtual_to_physical_pages(vpages: c.IndexLike, v2p: c.IndexLike, *, out: torch.Tensor, flag: ErrorFlag,
-                              strict: bool = c.STRICT_DEFAULT, impl: str = "auto") -> torch.Tensor:
+                              strict: bool = c.STRICT_DEFAULT, impl: str = "auto",
+                              sink_page: int = c.SINK_PAGE) -> torch.Tensor:
     """Capturable ``v2p[vpage]`` into ``out``: :func:`virtual_to_physical` with ``page_size = 1`` (same
     arguments, flags and errors).
 
@@ -297,7 +314,7 @@ def virtual_to_physical_pages(vpages: c.IndexLike, v2p: c.IndexLike, *, out: tor
     [4, 0, 0]
     """
     ids_t, tab, ps, out_t, flag_o, flag_strict, which = _args(vpages, v2p, 1, out, flag, strict, impl, "vpages")
-    return _run(ids_t, tab, ps, out_t, flag_o, flag_strict, which)
+    return _run(ids_t, tab, ps, out_t, flag_o, flag_strict, which, _sink(sink_page, 1, ids_t.dtype))
 
 
 __all__ = ["BAD_OVERFLOW", "BAD_RANGE", "BAD_TOMBSTONE", "IMPLS", "ErrorFlag", "cupy_unavailable_reason",
