@@ -201,3 +201,39 @@ def test_nixl_writes_between_a_cuda_arena_and_another_arena(dst_device):
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize("here_device", ["cuda", "cpu"], ids=["vram-to-vram", "vram-to-dram"])
+def test_nixl_second_process_writes_its_vram_into_this_process(here_device):
+    """Two processes on the one GPU: the child's VRAM buffer is WRITten into this process's CUDA arena (UCX
+    cuda_ipc or whatever the installed NIXL offers) or into a DRAM arena (retraction's VRAM->DRAM); the expected
+    bytes are an independent re-creation of the child's seeded buffer."""
+    _nixl_or_skip()
+    from umalloc.backends._worker import BackendWorker, pattern_fill
+
+    n = 4 << 20
+    w = BackendWorker("nixl")
+    b = get_backend("nixl")
+    try:
+        w.wait_ready(60.0)
+        w_base = w.run("gpu_worker:vram_buffer", n, SEED + 5)
+        arena = Arena(ArenaSpec(spec().ends, arena_bytes=n), device=here_device)
+        arena.data.copy_(_gen(n, SEED + 6, here_device))
+        reg = arena.region()
+        b.register([reg])
+        peer = w.call("connect", b.metadata(), progress=b.progress)
+        half = n // 2
+        d = np.array([[w_base, reg.base_ptr + half, half], [w_base + half, reg.base_ptr, half // 2]], np.uint64)
+        w.call("write", d, peer, 30.0, timeout_s=35.0, progress=b.progress)
+        src = torch.empty(n, dtype=torch.uint8)
+        pattern_fill(src, SEED + 5)
+        want = _gen(n, SEED + 6, "cpu")
+        want[half:] = src[:half]
+        want[:half // 2] = src[half:half + half // 2]
+        assert torch.equal(arena.data.cpu(), want)
+        assert w.run("gpu_worker:vram_digest") == bytes(src.numpy().tobytes())  # the source is untouched
+        w.call("reset_backend")
+        w.run("gpu_worker:drop_vram")
+    finally:
+        b.close()
+        w.close()
