@@ -40,6 +40,12 @@ run env 10 bash -c "nvidia-smi; $PY -c 'import sys, torch; print(sys.version); p
 if compgen -G "$WHEELS/*.whl" >/dev/null; then
     run install 60 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/*.whl
     export PYTHONPATH="$PYTHONPATH:$SITE"
+    # umalloc's nixl backend imports the module nixl_cu12; the image is CUDA 13, so the carried wheel is nixl-cu13
+    # (same API): alias it unless a real nixl_cu12 is there.
+    if (( ! DRY )) && [[ -d "$SITE/nixl_cu13" && ! -e "$SITE/nixl_cu12" ]]; then
+        printf 'import nixl_cu13 as _m\nfrom nixl_cu13 import *  # noqa: F401,F403\n\n\ndef __getattr__(name):\n    return getattr(_m, name)\n' >"$SITE/nixl_cu12.py"
+        echo "aliased nixl_cu12 -> nixl_cu13" | tee -a "$OUT/status.txt"
+    fi
 fi
 run tests 200 "$PY" -m pytest -q -p no:cacheprovider -o addopts="-rfE" --timeout 120 $TESTS
 run bench 150 "$PY" benchmarks/bench_gpu.py --out "$OUT"
