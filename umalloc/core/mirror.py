@@ -7,6 +7,24 @@ Policy:
   that call touched with one host->device copy and one column scatter (:func:`refresh`).
 * Ids on the mirror's device are translated there by :mod:`umalloc.translators.cuda` with a mirror row as the
   table (:mod:`umalloc.core.translation`).
+* A mirror is allocated once and only ever written in place, so its address (and every row view handed out by
+  the allocator's ``v2p``) is fixed for its lifetime: a CUDA graph captured over it reads the live table.
+
+Note [Mirror stream ordering]
+    :func:`refresh` enqueues its copy and its scatter on the *caller's current stream* of the mirror's device
+    and returns without waiting: the staging block is pinned host memory that torch's caching host allocator
+    keeps until the copy has run (the copy records an event on it), so the host never waits on the GPU.
+    No translate ever reads a half-updated mirror, by stream order rather than timing:
+
+    * work enqueued on that stream before the allocator call (an earlier graph replay, a translate) runs to
+      completion before the copy starts, so it reads the whole old table;
+    * work enqueued on that stream after the call starts after the scatter has finished, so it reads the whole
+      new table -- a replay needs no synchronisation in between;
+    * work on *another* stream is ordered only by the caller (``stream.wait_stream`` / events), as for any
+      tensor torch writes; the allocator never synchronises streams for it.
+
+    The host masters change at the call itself, so a host translation after the call already sees the new
+    table; device readers see it in stream order.
 """
 
 from __future__ import annotations
@@ -24,13 +42,16 @@ def make_mirrors(host2d: Mapping[int, np.ndarray], device: torch.device) -> dict
 
 def refresh(mirror: torch.Tensor, host: np.ndarray, vids: np.ndarray) -> None:
     """Copy the columns ``vids`` of the host block ``host`` into ``mirror``: one host->device copy of ``[vids; v2p
-    rows at vids]`` and one column scatter. O(rows * len(vids))."""
+    rows at vids]`` and one column scatter, both on the current stream, no host wait on a CUDA mirror (Note
+    [Mirror stream ordering]). O(rows * len(vids))."""
     if vids.size == 0:
         return
-    packed = np.empty((host.shape[0] + 1, vids.size), np.int64)
+    cuda = mirror.device.type == "cuda"
+    staged = torch.empty((host.shape[0] + 1, vids.size), dtype=torch.int64, pin_memory=cuda)
+    packed = staged.numpy()
     packed[0] = vids
     packed[1:] = host[:, vids]
-    dev = torch.from_numpy(packed).to(mirror.device)
+    dev = staged.to(mirror.device, non_blocking=cuda)
     mirror.index_copy_(1, dev[0], dev[1:])
 
 

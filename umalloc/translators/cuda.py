@@ -10,7 +10,9 @@
   (validate, then gather) and the run-start flags of ``pages_to_runs``. The other functions are the torch
   reference running on the device, which is already one or two bandwidth-bound passes.
 * Validation reads a small device counter back to the host, so each call synchronizes the stream once; a
-  bad id raises before anything is written. (This also means these calls cannot be captured in a CUDA graph.)
+  bad id raises before anything is written. These calls therefore cannot be captured in a CUDA graph: the
+  capturable path (one kernel into a preallocated ``out``, bad lanes to the sink plus a device error flag) is
+  :mod:`umalloc.translators.capture`.
 
 See Note [Tombstones map to the sink] in :mod:`umalloc.translators.reference`.
 """
