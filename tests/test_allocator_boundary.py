@@ -334,3 +334,18 @@ def test_core_imports_form_no_cycle_not_even_inside_functions() -> None:
         text = path.read_text()
         hits = [w for w in (".data_ptr(", ".ctypes.", "carray(", "@intrinsic", "inttoptr(") if w in text]
         assert not hits, f"{path.name} reaches raw addresses itself: {hits}"
+
+
+def test_tables_cannot_be_written_through_numpy_or_dlpack() -> None:
+    from umalloc.testing import small_allocator
+
+    alloc = small_allocator()
+    alloc.alloc_pages(3)
+    table = alloc.v2p("full")
+    view = np.asarray(table)
+    with pytest.raises(ValueError, match="read-only"):
+        view[1] = 7
+    with pytest.raises(InvalidIdError, match="read-only"):
+        torch.from_dlpack(table)
+    assert alloc.v2p("full")[1:4].tolist() == [1, 2, 3]
+    alloc.check_invariants()

@@ -257,3 +257,30 @@ def test_mooncake_replay_is_quiet_on_success():
     glog = [ln for ln in (res.stdout + res.stderr).splitlines()
             if "transfer_metadata" in ln or (len(ln) > 5 and ln[0] in "EWF" and ln[1:5].isdigit())]
     assert not glog, glog
+
+
+@pytest.mark.backend
+def test_a_killed_second_process_ends_the_replay_with_one_error_line(tmp_path):
+    from umalloc.backends import require_or_skip
+
+    require_or_skip("nixl")
+    cmd = [sys.executable, "-c", "from umalloc.cli import app; app()", "replay", "--backend", "nixl",
+           "--no-progress", "--requests", "1000"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=dict(os.environ),
+                            start_new_session=True)
+    try:
+        start, kids = time.monotonic(), set()
+        while proc.poll() is None and (time.monotonic() - start < 8 or not kids) and time.monotonic() - start < 60:
+            kids |= _descendants(proc.pid)
+            time.sleep(0.2)
+        assert proc.poll() is None and kids, "the replay and its second process never ran together"
+        for k in kids:
+            os.kill(k, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = out.decode(errors="replace")
+    assert proc.returncode == 1, text
+    assert "Traceback" not in text, text
+    assert text.strip().splitlines()[-1].startswith("error: the nixl backend failed"), text

@@ -23,6 +23,7 @@ from umalloc.errors import (
     UmallocValueError,
 )
 from umalloc.geometry.arena import Arena
+from umalloc.testing import small_allocator
 from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, KVDtype, LayerSpec
 
 
@@ -525,3 +526,49 @@ def test_cuda_arena_keeps_the_device_req_to_token_equal_to_the_master() -> None:
     table.check_invariants()
     assert table.req_to_token[1, :2].cpu().tolist() == table.tokens(1).tolist()
     assert bool((table.req_to_token[1, 2:] == table.pad_read_vtoken).all())
+
+
+def test_on_evict_may_call_back_into_the_table() -> None:
+    """An ``on_evict`` that frees another request (a nested call reusing the table's scratch) frees exactly the
+    evicted page, and every invariant holds."""
+    alloc = small_allocator()
+    table = RequestTable(alloc, max_requests=4, max_tokens_per_request=12)
+    s = table.new_requests(3)
+    table.extend(s, torch.tensor([2, 2, 2]))            # one page each
+    table.free_requests(s[:1], cache=True)               # request 0's page cached
+    cached = table.cached_pages().tolist()
+    seen = []
+    table.on_evict = lambda vp: (seen.append(vp.tolist()), table.free_requests(s[1:2]))
+    assert table.evict(1) == 1
+    assert seen == [cached]
+    table.check_invariants()
+    assert table.stats().held_pages == 2                 # request 2's page and the zero page
+
+
+def test_a_second_exclusive_table_or_foreign_live_pages_are_refused() -> None:
+    alloc = small_allocator()
+    first = RequestTable(alloc, max_requests=2, max_tokens_per_request=4)
+    with pytest.raises(UmallocValueError, match="already has a request table"):
+        RequestTable(alloc, max_requests=2, max_tokens_per_request=4)
+    other = small_allocator()
+    other.alloc_pages(2)
+    snap = other.snapshot()
+    with pytest.raises(UmallocValueError, match="2 live pages"):
+        RequestTable(other, max_requests=2, max_tokens_per_request=4)
+    assert snapshots_equal(snap, other.snapshot())
+    other.check_invariants()
+    first.check_invariants()
+
+
+def test_an_extend_that_cannot_fit_evicts_nothing() -> None:
+    """3 usable pages are free + 1 cached; an extend needing 5 returns None, calls no on_evict, changes nothing."""
+    evicted = []
+    alloc = small_allocator()
+    table = RequestTable(alloc, max_requests=4, max_tokens_per_request=12, on_evict=evicted.append)
+    s = table.new_requests(3)
+    table.extend(s, torch.tensor([2, 2, 2]))
+    table.free_requests(s[:1], cache=True)
+    before, tbefore = alloc.snapshot(), table.snapshot()
+    assert table.extend(s[2:], torch.tensor([10])) is None
+    assert evicted == []
+    assert snapshots_equal(before, alloc.snapshot()) and snapshots_equal(tbefore, table.snapshot())

@@ -22,7 +22,7 @@ from typing import Annotated
 
 import typer
 
-from umalloc.errors import UmallocValueError
+from umalloc.errors import BackendError, UmallocValueError
 from umalloc.geometry.presets import DEFAULT_PRESET, PRESETS
 from umalloc.replay import DEFAULT_REQUESTS, DEFAULT_TOKEN_SCALE
 
@@ -180,6 +180,8 @@ def replay(
             result = run_replay(cfg, progress=progress, console=console)
         except UmallocValueError as exc:
             raise fail(str(exc), 2) from None
+        except BackendError as exc:  # a transfer engine or the second process failed mid-run (e.g. killed)
+            raise fail(f"the {backend.value} backend failed: {exc}", 1) from None
         console.print(report_table(result))
         try:
             if report is not None:

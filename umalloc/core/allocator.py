@@ -839,6 +839,10 @@ class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart):
         held by no one (F08, F28). O(1)."""
         self._holder_checks.append(weakref.WeakMethod(check))  # type: ignore[arg-type]
 
+    def holders(self) -> list[object]:
+        """The live objects whose checks :meth:`attach_holder_check` attached (request tables). O(holders)."""
+        return [c.__self__ for r in self._holder_checks if (c := r()) is not None]
+
     def __repr__(self) -> str:
         ends = ", ".join(repr(v) for v in self.ends.values())
         return f"MultiEndedAllocator({ends})"

@@ -63,6 +63,16 @@ class ReadOnlyTable(torch.Tensor):
             res.setflags(write=False)
         return res
 
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        """``np.asarray(table)``: a read-only view (a copy when ``dtype`` differs), never a writable alias."""
+        arr = self.numpy()
+        return arr if dtype is None or np.dtype(dtype) == arr.dtype else arr.astype(dtype)
+
+    def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
+        """Refused: a DLPack capsule carries no read-only flag that torch or numpy honour."""
+        raise InvalidIdError("__dlpack__: the allocator's tables are read-only and DLPack cannot say so; allowed "
+                             ".numpy() (a read-only array) or .clone() (a writable copy)")
+
 
 def read_only_table(t: torch.Tensor) -> ReadOnlyTable:
     """``t`` (an allocator master or mirror) as a :class:`ReadOnlyTable` sharing its memory. O(1)."""

@@ -281,6 +281,16 @@ class RequestTable:
         if dtype is torch.int32 and NV * ps - 1 > _I32_MAX:
             raise UmallocValueError(f"dtype=torch.int32: the owner {owner!r} has token ids up to {NV * ps - 1}, "
                                     f"allowed at most {_I32_MAX}; use torch.int64")
+        others = [t for t in alloc.holders() if isinstance(t, RequestTable) and t.owner == owner]
+        if exclusive and others:
+            raise UmallocValueError(f"exclusive=True: the allocator already has a request table on {owner!r}; "
+                                    "allowed one table per owner end (or exclusive=False on every table)")
+        if any(t.exclusive for t in others):
+            raise UmallocValueError(f"the allocator's request table on {owner!r} is exclusive; allowed no second "
+                                    "table on that end")
+        if exclusive and (live := alloc.stats()[owner].live_pages):
+            raise UmallocValueError(f"exclusive=True: {owner!r} already holds {live} live pages allocated outside "
+                                    "a table; allowed an allocator with none (or exclusive=False)")
         self.max_requests = R = max_requests
         self.max_tokens_per_request = MT = max_tokens_per_request
         MP = -(-MT // ps)
@@ -407,6 +417,8 @@ class RequestTable:
         if self._lru[LRU_NEXT, 0]:   # a cache: make room first rather than run the allocator's shortfall ladder
             short = k - self.alloc.available_pages(self.owner)
             if short > 0:
+                if short > int(np.count_nonzero(self._pg[PG_STATE] == PAGE_CACHED)):
+                    return None   # even the whole cache is too small: evict nothing (nothing changes)
                 self.evict(short)
         while alloc_pages(k, out=buf, owner=owner) is None:
             if self._lru[LRU_NEXT, 0] == 0:
@@ -754,11 +766,12 @@ class RequestTable:
         if got == 0:
             return 0
         self._counters["evicted"] += got
+        evicted = self._freed[:got].copy()   # on_evict may call back into the table, which reuses the scratch
         try:
             if self.on_evict is not None:
-                self.on_evict(torch.from_numpy(self._freed[:got].copy()))
+                self.on_evict(torch.from_numpy(evicted.copy()))
         finally:
-            self._free_listed(got)
+            self.alloc.free_pages(evicted, owner=self._owner_arg)
         return got
 
     def cached_pages(self) -> torch.Tensor:
