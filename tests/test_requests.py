@@ -572,3 +572,22 @@ def test_an_extend_that_cannot_fit_evicts_nothing() -> None:
     assert table.extend(s[2:], torch.tensor([10])) is None
     assert evicted == []
     assert snapshots_equal(before, alloc.snapshot()) and snapshots_equal(tbefore, table.snapshot())
+
+
+def test_huge_counts_and_ids_get_typed_errors_and_change_nothing() -> None:
+    import numpy as np
+
+    alloc = small_allocator()
+    table = RequestTable(alloc, max_requests=4, max_tokens_per_request=12)
+    slots = table.new_requests(2)
+    table.extend(slots, torch.tensor([2, 2]))
+    before, tbefore = alloc.snapshot(), table.snapshot()
+    assert table.new_requests(5) is None                 # more than every slot
+    for call, err in ((lambda: table.new_requests(2**70), UmallocValueError),
+                      (lambda: table.evict(2**70), UmallocValueError),
+                      (lambda: table.decode([2**70]), InvalidIdError),
+                      (lambda: table.retain(np.array([2**64 - 1], np.uint64)), InvalidIdError)):
+        with pytest.raises(err, match=r"2\*\*63"):
+            call()
+    assert snapshots_equal(before, alloc.snapshot()) and snapshots_equal(tbefore, table.snapshot())
+    table.check_invariants()

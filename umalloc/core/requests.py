@@ -200,15 +200,19 @@ def _ids_arg(x: object, name: str) -> np.ndarray:
     if isinstance(x, np.ndarray):
         if x.ndim != 1 or x.dtype.kind not in "iu":
             raise InvalidIdError(f"{name}: dtype {x.dtype}, shape {x.shape}; allowed a 1-D integer numpy array")
+        if x.dtype.kind == "u" and x.size and int(x.max()) >= 2**63:
+            raise InvalidIdError(f"{name}: value {int(x.max())}; allowed ids in [0, 2**63)")
         return x if x.dtype is _NP_I64 else x.astype(np.int64)
     if isinstance(x, (list, tuple)) and all(type(v) is int for v in x):
+        if any(not -(2**63) <= v < 2**63 for v in x):
+            raise InvalidIdError(f"{name}: a value outside int64; allowed ids in [0, 2**63)")
         return np.array(x, dtype=np.int64).reshape(-1)
     raise InvalidIdError(f"{name}={x!r}: allowed a 1-D integer torch tensor, numpy array or list of ints")
 
 
 def _count_arg(n: object, name: str) -> int:
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or int(n) < 0:
-        raise UmallocValueError(f"{name}={n!r}: allowed an int >= 0")
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= int(n) < 2**63:
+        raise UmallocValueError(f"{name}={n!r}: allowed an int in [0, 2**63)")
     return int(n)
 
 
@@ -471,6 +475,8 @@ class RequestTable:
             UmallocValueError: a bad count. Complexity: O(max_requests).
         """
         n = _count_arg(num_requests, "num_requests")
+        if n > self.max_requests:
+            return None   # more than every slot: fewer are free (nothing changed)
         out = np.empty(n, np.int64)
         if k_new(self._rq, n, out) < 0:
             return None
