@@ -47,6 +47,7 @@ import torch
 
 from umalloc.errors import InvalidIdError, TombstoneError, UmallocValueError
 from umalloc.translators import _common as c
+from umalloc.translators import cuda as _cuda
 
 #: Error-flag bit: an id outside the table's id space (routed to physical id 0).
 BAD_RANGE: int = 1
@@ -116,18 +117,8 @@ def _kernel(dtype: torch.dtype) -> Any:
     return _module.get_function("umalloc_v2p_graph_i64" if dtype == torch.int64 else "umalloc_v2p_graph_i32")
 
 
-def cupy_unavailable_reason() -> str | None:
-    """Why the cupy kernel cannot run here, or None when it can."""
-    if _REASON is not None:
-        return _REASON
-    try:
-        if not torch.cuda.is_available():
-            return "torch sees no CUDA device"
-        if _cp.cuda.runtime.getDeviceCount() < 1:
-            return "cupy sees no CUDA device"
-    except Exception as exc:  # noqa: BLE001 - any driver/runtime failure means unavailable
-        return f"CUDA runtime unusable ({type(exc).__name__}: {exc})"
-    return None
+#: Why the cupy kernel cannot run here, or None when it can: the cuda translator's check (one cupy probe).
+cupy_unavailable_reason = _cuda.unavailable_reason
 
 
 class ErrorFlag:
