@@ -78,8 +78,7 @@ import numpy as np
 import torch
 
 from umalloc.core import retraction
-from umalloc.core.compaction import CompactionReport
-from umalloc.core.heap import Heap
+from umalloc.core.heap import Heap, claim_arena
 from umalloc.core.ids import (
     _I64,
     _NP_I64,
@@ -122,7 +121,6 @@ from umalloc.core.observe import EndStats, EndView, check_invariants, end_stats,
 from umalloc.core.space import SpacePart
 from umalloc.core.translation import TranslationPart
 from umalloc.errors import (
-    ArenaInUseError,
     HeapCopyError,
     InvalidIdError,
     UmallocValueError,
@@ -133,25 +131,6 @@ from umalloc.geometry.spec import ArenaSpec, Grow
 logger = logging.getLogger(__name__)
 
 COMPACTION_MODES = ("eager", "lazy", "off")
-
-# one allocator per arena (Note [One allocator per arena]): id(arena) -> (weakref to the arena, to its allocator)
-_arena_claims: dict[int, tuple[weakref.ref[Arena], weakref.ref[MultiEndedAllocator]]] = {}
-
-
-def _claim(arena: Arena, alloc: MultiEndedAllocator) -> None:
-    """Note [One allocator per arena]: record ``alloc`` as ``arena``'s allocator, or raise if a live one is."""
-    held = _arena_claims.get(id(arena))
-    if held is not None and held[0]() is arena and held[1]() is not None:
-        raise ArenaInUseError(f"arena {arena!r} already has a live MultiEndedAllocator; allowed one allocator per "
-                              f"arena (two would hand out the same pages): build a new Arena")
-    key = id(arena)
-
-    def drop(_: object, key: int = key) -> None:
-        cur = _arena_claims.get(key)
-        if cur is not None and (cur[1]() is None or cur[0]() is None):
-            del _arena_claims[key]
-
-    _arena_claims[key] = (weakref.ref(arena, drop), weakref.ref(alloc, drop))
 
 class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart):
     """Hands out pages of every end of one :class:`~umalloc.geometry.arena.Arena` under virtual token ids.
@@ -171,9 +150,10 @@ class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart):
     Internal representation (the agreed one, see :class:`EndView` and Note [Host heaps]): per end, host ``p2v``
     (int64) and ``state`` (int8, :mod:`umalloc.core.pagestate`) of length ``num_page_slots(end)`` and ``v2p`` (int64)
     of length ``num_vpages(owner)``; per owner a virtual-page state array (``V_NEVER/V_LIVE/V_FREED/
-    V_RESERVED``); pin counts live in the :class:`~umalloc.core.leases.LeaseTable`.
+    V_RESERVED``); pin counts are the heap's, lent to the :class:`~umalloc.core.leases.LeaseTable`.
 
-    Not thread-safe: call from the thread that owns the scheduler.
+    Threading: one owner thread calls the allocator; lease and plan endings may come from any thread (Note
+    [Lease threading] in :mod:`umalloc.core.leases`).
 
     >>> from umalloc.testing import small_allocator
     >>> alloc = small_allocator()          # full (up, owner) + swa (down, bound), 10 slots each, page_size 2
@@ -251,7 +231,7 @@ class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart):
         self._bound: dict[str, int] = {n: i for i, n in enumerate(self._names) if int(self._meta[i, _OWNER]) != i}
         if self.debug_checks:
             self.check_invariants()
-        _claim(arena, self)
+        claim_arena(arena, self)
 
     def _refuse_copy(self, *_: Any) -> NoReturn:
         raise HeapCopyError("a MultiEndedAllocator cannot be copied, deep-copied or pickled (it owns a heap of raw "

@@ -26,6 +26,7 @@ block per owner (:attr:`Heap.host2d`), which the device mirror copies.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any, NoReturn
 
@@ -70,7 +71,8 @@ from umalloc.core.kernels.layout import (
 from umalloc.core.kernels.ops import live_roots
 from umalloc.core.kernels.raw import build_root, root_address
 from umalloc.core.pagestate import PAGE_GAP, PAGE_RESERVED, TOMBSTONE
-from umalloc.errors import HeapCopyError, UmallocValueError
+from umalloc.errors import ArenaInUseError, HeapCopyError, UmallocValueError
+from umalloc.geometry.arena import Arena
 from umalloc.geometry.spec import ArenaSpec, Grow
 
 _GROW_CODE = {Grow.UP: _G_UP, Grow.DOWN: _G_DOWN, Grow.FLOAT: _G_FLOAT}
@@ -294,4 +296,24 @@ class Heap:
         return int(self.meta[e, _OWNER])
 
 
-__all__ = ["Heap"]
+# one allocator per arena (two would hand out the same pages): id(arena) -> (weakref to the arena, to its allocator)
+_arena_claims: dict[int, tuple[weakref.ref[Arena], weakref.ref[object]]] = {}
+
+
+def claim_arena(arena: Arena, alloc: object) -> None:
+    """Record ``alloc`` as ``arena``'s allocator, or raise :class:`ArenaInUseError` if a live one is. O(1)."""
+    held = _arena_claims.get(id(arena))
+    if held is not None and held[0]() is arena and held[1]() is not None:
+        raise ArenaInUseError(f"arena {arena!r} already has a live MultiEndedAllocator; allowed one allocator per "
+                              f"arena (two would hand out the same pages): build a new Arena")
+    key = id(arena)
+
+    def drop(_: object, key: int = key) -> None:
+        cur = _arena_claims.get(key)
+        if cur is not None and (cur[1]() is None or cur[0]() is None):
+            del _arena_claims[key]
+
+    _arena_claims[key] = (weakref.ref(arena, drop), weakref.ref(alloc, drop))
+
+
+__all__ = ["Heap", "claim_arena"]

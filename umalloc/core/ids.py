@@ -199,4 +199,32 @@ def count_arg(value: object, name: str) -> int:
     return v
 
 
-__all__ = ["ReadOnlyTable", "check_strict", "count_arg", "read_only_table"]
+_NP_INT64 = np.dtype(np.int64)
+
+
+def id_batch(x: object, name: str) -> np.ndarray:
+    """A 1-D integer id batch as int64 numpy (torch int32/int64 on any device, numpy integers, or a list)."""
+    if type(x) is np.ndarray and x.dtype is _NP_INT64 and x.ndim == 1:   # the engine's own index arrays
+        return x
+    if isinstance(x, torch.Tensor):
+        if x.dtype not in (torch.int64, torch.int32) or x.dim() != 1 or x.is_sparse or x.is_meta:
+            raise InvalidIdError(f"{name}: dtype {x.dtype}, shape {tuple(x.shape)}; allowed a dense 1-D "
+                                 f"torch.int64 or torch.int32 tensor")
+        if x.device.type != "cpu":
+            x = x.cpu()
+        a = x.numpy()
+        return a if a.dtype is _NP_INT64 else a.astype(np.int64)
+    if isinstance(x, np.ndarray):
+        if x.ndim != 1 or x.dtype.kind not in "iu":
+            raise InvalidIdError(f"{name}: dtype {x.dtype}, shape {x.shape}; allowed a 1-D integer numpy array")
+        if x.dtype.kind == "u" and x.size and int(x.max()) >= 2**63:
+            raise InvalidIdError(f"{name}: value {int(x.max())}; allowed ids in [0, 2**63)")
+        return x if x.dtype is _NP_INT64 else x.astype(np.int64)
+    if isinstance(x, (list, tuple)) and all(type(v) is int for v in x):
+        if any(not -(2**63) <= v < 2**63 for v in x):
+            raise InvalidIdError(f"{name}: a value outside int64; allowed ids in [0, 2**63)")
+        return np.array(x, dtype=np.int64).reshape(-1)
+    raise InvalidIdError(f"{name}={x!r}: allowed a 1-D integer torch tensor, numpy array or list of ints")
+
+
+__all__ = ["ReadOnlyTable", "check_strict", "count_arg", "id_batch", "read_only_table"]

@@ -15,6 +15,8 @@ The policies (what a front is, when a page is copied or cached) are the table's:
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
+
 import numpy as np
 from numba import njit
 
@@ -488,3 +490,35 @@ def check_against_allocator(pg, v2p: dict, exclusive: bool, where: str) -> None:
             v = int(np.flatnonzero(wrong)[0])
             raise InvariantError(f"[bound] {where}: page {v} on {end!r}: bound {bool(on_b[v])}, requests holding "
                                  f"it there {int(pg[PG_NEED + b, v])}")
+
+
+@dataclass(frozen=True)
+class RequestTableStats:
+    """Fixed-schema counters of a :class:`RequestTable` (pages are the owner end's virtual pages).
+
+    Attributes:
+        live_requests / free_slots: slots in use / free. tokens: sum of the live requests' lengths.
+        held_pages: managed pages with a holder (the zero page included); shared_pages: those with more than one.
+        engine_refs: engine references (``retain`` / ``reclaim``) outstanding, summed over pages.
+        cached_pages: cached (count 0, evictable) pages now; free_pages: what the owner end can allocate now
+            (``available_pages``); reclaimable_pages: what eviction can return (= ``cached_pages``).
+        pages_cached / pages_reclaimed / pages_evicted / pages_copied: totals since creation (pages entering the
+            cache, revived from it, evicted from it, copied on write).
+    """
+
+    live_requests: int
+    free_slots: int
+    tokens: int
+    held_pages: int
+    shared_pages: int
+    engine_refs: int
+    cached_pages: int
+    free_pages: int
+    reclaimable_pages: int
+    pages_cached: int
+    pages_reclaimed: int
+    pages_evicted: int
+    pages_copied: int
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)

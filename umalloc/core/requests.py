@@ -93,13 +93,13 @@ pages are its own and outside every check here.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from umalloc.core.allocator import MultiEndedAllocator
+from umalloc.core.ids import count_arg, id_batch
 from umalloc.core.refcounts import (
     E_DUP,
     E_FREE_SLOT,
@@ -125,6 +125,7 @@ from umalloc.core.refcounts import (
     RQ_FRONT,
     RQ_INUSE,
     RQ_LEN,
+    RequestTableStats,
     check_against_allocator,
     check_slots,
     check_state,
@@ -146,74 +147,12 @@ from umalloc.errors import (
     UmallocValueError,
 )
 
-_NP_I64 = np.dtype(np.int64)
 _I32_MAX = (1 << 31) - 1
 
 
 # =============================================================================================================
 # the table
 # =============================================================================================================
-@dataclass(frozen=True)
-class RequestTableStats:
-    """Fixed-schema counters of a :class:`RequestTable` (pages are the owner end's virtual pages).
-
-    Attributes:
-        live_requests / free_slots: slots in use / free. tokens: sum of the live requests' lengths.
-        held_pages: managed pages with a holder (the zero page included); shared_pages: those with more than one.
-        engine_refs: engine references (``retain`` / ``reclaim``) outstanding, summed over pages.
-        cached_pages: cached (count 0, evictable) pages now; free_pages: what the owner end can allocate now
-            (``available_pages``); reclaimable_pages: what eviction can return (= ``cached_pages``).
-        pages_cached / pages_reclaimed / pages_evicted / pages_copied: totals since creation (pages entering the
-            cache, revived from it, evicted from it, copied on write).
-    """
-
-    live_requests: int
-    free_slots: int
-    tokens: int
-    held_pages: int
-    shared_pages: int
-    engine_refs: int
-    cached_pages: int
-    free_pages: int
-    reclaimable_pages: int
-    pages_cached: int
-    pages_reclaimed: int
-    pages_evicted: int
-    pages_copied: int
-
-    def to_dict(self) -> dict[str, int]:
-        return asdict(self)
-
-
-def _ids_arg(x: object, name: str) -> np.ndarray:
-    """A 1-D integer id batch as int64 numpy (torch int32/int64 on any device, numpy integers, or a list)."""
-    if type(x) is np.ndarray and x.dtype is _NP_I64 and x.ndim == 1:   # the engine's own index arrays
-        return x
-    if isinstance(x, torch.Tensor):
-        if x.dtype not in (torch.int64, torch.int32) or x.dim() != 1 or x.is_sparse or x.is_meta:
-            raise InvalidIdError(f"{name}: dtype {x.dtype}, shape {tuple(x.shape)}; allowed a dense 1-D "
-                                 f"torch.int64 or torch.int32 tensor")
-        if x.device.type != "cpu":
-            x = x.cpu()
-        a = x.numpy()
-        return a if a.dtype is _NP_I64 else a.astype(np.int64)
-    if isinstance(x, np.ndarray):
-        if x.ndim != 1 or x.dtype.kind not in "iu":
-            raise InvalidIdError(f"{name}: dtype {x.dtype}, shape {x.shape}; allowed a 1-D integer numpy array")
-        if x.dtype.kind == "u" and x.size and int(x.max()) >= 2**63:
-            raise InvalidIdError(f"{name}: value {int(x.max())}; allowed ids in [0, 2**63)")
-        return x if x.dtype is _NP_I64 else x.astype(np.int64)
-    if isinstance(x, (list, tuple)) and all(type(v) is int for v in x):
-        if any(not -(2**63) <= v < 2**63 for v in x):
-            raise InvalidIdError(f"{name}: a value outside int64; allowed ids in [0, 2**63)")
-        return np.array(x, dtype=np.int64).reshape(-1)
-    raise InvalidIdError(f"{name}={x!r}: allowed a 1-D integer torch tensor, numpy array or list of ints")
-
-
-def _count_arg(n: object, name: str) -> int:
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= int(n) < 2**63:
-        raise UmallocValueError(f"{name}={n!r}: allowed an int in [0, 2**63)")
-    return int(n)
 
 
 class RequestTable:
@@ -371,7 +310,7 @@ class RequestTable:
         raise InvariantError(f"{where}: unknown kernel result {code}")
 
     def _slots(self, slots: object, where: str) -> np.ndarray:
-        s = _ids_arg(slots, "slots")
+        s = id_batch(slots, "slots")
         info = self._info
         info[:] = 0
         if not check_slots(self._rq, s, self._mark, info):
@@ -389,7 +328,7 @@ class RequestTable:
         return s
 
     def _page_ids(self, vpages: object, where: str) -> np.ndarray:
-        vp = _ids_arg(vpages, "vpages")
+        vp = id_batch(vpages, "vpages")
         NV = self._pg.shape[1]
         bad = np.flatnonzero((vp < 1) | (vp >= NV) | (vp == self.zero_vpage))
         if bad.size:
@@ -474,7 +413,7 @@ class RequestTable:
         Raises:
             UmallocValueError: a bad count. Complexity: O(max_requests).
         """
-        n = _count_arg(num_requests, "num_requests")
+        n = count_arg(num_requests, "num_requests")
         if n > self.max_requests:
             return None   # more than every slot: fewer are free (nothing changed)
         out = np.empty(n, np.int64)
@@ -502,8 +441,8 @@ class RequestTable:
 
         Complexity: O(B + new tokens + released pages), two numba kernels around one ``alloc_pages``.
         """
-        s = _ids_arg(slots, "slots")
-        e = _ids_arg(extend_lens, "extend_lens")
+        s = id_batch(slots, "slots")
+        e = id_batch(extend_lens, "extend_lens")
         if e.shape[0] != s.shape[0]:
             raise InvalidIdError(f"extend: slots ({s.shape[0]},) and extend_lens ({e.shape[0]},); allowed equal "
                                  f"(B,) shapes")
@@ -514,7 +453,7 @@ class RequestTable:
 
         Returns / Raises: as :meth:`extend`; the result is ``int64 (B,)``.
         """
-        s = _ids_arg(slots, "slots")
+        s = id_batch(slots, "slots")
         return self._grow(s, self._ones[: s.shape[0]] if s.shape[0] <= self.max_requests
                           else np.ones(s.shape[0], np.int64), "decode")
 
@@ -559,8 +498,8 @@ class RequestTable:
         >>> table.truncate([s], [2]); table.pages(s).tolist(), alloc.stats()["full"].live_pages
         ([2], 2)
         """
-        s = _ids_arg(slots, "slots")
-        keep = _ids_arg(num_tokens, "num_tokens")
+        s = id_batch(slots, "slots")
+        keep = id_batch(num_tokens, "num_tokens")
         if keep.shape[0] != s.shape[0]:
             raise InvalidIdError(f"truncate: slots ({s.shape[0]},) and num_tokens ({keep.shape[0]},); allowed "
                                  f"equal (B,) shapes")
@@ -627,7 +566,7 @@ class RequestTable:
         """
         src = self._slot(src_slot, "fork")
         L = int(self._rq[RQ_LEN, src])
-        n = L if num_tokens is None else _count_arg(num_tokens, "num_tokens")
+        n = L if num_tokens is None else count_arg(num_tokens, "num_tokens")
         if n > L:
             raise UmallocValueError(f"fork: num_tokens={n}; allowed [0, {L}] (the source's length)")
         c = int(k_fork(self._rq, self._pg, self._r2p, self._r2t, src, n, self.page_size, self._win))
@@ -767,7 +706,7 @@ class RequestTable:
         """Evict up to ``num_pages`` cached pages, LRU first: ``on_evict(vpages)`` is called, then they are
         freed (an exception from ``on_evict`` propagates once they are freed). Allocation calls this itself
         under pressure. Returns the pages evicted. O(num_pages)."""
-        n = _count_arg(num_pages, "num_pages")
+        n = count_arg(num_pages, "num_pages")
         got = k_evict(self._pg, self._lru, n, self._freed)
         if got == 0:
             return 0
