@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from umalloc.errors import SpecError
-from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, KVDtype, LayerSpec
+from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, KVDtype, LayerKind, LayerSpec
 
 
 @dataclass(frozen=True)
@@ -102,9 +102,44 @@ def _with_dtype(layers: tuple[LayerSpec, ...], dtype: KVDtype | None) -> tuple[L
                            dtype) for x in layers)
 
 
+def rank_kv_heads(total_kv_heads: int, tp_size: int) -> int:
+    """KV heads one TP rank of ``tp_size`` holds of a layer with ``total_kv_heads``: vLLM's split,
+    ``max(1, total // tp_size)`` (when ``tp_size > total`` each head is replicated on ``tp_size // total``
+    consecutive ranks). O(1).
+
+    Raises:
+        SpecError: ``tp_size`` not an int >= 1, or heads that do not split evenly (``total % tp_size`` when
+            ``tp_size <= total``, ``tp_size % total`` when ``tp_size > total``; vLLM refuses both).
+
+    >>> rank_kv_heads(8, 2), rank_kv_heads(8, 8), rank_kv_heads(1, 4), rank_kv_heads(8, 16)
+    (4, 1, 1, 1)
+    """
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise SpecError("tp_size", tp_size, "an int >= 1")
+    if tp_size <= total_kv_heads:
+        if total_kv_heads % tp_size:
+            raise SpecError("tp_size", tp_size, f"a divisor of the layer's {total_kv_heads} KV heads, or a "
+                            "multiple of them (replication)")
+        return total_kv_heads // tp_size
+    if tp_size % total_kv_heads:
+        raise SpecError("tp_size", tp_size, f"a multiple of the layer's {total_kv_heads} KV heads (replication), "
+                        "or a divisor of them")
+    return 1
+
+
+def _per_rank(layers: tuple[LayerSpec, ...], tp_size: int) -> tuple[LayerSpec, ...]:
+    """``layers`` as one TP rank of ``tp_size`` holds them: MHA heads split (:func:`rank_kv_heads`), an MLA
+    latent replicated whole."""
+    if tp_size == 1:
+        return layers
+    return tuple(x if x.kind is LayerKind.MLA else
+                 LayerSpec(x.kind, rank_kv_heads(x.num_kv_heads, tp_size), x.head_dim_k, x.head_dim_v,
+                           x.latent_dim, x.window_tokens, x.dtype) for x in layers)
+
+
 def preset_ends(name: str, *, page_size: int = 16, draft: bool = True, draft_page_size: int | None = None,
-                dtype: KVDtype | None = None) -> tuple[EndSpec, ...]:
-    """The ends of preset ``name``.
+                dtype: KVDtype | None = None, tp_size: int = 1) -> tuple[EndSpec, ...]:
+    """The ends of preset ``name``, as one TP rank of ``tp_size`` holds them.
 
     Args:
         name: a key of :data:`PRESETS`.
@@ -113,28 +148,34 @@ def preset_ends(name: str, *, page_size: int = 16, draft: bool = True, draft_pag
         draft_page_size: the draft end's page size (default ``page_size``); a different one makes the draft
             end its own id owner.
         dtype: override every layer's KV dtype (default: the model's own).
+        tp_size: tensor-parallel size: every MHA layer (target and drafter) holds :func:`rank_kv_heads` of its
+            heads (``LayerSpec.num_kv_heads`` is per rank); MLA latents are replicated whole.
 
     Raises:
-        SpecError: unknown preset, or an invalid page size.
+        SpecError: unknown preset, an invalid page size, or a ``tp_size`` the heads do not split by.
 
     >>> [(e.name, e.grow.value, e.owner, e.entry_bytes) for e in preset_ends("gpt-oss-20b")]
     [('full', 'up', None, 24576), ('swa', 'down', 'full', 24576)]
+    >>> [(e.name, e.layers[0].num_kv_heads) for e in preset_ends("gemma-3-12b-draft", tp_size=2)]
+    [('full', 4), ('swa', 4), ('draft', 1)]
     """
     try:
         preset = PRESETS[name]
     except KeyError:
         raise SpecError("preset", name, f"one of {sorted(PRESETS)}") from None
     target = MODELS[preset.target]
-    ends: list[EndSpec] = [EndSpec("full", _with_dtype(target.full_layers, dtype), page_size, Grow.UP,
-                                   None, EndRole.TARGET)]
+
+    def layers(xs: tuple[LayerSpec, ...]) -> tuple[LayerSpec, ...]:
+        return _per_rank(_with_dtype(xs, dtype), tp_size)
+
+    ends: list[EndSpec] = [EndSpec("full", layers(target.full_layers), page_size, Grow.UP, None, EndRole.TARGET)]
     if target.sliding_layers:
-        ends.append(EndSpec("swa", _with_dtype(target.sliding_layers, dtype), page_size, Grow.DOWN, "full",
-                            EndRole.SWA))
+        ends.append(EndSpec("swa", layers(target.sliding_layers), page_size, Grow.DOWN, "full", EndRole.SWA))
     if draft and preset.draft is not None:
         dmodel = MODELS[preset.draft]
         dps = page_size if draft_page_size is None else draft_page_size
         grow = Grow.FLOAT if target.sliding_layers else Grow.DOWN
-        ends.append(EndSpec("draft", _with_dtype(dmodel.layers, dtype), dps, grow,
+        ends.append(EndSpec("draft", layers(dmodel.layers), dps, grow,
                             "full" if dps == page_size else None, EndRole.DRAFT))
     return tuple(ends)
 
@@ -145,4 +186,5 @@ def preset_arena_spec(name: str, arena_bytes: int, **kwargs: object) -> ArenaSpe
 
 
 
-__all__ = ["DEFAULT_PRESET", "MODELS", "PRESETS", "ModelGeometry", "Preset", "preset_arena_spec", "preset_ends"]
+__all__ = ["DEFAULT_PRESET", "MODELS", "PRESETS", "ModelGeometry", "Preset", "preset_arena_spec", "preset_ends",
+           "rank_kv_heads"]
