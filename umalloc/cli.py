@@ -10,6 +10,11 @@ size for both arenas or ``PREFILL,DECODE``. Every argument, the trace file and b
 before anything runs (:mod:`umalloc.replay.preflight`). The exit status is 0 when every invariant of the report
 holds, 1 when one does not, 2 for bad arguments (one ``error:`` line, nothing written), and 130 after Ctrl-C (one
 ``interrupted`` line; the second process of ``nixl``/``mooncake`` is ended).
+
+With ``--prefill-tp``, ``--decode-tp``, ``--prefill-dcp``, ``--decode-dcp`` other than 1, a ``--prefill-page-size``
+other than ``--page-size``, or ``--multi-rank``, it runs the multi-rank transfer replay instead
+(:mod:`umalloc.replay.ranks`): one process per rank on each side, every rank's slice verified. A rank that dies
+ends every process and exits 1 with one ``error:`` line naming the rank.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import typer
 from umalloc.errors import BackendError, UmallocValueError
 from umalloc.geometry.presets import DEFAULT_PRESET, PRESETS
 from umalloc.replay import DEFAULT_REQUESTS, DEFAULT_TOKEN_SCALE
+from umalloc.replay.ranks import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_RANK_REQUESTS, DEFAULT_RANK_TOKEN_SCALE
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="umalloc: multi-ended KV-cache page allocator. `umalloc replay` runs the main job.")
@@ -138,12 +144,30 @@ def replay(
         "--check-every", min=0, help="Run check_invariants() on both sides every N steps (0: at the end only).")
     ] = 0,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show the progress bar.")] = True,
+    prefill_tp: Annotated[int, typer.Option(
+        "--prefill-tp", min=1, help="Prefill TP size: with any of the multi-rank options below other than 1 (or "
+        "--multi-rank) the replay runs one process per rank on each side and verifies every rank's slice.")] = 1,
+    decode_tp: Annotated[int, typer.Option("--decode-tp", min=1, help="Decode TP size (multi-rank).")] = 1,
+    prefill_dcp: Annotated[int, typer.Option("--prefill-dcp", min=1, help="Prefill DCP size (multi-rank).")] = 1,
+    decode_dcp: Annotated[int, typer.Option("--decode-dcp", min=1, help="Decode DCP size (multi-rank).")] = 1,
+    prefill_page_size: Annotated[int | None, typer.Option(
+        "--prefill-page-size", min=1, help="Prefill tokens per page (multi-rank; --page-size is decode's). "
+        "[default: --page-size]")] = None,
+    max_prompt_tokens: Annotated[int, typer.Option(
+        "--max-prompt-tokens", min=1, help="Multi-rank: cap every scaled prompt at N tokens.")
+    ] = DEFAULT_MAX_PROMPT_TOKENS,
+    multi_rank: Annotated[bool, typer.Option(
+        "--multi-rank", help="Run the multi-rank replay even at TP 1, DCP 1 and one page size (one process per "
+        "side). Multi-rank defaults: --requests " f"{DEFAULT_RANK_REQUESTS}, --token-scale {DEFAULT_RANK_TOKEN_SCALE}; "
+        "--max-batch is the requests in flight per step; --arena-bytes sizes every rank's arena.")] = False,
 ) -> None:
     """Replay a real request trace through a prefill arena and a decode arena; verify every byte."""
     from rich.console import Console
     from rich.markup import escape
 
     from umalloc.replay.preflight import check_output_file, check_trace_file, resolve_plot_path
+    from umalloc.replay.ranks import RankError, RanksConfig, is_multi_rank, run_ranks
+    from umalloc.replay.ranks_report import check_ranks_report, ranks_table
     from umalloc.replay.report import check_report, report_table
     from umalloc.replay.run import ReplayConfig, run_replay
 
@@ -169,20 +193,41 @@ def replay(
             plot_path = resolve_plot_path(plot) if plot is not None else None
             if plot_path is not None and report is not None and plot_path.resolve() == report.resolve():
                 raise UmallocValueError(f"--report and --plot name the same file {str(report)!r}")
-            cfg = ReplayConfig(
-                trace=None if trace is None else str(trace),
-                trace_format=None if trace_format is TraceFormat.auto else trace_format.value,
-                model=model, page_size=page_size, prefill_arena_bytes=pre_b, decode_arena_bytes=dec_b,
-                backend=backend.value, requests=requests, skip=skip, token_scale=token_scale,
-                draft=True if draft is None else draft, seed=seed, max_batch=max_batch, compaction=compaction.value,
-                check_every=check_every, layout=layout,
-            )
-            result = run_replay(cfg, progress=progress, console=console)
+            table_of, check_of = report_table, check_report
+            if multi_rank or is_multi_rank(prefill_tp, decode_tp, prefill_dcp, decode_dcp, prefill_page_size,
+                                           page_size):
+                if layout != "dynamic" or plot_path is not None:
+                    raise UmallocValueError(f"{'--plot' if plot_path is not None else '--layout ' + layout}: the "
+                                            "multi-rank replay runs the dynamic layout and draws no plot; allowed "
+                                            "without it")
+                rcfg = RanksConfig(
+                    backend=backend.value, trace=None if trace is None else str(trace),
+                    trace_format=None if trace_format is TraceFormat.auto else trace_format.value, model=model,
+                    page_size=page_size, prefill_page_size=prefill_page_size, prefill_tp=prefill_tp,
+                    decode_tp=decode_tp, prefill_dcp=prefill_dcp, decode_dcp=decode_dcp,
+                    prefill_arena_bytes=pre_b, decode_arena_bytes=dec_b, requests=requests, skip=skip,
+                    token_scale=token_scale, max_prompt_tokens=max_prompt_tokens,
+                    draft=True if draft is None else draft, seed=seed, max_batch=max_batch,
+                    compaction=compaction.value, check_every=check_every)
+                result = run_ranks(rcfg, progress=progress, console=console)
+                table_of, check_of = ranks_table, check_ranks_report
+            else:
+                cfg = ReplayConfig(
+                    trace=None if trace is None else str(trace),
+                    trace_format=None if trace_format is TraceFormat.auto else trace_format.value,
+                    model=model, page_size=page_size, prefill_arena_bytes=pre_b, decode_arena_bytes=dec_b,
+                    backend=backend.value, requests=requests, skip=skip, token_scale=token_scale,
+                    draft=True if draft is None else draft, seed=seed, max_batch=max_batch,
+                    compaction=compaction.value, check_every=check_every, layout=layout,
+                )
+                result = run_replay(cfg, progress=progress, console=console)
         except UmallocValueError as exc:
             raise fail(str(exc), 2) from None
+        except RankError as exc:  # a rank of the multi-rank replay died or failed: every rank was ended
+            raise fail(str(exc), 1) from None
         except BackendError as exc:  # a transfer engine or the second process failed mid-run (e.g. killed)
             raise fail(f"the {backend.value} backend failed: {exc}", 1) from None
-        console.print(report_table(result))
+        console.print(table_of(result))
         try:
             if report is not None:
                 import json
@@ -198,7 +243,7 @@ def replay(
     except KeyboardInterrupt:
         console.print("interrupted")
         raise typer.Exit(130) from None
-    problems = check_report(result)
+    problems = check_of(result)
     if problems:
         for p in problems:
             console.print(f"[red]invariant:[/red] {escape(str(p))}", soft_wrap=True)

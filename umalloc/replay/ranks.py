@@ -22,6 +22,8 @@ Policy:
   (:mod:`umalloc.replay.headpattern`); this process checks the verified bytes against a count made here from the
   request lengths and the ranks' geometry alone (:func:`expected_bytes`), and the report
   (:mod:`umalloc.replay.ranks_report`) holds every figure per rank, per route and in total.
+* Importing this module stays light (the console script imports it for its defaults): the transfer layer and
+  the rank side are imported where they are used.
 * **Failures end every rank.** Each call to a rank is bounded; while it runs, every other rank is watched: a
   rank that died (a SIGKILL) raises :class:`RankError` naming it, at once. Ctrl-C (SIGINT reaches only this
   process: the ranks are spawned with it ignored, :mod:`umalloc.replay.signals`) raises ``KeyboardInterrupt``.
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -41,11 +44,12 @@ import numpy as np
 from umalloc.errors import BackendError, InvariantError, UmallocValueError
 from umalloc.geometry.presets import DEFAULT_PRESET, PRESETS
 from umalloc.geometry.spec import ArenaSpec, EndRole
-from umalloc.replay.rankside import rank_arena_bytes, rank_ends
 from umalloc.replay.ranks_report import RANKS_SCHEMA_VERSION, check_ranks_report
 from umalloc.replay.signals import sigint_ignored
 from umalloc.replay.trace import load_trace
-from umalloc.transfer import PeerLayout, source_ranks
+
+if TYPE_CHECKING:
+    from umalloc.transfer import PeerLayout
 
 _HERE = "umalloc.replay.rankside:"
 #: Multi-rank defaults: requests, token scale and prompt cap (a few seconds per case on 2 cores).
@@ -127,6 +131,8 @@ class RanksConfig:
             _check_int(name, getattr(self, name), 0)
         if self.compaction not in ("lazy", "eager", "off"):
             raise UmallocValueError(f"compaction={self.compaction!r}: allowed 'lazy', 'eager', 'off'")
+        from umalloc.replay.rankside import rank_ends
+
         d = asdict(self)
         d["prefill_page_size"] = self.page_size if self.prefill_page_size is None else self.prefill_page_size
         d["requests"] = DEFAULT_RANK_REQUESTS if self.requests is None else self.requests
@@ -201,6 +207,8 @@ def sends_to(src: PeerLayout, dst: PeerLayout) -> bool:
     """True iff a plan from source rank ``src`` to destination rank ``dst`` can carry bytes: the same TP rank,
     and a DCP rank that owns some of the receiver's sharded rows or is its designated sender of unsharded vectors
     (:func:`~umalloc.transfer.source_ranks`)."""
+    from umalloc.transfer import source_ranks
+
     if (src.tp_size, src.tp_rank) != (dst.tp_size, dst.tp_rank):
         return False
     senders = source_ranks(dst.dcp_rank, dst.dcp_size, src.dcp_size)
@@ -391,6 +399,8 @@ class MultiRankReplay:
             pool.close()
 
     def _setup(self, pool: RankPool) -> None:
+        from umalloc.transfer import PeerLayout
+
         t0 = time.perf_counter()
         c = self.cfg
         pool.wait_ready()
