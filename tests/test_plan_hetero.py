@@ -20,6 +20,7 @@ from umalloc.geometry.region import Region
 from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, LayerSpec, swa_tail_start
 from umalloc.transfer import PeerLayout, build_plan, check_compatible
 from umalloc.transfer.heads import global_heads
+from umalloc.transfer.rows import owned_count, vector_rows
 from umalloc.transfer.slices import sends_to
 
 HEADS = 4  # the model's KV heads per layer (target and SWA); the drafter has 1 (replicated under TP)
@@ -53,18 +54,20 @@ class Rank:
     """One rank's arena, allocator and one request of ``L`` tokens (its virtual ids per id owner)."""
 
     def __init__(self, spec_: ArenaSpec, tp_rank: int, tp_size: int, L: int, *, seed: int, prefix: int = 0,
-                 swa_from: int = 0) -> None:
+                 receiver: bool = False, dcp: tuple[int, int] = (1, 0)) -> None:
         self.arena = Arena(spec_)
         g = torch.Generator().manual_seed(seed)
         self.arena.data.copy_(torch.randint(0, 256, (spec_.arena_bytes,), dtype=torch.uint8, generator=g))
         self.alloc = MultiEndedAllocator(self.arena, debug_checks=True)
         self.tp_rank, self.tp_size, self.L = tp_rank, tp_size, L
-        self.layout = PeerLayout.from_arena(self.arena, tp_rank=tp_rank, tp_size=tp_size)
+        self.dcp_size, self.dcp_rank = dcp
+        self.layout = PeerLayout.from_arena(self.arena, tp_rank=tp_rank, tp_size=tp_size, dcp_size=dcp[0],
+                                            dcp_rank=dcp[1])
         noise = self._extend("full", 3)  # other requests first: ids and pages are not 1, 2, 3 ...
-        self.vt = {"full": self._extend("full", L, bind=[])}
+        self.vt = {"full": self._extend("full", owned_count(L, *dcp), bind=[])}  # its local rows (DCP)
         self.alloc.free(noise, owner="full")
+        swa_from = vector_rows(spec_.end("swa"), L, prefix, dcp_size=dcp[0], dcp_rank=dcp[1])[0] if receiver else 0
         assert self.alloc.bind_end("swa", self.vt["full"][swa_from:])
-        self.swa_from = swa_from
         if "draft" in spec_.end_names:
             self.vt["draft"] = self._extend("draft", L)
         self.prefix = prefix
@@ -84,7 +87,8 @@ class Rank:
     def _rows(self, end: str, positions: np.ndarray):
         e = self.arena.spec.end(end)
         owner = self.arena.spec.owner_of(end)
-        tok = self.alloc.translate(self.vt[owner][torch.from_numpy(positions)], end).numpy()
+        local = positions // self.dcp_size if end != "draft" else positions  # Note [DCP rows]
+        tok = self.alloc.translate(self.vt[owner][torch.from_numpy(local)], end).numpy()
         return tok // e.page_size, tok % e.page_size
 
     def each_view(self, end: str, positions: np.ndarray, data: torch.Tensor | None = None):
@@ -114,7 +118,8 @@ class Rank:
         lo = self.prefix
         if end == "swa":
             lo = max(lo, self.L - WINDOW)
-        return np.arange(lo, self.L, dtype=np.int64)
+        x = np.arange(lo, self.L, dtype=np.int64)
+        return x if end == "draft" else x[x % self.dcp_size == self.dcp_rank]
 
     def assert_received(self, before: torch.Tensor, *, whole_pages: set[str]) -> None:
         """Every row that must arrive holds the pattern; no other byte of the arena changed (``whole_pages``:
@@ -131,6 +136,7 @@ class Rank:
                 view[idx] = 1.0  # bf16 0x3f80: both bytes non-zero
             if end in whole_pages:  # rows from the first row that travels; whole pages after a boundary page
                 ps = self.arena.spec.end(end).page_size
+                assert self.dcp_size == 1
                 row_lo = swa_tail_start(self.L, WINDOW, self.prefix, ps) if end == "swa" else self.prefix
                 rows_ = np.arange(row_lo, self.L, dtype=np.int64)
                 for _ei, _layer, _kv, view, idx in self.each_view(end, rows_, mask):
@@ -163,10 +169,10 @@ def run_pairs(src_ranks: list[Rank], dst_ranks: list[Rank]) -> dict[tuple[int, i
                               prefix_tokens=d.prefix, seq_len_tokens=d.L, src_layout=s.layout,
                               dst_layout=d.layout)
             execute(plan)
-            counts[(s.tp_rank, d.tp_rank)] = plan.num_descriptors
+            counts[(s.tp_rank, d.tp_rank)] = counts.get((s.tp_rank, d.tp_rank), 0) + plan.num_descriptors
             plan.complete()
         d.assert_received(before, whole_pages={e.name for e in d.arena.spec.ends if all(
-            s.arena.spec.end(e.name) == e and s.tp_size == d.tp_size for s in src_ranks)})
+            s.arena.spec.end(e.name) == e and s.tp_size == d.tp_size and d.dcp_size == 1 for s in src_ranks)})
         for r in (*src_ranks, d):
             r.alloc.check_invariants()
             assert r.alloc.leases_active() == 0
@@ -174,12 +180,12 @@ def run_pairs(src_ranks: list[Rank], dst_ranks: list[Rank]) -> dict[tuple[int, i
 
 
 def ranks(tp: int, page_size: int, head_groups: int, L: int, *, seed: int, prefix: int = 0,
-          receiver: bool = False) -> list[Rank]:
+          receiver: bool = False, dcp: int = 1) -> list[Rank]:
     out = []
     for r in range(tp):
-        swa_from = swa_tail_start(L, WINDOW, prefix, page_size) if receiver else 0
-        out.append(Rank(spec(tp, page_size, head_groups), r, tp, L, seed=seed + r, prefix=prefix,
-                        swa_from=swa_from))
+        for c in range(dcp):
+            out.append(Rank(spec(tp, page_size, head_groups), r, tp, L, seed=seed + 10 * r + c, prefix=prefix,
+                            receiver=receiver, dcp=(dcp, c)))
     if not receiver:
         for x in out:
             x.fill()
@@ -205,6 +211,16 @@ def test_every_rank_gets_exactly_its_heads(src, dst, prefix):
     for r in range(d):
         senders = sorted(q for q, rr in counts if rr == r)
         assert senders == (list(range(r * p // d, (r + 1) * p // d)) if p > d else [r * p // d]), senders
+
+
+@pytest.mark.parametrize("prefix", [0, 5])
+@pytest.mark.parametrize(("src", "dst"), [((1, 4, 1), (2, 4, 1)), ((2, 4, 1), (1, 8, 2)), ((1, 4, 2), (2, 2, 1))])
+def test_tp_and_page_ratios_under_decode_dcp(src, dst, prefix):
+    # decode DCP 2 on top: each (TP rank, DCP rank) gets its heads of the positions it owns, draft by logical rows
+    L = 15
+    s_ranks = ranks(*src, L, seed=SEED)
+    d_ranks = ranks(*dst, L, seed=SEED + 100, prefix=prefix, receiver=True, dcp=2)
+    run_pairs(s_ranks, d_ranks)
 
 
 def _one_page_layouts(src_tp, dst_tp, src_ps, dst_ps, src_g, dst_g, *, dst_rank):
