@@ -319,3 +319,42 @@ def test_normalize_regions():
     with pytest.raises(UmallocValueError):
         Region.from_dict({"base_ptr": 1000.7, "nbytes": 16, "device": "cpu", "mem_kind": "DRAM"})
     assert Region.from_dict(Region(1000, 16).to_dict()) == Region(1000, 16)
+
+
+def test_head_group_outer_views_alias_the_bytes_computed_by_hand():
+    # 2 head groups; layer 0: 4 heads x 2 dims, layer 1: 2 heads x 2 dims, bf16, page_size 3.
+    # Per group: L0 K 3 rows x (2 heads x 2 x 2 B = 8 B) = 24 B, L0 V 24 B, L1 K 3 x 4 B = 12 B, L1 V 12 B = 72 B;
+    # page = 2 x 72 = 144 B.
+    end = EndSpec("full", (LayerSpec.mha(4, 2), LayerSpec.mha(2, 2)), page_size=3, head_groups=2)
+    assert end.page_bytes == 144
+    arena = Arena(ArenaSpec((end,), arena_bytes=144 * 8))
+    arena.data.view(torch.int16).copy_(torch.arange(arena.spec.arena_bytes // 2, dtype=torch.int16))
+    block_off = {(0, 0): 0, (0, 1): 24, (1, 0): 48, (1, 1): 60}  # (layer, K=0 / V=1) -> bytes in a group
+    row_bytes = {0: 8, 1: 4}
+    for layer in (0, 1):
+        views = arena.kv_group_views("full", layer)
+        hpg = (2, 1)[layer]
+        for kv, view in enumerate(views):
+            assert view.shape == (8, 2, 3, hpg, 2)
+            for p in (1, 5):
+                for g in range(2):
+                    for t in range(3):
+                        for j in range(hpg):
+                            for e in range(2):
+                                off = p * 144 + g * 72 + block_off[(layer, kv)] + t * row_bytes[layer] + j * 4 + e * 2
+                                assert int(view[p, g, t, j, e].view(torch.int16)) == off // 2
+    with pytest.raises(UmallocValueError, match="kv_group_views"):
+        arena.kv_views("full", 0)
+    flat = Arena(ArenaSpec((EndSpec("full", (LayerSpec.mha(4, 2),), page_size=3),), arena_bytes=4096))
+    k4, _ = flat.kv_views("full", 0)
+    k5, _ = flat.kv_group_views("full", 0)
+    assert k5.shape[1] == 1 and k4.stride() == k5[:, 0].stride() and k4.data_ptr() == k5.data_ptr()
+
+
+def test_head_groups_must_divide_every_layers_heads():
+    with pytest.raises(SpecError, match="head_groups"):
+        EndSpec("full", (LayerSpec.mha(4, 2), LayerSpec.mha(3, 2)), page_size=2, head_groups=2)
+    with pytest.raises(SpecError, match="head_groups"):
+        EndSpec("full", (LayerSpec.mla(8, 4),), page_size=2, head_groups=2)
+    with pytest.raises(SpecError, match="head_groups"):
+        EndSpec("full", (LayerSpec.mha(4, 2),), page_size=2, head_groups=0)

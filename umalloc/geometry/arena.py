@@ -150,7 +150,7 @@ class Arena:
         return self.data[off: off + self._page_bytes[end]]
 
     def kv_views(self, end: str, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Per-layer K and V views of ``end`` aliasing the arena.
+        """Per-layer K and V views of a page-major ``end`` (``head_groups == 1``) aliasing the arena.
 
         Returns:
             ``(k, v)``: tensors of the layer's dtype, shape ``(num_pages, page_size, num_kv_heads, head_dim)``
@@ -159,27 +159,52 @@ class Arena:
 
         Raises:
             InvalidIdError: if ``layer`` is out of range.
+            UmallocValueError: the end is head-group-outer (``head_groups > 1``): its heads have no single stride,
+                use :meth:`kv_group_views`.
+        """
+        spec = self.end(end)
+        if spec.head_groups != 1:
+            raise UmallocValueError(f"end {end!r} has head_groups={spec.head_groups}: its heads have no single "
+                                    "stride; use kv_group_views (num_pages, head_groups, page_size, "
+                                    "heads_per_group, head_dim)")
+        k, v = self.kv_group_views(end, layer)
+        return k[:, 0], None if v is None else v[:, 0]
+
+    def kv_group_views(self, end: str, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per-layer K and V views of ``end`` aliasing the arena, for either envelope (Note [Head-group-outer
+        envelope] in :mod:`umalloc.geometry.spec`).
+
+        Returns:
+            ``(k, v)``: tensors of the layer's dtype, shape ``(num_pages, head_groups, page_size,
+            heads_per_group, head_dim)`` (rank-local head ``h`` is ``[:, h // heads_per_group, :,
+            h % heads_per_group]``); an MLA layer's ``k`` is ``(num_pages, 1, page_size, 1, latent_dim)`` and
+            ``v`` is ``None``. Views, not copies: writes land in the arena. O(1).
+
+        Raises:
+            InvalidIdError: if ``layer`` is out of range.
         """
         spec = self.end(end)
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < len(spec.layers):
             raise InvalidIdError(f"layer {layer!r} of end {end!r}: allowed [0, {len(spec.layers) - 1}]")
         lspec = spec.layers[layer]
-        k_off, v_off = spec.layer_offsets_bytes[layer]
-        pb = spec.page_bytes
+        groups = spec.head_groups
         ps = spec.page_size
         num_pages = self.top_page(end) + 1
         item = lspec.dtype.itemsize
         typed = self.data.view(lspec.dtype.torch_dtype)  # arena_bytes is 16-aligned, so this always works
-        page_stride = pb // item
+        page_stride = spec.page_bytes // item
+        group_stride = page_stride // groups
+        blocks = {b.kv: b for b in spec.blocks if b.group == 0 and b.layer == layer}
 
-        def view(off_bytes: int, heads: int, head_dim: int) -> torch.Tensor:
-            return typed.as_strided((num_pages, ps, heads, head_dim),
-                                    (page_stride, heads * head_dim, head_dim, 1), off_bytes // item)
+        def view(kv: str, heads: int, head_dim: int) -> torch.Tensor:
+            return typed.as_strided((num_pages, groups, ps, heads, head_dim),
+                                    (page_stride, group_stride, heads * head_dim, head_dim, 1),
+                                    blocks[kv].offset_bytes // item)
 
         if lspec.kind is LayerKind.MLA:
-            return view(k_off, 1, lspec.latent_dim), None
-        return (view(k_off, lspec.num_kv_heads, lspec.head_dim_k),
-                view(v_off, lspec.num_kv_heads, lspec.head_dim_v))
+            return view("k", 1, lspec.latent_dim), None
+        heads = lspec.num_kv_heads // groups
+        return view("k", heads, lspec.head_dim_k), view("v", heads, lspec.head_dim_v)
 
     # ---- moves -----------------------------------------------------------------------------------------
     def copy_pages(self, end: str, dst_pages: torch.Tensor | np.ndarray, src_pages: torch.Tensor | np.ndarray) -> None:

@@ -11,7 +11,9 @@ Policy:
 * ``entry_bytes`` of an end is the bytes one token occupies across every layer that end holds;
   ``page_bytes = page_size * entry_bytes``.
 * Inside a page the layout is page-major (Note [Page-major envelope]): layer 0 K rows, layer 0 V rows,
-  layer 1 K rows, ... so one physical page is one contiguous envelope holding every layer.
+  layer 1 K rows, ... so one physical page is one contiguous envelope holding every layer. An end may opt into
+  the head-group-outer envelope (``head_groups > 1``, Note [Head-group-outer envelope]); ``head_groups == 1``
+  is exactly the page-major one.
 
 Note [Page-major envelope]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -24,6 +26,21 @@ Note [Page-major envelope]
     ^ page * page_bytes                                (page + 1) * page_bytes ^
 
 Each K (or V) block is ``page_size * num_kv_heads * head_dim * dtype_bytes`` bytes, token-major inside.
+
+Note [Head-group-outer envelope]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+With ``head_groups = G`` a page is laid out ``[head_group][layer][K|V][page_size][heads_per_group][dim]``: the
+partition axis outermost, as SGLang's host-layout proposal (sgl-project/sglang#39727) argues for PD transfers
+between different TP sizes. Group ``g`` holds heads ``[g * H / G, (g + 1) * H / G)`` of every layer and is one
+contiguous chunk of ``page_bytes / G`` bytes, so the slice of heads a rank of another TP size needs is one byte
+run per (page, head group) instead of one per (token, layer, K|V). ``G = 1`` is the page-major envelope::
+
+    one page, 1 MHA layer of 4 heads, head_groups = 2, page_size = 2
+    +-------------------------------+-------------------------------+
+    | g0: L0 K (t0,t1; h0,h1) L0 V  | g1: L0 K (t0,t1; h2,h3) L0 V  |
+    +-------------------------------+-------------------------------+
+
+An end with an MLA layer (one latent, replicated across TP ranks) keeps ``G = 1``.
 """
 
 from __future__ import annotations
@@ -31,6 +48,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -191,6 +209,25 @@ class LayerSpec:
         return self.k_token_bytes + self.v_token_bytes
 
 
+class PageBlock(NamedTuple):
+    """One K / V / latent block of a page (:attr:`EndSpec.blocks`).
+
+    Attributes:
+        group: head group index; layer: layer index; kv: ``"k"`` (K or the MLA latent) or ``"v"``.
+        offset_bytes: byte offset of the block's first row in the page.
+        row_bytes: bytes of one token row of the block (``heads * head_dim * dtype_bytes``).
+        head_lo, heads: the block's first head (rank-local) and its head count (``1`` for MLA).
+    """
+
+    group: int
+    layer: int
+    kv: str
+    offset_bytes: int
+    row_bytes: int
+    head_lo: int
+    heads: int
+
+
 @dataclass(frozen=True)
 class EndSpec:
     """One end (sub-pool) of the arena.
@@ -203,10 +240,16 @@ class EndSpec:
         owner: ``None`` if this end is an id owner (mints virtual pages), else the name of the id-owner end
             whose virtual pages it binds its own physical pages to (SWA, or a draft sharing positions).
         role: :class:`EndRole`.
+        head_groups: ``1`` (default) for the page-major envelope, ``G > 1`` for the head-group-outer one (Note
+            [Head-group-outer envelope]); every MHA layer's ``num_kv_heads`` must divide by it and no layer may be
+            MLA.
 
     >>> e = EndSpec("full", (LayerSpec.mha(8, 128),) * 2, page_size=16)
     >>> e.entry_bytes, e.page_bytes
     (8192, 131072)
+    >>> [(b.group, b.layer, b.kv, b.offset_bytes, b.row_bytes) for b in
+    ...  EndSpec("g", (LayerSpec.mha(4, 8),), page_size=2, head_groups=2).blocks]
+    [(0, 0, 'k', 0, 32), (0, 0, 'v', 64, 32), (1, 0, 'k', 128, 32), (1, 0, 'v', 192, 32)]
     """
 
     name: str
@@ -215,6 +258,7 @@ class EndSpec:
     grow: Grow = Grow.UP
     owner: str | None = None
     role: EndRole = EndRole.TARGET
+    head_groups: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.isidentifier():
@@ -235,10 +279,16 @@ class EndSpec:
         if self.role is EndRole.SWA and self.window_tokens is None:
             raise SpecError(f"{self.name}.layers", "mixed/full layers",
                             "an SWA end holds only sliding layers of one window")
-        for i, (k_off, v_off) in enumerate(self.layer_offsets_bytes):
-            item = self.layers[i].dtype.itemsize
-            if k_off % item or v_off % item:
-                raise SpecError(f"{self.name}.layers[{i}]", self.layers[i],
+        _check_int(f"{self.name}.head_groups", self.head_groups, 1, 1 << 12)
+        for i, layer in enumerate(self.layers):
+            if self.head_groups > 1 and (layer.kind is LayerKind.MLA or layer.num_kv_heads % self.head_groups):
+                raise SpecError(f"{self.name}.head_groups", self.head_groups,
+                                f"a divisor of every MHA layer's num_kv_heads (layer {i}: {layer.kind.value}, "
+                                f"{layer.num_kv_heads} heads) and no MLA layer; 1 for the page-major envelope")
+        for b in self.blocks:
+            item = self.layers[b.layer].dtype.itemsize
+            if b.offset_bytes % item:
+                raise SpecError(f"{self.name}.layers[{b.layer}]", self.layers[b.layer],
                                 f"layer blocks aligned to the dtype size ({item} B)")
 
     @property
@@ -269,9 +319,44 @@ class EndSpec:
         return None
 
     @property
+    def blocks(self) -> tuple[PageBlock, ...]:
+        """Every K / V / latent block of one page in byte order (Note [Head-group-outer envelope]): per head
+        group, per layer, K then V (MLA: the latent block only). Block ``b`` holds ``page_size`` token rows of
+        ``b.row_bytes`` each from ``b.offset_bytes``. Cached; O(groups * layers)."""
+        cached = self.__dict__.get("_blocks")
+        if cached is None:
+            out: list[PageBlock] = []
+            g_count = self.head_groups
+            group_bytes = self.page_bytes // g_count
+            for g in range(g_count):
+                off = g * group_bytes
+                for i, layer in enumerate(self.layers):
+                    heads = layer.num_kv_heads // g_count
+                    for kv, tok in (("k", layer.k_token_bytes), ("v", layer.v_token_bytes)):
+                        if tok:
+                            row = tok // g_count
+                            out.append(PageBlock(g, i, kv, off, row, g * heads, heads))
+                            off += self.page_size * row
+            cached = tuple(out)
+            object.__setattr__(self, "_blocks", cached)
+        return cached
+
+    @property
+    def heads_per_group(self) -> tuple[int, ...]:
+        """Per layer, the KV heads one head group holds (``num_kv_heads // head_groups``; 1 for MLA)."""
+        return tuple(x.num_kv_heads // self.head_groups for x in self.layers)
+
+    @property
     def layer_offsets_bytes(self) -> tuple[tuple[int, int], ...]:
         """Per layer, the byte offsets of its K block and V block inside one page (V = K + K block for
-        MLA, an empty block). See Note [Page-major envelope]."""
+        MLA, an empty block). See Note [Page-major envelope]. Page-major ends only.
+
+        Raises:
+            UmallocValueError: ``head_groups > 1`` (a layer's K is then one block per group: use :attr:`blocks`).
+        """
+        if self.head_groups != 1:
+            raise UmallocValueError(f"end {self.name!r} has head_groups={self.head_groups}: its layers have one "
+                                    "block per head group; use EndSpec.blocks")
         out = []
         off = 0
         for layer in self.layers:
@@ -447,7 +532,7 @@ def arena_spec_for_budget(ends: Sequence[EndSpec], budget_bytes: int) -> ArenaSp
 
 
 __all__ = [
-    "ARENA_ALIGN_BYTES", "ArenaSpec", "EndRole", "EndSpec", "Grow", "KVDtype", "LayerKind", "LayerSpec",
+    "ARENA_ALIGN_BYTES", "ArenaSpec", "EndRole", "EndSpec", "Grow", "KVDtype", "LayerKind", "LayerSpec", "PageBlock",
     "arena_bytes_for_limits", "arena_spec_for_budget", "pages_for_tokens", "swa_pages_per_seq",
 ]
 

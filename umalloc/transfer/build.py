@@ -47,6 +47,7 @@ from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec
 from umalloc.transfer.layout import CheckedLayouts, PeerLayout, check_compatible
 from umalloc.transfer.plan import EMPTY_IDS, HalfVector, IndexVector, ReceiverHalf, TransferPlan
 from umalloc.transfer.rows import check_tokens, is_dcp_sharded, rows_of_checked
+from umalloc.transfer.slices import pair_pieces, same_slices
 from umalloc.translators import get_translator
 
 #: Virtual token ids of one request: one 1-D int64/int32 tensor (or numpy array) for the target owner, or a
@@ -360,6 +361,9 @@ def _sender_vector(name: str, src_end: EndSpec, dst_end: EndSpec, hv: HalfVector
     dst_pages = hv.pages
     owner = src_layout.spec.owner_of(src_end.name)
     if hv.kind == "slots":
+        if not same_slices(src_layout, dst_layout, src_layout.geometry(src_end.name),
+                           dst_layout.geometry(dst_end.name)):
+            return vec(), EMPTY_IDS  # another TP rank's state (equal geometry is checked at connect)
         n_pages = -(-vt.shape[0] // ps)
         src_pages = _translate(src_alloc, checked[owner].take(0, n_pages) if n_pages else EMPTY_IDS,
                                src_end.name)
@@ -370,12 +374,17 @@ def _sender_vector(name: str, src_end: EndSpec, dst_end: EndSpec, hv: HalfVector
     L, P = half.seq_len_tokens, half.prefix_tokens
     d, r = dst_layout.dcp_for(dst_end.name)
     p, q = src_layout.dcp_for(src_end.name)
-    page_lo, page_hi = _page_span(hv.row_lo, hv.row_hi, ps)  # rows and pages checked by build_send_plan
+    d_ps = dst_end.page_size
+    page_lo = hv.row_lo // d_ps  # rows and pages checked by build_send_plan
     if hv.row_lo == hv.row_hi:
         return vec(), EMPTY_IDS
-    if (p, q) == (d, r):
+    slices = not same_slices(src_layout, dst_layout, src_layout.geometry(src_end.name),
+                             dst_layout.geometry(dst_end.name))
+    if slices and pair_pieces(src_layout, src_end.name, dst_layout, dst_end.name).count == 0:
+        return vec(), EMPTY_IDS  # no head this source rank sends to that destination rank (Note [TP heads])
+    if (p, q) == (d, r) and not slices:
         # Same local rows on both sides: whole pages, plus the boundary page as rows (Note [Boundary page]).
-        src_pages = _translate(src_alloc, checked[owner].take(page_lo, page_hi), src_end.name)
+        src_pages = _translate(src_alloc, checked[owner].take(page_lo, -(-hv.row_hi // ps)), src_end.name)
         if hv.row_lo % ps == 0:
             return vec(src_pages, dst_pages), src_pages
         rows = np.arange(hv.row_lo, min((page_lo + 1) * ps, hv.row_hi), dtype=np.int64) % ps
@@ -383,7 +392,8 @@ def _sender_vector(name: str, src_end: EndSpec, dst_end: EndSpec, hv: HalfVector
         src_rows.setflags(write=False)
         dst_rows.setflags(write=False)
         return vec(src_pages[1:], dst_pages[1:], src_rows, dst_rows), src_pages
-    # Different row layouts: the positions this source rank owns among the receiver's rows, row by row.
+    # Different row layouts or slices: the positions this source rank owns among the receiver's rows, row by
+    # row, each side in its own page size (F14).
     translator = get_translator("cpu")
     dst_rows = np.arange(hv.row_lo, hv.row_hi, dtype=np.int64)
     positions = dst_rows * d + r
@@ -406,7 +416,7 @@ def _sender_vector(name: str, src_end: EndSpec, dst_end: EndSpec, hv: HalfVector
     _check_distinct(vpages, f"src {name}")
     src_phys = _translate(src_alloc, vpages, src_end.name)
     src_tok = src_phys[np.searchsorted(uniq, src_page_idx)] * ps + src_local % ps
-    dst_tok = dst_pages[dst_rows // ps - page_lo] * ps + dst_rows % ps
+    dst_tok = dst_pages[dst_rows // d_ps - page_lo] * d_ps + dst_rows % d_ps
     src_tok.setflags(write=False)
     dst_tok.setflags(write=False)
     return vec(EMPTY_IDS, EMPTY_IDS, src_tok, dst_tok), src_phys
@@ -478,14 +488,16 @@ def build_send_plan(request_id: str, src_alloc: PlanAllocator, src_vtokens: VTok
             spans[end_name] = (0, -(-vt.shape[0] // ps))
             continue
         d, r = dst_layout.dcp_for(hv.end)
-        expect = rows_of_checked(dst_layout.end(hv.end), half.seq_len_tokens, half.prefix_tokens, d, r)
-        page_lo, page_hi = _page_span(hv.row_lo, hv.row_hi, ps)
+        dst_end = dst_layout.end(hv.end)
+        expect = rows_of_checked(dst_end, half.seq_len_tokens, half.prefix_tokens, d, r)
+        page_lo, page_hi = _page_span(hv.row_lo, hv.row_hi, dst_end.page_size)
         if (hv.row_lo, hv.row_hi) != expect or hv.pages.size != page_hi - page_lo:
             raise UmallocValueError(
                 f"vector {name!r}: receiver half covers rows [{hv.row_lo}, {hv.row_hi}) with {hv.pages.size} "
                 f"page(s); the shared geometry gives rows {list(expect)} with {page_hi - page_lo} page(s) "
                 f"(L={half.seq_len_tokens}, P={half.prefix_tokens}, DCP {d}/{r})")
-        if hv.row_lo != hv.row_hi and src_layout.dcp_for(end_name) == (d, r):
+        if hv.row_lo != hv.row_hi and src_layout.dcp_for(end_name) == (d, r) and same_slices(
+                src_layout, dst_layout, src_layout.geometry(end_name), dst_layout.geometry(hv.end)):
             if vt.shape[0] < hv.row_hi:
                 raise UmallocValueError(f"src_vtokens for end {end_name!r} has {vt.shape[0]} rows; need "
                                         f"{hv.row_hi}")

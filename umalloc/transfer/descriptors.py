@@ -27,6 +27,7 @@ from numba import njit
 from umalloc.errors import DescriptorBoundsError, InvariantError, UmallocValueError
 from umalloc.geometry.region import RegionGroup
 from umalloc.transfer.layout import ADDRESS_LIMIT, EndGeometry, PeerLayout
+from umalloc.transfer.slices import pair_pieces, same_slices, slice_descriptors
 from umalloc.translators import cpu as host_translator
 
 EMPTY_IDS = np.zeros(0, dtype=np.int64)
@@ -42,12 +43,16 @@ class VectorDescriptors(NamedTuple):
 
     Attributes:
         descriptors: read-only uint64 ``(N, 3)`` ``(src_addr, dst_addr, nbytes)``.
-        page_runs, row_runs: runs coalesced from the page pairs and from the row pairs.
+        page_runs, row_runs: runs coalesced from the page pairs and from the row pairs (for a slice vector,
+            ``row_runs`` is its merged descriptors).
+        slice_pieces: for a slice vector (two sides of different TP, page size or head groups), the
+            descriptors one per (token row, head slice piece) would be; ``0`` otherwise.
     """
 
     descriptors: np.ndarray
     page_runs: int
     row_runs: int
+    slice_pieces: int = 0
 
 
 class SideBounds(NamedTuple):
@@ -79,7 +84,8 @@ def vector_descriptors(vector: str, src_pages: np.ndarray, dst_pages: np.ndarray
         :class:`VectorDescriptors`.
 
     Raises:
-        UmallocValueError: the two ends differ in page geometry (the layouts were not checked compatible).
+        UmallocValueError: whole-page pairs between ends that differ in TP, page size or head groups (those
+            travel as token rows through :mod:`umalloc.transfer.slices`).
         DescriptorBoundsError: an id past its end's last page, a group member that is not a registered region of
             its side or steps by other than the end's page bytes, or a descriptor outside the region and arena,
             the handable pages or the leased pages. Nothing is returned.
@@ -87,10 +93,9 @@ def vector_descriptors(vector: str, src_pages: np.ndarray, dst_pages: np.ndarray
     Complexity: O(n + m * blocks * members + N log leased).
     """
     s_geom, d_geom = src.geom, dst.geom
-    if not s_geom.same_bytes(d_geom):
-        raise UmallocValueError(f"vector {vector!r}: ends {s_geom.name!r} and {d_geom.name!r} differ in geometry "
-                                "(check_compatible the layouts first)")
     own = src.group is src.layout.region_group(s_geom.name) and dst.group is dst.layout.region_group(d_geom.name)
+    if not same_slices(src.layout, dst.layout, s_geom, d_geom):
+        return _slice_vector(vector, src_pages, src_rows, dst_rows, src, dst, own)
     if not own:  # a layout's own groups are right by construction
         for side, bounds in (("src", src), ("dst", dst)):
             _check_group(vector, side, bounds)
@@ -129,6 +134,24 @@ def vector_descriptors(vector: str, src_pages: np.ndarray, dst_pages: np.ndarray
             _check_side(vector, side, desc[:, col], desc[:, 2], _members(parts, k), bounds)
     desc.setflags(write=False)
     return VectorDescriptors(desc, int(page_runs.shape[0]), int(row_runs.shape[0]))
+
+
+def _slice_vector(vector: str, src_pages: np.ndarray, src_rows: np.ndarray, dst_rows: np.ndarray,
+                  src: SideBounds, dst: SideBounds, own: bool) -> VectorDescriptors:
+    """Descriptors of a vector between ends of different TP, page size or head groups
+    (:mod:`umalloc.transfer.slices`): token rows only, checked before and after the arithmetic."""
+    if src_pages.shape[0] or not own:
+        raise UmallocValueError(f"vector {vector!r}: ends {src.geom.name!r} and {dst.geom.name!r} differ in TP, "
+                                "page size or head groups: allowed token-row pairs on the layouts' own region groups "
+                                "(build the plan with umalloc.transfer.build)")
+    _check_ids(vector, "src", EMPTY_IDS, src_rows, src.geom)
+    _check_ids(vector, "dst", EMPTY_IDS, dst_rows, dst.geom)
+    pieces = pair_pieces(src.layout, src.geom.name, dst.layout, dst.geom.name)
+    desc, unmerged = slice_descriptors(src_rows, dst_rows, pieces, src.layout, src.geom.name, dst.layout,
+                                       dst.geom.name)
+    for side, col, bounds in (("src", 0, src), ("dst", 1, dst)):
+        _check_side(vector, side, desc[:, col], desc[:, 2], None, bounds)
+    return VectorDescriptors(desc, 0, int(desc.shape[0]), unmerged)
 
 
 @njit(cache=True, nogil=True)

@@ -30,6 +30,7 @@ import numpy as np
 from umalloc.errors import IncompatiblePeerError, UmallocValueError
 from umalloc.geometry.region import Region, RegionGroup, RegionMember
 from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, KVDtype, LayerKind, LayerSpec
+from umalloc.transfer.heads import head_map, tp_difference
 from umalloc.transfer.rows import check_dcp, is_dcp_sharded
 
 #: Vector name of each end role (a second end of the same role is named ``"<role name>.<end name>"``).
@@ -41,7 +42,7 @@ VECTOR_NAME_BY_ROLE: dict[EndRole, str] = {
 }
 _ROLE_ORDER = (EndRole.TARGET, EndRole.DRAFT, EndRole.SWA, EndRole.STATE)
 
-_LAYOUT_FORMAT = 1
+_LAYOUT_FORMAT = 2
 #: Descriptors carry uint64 addresses: no byte a layout names may lie at or past 2**64.
 ADDRESS_LIMIT = 1 << 64
 
@@ -54,7 +55,8 @@ class EndGeometry:
         name, page_size (tokens), page_bytes: the end's.
         first_page, top_page: the handable physical page range ``[first_page, top_page]`` of the end.
         block_offs, block_bytes: read-only uint64 ``(B,)``: byte offset of every K / V / latent block inside a
-            page, and the bytes one token row occupies in it.
+            page (:attr:`~umalloc.geometry.spec.EndSpec.blocks`: per head group, per layer), and the bytes one
+            token row occupies in it.
     """
 
     name: str
@@ -67,14 +69,8 @@ class EndGeometry:
 
     @classmethod
     def of(cls, spec: ArenaSpec, end: EndSpec) -> EndGeometry:
-        offs, sizes = [], []
-        for (k_off, v_off), layer in zip(end.layer_offsets_bytes, end.layers, strict=True):
-            offs.append(k_off)
-            sizes.append(layer.k_token_bytes)
-            if layer.v_token_bytes:
-                offs.append(v_off)
-                sizes.append(layer.v_token_bytes)
-        o, b = np.array(offs, dtype=np.uint64), np.array(sizes, dtype=np.uint64)
+        o = np.array([b.offset_bytes for b in end.blocks], dtype=np.uint64)
+        b = np.array([b.row_bytes for b in end.blocks], dtype=np.uint64)
         o.setflags(write=False)
         b.setflags(write=False)
         return cls(end.name, end.page_size, end.page_bytes, spec.first_page(end.name), spec.top_page(end.name),
@@ -112,7 +108,8 @@ class PeerLayout:
         regions: the registered regions of that side (the arena lies inside one of them).
         arena_base_ptr: address of byte 0 of the arena; page ``p`` of end ``e`` is at
             ``arena_base_ptr + p * page_bytes(e)``.
-        tp_rank, tp_size: tensor-parallel rank and size (an envelope holds that rank's heads).
+        tp_rank, tp_size: tensor-parallel rank and size (the layers state the heads this rank holds; Note
+            [TP heads] in :mod:`umalloc.transfer.heads`).
         dcp_rank, dcp_size: decode-context-parallel rank and size (Note [DCP rows]).
         device: ``"cpu"`` or ``"cuda:N"`` of the arena.
 
@@ -336,6 +333,7 @@ def wire_int(value: object) -> int:
 def _end_to_dict(spec: ArenaSpec, e: EndSpec) -> dict:
     return {
         "name": e.name, "role": e.role.value, "page_size": e.page_size, "grow": e.grow.value, "owner": e.owner,
+        "head_groups": e.head_groups,
         "entry_bytes": e.entry_bytes, "page_bytes": e.page_bytes,
         "first_page": spec.first_page(e.name), "top_page": spec.top_page(e.name),
         "layers": [{"kind": x.kind.value, "num_kv_heads": x.num_kv_heads, "head_dim_k": x.head_dim_k,
@@ -350,10 +348,10 @@ def _end_from_dict(d: Mapping[str, Any]) -> EndSpec:
                              None if x["window_tokens"] is None else wire_int(x["window_tokens"]), KVDtype(x["dtype"]))
                    for x in d["layers"])
     return EndSpec(str(d["name"]), layers, wire_int(d["page_size"]), Grow(d["grow"]),
-                   None if d["owner"] is None else str(d["owner"]), EndRole(d["role"]))
+                   None if d["owner"] is None else str(d["owner"]), EndRole(d["role"]), wire_int(d["head_groups"]))
 
 
-_LAYER_FIELDS = ("kind", "num_kv_heads", "head_dim_k", "head_dim_v", "latent_dim", "window_tokens", "dtype")
+_LAYER_FIELDS = ("kind", "head_dim_k", "head_dim_v", "latent_dim", "window_tokens", "dtype")
 
 
 def _fmt(v: object) -> str:
@@ -361,19 +359,20 @@ def _fmt(v: object) -> str:
 
 
 def layout_differences(local: PeerLayout, remote: PeerLayout) -> list[str]:
-    """Every geometry difference that makes envelope transfers between ``local`` and ``remote`` wrong.
+    """Every geometry difference that no plan between ``local`` and ``remote`` can map.
 
-    Compared: the set of ends (by name) and each end's role, page size, entry/page bytes, layer count and per
-    layer kind, head geometry, window and dtype; TP size and rank (an envelope holds one TP rank's heads).
-    Not compared (local placement choices): arena size, floor, grow direction, owner binding, regions, DCP
-    (plans remap rows between DCP layouts, Note [DCP rows]). O(ends * layers).
+    Mapped (not differences): TP sizes where one divides the other and any TP ranks (heads split by rank, MLA
+    replicated: :mod:`umalloc.transfer.heads`), page sizes where one divides the other (ids expand by the
+    ratio, F14), head groups (:mod:`umalloc.transfer.slices`), DCP (Note [DCP rows]), and local placement
+    choices (arena size, floor, grow direction, owner binding, regions). Compared: the set of ends (by name),
+    each end's role, page-size ratio, layer count and per layer kind, head dims, latent dim, window and dtype,
+    and the head counts (one model's heads split by rank); a ``state`` end (a snapshot, not token-addressed) needs
+    equal page size, head groups and TP size. O(ends * layers).
     """
     diffs: list[str] = []
-    if local.tp_size != remote.tp_size:
-        diffs.append(f"tp_size: local {local.tp_size} != remote {remote.tp_size} "
-                     "(envelopes hold one TP rank's heads; both sides need the same TP)")
-    if local.tp_rank != remote.tp_rank:
-        diffs.append(f"tp_rank: local {local.tp_rank} != remote {remote.tp_rank} (a rank pairs with the same rank)")
+    tp_why = tp_difference(local.tp_size, remote.tp_size)
+    if tp_why:
+        diffs.append(tp_why)
     lnames = [e.name for e in local.ends]
     rnames = {e.name for e in remote.ends}
     for name in lnames:
@@ -386,10 +385,16 @@ def layout_differences(local: PeerLayout, remote: PeerLayout) -> list[str]:
         if name not in rnames:
             continue
         a, b = local.end(name), remote.end(name)
-        for attr in ("role", "page_size", "entry_bytes", "page_bytes"):
-            va, vb = getattr(a, attr), getattr(b, attr)
-            if va != vb:
-                diffs.append(f"end {name!r}: {attr} local {_fmt(va)} != remote {_fmt(vb)}")
+        if a.role is not b.role:
+            diffs.append(f"end {name!r}: role local {_fmt(a.role)} != remote {_fmt(b.role)}")
+        if max(a.page_size, b.page_size) % min(a.page_size, b.page_size):
+            diffs.append(f"end {name!r}: page_size local {a.page_size}, remote {b.page_size}: neither divides the "
+                         "other (ids expand by a whole ratio, F14)")
+        elif EndRole.STATE in (a.role, b.role) and (a.page_size, a.head_groups, local.tp_size) != (
+                b.page_size, b.head_groups, remote.tp_size):
+            diffs.append(f"end {name!r}: a state end needs the same page_size, head_groups and TP on both sides "
+                         f"(local {a.page_size}/{a.head_groups}/TP {local.tp_size}, remote "
+                         f"{b.page_size}/{b.head_groups}/TP {remote.tp_size})")
         if len(a.layers) != len(b.layers):
             diffs.append(f"end {name!r}: layer count local {len(a.layers)} != remote {len(b.layers)}")
         for i, (la, lb) in enumerate(zip(a.layers, b.layers, strict=False)):
@@ -397,6 +402,10 @@ def layout_differences(local: PeerLayout, remote: PeerLayout) -> list[str]:
                 va, vb = getattr(la, attr), getattr(lb, attr)
                 if va != vb:
                     diffs.append(f"end {name!r} layer {i}: {attr} local {_fmt(va)} != remote {_fmt(vb)}")
+            if la.kind is lb.kind and not tp_why:
+                hm = head_map(la, local.tp_size, lb, remote.tp_size)
+                if isinstance(hm, str):
+                    diffs.append(f"end {name!r} layer {i}: {hm}")
     return diffs
 
 
@@ -410,12 +419,13 @@ def check_compatible(local: PeerLayout, remote: PeerLayout) -> None:
     >>> def lay(ps, heads):
     ...     spec = ArenaSpec((EndSpec("full", (LayerSpec.mha(heads, 8),), page_size=ps),), arena_bytes=4096)
     ...     return PeerLayout(spec, (Region(1 << 20, 4096),), 1 << 20)
-    >>> check_compatible(lay(2, 1), lay(2, 1))
+    >>> check_compatible(lay(2, 1), lay(2, 1)), check_compatible(lay(2, 1), lay(4, 1))
+    (None, None)
     >>> try:
-    ...     check_compatible(lay(2, 1), lay(4, 2))
+    ...     check_compatible(lay(2, 1), lay(3, 2))
     ... except IncompatiblePeerError as e:
     ...     print(len(e.differences), e.differences[0])
-    4 end 'full': page_size local 2 != remote 4
+    2 end 'full': page_size local 2, remote 3: neither divides the other (ids expand by a whole ratio, F14)
     """
     key = (local.digest, remote.digest)
     diffs = _COMPAT.get(key)

@@ -292,7 +292,8 @@ class TransferPlan(_LeaseHolder):
         total_bytes, num_descriptors, num_runs: counters over every vector.
         per_layer_descriptor_equivalent: descriptors a per-layer (non-envelope) design would post: for every
             whole page ``layers x (2 for MHA K/V, 1 for MLA)`` per region, plus the row descriptors (a per-layer
-            design needs those too).
+            design needs those too); for a vector between different TP, page size or head groups, one per (token
+            row, head slice piece), what a per-token slice sender (SGLang's ``send_kvcache_slice``) posts.
         state: ``"pending"`` | ``"done"`` | ``"failed"`` | ``"aborted"``; ``error`` keeps the failure.
 
     Raises:
@@ -403,7 +404,8 @@ class TransferPlan(_LeaseHolder):
                 pages=v.num_pages, rows=v.num_rows, runs=made.page_runs + made.row_runs,
                 descriptors=int(desc.shape[0]),
                 bytes=int(desc[:, 2].sum(dtype=np.uint64)) if desc.shape[0] else 0,
-                per_layer_descriptor_equivalent=v.num_pages * blocks * k + made.row_runs * blocks * k)
+                per_layer_descriptor_equivalent=made.slice_pieces or
+                v.num_pages * blocks * k + made.row_runs * blocks * k)
         return by_vector, stats
 
     def descriptors(self) -> np.ndarray:

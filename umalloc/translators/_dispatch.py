@@ -131,8 +131,24 @@ def get_translator(device: torch.device | str | None = None, impl: str | None = 
     >>> get_translator("cpu", impl="reference").NAME
     'reference'
     """
-    dev = torch.device(device) if device is not None else torch.device("cpu")
     choice = impl if impl is not None else os.environ.get(ENV_VAR, "")
+    key = (device, choice) if device is None or type(device) is str else None
+    if key is not None:
+        hit = _chosen.get(key)
+        if hit is not None:
+            return hit  # type: ignore[return-value]
+    module = _choose(torch.device(device) if device is not None else torch.device("cpu"), impl, choice)
+    if key is not None:
+        _chosen[key] = module
+    return module  # type: ignore[return-value]
+
+
+#: get_translator's answers per (device string or None, forced choice): the environment is read on every call,
+#: the device parsed and the implementation checked once per pair.
+_chosen: dict[tuple[str | None, str], ModuleType] = {}
+
+
+def _choose(dev: torch.device, impl: str | None, choice: str) -> ModuleType:
     choice = choice.strip().lower()
     if choice and choice != "auto":
         source = "impl" if impl is not None else ENV_VAR
@@ -143,11 +159,11 @@ def get_translator(device: torch.device | str | None = None, impl: str | None = 
             )
         if not module.supports_device(dev):
             raise UmallocValueError(f"translator {choice!r} (from {source}) cannot run on device {dev}")
-        return module  # type: ignore[return-value]
+        return module
     preferred = {"cpu": "cpu", "cuda": "cuda"}.get(dev.type)
     if preferred is not None:
         try:
-            return load_impl(preferred)  # type: ignore[return-value]
+            return load_impl(preferred)
         except UmallocValueError:
             pass
-    return load_impl("reference")  # type: ignore[return-value]
+    return load_impl("reference")

@@ -1,0 +1,308 @@
+"""Plans between sides of different TP, page size and envelope layout (head groups).
+
+Hand-computed descriptor lists for one page of each layout and ratio; byte-exact transfers between every pair of
+ranks, checked against a pattern computed from (end, layer, K|V, global head, position, element) alone, never
+from the plan code; incompatible pairs refused with every difference listed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+
+from umalloc.core.allocator import MultiEndedAllocator
+from umalloc.errors import IncompatiblePeerError
+from umalloc.geometry.arena import Arena
+from umalloc.geometry.region import Region
+from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, LayerSpec, swa_tail_start
+from umalloc.transfer import PeerLayout, build_plan, check_compatible
+from umalloc.transfer.heads import global_heads
+from umalloc.transfer.rows import owned_count, vector_rows
+from umalloc.transfer.slices import sends_to
+
+HEADS = 4  # the model's KV heads per layer (target and SWA); the drafter has 1 (replicated under TP)
+DIM = 4  # elements per head, bf16: 8 B
+WINDOW = 6
+SEED = 20261201
+
+
+def layers(tp: int, *, window: int | None = None, total: int = HEADS, n: int = 1) -> tuple[LayerSpec, ...]:
+    return (LayerSpec.mha(max(1, total // tp), DIM, window_tokens=window),) * n
+
+
+def spec(tp: int, page_size: int, head_groups: int = 1, *, draft: bool = True) -> ArenaSpec:
+    ends = [EndSpec("full", layers(tp, n=2), page_size, head_groups=head_groups),
+            EndSpec("swa", layers(tp, window=WINDOW), page_size, Grow.DOWN, "full", EndRole.SWA,
+                    head_groups=head_groups)]
+    if draft:
+        ends.append(EndSpec("draft", layers(tp, total=1), 4, Grow.FLOAT, None, EndRole.DRAFT))
+    return ArenaSpec(tuple(ends), arena_bytes=1 << 16)
+
+
+def pattern(end_index: int, layer: int, kv: int, heads: np.ndarray, positions: np.ndarray) -> torch.Tensor:
+    """int16 ``(len(positions), len(heads), DIM)``: a value of (end, layer, K|V, global head, position, element)."""
+    e = np.arange(DIM, dtype=np.int64)
+    v = (((end_index * 7919 + layer * 613 + kv * 101) + heads[None, :, None] * 37 + positions[:, None, None] * 131
+          + e[None, None, :]) * 2654435761) % 65521 - 32760
+    return torch.from_numpy(v.astype(np.int16))
+
+
+class Rank:
+    """One rank's arena, allocator and one request of ``L`` tokens (its virtual ids per id owner)."""
+
+    def __init__(self, spec_: ArenaSpec, tp_rank: int, tp_size: int, L: int, *, seed: int, prefix: int = 0,
+                 receiver: bool = False, dcp: tuple[int, int] = (1, 0)) -> None:
+        self.arena = Arena(spec_)
+        g = torch.Generator().manual_seed(seed)
+        self.arena.data.copy_(torch.randint(0, 256, (spec_.arena_bytes,), dtype=torch.uint8, generator=g))
+        self.alloc = MultiEndedAllocator(self.arena, debug_checks=True)
+        self.tp_rank, self.tp_size, self.L = tp_rank, tp_size, L
+        self.dcp_size, self.dcp_rank = dcp
+        self.layout = PeerLayout.from_arena(self.arena, tp_rank=tp_rank, tp_size=tp_size, dcp_size=dcp[0],
+                                            dcp_rank=dcp[1])
+        noise = self._extend("full", 3)  # other requests first: ids and pages are not 1, 2, 3 ...
+        self.vt = {"full": self._extend("full", owned_count(L, *dcp), bind=[])}  # its local rows (DCP)
+        self.alloc.free(noise, owner="full")
+        swa_from = vector_rows(spec_.end("swa"), L, prefix, dcp_size=dcp[0], dcp_rank=dcp[1])[0] if receiver else 0
+        assert self.alloc.bind_end("swa", self.vt["full"][swa_from:])
+        if "draft" in spec_.end_names:
+            self.vt["draft"] = self._extend("draft", L)
+        self.prefix = prefix
+
+    def _extend(self, owner: str, n: int, bind=None) -> torch.Tensor:
+        t = self.alloc.alloc_extend(torch.tensor([0]), torch.tensor([n]), torch.tensor([-1]), owner=owner,
+                                    bind=bind)
+        assert t is not None
+        return t
+
+    def heads(self, end: str) -> np.ndarray:
+        layer = self.arena.spec.end(end).layers[0]
+        total = 1 if end == "draft" else HEADS
+        lo, hi = global_heads(self.tp_rank, self.tp_size, layer.num_kv_heads, total)
+        return np.arange(lo, hi, dtype=np.int64)
+
+    def _rows(self, end: str, positions: np.ndarray):
+        e = self.arena.spec.end(end)
+        owner = self.arena.spec.owner_of(end)
+        local = positions // self.dcp_size if end != "draft" else positions  # Note [DCP rows]
+        tok = self.alloc.translate(self.vt[owner][torch.from_numpy(local)], end).numpy()
+        return tok // e.page_size, tok % e.page_size
+
+    def each_view(self, end: str, positions: np.ndarray, data: torch.Tensor | None = None):
+        """Yield ``(end index, layer, kv, view rows (n, heads, DIM))`` read through kv_group_views."""
+        spec_ = self.arena.spec
+        arena = self.arena
+        if data is not None:  # the same geometry over another buffer
+            arena = Arena.__new__(Arena)
+            arena.__dict__.update(self.arena.__dict__)
+            arena.data = data
+        pages, rows = self._rows(end, positions)
+        e = spec_.end(end)
+        hpg = e.layers[0].num_kv_heads // e.head_groups
+        h = np.arange(e.layers[0].num_kv_heads)
+        for layer in range(len(e.layers)):
+            for kv, view in enumerate(arena.kv_group_views(end, layer)):
+                idx = (pages[:, None], (h // hpg)[None, :], rows[:, None], (h % hpg)[None, :])
+                yield spec_.ends.index(e), layer, kv, view, tuple(torch.from_numpy(np.asarray(i)) for i in idx)
+
+    def fill(self) -> None:
+        for end in self.arena.spec.end_names:
+            positions = np.arange(self.L, dtype=np.int64)
+            for ei, layer, kv, view, idx in self.each_view(end, positions):
+                view[idx] = pattern(ei, layer, kv, self.heads(end), positions).view(view.dtype)
+
+    def expected_positions(self, end: str) -> np.ndarray:
+        lo = self.prefix
+        if end == "swa":
+            lo = max(lo, self.L - WINDOW)
+        x = np.arange(lo, self.L, dtype=np.int64)
+        return x if end == "draft" else x[x % self.dcp_size == self.dcp_rank]
+
+    def assert_received(self, before: torch.Tensor, *, whole_pages: set[str]) -> None:
+        """Every row that must arrive holds the pattern; no other byte of the arena changed (``whole_pages``:
+        no byte outside the pages holding them for the ``whole_pages`` ends: the envelope path copies whole
+        pages, Note [Boundary page])."""
+        mask = torch.zeros(self.arena.spec.arena_bytes, dtype=torch.uint8)
+        for end in self.arena.spec.end_names:
+            positions = self.expected_positions(end)
+            for ei, layer, kv, view, idx in self.each_view(end, positions):
+                got = view[idx].view(torch.int16)
+                want = pattern(ei, layer, kv, self.heads(end), positions)
+                assert torch.equal(got, want), f"rank {self.tp_rank}: end {end} layer {layer} kv {kv} differs"
+            for _ei, _layer, _kv, view, idx in self.each_view(end, positions, mask):
+                view[idx] = 1.0  # bf16 0x3f80: both bytes non-zero
+            if end in whole_pages:  # rows from the first row that travels; whole pages after a boundary page
+                ps = self.arena.spec.end(end).page_size
+                assert self.dcp_size == 1
+                row_lo = swa_tail_start(self.L, WINDOW, self.prefix, ps) if end == "swa" else self.prefix
+                rows_ = np.arange(row_lo, self.L, dtype=np.int64)
+                for _ei, _layer, _kv, view, idx in self.each_view(end, rows_, mask):
+                    view[idx] = 1.0
+                pb = self.arena.spec.end(end).page_bytes
+                pages, _ = self._rows(end, rows_[rows_ >= -(-row_lo // ps) * ps])
+                for p in np.unique(pages).tolist():
+                    mask[p * pb:(p + 1) * pb] = 1
+        changed = self.arena.data != before
+        assert not (changed & (mask == 0)).any(), f"rank {self.tp_rank}: bytes outside the expected rows changed"
+
+
+def execute(plan) -> None:
+    for src, dst, n in plan.descriptors().tolist():
+        ctypes.memmove(dst, src, n)
+
+
+def run_pairs(src_ranks: list[Rank], dst_ranks: list[Rank]) -> dict[tuple[int, int], int]:
+    """Plan and execute every (source, destination) pair :func:`sends_to` routes; returns descriptors per pair."""
+    counts = {}
+    for d in dst_ranks:
+        before = d.arena.data.clone()
+        for s in src_ranks:
+            if not sends_to(s.layout, d.layout):
+                continue
+            dst_vt = {"full": d.vt["full"]}
+            if "draft" in d.vt:
+                dst_vt["draft"] = d.vt["draft"]
+            plan = build_plan(f"r{s.tp_rank}-{d.tp_rank}", s.alloc, s.vt, d.alloc, dst_vt,
+                              prefix_tokens=d.prefix, seq_len_tokens=d.L, src_layout=s.layout,
+                              dst_layout=d.layout)
+            execute(plan)
+            counts[(s.tp_rank, d.tp_rank)] = counts.get((s.tp_rank, d.tp_rank), 0) + plan.num_descriptors
+            plan.complete()
+        d.assert_received(before, whole_pages={e.name for e in d.arena.spec.ends if all(
+            s.arena.spec.end(e.name) == e and s.tp_size == d.tp_size and d.dcp_size == 1 for s in src_ranks)})
+        for r in (*src_ranks, d):
+            r.alloc.check_invariants()
+            assert r.alloc.leases_active() == 0
+    return counts
+
+
+def ranks(tp: int, page_size: int, head_groups: int, L: int, *, seed: int, prefix: int = 0,
+          receiver: bool = False, dcp: int = 1) -> list[Rank]:
+    out = []
+    for r in range(tp):
+        for c in range(dcp):
+            out.append(Rank(spec(tp, page_size, head_groups), r, tp, L, seed=seed + 10 * r + c, prefix=prefix,
+                            receiver=receiver, dcp=(dcp, c)))
+    if not receiver:
+        for x in out:
+            x.fill()
+    return out
+
+
+CASES = [  # (prefill TP, page size, head groups) -> (decode TP, page size, head groups)
+    ((1, 4, 1), (2, 4, 1)), ((2, 4, 1), (1, 4, 1)), ((2, 4, 1), (2, 4, 1)), ((2, 4, 1), (4, 4, 1)),
+    ((4, 4, 1), (2, 4, 1)), ((1, 2, 1), (1, 4, 1)), ((1, 4, 1), (1, 2, 1)), ((1, 4, 2), (2, 4, 1)),
+    ((2, 4, 1), (1, 4, 2)), ((1, 4, 4), (4, 8, 1)), ((2, 2, 2), (1, 4, 4)), ((1, 4, 1), (1, 4, 2)),
+]
+
+
+@pytest.mark.parametrize("prefix", [0, 3])
+@pytest.mark.parametrize(("src", "dst"), CASES, ids=[f"P{a}x{b}g{c}-D{x}x{y}g{z}" for (a, b, c), (x, y, z) in CASES])
+def test_every_rank_gets_exactly_its_heads(src, dst, prefix):
+    L = 13  # three pages and a partial one at page size 4
+    s_ranks = ranks(*src, L, seed=SEED)
+    d_ranks = ranks(*dst, L, seed=SEED + 100, prefix=prefix, receiver=True)
+    counts = run_pairs(s_ranks, d_ranks)
+    # every destination rank is fed, by as many source ranks as hold its heads
+    p, d = src[0], dst[0]
+    for r in range(d):
+        senders = sorted(q for q, rr in counts if rr == r)
+        assert senders == (list(range(r * p // d, (r + 1) * p // d)) if p > d else [r * p // d]), senders
+
+
+@pytest.mark.parametrize("prefix", [0, 5])
+@pytest.mark.parametrize(("src", "dst"), [((1, 4, 1), (2, 4, 1)), ((2, 4, 1), (1, 8, 2)), ((1, 4, 2), (2, 2, 1))])
+def test_tp_and_page_ratios_under_decode_dcp(src, dst, prefix):
+    # decode DCP 2 on top: each (TP rank, DCP rank) gets its heads of the positions it owns, draft by logical rows
+    L = 15
+    s_ranks = ranks(*src, L, seed=SEED)
+    d_ranks = ranks(*dst, L, seed=SEED + 100, prefix=prefix, receiver=True, dcp=2)
+    run_pairs(s_ranks, d_ranks)
+
+
+def _one_page_layouts(src_tp, dst_tp, src_ps, dst_ps, src_g, dst_g, *, dst_rank):
+    heads = 2
+
+    def lay(tp, ps, g, rank, base):
+        end = EndSpec("full", (LayerSpec.mha(heads // tp, DIM),), ps, head_groups=g)
+        return PeerLayout(ArenaSpec((end,), arena_bytes=4096), (Region(base, 4096),), base, tp_rank=rank,
+                          tp_size=tp)
+
+    return lay(src_tp, src_ps, src_g, 0, 1 << 20), lay(dst_tp, dst_ps, dst_g, dst_rank, 1 << 30)
+
+
+def _descriptors(src_lay, dst_lay, src_tok, dst_tok):
+    from umalloc.transfer.slices import pair_pieces, slice_descriptors
+    pieces = pair_pieces(src_lay, "full", dst_lay, "full")
+    desc, _ = slice_descriptors(np.array(src_tok), np.array(dst_tok), pieces, src_lay, "full", dst_lay, "full")
+    return desc.tolist()
+
+
+def test_hand_computed_page_major_tp_split():
+    # 2 heads x 4 dims x 2 B: source page (TP 1, page size 2) = K rows of 16 B at 0 (t0) and 16 (t1), V at 32;
+    # 64 B pages. Destination rank 1 of TP 2 holds head 1: K rows of 8 B at 0, 8; V at 16; 32 B pages.
+    s, d = _one_page_layouts(1, 2, 2, 2, 1, 1, dst_rank=1)
+    S, D = (1 << 20) + 3 * 64, (1 << 30) + 5 * 32  # source page 3, destination page 5
+    assert _descriptors(s, d, [6, 7], [10, 11]) == [
+        [S + 8, D + 0, 8], [S + 24, D + 8, 8], [S + 40, D + 16, 8], [S + 56, D + 24, 8]]
+
+
+def test_hand_computed_head_group_outer_tp_split():
+    # the same with 2 head groups on the source: group 1 = [K(t0, t1; h1) | V(t0, t1; h1)] = bytes 32..64
+    s, d = _one_page_layouts(1, 2, 2, 2, 2, 1, dst_rank=1)
+    S, D = (1 << 20) + 3 * 64, (1 << 30) + 5 * 32
+    assert _descriptors(s, d, [6, 7], [10, 11]) == [[S + 32, D, 32]]
+
+
+def test_hand_computed_tp_gather():
+    # TP 2 -> 1: source rank 0 (head 0, K rows 8 B, 32 B pages) into the destination's head 0 slots
+    s, d = _one_page_layouts(2, 1, 2, 2, 1, 1, dst_rank=0)
+    S, D = (1 << 20) + 3 * 32, (1 << 30) + 5 * 64
+    assert _descriptors(s, d, [6, 7], [10, 11]) == [
+        [S + 0, D + 0, 8], [S + 8, D + 16, 8], [S + 16, D + 32, 8], [S + 24, D + 48, 8]]
+    # with 2 head groups on the destination, head 0's K and V rows are one run
+    s, d = _one_page_layouts(2, 1, 2, 2, 1, 2, dst_rank=0)
+    assert _descriptors(s, d, [6, 7], [10, 11]) == [[S, D, 32]]
+
+
+def test_hand_computed_page_size_ratio():
+    # equal TP (1), page size 2 -> 4: source pages 3 and 4 (64 B: K 32 B, V 32 B) fill destination page 5
+    # (128 B: K rows 0-3 at 0, V at 64). One run per (source page, layer block); K then V of page 3 are adjacent
+    # at the source but not at the destination.
+    s, d = _one_page_layouts(1, 1, 2, 4, 1, 1, dst_rank=0)
+    S, D = (1 << 20), (1 << 30) + 5 * 128
+    assert _descriptors(s, d, [6, 7, 8, 9], [20, 21, 22, 23]) == [
+        [S + 3 * 64, D, 32], [S + 3 * 64 + 32, D + 64, 32], [S + 4 * 64, D + 32, 32], [S + 4 * 64 + 32, D + 96, 32]]
+
+
+def test_mla_latent_sent_by_one_source_rank():
+    def lay(tp, rank, base):
+        end = EndSpec("full", (LayerSpec.mla(8, 4),), 2)
+        return PeerLayout(ArenaSpec((end,), arena_bytes=4096), (Region(base, 4096),), base, tp_rank=rank,
+                          tp_size=tp)
+
+    src = [lay(2, q, 1 << 20) for q in range(2)]
+    dst = [lay(4, r, 1 << 30) for r in range(4)]
+    assert [[sends_to(s, d) for d in dst] for s in src] == [[True, False, True, False], [False, True, False, True]]
+    assert [sends_to(s, lay(1, 0, 1 << 30)) for s in src] == [True, False]
+
+
+def test_incompatible_pairs_listed_at_connect():
+    def lay(tp, ps, layers_, base=1 << 20):
+        end = EndSpec("full", layers_, ps)
+        return PeerLayout(ArenaSpec((end,), arena_bytes=1 << 17), (Region(base, 1 << 17),), base, tp_size=tp)
+
+    with pytest.raises(IncompatiblePeerError) as e:  # TP 2 -> 3 and page size 16 -> 24 together
+        check_compatible(lay(2, 16, (LayerSpec.mha(3, 4),)), lay(3, 24, (LayerSpec.mha(2, 4),)))
+    assert e.value.differences == [
+        "tp_size: local 2, remote 3: neither divides the other (a rank of one side must hold whole slices of the "
+        "other's heads)",
+        "end 'full': page_size local 16, remote 24: neither divides the other (ids expand by a whole ratio, F14)"]
+    with pytest.raises(IncompatiblePeerError) as e:  # MLA latent dims differ
+        check_compatible(lay(1, 16, (LayerSpec.mla(512, 64),)), lay(2, 16, (LayerSpec.mla(256, 64),)))
+    assert e.value.differences == ["end 'full' layer 0: latent_dim local 576 != remote 320"]
+    # mapped: TP 2 -> 4 with heads halving, page size 16 -> 32
+    check_compatible(lay(2, 16, (LayerSpec.mha(4, 4),)), lay(4, 32, (LayerSpec.mha(2, 4),)))
