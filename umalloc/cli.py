@@ -11,8 +11,8 @@ before anything runs (:mod:`umalloc.replay.preflight`). The exit status is 0 whe
 holds, 1 when one does not, 2 for bad arguments (one ``error:`` line, nothing written), and 130 after Ctrl-C (one
 ``interrupted`` line; the second process of ``nixl``/``mooncake`` is ended).
 
-With ``--prefill-tp``, ``--decode-tp``, ``--prefill-dcp``, ``--decode-dcp`` other than 1, a ``--prefill-page-size``
-other than ``--page-size``, or ``--multi-rank``, it runs the multi-rank transfer replay instead
+With ``--prefill-tp``, ``--decode-tp``, ``--prefill-dcp``, ``--decode-dcp``, ``--prefill-head-groups`` or
+``--decode-head-groups`` other than 1, a ``--prefill-page-size`` other than ``--page-size``, or ``--multi-rank``, it runs the multi-rank transfer replay instead
 (:mod:`umalloc.replay.ranks`): one process per rank on each side, every rank's slice verified. A rank that dies
 ends every process and exits 1 with one ``error:`` line naming the rank.
 """
@@ -153,6 +153,11 @@ def replay(
     prefill_page_size: Annotated[int | None, typer.Option(
         "--prefill-page-size", min=1, help="Prefill tokens per page (multi-rank; --page-size is decode's). "
         "[default: --page-size]")] = None,
+    prefill_head_groups: Annotated[int, typer.Option(
+        "--prefill-head-groups", min=1, help="Multi-rank: head groups of the prefill ranks' pages (1: page-major "
+        "envelope; G > 1: head-group-outer on every end whose heads divide by G).")] = 1,
+    decode_head_groups: Annotated[int, typer.Option(
+        "--decode-head-groups", min=1, help="Multi-rank: head groups of the decode ranks' pages.")] = 1,
     max_prompt_tokens: Annotated[int, typer.Option(
         "--max-prompt-tokens", min=1, help="Multi-rank: cap every scaled prompt at N tokens.")
     ] = DEFAULT_MAX_PROMPT_TOKENS,
@@ -194,8 +199,8 @@ def replay(
             if plot_path is not None and report is not None and plot_path.resolve() == report.resolve():
                 raise UmallocValueError(f"--report and --plot name the same file {str(report)!r}")
             table_of, check_of = report_table, check_report
-            if multi_rank or is_multi_rank(prefill_tp, decode_tp, prefill_dcp, decode_dcp, prefill_page_size,
-                                           page_size):
+            if multi_rank or prefill_head_groups > 1 or decode_head_groups > 1 or \
+                    is_multi_rank(prefill_tp, decode_tp, prefill_dcp, decode_dcp, prefill_page_size, page_size):
                 if layout != "dynamic" or plot_path is not None:
                     raise UmallocValueError(f"{'--plot' if plot_path is not None else '--layout ' + layout}: the "
                                             "multi-rank replay runs the dynamic layout and draws no plot; allowed "
@@ -205,6 +210,7 @@ def replay(
                     trace_format=None if trace_format is TraceFormat.auto else trace_format.value, model=model,
                     page_size=page_size, prefill_page_size=prefill_page_size, prefill_tp=prefill_tp,
                     decode_tp=decode_tp, prefill_dcp=prefill_dcp, decode_dcp=decode_dcp,
+                    prefill_head_groups=prefill_head_groups, decode_head_groups=decode_head_groups,
                     prefill_arena_bytes=pre_b, decode_arena_bytes=dec_b, requests=requests, skip=skip,
                     token_scale=token_scale, max_prompt_tokens=max_prompt_tokens,
                     draft=True if draft is None else draft, seed=seed, max_batch=max_batch,

@@ -16,7 +16,7 @@ SafeAILab/EAGLE. Gemma-3-1B as a drafter for Gemma-3-12B relies on the family's 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from umalloc.errors import SpecError
 from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, KVDtype, LayerKind, LayerSpec
@@ -138,7 +138,7 @@ def _per_rank(layers: tuple[LayerSpec, ...], tp_size: int) -> tuple[LayerSpec, .
 
 
 def preset_ends(name: str, *, page_size: int = 16, draft: bool = True, draft_page_size: int | None = None,
-                dtype: KVDtype | None = None, tp_size: int = 1) -> tuple[EndSpec, ...]:
+                dtype: KVDtype | None = None, tp_size: int = 1, head_groups: int = 1) -> tuple[EndSpec, ...]:
     """The ends of preset ``name``, as one TP rank of ``tp_size`` holds them.
 
     Args:
@@ -150,14 +150,20 @@ def preset_ends(name: str, *, page_size: int = 16, draft: bool = True, draft_pag
         dtype: override every layer's KV dtype (default: the model's own).
         tp_size: tensor-parallel size: every MHA layer (target and drafter) holds :func:`rank_kv_heads` of its
             heads (``LayerSpec.num_kv_heads`` is per rank); MLA latents are replicated whole.
+        head_groups: ``G > 1`` lays out every end whose layers are all MHA with per-rank heads dividing by ``G``
+            in the head-group-outer envelope (``EndSpec.head_groups``, Note [Head-group-outer envelope]); an end
+            that cannot (an MLA layer, or fewer heads: a drafter of one head per rank) keeps the page-major one.
 
     Raises:
-        SpecError: unknown preset, an invalid page size, or a ``tp_size`` the heads do not split by.
+        SpecError: unknown preset, an invalid page size, a ``tp_size`` the heads do not split by, or a
+            ``head_groups`` that is not an int >= 1 or that no end can take.
 
     >>> [(e.name, e.grow.value, e.owner, e.entry_bytes) for e in preset_ends("gpt-oss-20b")]
     [('full', 'up', None, 24576), ('swa', 'down', 'full', 24576)]
     >>> [(e.name, e.layers[0].num_kv_heads) for e in preset_ends("gemma-3-12b-draft", tp_size=2)]
     [('full', 4), ('swa', 4), ('draft', 1)]
+    >>> [(e.name, e.head_groups) for e in preset_ends("gemma-3-12b-draft", tp_size=2, head_groups=2)]
+    [('full', 2), ('swa', 2), ('draft', 1)]
     """
     try:
         preset = PRESETS[name]
@@ -177,7 +183,22 @@ def preset_ends(name: str, *, page_size: int = 16, draft: bool = True, draft_pag
         grow = Grow.FLOAT if target.sliding_layers else Grow.DOWN
         ends.append(EndSpec("draft", layers(dmodel.layers), dps, grow,
                             "full" if dps == page_size else None, EndRole.DRAFT))
-    return tuple(ends)
+    return _grouped(tuple(ends), head_groups)
+
+
+def _grouped(ends: tuple[EndSpec, ...], head_groups: int) -> tuple[EndSpec, ...]:
+    """``ends`` with ``head_groups`` on every end that can take it (all layers MHA, heads dividing by it)."""
+    if isinstance(head_groups, bool) or not isinstance(head_groups, int) or head_groups < 1:
+        raise SpecError("head_groups", head_groups, "an int >= 1")
+    if head_groups == 1:
+        return ends
+    out = tuple(replace(e, head_groups=head_groups)
+                if all(x.kind is LayerKind.MHA and x.num_kv_heads % head_groups == 0 for x in e.layers) else e
+                for e in ends)
+    if all(e.head_groups == 1 for e in out):
+        raise SpecError("head_groups", head_groups, "a divisor of some end's per-rank KV heads "
+                        f"({sorted({x.num_kv_heads for e in ends for x in e.layers})}), or 1")
+    return out
 
 
 def preset_arena_spec(name: str, arena_bytes: int, **kwargs: object) -> ArenaSpec:

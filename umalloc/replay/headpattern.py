@@ -126,12 +126,6 @@ def expected_block(key: int, positions: np.ndarray, head_lo: int, num_heads: int
     return out
 
 
-def _group_views(arena: Arena, end: str, layer: int):  # TEMPORARY until kv_group_views lands on main
-    if hasattr(arena, "kv_group_views"):
-        return arena.kv_group_views(end, layer)
-    return tuple(None if v is None else v.unsqueeze(1) for v in arena.kv_views(end, layer))
-
-
 @dataclass
 class RowCheck:
     """What one verify found: ``checked_bytes`` compared, ``mismatched_bytes`` that differ, ``mismatched_rows``
@@ -190,7 +184,7 @@ class HeadPattern:
         for li, layer in enumerate(e.layers):
             head_lo, heads = self.heads[end][li]
             item = layer.dtype.itemsize
-            views = _group_views(arena, end, li)
+            views = arena.kv_group_views(end, li)
             dims = (layer.latent_dim,) if layer.kind is LayerKind.MLA else (layer.head_dim_k, layer.head_dim_v)
             for kv, (view, dim) in enumerate(zip(views, dims, strict=False)):
                 exp = expected_block(block_key(self.seed, request_id, end, li, kv), positions, head_lo, heads, dim,

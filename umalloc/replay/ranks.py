@@ -10,7 +10,7 @@ Policy:
   heads, its DCP rows), allocator, backend and pattern (:mod:`umalloc.replay.rankside`). This process only
   orchestrates: it holds no arena and no backend.
 * **Routes.** After setup every rank's :class:`~umalloc.transfer.PeerLayout` is known here; a (prefill, decode)
-  pair is a route iff :func:`sends_to` says the source can carry bytes to it. Each prefill rank connects to
+  pair is a route iff :func:`~umalloc.transfer.slices.sends_to` says the source can carry bytes to it. Each prefill rank connects to
   the decode ranks of its routes (the layout check, F22, runs at connect); each decode rank learns its sources.
 * **Requests** come from the real trace (the packaged Mooncake conversation trace by default), their prompts
   divided by ``token_scale`` and capped at ``max_prompt_tokens`` so a 2-core machine copes; output tokens are
@@ -74,6 +74,8 @@ class RanksConfig:
         trace, trace_format, model, draft, seed, skip, compaction: as :class:`umalloc.replay.run.ReplayConfig`.
         page_size: the decode ranks' page size; prefill_page_size: the prefill ranks' (``None``: the same).
         prefill_tp, decode_tp, prefill_dcp, decode_dcp: each side's TP and DCP sizes (ranks = TP x DCP).
+        prefill_head_groups, decode_head_groups: each side's head groups (1: the page-major envelope; ``G > 1``
+            the head-group-outer one on every end that can take it, :func:`~umalloc.geometry.presets.preset_ends`).
         prefill_arena_bytes, decode_arena_bytes: every rank's arena of that side (``None``: sized for the step,
             :func:`~umalloc.replay.rankside.rank_arena_bytes`).
         requests: trace rows replayed (``None``: :data:`DEFAULT_RANK_REQUESTS`); token_scale: prompt tokens
@@ -93,6 +95,8 @@ class RanksConfig:
     decode_tp: int = 1
     prefill_dcp: int = 1
     decode_dcp: int = 1
+    prefill_head_groups: int = 1
+    decode_head_groups: int = 1
     prefill_arena_bytes: int | None = None
     decode_arena_bytes: int | None = None
     requests: int | None = None
@@ -121,8 +125,8 @@ class RanksConfig:
             raise UmallocValueError(f"model={self.model!r}: allowed one of {sorted(PRESETS)}")
         if self.draft and PRESETS[self.model].draft is None:
             raise UmallocValueError(f"draft: preset {self.model!r} has no drafter: allowed draft=False")
-        for name in ("page_size", "prefill_tp", "decode_tp", "prefill_dcp", "decode_dcp", "max_prompt_tokens",
-                     "max_batch"):
+        for name in ("page_size", "prefill_tp", "decode_tp", "prefill_dcp", "decode_dcp", "prefill_head_groups",
+                     "decode_head_groups", "max_prompt_tokens", "max_batch"):
             _check_int(name, getattr(self, name), 1)
         for name in ("prefill_page_size", "requests", "token_scale", "prefill_arena_bytes", "decode_arena_bytes"):
             if getattr(self, name) is not None:
@@ -139,15 +143,16 @@ class RanksConfig:
         d["token_scale"] = DEFAULT_RANK_TOKEN_SCALE if self.token_scale is None else self.token_scale
         cfg = RanksConfig(**d)
         for side in ("prefill", "decode"):
-            tp, dcp, ps = cfg.side(side)
-            rank_ends(cfg.model, page_size=ps, draft=cfg.draft, tp_size=tp, dcp_size=dcp)
+            tp, dcp, ps, groups = cfg.side(side)
+            rank_ends(cfg.model, page_size=ps, draft=cfg.draft, tp_size=tp, dcp_size=dcp, head_groups=groups)
         return cfg
 
-    def side(self, side: str) -> tuple[int, int, int]:
-        """``(tp, dcp, page_size)`` of ``"prefill"`` or ``"decode"`` (after :meth:`resolved`)."""
+    def side(self, side: str) -> tuple[int, int, int, int]:
+        """``(tp, dcp, page_size, head_groups)`` of ``"prefill"`` or ``"decode"`` (after :meth:`resolved`)."""
         if side == "prefill":
-            return self.prefill_tp, self.prefill_dcp, self.prefill_page_size or self.page_size
-        return self.decode_tp, self.decode_dcp, self.page_size
+            return self.prefill_tp, self.prefill_dcp, self.prefill_page_size or self.page_size, \
+                self.prefill_head_groups
+        return self.decode_tp, self.decode_dcp, self.page_size, self.decode_head_groups
 
 
 def _check_int(name: str, v: object, lo: int) -> None:
@@ -201,18 +206,6 @@ class RankError(BackendError):
     def __init__(self, rank: str, message: str) -> None:
         super().__init__(f"{rank}: {message}")
         self.rank = rank
-
-
-def sends_to(src: PeerLayout, dst: PeerLayout) -> bool:
-    """True iff a plan from source rank ``src`` to destination rank ``dst`` can carry bytes: the same TP rank,
-    and a DCP rank that owns some of the receiver's sharded rows or is its designated sender of unsharded vectors
-    (:func:`~umalloc.transfer.source_ranks`)."""
-    from umalloc.transfer import source_ranks
-
-    if (src.tp_size, src.tp_rank) != (dst.tp_size, dst.tp_rank):
-        return False
-    senders = source_ranks(dst.dcp_rank, dst.dcp_size, src.dcp_size)
-    return src.dcp_rank in senders["sharded"] or src.dcp_rank in senders["replicated"]
 
 
 class RankPool:
@@ -358,8 +351,9 @@ class MultiRankReplay:
         c = self.cfg
 
         def side(name: str) -> str:
-            tp, dcp, ps = c.side(name)
-            return f"{name} TP {tp} x DCP {dcp} ({tp * dcp} ranks, {ps}-token pages)"
+            tp, dcp, ps, groups = c.side(name)
+            layout = f", {groups} head groups" if groups > 1 else ""
+            return f"{name} TP {tp} x DCP {dcp} ({tp * dcp} ranks, {ps}-token pages{layout})"
 
         return (f"multi-rank replay: {side('prefill')} -> {side('decode')}, backend {c.backend}, model {c.model}; "
                 f"{len(self.lengths)} requests of {Path(self.trace.path).name} rows {c.skip}-{c.skip + len(self.lengths) - 1}, "
@@ -400,6 +394,7 @@ class MultiRankReplay:
 
     def _setup(self, pool: RankPool) -> None:
         from umalloc.transfer import PeerLayout
+        from umalloc.transfer.slices import sends_to
 
         t0 = time.perf_counter()
         c = self.cfg
@@ -408,9 +403,9 @@ class MultiRankReplay:
         batch = min(c.max_batch, len(self.lengths))
         self.setups: dict[RankId, dict] = {}
         for r in pool.ranks:
-            tp, dcp, ps = c.side(r.side)
+            tp, dcp, ps, groups = c.side(r.side)
             arena = c.prefill_arena_bytes if r.side == "prefill" else c.decode_arena_bytes
-            self.setups[r] = pool.call(r, "child_setup", r.side, r.index, c.model, ps, c.draft, r.tp_rank, tp,
+            self.setups[r] = pool.call(r, "child_setup", r.side, r.index, c.model, ps, groups, c.draft, r.tp_rank, tp,
                                        r.dcp_rank, dcp, arena, max_tokens, batch, c.compaction, c.seed,
                                        c.lease_deadline_s, timeout_s=START_TIMEOUT_S)
         self.layouts = {r: PeerLayout.from_dict(self.setups[r]["layout"]) for r in pool.ranks}
@@ -516,9 +511,10 @@ class MultiRankReplay:
         moving_s = self.times["start"] + self.times["transfer"]
 
         def side_cfg(side: str) -> dict:
-            tp, dcp, ps = c.side(side)
+            tp, dcp, ps, groups = c.side(side)
             arena = c.prefill_arena_bytes if side == "prefill" else c.decode_arena_bytes
-            return {"tp": tp, "dcp": dcp, "ranks": tp * dcp, "page_size": ps, "arena_bytes": arena or 0}
+            return {"tp": tp, "dcp": dcp, "ranks": tp * dcp, "page_size": ps, "head_groups": groups,
+                    "arena_bytes": arena or 0}
 
         report = {
             "schema": RANKS_SCHEMA_VERSION, "ok": True,
@@ -577,4 +573,4 @@ def run_ranks(cfg: RanksConfig, *, progress: bool = False, console: object | Non
 
 __all__ = ["DEFAULT_MAX_PROMPT_TOKENS", "DEFAULT_RANK_REQUESTS", "DEFAULT_RANK_TOKEN_SCALE", "MultiRankReplay",
            "RankError", "RankId", "RankPool", "RanksConfig", "expected_bytes", "is_multi_rank", "rank_ids",
-           "run_ranks", "sends_to"]
+           "run_ranks"]

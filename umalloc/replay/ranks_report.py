@@ -21,12 +21,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
+from rich import box
 from rich.table import Table
 
 RANKS_SCHEMA_VERSION = "umalloc.replay.ranks/1"
 
 _NUM = (int, float)
-_SIDE = {"tp": int, "dcp": int, "ranks": int, "page_size": int, "arena_bytes": int}
+_SIDE = {"tp": int, "dcp": int, "ranks": int, "page_size": int, "head_groups": int, "arena_bytes": int}
 _FIGURES = {"plans": int, "descriptors": int, "bytes": int, "runs": int}
 _RANK_TIMES = ("alloc", "fill", "plan", "transfer", "wait", "half", "verify")
 RANKS_REPORT_SCHEMA: dict = {
@@ -133,51 +134,57 @@ def _mb(x: int) -> str:
 def ranks_title(report: Mapping) -> str:
     """One line naming what ran.
 
-    >>> side = {"tp": 2, "dcp": 1, "ranks": 2, "page_size": 16, "arena_bytes": 0}
+    >>> side = {"tp": 2, "dcp": 1, "ranks": 2, "page_size": 16, "head_groups": 2, "arena_bytes": 0}
     >>> cfg = {"trace": "/x/conv.jsonl", "skip": 0, "requests": 4, "token_scale": 64, "max_prompt_tokens": 256,
-    ...        "model": "m", "backend": "nixl", "prefill": side, "decode": {**side, "tp": 1, "ranks": 1}}
+    ...        "model": "m", "backend": "nixl", "prefill": side, "decode": {**side, "tp": 1, "head_groups": 1}}
     >>> ranks_title({"config": cfg})
-    'umalloc replay (multi-rank) — conv.jsonl rows 0-3, token scale 64, cap 256, m, prefill TP2xDCP1 16-token pages -> decode TP1xDCP1 16-token pages, backend nixl'
+    'umalloc replay (multi-rank) — conv.jsonl rows 0-3, token scale 64, cap 256, m, prefill TP2 DCP1 16-token pages 2 head groups -> decode TP1 DCP1 16-token pages, backend nixl'
     """
     c = report["config"]
 
     def side(name: str) -> str:
         s = c[name]
-        return f"{name} TP{s['tp']}xDCP{s['dcp']} {s['page_size']}-token pages"
+        groups = f" {s['head_groups']} head groups" if s["head_groups"] > 1 else ""
+        return f"{name} TP{s['tp']} DCP{s['dcp']} {s['page_size']}-token pages{groups}"
 
     return (f"umalloc replay (multi-rank) — {Path(c['trace']).name} rows {c['skip']}-{c['skip'] + c['requests'] - 1}, "
             f"token scale {c['token_scale']}, cap {c['max_prompt_tokens']}, {c['model']}, {side('prefill')} -> "
             f"{side('decode')}, backend {c['backend']}")
 
 
+#: Table columns: (header, justify).
+_COLUMNS = (("rank", "left"), ("tp", "right"), ("dcp", "right"), ("heads", "right"),
+            ("peers", "left"), ("plans", "right"), ("desc", "right"), ("MB", "right"), ("runs", "right"),
+            ("s", "right"), ("ver MB", "right"), ("bad B", "right"))
+
+
 def ranks_table(report: Mapping) -> Table:
-    """The final table (rich): one row per rank, then the totals; the run's time and result in the caption."""
-    t = Table(title=ranks_title(report), show_lines=False)
-    for col, just in (("rank", "left"), ("tp", "right"), ("dcp", "right"), ("pid", "right"), ("page", "right"),
-                      ("heads", "right"), ("peers", "left"), ("plans", "right"), ("descriptors", "right"),
-                      ("MB", "right"), ("runs", "right"), ("time s", "right"), ("verified MB", "right"),
-                      ("mismatched B", "right")):
+    """The final table (rich): one row per rank (``P<i>`` prefill, ``D<i>`` decode), then the totals; what the
+    columns mean, the run's time and the result in the caption."""
+    t = Table(title=ranks_title(report), box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1, 0, 0), show_lines=False)
+    for col, just in _COLUMNS:
         t.add_column(col, justify=just)  # type: ignore[arg-type]
     for r in report["ranks"]:
         ts = r["time_s"]
-        secs = ts["fill"] + ts["plan"] + ts["wait"] if r["side"] == "prefill" else ts["half"] + ts["verify"]
-        verified = _mb(r["verified_bytes"]) if r["side"] == "decode" else "-"
-        t.add_row(f"{r['side']} {r['index']}", f"{r['tp_rank']}/{r['tp_size']}", f"{r['dcp_rank']}/{r['dcp_size']}",
-                  str(r["pid"]), str(r["page_size"]), str(next(iter(r["kv_heads"].values()))),
-                  ",".join(map(str, r["peers"])), f"{r['plans']:,}", f"{r['descriptors']:,}", _mb(r["bytes"]),
-                  f"{r['runs']:,}", f"{secs:.2f}", verified,
-                  f"{r['mismatch_bytes']:,}" if r["side"] == "decode" else "-")
+        prefill = r["side"] == "prefill"
+        secs = ts["fill"] + ts["plan"] + ts["wait"] if prefill else ts["half"] + ts["verify"]
+        t.add_row(f"{'P' if prefill else 'D'}{r['index']}", f"{r['tp_rank']}/{r['tp_size']}",
+                  f"{r['dcp_rank']}/{r['dcp_size']}", str(next(iter(r["kv_heads"].values()))),
+                  ",".join(f"{'D' if prefill else 'P'}{i}" for i in r["peers"]), f"{r['plans']:,}",
+                  f"{r['descriptors']:,}", _mb(r["bytes"]), f"{r['runs']:,}", f"{secs:.2f}",
+                  "-" if prefill else _mb(r["verified_bytes"]), "-" if prefill else f"{r['mismatch_bytes']:,}")
     tot, ts = report["totals"], report["time_s"]
-    t.add_row("[bold]total[/bold]", "", "", "", "", "", "", f"{tot['plans']:,}", f"{tot['descriptors']:,}",
-              _mb(tot["bytes"]), f"{tot['runs']:,}", f"{ts['total']:.2f}",
-              f"{_mb(tot['verified_bytes'])} / {_mb(tot['expected_bytes'])}", f"{tot['mismatch_bytes']:,}")
-    by_vec = ", ".join(f"{n} {_mb(b)} MB" for n, b in sorted(tot["bytes_by_vector"].items()))
+    t.add_row("[bold]total[/bold]", "", "", "", "", f"{tot['plans']:,}", f"{tot['descriptors']:,}",
+              _mb(tot["bytes"]), f"{tot['runs']:,}", f"{ts['total']:.2f}", _mb(tot["verified_bytes"]),
+              f"{tot['mismatch_bytes']:,}")
+    by_vec = ", ".join(f"{n} {_mb(b)}" for n, b in sorted(tot["bytes_by_vector"].items()))
     ok = "[green]OK[/green]" if report["ok"] else "[red]FAILED[/red]"
-    t.caption = (f"{report['requests']['completed']}/{report['requests']['total']} requests, moved {by_vec}; "
-                 f"time: setup {ts['setup']:.2f} s, transfers {ts['start'] + ts['transfer']:.2f} s "
-                 f"({report['throughput']['moved_gb_per_s']:.2f} GB/s), verify {ts['verify']:.2f} s; heads = KV "
-                 f"heads per layer of the first end; time s = fill + plan + wait (prefill), half + verify (decode); "
-                 f"{ok}")
+    t.caption = (f"{report['requests']['completed']}/{report['requests']['total']} requests; MB moved by vector: "
+                 f"{by_vec}; verified {_mb(tot['verified_bytes'])} of {_mb(tot['expected_bytes'])} MB expected. "
+                 f"Time: setup {ts['setup']:.2f} s, transfers {ts['start'] + ts['transfer']:.2f} s "
+                 f"({report['throughput']['moved_gb_per_s']:.3f} GB/s), verify {ts['verify']:.2f} s. heads: KV "
+                 f"heads per layer of the first end; desc: descriptors; ver MB: verified; s: fill + plan + wait (prefill), half + "
+                 f"verify (decode), the run (total). {ok}")
     return t
 
 

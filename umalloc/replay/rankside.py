@@ -50,16 +50,17 @@ from umalloc.transfer.rows import owned_count, rows_of_checked
 ARENA_HEADROOM = 2
 
 
-def rank_ends(model: str, *, page_size: int, draft: bool, tp_size: int, dcp_size: int) -> tuple[EndSpec, ...]:
-    """The ends one rank holds: preset ``model`` at ``page_size`` with the heads of one TP rank of ``tp_size``
-    (:func:`~umalloc.geometry.presets.preset_ends`); under DCP (``dcp_size > 1``) a draft bound to the target
+def rank_ends(model: str, *, page_size: int, draft: bool, tp_size: int, dcp_size: int,
+              head_groups: int = 1) -> tuple[EndSpec, ...]:
+    """The ends one rank holds: preset ``model`` at ``page_size`` with the heads of one TP rank of ``tp_size``,
+    ``head_groups`` where an end can take it (:func:`~umalloc.geometry.presets.preset_ends`); under DCP (``dcp_size > 1``) a draft bound to the target
     becomes its own id owner, since the target is sharded by position and the draft keeps logical rows (Note
     [DCP rows]). O(layers).
 
     >>> [(e.name, e.owner) for e in rank_ends("gemma-3-12b-draft", page_size=16, draft=True, tp_size=1, dcp_size=2)]
     [('full', None), ('swa', 'full'), ('draft', None)]
     """
-    ends = preset_ends(model, page_size=page_size, draft=draft, tp_size=tp_size)
+    ends = preset_ends(model, page_size=page_size, draft=draft, tp_size=tp_size, head_groups=head_groups)
     if dcp_size == 1:
         return ends
     return tuple(replace(e, owner=None) if e.role is EndRole.DRAFT else e for e in ends)
@@ -168,14 +169,15 @@ def _state(ctx) -> RankState:
     return ctx.objects["rank"]
 
 
-def child_setup(ctx, side: str, index: int, model: str, page_size: int, draft: bool, tp_rank: int, tp_size: int,
-                dcp_rank: int, dcp_size: int, arena_bytes: int | None, max_tokens: int, batch: int,
-                compaction: str, seed: int, deadline_s: float | None) -> dict:
+def child_setup(ctx, side: str, index: int, model: str, page_size: int, head_groups: int, draft: bool,
+                tp_rank: int, tp_size: int, dcp_rank: int, dcp_size: int, arena_bytes: int | None, max_tokens: int,
+                batch: int, compaction: str, seed: int, deadline_s: float | None) -> dict:
     """Build the rank: its ends (:func:`rank_ends`), arena (``arena_bytes``, or :func:`rank_arena_bytes` for
     ``batch`` requests of ``max_tokens``), allocator and pattern; register the arena with the rank's backend and
     publish its layout. Returns ``{"pid", "layout" (dict), "metadata" (bytes), "arena_bytes"}``."""
     torch.set_num_threads(1)
-    ends = rank_ends(model, page_size=page_size, draft=draft, tp_size=tp_size, dcp_size=dcp_size)
+    ends = rank_ends(model, page_size=page_size, draft=draft, tp_size=tp_size, dcp_size=dcp_size,
+                     head_groups=head_groups)
     nbytes = arena_bytes or rank_arena_bytes(ends, max_tokens, batch, dcp_size, dcp_rank)
     spec = ArenaSpec(ends, arena_bytes=nbytes // ARENA_ALIGN_BYTES * ARENA_ALIGN_BYTES)
     arena = Arena(spec, zero=False)  # every byte read back is written first
