@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -47,9 +46,6 @@ from umalloc.geometry.spec import ArenaSpec, EndRole
 from umalloc.replay.ranks_report import RANKS_SCHEMA_VERSION, check_ranks_report
 from umalloc.replay.signals import sigint_ignored
 from umalloc.replay.trace import load_trace
-
-if TYPE_CHECKING:
-    from umalloc.transfer import PeerLayout
 
 _HERE = "umalloc.replay.rankside:"
 #: Multi-rank defaults: requests, token scale and prompt cap (a few seconds per case on 2 cores).
@@ -308,12 +304,12 @@ def expected_bytes(spec: ArenaSpec, dcp_size: int, dcp_rank: int, lengths: list[
 
 
 def _zero_figures() -> dict:
-    return {"plans": 0, "descriptors": 0, "bytes": 0, "runs": 0, "bytes_by_vector": {}}
+    return {"plans": 0, "descriptors": 0, "bytes": 0, "runs": 0, "baseline_descriptors": 0, "bytes_by_vector": {}}
 
 
 def _add_plan(acc: dict, fig: dict) -> None:
     acc["plans"] += 1
-    for k in ("descriptors", "bytes", "runs"):
+    for k in ("descriptors", "bytes", "runs", "baseline_descriptors"):
         acc[k] += fig[k]
     for name, n in fig["bytes_by_vector"].items():
         acc["bytes_by_vector"][name] = acc["bytes_by_vector"].get(name, 0) + n
@@ -355,10 +351,12 @@ class MultiRankReplay:
             layout = f", {groups} head groups" if groups > 1 else ""
             return f"{name} TP {tp} x DCP {dcp} ({tp * dcp} ranks, {ps}-token pages{layout})"
 
+        n = len(self.lengths)
+        used = str(self.lengths) if n <= 12 else \
+            f"{min(self.lengths)}-{max(self.lengths)} (mean {sum(self.lengths) / n:.0f})"
         return (f"multi-rank replay: {side('prefill')} -> {side('decode')}, backend {c.backend}, model {c.model}; "
-                f"{len(self.lengths)} requests of {Path(self.trace.path).name} rows {c.skip}-{c.skip + len(self.lengths) - 1}, "
-                f"token scale {c.token_scale}, prompts capped at {c.max_prompt_tokens} tokens: {self.lengths}; "
-                f"seed {c.seed}")
+                f"{n} requests of {Path(self.trace.path).name} rows {c.skip}-{c.skip + n - 1}, token scale "
+                f"{c.token_scale}, prompts capped at {c.max_prompt_tokens} tokens: {used} tokens; seed {c.seed}")
 
     # ---- the run -------------------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -494,7 +492,8 @@ class MultiRankReplay:
                 "dcp_rank": r.dcp_rank, "dcp_size": r.dcp_size, "pid": self.setups[r]["pid"],
                 "page_size": lay.spec.ends[0].page_size, "arena_bytes": lay.spec.arena_bytes,
                 "kv_heads": {e.name: e.layers[0].num_kv_heads for e in lay.spec.ends}, "peers": peers,
-                **{k: fig[k] for k in ("plans", "descriptors", "bytes", "runs", "bytes_by_vector", "filled_bytes",
+                **{k: fig[k] for k in ("plans", "descriptors", "bytes", "runs", "baseline_descriptors",
+                                       "bytes_by_vector", "filled_bytes",
                                        "verified_bytes", "mismatch_bytes", "mismatch_rows", "verified_by_vector")},
                 "expected_bytes": exp, "time_s": dict(fig["time_s"]), "end_state": self.end_state[r]})
         sent = [x for x in ranks if x["side"] == "prefill"]
@@ -503,7 +502,8 @@ class MultiRankReplay:
         for x in sent:
             for name, n in x["bytes_by_vector"].items():
                 by_vector[name] = by_vector.get(name, 0) + n
-        totals = {k: sum(x[k] for x in sent) for k in ("plans", "descriptors", "bytes", "runs", "filled_bytes")}
+        totals = {k: sum(x[k] for x in sent) for k in ("plans", "descriptors", "bytes", "runs", "baseline_descriptors",
+                                                       "filled_bytes")}
         totals.update({k: sum(x[k] for x in got) for k in ("verified_bytes", "expected_bytes", "mismatch_bytes",
                                                             "mismatch_rows")})
         totals["bytes_by_vector"] = by_vector
@@ -552,13 +552,7 @@ def run_ranks(cfg: RanksConfig, *, progress: bool = False, console: object | Non
     def started(pids: list[tuple[str, int]]) -> None:
         out.print("ranks: " + ", ".join(f"{escape(label)} pid {pid}" for label, pid in pids), soft_wrap=True)
 
-    bar = None
-
-    def update(done: int, total: int) -> None:
-        if bar is not None:
-            bar.update(task, completed=done, total=total)
-
-    rep = MultiRankReplay(cfg, on_start=started, on_progress=update)  # bad arguments raise here, before any bar
+    rep = MultiRankReplay(cfg, on_start=started)  # bad arguments raise here, before any bar is drawn
     out.print(escape(rep.describe()), soft_wrap=True)
     if not progress:
         return rep.run()
@@ -568,6 +562,7 @@ def run_ranks(cfg: RanksConfig, *, progress: bool = False, console: object | Non
             TextColumn("{task.completed}/{task.total} requests"), TimeElapsedColumn())
     with Progress(*cols, console=out, transient=False) as bar:  # type: ignore[arg-type]
         task = bar.add_task("ranks", total=len(rep.lengths))
+        rep.on_progress = lambda done, _total: bar.update(task, completed=done)
         return rep.run()
 
 

@@ -11,7 +11,9 @@ Policy (as :mod:`umalloc.replay.report` for the single-pair replay):
   page and no active lease.
 * Figures: per rank (a prefill rank's plans, descriptors, bytes and runs are what it sent; a decode rank's what
   it received), per route (source, destination) and in total (sent by the prefill side, verified by the decode
-  side). ``time_s`` per rank: ``alloc`` (allocator calls), ``fill`` (writing the pattern), ``plan`` (send plans
+  side). ``baseline_descriptors``: what a per-layer-per-page design posts for the same plans, or between different
+  TP / page size / head groups one per (token row, head slice), what a per-token slice sender (SGLang's
+  ``send_kvcache_slice``) posts (``TransferPlan.per_layer_descriptor_equivalent``). ``time_s`` per rank: ``alloc`` (allocator calls), ``fill`` (writing the pattern), ``plan`` (send plans
   built and submitted), ``transfer`` (each plan's submit-to-done, summed), ``wait`` (waiting for them), ``half``
   (receiver halves built and published), ``verify`` (comparing).
 """
@@ -28,7 +30,7 @@ RANKS_SCHEMA_VERSION = "umalloc.replay.ranks/1"
 
 _NUM = (int, float)
 _SIDE = {"tp": int, "dcp": int, "ranks": int, "page_size": int, "head_groups": int, "arena_bytes": int}
-_FIGURES = {"plans": int, "descriptors": int, "bytes": int, "runs": int}
+_FIGURES = {"plans": int, "descriptors": int, "bytes": int, "runs": int, "baseline_descriptors": int}
 _RANK_TIMES = ("alloc", "fill", "plan", "transfer", "wait", "half", "verify")
 RANKS_REPORT_SCHEMA: dict = {
     "schema": str,
@@ -180,7 +182,8 @@ def ranks_table(report: Mapping) -> Table:
     by_vec = ", ".join(f"{n} {_mb(b)}" for n, b in sorted(tot["bytes_by_vector"].items()))
     ok = "[green]OK[/green]" if report["ok"] else "[red]FAILED[/red]"
     t.caption = (f"{report['requests']['completed']}/{report['requests']['total']} requests; MB moved by vector: "
-                 f"{by_vec}; verified {_mb(tot['verified_bytes'])} of {_mb(tot['expected_bytes'])} MB expected. "
+                 f"{by_vec}; verified {_mb(tot['verified_bytes'])} of {_mb(tot['expected_bytes'])} MB expected; "
+                 f"{tot['baseline_descriptors']:,} descriptors without merging. "
                  f"Time: setup {ts['setup']:.2f} s, transfers {ts['start'] + ts['transfer']:.2f} s "
                  f"({report['throughput']['moved_gb_per_s']:.3f} GB/s), verify {ts['verify']:.2f} s. heads: KV "
                  f"heads per layer of the first end; desc: descriptors; ver MB: verified; s: fill + plan + wait (prefill), half + "

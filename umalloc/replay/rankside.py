@@ -278,6 +278,7 @@ def child_prefill_start(ctx, items: list[tuple[int, int, dict[int, dict]]]) -> d
             plan = build_send_plan(str(rid), st.alloc, vt, half, b.peer_layout(peer), src_layout=st.layout,
                                    seq_len_tokens=L, deadline_s=st.deadline_s)
             out[rid][dst] = {"descriptors": plan.num_descriptors, "bytes": plan.total_bytes, "runs": plan.num_runs,
+                             "baseline_descriptors": plan.per_layer_descriptor_equivalent,
                              "bytes_by_vector": {n: s.bytes for n, s in plan.stats_by_vector.items()}}
             if plan.num_descriptors == 0:
                 plan.complete()
