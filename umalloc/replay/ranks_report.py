@@ -163,7 +163,7 @@ _COLUMNS = (("rank", "left"), ("tp", "right"), ("dcp", "right"), ("heads", "righ
 def ranks_table(report: Mapping) -> Table:
     """The final table (rich): one row per rank (``P<i>`` prefill, ``D<i>`` decode), then the totals; what the
     columns mean, the run's time and the result in the caption."""
-    t = Table(title=ranks_title(report), box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1, 0, 0), show_lines=False)
+    t = Table(title=ranks_title(report), box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 0), show_lines=False)
     for col, just in _COLUMNS:
         t.add_column(col, justify=just)  # type: ignore[arg-type]
     for r in report["ranks"]:
