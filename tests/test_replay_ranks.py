@@ -31,9 +31,9 @@ from umalloc.geometry.arena import Arena
 from umalloc.geometry.presets import preset_ends, rank_kv_heads
 from umalloc.geometry.spec import ArenaSpec, EndSpec, KVDtype, LayerSpec
 from umalloc.replay.headpattern import HeadPattern, expected_block, global_heads
-from umalloc.replay.rankside import must_have_positions, rank_ends
 from umalloc.replay.ranks import MultiRankReplay, RanksConfig, is_multi_rank, rank_ids
 from umalloc.replay.ranks_report import check_ranks_report, ranks_table
+from umalloc.replay.rankside import must_have_positions, rank_ends
 from umalloc.transfer import PeerLayout
 from umalloc.transfer.heads import global_heads as transfer_global_heads
 

@@ -135,11 +135,6 @@ class RowCheck:
     mismatched_bytes: int = 0
     mismatched_rows: int = 0
 
-    def add(self, other: RowCheck) -> None:
-        self.checked_bytes += other.checked_bytes
-        self.mismatched_bytes += other.mismatched_bytes
-        self.mismatched_rows += other.mismatched_rows
-
 
 class HeadPattern:
     """The pattern as one rank holds it: its arena spec, its TP rank and every layer's global head count.
@@ -184,9 +179,9 @@ class HeadPattern:
         for li, layer in enumerate(e.layers):
             head_lo, heads = self.heads[end][li]
             item = layer.dtype.itemsize
-            views = arena.kv_group_views(end, li)
-            dims = (layer.latent_dim,) if layer.kind is LayerKind.MLA else (layer.head_dim_k, layer.head_dim_v)
-            for kv, (view, dim) in enumerate(zip(views, dims, strict=False)):
+            k, v = arena.kv_group_views(end, li)
+            blocks = [(k, layer.latent_dim)] if v is None else [(k, layer.head_dim_k), (v, layer.head_dim_v)]
+            for kv, (view, dim) in enumerate(blocks):
                 exp = expected_block(block_key(self.seed, request_id, end, li, kv), positions, head_lo, heads, dim,
                                      item)
                 yield view.view(_TORCH_INT[item]), pages, offs, exp

@@ -10,8 +10,9 @@ Policy:
   heads, its DCP rows), allocator, backend and pattern (:mod:`umalloc.replay.rankside`). This process only
   orchestrates: it holds no arena and no backend.
 * **Routes.** After setup every rank's :class:`~umalloc.transfer.PeerLayout` is known here; a (prefill, decode)
-  pair is a route iff :func:`~umalloc.transfer.slices.sends_to` says the source can carry bytes to it. Each prefill rank connects to
-  the decode ranks of its routes (the layout check, F22, runs at connect); each decode rank learns its sources.
+  pair is a route iff :func:`~umalloc.transfer.slices.sends_to` says the source can carry bytes to it. Each
+  prefill rank connects to the decode ranks of its routes (the layout check, F22, runs at connect); each decode
+  rank learns its sources.
 * **Requests** come from the real trace (the packaged Mooncake conversation trace by default), their prompts
   divided by ``token_scale`` and capped at ``max_prompt_tokens`` so a 2-core machine copes; output tokens are
   not decoded (this is a transfer replay). Up to ``max_batch`` requests go per step: decode prepares (rows,
@@ -37,12 +38,13 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from umalloc.errors import BackendError, InvariantError, UmallocValueError
 from umalloc.geometry.presets import DEFAULT_PRESET, PRESETS
-from umalloc.geometry.spec import ArenaSpec, EndRole
+from umalloc.geometry.spec import ARENA_ALIGN_BYTES, ArenaSpec, EndRole
 from umalloc.replay.ranks_report import RANKS_SCHEMA_VERSION, check_ranks_report
 from umalloc.replay.signals import sigint_ignored
 from umalloc.replay.trace import load_trace
@@ -140,7 +142,10 @@ class RanksConfig:
         cfg = RanksConfig(**d)
         for side in ("prefill", "decode"):
             tp, dcp, ps, groups = cfg.side(side)
-            rank_ends(cfg.model, page_size=ps, draft=cfg.draft, tp_size=tp, dcp_size=dcp, head_groups=groups)
+            ends = rank_ends(cfg.model, page_size=ps, draft=cfg.draft, tp_size=tp, dcp_size=dcp, head_groups=groups)
+            arena = cfg.prefill_arena_bytes if side == "prefill" else cfg.decode_arena_bytes
+            if arena is not None:  # one that cannot hold a page of every end is refused here, not in a rank
+                ArenaSpec(ends, arena_bytes=arena // ARENA_ALIGN_BYTES * ARENA_ALIGN_BYTES)
         return cfg
 
     def side(self, side: str) -> tuple[int, int, int, int]:
@@ -220,9 +225,13 @@ class RankPool:
 
         self.ranks = list(ranks)
         self.workers: dict[RankId, BackendWorker] = {}
-        with sigint_ignored():  # the ranks inherit SIGINT ignored: Ctrl-C is this process's (replay.signals)
-            for r in self.ranks:
-                self.workers[r] = BackendWorker(backend)
+        try:
+            with sigint_ignored():  # the ranks inherit SIGINT ignored: Ctrl-C is this process's (replay.signals)
+                for r in self.ranks:
+                    self.workers[r] = BackendWorker(backend)
+        except BaseException:
+            self.close()
+            raise
 
     def pid(self, rank: RankId) -> int:
         return self.workers[rank].pid
@@ -247,7 +256,7 @@ class RankPool:
         for r in self.ranks:
             self._guard(r, lambda w: w.wait_ready(timeout_s=START_TIMEOUT_S))
 
-    def call(self, rank: RankId, fn: str, *args: object, timeout_s: float = CALL_MARGIN_S) -> object:
+    def call(self, rank: RankId, fn: str, *args: object, timeout_s: float = CALL_MARGIN_S) -> Any:
         """Run ``umalloc.replay.rankside.<fn>(ctx, *args)`` in ``rank`` and return its result.
 
         Raises:
@@ -256,7 +265,7 @@ class RankPool:
         """
         return self._guard(rank, lambda w: w.run(_HERE + fn, *args, timeout_s=timeout_s, progress=self._watch))
 
-    def _guard(self, rank: RankId, op: Callable) -> object:
+    def _guard(self, rank: RankId, op: Callable) -> Any:
         from umalloc.backends._worker import WorkerDied, WorkerTimeout
 
         try:
@@ -289,7 +298,7 @@ def expected_bytes(spec: ArenaSpec, dcp_size: int, dcp_rank: int, lengths: list[
 
     >>> from umalloc.replay.rankside import rank_ends
     >>> spec = ArenaSpec(rank_ends("gpt-oss-20b", page_size=16, draft=False, tp_size=1, dcp_size=2), 1 << 24)
-    >>> expected_bytes(spec, 2, 1, [200]) == 100 * 12288 + 64 * 12288      # full: 100 odd positions; swa: 64 of 128
+    >>> expected_bytes(spec, 2, 1, [200]) == (100 + 64) * 24576     # full: 100 odd positions; swa: 64 of 128
     True
     """
     total = 0
@@ -330,9 +339,10 @@ class MultiRankReplay:
     def __init__(self, cfg: RanksConfig, *, on_start: Callable[[list[tuple[str, int]]], None] | None = None,
                  on_progress: Callable[[int, int], None] | None = None) -> None:
         self.cfg = cfg = cfg.resolved()
-        self.trace = load_trace(cfg.trace, token_scale=cfg.token_scale, max_requests=cfg.requests,
-                                fmt=cfg.trace_format, skip=cfg.skip)
-        if len(self.trace) < cfg.requests:
+        requests, scale = int(cfg.requests or 0), int(cfg.token_scale or 0)  # filled by resolved()
+        self.trace = load_trace(cfg.trace, token_scale=scale, max_requests=requests, fmt=cfg.trace_format,
+                                skip=cfg.skip)
+        if len(self.trace) < requests:
             raise UmallocValueError(f"requests={cfg.requests}: the trace {self.trace.path} holds only "
                                     f"{len(self.trace)} requests after skip={cfg.skip}: allowed "
                                     f"1..{len(self.trace)}")
@@ -537,7 +547,7 @@ class MultiRankReplay:
         return report
 
 
-def run_ranks(cfg: RanksConfig, *, progress: bool = False, console: object | None = None) -> dict:
+def run_ranks(cfg: RanksConfig, *, progress: bool = False, console: Any = None) -> dict:
     """Run the multi-rank replay; print what runs and the ranks' pids on ``console`` (rich), and a progress bar
     when ``progress``. Returns the report.
 

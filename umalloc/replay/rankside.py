@@ -32,6 +32,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -42,8 +43,8 @@ from umalloc.geometry.arena import Arena
 from umalloc.geometry.presets import preset_ends
 from umalloc.geometry.spec import ARENA_ALIGN_BYTES, ArenaSpec, EndRole, EndSpec, pages_for_tokens
 from umalloc.replay.headpattern import HeadPattern, RowCheck
-from umalloc.transfer import PeerLayout, build_receiver_half, build_send_plan
-from umalloc.transfer.rows import owned_count, rows_of_checked
+from umalloc.transfer import PeerLayout, ReceiverHalf, TransferPlan, build_receiver_half, build_send_plan
+from umalloc.transfer.rows import is_dcp_sharded, owned_count, rows_of_checked
 
 #: Arena bytes per rank: this many times what the step's requests hold at once (placement slack for the
 #: floating draft band), plus two pages of every end.
@@ -85,7 +86,7 @@ def rank_arena_bytes(ends: tuple[EndSpec, ...], max_tokens: int, batch: int, dcp
     floor = max(e.page_bytes for e in ends)
     need = 0
     for e in ends:
-        d, r = (dcp_size, dcp_rank) if e.role in (EndRole.TARGET, EndRole.SWA) else (1, 0)
+        d, r = (dcp_size, dcp_rank) if is_dcp_sharded(e) else (1, 0)
         need += (pages_for_tokens(owned_count(max_tokens, d, r), e.page_size) + 1) * e.page_bytes
     total = floor + ARENA_HEADROOM * batch * need + 2 * sum(e.page_bytes for e in ends)
     return -(-total // ARENA_ALIGN_BYTES) * ARENA_ALIGN_BYTES
@@ -115,7 +116,7 @@ def alloc_rows(alloc: MultiEndedAllocator, layout: PeerLayout, L: int) -> dict[s
             continue
         lo, _hi = _end_rows(e, L, *layout.dcp_for(e.name))
         if lo:
-            alloc.release_end(e.name, out[e.owner][:lo])
+            alloc.release_end(e.name, out[spec.owner_of(e.name)][:lo])
     return out
 
 
@@ -148,7 +149,10 @@ def must_have_positions(layout: PeerLayout, end: EndSpec, L: int) -> tuple[np.nd
 
 @dataclass
 class RankState:
-    """What one rank's process keeps between calls (``ctx.objects["rank"]``)."""
+    """What one rank's process keeps between calls (``ctx.objects["rank"]``): its geometry and pattern; prefill:
+    ``peers`` (decode index -> peer id), ``inflight`` (request -> ``[(decode index, plan, handle)]``); decode:
+    ``sources`` (prefill indexes sending to it), ``halves`` (request -> {source: half}); both: ``held`` (request
+    -> ``(L, vtokens by owner)``)."""
 
     side: str
     index: int
@@ -158,11 +162,11 @@ class RankState:
     layout: PeerLayout
     pattern: HeadPattern
     deadline_s: float | None
-    peers: dict[int, str] = field(default_factory=dict)  # prefill: decode rank index -> peer id
-    sources: list[int] = field(default_factory=list)  # decode: prefill rank indexes sending to it
-    held: dict[int, tuple[int, dict[str, torch.Tensor]]] = field(default_factory=dict)  # rid -> (L, vtokens)
-    halves: dict[int, dict[int, object]] = field(default_factory=dict)  # decode: rid -> {source: half}
-    inflight: dict[int, list[tuple[int, object, object]]] = field(default_factory=dict)  # rid -> [(dst, plan, h)]
+    peers: dict[int, str] = field(default_factory=dict)
+    sources: list[int] = field(default_factory=list)
+    held: dict[int, tuple[int, dict[str, torch.Tensor]]] = field(default_factory=dict)
+    halves: dict[int, dict[int, ReceiverHalf]] = field(default_factory=dict)
+    inflight: dict[int, list[tuple[int, TransferPlan, Any]]] = field(default_factory=dict)
 
 
 def _state(ctx) -> RankState:
