@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import torch
 
-from umalloc.errors import SpecError, UmallocValueError
+from umalloc.errors import IncompatiblePeerError, SpecError, UmallocValueError
 from umalloc.geometry.arena import Arena
 from umalloc.geometry.presets import preset_ends, rank_kv_heads
 from umalloc.geometry.spec import ArenaSpec, EndSpec, KVDtype, LayerSpec
@@ -165,6 +165,12 @@ def test_config_refuses_what_cannot_run():
         RanksConfig(max_prompt_tokens=0).resolved()
     with pytest.raises(UmallocValueError, match="requests=99999"):
         MultiRankReplay(RanksConfig(requests=99999))
+    with pytest.raises(SpecError, match="arena_bytes"):
+        RanksConfig(decode_arena_bytes=4096).resolved()
+    with pytest.raises(IncompatiblePeerError) as e:  # the connect-time check, before any process starts
+        RanksConfig(prefill_page_size=16, page_size=24).resolved()
+    assert any("page_size" in d and "16" in d and "24" in d for d in e.value.differences), e.value.differences
+    assert RanksConfig(model="gpt-oss-20b").resolved().draft is False  # no drafter: none, as the replay does
 
 
 # ==== the matrix, real processes ===============================================================================

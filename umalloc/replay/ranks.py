@@ -38,7 +38,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -48,6 +48,9 @@ from umalloc.geometry.spec import ARENA_ALIGN_BYTES, ArenaSpec, EndRole
 from umalloc.replay.ranks_report import RANKS_SCHEMA_VERSION, check_ranks_report
 from umalloc.replay.signals import sigint_ignored
 from umalloc.replay.trace import load_trace
+
+if TYPE_CHECKING:
+    from umalloc.transfer import PeerLayout
 
 _HERE = "umalloc.replay.rankside:"
 #: Multi-rank defaults: requests, token scale and prompt cap (a few seconds per case on 2 cores).
@@ -61,6 +64,8 @@ CALL_MARGIN_S = 120.0
 WATCH_S = 0.005
 #: Seconds each rank gets to exit when the run ends, before it is terminated.
 CLOSE_TIMEOUT_S = 10.0
+#: Base address of the layouts :meth:`RanksConfig.resolved` checks (geometry only: nothing is addressed).
+_PROBE_BASE = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -69,7 +74,8 @@ class RanksConfig:
 
     Attributes:
         backend: ``"nixl"`` or ``"mooncake"`` (ranks are processes; ``local`` cannot cross them).
-        trace, trace_format, model, draft, seed, skip, compaction: as :class:`umalloc.replay.run.ReplayConfig`.
+        trace, trace_format, model, draft, seed, skip, compaction: as :class:`umalloc.replay.run.ReplayConfig`
+            (``draft`` on a preset without a drafter means none).
         page_size: the decode ranks' page size; prefill_page_size: the prefill ranks' (``None``: the same).
         prefill_tp, decode_tp, prefill_dcp, decode_dcp: each side's TP and DCP sizes (ranks = TP x DCP).
         prefill_head_groups, decode_head_groups: each side's head groups (1: the page-major envelope; ``G > 1``
@@ -110,19 +116,19 @@ class RanksConfig:
     lease_deadline_s: float | None = 600.0
 
     def resolved(self) -> RanksConfig:
-        """Validate every field and fill the defaults; every rank's ends are built here once, so heads that do
-        not split by a TP size are refused before any process starts.
+        """Validate every field and fill the defaults. Every rank's ends and layout are built here once and
+        every (prefill, decode) pair is checked compatible, so heads that do not split by a TP size, page sizes
+        that do not divide, or an arena too small are refused before any process starts.
 
         Raises:
-            UmallocValueError: naming the bad field and the allowed values (SpecError for the geometry).
+            UmallocValueError: naming the bad field and the allowed values (SpecError for the geometry,
+                IncompatiblePeerError listing every difference of a pair that cannot be mapped).
         """
         if self.backend not in ("nixl", "mooncake"):
             raise UmallocValueError(f"backend={self.backend!r}: the multi-rank replay runs one process per rank; "
                                     "allowed 'nixl' or 'mooncake'")
         if self.model not in PRESETS:
             raise UmallocValueError(f"model={self.model!r}: allowed one of {sorted(PRESETS)}")
-        if self.draft and PRESETS[self.model].draft is None:
-            raise UmallocValueError(f"draft: preset {self.model!r} has no drafter: allowed draft=False")
         for name in ("page_size", "prefill_tp", "decode_tp", "prefill_dcp", "decode_dcp", "prefill_head_groups",
                      "decode_head_groups", "max_prompt_tokens", "max_batch"):
             _check_int(name, getattr(self, name), 1)
@@ -133,19 +139,29 @@ class RanksConfig:
             _check_int(name, getattr(self, name), 0)
         if self.compaction not in ("lazy", "eager", "off"):
             raise UmallocValueError(f"compaction={self.compaction!r}: allowed 'lazy', 'eager', 'off'")
-        from umalloc.replay.rankside import rank_ends
+        from umalloc.geometry.region import Region
+        from umalloc.replay.rankside import rank_arena_bytes, rank_ends
+        from umalloc.transfer import PeerLayout, check_compatible
 
         d = asdict(self)
         d["prefill_page_size"] = self.page_size if self.prefill_page_size is None else self.prefill_page_size
         d["requests"] = DEFAULT_RANK_REQUESTS if self.requests is None else self.requests
         d["token_scale"] = DEFAULT_RANK_TOKEN_SCALE if self.token_scale is None else self.token_scale
+        d["draft"] = self.draft and PRESETS[self.model].draft is not None
         cfg = RanksConfig(**d)
+        probes: dict[str, list[PeerLayout]] = {}
         for side in ("prefill", "decode"):
             tp, dcp, ps, groups = cfg.side(side)
             ends = rank_ends(cfg.model, page_size=ps, draft=cfg.draft, tp_size=tp, dcp_size=dcp, head_groups=groups)
             arena = cfg.prefill_arena_bytes if side == "prefill" else cfg.decode_arena_bytes
-            if arena is not None:  # one that cannot hold a page of every end is refused here, not in a rank
-                ArenaSpec(ends, arena_bytes=arena // ARENA_ALIGN_BYTES * ARENA_ALIGN_BYTES)
+            # an arena that cannot hold a page of every end is refused here, not in a rank
+            spec = ArenaSpec(ends, arena_bytes=(arena or rank_arena_bytes(ends, 1, 1, dcp, 0)) // ARENA_ALIGN_BYTES
+                             * ARENA_ALIGN_BYTES)
+            probes[side] = [PeerLayout(spec, (Region(_PROBE_BASE, spec.arena_bytes),), _PROBE_BASE, r.tp_rank, tp,
+                                       r.dcp_rank, dcp) for r in rank_ids(side, tp, dcp)]
+        for src in probes["prefill"]:  # the connect-time check (F22) of every pair, before any process starts
+            for dst in probes["decode"]:
+                check_compatible(src, dst)
         return cfg
 
     def side(self, side: str) -> tuple[int, int, int, int]:
