@@ -189,6 +189,7 @@ CASES = {
     # a window tail that starts mid-page (gpt-oss: window 128) under TP 2 -> 1, 16 -> 32 pages
     "swa-tail": {"model": "gpt-oss-20b", "draft": False, "prefill_tp": 2, "page_size": 32, "requests": 2,
                  "token_scale": 24},
+    "swa-dcp1-2": {"model": "gpt-oss-20b", "draft": False, "decode_dcp": 2, "requests": 2, "token_scale": 24},
     "mla-tp1-2": {"model": "deepseek-v3", "draft": False, "decode_tp": 2, "requests": 1, "token_scale": 256},
 }
 
@@ -239,7 +240,7 @@ def test_every_rank_receives_and_verifies_its_slice(backend, name):
     expected_routes = {
         "tp1-2": {(0, 0), (0, 1)}, "tp1-2-groups": {(0, 0), (0, 1)}, "tp2-1": {(0, 0), (1, 0)},
         "tp2-2": {(0, 0), (1, 1)}, "dcp1-2": {(0, 0), (0, 1)}, "dcp2-2": {(0, 0), (1, 1)},
-        "swa-tail": {(0, 0), (1, 0)}, "mla-tp1-2": {(0, 0), (0, 1)}}
+        "swa-tail": {(0, 0), (1, 0)}, "swa-dcp1-2": {(0, 0), (0, 1)}, "mla-tp1-2": {(0, 0), (0, 1)}}
     assert routes == expected_routes.get(name, {(0, 0)})
     if cfg.model == "gemma-3-12b-draft":  # 8 target heads split by the decode TP, the 1-head drafter replicated
         assert all(r["kv_heads"] == {"full": 8 // cfg.decode_tp, "swa": 8 // cfg.decode_tp, "draft": 1}
@@ -253,6 +254,44 @@ def test_head_group_outer_pages_merge_into_fewer_descriptors():
     _cfg, grouped = run_case("nixl", CASES["tp1-2-groups"])
     assert flat["totals"]["bytes"] == grouped["totals"]["bytes"]
     assert grouped["totals"]["descriptors"] < flat["totals"]["descriptors"]
+
+
+def flip_first_target_byte(ctx, rid: int) -> int:
+    """In a decode rank: flip one bit of the first byte of the request's target row 0 (layer 0 K, head 0)."""
+    st = ctx.objects["rank"]
+    _L, vt = st.held[rid]
+    end = st.spec.end("full")
+    ptok = int(st.alloc.translate(vt["full"][:1], "full")[0])
+    page, row = divmod(ptok, end.page_size)
+    byte = page * end.page_bytes + end.blocks[0].offset_bytes + row * end.blocks[0].row_bytes
+    st.arena.data[byte] ^= 0x01
+    return byte
+
+
+@pytest.mark.backend
+def test_a_byte_corrupted_after_the_transfer_is_found_on_that_rank_only():
+    from umalloc.backends import require_or_skip
+    from umalloc.replay.ranks import RankPool
+
+    require_or_skip("nixl")
+    run = MultiRankReplay(RanksConfig(backend="nixl", decode_tp=2, **TINY))
+    pool = RankPool("nixl", run.prefill + run.decode)
+    try:
+        run._setup(pool)
+        batch = [(0, run.lengths[0])]
+        run._start(pool, batch, run._prepare(pool, batch))
+        run._finish(pool, batch)
+        pool.workers[run.decode[1]].run("test_replay_ranks:flip_first_target_byte", 0)
+        run._verify(pool, batch)
+        run._check(pool)
+        run.times["total"] = 1.0
+        rep = run._report(pool, 1)
+    finally:
+        pool.close()
+    d0, d1 = (r for r in rep["ranks"] if r["side"] == "decode")
+    assert (d0["mismatch_bytes"], d0["mismatch_rows"]) == (0, 0)
+    assert (d1["mismatch_bytes"], d1["mismatch_rows"]) == (1, 1)
+    assert not rep["ok"] and "mismatches: 1 bytes in 1 rows differ" in check_ranks_report(rep)
 
 
 # ==== the console script: report, Ctrl-C, a killed rank ======================================================

@@ -367,6 +367,8 @@ class MultiRankReplay:
         self.decode = rank_ids("decode", cfg.decode_tp, cfg.decode_dcp)
         self.on_start = on_start
         self.on_progress = on_progress
+        #: Wall seconds of this process per phase (``total`` once the run ended).
+        self.times = dict.fromkeys(("setup", "prepare", "start", "transfer", "verify", "check"), 0.0)
 
     def describe(self) -> str:
         """One line naming what runs (sides, backend, trace slice, scale, cap and the prompt lengths used)."""
@@ -394,7 +396,6 @@ class MultiRankReplay:
                 (every rank is ended first).
         """
         t_start = time.perf_counter()
-        self.times = dict.fromkeys(("setup", "prepare", "start", "transfer", "verify", "check"), 0.0)
         pool = RankPool(self.cfg.backend, self.prefill + self.decode)
         try:
             self._setup(pool)
@@ -451,16 +452,31 @@ class MultiRankReplay:
         self.times["setup"] += time.perf_counter() - t0
 
     def _step(self, pool: RankPool, batch: list[tuple[int, int]]) -> None:
-        c = self.cfg
-        rids = [rid for rid, _L in batch]
+        """One step's requests through the four phases, each timed."""
         t0 = time.perf_counter()
+        halves = self._prepare(pool, batch)
+        t1 = time.perf_counter()
+        self._start(pool, batch, halves)
+        t2 = time.perf_counter()
+        self._finish(pool, batch)
+        t3 = time.perf_counter()
+        self._verify(pool, batch)
+        t4 = time.perf_counter()
+        for k, dt in (("prepare", t1 - t0), ("start", t2 - t1), ("transfer", t3 - t2), ("verify", t4 - t3)):
+            self.times[k] += dt
+
+    def _prepare(self, pool: RankPool, batch: list[tuple[int, int]]) -> dict[RankId, dict]:
+        """Decode: rows and published halves; returns ``{decode rank: {rid: {source index: half dict}}}``."""
         halves: dict[RankId, dict] = {}
         for d in self.decode:
             res = pool.call(d, "child_decode_prepare", batch)
             halves[d] = res["halves"]
             self.per_rank[d]["time_s"]["alloc"] += res["alloc_s"]
             self.per_rank[d]["time_s"]["half"] += res["half_s"]
-        t1 = time.perf_counter()
+        return halves
+
+    def _start(self, pool: RankPool, batch: list[tuple[int, int]], halves: dict[RankId, dict]) -> None:
+        """Prefill: allocate, fill, one plan per half, submit; the plans' figures per rank and route."""
         by_index = {d.index: d for d in self.decode}
         for p in self.prefill:
             items = [(rid, L, {d.index: halves[d][rid][p.index] for pp, d in self.routes if pp == p})
@@ -475,16 +491,23 @@ class MultiRankReplay:
                     d = by_index[dst]
                     for acc in (fig, self.per_rank[d], self.per_route[(p, d)]):
                         _add_plan(acc, plan)
-        t2 = time.perf_counter()
+
+    def _finish(self, pool: RankPool, batch: list[tuple[int, int]]) -> None:
+        """Prefill: wait for every plan (the senders' terminal reports), free."""
+        c = self.cfg
         bound = 2 * c.transfer_timeout_s * max(1, len(batch)) + CALL_MARGIN_S
         for p in self.prefill:
-            res = pool.call(p, "child_prefill_finish", rids, c.transfer_timeout_s, timeout_s=bound)
-            self.per_rank[p]["time_s"]["transfer"] += sum(s for per in res["elapsed_s"].values() for s in per.values())
-            self.per_rank[p]["time_s"]["wait"] += res["wait_s"]
-            self.per_rank[p]["time_s"]["alloc"] += res["alloc_s"]
-        t3 = time.perf_counter()
+            res = pool.call(p, "child_prefill_finish", [rid for rid, _L in batch], c.transfer_timeout_s,
+                            timeout_s=bound)
+            times = self.per_rank[p]["time_s"]
+            times["transfer"] += sum(s for per in res["elapsed_s"].values() for s in per.values())
+            times["wait"] += res["wait_s"]
+            times["alloc"] += res["alloc_s"]
+
+    def _verify(self, pool: RankPool, batch: list[tuple[int, int]]) -> None:
+        """Decode: complete the halves, verify every byte each rank must hold, free."""
         for d in self.decode:
-            res = pool.call(d, "child_decode_finish", rids)
+            res = pool.call(d, "child_decode_finish", [rid for rid, _L in batch])
             fig = self.per_rank[d]
             fig["time_s"]["verify"] += res["verify_s"]
             fig["time_s"]["alloc"] += res["alloc_s"]
@@ -494,9 +517,6 @@ class MultiRankReplay:
                     fig["mismatch_bytes"] += chk["mismatched_bytes"]
                     fig["mismatch_rows"] += chk["mismatched_rows"]
                     fig["verified_by_vector"][name] = fig["verified_by_vector"].get(name, 0) + chk["checked_bytes"]
-        t4 = time.perf_counter()
-        for k, dt in (("prepare", t1 - t0), ("start", t2 - t1), ("transfer", t3 - t2), ("verify", t4 - t3)):
-            self.times[k] += dt
 
     def _check(self, pool: RankPool) -> None:
         t0 = time.perf_counter()
