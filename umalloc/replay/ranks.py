@@ -62,6 +62,8 @@ START_TIMEOUT_S = 180.0
 CALL_MARGIN_S = 120.0
 #: How often the other ranks are checked for life while one call runs (seconds).
 WATCH_S = 0.005
+#: Seconds a failed call waits for a rank to show up dead (its death may be what made the call fail).
+DEATH_GRACE_S = 2.0
 #: Seconds each rank gets to exit when the run ends, before it is terminated.
 CLOSE_TIMEOUT_S = 10.0
 #: Base address of the layouts :meth:`RanksConfig.resolved` checks (geometry only: nothing is addressed).
@@ -291,7 +293,12 @@ class RankPool:
         except KeyboardInterrupt:
             raise
         except BaseException as exc:
-            dead = self._dead()  # a failure caused by a dead peer names the dead rank
+            # a failure caused by a dead peer names the dead rank; a peer may notice the disconnect before the
+            # killed process can be reaped, so wait a moment for it
+            dead, until = self._dead(), time.monotonic() + DEATH_GRACE_S
+            while dead is None and time.monotonic() < until:
+                time.sleep(WATCH_S)
+                dead = self._dead()
             if dead is not None:
                 raise self._died(dead) from exc
             if isinstance(exc, WorkerDied):
