@@ -161,9 +161,7 @@ class BackendBase:
                  max_batch_descriptors: int = MAX_BATCH_DESCRIPTORS, max_batch_bytes: int = MAX_BATCH_BYTES) -> None:
         check_batch_limits(max_batch_descriptors, max_batch_bytes)
         self._layout, self._layout_obj = layout_pair(layout)
-        #: Caps of one engine submission (Note [Bounded batches] in :mod:`umalloc.backends.descriptors`).
-        self.max_batch_descriptors = int(max_batch_descriptors)
-        self.max_batch_bytes = int(max_batch_bytes)
+        self._max_batch = (int(max_batch_descriptors), int(max_batch_bytes))
         self._host = host
         self._peer_id = uuid.uuid4().hex
         self._reg = Registry(self._engine_register, self._engine_deregister)
@@ -183,6 +181,17 @@ class BackendBase:
         """
         self._check_open()
         self._layout, self._layout_obj = layout_pair(layout)
+
+    @property
+    def max_batch_descriptors(self) -> int:
+        """Most descriptors in one engine submission, set at construction (Note [Bounded batches] in
+        :mod:`umalloc.backends.descriptors`)."""
+        return self._max_batch[0]
+
+    @property
+    def max_batch_bytes(self) -> int:
+        """Most bytes in one engine submission, set at construction (Note [Bounded batches])."""
+        return self._max_batch[1]
 
     @property
     def layout(self) -> dict | None:
@@ -460,7 +469,7 @@ class BackendBase:
         chunk with the region indices of its rows. Chunks of uncut rows take slices of ``src_idx``/``dst_idx``;
         when a row was cut (longer than ``max_batch_bytes``), the pieces lie inside their row's regions and are
         located again (no error possible). O(N), plus O(N log R) when a row was cut."""
-        chunks = chunk_descriptors(d, self.max_batch_descriptors, self.max_batch_bytes)
+        chunks = chunk_descriptors(d, *self._max_batch)
         if sum(c.shape[0] for c in chunks) != d.shape[0]:  # a row was cut into pieces
             reg = self._reg
             return [(c, locate_ranges(c[:, 0], c[:, 2], reg.starts, reg.ends),

@@ -100,15 +100,15 @@ class LocalBackend(BackendBase):
             raise TransferError(f"local: peer {peer.name!r} was closed before the transfer")
         # The peer's *current* registration decides, not what its metadata said at connect time; every chunk is
         # checked before the first byte is copied.
-        cur = [locate_ranges(c[:, 1], c[:, 2], other._reg.starts, other._reg.ends) for c, _, _ in chunks]
-        row = 0
-        for c, idx in zip(chunks, cur, strict=True):
+        cur = [locate_ranges(d[:, 1], d[:, 2], other._reg.starts, other._reg.ends) for d, _, _ in chunks]
+        row = 0  # rows of the batch as posted (descriptors longer than max_batch_bytes count once per piece)
+        for (d, _, _), idx in zip(chunks, cur, strict=True):
             if (idx < 0).any():
                 row += int(np.flatnonzero(idx < 0)[0])
                 raise TransferError(f"local: destination row {row} is no longer registered by peer {peer.name!r}")
-            row += c[0].shape[0]
-        for (c, src_idx, _), dst_idx in zip(chunks, cur, strict=True):
-            self._copy(c, src_idx, dst_idx, self._reg.regions, other._reg.regions, other)
+            row += d.shape[0]
+        for (d, src_idx, _), dst_idx in zip(chunks, cur, strict=True):
+            self._copy(d, src_idx, dst_idx, self._reg.regions, other._reg.regions, other)
             h.num_parts += 1
         h.engine["done"] = True
 
