@@ -111,6 +111,12 @@ def test_a_descriptor_longer_than_the_byte_cap_is_cut_into_contiguous_pieces():
     assert as_lists(one_byte) == [[[7, 9, 1]], [[8, 10, 1]], [[9, 11, 1]]]
 
 
+def test_a_batch_that_is_not_an_n_by_3_uint64_array_is_refused():
+    for bad in (np.zeros((2, 3), np.int64), np.zeros((2, 2), np.uint64), np.zeros(3, np.uint64), [[0, 0, 1]]):
+        with pytest.raises(UmallocValueError, match=r"allowed an \(N, 3\) uint64 array"):
+            chunk_descriptors(bad, 3, 1000)
+
+
 def test_empty_batch_gives_no_chunk():
     assert chunk_descriptors(np.zeros((0, 3), np.uint64), 3, 1000) == []
 

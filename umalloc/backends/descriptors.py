@@ -69,8 +69,8 @@ def chunk_descriptors(d: np.ndarray, max_batch_descriptors: int = MAX_BATCH_DESC
     """Cut a validated descriptor batch into engine submissions (Note [Bounded batches]).
 
     Args:
-        d: ``(N, 3)`` C-contiguous ``uint64`` rows ``(src_addr, dst_addr, nbytes)`` as returned by
-            :func:`as_descriptors` (or a plan's batch); not checked again.
+        d: ``(N, 3)`` ``uint64`` rows ``(src_addr, dst_addr, nbytes)`` as returned by :func:`as_descriptors`
+            (or a plan's batch); its type and shape are checked (O(1)), its values are not checked again.
         max_batch_descriptors: most rows in one chunk (int in ``[1, 2**63)``).
         max_batch_bytes: most bytes in one chunk (int in ``[1, 2**63)``); a longer row is first cut into
             contiguous pieces of this many bytes (the last piece shorter): piece ``k`` of row ``(s, t, n)`` is
@@ -84,7 +84,8 @@ def chunk_descriptors(d: np.ndarray, max_batch_descriptors: int = MAX_BATCH_DESC
         chunks fit together in one.
 
     Raises:
-        UmallocValueError: a cap outside ``[1, 2**63)`` or not an int (nothing computed).
+        UmallocValueError: a cap outside ``[1, 2**63)`` or not an int, or ``d`` not an ``(N, 3)`` ``uint64``
+            array (nothing computed).
 
     Complexity: O(N) to cut long rows (vectorised; none cut: O(N) for one comparison), plus O(N) when the whole
     batch fits the byte cap, else O(N + C log N) for C chunks (one ``searchsorted`` per chunk).
@@ -94,6 +95,9 @@ def chunk_descriptors(d: np.ndarray, max_batch_descriptors: int = MAX_BATCH_DESC
     [[400], [1000], [1000], [500, 300, 100]]
     """
     check_batch_limits(max_batch_descriptors, max_batch_bytes)
+    if not (isinstance(d, np.ndarray) and d.dtype == np.uint64 and d.ndim == 2 and d.shape[1] == 3):
+        raise UmallocValueError(f"descriptors: {type(d).__name__} {getattr(d, 'dtype', '')} "
+                                f"{getattr(d, 'shape', '')}, allowed an (N, 3) uint64 array (see as_descriptors)")
     cap_n, cap_b = int(max_batch_descriptors), np.uint64(max_batch_bytes)
     n = d.shape[0]
     if n == 0:
