@@ -33,6 +33,7 @@ from test_backends import (  # noqa: F401 - fixtures are used by name
     worker,
 )
 
+from umalloc.backends import require_or_skip
 from umalloc.core.allocator import MultiEndedAllocator
 from umalloc.core.pagestate import PAGE_PENDING
 from umalloc.errors import LeaseError, PeerDiedError, RegistrationError, TransferError, UmallocValueError
@@ -435,3 +436,52 @@ def test_F10_a_vector_never_submitted_fails_the_plan_at_its_deadline(name, backe
     leaked = _settled(src_alloc) + _settled(dst_alloc)
     assert leaked == 0
     _row("vector never submitted", name, 0, leaked, 0, t_err)
+
+
+@pytest.mark.parametrize("name", ENGINES)
+def test_F24_replay_child_that_does_not_answer_keeps_its_half_until_it_is_confirmed_gone(name, monkeypatch):
+    """The replay's prefill child is stalled (SIGSTOP) when the parent publishes a receiver half to it: the call
+    times out, the half stays pending and held (the child may still write), its lease goes in doubt at the
+    deadline instead of being reclaimed, and the freed pages stay pending; ``close`` ends the child and, once it
+    is confirmed gone, settles the half: nothing pending, pinned or in doubt is left."""
+    from umalloc.backends._worker import WorkerTimeout
+    from umalloc.geometry.presets import preset_ends
+    from umalloc.geometry.spec import ArenaSpec
+    from umalloc.replay import remote
+    from umalloc.replay.prefill import alloc_sequence
+    from umalloc.replay.report import PhaseTimer
+    from umalloc.replay.trace import TraceRequest
+    from umalloc.replay.workload import RequestState
+
+    require_or_skip(name)
+    clock = ManualClock()
+    spec = ArenaSpec(preset_ends("llama-3.1-8b", page_size=16, draft=False), arena_bytes=64 << 20)
+    dec = MultiEndedAllocator(Arena(spec), clock=clock)
+    rp = remote.RemotePrefill(name, spec, dec, PhaseTimer(), model="llama-3.1-8b", page_size=16, draft=False,
+                              seed=SEED, compaction="lazy", padded=False, transfer_timeout_s=0.2,
+                              lease_deadline_s=5.0)
+    try:
+        vt = alloc_sequence(dec, 40)  # 3 pages of 16 tokens
+        monkeypatch.setattr(remote, "CALL_MARGIN_S", 0.3)  # bound the call that times out
+        rp.worker.pause()
+        t0 = time.monotonic()
+        with pytest.raises(WorkerTimeout):
+            rp.start(RequestState(TraceRequest(0, 0.0, 40, 1, ())), vt)
+        t_err = time.monotonic() - t0
+        assert len(rp.kept_halves) == 1
+        half = rp.kept_halves[0]
+        assert half.state == "pending" and half.lease.state == "active"
+        clock.now = 6.0  # the lease deadline passes: in doubt, never reclaimed (the child may still write)
+        dec.free(vt)
+        st = dec.stats()
+        in_doubt = sum(st[e].in_doubt_pages for e in st)
+        assert half.lease.state == "in_doubt" and in_doubt == 3
+        assert sum(st[e].pending_pages for e in st) == 3
+    finally:
+        rp.close()
+    assert not rp.worker.alive() and rp.kept_halves == []
+    assert half.state == "failed" and half.lease.state == "settled"
+    leaked = _settled(dec)
+    assert leaked == 0 and dec.leases_active() == 0
+    dec.check_invariants()
+    _row("replay child does not answer (receiver half kept)", name, 0, leaked, in_doubt, t_err)
