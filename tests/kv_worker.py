@@ -58,12 +58,13 @@ def _vtokens(v: dict[str, list[int]]) -> dict:
 
 def kv_receiver_half(ctx: WorkerContext, request_id: str, vtokens: dict[str, list[int]], prefix_tokens: int = 0,
                      seq_len_tokens: int | None = None) -> dict:
-    """Build and keep (leased) the receiver half of a request; returns ``half.publish()`` (the dict the sender
-    builds its plan from): from then on the half is held until :func:`kv_finish_half` reports the sender's end."""
+    """Build and keep (leased) the receiver half of a request; returns its publication through the child's
+    backend (``backend.publish_half``: the dict the sender builds its plan from): from then on the half is held
+    until :func:`kv_finish_half` reports the sender's end, or the backend's reset/close settles it."""
     half = build_receiver_half(request_id, ctx.objects["alloc"], _vtokens(vtokens), prefix_tokens=prefix_tokens,
                                seq_len_tokens=seq_len_tokens)
     ctx.objects["halves"][request_id] = half
-    return half.publish()
+    return ctx._b().publish_half(half)
 
 
 def kv_finish_half(ctx: WorkerContext, request_id: str, ok: bool = True) -> int:

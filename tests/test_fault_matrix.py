@@ -36,7 +36,14 @@ from test_backends import (  # noqa: F401 - fixtures are used by name
 from umalloc.backends import require_or_skip
 from umalloc.core.allocator import MultiEndedAllocator
 from umalloc.core.pagestate import PAGE_PENDING
-from umalloc.errors import LeaseError, PeerDiedError, RegistrationError, TransferError, UmallocValueError
+from umalloc.errors import (
+    BackendError,
+    LeaseError,
+    PeerDiedError,
+    RegistrationError,
+    TransferError,
+    UmallocValueError,
+)
 from umalloc.geometry.arena import Arena
 from umalloc.transfer import PeerLayout, build_plan, build_receiver_half, build_send_plan
 
@@ -485,3 +492,63 @@ def test_F24_replay_child_that_does_not_answer_keeps_its_half_until_it_is_confir
     assert leaked == 0 and dec.leases_active() == 0
     dec.check_invariants()
     _row("replay child does not answer (receiver half kept)", name, 0, leaked, in_doubt, t_err)
+
+
+@pytest.mark.parametrize("end", ["close", "reset"])
+@pytest.mark.parametrize("name", ALL)
+def test_F24_backend_close_or_reset_settles_the_halves_published_through_it(name, end, backend_factory):
+    """A receiver half published through the receiving backend (``publish_half``) whose sender's report never
+    arrives: the transfer lands, the lease deadline passes (in doubt, never reclaimed) and the request's pages
+    stay pending after the free; ``disconnect`` proves nothing. ``close()`` / ``reset()`` — the engine released
+    every registration, so no sender can write those pages — settle it. A half that completed is not touched."""
+    clock = ManualClock()
+    spec = kv_spec()
+    src_arena, src_alloc = kv_side(spec, SEED)
+    dst_arena = Arena(spec)
+    dst_arena.data.copy_(kv_side(spec, SEED + 1)[0].data)
+    dst_alloc = MultiEndedAllocator(dst_arena, clock=clock)
+    a = backend_factory(name, layout=PeerLayout.from_arena(src_arena))
+    b = backend_factory(name, layout=PeerLayout.from_arena(dst_arena))
+    a.register(src_arena.regions())
+    b.register(dst_arena.regions())
+    peer = a.connect(b.metadata())
+    halves, wants = [], []
+    dvts = [alloc_request(dst_alloc, L_TOKENS) for _ in range(2)]
+    for i, dvt in enumerate(dvts):
+        half = build_receiver_half(f"h-{i}", dst_alloc, dvt, deadline_s=5.0)
+        wire = b.publish_half(half)
+        assert b.publish_half(half) == wire  # idempotent
+        plan = build_send_plan(f"h-{i}", src_alloc, alloc_request(src_alloc, L_TOKENS), wire, a.peer_layout(peer))
+        want = brute_apply(tbytes(dst_arena.data), dst_arena.base_ptr, tbytes(src_arena.data), src_arena.base_ptr,
+                           plan.descriptors())
+        h = a.submit(plan, peer)
+        a.wait(h, DEADLINE_S)
+        a.release(h)
+        assert plan.state == "done" and _diff(tbytes(dst_arena.data), want) == 0
+        halves.append(half)
+        wants.append(want)
+    done, lost = halves
+    assert done.complete() and done.lease.state in ("released", "settled")  # the sender's report arrived
+    assert b.published_halves() == 1
+    clock.now = 6.0  # the report of the other one never arrives: its deadline passes
+    for owner in ("full", "draft"):
+        dst_alloc.free(dvts[1][owner], owner=owner)
+    st = dst_alloc.stats()
+    in_doubt = sum(st[e].in_doubt_pages for e in st)
+    n_leased = sum(p.size for p in lost.lease.pages.values())
+    assert lost.state == "pending" and lost.lease.state == "in_doubt" and in_doubt == n_leased > 0
+    assert sum(st[e].pending_pages for e in st) == n_leased  # freed, never reusable while in doubt
+    a.disconnect(peer)  # the sender forgets the receiver: proves nothing on the receiver's side
+    assert lost.lease.state == "in_doubt" and b.published_halves() == 1
+    t0 = time.monotonic()
+    b.close() if end == "close" else b.reset()
+    t_err = time.monotonic() - t0
+    why = "engine stopped" if end == "close" else "registrations were released"
+    assert lost.state == "failed" and isinstance(lost.error, BackendError) and why in str(lost.error)
+    assert lost.lease.state == "settled" and done.state == "done"
+    assert b.published_halves() == 0
+    leaked = _settled(dst_alloc)
+    assert leaked == 0 and dst_alloc.leases_active() == 0
+    assert _diff(tbytes(dst_arena.data), wants[1]) == 0  # nothing but the transfers' bytes landed
+    dst_alloc.check_invariants()
+    _row(f"receiver backend {end}() with a published half in doubt", name, 0, leaked, in_doubt, t_err)

@@ -93,6 +93,7 @@ from umalloc.backends.peers import (
     peer_info,
 )
 from umalloc.backends.protocol import EngineHold, PlanLike, check_plan, plan_item_bytes
+from umalloc.backends.published import PublishedHalves
 from umalloc.backends.registry import Registry, validate_regions
 from umalloc.errors import (
     BackendError,
@@ -144,6 +145,7 @@ class BackendBase:
         self._peers: dict[str, PeerInfo] = {}
         self._ht = HandleTable(self.name, self._engine_in_flight, self._engine_release)
         self._counts: Counter[str] = Counter()  # connects, register_calls, deregister_calls
+        self._halves = PublishedHalves()
         self._closed = False
         type(self)._live.add(self)
 
@@ -312,6 +314,24 @@ class BackendBase:
             else:
                 half.fail(exc)  # type: ignore[attr-defined]
         return state
+
+    def publish_half(self, half: object) -> dict:
+        """Receiver side: ``half.publish()`` for senders that write through this backend into memory registered
+        here (a :class:`~umalloc.transfer.plan.ReceiverHalf`), keeping the half so that :meth:`close` and
+        :meth:`reset` settle it, if it is still held then, once the engine released every registration (no
+        sender can write it any more: :mod:`umalloc.backends.published`). Until then only the sender's report
+        (``half.complete()`` / ``half.settle()``) or :meth:`fail_half_if_peer_died` ends it. O(halves held).
+
+        Raises:
+            BackendError: the backend is closed.
+            LeaseError, UmallocValueError: the half's lease or the half already ended (nothing kept).
+        """
+        self._check_open()
+        return self._halves.publish(half)
+
+    def published_halves(self) -> int:
+        """Halves published through :meth:`publish_half` that may still be written (pending, or in doubt). O(n)."""
+        return self._halves.held()
 
     def peers(self) -> list[str]:
         """Connected peer names."""
@@ -591,9 +611,9 @@ class BackendBase:
     # ---- lifecycle -------------------------------------------------------------------------------------
     def reset(self) -> None:
         """Return to the just-constructed state without restarting the engine: release every handle (pending
-        ones cancelled, their plans aborted), disconnect every peer, deregister everything, drop the layout, zero
-        the counters and take a new peer id (metadata taken before the reset no longer names this backend).
-        Cheaper than ``close`` + a new backend where engines are slow to stop (Mooncake: about 1 s).
+        ones cancelled, their plans aborted), disconnect every peer, deregister everything — then settle every
+        half still held of :meth:`publish_half` —, drop the layout, zero the counters and take a new peer id
+        (metadata taken before the reset no longer names this backend). Cheaper than ``close`` + a new backend where engines are slow to stop (Mooncake: about 1 s).
 
         Raises:
             BackendError: the backend is closed, or a released transfer is still in the engine after
@@ -613,6 +633,7 @@ class BackendBase:
             self.disconnect(p)
         if self._reg.counts or self._reg.engine:
             self._apply(Counter())
+        self._halves.settle_all(BackendError(f"{self.name}: backend reset: its registrations were released"))
         self._layout = None
         self._layout_obj = None
         self._counts.clear()
@@ -634,7 +655,8 @@ class BackendBase:
 
     def close(self) -> None:
         """Release every handle (cancelling pending ones), forget peers, deregister everything, stop the
-        engine. Idempotent."""
+        engine, then settle every half still held of :meth:`publish_half` (no sender can write it now).
+        Idempotent."""
         if self._closed:
             return
         try:
@@ -656,6 +678,7 @@ class BackendBase:
             self._engine_close()
             if self._ht.draining:
                 self._ht.reap()
+            self._halves.settle_all(BackendError(f"{self.name}: backend closed: its engine stopped"))
 
     def __enter__(self):
         return self

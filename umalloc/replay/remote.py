@@ -9,7 +9,7 @@ Policy:
   bytes); the parent owns the decode arena and the receiving backend.
 * Per request (a real PD split, F13: only physical ids cross the process boundary): the parent preallocates on
   decode and builds the receiver half (:func:`umalloc.transfer.plan.build_receiver_half`, which leases decode's pages)
-  and publishes it (:meth:`~umalloc.transfer.plan.ReceiverHalf.publish`: the lease takes an engine hold, so its
+  and publishes it through the receiving backend (``publish_half``: the lease takes an engine hold, so its
   deadline never frees pages the child may still write, F24); the child allocates, fills, builds the send plan from the half (:func:`umalloc.transfer.plan.build_send_plan`, which
   leases prefill's pages) and posts the WRITE without waiting. The parent then runs its decode step while the
   transfer is in flight, and later asks the child to wait for the step's transfers (one call); the child ends
@@ -270,8 +270,8 @@ class RemotePrefill:
                                        deadline_s=self.deadline_s)
         try:
             with self.timer.phase("transfer"):
-                res = self._call("child_start", rs.rid, rs.req.input_tokens, half.publish(), self.peer,
-                                 self.deadline_s)
+                wire = self.b.publish_half(half)  # type: ignore[union-attr]
+                res = self._call("child_start", rs.rid, rs.req.input_tokens, wire, self.peer, self.deadline_s)
         except BaseException as exc:
             self._settle_or_keep(half, exc)  # a child that did not answer may have posted: keep the half then
             raise
