@@ -9,15 +9,16 @@ bounded. Each test prints one matrix row (``FAULT-ROW``: fault, backend, wrong b
 pages until settle, seconds to the error).
 """
 
-# ruff: noqa: F811  (the backend fixtures are imported from test_backends by name)
+# ruff: noqa: F811  (the backend fixtures are imported from backend_fixtures by name)
 from __future__ import annotations
 
 import time
 
 import numpy as np
 import pytest
-from test_backends import (  # noqa: F401 - fixtures are used by name
+from backend_fixtures import (  # noqa: F401 - fixtures are used by name
     DEADLINE_S,
+    ENGINES,
     L_TOKENS,
     SEED,
     ManualClock,
@@ -27,8 +28,10 @@ from test_backends import (  # noqa: F401 - fixtures are used by name
     backend_pool,
     backend_workers,
     brute_apply,
+    kv_pair,
     kv_side,
     kv_spec,
+    sender_to_worker,
     tbytes,
     worker,
 )
@@ -47,7 +50,6 @@ from umalloc.errors import (
 from umalloc.geometry.arena import Arena
 from umalloc.transfer import PeerLayout, build_plan, build_receiver_half, build_send_plan
 
-ENGINES = ["nixl", "mooncake"]
 ALL = ["local", "nixl", "mooncake"]
 MARKER = 0xAB
 pytestmark = pytest.mark.timeout(180)
@@ -65,16 +67,7 @@ def _diff(a: bytes, b: bytes) -> int:
 def _sender(name, backend_workers, backend_factory, clock=None):
     """A fresh receiver state in the shared worker, a fresh sender here, connected (a fresh connection: NIXL's
     first WRITE of a connection needs the target), one request's plan with a 5 s source lease."""
-    w = worker(backend_workers, name)
-    w.call("reset_backend")
-    spec = kv_spec()
-    src_arena = Arena(spec)
-    src_arena.data.copy_(kv_side(spec, SEED)[0].data)
-    src_alloc = MultiEndedAllocator(src_arena, clock=clock or time.monotonic)
-    a = backend_factory(name, layout=PeerLayout.from_arena(src_arena))
-    a.register(src_arena.regions())
-    w.run(W + "kv_setup", PeerLayout.from_arena(src_arena).to_dict(), seed=SEED + 1)
-    peer = a.connect(w.call("metadata"))
+    w, src_arena, src_alloc, a, peer = sender_to_worker(backend_workers, backend_factory, name, clock=clock)
     src_vt = alloc_request(src_alloc, L_TOKENS)
     half = w.run(W + "kv_receiver_half", "f-1", w.run(W + "kv_alloc", {"full": L_TOKENS, "draft": L_TOKENS}))
     plan = build_send_plan("f-1", src_alloc, src_vt, half, a.peer_layout(peer), deadline_s=5.0)
@@ -188,16 +181,8 @@ def test_F24_abort_mid_flight_fails_the_plan_at_once_and_keeps_the_pages(name, b
 
 @pytest.mark.parametrize("name", ALL)
 def test_F12_deadline_before_submit_reclaims_at_once_and_refuses_the_post(name, backend_factory):
-    spec = kv_spec()
     clock = ManualClock()
-    src_arena, dst_arena = Arena(spec), Arena(spec)
-    src_arena.data.copy_(kv_side(spec, SEED)[0].data)
-    src_alloc = MultiEndedAllocator(src_arena, clock=clock)
-    dst_alloc = MultiEndedAllocator(dst_arena, clock=clock)
-    a = backend_factory(name, layout=PeerLayout.from_arena(src_arena))
-    b = backend_factory(name, layout=PeerLayout.from_arena(dst_arena))
-    a.register(src_arena.regions())
-    b.register(dst_arena.regions())
+    src_arena, src_alloc, a, dst_arena, dst_alloc, b = kv_pair(backend_factory, name, clock=clock)
     peer = a.connect(b.metadata())
     svt, dvt = alloc_request(src_alloc, L_TOKENS), alloc_request(dst_alloc, L_TOKENS)
     plan = build_plan("f-2", src_alloc, svt, dst_alloc, dvt, deadline_s=1.0)
@@ -222,13 +207,7 @@ def test_F12_deadline_before_submit_reclaims_at_once_and_refuses_the_post(name, 
 
 @pytest.mark.parametrize("name", ALL)
 def test_F11_same_plan_submitted_twice_is_refused(name, backend_factory):
-    spec = kv_spec()
-    src_arena, src_alloc = kv_side(spec, SEED)
-    dst_arena, dst_alloc = kv_side(spec, SEED + 1)
-    a = backend_factory(name, layout=PeerLayout.from_arena(src_arena))
-    b = backend_factory(name, layout=PeerLayout.from_arena(dst_arena))
-    a.register(src_arena.regions())
-    b.register(dst_arena.regions())
+    src_arena, src_alloc, a, dst_arena, dst_alloc, b = kv_pair(backend_factory, name)
     peer = a.connect(b.metadata())
     plan = build_plan("f-3", src_alloc, alloc_request(src_alloc, L_TOKENS), dst_alloc,
                       alloc_request(dst_alloc, L_TOKENS))
@@ -332,13 +311,7 @@ def test_F25_receiver_deregisters_then_the_sender_writes(name, backend_factory):
     """Nothing lands in memory its owner deregistered: ``local`` re-checks the peer's registration at every
     copy (the handle fails); ``nixl`` refuses the deregistration while the sender is connected; ``mooncake``'s
     receiving engine serves writes into its registered buffers only (the write fails, nothing lands)."""
-    spec = kv_spec()
-    src_arena, src_alloc = kv_side(spec, SEED)
-    dst_arena, dst_alloc = kv_side(spec, SEED + 1)
-    a = backend_factory(name, layout=PeerLayout.from_arena(src_arena))
-    b = backend_factory(name, layout=PeerLayout.from_arena(dst_arena))
-    a.register(src_arena.regions())
-    b.register(dst_arena.regions())
+    src_arena, src_alloc, a, dst_arena, dst_alloc, b = kv_pair(backend_factory, name)
     peer = a.connect(b.metadata())
     plan = build_plan("f-5", src_alloc, alloc_request(src_alloc, L_TOKENS), dst_alloc,
                       alloc_request(dst_alloc, L_TOKENS))
@@ -373,16 +346,7 @@ def test_F25_receiver_deregisters_then_the_sender_writes(name, backend_factory):
 
 
 def _two_sides(name, backend_factory, clock):
-    spec = kv_spec()
-    src_arena, dst_arena = Arena(spec), Arena(spec)
-    src_arena.data.copy_(kv_side(spec, SEED)[0].data)
-    dst_arena.data.copy_(kv_side(spec, SEED + 1)[0].data)
-    src_alloc = MultiEndedAllocator(src_arena, clock=clock)
-    dst_alloc = MultiEndedAllocator(dst_arena, clock=clock)
-    a = backend_factory(name, layout=PeerLayout.from_arena(src_arena))
-    b = backend_factory(name, layout=PeerLayout.from_arena(dst_arena))
-    a.register(src_arena.regions())
-    b.register(dst_arena.regions())
+    src_arena, src_alloc, a, dst_arena, dst_alloc, b = kv_pair(backend_factory, name, clock=clock)
     peer = a.connect(b.metadata())
     plan = build_plan("f-6", src_alloc, alloc_request(src_alloc, L_TOKENS), dst_alloc,
                       alloc_request(dst_alloc, L_TOKENS), deadline_s=5.0)
@@ -502,15 +466,7 @@ def test_F24_backend_close_or_reset_settles_the_halves_published_through_it(name
     stay pending after the free; ``disconnect`` proves nothing. ``close()`` / ``reset()`` — the engine released
     every registration, so no sender can write those pages — settle it. A half that completed is not touched."""
     clock = ManualClock()
-    spec = kv_spec()
-    src_arena, src_alloc = kv_side(spec, SEED)
-    dst_arena = Arena(spec)
-    dst_arena.data.copy_(kv_side(spec, SEED + 1)[0].data)
-    dst_alloc = MultiEndedAllocator(dst_arena, clock=clock)
-    a = backend_factory(name, layout=PeerLayout.from_arena(src_arena))
-    b = backend_factory(name, layout=PeerLayout.from_arena(dst_arena))
-    a.register(src_arena.regions())
-    b.register(dst_arena.regions())
+    src_arena, src_alloc, a, dst_arena, dst_alloc, b = kv_pair(backend_factory, name, clock=clock)
     peer = a.connect(b.metadata())
     halves, wants = [], []
     dvts = [alloc_request(dst_alloc, L_TOKENS) for _ in range(2)]
