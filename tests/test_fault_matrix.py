@@ -45,6 +45,7 @@ from umalloc.errors import (
     PeerDiedError,
     RegistrationError,
     TransferError,
+    TransferTimeout,
     UmallocValueError,
 )
 from umalloc.geometry.arena import Arena
@@ -276,36 +277,6 @@ def test_F12_sender_killed_mid_transfer_the_receiver_learns_and_settles(name, ba
     _row("sender SIGKILL mid-transfer (receiver side)", name, wrong, leaked, 0, t_err)
 
 
-@pytest.mark.parametrize("name", ENGINES)
-def test_F12_receiver_killed_mid_transfer_fails_the_handle_and_settles(name, backend_workers, backend_factory):
-    """The receiver (SIGSTOPped, the transfer in the engine) is SIGKILLed: the handle fails with a
-    TransferError within the bound, the source lease settles once the engine reports the part ended, and no
-    page of it was reused meanwhile. Runs last: it kills the shared worker."""
-    clock = ManualClock()
-    w, src_arena, src_alloc, a, peer, src_vt, plan, want = _sender(name, backend_workers, backend_factory, clock)
-    leased = {e: p.copy() for e, p in plan.src_lease.pages.items() if p.size}
-    w.pause()
-    h = a.submit(plan, peer)
-    time.sleep(0.3)
-    clock.now = 6.0  # the lease deadline passes too: in doubt, not reclaimed
-    st = src_alloc.stats()
-    in_doubt = sum(st[e].in_doubt_pages for e in st)
-    if a.poll(h) == "pending":
-        _free_and_reuse(src_arena, src_alloc, src_vt, leased)
-    t0 = time.monotonic()
-    w.kill()
-    with pytest.raises(TransferError):
-        a.wait(h, DEADLINE_S)
-    t_err = time.monotonic() - t0
-    assert a.drain(h, DEADLINE_S)
-    a.release(h)
-    leaked = _settled(src_alloc)
-    assert leaked == 0 and plan.src_lease.state in ("settled", "expired", "released")
-    a.disconnect(peer)
-    src_alloc.check_invariants()
-    _row("receiver SIGKILL mid-transfer (sender side)", name, 0, leaked, in_doubt, t_err)
-
-
 @pytest.mark.parametrize("name", ALL)
 def test_F25_receiver_deregisters_then_the_sender_writes(name, backend_factory):
     """Nothing lands in memory its owner deregistered: ``local`` re-checks the peer's registration at every
@@ -464,7 +435,9 @@ def test_F24_backend_close_or_reset_settles_the_halves_published_through_it(name
     """A receiver half published through the receiving backend (``publish_half``) whose sender's report never
     arrives: the transfer lands, the lease deadline passes (in doubt, never reclaimed) and the request's pages
     stay pending after the free; ``disconnect`` proves nothing. ``close()`` / ``reset()`` — the engine released
-    every registration, so no sender can write those pages — settle it. A half that completed is not touched."""
+    every registration — settle it where that stops every peer's writes (``local``, ``mooncake``); on NIXL,
+    whose shared-memory WRITEs land in deregistered memory, it stays in doubt until the sender's report
+    (``settle``). A half that completed is not touched."""
     clock = ManualClock()
     src_arena, src_alloc, a, dst_arena, dst_alloc, b = kv_pair(backend_factory, name, clock=clock)
     peer = a.connect(b.metadata())
@@ -499,12 +472,192 @@ def test_F24_backend_close_or_reset_settles_the_halves_published_through_it(name
     t0 = time.monotonic()
     b.close() if end == "close" else b.reset()
     t_err = time.monotonic() - t0
-    why = "engine stopped" if end == "close" else "registrations were released"
-    assert lost.state == "failed" and isinstance(lost.error, BackendError) and why in str(lost.error)
-    assert lost.lease.state == "settled" and done.state == "done"
-    assert b.published_halves() == 0
+    assert b.published_halves() == 0 and done.state == "done"
+    if b.fences_peer_writes:
+        why = "engine stopped" if end == "close" else "registrations were released"
+        assert lost.state == "failed" and isinstance(lost.error, BackendError) and why in str(lost.error)
+    else:
+        assert name == "nixl" and lost.state == "pending" and lost.lease.state == "in_doubt"
+        st = dst_alloc.stats()
+        assert sum(st[e].in_doubt_pages for e in st) == n_leased  # still pinned, never reusable
+        lost.settle()  # the sender's report (or its confirmed death) arrives
+        assert lost.state == "failed"
+    assert lost.lease.state == "settled"
     leaked = _settled(dst_alloc)
     assert leaked == 0 and dst_alloc.leases_active() == 0
     assert _diff(tbytes(dst_arena.data), wants[1]) == 0  # nothing but the transfers' bytes landed
     dst_alloc.check_invariants()
     _row(f"receiver backend {end}() with a published half in doubt", name, 0, leaked, in_doubt, t_err)
+
+
+def _one_process_fault(name, backend_factory, fault: str):
+    """Sender and receiver backends in this process; one request's plan (5 s leases); right after ``submit``,
+    before the engine's terminal report reached the lease, ``fault`` happens: ``"deadline"`` (the clock passes
+    the leases' deadlines) or ``"abort"`` (``plan.abort()``). The report is held back by holding the lease
+    table's lock meanwhile: Mooncake's sender thread reports (and checks the leases before it posts a queued
+    chunk) under it (Note [Lease threading]); ``local`` copies inside ``submit`` and NIXL over loopback may
+    finish there too, so nothing is held then.
+
+    A held lease must go in doubt (pages pinned, pending after the free, never reused: the reuser's marker
+    never reaches the peer) and settle once the engine let go; every destination byte is its old value or the
+    transfer's, all of them the transfer's if the transfer completed; nothing leaks. Returns the matrix row's
+    ``(wrong, leaked, in_doubt, t_err)``."""
+    clock = ManualClock()
+    src_arena, src_alloc, a, dst_arena, dst_alloc, b = kv_pair(backend_factory, name, clock=clock)
+    peer = a.connect(b.metadata())
+    src_vt = alloc_request(src_alloc, L_TOKENS)
+    plan = build_plan("o-1", src_alloc, src_vt, dst_alloc, alloc_request(dst_alloc, L_TOKENS), deadline_s=5.0)
+    before = tbytes(dst_arena.data)
+    want = brute_apply(before, dst_arena.base_ptr, tbytes(src_arena.data), src_arena.base_ptr, plan.descriptors())
+    leased = {e: p.copy() for e, p in plan.src_lease.pages.items() if p.size}
+    n_leased = sum(p.size for p in leased.values())
+    in_doubt, t_err = 0, None
+    with src_alloc.lease_table.lock:
+        h = a.submit(plan, peer)
+        held = plan.src_lease.engine_holds > 0
+        assert held or name != "mooncake"  # its sender thread cannot report without the lock
+        t0 = time.monotonic()
+        if fault == "deadline":
+            clock.now = 6.0
+            src_alloc.stats()  # the allocator expires its leases
+        elif plan.state == "pending":
+            assert plan.abort() is True and plan.state == "aborted"  # at once, whatever the engine holds
+        t_err = time.monotonic() - t0
+        st = src_alloc.stats()
+        in_doubt = sum(st[e].in_doubt_pages for e in st)
+        if held:
+            assert plan.src_lease.state == "in_doubt" and in_doubt == n_leased
+            _free_and_reuse(src_arena, src_alloc, src_vt, leased)
+        else:
+            assert in_doubt == 0
+    err = None
+    try:
+        a.wait(h, DEADLINE_S)
+    except TransferError as e:  # e.g. Mooncake withdrew the queued chunk: its leases ended first (F11)
+        err = e
+    assert a.drain(h, DEADLINE_S)
+    a.release(h)
+    got = np.frombuffer(tbytes(dst_arena.data), np.uint8)
+    old, new = np.frombuffer(before, np.uint8), np.frombuffer(want, np.uint8)
+    wrong = int(np.count_nonzero((got != old) & (got != new)))
+    assert wrong == 0 and (err is not None or got.tobytes() == want)
+    assert plan.src_lease.state in ("settled", "released", "expired")
+    leaked = _settled(src_alloc) + _settled(dst_alloc)
+    assert leaked == 0 and src_alloc.leases_active() == 0 and dst_alloc.leases_active() == 0
+    src_alloc.check_invariants()
+    dst_alloc.check_invariants()
+    return wrong, leaked, in_doubt, (t_err if err is not None or fault == "abort" else None)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_F24_lease_deadline_before_the_engine_reported_in_one_process(name, backend_factory):
+    """The one-process form of the stalled-receiver deadline row (:func:`_one_process_fault`)."""
+    _row("lease deadline before the engine's report (1 proc)", name,
+         *_one_process_fault(name, backend_factory, "deadline"))
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_F24_abort_before_the_engine_reported_in_one_process(name, backend_factory):
+    """The one-process form of the ``abort()`` mid-flight row (:func:`_one_process_fault`)."""
+    _row("abort() before the engine's report (1 proc)", name, *_one_process_fault(name, backend_factory, "abort"))
+
+
+@pytest.mark.parametrize("name", ENGINES)
+def test_F12_peer_disconnects_during_wait(name, backend_workers, backend_factory):
+    """The receiver (a worker process that stays alive) closes its backend while the sender waits on a transfer
+    of about 14 MiB that the engine holds (NIXL: the target is not progressed, so the first WRITE of the fresh
+    connection stalls; Mooncake: the receiver is paused, then resumed right before it closes, with most of the
+    bytes still to come): ``wait`` returns within the bound — a TransferError that is not a timeout, or done if
+    the engine finished before the peer went — the source lease ends once the engine let go, no page leaks,
+    and every destination byte is either its old value or the transfer's."""
+    import threading
+
+    from umalloc.geometry.spec import ArenaSpec
+
+    spec = ArenaSpec(kv_spec().ends, arena_bytes=32 << 20)
+    tokens = 300_000  # 32 + 16 B per token on full and draft: about 14 MiB (SWA: the 8-token window)
+    w, src_arena, src_alloc, a, peer = sender_to_worker(backend_workers, backend_factory, name, spec=spec)
+    src_vt = alloc_request(src_alloc, tokens)
+    half = w.run(W + "kv_receiver_half", "g-1", w.run(W + "kv_alloc", {"full": tokens, "draft": tokens}))
+    plan = build_send_plan("g-1", src_alloc, src_vt, half, a.peer_layout(peer))
+    before = w.run(W + "kv_arena_bytes")
+    want = brute_apply(before, a.peer_layout(peer).arena_base_ptr, tbytes(src_arena.data), src_arena.base_ptr,
+                       plan.descriptors())
+    went: list[float] = []
+
+    def peer_goes() -> None:
+        time.sleep(0.3)
+        if name == "mooncake":
+            w.resume()
+        w.call("close_backend")
+        went.append(time.monotonic())
+
+    if name == "nixl":
+        w.call("set_progress", False)
+    else:
+        w.pause()
+    goes = threading.Thread(target=peer_goes)
+    outcome = "done"
+    try:
+        h = a.submit(plan, peer)
+        goes.start()
+        t0 = time.monotonic()
+        try:
+            a.wait(h, DEADLINE_S)
+        except TransferError as e:
+            assert not isinstance(e, TransferTimeout), e
+            outcome = type(e).__name__
+        t_err = time.monotonic() - t0
+    finally:
+        goes.join(DEADLINE_S)
+        w.resume()
+    w.call("set_progress", True)
+    assert went and t_err < DEADLINE_S
+    st = src_alloc.stats()
+    in_doubt = sum(st[e].in_doubt_pages for e in st)  # a failed plan whose engine still held a part
+    assert a.drain(h, DEADLINE_S)
+    a.release(h)
+    assert plan.state == ("done" if outcome == "done" else "failed")
+    got = np.frombuffer(w.run(W + "kv_arena_bytes"), np.uint8)
+    old, new = np.frombuffer(before, np.uint8), np.frombuffer(want, np.uint8)
+    wrong = int(np.count_nonzero((got != old) & (got != new)))
+    assert wrong == 0 and (outcome != "done" or got.tobytes() == want)
+    leaked = _settled(src_alloc)
+    assert leaked == 0 and src_alloc.leases_active() == 0
+    a.disconnect(peer)
+    w.call("new_backend")
+    src_alloc.check_invariants()
+    landed = int(np.count_nonzero((got != old) & (got == new)))
+    print(f"disconnect during wait on {name}: {outcome} after {t_err:.3f} s; {landed} changed bytes landed")
+    _row(f"peer disconnects during wait ({outcome})", name, wrong, leaked, in_doubt,
+         t_err if outcome != "done" else None)
+
+
+@pytest.mark.parametrize("name", ENGINES)
+def test_F12_receiver_killed_mid_transfer_fails_the_handle_and_settles(name, backend_workers, backend_factory):
+    """The receiver (SIGSTOPped, the transfer in the engine) is SIGKILLed: the handle fails with a
+    TransferError within the bound, the source lease settles once the engine reports the part ended, and no
+    page of it was reused meanwhile. Runs last (keep it at the end of the file): it kills the shared worker."""
+    clock = ManualClock()
+    w, src_arena, src_alloc, a, peer, src_vt, plan, want = _sender(name, backend_workers, backend_factory, clock)
+    leased = {e: p.copy() for e, p in plan.src_lease.pages.items() if p.size}
+    w.pause()
+    h = a.submit(plan, peer)
+    time.sleep(0.3)
+    clock.now = 6.0  # the lease deadline passes too: in doubt, not reclaimed
+    st = src_alloc.stats()
+    in_doubt = sum(st[e].in_doubt_pages for e in st)
+    if a.poll(h) == "pending":
+        _free_and_reuse(src_arena, src_alloc, src_vt, leased)
+    t0 = time.monotonic()
+    w.kill()
+    with pytest.raises(TransferError):
+        a.wait(h, DEADLINE_S)
+    t_err = time.monotonic() - t0
+    assert a.drain(h, DEADLINE_S)
+    a.release(h)
+    leaked = _settled(src_alloc)
+    assert leaked == 0 and plan.src_lease.state in ("settled", "expired", "released")
+    a.disconnect(peer)
+    src_alloc.check_invariants()
+    _row("receiver SIGKILL mid-transfer (sender side)", name, 0, leaked, in_doubt, t_err)

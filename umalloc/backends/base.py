@@ -130,6 +130,9 @@ class BackendBase:
     name = "base"
     #: True when a target only advances while it is progressed (:meth:`progress`); NIXL without a progress thread.
     needs_progress = False
+    #: True when no peer can write memory this engine no longer has registered (:meth:`close` / :meth:`reset`
+    #: then settle the halves of :meth:`publish_half`); False where a peer's write may still land there.
+    fences_peer_writes = False
     #: Live backends per class in this process (engines whose targets need progress use it).
     _live: weakref.WeakSet
 
@@ -318,9 +321,11 @@ class BackendBase:
     def publish_half(self, half: object) -> dict:
         """Receiver side: ``half.publish()`` for senders that write through this backend into memory registered
         here (a :class:`~umalloc.transfer.plan.ReceiverHalf`), keeping the half so that :meth:`close` and
-        :meth:`reset` settle it, if it is still held then, once the engine released every registration (no
-        sender can write it any more: :mod:`umalloc.backends.published`). Until then only the sender's report
-        (``half.complete()`` / ``half.settle()``) or :meth:`fail_half_if_peer_died` ends it. O(halves held).
+        :meth:`reset` settle it, if it is still held then, once the engine released every registration — where
+        that stops every peer's writes (:attr:`fences_peer_writes`: ``local``, ``mooncake``; not ``nixl``, whose
+        shared-memory WRITEs land in deregistered memory), see :mod:`umalloc.backends.published`. Otherwise only
+        the sender's report (``half.complete()`` / ``half.settle()``) or :meth:`fail_half_if_peer_died` ends it.
+        O(halves held).
 
         Raises:
             BackendError: the backend is closed.
@@ -612,7 +617,8 @@ class BackendBase:
     def reset(self) -> None:
         """Return to the just-constructed state without restarting the engine: release every handle (pending
         ones cancelled, their plans aborted), disconnect every peer, deregister everything — then settle every
-        half still held of :meth:`publish_half` —, drop the layout, zero the counters and take a new peer id
+        half still held of :meth:`publish_half` where that fences the peers (:attr:`fences_peer_writes`) —, drop
+        the layout, zero the counters and take a new peer id
         (metadata taken before the reset no longer names this backend). Cheaper than ``close`` + a new backend where engines are slow to stop (Mooncake: about 1 s).
 
         Raises:
@@ -633,7 +639,8 @@ class BackendBase:
             self.disconnect(p)
         if self._reg.counts or self._reg.engine:
             self._apply(Counter())
-        self._halves.settle_all(BackendError(f"{self.name}: backend reset: its registrations were released"))
+        self._halves.end_all(BackendError(f"{self.name}: backend reset: its registrations were released"),
+                             settle=self.fences_peer_writes)
         self._layout = None
         self._layout_obj = None
         self._counts.clear()
@@ -655,7 +662,8 @@ class BackendBase:
 
     def close(self) -> None:
         """Release every handle (cancelling pending ones), forget peers, deregister everything, stop the
-        engine, then settle every half still held of :meth:`publish_half` (no sender can write it now).
+        engine, then settle every half still held of :meth:`publish_half` where no sender can write it now
+        (:attr:`fences_peer_writes`, and no transfer of this side's still in the engine, which keeps it running).
         Idempotent."""
         if self._closed:
             return
@@ -678,7 +686,8 @@ class BackendBase:
             self._engine_close()
             if self._ht.draining:
                 self._ht.reap()
-            self._halves.settle_all(BackendError(f"{self.name}: backend closed: its engine stopped"))
+            self._halves.end_all(BackendError(f"{self.name}: backend closed: its engine stopped"),
+                                 settle=self.fences_peer_writes and not self._ht.draining)
 
     def __enter__(self):
         return self

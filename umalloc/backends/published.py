@@ -5,11 +5,14 @@ Policy:
 * A receiver publishes a :class:`~umalloc.transfer.plan.ReceiverHalf` through the backend its senders write
   with (:meth:`umalloc.backends.base.BackendBase.publish_half`): the half takes its publication hold
   (``half.publish()``), and the backend keeps it until it ended.
-* The backend settles every half still held once its engine released every registration — ``close()`` (the
-  engine stopped), ``reset()`` (every region deregistered): no sender can write memory this engine no longer
-  has registered, so the pages are reusable (``half.settle(exc)``: a pending half fails with ``exc``, an
-  in-doubt lease settles). Nothing else settles here: ``disconnect`` forgets a peer, but memory that is still
-  registered may still be written until the peer is confirmed gone, and a timeout proves nothing.
+* Once its engine released every registration — ``close()`` (the engine stopped), ``reset()`` (every region
+  deregistered) — a backend whose deregistration stops every peer's writes (``fences_peer_writes``: ``local``
+  re-checks the receiver at every copy, Mooncake's receiving engine serves registered buffers only) settles
+  every half still held: the pages are reusable (``half.settle(exc)``: a pending half fails with ``exc``, an
+  in-doubt lease settles). NIXL does not fence (a UCX WRITE over shared memory lands in deregistered memory),
+  so its halves stay held, and only the sender's report or its confirmed death ends them. Nothing else
+  settles here: ``disconnect`` forgets a peer, but registered memory may still be written until the peer is
+  confirmed gone, and a timeout proves nothing.
 * Held means: the half is pending, or it ended while its publication hold kept its lease in doubt. Halves
   that ended otherwise (done, or settled) are dropped at the next publication.
 * Threading: owned by the backend's thread (like the backend); a half may end on any thread meanwhile — only
@@ -34,7 +37,7 @@ class PublishedHalves:
         self._halves: list[Any] = []
 
     def publish(self, half: Any) -> dict:
-        """``half.publish()``, and keep ``half`` until it ended or :meth:`settle_all`. Idempotent per half.
+        """``half.publish()``, and keep ``half`` until it ended or :meth:`end_all`. Idempotent per half.
         O(halves held).
 
         Raises:
@@ -51,13 +54,14 @@ class PublishedHalves:
         """How many published halves may still be written. O(halves kept)."""
         return sum(1 for h in self._halves if _held(h))
 
-    def settle_all(self, exc: BaseException) -> int:
-        """Settle every half still held with ``exc`` (the engine let go of the memory it was published in) and
-        forget every half. Returns how many were settled. O(halves kept + their leased pages)."""
+    def end_all(self, exc: BaseException, *, settle: bool) -> int:
+        """Forget every half; with ``settle`` (no peer can write the memory any more) settle each one still held
+        with ``exc`` first. Returns how many were still held. O(halves kept + their leased pages)."""
         halves, self._halves = self._halves, []
         held = [h for h in halves if _held(h)]
-        for half in held:
-            half.settle(exc)
+        if settle:
+            for half in held:
+                half.settle(exc)
         return len(held)
 
 
