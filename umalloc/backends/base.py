@@ -616,10 +616,11 @@ class BackendBase:
     # ---- lifecycle -------------------------------------------------------------------------------------
     def reset(self) -> None:
         """Return to the just-constructed state without restarting the engine: release every handle (pending
-        ones cancelled, their plans aborted), disconnect every peer, deregister everything — then settle every
-        half still held of :meth:`publish_half` where that fences the peers (:attr:`fences_peer_writes`) —, drop
-        the layout, zero the counters and take a new peer id
-        (metadata taken before the reset no longer names this backend). Cheaper than ``close`` + a new backend where engines are slow to stop (Mooncake: about 1 s).
+        ones cancelled, their plans aborted), disconnect every peer, deregister everything (then settle every
+        half still held of :meth:`publish_half` where that fences the peers, :attr:`fences_peer_writes`), drop
+        the layout, zero the counters and take a new peer id (metadata taken before the reset no longer names
+        this backend). Cheaper than ``close`` + a new backend where engines are slow to stop (Mooncake: about
+        1 s).
 
         Raises:
             BackendError: the backend is closed, or a released transfer is still in the engine after

@@ -8,10 +8,11 @@ Policy:
   (rebuilt from the preset name, page size, draft flag, arena bytes and seed, so both processes compute the same
   bytes); the parent owns the decode arena and the receiving backend.
 * Per request (a real PD split, F13: only physical ids cross the process boundary): the parent preallocates on
-  decode and builds the receiver half (:func:`umalloc.transfer.plan.build_receiver_half`, which leases decode's pages)
-  and publishes it through the receiving backend (``publish_half``: the lease takes an engine hold, so its
-  deadline never frees pages the child may still write, F24); the child allocates, fills, builds the send plan from the half (:func:`umalloc.transfer.plan.build_send_plan`, which
-  leases prefill's pages) and posts the WRITE without waiting. The parent then runs its decode step while the
+  decode and builds the receiver half (:func:`umalloc.transfer.plan.build_receiver_half`, which leases decode's
+  pages) and publishes it through the receiving backend (``publish_half``: the lease takes an engine hold, so
+  its deadline never frees pages the child may still write, F24); the child allocates, fills, builds the send
+  plan from the half (:func:`umalloc.transfer.plan.build_send_plan`, which leases prefill's pages) and posts the
+  WRITE without waiting. The parent then runs its decode step while the
   transfer is in flight, and later asks the child to wait for the step's transfers (one call); the child ends
   their plans (source leases), then frees their pages, and the parent completes the halves (destination
   leases) and verifies every page.
@@ -19,8 +20,8 @@ Policy:
   margin); a failed transfer settles the half on the child's report (its lease ends) and raises — except while
   bytes may still land in the half (the child's drain gave up, or the child did not answer): then the half stays
   held (in doubt once its deadline passes) until the child is confirmed gone, which :meth:`RemotePrefill.close`
-  waits for before it settles every half kept so (:func:`settle_failed_half`). The parent progresses its own backend while it waits for
-  the child (a NIXL target).
+  waits for before it settles every half kept so (:func:`settle_failed_half`). The parent progresses its own
+  backend while it waits for the child (a NIXL target).
 * Time: each call is measured in the parent as ``transfer``; the child reports its own split (allocator, fill,
   translate+plan) which is moved to those phases, so the report's split means the same for every backend.
 """
@@ -230,6 +231,7 @@ class RemotePrefill:
         self.timeout_s = transfer_timeout_s
         self.deadline_s = lease_deadline_s
         self.dst_layout = PeerLayout.from_arena(decode.arena)
+        self.kept_halves: list = []  # halves the child may still write: settled once it is confirmed gone
         with sigint_ignored():  # the child inherits SIGINT ignored: Ctrl-C is the parent's (umalloc.replay.signals)
             self.worker = BackendWorker(backend)
         self.b = None
@@ -245,7 +247,6 @@ class RemotePrefill:
             self.close()
             raise
         self.bytes_filled = 0
-        self.kept_halves: list = []  # halves the child may still write: settled once it is confirmed gone
         self.max_leases = 0
         self.step_leases = 0
 
