@@ -105,6 +105,7 @@ from umalloc.backends.peers import (
     peer_info,
 )
 from umalloc.backends.protocol import EngineHold, PlanLike, check_plan, plan_item_bytes
+from umalloc.backends.published import PublishedHalves
 from umalloc.backends.registry import Registry, validate_regions
 from umalloc.errors import (
     BackendError,
@@ -150,6 +151,9 @@ class BackendBase:
     name = "base"
     #: True when a target only advances while it is progressed (:meth:`progress`); NIXL without a progress thread.
     needs_progress = False
+    #: True when no peer can write memory this engine no longer has registered (:meth:`close` / :meth:`reset`
+    #: then settle the halves of :meth:`publish_half`); False where a peer's write may still land there.
+    fences_peer_writes = False
     #: Live backends per class in this process (engines whose targets need progress use it).
     _live: weakref.WeakSet
 
@@ -168,6 +172,7 @@ class BackendBase:
         self._peers: dict[str, PeerInfo] = {}
         self._ht = HandleTable(self.name, self._engine_in_flight, self._engine_release)
         self._counts: Counter[str] = Counter()  # connects, register_calls, deregister_calls
+        self._halves = PublishedHalves()
         self._closed = False
         type(self)._live.add(self)
 
@@ -347,6 +352,26 @@ class BackendBase:
             else:
                 half.fail(exc)  # type: ignore[attr-defined]
         return state
+
+    def publish_half(self, half: object) -> dict:
+        """Receiver side: ``half.publish()`` for senders that write through this backend into memory registered
+        here (a :class:`~umalloc.transfer.plan.ReceiverHalf`), keeping the half so that :meth:`close` and
+        :meth:`reset` settle it, if it is still held then, once the engine released every registration — where
+        that stops every peer's writes (:attr:`fences_peer_writes`: ``local``, ``mooncake``; not ``nixl``, whose
+        shared-memory WRITEs land in deregistered memory), see :mod:`umalloc.backends.published`. Otherwise only
+        the sender's report (``half.complete()`` / ``half.settle()``) or :meth:`fail_half_if_peer_died` ends it.
+        O(halves held).
+
+        Raises:
+            BackendError: the backend is closed.
+            LeaseError, UmallocValueError: the half's lease or the half already ended (nothing kept).
+        """
+        self._check_open()
+        return self._halves.publish(half)
+
+    def published_halves(self) -> int:
+        """Halves published through :meth:`publish_half` that may still be written (pending, or in doubt). O(n)."""
+        return self._halves.held()
 
     def peers(self) -> list[str]:
         """Connected peer names."""
@@ -647,9 +672,11 @@ class BackendBase:
     # ---- lifecycle -------------------------------------------------------------------------------------
     def reset(self) -> None:
         """Return to the just-constructed state without restarting the engine: release every handle (pending
-        ones cancelled, their plans aborted), disconnect every peer, deregister everything, drop the layout, zero
-        the counters and take a new peer id (metadata taken before the reset no longer names this backend).
-        Cheaper than ``close`` + a new backend where engines are slow to stop (Mooncake: about 1 s).
+        ones cancelled, their plans aborted), disconnect every peer, deregister everything (then settle every
+        half still held of :meth:`publish_half` where that fences the peers, :attr:`fences_peer_writes`), drop
+        the layout, zero the counters and take a new peer id (metadata taken before the reset no longer names
+        this backend). Cheaper than ``close`` + a new backend where engines are slow to stop (Mooncake: about
+        1 s).
 
         Raises:
             BackendError: the backend is closed, or a released transfer is still in the engine after
@@ -669,6 +696,8 @@ class BackendBase:
             self.disconnect(p)
         if self._reg.counts or self._reg.engine:
             self._apply(Counter())
+        self._halves.end_all(BackendError(f"{self.name}: backend reset: its registrations were released"),
+                             settle=self.fences_peer_writes)
         self._layout = None
         self._layout_obj = None
         self._counts.clear()
@@ -690,7 +719,9 @@ class BackendBase:
 
     def close(self) -> None:
         """Release every handle (cancelling pending ones), forget peers, deregister everything, stop the
-        engine. Idempotent."""
+        engine, then settle every half still held of :meth:`publish_half` where no sender can write it now
+        (:attr:`fences_peer_writes`, and no transfer of this side's still in the engine, which keeps it running).
+        Idempotent."""
         if self._closed:
             return
         try:
@@ -712,6 +743,8 @@ class BackendBase:
             self._engine_close()
             if self._ht.draining:
                 self._ht.reap()
+            self._halves.end_all(BackendError(f"{self.name}: backend closed: its engine stopped"),
+                                 settle=self.fences_peer_writes and not self._ht.draining)
 
     def __enter__(self):
         return self

@@ -65,6 +65,7 @@ class LocalBackend(BackendBase):
     """
 
     name = "local"
+    fences_peer_writes = True  # a sender's copy re-checks this side's registration and liveness every time
 
     def __init__(self, *, layout: object | None = None, host: str = "127.0.0.1",
                  max_batch_descriptors: int = MAX_BATCH_DESCRIPTORS, max_batch_bytes: int = MAX_BATCH_BYTES) -> None:

@@ -287,6 +287,7 @@ class MooncakeBackend(BackendBase):
     """
 
     name = "mooncake"
+    fences_peer_writes = True  # the receiving engine serves writes into its registered buffers only (observed)
 
     def __init__(self, *, layout: object | None = None, host: str = "127.0.0.1", protocol: str = "tcp",
                  max_batch_descriptors: int = MAX_BATCH_DESCRIPTORS, max_batch_bytes: int = MAX_BATCH_BYTES,

@@ -194,13 +194,18 @@ class IndexVector:
 
 
 class LeaseLike(Protocol):
-    """What a plan needs of a lease (:class:`umalloc.core.leases.Lease` is one)."""
+    """What a plan, and a backend posting it, need of a lease (:class:`umalloc.core.leases.Lease` is one):
+    ``active``, ``state`` and ``expired`` (past its deadline) are read — by engine threads too, before a queued
+    part is posted — and ``release()`` ends it."""
 
     @property
     def active(self) -> bool: ...
 
     @property
     def state(self) -> str: ...
+
+    @property
+    def expired(self) -> bool: ...
 
     def release(self) -> bool: ...
 
@@ -715,7 +720,7 @@ PlanHalf = ReceiverHalf
 @runtime_checkable
 class PlanLike(Protocol):
     """What the transfer backends use of a plan (:class:`TransferPlan` implements it; backends accept any
-    object that does).
+    object that does). Declared once, here; :mod:`umalloc.backends.protocol` re-exports it.
 
     Members:
         state: ``"pending"`` | ``"done"`` | ``"failed"`` | ``"aborted"``; only a pending plan may be posted.
