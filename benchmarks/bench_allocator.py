@@ -42,22 +42,18 @@ from __future__ import annotations
 
 import argparse
 import heapq
-import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-HERE = Path(__file__).resolve().parent
-PEERBENCH = Path(os.environ.get("UMALLOC_PEERBENCH", HERE.parent.parent / "shared" / "peerbench"))
-sys.path.insert(0, str(PEERBENCH))
-import workload as wl  # noqa: E402  (the peers' workload module, reused, not copied)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _peerbench as pb  # noqa: E402  (the harness shared with bench_requests.py)
+
+wl = pb.wl
 
 from umalloc.core.allocator import MultiEndedAllocator  # noqa: E402
 from umalloc.geometry.arena import Arena  # noqa: E402
@@ -485,36 +481,6 @@ def run_mode(mode: str, w: wl.Workload, args: argparse.Namespace) -> dict:
     return res
 
 
-def run_peers(ops_path: str, repeats: int) -> list[dict]:
-    out = tempfile.NamedTemporaryFile(suffix=".jsonl", delete=False).name
-    cmd = [sys.executable if os.path.exists(sys.executable) else "python3", str(PEERBENCH / "run_vllm.py"),
-           "--ops", ops_path, "--modes", "blockpool", "--repeats", str(repeats), "--json", out]
-    print("#", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True)
-    with open(out) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def merge_rounds(rounds: list[list[dict]]) -> list[dict]:
-    """One row per allocator over all rounds: ``wall_s_median`` = median of the rounds' medians, ``wall_s_min`` =
-    the fastest repeat of any round (rates recomputed from the merged median)."""
-    merged = []
-    for rows in zip(*rounds, strict=True):
-        r = dict(rows[-1])
-        r["wall_s_median"] = round(statistics.median(x["wall_s_median"] for x in rows), 4)
-        r["wall_s_min"] = min(x["wall_s_min"] for x in rows)
-        r["rounds"] = len(rows)
-        for x in rows:                      # the checked pass ran in the first round only
-            for k in ("peak_pages", "swa_peak_pages", "verified"):
-                if k in x:
-                    r.setdefault(k, x[k])
-        med = r["wall_s_median"]
-        r["req_ops_per_s"] = round(r["req_ops_per_s"] * rows[-1]["wall_s_median"] / med)
-        r["api_calls_per_s"] = round(r["api_calls_per_s"] * rows[-1]["wall_s_median"] / med)
-        merged.append(r)
-    return merged
-
-
 def print_round_ratios(rounds: list[list[dict]]) -> None:
     """Per round, each allocator's median wall time over vLLM BlockPool's median in the same round (pages/s
     ratio), then the median over the rounds: the ratio least moved by a host whose speed drifts between rounds."""
@@ -551,19 +517,9 @@ def print_table(rows: list[dict], baseline: dict | None, pages_allocated: int) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    wl.add_args(ap)  # --ops FILE or the workload options (same defaults as the peers)
-    ap.add_argument("--modes", default=",".join(MODES), help=f"comma list of {MODES}")
-    ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--swa-window", type=int, default=128, help="sliding window in tokens (after scaling)")
-    ap.add_argument("--swa-ratio", type=float, default=1.0, help="extra arena pages for SWA / pool pages")
-    ap.add_argument("--no-verify", action="store_true", help="skip the checked (untimed) pass")
-    ap.add_argument("--peers", action="store_true", help="also run peerbench's vLLM BlockPool on the same ops")
-    ap.add_argument("--peer-repeats", type=int, default=5)
-    ap.add_argument("--rounds", type=int, default=1,
-                    help="alternate umalloc's modes and the peers this many times (noisy hosts); the table takes "
-                         "the median of the rounds' medians and the minimum of their minima")
-    ap.add_argument("--json", default=None, help="append one JSON line per result here")
+    ap = pb.parser(__doc__, MODES, peers_help="also run peerbench's vLLM BlockPool on the same ops",
+                   rounds_help="alternate umalloc's modes and the peers this many times (noisy hosts); the table "
+                               "takes the median of the rounds' medians and the minimum of their minima")
     a = ap.parse_args(argv)
     torch.set_num_threads(2)
     w = wl.from_args(a)
@@ -571,43 +527,19 @@ def main(argv: list[str] | None = None) -> int:
           f"steps={w.meta['steps']} ops={w.meta['ops_total']} req_ops={w.meta['req_ops']} "
           f"pages_allocated={w.meta['pages_allocated']} peak_live_pages={w.meta['peak_live_pages']}")
     # warm the numba kernels (loaded from cache or compiled) outside any timing
-    run_mode(MODES[1], wl.build(wl.Params(n_requests=8), wl.load_trace(wl.trace_path(a.trace), 8)),
+    run_mode(MODES[1], pb.warm_up_workload(a),
              argparse.Namespace(swa_window=a.swa_window, swa_ratio=a.swa_ratio, no_verify=False, repeats=1))
-    modes = [m for m in a.modes.split(",") if m]
-    for mode in modes:
-        if mode not in MODES:
-            raise SystemExit(f"unknown mode {mode!r}: allowed {MODES}")
-    ops_path = a.ops
-    if a.peers and ops_path is None:
-        ops_path = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
-        wl.save(w, ops_path)
-    rounds: list[list[dict]] = []
-    for rnd in range(a.rounds):   # ours, then the peers, per round: both sides see the same phases of a noisy host
-        rows = []
-        for mode in modes:
-            res = run_mode(mode, w, argparse.Namespace(**{**vars(a), "no_verify": a.no_verify or rnd > 0}))
-            rows.append(res)
-            print(f"[round {rnd + 1}/{a.rounds}] " + "  ".join(
-                f"{k}={res[k]}" for k in ("allocator", "wall_s_median", "req_ops_per_s", "api_calls_per_s",
-                                          "pages_alloc_per_s")))
-            print("    " + json.dumps({k: v for k, v in res.items() if k not in ("allocator",)}))
-        if a.peers:
-            peers = run_peers(ops_path, a.peer_repeats)
-            for p in peers:
-                if p["workload"] != w.fingerprint:
-                    raise SystemExit(f"peer replayed workload {p['workload']}, we replayed {w.fingerprint}")
-            rows = peers + rows
-        rounds.append(rows)
-    rows = merge_rounds(rounds)
+    modes = pb.chosen_modes(a, MODES)
+    rounds = pb.run_rounds(a, w, [(m, run_mode) for m in modes],
+                           lambda ops: pb.run_peers(ops, a.peer_repeats, "blockpool", required=True),
+                           ("wall_s_median", "req_ops_per_s", "api_calls_per_s", "pages_alloc_per_s"))
+    rows = pb.merge_rounds(rounds)
     baseline = next((r for r in rows if r["allocator"] == "vllm-blockpool"), None)
     if baseline is not None and len(rounds) > 1:
         print_round_ratios(rounds)
     print()
     print_table(rows, baseline, w.meta["pages_allocated"])
-    if a.json:
-        with open(a.json, "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+    pb.append_json(a.json, rows)
     return 0
 
 

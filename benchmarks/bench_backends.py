@@ -20,16 +20,27 @@ What it measures (not a test; nothing is asserted, the targets are printed as PA
   the contiguous rest): ``submit`` + ``wait`` + ``release`` of a fresh plan (building it is not timed), against
   the same descriptors posted raw (``write_descriptors`` + ``wait`` + ``release``) in the same run; median us.
 
+* ``hetero`` (``--hetero``, on by default): one request of ``--hetero-tokens`` (default 1024) of Llama-3.1-8B (32
+  layers, 8 KV heads of 128, bf16, page size 16) from a prefill rank to decode rank 0, between ranks of different
+  TP: TP1 -> 1 (the page envelope), TP1 -> 2 page-major (one run per token, layer and K/V: strided), TP1 -> 2
+  head-group-outer (the prefill page in 2 head groups: one run per page), the per-token head-slice baseline
+  (the page-major plan's runs unmerged, one per token, layer and K/V: what SGLang's ``send_kvcache_slice``
+  posts) and page size 16 -> 32. The plans are built in this process between two allocators, their destination
+  addresses moved onto the receiver's buffer, and posted raw; bounded batches cut them (Note [Bounded batches]).
+  GB/s = the plan's bytes / best time; a sample of descriptors is checked at the receiver.
+
 Targets (issue 7): NIXL >= 0.8x memcpy for runs >= 64 KiB; Mooncake coalesced >= 10x its per-page rate on the
 replay-shaped layout. A second reference, the kernel's cross-process copy (``process_vm_writev``, which UCX's CMA
 transport uses between two processes on one host), shows how much of memcpy any two-process engine can reach.
 
-Run: ``python benchmarks/bench_backends.py [--total-mib 256] [--backends local,nixl,mooncake] [--json out.json]``
+Run: ``python benchmarks/bench_backends.py [--total-mib 256] [--backends local,nixl,mooncake] [--json out.json]
+[--no-hetero | --hetero-only]``
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import ctypes
 import json
 import os
@@ -43,8 +54,10 @@ from umalloc.backends._worker import BackendWorker
 from umalloc.core.allocator import MultiEndedAllocator
 from umalloc.geometry.arena import Arena
 from umalloc.geometry.region import Region
-from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, LayerSpec
+from umalloc.geometry.presets import preset_ends
+from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, LayerSpec, arena_bytes_for_limits
 from umalloc.transfer import PeerLayout, build_plan
+from umalloc.transfer.slices import pair_pieces, slice_descriptors
 
 PAGE_SIZES = {"4KiB": 4 << 10, "64KiB": 64 << 10, "1MiB": 1 << 20}
 LAYOUTS = ("contiguous", "replay", "scattered")
@@ -301,6 +314,127 @@ def targets(rows: list[dict], base: float, cma: float | None) -> list[str]:
     return out
 
 
+# ==== different TP and page sizes ==============================================================================
+
+#: (label, prefill (TP, page size, head groups), decode (TP, page size, head groups), merged).
+HETERO_CASES = [
+    ("TP1->1 envelope", (1, 16, 1), (1, 16, 1), True),
+    ("TP1->2 page-major", (1, 16, 1), (2, 16, 1), True),
+    ("TP1->2 head-group-outer", (1, 16, 2), (2, 16, 1), True),
+    ("TP1->2 per-token slice", (1, 16, 1), (2, 16, 1), False),
+    ("page 16->32", (1, 16, 1), (1, 32, 1), True),
+]
+
+
+def _hetero_side(tp: int, page_size: int, head_groups: int, tokens: int, *, fill: bool):
+    ends = tuple(dataclasses.replace(e, head_groups=head_groups)
+                 for e in preset_ends("llama-3.1-8b", page_size=page_size, tp_size=tp))
+    spec = ArenaSpec(ends, arena_bytes=arena_bytes_for_limits(ends, max_seq_len_tokens=tokens + 256, max_batch=1))
+    arena = Arena(spec, zero=False)
+    if fill:
+        arena.data.copy_(torch.randint(0, 256, (spec.arena_bytes,), dtype=torch.uint8,
+                                       generator=torch.Generator().manual_seed(3)))
+    alloc = MultiEndedAllocator(arena)
+    ext = alloc.alloc_extend
+    junk = ext(torch.tensor([0]), torch.tensor([37]), torch.tensor([-1]), owner="full")
+    vt = ext(torch.tensor([0]), torch.tensor([tokens]), torch.tensor([-1]), owner="full")
+    alloc.free(junk, owner="full")
+    return arena, alloc, vt
+
+
+def hetero_descriptors(case: tuple, tokens: int, src_side: tuple) -> tuple[np.ndarray, int]:
+    """The request's descriptors of ``case`` from prefill rank 0 to decode rank 0 (destination addresses relative
+    to the decode arena) and the decode arena's size."""
+    _label, (sp, _sps, _sg), (dp, dps, dg), merged = case
+    s_arena, s_alloc, s_vt = src_side
+    d_arena, d_alloc, d_vt = _hetero_side(dp, dps, dg, tokens, fill=False)
+    s_lay = PeerLayout.from_arena(s_arena, tp_size=sp)
+    d_lay = PeerLayout.from_arena(d_arena, tp_size=dp)
+    plan = build_plan("h", s_alloc, s_vt, d_alloc, d_vt, src_layout=s_lay, dst_layout=d_lay)
+    if merged:
+        d = plan.descriptors().copy()
+    else:  # the same token pairs, one descriptor per (token, layer block, head slice)
+        v = plan.vectors["target"]
+        d, _ = slice_descriptors(v.src_rows, v.dst_rows, pair_pieces(s_lay, "full", d_lay, "full"), s_lay, "full",
+                                 d_lay, "full", merge=False)
+        d = d.copy()
+    plan.abort()
+    d[:, 1] -= np.uint64(d_arena.base_ptr)
+    return d, d_arena.spec.arena_bytes
+
+
+def run_hetero(args: argparse.Namespace) -> list[dict]:
+    tokens = args.hetero_tokens
+    rows: list[dict] = []
+    sides: dict[tuple, tuple] = {}
+    cases = []
+    for c in HETERO_CASES:
+        if c[1] not in sides:
+            sides[c[1]] = _hetero_side(*c[1], tokens, fill=True)
+        cases.append((c, *hetero_descriptors(c, tokens, sides[c[1]])))
+    rng = np.random.default_rng(args.seed)
+    print(f"\nhetero: one {tokens}-token llama-3.1-8b request, prefill rank 0 -> decode rank 0, best of {args.repeat}")
+    for name in args.backends:
+        ok, why = backend_available(name)
+        if not ok:
+            print(f"{name}: unavailable ({why})")
+            continue
+        for (label, src_key, _dst, _m), d_rel, dst_bytes in cases:
+            s_arena = sides[src_key][0]
+            w = None
+            if name == "local":
+                recv = get_backend("local")
+                dst = torch.zeros(dst_bytes, dtype=torch.uint8)
+                recv.register([Region(dst.data_ptr(), dst_bytes)])
+                md, dst_base = recv.metadata(), dst.data_ptr()
+
+                def read_many(offsets, nbytes, dst=dst):
+                    return b"".join(bytes(dst[o:o + nbytes].numpy().tobytes()) for o in offsets)
+            else:
+                w = BackendWorker(name)
+                buf_id, dst_base = w.call("alloc", dst_bytes, timeout_s=120)
+                w.call("register", [Region(dst_base, dst_bytes).to_dict()])
+                md = w.call("metadata")
+
+                def read_many(offsets, nbytes, w=w, buf_id=buf_id):
+                    return w.call("read_many", buf_id, offsets, nbytes, timeout_s=60)
+            b = get_backend(name)
+            try:
+                b.register(s_arena.regions())
+                peer = b.connect(md)
+                d = d_rel.copy()
+                d[:, 1] += np.uint64(dst_base)
+                times = []
+                parts = 0
+                for _ in range(args.repeat + 1):
+                    t0 = time.perf_counter()
+                    h = b.write_descriptors(d, peer)
+                    b.wait(h, args.timeout_s)
+                    times.append(time.perf_counter() - t0)
+                    parts = h.num_parts
+                    b.release(h)
+                best = min(times[1:])
+                pick = rng.choice(d.shape[0], size=min(16, d.shape[0]), replace=False)
+                nb = int(min(64, d[pick, 2].min()))
+                src_bytes = s_arena.data.numpy()
+                want = b"".join(src_bytes[int(d[i, 0]) - s_arena.base_ptr:][:nb].tobytes() for i in pick)
+                verified = read_many([int(d_rel[i, 1]) for i in pick], nb) == want
+                total = int(d[:, 2].sum())
+                rows.append({"backend": name, "case": label, "descriptors": int(d.shape[0]), "parts": parts,
+                             "bytes": total, "ms": best * 1e3, "gbps": total / best / 1e9, "verified": verified})
+                r = rows[-1]
+                print(f"{name:9s} {label:26s} {r['descriptors']:7d} desc {parts:4d} parts {total / 2**20:7.1f} MiB "
+                      f"{r['ms']:8.2f} ms {r['gbps']:6.2f} GB/s {'ok' if verified else 'MISMATCH'}", flush=True)
+                b.disconnect(peer)
+            finally:
+                b.close()
+                if w is not None:
+                    w.close()
+                if name == "local":
+                    recv.close()
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--total-mib", type=int, default=256, help="bytes moved per transfer (MiB)")
@@ -311,8 +445,15 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=int(os.environ.get("UMALLOC_SEED", "7")))
     ap.add_argument("--plan-repeats", type=int, default=300, help="plans timed by the plan-overhead section")
     ap.add_argument("--json", default=None, help="write rows and baseline here")
+    ap.add_argument("--hetero", action=argparse.BooleanOptionalAction, default=True,
+                    help="also the plans between ranks of different TP / page size")
+    ap.add_argument("--hetero-only", action="store_true", help="only the hetero section")
+    ap.add_argument("--hetero-tokens", type=int, default=1024)
     args = ap.parse_args()
     args.backends = [b for b in args.backends.split(",") if b]
+    if args.hetero_only:
+        run_hetero(args)
+        return
     over = plan_overhead(args.plan_repeats)
     print(f"plan overhead (local, L=2048, {over['descriptors']} descriptors, median of {args.plan_repeats}): "
           f"submit {over['submit_us']:.1f} us, raw write_descriptors {over['raw_us']:.1f} us, "
@@ -328,9 +469,11 @@ def main() -> None:
     print(f"\nmemcpy baseline {base:.2f} GB/s ({args.total_mib} MiB, in-process, same run)")
     for line in targets(rows, base, cma):
         print(line)
+    hetero = run_hetero(args) if args.hetero else []
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"memcpy_gbps": base, "cma_gbps": cma, "rows": rows, "plan_overhead": over, "args": vars(args)}, f, indent=1)
+            json.dump({"memcpy_gbps": base, "cma_gbps": cma, "rows": rows, "plan_overhead": over, "hetero": hetero,
+                       "args": vars(args)}, f, indent=1)
 
 
 if __name__ == "__main__":

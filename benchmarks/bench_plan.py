@@ -16,12 +16,23 @@
   to the digest the code before the transfer-layer restructure produced for this geometry (:data:`BEFORE_DIGESTS`,
   default prefix share only); ``-`` where no digest was recorded. A mismatch stops the run.
 
-Run: ``python benchmarks/bench_plan.py [--lengths 512,2048,8192] [--prefix-frac 0.25] [--repeats 7]``.
+* Hetero table (``--hetero``, on by default): the same request between ranks of different TP or page size, per
+  destination rank summed over the ranks of the request: ``TP1->2`` (each decode rank takes half the heads of
+  the one prefill rank), ``TP2->1`` (the decode rank gathers both prefill ranks), page size ``16->32``; each in
+  the page-major envelope and in the head-group-outer one (Note [Head-group-outer envelope]: the side with more
+  heads per rank holds them in 2 groups), beside the equal-TP envelope. ``desc`` counts the merged descriptors
+  of every (prefill rank, decode rank) plan of the request; ``baseline`` what a per-layer design posts: one
+  descriptor per (token, layer block, head slice) across TP or page sizes (SGLang's ``send_kvcache_slice``), one
+  per (page, layer block) for the equal-TP row; ``build ms`` the CPU time of all the request's plans.
+
+Run: ``python benchmarks/bench_plan.py [--lengths 512,2048,8192] [--prefix-frac 0.25] [--repeats 7]
+[--no-hetero]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import statistics
@@ -101,6 +112,8 @@ def main() -> None:
     ap.add_argument("--lengths", default="512,2048,8192")
     ap.add_argument("--prefix-frac", type=float, default=0.25, help="share of tokens the receiver already holds")
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--hetero", action=argparse.BooleanOptionalAction, default=True,
+                    help="also the table of plans between different TP and page sizes")
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     ends = preset_ends("gemma-3-12b-draft", page_size=16, draft_page_size=32)
@@ -115,6 +128,8 @@ def main() -> None:
     for L in lengths:
         P = int(L * args.prefix_frac) + 3 if args.prefix_frac else 0
         print(bench_one(spec, L, P, args.repeats, BEFORE_DIGESTS.get(L) if args.prefix_frac == 0.25 else None))
+    if args.hetero:
+        hetero_table(lengths, args.prefix_frac, args.repeats)
 
 
 def bench_one(spec: ArenaSpec, L: int, P: int, repeats: int, digest: str | None) -> str:
@@ -147,6 +162,66 @@ def bench_one(spec: ArenaSpec, L: int, P: int, repeats: int, digest: str | None)
     return (f"{L:>6} {P:>5} | {pages:>14} {plan.num_descriptors:>6} {plan.per_layer_descriptor_equivalent:>9} "
             f"{plan.per_layer_descriptor_equivalent / max(plan.num_descriptors, 1):>7.1f} {same:>4} | "
             f"{t_build * 1e3:>13.2f} {t_split * 1e3:>8.2f} {t_loop * 1e3:>17.2f} {t_loop / t_build:>10.2f}")
+
+
+# ==== different TP and page sizes ==============================================================================
+
+#: (label, prefill (TP, page size, head groups), decode (TP, page size, head groups)).
+HETERO_CASES = [
+    ("TP1->1 envelope", (1, 16, 1), (1, 16, 1)),
+    ("TP1->2 page-major", (1, 16, 1), (2, 16, 1)),
+    ("TP1->2 head-group-outer", (1, 16, 2), (2, 16, 1)),
+    ("TP2->1 page-major", (2, 16, 1), (1, 16, 1)),
+    ("TP2->1 head-group-outer", (2, 16, 1), (1, 16, 2)),
+    ("page 16->32 page-major", (1, 16, 1), (1, 32, 1)),
+    ("page 16->32 head-group-outer", (1, 16, 2), (1, 32, 2)),
+]
+
+
+def rank_spec(tp: int, page_size: int, head_groups: int, max_len: int) -> ArenaSpec:
+    """One TP rank's arena of the bench preset; ``head_groups`` on the ends whose heads divide by it (the drafter's
+    one KV head stays page-major)."""
+    ends = tuple(dataclasses.replace(e, head_groups=head_groups)
+                 if all(x.num_kv_heads % head_groups == 0 for x in e.layers) else e
+                 for e in preset_ends("gemma-3-12b-draft", page_size=page_size, draft_page_size=32, tp_size=tp))
+    return ArenaSpec(ends, arena_bytes=arena_bytes_for_limits(ends, max_seq_len_tokens=max_len, max_batch=1))
+
+
+def hetero_table(lengths: list[int], prefix_frac: float, repeats: int) -> None:
+    from umalloc.transfer.slices import sends_to
+
+    print(f"\nplans between ranks of different TP / page size (gemma-3-12b-draft, draft page 32), per request, all "
+          f"(prefill rank, decode rank) plans; median of {repeats}")
+    hdr = (f"{'L':>6} {'case':<29} | {'pairs':>5} {'desc':>7} {'baseline':>9} {'x fewer':>7} {'MiB':>7} | "
+           f"{'build ms':>8}")
+    print(hdr)
+    print("-" * len(hdr))
+    for L in lengths:
+        P = int(L * prefix_frac) + 3 if prefix_frac else 0
+        for label, (sp, sps, sg), (dp, dps, dg) in HETERO_CASES:
+            srcs = [(make_side(rank_spec(sp, sps, sg, L + 512), L, 0, 37), q) for q in range(sp)]
+            dsts = [(make_side(rank_spec(dp, dps, dg, L + 512), L, P, 91), r) for r in range(dp)]
+            pairs = []
+            for (s_alloc, s_vt), q in srcs:
+                s_lay = PeerLayout.from_arena(s_alloc.arena, tp_rank=q, tp_size=sp)
+                for (d_alloc, d_vt), r in dsts:
+                    d_lay = PeerLayout.from_arena(d_alloc.arena, tp_rank=r, tp_size=dp)
+                    if sends_to(s_lay, d_lay):
+                        pairs.append((s_alloc, s_vt, s_lay, d_alloc, d_vt, d_lay))
+
+            def plans(pairs=pairs, P=P):
+                return [build_plan("h", s, sv, d, dv, prefix_tokens=P, src_layout=sl, dst_layout=dl)
+                        for s, sv, sl, d, dv, dl in pairs]
+
+            made = plans()
+            desc = sum(p.num_descriptors for p in made)
+            per_slice = sum(p.per_layer_descriptor_equivalent for p in made)
+            nbytes = sum(p.total_bytes for p in made)
+            for p in made:
+                p.abort()
+            t = median_s(lambda: [p.abort() for p in plans()], repeats)
+            print(f"{L:>6} {label:<29} | {len(pairs):>5} {desc:>7} {per_slice:>9} {per_slice / max(desc, 1):>7.1f} "
+                  f"{nbytes / 2**20:>7.1f} | {t * 1e3:>8.2f}")
 
 
 if __name__ == "__main__":

@@ -42,25 +42,21 @@ the peers' venv, default ``/tmp/peers/venv``)::
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import bench_allocator as ba  # noqa: E402  (the op-file loader, arena sizing and page-form replay, reused)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _peerbench as pb  # noqa: E402  (the harness shared with bench_allocator.py)
+import bench_allocator as ba  # noqa: E402  (the arena sizing and page-form replay, reused)
 
 from umalloc.core.requests import RequestTable  # noqa: E402
 
-wl = ba.wl
+wl = pb.wl
 MODES = ("table", "table-swa", "table-apc", "table-fork")
 _E, _D, _F = 0, 1, 2
 
@@ -217,20 +213,6 @@ def run_mode(mode: str, w: wl.Workload, args: argparse.Namespace) -> dict:
     return res
 
 
-def run_peers(ops_path: str, repeats: int, modes: str) -> list[dict]:
-    """peerbench's vLLM adapters on the same op file (under ``$PEERS_VENV``); ``[]`` with a note if that venv is
-    missing or the run fails."""
-    out = tempfile.NamedTemporaryFile(suffix=".jsonl", delete=False).name
-    cmd = [sys.executable, str(ba.PEERBENCH / "run_vllm.py"), "--ops", ops_path, "--modes", modes,
-           "--repeats", str(repeats), "--json", out]
-    print("#", " ".join(cmd), f"(PEERS_VENV={os.environ.get('PEERS_VENV', '/tmp/peers/venv')})", flush=True)
-    if subprocess.run(cmd).returncode != 0:
-        print("# the vLLM peers did not run (build their venv: ../shared/peerbench/setup_peers.sh)")
-        return []
-    with open(out) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def print_table(rows: list[dict], pages_allocated: int) -> None:
     """One row per allocator: pages allocated per second and the ratios of wall times to vLLM's KVCacheManager
     with prefix caching off (``kvcm``; from the medians and from the fastest repeats, the latter steadier on a busy
@@ -263,68 +245,34 @@ def print_round_ratios(rounds: list[list[dict]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    wl.add_args(ap)
-    ap.add_argument("--modes", default=",".join(MODES), help=f"comma list of {MODES}")
-    ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--swa-window", type=int, default=128, help="sliding window in tokens (after scaling)")
-    ap.add_argument("--swa-ratio", type=float, default=1.0, help="extra arena pages for SWA / pool pages")
-    ap.add_argument("--no-verify", action="store_true", help="skip the checked (untimed) pass")
+    ap = pb.parser(__doc__, MODES, peers_help="also run peerbench's vLLM adapters on the same ops",
+                   rounds_help="alternate umalloc's modes and the peers this many times (busy hosts); the table "
+                               "takes the median of the rounds' medians and the minimum of their minima")
     ap.add_argument("--no-pages", action="store_true", help="skip bench_allocator's umalloc-pages beside")
-    ap.add_argument("--peers", action="store_true", help="also run peerbench's vLLM adapters on the same ops")
     ap.add_argument("--peer-modes", default="blockpool,kvcm,kvcm-apc")
-    ap.add_argument("--peer-repeats", type=int, default=5)
-    ap.add_argument("--rounds", type=int, default=1,
-                    help="alternate umalloc's modes and the peers this many times (busy hosts); the table takes the "
-                         "median of the rounds' medians and the minimum of their minima")
-    ap.add_argument("--json", default=None, help="append one JSON line per result here")
     a = ap.parse_args(argv)
     torch.set_num_threads(2)
     w = wl.from_args(a)
     print(f"# umalloc request-table bench  torch {torch.__version__}  workload {w.fingerprint}: "
           f"requests={w.meta['requests']} ops={w.meta['ops_total']} req_ops={w.meta['req_ops']} "
           f"pages_allocated={w.meta['pages_allocated']} peak_live_pages={w.meta['peak_live_pages']}")
-    small = wl.build(wl.Params(n_requests=8), wl.load_trace(wl.trace_path(a.trace), 8))
+    small = pb.warm_up_workload(a)
     for mode in MODES:   # warm the numba kernels (cache or compile) outside any timing
         run_mode(mode, small, argparse.Namespace(**{**vars(a), "no_verify": False, "repeats": 1}))
-    modes = [m for m in a.modes.split(",") if m]
-    for mode in modes:
-        if mode not in MODES:
-            raise SystemExit(f"unknown mode {mode!r}: allowed {MODES}")
-    ops_path = a.ops
-    if a.peers and ops_path is None:
-        ops_path = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
-        wl.save(w, ops_path)
-    rounds: list[list[dict]] = []
-    for rnd in range(a.rounds):   # ours, then the peers, per round: both sides see the same phases of a busy host
-        rows = []
-        if not a.no_pages:
-            rows.append(ba.run_mode("umalloc-pages", w, argparse.Namespace(**{**vars(a), "no_verify": True})))
-        for mode in modes:
-            res = run_mode(mode, w, argparse.Namespace(**{**vars(a), "no_verify": a.no_verify or rnd > 0}))
-            rows.append(res)
-            print(f"[round {rnd + 1}/{a.rounds}] " + "  ".join(
-                f"{k}={res[k]}" for k in ("allocator", "wall_s_median", "req_ops_per_s", "pages_alloc_per_s")))
-            print("    " + json.dumps({k: v for k, v in res.items() if k != "allocator"}))
-        if a.peers:
-            peers = run_peers(ops_path, a.peer_repeats, a.peer_modes)
-            for p in peers:
-                if p["workload"] != w.fingerprint:
-                    raise SystemExit(f"peer replayed workload {p['workload']}, we replayed {w.fingerprint}")
-            rows = peers + rows
-        rounds.append(rows)
+    runs = [] if a.no_pages else [("umalloc-pages", lambda m, w, args: ba.run_mode(
+        m, w, argparse.Namespace(**{**vars(args), "no_verify": True})))]
+    runs += [(m, run_mode) for m in pb.chosen_modes(a, MODES)]
+    rounds = pb.run_rounds(a, w, runs, lambda ops: pb.run_peers(ops, a.peer_repeats, a.peer_modes, required=False),
+                           ("wall_s_median", "req_ops_per_s", "pages_alloc_per_s"))
     if len(rounds) > 1 and all(len(r) == len(rounds[0]) for r in rounds):
-        rows = ba.merge_rounds(rounds)
+        rows = pb.merge_rounds(rounds)
         if any(r["allocator"] == "vllm-kvcm" for r in rows):
             print_round_ratios(rounds)
     else:
         rows = rounds[-1]
     print()
     print_table(rows, w.meta["pages_allocated"])
-    if a.json:
-        with open(a.json, "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+    pb.append_json(a.json, rows)
     return 0
 
 

@@ -58,17 +58,21 @@ def _vtokens(v: dict[str, list[int]]) -> dict:
 
 def kv_receiver_half(ctx: WorkerContext, request_id: str, vtokens: dict[str, list[int]], prefix_tokens: int = 0,
                      seq_len_tokens: int | None = None) -> dict:
-    """Build and keep (leased) the receiver half of a request; returns ``half.to_dict()``."""
+    """Build and keep (leased) the receiver half of a request; returns its publication through the child's
+    backend (``backend.publish_half``: the dict the sender builds its plan from): from then on the half is held
+    until :func:`kv_finish_half` reports the sender's end, or the backend's reset/close settles it."""
     half = build_receiver_half(request_id, ctx.objects["alloc"], _vtokens(vtokens), prefix_tokens=prefix_tokens,
                                seq_len_tokens=seq_len_tokens)
     ctx.objects["halves"][request_id] = half
-    return half.to_dict()
+    return ctx._b().publish_half(half)
 
 
 def kv_finish_half(ctx: WorkerContext, request_id: str, ok: bool = True) -> int:
-    """Complete (or fail) a kept receiver half, releasing its lease; returns the allocator's active leases."""
+    """The sender's terminal report for a kept receiver half: its plan ended done (``ok``: complete) or failed
+    (settle: a confirmed end, so the published pages come free). Call it only once the sender's plan ended.
+    Returns the allocator's active leases."""
     half = ctx.objects["halves"].pop(request_id)
-    half.complete() if ok else half.fail(None)
+    half.complete() if ok else half.settle(None)
     return ctx.objects["alloc"].leases_active()
 
 

@@ -11,16 +11,35 @@ Under ``UMALLOC_REQUIRE_BACKENDS=1`` a NIXL or Mooncake test that cannot import 
 skipping (``umalloc.backends.require_or_skip``).
 """
 
+# ruff: noqa: F811  (the backend fixtures are imported from backend_fixtures by name)
 from __future__ import annotations
 
 import json
-import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 import torch
+from backend_fixtures import (  # noqa: F401 - the fixtures are used by name
+    DEADLINE_S,
+    ENGINES,
+    L_TOKENS,
+    SEED,
+    ManualClock,
+    W,
+    alloc_request,
+    backend_factory,
+    backend_pool,
+    backend_workers,
+    brute_apply,
+    kv_pair,
+    kv_side,
+    kv_spec,
+    seeded_bytes,
+    sender_to_worker,
+    tbytes,
+    worker,
+)
 
 import umalloc.backends as backends_mod
 from umalloc.backends import (
@@ -32,7 +51,6 @@ from umalloc.backends import (
     get_backend,
     require_or_skip,
 )
-from umalloc.backends._worker import BackendWorker
 from umalloc.backends.protocol import plan_leases_gone
 from umalloc.core.allocator import MultiEndedAllocator
 from umalloc.core.pagestate import PAGE_PENDING
@@ -51,11 +69,6 @@ from umalloc.geometry.region import Region
 from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, LayerSpec
 from umalloc.transfer import PeerLayout, build_plan, build_receiver_half, build_send_plan
 
-ENGINES = ["nixl", "mooncake"]
-DEADLINE_S = 10.0
-SEED = int(os.environ.get("UMALLOC_SEED", "20240607"))
-W = "kv_worker:"
-
 pytestmark = pytest.mark.timeout(60)
 
 
@@ -68,24 +81,6 @@ ENG = [_param(n) for n in ENGINES]
 
 
 # ==== helpers ===================================================================================================
-
-
-def seeded_bytes(nbytes: int, seed: int) -> torch.Tensor:
-    """Independent re-creation of the worker's pattern: torch.randint over a seeded generator."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (nbytes,), generator=g, dtype=torch.uint8)
-
-
-def brute_apply(dst_before: bytes, dst_base: int, src: bytes, src_base: int, descs: np.ndarray) -> bytes:
-    """The destination after applying each descriptor, one by one, in plain Python."""
-    out = bytearray(dst_before)
-    for s, d, n in descs.tolist():
-        out[d - dst_base: d - dst_base + n] = src[s - src_base: s - src_base + n]
-    return bytes(out)
-
-
-def tbytes(t: torch.Tensor) -> bytes:
-    return bytes(t.numpy().tobytes())
 
 
 def descriptor_shapes(src_base: int, dst_base: int, nbytes: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -111,46 +106,6 @@ def descriptor_shapes(src_base: int, dst_base: int, nbytes: int, rng: np.random.
     return out
 
 
-def kv_spec(full_page_size: int = 4) -> ArenaSpec:
-    """target (full, up) + SWA (window 8, down, bound to full) + draft (own page size 2, own id owner)."""
-    full = EndSpec("full", (LayerSpec.mha(1, 8),), page_size=full_page_size)  # 32 B/token
-    swa = EndSpec("swa", (LayerSpec.mha(1, 4, window_tokens=8),), page_size=full_page_size, grow=Grow.DOWN,
-                  owner="full", role=EndRole.SWA)  # 16 B/token
-    draft = EndSpec("draft", (LayerSpec.mha(1, 4),), page_size=2, grow=Grow.FLOAT, owner=None,
-                    role=EndRole.DRAFT)  # 16 B/token, 32 B pages
-    return ArenaSpec((full, swa, draft), arena_bytes=16384)
-
-
-def kv_side(spec: ArenaSpec, seed: int | None) -> tuple[Arena, MultiEndedAllocator]:
-    arena = Arena(spec)
-    if seed is not None:
-        arena.data.copy_(seeded_bytes(spec.arena_bytes, seed))
-    return arena, MultiEndedAllocator(arena)
-
-
-def alloc_request(alloc: MultiEndedAllocator, tokens: int) -> dict[str, torch.Tensor]:
-    one = lambda x: torch.tensor([x], dtype=torch.int64)  # noqa: E731
-    return {owner: alloc.alloc_extend(one(0), one(tokens), one(-1), owner=owner) for owner in ("full", "draft")}
-
-
-def kv_pair(make, name: str, dst_regions=None):
-    """Two seeded KV sides of :func:`kv_spec` with a backend each (``make`` is ``backend_factory``), layouts set,
-    arenas registered (the receiver registers ``dst_regions(dst_arena)`` instead when given).
-
-    Returns:
-        ``(src_arena, src_alloc, a, dst_arena, dst_alloc, b)``.
-    """
-    spec = kv_spec()
-    src_arena, src_alloc = kv_side(spec, SEED)
-    dst_arena, dst_alloc = kv_side(spec, SEED + 1)
-    a = make(name, layout=PeerLayout.from_arena(src_arena))
-    b = make(name, layout=PeerLayout.from_arena(dst_arena))
-    a.register(src_arena.regions())
-    b.register(dst_arena.regions() if dst_regions is None else dst_regions(dst_arena))
-    return src_arena, src_alloc, a, dst_arena, dst_alloc, b
-
-
-L_TOKENS = 21  # request length used by the plan tests
 WINDOW = 8
 
 
@@ -167,69 +122,6 @@ def expected_page_pairs(src_pages_of, dst_pages_of, src_vt, dst_vt) -> list[tupl
         vp_dst = [int(dst_vt[owner][p * ps]) // ps for p in seq_pages]
         pairs.append((end, src_pages_of(vp_src, end), dst_pages_of(vp_dst, end)))
     return pairs
-
-
-@pytest.fixture(scope="module")
-def backend_pool():
-    """Idle Mooncake backends, reused across tests: a Mooncake engine takes about 1 s (holding the GIL) to stop,
-    so a test's Mooncake backends are ``reset()`` (every handle, peer, registration, layout and counter dropped,
-    a new peer id: the state of a new backend) and handed to the next test. All are closed at module end."""
-    idle: dict[tuple, list] = {}
-    yield idle
-    for lst in idle.values():
-        for b in lst:
-            b.close()
-
-
-@pytest.fixture
-def backend_factory(backend_pool):
-    """Create backends for one test; afterwards close (or reset and pool) them and check nothing leaked."""
-    made: list = []
-
-    def make(name: str, *, layout=None, **kw):
-        require_or_skip(name)
-        key = (name, tuple(sorted(kw.items())))
-        if name == "mooncake" and backend_pool.get(key):
-            b = backend_pool[key].pop()
-            b.set_layout(layout)
-        else:
-            b = get_backend(name, layout=layout, **kw)
-        made.append((key, b))
-        return b
-
-    yield make
-    for key, b in reversed(made):
-        if key[0] == "mooncake" and not b.closed:
-            b.reset()
-            backend_pool.setdefault(key, []).append(b)
-        else:
-            b.close()
-        b.check_invariants()
-        s = b.stats()
-        assert (s["open_handles"], s["registered_regions"], s["registrations"], s["peers"]) == (0, 0, 0, 0)
-
-
-@pytest.fixture(scope="module")
-def backend_workers():
-    """Per available engine: a shared worker and a victim worker (paused and killed by failure tests).
-    All start at once so their start-up costs overlap; all are ended at module teardown."""
-    print(f"UMALLOC_SEED={SEED}")
-    workers: dict[tuple[str, str], BackendWorker] = {}
-    for name in ENGINES:
-        if backend_available(name)[0]:
-            workers[(name, "shared")] = BackendWorker(name)
-            workers[(name, "victim")] = BackendWorker(name)
-    yield workers
-    with ThreadPoolExecutor(max(1, len(workers))) as ex:  # each exit costs about a second (engine stop): overlap
-        list(ex.map(BackendWorker.close, workers.values()))
-    assert not any(w.alive() for w in workers.values())
-
-
-def worker(backend_workers, name: str, role: str = "shared") -> BackendWorker:
-    require_or_skip(name)
-    w = backend_workers[(name, role)]
-    w.wait_ready(60.0)
-    return w
 
 
 # ==== protocol and handles ======================================================================================
@@ -661,16 +553,6 @@ def test_peer_closed_before_transfer_fails_the_plan(name, backend_factory):
     assert s["open_handles"] == 0 and s["handles_failed"] == 1
 
 
-class ManualClock:
-    """A settable lease clock in seconds (no sleeps)."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.mark.parametrize("name", ENG)
 def test_F11_wait_deadline_keeps_the_leases_until_the_engine_lets_go(name, backend_workers, backend_factory):
     """F11 ordering at a deadline: ``wait`` raises TransferTimeout on time, but while the engine may still read
@@ -678,14 +560,7 @@ def test_F11_wait_deadline_keeps_the_leases_until_the_engine_lets_go(name, backe
     lease keeps every page: freed pages stay pending (not reused), compaction does not move them, the engine
     memory stays registered. Once the peer resumes and the engine reports the chunk ended, the plan fails and the
     pages come free. Mooncake's bytes land *after* the deadline: exactly what the held lease protects."""
-    w = worker(backend_workers, name)
-    w.call("reset_backend")
-    spec = kv_spec()
-    src_arena, src_alloc = kv_side(spec, SEED)
-    a = backend_factory(name, layout=PeerLayout.from_arena(src_arena))
-    a.register(src_arena.regions())
-    w.run(W + "kv_setup", PeerLayout.from_arena(src_arena).to_dict(), seed=SEED + 1)
-    peer = a.connect(w.call("metadata"))  # a fresh connection: NIXL's first WRITE needs the target too
+    w, src_arena, src_alloc, a, peer = sender_to_worker(backend_workers, backend_factory, name)
     src_vt = alloc_request(src_alloc, L_TOKENS)
     half = w.run(W + "kv_receiver_half", "d-1", w.run(W + "kv_alloc", {"full": L_TOKENS, "draft": L_TOKENS}))
     plan = build_send_plan("d-1", src_alloc, src_vt, half, a.peer_layout(peer))
@@ -1133,15 +1008,8 @@ def test_replay_child_keeps_the_receiver_half_while_the_engine_holds_a_part(back
     from umalloc.replay.remote import child_finish, settle_failed_half
 
     name = "mooncake"
-    w = worker(backend_workers, name)
-    w.call("reset_backend")
     spec = one_owner_spec()
-    src_arena, src_alloc = kv_side(spec, SEED)
-    layout = PeerLayout.from_arena(src_arena)
-    a = backend_factory(name, layout=layout)
-    a.register(src_arena.regions())
-    w.run(W + "kv_setup", layout.to_dict(), seed=SEED + 1)
-    peer = a.connect(w.call("metadata"))
+    w, src_arena, src_alloc, a, peer = sender_to_worker(backend_workers, backend_factory, name, spec=spec)
     half = w.run(W + "kv_receiver_half", "r-1", w.run(W + "kv_alloc", {"full": L_TOKENS}))
     one = lambda x: torch.tensor([x], dtype=torch.int64)  # noqa: E731
     vt = src_alloc.alloc_extend(one(0), one(L_TOKENS), one(-1))
@@ -1184,15 +1052,8 @@ def test_mooncake_close_while_a_chunk_is_in_the_engine(backend_workers, backend_
     plan's leases (the engine may still read the pages); once the peer resumes, ``drain`` on the closed backend
     ends the plan and the pages come free; the receiver got every byte."""
     name = "mooncake"
-    w = worker(backend_workers, name)
-    w.call("reset_backend")
-    spec = kv_spec()
-    src_arena, src_alloc = kv_side(spec, SEED)
-    layout = PeerLayout.from_arena(src_arena)
-    a = backend_factory(name, layout=layout, close_timeout_s=0.5)
-    a.register(src_arena.regions())
-    w.run(W + "kv_setup", layout.to_dict(), seed=SEED + 1)
-    peer = a.connect(w.call("metadata"))
+    w, src_arena, src_alloc, a, peer = sender_to_worker(backend_workers, backend_factory, name,
+                                                        close_timeout_s=0.5)
     half = w.run(W + "kv_receiver_half", "c-1", w.run(W + "kv_alloc", {"full": L_TOKENS, "draft": L_TOKENS}))
     plan = build_send_plan("c-1", src_alloc, alloc_request(src_alloc, L_TOKENS), half, a.peer_layout(peer))
     want = brute_apply(w.run(W + "kv_arena_bytes"), a.peer_layout(peer).arena_base_ptr, tbytes(src_arena.data),

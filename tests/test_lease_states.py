@@ -174,3 +174,27 @@ def test_receiver_half_published_to_a_peer_stays_in_doubt_until_the_sender_repor
     assert half2.lease.state == "released"
     assert (dst.ends["full"].state[half2.lease.pages["full"]] == PAGE_LIVE).all()
     dst.check_invariants()
+
+
+def test_a_published_half_completed_normally_never_goes_in_doubt(caplog) -> None:
+    import logging
+
+    import torch
+
+    from umalloc.core.allocator import MultiEndedAllocator
+    from umalloc.geometry.arena import Arena
+    from umalloc.testing import tiny_spec
+    from umalloc.transfer import build_receiver_half
+
+    dst = MultiEndedAllocator(Arena(tiny_spec()))
+    one = lambda x: torch.tensor([x], dtype=torch.int64)  # noqa: E731
+    for ending in ("complete", "settle"):
+        dvt = dst.alloc_extend(one(0), one(6), one(-1))
+        half = build_receiver_half(ending, dst, {"full": dvt})
+        half.publish()
+        with caplog.at_level(logging.WARNING, logger="umalloc"):
+            getattr(half, ending)()
+        assert half.lease.state == "released", ending  # straight from active: the hold was let go first
+        assert dst.lease_table.leases_in_doubt == 0 and not caplog.records, ending
+        dst.free(dvt)
+    dst.check_invariants()

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from umalloc.backends import backend_available, get_backend
 from umalloc.core.allocator import MultiEndedAllocator
 from umalloc.errors import IncompatiblePeerError
 from umalloc.geometry.arena import Arena
@@ -306,3 +307,71 @@ def test_incompatible_pairs_listed_at_connect():
     assert e.value.differences == ["end 'full' layer 0: latent_dim local 576 != remote 320"]
     # mapped: TP 2 -> 4 with heads halving, page size 16 -> 32
     check_compatible(lay(2, 16, (LayerSpec.mha(4, 4),)), lay(4, 32, (LayerSpec.mha(2, 4),)))
+
+
+# ==== real engines ==============================================================================================
+
+ENGINES = ["local", "nixl", "mooncake"]
+
+
+def _engine(name: str, layout: PeerLayout, arena: Arena):
+    ok, why = backend_available(name)
+    if not ok:
+        pytest.skip(f"{name}: {why}")
+    b = get_backend(name, layout=layout)
+    b.register(arena.regions())
+    return b
+
+
+@pytest.mark.parametrize("name", ENGINES)
+def test_tp_split_over_a_real_engine(name):
+    # TP 1 -> 2 and a head-group-outer prefill page: each decode rank's backend is a peer of the prefill's; the
+    # plans go through submit / wait like any plan, and every rank's bytes are checked against the pattern
+    L = 13
+    (src,) = ranks(1, 4, 2, L, seed=SEED)
+    dsts = ranks(2, 4, 1, L, seed=SEED + 100, receiver=True)
+    sender = _engine(name, src.layout, src.arena)
+    receivers = [_engine(name, d.layout, d.arena) for d in dsts]
+    try:
+        for d, rb in zip(dsts, receivers, strict=True):
+            before = d.arena.data.clone()
+            peer = sender.connect(rb.metadata())
+            plan = build_plan(f"e{d.tp_rank}", src.alloc, src.vt, d.alloc, {"full": d.vt["full"],
+                              "draft": d.vt["draft"]}, seq_len_tokens=L, src_layout=src.layout, dst_layout=d.layout)
+            h = sender.submit(plan, peer)
+            deadline = 30.0
+            while sender.poll(h) == "pending" and deadline > 0:
+                rb.progress()
+                sender.wait(h, 0.05)
+                deadline -= 0.05
+            assert sender.poll(h) == "done" and plan.state == "done"
+            sender.release(h)
+            d.assert_received(before, whole_pages=set())  # every end is a slice plan (TP differs)
+            assert src.alloc.leases_active() == 0 and d.alloc.leases_active() == 0
+    finally:
+        for b in (sender, *receivers):
+            b.close()
+
+
+@pytest.mark.parametrize("name", ENGINES)
+def test_unmappable_peer_refused_at_connect_with_every_difference(name):
+    def side(tp, page_size, heads):
+        end = EndSpec("full", (LayerSpec.mha(heads, DIM),), page_size)
+        arena = Arena(ArenaSpec((end,), arena_bytes=1 << 16))
+        return arena, PeerLayout.from_arena(arena, tp_size=tp)
+
+    a_arena, a_lay = side(2, 16, 3)
+    b_arena, b_lay = side(3, 24, 2)
+    a, b = _engine(name, a_lay, a_arena), _engine(name, b_lay, b_arena)
+    try:
+        with pytest.raises(IncompatiblePeerError) as e:
+            a.connect(b.metadata())
+        assert e.value.differences == [
+            "tp_size: local 2, remote 3: neither divides the other (a rank of one side must hold whole slices "
+            "of the other's heads)",
+            "end 'full': page_size local 16, remote 24: neither divides the other (ids expand by a whole ratio, "
+            "F14)"]
+        assert a.peers() == []
+    finally:
+        a.close()
+        b.close()

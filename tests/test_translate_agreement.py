@@ -125,3 +125,43 @@ def test_translators_agree_with_the_allocator(impl, device, page_size):
                             assert fast == want
                             if want[0] != "ok":
                                 assert out.tolist() == [-7] * ids.size  # a refused call writes nothing
+
+
+@pytest.mark.parametrize("page_size", [2, 3])
+def test_allocator_translate_into_a_torch_out_agrees_with_brute_force(page_size):
+    """The allocator's by-address path (contiguous CPU int64 torch ids and ``out=``): the same answers as a
+    brute-force loop over the v2p table and the same error types as the reference translator; a refused call
+    writes nothing into ``out``; ``out`` may be the ids themselves."""
+    seed = int(os.environ.get("UMALLOC_SEED", "20261201")) + 10 * page_size
+    print(f"seed={seed} (override with UMALLOC_SEED)")
+    rng = np.random.default_rng(seed)
+    for _ in range(5):
+        alloc = make_allocator(page_size)
+        random_history(alloc, rng)
+        nv = alloc.num_vpages()
+        for end in ("full", "swa"):
+            v2p_host = alloc.v2p(end).numpy().copy()
+            v2p_t = torch.from_numpy(v2p_host)
+            for strict in (False, True):
+                for _ in range(8):
+                    n = int(rng.integers(1, 12))
+                    hi = nv * page_size + 1 if rng.random() < 0.2 else nv * page_size
+                    vt = rng.integers(-1 if rng.random() < 0.2 else 0, hi, size=n).astype(np.int64)
+                    for ids, pages in ((vt, False), (vt // page_size, True)):
+                        ids_t = torch.from_numpy(ids.copy())
+                        ps = 1 if pages else page_size
+                        call = alloc.translate_pages if pages else alloc.translate
+                        if pages:
+                            want = outcome(ref_impl.virtual_to_physical_pages, ids_t, v2p_t, strict=strict)
+                        else:
+                            want = outcome(ref_impl.virtual_to_physical, ids_t, v2p_t, page_size, strict=strict)
+                        out = torch.full((n,), -7, dtype=torch.int64)
+                        got = outcome(call, ids_t, end, strict=strict, out=out)
+                        if got[0] == "ok":
+                            assert want[0] == "ok" and got[1] == out.tolist()
+                            assert out.tolist() == brute_force(ids.tolist(), v2p_host.tolist(), ps)
+                            same = ids_t.clone()
+                            assert call(same, end, strict=strict, out=same) is same  # out aliasing the ids
+                            assert same.tolist() == out.tolist()
+                        else:
+                            assert got[0] == want[0] and out.tolist() == [-7] * n  # a refused call writes nothing

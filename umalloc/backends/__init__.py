@@ -20,7 +20,8 @@ Policy:
 * Modules, one concept each, imported one way (left needs nothing on its right): ``handle`` (handles, their
   lifecycle, the process-wide in-flight table) <- ``protocol`` (:class:`TransferBackend`, :class:`PlanLike`,
   the plan checks) ; ``descriptors`` (raw batch validation, region lookup) <- ``registry`` (registration
-  multiset, F21) and ``peers`` (metadata, connect-time layout check, F22) ; all <- ``base`` (:class:`BackendBase`)
+  multiset, F21) and ``peers`` (metadata, connect-time layout check, F22) ; ``published`` (receiver halves
+  published to senders, settled when the engine lets go of their memory) ; all <- ``base`` (:class:`BackendBase`)
   <- ``local`` / ``nixl`` / ``mooncake``; ``_worker`` (a backend in a second process) uses only
   :func:`get_backend`. Backends know plans (by protocol) and regions, never allocators.
 * :func:`require_or_skip` is the one place tests decide whether an engine may be skipped: under

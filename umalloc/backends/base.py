@@ -14,6 +14,10 @@ Policy:
   one region the peer registered (from its metadata). A bad batch raises
   :class:`~umalloc.errors.DescriptorBoundsError` (or :class:`~umalloc.errors.UmallocValueError`) and changes
   nothing — not even the plan.
+* Bounded batches (Note [Bounded batches] in :mod:`umalloc.backends.descriptors`): a located batch is cut into
+  chunks of at most ``max_batch_descriptors`` descriptors and ``max_batch_bytes`` bytes (defaults 2048 and 1 GiB,
+  set per backend at construction), each handed to the engine as its own submission; ``handle.num_parts``
+  counts the engine submissions and the ``engine_parts_posted`` stat sums them.
 * A plan (``submit`` or ``write_descriptors(plan=...)``) must be a plan
   (:class:`~umalloc.backends.protocol.PlanLike`), pending, with its leases active and not past their deadline,
   and may be in flight on one handle at a time across every backend of the process (pending or draining): a
@@ -80,7 +84,15 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from umalloc.backends.descriptors import as_descriptors, locate
+from umalloc.backends.descriptors import (
+    MAX_BATCH_BYTES,
+    MAX_BATCH_DESCRIPTORS,
+    as_descriptors,
+    check_batch_limits,
+    chunk_descriptors,
+    locate,
+    locate_ranges,
+)
 from umalloc.backends.handle import HandleTable, TransferHandle
 from umalloc.backends.peers import (
     LOOPBACK,
@@ -93,6 +105,7 @@ from umalloc.backends.peers import (
     peer_info,
 )
 from umalloc.backends.protocol import EngineHold, PlanLike, check_plan, plan_item_bytes
+from umalloc.backends.published import PublishedHalves
 from umalloc.backends.registry import Registry, validate_regions
 from umalloc.errors import (
     BackendError,
@@ -105,6 +118,10 @@ from umalloc.errors import (
 )
 from umalloc.geometry.region import Region
 from umalloc.transfer import PeerLayout
+
+#: One engine submission: ``(descriptors (N_i, 3) uint64, source region index (N_i,) int64, destination region
+#: index (N_i,) int64)``, at most ``max_batch_descriptors`` rows and ``max_batch_bytes`` bytes.
+Chunk = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 def _check_timeout(timeout_s: object) -> None:
@@ -121,14 +138,22 @@ class BackendBase:
         layout: this side's ``PeerLayout`` (or its ``to_dict()``), carried in :meth:`metadata` and checked at
             :meth:`connect`; ``None`` for descriptor-level use.
         host: address the engine binds to (loopback by default).
+        max_batch_descriptors: most descriptors in one engine submission (default 2048, Note [Bounded batches]
+            in :mod:`umalloc.backends.descriptors`).
+        max_batch_bytes: most bytes in one engine submission (default 1 GiB); a longer descriptor is cut into
+            contiguous pieces of this size.
 
     Raises:
-        UmallocValueError: a malformed ``layout``.
+        UmallocValueError: a malformed ``layout``, or a batch cap that is not an int in ``[1, 2**63)``; checked
+            before any engine starts.
     """
 
     name = "base"
     #: True when a target only advances while it is progressed (:meth:`progress`); NIXL without a progress thread.
     needs_progress = False
+    #: True when no peer can write memory this engine no longer has registered (:meth:`close` / :meth:`reset`
+    #: then settle the halves of :meth:`publish_half`); False where a peer's write may still land there.
+    fences_peer_writes = False
     #: Live backends per class in this process (engines whose targets need progress use it).
     _live: weakref.WeakSet
 
@@ -136,14 +161,18 @@ class BackendBase:
         super().__init_subclass__(**kw)
         cls._live = weakref.WeakSet()
 
-    def __init__(self, *, layout: object | None = None, host: str = LOOPBACK) -> None:
+    def __init__(self, *, layout: object | None = None, host: str = LOOPBACK,
+                 max_batch_descriptors: int = MAX_BATCH_DESCRIPTORS, max_batch_bytes: int = MAX_BATCH_BYTES) -> None:
+        check_batch_limits(max_batch_descriptors, max_batch_bytes)
         self._layout, self._layout_obj = layout_pair(layout)
+        self._max_batch = (int(max_batch_descriptors), int(max_batch_bytes))
         self._host = host
         self._peer_id = uuid.uuid4().hex
         self._reg = Registry(self._engine_register, self._engine_deregister)
         self._peers: dict[str, PeerInfo] = {}
         self._ht = HandleTable(self.name, self._engine_in_flight, self._engine_release)
         self._counts: Counter[str] = Counter()  # connects, register_calls, deregister_calls
+        self._halves = PublishedHalves()
         self._closed = False
         type(self)._live.add(self)
 
@@ -157,6 +186,17 @@ class BackendBase:
         """
         self._check_open()
         self._layout, self._layout_obj = layout_pair(layout)
+
+    @property
+    def max_batch_descriptors(self) -> int:
+        """Most descriptors in one engine submission, set at construction (Note [Bounded batches] in
+        :mod:`umalloc.backends.descriptors`)."""
+        return self._max_batch[0]
+
+    @property
+    def max_batch_bytes(self) -> int:
+        """Most bytes in one engine submission, set at construction (Note [Bounded batches])."""
+        return self._max_batch[1]
 
     @property
     def layout(self) -> dict | None:
@@ -313,6 +353,26 @@ class BackendBase:
                 half.fail(exc)  # type: ignore[attr-defined]
         return state
 
+    def publish_half(self, half: object) -> dict:
+        """Receiver side: ``half.publish()`` for senders that write through this backend into memory registered
+        here (a :class:`~umalloc.transfer.plan.ReceiverHalf`), keeping the half so that :meth:`close` and
+        :meth:`reset` settle it, if it is still held then, once the engine released every registration — where
+        that stops every peer's writes (:attr:`fences_peer_writes`: ``local``, ``mooncake``; not ``nixl``, whose
+        shared-memory WRITEs land in deregistered memory), see :mod:`umalloc.backends.published`. Otherwise only
+        the sender's report (``half.complete()`` / ``half.settle()``) or :meth:`fail_half_if_peer_died` ends it.
+        O(halves held).
+
+        Raises:
+            BackendError: the backend is closed.
+            LeaseError, UmallocValueError: the half's lease or the half already ended (nothing kept).
+        """
+        self._check_open()
+        return self._halves.publish(half)
+
+    def published_halves(self) -> int:
+        """Halves published through :meth:`publish_half` that may still be written (pending, or in doubt). O(n)."""
+        return self._halves.held()
+
     def peers(self) -> list[str]:
         """Connected peer names."""
         return list(self._peers)
@@ -398,7 +458,8 @@ class BackendBase:
 
     def _post(self, d: np.ndarray, info: PeerInfo, peer: str, plan: PlanLike | None,
               item_bytes: int | None) -> TransferHandle:
-        """Locate a validated batch against the regions registered now, make the handle, hand it to the engine."""
+        """Locate a validated batch against the regions registered now, cut it into chunks (Note [Bounded
+        batches]), make the handle, hand the chunks to the engine."""
         reg = self._reg
         src_idx = locate(d, 0, reg.starts, reg.ends,
                          f"source lies outside every region registered on this {self.name} backend "
@@ -408,6 +469,7 @@ class BackendBase:
                          "in its metadata)")
         n = d.shape[0]
         total = int(d[:, 2].sum()) if n else 0
+        chunks = self._chunks(d, src_idx, dst_idx, info)
         h = self._ht.new(peer, n, total, plan)
         if n == 0:
             self._ht.finish(h, "done")
@@ -416,7 +478,7 @@ class BackendBase:
             # before any part reaches the engine: a deadline or a plan ending from now on leaves the plan's
             # leases in doubt until the engine lets go (Note [Lease states] in umalloc.core.leases, F24)
             h.engine["hold"] = EngineHold(plan)
-            self._engine_post(h, d, info, src_idx, dst_idx, item_bytes)
+            self._engine_post(h, chunks, info, item_bytes)
         except Exception as e:  # engine refused part of it: fail once every posted part has ended
             err = e if isinstance(e, TransferError) else TransferError(f"{self.name}: post to {peer!r} failed: {e}")
             if err is not e:
@@ -425,6 +487,25 @@ class BackendBase:
         self._ht.counts["engine_parts_posted"] += h.num_parts
         self.poll(h)
         return h
+
+    def _chunks(self, d: np.ndarray, src_idx: np.ndarray, dst_idx: np.ndarray,
+                info: PeerInfo) -> list[Chunk]:
+        """``d`` cut by :func:`~umalloc.backends.descriptors.chunk_descriptors` under this backend's caps, each
+        chunk with the region indices of its rows. Chunks of uncut rows take slices of ``src_idx``/``dst_idx``;
+        when a row was cut (longer than ``max_batch_bytes``), the pieces lie inside their row's regions and are
+        located again (no error possible). O(N), plus O(N log R) when a row was cut."""
+        chunks = chunk_descriptors(d, *self._max_batch)
+        if sum(c.shape[0] for c in chunks) != d.shape[0]:  # a row was cut into pieces
+            reg = self._reg
+            return [(c, locate_ranges(c[:, 0], c[:, 2], reg.starts, reg.ends),
+                     locate_ranges(c[:, 1], c[:, 2], info.starts, info.ends)) for c in chunks]
+        out = []
+        a = 0
+        for c in chunks:
+            b = a + c.shape[0]
+            out.append((c, src_idx[a:b], dst_idx[a:b]))
+            a = b
+        return out
 
     def poll(self, handle: TransferHandle) -> str:
         """Progress and return the handle's state: ``"pending"``, ``"done"`` or ``"failed"``. Non-blocking.
@@ -591,9 +672,11 @@ class BackendBase:
     # ---- lifecycle -------------------------------------------------------------------------------------
     def reset(self) -> None:
         """Return to the just-constructed state without restarting the engine: release every handle (pending
-        ones cancelled, their plans aborted), disconnect every peer, deregister everything, drop the layout, zero
-        the counters and take a new peer id (metadata taken before the reset no longer names this backend).
-        Cheaper than ``close`` + a new backend where engines are slow to stop (Mooncake: about 1 s).
+        ones cancelled, their plans aborted), disconnect every peer, deregister everything (then settle every
+        half still held of :meth:`publish_half` where that fences the peers, :attr:`fences_peer_writes`), drop
+        the layout, zero the counters and take a new peer id (metadata taken before the reset no longer names
+        this backend). Cheaper than ``close`` + a new backend where engines are slow to stop (Mooncake: about
+        1 s).
 
         Raises:
             BackendError: the backend is closed, or a released transfer is still in the engine after
@@ -613,6 +696,8 @@ class BackendBase:
             self.disconnect(p)
         if self._reg.counts or self._reg.engine:
             self._apply(Counter())
+        self._halves.end_all(BackendError(f"{self.name}: backend reset: its registrations were released"),
+                             settle=self.fences_peer_writes)
         self._layout = None
         self._layout_obj = None
         self._counts.clear()
@@ -634,7 +719,9 @@ class BackendBase:
 
     def close(self) -> None:
         """Release every handle (cancelling pending ones), forget peers, deregister everything, stop the
-        engine. Idempotent."""
+        engine, then settle every half still held of :meth:`publish_half` where no sender can write it now
+        (:attr:`fences_peer_writes`, and no transfer of this side's still in the engine, which keeps it running).
+        Idempotent."""
         if self._closed:
             return
         try:
@@ -656,6 +743,8 @@ class BackendBase:
             self._engine_close()
             if self._ht.draining:
                 self._ht.reap()
+            self._halves.end_all(BackendError(f"{self.name}: backend closed: its engine stopped"),
+                                 settle=self.fences_peer_writes and not self._ht.draining)
 
     def __enter__(self):
         return self
@@ -691,9 +780,10 @@ class BackendBase:
         """Engine hook: False when the engine reports the peer down (connection state, goodbye)."""
         return True
 
-    def _engine_post(self, h: TransferHandle, d: np.ndarray, peer: PeerInfo, src_idx: np.ndarray,
-                     dst_idx: np.ndarray, item_bytes: int | None) -> None:
-        """Post the batch; record parts in ``h.engine`` and ``h.num_parts``. May raise after posting some."""
+    def _engine_post(self, h: TransferHandle, chunks: list[Chunk], peer: PeerInfo, item_bytes: int | None) -> None:
+        """Post every chunk (``(descriptors, source region indices, destination region indices)``, each within
+        the batch caps, Note [Bounded batches]) as its own engine submission, in order; record the parts in
+        ``h.engine`` and their number in ``h.num_parts``. May raise after posting some."""
         raise NotImplementedError
 
     def _engine_poll(self, h: TransferHandle) -> tuple[int, BaseException | None]:

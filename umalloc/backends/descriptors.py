@@ -9,6 +9,31 @@ Policy:
   regions; destinations: the regions in the peer's metadata) by :func:`locate`: a range outside every region
   raises :class:`~umalloc.errors.DescriptorBoundsError` before anything is sent. Regions are sorted by base and
   disjoint; the lookup is one ``searchsorted``, O(N log R).
+* Bounded batches (Note [Bounded batches]): every batch is posted in chunks of at most ``max_batch_descriptors``
+  descriptors and ``max_batch_bytes`` bytes, each chunk its own engine submission (:func:`chunk_descriptors`).
+
+Note [Bounded batches]
+~~~~~~~~~~~~~~~~~~~~~~
+Engines bound what one submission may carry: Mooncake's TCP transport refuses more than 2,048 descriptors in
+flight per peer by default (``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER``), and SGLang's disaggregation caps a
+batch at 1 GiB. So a backend cuts every batch, a plan's or a raw one, before the engine sees it:
+
+* a descriptor longer than ``max_batch_bytes`` is first cut into contiguous pieces of ``max_batch_bytes``
+  (the last one shorter), in order, so no submission exceeds the byte cap;
+* the rows, in order, are then cut greedily into chunks: a chunk takes rows while it holds at most
+  ``max_batch_descriptors`` of them and at most ``max_batch_bytes`` bytes;
+* each chunk is one engine submission (NIXL: one request per chunk and memory-kind group); every chunk runs under
+  the plan's leases, the handle is done when every chunk is done and failed when any failed, and the in-flight
+  and in-doubt rules count every chunk (Note [Deadlines and in-flight parts] in :mod:`umalloc.backends.base`).
+
+Defaults, on every backend, configurable per backend at construction: :data:`MAX_BATCH_DESCRIPTORS` (2048) and
+:data:`MAX_BATCH_BYTES` (1 GiB).
+
+::
+
+    rows   |a:400|b:2500            |c:300|d:100|e:100|        max 3 descriptors, 1000 bytes
+    pieces |a:400|b:1000|b:1000|b:500|c:300|d:100|e:100|
+    chunks [a]   [b]    [b]    [b c d][e]                       -> 5 submissions
 """
 
 from __future__ import annotations
@@ -19,6 +44,95 @@ import numpy as np
 
 from umalloc.errors import DescriptorBoundsError, UmallocValueError
 from umalloc.geometry.region import Region
+
+#: Default cap on descriptors per engine submission (Mooncake TCP's per-peer limit), Note [Bounded batches].
+MAX_BATCH_DESCRIPTORS = 2048
+#: Default cap on bytes per engine submission (1 GiB, SGLang's batch cap), Note [Bounded batches].
+MAX_BATCH_BYTES = 1 << 30
+
+
+def check_batch_limits(max_batch_descriptors: object, max_batch_bytes: object) -> None:
+    """Validate the two caps of Note [Bounded batches]. O(1).
+
+    Raises:
+        UmallocValueError: either is not an ``int`` in ``[1, 2**63)`` (``bool`` refused), naming the argument.
+
+    >>> check_batch_limits(2048, 1 << 30)
+    """
+    for what, v in (("max_batch_descriptors", max_batch_descriptors), ("max_batch_bytes", max_batch_bytes)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 1 <= v < 1 << 63:
+            raise UmallocValueError(f"{what}={v!r}: allowed an int in [1, 2**63)")
+
+
+def chunk_descriptors(d: np.ndarray, max_batch_descriptors: int = MAX_BATCH_DESCRIPTORS,
+                      max_batch_bytes: int = MAX_BATCH_BYTES) -> list[np.ndarray]:
+    """Cut a validated descriptor batch into engine submissions (Note [Bounded batches]).
+
+    Args:
+        d: ``(N, 3)`` ``uint64`` rows ``(src_addr, dst_addr, nbytes)`` as returned by :func:`as_descriptors`
+            (or a plan's batch); its type and shape are checked (O(1)), its values are not checked again.
+        max_batch_descriptors: most rows in one chunk (int in ``[1, 2**63)``).
+        max_batch_bytes: most bytes in one chunk (int in ``[1, 2**63)``); a longer row is first cut into
+            contiguous pieces of this many bytes (the last piece shorter): piece ``k`` of row ``(s, t, n)`` is
+            ``(s + k * B, t + k * B, min(B, n - k * B))``.
+
+    Returns:
+        The chunks in order, each a ``(N_i, 3)`` ``uint64`` array with ``1 <= N_i <= max_batch_descriptors`` rows
+        and at most ``max_batch_bytes`` bytes; their concatenation is ``d`` with long rows cut into pieces.
+        Chunks are views of ``d`` when no row was cut, else of one new array; ``d`` is never written. An empty
+        batch gives ``[]``. Greedy: each chunk takes as many rows as both caps allow, so no two consecutive
+        chunks fit together in one.
+
+    Raises:
+        UmallocValueError: a cap outside ``[1, 2**63)`` or not an int, or ``d`` not an ``(N, 3)`` ``uint64``
+            array (nothing computed).
+
+    Complexity: O(N) to cut long rows (vectorised; none cut: O(N) for one comparison), plus O(N) when the whole
+    batch fits the byte cap, else O(N + C log N) for C chunks (one ``searchsorted`` per chunk).
+
+    >>> d = np.array([[0, 0, 400], [400, 400, 2500], [3000, 3000, 300], [4000, 4000, 100]], np.uint64)
+    >>> [c[:, 2].tolist() for c in chunk_descriptors(d, 3, 1000)]
+    [[400], [1000], [1000], [500, 300, 100]]
+    """
+    check_batch_limits(max_batch_descriptors, max_batch_bytes)
+    if not (isinstance(d, np.ndarray) and d.dtype == np.uint64 and d.ndim == 2 and d.shape[1] == 3):
+        raise UmallocValueError(f"descriptors: {type(d).__name__} {getattr(d, 'dtype', '')} "
+                                f"{getattr(d, 'shape', '')}, allowed an (N, 3) uint64 array (see as_descriptors)")
+    cap_n, cap_b = int(max_batch_descriptors), np.uint64(max_batch_bytes)
+    n = d.shape[0]
+    if n == 0:
+        return []
+    nb = d[:, 2]
+    if bool((nb > cap_b).any()):
+        d = _cut_long_rows(d, cap_b)
+        n, nb = d.shape[0], d[:, 2]
+    cum = np.cumsum(nb, dtype=np.uint64)
+    if cum[-1] <= cap_b:  # the byte cap binds nowhere: chunks of cap_n rows
+        return [d[i:i + cap_n] for i in range(0, n, cap_n)]
+    out = []
+    i = 0
+    done = np.uint64(0)  # bytes in chunks already cut
+    while i < n:
+        j = min(int(np.searchsorted(cum, done + cap_b, side="right")), i + cap_n)  # > i: every row <= cap_b
+        out.append(d[i:j])
+        done = cum[j - 1]
+        i = j
+    return out
+
+
+def _cut_long_rows(d: np.ndarray, cap_b: np.uint64) -> np.ndarray:
+    """``d`` with every row longer than ``cap_b`` bytes cut into contiguous pieces of ``cap_b`` (the last one
+    shorter), rows in order. O(N + pieces), vectorised."""
+    nb = d[:, 2]
+    counts = ((nb + cap_b - np.uint64(1)) // cap_b).astype(np.int64)
+    rows = np.repeat(np.arange(d.shape[0]), counts)
+    first = np.cumsum(counts) - counts
+    off = (np.arange(rows.shape[0], dtype=np.int64) - np.repeat(first, counts)).astype(np.uint64) * cap_b
+    out = np.empty((rows.shape[0], 3), dtype=np.uint64)
+    out[:, 0] = d[rows, 0] + off
+    out[:, 1] = d[rows, 1] + off
+    out[:, 2] = np.minimum(nb[rows] - off, cap_b)
+    return out
 
 
 def as_descriptors(descriptors: object) -> np.ndarray:

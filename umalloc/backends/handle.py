@@ -48,8 +48,9 @@ HANDLE_STATES: tuple[str, ...] = ("pending", "done", "failed")
 class TransferHandle:
     """One submitted transfer (one plan or one descriptor batch) to one peer.
 
-    A handle may own several engine parts (Mooncake batches of at most 2048 descriptors, NIXL requests per
-    memory kind); it is ``done`` only when every part is done, and ``failed`` once a part failed and every part
+    A handle may own several engine parts: the chunks of Note [Bounded batches] in
+    :mod:`umalloc.backends.descriptors` (at most ``max_batch_descriptors`` descriptors and ``max_batch_bytes``
+    bytes each), and on NIXL one request per chunk and memory-kind group; it is ``done`` only when every part is done, and ``failed`` once a part failed and every part
     has ended, or when ``wait``'s deadline passed or it was released while pending. In the last two cases parts
     already handed to the engine may still be moving bytes: the handle is then ``draining`` and its plan ends
     (releasing its leases) only when the engine confirms that every part ended (F11: every handle of a
@@ -61,7 +62,8 @@ class TransferHandle:
         peer: the peer name given to ``submit``.
         num_descriptors: descriptors posted (rows of the batch).
         total_bytes: sum of the descriptors' ``nbytes``.
-        num_parts: engine requests/batches the transfer was split into.
+        num_parts: engine submissions the transfer was split into (the batch's chunks; NIXL: one per chunk and
+            memory-kind group; fewer when posting failed part way). Summed by the ``engine_parts_posted`` stat.
         plan: the plan submitted, or ``None`` for a raw descriptor batch.
         state: ``"pending"``, ``"done"`` or ``"failed"``.
         error: the exception that failed the handle (a ``TransferError``), else ``None``.

@@ -8,6 +8,8 @@ Policy:
 * A submit copies synchronously and the handle is terminal when ``submit`` returns. Before copying it re-checks
   that the peer is still open and still has every destination range registered (a peer closed or deregistered
   after connect fails the handle, nothing copied).
+* The batch is copied chunk by chunk, one part per chunk of Note [Bounded batches]
+  (:mod:`umalloc.backends.descriptors`), so ``handle.num_parts`` is the same here as on the engines.
 * Copy strategy per group of descriptors sharing ``(nbytes, source region, destination region)``: when the group
   is large and both offsets are multiples of ``nbytes`` the copy is one numpy gather/scatter over
   ``(n, nbytes)`` row views; otherwise one ``ctypes.memmove`` per descriptor (coalesced runs are few and long).
@@ -22,8 +24,8 @@ import weakref
 
 import numpy as np
 
-from umalloc.backends.base import BackendBase
-from umalloc.backends.descriptors import locate_ranges
+from umalloc.backends.base import BackendBase, Chunk
+from umalloc.backends.descriptors import MAX_BATCH_BYTES, MAX_BATCH_DESCRIPTORS, locate_ranges
 from umalloc.backends.handle import TransferHandle
 from umalloc.backends.peers import PeerInfo
 from umalloc.errors import BackendError, RegistrationError, TransferError
@@ -47,6 +49,7 @@ class LocalBackend(BackendBase):
 
     Args:
         layout: this side's ``PeerLayout`` (see :class:`~umalloc.backends.base.BackendBase`).
+        max_batch_descriptors, max_batch_bytes: chunk caps (see :class:`~umalloc.backends.base.BackendBase`).
 
     >>> import torch
     >>> from umalloc.geometry.region import Region
@@ -62,9 +65,12 @@ class LocalBackend(BackendBase):
     """
 
     name = "local"
+    fences_peer_writes = True  # a sender's copy re-checks this side's registration and liveness every time
 
-    def __init__(self, *, layout: object | None = None, host: str = "127.0.0.1") -> None:
-        super().__init__(layout=layout, host=host)
+    def __init__(self, *, layout: object | None = None, host: str = "127.0.0.1",
+                 max_batch_descriptors: int = MAX_BATCH_DESCRIPTORS, max_batch_bytes: int = MAX_BATCH_BYTES) -> None:
+        super().__init__(layout=layout, host=host, max_batch_descriptors=max_batch_descriptors,
+                         max_batch_bytes=max_batch_bytes)
         _BY_PEER_ID[self._peer_id] = self
 
     def _check_region(self, region: Region) -> None:
@@ -89,18 +95,22 @@ class LocalBackend(BackendBase):
             raise BackendError(f"local backend: peer {peer_id} is closed")
         return peer_id
 
-    def _engine_post(self, h: TransferHandle, d: np.ndarray, peer: PeerInfo, src_idx: np.ndarray,
-                     dst_idx: np.ndarray, item_bytes: int | None) -> None:
-        h.num_parts = 1
+    def _engine_post(self, h: TransferHandle, chunks: list[Chunk], peer: PeerInfo, item_bytes: int | None) -> None:
         other = _BY_PEER_ID.get(peer.name)
         if other is None or other.closed:
             raise TransferError(f"local: peer {peer.name!r} was closed before the transfer")
-        # The peer's *current* registration decides, not what its metadata said at connect time.
-        cur = locate_ranges(d[:, 1], d[:, 2], other._reg.starts, other._reg.ends)
-        if (cur < 0).any():
-            row = int(np.flatnonzero(cur < 0)[0])
-            raise TransferError(f"local: destination row {row} is no longer registered by peer {peer.name!r}")
-        self._copy(d, src_idx, cur, self._reg.regions, other._reg.regions, other)
+        # The peer's *current* registration decides, not what its metadata said at connect time; every chunk is
+        # checked before the first byte is copied.
+        cur = [locate_ranges(d[:, 1], d[:, 2], other._reg.starts, other._reg.ends) for d, _, _ in chunks]
+        row = 0  # rows of the batch as posted (descriptors longer than max_batch_bytes count once per piece)
+        for (d, _, _), idx in zip(chunks, cur, strict=True):
+            if (idx < 0).any():
+                row += int(np.flatnonzero(idx < 0)[0])
+                raise TransferError(f"local: destination row {row} is no longer registered by peer {peer.name!r}")
+            row += d.shape[0]
+        for (d, src_idx, _), dst_idx in zip(chunks, cur, strict=True):
+            self._copy(d, src_idx, dst_idx, self._reg.regions, other._reg.regions, other)
+            h.num_parts += 1
         h.engine["done"] = True
 
     def _copy(self, d: np.ndarray, src_idx: np.ndarray, dst_idx: np.ndarray, src_regions: tuple[Region, ...],

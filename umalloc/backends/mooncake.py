@@ -8,8 +8,10 @@ Policy:
 * ``connect`` probes the peer (``send_probe``) and opens its segment once, so a dead peer is refused at connect
   and the first transfer does not pay the handshake; both are bounded by ``connect_timeout_s`` (a peer process
   that does not answer holds the engine's probe for about a minute).
-* Descriptors are posted in chunks of at most ``max_batch_descriptors`` (2048: the engine's default limit of
-  queued transfers per peer; a larger batch, or two batches in flight together, fails) — Note [Mooncake chunks].
+* Descriptors are posted in the chunks of Note [Bounded batches] (:mod:`umalloc.backends.descriptors`): at most
+  ``max_batch_descriptors`` (default 2048: the engine's default limit of queued transfers per peer; a larger
+  batch, or two batches in flight together, fails) and ``max_batch_bytes`` (default 1 GiB) each — Note
+  [Mooncake chunks].
 * Every descriptor is posted as its own transfer id (``transfer_submit_write``) and polled with
   ``transfer_check_status`` until the engine reports it ended (COMPLETED or FAILED, which free the id) and never
   after: a second query of a freed id is a use-after-free that crashed the process when tried.
@@ -79,9 +81,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import numpy as np
-
-from umalloc.backends.base import BackendBase
+from umalloc.backends.base import BackendBase, Chunk
+from umalloc.backends.descriptors import MAX_BATCH_BYTES, MAX_BATCH_DESCRIPTORS
 from umalloc.backends.handle import TransferHandle
 from umalloc.backends.peers import PeerInfo
 from umalloc.backends.protocol import plan_leases_gone
@@ -101,9 +102,6 @@ except (ImportError, OSError) as _e:  # pragma: no cover - depends on the instal
     raise BackendUnavailable(
         "mooncake backend needs mooncake-transfer-engine(-non-cuda) and the system libraries libibverbs1, "
         f"libnl-3-200, libnl-route-3-200: {_e}") from _e
-
-#: Default chunk size (descriptors in flight per peer), Note [Mooncake chunks].
-MAX_BATCH_DESCRIPTORS = 2048
 
 #: Sleep between status rounds of a chunk: doubles from 50 us up to ``POLL_NAP_SHARE`` of the time the chunk has
 #: been in flight, at least ``POLL_MIN_CAP_S`` and at most ``POLL_MAX_NAP_S`` (Note [Mooncake status without
@@ -273,31 +271,32 @@ class MooncakeBackend(BackendBase):
         layout: this side's ``PeerLayout`` (see :class:`~umalloc.backends.base.BackendBase`).
         host: address the engine binds to (``127.0.0.1``).
         protocol: ``"tcp"`` (CPU machines) or ``"rdma"``.
-        max_batch_descriptors: chunk size (1..2048 unless the engine's per-peer limits were raised through
-            ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` before the engine started).
+        max_batch_descriptors: most descriptors per chunk (1..2048 unless the engine's per-peer limits were raised
+            through ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` before the engine started).
+        max_batch_bytes: most bytes per chunk (default 1 GiB; Note [Bounded batches] in
+            :mod:`umalloc.backends.descriptors`).
         close_timeout_s: how long :meth:`close` / ``reset`` wait, in all, for the engine to finish the chunks it
             is working on (Note [Mooncake deadlines]); ``disconnect`` never waits for them.
         connect_timeout_s: bound on :meth:`connect`'s probe and handshake with the peer (the engine's own probe
             of a peer process that does not answer blocks for about a minute).
 
     Raises:
-        UmallocValueError: a bad ``max_batch_descriptors`` or timeout.
+        UmallocValueError: a bad ``max_batch_descriptors``, ``max_batch_bytes`` or timeout (before the engine
+            starts).
         BackendUnavailable: the engine does not initialise.
     """
 
     name = "mooncake"
+    fences_peer_writes = True  # the receiving engine serves writes into its registered buffers only (observed)
 
     def __init__(self, *, layout: object | None = None, host: str = "127.0.0.1", protocol: str = "tcp",
-                 max_batch_descriptors: int = MAX_BATCH_DESCRIPTORS, close_timeout_s: float = 5.0,
-                 connect_timeout_s: float = 10.0) -> None:
-        if isinstance(max_batch_descriptors, bool) or not isinstance(max_batch_descriptors, int) or \
-                max_batch_descriptors < 1:
-            raise UmallocValueError(f"max_batch_descriptors={max_batch_descriptors!r}: allowed an int >= 1")
+                 max_batch_descriptors: int = MAX_BATCH_DESCRIPTORS, max_batch_bytes: int = MAX_BATCH_BYTES,
+                 close_timeout_s: float = 5.0, connect_timeout_s: float = 10.0) -> None:
         for what, v in (("close_timeout_s", close_timeout_s), ("connect_timeout_s", connect_timeout_s)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v > 0 and math.isfinite(v)):
                 raise UmallocValueError(f"{what}={v!r}: allowed a positive finite number of seconds")
-        super().__init__(layout=layout, host=host)
-        self.max_batch_descriptors = max_batch_descriptors
+        super().__init__(layout=layout, host=host, max_batch_descriptors=max_batch_descriptors,
+                         max_batch_bytes=max_batch_bytes)
         self.close_timeout_s = float(close_timeout_s)
         self.connect_timeout_s = float(connect_timeout_s)
         self._engine = _mc_engine.TransferEngine()
@@ -413,21 +412,17 @@ class MooncakeBackend(BackendBase):
             self._retired[peer.name] = sender.thread
 
     # ---- transfers -------------------------------------------------------------------------------------
-    def _engine_post(self, h: TransferHandle, d: np.ndarray, peer: PeerInfo, src_idx: np.ndarray,
-                     dst_idx: np.ndarray, item_bytes: int | None) -> None:
+    def _engine_post(self, h: TransferHandle, chunks: list[Chunk], peer: PeerInfo, item_bytes: int | None) -> None:
+        """Queue every chunk on the peer's sender, in order (Note [Mooncake chunks]); one part per chunk."""
         sender = self._senders.get(peer.name)
         if sender is None or not sender.thread.is_alive():
             raise TransferError(f"mooncake: no sender for peer {peer.name!r}")
-        n = d.shape[0]
-        step = self.max_batch_descriptors
-        chunks = [(i, min(i + step, n)) for i in range(0, n, step)]
         state = {"lock": threading.Lock(), "results": [None] * len(chunks), "cancelled": False, "failed": False,
                  "plan": h.plan, "hold": h.engine.get("hold")}
         h.engine["state"] = state
         h.num_parts = len(chunks)
-        src, dst, lengths = d[:, 0].tolist(), d[:, 1].tolist(), d[:, 2].tolist()
-        for k, (a, b) in enumerate(chunks):
-            sender.jobs.put((state, k, src[a:b], dst[a:b], lengths[a:b]))
+        for k, (c, _, _) in enumerate(chunks):
+            sender.jobs.put((state, k, c[:, 0].tolist(), c[:, 1].tolist(), c[:, 2].tolist()))
 
     def _engine_poll(self, h: TransferHandle) -> tuple[int, BaseException | None]:
         state = h.engine.get("state")

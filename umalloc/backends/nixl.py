@@ -10,7 +10,8 @@ Policy:
   :meth:`progress` (``needs_progress`` is True; the worker harness in :mod:`umalloc.backends._worker` does it).
 * ``UCX_NET_DEVICES`` defaults to ``lo`` (loopback) before the first agent starts, and then ``UCX_MODULES`` to
   ``^ib,rdmacm`` (Note [UCX modules on loopback]); both are left alone when already set.
-* Posting: one request per (source kind/device, destination kind/device) group, usually one. Two ways, chosen
+* Posting: one request per chunk of Note [Bounded batches] (:mod:`umalloc.backends.descriptors`) and (source
+  kind/device, destination kind/device) group, usually one group. Two ways, chosen per request
   by ``mode``: ``"oneshot"`` builds transfer lists from the descriptors (``initialize_xfer``); ``"prepped"``
   prepares per-page lists of both regions once per ``(peer, regions, item_bytes)`` (``prep_xfer_dlist``) and
   posts page indices (``make_prepped_xfer``); NIXL merges index runs that are contiguous on both sides.
@@ -84,7 +85,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from umalloc.backends.base import BackendBase
+from umalloc.backends.base import BackendBase, Chunk
+from umalloc.backends.descriptors import MAX_BATCH_BYTES, MAX_BATCH_DESCRIPTORS
 from umalloc.backends.handle import TransferHandle
 from umalloc.backends.peers import PeerInfo
 from umalloc.errors import (
@@ -130,8 +132,12 @@ class NixlBackend(BackendBase):
         layout: this side's ``PeerLayout`` (see :class:`~umalloc.backends.base.BackendBase`).
         mode: ``"auto"``, ``"oneshot"`` or ``"prepped"`` (Note [NIXL post mode]).
         agent_name: NIXL agent name (default ``umalloc-<peer id>``; must be unique among connected agents).
+        connect_timeout_s: bound on :meth:`connect`'s handshake (seconds).
+        max_batch_descriptors, max_batch_bytes: most descriptors and bytes per request (defaults 2048 and 1 GiB;
+            Note [Bounded batches] in :mod:`umalloc.backends.descriptors`).
 
     Raises:
+        UmallocValueError: a bad ``mode`` or batch cap (before the agent starts).
         BackendUnavailable: no UCX plugin, or the agent cannot start.
     """
 
@@ -139,10 +145,12 @@ class NixlBackend(BackendBase):
     needs_progress = True
 
     def __init__(self, *, layout: object | None = None, host: str = "127.0.0.1", mode: str = "auto",
-                 agent_name: str | None = None, connect_timeout_s: float = 10.0) -> None:
+                 agent_name: str | None = None, connect_timeout_s: float = 10.0,
+                 max_batch_descriptors: int = MAX_BATCH_DESCRIPTORS, max_batch_bytes: int = MAX_BATCH_BYTES) -> None:
         if mode not in MODES:
             raise UmallocValueError(f"mode={mode!r}: allowed one of {MODES}")
-        super().__init__(layout=layout, host=host)
+        super().__init__(layout=layout, host=host, max_batch_descriptors=max_batch_descriptors,
+                         max_batch_bytes=max_batch_bytes)
         self.mode = mode
         self.connect_timeout_s = float(connect_timeout_s)
         self.agent_name = agent_name or f"umalloc-{self._peer_id[:16]}"
@@ -313,13 +321,20 @@ class NixlBackend(BackendBase):
         within = np.arange(total, dtype=np.int64) - np.repeat(run_start, counts)
         return (np.repeat(first.astype(np.int64), counts) + within).astype(np.int32)
 
-    def _engine_post(self, h: TransferHandle, d: np.ndarray, peer: PeerInfo, src_idx: np.ndarray,
-                     dst_idx: np.ndarray, item_bytes: int | None) -> None:
+    def _engine_post(self, h: TransferHandle, chunks: list[Chunk], peer: PeerInfo, item_bytes: int | None) -> None:
+        """One request per chunk and memory-kind group, in order; each request one part of ``h``."""
         parts: list[dict] = []
         h.engine["parts"] = parts
         self._engine_progress()
         if self._peer_closed(peer.name):
             raise TransferError(f"nixl: peer {peer.name!r} closed before the transfer")
+        for d, src_idx, dst_idx in chunks:
+            self._post_chunk(h, parts, d, src_idx, dst_idx, peer, item_bytes)
+
+    def _post_chunk(self, h: TransferHandle, parts: list[dict], d: np.ndarray, src_idx: np.ndarray,
+                    dst_idx: np.ndarray, peer: PeerInfo, item_bytes: int | None) -> None:
+        """Post one chunk: one request per (source kind/device, destination kind/device) group, appended to
+        ``parts``; prepared lists where Note [NIXL post mode] says so."""
         src_regions = self._reg.regions
         if (src_idx == src_idx[0]).all() and (dst_idx == dst_idx[0]).all():
             batches: list[np.ndarray | None] = [None]

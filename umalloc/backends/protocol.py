@@ -1,16 +1,19 @@
-"""What a transfer backend is, and what it needs of a plan: :class:`TransferBackend`, :class:`PlanLike`,
-:class:`LeaseLike`, and the plan checks every backend runs before it posts anything.
+"""What a transfer backend is, and what it needs of a plan: :class:`TransferBackend`, the engine holds on a
+plan's leases, and the plan checks every backend runs before it posts anything.
 
 Policy:
 
 * Interfaces are ``typing.Protocol`` s; ``tests/test_backends.py`` asserts every implementation conforms.
-* Backends know plans and regions, not allocators: a plan is anything with the :class:`PlanLike` members
-  (a :class:`umalloc.transfer.plan.TransferPlan` has them). :func:`check_plan` refuses, with a typed error and
+* Backends know plans and regions, not allocators: a plan is anything with the
+  :class:`~umalloc.transfer.plan.PlanLike` members (declared once, with the plans it describes, in
+  :mod:`umalloc.transfer.plan`, which this layer may import; re-exported here), and its leases have the
+  :class:`~umalloc.transfer.plan.LeaseLike` members. :func:`check_plan` refuses, with a typed error and
   before anything is copied or posted, an object without them, a plan that is not pending, and a plan whose
   leases no longer protect its pages (F11).
-* Optional plan members, read when present: ``dst_layout`` (the peer layout the plan was built for; compared
-  with the peer's layout checked at connect, never re-checked) and ``vectors`` (their region groups' page sizes
-  give the ``item_bytes`` hint of :func:`plan_item_bytes`).
+* :func:`check_plan` requires only ``state``, ``descriptors()`` and the endings; the other plan members are
+  read when present: ``dst_layout`` (the peer layout the plan was built for; compared with the peer's layout
+  checked at connect, never re-checked) and ``vectors`` (their region groups' page sizes give the
+  ``item_bytes`` hint of :func:`plan_item_bytes`).
 """
 
 from __future__ import annotations
@@ -23,54 +26,10 @@ import numpy as np
 
 from umalloc.backends.handle import TransferHandle
 from umalloc.errors import LeaseError, UmallocValueError
+from umalloc.transfer.plan import LeaseLike, PlanLike
 
 if TYPE_CHECKING:
     from umalloc.geometry.region import Region
-
-
-class LeaseLike(Protocol):
-    """What a backend reads of a plan's lease (engine threads read it too, before posting a queued part)."""
-
-    @property
-    def active(self) -> bool: ...
-
-    @property
-    def state(self) -> str: ...
-
-    @property
-    def expired(self) -> bool: ...
-
-
-@runtime_checkable
-class PlanLike(Protocol):
-    """What a backend needs of a plan.
-
-    Attributes:
-        state: ``"pending"`` while it may be posted (anything else: ended).
-        src_lease, dst_lease: the leases protecting its pages on each side (``None``: held elsewhere).
-
-    Methods:
-        descriptors(): ``(N, 3)`` ``uint64`` ``(src_addr, dst_addr, nbytes)``, validated when the plan was built
-            (shape, dtype, ``nbytes > 0``, inside the layouts' regions and leased pages); a backend checks only
-            that the ranges are registered now. Used by ``submit`` only.
-        complete(), fail(exc), abort(): end the plan and release its leases, idempotently (the first call wins).
-    """
-
-    state: str
-
-    @property
-    def src_lease(self) -> LeaseLike | None: ...
-
-    @property
-    def dst_lease(self) -> LeaseLike | None: ...
-
-    def descriptors(self) -> np.ndarray: ...
-
-    def complete(self) -> bool: ...
-
-    def fail(self, exc: BaseException | None = None) -> bool: ...
-
-    def abort(self) -> bool: ...
 
 
 @runtime_checkable
@@ -79,7 +38,8 @@ class TransferBackend(Protocol):
 
     Lifecycle: ``register`` the arena regions, exchange ``metadata()`` out of band, ``connect`` to the peer's
     metadata, then ``submit`` plans (or ``write_descriptors`` batches) and ``poll`` / ``wait`` / ``release``
-    their handles (``drain`` a failed one whose engine parts may still move bytes); ``close`` ends everything.
+    their handles (``drain`` a failed one whose engine parts may still move bytes); a receiver publishes its
+    halves with ``publish_half``; ``close`` ends everything (and settles the halves still held).
     All methods are called from one thread.
     """
 
@@ -97,6 +57,7 @@ class TransferBackend(Protocol):
     def wait(self, handle: TransferHandle, timeout_s: float) -> None: ...
     def drain(self, handle: TransferHandle, timeout_s: float) -> bool: ...
     def release(self, handle: TransferHandle) -> None: ...
+    def publish_half(self, half: Any) -> dict: ...
     def progress(self) -> None: ...
     def stats(self) -> dict[str, int]: ...
     def check_invariants(self) -> None: ...
@@ -206,3 +167,7 @@ def plan_item_bytes(plan: object) -> int | None:
             for m in getattr(group, "members", ()):
                 sizes.add(int(m.item_bytes))
     return sizes.pop() if len(sizes) == 1 else None
+
+
+__all__ = ["EngineHold", "LeaseLike", "PlanLike", "TransferBackend", "check_plan", "plan_item_bytes",
+           "plan_leases_gone"]

@@ -99,6 +99,7 @@ from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType, TracebackType
 
 import numpy as np
+from numba import njit
 
 from umalloc.errors import InvariantError, LeaseError, StaleLeaseError
 
@@ -143,16 +144,53 @@ def _as_page_array(end: str, pages: object, lo: int, hi: int) -> np.ndarray:
         raise LeaseError(f"pages[{end!r}] has shape {arr.shape}: allowed a 1-D array of physical pages")
     if arr.dtype.kind not in "iu":
         raise LeaseError(f"pages[{end!r}] dtype {arr.dtype}: allowed an integer dtype (int64)")
-    arr = arr.astype(np.int64, copy=False)
-    if arr.size:
-        pmin, pmax = int(arr.min()), int(arr.max())
-        if pmin < lo or pmax >= hi:
-            bad = pmin if pmin < lo else pmax
-            raise LeaseError(f"physical page {bad} of end {end!r}: allowed [{lo}, {hi - 1}]")
-    # plans pass pages already sorted and unique: an O(n) check and a copy instead of np.unique's sort
-    out = np.array(arr) if arr.size < 2 or bool((arr[1:] > arr[:-1]).all()) else np.unique(arr)
+    arr = np.ascontiguousarray(arr, dtype=np.int64)
+    bad, ascending = _scan_pages(arr, lo, hi)
+    if bad >= 0:
+        raise LeaseError(f"physical page {int(arr[bad])} of end {end!r}: allowed [{lo}, {hi - 1}]")
+    # plans pass pages already sorted and unique: one compiled pass and a copy instead of np.unique's sort
+    out = np.array(arr) if ascending else np.unique(arr)
     out.setflags(write=False)
     return out
+
+
+@njit(cache=True, nogil=True)
+def _scan_pages(arr: np.ndarray, lo: int, hi: int) -> tuple[int, bool]:
+    """One pass over a page list: ``(index of the first page outside [lo, hi) or -1, strictly ascending)``."""
+    asc = True
+    for i in range(arr.shape[0]):
+        p = arr[i]
+        if p < lo or p >= hi:
+            return i, asc
+        if i and p <= arr[i - 1]:
+            asc = False
+    return -1, asc
+
+
+@njit(cache=True, nogil=True)
+def _pin_add(pins: np.ndarray, pages: np.ndarray) -> int:
+    """Add one pin to each of ``pages`` (unique); returns how many were unpinned before."""
+    fresh = 0
+    for i in range(pages.shape[0]):
+        p = pages[i]
+        if pins[p] == 0:
+            fresh += 1
+        pins[p] += 1
+    return fresh
+
+
+@njit(cache=True, nogil=True)
+def _pin_drop(pins: np.ndarray, pages: np.ndarray, freed: np.ndarray) -> int:
+    """Drop one pin from each of ``pages`` (unique); the pages whose count reached zero go to ``freed`` (in
+    order); returns their count."""
+    n = 0
+    for i in range(pages.shape[0]):
+        p = pages[i]
+        pins[p] -= 1
+        if pins[p] == 0:
+            freed[n] = p
+            n += 1
+    return n
 
 
 class Lease:
@@ -528,9 +566,7 @@ class LeaseTable:
             lease = Lease(self, next(self._ids), next(_GENERATIONS), checked, deadline, tag)
             for end, arr in checked.items():
                 if arr.size:
-                    pins = self._pins[end]
-                    self._pinned_pages[end] += int(np.count_nonzero(pins[arr] == 0))
-                    pins[arr] += 1  # arr is unique, so plain fancy-index add is exact
+                    self._pinned_pages[end] += _pin_add(self._pins[end], arr)  # arr is unique
             self._active[lease.id] = lease
             self._work[lease.id] = lease
             if deadline is not None:
@@ -542,12 +578,11 @@ class LeaseTable:
     def _unpin(self, lease: Lease, into: dict[str, list[np.ndarray]]) -> None:
         for end, arr in lease.pages.items():
             if arr.size:
-                pins = self._pins[end]
-                pins[arr] -= 1
-                freed = arr[pins[arr] == 0]
-                if freed.size:
-                    self._pinned_pages[end] -= int(freed.size)
-                    into.setdefault(end, []).append(freed)
+                freed = np.empty_like(arr)
+                n = _pin_drop(self._pins[end], arr, freed)
+                if n:
+                    self._pinned_pages[end] -= n
+                    into.setdefault(end, []).append(freed[:n])
 
     def _notify(self, unpinned: dict[str, list[np.ndarray]]) -> None:
         """Report unpinned pages: at once on the owner thread, else queued for :meth:`drain` (lock held)."""

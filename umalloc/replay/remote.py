@@ -8,17 +8,20 @@ Policy:
   (rebuilt from the preset name, page size, draft flag, arena bytes and seed, so both processes compute the same
   bytes); the parent owns the decode arena and the receiving backend.
 * Per request (a real PD split, F13: only physical ids cross the process boundary): the parent preallocates on
-  decode and builds the receiver half (:func:`umalloc.transfer.plan.build_receiver_half`, which leases decode's pages);
-  the child allocates, fills, builds the send plan from the half (:func:`umalloc.transfer.plan.build_send_plan`, which
-  leases prefill's pages) and posts the WRITE without waiting. The parent then runs its decode step while the
+  decode and builds the receiver half (:func:`umalloc.transfer.plan.build_receiver_half`, which leases decode's
+  pages) and publishes it through the receiving backend (``publish_half``: the lease takes an engine hold, so
+  its deadline never frees pages the child may still write, F24); the child allocates, fills, builds the send
+  plan from the half (:func:`umalloc.transfer.plan.build_send_plan`, which leases prefill's pages) and posts the
+  WRITE without waiting. The parent then runs its decode step while the
   transfer is in flight, and later asks the child to wait for the step's transfers (one call); the child ends
   their plans (source leases), then frees their pages, and the parent completes the halves (destination
   leases) and verifies every page.
 * Every call is bounded (``transfer_timeout_s``, twice that for the wait-and-drain of ``child_finish``, plus a
-  margin); a failed transfer fails the half (its lease ends) and raises — except while bytes may still land in
-  the half (the child's drain gave up, or the child did not answer): then the half stays leased until its lease
-  deadline reclaims it (:func:`settle_failed_half`). The parent progresses its own backend while it waits for
-  the child (a NIXL target).
+  margin); a failed transfer settles the half on the child's report (its lease ends) and raises — except while
+  bytes may still land in the half (the child's drain gave up, or the child did not answer): then the half stays
+  held (in doubt once its deadline passes) until the child is confirmed gone, which :meth:`RemotePrefill.close`
+  waits for before it settles every half kept so (:func:`settle_failed_half`). The parent progresses its own
+  backend while it waits for the child (a NIXL target).
 * Time: each call is measured in the parent as ``transfer``; the child reports its own split (allocator, fill,
   translate+plan) which is moved to those phases, so the report's split means the same for every backend.
 """
@@ -182,19 +185,21 @@ def child_check(ctx) -> dict:
 def settle_failed_half(half: object, exc: BaseException) -> bool:
     """End the receiver ``half`` of a transfer that failed with ``exc`` — unless bytes may still land in its pages.
 
-    The half is kept pending (leased: its lease deadline, F12, is the backstop) when the child said its engine
-    still holds a part of the transfer (``exc.draining``, set by :func:`child_finish` when its bounded drain gave
-    up) or when the child did not answer in time (:class:`~umalloc.backends._worker.WorkerTimeout`: it may still be
-    sending). Otherwise (a transfer that ended, a dead child) it is failed, which releases its lease.
+    The half is kept pending (held: a published half's lease goes in doubt at its deadline, never free, F24) when
+    the child said its engine still holds a part of the transfer (``exc.draining``, set by :func:`child_finish`
+    when its bounded drain gave up) or when the child did not answer in time
+    (:class:`~umalloc.backends._worker.WorkerTimeout`: it may still be sending). Otherwise (the child's report of
+    a transfer that ended, or the child process ended) the end is confirmed: the half settles
+    (:meth:`~umalloc.transfer.plan.ReceiverHalf.settle`: failed with ``exc``, its lease released).
 
     Returns:
-        True if the half was failed, False if it was kept pending.
+        True if the half was settled, False if it was kept pending.
     """
     from umalloc.backends._worker import WorkerTimeout
 
     if getattr(exc, "draining", False) or isinstance(exc, WorkerTimeout):
         return False
-    half.fail(exc)
+    half.settle(exc)
     return True
 
 
@@ -226,6 +231,7 @@ class RemotePrefill:
         self.timeout_s = transfer_timeout_s
         self.deadline_s = lease_deadline_s
         self.dst_layout = PeerLayout.from_arena(decode.arena)
+        self.kept_halves: list = []  # halves the child may still write: settled once it is confirmed gone
         with sigint_ignored():  # the child inherits SIGINT ignored: Ctrl-C is the parent's (umalloc.replay.signals)
             self.worker = BackendWorker(backend)
         self.b = None
@@ -258,21 +264,21 @@ class RemotePrefill:
         self._stats = res["stats"]
 
     def start(self, rs: RequestState, dst_vtokens: torch.Tensor) -> object | None:
-        """Receiver half (decode lease) here, then the child's prefill + send plan + post. ``None`` if the child's
-        arena is short (the half is aborted, nothing changed)."""
+        """Receiver half (decode lease, published to the child) here, then the child's prefill + send plan + post.
+        ``None`` if the child's arena is short (it posted nothing: the half settles, nothing changed)."""
         with self.timer.phase("translate_plan"):
             half = build_receiver_half(str(rs.rid), self.decode, dst_vtokens, layout=self.dst_layout,
                                        deadline_s=self.deadline_s)
         try:
             with self.timer.phase("transfer"):
-                res = self._call("child_start", rs.rid, rs.req.input_tokens, half.to_dict(), self.peer,
-                                 self.deadline_s)
+                wire = self.b.publish_half(half)  # type: ignore[union-attr]
+                res = self._call("child_start", rs.rid, rs.req.input_tokens, wire, self.peer, self.deadline_s)
         except BaseException as exc:
-            settle_failed_half(half, exc)  # a child that did not answer may have posted: keep the half then
+            self._settle_or_keep(half, exc)  # a child that did not answer may have posted: keep the half then
             raise
         self._account(res)
         if res["short"]:
-            half.abort()
+            half.settle()
             return None
         self.bytes_filled += res["filled"]
         held = res["leases_at_post"] + self.decode.leases_active()
@@ -283,7 +289,7 @@ class RemotePrefill:
     def finish_all(self, tickets: list) -> list[PlanFigures]:
         """Wait (in the child) for every transfer of ``tickets``, end both sides' leases, free the prompts (every
         wait before any free: Note [Finishing a step's transfers]); the plans' figures, in order. On a failure
-        every receiver half is settled (:func:`settle_failed_half`: kept leased while bytes may still land)."""
+        every receiver half is settled (:func:`settle_failed_half`: kept held while bytes may still land)."""
         if not tickets:
             return []
         halves = [half for half, _rid in tickets]
@@ -295,13 +301,17 @@ class RemotePrefill:
                                  transfer_s=2 * self.timeout_s * len(tickets))
         except BaseException as exc:
             for half in halves:
-                settle_failed_half(half, exc)
+                self._settle_or_keep(half, exc)
             raise
         for half in halves:
             half.complete()
         self._account(res)
         return [PlanFigures(f["bytes_total"], f["bytes_by_vector"], f["descriptors"], f["runs"],
                             f["per_layer_per_page"]) for f in res["plans"]]
+
+    def _settle_or_keep(self, half: object, exc: BaseException) -> None:
+        if not settle_failed_half(half, exc):
+            self.kept_halves.append(half)
 
     # ---- observers ---------------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -320,9 +330,16 @@ class RemotePrefill:
         self.b.check_invariants()  # type: ignore[union-attr]
 
     def close(self) -> None:
-        """End the child and close the receiving backend (idempotent)."""
+        """End the child, settle every half it might still have written once it is confirmed gone (its engine
+        can write no more), and close the receiving backend (idempotent)."""
         try:
             self.worker.close()
+            if not self.worker.alive():
+                from umalloc.backends._worker import WorkerDied
+
+                kept, self.kept_halves = self.kept_halves, []
+                for half in kept:
+                    half.settle(WorkerDied(f"prefill child (pid {self.worker.pid}) ended"))
         finally:
             if self.b is not None:
                 self.b.close()

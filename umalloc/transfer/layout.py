@@ -259,7 +259,12 @@ class PeerLayout:
         return {}
 
     def vector_names(self) -> dict[str, str]:
-        """``{vector name: end name}`` in plan order (target, draft, swa_tail, state; ends in spec order)."""
+        """``{vector name: end name}`` in plan order (target, draft, swa_tail, state; ends in spec order). A new
+        dict each call, computed once per layout."""
+        return dict(self._vector_names)
+
+    @cached_property
+    def _vector_names(self) -> dict[str, str]:
         out: dict[str, str] = {}
         for role in _ROLE_ORDER:
             for e in self.spec.ends_with_role(role):

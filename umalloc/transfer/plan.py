@@ -194,13 +194,18 @@ class IndexVector:
 
 
 class LeaseLike(Protocol):
-    """What a plan needs of a lease (:class:`umalloc.core.leases.Lease` is one)."""
+    """What a plan, and a backend posting it, need of a lease (:class:`umalloc.core.leases.Lease` is one):
+    ``active``, ``state`` and ``expired`` (past its deadline) are read — by engine threads too, before a queued
+    part is posted — and ``release()`` ends it."""
 
     @property
     def active(self) -> bool: ...
 
     @property
     def state(self) -> str: ...
+
+    @property
+    def expired(self) -> bool: ...
 
     def release(self) -> bool: ...
 
@@ -642,19 +647,18 @@ class ReceiverHalf(_LeaseHolder):
     def complete(self) -> bool:
         """The sender reported the transfer done (its plan ended): mark done and release the lease (also one
         that went in doubt meanwhile). Returns False if the half had already ended (its lease is still let go
-        of if it was in doubt). O(leased pages)."""
-        ended = self._finish(PLAN_DONE)
+        of if it was in doubt). The publication hold is let go first, so a normal completion never passes
+        through in doubt. O(leased pages)."""
         self._let_go()
-        return ended
+        return self._finish(PLAN_DONE)
 
     def settle(self, exc: BaseException | None = None) -> bool:
         """A confirmed end of everything the peer was sent: the sender's terminal report of a failed transfer,
         the sender process confirmed gone, or this side's backend closed/reset after the engine released its
         registrations. Fails the half if still pending (``exc``), then lets go of the publication hold, so an
         in-doubt lease settles. Returns True if the half was still pending. Any thread. O(leased pages)."""
-        ended = self._finish(PLAN_FAILED, exc)
         self._let_go()
-        return ended
+        return self._finish(PLAN_FAILED, exc)
 
     @property
     def lease(self) -> LeaseLike | None:
@@ -715,7 +719,7 @@ PlanHalf = ReceiverHalf
 @runtime_checkable
 class PlanLike(Protocol):
     """What the transfer backends use of a plan (:class:`TransferPlan` implements it; backends accept any
-    object that does).
+    object that does). Declared once, here; :mod:`umalloc.backends.protocol` re-exports it.
 
     Members:
         state: ``"pending"`` | ``"done"`` | ``"failed"`` | ``"aborted"``; only a pending plan may be posted.

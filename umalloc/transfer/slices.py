@@ -158,7 +158,8 @@ def sends_to(src_layout: PeerLayout, dst_layout: PeerLayout) -> bool:
 
 
 def slice_descriptors(src_tok: np.ndarray, dst_tok: np.ndarray, pieces: Pieces, src_layout: PeerLayout,
-                      src_end: str, dst_layout: PeerLayout, dst_end: str) -> tuple[np.ndarray, int]:
+                      src_end: str, dst_layout: PeerLayout, dst_end: str, *, merge: bool = True
+                      ) -> tuple[np.ndarray, int]:
     """Merged descriptors of token pairs through a piece table.
 
     Args:
@@ -166,6 +167,8 @@ def slice_descriptors(src_tok: np.ndarray, dst_tok: np.ndarray, pieces: Pieces, 
             size, non-negative and inside each end's pages (checked by the caller before this arithmetic).
         pieces: :func:`pair_pieces` of the two ends.
         src_layout, src_end, dst_layout, dst_end: the two sides (base addresses, page sizes and bytes).
+        merge: ``False`` returns the ``n * J`` unmerged runs (token-major), the per-token slice design a
+            benchmark compares against.
 
     Returns:
         ``(descriptors, unmerged)``: read-only uint64 ``(N, 3)`` ``(src_addr, dst_addr, nbytes)`` sorted by source
@@ -190,6 +193,10 @@ def slice_descriptors(src_tok: np.ndarray, dst_tok: np.ndarray, pieces: Pieces, 
         + d_row * pieces.dst_stride.astype(np.uint64)[None, :]
     s_addr, d_addr = s_addr.reshape(-1), d_addr.reshape(-1)
     nbytes = np.broadcast_to(pieces.nbytes.astype(np.uint64)[None, :], (n, j)).reshape(-1)
+    if not merge:
+        out = np.stack([s_addr, d_addr, nbytes], axis=1)
+        out.setflags(write=False)
+        return out, n * j
     order = np.argsort(s_addr, kind="stable")
     s_addr, d_addr, nbytes = s_addr[order], d_addr[order], nbytes[order]
     start = np.ones(s_addr.shape[0], dtype=bool)

@@ -289,11 +289,13 @@ _OUT_C = types.Array(types.int64, 1, "C")
 _UNFIT = -1
 
 
-@njit((_IDS_C, _IDS_C, types.int64, types.int64, types.boolean, _OUT_C), cache=True, nogil=True)
-def _v2p_serial(ids, tab, ps, id_max, strict, out):
-    """Check every id, then (only if nothing was counted) translate into ``out``. Returns 0, an error code
-    (1: an id outside, 2: a tombstone when strict, 3: an entry above the largest that fits ``id_max``) or
-    :data:`_UNFIT`."""
+@njit(cache=True, nogil=True)
+def v2p_run(ids, tab, ps, id_max, strict, out):
+    """The one serial translation loop, for any 1-D int64 ``ids``, ``tab`` and ``out`` array types (numba
+    code only; :func:`_v2p_serial` is its typed entry, the allocator's direct entry calls it on views of
+    validated buffers). Checks every id, then (only if nothing was counted) translates into ``out``. Returns
+    0, an error code (1: an id outside, 2: a tombstone when strict, 3: an entry above the largest that fits
+    ``id_max``) or :data:`_UNFIT`; ``out`` is untouched unless 0. O(n)."""
     n = ids.shape[0]
     nv = tab.shape[0]
     if out.shape[0] != n or ps < 1 or nv < 1 or ps > id_max // nv:
@@ -307,6 +309,12 @@ def _v2p_serial(ids, tab, ps, id_max, strict, out):
         if moved:
             out[:] = dst
     return code
+
+
+@njit((_IDS_C, _IDS_C, types.int64, types.int64, types.boolean, _OUT_C), cache=True, nogil=True)
+def _v2p_serial(ids, tab, ps, id_max, strict, out):
+    """:func:`v2p_run` for exactly the typed arguments above (numba's dispatcher checks them)."""
+    return v2p_run(ids, tab, ps, id_max, strict, out)
 
 
 _v2p_serial.disable_compile()

@@ -1,13 +1,13 @@
-"""Kernel entry points (numba): allocation, extend/decode, free/release, bind; their compiled entries.
+"""Kernel entry points (numba): allocation, extend/decode, free/release, bind, translation; their compiled entries.
 
 Each ``_k_*`` kernel takes the heap root address (Note [Heap root] in :mod:`umalloc.core.kernels.raw`), validates
 its whole batch first and writes nothing on misuse (the error record, :mod:`umalloc.core.kernels.codes`).
 
 Note [Direct entry]
 ~~~~~~~~~~~~~~~~~~~
-The page-level hot path and the token-level calls on validated torch tensors (passed by address) call the
-compiled entry point of a kernel for one fixed signature (ints, bools, and 1-D int64 numpy arrays of any
-layout) instead of the numba dispatcher, which spends 150-250 ns per call typing the arguments and picking the
+The page-level hot path and the token-level calls (translation too) on validated torch tensors (passed by
+address) call the compiled entry point of a kernel for one fixed signature (ints, bools, and 1-D int64 numpy
+arrays of any layout) instead of the numba dispatcher, which spends 150-250 ns per call typing the arguments and picking the
 overload. The entry point does not check types: the caller has already checked the dtype and ndim of every
 array it passes (layout ``A`` indexes by the array's own strides, so any 1-D array is read correctly). In debug
 mode (``UMALLOC_DEBUG=1`` when the allocator is built) :func:`hot_entries` returns :class:`CheckedEntries`,
@@ -66,6 +66,7 @@ from umalloc.core.kernels.layout import (
 from umalloc.core.kernels.placement import _mint_bind, _page_scratch, _plan_k, _plan_scratch, _take, _unbind
 from umalloc.core.kernels.raw import _heaps, _ids_view, _pins_of, _view, check_lent, forget_lent
 from umalloc.errors import InvalidIdError
+from umalloc.translators.cpu import v2p_run
 
 
 @njit(cache=True, inline="always", error_model="numpy")
@@ -403,6 +404,18 @@ def _k_bind(root, b, mask, toks_a, n_tok):
     return n
 
 
+@njit(cache=True, error_model="numpy")
+def _k_translate(root, e, ids_a, n, ps, strict, out_a):
+    """Translate ``n`` int64 ids at ``ids_a`` (virtual tokens for ``ps`` = the end's page size, virtual pages
+    for ``ps`` = 1) on end ``e``'s host v2p master into ``n`` int64s at ``out_a``, with the translators' one loop
+    (:func:`umalloc.translators.cpu.v2p_run`; its return code, ``out`` untouched unless 0). Writes no heap
+    state. O(n)."""
+    meta, h64, _ = _heaps(root)
+    off = meta[e, _VOFF]
+    tab = h64[off: off + meta[meta[e, _OWNER], _NV]]
+    return v2p_run(_view(ids_a, n), tab, ps, np.iinfo(np.int64).max, strict, _view(out_a, n))
+
+
 class Entries:
     """Compiled entry points of the hot kernels for the exact argument types the hot paths pass (Note [Direct
     entry]). Attribute names: ``free``/``release``/``alloc_pages`` take numpy id arrays, ``*_addr``,
@@ -418,6 +431,7 @@ class Entries:
         self.extend = _k_extend.compile((i,) * 9)
         self.free_addr = _k_free.compile((i, i, i, i, b, i, i))
         self.release_addr = _k_release.compile((i, i, i, i, b, b, i, i))
+        self.translate_addr = _k_translate.compile((i, i, i, i, i, b, i))
 
 
 # Per entry: the role of each argument, for CheckedEntries. "root": a live heap root; "end": an end index;
@@ -431,6 +445,7 @@ _ROLES: dict[str, tuple[Any, ...]] = {
     "extend": ("root", "end", "int", ("addr", 6), ("addr", 6), ("addr", 6), "int", ("addr", 8), "int"),
     "free_addr": ("root", "end", ("addr", 3), "int", "bool", ("addr", 6), "int"),
     "release_addr": ("root", "end", ("addr", 3), "int", "bool", "bool", ("addr", 7), "int"),
+    "translate_addr": ("root", "end", ("addr", 3), "int", "int", "bool", ("addr", 3)),
 }
 
 #: live heap roots (address -> number of ends), registered by :class:`umalloc.core.heap.Heap`
@@ -480,6 +495,7 @@ class CheckedEntries:
     extend: Callable[..., Any]
     free_addr: Callable[..., Any]
     release_addr: Callable[..., Any]
+    translate_addr: Callable[..., Any]
 
     def __init__(self, entries: Entries) -> None:
         for name in _ROLES:
