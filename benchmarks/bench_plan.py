@@ -183,14 +183,14 @@ def rank_spec(tp: int, page_size: int, head_groups: int, max_len: int) -> ArenaS
     one KV head stays page-major)."""
     ends = tuple(dataclasses.replace(e, head_groups=head_groups)
                  if all(x.num_kv_heads % head_groups == 0 for x in e.layers) else e
-                 for e in preset_ends("gemma-3-12b-draft", page_size=page_size, draft_page_size=32, tp_size=tp))
+                 for e in preset_ends("gemma-3-12b-draft", page_size=page_size, draft_page_size=8, tp_size=tp))
     return ArenaSpec(ends, arena_bytes=arena_bytes_for_limits(ends, max_seq_len_tokens=max_len, max_batch=1))
 
 
 def hetero_table(lengths: list[int], prefix_frac: float, repeats: int) -> None:
     from umalloc.transfer.slices import sends_to
 
-    print(f"\nplans between ranks of different TP / page size (gemma-3-12b-draft, draft page 32), per request, all "
+    print(f"\nplans between ranks of different TP / page size (gemma-3-12b-draft, draft on its own 8-token pages), per request, all "
           f"(prefill rank, decode rank) plans; median of {repeats}")
     hdr = (f"{'L':>6} {'case':<29} | {'pairs':>5} {'desc':>7} {'baseline':>9} {'x fewer':>7} {'MiB':>7} | "
            f"{'build ms':>8}")
