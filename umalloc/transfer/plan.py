@@ -656,9 +656,11 @@ class ReceiverHalf(_LeaseHolder):
         """A confirmed end of everything the peer was sent: the sender's terminal report of a failed transfer,
         the sender process confirmed gone, or this side's backend closed/reset after the engine released its
         registrations. Fails the half if still pending (``exc``), then lets go of the publication hold, so an
-        in-doubt lease settles. Returns True if the half was still pending. Any thread. O(leased pages)."""
+        in-doubt lease settles (state ``settled``: the end was confirmed, not reported done). Returns True if the
+        half was still pending. Any thread. O(leased pages)."""
+        ended = self._finish(PLAN_FAILED, exc)
         self._let_go()
-        return self._finish(PLAN_FAILED, exc)
+        return ended
 
     @property
     def lease(self) -> LeaseLike | None:
