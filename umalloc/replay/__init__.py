@@ -8,7 +8,11 @@ schema and the final table), :mod:`~umalloc.replay.plot` (occupancy plot), :mod:
 (dynamic / static / padded decode layouts and their byte accounting), :mod:`~umalloc.replay.fit` (the up-front
 fit check), :mod:`~umalloc.replay.preflight` (argument, path and memory checks), :mod:`~umalloc.replay.signals`
 (Ctrl-C and the second process), :mod:`~umalloc.replay.kvfill_kernels` (compiled pattern loops),
-:mod:`~umalloc.replay.run` (the driver and its scheduler). The console script is :mod:`umalloc.cli`.
+:mod:`~umalloc.replay.run` (the driver and its scheduler). The multi-rank transfer replay (one process per TP /
+DCP rank on each side, ``--prefill-tp`` / ``--decode-tp`` / ``--prefill-dcp`` / ``--decode-dcp`` /
+``--prefill-page-size``): :mod:`~umalloc.replay.ranks` (orchestration), :mod:`~umalloc.replay.rankside` (what
+each rank runs), :mod:`~umalloc.replay.headpattern` (the pattern by global head and logical position),
+:mod:`~umalloc.replay.ranks_report` (its report and table). The console script is :mod:`umalloc.cli`.
 """
 
 #: ``umalloc replay`` with no arguments replays this many requests of the packaged trace ...
