@@ -8,6 +8,7 @@ from the plan code; incompatible pairs refused with every difference listed.
 from __future__ import annotations
 
 import ctypes
+import time
 
 import numpy as np
 import pytest
@@ -339,11 +340,10 @@ def test_tp_split_over_a_real_engine(name):
             plan = build_plan(f"e{d.tp_rank}", src.alloc, src.vt, d.alloc, {"full": d.vt["full"],
                               "draft": d.vt["draft"]}, seq_len_tokens=L, src_layout=src.layout, dst_layout=d.layout)
             h = sender.submit(plan, peer)
-            deadline = 30.0
-            while sender.poll(h) == "pending" and deadline > 0:
+            deadline = time.monotonic() + 60.0
+            while sender.poll(h) == "pending" and time.monotonic() < deadline:  # wait() would fail it at its timeout
                 rb.progress()
-                sender.wait(h, 0.05)
-                deadline -= 0.05
+                time.sleep(0.001)
             assert sender.poll(h) == "done" and plan.state == "done"
             sender.release(h)
             d.assert_received(before, whole_pages=set())  # every end is a slice plan (TP differs)
@@ -375,3 +375,65 @@ def test_unmappable_peer_refused_at_connect_with_every_difference(name):
     finally:
         a.close()
         b.close()
+
+
+# ==== what a peer or a caller may get wrong =====================================================================
+
+
+def test_a_malformed_half_from_a_peer_is_refused_and_nothing_is_leased():
+    from umalloc.errors import UmallocValueError
+    from umalloc.transfer import build_receiver_half, build_send_plan
+
+    L = 13
+    (src,) = ranks(2, 4, 1, L, seed=SEED)[:1]
+    (dst,) = ranks(1, 4, 1, L, seed=SEED + 100, receiver=True, prefix=3)
+    half = build_receiver_half("m", dst.alloc, {"full": dst.vt["full"], "draft": dst.vt["draft"]},
+                               seq_len_tokens=L, prefix_tokens=3, layout=dst.layout)
+    good = half.to_dict()
+    wrong_kind = json_copy(good)
+    wrong_kind["vectors"]["target"]["kind"] = "slots"  # would skip the row check and copy from row 0
+    twice = json_copy(good)
+    pages = twice["vectors"]["target"]["pages"]
+    pages[1] = pages[0]  # one destination page twice: another page's rows would never arrive
+    for bad, why in ((wrong_kind, "kind 'slots'"), (twice, "named twice")):
+        with pytest.raises(UmallocValueError, match=why):
+            build_send_plan("m", src.alloc, src.vt, bad, dst.layout, src_layout=src.layout, seq_len_tokens=L)
+        assert src.alloc.leases_active() == 0
+    half.abort()
+
+
+def json_copy(d: dict) -> dict:
+    import json
+
+    return json.loads(json.dumps(d))
+
+
+def test_head_helpers_refuse_what_is_not_a_size():
+    from umalloc.errors import UmallocValueError
+    from umalloc.transfer.heads import head_map, held_heads, tp_difference
+
+    for bad in (0, -2, 2.0, True):
+        with pytest.raises(UmallocValueError):
+            tp_difference(bad, 4)
+        with pytest.raises(UmallocValueError):
+            head_map(LayerSpec.mha(2, 4), bad, LayerSpec.mha(2, 4), 2)
+    with pytest.raises(UmallocValueError):
+        held_heads(-1, 2)
+    with pytest.raises(UmallocValueError):
+        held_heads(0, 2, rep=0)
+
+
+def test_sends_to_refuses_an_unmappable_pair():
+    s = PeerLayout.from_arena(Arena(spec(2, 4)), tp_size=2)
+    d = PeerLayout.from_arena(Arena(spec(3, 4)), tp_size=3)  # 4 heads do not split by 3 either
+    with pytest.raises(IncompatiblePeerError, match="neither divides"):
+        sends_to(s, d)
+
+
+def test_preset_tp_size_must_be_an_int():
+    from umalloc.errors import SpecError
+    from umalloc.geometry.presets import preset_ends
+
+    for bad in (True, 0, 2.0):
+        with pytest.raises(SpecError, match="tp_size"):
+            preset_ends("gemma-3-12b-draft", tp_size=bad)

@@ -130,6 +130,8 @@ def rank_kv_heads(total_kv_heads: int, tp_size: int) -> int:
 def _per_rank(layers: tuple[LayerSpec, ...], tp_size: int) -> tuple[LayerSpec, ...]:
     """``layers`` as one TP rank of ``tp_size`` holds them: MHA heads split (:func:`rank_kv_heads`), an MLA
     latent replicated whole."""
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise SpecError("tp_size", tp_size, "an int >= 1")
     if tp_size == 1:
         return layers
     return tuple(x if x.kind is LayerKind.MLA else

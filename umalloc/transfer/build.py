@@ -422,6 +422,23 @@ def _sender_vector(name: str, src_end: EndSpec, dst_end: EndSpec, hv: HalfVector
     return vec(EMPTY_IDS, EMPTY_IDS, src_tok, dst_tok), src_phys
 
 
+def _check_half_vector(hv: HalfVector, dst_end: EndSpec) -> None:
+    """Refuse a half vector whose kind does not fit its end's role (``slots`` for a ``state`` end, ``rows``
+    otherwise) or that names a destination page twice (two descriptors would write one page and another page's
+    rows would never arrive). O(pages) for ascending pages (what builders make), else O(pages log pages)."""
+    want = "slots" if dst_end.role is EndRole.STATE else "rows"
+    if hv.kind != want:
+        raise UmallocValueError(f"half vector {hv.name!r}: kind {hv.kind!r} for end {dst_end.name!r} (role "
+                                f"{dst_end.role.value}); allowed {want!r}")
+    pages = hv.pages
+    if pages.shape[0] > 1 and not bool((pages[1:] > pages[:-1]).all()):
+        s = np.sort(pages)
+        dup = np.flatnonzero(s[1:] == s[:-1])
+        if dup.size:
+            raise UmallocValueError(f"half vector {hv.name!r}: destination page {int(s[dup[0]])} is named twice; "
+                                    "allowed each physical page once")
+
+
 def build_send_plan(request_id: str, src_alloc: PlanAllocator, src_vtokens: VTokens,
                     half: ReceiverHalf | Mapping[str, Any], dst_layout: PeerLayout, *,
                     src_layout: PeerLayout | None = None, src_owner: str | None = None,
@@ -479,6 +496,7 @@ def build_send_plan(request_id: str, src_alloc: PlanAllocator, src_vtokens: VTok
         hv = half.vectors[name]
         if hv.end != dst_names[name]:
             raise UmallocValueError(f"half vector {name!r} names end {hv.end!r}, layout has {dst_names[name]!r}")
+        _check_half_vector(hv, dst_layout.end(hv.end))
         src_end = spec.end(end_name)
         if not is_dcp_sharded(src_end) and not replicated_sender:
             continue  # another source rank sends it (Note [DCP rows])

@@ -32,6 +32,12 @@ from umalloc.errors import UmallocValueError
 from umalloc.geometry.spec import LayerKind, LayerSpec
 
 
+def _check_ints(lo: int = 1, **values: object) -> None:
+    for name, v in values.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise UmallocValueError(f"{name}={v!r}: allowed an int >= {lo}")
+
+
 class HeadMap(NamedTuple):
     """How one layer's heads lie on two sides (:func:`head_map`).
 
@@ -53,7 +59,11 @@ def tp_difference(src_tp: int, dst_tp: int) -> str | None:
 
     >>> tp_difference(2, 4) is None, tp_difference(2, 3)[:43]
     (True, 'tp_size: local 2, remote 3: neither divides')
+
+    Raises:
+        UmallocValueError: a size that is not an int >= 1.
     """
+    _check_ints(src_tp=src_tp, dst_tp=dst_tp)
     if max(src_tp, dst_tp) % min(src_tp, dst_tp):
         return (f"tp_size: local {src_tp}, remote {dst_tp}: neither divides the other (a rank of one side must "
                 "hold whole slices of the other's heads)")
@@ -72,7 +82,11 @@ def head_map(src: LayerSpec, src_tp: int, dst: LayerSpec, dst_tp: int) -> HeadMa
     HeadMap(total=1, src_heads=1, dst_heads=1, src_rep=1, dst_rep=2)
     >>> head_map(LayerSpec.mha(4, 8), 1, LayerSpec.mha(4, 8), 2)
     'num_kv_heads: local 4 x TP 1, remote 4 x TP 2: a replicated side must hold one head per rank'
+
+    Raises:
+        UmallocValueError: a TP size that is not an int >= 1.
     """
+    _check_ints(src_tp=src_tp, dst_tp=dst_tp)
     if src.kind is LayerKind.MLA or dst.kind is LayerKind.MLA:
         return HeadMap(1, 1, 1, src_tp, dst_tp)
     if src_tp == dst_tp and src.num_kv_heads != dst.num_kv_heads:
@@ -93,7 +107,12 @@ def held_heads(tp_rank: int, heads_per_rank: int, rep: int = 1) -> tuple[int, in
 
     >>> held_heads(3, 2), held_heads(3, 1, rep=2)
     ((6, 8), (1, 2))
+
+    Raises:
+        UmallocValueError: a negative rank, or a head count or ``rep`` that is not an int >= 1.
     """
+    _check_ints(heads_per_rank=heads_per_rank, rep=rep)
+    _check_ints(0, tp_rank=tp_rank)
     lo = (tp_rank // rep) * heads_per_rank
     return lo, lo + heads_per_rank
 
@@ -108,9 +127,7 @@ def global_heads(tp_rank: int, tp_size: int, heads_per_rank: int, total_heads: i
     >>> global_heads(1, 4, 2, 8), global_heads(3, 4, 1, 2)
     ((2, 4), (1, 2))
     """
-    for name, v, lo in (("tp_size", tp_size, 1), ("heads_per_rank", heads_per_rank, 1), ("total_heads", total_heads, 1)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise UmallocValueError(f"{name}={v!r}: allowed an int >= {lo}")
+    _check_ints(tp_size=tp_size, heads_per_rank=heads_per_rank, total_heads=total_heads)
     if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or not 0 <= tp_rank < tp_size:
         raise UmallocValueError(f"tp_rank={tp_rank!r}: allowed [0, {tp_size - 1}]")
     span = heads_per_rank * tp_size

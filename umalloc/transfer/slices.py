@@ -26,7 +26,7 @@ import numpy as np
 
 from umalloc.geometry.spec import EndSpec, LayerKind, PageBlock
 from umalloc.transfer.heads import HeadMap, head_map, sent_heads
-from umalloc.transfer.layout import EndGeometry, PeerLayout
+from umalloc.transfer.layout import EndGeometry, PeerLayout, check_compatible
 from umalloc.transfer.rows import is_dcp_sharded
 
 _NO_DESCRIPTORS = np.zeros((0, 3), dtype=np.uint64)
@@ -131,7 +131,8 @@ def sends_to(src_layout: PeerLayout, dst_layout: PeerLayout) -> bool:
     destination rank gets each byte from exactly one source rank.
 
     Raises:
-        ValueError / SpecError: layouts not checked compatible (:func:`~umalloc.transfer.layout.check_compatible`).
+        IncompatiblePeerError: layouts no plan can map (:func:`~umalloc.transfer.layout.check_compatible`, cached
+            per pair of digests), every difference listed.
 
     >>> from umalloc.geometry.region import Region
     >>> from umalloc.geometry.spec import ArenaSpec, LayerSpec
@@ -141,6 +142,7 @@ def sends_to(src_layout: PeerLayout, dst_layout: PeerLayout) -> bool:
     >>> [[sends_to(lay(4, 2, q), lay(2, 4, r)) for r in range(4)] for q in range(2)]      # P2 -> D4
     [[True, True, False, False], [False, False, True, True]]
     """
+    check_compatible(src_layout, dst_layout)
     p, q = src_layout.dcp_size, src_layout.dcp_rank
     d, r = dst_layout.dcp_size, dst_layout.dcp_rank
     for e in src_layout.ends:
