@@ -136,6 +136,10 @@ class Rank:
                 assert torch.equal(got, want), f"rank {self.tp_rank}: end {end} layer {layer} kv {kv} differs"
             for _ei, _layer, _kv, view, idx in self.each_view(end, positions, mask):
                 view[idx] = 1.0  # bf16 0x3f80: both bytes non-zero
+            if self.dcp_size == 1 or end == "draft":  # rows past L of the last page: valid on neither side
+                last_page, last_row = self._rows(end, np.array([self.L - 1]))
+                for _ei, _layer, _kv, view, _idx in self.each_view(end, np.array([self.L - 1]), mask):
+                    view[int(last_page[0]), :, int(last_row[0]) + 1:] = 1.0
             if end in whole_pages:  # rows from the first row that travels; whole pages after a boundary page
                 ps = self.arena.spec.end(end).page_size
                 assert self.dcp_size == 1
@@ -437,3 +441,15 @@ def test_preset_tp_size_must_be_an_int():
     for bad in (True, 0, 2.0):
         with pytest.raises(SpecError, match="tp_size"):
             preset_ends("gemma-3-12b-draft", tp_size=bad)
+
+
+def test_head_group_outer_sends_one_run_per_page_and_group_also_for_a_partial_last_page():
+    # P1 (2 head groups) -> D2: decode rank r takes group r of each source page; L = 7 at page size 4 is one full
+    # page and one partial page, and the partial one is still one run (its rows past L are valid on neither side)
+    L = 7
+    (src,) = ranks(1, 4, 2, L, seed=SEED)
+    for d in ranks(2, 4, 1, L, seed=SEED + 100, receiver=True):
+        plan = build_plan("g", src.alloc, src.vt, d.alloc, {"full": d.vt["full"], "draft": d.vt["draft"]},
+                          seq_len_tokens=L, src_layout=src.layout, dst_layout=d.layout)
+        assert plan.stats_by_vector["target"].descriptors == 2  # one per page (2 layers, K and V, in one group)
+        plan.abort()

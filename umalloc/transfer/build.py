@@ -395,7 +395,12 @@ def _sender_vector(name: str, src_end: EndSpec, dst_end: EndSpec, hv: HalfVector
     # Different row layouts or slices: the positions this source rank owns among the receiver's rows, row by
     # row, each side in its own page size (F14).
     translator = get_translator("cpu")
-    dst_rows = np.arange(hv.row_lo, hv.row_hi, dtype=np.int64)
+    row_hi = hv.row_hi
+    if slices and (p, d) == (1, 1):
+        # the last pages whole up to where the first of them ends (rows past L are valid on neither side, Note
+        # [Boundary page]), so a head-group-outer page is one run, not one per row
+        row_hi = min(-(-L // ps) * ps, -(-L // d_ps) * d_ps)
+    dst_rows = np.arange(hv.row_lo, row_hi, dtype=np.int64)
     positions = dst_rows * d + r
     window = src_end.window_tokens
     lo_pos = P if window is None else max(P, L - window)
@@ -406,10 +411,11 @@ def _sender_vector(name: str, src_end: EndSpec, dst_end: EndSpec, hv: HalfVector
     dst_rows, src_local = dst_rows[pos_ok], src_local[pos_ok]
     if src_local.shape[0] == 0:
         return vec(), EMPTY_IDS
-    if int(src_local.max()) >= vt.shape[0]:
+    real = src_local[dst_rows < hv.row_hi]  # rows below L: they must have ids (the rest share their last page)
+    if real.shape[0] and int(real.max()) >= vt.shape[0]:
         raise UmallocValueError(f"src_vtokens for end {src_end.name!r} has {vt.shape[0]} rows; need "
-                                f"{int(src_local.max()) + 1}")
-    _check_rows(vt, ps, src_local, f"src {name}")
+                                f"{int(real.max()) + 1}")
+    _check_rows(vt, ps, real, f"src {name}")
     src_page_idx = src_local // ps
     uniq = np.unique(src_page_idx)  # sorted
     vpages = vt[uniq * ps] // ps
