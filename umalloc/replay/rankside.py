@@ -258,9 +258,12 @@ def child_sources(ctx, sources: list[int]) -> None:
     _state(ctx).sources = sorted(sources)
 
 
-def _short(st: RankState, L: int) -> InvariantError:
+def _short(st: RankState, L: int, step: int) -> InvariantError:
+    """The rank's arena cannot hold a request of ``L`` tokens in a step of ``step`` requests (the orchestrator's
+    preflight refuses this before any rank starts; this is its backstop)."""
+    others, fewer = (" with the step's others", " or a smaller --max-batch") if step > 1 else ("", "")
     return InvariantError(f"{st.side} rank {st.index}: its arena ({st.spec.arena_bytes:,} B) cannot hold a request "
-                          f"of {L} tokens with the step's others: allowed a larger --arena-bytes or --max-batch 1")
+                          f"of {L} tokens{others}: allowed a larger --arena-bytes{fewer}")
 
 
 def child_decode_prepare(ctx, requests: list[tuple[int, int]]) -> dict:
@@ -275,7 +278,7 @@ def child_decode_prepare(ctx, requests: list[tuple[int, int]]) -> dict:
         vt = alloc_rows(st.alloc, st.layout, L)
         t1 = time.perf_counter()
         if vt is None:
-            raise _short(st, L)
+            raise _short(st, L, len(requests))
         st.held[rid] = (L, vt)
         halves = st.halves.setdefault(rid, {})
         out[rid] = {}
@@ -316,7 +319,7 @@ def child_prefill_start(ctx, items: list[tuple[int, int, dict[int, dict]]]) -> d
         vt = alloc_rows(st.alloc, st.layout, L)
         t1 = time.perf_counter()
         if vt is None:
-            raise _short(st, L)
+            raise _short(st, L, len(items))
         st.held[rid] = (L, vt)
         filled += _fill(st, rid, L, vt)
         t2 = time.perf_counter()
