@@ -392,3 +392,115 @@ def test_a_killed_rank_ends_every_rank_with_one_error_line_naming_it(backend, vi
     assert len(errors) == 1, text
     assert errors[0].startswith(f"error: {victim} (") and "died" in errors[0] and "signal 9" in errors[0], text
     assert "Traceback" not in text, text
+
+
+# ==== refusals before any rank starts: one error line naming the side and the option ===========================
+
+
+def _refused_multi(args: list[str], root: Path, *needles: str, absent: tuple[str, ...] = ()) -> str:
+    """Run the console script in this process; assert exit 2, exactly one line, an ``error:`` line (so nothing was
+    described or started: the run's first line and the ranks' pids come after the checks), every needle in it,
+    no ``absent`` text, nothing written under ``root`` and no child process left. Returns the line."""
+    import multiprocessing
+
+    from typer.testing import CliRunner
+
+    from umalloc.cli import app
+
+    before = set(root.rglob("*"))
+    res = CliRunner().invoke(app, ["replay", "--no-progress", "--report", str(root / "r.json"), *args])
+    lines = res.output.strip().splitlines()
+    assert res.exit_code == 2, res.output
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.output
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+    for n in absent:
+        assert n not in lines[0], (n, lines[0])
+    assert set(root.rglob("*")) == before
+    assert multiprocessing.active_children() == []
+    return lines[0]
+
+
+def _first_lengths(n: int, scale: int = 64, cap: int = 256) -> list[int]:
+    """The packaged trace's first ``n`` prompt lengths at ``scale`` and ``cap``, read with the stdlib alone."""
+    from importlib.resources import files
+
+    out = []
+    with (files("umalloc") / "data" / "conversation_trace.jsonl").open() as fh:
+        for line in fh:
+            if len(out) == n:
+                break
+            out.append(min(-(-json.loads(line)["input_length"] // scale), cap))
+    return out
+
+
+def _pages_bytes(L: int, ends: tuple[EndSpec, ...]) -> int:
+    """Bytes of the pages a TP/DCP-1 rank binds for a request of ``L`` tokens: every row below ``L`` on every end."""
+    return sum(-(-L // e.page_size) * e.page_bytes for e in ends)
+
+
+def test_an_arena_too_small_is_refused_before_any_rank_naming_side_request_and_bytes(tmp_path):
+    L0 = _first_lengths(1)[0]
+    ends = rank_ends("gemma-3-12b-draft", page_size=16, draft=True, tp_size=1, dcp_size=1)
+    line = _refused_multi(["--prefill-tp", "2", "--backend", "nixl", "--arena-bytes", "13MiB", "--max-batch", "1"],
+                          tmp_path, "decode side: request 0", f"({L0} prompt tokens",
+                          f"needs {_pages_bytes(L0, ends):,} bytes", f"arena of {13 << 20:,} bytes",
+                          "decode rank 0", "allowed --arena-bytes PREFILL,DECODE with DECODE >= ",
+                          absent=("--max-batch", "InvariantError"))
+    suggested = int(line.split("DECODE >= ")[1].split()[0].replace(",", ""))
+    assert suggested >= _pages_bytes(max(_first_lengths(4)), ends)
+    # a large enough decode arena moves the refusal to the prefill side (its ranks hold half the heads each)
+    pre_ends = rank_ends("gemma-3-12b-draft", page_size=16, draft=True, tp_size=2, dcp_size=1)
+    _refused_multi(["--prefill-tp", "2", "--backend", "nixl", "--arena-bytes", f"13MiB,{suggested}",
+                    "--max-batch", "1"], tmp_path, "prefill side: request 0", "prefill rank 0",
+                   f"needs {_pages_bytes(L0, pre_ends):,} bytes", "PREFILL >= ", absent=("--max-batch",))
+
+
+def test_a_smaller_max_batch_is_suggested_only_when_the_request_fits_alone(tmp_path):
+    lengths = _first_lengths(4)
+    ends = rank_ends("gemma-3-12b-draft", page_size=16, draft=True, tp_size=1, dcp_size=1)
+    # room for the largest request alone (and the floor and a spare page per end) but not for all four at once
+    floor = max(e.page_bytes for e in ends) + sum(e.page_bytes for e in ends)
+    arena = _pages_bytes(max(lengths), ends) + floor + 2 * sum(e.page_bytes for e in ends)
+    assert arena < sum(_pages_bytes(L, ends) for L in lengths)
+    _refused_multi(["--multi-rank", "--backend", "nixl", "--arena-bytes", f"1GiB,{arena}"], tmp_path,
+                   "decode side: request", "with the step's others", "a smaller --max-batch (it fits alone)")
+
+
+def test_host_memory_and_rank_count_are_checked_before_any_rank(tmp_path):
+    from umalloc.replay.preflight import available_memory_bytes
+
+    have = available_memory_bytes()
+    _refused_multi(["--prefill-tp", "2", "--backend", "nixl", "--arena-bytes", "1TiB"], tmp_path,
+                   f"prefill arenas (2 ranks) {2 << 40:,}", f"decode arenas (1 rank) {1 << 40:,}", "host memory", "smaller --arena-bytes", "fewer ranks")
+    assert have < 3 * (1 << 40)
+    _refused_multi(["--decode-tp", "128", "--backend", "nixl"], tmp_path, "--decode-tp 128", "128 ranks",
+                   "at most 64")
+    with pytest.raises(UmallocValueError, match="prefill side: --prefill-tp 8 x --prefill-dcp 16 = 128 ranks"):
+        RanksConfig(prefill_tp=8, prefill_dcp=16).resolved()
+
+
+def test_geometry_errors_name_the_side_and_its_option(tmp_path):
+    _refused_multi(["--decode-tp", "3", "--backend", "nixl"], tmp_path, "decode side (--decode-tp 3)",
+                   "tp_size=3", absent=("prefill",))
+    _refused_multi(["--decode-head-groups", "2", "--model", "deepseek-v3", "--backend", "nixl"], tmp_path,
+                   "decode side (--decode-head-groups 2)", "head_groups=2")
+    _refused_multi(["--decode-tp", "2", "--arena-bytes", "1GiB,1KiB", "--backend", "nixl"], tmp_path,
+                   "the decode value of --arena-bytes (1,024 bytes)", "arena_bytes=1024")
+    _refused_multi(["--decode-tp", "2", "--arena-bytes", "1KiB,1GiB", "--backend", "nixl"], tmp_path,
+                   "the prefill value of --arena-bytes (1,024 bytes)")
+    with pytest.raises(SpecError, match=r"^prefill side \(--prefill-tp 3\)") as e:
+        RanksConfig(prefill_tp=3).resolved()
+    assert e.value.field == "tp_size"  # the error keeps its type and attributes
+    with pytest.raises(IncompatiblePeerError, match=r"^prefill rank 0 .* -> decode rank 0 .*local: the prefill "
+                       r"rank, remote: the decode rank") as e:
+        RanksConfig(prefill_page_size=16, page_size=24).resolved()
+    assert len(e.value.differences) == 3
+
+
+def test_max_prompt_tokens_without_multi_rank_is_refused(tmp_path):
+    _refused_multi(["--max-prompt-tokens", "64", "--backend", "nixl"], tmp_path, "--max-prompt-tokens 64",
+                   "multi-rank")
+    # with a multi-rank option it is taken (and an absurd arena still refused up front, so nothing runs)
+    _refused_multi(["--multi-rank", "--max-prompt-tokens", "64", "--backend", "nixl", "--arena-bytes", "13MiB"],
+                   tmp_path, "cap of 64")

@@ -158,9 +158,9 @@ def replay(
         "envelope; G > 1: head-group-outer on every end whose heads divide by G).")] = 1,
     decode_head_groups: Annotated[int, typer.Option(
         "--decode-head-groups", min=1, help="Multi-rank: head groups of the decode ranks' pages.")] = 1,
-    max_prompt_tokens: Annotated[int, typer.Option(
-        "--max-prompt-tokens", min=1, help="Multi-rank: cap every scaled prompt at N tokens.")
-    ] = DEFAULT_MAX_PROMPT_TOKENS,
+    max_prompt_tokens: Annotated[int | None, typer.Option(
+        "--max-prompt-tokens", min=1, help="Multi-rank: cap every scaled prompt at N tokens. "
+        f"[default: {DEFAULT_MAX_PROMPT_TOKENS}]")] = None,
     multi_rank: Annotated[bool, typer.Option(
         "--multi-rank", help="Run the multi-rank replay even at TP 1, DCP 1 and one page size (one process per "
         "side). Multi-rank defaults: --requests " f"{DEFAULT_RANK_REQUESTS}, --token-scale {DEFAULT_RANK_TOKEN_SCALE}; "
@@ -212,12 +212,17 @@ def replay(
                     decode_tp=decode_tp, prefill_dcp=prefill_dcp, decode_dcp=decode_dcp,
                     prefill_head_groups=prefill_head_groups, decode_head_groups=decode_head_groups,
                     prefill_arena_bytes=pre_b, decode_arena_bytes=dec_b, requests=requests, skip=skip,
-                    token_scale=token_scale, max_prompt_tokens=max_prompt_tokens,
+                    token_scale=token_scale,
+                    max_prompt_tokens=DEFAULT_MAX_PROMPT_TOKENS if max_prompt_tokens is None else max_prompt_tokens,
                     draft=True if draft is None else draft, seed=seed, max_batch=max_batch,
                     compaction=compaction.value, check_every=check_every)
                 result = run_ranks(rcfg, progress=progress, console=console)
                 table_of, check_of = ranks_table, check_ranks_report
             else:
+                if max_prompt_tokens is not None:
+                    raise UmallocValueError(f"--max-prompt-tokens {max_prompt_tokens}: only the multi-rank replay "
+                                            "caps prompts; allowed with --multi-rank or a multi-rank option "
+                                            "(--prefill-tp, --decode-tp, ...), or without it")
                 cfg = ReplayConfig(
                     trace=None if trace is None else str(trace),
                     trace_format=None if trace_format is TraceFormat.auto else trace_format.value,

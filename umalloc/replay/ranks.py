@@ -8,7 +8,12 @@ Policy:
 * **Ranks.** ``P * M`` prefill ranks and ``D * N`` decode ranks, rank ``c * tp + t`` holding TP rank ``t`` and
   DCP rank ``c``; each is a :class:`~umalloc.backends._worker.BackendWorker` process with its own arena (its
   heads, its DCP rows), allocator, backend and pattern (:mod:`umalloc.replay.rankside`). This process only
-  orchestrates: it holds no arena and no backend.
+  orchestrates: it holds no arena and no backend while the ranks run.
+* **Preflight.** Before any process starts (:meth:`RanksConfig.resolved`, :meth:`MultiRankReplay._preflight`):
+  at most :data:`MAX_RANKS_PER_SIDE` ranks a side; the arenas plus :data:`RANK_PROCESS_BYTES` per rank within the
+  host's available memory; a given arena replayed once per side and DCP rank in a probe allocator (unzeroed,
+  released before the ranks start) so a request it cannot hold is refused naming the side, rank, request, bytes
+  and the size to pass. Errors name the side and its console option.
 * **Routes.** After setup every rank's :class:`~umalloc.transfer.PeerLayout` is known here; a (prefill, decode)
   pair is a route iff :func:`~umalloc.transfer.slices.sends_to` says the source can carry bytes to it. Each
   prefill rank connects to the decode ranks of its routes (the layout check, F22, runs at connect); each decode
@@ -68,6 +73,10 @@ DEATH_GRACE_S = 2.0
 CLOSE_TIMEOUT_S = 10.0
 #: Base address of the layouts :meth:`RanksConfig.resolved` checks (geometry only: nothing is addressed).
 _PROBE_BASE = 1 << 20
+#: Most ranks (processes) one side may have.
+MAX_RANKS_PER_SIDE = 64
+#: Host memory counted per rank process beyond its arena (interpreter, torch, the transfer engine), in bytes.
+RANK_PROCESS_BYTES = 512 << 20
 
 
 @dataclass(frozen=True)
@@ -120,11 +129,14 @@ class RanksConfig:
     def resolved(self) -> RanksConfig:
         """Validate every field and fill the defaults. Every rank's ends and layout are built here once and
         every (prefill, decode) pair is checked compatible, so heads that do not split by a TP size, page sizes
-        that do not divide, or an arena too small are refused before any process starts.
+        that do not divide, or an arena too small are refused before any process starts. A geometry error names
+        the side and its option (``decode side (--decode-tp 3): invalid tp_size=3: ...``); an incompatible pair
+        names both ranks, local being the prefill rank and remote the decode rank.
 
         Raises:
             UmallocValueError: naming the bad field and the allowed values (SpecError for the geometry,
-                IncompatiblePeerError listing every difference of a pair that cannot be mapped).
+                IncompatiblePeerError listing every difference of a pair that cannot be mapped); more than
+                :data:`MAX_RANKS_PER_SIDE` ranks on a side.
         """
         if self.backend not in ("nixl", "mooncake"):
             raise UmallocValueError(f"backend={self.backend!r}: the multi-rank replay runs one process per rank; "
@@ -151,19 +163,37 @@ class RanksConfig:
         d["token_scale"] = DEFAULT_RANK_TOKEN_SCALE if self.token_scale is None else self.token_scale
         d["draft"] = self.draft and PRESETS[self.model].draft is not None
         cfg = RanksConfig(**d)
+        for side in ("prefill", "decode"):
+            tp, dcp, _ps, _groups = cfg.side(side)
+            if tp * dcp > MAX_RANKS_PER_SIDE:
+                raise UmallocValueError(f"{side} side: --{side}-tp {tp} x --{side}-dcp {dcp} = {tp * dcp} ranks: "
+                                        f"allowed at most {MAX_RANKS_PER_SIDE} ranks (one process each) per side")
         probes: dict[str, list[PeerLayout]] = {}
         for side in ("prefill", "decode"):
             tp, dcp, ps, groups = cfg.side(side)
-            ends = rank_ends(cfg.model, page_size=ps, draft=cfg.draft, tp_size=tp, dcp_size=dcp, head_groups=groups)
+            try:
+                ends = rank_ends(cfg.model, page_size=ps, draft=cfg.draft, tp_size=tp, dcp_size=dcp,
+                                 head_groups=groups)
+            except UmallocValueError as exc:
+                raise _named(exc, f"{side} side ({cfg.side_option(side, getattr(exc, 'field', ''))})") from None
             arena = cfg.prefill_arena_bytes if side == "prefill" else cfg.decode_arena_bytes
             # an arena that cannot hold a page of every end is refused here, not in a rank
-            spec = ArenaSpec(ends, arena_bytes=(arena or rank_arena_bytes(ends, 1, 1, dcp, 0)) // ARENA_ALIGN_BYTES
-                             * ARENA_ALIGN_BYTES)
+            try:
+                spec = ArenaSpec(ends, arena_bytes=(arena or rank_arena_bytes(ends, 1, 1, dcp, 0))
+                                 // ARENA_ALIGN_BYTES * ARENA_ALIGN_BYTES)
+            except UmallocValueError as exc:
+                where = f"the {side} value of --arena-bytes ({arena:,} bytes)" if arena else f"{side} side"
+                raise _named(exc, where) from None
             probes[side] = [PeerLayout(spec, (Region(_PROBE_BASE, spec.arena_bytes),), _PROBE_BASE, r.tp_rank, tp,
                                        r.dcp_rank, dcp) for r in rank_ids(side, tp, dcp)]
-        for src in probes["prefill"]:  # the connect-time check (F22) of every pair, before any process starts
-            for dst in probes["decode"]:
-                check_compatible(src, dst)
+        # the connect-time check (F22) of every pair, before any process starts
+        for src, s_id in zip(probes["prefill"], cfg.ranks("prefill"), strict=True):
+            for dst, d_id in zip(probes["decode"], cfg.ranks("decode"), strict=True):
+                try:
+                    check_compatible(src, dst)
+                except UmallocValueError as exc:
+                    raise _named(exc, f"{s_id.label} -> {d_id.label} (local: the prefill rank, remote: the "
+                                      "decode rank)") from None
         return cfg
 
     def side(self, side: str) -> tuple[int, int, int, int]:
@@ -172,6 +202,31 @@ class RanksConfig:
             return self.prefill_tp, self.prefill_dcp, self.prefill_page_size or self.page_size, \
                 self.prefill_head_groups
         return self.decode_tp, self.decode_dcp, self.page_size, self.decode_head_groups
+
+    def ranks(self, side: str) -> list[RankId]:
+        """Every rank of ``side`` (:func:`rank_ids`)."""
+        tp, dcp, _ps, _groups = self.side(side)
+        return rank_ids(side, tp, dcp)
+
+    def side_option(self, side: str, field: str = "") -> str:
+        """The console options (with values) of ``side`` that set ``field`` (``tp_size``, ``dcp_size``,
+        ``page_size``, ``head_groups``), every option of the side for another field.
+
+        >>> RanksConfig(decode_tp=3).side_option("decode", "tp_size")
+        '--decode-tp 3'
+        """
+        tp, dcp, ps, groups = self.side(side)
+        page = "--page-size" if side == "decode" else "--prefill-page-size"
+        opts = {"tp_size": f"--{side}-tp {tp}", "dcp_size": f"--{side}-dcp {dcp}", "page_size": f"{page} {ps}",
+                "head_groups": f"--{side}-head-groups {groups}"}
+        hit = [v for k, v in opts.items() if k in field]
+        return ", ".join(hit or opts.values())
+
+
+def _named(exc: UmallocValueError, where: str) -> UmallocValueError:
+    """``exc`` (its type and attributes kept) with its message prefixed by ``where``."""
+    exc.args = (f"{where}: {exc}",)
+    return exc
 
 
 def _check_int(name: str, v: object, lo: int) -> None:
@@ -372,10 +427,79 @@ class MultiRankReplay:
         self.lengths = [min(r.input_tokens, cfg.max_prompt_tokens) for r in self.trace]
         self.prefill = rank_ids("prefill", cfg.prefill_tp, cfg.prefill_dcp)
         self.decode = rank_ids("decode", cfg.decode_tp, cfg.decode_dcp)
+        self._preflight()
         self.on_start = on_start
         self.on_progress = on_progress
         #: Wall seconds of this process per phase (``total`` once the run ended).
         self.times = dict.fromkeys(("setup", "prepare", "start", "transfer", "verify", "check"), 0.0)
+
+    def _steps(self) -> list[list[int]]:
+        """The request lengths of every step, in order."""
+        n = min(self.cfg.max_batch, len(self.lengths))
+        return [self.lengths[lo:lo + n] for lo in range(0, len(self.lengths), n)]
+
+    def _preflight(self) -> None:
+        """Refuse, before any process starts, ranks whose arenas (plus :data:`RANK_PROCESS_BYTES` each) exceed the
+        host's available memory (:func:`umalloc.replay.preflight.check_host_memory`), and a given arena that
+        cannot hold a step's requests: each side's allocations are replayed once per DCP rank in a probe
+        allocator (:func:`~umalloc.replay.rankside.first_short`; the TP ranks of a side share its geometry), the
+        decode side first as the run does.
+
+        Raises:
+            UmallocValueError: one line naming the side, the rank, the request, the bytes it needs and what to
+                pass.
+        """
+        from umalloc.replay.preflight import check_host_memory
+        from umalloc.replay.rankside import first_short, rank_arena_bytes, rank_ends, rank_request_bytes
+
+        c = self.cfg
+        max_tokens, batch = max(self.lengths), min(c.max_batch, len(self.lengths))
+        ends: dict[str, tuple] = {}
+        auto: dict[str, list[int]] = {}
+        given: dict[str, int | None] = {}
+        for side in ("prefill", "decode"):
+            tp, dcp, ps, groups = c.side(side)
+            ends[side] = rank_ends(c.model, page_size=ps, draft=c.draft, tp_size=tp, dcp_size=dcp,
+                                   head_groups=groups)
+            auto[side] = [rank_arena_bytes(ends[side], max_tokens, batch, dcp, r) for r in range(dcp)]
+            arena = c.prefill_arena_bytes if side == "prefill" else c.decode_arena_bytes
+            given[side] = None if arena is None else arena // ARENA_ALIGN_BYTES * ARENA_ALIGN_BYTES
+        needs: dict[str, int] = {}
+        for side in ("prefill", "decode"):
+            tp, dcp, _ps, _groups = c.side(side)
+            per = [given[side] or a for a in auto[side]]
+            needs[f"{side} arenas ({tp * dcp} rank{'s' if tp * dcp > 1 else ''})"] = tp * sum(per)
+        n = len(self.prefill) + len(self.decode)
+        needs[f"rank processes ({n} x {RANK_PROCESS_BYTES:,})"] = n * RANK_PROCESS_BYTES
+        hint = "smaller --arena-bytes" if c.prefill_arena_bytes or c.decode_arena_bytes else \
+            "a smaller --max-prompt-tokens or --max-batch"
+        check_host_memory(needs, f"{hint}, or fewer ranks (--prefill-tp/--decode-tp/--prefill-dcp/--decode-dcp)")
+        steps = self._steps()
+        for side in ("decode", "prefill"):
+            have = given[side]
+            if have is None:
+                continue
+            tp, dcp, _ps, _groups = c.side(side)
+            spec = ArenaSpec(ends[side], arena_bytes=have)
+            for r in range(dcp):
+                short = first_short(spec, dcp, r, steps, c.compaction)
+                if short is None:
+                    continue
+                k, alone = short
+                req = self.trace.requests[k]
+                rank = self.cfg.ranks(side)[r * tp]
+                L = self.lengths[k]
+                many = c.max_batch > 1
+                why = (" with the step's others" if alone else " even alone") if many else ""
+                smaller = ", a smaller --max-batch (it fits alone)" if alone and many else ""
+                value = "DECODE" if side == "decode" else "PREFILL"
+                raise UmallocValueError(
+                    f"{side} side: request {req.request_id} ({L} prompt tokens after token scale {c.token_scale} "
+                    f"and the cap of {c.max_prompt_tokens}) needs {rank_request_bytes(ends[side], L, dcp, r):,} "
+                    f"bytes of pages on {rank.label}, whose arena of {have:,} bytes (--arena-bytes) cannot "
+                    f"hold it{why}: allowed --arena-bytes "
+                    f"PREFILL,DECODE with {value} >= {max(auto[side]):,} (or no --arena-bytes: sized for the "
+                    f"step){smaller}, a larger --token-scale or a smaller --max-prompt-tokens")
 
     def describe(self) -> str:
         """One line naming what runs (sides, backend, trace slice, scale, cap and the prompt lengths used)."""
@@ -619,6 +743,6 @@ def run_ranks(cfg: RanksConfig, *, progress: bool = False, console: Any = None) 
         return rep.run()
 
 
-__all__ = ["DEFAULT_MAX_PROMPT_TOKENS", "DEFAULT_RANK_REQUESTS", "DEFAULT_RANK_TOKEN_SCALE", "MultiRankReplay",
-           "RankError", "RankId", "RankPool", "RanksConfig", "expected_bytes", "is_multi_rank", "rank_ids",
-           "run_ranks"]
+__all__ = ["DEFAULT_MAX_PROMPT_TOKENS", "DEFAULT_RANK_REQUESTS", "DEFAULT_RANK_TOKEN_SCALE", "MAX_RANKS_PER_SIDE",
+           "MultiRankReplay", "RANK_PROCESS_BYTES", "RankError", "RankId", "RankPool", "RanksConfig",
+           "expected_bytes", "is_multi_rank", "rank_ids", "run_ranks"]

@@ -84,12 +84,57 @@ def rank_arena_bytes(ends: tuple[EndSpec, ...], max_tokens: int, batch: int, dcp
     times the pages they hold, every SWA page counted since :func:`alloc_rows` binds them before it releases the
     head, plus the floor and two pages per end), rounded up to :data:`ARENA_ALIGN_BYTES`. O(ends)."""
     floor = max(e.page_bytes for e in ends)
+    need = rank_request_bytes(ends, max_tokens, dcp_size, dcp_rank) + sum(e.page_bytes for e in ends)
+    total = floor + ARENA_HEADROOM * batch * need + 2 * sum(e.page_bytes for e in ends)
+    return -(-total // ARENA_ALIGN_BYTES) * ARENA_ALIGN_BYTES
+
+
+def rank_request_bytes(ends: tuple[EndSpec, ...], L: int, dcp_size: int, dcp_rank: int) -> int:
+    """Bytes of the pages one rank binds for a request of ``L`` tokens: per end the pages of its local rows
+    (its DCP rows on a sharded end), every SWA page counted since :func:`alloc_rows` binds them before it
+    releases the head. O(ends).
+
+    >>> e = rank_ends("gpt-oss-20b", page_size=16, draft=False, tp_size=1, dcp_size=1)
+    >>> rank_request_bytes(e, 100, 1, 0) == 2 * 7 * 16 * 24576   # full and swa: 7 pages of 16 tokens each
+    True
+    """
     need = 0
     for e in ends:
         d, r = (dcp_size, dcp_rank) if is_dcp_sharded(e) else (1, 0)
-        need += (pages_for_tokens(owned_count(max_tokens, d, r), e.page_size) + 1) * e.page_bytes
-    total = floor + ARENA_HEADROOM * batch * need + 2 * sum(e.page_bytes for e in ends)
-    return -(-total // ARENA_ALIGN_BYTES) * ARENA_ALIGN_BYTES
+        need += pages_for_tokens(owned_count(L, d, r), e.page_size) * e.page_bytes
+    return need
+
+
+def first_short(spec: ArenaSpec, dcp_size: int, dcp_rank: int, steps: list[list[int]],
+                compaction: str) -> tuple[int, bool] | None:
+    """Replay one rank's allocations in a probe allocator over an unzeroed arena of ``spec`` (the rank's warm-up
+    request of one token, then per step ``alloc_rows`` of every request length in order and every free): the
+    first index into the flattened ``steps`` whose request the arena cannot hold, with whether it fits in the
+    arena alone, or ``None`` when every step fits. Deterministic, so the rank does the same; O(sum of lengths).
+    Allocates the arena's bytes (virtual memory, never touched)."""
+    arena = Arena(spec, zero=False)
+    alloc = MultiEndedAllocator(arena, compaction=compaction)
+    layout = PeerLayout.from_arena(arena, dcp_rank=dcp_rank, dcp_size=dcp_size)
+    warm = alloc_rows(alloc, layout, 1)
+    if warm is not None:
+        free_rows(alloc, warm)
+    k = 0
+    for step in steps:
+        held: list[dict[str, torch.Tensor]] = []
+        for L in step:
+            vt = alloc_rows(alloc, layout, L)
+            if vt is None:
+                for h in held:
+                    free_rows(alloc, h)
+                alone = alloc_rows(alloc, layout, L)
+                if alone is not None:
+                    free_rows(alloc, alone)
+                return k, alone is not None
+            held.append(vt)
+            k += 1
+        for h in held:
+            free_rows(alloc, h)
+    return None
 
 
 def alloc_rows(alloc: MultiEndedAllocator, layout: PeerLayout, L: int) -> dict[str, torch.Tensor] | None:
@@ -213,9 +258,12 @@ def child_sources(ctx, sources: list[int]) -> None:
     _state(ctx).sources = sorted(sources)
 
 
-def _short(st: RankState, L: int) -> InvariantError:
+def _short(st: RankState, L: int, step: int) -> InvariantError:
+    """The rank's arena cannot hold a request of ``L`` tokens in a step of ``step`` requests (the orchestrator's
+    preflight refuses this before any rank starts; this is its backstop)."""
+    others, fewer = (" with the step's others", " or a smaller --max-batch") if step > 1 else ("", "")
     return InvariantError(f"{st.side} rank {st.index}: its arena ({st.spec.arena_bytes:,} B) cannot hold a request "
-                          f"of {L} tokens with the step's others: allowed a larger --arena-bytes or --max-batch 1")
+                          f"of {L} tokens{others}: allowed a larger --arena-bytes{fewer}")
 
 
 def child_decode_prepare(ctx, requests: list[tuple[int, int]]) -> dict:
@@ -230,7 +278,7 @@ def child_decode_prepare(ctx, requests: list[tuple[int, int]]) -> dict:
         vt = alloc_rows(st.alloc, st.layout, L)
         t1 = time.perf_counter()
         if vt is None:
-            raise _short(st, L)
+            raise _short(st, L, len(requests))
         st.held[rid] = (L, vt)
         halves = st.halves.setdefault(rid, {})
         out[rid] = {}
@@ -271,7 +319,7 @@ def child_prefill_start(ctx, items: list[tuple[int, int, dict[int, dict]]]) -> d
         vt = alloc_rows(st.alloc, st.layout, L)
         t1 = time.perf_counter()
         if vt is None:
-            raise _short(st, L)
+            raise _short(st, L, len(items))
         st.held[rid] = (L, vt)
         filled += _fill(st, rid, L, vt)
         t2 = time.perf_counter()
@@ -367,5 +415,5 @@ def child_check(ctx) -> dict:
 
 __all__ = ["ARENA_HEADROOM", "RankState", "alloc_rows", "child_check", "child_connect",
            "child_decode_finish", "child_decode_prepare", "child_prefill_finish", "child_prefill_start",
-           "child_setup", "child_sources", "free_rows", "must_have_positions", "rank_arena_bytes", "rank_ends",
-           "total_kv_heads"]
+           "child_setup", "child_sources", "first_short", "free_rows", "must_have_positions", "rank_arena_bytes",
+           "rank_ends", "rank_request_bytes", "total_kv_heads"]
