@@ -87,11 +87,11 @@ import numpy as np
 from umalloc.backends.descriptors import (
     MAX_BATCH_BYTES,
     MAX_BATCH_DESCRIPTORS,
+    Chunk,
     as_descriptors,
     check_batch_limits,
-    chunk_descriptors,
+    chunk_located,
     locate,
-    locate_ranges,
 )
 from umalloc.backends.handle import HandleTable, TransferHandle
 from umalloc.backends.peers import (
@@ -118,10 +118,6 @@ from umalloc.errors import (
 )
 from umalloc.geometry.region import Region
 from umalloc.transfer import PeerLayout
-
-#: One engine submission: ``(descriptors (N_i, 3) uint64, source region index (N_i,) int64, destination region
-#: index (N_i,) int64)``, at most ``max_batch_descriptors`` rows and ``max_batch_bytes`` bytes.
-Chunk = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 def _check_timeout(timeout_s: object) -> None:
@@ -469,7 +465,7 @@ class BackendBase:
                          "in its metadata)")
         n = d.shape[0]
         total = int(d[:, 2].sum()) if n else 0
-        chunks = self._chunks(d, src_idx, dst_idx, info)
+        chunks = chunk_located(d, src_idx, dst_idx, *self._max_batch, self._reg, info)
         h = self._ht.new(peer, n, total, plan)
         if n == 0:
             self._ht.finish(h, "done")
@@ -487,25 +483,6 @@ class BackendBase:
         self._ht.counts["engine_parts_posted"] += h.num_parts
         self.poll(h)
         return h
-
-    def _chunks(self, d: np.ndarray, src_idx: np.ndarray, dst_idx: np.ndarray,
-                info: PeerInfo) -> list[Chunk]:
-        """``d`` cut by :func:`~umalloc.backends.descriptors.chunk_descriptors` under this backend's caps, each
-        chunk with the region indices of its rows. Chunks of uncut rows take slices of ``src_idx``/``dst_idx``;
-        when a row was cut (longer than ``max_batch_bytes``), the pieces lie inside their row's regions and are
-        located again (no error possible). O(N), plus O(N log R) when a row was cut."""
-        chunks = chunk_descriptors(d, *self._max_batch)
-        if sum(c.shape[0] for c in chunks) != d.shape[0]:  # a row was cut into pieces
-            reg = self._reg
-            return [(c, locate_ranges(c[:, 0], c[:, 2], reg.starts, reg.ends),
-                     locate_ranges(c[:, 1], c[:, 2], info.starts, info.ends)) for c in chunks]
-        out = []
-        a = 0
-        for c in chunks:
-            b = a + c.shape[0]
-            out.append((c, src_idx[a:b], dst_idx[a:b]))
-            a = b
-        return out
 
     def poll(self, handle: TransferHandle) -> str:
         """Progress and return the handle's state: ``"pending"``, ``"done"`` or ``"failed"``. Non-blocking.

@@ -39,6 +39,7 @@ Defaults, on every backend, configurable per backend at construction: :data:`MAX
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -117,6 +118,33 @@ def chunk_descriptors(d: np.ndarray, max_batch_descriptors: int = MAX_BATCH_DESC
         out.append(d[i:j])
         done = cum[j - 1]
         i = j
+    return out
+
+
+#: One engine submission: ``(descriptors (N_i, 3) uint64, source region index (N_i,) int64, destination region
+#: index (N_i,) int64)``, at most ``max_batch_descriptors`` rows and ``max_batch_bytes`` bytes.
+Chunk = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+def chunk_located(d: np.ndarray, src_idx: np.ndarray, dst_idx: np.ndarray, max_batch_descriptors: int,
+                  max_batch_bytes: int, src_regions: Any, dst_regions: Any) -> list[Chunk]:
+    """A located batch cut by :func:`chunk_descriptors`, each chunk with the region indices of its rows.
+
+    ``src_idx``/``dst_idx`` are :func:`locate`'s indices of ``d``'s rows; ``src_regions``/``dst_regions`` have the
+    sorted ``starts``/``ends`` they were located in (a backend's registry, a peer's info). Chunks of uncut rows
+    take slices of the indices; when a row was cut (longer than ``max_batch_bytes``), the pieces lie inside their
+    row's regions and are located again (no error possible). O(N), plus O(N log R) when a row was cut.
+    """
+    chunks = chunk_descriptors(d, max_batch_descriptors, max_batch_bytes)
+    if sum(c.shape[0] for c in chunks) != d.shape[0]:  # a row was cut into pieces
+        return [(c, locate_ranges(c[:, 0], c[:, 2], src_regions.starts, src_regions.ends),
+                 locate_ranges(c[:, 1], c[:, 2], dst_regions.starts, dst_regions.ends)) for c in chunks]
+    out = []
+    a = 0
+    for c in chunks:
+        b = a + c.shape[0]
+        out.append((c, src_idx[a:b], dst_idx[a:b]))
+        a = b
     return out
 
 

@@ -24,8 +24,8 @@ import weakref
 
 import numpy as np
 
-from umalloc.backends.base import BackendBase, Chunk
-from umalloc.backends.descriptors import MAX_BATCH_BYTES, MAX_BATCH_DESCRIPTORS, locate_ranges
+from umalloc.backends.base import BackendBase
+from umalloc.backends.descriptors import MAX_BATCH_BYTES, MAX_BATCH_DESCRIPTORS, Chunk, locate_ranges
 from umalloc.backends.handle import TransferHandle
 from umalloc.backends.peers import PeerInfo
 from umalloc.errors import BackendError, RegistrationError, TransferError

@@ -81,8 +81,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from umalloc.backends.base import BackendBase, Chunk
-from umalloc.backends.descriptors import MAX_BATCH_BYTES, MAX_BATCH_DESCRIPTORS
+from umalloc.backends.base import BackendBase
+from umalloc.backends.descriptors import MAX_BATCH_BYTES, MAX_BATCH_DESCRIPTORS, Chunk
 from umalloc.backends.handle import TransferHandle
 from umalloc.backends.peers import PeerInfo
 from umalloc.backends.protocol import plan_leases_gone

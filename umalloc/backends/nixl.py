@@ -85,8 +85,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from umalloc.backends.base import BackendBase, Chunk
-from umalloc.backends.descriptors import MAX_BATCH_BYTES, MAX_BATCH_DESCRIPTORS
+from umalloc.backends.base import BackendBase
+from umalloc.backends.descriptors import MAX_BATCH_BYTES, MAX_BATCH_DESCRIPTORS, Chunk
 from umalloc.backends.handle import TransferHandle
 from umalloc.backends.peers import PeerInfo
 from umalloc.errors import (
