@@ -20,7 +20,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from test_backends import (  # noqa: F401 - fixtures are used by name
+from backend_fixtures import (  # noqa: F401 - fixtures are used by name
     DEADLINE_S,
     L_TOKENS,
     SEED,

@@ -26,9 +26,10 @@ from pathlib import Path
 from rich import box
 from rich.table import Table
 
+from umalloc.replay.report import check_schema
+
 RANKS_SCHEMA_VERSION = "umalloc.replay.ranks/1"
 
-_NUM = (int, float)
 _SIDE = {"tp": int, "dcp": int, "ranks": int, "page_size": int, "head_groups": int, "arena_bytes": int}
 _FIGURES = {"plans": int, "descriptors": int, "bytes": int, "runs": int, "baseline_descriptors": int}
 _RANK_TIMES = ("alloc", "fill", "plan", "transfer", "wait", "half", "verify")
@@ -59,31 +60,6 @@ RANK_SCHEMA: dict = {
 ROUTE_SCHEMA: dict = {"src": int, "dst": int, **_FIGURES}
 
 
-def _check_schema(value: object, schema: object, path: str, problems: list[str]) -> None:
-    if isinstance(schema, dict):
-        if not isinstance(value, dict):
-            problems.append(f"{path}: expected an object, got {type(value).__name__}")
-            return
-        if "*" in schema:
-            for k, v in value.items():
-                _check_schema(v, schema["*"], f"{path}.{k}", problems)
-            return
-        for k, sub in schema.items():
-            if k not in value:
-                problems.append(f"{path}.{k}: missing")
-            else:
-                _check_schema(value[k], sub, f"{path}.{k}", problems)
-        return
-    if schema is float:
-        ok = isinstance(value, _NUM) and not isinstance(value, bool)
-    elif schema is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    else:
-        ok = isinstance(value, schema)  # type: ignore[arg-type]
-    if not ok:
-        problems.append(f"{path}: expected {getattr(schema, '__name__', schema)}, got {type(value).__name__}")
-
-
 def check_ranks_report(report: Mapping) -> list[str]:
     """Every schema violation and broken invariant of a multi-rank report (see the module policy), one line
     each; empty for a good run.
@@ -92,11 +68,11 @@ def check_ranks_report(report: Mapping) -> list[str]:
     ['report.ok: missing']
     """
     problems: list[str] = []
-    _check_schema(report, RANKS_REPORT_SCHEMA, "report", problems)
+    check_schema(report, RANKS_REPORT_SCHEMA, "report", problems)
     for i, r in enumerate(report.get("ranks", []) if isinstance(report.get("ranks"), list) else []):
-        _check_schema(r, RANK_SCHEMA, f"report.ranks[{i}]", problems)
+        check_schema(r, RANK_SCHEMA, f"report.ranks[{i}]", problems)
     for i, r in enumerate(report.get("routes", []) if isinstance(report.get("routes"), list) else []):
-        _check_schema(r, ROUTE_SCHEMA, f"report.routes[{i}]", problems)
+        check_schema(r, ROUTE_SCHEMA, f"report.routes[{i}]", problems)
     if problems:
         return problems
     if report["schema"] != RANKS_SCHEMA_VERSION:

@@ -211,20 +211,22 @@ def _thin(events: list[list], max_points: int) -> list[list]:
     return [[events[i][0], sum(e[1] for e in events[i:i + k])] for i in range(0, len(events), k)]
 
 
-def _check_schema(value: object, schema: object, path: str, problems: list[str]) -> None:
+def check_schema(value: object, schema: object, path: str, problems: list[str]) -> None:
+    """Append to ``problems`` every place where ``value`` does not match ``schema`` (a dict of key -> schema,
+    ``{"*": schema}`` for any keys, or a type; ``int``/``float`` refuse bools). O(size of ``value``)."""
     if isinstance(schema, dict):
         if not isinstance(value, dict):
             problems.append(f"{path}: expected an object, got {type(value).__name__}")
             return
         if "*" in schema:
             for k, v in value.items():
-                _check_schema(v, schema["*"], f"{path}.{k}", problems)
+                check_schema(v, schema["*"], f"{path}.{k}", problems)
             return
         for k, sub in schema.items():
             if k not in value:
                 problems.append(f"{path}.{k}: missing")
                 continue
-            _check_schema(value[k], sub, f"{path}.{k}", problems)
+            check_schema(value[k], sub, f"{path}.{k}", problems)
         return
     if schema is float:
         ok = isinstance(value, _NUM) and not isinstance(value, bool)
@@ -247,7 +249,7 @@ def check_report(report: Mapping) -> list[str]:
     ['report.ok: missing']
     """
     problems: list[str] = []
-    _check_schema(report, REPORT_SCHEMA, "report", problems)
+    check_schema(report, REPORT_SCHEMA, "report", problems)
     if problems:
         return problems
     if report["schema"] != SCHEMA_VERSION:
@@ -353,5 +355,5 @@ def report_table(report: Mapping) -> Table:
     return t
 
 
-__all__ = ["MAX_TIMELINE_POINTS", "PHASES", "REPORT_SCHEMA", "SCHEMA_VERSION", "PhaseTimer", "Timeline",
+__all__ = ["MAX_TIMELINE_POINTS", "PHASES", "REPORT_SCHEMA", "SCHEMA_VERSION", "PhaseTimer", "Timeline", "check_schema",
            "check_report", "report_table", "report_title"]
