@@ -17,11 +17,12 @@ import numpy as np
 import pytest
 import torch
 
-from umalloc.backends import backend_available, get_backend, require_or_skip
-from umalloc.backends._worker import BackendWorker
+from umalloc.backends import backend_available, get_backend
+from umalloc.backends.worker import BackendWorker
 from umalloc.core.allocator import MultiEndedAllocator
 from umalloc.geometry.arena import Arena
 from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, LayerSpec
+from umalloc.testing import require_or_skip
 from umalloc.transfer import PeerLayout
 
 ENGINES = ["nixl", "mooncake"]

@@ -13,8 +13,7 @@ import torch
 
 from umalloc.core.allocator import V_FREED, V_LIVE, MultiEndedAllocator, snapshots_equal
 from umalloc.core.kernels.layout import _HBOFF, _PB, _VOFF
-from umalloc.testing import writable_end_tables as W
-from umalloc.geometry.arena import Arena
+from umalloc.core.pagestate import PAGE_GAP, PAGE_HOLE, PAGE_LIVE, PAGE_PENDING, PAGE_RESERVED, TOMBSTONE
 from umalloc.errors import (
     DoubleFreeError,
     InvalidIdError,
@@ -24,8 +23,9 @@ from umalloc.errors import (
     TombstoneError,
     UmallocValueError,
 )
-from umalloc.core.pagestate import PAGE_GAP, PAGE_HOLE, PAGE_LIVE, PAGE_PENDING, PAGE_RESERVED, TOMBSTONE
+from umalloc.geometry.arena import Arena
 from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, LayerSpec
+from umalloc.testing import writable_end_tables as W
 
 
 def T(*xs: int) -> torch.Tensor:

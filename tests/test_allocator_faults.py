@@ -12,8 +12,8 @@ import torch
 from test_allocator import T, draft_end, float3, full_end, full_swa, make, pages, swa_end
 
 from umalloc.core.allocator import V_RESERVED, MultiEndedAllocator, snapshots_equal
-from umalloc.errors import DoubleFreeError, InvalidIdError, LeaseError, TombstoneError
 from umalloc.core.pagestate import PAGE_HOLE, PAGE_LIVE, PAGE_PENDING, PAGE_RESERVED, TOMBSTONE
+from umalloc.errors import DoubleFreeError, InvalidIdError, LeaseError, TombstoneError
 from umalloc.geometry.spec import Grow
 
 

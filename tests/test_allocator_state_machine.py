@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from umalloc.core.allocator import MultiEndedAllocator, snapshots_equal
-from umalloc.geometry.arena import Arena
-from umalloc.errors import DoubleFreeError, InvalidIdError, NotAllocatedError
 from umalloc.core.pagestate import TOMBSTONE
+from umalloc.errors import DoubleFreeError, InvalidIdError, NotAllocatedError
+from umalloc.geometry.arena import Arena
 from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, LayerSpec
 
 WINDOW = 3

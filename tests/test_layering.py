@@ -2,7 +2,7 @@
 
 Every import counts: module level, inside functions, under ``TYPE_CHECKING``. Layers, lowest first (a module may
 import its own layer and the ones below it): errors, translators, geometry, core, transfer, backends,
-integrations, replay/cli, and ``umalloc.testing`` on top (imported by nothing in the package; doctests use it). Backends know plans and regions, not allocators.
+integrations, and ``umalloc.testing`` on top (the replay application is the separate package ``umalloc_replay``) (imported by nothing in the package; doctests use it). Backends know plans and regions, not allocators.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent / "umalloc"
 
 #: layer rank of each top-level part (lower may not import higher)
 RANK = {"errors": 0, "translators": 1, "geometry": 2, "core": 3, "transfer": 4, "backends": 5,
-        "integrations": 6, "replay": 7, "cli": 7, "testing": 8}
+        "integrations": 6, "testing": 8}
 MAX_MODULE_LINES = 860  # "about 800": the two largest modules (allocator facade, request table) are within 7 %
 
 

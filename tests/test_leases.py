@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from umalloc.core.allocator import snapshots_equal
-from umalloc.errors import InvariantError, LeaseError
 from umalloc.core.leases import Lease, LeaseTable
 from umalloc.core.pagestate import PAGE_PENDING
+from umalloc.errors import InvariantError, LeaseError
 
 
 class FakeClock:

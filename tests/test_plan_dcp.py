@@ -17,8 +17,8 @@ import torch
 
 from umalloc.core.allocator import MultiEndedAllocator
 from umalloc.geometry.arena import Arena
-from umalloc.transfer import PeerLayout, build_receiver_half, build_send_plan, check_compatible, source_ranks
 from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, KVDtype, LayerSpec
+from umalloc.transfer import PeerLayout, build_receiver_half, build_send_plan, check_compatible, source_ranks
 
 W = 5
 F32 = KVDtype.FP32

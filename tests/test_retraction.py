@@ -20,10 +20,10 @@ from compaction_fixtures import (
 )
 
 from umalloc.core.allocator import MultiEndedAllocator, snapshots_equal
-from umalloc.geometry.arena import Arena
-from umalloc.errors import InvalidIdError, NotAllocatedError, UmallocValueError
 from umalloc.core.pagestate import TOMBSTONE
 from umalloc.core.retraction import RetractedKV, restore, retract
+from umalloc.errors import InvalidIdError, NotAllocatedError, UmallocValueError
+from umalloc.geometry.arena import Arena
 from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, LayerSpec
 
 

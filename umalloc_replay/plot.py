@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from umalloc.replay.report import report_title
+from umalloc_replay.report import report_title
 
 
 def plural(n: int, word: str) -> str:

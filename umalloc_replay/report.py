@@ -308,6 +308,8 @@ def report_table(report: Mapping) -> Table:
     t.add_row("requests", f"{r['completed']:,} / {r['total']:,}", "completed / in the trace slice")
     t.add_row("max running", f"{r['max_running']:,}", "most requests decoding at once")
     t.add_row("tokens", f"{tok['prompt']:,} + {tok['generated']:,}", "prompt (prefilled, moved) + generated")
+    t.add_row("0-token rows", f"{tok.get('zero_prompts_as_1', 0):,} prompts, {tok.get('zero_outputs_as_1', 0):,} "
+              "outputs", "0 tokens in the trace, counted as 1 token each")
     t.add_row("tokens/s", f"{thr['tokens_per_s']:,.0f}", "all tokens / wall time")
     t.add_row("moved", _gb(b["moved"]), "bytes the backend wrote prefill -> decode")
     for name, nbytes in sorted(b["moved_by_vector"].items()):
@@ -325,7 +327,8 @@ def report_table(report: Mapping) -> Table:
         t.add_row(f"compaction {side}", f"{c['moves_pages']:,} pages / {_gb(c['moved_bytes'])}",
                   f"{c['events']:,} compactions that moved pages")
     lz, sf = report["leases"], report["shortfall"]
-    t.add_row("leases", f"{lz['taken']:,} taken, {lz['expired']} expired", f"at most {lz['max_active']} at once")
+    t.add_row("leases", f"{lz['taken']:,} taken, {lz['expired']} expired, {lz.get('in_doubt', 0)} in doubt",
+              f"at most {lz['max_active']} at once; in doubt: ended while an engine might still write its pages")
     t.add_row("lease waits", f"{sf['lease_waits']:,}", "allocations that waited for in-flight transfers")
     t.add_row("admission waits", f"{r['admission_waits']:,}", "steps a request waited for memory")
     t.add_row("retractions", f"{r['retracted']:,} ({r['restored']:,} restored)", "requests parked in host memory")
