@@ -49,9 +49,9 @@ import time
 import numpy as np
 import torch
 
+from umalloc.allocator.facade import MultiEndedAllocator
 from umalloc.backends import backend_available, get_backend
 from umalloc.backends.worker import BackendWorker
-from umalloc.core.allocator import MultiEndedAllocator
 from umalloc.geometry.arena import Arena
 from umalloc.geometry.presets import preset_ends
 from umalloc.geometry.region import Region
