@@ -155,6 +155,8 @@ class Timeline:
     #: ``[step, count]`` per step in which admission waited / requests were retracted.
     admission_wait_events: list[list] = field(default_factory=list)
     retraction_events: list[list] = field(default_factory=list)
+    #: ``[step, count]`` per step in which retracted requests were restored.
+    restore_events: list[list] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.prefill_live_pages = {e: [] for e in self.prefill_ends}
@@ -175,11 +177,13 @@ class Timeline:
     def add_compaction_event(self, step: int, time_s: float, side: str, pages_moved: int) -> None:
         self.compaction_events.append([step, round(time_s, 4), side, int(pages_moved)])
 
-    def add_scheduler_events(self, step: int, admission_waits: int, retractions: int) -> None:
+    def add_scheduler_events(self, step: int, admission_waits: int, retractions: int, restores: int = 0) -> None:
         if admission_waits:
             self.admission_wait_events.append([step, int(admission_waits)])
         if retractions:
             self.retraction_events.append([step, int(retractions)])
+        if restores:
+            self.restore_events.append([step, int(restores)])
 
     def to_dict(self, max_points: int = MAX_TIMELINE_POINTS) -> dict:
         """The timeline, downsampled to at most ``max_points`` points (every k-th point, the last kept)."""
@@ -200,6 +204,7 @@ class Timeline:
             "compaction_events": list(self.compaction_events[:max_points]),
             "admission_wait_events": _thin(self.admission_wait_events, max_points),
             "retraction_events": _thin(self.retraction_events, max_points),
+            "restore_events": _thin(self.restore_events, max_points),
         }
 
 

@@ -282,6 +282,7 @@ class Replay:
         self._short_ends: list[str] = []
         self._step_waits = 0
         self._step_retractions = 0
+        self._step_restores = 0
         self.cap = {"running_sum": 0, "steps": 0, "held_bytes_sum": 0, "held_bytes_peak": 0,
                     "padding_bytes_sum": 0, "padding_bytes_peak": 0}
         self.bytes_by_vector: dict[str, int] = {}
@@ -379,6 +380,7 @@ class Replay:
             rs.state = RUNNING
             self.running.append(rs)
             self.c["restores"] += 1
+            self._step_restores += 1
         while self.waiting and len(self.running) + len(self.inflight) < cfg.max_batch:
             rs = self.waiting[0]
             L = rs.req.input_tokens
@@ -622,8 +624,8 @@ class Replay:
         self._pre_live_mid = None
         self.timeline.add(self.step, t, self.done, leases, moves_total, pre_live,
                           {k: v.live_pages for k, v in ds.items()})
-        self.timeline.add_scheduler_events(self.step, self._step_waits, self._step_retractions)
-        self._step_waits = self._step_retractions = 0
+        self.timeline.add_scheduler_events(self.step, self._step_waits, self._step_retractions, self._step_restores)
+        self._step_waits = self._step_retractions = self._step_restores = 0
         acc = byte_accounting(self.dec_spec, ds, self.natural_page_bytes)
         cap = self.cap
         cap["steps"] += 1
