@@ -2,8 +2,7 @@
 
 Three failure tiers (docs/architecture.md, "Failure tiers"):
 
-* an expected shortage returns ``None`` or raises :class:`OutOfPages` (carrying ``requested`` and ``free``)
-  where an API says so;
+* an expected shortage returns ``None`` (or ``False``) and changes nothing, never a partial allocation;
 * caller misuse raises a :class:`UmallocValueError` subclass (also a :class:`ValueError`) naming the value
   and the allowed range, and changes nothing;
 * a broken internal invariant raises :class:`InvariantError` (an :class:`AssertionError`) naming the
@@ -62,23 +61,6 @@ class TombstoneError(InvalidIdError):
 
 class LeaseError(UmallocValueError):
     """Misuse of a lease: unknown pages, pinning a page that is not live, an already-ended lease, ..."""
-
-
-class OutOfPages(UmallocError):
-    """Not enough pages; nothing was allocated.
-
-    Attributes:
-        requested: pages asked for.
-        free: pages that were usable at the time.
-        end: the end (sub-pool) that ran short, when known.
-    """
-
-    def __init__(self, requested: int, free: int, end: str | None = None) -> None:
-        self.requested = int(requested)
-        self.free = int(free)
-        self.end = end
-        where = f" in end {end!r}" if end else ""
-        super().__init__(f"out of pages{where}: requested {self.requested}, free {self.free}")
 
 
 class InvariantError(AssertionError):

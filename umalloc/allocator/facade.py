@@ -74,7 +74,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, NoReturn
+from typing import Any, NoReturn, overload
 
 import numpy as np
 import torch
@@ -347,6 +347,15 @@ class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart, FreePart):
         o = self._owner_index(owner)
         return o, self._bind_mask(o, bind)
 
+    @overload
+    def alloc_pages(self, num_pages: int, *, owner: str | None = None, bind: Sequence[str] | None = None,
+                    out: None = None, index: None = None) -> torch.Tensor | None: ...
+    @overload
+    def alloc_pages(self, num_pages: int, *, owner: str | None = None, bind: Sequence[str] | None = None,
+                    out: torch.Tensor, index: torch.Tensor | np.ndarray | None = None) -> torch.Tensor | None: ...
+    @overload
+    def alloc_pages(self, num_pages: int, *, owner: str | None = None, bind: Sequence[str] | None = None,
+                    out: np.ndarray, index: torch.Tensor | np.ndarray | None = None) -> np.ndarray | None: ...
     def alloc_pages(self, num_pages: int, *, owner: str | None = None,
                     bind: Sequence[str] | None = None, out: torch.Tensor | np.ndarray | None = None,
                     index: torch.Tensor | np.ndarray | None = None) -> torch.Tensor | np.ndarray | None:

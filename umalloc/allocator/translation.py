@@ -23,7 +23,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple, NoReturn
+from typing import Any, NamedTuple, NoReturn, overload
 
 import numpy as np
 import torch
@@ -85,6 +85,12 @@ class TranslationPart:
         e = self._end_index(end)
         return read_only_table(torch.from_numpy(self._heap.end_tables(e)[0]))
 
+    @overload
+    def translate(self, vtokens: torch.Tensor, end: str, *, strict: bool = True,
+                  out: torch.Tensor | None = None) -> torch.Tensor: ...
+    @overload
+    def translate(self, vtokens: np.ndarray, end: str, *, strict: bool = True,
+                  out: np.ndarray | None = None) -> np.ndarray: ...
     def translate(self, vtokens: torch.Tensor | np.ndarray, end: str, *, strict: bool = True,
                   out: torch.Tensor | np.ndarray | None = None) -> torch.Tensor | np.ndarray:
         """Physical token ids of ``end`` for virtual token ids: ``v2p[end][t // ps] * ps + t % ps``.
@@ -114,6 +120,12 @@ class TranslationPart:
         """
         return self._translate(vtokens, end, strict, out, pages=False)
 
+    @overload
+    def translate_pages(self, vpages: torch.Tensor, end: str, *, strict: bool = True,
+                        out: torch.Tensor | None = None) -> torch.Tensor: ...
+    @overload
+    def translate_pages(self, vpages: np.ndarray, end: str, *, strict: bool = True,
+                        out: np.ndarray | None = None) -> np.ndarray: ...
     def translate_pages(self, vpages: torch.Tensor | np.ndarray, end: str, *, strict: bool = True,
                         out: torch.Tensor | np.ndarray | None = None) -> torch.Tensor | np.ndarray:
         """Physical pages of ``end`` for virtual pages (``(n,)``, the forms :meth:`translate` takes: torch or

@@ -736,9 +736,11 @@ class PlanLike(Protocol):
     """
 
     state: str
-    vectors: Mapping[str, Any]
     num_descriptors: int
     total_bytes: int
+
+    @property
+    def vectors(self) -> Mapping[str, Any]: ...
 
     @property
     def src_lease(self) -> LeaseLike | None: ...
