@@ -18,7 +18,7 @@ INIT = Path(umalloc.__file__)
 #: names that live in their modules only (each: the module that defines it)
 INTERNAL = {
     "LeaseTable": "umalloc.leases.table",
-    "EndView": "umalloc.allocator.observe",
+    "EndView": "umalloc.pool.views",
     "snapshots_equal": "umalloc.allocator.observe",
     "ReadOnlyTable": "umalloc.allocator.ids",
     "HeapCopyError": "umalloc.errors",

@@ -31,8 +31,10 @@ Policy:
 * **Layers** (one concept per module): :mod:`umalloc.pool.heap` owns every array and the root address
   vector; :mod:`umalloc.pool.kernels` is the numba layer (the only pointer intrinsics are in
   :mod:`umalloc.pool.kernels.raw`); :mod:`umalloc.pool.ladder` plans the shortfall ladder (pure);
-  :mod:`umalloc.allocator.ids` validates ids at the boundary; :mod:`umalloc.allocator.observe` holds the stats schema,
-  read-only end views and invariant checks. This module is the facade: validation, hot paths, the calls; its
+  :mod:`umalloc.allocator.ids` validates ids at the boundary; :mod:`umalloc.pool.views` holds the typed, read-only
+  end views and the heap's invariant checks, :mod:`umalloc.allocator.observe` the stats schema and snapshots. The
+  facade reads the heap only through its typed accessors (band, owner, page size, counters), never its columns.
+  This module is the facade: validation, hot paths, the calls; its
   parts :mod:`~umalloc.allocator.translation`, :mod:`~umalloc.allocator.space`, :mod:`~umalloc.allocator.leasing` and
   :mod:`~umalloc.allocator.freeing` (free and release) hold the rest of its methods.
 * **Tables handed out are read-only**: :meth:`MultiEndedAllocator.v2p` / :meth:`~MultiEndedAllocator.p2v` return
@@ -111,26 +113,20 @@ from umalloc.geometry.spec import ArenaSpec, Grow
 from umalloc.leases.table import LeaseTable
 from umalloc.pool.heap import Heap, claim_arena
 from umalloc.pool.kernels import raw
-from umalloc.pool.kernels.codes import _OK, raise_for
+from umalloc.pool.kernels.codes import OK, raise_for
 from umalloc.pool.kernels.layout import (
-    _FIRST,
-    _HI,
-    _LO,
-    _NV,
-    _OWNER,
-    _SPLIT_ONE,
-    _VLIVE,
+    SPLIT_ONE,
     V_FREED,
     V_LIVE,
     V_NEVER,
     V_RESERVED,
 )
 from umalloc.pool.kernels.ops import (
-    _k_alloc_pages,
-    _k_bind,
-    _k_decode,
-    _k_extend,
     hot_entries,
+    k_alloc_pages,
+    k_bind,
+    k_decode,
+    k_extend,
 )
 from umalloc.pool.mirror import make_mirrors, refresh
 
@@ -210,7 +206,7 @@ class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart, FreePart):
         # ---- leases: the heap's pin arrays, lent to the table
         self._leases = LeaseTable({n: heap.slots[i] for i, n in enumerate(self._names)}, clock=clock,
                                   on_unpinned=self._on_unpinned,
-                                  first_pages={n: int(self._meta[i, _FIRST]) for i, n in enumerate(self._names)},
+                                  first_pages={n: heap.first_page(i) for i, n in enumerate(self._names)},
                                   validator=self._validate_lease_pages,
                                   pins=dict(zip(self._names, heap.pins, strict=True)))
         # O(1) truthiness: the hot path's "any lease work?" test (an active lease, or pages unpinned on another
@@ -234,7 +230,7 @@ class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart, FreePart):
         self._debug = os.environ.get("UMALLOC_DEBUG", "") == "1"
         self._hot = hot_entries(self._debug)
         self._addr = raw.lend if self._debug else raw.address
-        self._bound: dict[str, int] = {n: i for i, n in enumerate(self._names) if int(self._meta[i, _OWNER]) != i}
+        self._bound: dict[str, int] = {n: i for i, n in enumerate(self._names) if heap.owner_of(i) != i}
         if self.debug_checks:
             self.check_invariants()
         claim_arena(arena, self)
@@ -257,7 +253,7 @@ class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart, FreePart):
                 raise UmallocValueError(f"float_split names {name!r}: allowed one of the float ends {floats}")
             if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0.0 <= frac <= 1.0:
                 raise UmallocValueError(f"float_split[{name!r}]={frac!r}: allowed a number in [0, 1]")
-            out[name] = int(round(frac * _SPLIT_ONE))
+            out[name] = int(round(frac * SPLIT_ONE))
         return out
 
     # ------------------------------------------------------------------------------------------------------
@@ -277,7 +273,7 @@ class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart, FreePart):
                     f"{[self._names[o] for o in self._owners]}; pass owner=")
             return self._default_owner
         o = self._end_index(owner)
-        if self._meta[o, _OWNER] != o:
+        if self._heap.owner_of(o) != o:
             raise UmallocValueError(f"owner={owner!r} is bound to {self.owner_of(owner)!r}; allowed an id-owner "
                                     f"end: {[self._names[i] for i in self._owners]}")
         return o
@@ -293,7 +289,7 @@ class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart, FreePart):
         >>> small_allocator().owner_of("swa")
         'full'
         """
-        return self._names[int(self._meta[self._end_index(end), _OWNER])]
+        return self._names[self._heap.owner_of(self._end_index(end))]
 
     def num_vpages(self, owner: str | None = None) -> int:
         """Size of the owner's virtual page id space (``num_page_slots(owner)``; id 0 is reserved).
@@ -302,7 +298,7 @@ class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart, FreePart):
         >>> small_allocator().num_vpages()
         10
         """
-        return int(self._meta[self._owner_index(owner), _NV])
+        return self._heap.num_vpages(self._owner_index(owner))
 
     def bound_ends(self, owner: str | None = None) -> tuple[str, ...]:
         """Names of the ends bound to ``owner`` (excluding the owner)."""
@@ -310,8 +306,7 @@ class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart, FreePart):
 
     def band(self, end: str) -> tuple[int, int]:
         """The band ``[lo, hi)`` of ``end`` in its physical pages. O(1)."""
-        e = self._end_index(end)
-        return int(self._meta[e, _LO]), int(self._meta[e, _HI])
+        return self._heap.band(self._end_index(end))
 
     def watermark(self, end: str) -> int:
         """``hi`` of an up/float end's band; ``lo - 1`` of a down end's (band ``(watermark, top]``). O(1)."""
@@ -408,8 +403,8 @@ class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart, FreePart):
                 idx, n_idx, n_out = index, num_pages, out.shape[0]
             if idx is not None:
                 args = (self._root_a, self._default_owner, self._default_mask, num_pages, out, n_out, idx, n_idx)
-                if self._hot.alloc_pages(*args) != _OK and self._retry(
-                        _k_alloc_pages, args, self._default_mask, "alloc_pages") is None:
+                if self._hot.alloc_pages(*args) != OK and self._retry(
+                        k_alloc_pages, args, self._default_mask, "alloc_pages") is None:
                     return None
                 return out
         num_pages = count_arg(num_pages, "num_pages")
@@ -430,7 +425,7 @@ class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart, FreePart):
         elif out is None:
             # more pages than the owner has free virtual ids is refused by the kernel before anything is
             # written, so a huge num_pages must not size the output either
-            free_ids = int(self._meta[o, _NV]) - 1 - int(self._meta[o, _VLIVE])
+            free_ids = self._heap.num_vpages(o) - 1 - self._heap.live_vpages(o)
             res = torch.empty(min(k, free_ids + 1), dtype=_I64)
             arg, n_out = raw.address(res), k
         else:
@@ -438,7 +433,7 @@ class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart, FreePart):
         if self._active_leases:
             self._tick()
         args = (self._root_a, o, mask, k, arg, n_out, idx_arg, n_idx)
-        if _k_alloc_pages(*args) != _OK and self._retry(_k_alloc_pages, args, mask, "alloc_pages") is None:
+        if k_alloc_pages(*args) != OK and self._retry(k_alloc_pages, args, mask, "alloc_pages") is None:
             return None
         del keep_idx
         if self._sync:
@@ -502,8 +497,8 @@ class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart, FreePart):
         addr = self._addr
         args = (self._root_a, o, mask, addr(prefix_lens), addr(seq_lens), addr(last_loc), B, out_a, n_out)
         res = self._hot.extend(*args)
-        if self._err[0] != _OK:
-            res = self._retry(_k_extend, args, mask, "alloc_extend")
+        if self._err[0] != OK:
+            res = self._retry(k_extend, args, mask, "alloc_extend")
             if res is None:
                 return None
         if self._sync:
@@ -554,7 +549,7 @@ class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart, FreePart):
             self._tick()
         addr = self._addr
         args = (self._root_a, o, mask, addr(seq_lens), addr(last_loc), B, addr(res))
-        if self._hot.decode(*args) != _OK and self._retry(_k_decode, args, mask, "alloc_decode") is None:
+        if self._hot.decode(*args) != OK and self._retry(k_decode, args, mask, "alloc_decode") is None:
             return None
         if self._sync:
             self._after(o, int(self._err[1]))
@@ -580,14 +575,14 @@ class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart, FreePart):
         """
         b = self._bound_index(end, "bind_end")
         toks = _ids(vtokens, "vtokens")
-        o = int(self._meta[b, _OWNER])
+        o = self._heap.owner_of(b)
         mask = self._bind_mask(o, None, only=b)
         if self._active_leases:
             self._tick()
         args = (self._root_a, b, mask, raw.address(toks), toks.numel())
-        n = _k_bind(*args)
+        n = k_bind(*args)
         if n < 0:
-            n = self._retry(_k_bind, args, mask, "bind_end")
+            n = self._retry(k_bind, args, mask, "bind_end")
             if n is None:
                 return False
         if self._sync:
@@ -596,7 +591,7 @@ class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart, FreePart):
 
     def _bound_index(self, end: str, where: str) -> int:
         b = self._end_index(end)
-        if self._meta[b, _OWNER] == b:
+        if self._heap.owner_of(b) == b:
             raise UmallocValueError(f"{where}: end {end!r} is an id-owner end; allowed a bound end: "
                                     f"{[n for n in self._names if self.owner_of(n) != n]}")
         return b
@@ -626,7 +621,7 @@ class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart, FreePart):
         """
         if self._active_leases:
             self._tick()
-        return end_stats(self._heap, self.spec, self._leases, self._expired_by_end)
+        return end_stats(self._heap, self.spec, self.ends, self._leases, self._expired_by_end)
 
     def snapshot(self) -> dict[str, Any]:
         """Every page's state and every table, as copies (numpy arrays), plus bands and counters.

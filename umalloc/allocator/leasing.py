@@ -22,7 +22,6 @@ import torch
 
 from umalloc.errors import LeaseError
 from umalloc.leases.table import LEASE_EXPIRED, Lease, LeaseTable
-from umalloc.pool.kernels.placement import _k_unpend
 from umalloc.pool.pagestate import PAGE_LIVE
 
 
@@ -34,9 +33,7 @@ class LeasePart:
     _active_leases: Mapping[int, Lease]
     _expired_by_end: list[int]
     _index: dict[str, int]
-    _meta: np.ndarray
-    _h64: np.ndarray
-    _h8: np.ndarray
+    _heap: Any
     _end_index: Callable[[str], int]
 
     def _tick(self) -> None:
@@ -112,7 +109,7 @@ class LeasePart:
         e = self._index[end]
         # pending pages whose last pin dropped become holes (or gap at a band edge); eager compaction runs on the
         # next free, lazy compaction on the next shortfall
-        _k_unpend(self._meta, self._h64, self._h8, e, np.ascontiguousarray(pages, dtype=np.int64))
+        self._heap.unpend(e, pages)
 
 
 __all__ = ["LeasePart"]
