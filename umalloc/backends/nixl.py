@@ -7,7 +7,7 @@ Policy:
   (``get_agent_metadata`` -> ``add_remote_agent``). Without a progress thread a target only advances when it is
   progressed, so :meth:`progress` drains notifications (``get_new_notifs``) of every live agent of this
   process, ``wait`` progresses while it polls, and a receiver in another process keeps calling
-  :meth:`progress` (``needs_progress`` is True; the worker harness in :mod:`umalloc.backends._worker` does it).
+  :meth:`progress` (``needs_progress`` is True; the worker harness in :mod:`umalloc.backends.worker` does it).
 * ``UCX_NET_DEVICES`` defaults to ``lo`` (loopback) before the first agent starts, and then ``UCX_MODULES`` to
   ``^ib,rdmacm`` (Note [UCX modules on loopback]); both are left alone when already set.
 * Posting: one request per chunk of Note [Bounded batches] (:mod:`umalloc.backends.descriptors`) and (source

@@ -1,7 +1,7 @@
 """The prefill side of the replay, and the sequence helpers both sides use.
 
 * :class:`LocalPrefill`: the prefill arena, its allocator and a ``local`` backend pair in this process (the
-  embedded default). :class:`umalloc.replay.remote.RemotePrefill` is the same side in a second process.
+  embedded default). :class:`umalloc_replay.single.remote.RemotePrefill` is the same side in a second process.
 * Both expose one small interface to the driver: ``start(request, decode vtokens) -> ticket | None`` (allocate,
   fill, plan with leases on both sides, submit; ``None`` when the prefill arena is short and nothing changed),
   ``finish_all(tickets) -> [PlanFigures]`` (wait for every transfer of the step and end its plan's leases, then
@@ -27,14 +27,19 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from umalloc.allocator.facade import MultiEndedAllocator
-from umalloc.errors import UmallocValueError
-from umalloc.geometry.arena import Arena
-from umalloc.geometry.spec import ArenaSpec, EndRole, pages_for_tokens
-from umalloc.replay.kvfill import KVPattern
-from umalloc.replay.report import PhaseTimer
-from umalloc.replay.workload import RequestState, first_kept_page, pages_held
-from umalloc.transfer import PeerLayout, build_plan
+from umalloc import (
+    Arena,
+    ArenaSpec,
+    EndRole,
+    MultiEndedAllocator,
+    PeerLayout,
+    UmallocValueError,
+    build_plan,
+    pages_for_tokens,
+)
+from umalloc_replay.report import PhaseTimer
+from umalloc_replay.single.kvfill import KVPattern
+from umalloc_replay.workload import RequestState, first_kept_page, pages_held
 
 # ==== sequence helpers (both sides) =============================================================================
 #
@@ -145,7 +150,7 @@ class LocalPrefill:
 
     def __init__(self, spec: ArenaSpec, pattern: KVPattern, decode: MultiEndedAllocator, timer: PhaseTimer,
                  *, compaction: str, transfer_timeout_s: float, lease_deadline_s: float | None) -> None:
-        from umalloc.backends import get_backend
+        from umalloc import get_backend
 
         self.arena = Arena(spec, zero=False)  # every byte read back is written first
         self.alloc = MultiEndedAllocator(self.arena, compaction=compaction)
@@ -228,15 +233,16 @@ class LocalPrefill:
 
     def lease_counts(self) -> dict[str, int]:
         t = self.alloc.lease_table
-        return {"leases_taken": t.leases_taken, "leases_expired": t.leases_expired}
+        return {"leases_taken": t.leases_taken, "leases_expired": t.leases_expired,
+                "leases_in_doubt": t.leases_in_doubt}
 
     def check_invariants(self) -> None:
         self.alloc.check_invariants()
         self.src.check_invariants()
         self.dst.check_invariants()
 
-    def close(self) -> None:
-        """Close both backends (idempotent)."""
+    def close(self, *, interrupted: bool = False) -> None:
+        """Close both backends (idempotent); ``interrupted`` changes nothing here (no second process)."""
         self.src.close()
         self.dst.close()
 

@@ -11,7 +11,7 @@ Policy:
   block and every row offset inside a page therefore gets different bytes; swapped pages, swapped layers,
   swapped tokens inside a page and stale bytes all show up as mismatches.
 * Hot paths: on CPU arenas, page and token fills and verifies are compiled loops
-  (:mod:`umalloc.replay.kvfill_kernels`: one write pass per fill, one read pass per verify, no expected buffer,
+  (:mod:`umalloc_replay.single.kvfill_kernels`: one write pass per fill, one read pass per verify, no expected buffer,
   one call per batch); on CUDA arenas, torch XORs written in place into the envelopes (one per layer block, or
   one per chunk of pages when the end's layers are uniform) and compared per chunk. Keys are computed in numpy
   ``uint64`` (``pages x layers`` of them, tiny). Torch batches are chunked to bound the temporary buffer.
@@ -50,10 +50,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from umalloc.errors import InvalidIdError, UmallocValueError
-from umalloc.geometry.arena import Arena
-from umalloc.geometry.spec import ArenaSpec
-from umalloc.replay import kvfill_kernels as _kernels
+from umalloc import Arena, ArenaSpec, InvalidIdError, UmallocValueError
+from umalloc_replay.single import kvfill_kernels as _kernels
 
 _M64 = (1 << 64) - 1
 _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
@@ -419,7 +417,7 @@ class KVPattern:
 
     def _cpu_token_args(self, arena: Arena, ep: _EndPattern, request_ids: np.ndarray | int, pos: np.ndarray,
                         pt: torch.Tensor) -> tuple | None:
-        """Arguments of the compiled token loops (:mod:`umalloc.replay.kvfill_kernels`): ``(env5, pages, slots,
+        """Arguments of the compiled token loops (:mod:`umalloc_replay.single.kvfill_kernels`): ``(env5, pages, slots,
         table_tok, keys)`` as numpy views, or ``None`` when they do not apply (a CUDA arena or an end that is not
         row-uniform)."""
         env = self._env_words(arena, ep)

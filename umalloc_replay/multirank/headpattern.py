@@ -37,10 +37,7 @@ import numpy as np
 import torch
 from numba import njit, uint64
 
-from umalloc.errors import InvariantError, UmallocValueError
-from umalloc.geometry.arena import Arena
-from umalloc.geometry.presets import rank_kv_heads
-from umalloc.geometry.spec import ArenaSpec, LayerKind
+from umalloc import Arena, ArenaSpec, InvariantError, LayerKind, UmallocValueError, rank_kv_heads
 
 _M64 = (1 << 64) - 1
 _P_POS = 0x9E3779B97F4A7C15

@@ -1,12 +1,12 @@
 """The multi-rank replay's report: its fixed JSON schema, its invariants and its table.
 
-Policy (as :mod:`umalloc.replay.report` for the single-pair replay):
+Policy (as :mod:`umalloc_replay.report` for the single-pair replay):
 
 * A plain JSON-ready ``dict`` with a fixed schema (:data:`RANKS_REPORT_SCHEMA`, version
   :data:`RANKS_SCHEMA_VERSION`); units are in key names (``*_bytes``, ``*_s``); counts ints, times floats.
 * :func:`check_ranks_report` checks the schema and the run's invariants and returns every problem (empty: a good
   run): every request completed; bytes moved; zero mismatched bytes; every decode rank verified exactly the
-  bytes its geometry says it must hold (counted independently, :func:`umalloc.replay.ranks.expected_bytes`), and
+  bytes its geometry says it must hold (counted independently, :func:`umalloc_replay.multirank.ranks.expected_bytes`), and
   more than none; bytes received per decode rank equal bytes sent to it; every rank ends with no live or pending
   page and no active lease.
 * Figures: per rank (a prefill rank's plans, descriptors, bytes and runs are what it sent; a decode rank's what
@@ -26,7 +26,7 @@ from pathlib import Path
 from rich import box
 from rich.table import Table
 
-from umalloc.replay.report import check_schema
+from umalloc_replay.report import check_schema
 
 RANKS_SCHEMA_VERSION = "umalloc.replay.ranks/1"
 
@@ -157,7 +157,9 @@ def ranks_table(report: Mapping) -> Table:
               f"{tot['mismatch_bytes']:,}")
     by_vec = ", ".join(f"{n} {_mb(b)}" for n, b in sorted(tot["bytes_by_vector"].items()))
     ok = "[green]OK[/green]" if report["ok"] else "[red]FAILED[/red]"
-    t.caption = (f"{report['requests']['completed']}/{report['requests']['total']} requests; MB moved by vector: "
+    zero = report["requests"].get("zero_prompts_as_1", 0)
+    t.caption = (f"{report['requests']['completed']}/{report['requests']['total']} requests ({zero} 0-token "
+                 "prompts counted as 1 token); MB moved by vector: "
                  f"{by_vec}; verified {_mb(tot['verified_bytes'])} of {_mb(tot['expected_bytes'])} MB expected; "
                  f"{tot['baseline_descriptors']:,} descriptors without merging. "
                  f"Time: setup {ts['setup']:.2f} s, transfers {ts['start'] + ts['transfer']:.2f} s "

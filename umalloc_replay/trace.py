@@ -35,13 +35,13 @@ from pathlib import Path
 
 import numpy as np
 
-from umalloc.errors import UmallocValueError
-from umalloc.replay.preflight import SNIFF_BYTES, check_trace_file
+from umalloc import UmallocValueError
+from umalloc_replay.preflight import SNIFF_BYTES, check_trace_file
 
 #: Block size (tokens) of the Mooncake ``hash_ids``.
 MOONCAKE_HASH_BLOCK_TOKENS = 512
 
-#: File name of the trace shipped inside the package (``umalloc/data``).
+#: File name of the trace shipped inside the package (``umalloc_replay/data``).
 DEFAULT_TRACE_NAME = "conversation_trace.jsonl"
 
 TRACE_FORMATS = ("mooncake", "azure")
@@ -80,12 +80,16 @@ class Trace:
         format: ``"mooncake"`` or ``"azure"``.
         token_scale: the divisor applied to every token count.
         requests: the requests, in file order.
+        zero_prompts, zero_outputs: requests of the slice whose prompt / output has 0 tokens in the file; the
+            replay counts each as 1 token (a request needs a token to hold a page), and its report says how many.
     """
 
     path: str
     format: str
     token_scale: int
     requests: tuple[TraceRequest, ...]
+    zero_prompts: int = 0
+    zero_outputs: int = 0
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -119,6 +123,7 @@ class Trace:
             "max_input_tokens": int(inp.max()) if len(inp) else 0,
             "max_output_tokens": int(out.max()) if len(out) else 0,
             "span_s": float(self.requests[-1].arrival_s) if self.requests else 0.0,
+            "zero_prompts": self.zero_prompts, "zero_outputs": self.zero_outputs,
         }
 
 
@@ -216,6 +221,7 @@ def read_mooncake_jsonl(path: str | Path, *, token_scale: int = 1, max_requests:
     _check_limit(max_requests, skip)
     path = Path(path)
     reqs: list[TraceRequest] = []
+    zeros = [0, 0]  # rows of the slice with a 0-token prompt, output
     t0: int | None = None
     row_index = -1
     for lineno, line in _text_lines(path):
@@ -228,7 +234,10 @@ def read_mooncake_jsonl(path: str | Path, *, token_scale: int = 1, max_requests:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise TraceFormatError(f"{where}: not JSON ({exc.msg})") from None
+            # json's message names the place with a trailing "at" ("Invalid control character at"); the column
+            # completes it
+            what = exc.msg.removesuffix(" at")
+            raise TraceFormatError(f"{where}:{exc.colno}: not JSON: {what} at column {exc.colno}") from None
         if not isinstance(row, dict):
             raise TraceFormatError(f"{where}: allowed a JSON object per line")
         for key in ("timestamp", "input_length", "output_length"):
@@ -245,11 +254,13 @@ def read_mooncake_jsonl(path: str | Path, *, token_scale: int = 1, max_requests:
             t0 = ts
         reqs.append(TraceRequest(row_index, (ts - t0) / 1000.0, scale_tokens(inp, token_scale),
                                  scale_tokens(out, token_scale), tuple(hashes)))
+        zeros[0] += int(inp == 0)
+        zeros[1] += int(out == 0)
         if max_requests is not None and len(reqs) >= max_requests:
             break
     if not reqs:
         raise _no_rows(path, skip, row_index + 1)
-    return Trace(str(path), "mooncake", token_scale, tuple(reqs))
+    return Trace(str(path), "mooncake", token_scale, tuple(reqs), *zeros)
 
 
 def _text_lines(path: Path) -> Iterator[tuple[int, str]]:
@@ -296,6 +307,7 @@ def read_azure_csv(path: str | Path, *, token_scale: int = 1, max_requests: int 
 
 def _read_azure(path: Path, token_scale: int, max_requests: int | None, skip: int) -> Trace:
     reqs: list[TraceRequest] = []
+    zeros = [0, 0]  # rows of the slice with a 0-token prompt, output
     row_index = -1
     with path.open("r", encoding="utf-8", newline="") as fh:
         reader = csv.reader(fh)
@@ -333,16 +345,18 @@ def _read_azure(path: Path, token_scale: int, max_requests: int | None, skip: in
                 t0 = ts
             reqs.append(TraceRequest(row_index, (ts - t0) / 1e9, scale_tokens(counts[0], token_scale),
                                      scale_tokens(counts[1], token_scale)))
+            zeros[0] += int(counts[0] == 0)
+            zeros[1] += int(counts[1] == 0)
             if max_requests is not None and len(reqs) >= max_requests:
                 break
     if not reqs:
         raise _no_rows(path, skip, row_index + 1)
-    return Trace(str(path), "azure", token_scale, tuple(reqs))
+    return Trace(str(path), "azure", token_scale, tuple(reqs), *zeros)
 
 
 def default_trace_path() -> Path:
-    """Path of the Mooncake conversation trace shipped in ``umalloc/data`` (Apache-2.0, see its NOTICE)."""
-    return Path(str(resources.files("umalloc") / "data" / DEFAULT_TRACE_NAME))
+    """Path of the Mooncake conversation trace shipped in ``umalloc_replay/data`` (Apache-2.0, see its NOTICE)."""
+    return Path(str(resources.files("umalloc_replay") / "data" / DEFAULT_TRACE_NAME))
 
 
 def detect_format(path: str | Path) -> str:

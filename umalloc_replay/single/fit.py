@@ -3,9 +3,9 @@ runs, with one message naming the largest such request and what to change.
 
 * Two checks per request and side: its bytes (the empty allocator's joint placement plan,
   :meth:`MultiEndedAllocator.can_alloc`, of its peak on decode and its prompt on prefill, within the static
-  pools when there are any), and its admission (:func:`~umalloc.replay.prefill.alloc_sequence` of its prompt,
+  pools when there are any), and its admission (:func:`~umalloc_replay.single.prefill.alloc_sequence` of its prompt,
   then freed, on an empty probe allocator: the floating draft band can split free space so that bytes that fit
-  cannot be placed, Note [Stranded space] in :mod:`umalloc.replay.run`).
+  cannot be placed, Note [Stranded space] in :mod:`umalloc_replay.single.run`).
 * Hints are given only where they help: ``--requests K`` when the first ``K`` requests of the slice fit;
   ``--compaction lazy`` when the refusal is a placement under ``--compaction off`` that lazy compaction places.
 * The probes hold only tables (their arenas are never written).
@@ -13,13 +13,10 @@ runs, with one message naming the largest such request and what to change.
 
 from __future__ import annotations
 
-from umalloc.allocator.facade import MultiEndedAllocator
-from umalloc.errors import UmallocValueError
-from umalloc.geometry.arena import Arena
-from umalloc.geometry.spec import ArenaSpec
-from umalloc.replay.prefill import alloc_sequence
-from umalloc.replay.trace import Trace, TraceRequest
-from umalloc.replay.workload import pages_held, peak_pages
+from umalloc import ARENA_ALIGN_BYTES, Arena, ArenaSpec, MultiEndedAllocator, UmallocValueError
+from umalloc_replay.single.prefill import alloc_sequence
+from umalloc_replay.trace import Trace, TraceRequest
+from umalloc_replay.workload import pages_held, peak_pages
 
 
 def request_peak_bytes(spec: ArenaSpec, input_tokens: int, output_tokens: int) -> int:
@@ -98,10 +95,31 @@ def check_slice_fits(trace: Trace, dec_spec: ArenaSpec, pre_spec: ArenaSpec, *, 
             f"~{nbytes + slack:,}, a larger --token-scale{fewer}")
 
 
+def slice_needs_bytes(ends: tuple, trace: Trace, side: str) -> int:
+    """Bytes the ``side`` (``"decode"`` or ``"prefill"``) arena needs at least for ``trace``: its largest request
+    (decode: at its peak; prefill: its prompt) plus the arena's floor and one page per end, rounded up to
+    :data:`umalloc.ARENA_ALIGN_BYTES` (the figure :func:`check_slice_fits` names). O(requests x ends).
+
+    >>> from umalloc import preset_ends
+    >>> from umalloc_replay.trace import Trace, TraceRequest
+    >>> ends = preset_ends("llama-3.1-8b", page_size=16)
+    >>> # one 2 MiB page per 16 tokens: a 17-token prompt holds 2 pages, the floor 1, one page per end 1
+    >>> slice_needs_bytes(ends, Trace("t", "azure", 1, (TraceRequest(0, 0.0, 17, 1),)), "prefill") == 4 * (2 << 20)
+    True
+    """
+    probe = ArenaSpec(ends, arena_bytes=1 << 40)
+    if side == "decode":
+        largest = max(request_peak_bytes(probe, r.input_tokens, r.output_tokens) for r in trace)
+    else:
+        largest = max(request_prompt_bytes(probe, r.input_tokens) for r in trace)
+    nbytes = largest + probe.floor_bytes + sum(e.page_bytes for e in probe.ends)
+    return -(-nbytes // ARENA_ALIGN_BYTES) * ARENA_ALIGN_BYTES
+
+
 def _places_lazily(spec: ArenaSpec, r: TraceRequest) -> bool:
     """Whether an empty arena of ``spec`` with lazy compaction places request ``r``'s prompt."""
     probe = MultiEndedAllocator(Arena(spec, zero=False), compaction="lazy")
     return alloc_sequence(probe, r.input_tokens) is not None
 
 
-__all__ = ["check_slice_fits", "request_peak_bytes", "request_prompt_bytes"]
+__all__ = ["check_slice_fits", "request_peak_bytes", "request_prompt_bytes", "slice_needs_bytes"]

@@ -155,6 +155,8 @@ class Timeline:
     #: ``[step, count]`` per step in which admission waited / requests were retracted.
     admission_wait_events: list[list] = field(default_factory=list)
     retraction_events: list[list] = field(default_factory=list)
+    #: ``[step, count]`` per step in which retracted requests were restored.
+    restore_events: list[list] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.prefill_live_pages = {e: [] for e in self.prefill_ends}
@@ -175,11 +177,13 @@ class Timeline:
     def add_compaction_event(self, step: int, time_s: float, side: str, pages_moved: int) -> None:
         self.compaction_events.append([step, round(time_s, 4), side, int(pages_moved)])
 
-    def add_scheduler_events(self, step: int, admission_waits: int, retractions: int) -> None:
+    def add_scheduler_events(self, step: int, admission_waits: int, retractions: int, restores: int = 0) -> None:
         if admission_waits:
             self.admission_wait_events.append([step, int(admission_waits)])
         if retractions:
             self.retraction_events.append([step, int(retractions)])
+        if restores:
+            self.restore_events.append([step, int(restores)])
 
     def to_dict(self, max_points: int = MAX_TIMELINE_POINTS) -> dict:
         """The timeline, downsampled to at most ``max_points`` points (every k-th point, the last kept)."""
@@ -200,6 +204,7 @@ class Timeline:
             "compaction_events": list(self.compaction_events[:max_points]),
             "admission_wait_events": _thin(self.admission_wait_events, max_points),
             "retraction_events": _thin(self.retraction_events, max_points),
+            "restore_events": _thin(self.restore_events, max_points),
         }
 
 
@@ -308,6 +313,8 @@ def report_table(report: Mapping) -> Table:
     t.add_row("requests", f"{r['completed']:,} / {r['total']:,}", "completed / in the trace slice")
     t.add_row("max running", f"{r['max_running']:,}", "most requests decoding at once")
     t.add_row("tokens", f"{tok['prompt']:,} + {tok['generated']:,}", "prompt (prefilled, moved) + generated")
+    t.add_row("0-token rows", f"{tok.get('zero_prompts_as_1', 0):,} prompts, {tok.get('zero_outputs_as_1', 0):,} "
+              "outputs", "0 tokens in the trace, counted as 1 token each")
     t.add_row("tokens/s", f"{thr['tokens_per_s']:,.0f}", "all tokens / wall time")
     t.add_row("moved", _gb(b["moved"]), "bytes the backend wrote prefill -> decode")
     for name, nbytes in sorted(b["moved_by_vector"].items()):
@@ -325,7 +332,8 @@ def report_table(report: Mapping) -> Table:
         t.add_row(f"compaction {side}", f"{c['moves_pages']:,} pages / {_gb(c['moved_bytes'])}",
                   f"{c['events']:,} compactions that moved pages")
     lz, sf = report["leases"], report["shortfall"]
-    t.add_row("leases", f"{lz['taken']:,} taken, {lz['expired']} expired", f"at most {lz['max_active']} at once")
+    t.add_row("leases", f"{lz['taken']:,} taken, {lz['expired']} expired, {lz.get('in_doubt', 0)} in doubt",
+              f"at most {lz['max_active']} at once; in doubt: ended while an engine might still write its pages")
     t.add_row("lease waits", f"{sf['lease_waits']:,}", "allocations that waited for in-flight transfers")
     t.add_row("admission waits", f"{r['admission_waits']:,}", "steps a request waited for memory")
     t.add_row("retractions", f"{r['retracted']:,} ({r['restored']:,} restored)", "requests parked in host memory")

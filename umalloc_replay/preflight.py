@@ -18,11 +18,14 @@ Policy:
 from __future__ import annotations
 
 import codecs
+import importlib.util
 import os
+import re
 import tempfile
+from fractions import Fraction
 from pathlib import Path
 
-from umalloc.errors import UmallocValueError
+from umalloc import UmallocValueError
 
 #: Bytes of a trace file read to tell text from binary.
 SNIFF_BYTES = 1 << 16
@@ -116,15 +119,74 @@ def resolve_plot_path(path: str | Path) -> Path:
         raise UmallocValueError(f"--plot {str(path)!r}: suffix {p.suffix!r}, allowed one of {list(PLOT_SUFFIXES)} "
                                 "(or none: .png is added)")
     check_output_file(p, "--plot")
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise UmallocValueError("--plot needs matplotlib (pip install matplotlib)") from None
+    if importlib.util.find_spec("matplotlib") is None:  # found, not imported: a refusal stays quick
+        raise UmallocValueError("--plot needs matplotlib (pip install matplotlib)")
     return p
 
 
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kKmMgGtT]i?[bB]?|[bB])?\s*$")
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "ki": 2**10, "m": 10**6, "mb": 10**6,
+          "mib": 2**20, "mi": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "gi": 2**30, "t": 10**12,
+          "tb": 10**12, "tib": 2**40, "ti": 2**40}
+
+
+def parse_size_bytes(text: str) -> int:
+    """``"3GiB"`` -> 3221225472; plain ints are bytes; ``k/M/G/T`` are decimal, ``Ki/Mi/Gi/Ti`` binary.
+
+    The value is exact (no float rounding) and must be a whole, positive number of bytes.
+
+    Raises:
+        UmallocValueError: not a size, zero, or a fraction of a byte (``"0.5"``, ``"1.5"``).
+
+    >>> parse_size_bytes("1536MiB"), parse_size_bytes("2GB"), parse_size_bytes("4096"), parse_size_bytes("4.1GB")
+    (1610612736, 2000000000, 4096, 4100000000)
+    """
+    m = _SIZE_RE.match(text)
+    if m is None:
+        raise UmallocValueError(f"size {text!r}: allowed an int or a number with a unit (e.g. 512MiB, 2GiB)")
+    nbytes = Fraction(m.group(1)) * _UNITS[(m.group(2) or "").lower()]
+    if nbytes.denominator != 1 or nbytes < 1:
+        raise UmallocValueError(f"size {text!r} is {float(nbytes):g} bytes: allowed a whole number of bytes >= 1")
+    return int(nbytes)
+
+
+def parse_arena_bytes(text: str) -> tuple[int, int]:
+    """``"SIZE"`` (both arenas) or ``"PREFILL,DECODE"`` -> ``(prefill_bytes, decode_bytes)``.
+
+    Raises:
+        UmallocValueError: not one or two sizes (see :func:`parse_size_bytes`).
+
+    >>> parse_arena_bytes("1GiB,3GiB")
+    (1073741824, 3221225472)
+    """
+    parts = text.split(",")
+    if len(parts) not in (1, 2):
+        raise UmallocValueError(f"--arena-bytes {text!r}: allowed SIZE or PREFILL,DECODE")
+    try:
+        sizes = [parse_size_bytes(p) for p in parts]
+    except UmallocValueError as exc:
+        raise UmallocValueError(f"--arena-bytes: {exc}") from None
+    return (sizes[0], sizes[-1])
+
+
+#: Environment variable that, when set, is the host memory :func:`available_memory_bytes` reports (bytes or a
+#: size such as ``64GiB``): the test suite sets it so that no test depends on the memory free on its machine.
+HOST_MEMORY_ENV = "UMALLOC_HOST_MEMORY_BYTES"
+
+
 def available_memory_bytes() -> int:
-    """Bytes of host memory the kernel reports available (``MemAvailable``), else the physical memory."""
+    """Bytes of host memory the replay may use: ``$UMALLOC_HOST_MEMORY_BYTES`` when set, else what the kernel
+    reports available (``MemAvailable``), else the physical memory.
+
+    Raises:
+        UmallocValueError: ``$UMALLOC_HOST_MEMORY_BYTES`` is not a size.
+    """
+    given = os.environ.get(HOST_MEMORY_ENV, "").strip()
+    if given:
+        try:
+            return parse_size_bytes(given)
+        except UmallocValueError as exc:
+            raise UmallocValueError(f"${HOST_MEMORY_ENV}: {exc}") from None
     try:
         with open("/proc/meminfo") as fh:
             for line in fh:
@@ -146,8 +208,21 @@ def check_host_memory(needs: dict[str, int], hint: str) -> None:
     if total > have:
         parts = ", ".join(f"{k} {v:,}" for k, v in needs.items())
         raise UmallocValueError(f"the replay needs {total:,} bytes of host memory ({parts}) but this machine has "
-                                f"{have:,} bytes available: allowed {hint}")
+                                f"{have:,} bytes available: pass {hint}")
 
 
-__all__ = ["DEFAULT_PLOT_NAME", "PLOT_SUFFIXES", "SNIFF_BYTES", "available_memory_bytes", "check_host_memory",
-           "check_output_file", "check_trace_file", "resolve_plot_path"]
+def is_multi_rank(prefill_tp: int, decode_tp: int, prefill_dcp: int, decode_dcp: int,
+                  prefill_page_size: int | None, page_size: int) -> bool:
+    """True if these sizes need the multi-rank replay (any TP or DCP other than 1, or a prefill page size that
+    differs from the decode one).
+
+    >>> is_multi_rank(1, 1, 1, 1, None, 16), is_multi_rank(1, 1, 1, 1, 32, 16), is_multi_rank(2, 1, 1, 1, None, 16)
+    (False, True, True)
+    """
+    return (prefill_tp, decode_tp, prefill_dcp, decode_dcp) != (1, 1, 1, 1) or \
+        (prefill_page_size is not None and prefill_page_size != page_size)
+
+
+__all__ = ["DEFAULT_PLOT_NAME", "HOST_MEMORY_ENV", "PLOT_SUFFIXES", "SNIFF_BYTES", "available_memory_bytes",
+           "check_host_memory", "check_output_file", "check_trace_file", "is_multi_rank", "parse_arena_bytes",
+           "parse_size_bytes", "resolve_plot_path"]

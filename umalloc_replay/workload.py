@@ -21,9 +21,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from umalloc.errors import InvariantError, UmallocValueError
-from umalloc.geometry.spec import ArenaSpec, EndRole, pages_for_tokens, swa_pages_per_seq, swa_tail_start
-from umalloc.replay.trace import TraceRequest
+from umalloc import (
+    ArenaSpec,
+    EndRole,
+    InvariantError,
+    UmallocValueError,
+    pages_for_tokens,
+    swa_pages_per_seq,
+    swa_tail_start,
+)
+from umalloc_replay.trace import TraceRequest
 
 WAITING = "waiting"
 TRANSFERRING = "transferring"

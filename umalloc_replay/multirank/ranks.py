@@ -6,8 +6,8 @@
 Policy:
 
 * **Ranks.** ``P * M`` prefill ranks and ``D * N`` decode ranks, rank ``c * tp + t`` holding TP rank ``t`` and
-  DCP rank ``c``; each is a :class:`~umalloc.backends._worker.BackendWorker` process with its own arena (its
-  heads, its DCP rows), allocator, backend and pattern (:mod:`umalloc.replay.rankside`). This process only
+  DCP rank ``c``; each is a :class:`~umalloc.backends.worker.BackendWorker` process with its own arena (its
+  heads, its DCP rows), allocator, backend and pattern (:mod:`umalloc_replay.multirank.rankside`). This process only
   orchestrates: it holds no arena and no backend while the ranks run.
 * **Preflight.** Before any process starts (:meth:`RanksConfig.resolved`, :meth:`MultiRankReplay._preflight`):
   at most :data:`MAX_RANKS_PER_SIDE` ranks a side; the arenas plus :data:`RANK_PROCESS_BYTES` per rank within the
@@ -23,16 +23,16 @@ Policy:
   not decoded (this is a transfer replay). Up to ``max_batch`` requests go per step: decode prepares (rows,
   one published half per source), prefill allocates, fills, plans and submits, prefill waits and frees, decode
   completes and verifies every byte it must have (Note [One half per source rank] in
-  :mod:`umalloc.replay.rankside`).
+  :mod:`umalloc_replay.multirank.rankside`).
 * **Verification.** A decode rank compares every byte of its slice with the head pattern
-  (:mod:`umalloc.replay.headpattern`); this process checks the verified bytes against a count made here from the
+  (:mod:`umalloc_replay.multirank.headpattern`); this process checks the verified bytes against a count made here from the
   request lengths and the ranks' geometry alone (:func:`expected_bytes`), and the report
-  (:mod:`umalloc.replay.ranks_report`) holds every figure per rank, per route and in total.
+  (:mod:`umalloc_replay.multirank.ranks_report`) holds every figure per rank, per route and in total.
 * Importing this module stays light (the console script imports it for its defaults): the transfer layer and
   the rank side are imported where they are used.
 * **Failures end every rank.** Each call to a rank is bounded; while it runs, every other rank is watched: a
   rank that died (a SIGKILL) raises :class:`RankError` naming it, at once. Ctrl-C (SIGINT reaches only this
-  process: the ranks are spawned with it ignored, :mod:`umalloc.replay.signals`) raises ``KeyboardInterrupt``.
+  process: the ranks are spawned with it ignored, :mod:`umalloc_replay.signals`) raises ``KeyboardInterrupt``.
   Either way every rank is closed (exit, then terminate, then kill) before the error leaves :meth:`run`.
 """
 
@@ -47,21 +47,26 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from umalloc.errors import BackendError, InvariantError, UmallocValueError
-from umalloc.geometry.presets import DEFAULT_PRESET, PRESETS
-from umalloc.geometry.spec import ARENA_ALIGN_BYTES, ArenaSpec, EndRole
-from umalloc.replay.ranks_report import RANKS_SCHEMA_VERSION, check_ranks_report
-from umalloc.replay.signals import sigint_ignored
-from umalloc.replay.trace import load_trace
+from umalloc import (
+    ARENA_ALIGN_BYTES,
+    DEFAULT_PRESET,
+    PRESETS,
+    ArenaSpec,
+    BackendError,
+    EndRole,
+    InvariantError,
+    UmallocValueError,
+)
+from umalloc_replay import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_RANK_REQUESTS, DEFAULT_RANK_TOKEN_SCALE
+from umalloc_replay.multirank.ranks_report import RANKS_SCHEMA_VERSION, check_ranks_report
+from umalloc_replay.preflight import is_multi_rank
+from umalloc_replay.signals import sigint_ignored
+from umalloc_replay.trace import load_trace
 
 if TYPE_CHECKING:
-    from umalloc.transfer import PeerLayout
+    from umalloc import PeerLayout
 
-_HERE = "umalloc.replay.rankside:"
-#: Multi-rank defaults: requests, token scale and prompt cap (a few seconds per case on 2 cores).
-DEFAULT_RANK_REQUESTS = 4
-DEFAULT_RANK_TOKEN_SCALE = 64
-DEFAULT_MAX_PROMPT_TOKENS = 256
+_HERE = "umalloc_replay.multirank.rankside:"
 #: Seconds a rank may take to start (spawn, imports, engine) and, beyond the transfer timeout, to answer a call.
 START_TIMEOUT_S = 180.0
 CALL_MARGIN_S = 120.0
@@ -85,14 +90,14 @@ class RanksConfig:
 
     Attributes:
         backend: ``"nixl"`` or ``"mooncake"`` (ranks are processes; ``local`` cannot cross them).
-        trace, trace_format, model, draft, seed, skip, compaction: as :class:`umalloc.replay.run.ReplayConfig`
+        trace, trace_format, model, draft, seed, skip, compaction: as :class:`umalloc_replay.single.run.ReplayConfig`
             (``draft`` on a preset without a drafter means none).
         page_size: the decode ranks' page size; prefill_page_size: the prefill ranks' (``None``: the same).
         prefill_tp, decode_tp, prefill_dcp, decode_dcp: each side's TP and DCP sizes (ranks = TP x DCP).
         prefill_head_groups, decode_head_groups: each side's head groups (1: the page-major envelope; ``G > 1``
             the head-group-outer one on every end that can take it, :func:`~umalloc.geometry.presets.preset_ends`).
         prefill_arena_bytes, decode_arena_bytes: every rank's arena of that side (``None``: sized for the step,
-            :func:`~umalloc.replay.rankside.rank_arena_bytes`).
+            :func:`~umalloc_replay.multirank.rankside.rank_arena_bytes`).
         requests: trace rows replayed (``None``: :data:`DEFAULT_RANK_REQUESTS`); token_scale: prompt tokens
             divided by it (``None``: :data:`DEFAULT_RANK_TOKEN_SCALE`); max_prompt_tokens: prompts capped at it.
         max_batch: requests in flight per step.
@@ -153,9 +158,8 @@ class RanksConfig:
             _check_int(name, getattr(self, name), 0)
         if self.compaction not in ("lazy", "eager", "off"):
             raise UmallocValueError(f"compaction={self.compaction!r}: allowed 'lazy', 'eager', 'off'")
-        from umalloc.geometry.region import Region
-        from umalloc.replay.rankside import rank_arena_bytes, rank_ends
-        from umalloc.transfer import PeerLayout, check_compatible
+        from umalloc import PeerLayout, Region, check_compatible
+        from umalloc_replay.multirank.rankside import rank_arena_bytes, rank_ends
 
         d = asdict(self)
         d["prefill_page_size"] = self.page_size if self.prefill_page_size is None else self.prefill_page_size
@@ -234,18 +238,6 @@ def _check_int(name: str, v: object, lo: int) -> None:
         raise UmallocValueError(f"{name}={v!r}: allowed an int >= {lo}")
 
 
-def is_multi_rank(prefill_tp: int, decode_tp: int, prefill_dcp: int, decode_dcp: int,
-                  prefill_page_size: int | None, page_size: int) -> bool:
-    """True if these sizes need the multi-rank replay (any TP or DCP other than 1, or a prefill page size that
-    differs from the decode one).
-
-    >>> is_multi_rank(1, 1, 1, 1, None, 16), is_multi_rank(1, 1, 1, 1, 32, 16), is_multi_rank(2, 1, 1, 1, None, 16)
-    (False, True, True)
-    """
-    return (prefill_tp, decode_tp, prefill_dcp, decode_dcp) != (1, 1, 1, 1) or \
-        (prefill_page_size is not None and prefill_page_size != page_size)
-
-
 @dataclass(frozen=True)
 class RankId:
     """One rank: its side, index (``dcp_rank * tp_size + tp_rank``) and parallel coordinates."""
@@ -294,7 +286,7 @@ class RankPool:
     """
 
     def __init__(self, backend: str, ranks: list[RankId]) -> None:
-        from umalloc.backends._worker import BackendWorker
+        from umalloc import BackendWorker
 
         self.ranks = list(ranks)
         self.workers: dict[RankId, BackendWorker] = {}
@@ -330,7 +322,7 @@ class RankPool:
             self._guard(r, lambda w: w.wait_ready(timeout_s=START_TIMEOUT_S))
 
     def call(self, rank: RankId, fn: str, *args: object, timeout_s: float = CALL_MARGIN_S) -> Any:
-        """Run ``umalloc.replay.rankside.<fn>(ctx, *args)`` in ``rank`` and return its result.
+        """Run ``umalloc_replay.multirank.rankside.<fn>(ctx, *args)`` in ``rank`` and return its result.
 
         Raises:
             RankError: ``rank`` or any other rank died, ``rank`` did not answer within ``timeout_s``, or the call
@@ -339,7 +331,7 @@ class RankPool:
         return self._guard(rank, lambda w: w.run(_HERE + fn, *args, timeout_s=timeout_s, progress=self._watch))
 
     def _guard(self, rank: RankId, op: Callable) -> Any:
-        from umalloc.backends._worker import WorkerDied, WorkerTimeout
+        from umalloc import WorkerDied, WorkerTimeout
 
         try:
             return op(self.workers[rank])
@@ -374,7 +366,7 @@ def expected_bytes(spec: ArenaSpec, dcp_size: int, dcp_rank: int, lengths: list[
     (``x % dcp_size == dcp_rank`` on a sharded end, every one on the draft), times the end's bytes per token.
     O(sum of lengths).
 
-    >>> from umalloc.replay.rankside import rank_ends
+    >>> from umalloc_replay.multirank.rankside import rank_ends
     >>> spec = ArenaSpec(rank_ends("gpt-oss-20b", page_size=16, draft=False, tp_size=1, dcp_size=2), 1 << 24)
     >>> expected_bytes(spec, 2, 1, [200]) == (100 + 64) * 24576     # full: 100 odd positions; swa: 64 of 128
     True
@@ -440,17 +432,22 @@ class MultiRankReplay:
 
     def _preflight(self) -> None:
         """Refuse, before any process starts, ranks whose arenas (plus :data:`RANK_PROCESS_BYTES` each) exceed the
-        host's available memory (:func:`umalloc.replay.preflight.check_host_memory`), and a given arena that
+        host's available memory (:func:`umalloc_replay.preflight.check_host_memory`), and a given arena that
         cannot hold a step's requests: each side's allocations are replayed once per DCP rank in a probe
-        allocator (:func:`~umalloc.replay.rankside.first_short`; the TP ranks of a side share its geometry), the
+        allocator (:func:`~umalloc_replay.multirank.rankside.first_short`; the TP ranks of a side share its geometry), the
         decode side first as the run does.
 
         Raises:
             UmallocValueError: one line naming the side, the rank, the request, the bytes it needs and what to
                 pass.
         """
-        from umalloc.replay.preflight import check_host_memory
-        from umalloc.replay.rankside import first_short, rank_arena_bytes, rank_ends, rank_request_bytes
+        from umalloc_replay.multirank.rankside import (
+            first_short,
+            rank_arena_bytes,
+            rank_ends,
+            rank_request_bytes,
+        )
+        from umalloc_replay.preflight import check_host_memory
 
         c = self.cfg
         max_tokens, batch = max(self.lengths), min(c.max_batch, len(self.lengths))
@@ -520,7 +517,7 @@ class MultiRankReplay:
     # ---- the run -------------------------------------------------------------------------------------------
     def run(self) -> dict:
         """Start every rank, replay the slice, check every rank, end every rank; return the report
-        (:mod:`umalloc.replay.ranks_report`).
+        (:mod:`umalloc_replay.multirank.ranks_report`).
 
         Raises:
             RankError: a rank died, timed out or failed (every rank is ended first). KeyboardInterrupt: Ctrl-C
@@ -549,8 +546,7 @@ class MultiRankReplay:
             pool.close()
 
     def _setup(self, pool: RankPool) -> None:
-        from umalloc.transfer import PeerLayout
-        from umalloc.transfer.slices import sends_to
+        from umalloc import PeerLayout, sends_to
 
         t0 = time.perf_counter()
         c = self.cfg
@@ -701,7 +697,8 @@ class MultiRankReplay:
                        "seed": c.seed, "max_batch": c.max_batch, "compaction": c.compaction,
                        "prefill": side_cfg("prefill"), "decode": side_cfg("decode")},
             "requests": {"total": len(self.lengths), "completed": done, "prompt_tokens": list(self.lengths),
-                         "trace_input_tokens": [r.input_tokens for r in self.trace]},
+                         "trace_input_tokens": [r.input_tokens for r in self.trace],
+                         "zero_prompts_as_1": self.trace.zero_prompts},
             "ranks": ranks,
             "routes": [{"src": p.index, "dst": d.index, **{k: v for k, v in self.per_route[(p, d)].items()
                                                              if k != "bytes_by_vector"}} for p, d in self.routes],

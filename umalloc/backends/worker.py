@@ -215,16 +215,26 @@ def _describe(e: BaseException) -> tuple[str, str, str, str, dict]:
             "".join(traceback.format_exception(type(e), e, e.__traceback__)), attrs)
 
 
+def _reply(conn, message: tuple) -> bool:
+    """Send ``message`` to the parent; False when the parent has gone (its end of the pipe is closed: it exited
+    or was interrupted), so the child ends quietly instead of printing a BrokenPipeError."""
+    try:
+        conn.send(message)
+    except (BrokenPipeError, EOFError, ConnectionResetError):
+        return False
+    return True
+
+
 def _serve(conn, backend_name: str, backend_kw: dict, env: dict, idle_poll_s: float) -> None:
     os.environ.update(env)
     ctx = WorkerContext(backend_name, backend_kw)
     try:
         ctx.cmd_new_backend()
     except BaseException as e:  # report a start failure instead of dying silently
-        conn.send((0, "err", _describe(e)))
+        _reply(conn, (0, "err", _describe(e)))
         return
-    conn.send((0, "ok", os.getpid()))
-    while True:
+    parent_here = _reply(conn, (0, "ok", os.getpid()))
+    while parent_here:
         try:
             needs = ctx.backend is not None and ctx.backend.needs_progress and ctx.progress_enabled
             if not conn.poll(idle_poll_s if needs else 0.05):
@@ -237,7 +247,7 @@ def _serve(conn, backend_name: str, backend_kw: dict, env: dict, idle_poll_s: fl
             try:
                 ctx.cmd_close_backend()
             finally:
-                conn.send((seq, "ok", None))
+                _reply(conn, (seq, "ok", None))
             break
         try:
             if cmd == "run":
@@ -246,9 +256,9 @@ def _serve(conn, backend_name: str, backend_kw: dict, env: dict, idle_poll_s: fl
                 res = fn(ctx, *args[1:], **kw)
             else:
                 res = getattr(ctx, "cmd_" + cmd)(*args, **kw)
-            conn.send((seq, "ok", res))
+            parent_here = _reply(conn, (seq, "ok", res))
         except BaseException as e:
-            conn.send((seq, "err", _describe(e)))
+            parent_here = _reply(conn, (seq, "err", _describe(e)))
     try:
         ctx.cmd_close_backend()
     except BaseException:  # pragma: no cover

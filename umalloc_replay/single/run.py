@@ -7,7 +7,7 @@ Policy (docs/architecture.md, "The main job"; the scheduler is a simplified SGLa
   machine allows, so memory, not time, decides concurrency.
 * **Prefill** (one arena, one allocator; in a second process for ``nixl`` / ``mooncake``) allocates the prompt
   on the target and draft ends and only the SWA window tail on the SWA end (``bind=`` + ``bind_end``, the one
-  SWA formula, F19), and fills every page with the deterministic pattern (:mod:`umalloc.replay.kvfill`).
+  SWA formula, F19), and fills every page with the deterministic pattern (:mod:`umalloc_replay.single.kvfill`).
 * **Decode preallocates** the same shape (full + SWA tail + draft) before the transfer. A plan
   (:func:`umalloc.transfer.plan.build_plan`) leases both sides and goes through the backend. Every page of every vector
   (``target``, ``swa_tail``, ``draft``) is then read back through decode's own block table and compared with
@@ -67,21 +67,34 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from umalloc.allocator.facade import MultiEndedAllocator
-from umalloc.errors import InvariantError, UmallocValueError
-from umalloc.geometry.arena import Arena
-from umalloc.geometry.presets import DEFAULT_PRESET, PRESETS, preset_ends
-from umalloc.geometry.spec import ARENA_ALIGN_BYTES, ArenaSpec, pages_for_tokens
-from umalloc.replay import DEFAULT_REQUESTS, DEFAULT_TOKEN_SCALE
-from umalloc.replay.fit import check_slice_fits, request_peak_bytes, request_prompt_bytes
-from umalloc.replay.kvfill import KVPattern, VerifyResult
-from umalloc.replay.layouts import byte_accounting, padded_ends, parse_layout, static_budget_pages
-from umalloc.replay.prefill import LocalPrefill, alloc_sequence, swa_ends, warm_up
-from umalloc.replay.preflight import check_host_memory
-from umalloc.replay.report import SCHEMA_VERSION, PhaseTimer, Timeline, check_report
-from umalloc.replay.signals import sigint_ignored
-from umalloc.replay.trace import Trace, load_trace
-from umalloc.replay.workload import (
+from umalloc import (
+    ARENA_ALIGN_BYTES,
+    DEFAULT_PRESET,
+    PRESETS,
+    Arena,
+    ArenaSpec,
+    InvariantError,
+    MultiEndedAllocator,
+    SpecError,
+    UmallocValueError,
+    pages_for_tokens,
+    preset_ends,
+)
+from umalloc_replay import DEFAULT_REQUESTS, DEFAULT_TOKEN_SCALE
+from umalloc_replay.preflight import check_host_memory
+from umalloc_replay.report import SCHEMA_VERSION, PhaseTimer, Timeline, check_report
+from umalloc_replay.signals import sigint_ignored
+from umalloc_replay.single.fit import (
+    check_slice_fits,
+    request_peak_bytes,
+    request_prompt_bytes,
+    slice_needs_bytes,
+)
+from umalloc_replay.single.kvfill import KVPattern, VerifyResult
+from umalloc_replay.single.layouts import byte_accounting, padded_ends, parse_layout, static_budget_pages
+from umalloc_replay.single.prefill import LocalPrefill, alloc_sequence, swa_ends, warm_up
+from umalloc_replay.trace import Trace, load_trace
+from umalloc_replay.workload import (
     DONE,
     RETRACTED,
     RUNNING,
@@ -124,7 +137,7 @@ class ReplayConfig:
         seed: KV pattern seed; max_batch: most requests decoding at once; compaction: allocator mode.
         check_every: ``check_invariants()`` every N steps on both sides (0: at the end only).
         layout: the decode arena's layout, ``"dynamic"``, ``"static[:RATIO]"`` or ``"padded"``
-            (:mod:`umalloc.replay.layouts`; the arena bytes are the same for every layout).
+            (:mod:`umalloc_replay.single.layouts`; the arena bytes are the same for every layout).
         verify_final: re-verify every live page of a request when it finishes.
         transfer_timeout_s: bound of each transfer wait; lease_deadline_s: deadline of plan leases.
     """
@@ -231,8 +244,8 @@ class Replay:
         dec_b = cfg.decode_arena_bytes or dec_b
         self.prefill_arena_bytes = pre_b // ARENA_ALIGN_BYTES * ARENA_ALIGN_BYTES
         self.decode_arena_bytes = dec_b // ARENA_ALIGN_BYTES * ARENA_ALIGN_BYTES
-        self.pre_spec = ArenaSpec(ends, arena_bytes=self.prefill_arena_bytes)
-        self.dec_spec = ArenaSpec(ends, arena_bytes=self.decode_arena_bytes)
+        self.pre_spec = self._arena_spec(ends, "prefill", self.prefill_arena_bytes)
+        self.dec_spec = self._arena_spec(ends, "decode", self.decode_arena_bytes)
         #: Static layout: pages each end may hold (Note [SGLang's static SWA split]); None: no budget.
         self.budget = (static_budget_pages(self.dec_spec, self.layout.swa_full_tokens_ratio)  # type: ignore[arg-type]
                        if self.layout.name == "static" else None)
@@ -269,6 +282,7 @@ class Replay:
         self._short_ends: list[str] = []
         self._step_waits = 0
         self._step_retractions = 0
+        self._step_restores = 0
         self.cap = {"running_sum": 0, "steps": 0, "held_bytes_sum": 0, "held_bytes_peak": 0,
                     "padding_bytes_sum": 0, "padding_bytes_peak": 0}
         self.bytes_by_vector: dict[str, int] = {}
@@ -279,12 +293,28 @@ class Replay:
         self._events = {"prefill": 0, "decode": 0}
 
     # ---- setup ---------------------------------------------------------------------------------------------
+    def _arena_spec(self, ends: tuple, side: str, nbytes: int) -> ArenaSpec:
+        """The ``side`` arena's spec of ``nbytes``; an arena too small to hold even its floor is refused naming
+        the option, the side and the bytes this slice needs there."""
+        try:
+            return ArenaSpec(ends, arena_bytes=nbytes)
+        except SpecError as exc:
+            if exc.field != "arena_bytes":
+                raise
+            need = slice_needs_bytes(ends, self.trace, side)
+            probe = ArenaSpec(ends, arena_bytes=1 << 40)
+            least = probe.floor_bytes + sum(e.page_bytes for e in ends)
+            raise UmallocValueError(
+                f"--arena-bytes: the {side} arena of {nbytes:,} bytes is too small (its floor and one page per "
+                f"end alone take {least:,} bytes); this slice needs at least {need:,} bytes on the {side} side: "
+                f"allowed --arena-bytes PREFILL,DECODE with {side.upper()} >= {need:,}") from None
+
     def _make_prefill(self) -> LocalPrefill:
         cfg = self.cfg
         if cfg.backend == "local":
             return LocalPrefill(self.pre_spec, self.pattern, self.dec, self.timer, compaction=cfg.compaction,
                                 transfer_timeout_s=cfg.transfer_timeout_s, lease_deadline_s=cfg.lease_deadline_s)
-        from umalloc.replay.remote import RemotePrefill
+        from umalloc_replay.single.remote import RemotePrefill
 
         return RemotePrefill(cfg.backend, self.pre_spec, self.dec, self.timer, model=cfg.model,  # type: ignore
                              page_size=cfg.page_size, draft=cfg.draft, seed=cfg.seed, compaction=cfg.compaction,
@@ -293,7 +323,7 @@ class Replay:
 
     def _check_memory(self, max_tokens: int) -> None:
         """Refuse, before anything is allocated, arenas and a block table larger than the host's available
-        memory (:func:`umalloc.replay.preflight.check_host_memory`)."""
+        memory (:func:`umalloc_replay.preflight.check_host_memory`)."""
         big = max(self.trace, key=lambda r: r.input_tokens + r.output_tokens)
         hint = ("smaller --arena-bytes, a larger --token-scale, fewer --requests, or a slice without request "
                 f"{big.request_id} ({big.input_tokens} prompt + {big.output_tokens} output tokens, the longest)")
@@ -350,6 +380,7 @@ class Replay:
             rs.state = RUNNING
             self.running.append(rs)
             self.c["restores"] += 1
+            self._step_restores += 1
         while self.waiting and len(self.running) + len(self.inflight) < cfg.max_batch:
             rs = self.waiting[0]
             L = rs.req.input_tokens
@@ -593,8 +624,8 @@ class Replay:
         self._pre_live_mid = None
         self.timeline.add(self.step, t, self.done, leases, moves_total, pre_live,
                           {k: v.live_pages for k, v in ds.items()})
-        self.timeline.add_scheduler_events(self.step, self._step_waits, self._step_retractions)
-        self._step_waits = self._step_retractions = 0
+        self.timeline.add_scheduler_events(self.step, self._step_waits, self._step_retractions, self._step_restores)
+        self._step_waits = self._step_retractions = self._step_restores = 0
         acc = byte_accounting(self.dec_spec, ds, self.natural_page_bytes)
         cap = self.cap
         cap["steps"] += 1
@@ -606,15 +637,16 @@ class Replay:
 
     # ---- the loop ------------------------------------------------------------------------------------------
     def run(self) -> dict:
-        """Run the replay to the end and return the report (see :mod:`umalloc.replay.report`).
+        """Run the replay to the end and return the report (see :mod:`umalloc_replay.report`).
 
         Raises:
             InvariantError: a broken invariant of either allocator, or a replay that stopped making progress.
         """
         total = len(self.states)
         idle_steps = 0
+        interrupted = False
         threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # Note [Token loop] in umalloc.replay.kvfill: many mid-sized ops, one thread
+        torch.set_num_threads(1)  # Note [Token loop] in umalloc_replay.single.kvfill: many mid-sized ops, one thread
         try:
             self._sample()
             while self.done < total:
@@ -643,10 +675,15 @@ class Replay:
             self.dec.check_invariants()
             self.prefill.check_invariants()
             return self.report()
+        except KeyboardInterrupt:
+            interrupted = True
+            raise
         finally:
             torch.set_num_threads(threads)
             with sigint_ignored():  # a second Ctrl-C does not cut the cleanup short (children left behind)
-                self.prefill.close()
+                # after Ctrl-C nothing of the run is kept: the second process is ended at once, not asked to
+                # finish its transfers and close its engine
+                self.prefill.close(interrupted=interrupted)
 
     def progress_figures(self) -> dict:
         t = self.timer.total()
@@ -658,7 +695,7 @@ class Replay:
 
     # ---- report --------------------------------------------------------------------------------------------
     def _capacity(self) -> dict:
-        """The layout comparison's figures (decode side), see :data:`umalloc.replay.report.REPORT_SCHEMA`."""
+        """The layout comparison's figures (decode side), see :data:`umalloc_replay.report.REPORT_SCHEMA`."""
         cap, n = self.cap, max(1, self.cap["steps"])
         waits = self.c["wrong_pool_waits"]
         return {"layout": self.layout.label, "steps": self.step, "max_running": self.c["max_running"],
@@ -708,7 +745,8 @@ class Replay:
             "requests": {"total": len(self.states), "completed": self.done, "retracted": c["retractions"],
                          "restored": c["restores"], "admission_waits": c["admission_waits"],
                          "max_running": c["max_running"]},
-            "tokens": {"prompt": prompt, "generated": generated, "total": prompt + generated},
+            "tokens": {"prompt": prompt, "generated": generated, "total": prompt + generated,
+                       "zero_prompts_as_1": self.trace.zero_prompts, "zero_outputs_as_1": self.trace.zero_outputs},
             "bytes": {"moved": c["bytes_moved"], "verified": c["bytes_verified"],
                       "moved_by_vector": dict(self.bytes_by_vector),
                       "filled": self.prefill.bytes_filled, "verified_final": c["bytes_verified_final"],
@@ -722,7 +760,8 @@ class Replay:
                 "reduction_x": c["per_layer"] / max(1, c["descriptors"])},
             "compaction": {"prefill": comp(ps, "prefill"), "decode": comp(ds, "decode")},
             "leases": {"taken": dlt.leases_taken + plt["leases_taken"], "waits": c["lease_waits"],
-                       "expired": dlt.leases_expired + plt["leases_expired"], "max_active": c["max_leases"]},
+                       "expired": dlt.leases_expired + plt["leases_expired"], "max_active": c["max_leases"],
+                       "in_doubt": dlt.leases_in_doubt + plt["leases_in_doubt"]},
             "shortfall": {"alloc_retries": c["alloc_retries"], "lease_waits": c["lease_waits"],
                           "retractions": c["retractions"], "replacements": c["replacements"]},
             "occupancy": {"prefill": occ(ps, self.pre_spec), "decode": occ(ds, self.dec_spec)},

@@ -2,11 +2,11 @@
 
 Policy:
 
-* Every rank is a :class:`umalloc.backends._worker.BackendWorker` child (the backends' one worker harness); the
-  orchestrator (:mod:`umalloc.replay.ranks`) runs the ``child_*`` functions below inside it through
+* Every rank is a :class:`umalloc.backends.worker.BackendWorker` child (the backends' one worker harness); the
+  orchestrator (:mod:`umalloc_replay.multirank.ranks`) runs the ``child_*`` functions below inside it through
   :meth:`BackendWorker.run`. A rank owns its arena (its heads, its DCP rows: :func:`rank_ends`), its allocator,
   its backend (registered, its :class:`~umalloc.transfer.PeerLayout` carrying its TP and DCP rank) and its
-  :class:`~umalloc.replay.headpattern.HeadPattern`. State lives in ``ctx.objects["rank"]`` (:class:`RankState`).
+  :class:`~umalloc_replay.multirank.headpattern.HeadPattern`. State lives in ``ctx.objects["rank"]`` (:class:`RankState`).
 * Rows (Note [Which rows travel] in :mod:`umalloc.transfer.rows`): a rank holds, per end, its local rows below
   the request length (its DCP rows on a sharded end, logical rows on the draft) and on an SWA end only the pages
   from its window tail on (:func:`alloc_rows`). Prefill fills every row it holds; decode verifies every row it
@@ -37,14 +37,26 @@ from typing import Any
 import numpy as np
 import torch
 
-from umalloc.allocator.facade import MultiEndedAllocator
-from umalloc.errors import InvariantError
-from umalloc.geometry.arena import Arena
-from umalloc.geometry.presets import preset_ends
-from umalloc.geometry.spec import ARENA_ALIGN_BYTES, ArenaSpec, EndRole, EndSpec, pages_for_tokens
-from umalloc.replay.headpattern import HeadPattern, RowCheck
-from umalloc.transfer import PeerLayout, ReceiverHalf, TransferPlan, build_receiver_half, build_send_plan
-from umalloc.transfer.rows import is_dcp_sharded, owned_count, rows_of_checked
+from umalloc import (
+    ARENA_ALIGN_BYTES,
+    Arena,
+    ArenaSpec,
+    EndRole,
+    EndSpec,
+    InvariantError,
+    MultiEndedAllocator,
+    PeerLayout,
+    ReceiverHalf,
+    TransferPlan,
+    build_receiver_half,
+    build_send_plan,
+    is_dcp_sharded,
+    owned_count,
+    pages_for_tokens,
+    preset_ends,
+    rows_of_checked,
+)
+from umalloc_replay.multirank.headpattern import HeadPattern, RowCheck
 
 #: Arena bytes per rank: this many times what the step's requests hold at once (placement slack for the
 #: floating draft band), plus two pages of every end.

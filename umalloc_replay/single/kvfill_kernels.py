@@ -1,4 +1,4 @@
-"""Compiled loops of the replay's KV pattern on CPU arenas (:mod:`umalloc.replay.kvfill`, Note [Pattern]).
+"""Compiled loops of the replay's KV pattern on CPU arenas (:mod:`umalloc_replay.single.kvfill`, Note [Pattern]).
 
 * Filling pages is one write pass (the expected words computed in registers); verifying pages fuses "expected word = table XOR key" with the comparison: one read pass over the arena's
   words (the per-end table stays in cache per layer block), no expected buffer written and read back; the
@@ -10,7 +10,7 @@
   ``uint64`` ones, against 5.5 GB/s for ``torch.Tensor.copy_`` of the same bytes).
 * Plain ``njit`` (no ``parallel``): the kernels never touch numba's or torch's thread pools. Arrays are numpy
   views of the arena's words (int64/int32/int16/uint8; one compiled specialisation each), all C-contiguous;
-  arguments are trusted (the caller, :class:`~umalloc.replay.kvfill.KVPattern`, validated the pages).
+  arguments are trusted (the caller, :class:`~umalloc_replay.single.kvfill.KVPattern`, validated the pages).
 """
 
 from __future__ import annotations

@@ -49,8 +49,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from umalloc.errors import UmallocValueError
-from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, LayerSpec
+from umalloc import ArenaSpec, EndRole, EndSpec, LayerSpec, UmallocValueError
 
 #: SGLang's default ``--swa-full-tokens-ratio`` (``server_args.py``, Note [SGLang's static SWA split]).
 SGLANG_SWA_FULL_TOKENS_RATIO = 0.8

@@ -2,7 +2,7 @@
 
 Policy:
 
-* The child is a :class:`umalloc.backends._worker.BackendWorker` (the backends' one worker harness: spawn,
+* The child is a :class:`umalloc.backends.worker.BackendWorker` (the backends' one worker harness: spawn,
   bounded calls, remote exceptions re-raised as their umalloc type); the ``child_*`` functions below run inside
   it through :meth:`BackendWorker.run`. The child owns the prefill arena, its allocator and the KV pattern
   (rebuilt from the preset name, page size, draft flag, arena bytes and seed, so both processes compute the same
@@ -33,15 +33,13 @@ from types import SimpleNamespace
 
 import torch
 
-from umalloc.allocator.facade import MultiEndedAllocator
-from umalloc.geometry.spec import ArenaSpec
-from umalloc.replay.prefill import PlanFigures, warm_up
-from umalloc.replay.report import PhaseTimer
-from umalloc.replay.signals import sigint_ignored
-from umalloc.replay.workload import RequestState
-from umalloc.transfer import PeerLayout, build_receiver_half
+from umalloc import ArenaSpec, MultiEndedAllocator, PeerLayout, build_receiver_half
+from umalloc_replay.report import PhaseTimer
+from umalloc_replay.signals import sigint_ignored
+from umalloc_replay.single.prefill import PlanFigures, warm_up
+from umalloc_replay.workload import RequestState
 
-_HERE = "umalloc.replay.remote:"
+_HERE = "umalloc_replay.single.remote:"
 #: Seconds a worker call may take beyond the transfer timeout (allocation, fill and plan building in the child).
 CALL_MARGIN_S = 120.0
 
@@ -53,18 +51,17 @@ def _child_stats(ctx) -> dict:
     alloc = ctx.objects["replay_alloc"]
     t = alloc.lease_table
     return {"ends": {n: s.to_dict() for n, s in alloc.stats().items()}, "leases_active": alloc.leases_active(),
-            "leases_taken": t.leases_taken, "leases_expired": t.leases_expired}
+            "leases_taken": t.leases_taken, "leases_expired": t.leases_expired, "leases_in_doubt": t.leases_in_doubt}
 
 
 def child_setup(ctx, model: str, page_size: int, draft: bool, arena_bytes: int, seed: int, compaction: str,
                 padded: bool) -> dict:
     """Create the prefill arena (preset ``model``; its ends padded as vLLM pads them when ``padded``,
-    :func:`umalloc.replay.layouts.padded_ends`), its allocator and the KV pattern; register the arena with the
+    :func:`umalloc_replay.single.layouts.padded_ends`), its allocator and the KV pattern; register the arena with the
     child's backend and publish its layout. Returns the child's stats."""
-    from umalloc.geometry.arena import Arena
-    from umalloc.geometry.presets import preset_ends
-    from umalloc.replay.kvfill import KVPattern
-    from umalloc.replay.layouts import padded_ends
+    from umalloc import Arena, preset_ends
+    from umalloc_replay.single.kvfill import KVPattern
+    from umalloc_replay.single.layouts import padded_ends
 
     ends = preset_ends(model, page_size=page_size, draft=draft)
     spec = ArenaSpec(padded_ends(ends) if padded else ends, arena_bytes=arena_bytes)
@@ -85,8 +82,8 @@ def child_start(ctx, request_id: int, num_tokens: int, half: dict, peer: str,
     """Allocate and fill a prompt of ``num_tokens``, build the send plan from the receiver ``half`` and post it
     (no wait). Returns ``{"short": bool, "phases": {...}, "filled": bytes, "stats": ...}``; ``short`` means the
     prefill arena could not take the prompt and nothing changed."""
-    from umalloc.replay.prefill import alloc_sequence, fill_sequence
-    from umalloc.transfer import build_send_plan
+    from umalloc import build_send_plan
+    from umalloc_replay.single.prefill import alloc_sequence, fill_sequence
 
     alloc = ctx.objects["replay_alloc"]
     b = ctx._b()
@@ -119,7 +116,7 @@ def _wait_drained(b, handle, timeout_s: float) -> None:
     since the parent releases the receiver's half on it (Note [Deadlines and in-flight parts]). If the engine
     still holds a part when the drain gives up, the error is a ``TransferError`` with ``draining = True`` (it
     survives the trip to the parent): the receiver must keep its half leased (:func:`settle_failed_half`)."""
-    from umalloc.errors import TransferError
+    from umalloc import TransferError
 
     try:
         b.wait(handle, timeout_s)
@@ -137,7 +134,7 @@ def child_finish_all(ctx, request_ids: list[int], timeout_s: float) -> dict:
     """Wait for every posted plan of ``request_ids`` and release it (its source lease ends with it), then free
     every prompt's pages; returns ``{"phases", "stats", "plans": [figures per request, in order]}``.
 
-    Every wait comes before any free (Note [Finishing a step's transfers] in :mod:`umalloc.replay.prefill`).
+    Every wait comes before any free (Note [Finishing a step's transfers] in :mod:`umalloc_replay.single.prefill`).
     A failure is raised once every handle was released and every prompt freed (the first failure, drained as
     :func:`_wait_drained` says). Takes at most about ``2 * timeout_s`` per request.
     """
@@ -188,14 +185,14 @@ def settle_failed_half(half: object, exc: BaseException) -> bool:
     The half is kept pending (held: a published half's lease goes in doubt at its deadline, never free, F24) when
     the child said its engine still holds a part of the transfer (``exc.draining``, set by :func:`child_finish`
     when its bounded drain gave up) or when the child did not answer in time
-    (:class:`~umalloc.backends._worker.WorkerTimeout`: it may still be sending). Otherwise (the child's report of
+    (:class:`~umalloc.backends.worker.WorkerTimeout`: it may still be sending). Otherwise (the child's report of
     a transfer that ended, or the child process ended) the end is confirmed: the half settles
     (:meth:`~umalloc.transfer.plan.ReceiverHalf.settle`: failed with ``exc``, its lease released).
 
     Returns:
         True if the half was settled, False if it was kept pending.
     """
-    from umalloc.backends._worker import WorkerTimeout
+    from umalloc import WorkerTimeout
 
     if getattr(exc, "draining", False) or isinstance(exc, WorkerTimeout):
         return False
@@ -204,7 +201,7 @@ def settle_failed_half(half: object, exc: BaseException) -> bool:
 
 
 class RemotePrefill:
-    """The prefill side in a spawned child; same interface as :class:`umalloc.replay.prefill.LocalPrefill`.
+    """The prefill side in a spawned child; same interface as :class:`umalloc_replay.single.prefill.LocalPrefill`.
 
     Args:
         backend: ``"nixl"`` or ``"mooncake"`` (both processes use it; ``"local"`` cannot cross processes).
@@ -223,8 +220,7 @@ class RemotePrefill:
     def __init__(self, backend: str, pre_spec: ArenaSpec, decode: MultiEndedAllocator, timer: PhaseTimer, *,
                  model: str, page_size: int, draft: bool, seed: int, compaction: str, padded: bool,
                  transfer_timeout_s: float, lease_deadline_s: float | None) -> None:
-        from umalloc.backends import get_backend
-        from umalloc.backends._worker import BackendWorker
+        from umalloc import BackendWorker, get_backend
 
         self.decode = decode
         self.timer = timer
@@ -232,7 +228,7 @@ class RemotePrefill:
         self.deadline_s = lease_deadline_s
         self.dst_layout = PeerLayout.from_arena(decode.arena)
         self.kept_halves: list = []  # halves the child may still write: settled once it is confirmed gone
-        with sigint_ignored():  # the child inherits SIGINT ignored: Ctrl-C is the parent's (umalloc.replay.signals)
+        with sigint_ignored():  # the child inherits SIGINT ignored: Ctrl-C is the parent's (umalloc_replay.signals)
             self.worker = BackendWorker(backend)
         self.b = None
         try:
@@ -323,19 +319,23 @@ class RemotePrefill:
 
     def lease_counts(self) -> dict[str, int]:
         return {"leases_taken": int(self._stats["leases_taken"]),
-                "leases_expired": int(self._stats["leases_expired"])}
+                "leases_expired": int(self._stats["leases_expired"]),
+                "leases_in_doubt": int(self._stats["leases_in_doubt"])}
 
     def check_invariants(self) -> None:
         self._stats = self._call("child_check")
         self.b.check_invariants()  # type: ignore[union-attr]
 
-    def close(self) -> None:
+    def close(self, *, interrupted: bool = False) -> None:
         """End the child, settle every half it might still have written once it is confirmed gone (its engine
-        can write no more), and close the receiving backend (idempotent)."""
+        can write no more), and close the receiving backend (idempotent). ``interrupted`` (Ctrl-C): the child is
+        killed at once instead of being asked to finish and close its engine (which waits for its transfers)."""
         try:
+            if interrupted:
+                self.worker.kill()
             self.worker.close()
             if not self.worker.alive():
-                from umalloc.backends._worker import WorkerDied
+                from umalloc import WorkerDied
 
                 kept, self.kept_halves = self.kept_halves, []
                 for half in kept:
