@@ -33,6 +33,7 @@ class LeasePart:
     _leases: LeaseTable
     _active_leases: Mapping[int, Lease]
     _expired_by_end: list[int]
+    _trial_depth: int
     _index: dict[str, int]
     _meta: np.ndarray
     _h64: np.ndarray
@@ -41,7 +42,10 @@ class LeasePart:
 
     def _tick(self) -> None:
         """Deliver pages unpinned on other threads, then reclaim leases past their deadline (F12) or put them in
-        doubt (F24); the unpinned-hook turns their pending pages into holes."""
+        doubt (F24); the unpinned-hook turns their pending pages into holes. Nothing while a trial runs (Note
+        [Trials] in :mod:`umalloc.core.allocator`: a rollback must not undo a reclaim the lease table keeps)."""
+        if self._trial_depth:
+            return
         table = self._leases
         if table._queue:
             table.drain()

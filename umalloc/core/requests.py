@@ -21,15 +21,21 @@ Policy:
   of every ``extend`` / ``decode``, the pages that left the request's window (automatic; there is no separate
   call, so a page is never released twice). A bound end without a window (a draft) holds every page.
 * **Cached pages** (Note [Cached pages]): ``free_requests(cache=True)`` / ``release(cache=True)`` keep full pages
-  whose count reaches 0 as cached, in LRU order; ``reclaim`` revives them; allocation evicts them, LRU first, only
-  when the allocator returns ``None``, calling ``on_evict(vpages)`` before their ids can be reused.
+  whose count reaches 0 as cached, in LRU order; ``reclaim`` revives them; an extend evicts them, LRU first, only
+  when the eviction makes it fit and only as many as it needs (Note [Room]), calling ``on_evict(vpages)`` before
+  their ids can be reused.
+* **Admission** (Note [Room], Note [Chunked prefill]): :meth:`RequestTable.capacity` answers per end;
+  :meth:`RequestTable.can_extend` answers whether a given extend would succeed now, and
+  :meth:`RequestTable.max_extend_tokens` how long one extend of a request may be.
+* **Handles** (Note [Handles]): ``new_requests(handles=True)`` / :meth:`RequestTable.handles` give
+  ``generation << 32 | slot`` handles; every call taking slots takes them and refuses a stale one (F30).
 * **Padded lanes** (F05, Note [Padded lanes]): writes of a padded lane go to :attr:`RequestTable.pad_write_vtoken`
   (the sink); reads to :attr:`RequestTable.pad_read_vtoken`, a page of zeros the table holds and no write maps to.
   Unused entries of ``req_to_token`` hold the zero page's token, so a read past a request's length is finite.
 * **Failures**: misuse (unknown or freed slot, a slot twice in a batch, extend past ``max_tokens_per_request``,
-  truncate beyond the length, a page the engine does not hold) raises a typed
-  :class:`~umalloc.errors.UmallocValueError` subclass and changes nothing; a shortage returns ``None`` (the only
-  change then: windows advanced and cached pages evicted, both harmless); a broken invariant raises
+  truncate beyond the length, a page the engine does not hold, a stale handle) raises a typed
+  :class:`~umalloc.errors.UmallocValueError` subclass and changes nothing; a shortage returns ``None`` and changes
+  nothing either: no window advanced, no page evicted, no ``on_evict`` call (F29); a broken invariant raises
   :class:`~umalloc.errors.InvariantError` from :meth:`RequestTable.check_invariants`.
 
 The table's pages are freed and released only through it: the allocator's ``free`` / ``release_end`` /
@@ -71,6 +77,40 @@ Only *full* pages are cached: a request's partial last page is freed with it. Pa
 evicted before its prefix, as vLLM's ``free_blocks(reversed(blocks))``); ``release`` in the given order. Eviction
 takes pages from the LRU head, as many as the allocator's shortfall names (at least one), and retries until the
 allocation fits or the cache is empty.
+
+Note [Room]
+~~~~~~~~~~~
+An extend first plans (validates, counts its ``k`` fresh pages, lists the window pages it releases) without
+changing anything, then makes room on the allocator in the cheapest way that is sure to be all or nothing:
+
+1. ``k`` pages fit on every end now (``shortfall_pages``): release the window pages, take the pages;
+2. else, in an allocator trial (Note [Trials] in :mod:`umalloc.core.allocator`): release the window pages, take
+   the pages with the allocator's compaction; kept if they fit, rolled back otherwise;
+3. else, with cached pages: the fewest LRU-first cached pages whose eviction makes step 2 fit, found by rolled
+   back trials (first without compaction, then with it; a binary search, as feasibility only grows with each
+   evicted page). Those pages are evicted (``on_evict`` first, pages still allocated), then the extend is planned
+   again and runs. If even the whole cache does not make it fit, nothing is evicted: an SWA shortfall that freed
+   full pages cannot cover calls no ``on_evict`` (F29).
+
+Room on every end is needed at once: each fresh page is bound on the owner and on every bound end (the engine
+writes every new token's KV on every end during its forward pass; the window then releases what it left at the
+start of the next extend). :meth:`RequestTable.can_extend` runs the same steps and rolls every one back.
+
+Note [Chunked prefill]
+~~~~~~~~~~~~~~~~~~~~~~
+One extend of ``n`` tokens binds ``ceil(n / page_size)`` fresh pages on a windowed end, so a prompt that fits by
+decode (a window's worth of pages at a time) may not fit in one extend. An engine prefills it in chunks, one
+extend and one forward pass per chunk, each of at most :meth:`RequestTable.max_extend_tokens` tokens: the window
+releases at the start of each chunk's extend, so a windowed end holds at most the window plus one chunk.
+
+Note [Handles]
+~~~~~~~~~~~~~~
+A slot is a row of ``req_to_token`` and is reused once freed. Each slot has a generation (1 at creation, + 1 each
+time :meth:`RequestTable.free_requests` frees it). A handle is ``generation << 32 | slot`` (always >= 2**32, so it
+never reads as a slot); every call taking slots accepts slots or handles, and a handle whose generation is not the
+slot's live one raises :class:`~umalloc.errors.StaleHandleError` before anything changes. A bare slot carries no
+generation: engines that keep slots across a free should keep handles (:meth:`RequestTable.slot_of` gives the
+row back).
 
 Note [Padded lanes]
 ~~~~~~~~~~~~~~~~~~~
@@ -135,6 +175,7 @@ from umalloc.core.refcounts import (
     k_fork,
     k_grow_apply,
     k_grow_plan,
+    k_window_apply,
     k_new,
     k_revive,
     k_unref,
@@ -144,10 +185,17 @@ from umalloc.errors import (
     InvalidIdError,
     InvariantError,
     NotAllocatedError,
+    StaleHandleError,
     UmallocValueError,
 )
 
 _I32_MAX = (1 << 31) - 1
+_HANDLE_SHIFT = 32                     # Note [Handles]: handle = generation << 32 | slot
+_SLOT_MASK = (1 << _HANDLE_SHIFT) - 1
+#: most cells (``max_requests * max_tokens_per_request``) and request slots a table may have: beyond them the
+#: arrays would not fit any host (refused with a typed error before anything is allocated)
+MAX_TABLE_CELLS = 1 << 36
+MAX_REQUESTS = 1 << 31
 
 
 # =============================================================================================================
@@ -203,6 +251,9 @@ class RequestTable:
         for nm, v in (("max_requests", max_requests), ("max_tokens_per_request", max_tokens_per_request)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise UmallocValueError(f"{nm}={v!r}: allowed an int >= 1")
+        if max_requests > MAX_REQUESTS or max_requests * max_tokens_per_request > MAX_TABLE_CELLS:
+            raise UmallocValueError(f"max_requests={max_requests} x max_tokens_per_request={max_tokens_per_request}"
+                                    f": allowed max_requests <= 2**31 and a product <= 2**36 cells")
         if dtype not in (torch.int32, torch.int64):
             raise UmallocValueError(f"dtype={dtype!r}: allowed torch.int32 or torch.int64")
         if on_evict is not None and not callable(on_evict):
@@ -242,6 +293,7 @@ class RequestTable:
         self.exclusive = bool(exclusive)
         self.on_evict = on_evict
         self._rq = np.zeros((RQ_FRONT + NB, R), np.int64)
+        self._gen = np.ones(R, np.int64)   # Note [Handles]: a slot's generation, + 1 each time it is freed
         self._pg = np.zeros((PG_NEED + NB, NV), np.int32)
         self._lru = np.zeros((2, NV), np.int64)
         self._r2p = np.zeros((R, MP), np.int64)
@@ -303,14 +355,17 @@ class RequestTable:
         if code == E_NEG:
             raise UmallocValueError(f"{where}: extend_lens[{pos}]={val}; allowed >= 0")
         if code == E_LONG:
-            raise UmallocValueError(f"{where}: request at {what}[{pos}] would hold {val} tokens; allowed at most "
-                                    f"max_tokens_per_request={self.max_tokens_per_request}")
+            held = int(self._info[3])
+            raise UmallocValueError(f"{where}: extend_lens[{pos}]={val} on the request at {what}[{pos}], which "
+                                    f"holds {held} tokens; allowed at most "
+                                    f"{self.max_tokens_per_request - held} (max_tokens_per_request="
+                                    f"{self.max_tokens_per_request})")
         if code == E_TRUNC:
             raise UmallocValueError(f"{where}: num_tokens[{pos}]={val}; allowed [0, the request's length]")
         raise InvariantError(f"{where}: unknown kernel result {code}")
 
     def _slots(self, slots: object, where: str) -> np.ndarray:
-        s = id_batch(slots, "slots")
+        s = self._rows(id_batch(slots, "slots"), where)
         info = self._info
         info[:] = 0
         if not check_slots(self._rq, s, self._mark, info):
@@ -318,14 +373,55 @@ class RequestTable:
         return s
 
     def _slot(self, slot: object, where: str) -> int:
-        if isinstance(slot, torch.Tensor) and slot.numel() == 1 and slot.dim() <= 1:
+        if (isinstance(slot, torch.Tensor) and slot.numel() == 1 and slot.dim() <= 1
+                and slot.dtype in (torch.int64, torch.int32)):
             slot = int(slot.reshape(-1)[0])
-        if isinstance(slot, bool) or not isinstance(slot, (int, np.integer)):
-            raise InvalidIdError(f"{where}: slot={slot!r}; allowed an int in [0, {self.max_requests})")
-        s = int(slot)
-        if not 0 <= s < self.max_requests or not self._rq[RQ_INUSE, s]:
-            self._slots(np.array([s], np.int64), where)   # raises the typed error
-        return s
+        if isinstance(slot, (bool, np.bool_)) or not isinstance(slot, (int, np.integer)):
+            raise InvalidIdError(f"{where}: slot={slot!r}; allowed an int in [0, {self.max_requests}) or a handle")
+        v = int(slot)
+        if not 0 <= v < 1 << 63:
+            raise InvalidIdError(f"{where}: slot={v}; allowed an int in [0, {self.max_requests}) or a handle")
+        (s,) = self._slots(np.array([v], np.int64), where).tolist()   # raises the typed error
+        return int(s)
+
+    def _rows(self, s: np.ndarray, where: str) -> np.ndarray:
+        """Slots given as rows or handles (Note [Handles]) -> rows; a stale handle raises. O(B)."""
+        if not s.size or int(s.max()) <= _SLOT_MASK:
+            return s
+        h = s > _SLOT_MASK
+        rows = np.where(h, s & _SLOT_MASK, s)
+        gens = s >> _HANDLE_SHIFT
+        for i in np.flatnonzero(h).tolist():
+            r = int(rows[i])
+            if r >= self.max_requests:
+                raise InvalidIdError(f"{where}: slots[{i}] is a handle of slot {r}; allowed slots in "
+                                     f"[0, {self.max_requests})")
+            if int(gens[i]) != int(self._gen[r]) or not self._rq[RQ_INUSE, r]:
+                raise StaleHandleError(f"{where}: slots[{i}] is a handle of slot {r} generation {int(gens[i])}; "
+                                       f"the slot is at generation {int(self._gen[r])}"
+                                       f"{'' if self._rq[RQ_INUSE, r] else ' and free'} (freed since; a stale "
+                                       f"handle)")
+        return rows
+
+    def handles(self, slots: object) -> torch.Tensor:
+        """``int64 (B,)`` handles of live requests (Note [Handles]): ``generation << 32 | slot``. Every call taking
+        slots takes handles too, and refuses one whose slot was freed since with
+        :class:`~umalloc.errors.StaleHandleError`. Raises: as :meth:`extend` for bad slots. O(B).
+
+        >>> from umalloc.testing import small_allocator
+        >>> table = RequestTable(small_allocator(), max_requests=2, max_tokens_per_request=4)
+        >>> (h,) = table.new_requests(1, handles=True).tolist(); table.free_requests([h])
+        >>> table.new_requests(1).tolist(), table.handles([0]).tolist() == [h]    # slot 0 again, a new generation
+        ([0], False)
+        """
+        s = self._slots(slots, "handles")
+        return torch.from_numpy((self._gen[s] << _HANDLE_SHIFT) | s)
+
+    @staticmethod
+    def slot_of(handles: object) -> torch.Tensor:
+        """``int64 (B,)`` slots (``req_to_token`` rows) of handles or slots (unchecked; a slot is its own). O(B)."""
+        s = id_batch(handles, "handles")
+        return torch.from_numpy(np.where(s > _SLOT_MASK, s & _SLOT_MASK, s))
 
     def _page_ids(self, vpages: object, where: str) -> np.ndarray:
         vp = id_batch(vpages, "vpages")
@@ -348,26 +444,88 @@ class RequestTable:
         if n:
             self.alloc.free_pages(self._freed[:n], owner=self._owner_arg)
 
-    def _take(self, k: int) -> np.ndarray | None:
-        """``k`` fresh virtual pages (bound on every bound end), evicting cached pages LRU first while the
-        allocator falls short (Note [Cached pages]); ``None`` if even an empty cache does not make room."""
-        buf = self._pagebuf[:k]
+    def _plan(self, s: np.ndarray, e: np.ndarray, where: str) -> tuple[int, list[np.ndarray]]:
+        """Validate an extend batch and plan it (changes nothing): the fresh pages it takes and, per bound end, the
+        virtual pages its window advance releases there (copies). Raises the typed errors of :meth:`extend`."""
+        info, rel = self._info, self._rel
+        k_grow_plan(self._rq, self._pg, self._r2p, s, e, self.page_size, self.max_tokens_per_request, self._win,
+                     self._mark, self._cow, rel, info)
+        if info[I_CODE]:
+            self._raise(where)
+        return int(info[I_PAGES]), [rel[b, : int(info[I_REL + b])].copy() for b in range(rel.shape[0])]
+
+    def _place(self, k: int, released: list[np.ndarray]) -> bool:
+        """On the allocator only: release the window pages ``released`` (per bound end), then take ``k`` fresh pages
+        into ``_pagebuf[:k]``. False if they do not fit (the releases stay: callers run this in a trial)."""
+        for end, pages in zip(self.bound_ends, released, strict=True):
+            if pages.size:
+                self.alloc.release_pages(end, pages)
+        return k == 0 or self.alloc.alloc_pages(k, out=self._pagebuf[:k], owner=self._owner_arg) is not None
+
+    def _fits_now(self, k: int) -> bool:
+        """True if ``k`` fresh pages fit on every end with no release, eviction or compaction (then the window
+        releases, which only add room, cannot make them fail). O(ends)."""
         if k == 0:
-            return buf
-        if k >= self._pagebuf.shape[0]:   # more than the owner's whole id space: no eviction can help
+            return True
+        need = {self.owner: k, **{b: k for b in self.bound_ends}}
+        return not self.alloc.shortfall_pages(need)
+
+    def _keep(self, released: list[np.ndarray], evicted: np.ndarray) -> dict[str, np.ndarray]:
+        """Physical pages whose bytes a trial with compaction must keep: the window pages and cached pages it
+        frees (Note [Trials] in :mod:`umalloc.core.allocator`)."""
+        keep: dict[str, np.ndarray] = {}
+        for end, pages in ((self.owner, evicted), *zip(self.bound_ends, released, strict=True)):
+            if pages.size:
+                keep[end] = self.alloc.translate_pages(torch.from_numpy(pages), end).numpy()
+        return keep
+
+    def _trial_fits(self, k: int, released: list[np.ndarray], evicted: np.ndarray, compaction: bool,
+                    commit: bool) -> bool:
+        """Run "free ``evicted`` (cached pages, no ``on_evict``), release the window pages, take ``k`` pages" in an
+        allocator trial; keep it only if ``commit`` and it fits (Note [Room])."""
+        keep = self._keep(released, evicted) if compaction else None
+        with self.alloc.trial(compaction=compaction, keep_bytes=keep) as trial:
+            if evicted.size:
+                self.alloc.free_pages(evicted, owner=self._owner_arg)
+            ok = self._place(k, released)
+            if ok and commit:
+                trial.commit()
+        return ok
+
+    def _evictions_needed(self, k: int, released: list[np.ndarray]) -> int | None:
+        """The fewest cached pages, LRU first, whose eviction lets the planned extend fit (``None``: not even the
+        whole cache does). Trials without compaction first, then with it (Note [Room]). O(log cached) trials."""
+        lru = self.cached_pages().numpy()
+        if not lru.size:
             return None
-        alloc_pages, owner = self.alloc.alloc_pages, self._owner_arg
-        if self._lru[LRU_NEXT, 0]:   # a cache: make room first rather than run the allocator's shortfall ladder
-            short = k - self.alloc.available_pages(self.owner)
-            if short > 0:
-                if short > int(np.count_nonzero(self._pg[PG_STATE] == PAGE_CACHED)):
-                    return None   # even the whole cache is too small: evict nothing (nothing changes)
-                self.evict(short)
-        while alloc_pages(k, out=buf, owner=owner) is None:
-            if self._lru[LRU_NEXT, 0] == 0:
-                return None
-            self.evict(max(1, sum(self.alloc.last_shortfall.values())))
-        return buf
+        for compaction in (False, True):
+            if not self._trial_fits(k, released, lru, compaction, False):
+                continue
+            lo, hi = 1, lru.size     # fits with hi pages evicted; find the least
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if self._trial_fits(k, released, lru[:mid], compaction, False):
+                    hi = mid
+                else:
+                    lo = mid + 1
+            return hi
+        return None
+
+    def _make_room(self, k: int, released: list[np.ndarray]) -> bool | int:
+        """Make room for a planned extend on the allocator (Note [Room]): True once the window pages are released
+        and ``_pagebuf[:k]`` holds ``k`` fresh pages; an int ``n > 0`` if it fits only once the ``n`` least recently
+        used cached pages are evicted (nothing done yet); False if it cannot fit (nothing changed)."""
+        if k >= self._pagebuf.shape[0]:   # more than the owner's whole id space: nothing can help
+            return False
+        if self._fits_now(k):
+            ok = self._place(k, released)
+            if not ok:
+                raise InvariantError("extend: the allocator refused pages its planner said fit")
+            return True
+        if self._trial_fits(k, released, self._no_flat, True, True):
+            return True
+        n = self._evictions_needed(k, released)
+        return False if n is None else n
 
     def _push(self, flat: np.ndarray) -> None:
         """Refresh the device copy of ``req_to_token`` at flat positions ``flat`` (CUDA arenas only)."""
@@ -404,21 +562,31 @@ class RequestTable:
     # ------------------------------------------------------------------------------------------------------
     # requests
     # ------------------------------------------------------------------------------------------------------
-    def new_requests(self, num_requests: int) -> torch.Tensor | None:
+    def new_requests(self, num_requests: int, *, handles: bool = False) -> torch.Tensor | None:
         """Open ``num_requests`` empty requests in the lowest free slots.
 
+        Args:
+            num_requests: requests to open (an int >= 0).
+            handles: return handles (Note [Handles]: a stale one is refused once its slot is freed) instead of
+                bare slots.
+
         Returns:
-            ``int64 (num_requests,)`` slots, ascending; ``None`` if fewer slots are free (nothing changed).
+            ``int64 (num_requests,)`` slots (or their handles), ascending; ``None`` if fewer slots are free
+            (nothing changed).
 
         Raises:
-            UmallocValueError: a bad count. Complexity: O(max_requests).
+            UmallocValueError: a bad count or ``handles`` not a bool. Complexity: O(max_requests).
         """
         n = count_arg(num_requests, "num_requests")
+        if type(handles) is not bool:
+            raise UmallocValueError(f"new_requests: handles={handles!r}; allowed True or False")
         if n > self.max_requests:
             return None   # more than every slot: fewer are free (nothing changed)
         out = np.empty(n, np.int64)
         if k_new(self._rq, n, out) < 0:
             return None
+        if handles:
+            out |= self._gen[out] << _HANDLE_SHIFT
         return torch.from_numpy(out)
 
     def extend(self, slots: object, extend_lens: object) -> torch.Tensor | None:
@@ -432,16 +600,18 @@ class RequestTable:
 
         Returns:
             ``int64`` CPU tensor ``(sum(extend_lens),)`` of the new tokens' virtual ids, request by request (what
-            the engine writes KV to); ``None`` if the arena lacks space even after evicting every cached page (no
-            token handed out; windows advanced and pages evicted stay so).
+            the engine writes KV to); ``None`` if the arena lacks space even after evicting every cached page
+            (nothing changed: no window advanced, no page evicted, Note [Room]).
 
         Raises:
             InvalidIdError: bad shapes/dtypes, a slot out of range or twice. NotAllocatedError: a slot not live.
-            UmallocValueError: a negative length or a request past ``max_tokens_per_request``. Nothing changes.
+            StaleHandleError: a handle of a slot freed since. UmallocValueError: a negative length or a request
+            past ``max_tokens_per_request``. Nothing changes.
 
-        Complexity: O(B + new tokens + released pages), two numba kernels around one ``alloc_pages``.
+        Complexity: O(B + new tokens + released pages), three numba kernels around one ``alloc_pages`` when the
+        pages fit outright; under pressure O(slots) per allocator trial (Note [Room]).
         """
-        s = id_batch(slots, "slots")
+        s = self._rows(id_batch(slots, "slots"), "extend")
         e = id_batch(extend_lens, "extend_lens")
         if e.shape[0] != s.shape[0]:
             raise InvalidIdError(f"extend: slots ({s.shape[0]},) and extend_lens ({e.shape[0]},); allowed equal "
@@ -453,22 +623,22 @@ class RequestTable:
 
         Returns / Raises: as :meth:`extend`; the result is ``int64 (B,)``.
         """
-        s = id_batch(slots, "slots")
+        s = self._rows(id_batch(slots, "slots"), "decode")
         return self._grow(s, self._ones[: s.shape[0]] if s.shape[0] <= self.max_requests
                           else np.ones(s.shape[0], np.int64), "decode")
 
     def _grow(self, s: np.ndarray, e: np.ndarray, where: str) -> torch.Tensor | None:
-        info, rel = self._info, self._rel
-        k_grow_plan(self._rq, self._pg, self._r2p, s, e, self.page_size, self.max_tokens_per_request, self._win,
-                     self._mark, self._cow, rel, info)
-        if info[I_CODE]:
-            self._raise(where)
-        if rel.shape[0]:
-            self._release_bound()
-        total, ncow = int(info[I_TOTAL]), int(info[I_NCOW])
-        pages = self._take(int(info[I_PAGES]))
-        if pages is None:
+        k, released = self._plan(s, e, where)
+        room = self._make_room(k, released)
+        if room is False:
             return None
+        if room is not True:
+            self.evict(int(room))   # on_evict runs here, while the pages are still allocated
+            return self._grow(s, e, where)   # planned again: on_evict may have called back into the table
+        info, rel = self._info, self._rel
+        k_window_apply(self._rq, self._pg, self._r2p, s, e, self.page_size, self._win)
+        total, ncow = int(info[I_TOTAL]), int(info[I_NCOW])
+        pages = self._pagebuf[:k]
         out = np.empty(total, np.int64)
         flat = self._no_flat if self._dev is None else np.empty(total + s.shape[0] * self.page_size, np.int64)
         k_grow_apply(self._rq, self._pg, self._r2p, self._r2t, s, e, self.page_size, self._cow, pages, out, flat,
@@ -479,6 +649,51 @@ class RequestTable:
         if self._dev is not None:
             self._push(flat[: int(info[I_TOTAL])])
         return torch.from_numpy(out)
+
+    def can_extend(self, slots: object, extend_lens: object) -> bool:
+        """True if :meth:`extend` with these arguments would hand out its tokens now (window releases, the
+        evictions it would make and compaction counted: Note [Room]); the admission query of a scheduler.
+        Changes nothing (it runs in allocator trials that are rolled back).
+
+        Raises: as :meth:`extend`. Complexity: O(B) when the pages fit outright; else O(slots) per trial, at most
+        2 + 2 * log2(cached pages + 1) trials.
+
+        >>> from umalloc.testing import small_allocator
+        >>> table = RequestTable(small_allocator(), max_requests=2, max_tokens_per_request=40)
+        >>> (s,) = table.new_requests(1).tolist()
+        >>> table.can_extend([s], [16]), table.can_extend([s], [17])   # 8 pages free on each end
+        (True, False)
+        """
+        s = self._rows(id_batch(slots, "slots"), "can_extend")
+        e = id_batch(extend_lens, "extend_lens")
+        if e.shape[0] != s.shape[0]:
+            raise InvalidIdError(f"can_extend: slots ({s.shape[0]},) and extend_lens ({e.shape[0]},); allowed "
+                                 f"equal (B,) shapes")
+        k, released = self._plan(s, e, "can_extend")
+        if k >= self._pagebuf.shape[0]:
+            return False
+        if self._fits_now(k) or self._trial_fits(k, released, self._no_flat, True, False):
+            return True
+        lru = self.cached_pages().numpy()
+        return bool(lru.size) and any(self._trial_fits(k, released, lru, c, False) for c in (False, True))
+
+    def max_extend_tokens(self, slot: object) -> int:
+        """The most tokens one :meth:`extend` of request ``slot`` alone can take now (:meth:`can_extend`'s
+        answer, searched): the chunk size of a chunked prefill (Note [Chunked prefill]). Changes nothing.
+
+        Raises: as :meth:`extend` for a bad slot. Complexity: O(log max_tokens_per_request) :meth:`can_extend`
+        calls.
+        """
+        r = self._slot(slot, "max_extend_tokens")
+        lo, hi = 0, self.max_tokens_per_request - int(self._rq[RQ_LEN, r])
+        one = np.array([r], np.int64)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.can_extend(one, np.array([mid], np.int64)):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def truncate(self, slots: object, num_tokens: object) -> None:
         """Roll requests back to ``num_tokens[i]`` tokens (speculative decoding: drop rejected drafts): frees
@@ -498,7 +713,7 @@ class RequestTable:
         >>> table.truncate([s], [2]); table.pages(s).tolist(), alloc.stats()["full"].live_pages
         ([2], 2)
         """
-        s = id_batch(slots, "slots")
+        s = self._rows(id_batch(slots, "slots"), "truncate")
         keep = id_batch(num_tokens, "num_tokens")
         if keep.shape[0] != s.shape[0]:
             raise InvalidIdError(f"truncate: slots ({s.shape[0]},) and num_tokens ({keep.shape[0]},); allowed "
@@ -524,6 +739,7 @@ class RequestTable:
             raise UmallocValueError(f"free_requests: cache={cache!r}; allowed True or False")
         s = self._slots(slots, "free_requests")
         self._drop(s, self._zeros[: s.shape[0]], cache, True)
+        self._gen[s] += 1
 
     def _drop(self, s: np.ndarray, keep: np.ndarray, cache: bool, clear: bool) -> None:
         old = self._rq[RQ_LEN, s] if self._dev is not None else None
@@ -731,19 +947,32 @@ class RequestTable:
     # ------------------------------------------------------------------------------------------------------
     # capacity and observability
     # ------------------------------------------------------------------------------------------------------
-    def capacity(self) -> dict[str, int]:
-        """Owner-end pages: ``free_pages`` (allocatable now), ``reclaimable_pages`` (cached, evictable) and
-        ``available_pages`` (their sum: what allocations can get). O(ends)."""
-        free = self.alloc.available_pages(self.owner)
+    def capacity(self) -> dict[str, dict[str, int]]:
+        """Per end of the table (the owner first, then each bound end): ``free_pages`` (what that end can
+        allocate now, :meth:`~umalloc.core.allocator.MultiEndedAllocator.available_pages`),
+        ``reclaimable_pages`` (cached pages eviction returns to it: the owner's cached pages; 0 on a bound end,
+        where cached pages hold nothing) and ``available_pages`` (their sum). An extend takes one page per
+        fresh page on *every* end, so the fewest ``available_pages`` over the ends bounds it; ask
+        :meth:`can_extend` for a given batch (it also counts window releases and compaction). O(ends).
+
+        >>> from umalloc.testing import small_allocator
+        >>> RequestTable(small_allocator(), max_requests=1, max_tokens_per_request=4).capacity()["swa"]
+        {'free_pages': 8, 'reclaimable_pages': 0, 'available_pages': 8}
+        """
         cached = int(np.count_nonzero(self._pg[PG_STATE] == PAGE_CACHED))
-        return {"free_pages": free, "reclaimable_pages": cached, "available_pages": free + cached}
+        out = {}
+        for end in (self.owner, *self.bound_ends):
+            free = self.alloc.available_pages(end)
+            rec = cached if end == self.owner else 0
+            out[end] = {"free_pages": free, "reclaimable_pages": rec, "available_pages": free + rec}
+        return out
 
     def stats(self) -> RequestTableStats:
         """:class:`RequestTableStats` now. O(max_requests + virtual pages)."""
         pg, rq = self._pg, self._rq
         live = int(np.count_nonzero(rq[RQ_INUSE]))
         held = pg[PG_STATE] == PAGE_HELD
-        cap = self.capacity()
+        cap = self.capacity()[self.owner]
         return RequestTableStats(
             live_requests=live, free_slots=self.max_requests - live, tokens=int(rq[RQ_LEN].sum()),
             held_pages=int(np.count_nonzero(held)), shared_pages=int(np.count_nonzero(held & (pg[PG_REF] > 1))),
@@ -757,7 +986,8 @@ class RequestTable:
         compare two with :func:`~umalloc.core.allocator.snapshots_equal`. O(slots + table size)."""
         return {"alloc": self.alloc.snapshot(),
                 "table": {"rq": self._rq.copy(), "pg": self._pg.copy(), "lru": self._lru.copy(),
-                          "r2p": self._r2p.copy(), "r2t": self._r2t.copy(), "counters": dict(self._counters)}}
+                          "r2p": self._r2p.copy(), "r2t": self._r2t.copy(), "gen": self._gen.copy(),
+                          "counters": dict(self._counters)}}
 
     def check_invariants(self, *, allocator: bool = True) -> None:
         """Check every invariant (the allocator's first, unless ``allocator=False``); raise
