@@ -209,7 +209,18 @@ class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart, FreePart):
         self.last_shortfall: dict[str, int] = {}
         self._names: tuple[str, ...] = tuple(e.name for e in self.spec.ends)
         self._index: dict[str, int] = {n: i for i, n in enumerate(self._names)}
-        device = arena.device if mirror_device is None else torch.device(mirror_device)
+        if mirror_device is None:
+            device = arena.device
+        else:
+            try:
+                device = torch.device(mirror_device)
+            except (RuntimeError, ValueError, TypeError):
+                raise UmallocValueError(f"mirror_device={mirror_device!r}: allowed None, 'cpu' or 'cuda[:N]'") from None
+            if device.type not in ("cpu", "cuda"):
+                raise UmallocValueError(f"mirror_device={mirror_device!r}: allowed None, 'cpu' or 'cuda[:N]'")
+            if device.type == "cuda" and not torch.cuda.is_available():
+                raise UmallocValueError(f"mirror_device={mirror_device!r}: no CUDA device is available here; "
+                                        "allowed None or 'cpu'")
         heap = Heap(self.spec, self._float_splits(float_split))
         self._heap = heap
         # the heap's arrays under the names the facade's code uses (aliases: the heap owns them)

@@ -438,7 +438,7 @@ class ArenaSpec:
         """The end called ``name``; raises :class:`SpecError` if there is none."""
         try:
             return self._by_name[name]
-        except KeyError:
+        except (KeyError, TypeError):   # TypeError: an unhashable name (a list)
             raise SpecError("end", name, f"one of {sorted(self._by_name)}") from None
 
     @property

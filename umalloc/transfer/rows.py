@@ -127,6 +127,8 @@ def vector_rows(end: EndSpec, seq_len_tokens: int, prefix_tokens: int = 0, *, dc
     >>> vector_rows(full, 19, 6, dcp_size=4, dcp_rank=1)      # positions 1, 5, 9, 13, 17 -> rows 0..4
     (2, 5)
     """
+    if not isinstance(end, EndSpec):
+        raise UmallocValueError(f"end={type(end).__name__}: allowed an EndSpec")
     if end.role is EndRole.STATE:
         raise UmallocValueError(f"end {end.name!r} is a state end: it travels as a whole slot, not by rows")
     check_tokens(seq_len_tokens, prefix_tokens)
