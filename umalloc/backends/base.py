@@ -112,12 +112,14 @@ from umalloc.errors import (
     IncompatiblePeerError,
     InvariantError,
     PeerDiedError,
+    RegistrationError,
     TransferError,
     TransferTimeout,
     UmallocValueError,
 )
 from umalloc.geometry.region import Region
 from umalloc.transfer import PeerLayout
+from umalloc.transfer.plan import ReceiverHalf
 
 
 def _check_timeout(timeout_s: object) -> None:
@@ -360,10 +362,41 @@ class BackendBase:
 
         Raises:
             BackendError: the backend is closed.
+            UmallocValueError: ``half`` is not a ReceiverHalf.
+            RegistrationError: the half's pages lie outside the memory registered here, or this backend has no
+                layout to place them with (:meth:`set_layout`), or the half names another layout (nothing kept).
             LeaseError, UmallocValueError: the half's lease or the half already ended (nothing kept).
         """
         self._check_open()
+        if not isinstance(half, ReceiverHalf):
+            raise UmallocValueError(f"publish_half: half={type(half).__name__}; allowed a ReceiverHalf "
+                                    f"(build_receiver_half)")
+        self._check_half_registered(half)
         return self._halves.publish(half)
+
+    def _check_half_registered(self, half: ReceiverHalf) -> None:
+        """Every page of ``half`` lies inside one region registered here now (F25: a half whose memory this
+        engine never registered cannot be fenced by its close). O(pages + regions log regions)."""
+        lay = self._layout_obj
+        if lay is None:
+            raise RegistrationError(f"publish_half: this {self.name} backend has no layout (set_layout) to place "
+                                    f"the half's pages with; allowed a backend built with the receiver's layout")
+        if half.layout_digest != lay.digest:
+            raise RegistrationError(f"publish_half: the half refers to layout {half.layout_digest[:12]}, this "
+                                    f"backend's is {lay.digest[:12]}; allowed a half of the memory registered here")
+        regions = sorted(self._reg.regions, key=lambda r: r.base_ptr)
+        bases = np.array([r.base_ptr for r in regions], dtype=np.uint64)
+        ends = np.array([r.base_ptr + r.nbytes for r in regions], dtype=np.uint64)
+        for end, pages in half.pages_by_end().items():
+            pb = lay.end(end).page_bytes
+            lo = np.uint64(lay.arena_base_ptr) + np.asarray(pages, dtype=np.uint64) * np.uint64(pb)
+            i = np.searchsorted(bases, lo, side="right").astype(np.int64) - 1
+            ok = (i >= 0) & (lo + np.uint64(pb) <= ends[np.maximum(i, 0)]) if regions else np.zeros(lo.shape, bool)
+            if not ok.all():
+                bad = int(np.asarray(pages)[np.flatnonzero(~ok)[0]])
+                raise RegistrationError(f"publish_half: page {bad} of end {end!r} lies outside every region "
+                                        f"registered on this {self.name} backend; allowed a half of registered "
+                                        f"memory")
 
     def published_halves(self) -> int:
         """Halves published through :meth:`publish_half` that may still be written (pending, or in doubt). O(n)."""
