@@ -140,5 +140,9 @@ class StaleHandleError(NotAllocatedError):
     longer the slot's (F30). Nothing changes."""
 
 
+class ArenaMemoryError(UmallocError, MemoryError):
+    """The host or device could not allocate an arena's bytes (nothing was allocated)."""
+
+
 class PeerDiedError(TransferError):
     """The peer of a transfer (its process, agent or connection) is gone; what it may have written is in doubt."""

@@ -437,13 +437,14 @@ class LeaseTable:
         return self.any_pinned(end)
 
     def is_pinned(self, end: str, pages: np.ndarray) -> np.ndarray:
-        """Boolean mask, same shape as ``pages`` (int64 physical pages in ``[0, page_slots)``): pinned or not.
+        """Boolean mask, same shape as ``pages`` (1-D int64 physical pages in ``[0, page_slots)``): pinned or not.
 
         Raises: LeaseError for an unknown end or a page outside the end's slots."""
         self._check_end(end)
         p = np.asarray(pages)
-        if p.dtype.kind not in "iu":
-            raise LeaseError(f"is_pinned: pages of dtype {p.dtype}; allowed integer physical pages")
+        if p.dtype.kind not in "iu" or p.ndim != 1:
+            raise LeaseError(f"is_pinned: pages of dtype {p.dtype}, shape {p.shape}; allowed 1-D integer physical "
+                             f"pages")
         n = self._slots[end]
         if p.size and (int(p.min()) < 0 or int(p.max()) >= n):
             raise LeaseError(f"is_pinned: a page outside [0, {n}) of end {end!r}")
@@ -494,6 +495,9 @@ class LeaseTable:
         Raises:
             StaleLeaseError: no live lease has this id and generation (it ended; its pages may have a new owner).
         """
+        for nm, v in (("lease_id", lease_id), ("generation", generation)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise LeaseError(f"lookup: {nm}={v!r}; allowed an int")
         with self.lock:
             lease = self._active.get(lease_id) or self._doubt.get(lease_id)
         if lease is None or lease.generation != generation:
@@ -747,6 +751,8 @@ class LeaseTable:
     def release_tagged(self, tag: str) -> int:
         """Release every active lease carrying ``tag`` (a peer died, a request was aborted); one with an engine
         hold goes in doubt instead (F24). Returns how many. O(leases + their pages)."""
+        if not isinstance(tag, str):
+            raise LeaseError(f"release_tagged: tag={tag!r}; allowed a str")
         with self.lock:
             victims = [lease for lease in self._active.values() if lease.tag == tag]
             for lease in victims:

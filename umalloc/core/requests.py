@@ -661,7 +661,7 @@ class RequestTable:
         >>> from umalloc.testing import small_allocator
         >>> table = RequestTable(small_allocator(), max_requests=2, max_tokens_per_request=40)
         >>> (s,) = table.new_requests(1).tolist()
-        >>> table.can_extend([s], [16]), table.can_extend([s], [17])   # 8 pages free on each end
+        >>> table.can_extend([s], [6]), table.can_extend([s], [7])   # 7 shared slots: 3 pages on both ends
         (True, False)
         """
         s = self._rows(id_batch(slots, "slots"), "can_extend")
@@ -957,7 +957,7 @@ class RequestTable:
 
         >>> from umalloc.testing import small_allocator
         >>> RequestTable(small_allocator(), max_requests=1, max_tokens_per_request=4).capacity()["swa"]
-        {'free_pages': 8, 'reclaimable_pages': 0, 'available_pages': 8}
+        {'free_pages': 7, 'reclaimable_pages': 0, 'available_pages': 7}
         """
         cached = int(np.count_nonzero(self._pg[PG_STATE] == PAGE_CACHED))
         out = {}

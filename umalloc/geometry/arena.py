@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from umalloc.errors import InvalidIdError, UmallocValueError
+from umalloc.errors import ArenaMemoryError, InvalidIdError, UmallocValueError
 from umalloc.geometry.region import DRAM, VRAM, Region, RegionMember
 from umalloc.geometry.spec import ArenaSpec, EndSpec, LayerKind
 
@@ -82,8 +82,12 @@ class Arena:
             raise UmallocValueError("pin_memory=True: pinned host memory needs a CUDA device, and none is "
                                     "available here; allowed pin_memory=False")
         alloc = torch.zeros if zero else torch.empty
-        self.data: torch.Tensor = alloc(spec.arena_bytes, dtype=torch.uint8, device=dev,
-                                        pin_memory=pin_memory and dev.type == "cpu")
+        try:
+            self.data: torch.Tensor = alloc(spec.arena_bytes, dtype=torch.uint8, device=dev,
+                                            pin_memory=pin_memory and dev.type == "cpu")
+        except (RuntimeError, MemoryError, TypeError, OverflowError) as exc:   # torch: RuntimeError, or a size past int64
+            raise ArenaMemoryError(f"arena_bytes={spec.arena_bytes} on {dev}: could not be allocated "
+                                   f"({str(exc).splitlines()[0][:120]})") from None
         self._page_bytes = {e.name: e.page_bytes for e in spec.ends}
 
     # ---- geometry -------------------------------------------------------------------------------------

@@ -168,9 +168,10 @@ def check_dcp(dcp_size: object, dcp_rank: object) -> None:
 
 def check_tokens(seq_len_tokens: object, prefix_tokens: object) -> None:
     """Raise :class:`~umalloc.errors.UmallocValueError` unless ``seq_len_tokens`` is an int >= 0 and
-    ``prefix_tokens`` an int in ``[0, seq_len_tokens]``. O(1)."""
-    if isinstance(seq_len_tokens, bool) or not isinstance(seq_len_tokens, int) or seq_len_tokens < 0:
-        raise UmallocValueError(f"seq_len_tokens={seq_len_tokens!r}: allowed an int >= 0")
+    ``prefix_tokens`` an int in ``[0, seq_len_tokens]`` (lengths below ``2**62``: token ids times a page size
+    must fit int64). O(1)."""
+    if isinstance(seq_len_tokens, bool) or not isinstance(seq_len_tokens, int) or not 0 <= seq_len_tokens < 1 << 62:
+        raise UmallocValueError(f"seq_len_tokens={seq_len_tokens!r}: allowed an int in [0, 2**62)")
     if isinstance(prefix_tokens, bool) or not isinstance(prefix_tokens, int) \
             or not 0 <= prefix_tokens <= seq_len_tokens:
         raise UmallocValueError(f"prefix_tokens={prefix_tokens!r}: allowed an int in [0, {seq_len_tokens}]")
