@@ -199,7 +199,7 @@ def _targets() -> list[Target]:
         Target("alloc.available_tokens", ("name",), A(lambda a, e: a.available_tokens(e))),
         Target("alloc.can_alloc", ("mapping",), A(lambda a, m: a.can_alloc(m))),
         Target("alloc.shortfall_pages", ("mapping",), A(lambda a, m: a.shortfall_pages(m))),
-        Target("alloc.compact", ("owner", "count"), A(lambda a, e, n: a.compact(e, budget_pages=n))),
+        Target("alloc.compact", ("owner", "count_or_none"), A(lambda a, e, n: a.compact(e, budget_pages=n))),
         Target("alloc.band", ("name",), A(lambda a, e: a.band(e))),
         Target("alloc.watermark", ("name",), A(lambda a, e: a.watermark(e))),
         Target("alloc.owner_of", ("name",), A(lambda a, e: a.owner_of(e))),
