@@ -99,3 +99,24 @@ def test_issue26_item20_plan_builders_refuse_what_is_not_an_allocator_or_an_end_
         with pytest.raises(UmallocError):
             call()
     assert snapshots_equal(before, alloc.snapshot()) and alloc.leases_active() == 0
+
+
+def test_issue26_item20_a_plan_whose_destination_descriptors_overlap_is_refused() -> None:
+    """Issue 26 item 20: a hand-made TransferPlan writing two source pages into one destination page (its pages
+    leased on both sides, inside the regions) is refused with DescriptorBoundsError: no plan, nothing posted."""
+    from umalloc.errors import DescriptorBoundsError
+    from umalloc.transfer import PeerLayout
+    from umalloc.transfer.plan import IndexVector, TransferPlan
+
+    src, dst = small_allocator(), small_allocator()
+    vs, vd = src.alloc_pages(2), dst.alloc_pages(2)
+    ps, pd = src.translate_pages(vs, "full").numpy(), dst.translate_pages(vd, "full").numpy()
+    sl, dl = PeerLayout.from_arena(src.arena), PeerLayout.from_arena(dst.arena)
+    group_s, group_d = sl.region_group("full"), dl.region_group("full")
+    ok = IndexVector("target", "full", "full", ps, pd, group_s, group_d)
+    TransferPlan("ok", [ok], src_layout=sl, dst_layout=dl, src_leased_pages={"full": ps},
+                 dst_leased_pages={"full": pd})
+    twice = IndexVector("target", "full", "full", ps, np.array([pd[0], pd[0]]), group_s, group_d)
+    with pytest.raises(DescriptorBoundsError, match="overlapping destination"):
+        TransferPlan("bad", [twice], src_layout=sl, dst_layout=dl, src_leased_pages={"full": ps},
+                     dst_leased_pages={"full": pd})
