@@ -496,6 +496,7 @@ class BackendBase:
         dst_idx = locate(d, 1, info.starts, info.ends,
                          f"destination was never registered by peer {peer!r} ({len(info.regions)} region(s) "
                          "in its metadata)")
+        self._engine_check_peer_metadata(info)
         n = d.shape[0]
         total = int(d[:, 2].sum()) if n else 0
         chunks = chunk_located(d, src_idx, dst_idx, *self._max_batch, self._reg, info)
@@ -779,6 +780,10 @@ class BackendBase:
 
     def _engine_metadata(self) -> dict:
         return {}
+
+    def _engine_check_peer_metadata(self, peer: PeerInfo) -> None:
+        """Engine hook, before a batch is posted: raise RegistrationError if the peer's metadata is known to be
+        stale (its registrations changed since it was taken); nothing is posted then."""
 
     def _engine_connect(self, md: dict) -> str:
         raise NotImplementedError
