@@ -298,6 +298,8 @@ class NixlBackend(BackendBase):
         """Note [NIXL registration generations]: refuse a post to a target whose registrations moved past the
         generation its metadata carried (its notice, or within this process its own counter)."""
         self._engine_progress()
+        if self._peer_closed(peer.name):
+            return   # a closed target fails the handle as a closed peer (its engine writes nothing more)
         want = self._peer_gen.get(peer.name)
         other = _AGENTS.get(peer.name)
         now = self._stale.get(peer.name)
