@@ -171,6 +171,7 @@ class BackendBase:
         self._ht = HandleTable(self.name, self._engine_in_flight, self._engine_release)
         self._counts: Counter[str] = Counter()  # connects, register_calls, deregister_calls
         self._halves = PublishedHalves()
+        self._half_senders: dict[int, tuple[object, str]] = {}   # id(half) -> (half, its sender peer)
         self._closed = False
         type(self)._live.add(self)
 
@@ -351,7 +352,7 @@ class BackendBase:
                 half.fail(exc)  # type: ignore[attr-defined]
         return state
 
-    def publish_half(self, half: object) -> dict:
+    def publish_half(self, half: object, sender: str | None = None) -> dict:
         """Receiver side: ``half.publish()`` for senders that write through this backend into memory registered
         here (a :class:`~umalloc.transfer.plan.ReceiverHalf`), keeping the half so that :meth:`close` and
         :meth:`reset` settle it, if it is still held then, once the engine released every registration — where
@@ -360,9 +361,13 @@ class BackendBase:
         the sender's report (``half.complete()`` / ``half.settle()``) or :meth:`fail_half_if_peer_died` ends it.
         O(halves held).
 
+        ``sender``: the connected peer that writes the half (optional): :meth:`poll_half` and :meth:`wait_half`
+        then check its liveness on every call and fail the half with :class:`~umalloc.errors.PeerDiedError` once
+        it is not alive (F12), so a receiver that only waits learns of a dead sender.
+
         Raises:
             BackendError: the backend is closed.
-            UmallocValueError: ``half`` is not a ReceiverHalf.
+            UmallocValueError: ``half`` is not a ReceiverHalf, or ``sender`` not a connected peer.
             RegistrationError: the half's pages lie outside the memory registered here, or this backend has no
                 layout to place them with (:meth:`set_layout`), or the half names another layout (nothing kept).
             LeaseError, UmallocValueError: the half's lease or the half already ended (nothing kept).
@@ -371,8 +376,64 @@ class BackendBase:
         if not isinstance(half, ReceiverHalf):
             raise UmallocValueError(f"publish_half: half={type(half).__name__}; allowed a ReceiverHalf "
                                     f"(build_receiver_half)")
+        if sender is not None:
+            self._get_peer(sender)
         self._check_half_registered(half)
-        return self._halves.publish(half)
+        wire = self._halves.publish(half)
+        self._half_senders = {k: v for k, v in self._half_senders.items()
+                              if v[0].state == "pending"}  # type: ignore[attr-defined]
+        if sender is not None:
+            self._half_senders[id(half)] = (half, sender)
+        return wire
+
+    # Note [Published half liveness]: a receiver that names the sender at publish_half gets its liveness
+    # checked on every poll_half / wait_half (peer_state: the process gone -> the half settles; the engine
+    # reports it down -> the half fails, in doubt), so an engine that only waits is told PeerDiedError (F12).
+    def _published_sender(self, half: object, where: str) -> str | None:
+        if not isinstance(half, ReceiverHalf):
+            raise UmallocValueError(f"{where}: half={type(half).__name__}; allowed a ReceiverHalf published here")
+        got = self._half_senders.get(id(half))
+        return got[1] if got is not None and got[0] is half else None
+
+    def poll_half(self, half: object) -> str:
+        """Receiver side: the state of a half published here (``"pending"``, ``"done"``, ``"failed"``) after a
+        liveness check of the sender named at :meth:`publish_half` (Note [Published half liveness]): a sender
+        that is not alive fails the half (``"gone"``: it settles, its pages come free; ``"unreachable"``: in
+        doubt) and :class:`~umalloc.errors.PeerDiedError` is raised. Progresses the engine first.
+
+        Raises:
+            UmallocValueError: not a ReceiverHalf. PeerDiedError: the sender died (the half has ended).
+
+        Complexity: one :meth:`peer_state` (Mooncake: a probe bounded by 1 s) while the half is pending.
+        """
+        self._check_open()
+        sender = self._published_sender(half, "poll_half")
+        self.progress()
+        if half.state == "pending" and sender is not None and sender in self._peers:  # type: ignore[attr-defined]
+            self.fail_half_if_peer_died(half, sender)
+        if isinstance(half.error, PeerDiedError):  # type: ignore[attr-defined]
+            raise half.error  # type: ignore[attr-defined]
+        return half.state  # type: ignore[attr-defined, no-any-return]
+
+    def wait_half(self, half: object, timeout_s: float) -> str:
+        """Receiver side: block until a half published here ended (the sender's report: ``half.complete()`` /
+        ``settle()`` from any thread) or ``timeout_s`` passed, checking the sender's liveness on every poll
+        (:meth:`poll_half`). Returns the half's terminal state.
+
+        Raises:
+            UmallocValueError: not a ReceiverHalf, or a bad ``timeout_s``. PeerDiedError: the sender died.
+            TransferTimeout: still pending at the deadline; the half is left as it is (a timeout proves nothing:
+                the sender may still write, F24).
+        """
+        _check_timeout(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while self.poll_half(half) == "pending":
+            now = time.monotonic()
+            if now >= deadline:
+                raise TransferTimeout(f"{self.name}: receiver half {half.request_id!r} still pending after "  # type: ignore[attr-defined]
+                                      f"{timeout_s:.3g} s (left pending: its sender may still write)")
+            time.sleep(min(self.wait_max_sleep_s * 4, deadline - now))
+        return half.state  # type: ignore[attr-defined, no-any-return]
 
     def _check_half_registered(self, half: ReceiverHalf) -> None:
         """Every page of ``half`` lies inside one region registered here now (F25: a half whose memory this
@@ -707,6 +768,7 @@ class BackendBase:
             self.disconnect(p)
         if self._reg.counts or self._reg.engine:
             self._apply(Counter())
+        self._half_senders.clear()
         self._halves.end_all(BackendError(f"{self.name}: backend reset: its registrations were released"),
                              settle=self.fences_peer_writes)
         self._layout = None
@@ -754,6 +816,7 @@ class BackendBase:
             self._engine_close()
             if self._ht.draining:
                 self._ht.reap()
+            self._half_senders.clear()
             self._halves.end_all(BackendError(f"{self.name}: backend closed: its engine stopped"),
                                  settle=self.fences_peer_writes and not self._ht.draining)
 
