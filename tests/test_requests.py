@@ -23,8 +23,8 @@ from umalloc.errors import (
     UmallocValueError,
 )
 from umalloc.geometry.arena import Arena
-from umalloc.testing import small_allocator
 from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, KVDtype, LayerSpec
+from umalloc.testing import small_allocator
 
 
 def _alloc(ps: int, pages: int, window: int | None = None, dtype: KVDtype = KVDtype.BF16,

@@ -37,7 +37,6 @@ from umalloc.core.leases import LeaseTable
 from umalloc.core.requests import RequestTable
 from umalloc.errors import UmallocError
 from umalloc.geometry.arena import Arena
-from umalloc.geometry.region import Region
 from umalloc.testing import tiny_spec
 from umalloc.transfer import PeerLayout, build_receiver_half
 from umalloc.transfer.build import build_plan
@@ -192,8 +191,8 @@ def _targets() -> list[Target]:
         Target("alloc.translate", ("ids", "name", "bool"), A(lambda a, v, e, s: a.translate(v, e, strict=s))),
         Target("alloc.translate_pages", ("ids", "name", "out"),
                A(lambda a, v, e, o: a.translate_pages(v, e, strict=False, out=o))),
-        Target("alloc.alloc_extend", ("ids", "ids", "ids"), A(lambda a, p, s, l: a.alloc_extend(p, s, l))),
-        Target("alloc.alloc_decode", ("ids", "ids"), A(lambda a, s, l: a.alloc_decode(s, l))),
+        Target("alloc.alloc_extend", ("ids", "ids", "ids"), A(lambda a, p, s, last: a.alloc_extend(p, s, last))),
+        Target("alloc.alloc_decode", ("ids", "ids"), A(lambda a, s, last: a.alloc_decode(s, last))),
         Target("alloc.bind_end", ("name", "ids"), A(lambda a, e, v: a.bind_end(e, v))),
         Target("alloc.available_pages", ("name",), A(lambda a, e: a.available_pages(e))),
         Target("alloc.available_tokens", ("name",), A(lambda a, e: a.available_tokens(e))),

@@ -175,10 +175,10 @@ from umalloc.core.refcounts import (
     k_fork,
     k_grow_apply,
     k_grow_plan,
-    k_window_apply,
     k_new,
     k_revive,
     k_unref,
+    k_window_apply,
 )
 from umalloc.errors import (
     DoubleFreeError,

@@ -36,7 +36,6 @@ past ``L`` are not valid on either side (allocated to this request, not yet writ
 from __future__ import annotations
 
 import math
-
 from collections.abc import Mapping
 from typing import Any, Protocol
 

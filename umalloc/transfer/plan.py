@@ -38,7 +38,13 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from umalloc.errors import DescriptorBoundsError, InvalidIdError, LeaseError, TransferTimeout, UmallocValueError
+from umalloc.errors import (
+    DescriptorBoundsError,
+    InvalidIdError,
+    LeaseError,
+    TransferTimeout,
+    UmallocValueError,
+)
 from umalloc.geometry.region import RegionGroup
 from umalloc.transfer.descriptors import EMPTY_IDS, SideBounds, vector_descriptors
 from umalloc.transfer.layout import PeerLayout, wire_int
