@@ -476,7 +476,7 @@ class RequestTable:
         keep: dict[str, np.ndarray] = {}
         for end, pages in ((self.owner, evicted), *zip(self.bound_ends, released, strict=True)):
             if pages.size:
-                keep[end] = self.alloc.translate_pages(torch.from_numpy(pages), end).numpy()
+                keep[end] = np.asarray(self.alloc.translate_pages(torch.from_numpy(pages), end), dtype=np.int64)
         return keep
 
     def _trial_fits(self, k: int, released: list[np.ndarray], evicted: np.ndarray, compaction: bool,
