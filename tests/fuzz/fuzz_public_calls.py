@@ -32,9 +32,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from umalloc.core.allocator import MultiEndedAllocator, snapshots_equal
-from umalloc.core.leases import LeaseTable
-from umalloc.core.requests import RequestTable
+from umalloc.allocator.facade import MultiEndedAllocator, snapshots_equal
+from umalloc.leases.table import LeaseTable
+from umalloc.requests.table import RequestTable
 from umalloc.errors import UmallocError
 from umalloc.geometry.arena import Arena
 from umalloc.testing import tiny_spec

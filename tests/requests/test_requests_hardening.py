@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from umalloc.core.allocator import MultiEndedAllocator, snapshots_equal
-from umalloc.core.requests import RequestTable
+from umalloc.allocator.facade import MultiEndedAllocator, snapshots_equal
+from umalloc.requests.table import RequestTable
 from umalloc.errors import InvalidIdError, StaleHandleError, UmallocError, UmallocValueError
 from umalloc.geometry.arena import Arena
 from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, LayerSpec
