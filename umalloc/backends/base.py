@@ -105,14 +105,13 @@ from umalloc.backends.peers import (
     peer_info,
 )
 from umalloc.backends.protocol import EngineHold, PlanLike, check_plan, plan_item_bytes
-from umalloc.backends.published import PublishedHalves
+from umalloc.backends.published import PublishedHalves, check_half_registered
 from umalloc.backends.registry import Registry, validate_regions
 from umalloc.errors import (
     BackendError,
     IncompatiblePeerError,
     InvariantError,
     PeerDiedError,
-    RegistrationError,
     TransferError,
     TransferTimeout,
     UmallocValueError,
@@ -171,7 +170,6 @@ class BackendBase:
         self._ht = HandleTable(self.name, self._engine_in_flight, self._engine_release)
         self._counts: Counter[str] = Counter()  # connects, register_calls, deregister_calls
         self._halves = PublishedHalves()
-        self._half_senders: dict[int, tuple[object, str]] = {}   # id(half) -> (half, its sender peer)
         self._closed = False
         type(self)._live.add(self)
 
@@ -378,36 +376,25 @@ class BackendBase:
                                     f"(build_receiver_half)")
         if sender is not None:
             self._get_peer(sender)
-        self._check_half_registered(half)
-        wire = self._halves.publish(half)
-        self._half_senders = {k: v for k, v in self._half_senders.items()
-                              if v[0].state == "pending"}  # type: ignore[attr-defined]
-        if sender is not None:
-            self._half_senders[id(half)] = (half, sender)
-        return wire
+        check_half_registered(half, self._layout_obj, self._reg.regions, self.name)
+        return self._halves.publish(half, sender)
 
     # Note [Published half liveness]: a receiver that names the sender at publish_half gets its liveness
     # checked on every poll_half / wait_half (peer_state: the process gone -> the half settles; the engine
     # reports it down -> the half fails, in doubt), so an engine that only waits is told PeerDiedError (F12).
-    def _published_sender(self, half: object, where: str) -> str | None:
-        if not isinstance(half, ReceiverHalf):
-            raise UmallocValueError(f"{where}: half={type(half).__name__}; allowed a ReceiverHalf published here")
-        got = self._half_senders.get(id(half))
-        return got[1] if got is not None and got[0] is half else None
-
     def poll_half(self, half: object) -> str:
         """Receiver side: the state of a half published here (``"pending"``, ``"done"``, ``"failed"``) after a
         liveness check of the sender named at :meth:`publish_half` (Note [Published half liveness]): a sender
         that is not alive fails the half (``"gone"``: it settles, its pages come free; ``"unreachable"``: in
         doubt) and :class:`~umalloc.errors.PeerDiedError` is raised. Progresses the engine first.
 
-        Raises:
-            UmallocValueError: not a ReceiverHalf. PeerDiedError: the sender died (the half has ended).
-
+        Raises: UmallocValueError: not a ReceiverHalf. PeerDiedError: the sender died (the half has ended).
         Complexity: one :meth:`peer_state` (Mooncake: a probe bounded by 1 s) while the half is pending.
         """
         self._check_open()
-        sender = self._published_sender(half, "poll_half")
+        if not isinstance(half, ReceiverHalf):
+            raise UmallocValueError(f"poll_half: half={type(half).__name__}; allowed a ReceiverHalf published here")
+        sender = self._halves.sender_of(half)
         self.progress()
         if half.state == "pending" and sender is not None and sender in self._peers:  # type: ignore[attr-defined]
             self.fail_half_if_peer_died(half, sender)
@@ -434,30 +421,6 @@ class BackendBase:
                                       f"{timeout_s:.3g} s (left pending: its sender may still write)")
             time.sleep(min(self.wait_max_sleep_s * 4, deadline - now))
         return half.state  # type: ignore[attr-defined, no-any-return]
-
-    def _check_half_registered(self, half: ReceiverHalf) -> None:
-        """Every page of ``half`` lies inside one region registered here now (F25: a half whose memory this
-        engine never registered cannot be fenced by its close). O(pages + regions log regions)."""
-        lay = self._layout_obj
-        if lay is None:
-            raise RegistrationError(f"publish_half: this {self.name} backend has no layout (set_layout) to place "
-                                    f"the half's pages with; allowed a backend built with the receiver's layout")
-        if half.layout_digest != lay.digest:
-            raise RegistrationError(f"publish_half: the half refers to layout {half.layout_digest[:12]}, this "
-                                    f"backend's is {lay.digest[:12]}; allowed a half of the memory registered here")
-        regions = sorted(self._reg.regions, key=lambda r: r.base_ptr)
-        bases = np.array([r.base_ptr for r in regions], dtype=np.uint64)
-        ends = np.array([r.base_ptr + r.nbytes for r in regions], dtype=np.uint64)
-        for end, pages in half.pages_by_end().items():
-            pb = lay.end(end).page_bytes
-            lo = np.uint64(lay.arena_base_ptr) + np.asarray(pages, dtype=np.uint64) * np.uint64(pb)
-            i = np.searchsorted(bases, lo, side="right").astype(np.int64) - 1
-            ok = (i >= 0) & (lo + np.uint64(pb) <= ends[np.maximum(i, 0)]) if regions else np.zeros(lo.shape, bool)
-            if not ok.all():
-                bad = int(np.asarray(pages)[np.flatnonzero(~ok)[0]])
-                raise RegistrationError(f"publish_half: page {bad} of end {end!r} lies outside every region "
-                                        f"registered on this {self.name} backend; allowed a half of registered "
-                                        f"memory")
 
     def published_halves(self) -> int:
         """Halves published through :meth:`publish_half` that may still be written (pending, or in doubt). O(n)."""
@@ -768,7 +731,6 @@ class BackendBase:
             self.disconnect(p)
         if self._reg.counts or self._reg.engine:
             self._apply(Counter())
-        self._half_senders.clear()
         self._halves.end_all(BackendError(f"{self.name}: backend reset: its registrations were released"),
                              settle=self.fences_peer_writes)
         self._layout = None
@@ -816,7 +778,6 @@ class BackendBase:
             self._engine_close()
             if self._ht.draining:
                 self._ht.reap()
-            self._half_senders.clear()
             self._halves.end_all(BackendError(f"{self.name}: backend closed: its engine stopped"),
                                  settle=self.fences_peer_writes and not self._ht.draining)
 

@@ -24,11 +24,8 @@ Policy:
   whose count reaches 0 as cached, in LRU order; ``reclaim`` revives them; an extend evicts them, LRU first, only
   when the eviction makes it fit and only as many as it needs (Note [Room]), calling ``on_evict(vpages)`` before
   their ids can be reused.
-* **Admission** (Note [Room], Note [Chunked prefill]): :meth:`RequestTable.capacity` answers per end;
-  :meth:`RequestTable.can_extend` answers whether a given extend would succeed now, and
-  :meth:`RequestTable.max_extend_tokens` how long one extend of a request may be.
-* **Handles** (Note [Handles]): ``new_requests(handles=True)`` / :meth:`RequestTable.handles` give
-  ``generation << 32 | slot`` handles; every call taking slots takes them and refuses a stale one (F30).
+* **Admission** (Note [Room]): ``capacity`` per end, ``can_extend``, ``max_extend_tokens``. **Handles** (Note
+  [Handles]): ``new_requests(handles=True)`` / ``handles``; every call taking slots refuses a stale one (F30).
 * **Padded lanes** (F05, Note [Padded lanes]): writes of a padded lane go to :attr:`RequestTable.pad_write_vtoken`
   (the sink); reads to :attr:`RequestTable.pad_read_vtoken`, a page of zeros the table holds and no write maps to.
   Unused entries of ``req_to_token`` hold the zero page's token, so a read past a request's length is finite.
@@ -78,39 +75,7 @@ evicted before its prefix, as vLLM's ``free_blocks(reversed(blocks))``); ``relea
 takes pages from the LRU head, as many as the allocator's shortfall names (at least one), and retries until the
 allocation fits or the cache is empty.
 
-Note [Room]
-~~~~~~~~~~~
-An extend first plans (validates, counts its ``k`` fresh pages, lists the window pages it releases) without
-changing anything, then makes room on the allocator in the cheapest way that is sure to be all or nothing:
-
-1. ``k`` pages fit on every end now (``shortfall_pages``): release the window pages, take the pages;
-2. else, in an allocator trial (Note [Trials] in :mod:`umalloc.allocator.facade`): release the window pages, take
-   the pages with the allocator's compaction; kept if they fit, rolled back otherwise;
-3. else, with cached pages: the fewest LRU-first cached pages whose eviction makes step 2 fit, found by rolled
-   back trials (first without compaction, then with it; a binary search, as feasibility only grows with each
-   evicted page). Those pages are evicted (``on_evict`` first, pages still allocated), then the extend is planned
-   again and runs. If even the whole cache does not make it fit, nothing is evicted: an SWA shortfall that freed
-   full pages cannot cover calls no ``on_evict`` (F29).
-
-Room on every end is needed at once: each fresh page is bound on the owner and on every bound end (the engine
-writes every new token's KV on every end during its forward pass; the window then releases what it left at the
-start of the next extend). :meth:`RequestTable.can_extend` runs the same steps and rolls every one back.
-
-Note [Chunked prefill]
-~~~~~~~~~~~~~~~~~~~~~~
-One extend of ``n`` tokens binds ``ceil(n / page_size)`` fresh pages on a windowed end, so a prompt that fits by
-decode (a window's worth of pages at a time) may not fit in one extend. An engine prefills it in chunks, one
-extend and one forward pass per chunk, each of at most :meth:`RequestTable.max_extend_tokens` tokens: the window
-releases at the start of each chunk's extend, so a windowed end holds at most the window plus one chunk.
-
-Note [Handles]
-~~~~~~~~~~~~~~
-A slot is a row of ``req_to_token`` and is reused once freed. Each slot has a generation (1 at creation, + 1 each
-time :meth:`RequestTable.free_requests` frees it). A handle is ``generation << 32 | slot`` (always >= 2**32, so it
-never reads as a slot); every call taking slots accepts slots or handles, and a handle whose generation is not the
-slot's live one raises :class:`~umalloc.errors.StaleHandleError` before anything changes. A bare slot carries no
-generation: engines that keep slots across a free should keep handles (:meth:`RequestTable.slot_of` gives the
-row back).
+Notes [Room] and [Chunked prefill]: :mod:`umalloc.requests.room`; Note [Handles]: :mod:`umalloc.requests.handles`.
 
 Note [Padded lanes]
 ~~~~~~~~~~~~~~~~~~~
@@ -145,9 +110,9 @@ from umalloc.errors import (
     InvalidIdError,
     InvariantError,
     NotAllocatedError,
-    StaleHandleError,
     UmallocValueError,
 )
+from umalloc.requests.handles import SlotGenerations, slot_of
 from umalloc.requests.refcounts import (
     E_DUP,
     E_FREE_SLOT,
@@ -188,14 +153,10 @@ from umalloc.requests.refcounts import (
     k_unref,
     k_window_apply,
 )
+from umalloc.requests.room import Room, largest
 
 _I32_MAX = (1 << 31) - 1
-_HANDLE_SHIFT = 32                     # Note [Handles]: handle = generation << 32 | slot
-_SLOT_MASK = (1 << _HANDLE_SHIFT) - 1
-#: most cells (``max_requests * max_tokens_per_request``) and request slots a table may have: beyond them the
-#: arrays would not fit any host (refused with a typed error before anything is allocated)
-MAX_TABLE_CELLS = 1 << 36
-MAX_REQUESTS = 1 << 31
+MAX_REQUESTS, MAX_TABLE_CELLS = 1 << 31, 1 << 36   #: most slots / slots x tokens: more is refused before allocating
 
 
 # =============================================================================================================
@@ -293,7 +254,7 @@ class RequestTable:
         self.exclusive = bool(exclusive)
         self.on_evict = on_evict
         self._rq = np.zeros((RQ_FRONT + NB, R), np.int64)
-        self._gen = np.ones(R, np.int64)   # Note [Handles]: a slot's generation, + 1 each time it is freed
+        self._gens = SlotGenerations(R)   # Note [Handles]
         self._pg = np.zeros((PG_NEED + NB, NV), np.int32)
         self._lru = np.zeros((2, NV), np.int64)
         self._r2p = np.zeros((R, MP), np.int64)
@@ -335,6 +296,7 @@ class RequestTable:
             for end in (owner, *self.bound_ends)}
         self.req_to_token: torch.Tensor = (torch.from_numpy(self._r2t) if self._dev is None
                                            else torch.from_numpy(self._r2t).to(device))
+        self._room = Room(alloc, owner, self._owner_arg, self.bound_ends, self._pagebuf, self.cached_pages)
         alloc.attach_holder_check(self._check_as_holder)  # the allocator's invariants now see this table's holds
 
     def _check_as_holder(self) -> None:
@@ -355,11 +317,9 @@ class RequestTable:
         if code == E_NEG:
             raise UmallocValueError(f"{where}: extend_lens[{pos}]={val}; allowed >= 0")
         if code == E_LONG:
-            held = int(self._info[3])
-            raise UmallocValueError(f"{where}: extend_lens[{pos}]={val} on the request at {what}[{pos}], which "
-                                    f"holds {held} tokens; allowed at most "
-                                    f"{self.max_tokens_per_request - held} (max_tokens_per_request="
-                                    f"{self.max_tokens_per_request})")
+            held, mt = int(self._info[3]), self.max_tokens_per_request
+            raise UmallocValueError(f"{where}: extend_lens[{pos}]={val} on the request at {what}[{pos}] holding "
+                                    f"{held} tokens; allowed at most {mt - held} (max_tokens_per_request={mt})")
         if code == E_TRUNC:
             raise UmallocValueError(f"{where}: num_tokens[{pos}]={val}; allowed [0, the request's length]")
         raise InvariantError(f"{where}: unknown kernel result {code}")
@@ -378,50 +338,19 @@ class RequestTable:
             slot = int(slot.reshape(-1)[0])
         if isinstance(slot, (bool, np.bool_)) or not isinstance(slot, (int, np.integer)):
             raise InvalidIdError(f"{where}: slot={slot!r}; allowed an int in [0, {self.max_requests}) or a handle")
-        v = int(slot)
-        if not 0 <= v < 1 << 63:
-            raise InvalidIdError(f"{where}: slot={v}; allowed an int in [0, {self.max_requests}) or a handle")
-        (s,) = self._slots(np.array([v], np.int64), where).tolist()   # raises the typed error
-        return int(s)
+        if not 0 <= int(slot) < 1 << 63:
+            raise InvalidIdError(f"{where}: slot={slot}; allowed an int in [0, {self.max_requests}) or a handle")
+        return int(self._slots(np.array([int(slot)], np.int64), where)[0])   # raises the typed error
 
     def _rows(self, s: np.ndarray, where: str) -> np.ndarray:
-        """Slots given as rows or handles (Note [Handles]) -> rows; a stale handle raises. O(B)."""
-        if not s.size or int(s.max()) <= _SLOT_MASK:
-            return s
-        h = s > _SLOT_MASK
-        rows = np.where(h, s & _SLOT_MASK, s)
-        gens = s >> _HANDLE_SHIFT
-        for i in np.flatnonzero(h).tolist():
-            r = int(rows[i])
-            if r >= self.max_requests:
-                raise InvalidIdError(f"{where}: slots[{i}] is a handle of slot {r}; allowed slots in "
-                                     f"[0, {self.max_requests})")
-            if int(gens[i]) != int(self._gen[r]) or not self._rq[RQ_INUSE, r]:
-                raise StaleHandleError(f"{where}: slots[{i}] is a handle of slot {r} generation {int(gens[i])}; "
-                                       f"the slot is at generation {int(self._gen[r])}"
-                                       f"{'' if self._rq[RQ_INUSE, r] else ' and free'} (freed since; a stale "
-                                       f"handle)")
-        return rows
+        return self._gens.rows(s, self._rq[RQ_INUSE], where)
 
     def handles(self, slots: object) -> torch.Tensor:
-        """``int64 (B,)`` handles of live requests (Note [Handles]): ``generation << 32 | slot``. Every call taking
-        slots takes handles too, and refuses one whose slot was freed since with
-        :class:`~umalloc.errors.StaleHandleError`. Raises: as :meth:`extend` for bad slots. O(B).
+        """``int64 (B,)`` handles ``generation << 32 | slot`` of live requests (Note [Handles], with a doctest).
+        Raises: as :meth:`extend` for bad slots. O(B)."""
+        return torch.from_numpy(self._gens.handles(self._slots(slots, "handles")))
 
-        >>> from umalloc.testing import small_allocator
-        >>> table = RequestTable(small_allocator(), max_requests=2, max_tokens_per_request=4)
-        >>> (h,) = table.new_requests(1, handles=True).tolist(); table.free_requests([h])
-        >>> table.new_requests(1).tolist(), table.handles([0]).tolist() == [h]    # slot 0 again, a new generation
-        ([0], False)
-        """
-        s = self._slots(slots, "handles")
-        return torch.from_numpy((self._gen[s] << _HANDLE_SHIFT) | s)
-
-    @staticmethod
-    def slot_of(handles: object) -> torch.Tensor:
-        """``int64 (B,)`` slots (``req_to_token`` rows) of handles or slots (unchecked; a slot is its own). O(B)."""
-        s = id_batch(handles, "handles")
-        return torch.from_numpy(np.where(s > _SLOT_MASK, s & _SLOT_MASK, s))
+    slot_of = staticmethod(slot_of)
 
     def _page_ids(self, vpages: object, where: str) -> np.ndarray:
         vp = id_batch(vpages, "vpages")
@@ -445,87 +374,14 @@ class RequestTable:
             self.alloc.free_pages(self._freed[:n], owner=self._owner_arg)
 
     def _plan(self, s: np.ndarray, e: np.ndarray, where: str) -> tuple[int, list[np.ndarray]]:
-        """Validate an extend batch and plan it (changes nothing): the fresh pages it takes and, per bound end, the
-        virtual pages its window advance releases there (copies). Raises the typed errors of :meth:`extend`."""
+        """Validate and plan an extend batch, changing nothing: its fresh pages and, per bound end, the pages its
+        window advance releases (copies). Raises as :meth:`extend`."""
         info, rel = self._info, self._rel
         k_grow_plan(self._rq, self._pg, self._r2p, s, e, self.page_size, self.max_tokens_per_request, self._win,
                      self._mark, self._cow, rel, info)
         if info[I_CODE]:
             self._raise(where)
         return int(info[I_PAGES]), [rel[b, : int(info[I_REL + b])].copy() for b in range(rel.shape[0])]
-
-    def _place(self, k: int, released: list[np.ndarray]) -> bool:
-        """On the allocator only: release the window pages ``released`` (per bound end), then take ``k`` fresh pages
-        into ``_pagebuf[:k]``. False if they do not fit (the releases stay: callers run this in a trial)."""
-        for end, pages in zip(self.bound_ends, released, strict=True):
-            if pages.size:
-                self.alloc.release_pages(end, pages)
-        return k == 0 or self.alloc.alloc_pages(k, out=self._pagebuf[:k], owner=self._owner_arg) is not None
-
-    def _fits_now(self, k: int) -> bool:
-        """True if ``k`` fresh pages fit on every end with no release, eviction or compaction (then the window
-        releases, which only add room, cannot make them fail). O(ends)."""
-        if k == 0:
-            return True
-        need = {self.owner: k, **{b: k for b in self.bound_ends}}
-        return not self.alloc.shortfall_pages(need)
-
-    def _keep(self, released: list[np.ndarray], evicted: np.ndarray) -> dict[str, np.ndarray]:
-        """Physical pages whose bytes a trial with compaction must keep: the window pages and cached pages it
-        frees (Note [Trials] in :mod:`umalloc.allocator.facade`)."""
-        keep: dict[str, np.ndarray] = {}
-        for end, pages in ((self.owner, evicted), *zip(self.bound_ends, released, strict=True)):
-            if pages.size:
-                keep[end] = np.asarray(self.alloc.translate_pages(torch.from_numpy(pages), end), dtype=np.int64)
-        return keep
-
-    def _trial_fits(self, k: int, released: list[np.ndarray], evicted: np.ndarray, compaction: bool,
-                    commit: bool) -> bool:
-        """Run "free ``evicted`` (cached pages, no ``on_evict``), release the window pages, take ``k`` pages" in an
-        allocator trial; keep it only if ``commit`` and it fits (Note [Room])."""
-        keep = self._keep(released, evicted) if compaction else None
-        with self.alloc.trial(compaction=compaction, keep_bytes=keep) as trial:
-            if evicted.size:
-                self.alloc.free_pages(evicted, owner=self._owner_arg)
-            ok = self._place(k, released)
-            if ok and commit:
-                trial.commit()
-        return ok
-
-    def _evictions_needed(self, k: int, released: list[np.ndarray]) -> int | None:
-        """The fewest cached pages, LRU first, whose eviction lets the planned extend fit (``None``: not even the
-        whole cache does). Trials without compaction first, then with it (Note [Room]). O(log cached) trials."""
-        lru = self.cached_pages().numpy()
-        if not lru.size:
-            return None
-        for compaction in (False, True):
-            if not self._trial_fits(k, released, lru, compaction, False):
-                continue
-            lo, hi = 1, lru.size     # fits with hi pages evicted; find the least
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if self._trial_fits(k, released, lru[:mid], compaction, False):
-                    hi = mid
-                else:
-                    lo = mid + 1
-            return hi
-        return None
-
-    def _make_room(self, k: int, released: list[np.ndarray]) -> bool | int:
-        """Make room for a planned extend on the allocator (Note [Room]): True once the window pages are released
-        and ``_pagebuf[:k]`` holds ``k`` fresh pages; an int ``n > 0`` if it fits only once the ``n`` least recently
-        used cached pages are evicted (nothing done yet); False if it cannot fit (nothing changed)."""
-        if k >= self._pagebuf.shape[0]:   # more than the owner's whole id space: nothing can help
-            return False
-        if self._fits_now(k):
-            ok = self._place(k, released)
-            if not ok:
-                raise InvariantError("extend: the allocator refused pages its planner said fit")
-            return True
-        if self._trial_fits(k, released, self._no_flat, True, True):
-            return True
-        n = self._evictions_needed(k, released)
-        return False if n is None else n
 
     def _push(self, flat: np.ndarray) -> None:
         """Refresh the device copy of ``req_to_token`` at flat positions ``flat`` (CUDA arenas only)."""
@@ -565,14 +421,9 @@ class RequestTable:
     def new_requests(self, num_requests: int, *, handles: bool = False) -> torch.Tensor | None:
         """Open ``num_requests`` empty requests in the lowest free slots.
 
-        Args:
-            num_requests: requests to open (an int >= 0).
-            handles: return handles (Note [Handles]: a stale one is refused once its slot is freed) instead of
-                bare slots.
-
         Returns:
-            ``int64 (num_requests,)`` slots (or their handles), ascending; ``None`` if fewer slots are free
-            (nothing changed).
+            ``int64 (num_requests,)`` slots, ascending (with ``handles``: their handles, Note [Handles]); ``None``
+            if fewer slots are free (nothing changed).
 
         Raises:
             UmallocValueError: a bad count or ``handles`` not a bool. Complexity: O(max_requests).
@@ -586,7 +437,7 @@ class RequestTable:
         if k_new(self._rq, n, out) < 0:
             return None
         if handles:
-            out |= self._gen[out] << _HANDLE_SHIFT
+            out = self._gens.handles(out)
         return torch.from_numpy(out)
 
     def extend(self, slots: object, extend_lens: object) -> torch.Tensor | None:
@@ -629,7 +480,7 @@ class RequestTable:
 
     def _grow(self, s: np.ndarray, e: np.ndarray, where: str) -> torch.Tensor | None:
         k, released = self._plan(s, e, where)
-        room = self._make_room(k, released)
+        room = self._room.make(k, released)
         if room is False:
             return None
         if room is not True:
@@ -669,13 +520,7 @@ class RequestTable:
         if e.shape[0] != s.shape[0]:
             raise InvalidIdError(f"can_extend: slots ({s.shape[0]},) and extend_lens ({e.shape[0]},); allowed "
                                  f"equal (B,) shapes")
-        k, released = self._plan(s, e, "can_extend")
-        if k >= self._pagebuf.shape[0]:
-            return False
-        if self._fits_now(k) or self._trial_fits(k, released, self._no_flat, True, False):
-            return True
-        lru = self.cached_pages().numpy()
-        return bool(lru.size) and any(self._trial_fits(k, released, lru, c, False) for c in (False, True))
+        return self._room.fits(*self._plan(s, e, "can_extend"))
 
     def max_extend_tokens(self, slot: object) -> int:
         """The most tokens one :meth:`extend` of request ``slot`` alone can take now (:meth:`can_extend`'s
@@ -684,16 +529,9 @@ class RequestTable:
         Raises: as :meth:`extend` for a bad slot. Complexity: O(log max_tokens_per_request) :meth:`can_extend`
         calls.
         """
-        r = self._slot(slot, "max_extend_tokens")
-        lo, hi = 0, self.max_tokens_per_request - int(self._rq[RQ_LEN, r])
-        one = np.array([r], np.int64)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self.can_extend(one, np.array([mid], np.int64)):
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        one = np.array([self._slot(slot, "max_extend_tokens")], np.int64)
+        return largest(lambda n: self.can_extend(one, np.array([n], np.int64)),
+                       self.max_tokens_per_request - int(self._rq[RQ_LEN, one[0]]))
 
     def truncate(self, slots: object, num_tokens: object) -> None:
         """Roll requests back to ``num_tokens[i]`` tokens (speculative decoding: drop rejected drafts): frees
@@ -739,7 +577,7 @@ class RequestTable:
             raise UmallocValueError(f"free_requests: cache={cache!r}; allowed True or False")
         s = self._slots(slots, "free_requests")
         self._drop(s, self._zeros[: s.shape[0]], cache, True)
-        self._gen[s] += 1
+        self._gens.bump(s)
 
     def _drop(self, s: np.ndarray, keep: np.ndarray, cache: bool, clear: bool) -> None:
         old = self._rq[RQ_LEN, s] if self._dev is not None else None
@@ -959,13 +797,7 @@ class RequestTable:
         >>> RequestTable(small_allocator(), max_requests=1, max_tokens_per_request=4).capacity()["swa"]
         {'free_pages': 7, 'reclaimable_pages': 0, 'available_pages': 7}
         """
-        cached = int(np.count_nonzero(self._pg[PG_STATE] == PAGE_CACHED))
-        out = {}
-        for end in (self.owner, *self.bound_ends):
-            free = self.alloc.available_pages(end)
-            rec = cached if end == self.owner else 0
-            out[end] = {"free_pages": free, "reclaimable_pages": rec, "available_pages": free + rec}
-        return out
+        return self._room.capacity(int(np.count_nonzero(self._pg[PG_STATE] == PAGE_CACHED)))
 
     def stats(self) -> RequestTableStats:
         """:class:`RequestTableStats` now. O(max_requests + virtual pages)."""
@@ -986,7 +818,7 @@ class RequestTable:
         compare two with :func:`~umalloc.allocator.facade.snapshots_equal`. O(slots + table size)."""
         return {"alloc": self.alloc.snapshot(),
                 "table": {"rq": self._rq.copy(), "pg": self._pg.copy(), "lru": self._lru.copy(),
-                          "r2p": self._r2p.copy(), "r2t": self._r2t.copy(), "gen": self._gen.copy(),
+                          "r2p": self._r2p.copy(), "r2t": self._r2t.copy(), "gen": self._gens.gen.copy(),
                           "counters": dict(self._counters)}}
 
     def check_invariants(self, *, allocator: bool = True) -> None:
