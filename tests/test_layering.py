@@ -81,6 +81,21 @@ def test_imports_point_down_the_layers() -> None:
     assert not wrong, "imports against the layering:\n" + "\n".join(sorted(wrong))
 
 
+def test_no_module_imports_an_underscore_name_from_another_layer() -> None:
+    """A layer's private names (``_``-prefixed) stay inside it: e.g. the pool's meta column constants and
+    kernels are read through its typed accessors (``Heap``, ``EndView``) by every layer above it."""
+    modules = {_module_name(p) for p in ROOT.rglob("*.py")}
+    wrong = []
+    for path in ROOT.rglob("*.py"):
+        mod = _module_name(path)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("umalloc."):
+                if node.module in modules and _part(node.module) != _part(mod):
+                    wrong += [f"{mod} <- {node.module}.{a.name}" for a in node.names
+                              if a.name.startswith("_") and a.name != "__version__"]
+    assert not wrong, "underscore names imported across layers:\n" + "\n".join(sorted(wrong))
+
+
 def test_modules_stay_small() -> None:
     big = {str(p.relative_to(ROOT)): n for p in ROOT.rglob("*.py")
            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}

@@ -203,7 +203,7 @@ class WorkerContext:
 
 def _describe(e: BaseException) -> tuple[str, str, str, str, dict]:
     """What travels back for an exception: type, message, traceback, and its picklable attributes (so e.g.
-    ``IncompatiblePeerError.differences`` or ``OutOfPages.requested`` survive the trip)."""
+    ``IncompatiblePeerError.differences`` survives the trip)."""
     attrs = {}
     for k, v in vars(e).items():
         try:
