@@ -16,7 +16,7 @@ Each class is driven as SGLang's scheduler drives it: a ``req_to_token`` table, 
 batched ``alloc_extend``/``alloc_decode`` (the token class: ``alloc(n)``, SGLang's page-size-1 path). The SWA
 class also releases pages that left the window (``free_swa_segment``) after every step and frees a finished
 request's evicted head with ``free_full_segment``. Timing: a fresh allocator per repeat, the whole replay under
-``time.perf_counter`` (op tensors prepared before, untimed), median of ``--repeats``; torch uses 2 threads. The
+``time.perf_counter`` (op tensors prepared before, untimed), median of ``--repeats`` (the two sides alternate); torch uses ``--threads`` threads (default 1). The
 harness work (table gathers and scatters) is the same on both sides and inside the timing.
 """
 
@@ -199,9 +199,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--swa-window", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--classes", default="token,paged,swa")
+    ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (1: a shared machine oversubscribed by OpenMP spin-waits distorts torch timings)")
     ap.add_argument("--json", default=None, help="append one JSON line per result here")
     a = ap.parse_args(argv)
-    torch.set_num_threads(2)
+    torch.set_num_threads(a.threads)
     sys.path.insert(0, str(ROOT / "tests" / "peer"))
     import sglang_cpu_shims
 
@@ -232,11 +233,15 @@ def main(argv: list[str] | None = None) -> int:
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for kind in a.classes.split(","):
         make_sg, make_um, kps = pairs[kind]
-        times = {}
-        for side, make in (("sglang", make_sg), ("umalloc", make_um)):
-            rep = Replay(w, make, kind, kps, a.swa_window)
+        reps = {"sglang": Replay(w, make_sg, kind, kps, a.swa_window),
+                "umalloc": Replay(w, make_um, kind, kps, a.swa_window)}
+        samples: dict[str, list[float]] = {side: [] for side in reps}
+        for rep in reps.values():
             rep.run()  # warm-up (numba kernels, torch dispatch), untimed
-            times[side] = statistics.median(rep.run() for _ in range(a.repeats))
+        for _ in range(a.repeats):  # the two sides alternate, so a shift in machine load hits both
+            for side, rep in reps.items():
+                samples[side].append(rep.run())
+        times = {side: statistics.median(v) for side, v in samples.items()}
         ratio = times["sglang"] / times["umalloc"]
         print(f"| {kind} | {times['sglang']:.3f} | {times['umalloc']:.3f} | {w.request_ops / times['sglang']:,.0f} | "
               f"{w.request_ops / times['umalloc']:,.0f} | {ratio:.2f}x |")

@@ -69,10 +69,13 @@ def test_install_rebinds_the_configurator_names() -> None:
     stock = {name: getattr(conf, name) for name in um_sglang.PATCHED_NAMES}
     try:
         bound = um_sglang.install()
+        build = conf.KVCacheConfigurator._build_token_to_kv_pool_allocator
         for name, cls in bound.items():
             assert getattr(conf, name) is cls
             assert cls.__name__ == um_sglang.PATCHED_NAMES[name]
-        assert {"TokenToKVPoolAllocator", "PagedTokenToKVPoolAllocator"} <= set(bound)
+            assert name in build.__code__.co_names  # the constructor path names it ...
+            assert build.__globals__[name] is cls  # ... and resolves it to the umalloc class
+        assert set(bound) == set(um_sglang.PATCHED_NAMES)
         assert um_sglang.install() == bound  # idempotent
     finally:
         for name, cls in stock.items():
@@ -143,3 +146,29 @@ def test_extend_with_a_stale_last_loc_is_refused() -> None:
         um.alloc_extend(*(torch.tensor([2]),) * 2, *(torch.tensor([3]),) * 2, t[-1:], 1)
     assert um.available_size() == 16
     del sg
+
+
+def test_cpu_copy_round_trip_through_a_real_sglang_kv_pool() -> None:
+    """get_cpu_copy/load_cpu_copy go to SGLang's MHATokenToKVPool at the slots umalloc handed out."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.test.unified_allocator_fixtures import setup_allocator_context
+
+    setup_allocator_context()
+    kv = MHATokenToKVPool(64, 4, torch.float16, 1, 8, 2, "cpu", False)
+    alloc = um_sglang.UmallocPagedTokenToKVPoolAllocator(64, 4, torch.float16, "cpu", kv, False)
+    slots = alloc.alloc(8)
+    want = [torch.arange(8, dtype=torch.float16)[:, None, None].expand(8, 1, 8) + layer for layer in range(2)]
+    for layer in range(2):
+        kv.k_buffer[layer][slots] = want[layer]
+        kv.v_buffer[layer][slots] = -want[layer]
+    host = alloc.get_cpu_copy(slots)
+    alloc.free(slots)
+    for layer in range(2):
+        kv.k_buffer[layer].zero_()
+        kv.v_buffer[layer].zero_()
+    again = alloc.alloc_extend(*(torch.tensor([0]),) * 2, *(torch.tensor([8]),) * 2, torch.tensor([-1]), 8)
+    assert again.tolist() == list(range(4, 12))  # lowest free pages 1, 2
+    alloc.load_cpu_copy(host, again)
+    for layer in range(2):
+        assert torch.equal(kv.k_buffer[layer][again], want[layer])
+        assert torch.equal(kv.v_buffer[layer][again], -want[layer])
