@@ -114,9 +114,10 @@ class SlotPool:
             UmallocValueError: ``need_size`` not an int >= 0.
         """
         k = _count(need_size, "need_size", 0) // self.page_size
-        pages = self.allocator.alloc_pages(k)
-        if pages is None:
+        out = np.empty(k, dtype=np.int64)  # a numpy out: the allocator's page-level hot path
+        if self.allocator.alloc_pages(k, out=out) is None:
             return None
+        pages = torch.from_numpy(out)
         if self.page_size == 1:
             return self._dev(pages)
         ps = self.page_size
@@ -174,7 +175,10 @@ class SlotPool:
         if self._token_group is not None:
             self._token_group.append(ids.clone())
             return
-        self.allocator.free(ids)
+        if self.page_size == 1:  # tokens are pages: the page-level hot path (numpy ids)
+            self.allocator.free_pages(ids.numpy())
+        else:
+            self.allocator.free(ids)
 
     def free_pages(self, page_ids: torch.Tensor) -> None:
         """Free exactly these pages (SGLang's ``free_page_ids``); deferred inside a group. Raises as
@@ -185,7 +189,7 @@ class SlotPool:
         if self._token_group is not None:
             self._page_group.append(ids.clone())
             return
-        self.allocator.free_pages(ids)
+        self.allocator.free_pages(ids.numpy())
 
     def begin_group(self) -> None:
         """Defer frees until :meth:`end_group`. Raises UmallocValueError if a group is open (no nesting)."""
