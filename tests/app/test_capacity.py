@@ -1,0 +1,156 @@
+"""The layout comparison of `umalloc replay --layout`: SGLang's static SWA split and vLLM's unified page pinned to
+numbers derived by hand from their rules, the three layouts on a small slice with figures a person can check,
+and the byte accounting (live + padding + pending + free + floor = arena) after every scheduler step."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from umalloc.errors import UmallocValueError
+from umalloc.geometry.presets import preset_ends
+from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, LayerSpec
+from umalloc_replay.report import check_report
+from umalloc_replay.single.layouts import (
+    SGLANG_SWA_FULL_TOKENS_RATIO,
+    byte_accounting,
+    padded_ends,
+    parse_layout,
+    static_budget_pages,
+    vllm_unified_page,
+)
+from umalloc_replay.single.run import Replay, ReplayConfig
+
+PS = 16
+O_TOKEN = 12 * 8 * 128 * 2  # gpt-oss-20b: 12 layers per end x 8 KV heads x (64 + 64) x 2 B = 24,576 B per token
+O_PAGE = PS * O_TOKEN       # 393,216 B
+
+
+# ---- the rules ------------------------------------------------------------------------------------------------
+
+
+def test_sglang_default_ratio_and_static_split_by_hand():
+    assert SGLANG_SWA_FULL_TOKENS_RATIO == 0.8  # sglang/srt/server_args.py: swa_full_tokens_ratio: float = 0.8
+    assert parse_layout("static").swa_full_tokens_ratio == 0.8
+    # Gemma-3-12B + 1B drafter, bytes per token: full 65,536, swa 327,680, draft 26,624. Usable bytes U:
+    # full_tokens = U / (65,536 + r * 327,680 + 26,624); swa_tokens = r * full_tokens; draft = full_tokens.
+    spec = ArenaSpec(preset_ends("gemma-3-12b-draft"), arena_bytes=(16 << 20) * 200)
+    usable = spec.usable_bytes()
+    for r in (0.8, 0.25):
+        f = usable / (65536 + r * 327680 + 26624)
+        want = {"full": int(f // 16), "swa": int(r * f // 16), "draft": int(f // 16)}
+        got = static_budget_pages(spec, r)
+        assert got == want
+        # the pools never exceed the arena
+        assert sum(got[e.name] * e.page_bytes for e in spec.ends) <= usable
+
+
+def test_vllm_unified_page_rule_by_hand():
+    # Gemma-3-12B + Gemma-3-1B drafter at 16-token pages: per-layer pages 16 x 8,192 = 131,072 B (target) and
+    # 16 x 1,024 = 16,384 B (drafter; divides 131,072, so vLLM grows its block size 8x, no padding). Layer types:
+    # target full 8, target sliding-1024 40, drafter sliding-512 22, drafter full 4. min 4, max 40 >= 1.5 x 4, so
+    # the group size is 4; 22 -> 24 layers (2 padding), the others are multiples of 4. Block: 4 x 131,072 B.
+    u = vllm_unified_page(preset_ends("gemma-3-12b-draft", page_size=PS))
+    assert (u.page_bytes, u.group_size, u.block_bytes) == (131072, 4, 524288)
+    assert u.types == {(8192, None, "mha"): (8, 0), (8192, 1024, "mha"): (40, 0), (1024, 512, "mha"): (22, 2),
+                       (1024, None, "mha"): (4, 0)}
+    padded = {e.name: e for e in padded_ends(preset_ends("gemma-3-12b-draft", page_size=PS))}
+    assert padded["draft"].entry_bytes == 26624 + 2 * 1024 and padded["swa"].entry_bytes == 40 * 8192
+    assert padded["swa"].window_tokens == 1024 and padded["draft"].window_tokens is None
+    # gpt-oss-20b: 12 sliding + 12 full of one size: one group size (12), no padding
+    u = vllm_unified_page(preset_ends("gpt-oss-20b", page_size=PS))
+    assert (u.page_bytes, u.group_size, u.block_bytes) == (32768, 12, 393216)
+    assert all(pad == 0 for _n, pad in u.types.values())
+
+    def ends(full: int, sw: int) -> tuple[EndSpec, ...]:
+        return (EndSpec("full", (LayerSpec.mha(8, 64),) * full, page_size=PS),
+                EndSpec("swa", (LayerSpec.mha(8, 64, window_tokens=128),) * sw, page_size=PS, grow=Grow.DOWN,
+                        owner="full", role=EndRole.SWA))
+
+    # the examples of vLLM's comments: 12 sw + 13 full -> groups of 13 (one padding sw layer); 10 full + 20 sw ->
+    # groups of 10, no padding; 20 full + 30 sw -> 30 < 1.5 x 20 is false, groups of 20, sw padded 30 -> 40
+    assert vllm_unified_page(ends(13, 12)).group_size == 13
+    assert [len(e.layers) for e in padded_ends(ends(13, 12))] == [13, 13]
+    assert [len(e.layers) for e in padded_ends(ends(10, 20))] == [10, 20]
+    assert [len(e.layers) for e in padded_ends(ends(20, 30))] == [20, 40]
+
+
+def test_layout_parsing_refuses_bad_values():
+    assert parse_layout("static:0.25").label == "static:0.25" and parse_layout("padded").label == "padded"
+    for bad in ("static:0", "static:-1", "static:x", "static:inf", "fixed", "dynamic:2", ""):
+        with pytest.raises(UmallocValueError):
+            parse_layout(bad)
+
+
+# ---- the three layouts on a small slice -----------------------------------------------------------------------
+
+
+def two_requests(tmp_path):
+    p = tmp_path / "t.jsonl"
+    p.write_text("".join(json.dumps({"timestamp": i, "input_length": 300, "output_length": 40}) + "\n"
+                         for i in range(2)))
+    return p
+
+
+class Accounted(Replay):
+    """Checks where every decode byte is after every scheduler step."""
+
+    def _sample(self) -> None:
+        super()._sample()
+        st = self.dec.stats()
+        acc = byte_accounting(self.dec_spec, st, self.natural_page_bytes)
+        total = acc["live_bytes"] + acc["padding_bytes"] + acc["pending_bytes"] + acc["free_bytes"] + \
+            acc["floor_bytes"]
+        assert total == self.decode_arena_bytes, (self.step, acc)
+        # recomputed from the page counts and the natural geometry of the preset
+        natural = {e.name: e.page_bytes for e in preset_ends(self.cfg.model, page_size=PS)}
+        assert acc["live_bytes"] == sum(s.live_pages * natural[n] for n, s in st.items())
+        self.accounted = getattr(self, "accounted", 0) + 1
+
+
+@pytest.mark.parametrize("layout,max_running,steps", [("dynamic", 2, 41), ("padded", 2, 41), ("static:1", 1, 82)])
+def test_three_layouts_on_a_small_slice(tmp_path, layout, max_running, steps):
+    # gpt-oss-20b (window 128): each request, 300 prompt + 40 output tokens, peaks at ceil(340 / 16) = 22 full
+    # pages and 9 SWA pages (the window tail: cdiv(128, 16) + 1). The decode arena has 64 pages of 393,216 B above
+    # its one-page floor: dynamic holds both requests at once (2 x 31 = 62 pages): both admitted at step 1, decode
+    # steps 2..41. static:1 splits it 32 full / 32 SWA pages: the second request's 19 prompt pages plus the
+    # first's reserve do not fit the 13 full pages left, so it waits until step 41 frees the first, is admitted at
+    # step 42 and decodes steps 43..82. padded: vLLM's rule pads nothing for gpt-oss (groups of 12): as dynamic.
+    r = Accounted(ReplayConfig(trace=str(two_requests(tmp_path)), model="gpt-oss-20b", token_scale=1,
+                               decode_arena_bytes=65 * O_PAGE, layout=layout, check_every=1))
+    rep = r.run()
+    assert check_report(rep) == [] and rep["ok"]
+    cap = rep["capacity"]
+    assert (cap["max_running"], cap["steps"]) == (max_running, steps)
+    assert r.accounted == steps + 1  # the first sample, then one per step
+    assert cap["mean_padding_bytes"] == 0 and cap["retractions"] == 0
+    if layout == "static:1":
+        assert cap["budget_pages"] == {"full": 32, "swa": 32}
+        # it waits at steps 1..41 (the first request is freed at the end of step 41, after admission)
+        assert cap["admission_waits"] == 41 and cap["wrong_pool_waits"] == cap["admission_waits"]
+        # at each of those waits the SWA pool had 32 - 9 = 23 pages free (24 in a step whose window boundary had
+        # just released a page) that the full pool could not use
+        assert 23 * O_PAGE <= cap["mean_wrong_pool_bytes"] <= 24 * O_PAGE
+    else:
+        assert cap["budget_pages"] == {} and cap["admission_waits"] == 0
+    # the same bytes moved and verified in every layout: 2 x (19 full + 9 SWA tail pages)
+    assert rep["bytes"]["moved"] == rep["bytes"]["verified"] == 2 * (19 + 9) * O_PAGE
+
+
+def test_padded_layout_counts_the_padding_layers(tmp_path):
+    # Gemma-3-12B + drafter: vLLM's rule adds 2 drafter layers of 1,024 B per token: 32,768 B per draft page.
+    # One request of 40 prompt + 3 output tokens holds 3 draft pages from its admission to its end.
+    p = tmp_path / "t.jsonl"
+    p.write_text('{"timestamp": 0, "input_length": 40, "output_length": 3}\n')
+    r = Accounted(ReplayConfig(trace=str(p), token_scale=1, layout="padded", check_every=1))
+    rep = r.run()
+    assert rep["ok"] and rep["capacity"]["peak_padding_bytes"] == 3 * 32768
+    assert rep["bytes"]["moved_by_vector"]["draft"] == 3 * PS * (26624 + 2048)
+
+
+def test_static_split_too_small_for_a_request_is_refused_up_front(tmp_path):
+    # static:0.1 gives the SWA pool 10% of the full pool's tokens: 64 pages -> 58 full, 5 SWA (< 9 needed)
+    with pytest.raises(UmallocValueError, match=r"static pools of --layout static:0.1.*'swa': 5"):
+        Replay(ReplayConfig(trace=str(two_requests(tmp_path)), model="gpt-oss-20b", token_scale=1,
+                            decode_arena_bytes=65 * O_PAGE, layout="static:0.1"))
