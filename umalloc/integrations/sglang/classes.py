@@ -35,7 +35,7 @@ def allocator_classes() -> dict[str, type]:
     """
     from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
 
-    class _PoolBacked(BaseTokenToKVPoolAllocator):  # type: ignore[misc, valid-type]
+    class _PoolBacked(BaseTokenToKVPoolAllocator):  # type: ignore[misc]
         """Shared by the token and paged classes: one :class:`SlotPool` in :attr:`pool`."""
 
         pool: SlotPool

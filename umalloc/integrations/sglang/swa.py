@@ -34,7 +34,7 @@ from umalloc.errors import InvalidIdError, UmallocValueError
 def build_swa_class(base: type, token_cls: type, paged_cls: type) -> type:
     """The SWA class over SGLang's allocator ``base`` with umalloc ``token_cls``/``paged_cls`` sub-pools."""
 
-    class UmallocSWATokenToKVPoolAllocator(base):  # type: ignore[misc, valid-type]
+    class UmallocSWATokenToKVPoolAllocator(base):  # type: ignore[misc]
         """SGLang's ``SWATokenToKVPoolAllocator`` (module docstring): same constructor and methods.
 
         Args: as SGLang's: ``size`` (full tokens), ``size_swa`` (SWA tokens), ``page_size``, ``dtype``,
