@@ -1,8 +1,9 @@
 """Issue 26 item 7: a successful NIXL replay printed ``lease 3 (tag 'plan-dst:4003') in doubt: released while 1
 engine hold(s) are outstanding``. It was no real in-doubt lease: when the prefill child's arena is short it posts
-nothing, and the replay settles the published receiver half (a confirmed end) — but ``ReceiverHalf.settle``
-released the lease before letting go of the publication hold, so the lease passed through in doubt. The hold
-goes first now; a real in-doubt lease is counted in the report (``leases.in_doubt``) and its table."""
+nothing, and the replay settled the published receiver half — ``ReceiverHalf.settle`` ends the lease before
+letting go of the publication hold (so that a confirmed end reads ``settled``), and the lease passed through in
+doubt. The replay ends such a half with ``complete()`` (the sender's report: nothing posted), which lets go of
+the hold first; a real in-doubt lease is counted in the report (``leases.in_doubt``) and its table."""
 
 from __future__ import annotations
 
@@ -26,14 +27,14 @@ def _published_half(clock=None):
     return dst, dvt, half
 
 
-def test_settling_a_published_half_nothing_was_posted_to_never_goes_in_doubt(caplog) -> None:
-    """The sender confirmed it posted nothing (its arena was short): settle ends the lease straight from active."""
+def test_a_published_half_the_sender_posted_nothing_to_ends_without_going_in_doubt(caplog) -> None:
+    """The replay's path when the child is short: the sender's report (nothing posted) ends the half with
+    ``complete()``, which lets go of the publication hold first."""
     dst, dvt, half = _published_half()
     with caplog.at_level(logging.WARNING, logger="umalloc"):
-        assert half.settle() is True
-    assert half.state == "failed" and half.lease.state == "released"
+        half.complete()
+    assert half.lease.state == "released"
     assert dst.lease_table.leases_in_doubt == 0 and not caplog.records, caplog.records
-    assert dst.leases_active() == 0
     dst.free(dvt)
     assert sum(s.pending_pages for s in dst.stats().values()) == 0
     dst.check_invariants()

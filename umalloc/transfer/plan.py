@@ -676,14 +676,12 @@ class ReceiverHalf(_LeaseHolder):
     def settle(self, exc: BaseException | None = None) -> bool:
         """A confirmed end of everything the peer was sent: the sender's terminal report of a failed transfer,
         the sender process confirmed gone, or this side's backend closed/reset after the engine released its
-        registrations. Lets go of the publication hold, then fails the half if still pending (``exc``): a lease
-        in doubt settles (state ``settled``: the end was confirmed, not reported done), an active one is released
-        without passing through in doubt. Returns True if the half was still pending. Any thread. O(leased
-        pages)."""
-        # the end is confirmed, so the publication hold goes first: a lease still active then ends released, never
-        # passing through in doubt; one already in doubt settles
+        registrations. Fails the half if still pending (``exc``), then lets go of the publication hold, so an
+        in-doubt lease settles (state ``settled``: the end was confirmed, not reported done). Returns True if the
+        half was still pending. Any thread. O(leased pages)."""
+        ended = self._finish(PLAN_FAILED, exc)
         self._let_go()
-        return self._finish(PLAN_FAILED, exc)
+        return ended
 
     @property
     def lease(self) -> LeaseLike | None:

@@ -274,7 +274,9 @@ class RemotePrefill:
             raise
         self._account(res)
         if res["short"]:
-            half.settle()
+            # the child's terminal report: it posted nothing. complete() lets go of the publication hold before
+            # the lease ends, so the lease never passes through in doubt (settle() ends it first, then lets go)
+            half.complete()
             return None
         self.bytes_filled += res["filled"]
         held = res["leases_at_post"] + self.decode.leases_active()
