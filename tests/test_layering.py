@@ -2,9 +2,9 @@
 
 Every import counts: module level, inside functions, under ``TYPE_CHECKING``. Layers, lowest first (a module may
 import its own layer and the ones below it): errors, translators, geometry, pool, leases, allocator, requests,
-transfer, backends, integrations, replay/cli, and ``umalloc.testing`` on top (imported by nothing in the package;
-doctests use it). Backends and transfer know plans and regions, not allocators: neither imports the pool, leases,
-allocator or requests layers.
+transfer, backends, integrations, and ``umalloc.testing`` on top (imported by nothing in the package;
+doctests use it); the replay application is the separate package ``umalloc_replay``. Backends and transfer know
+plans and regions, not allocators: neither imports the pool, leases, allocator or requests layers.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1] / "umalloc"
 
 #: layer rank of each top-level part (lower may not import higher)
 RANK = {"errors": 0, "translators": 1, "geometry": 2, "pool": 3, "leases": 4, "allocator": 5, "requests": 6,
-        "transfer": 7, "backends": 8, "integrations": 9, "replay": 10, "cli": 10, "testing": 11}
+        "transfer": 7, "backends": 8, "integrations": 9, "testing": 11}
 #: the allocation layers, which transfer and backends never import
 ALLOCATION = {"pool", "leases", "allocator", "requests"}
 MAX_MODULE_LINES = 860  # "about 800": the two largest modules (allocator facade, request table) are within 7 %

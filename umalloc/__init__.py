@@ -65,6 +65,24 @@ _EXPORTS: dict[str, str] = {
     "TransferError": "umalloc.errors",
     "TransferTimeout": "umalloc.errors",
     "PeerDiedError": "umalloc.errors",
+    # presets, geometry helpers, row and routing rules, the backends' worker (names the replay application uses)
+    "DEFAULT_PRESET": "umalloc.geometry.presets",
+    "PRESETS": "umalloc.geometry.presets",
+    "preset_ends": "umalloc.geometry.presets",
+    "rank_kv_heads": "umalloc.geometry.presets",
+    "ARENA_ALIGN_BYTES": "umalloc.geometry.spec",
+    "pages_for_tokens": "umalloc.geometry.spec",
+    "swa_pages_per_seq": "umalloc.geometry.spec",
+    "swa_tail_start": "umalloc.geometry.spec",
+    "Region": "umalloc.geometry.region",
+    "check_compatible": "umalloc.transfer.layout",
+    "is_dcp_sharded": "umalloc.transfer.rows",
+    "owned_count": "umalloc.transfer.rows",
+    "rows_of_checked": "umalloc.transfer.rows",
+    "sends_to": "umalloc.transfer.slices",
+    "BackendWorker": "umalloc.backends.worker",
+    "WorkerDied": "umalloc.backends.worker",
+    "WorkerTimeout": "umalloc.backends.worker",
 }
 
 if TYPE_CHECKING:
@@ -73,6 +91,11 @@ if TYPE_CHECKING:
         MultiEndedAllocator,
     )
     from umalloc.backends import get_backend
+    from umalloc.backends.worker import (
+        BackendWorker,
+        WorkerDied,
+        WorkerTimeout,
+    )
     from umalloc.errors import (
         ArenaInUseError,
         BackendError,
@@ -95,7 +118,17 @@ if TYPE_CHECKING:
         UmallocValueError,
     )
     from umalloc.geometry.arena import Arena
+    from umalloc.geometry.presets import (
+        DEFAULT_PRESET,
+        PRESETS,
+        preset_ends,
+        rank_kv_heads,
+    )
+    from umalloc.geometry.region import (
+        Region,
+    )
     from umalloc.geometry.spec import (
+        ARENA_ALIGN_BYTES,
         ArenaSpec,
         EndRole,
         EndSpec,
@@ -103,6 +136,9 @@ if TYPE_CHECKING:
         KVDtype,
         LayerKind,
         LayerSpec,
+        pages_for_tokens,
+        swa_pages_per_seq,
+        swa_tail_start,
     )
     from umalloc.leases.table import Lease
     from umalloc.pool.compaction import CompactionReport
@@ -116,20 +152,34 @@ if TYPE_CHECKING:
         build_receiver_half,
         build_send_plan,
     )
-    from umalloc.transfer.layout import PeerLayout
+    from umalloc.transfer.layout import (
+        PeerLayout,
+        check_compatible,
+    )
     from umalloc.transfer.plan import (
         ReceiverHalf,
         TransferPlan,
     )
+    from umalloc.transfer.rows import (
+        is_dcp_sharded,
+        owned_count,
+        rows_of_checked,
+    )
+    from umalloc.transfer.slices import (
+        sends_to,
+    )
 
 __all__ = [
-    "Arena", "ArenaInUseError", "ArenaSpec", "BackendError", "BackendUnavailable", "CompactionReport",
-    "DescriptorBoundsError", "DoubleFreeError", "EndRole", "EndSpec", "EndStats", "Grow",
-    "IncompatiblePeerError", "InvalidIdError", "InvariantError", "KVDtype", "LayerKind", "LayerSpec", "Lease",
-    "LeaseError", "MultiEndedAllocator", "NotAllocatedError", "PeerDiedError", "PeerLayout", "ReceiverHalf",
-    "RegistrationError", "RequestTable", "RequestTableStats", "SpecError", "StaleLeaseError", "TOMBSTONE",
-    "TombstoneError", "TransferError", "TransferPlan", "TransferTimeout", "UmallocError", "UmallocValueError",
-    "build_plan", "build_receiver_half", "build_send_plan", "get_backend",
+    "ARENA_ALIGN_BYTES", "Arena", "ArenaInUseError", "ArenaSpec", "BackendError", "BackendUnavailable",
+    "BackendWorker", "CompactionReport", "DEFAULT_PRESET", "DescriptorBoundsError", "DoubleFreeError",
+    "EndRole", "EndSpec", "EndStats", "Grow", "IncompatiblePeerError", "InvalidIdError", "InvariantError",
+    "KVDtype", "LayerKind", "LayerSpec", "Lease", "LeaseError", "MultiEndedAllocator", "NotAllocatedError",
+    "PRESETS", "PeerDiedError", "PeerLayout", "ReceiverHalf", "Region", "RegistrationError", "RequestTable",
+    "RequestTableStats", "SpecError", "StaleLeaseError", "TOMBSTONE", "TombstoneError", "TransferError",
+    "TransferPlan", "TransferTimeout", "UmallocError", "UmallocValueError", "WorkerDied", "WorkerTimeout",
+    "build_plan", "build_receiver_half", "build_send_plan", "check_compatible", "get_backend",
+    "is_dcp_sharded", "owned_count", "pages_for_tokens", "preset_ends", "rank_kv_heads", "rows_of_checked",
+    "sends_to", "swa_pages_per_seq", "swa_tail_start",
 ]
 
 

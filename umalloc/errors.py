@@ -117,5 +117,14 @@ class StaleLeaseError(LeaseError):
     belong to a new owner since, F27), or asked for a transition the lease's state does not allow."""
 
 
+class StaleHandleError(NotAllocatedError):
+    """A request handle whose slot was freed (and perhaps reused) since the handle was issued: its generation is no
+    longer the slot's (F30). Nothing changes."""
+
+
+class ArenaMemoryError(UmallocError, MemoryError):
+    """The host or device could not allocate an arena's bytes (nothing was allocated)."""
+
+
 class PeerDiedError(TransferError):
     """The peer of a transfer (its process, agent or connection) is gone; what it may have written is in doubt."""

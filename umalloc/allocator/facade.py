@@ -52,6 +52,16 @@ F02); the *physical* page becomes a hole, or ``PAGE_PENDING`` if a lease pins it
 table, not drained, not counted as available, and blocks the band from retreating past it. When its last pin
 drops the lease table calls back and it becomes a hole.
 
+Note [Trials]
+~~~~~~~~~~~~~
+:meth:`MultiEndedAllocator.trial` lets a caller that composes several allocator calls (the request table: window
+releases, evictions, one allocation) refuse the whole of them with nothing changed (F29). It copies ``meta``,
+``h64`` and ``h8`` (the bind-mask area excepted: masks are append-only and cached by the heap) on entry and
+writes them back on a rollback, then re-copies every device mirror. Pins are not touched by allocation, freeing
+or compaction, and lease expiry waits while a trial runs, so the lease table and the restored tables agree.
+Bytes: with ``compaction=False`` no envelope is written; with compaction on, moves write only into holes and gap
+pages, so a rollback is exact except for the bytes of pages the trial itself freed, which ``keep_bytes`` saves.
+
 Note [Page-level hot path]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
 ``alloc_pages(out=)``, ``free_pages`` and ``release_pages`` call the kernel's direct entry (Note [Direct entry] in
@@ -70,11 +80,12 @@ write, so ``index`` may overlap ``out``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, NoReturn, overload
 
@@ -134,6 +145,19 @@ logger = logging.getLogger(__name__)
 
 COMPACTION_MODES = ("eager", "lazy", "off")
 
+class AllocatorTrial:
+    """The handle :meth:`MultiEndedAllocator.trial` yields: :meth:`commit` keeps what the trial did."""
+
+    __slots__ = ("committed",)
+
+    def __init__(self) -> None:
+        self.committed = False
+
+    def commit(self) -> None:
+        """Keep every change made inside the trial (idempotent). O(1)."""
+        self.committed = True
+
+
 class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart, FreePart):
     """Hands out pages of every end of one :class:`~umalloc.geometry.arena.Arena` under virtual token ids.
 
@@ -188,7 +212,18 @@ class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart, FreePart):
         self.last_shortfall: dict[str, int] = {}
         self._names: tuple[str, ...] = tuple(e.name for e in self.spec.ends)
         self._index: dict[str, int] = {n: i for i, n in enumerate(self._names)}
-        device = arena.device if mirror_device is None else torch.device(mirror_device)
+        if mirror_device is None:
+            device = arena.device
+        else:
+            try:
+                device = torch.device(mirror_device)
+            except (RuntimeError, ValueError, TypeError):
+                raise UmallocValueError(f"mirror_device={mirror_device!r}: allowed None, 'cpu' or 'cuda[:N]'") from None
+            if device.type not in ("cpu", "cuda"):
+                raise UmallocValueError(f"mirror_device={mirror_device!r}: allowed None, 'cpu' or 'cuda[:N]'")
+            if device.type == "cuda" and not torch.cuda.is_available():
+                raise UmallocValueError(f"mirror_device={mirror_device!r}: no CUDA device is available here; "
+                                        "allowed None or 'cpu'")
         heap = Heap(self.spec, self._float_splits(float_split))
         self._heap = heap
         # the heap's arrays under the names the facade's code uses (aliases: the heap owns them)
@@ -213,6 +248,7 @@ class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart, FreePart):
         # thread waiting to be delivered: Note [Lease threading])
         self._active_leases = self._leases.work_view
         self._expired_by_end = [0] * len(self._names)
+        self._trial_depth = 0   # trial(): lease expiry waits while a trial runs (Note [Trials])
 
         # ---- device mirrors of v2p (one 2-D block per owner group) when the arena lives on CUDA
         self._device = device
@@ -589,6 +625,72 @@ class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart, FreePart):
             self._after(o, n)
         return True
 
+    @contextlib.contextmanager
+    def trial(self, *, compaction: bool = True, keep_bytes: Mapping[str, np.ndarray] | None = None,
+              ) -> Iterator[AllocatorTrial]:
+        """Run allocator calls that a caller may roll back as one (Note [Trials]): on leaving the ``with`` block
+        without :meth:`AllocatorTrial.commit`, every host table, band, counter and mirror is restored to what it
+        was on entry; ``keep_bytes`` (end name -> physical pages) have their envelope bytes saved on entry and
+        written back on a rollback (pages a trial frees whose content must survive it).
+
+        Args:
+            compaction: ``False`` runs the trial with compaction off (no byte moves: a rollback is exact without
+                ``keep_bytes``); ``True`` keeps the allocator's mode, whose moves write only into holes and gap.
+
+        Raises:
+            UmallocValueError: ``compaction`` not a bool, a bad ``keep_bytes``, or a trial inside a trial.
+
+        Threading: holds the lease table's lock throughout; lease expiry (F12) waits until the trial ends.
+        Complexity: O(slots + virtual pages) to save and to restore, plus the ``keep_bytes``.
+
+        >>> from umalloc.testing import small_allocator
+        >>> alloc = small_allocator(); before = alloc.snapshot()
+        >>> with alloc.trial() as t:
+        ...     _ = alloc.alloc_pages(3)
+        >>> snapshots_equal(before, alloc.snapshot())
+        True
+        """
+        if type(compaction) is not bool:
+            raise UmallocValueError(f"trial: compaction={compaction!r}; allowed True or False")
+        if self._trial_depth:
+            raise UmallocValueError("trial: a trial is already running on this allocator; allowed one at a time")
+        saved_bytes: list[tuple[str, np.ndarray, torch.Tensor]] = []
+        for end, pages in (keep_bytes or {}).items():
+            e = self._end_index(end)
+            p = np.asarray(pages, dtype=np.int64).reshape(-1)
+            if p.size and (int(p.min()) < 1 or int(p.max()) >= int(self.ends[self._names[e]].num_page_slots)):
+                raise UmallocValueError(f"trial: keep_bytes[{end!r}] holds a page outside [1, slots)")
+            env = self.arena.envelopes(end)
+            saved_bytes.append((end, p, env[torch.from_numpy(p).to(env.device)].clone()))
+        with self._leases.lock:
+            if self._active_leases:
+                self._tick()
+            heap = self._heap
+            mb = heap.mask_base
+            saved = (self._meta.copy(), self._h64.copy(), self._h8[:mb].copy(), dict(self.last_shortfall))
+            mode, eager, debug = self.compaction_mode, self._eager, self.debug_checks
+            handle = AllocatorTrial()
+            self._trial_depth = 1
+            if not compaction:
+                self.compaction_mode, self._eager = "off", False
+            self.debug_checks = False   # a caller's tables are mid-change inside a trial
+            try:
+                yield handle
+            finally:
+                self._trial_depth = 0
+                self.compaction_mode, self._eager, self.debug_checks = mode, eager, debug
+                if not handle.committed:
+                    self._meta[:] = saved[0]
+                    self._h64[:] = saved[1]
+                    self._h8[:mb] = saved[2]
+                    for end, p, data in saved_bytes:
+                        env = self.arena.envelopes(end)
+                        env[torch.from_numpy(p).to(env.device)] = data
+                    for o, mirror in self._mirror.items():
+                        mirror.copy_(torch.from_numpy(self._host2d[o]))
+                elif self.debug_checks:
+                    self.check_invariants()
+
     def _bound_index(self, end: str, where: str) -> int:
         b = self._end_index(end)
         if self._heap.owner_of(b) == b:
@@ -665,5 +767,5 @@ class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart, FreePart):
         return f"MultiEndedAllocator({ends})"
 
 
-__all__ = ["COMPACTION_MODES", "V_FREED", "V_LIVE", "V_NEVER", "V_RESERVED", "EndStats", "EndView",
+__all__ = ["COMPACTION_MODES", "AllocatorTrial", "V_FREED", "V_LIVE", "V_NEVER", "V_RESERVED", "EndStats", "EndView",
            "MultiEndedAllocator", "snapshots_equal"]

@@ -32,13 +32,17 @@ class LeasePart:
     _leases: LeaseTable
     _active_leases: Mapping[int, Lease]
     _expired_by_end: list[int]
+    _trial_depth: int
     _index: dict[str, int]
     _heap: Any
     _end_index: Callable[[str], int]
 
     def _tick(self) -> None:
         """Deliver pages unpinned on other threads, then reclaim leases past their deadline (F12) or put them in
-        doubt (F24); the unpinned-hook turns their pending pages into holes."""
+        doubt (F24); the unpinned-hook turns their pending pages into holes. Nothing while a trial runs (Note
+        [Trials] in :mod:`umalloc.allocator.facade`: a rollback must not undo a reclaim the lease table keeps)."""
+        if self._trial_depth:
+            return
         table = self._leases
         if table._queue:
             table.drain()

@@ -249,8 +249,8 @@ class SpacePart:
         (1, [2, 1])
         """
         if budget_pages is not None and (isinstance(budget_pages, bool) or not isinstance(budget_pages, int)
-                                         or budget_pages < 0):
-            raise UmallocValueError(f"budget_pages={budget_pages!r}: allowed None or an int >= 0")
+                                         or not 0 <= budget_pages < 1 << 63):
+            raise UmallocValueError(f"budget_pages={budget_pages!r}: allowed None or an int in [0, 2**63)")
         if self._active_leases:
             self._tick()
         ends = [self._end_index(end)] if end is not None else self._chain.tolist()
