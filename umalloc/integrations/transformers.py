@@ -78,11 +78,19 @@ from typing import Any
 
 import torch
 
-from umalloc.core.allocator import MultiEndedAllocator
-from umalloc.core.requests import RequestTable
-from umalloc.errors import InvariantError, UmallocValueError
-from umalloc.geometry.arena import Arena
-from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, KVDtype, LayerSpec
+from umalloc import (
+    Arena,
+    ArenaSpec,
+    EndRole,
+    EndSpec,
+    Grow,
+    InvariantError,
+    KVDtype,
+    LayerSpec,
+    MultiEndedAllocator,
+    RequestTable,
+    UmallocValueError,
+)
 
 #: transformers versions this integration is tested against (exactly).
 SUPPORTED_TRANSFORMERS_VERSIONS: tuple[str, ...] = ("5.23.0",)
@@ -112,6 +120,8 @@ class CacheOptions:
         compaction: the allocator's mode, ``"lazy"`` (compact when an allocation falls short), ``"eager"`` (after
             every free) or ``"off"``.
         compact_every_step: compact every end at the step hook (Note [Seams] 3), to exercise moving pages.
+        compact_budget_pages: most pages that forced compaction moves per end and step (``None``: unbounded), the
+            lazy allocator's move budget applied between steps.
         check_every_step: run ``check_invariants`` (table and allocator) at the step hook.
         max_requests: request slots (``None``: ``min(owner pages, 1024)``).
     """
@@ -119,6 +129,7 @@ class CacheOptions:
     arena_bytes: int | None = None
     compaction: str = "lazy"
     compact_every_step: bool = False
+    compact_budget_pages: int | None = None
     check_every_step: bool = False
     max_requests: int | None = None
 
@@ -144,6 +155,7 @@ class CacheCounters:
     evicted_pages: int = 0
     refused_allocations: int = 0
     max_live_requests: int = 0
+    forks: int = 0
     memory_seconds: float = 0.0
     live_requests_sum: int = 0
 
@@ -438,7 +450,7 @@ class UmallocPagedCache:
             c.steps += 1
             c.live_requests_sum += len(self.slots)
             if self.options.compact_every_step:
-                report = self.alloc.compact()
+                report = self.alloc.compact(budget_pages=self.options.compact_budget_pages)
                 c.compactions += 1
                 c.pages_moved += report.pages_moved
             if self.options.check_every_step:
@@ -633,6 +645,7 @@ class UmallocPagedCache:
                     break
                 self.slots[rid] = int(slot)
                 forked.append(rid)
+                self.counters.forks += 1
             self.counters.max_live_requests = max(self.counters.max_live_requests, len(self.slots))
             return forked
 
