@@ -62,6 +62,16 @@ virtual token ``t`` on end ``e`` is ``(pt // page_size) * rows_per_page + pt % p
 ``pt = translate(t, e)``. Row 0 is the sink (padded writes); row 1 is the sliding reads' sentinel (a marker, never
 a real row: real rows start at ``first_page * rows_per_page >= 2``).
 
+Note [Long prefills]
+~~~~~~~~~~~~~~~~~~~~
+The request table binds every new page on the sliding end and releases the pages that left the window at the
+start of the *next* growth. A prefill chunk much longer than the window would so hold sliding pages for all its
+tokens at once, where transformers' ring buffer holds ``window`` tokens. For a chunk longer than twice the window
+the cache grows the request in window-sized steps (each step's start releases what the previous one pushed out),
+after checking that the full pages and the sliding peak fit jointly (``can_alloc``), so it is still all or
+nothing. The early tokens' sliding writes then go to the sink: attention reads them from this step's own K/V,
+never from the cache.
+
 Threading: the scheduler's thread only (transformers drives the cache from one thread).
 """
 
@@ -271,8 +281,15 @@ class _EndGroup:
         return self.rows(r2t[slot, lo:past_length].to(torch.int64)).tolist() + [_SENTINEL_ROW] * query_length
 
     def write_rows(self, slot: int, past_length: int, query_length: int) -> list[int]:
-        r2t = self._cache.table.req_to_token
-        return self.rows(r2t[slot, past_length: past_length + query_length].to(torch.int64)).tolist()
+        """Rows this step writes. A sliding end may have released the pages of a long prefill's early tokens
+        (Note [Long prefills]): their writes go to the sink, as no later step reads them."""
+        vt = self._cache.table.req_to_token[slot, past_length: past_length + query_length].to(torch.int64)
+        if self.sliding_window is None:
+            return self.rows(vt).tolist()
+        pt = self._cache.alloc.translate(vt, self.end, strict=False)
+        assert isinstance(pt, torch.Tensor)
+        ps = self.tokens_per_page
+        return ((pt // ps) * self.rows_per_page + pt % ps).tolist()
 
     # ---- attention update ---------------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
@@ -472,29 +489,32 @@ class UmallocPagedCache:
 
     # ---- scheduler-facing API (transformers' PagedAttentionCache) --------------------------------------------
     def can_store_request_tokens(self, state: Any, request_len: int, dry_run: bool = False) -> bool:
-        """Allocate pages for ``request_len`` more tokens of ``state`` (all or nothing). ``dry_run``: only answer
-        whether an empty arena could hold them."""
+        """Make ``state``'s request hold ``state.current_len() + request_len`` tokens (all or nothing; already
+        held tokens are not allocated twice). ``dry_run``: only answer whether the arena could hold
+        ``request_len`` tokens of a new request now."""
         with self._timer:
             if dry_run:
                 pages = -(-int(request_len) // self.page_size)
-                need = {g.end: pages for g in self.cache_allocators.values()}
+                need = {g.end: pages if g.sliding_window is None or request_len <= 2 * g.sliding_window
+                        else -(-g.sliding_window // self.page_size) * 2 + 2 for g in self.cache_allocators.values()}
                 return request_len <= self.max_tokens_per_request and self.alloc.can_alloc(need)
             rid = state.request_id
+            target = int(state.current_len()) + int(request_len)   # transformers' contract: past + query
+            if target > self.max_tokens_per_request:
+                return False
             known = self.slots.get(rid)
             fresh = known is None
             slot = -1 if known is None else known
+            grow = target - (0 if known is None else self.held_tokens_of(slot))
+            if grow <= 0:
+                return True
             if fresh:
-                if request_len > self.max_tokens_per_request:
-                    return False
                 got = self.table.new_requests(1)
                 if got is None:
                     self.counters.refused_allocations += 1
                     return False
                 slot = int(got[0])
-            elif self.held_tokens(rid) + request_len > self.max_tokens_per_request:
-                return False
-            out = self.table.extend([slot], torch.tensor([int(request_len)], dtype=torch.int64))
-            if out is None:
+            if not self._extend(slot, grow):
                 if fresh:
                     self.table.free_requests([slot])
                 self.counters.refused_allocations += 1
@@ -503,6 +523,31 @@ class UmallocPagedCache:
                 self.slots[rid] = slot
                 self.counters.max_live_requests = max(self.counters.max_live_requests, len(self.slots))
             return True
+
+    def _extend(self, slot: int, num_tokens: int) -> bool:
+        """Grow request ``slot`` by ``num_tokens`` tokens, all or nothing (Note [Long prefills])."""
+        swa = self.cache_allocators.get(SLIDING_ATTENTION)
+        window = None if swa is None else swa.sliding_window
+        ps = self.page_size
+        if window is None or num_tokens <= 2 * window:
+            return self.table.extend([slot], torch.tensor([num_tokens], dtype=torch.int64)) is not None
+        chunk = -(-window // ps) * ps
+        held = self.held_tokens_of(slot)
+        full_pages = -(-(held + num_tokens) // ps) - -(-held // ps)
+        swa_peak = -(-window // ps) + chunk // ps + 2
+        if not self.alloc.can_alloc({"full": full_pages, "swa": swa_peak}):
+            return False
+        done = 0
+        while done < num_tokens:
+            step = min(chunk, num_tokens - done)
+            if self.table.extend([slot], torch.tensor([step], dtype=torch.int64)) is None:
+                raise InvariantError(f"long prefill: extend of {step} tokens failed after {done} of {num_tokens} "
+                                     f"although can_alloc(full={full_pages}, swa={swa_peak}) held")
+            done += step
+        return True
+
+    def held_tokens_of(self, slot: int) -> int:
+        return int(self.table.num_tokens([slot])[0])
 
     def count_storable_requests(self, list_blocks_needed: list[dict[str, int]]) -> int:
         """How many of the requests, in order, the free bytes (free pages, gap, cached pages) could hold."""
