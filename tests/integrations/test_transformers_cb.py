@@ -137,6 +137,8 @@ SCENARIOS = {
     "compact-eager": (ut.CacheOptions(compaction="eager"), {}),
     "compact-lazy": (ut.CacheOptions(compaction="lazy", compact_every_step=True, compact_budget_pages=1), {}),
     "pressure": (ut.CacheOptions(compact_every_step=True), {"num_blocks": 14}),
+    # prompts split over steps: later chunks longer than twice the window read the window before them
+    "chunked-prefill": (ut.CacheOptions(compact_every_step=True), {"max_batch_tokens": 20}),
     "prefix": (ut.CacheOptions(), {"max_batch_tokens": 24}),
     "evict": (ut.CacheOptions(), {"max_batch_tokens": 24, "num_blocks": 20}),
 }

@@ -66,11 +66,14 @@ Note [Long prefills]
 ~~~~~~~~~~~~~~~~~~~~
 The request table binds every new page on the sliding end and releases the pages that left the window at the
 start of the *next* growth. A prefill chunk much longer than the window would so hold sliding pages for all its
-tokens at once, where transformers' ring buffer holds ``window`` tokens. For a chunk longer than twice the window
-the cache grows the request in window-sized steps (each step's start releases what the previous one pushed out),
+tokens at once, where transformers' ring buffer holds ``window`` tokens. For a first prefill chunk (the request
+holds nothing yet, so this step reads nothing from the cache) longer than twice the window the cache grows the
+request in window-sized steps (each step's start releases what the previous one pushed out),
 after checking that the full pages and the sliding peak fit jointly (``can_alloc``), so it is still all or
 nothing. The early tokens' sliding writes then go to the sink: attention reads them from this step's own K/V,
-never from the cache.
+never from the cache. A later chunk (``past > 0``) reads the window before ``past``, which an intermediate step's
+release would drop: a *guard* request forked from it at ``past`` holds that window (the table's fork holds the
+window tail on the sliding end) until the next step hook, after the forward that reads it.
 
 Threading: the scheduler's thread only (transformers drives the cache from one thread).
 """
@@ -413,6 +416,7 @@ class UmallocPagedCache:
         self.counters = CacheCounters()
         self._timer = _Timer(self.counters)
         self.slots: dict[str, int] = {}
+        self._guards: list[int] = []
         self._hash_to_vpage: dict[int, int] = {}
         self._vpage_to_hash: dict[int, int] = {}
 
@@ -461,8 +465,12 @@ class UmallocPagedCache:
         self.table.free_requests([slot], cache=cache)
 
     def step_hook(self) -> None:
-        """Once per scheduling step (Note [Seams] 3): optional forced compaction and invariant checks."""
+        """Once per scheduling step (Note [Seams] 3): free the last step's guard requests (Note [Long prefills]),
+        optional forced compaction and invariant checks."""
         with self._timer:
+            if self._guards:
+                self.table.free_requests(self._guards)
+                self._guards.clear()
             c = self.counters
             c.steps += 1
             c.live_requests_sum += len(self.slots)
@@ -529,14 +537,24 @@ class UmallocPagedCache:
         swa = self.cache_allocators.get(SLIDING_ATTENTION)
         window = None if swa is None else swa.sliding_window
         ps = self.page_size
+        held = self.held_tokens_of(slot)
         if window is None or num_tokens <= 2 * window:
             return self.table.extend([slot], torch.tensor([num_tokens], dtype=torch.int64)) is not None
         chunk = -(-window // ps) * ps
-        held = self.held_tokens_of(slot)
         full_pages = -(-(held + num_tokens) // ps) - -(-held // ps)
         swa_peak = -(-window // ps) + chunk // ps + 2
-        if not self.alloc.can_alloc({"full": full_pages, "swa": swa_peak}):
+        guard = None
+        if held > 0:   # this step reads the window before `held`: a guard request holds it
+            guard = self.table.fork(slot, held)
+            if guard is None:
+                return self.table.extend([slot], torch.tensor([num_tokens], dtype=torch.int64)) is not None
+            swa_peak += 1   # the copy-on-write of a shared partial page
+        if not self.alloc.can_alloc({"full": full_pages + (guard is not None), "swa": swa_peak}):
+            if guard is not None:
+                self.table.free_requests([guard])
             return False
+        if guard is not None:
+            self._guards.append(int(guard))
         done = 0
         while done < num_tokens:
             step = min(chunk, num_tokens - done)
@@ -588,6 +606,9 @@ class UmallocPagedCache:
 
     def free_all_requests(self, clear_ledgers: bool = False) -> None:
         with self._timer:
+            if self._guards:
+                self.table.free_requests(self._guards)
+                self._guards.clear()
             for rid in list(self.slots):
                 self._free_slot(rid, cache=self.use_prefix_sharing and not clear_ledgers)
             if clear_ledgers:
