@@ -236,8 +236,7 @@ def test_refuses_attention_type_it_cannot_hold() -> None:
 def test_out_of_arena_is_all_or_nothing() -> None:
     """A request that does not fit is refused with nothing allocated; the table and allocator are unchanged."""
     from transformers.generation.continuous_batching.requests import RequestState
-
-    from umalloc.core.allocator import snapshots_equal
+    from umalloc import snapshots_equal
 
     cfg = model_for("gemma3").config
     cache = ut.UmallocPagedCache(cfg, cb_config(num_blocks=8), "cpu", None, torch.float32)
@@ -249,3 +248,52 @@ def test_out_of_arena_is_all_or_nothing() -> None:
     assert snapshots_equal(before, cache.table.snapshot())
     assert "b" not in cache.slots
     cache.check_invariants()
+
+
+def test_readme_transformers_example_runs(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """The README's runnable transformers example runs as written (its own assert: tokens identical to stock)."""
+    import pathlib
+    import re
+    import runpy
+
+    readme = pathlib.Path(__file__).resolve().parents[2] / "README.md"
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", readme.read_text(), flags=re.S)
+              if "umalloc_tf.installed" in b]
+    assert len(blocks) == 1, "README lost its transformers example"
+    script = tmp_path / "readme_transformers.py"
+    script.write_text(blocks[0])
+    runpy.run_path(str(script), run_name="__main__")
+    assert "CacheCounters(" in capsys.readouterr().out
+
+
+def test_long_later_prefill_chunk_keeps_the_window_it_reads() -> None:
+    """A prefill chunk longer than twice the window, after an earlier chunk (past > 0, past not page-aligned):
+    the sliding rows this step reads for the window before ``past`` still hold the K/V written through them in
+    the earlier step, although the chunk grows in window steps (Note [Long prefills])."""
+    from transformers.generation.continuous_batching.requests import RequestState
+
+    cfg = model_for("gemma3").config
+    cache = ut.UmallocPagedCache(cfg, cb_config(num_blocks=96), "cpu", None, torch.float32)
+    grp = cache.cache_allocators["sliding_attention"]
+    k_rows, _ = grp._views[0]
+    state = RequestState(request_id="r", initial_tokens=list(range(3, 100)))
+    past = 4 * PAGE_SIZE + 1   # not page-aligned: the chunk below copies the shared partial page on write
+    assert cache.can_store_request_tokens(state, past)
+    writes: list[list[int]] = [[], []]
+    cache.extend_read_and_write_indices("r", 0, past, None, writes)
+    rows = torch.tensor(writes[grp.index])
+    k_rows[rows] = torch.arange(past, dtype=torch.float32).view(-1, 1, 1).expand(-1, *k_rows.shape[1:])
+    cache.step_hook()
+    state.position_offset = past
+    q = 3 * WINDOW + 1
+    assert cache.can_store_request_tokens(state, q)
+    reads: list[list[int]] = [[], []]
+    cache.extend_read_and_write_indices("r", past, q, reads, [[], []])
+    sliding = torch.tensor(reads[grp.index][: WINDOW - 1])
+    got = k_rows[sliding][:, 0, 0].tolist()
+    assert got == [float(t) for t in range(past - WINDOW + 1, past)]
+    cache.check_invariants()
+    cache.step_hook()
+    cache.free_blocks("r")
+    cache.check_invariants()
+    assert cache.table.stats().live_requests == 0

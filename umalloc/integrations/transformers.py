@@ -73,7 +73,9 @@ after checking that the full pages and the sliding peak fit jointly (``can_alloc
 nothing. The early tokens' sliding writes then go to the sink: attention reads them from this step's own K/V,
 never from the cache. A later chunk (``past > 0``) reads the window before ``past``, which an intermediate step's
 release would drop: a *guard* request forked from it at ``past`` holds that window (the table's fork holds the
-window tail on the sliding end) until the next step hook, after the forward that reads it.
+window tail on the sliding end) until the next step hook, after the forward that reads it, and this step's
+sliding reads go through the guard's row: the request's own row may name a copy of its shared partial last page
+(copy-on-write) that a later window step released again.
 
 Threading: the scheduler's thread only (transformers drives the cache from one thread).
 """
@@ -265,7 +267,10 @@ class _EndGroup:
         """Pages this end needs for ``query_length`` more tokens (every new page is bound on every end)."""
         held = self._cache.held_tokens(request_id)
         ps = self.tokens_per_page
-        return max(0, -(-(past_length + query_length) // ps) - -(-held // ps))
+        pages = max(0, -(-(past_length + query_length) // ps) - -(-held // ps))
+        if self.sliding_window is not None and query_length > 2 * self.sliding_window:
+            pages = min(pages, 2 * -(-self.sliding_window // ps) + 3)   # the window-step peak (Note [Long prefills])
+        return pages
 
     # ---- rows -------------------------------------------------------------------------------------------
     def rows(self, vtokens: torch.Tensor) -> torch.Tensor:
@@ -416,7 +421,7 @@ class UmallocPagedCache:
         self.counters = CacheCounters()
         self._timer = _Timer(self.counters)
         self.slots: dict[str, int] = {}
-        self._guards: list[int] = []
+        self._guards: dict[str, int] = {}
         self._hash_to_vpage: dict[int, int] = {}
         self._vpage_to_hash: dict[int, int] = {}
 
@@ -469,7 +474,7 @@ class UmallocPagedCache:
         optional forced compaction and invariant checks."""
         with self._timer:
             if self._guards:
-                self.table.free_requests(self._guards)
+                self.table.free_requests(list(self._guards.values()))
                 self._guards.clear()
             c = self.counters
             c.steps += 1
@@ -522,7 +527,7 @@ class UmallocPagedCache:
                     self.counters.refused_allocations += 1
                     return False
                 slot = int(got[0])
-            if not self._extend(slot, grow):
+            if not self._extend(rid, slot, grow):
                 if fresh:
                     self.table.free_requests([slot])
                 self.counters.refused_allocations += 1
@@ -532,7 +537,7 @@ class UmallocPagedCache:
                 self.counters.max_live_requests = max(self.counters.max_live_requests, len(self.slots))
             return True
 
-    def _extend(self, slot: int, num_tokens: int) -> bool:
+    def _extend(self, request_id: str, slot: int, num_tokens: int) -> bool:
         """Grow request ``slot`` by ``num_tokens`` tokens, all or nothing (Note [Long prefills])."""
         swa = self.cache_allocators.get(SLIDING_ATTENTION)
         window = None if swa is None else swa.sliding_window
@@ -554,7 +559,7 @@ class UmallocPagedCache:
                 self.table.free_requests([guard])
             return False
         if guard is not None:
-            self._guards.append(int(guard))
+            self._guards[request_id] = int(guard)
         done = 0
         while done < num_tokens:
             step = min(chunk, num_tokens - done)
@@ -607,7 +612,7 @@ class UmallocPagedCache:
     def free_all_requests(self, clear_ledgers: bool = False) -> None:
         with self._timer:
             if self._guards:
-                self.table.free_requests(self._guards)
+                self.table.free_requests(list(self._guards.values()))
                 self._guards.clear()
             for rid in list(self.slots):
                 self._free_slot(rid, cache=self.use_prefix_sharing and not clear_ledgers)
@@ -691,8 +696,11 @@ class UmallocPagedCache:
             for grp, out in zip(self.cache_allocators.values(), write_index, strict=True):
                 out.extend(grp.write_rows(slot, past_length, query_length))
             if read_index is not None:
+                guard = self._guards.get(request_id, slot)
                 for grp, out in zip(self.cache_allocators.values(), read_index, strict=True):
-                    out.extend(grp.read_rows(slot, past_length, query_length))
+                    # a sliding read of a guarded request goes through the guard's row (Note [Long prefills])
+                    src = guard if grp.sliding_window is not None else slot
+                    out.extend(grp.read_rows(src, past_length, query_length))
 
     def fill_block_table(self, request_id: str, past_length: int, query_length: int,
                          block_table: torch.Tensor) -> None:
