@@ -68,9 +68,9 @@ The request table binds every new page on the sliding end and releases the pages
 start of the *next* growth. A prefill chunk much longer than the window would so hold sliding pages for all its
 tokens at once, where transformers' ring buffer holds ``window`` tokens. For a first prefill chunk (the request
 holds nothing yet, so this step reads nothing from the cache) longer than twice the window the cache grows the
-request in window-sized steps (each step's start releases what the previous one pushed out),
-after checking that the full pages and the sliding peak fit jointly (``can_alloc``), so it is still all or
-nothing. The early tokens' sliding writes then go to the sink: attention reads them from this step's own K/V,
+request one page at a time (each step's start releases what the previous one pushed out), after checking that the
+full pages and the sliding peak (``_swa_peak_pages``: the window's pages plus four) fit jointly (``can_alloc``), so
+it is still all or nothing. The early tokens' sliding writes then go to the sink: attention reads them from this step's own K/V,
 never from the cache. A later chunk (``past > 0``) reads the window before ``past``, which an intermediate step's
 release would drop: a *guard* request forked from it at ``past`` holds that window (the table's fork holds the
 window tail on the sliding end) until the next step hook, after the forward that reads it, and this step's
@@ -269,7 +269,7 @@ class _EndGroup:
         ps = self.tokens_per_page
         pages = max(0, -(-(past_length + query_length) // ps) - -(-held // ps))
         if self.sliding_window is not None and query_length > 2 * self.sliding_window:
-            pages = min(pages, 2 * -(-self.sliding_window // ps) + 3)   # the window-step peak (Note [Long prefills])
+            pages = min(pages, _swa_peak_pages(self.sliding_window, ps))   # Note [Long prefills]
         return pages
 
     # ---- rows -------------------------------------------------------------------------------------------
@@ -349,6 +349,12 @@ def _text_config_dims(config: Any, dtype: torch.dtype) -> tuple[int, int, dict[s
     if dtype not in _TORCH_TO_KV:
         raise UnsupportedCacheError(f"cache dtype {dtype}; allowed {sorted(map(str, _TORCH_TO_KV))}")
     return num_kv_heads, head_dim, groups, sliding_window if SLIDING_ATTENTION in groups else None
+
+
+def _swa_peak_pages(window: int, page_size: int) -> int:
+    """Most fresh sliding pages a long prefill grown page by page binds at once: the window's pages, the page
+    being filled, one released page not yet drained, one shared partial page copied on write, one spare."""
+    return -(-window // page_size) + 4
 
 
 class UmallocPagedCache:
@@ -509,7 +515,8 @@ class UmallocPagedCache:
             if dry_run:
                 pages = -(-int(request_len) // self.page_size)
                 need = {g.end: pages if g.sliding_window is None or request_len <= 2 * g.sliding_window
-                        else -(-g.sliding_window // self.page_size) * 2 + 2 for g in self.cache_allocators.values()}
+                        else _swa_peak_pages(g.sliding_window, self.page_size)
+                        for g in self.cache_allocators.values()}
                 return request_len <= self.max_tokens_per_request and self.alloc.can_alloc(need)
             rid = state.request_id
             target = int(state.current_len()) + int(request_len)   # transformers' contract: past + query
@@ -545,15 +552,14 @@ class UmallocPagedCache:
         held = self.held_tokens_of(slot)
         if window is None or num_tokens <= 2 * window:
             return self.table.extend([slot], torch.tensor([num_tokens], dtype=torch.int64)) is not None
-        chunk = -(-window // ps) * ps
+        chunk = ps
         full_pages = -(-(held + num_tokens) // ps) - -(-held // ps)
-        swa_peak = -(-window // ps) + chunk // ps + 2
+        swa_peak = _swa_peak_pages(window, ps)
         guard = None
         if held > 0:   # this step reads the window before `held`: a guard request holds it
             guard = self.table.fork(slot, held)
             if guard is None:
                 return self.table.extend([slot], torch.tensor([num_tokens], dtype=torch.int64)) is not None
-            swa_peak += 1   # the copy-on-write of a shared partial page
         if not self.alloc.can_alloc({"full": full_pages + (guard is not None), "swa": swa_peak}):
             if guard is not None:
                 self.table.free_requests([guard])
