@@ -15,10 +15,10 @@ import numpy as np
 import torch
 
 from umalloc.allocator.facade import MultiEndedAllocator
-from umalloc.backends import require_or_skip
-from umalloc.backends._worker import BackendWorker
+from umalloc.backends.worker import BackendWorker
 from umalloc.geometry.arena import Arena
 from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, LayerSpec
+from umalloc.testing import require_or_skip
 from umalloc.transfer import PeerLayout
 
 ENGINES = ["nixl", "mooncake"]

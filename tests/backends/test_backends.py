@@ -46,7 +46,6 @@ from umalloc.backends import (
     TransferHandle,
     backend_available,
     get_backend,
-    require_or_skip,
 )
 from umalloc.backends.protocol import plan_leases_gone
 from umalloc.errors import (
@@ -63,6 +62,7 @@ from umalloc.geometry.arena import Arena
 from umalloc.geometry.region import Region
 from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, LayerSpec
 from umalloc.pool.pagestate import PAGE_PENDING
+from umalloc.testing import require_or_skip
 from umalloc.transfer import PeerLayout, build_plan, build_receiver_half, build_send_plan
 
 pytestmark = pytest.mark.timeout(60)
@@ -1000,8 +1000,8 @@ def test_replay_child_keeps_the_receiver_half_while_the_engine_holds_a_part(back
     gives up (the paused receiver still holds a chunk) the error it reports says so (``draining``), and the parent
     then keeps its receiver half leased instead of failing it (bytes may still land there). A plain failure, or a
     dead child, fails the half."""
-    from umalloc.backends._worker import WorkerContext, WorkerDied, WorkerTimeout, _describe, _rebuild
-    from umalloc.replay.remote import child_finish, settle_failed_half
+    from umalloc.backends.worker import WorkerContext, WorkerDied, WorkerTimeout, _describe, _rebuild
+    from umalloc_replay.single.remote import child_finish, settle_failed_half
 
     name = "mooncake"
     spec = one_owner_spec()

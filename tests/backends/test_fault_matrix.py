@@ -33,7 +33,6 @@ from backend_helpers import (
 )
 
 from umalloc.allocator.facade import MultiEndedAllocator
-from umalloc.backends import require_or_skip
 from umalloc.errors import (
     BackendError,
     LeaseError,
@@ -45,6 +44,7 @@ from umalloc.errors import (
 )
 from umalloc.geometry.arena import Arena
 from umalloc.pool.pagestate import PAGE_PENDING
+from umalloc.testing import require_or_skip
 from umalloc.transfer import PeerLayout, build_plan, build_receiver_half, build_send_plan
 
 ALL = ["local", "nixl", "mooncake"]
@@ -382,14 +382,14 @@ def test_F24_replay_child_that_does_not_answer_keeps_its_half_until_it_is_confir
     times out, the half stays pending and held (the child may still write), its lease goes in doubt at the
     deadline instead of being reclaimed, and the freed pages stay pending; ``close`` ends the child and, once it
     is confirmed gone, settles the half: nothing pending, pinned or in doubt is left."""
-    from umalloc.backends._worker import WorkerTimeout
+    from umalloc.backends.worker import WorkerTimeout
     from umalloc.geometry.presets import preset_ends
     from umalloc.geometry.spec import ArenaSpec
-    from umalloc.replay import remote
-    from umalloc.replay.prefill import alloc_sequence
-    from umalloc.replay.report import PhaseTimer
-    from umalloc.replay.trace import TraceRequest
-    from umalloc.replay.workload import RequestState
+    from umalloc_replay.report import PhaseTimer
+    from umalloc_replay.single import remote
+    from umalloc_replay.single.prefill import alloc_sequence
+    from umalloc_replay.trace import TraceRequest
+    from umalloc_replay.workload import RequestState
 
     require_or_skip(name)
     clock = ManualClock()

@@ -154,7 +154,7 @@ def _pool_class() -> type:
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
 
-    class UmallocBlockPool(BlockPool):  # type: ignore[misc, valid-type]
+    class UmallocBlockPool(BlockPool):  # type: ignore[misc, valid-type, unused-ignore]
         """vLLM ``BlockPool`` with block ids and the free list from umalloc (module docstring for the policy).
 
         Same constructor and methods as vLLM's ``BlockPool``; additionally :attr:`allocator`, :meth:`free_ids`,
