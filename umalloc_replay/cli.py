@@ -39,6 +39,7 @@ _QUIET_START = threading.current_thread() is threading.main_thread() and \
 if _QUIET_START:
     signal.signal(signal.SIGINT, _interrupted_at_start_up)
 
+from collections.abc import Sequence  # noqa: E402
 from enum import Enum  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Annotated, Any  # noqa: E402
@@ -74,10 +75,12 @@ class _OneLineErrors(TyperGroup):
     one ``error:`` line on stderr and exit 2, as every refusal of the replay; Ctrl-C anywhere is one
     ``interrupted`` line on stderr and exit 130."""
 
-    def main(self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None,
-             standalone_mode: bool = True, **extra: Any) -> Any:
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,
+             complete_var: str | None = None, standalone_mode: bool = True, windows_expand_args: bool = True,
+             **extra: Any) -> Any:
         try:
-            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+            code = super().main(args, prog_name, complete_var, standalone_mode=False,
+                                windows_expand_args=windows_expand_args, **extra)
         except _CLICK_ERROR as exc:
             usage = exc.ctx.command_path if getattr(exc, "ctx", None) is not None else "umalloc"  # type: ignore
             _stderr_line(f"error: {exc.format_message()} (see {usage} --help)")  # type: ignore[attr-defined]

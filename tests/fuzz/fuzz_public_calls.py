@@ -33,10 +33,10 @@ import numpy as np
 import torch
 
 from umalloc.allocator.facade import MultiEndedAllocator, snapshots_equal
-from umalloc.leases.table import LeaseTable
-from umalloc.requests.table import RequestTable
 from umalloc.errors import UmallocError
 from umalloc.geometry.arena import Arena
+from umalloc.leases.table import LeaseTable
+from umalloc.requests.table import RequestTable
 from umalloc.testing import tiny_spec
 from umalloc.transfer import PeerLayout, build_receiver_half
 from umalloc.transfer.build import build_plan

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from umalloc.allocator.facade import MultiEndedAllocator, snapshots_equal
-from umalloc.leases.table import LeaseTable
 from umalloc.errors import UmallocError
 from umalloc.geometry.arena import Arena
+from umalloc.leases.table import LeaseTable
 from umalloc.testing import small_allocator, tiny_spec
 from umalloc.transfer.build import build_plan, build_receiver_half, build_send_plan
 from umalloc.transfer.rows import vector_rows

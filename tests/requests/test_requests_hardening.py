@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from umalloc.allocator.facade import MultiEndedAllocator, snapshots_equal
-from umalloc.requests.table import RequestTable
 from umalloc.errors import InvalidIdError, StaleHandleError, UmallocError, UmallocValueError
 from umalloc.geometry.arena import Arena
 from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, LayerSpec
+from umalloc.requests.table import RequestTable
 from umalloc.testing import seed_from_env
 
 

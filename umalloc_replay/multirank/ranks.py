@@ -679,6 +679,13 @@ class MultiRankReplay:
                                                        "filled_bytes")}
         totals.update({k: sum(x[k] for x in got) for k in ("verified_bytes", "expected_bytes", "mismatch_bytes",
                                                             "mismatch_rows")})
+        # per vector, bytes moved to the decode ranks that no rank reads (whole pages travel: see the table)
+        verified_by_vector: dict[str, int] = {}
+        for x in got:
+            for name, n in x["verified_by_vector"].items():
+                verified_by_vector[name] = verified_by_vector.get(name, 0) + n
+        totals["unread_by_vector"] = {n: b - verified_by_vector.get(n, 0) for n, b in sorted(by_vector.items())
+                                      if b != verified_by_vector.get(n, 0)}
         totals["bytes_by_vector"] = by_vector
         total_s = self.times["total"]
         moving_s = self.times["start"] + self.times["transfer"]

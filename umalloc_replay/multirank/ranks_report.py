@@ -136,6 +136,23 @@ _COLUMNS = (("rank", "left"), ("tp", "right"), ("dcp", "right"), ("heads", "righ
             ("s", "right"), ("ver MB", "right"), ("bad B", "right"))
 
 
+def _moved_vs_verified(tot: Mapping) -> str:
+    """Why MB moved exceeds MB verified, per index vector: pages travel whole, so the rows of a request's last
+    page past its end (and, on an SWA end, of the window's first page before the window) are moved but hold
+    nothing any rank reads.
+
+    >>> _moved_vs_verified({"bytes": 3_000_000, "verified_bytes": 2_500_000, "unread_by_vector": {"draft": 500_000}})
+    'moved - verified = 0.50 MB (draft 0.50): rows of whole pages past a request (never read)'
+    >>> _moved_vs_verified({"bytes": 2_000_000, "verified_bytes": 2_000_000, "unread_by_vector": {}})
+    'moved = verified'
+    """
+    diff = tot["bytes"] - tot["verified_bytes"]
+    if diff == 0:
+        return "moved = verified"
+    parts = ", ".join(f"{n} {_mb(b)}" for n, b in tot.get("unread_by_vector", {}).items())
+    return f"moved - verified = {_mb(diff)} MB ({parts}): rows of whole pages past a request (never read)"
+
+
 def ranks_table(report: Mapping) -> Table:
     """The final table (rich): one row per rank (``P<i>`` prefill, ``D<i>`` decode), then the totals; what the
     columns mean, the run's time and the result in the caption."""
@@ -161,6 +178,7 @@ def ranks_table(report: Mapping) -> Table:
     t.caption = (f"{report['requests']['completed']}/{report['requests']['total']} requests ({zero} 0-token "
                  "prompts counted as 1 token); MB moved by vector: "
                  f"{by_vec}; verified {_mb(tot['verified_bytes'])} of {_mb(tot['expected_bytes'])} MB expected; "
+                 f"{_moved_vs_verified(tot)}; "
                  f"{tot['baseline_descriptors']:,} descriptors without merging. "
                  f"Time: setup {ts['setup']:.2f} s, transfers {ts['start'] + ts['transfer']:.2f} s "
                  f"({report['throughput']['moved_gb_per_s']:.3f} GB/s), verify {ts['verify']:.2f} s. heads: KV "
