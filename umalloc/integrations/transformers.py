@@ -599,7 +599,7 @@ class UmallocPagedCache:
             total += max(0, swa.band_lo * swa.page_bytes - full.band_hi * full.page_bytes)
         else:
             total += self.arena.arena_bytes - full.band_hi * full.page_bytes
-        return total + int(self.table.capacity()["reclaimable_pages"]) * full.page_bytes
+        return total + int(self.table.capacity()["full"]["reclaimable_pages"]) * full.page_bytes
 
     def compute_free_capacity(self, relative: bool = True) -> int | float:
         """Free bytes (:meth:`free_bytes`), or their share of the usable arena."""
@@ -732,7 +732,7 @@ class UmallocPagedCache:
     def perform_cache_copy(self, copy_src_and_dst: dict[str, tuple[list[int], list[int]]]) -> None:
         """Nothing to copy: forks share pages and the table copies on write."""
 
-    @torch.compiler.disable
+    @torch.compiler.disable  # type: ignore[untyped-decorator]
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """transformers' per-layer cache call: ``key_states`` / ``value_states`` ``[1, kv_heads, q, head_dim]``;
