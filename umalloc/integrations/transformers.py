@@ -599,7 +599,7 @@ class UmallocPagedCache:
             total += max(0, swa.band_lo * swa.page_bytes - full.band_hi * full.page_bytes)
         else:
             total += self.arena.arena_bytes - full.band_hi * full.page_bytes
-        return total + int(self.table.capacity()["reclaimable_pages"]) * full.page_bytes
+        return total + int(self.table.capacity()["full"]["reclaimable_pages"]) * full.page_bytes
 
     def compute_free_capacity(self, relative: bool = True) -> int | float:
         """Free bytes (:meth:`free_bytes`), or their share of the usable arena."""
