@@ -33,6 +33,7 @@ BUSY = "import os\nos.nice(0)\nwhile True:\n    pass\n"
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 @pytest.mark.skipif(os.environ.get("UMALLOC_LOAD_TEST", "") in ("", "0"), reason="set UMALLOC_LOAD_TEST=1")
 def test_a_slice_of_the_suite_passes_beside_2x_nproc_busy_processes() -> None:
     n = 2 * (os.cpu_count() or 1)
