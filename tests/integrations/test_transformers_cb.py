@@ -246,7 +246,7 @@ def test_out_of_arena_is_all_or_nothing() -> None:
     """A request that does not fit is refused with nothing allocated; the table and allocator are unchanged."""
     from transformers.generation.continuous_batching.requests import RequestState
 
-    from umalloc import snapshots_equal
+    from umalloc.allocator.observe import snapshots_equal
 
     cfg = model_for("gemma3").config
     cache = ut.UmallocPagedCache(cfg, cb_config(num_blocks=8), "cpu", None, torch.float32)
