@@ -1,7 +1,7 @@
 """Issue 26 item 23 (F12): a receiver that only *waits* on its published half learns that the sender died. The
 sender (a worker process) is SIGKILLed right after it submitted; ``wait_half`` (which checks the sender's liveness
 on every poll, Note [Published half liveness]) raises PeerDiedError, the half fails and, the process being gone,
-its lease settles (pages free). Every engine runs for real (UCX on loopback, Mooncake over TCP)."""
+its lease ends (settled or released: pages free). Every engine runs for real (UCX on loopback, Mooncake over TCP)."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def test_issue26_item23_a_receiver_that_only_waits_gets_peer_died_when_its_sende
     with pytest.raises(PeerDiedError):
         b.wait_half(half, DEADLINE_S)
     assert half.state == "failed" and isinstance(half.error, PeerDiedError)
-    assert half.lease.state == "settled"
+    assert half.lease.state in ("settled", "released")   # the process is gone: its pages come free
     b.disconnect(sender)
     assert dst_alloc.leases_active() == 0
     dst_alloc.check_invariants()

@@ -128,6 +128,7 @@ class Ctx:
     backends: dict[str, Any] = field(default_factory=dict)
     evicted: list = field(default_factory=list)
     live: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+    slotpool: Any = None
 
 
 def _make_ctx(backends: dict[str, Any]) -> Ctx:
@@ -137,6 +138,10 @@ def _make_ctx(backends: dict[str, Any]) -> Ctx:
     ctx = Ctx(alloc=alloc, talloc=MultiEndedAllocator(Arena(tiny_spec(640))), table=None,  # type: ignore[arg-type]
               leases=LeaseTable({"full": 8, "swa": 8}), arena=Arena(tiny_spec()), backends=backends)
     ctx.live = alloc.alloc_pages(4) * 2
+    from umalloc.integrations.sglang.pools import SlotPool
+
+    ctx.slotpool = SlotPool(8, 2)
+    ctx.slotpool.alloc_tokens(4)
     ctx.table = RequestTable(ctx.talloc, max_requests=4, max_tokens_per_request=16,
                              on_evict=lambda vp: ctx.evicted.append(vp.tolist()))
     s = ctx.table.new_requests(2)
@@ -154,6 +159,8 @@ def _snap(ctx: Ctx, group: str) -> Any:
     if group == "leases":
         return (len(ctx.leases), ctx.leases.pin_count("full").copy(), ctx.leases.pin_count("swa").copy(),
                 ctx.leases.stats())
+    if group == "slotpool":
+        return (ctx.slotpool.allocator.snapshot(),) if ctx.slotpool is not None else None
     if group.startswith("backend:"):
         b = ctx.backends[group.split(":", 1)[1]]
         return (b.stats(), b.registered_regions(), b.peers(), b.published_halves())
@@ -329,9 +336,25 @@ def _backend_targets(names: list[str]) -> list[Target]:
 
 
 def _integration_targets() -> list[Target]:
-    from umalloc.integrations import vllm
+    """The integrations' entries that run without their engine installed (the engines' own classes are
+    exercised by each integration's peer suite)."""
+    from umalloc.integrations import sglang, transformers, vllm
+    from umalloc.integrations.sglang.pools import SlotPool
 
-    return [Target("vllm.id_allocator", ("count",), lambda ctx, n: vllm.id_allocator(n), group="none")]
+    P = lambda f: (lambda ctx, *a: f(ctx.slotpool, *a))  # noqa: E731
+    return [
+        Target("vllm.id_allocator", ("count",), lambda ctx, n: vllm.id_allocator(n), group="none"),
+        Target("transformers.check_version", ("str",), lambda ctx, v: transformers.check_version(v), group="none"),
+        Target("sglang.check_version", ("str",), lambda ctx, v: sglang.check_version(v), group="none"),
+        Target("sglang.SlotPool()", ("count", "count"), lambda ctx, n, p: SlotPool(n, p), group="none"),
+        Target("sglang.SlotPool.alloc_tokens", ("count",), P(lambda pl, n: pl.alloc_tokens(n)), group="slotpool"),
+        Target("sglang.SlotPool.free_tokens", ("ids",), P(lambda pl, v: pl.free_tokens(v)), group="slotpool"),
+        Target("sglang.SlotPool.free_pages", ("ids",), P(lambda pl, v: pl.free_pages(v)), group="slotpool"),
+        Target("sglang.SlotPool.alloc_extend", ("ids", "ids", "ids", "count"),
+               P(lambda pl, a, b, c, n: pl.alloc_extend(a, b, c, n)), group="slotpool"),
+        Target("sglang.SlotPool.alloc_decode", ("ids", "ids"), P(lambda pl, a, b: pl.alloc_decode(a, b)),
+               group="slotpool"),
+    ]
 
 
 # ==== the campaign ==================================================================================================

@@ -12,6 +12,11 @@ import pytest
 
 pytest.importorskip("sglang")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "peer"))
+
+import sglang_cpu_shims  # noqa: E402
+
+sglang_cpu_shims.prepare()  # before any SGLang allocator module is imported
 
 import torch  # noqa: E402
 from sglang_differential import (  # noqa: E402
@@ -172,3 +177,42 @@ def test_cpu_copy_round_trip_through_a_real_sglang_kv_pool() -> None:
     for layer in range(2):
         assert torch.equal(kv.k_buffer[layer][again], want[layer])
         assert torch.equal(kv.v_buffer[layer][again], -want[layer])
+
+
+@pytest.mark.parametrize(("page_size", "hybrid_swa", "want"), [
+    (1, False, "UmallocTokenToKVPoolAllocator"),
+    (16, False, "UmallocPagedTokenToKVPoolAllocator"),
+    (16, True, "UmallocSWATokenToKVPoolAllocator"),
+])
+def test_sglang_constructor_path_builds_the_umalloc_class(page_size: int, hybrid_swa: bool, want: str) -> None:
+    """KVCacheConfigurator._build_token_to_kv_pool_allocator, SGLang's own code, after install()."""
+    import sglang.srt.mem_cache.kv_cache_configurator as conf
+    from sglang.srt.runtime_context import publish, reset_context
+    from sglang.srt.server_args import ServerArgs
+    from sglang_differential import fake_swa_kv
+
+    stock = {name: getattr(conf, name) for name in um_sglang.PATCHED_NAMES}
+    reset_context()
+    publish(ServerArgs(model_path="dummy", device="cpu", page_size=page_size), role="tokenizer")
+    try:
+        um_sglang.install()
+        c = object.__new__(conf.KVCacheConfigurator)  # only the attributes the allocator branch reads
+        for name, value in dict(is_hybrid_swa=hybrid_swa, kv_cache_dtype=torch.float16, device="cpu",
+                                kv_shard_size=1, page_size=page_size, hybrid_gdn_config=None,
+                                is_draft_worker=False).items():
+            setattr(c, name, value)
+        sizes = conf._PoolSizes(max_total_num_tokens=1024, max_running_requests=4,
+                                full_max_total_num_tokens=1024 if hybrid_swa else None,
+                                swa_max_total_num_tokens=512 if hybrid_swa else None, c4_max_total_num_tokens=0,
+                                c128_max_total_num_tokens=0, c4_state_pool_size=0, c128_state_pool_size=0,
+                                c4_state_dtype=None, c128_state_dtype=None)
+        alloc = c._build_token_to_kv_pool_allocator(sizes=sizes, token_to_kv_pool=fake_swa_kv(),
+                                                    is_dsv4_model=False, req_to_token_pool=None,
+                                                    token_to_kv_pool_allocator=None)
+        assert type(alloc).__name__ == want
+        assert alloc.page_size == page_size
+        assert alloc.available_size() == (512 if hybrid_swa else 1024)
+    finally:
+        for name, cls in stock.items():
+            setattr(conf, name, cls)
+        reset_context()

@@ -44,7 +44,7 @@ failure at once, the pages stay pinned until the hold is let go (F24).
 
 Note [Deadlines and in-flight parts]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-The rule (DESIGN: compaction gating, F11): while a transfer may still read or write a page, the page stays
+The rule (F11 in docs/faults.md): while a transfer may still read or write a page, the page stays
 leased. ``wait``'s deadline bounds the *caller's wait*, not the engine: no engine here can take back bytes it
 was handed (Mooncake has no cancel; its ``TIMEOUT`` status is the engine's slice-age report about a slice that
 is still in flight; NIXL can refuse to release a request that is still active). Setting the engine's timeout

@@ -34,7 +34,7 @@ Completions arrive on engine threads (a Mooncake sender, a NIXL poller, an async
 * One **owner thread** (the one that built the table, or the last to call :meth:`LeaseTable.claim_thread`) runs
   the allocator. Every other method of the table and of :class:`Lease` may be called from any thread: each takes
   the table's ``lock`` (a re-entrant lock held only for the pin-count update, O(pages of the lease)).
-* Pages whose last pin drops on the owner thread are reported through ``on_unpinned`` at once (as before).
+* Pages whose last pin drops on the owner thread are reported through ``on_unpinned`` at once.
   Dropped on another thread they go onto a completion queue instead, and the owner's next allocator call drains
   it (:meth:`LeaseTable.drain`), so the allocator's own state is only ever written by its owner thread. Before
   delivery each queued page is re-checked under the lock: one pinned again since is not reported.

@@ -732,10 +732,6 @@ class ReceiverHalf(_LeaseHolder):
                 f"P={self.prefix_tokens}, vectors={ {n: len(v.pages) for n, v in self.vectors.items()} })")
 
 
-#: The name the agreed interface uses for the receiver's half.
-PlanHalf = ReceiverHalf
-
-
 # ==== what backends use of a plan =============================================================================
 
 
@@ -779,5 +775,5 @@ class PlanLike(Protocol):
 
 
 __all__ = ["EMPTY_IDS", "PLAN_ABORTED", "PLAN_DONE", "PLAN_FAILED", "PLAN_PENDING", "HalfVector", "IndexVector",
-           "LeaseLike", "PlanHalf", "PlanLike", "ReceiverHalf", "TransferPlan", "VectorPart", "VectorStats",
+           "LeaseLike", "PlanLike", "ReceiverHalf", "TransferPlan", "VectorPart", "VectorStats",
            "as_ids", "unique_pages_by_end"]

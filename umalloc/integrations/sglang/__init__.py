@@ -59,16 +59,20 @@ class UnsupportedSGLangVersion(UmallocError):
                          f"{', '.join(SUPPORTED_SGLANG_VERSIONS)} (pip install 'umalloc[sglang]')")
 
 
+class SGLangUnavailable(UmallocError, ImportError):
+    """SGLang is not installed here (typed, and an ImportError for callers that catch that)."""
+
+
 def sglang_version() -> str:
     """The installed SGLang's version (its distribution metadata; SGLang is not imported).
 
     Raises:
-        ImportError: SGLang is not installed.
+        SGLangUnavailable: SGLang is not installed (an ImportError).
     """
     try:
         return importlib.metadata.version("sglang")
     except importlib.metadata.PackageNotFoundError:
-        raise ImportError("SGLang is not installed (pip install 'umalloc[sglang]')") from None
+        raise SGLangUnavailable("SGLang is not installed (pip install 'umalloc[sglang]')") from None
 
 
 def check_version(version: str | None = None) -> str:
@@ -128,5 +132,5 @@ def __getattr__(name: str) -> Any:
 
 
 # the Umalloc*Allocator classes are reached as attributes (module __getattr__: they import SGLang)
-__all__ = ["CONFIGURATOR_MODULE", "PATCHED_NAMES", "SUPPORTED_SGLANG_VERSIONS", "UnsupportedSGLangVersion",
+__all__ = ["CONFIGURATOR_MODULE", "PATCHED_NAMES", "SUPPORTED_SGLANG_VERSIONS", "SGLangUnavailable", "UnsupportedSGLangVersion",
            "check_version", "install", "sglang_version"]

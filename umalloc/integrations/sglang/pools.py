@@ -35,8 +35,8 @@ END = "kv"
 
 
 def _count(value: object, name: str, lo: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or int(value) < lo:
-        raise UmallocValueError(f"{name}={value!r}: allowed an int >= {lo}")
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not lo <= int(value) < 1 << 63:
+        raise UmallocValueError(f"{name}={value!r}: allowed an int in [{lo}, 2**63)")
     return int(value)
 
 
@@ -44,8 +44,10 @@ def _host(ids: torch.Tensor, name: str) -> torch.Tensor:
     """``ids`` as a contiguous CPU int64 tensor (a copy only when it is not one already)."""
     if not isinstance(ids, torch.Tensor):
         raise InvalidIdError(f"{name}: a {type(ids).__name__}; allowed a 1-D torch integer tensor")
+    if ids.layout is not torch.strided or ids.is_meta:
+        raise InvalidIdError(f"{name}: a {ids.layout} tensor on {ids.device}; allowed a dense tensor with data")
     if ids.dtype != torch.int64:
-        if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
             raise InvalidIdError(f"{name}: dtype {ids.dtype}; allowed an integer dtype")
         ids = ids.to(torch.int64)
     return ids.reshape(-1).contiguous().cpu() if ids.dim() != 1 or ids.device.type != "cpu" else ids.contiguous()
@@ -114,6 +116,8 @@ class SlotPool:
             UmallocValueError: ``need_size`` not an int >= 0.
         """
         k = _count(need_size, "need_size", 0) // self.page_size
+        if k > self.num_pages:
+            return None   # more than the whole pool: too few pages are free (nothing changed)
         out = np.empty(k, dtype=np.int64)  # a numpy out: the allocator's page-level hot path
         if self.allocator.alloc_pages(k, out=out) is None:
             return None
