@@ -244,23 +244,26 @@ class PageRefs:
         is a state change here only). Returns an ``int64 (n,)`` view of a buffer this object reuses (valid
         until the next ``take``). Raises UmallocValueError for ``n`` not an int in
         ``[0, num_free + num_cached]`` (nothing changes). O(n) in two kernel calls."""
+        free = self.num_free
         if type(n) is not int or n < 0:
             raise UmallocValueError(f"take: {n!r} pages; allowed an int >= 0")
-        free = self.num_free
         buf = self._buf[:n]
-        if n > free:
-            if n - free > self.num_cached:
-                raise UmallocValueError(f"take: {n} pages; allowed at most {free + self.num_cached} "
-                                        f"(free {free} + cached {self.num_cached})")
-            m = free
-        else:
-            m = n
-        if m and self._alloc_pages(m, out=self._buf[:m]) is None:
-            raise InvariantError(f"free-count: the allocator refused {m} pages counted as free")
-        self._take(self._ref, self._state, self._lru, buf, m, n)
-        self._m, self._n = m, n
-        self.num_free = free - m
-        self.num_cached -= n - m
+        if n <= free:   # no eviction
+            if n and self._alloc_pages(n, out=buf) is None:
+                raise InvariantError(f"free-count: the allocator refused {n} pages counted as free")
+            self._take(self._ref, self._state, self._lru, buf, n, n)
+            self._m = self._n = n
+            self.num_free = free - n
+            return buf
+        if n - free > self.num_cached:
+            raise UmallocValueError(f"take: {n} pages; allowed at most {free + self.num_cached} (free {free} + "
+                                    f"cached {self.num_cached})")
+        if free and self._alloc_pages(free, out=self._buf[:free]) is None:
+            raise InvariantError(f"free-count: the allocator refused {free} pages counted as free")
+        self._take(self._ref, self._state, self._lru, buf, free, n)
+        self._m, self._n = free, n
+        self.num_free = 0
+        self.num_cached -= n - free
         return buf
 
     def evicted(self) -> np.ndarray:

@@ -29,7 +29,8 @@ Policy:
   (fewer transfer descriptors, a compact high end). Tests that pin vLLM's exact reuse order see the
   difference; nothing else does.
 * **Free** (``free_blocks``): one ``unref`` of the batch: blocks reaching count 0 without a hash go back to
-  umalloc, hashed ones join the LRU tail (vLLM's rule). ``unpin_blocks`` puts released blocks at the LRU tail
+  umalloc, hashed ones join the LRU tail (vLLM's rule). A bare ``KVCacheBlock`` that is not one of the pool's
+  blocks (``pool=None``, as some of vLLM's tests build) only has its own ``ref_cnt`` lowered, as vLLM does. ``unpin_blocks`` puts released blocks at the LRU tail
   (last resort), as vLLM does. ``evict_blocks`` and a successful ``reset_prefix_cache`` return the cached
   blocks they un-hash to umalloc.
 * **A specific id**: a prefix-cache hit may name a block that umalloc holds as free (a hash put on a
@@ -289,6 +290,8 @@ def _pool_class() -> type:
                 for b in blocks:
                     if b.pool is not None and b.pool is not self:
                         other_pools.setdefault(b.pool, []).append(b)
+                    elif b.pool is None and not b.is_null:
+                        b.ref_cnt -= 1   # a bare KVCacheBlock (not one of this pool's): its own count, as vLLM
                     elif not b.is_null:
                         ids.append(-b.block_id if self.enable_caching and b._block_hash is not None
                                    else b.block_id)
