@@ -40,8 +40,8 @@ Run: ``python benchmarks/bench_backends.py [--total-mib 256] [--backends local,n
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import ctypes
+import dataclasses
 import json
 import os
 import time
@@ -49,12 +49,12 @@ import time
 import numpy as np
 import torch
 
+from umalloc.allocator.facade import MultiEndedAllocator
 from umalloc.backends import backend_available, get_backend
 from umalloc.backends._worker import BackendWorker
-from umalloc.core.allocator import MultiEndedAllocator
 from umalloc.geometry.arena import Arena
-from umalloc.geometry.region import Region
 from umalloc.geometry.presets import preset_ends
+from umalloc.geometry.region import Region
 from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, LayerSpec, arena_bytes_for_limits
 from umalloc.transfer import PeerLayout, build_plan
 from umalloc.transfer.slices import pair_pieces, slice_descriptors

@@ -1,7 +1,7 @@
 """Compaction throughput and pause per flush, against a plain torch copy of the same bytes in the same run.
 
 For each size N (moved pages per flush) and layout it builds an up-end band whose survivor walk moves exactly
-N pages, then times one flush = plan (:func:`umalloc.core.compaction.plan_up`) + apply (:func:`apply_plan`: one
+N pages, then times one flush = plan (:func:`umalloc.pool.compaction.plan_up`) + apply (:func:`apply_plan`: one
 batched envelope copy + table rewrite). Baseline: ``torch.Tensor.copy_`` of N * page_bytes contiguous bytes
 between two ranges of the same arena. Layouts:
 
@@ -28,10 +28,10 @@ import time
 import numpy as np
 import torch
 
-from umalloc.core.compaction import apply_plan, copy_moves, plan_up
-from umalloc.core.pagestate import PAGE_GAP, PAGE_HOLE, PAGE_LIVE, PAGE_RESERVED, TOMBSTONE
 from umalloc.geometry.arena import Arena
 from umalloc.geometry.spec import ArenaSpec, EndSpec, LayerSpec
+from umalloc.pool.compaction import apply_plan, copy_moves, plan_up
+from umalloc.pool.pagestate import PAGE_GAP, PAGE_HOLE, PAGE_LIVE, PAGE_RESERVED, TOMBSTONE
 
 
 def sync(device: torch.device) -> None:

@@ -14,7 +14,7 @@ kernel 4). Per layer:
 
 (a) **vLLM**: ``Platform._align_hybrid_block_size`` raises the attention block to the smallest multiple of the
 kernel alignment (16 tokens, FlashAttention) whose page holds one Mamba state, and pads the Mamba page to it
-(:func:`vllm_block_tokens`; tests/test_integration_vllm.py pins it to vLLM's own spec classes); the hybrid
+(:func:`vllm_block_tokens`; tests/integrations/test_integration_vllm.py pins it to vLLM's own spec classes); the hybrid
 allocator then groups the layers 4 at a time (1 attention group, 6 Mamba groups), one block = 4 layer pages.
 A request holds ``cdiv(L, block)`` attention blocks and one block per Mamba group.
 (b) **umalloc**: an ``up`` end with the 4 attention layers at 16-token pages and a ``down`` end whose one page

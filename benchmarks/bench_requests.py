@@ -54,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _peerbench as pb  # noqa: E402  (the harness shared with bench_allocator.py)
 import bench_allocator as ba  # noqa: E402  (the arena sizing and page-form replay, reused)
 
-from umalloc.core.requests import RequestTable  # noqa: E402
+from umalloc.requests.table import RequestTable  # noqa: E402
 
 wl = pb.wl
 MODES = ("table", "table-swa", "table-apc", "table-fork")

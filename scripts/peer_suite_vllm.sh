@@ -11,7 +11,7 @@
 #      (tests/peer/vllm_model_snapshot.py; nothing comes from a hub: HF_HUB_OFFLINE=1);
 #   4. each run's outcomes against tests/peer/vllm_expected.txt: any failure not listed, or a listed test that
 #      passes, fails this script;
-#   5. umalloc's own tests of the integration (tests/test_integration_vllm.py) in the same venv, where vLLM is.
+#   5. umalloc's own tests of the integration (tests/integrations/test_integration_vllm.py) in the same venv, where vLLM is.
 # Idempotent: downloads are cached in .peer/cache, the venv is rebuilt only when the requirements change.
 # Usage: bash scripts/peer_suite_vllm.sh      (extra arguments go to both pytest runs)
 set -euo pipefail
@@ -116,8 +116,8 @@ for run in stock umalloc; do
 done
 t1=$SECONDS
 HF_HUB_OFFLINE=1 PYTHONPATH="$PEER/path" "$VENV/bin/python" -m pytest -q -p no:cacheprovider -o addopts="" \
-  -W ignore::pytest.PytestConfigWarning tests/test_integration_vllm.py > "$PEER/pytest-integration.log" 2>&1 \
+  -W ignore::pytest.PytestConfigWarning tests/integrations/test_integration_vllm.py > "$PEER/pytest-integration.log" 2>&1 \
   || { tail -n 40 "$PEER/pytest-integration.log"; status=1; }
-echo "[vllm-peer] tests/test_integration_vllm.py: $(tail -n 1 "$PEER/pytest-integration.log") ($((SECONDS - t1)) s)"
+echo "[vllm-peer] tests/integrations/test_integration_vllm.py: $(tail -n 1 "$PEER/pytest-integration.log") ($((SECONDS - t1)) s)"
 echo "[vllm-peer] done in $((SECONDS - t0)) s"
 exit $status

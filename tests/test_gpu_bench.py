@@ -17,7 +17,7 @@ def test_run_sh_dry_run_prints_its_steps_and_exits_0(tmp_path):
     res = subprocess.run(["bash", str(ROOT / "benchmarks/gpu/run.sh"), "--dry-run"], capture_output=True, text=True,
                          env=env, timeout=60)
     assert res.returncode == 0, res.stderr
-    for step in ("would run (env", "would run (tests", "would run (bench", "tests/test_gpu_capture.py",
+    for step in ("would run (env", "would run (tests", "would run (bench", "tests/translators/test_gpu_capture.py",
                  "benchmarks/bench_gpu.py --out"):
         assert step in res.stdout
     assert not (tmp_path / "out").exists()  # a dry run writes nothing

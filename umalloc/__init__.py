@@ -16,14 +16,14 @@ __version__ = "0.1.0"
 
 _EXPORTS: dict[str, str] = {
     # allocator
-    "MultiEndedAllocator": "umalloc.core.allocator",
-    "EndStats": "umalloc.core.allocator",
-    "EndView": "umalloc.core.allocator",
-    "snapshots_equal": "umalloc.core.allocator",
-    "ReadOnlyTable": "umalloc.core.ids",
+    "MultiEndedAllocator": "umalloc.allocator.facade",
+    "EndStats": "umalloc.allocator.facade",
+    "EndView": "umalloc.allocator.facade",
+    "snapshots_equal": "umalloc.allocator.facade",
+    "ReadOnlyTable": "umalloc.allocator.ids",
     # request ownership
-    "RequestTable": "umalloc.core.requests",
-    "RequestTableStats": "umalloc.core.requests",
+    "RequestTable": "umalloc.requests.table",
+    "RequestTableStats": "umalloc.requests.table",
     # geometry
     "Arena": "umalloc.geometry.arena",
     "ArenaSpec": "umalloc.geometry.spec",
@@ -34,16 +34,16 @@ _EXPORTS: dict[str, str] = {
     "Grow": "umalloc.geometry.spec",
     "EndRole": "umalloc.geometry.spec",
     # leases and compaction
-    "Lease": "umalloc.core.leases",
-    "LeaseTable": "umalloc.core.leases",
-    "CompactionReport": "umalloc.core.compaction",
+    "Lease": "umalloc.leases.table",
+    "LeaseTable": "umalloc.leases.table",
+    "CompactionReport": "umalloc.pool.compaction",
     # page states
-    "TOMBSTONE": "umalloc.core.pagestate",
-    "PAGE_RESERVED": "umalloc.core.pagestate",
-    "PAGE_GAP": "umalloc.core.pagestate",
-    "PAGE_HOLE": "umalloc.core.pagestate",
-    "PAGE_LIVE": "umalloc.core.pagestate",
-    "PAGE_PENDING": "umalloc.core.pagestate",
+    "TOMBSTONE": "umalloc.pool.pagestate",
+    "PAGE_RESERVED": "umalloc.pool.pagestate",
+    "PAGE_GAP": "umalloc.pool.pagestate",
+    "PAGE_HOLE": "umalloc.pool.pagestate",
+    "PAGE_LIVE": "umalloc.pool.pagestate",
+    "PAGE_PENDING": "umalloc.pool.pagestate",
     # errors
     "UmallocError": "umalloc.errors",
     "UmallocValueError": "umalloc.errors",

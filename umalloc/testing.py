@@ -8,7 +8,7 @@
 * :func:`require_or_skip`: skip a test whose transfer engine is missing (fails instead under
   ``UMALLOC_REQUIRE_BACKENDS=1``); re-exported from :mod:`umalloc.backends`.
 * :func:`writable_end_tables`: writable ``(p2v, state, v2p)`` of one end, for tests that corrupt an allocator
-  on purpose to check that :meth:`~umalloc.core.allocator.MultiEndedAllocator.check_invariants` notices.
+  on purpose to check that :meth:`~umalloc.allocator.facade.MultiEndedAllocator.check_invariants` notices.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from umalloc.allocator.facade import MultiEndedAllocator
 from umalloc.backends import require_or_skip
-from umalloc.core.allocator import MultiEndedAllocator
 from umalloc.geometry.arena import Arena
 from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, LayerSpec
 

@@ -16,7 +16,7 @@ OUT="${OUT:-$PWD/out/gpu}"
 WHEELS="${UMALLOC_WHEELS:-.whl}"
 PY="${PYTHON:-python3}"
 SITE=/tmp/site
-TESTS="tests/test_gpu_capture.py tests/test_gpu_arena.py tests/test_translators.py tests/test_translate_agreement.py"
+TESTS="tests/translators/test_gpu_capture.py tests/pool/test_gpu_arena.py tests/translators/test_translators.py tests/translators/test_translate_agreement.py"
 
 run() {  # run NAME TIMEOUT_S CMD...: log to $OUT/NAME.log, remember the status
     local name=$1 limit=$2; shift 2

@@ -1,4 +1,4 @@
-"""umalloc.core.pagerefs.PageRefs (the holders of an id allocator's pages) and the allocator's exact-id entry
+"""umalloc.requests.pagerefs.PageRefs (the holders of an id allocator's pages) and the allocator's exact-id entry
 ``claim_pages``. Expected ids are worked out by hand from the documented policy; the random test checks every
 step against a plain-Python model of the same rules (counts, an LRU list, lowest free id first)."""
 
@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from umalloc.core.pagerefs import PAGE_CACHED, PAGE_HELD, PAGE_NOT_MANAGED, PageRefs
+from umalloc.requests.pagerefs import PAGE_CACHED, PAGE_HELD, PAGE_NOT_MANAGED, PageRefs
 from umalloc.errors import DoubleFreeError, InvalidIdError, InvariantError, UmallocValueError
 from umalloc.integrations.vllm import END, id_allocator
 from umalloc.testing import small_allocator
@@ -40,7 +40,7 @@ def test_claim_pages_refuses_bad_ids_and_changes_nothing(bad):
     before = alloc.snapshot()
     with pytest.raises(InvalidIdError):
         alloc.claim_pages(bad)
-    from umalloc.core.allocator import snapshots_equal
+    from umalloc.allocator.facade import snapshots_equal
 
     assert snapshots_equal(before, alloc.snapshot())
     alloc.check_invariants()

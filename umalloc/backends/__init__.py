@@ -4,7 +4,7 @@ Policy:
 
 * One protocol, three implementations: ``local`` (in-process copies, the embedded default and the reference),
   ``nixl`` (a real NIXL agent, UCX) and ``mooncake`` (a real Mooncake TransferEngine, TCP over loopback).
-  Every one passes the same conformance suite (``tests/test_backends.py``).
+  Every one passes the same conformance suite (``tests/backends/test_backends.py``).
 * Importing :mod:`umalloc.backends` never imports an engine: :func:`get_backend` imports the implementation
   module on first use, and a missing engine raises :class:`~umalloc.errors.BackendUnavailable`.
 * Transfers are WRITEs pushed by the sender: ``submit(plan, peer)`` posts ``plan.descriptors()`` — an

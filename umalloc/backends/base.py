@@ -38,7 +38,7 @@ The plan is ended by ``poll`` / ``wait`` / ``release`` / ``progress`` / ``drain`
 thread. Before the first part is handed to the engine the backend takes an engine hold on the plan's leases
 (:class:`~umalloc.backends.protocol.EngineHold`), let go when the engine reported every part ended — on the
 caller's thread, or on the engine's own thread where it has one (Mooncake's sender): leases may be ended from any
-thread (Note [Lease threading] in :mod:`umalloc.core.leases`). A lease deadline passing, or the caller ending the
+thread (Note [Lease threading] in :mod:`umalloc.leases.table`). A lease deadline passing, or the caller ending the
 plan (``plan.abort()``/``fail()``) while a hold is outstanding leaves the lease *in doubt*: the plan reports its
 failure at once, the pages stay pinned until the hold is let go (F24).
 
@@ -472,7 +472,7 @@ class BackendBase:
             return h
         try:
             # before any part reaches the engine: a deadline or a plan ending from now on leaves the plan's
-            # leases in doubt until the engine lets go (Note [Lease states] in umalloc.core.leases, F24)
+            # leases in doubt until the engine lets go (Note [Lease states] in umalloc.leases.table, F24)
             h.engine["hold"] = EngineHold(plan)
             self._engine_post(h, chunks, info, item_bytes)
         except Exception as e:  # engine refused part of it: fail once every posted part has ended

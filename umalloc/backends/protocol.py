@@ -3,7 +3,7 @@ plan's leases, and the plan checks every backend runs before it posts anything.
 
 Policy:
 
-* Interfaces are ``typing.Protocol`` s; ``tests/test_backends.py`` asserts every implementation conforms.
+* Interfaces are ``typing.Protocol`` s; ``tests/backends/test_backends.py`` asserts every implementation conforms.
 * Backends know plans and regions, not allocators: a plan is anything with the
   :class:`~umalloc.transfer.plan.PlanLike` members (declared once, with the plans it describes, in
   :mod:`umalloc.transfer.plan`, which this layer may import; re-exported here), and its leases have the
@@ -91,7 +91,7 @@ def plan_leases_gone(plan: object | None) -> str | None:
 
 class EngineHold:
     """The engine holds a backend keeps on a plan's leases while an engine may read or write a part of its
-    transfer (Note [Lease states] in :mod:`umalloc.core.leases`): taken before the first part is handed to the
+    transfer (Note [Lease states] in :mod:`umalloc.leases.table`): taken before the first part is handed to the
     engine, let go once every part ended (:meth:`drop`). A lease whose deadline passes, or whose plan fails or
     is aborted, while a hold is outstanding goes in doubt instead of freeing its pages (F24), and settles on
     the drop. Leases without ``hold_engine`` (hand-made lease objects) are not held.

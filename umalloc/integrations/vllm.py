@@ -12,7 +12,7 @@ Policy:
 
 * **Who owns what.** Block ``i`` of the pool is virtual page ``i`` of a one-end umalloc id allocator with
   ``num_gpu_blocks`` page slots (one 16-byte id page per block: the allocator hands out ids, vLLM keeps its own
-  KV tensors). One :class:`~umalloc.core.pagerefs.PageRefs` over it holds every block's holders: its reference
+  KV tensors). One :class:`~umalloc.requests.pagerefs.PageRefs` over it holds every block's holders: its reference
   count (``KVCacheBlock.ref_cnt`` of this pool's blocks reads and writes umalloc's count; there is no second
   copy) and whether a block with count 0 is *cached* (content kept, in umalloc's LRU: the page states and links
   the request table uses) or free in the allocator. vLLM keeps what only it knows: the prefix-cache hash map,
@@ -35,7 +35,7 @@ Policy:
   blocks they un-hash to umalloc.
 * **A specific id**: a prefix-cache hit may name a block that umalloc holds as free (a hash put on a
   never-allocated block, as a KV connector or a test can do); ``touch`` then claims exactly that id from the
-  allocator (:meth:`~umalloc.core.allocator.MultiEndedAllocator.claim_pages`), so the hit is served as vLLM
+  allocator (:meth:`~umalloc.allocator.facade.MultiEndedAllocator.claim_pages`), so the hit is served as vLLM
   serves it.
 * Block ids equal physical pages: with one ``up`` end and compaction off, umalloc gives the ``j``-th lowest
   free virtual id the ``j``-th lowest free physical page (and a claimed id its own page), so ``v2p`` stays the
@@ -54,7 +54,7 @@ from typing import Any
 import numpy as np
 
 from umalloc import TOMBSTONE, Arena, ArenaSpec, EndSpec, LayerSpec, MultiEndedAllocator
-from umalloc.core.pagerefs import PAGE_NOT_MANAGED, PageRefs
+from umalloc.requests.pagerefs import PAGE_NOT_MANAGED, PageRefs
 from umalloc.errors import InvariantError, UmallocError, UmallocValueError
 
 #: vLLM versions this adapter is tested with (the ``umalloc[vllm]`` extra pins them).
@@ -92,7 +92,7 @@ class UmallocFreeBlockQueue:
     """Read-only stand-in for vLLM's ``FreeKVCacheBlockQueue`` on a :class:`UmallocBlockPool`: every block with
     count 0 in allocation order -- umalloc's free ids ascending, then the cached blocks, LRU first.
 
-    The pool's :class:`~umalloc.core.pagerefs.PageRefs` holds both parts; this object only answers the readers
+    The pool's :class:`~umalloc.requests.pagerefs.PageRefs` holds both parts; this object only answers the readers
     vLLM and its tests have: ``num_free_blocks``, ``get_all_free_blocks``, ``iter_blocks_after`` and the linked
     list's ends (Note [Free chain snapshot]).
 
@@ -191,7 +191,7 @@ def _pool_class() -> type:
         docstring for the policy).
 
         Same constructor and methods as vLLM's ``BlockPool``; additionally :attr:`allocator` (the id
-        allocator), :attr:`refs` (its :class:`~umalloc.core.pagerefs.PageRefs`, the blocks' only owner),
+        allocator), :attr:`refs` (its :class:`~umalloc.requests.pagerefs.PageRefs`, the blocks' only owner),
         :meth:`free_ids`, :meth:`adopt` and :meth:`check_invariants`. ``free_block_queue`` is a read-only
         :class:`UmallocFreeBlockQueue`. Complexities: ``get_new_blocks(n)`` O(n + evicted) plus at most three
         umalloc kernel calls; ``free_blocks``/``touch`` O(blocks) plus one or two; ``get_num_free_blocks`` O(1).

@@ -13,7 +13,7 @@ runs, with one message naming the largest such request and what to change.
 
 from __future__ import annotations
 
-from umalloc.core.allocator import MultiEndedAllocator
+from umalloc.allocator.facade import MultiEndedAllocator
 from umalloc.errors import UmallocValueError
 from umalloc.geometry.arena import Arena
 from umalloc.geometry.spec import ArenaSpec

@@ -27,14 +27,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from umalloc.core.allocator import MultiEndedAllocator
-from umalloc.geometry.arena import Arena
+from umalloc.allocator.facade import MultiEndedAllocator
 from umalloc.errors import UmallocValueError
-from umalloc.transfer import PeerLayout, build_plan
+from umalloc.geometry.arena import Arena
+from umalloc.geometry.spec import ArenaSpec, EndRole, pages_for_tokens
 from umalloc.replay.kvfill import KVPattern
 from umalloc.replay.report import PhaseTimer
 from umalloc.replay.workload import RequestState, first_kept_page, pages_held
-from umalloc.geometry.spec import ArenaSpec, EndRole, pages_for_tokens
+from umalloc.transfer import PeerLayout, build_plan
 
 # ==== sequence helpers (both sides) =============================================================================
 #

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from umalloc.core.allocator import MultiEndedAllocator
+from umalloc.allocator.facade import MultiEndedAllocator
 from umalloc.errors import InvariantError
 from umalloc.geometry.arena import Arena
 from umalloc.geometry.presets import preset_ends

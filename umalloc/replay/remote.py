@@ -33,13 +33,13 @@ from types import SimpleNamespace
 
 import torch
 
-from umalloc.core.allocator import MultiEndedAllocator
-from umalloc.transfer import PeerLayout, build_receiver_half
+from umalloc.allocator.facade import MultiEndedAllocator
+from umalloc.geometry.spec import ArenaSpec
 from umalloc.replay.prefill import PlanFigures, warm_up
 from umalloc.replay.report import PhaseTimer
 from umalloc.replay.signals import sigint_ignored
 from umalloc.replay.workload import RequestState
-from umalloc.geometry.spec import ArenaSpec
+from umalloc.transfer import PeerLayout, build_receiver_half
 
 _HERE = "umalloc.replay.remote:"
 #: Seconds a worker call may take beyond the transfer timeout (allocation, fill and plan building in the child).
@@ -85,8 +85,8 @@ def child_start(ctx, request_id: int, num_tokens: int, half: dict, peer: str,
     """Allocate and fill a prompt of ``num_tokens``, build the send plan from the receiver ``half`` and post it
     (no wait). Returns ``{"short": bool, "phases": {...}, "filled": bytes, "stats": ...}``; ``short`` means the
     prefill arena could not take the prompt and nothing changed."""
-    from umalloc.transfer import build_send_plan
     from umalloc.replay.prefill import alloc_sequence, fill_sequence
+    from umalloc.transfer import build_send_plan
 
     alloc = ctx.objects["replay_alloc"]
     b = ctx._b()

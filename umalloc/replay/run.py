@@ -67,7 +67,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from umalloc.core.allocator import MultiEndedAllocator
+from umalloc.allocator.facade import MultiEndedAllocator
 from umalloc.errors import InvariantError, UmallocValueError
 from umalloc.geometry.arena import Arena
 from umalloc.geometry.presets import DEFAULT_PRESET, PRESETS, preset_ends

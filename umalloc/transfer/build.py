@@ -21,7 +21,7 @@ Policy:
 * Every lease has a finite deadline by default (:data:`DEFAULT_DEADLINE_S`, F12): a peer that never answers
   cannot pin pages forever. Pass ``deadline_s=None`` to hold until released, or another number of seconds. A
   deadline that passes while an engine may hold a part leaves the lease in doubt instead of freeing its pages
-  (Note [Lease states] in :mod:`umalloc.core.leases`).
+  (Note [Lease states] in :mod:`umalloc.leases.table`).
 
 Note [Boundary page]
 ~~~~~~~~~~~~~~~~~~~~
@@ -58,7 +58,7 @@ _ID_DTYPES = (torch.int64, torch.int32)
 
 
 class PlanAllocator(Protocol):
-    """What the builders need of an allocator (:class:`umalloc.core.allocator.MultiEndedAllocator` is one)."""
+    """What the builders need of an allocator (:class:`umalloc.allocator.facade.MultiEndedAllocator` is one)."""
 
     arena: Any
     spec: ArenaSpec

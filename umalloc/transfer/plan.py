@@ -24,7 +24,7 @@ Policy:
   (:meth:`~ReceiverHalf.settle`).
 * Threading: a plan is built and posted by one thread; its ending (``complete``/``fail``/``abort``/``settle``)
   may come from any thread, once (the first terminal transition wins; leases are thread-safe, Note [Lease
-  threading] in :mod:`umalloc.core.leases`).
+  threading] in :mod:`umalloc.leases.table`).
 """
 
 from __future__ import annotations
@@ -194,7 +194,7 @@ class IndexVector:
 
 
 class LeaseLike(Protocol):
-    """What a plan, and a backend posting it, need of a lease (:class:`umalloc.core.leases.Lease` is one):
+    """What a plan, and a backend posting it, need of a lease (:class:`umalloc.leases.table.Lease` is one):
     ``active``, ``state`` and ``expired`` (past its deadline) are read — by engine threads too, before a queued
     part is posted — and ``release()`` ends it."""
 
@@ -623,7 +623,7 @@ class ReceiverHalf(_LeaseHolder):
 
     def publish(self) -> dict:
         """:meth:`to_dict` for sending to a peer: from now on the peer's engine may write these pages, so the
-        lease takes an engine hold (Note [Lease states] in :mod:`umalloc.core.leases`): its deadline, or
+        lease takes an engine hold (Note [Lease states] in :mod:`umalloc.leases.table`): its deadline, or
         :meth:`fail` / :meth:`abort`, leaves it in doubt — pages pinned — until the sender's terminal report
         (:meth:`complete`) or a confirmed end (:meth:`settle`). Idempotent. O(pages).
 

@@ -1,0 +1,1 @@
+"""Leases: the lease table, lease states (active, released, expired, in doubt, settled) and generations."""

@@ -1,0 +1,319 @@
+"""The heap: every host array the allocator's kernels read or write, and the root vector naming them.
+
+Policy:
+
+* **One owner.** A :class:`Heap` allocates ``meta``, ``h64``, ``h8``, the per-end pin counts and the root
+  vector once, in its constructor, and never rebinds, resizes or frees them while it lives (its attributes
+  cannot be reassigned). The kernels reach them only through the root address
+  (:mod:`umalloc.pool.kernels.raw` states the rules).
+* **Pins are lent.** The pin counts (``int32`` per end) belong to the heap; the
+  :class:`~umalloc.leases.table.LeaseTable` receives them at construction and counts in them.
+* **No copies.** ``copy.copy``, ``copy.deepcopy`` and ``pickle`` raise :class:`~umalloc.errors.HeapCopyError`:
+  a copy would carry the root of another object's memory.
+* **Views.** :meth:`Heap.end_tables` returns writable views for the allocator's own code (compaction writes
+  through them); everything handed to callers is read-only or a copy (:mod:`umalloc.allocator.observe`).
+
+Note [Host heaps]
+~~~~~~~~~~~~~~~~~
+All host masters live in two flat arrays so that a kernel call passes few arguments (numba's dispatch cost
+grows with every array argument): ``h64`` (int64) = [p2v of every end | v2p of every owner group | vstamp |
+chain | err | scratch | plan scratch | page scratch | hole bitmaps | free-id bitmaps] and ``h8`` (int8) =
+[state of every end | vstate of every owner group | bind masks]. ``meta[e, _POFF]`` indexes both p2v (h64) and
+state (h8); ``meta[e, _VOFF]`` indexes both v2p (h64) and the owner's vstate (h8); vstamp is at
+``_VT + _VOFF``. The v2p rows of one owner group (the owner first, then its bound ends) are contiguous: one 2-D
+block per owner (:attr:`Heap.host2d`), which the device mirror copies.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable, Mapping
+from typing import Any, NoReturn
+
+import numpy as np
+
+from umalloc.errors import ArenaInUseError, HeapCopyError, UmallocValueError
+from umalloc.geometry.arena import Arena
+from umalloc.geometry.spec import ArenaSpec, Grow
+from umalloc.pool.kernels.bitmap import _pack_bits
+from umalloc.pool.kernels.layout import (
+    _ARENAB,
+    _CHOFF,
+    _ERROFF,
+    _FIRST,
+    _FLOORB,
+    _G_DOWN,
+    _G_FLOAT,
+    _G_UP,
+    _GROW,
+    _HBOFF,
+    _HI,
+    _HINT,
+    _LO,
+    _MASK_SLOTS,
+    _NE,
+    _NFIELDS,
+    _NV,
+    _OWNER,
+    _PB,
+    _PGOFF,
+    _POFF,
+    _PS,
+    _PSHIFT,
+    _PSOFF,
+    _SCROFF,
+    _SPLIT,
+    _SPLIT_ONE,
+    _TOP,
+    _VBOFF,
+    _VHINT,
+    _VOFF,
+    _VT,
+    V_RESERVED,
+)
+from umalloc.pool.kernels.ops import live_roots
+from umalloc.pool.kernels.raw import build_root, root_address
+from umalloc.pool.pagestate import PAGE_GAP, PAGE_RESERVED, TOMBSTONE
+
+_GROW_CODE = {Grow.UP: _G_UP, Grow.DOWN: _G_DOWN, Grow.FLOAT: _G_FLOAT}
+
+
+class Heap:
+    """The host arrays of one allocator (Note [Host heaps]) and their root (Note [Heap root] in
+    :mod:`umalloc.pool.kernels.raw`).
+
+    Args:
+        spec: the arena's geometry.
+        splits: per float end name, ``float_split`` in parts per million (missing: one half).
+
+    Attributes (all fixed at construction):
+        meta: ``int64 (E, _NFIELDS)``; h64: ``int64``; h8: ``int8`` (Note [Host heaps]).
+        pins: per end an ``int32 (num_page_slots,)`` pin-count array (lent to the lease table).
+        root: the ``int64`` root vector; root_a: its address (what kernels take).
+        names, index: end names in spec order and name -> index; owners: id-owner indices; group: owner ->
+        (owner, bound ends...); host2d: owner -> the ``int64 (rows, num_vpages)`` v2p block (a view of h64).
+        chain: the ends in chain order (a view of h64); err: the kernels' error record (a view);
+        scratch: the scratch area (a view); mask_base: offset of the bind-mask area in ``h8``.
+
+    Construction is O(slots); nothing else allocates. Not thread-safe (the allocator's thread owns it).
+    """
+
+    __slots__ = ("_frozen", "_mask_cache", "chain", "err", "group", "h64", "h8", "host2d", "index", "mask_base", "meta",
+                 "names", "owners", "pins", "root", "root_a", "scratch", "slots", "__weakref__")
+
+    meta: np.ndarray
+    h64: np.ndarray
+    h8: np.ndarray
+    pins: tuple[np.ndarray, ...]
+    root: np.ndarray
+    root_a: int
+    names: tuple[str, ...]
+    index: dict[str, int]
+    owners: tuple[int, ...]
+    group: dict[int, tuple[int, ...]]
+    host2d: dict[int, np.ndarray]
+    chain: np.ndarray
+    err: np.ndarray
+    scratch: np.ndarray
+    mask_base: int
+    slots: tuple[int, ...]
+    _mask_cache: dict[tuple[int, Any], int]
+
+    def __init__(self, spec: ArenaSpec, splits: Mapping[str, int]) -> None:
+        ends = spec.ends
+        E = len(ends)
+        names = tuple(e.name for e in ends)
+        index = {n: i for i, n in enumerate(names)}
+        slots = [spec.num_page_slots(e.name) for e in ends]
+        poff = [0]
+        for n in slots:
+            poff.append(poff[-1] + n)
+        PT = poff[-1]
+        owners = [i for i, e in enumerate(ends) if e.is_owner]
+        group = {o: (o, *[i for i, e in enumerate(ends) if e.owner == ends[o].name]) for o in owners}
+        voff = [0] * E
+        nv = [0] * E
+        cursor = PT
+        group_off: dict[int, tuple[int, int]] = {}
+        for o in owners:
+            n_o = slots[o]
+            group_off[o] = (cursor, len(group[o]))
+            for row, b in enumerate(group[o]):
+                voff[b] = cursor + row * n_o
+                nv[b] = n_o
+            cursor += len(group[o]) * n_o
+        VT = cursor - PT
+        CH = PT + 2 * VT
+        ERR = CH + E
+        SCR = ERR + 4 + E
+        PS = SCR + max(max(nv), 1)              # plan scratch: need, deficit, new_lo, new_hi
+        PG = PS + 4 * E                         # page scratch: the pages one end takes in one call
+        HB = PG + max(max(slots), 1)
+        hboff = [0] * E
+        cur = HB
+        for i in range(E):
+            hboff[i] = cur
+            cur += (slots[i] + 63) >> 6
+        vboff = [0] * E
+        for o in owners:
+            vboff[o] = cur
+            cur += (slots[o] + 63) >> 6
+        h64 = np.full(cur, TOMBSTONE, np.int64)
+        h64[PT + VT: CH] = 0  # vstamp
+        h64[ERR: SCR] = 0
+        h64[HB:] = 0  # hole bitmaps (none yet), free-virtual-id bitmaps (set below)
+        MASK = PT + VT
+        h8 = np.zeros(MASK + _MASK_SLOTS * E, np.int8)
+        h8[:PT] = PAGE_GAP
+        meta = np.zeros((E, _NFIELDS), np.int64)
+        for i, e in enumerate(ends):
+            first, top = spec.first_page(e.name), spec.top_page(e.name)
+            m = meta[i]
+            m[_FIRST], m[_TOP], m[_PB], m[_PS] = first, top, e.page_bytes, e.page_size
+            m[_GROW] = _GROW_CODE[e.grow]
+            m[_POFF], m[_VOFF], m[_NV] = poff[i], voff[i], nv[i]
+            m[_OWNER] = index[spec.owner_of(e.name)]
+            m[_SPLIT] = splits.get(e.name, _SPLIT_ONE // 2)
+            m[_FLOORB], m[_ARENAB] = spec.floor_bytes, spec.arena_bytes
+            m[_VT], m[_CHOFF], m[_ERROFF], m[_SCROFF], m[_NE] = VT, CH, ERR, SCR, E
+            m[_HBOFF], m[_VBOFF] = hboff[i], vboff[i]
+            m[_PSOFF], m[_PGOFF] = PS, PG
+            m[_PSHIFT] = e.page_size.bit_length() - 1 if e.page_size & (e.page_size - 1) == 0 else -1
+            if e.grow is Grow.DOWN:
+                m[_LO] = m[_HI] = top + 1
+                m[_HINT] = top
+            else:
+                m[_LO] = m[_HI] = first
+                m[_HINT] = first
+            h8[poff[i]: poff[i] + first] = PAGE_RESERVED
+            h64[voff[i]] = 0  # virtual page 0 -> the sink on every end
+        for o in owners:
+            h8[voff[o]] = V_RESERVED  # virtual page 0 is never minted
+            meta[o, _VHINT] = 1
+            free_ids = np.zeros(((slots[o] + 63) >> 6) * 64, bool)
+            free_ids[1: slots[o]] = True
+            h64[vboff[o]: vboff[o] + ((slots[o] + 63) >> 6)] = _pack_bits(free_ids)
+        up = [i for i, e in enumerate(ends) if e.grow is Grow.UP]
+        fl = [i for i, e in enumerate(ends) if e.grow is Grow.FLOAT]
+        dn = [i for i, e in enumerate(ends) if e.grow is Grow.DOWN]
+        h64[CH: CH + E] = up + fl + dn
+        pins = tuple(np.zeros(n, np.int32) for n in slots)
+        root = build_root(meta, h64, h8, pins)
+        host2d = {}
+        for o in owners:
+            start, rows = group_off[o]
+            host2d[o] = h64[start: start + rows * slots[o]].reshape(rows, slots[o])
+        init = object.__setattr__
+        for k, v in (("meta", meta), ("h64", h64), ("h8", h8), ("pins", pins), ("root", root),
+                     ("root_a", root_address(root)), ("names", names), ("index", index),
+                     ("owners", tuple(owners)), ("group", group), ("host2d", host2d), ("chain", h64[CH: CH + E]),
+                     ("err", h64[ERR: SCR]), ("scratch", h64[SCR:]), ("mask_base", MASK), ("slots", tuple(slots)),
+                     ("_mask_cache", {}), ("_frozen", True)):
+            init(self, k, v)
+        live_roots[self.root_a] = E
+
+    def __del__(self) -> None:
+        root_a = getattr(self, "root_a", None)
+        if root_a is not None and live_roots.get(root_a) is not None:
+            del live_roots[root_a]
+
+    def __setattr__(self, name: str, value: Any) -> NoReturn:
+        raise HeapCopyError(f"Heap.{name}: a heap's arrays are fixed at construction (the kernels hold their "
+                            f"addresses); allowed: write into them, never rebind them")
+
+    def __delattr__(self, name: str) -> NoReturn:
+        self.__setattr__(name, None)
+
+    def _refuse(self, *_: Any) -> NoReturn:
+        raise HeapCopyError("a Heap (and the allocator owning it) cannot be copied, deep-copied or pickled: it "
+                            "owns raw addresses; allowed: build a new allocator on a new Arena")
+
+    __copy__ = _refuse
+    __deepcopy__ = _refuse
+    __reduce_ex__ = _refuse
+    __reduce__ = _refuse
+    __getstate__ = _refuse
+
+    def bind_mask(self, o: int, bind: Iterable[str] | None, *, only: int = -1) -> int:
+        """Offset in ``h8`` of the bind mask of owner ``o``: the owner plus ``bind`` (end names; None: all bound
+        ends; any iterable, read once); ``only >= 0``: that end alone. Masks are cached (``_MASK_SLOTS`` slots in
+        ``h8``; the default owner's full mask keeps slot 0). Raises UmallocValueError for a str, a non-iterable,
+        non-str names or an end that is not bound to ``o``. O(1) on a hit, O(E) on a miss."""
+        if bind is not None and only < 0:
+            if isinstance(bind, (str, bytes)) or not isinstance(bind, Iterable):
+                raise UmallocValueError(f"bind={bind!r}: allowed a sequence of end names (not a str) or None")
+            bind = tuple(bind)  # an iterator is read once, here: the cache key and the mask see the same names
+            if not all(isinstance(name, str) for name in bind):
+                raise UmallocValueError(f"bind={bind!r}: allowed end names (str)")
+        key: tuple[int, Any] = (o, ("#only", only) if only >= 0 else bind)
+        off = self._mask_cache.get(key)
+        if off is not None:
+            return off
+        E = len(self.names)
+        mask = np.zeros(E, np.int8)
+        if only >= 0:
+            mask[only] = 1
+        else:
+            group = self.group[o]
+            mask[o] = 1
+            if bind is None:
+                mask[list(group)] = 1
+            else:
+                for name in bind:
+                    b = self.index.get(name, -1)
+                    if b == o or b not in group:
+                        raise UmallocValueError(f"bind names {name!r}: allowed the bound ends of "
+                                                f"{self.names[o]!r}: {[self.names[i] for i in group[1:]]}")
+                    mask[b] = 1
+        default = self.owners[0] if len(self.owners) == 1 else -1
+        slot = len(self._mask_cache)
+        if slot >= _MASK_SLOTS:  # an unusual number of distinct bind sets: recycle the cache
+            self._mask_cache.clear()
+            slot = 0
+            if default >= 0:
+                self._mask_cache[(default, None)] = self.mask_base
+                slot = 1
+                self.h8[self.mask_base: self.mask_base + E] = 0
+                self.h8[self.mask_base + np.array(self.group[default])] = 1
+        off = self.mask_base + slot * E
+        self.h8[off: off + E] = mask
+        self._mask_cache[key] = off
+        return off
+
+    def end_tables(self, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Writable ``(p2v, state, v2p)`` views of end ``e`` (the allocator's own code only). O(1)."""
+        m = self.meta[e]
+        poff, voff, nv, n = int(m[_POFF]), int(m[_VOFF]), int(m[_NV]), int(m[_TOP]) + 1
+        return self.h64[poff: poff + n], self.h8[poff: poff + n], self.h64[voff: voff + nv]
+
+    def vstate(self, o: int) -> np.ndarray:
+        """Writable ``int8 (num_vpages,)`` virtual page states of owner ``o``. O(1)."""
+        voff, nv = int(self.meta[o, _VOFF]), int(self.meta[o, _NV])
+        return self.h8[voff: voff + nv]
+
+    def owner_of(self, e: int) -> int:
+        """Index of end ``e``'s id owner."""
+        return int(self.meta[e, _OWNER])
+
+
+# one allocator per arena (two would hand out the same pages): id(arena) -> (weakref to the arena, to its allocator)
+_arena_claims: dict[int, tuple[weakref.ref[Arena], weakref.ref[object]]] = {}
+
+
+def claim_arena(arena: Arena, alloc: object) -> None:
+    """Record ``alloc`` as ``arena``'s allocator, or raise :class:`ArenaInUseError` if a live one is. O(1)."""
+    held = _arena_claims.get(id(arena))
+    if held is not None and held[0]() is arena and held[1]() is not None:
+        raise ArenaInUseError(f"arena {arena!r} already has a live MultiEndedAllocator; allowed one allocator per "
+                              f"arena (two would hand out the same pages): build a new Arena")
+    key = id(arena)
+
+    def drop(_: object, key: int = key) -> None:
+        cur = _arena_claims.get(key)
+        if cur is not None and (cur[1]() is None or cur[0]() is None):
+            del _arena_claims[key]
+
+    _arena_claims[key] = (weakref.ref(arena, drop), weakref.ref(alloc, drop))
+
+
+__all__ = ["Heap", "claim_arena"]
