@@ -32,6 +32,8 @@ SCHED_FILES=(test_scheduler test_async_scheduler test_deferred_block_free test_s
              test_prefix_replay test_output test_encoder_cache_manager test_kv_cache_planning
              test_kv_cache_config_builder test_repetition_detection)
 [ "${PEER_VLLM_SCHEDULER:-1}" = 0 ] && SCHED_FILES=()
+# a subprocess test with a wall-clock timeout: its outcome depends on the machine's load, not on the pool
+DESELECT=tests/v1/core/test_kv_cache_planning.py::test_is_kv_cache_spec_uniform
 PY=${PYTHON:-python3}
 t0=$SECONDS
 mkdir -p "$CACHE"
@@ -95,7 +97,7 @@ run_pytest() {  # one run (stock | umalloc); the two run at once, one per core
      PYTHONPATH="$PEER/path:$ROOT/tests/peer" \
      "$VENV/bin/python" -m pytest -c pytest.ini --rootdir . --noconftest -q -p no:cacheprovider -p vllm_plugin \
      "${extra[@]}" -W ignore::pytest.PytestUnknownMarkWarning --outcomes-json="$PEER/outcomes-$run.json" \
-     "${tests[@]}" "$@" \
+     "${tests[@]}" --deselect "$DESELECT" "$@" \
      > "$PEER/pytest-$run.log" 2>&1) || true
   echo "[vllm-peer] $run: pytest finished in $((SECONDS - t1)) s (log .peer/pytest-$run.log)"
 }

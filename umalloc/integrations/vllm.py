@@ -162,19 +162,16 @@ def _block_class(base: type, counts: memoryview) -> type:
     """vLLM's ``KVCacheBlock`` whose ``ref_cnt`` is umalloc's count of the block (``counts``: the pool's
     :attr:`PageRefs.ref_counts`); one class per pool."""
 
+    def get(self: Any, _counts: memoryview = counts) -> int:
+        return _counts[self.block_id]
+
+    def put(self: Any, value: int, _counts: memoryview = counts) -> None:
+        if self.block_id >= 0:   # the chain sentinels have no count
+            _counts[self.block_id] = value
+
     class UmallocKVCacheBlock(base):  # type: ignore[misc, valid-type]
         __slots__ = ()
-        _counts = counts
-
-        @property  # type: ignore[override]
-        def ref_cnt(self) -> int:
-            """umalloc's reference count of this block (PageRefs.ref_counts). O(1)."""
-            return self._counts[self.block_id]
-
-        @ref_cnt.setter
-        def ref_cnt(self, value: int) -> None:
-            if self.block_id >= 0:   # the chain sentinels have no count
-                self._counts[self.block_id] = value
+        ref_cnt = property(get, put, doc="umalloc's reference count of this block (PageRefs.ref_counts). O(1).")
 
     UmallocKVCacheBlock.__module__ = __name__
     return UmallocKVCacheBlock
