@@ -9,9 +9,9 @@ import random
 import numpy as np
 import pytest
 
-from umalloc.requests.pagerefs import PAGE_CACHED, PAGE_HELD, PAGE_NOT_MANAGED, PageRefs
 from umalloc.errors import DoubleFreeError, InvalidIdError, InvariantError, UmallocValueError
 from umalloc.integrations.vllm import END, id_allocator
+from umalloc.requests.pagerefs import PAGE_CACHED, PAGE_HELD, PAGE_NOT_MANAGED, PageRefs
 from umalloc.testing import small_allocator
 
 

@@ -54,8 +54,8 @@ from typing import Any
 import numpy as np
 
 from umalloc import TOMBSTONE, Arena, ArenaSpec, EndSpec, LayerSpec, MultiEndedAllocator
-from umalloc.requests.pagerefs import PAGE_NOT_MANAGED, PageRefs
 from umalloc.errors import InvariantError, UmallocError, UmallocValueError
+from umalloc.requests.pagerefs import PAGE_NOT_MANAGED, PageRefs
 
 #: vLLM versions this adapter is tested with (the ``umalloc[vllm]`` extra pins them).
 SUPPORTED_VLLM_VERSIONS: tuple[str, ...] = ("0.33.0",)

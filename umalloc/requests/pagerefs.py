@@ -32,6 +32,7 @@ from numba import njit, types
 
 from umalloc.allocator.facade import MultiEndedAllocator
 from umalloc.allocator.ids import id_batch
+from umalloc.errors import DoubleFreeError, InvalidIdError, InvariantError, UmallocValueError
 from umalloc.pool.pagestate import TOMBSTONE
 from umalloc.requests.refcounts import (
     LRU_NEXT,
@@ -42,7 +43,6 @@ from umalloc.requests.refcounts import (
     _lru_push,
     _lru_unlink,
 )
-from umalloc.errors import DoubleFreeError, InvalidIdError, InvariantError, UmallocValueError
 
 
 # ---- kernels (numba; every one validates its whole batch before it writes) ---------------------------------
