@@ -55,7 +55,7 @@ import _peerbench as pb  # noqa: E402  (the harness shared with bench_requests.p
 
 wl = pb.wl
 
-from umalloc.allocator.facade import MultiEndedAllocator  # noqa: E402
+from umalloc import MultiEndedAllocator  # noqa: E402
 from umalloc.geometry.arena import Arena  # noqa: E402
 from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, KVDtype, LayerSpec  # noqa: E402
 

@@ -9,7 +9,7 @@ What it measures (not a test; nothing is asserted, the targets are printed as PA
 * Each layout posted two ways: ``per-page`` (one descriptor per page) and ``coalesced`` (one descriptor per run
   contiguous on both sides; a random permutation has almost none).
 * ``nixl`` and ``mooncake``: the sender is this process, the receiver a second process
-  (:class:`umalloc.backends._worker.BackendWorker`); NIXL per-page batches are posted both one-shot and as prepared
+  (:class:`umalloc.backends.worker.BackendWorker`); NIXL per-page batches are posted both one-shot and as prepared
   lists. ``local`` copies between two buffers of this process (it has no second process by definition).
 * Baseline: an in-process ``memcpy`` (``ctypes.memmove``) of the same number of bytes between two warm buffers,
   measured in the same run (best of ``--repeat + 2``); ``x memcpy`` = backend GB/s / memcpy GB/s. Every timed transfer is the best of ``--repeat`` after one
@@ -51,7 +51,7 @@ import torch
 
 from umalloc.allocator.facade import MultiEndedAllocator
 from umalloc.backends import backend_available, get_backend
-from umalloc.backends._worker import BackendWorker
+from umalloc.backends.worker import BackendWorker
 from umalloc.geometry.arena import Arena
 from umalloc.geometry.presets import preset_ends
 from umalloc.geometry.region import Region

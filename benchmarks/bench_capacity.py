@@ -1,41 +1,53 @@
 """Capacity of the decode arena under each layout: one multi-ended arena (dynamic) against SGLang-style static
 pools and vLLM-style padded pages, on the shipped real traces. Never part of the test run.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/bench_capacity.py [--requests 16] [--plot capacity.png]
-        [--presets gemma-3-12b-draft,gpt-oss-20b,deepseek-v3] [--ratios 0.1,0.25,0.5,0.8,1,1.5]
-        [--traces-dir DIR] [--conv-token-scale 8] [--azure-token-scale 1]
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_capacity.py [--requests 64] [--slices 2] [--plot capacity.png]
+        [--presets gemma-3-12b-draft,gpt-oss-20b,deepseek-v3] [--ratios 0.25,0.5,1] [--results runs.jsonl]
+        [--traces-dir DIR] [--conv-token-scale 32] [--azure-token-scale 4] [--decode-arena-bytes N]
 
 For every trace in ``--traces-dir`` (default: ``shared/data/traces`` next to the checkout) and every preset
 (SWA + draft, SWA only, MLA), the same slice runs through ``umalloc replay``'s scheduler once per layout on the
-same arena bytes (``umalloc.replay.layouts``): ``dynamic``; ``static`` at SGLang's default
+same arena bytes (``umalloc_replay.single.layouts``): ``dynamic``; ``static`` at SGLang's default
 ``--swa-full-tokens-ratio`` (0.8) and at every ``--ratios`` value (the best in hindsight is the *oracle*);
 ``padded`` (vLLM's unified page). The arenas are sized as ``umalloc replay`` sizes them (the decode arena holds
 about six average requests at their peak), so the slice runs under memory pressure.
 
-One table: max and mean concurrent requests, admission waits, retractions, scheduler steps to finish the slice
+Every run prints its row as it completes (a refused run: the reason, on its line), a progress line on stderr,
+and with ``--results`` its figures as one JSON line. A row: max and mean concurrent requests, admission waits,
+retractions, scheduler steps to finish the slice
 (a server's throughput; not wall time), peak and mean bytes held, mean bytes lost to padding and to the wrong
-pool. Then, per trace and preset, dynamic's mean concurrency against the targets: >= 1.3x static at SGLang's
+pool; the mean concurrency of each layout over the ``--slices`` disjoint slices as mean (min-max). Then, per
+trace and preset, dynamic's mean concurrency against the targets: >= 1.3x static at SGLang's
 default, >= 1.0x the oracle static ratio, >= 1.2x padded, each marked met or MISSED. Every run verifies every
-byte it moved (``ok``). The default run (two traces x three presets, 16 requests each) takes a few minutes on
-2 cores; raise ``--requests`` to scale up.
+byte it moved (``ok``). The default run (two traces x three presets, two slices of 64 requests each) prints the
+time it took; lower the token scales or raise ``--requests`` to scale up.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 import time
 from pathlib import Path
 
 from umalloc.errors import UmallocValueError
 from umalloc.geometry.presets import preset_ends
 from umalloc.geometry.spec import EndRole
-from umalloc.replay.layouts import SGLANG_SWA_FULL_TOKENS_RATIO
-from umalloc.replay.run import Replay, ReplayConfig
+from umalloc_replay.single.layouts import SGLANG_SWA_FULL_TOKENS_RATIO
+from umalloc_replay.single.run import Replay, ReplayConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS = ("gemma-3-12b-draft", "gpt-oss-20b", "deepseek-v3")
 KIND = {"gemma-3-12b-draft": "SWA + draft", "gpt-oss-20b": "SWA only", "deepseek-v3": "MLA (+MTP draft)"}
 TARGETS = {"static:0.8": 1.3, "oracle": 1.0, "padded": 1.2}
+#: Defaults: 64 requests per slice (enough for concurrency to matter), two disjoint slices per trace (the spread),
+#: static ratios 0.25, 0.5, 1 besides SGLang's 0.8, token scales that keep every run short.
+DEFAULT_REQUESTS = 64
+DEFAULT_SLICES = 2
+DEFAULT_RATIOS = "0.25,0.5,1"
+DEFAULT_CONV_SCALE = 32
+DEFAULT_AZURE_SCALE = 4
 
 
 def find_traces_dir() -> Path | None:
@@ -47,11 +59,13 @@ def find_traces_dir() -> Path | None:
     return None
 
 
-def run_one(path: Path, model: str, layout: str, requests: int, token_scale: int) -> dict:
-    """The capacity figures of one replay (arenas sized from the slice, the same bytes for every layout), or
-    ``{"refused": why}`` when a static split cannot hold one request of the slice."""
+def run_one(path: Path, model: str, layout: str, requests: int, token_scale: int, skip: int = 0,
+            decode_arena_bytes: int | None = None) -> dict:
+    """The capacity figures of one replay (arenas sized from the slice, the same bytes for every layout, or
+    ``decode_arena_bytes`` for the decode arena), or ``{"refused": why}`` when the replay refuses the slice (a
+    static split or padded pages that cannot hold one request, an arena too small)."""
     cfg = ReplayConfig(trace=str(path), model=model, requests=requests, token_scale=token_scale, layout=layout,
-                       verify_final=False)
+                       verify_final=False, skip=skip, decode_arena_bytes=decode_arena_bytes)
     try:
         rep = Replay(cfg).run()
     except UmallocValueError as exc:
@@ -62,71 +76,141 @@ def run_one(path: Path, model: str, layout: str, requests: int, token_scale: int
     return cap
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--requests", type=int, default=16)
+def spread(values: list[float]) -> str:
+    """``"mean (min-max)"`` of the slices' figures, or ``"-"`` when none ran.
+
+    >>> spread([2.0, 3.0, 4.0]), spread([1.5]), spread([])
+    ('3.00 (2.00-4.00)', '1.50 (1.50-1.50)', '-')
+    """
+    if not values:
+        return "-"
+    return f"{sum(values) / len(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+
+
+def verdicts_of(trace: str, model: str, means: dict[str, list[float]], refused: dict[str, str]) -> list[tuple]:
+    """Dynamic's mean concurrency (over the slices) against each target: ``(trace, model, against, ratio or
+    None, target, verdict)``. A refused dynamic run gives no ratio (the verdict says why); a refused other
+    layout is met (its pools cannot hold the slice, dynamic runs it)."""
+    out = []
+    mean = {k: sum(v) / len(v) for k, v in means.items() if v}
+    statics = {k: m for k, m in mean.items() if k.startswith("static")}
+    oracle = max(statics.items(), key=lambda kv: kv[1]) if statics else None
+    for name, target in TARGETS.items():
+        if "dynamic" not in mean:
+            out.append((trace, model, name, None, target, f"n/a: dynamic refused: {refused.get('dynamic', '?')}"))
+            continue
+        other = oracle[1] if name == "oracle" and oracle else mean.get(name)
+        if other is None:
+            out.append((trace, model, name, None, target, "met: the layout refuses the slice"))
+            continue
+        x = mean["dynamic"] / other
+        label = f"oracle {oracle[0]}" if name == "oracle" and oracle else name
+        out.append((trace, model, label, x, target, "met" if x >= target else "MISSED"))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=DEFAULT_REQUESTS, help="requests per slice")
+    ap.add_argument("--slices", type=int, default=DEFAULT_SLICES,
+                    help="disjoint slices per trace (the spread of the figures is over them)")
     ap.add_argument("--presets", default=",".join(PRESETS))
-    ap.add_argument("--ratios", default="0.1,0.25,0.5,0.8,1,1.5")
+    ap.add_argument("--ratios", default=DEFAULT_RATIOS, help="static ratios besides SGLang's default 0.8")
     ap.add_argument("--traces-dir", type=Path, default=None)
-    ap.add_argument("--conv-token-scale", type=int, default=8, help="token scale of Mooncake JSONL traces")
-    ap.add_argument("--azure-token-scale", type=int, default=1, help="token scale of Azure CSV traces")
-    ap.add_argument("--plot", type=Path, default=None, help="write the layout comparison as a PNG")
-    args = ap.parse_args()
+    ap.add_argument("--conv-token-scale", type=int, default=DEFAULT_CONV_SCALE,
+                    help="token scale of Mooncake JSONL traces")
+    ap.add_argument("--azure-token-scale", type=int, default=DEFAULT_AZURE_SCALE,
+                    help="token scale of Azure CSV traces")
+    ap.add_argument("--decode-arena-bytes", type=int, default=None,
+                    help="decode arena bytes of every run (default: sized from each slice)")
+    ap.add_argument("--results", type=Path, default=None,
+                    help="append every run's figures (or its refusal) to this JSONL file as it completes")
+    ap.add_argument("--plot", type=Path, default=None, help="write the layout comparison (.png, .pdf, .svg)")
+    args = ap.parse_args(argv)
     tdir = args.traces_dir or find_traces_dir()
     if tdir is None:
         raise SystemExit("no shared/data/traces found above the checkout: pass --traces-dir")
     traces = sorted(p for p in tdir.iterdir() if p.suffix in (".jsonl", ".csv"))
-    ratios = [float(x) for x in args.ratios.split(",")]
-    rows, verdicts = [], []
-    t0 = time.perf_counter()
+    ratios = [float(x) for x in args.ratios.split(",") if x]
+    models = args.presets.split(",")
+    plan = []
     for path in traces:
         scale = args.azure_token_scale if path.suffix == ".csv" else args.conv_token_scale
-        for model in args.presets.split(","):
+        for model in models:
             has_swa = any(e.role is EndRole.SWA for e in preset_ends(model))
             layouts = ["dynamic", "padded", f"static:{SGLANG_SWA_FULL_TOKENS_RATIO:g}"]
             if has_swa:
                 layouts += [f"static:{r:g}" for r in ratios if r != SGLANG_SWA_FULL_TOKENS_RATIO]
-            res = {lay: run_one(path, model, lay, args.requests, scale) for lay in layouts}
-            for lay, cap in res.items():
-                rows.append((path.name, model, lay, scale, res["dynamic"]["decode_arena_bytes"], cap))
-            statics = {k: v for k, v in res.items() if k.startswith("static") and "refused" not in v}
-            oracle = max(statics.items(), key=lambda kv: kv[1]["mean_running"]) if statics else None
-            dyn = res["dynamic"]["mean_running"]
-            for name, target in TARGETS.items():
-                other = oracle[1] if name == "oracle" and oracle else res.get(name)
-                if not other or "refused" in other:
-                    # the pools cannot hold the slice's largest request in these bytes; dynamic runs it
-                    verdicts.append((path.name, model, name, None, target, "met: static refuses the slice"))
-                    continue
-                x = dyn / other["mean_running"]
-                label = f"oracle {oracle[0]}" if name == "oracle" else name
-                verdicts.append((path.name, model, label, x, target, "met" if x >= target else "MISSED"))
-    print_table(rows)
+            plan += [(path, model, lay, scale, k) for k in range(args.slices) for lay in layouts]
+    results = args.results.open("a", buffering=1) if args.results is not None else None
+    rows, t0 = [], time.perf_counter()
+    print_header()
+    for n, (path, model, lay, scale, k) in enumerate(plan, 1):
+        t = time.perf_counter()
+        cap = run_one(path, model, lay, args.requests, scale, skip=k * args.requests,
+                      decode_arena_bytes=args.decode_arena_bytes)
+        row = (path.name, model, lay, scale, k, cap)
+        rows.append(row)
+        print_row(row)  # each result as it completes, also when a later run fails or is interrupted
+        if results is not None:
+            results.write(json.dumps({"trace": path.name, "model": model, "layout": lay, "token_scale": scale,
+                                      "slice": k, "skip": k * args.requests, "requests": args.requests,
+                                      **cap}) + "\n")
+        print(f"[{n}/{len(plan)}] {path.name} {model} {lay} slice {k}: "
+              f"{'refused' if 'refused' in cap else 'done'} in {time.perf_counter() - t:.1f} s "
+              f"({time.perf_counter() - t0:.0f} s so far)", file=sys.stderr, flush=True)
+    if results is not None:
+        results.close()
+    print()
+    print(f"{'trace':34} {'preset':18} {'layout':11} mean concurrency over {args.slices} slice(s): mean (min-max)")
+    verdicts = []
+    for path in traces:
+        for model in models:
+            group = [r for r in rows if r[0] == path.name and r[1] == model]
+            means: dict[str, list[float]] = {}
+            refused: dict[str, str] = {}
+            for _tr, _m, lay, _s, _k, cap in group:
+                if "refused" in cap:
+                    refused.setdefault(lay, cap["refused"])
+                else:
+                    means.setdefault(lay, []).append(cap["mean_running"])
+            for lay in dict.fromkeys(r[2] for r in group):
+                n_refused = sum(1 for r in group if r[2] == lay and "refused" in r[5])
+                print(f"{path.name:34} {model:18} {lay:11} {spread(means.get(lay, []))}"
+                      + (f"  ({n_refused} refused)" if n_refused else ""))
+            verdicts += verdicts_of(path.name, model, means, refused)
     print()
     print(f"{'trace':34} {'preset':18} {'dynamic vs':18} {'mean conc x':>11} {'target':>7}  verdict")
     for tr, model, name, x, target, verdict in verdicts:
-        xs = "inf" if x is None else f"{x:.2f}"
+        xs = "-" if x is None else f"{x:.2f}"
         print(f"{tr:34} {model:18} {name:18} {xs:>11} {target:>7.1f}  {verdict}")
     print(f"\n{len(rows)} replays in {time.perf_counter() - t0:.0f} s; every run verified its bytes: "
           f"{all(c.get('ok', True) for *_, c in rows)}")
     if args.plot is not None:
         plot(rows, args.plot)
         print(f"plot: {args.plot}")
+    return 0
 
 
-def print_table(rows: list) -> None:
-    hdr = (f"{'trace':34} {'preset':18} {'layout':11} {'scale':>5} {'arena GB':>8} {'conc max':>8} "
+_HEADER = (f"{'trace':34} {'preset':18} {'layout':11} {'scale':>5} {'slice':>5} {'arena GB':>8} {'conc max':>8} "
            f"{'conc mean':>9} {'adm waits':>9} {'retract':>7} {'steps':>6} {'held pk GB':>10} {'held mn GB':>10} "
            f"{'pad MB':>7} {'wrong MB':>8}")
-    print(hdr)
-    for tr, model, lay, scale, dec, c in rows:
-        if "refused" in c:
-            print(f"{tr:34} {model:18} {lay:11} {scale:>5} {dec / 1e9:8.2f}  refused: a request exceeds a pool")
-            continue
-        print(f"{tr:34} {model:18} {lay:11} {scale:>5} {dec / 1e9:8.2f} {c['max_running']:8d} "
-              f"{c['mean_running']:9.2f} {c['admission_waits']:9d} {c['retractions']:7d} {c['steps']:6d} "
-              f"{c['peak_held_bytes'] / 1e9:10.2f} {c['mean_held_bytes'] / 1e9:10.2f} "
-              f"{c['mean_padding_bytes'] / 1e6:7.1f} {c['mean_wrong_pool_bytes'] / 1e6:8.1f}")
+
+
+def print_header() -> None:
+    print(_HEADER, flush=True)
+
+
+def print_row(row: tuple) -> None:
+    """One run's line; a refused run says why (the whole reason, on its line)."""
+    tr, model, lay, scale, k, c = row
+    if "refused" in c:
+        print(f"{tr:34} {model:18} {lay:11} {scale:>5} {k:>5}  refused: {c['refused']}", flush=True)
+        return
+    print(f"{tr:34} {model:18} {lay:11} {scale:>5} {k:>5} {c['decode_arena_bytes'] / 1e9:8.2f} "
+          f"{c['max_running']:8d} {c['mean_running']:9.2f} {c['admission_waits']:9d} {c['retractions']:7d} "
+          f"{c['steps']:6d} {c['peak_held_bytes'] / 1e9:10.2f} {c['mean_held_bytes'] / 1e9:10.2f} "
+          f"{c['mean_padding_bytes'] / 1e6:7.1f} {c['mean_wrong_pool_bytes'] / 1e6:8.1f}", flush=True)
 
 
 def plot(rows: list, out: Path) -> None:
@@ -144,7 +228,15 @@ def plot(rows: list, out: Path) -> None:
     for ti, tr in enumerate(traces):
         for mi, model in enumerate(models):
             ax = axes[ti][mi]
-            items = [(lay, c) for t, m, lay, _s, _d, c in rows if t == tr and m == model]
+            by_layout: dict[str, list[dict]] = {}
+            for t, m, lay, _s, _k, c in rows:
+                if t == tr and m == model:
+                    by_layout.setdefault(lay, []).append(c)
+            # a layout's bar: its mean concurrency over the slices that ran; "refused" when none did
+            items = []
+            for lay, caps in by_layout.items():
+                ran = [c["mean_running"] for c in caps if "refused" not in c]
+                items.append((lay, {"mean_running": sum(ran) / len(ran)} if ran else {"refused": True}))
             items.sort(key=lambda x: (not x[0].startswith("dynamic"), not x[0].startswith("padded"),
                                       float(x[0].split(":")[1]) if ":" in x[0] else 0.0))
             top = max((c["mean_running"] for _l, c in items if "refused" not in c), default=1.0)
@@ -170,4 +262,4 @@ def plot(rows: list, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from umalloc import ArenaSpec, EndSpec, Grow, KVDtype, LayerSpec
-from umalloc.replay.trace import load_trace
+from umalloc_replay.trace import load_trace
 
 ATTN_LAYERS, MAMBA_LAYERS, KV_HEADS, HEAD_DIM = 4, 24, 8, 128
 MAMBA_HEADS, MAMBA_HEAD_DIM, STATE, GROUPS, CONV_KERNEL = 128, 64, 128, 8, 4

@@ -42,7 +42,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from umalloc.allocator.facade import MultiEndedAllocator
+from umalloc import MultiEndedAllocator
 from umalloc.geometry.arena import Arena
 from umalloc.geometry.presets import preset_ends
 from umalloc.geometry.spec import ArenaSpec, arena_bytes_for_limits, swa_tail_start

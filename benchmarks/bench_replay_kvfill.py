@@ -1,4 +1,4 @@
-"""Throughput of the replay's KV pattern (umalloc.replay.kvfill) against a plain copy of the same bytes.
+"""Throughput of the replay's KV pattern (umalloc_replay.single.kvfill) against a plain copy of the same bytes.
 
     .venv/bin/python benchmarks/bench_replay_kvfill.py [--mib 512] [--repeats 3]
 
@@ -20,7 +20,7 @@ import torch
 
 from umalloc.geometry.arena import Arena
 from umalloc.geometry.presets import DEFAULT_PRESET, preset_arena_spec
-from umalloc.replay.kvfill import KVPattern
+from umalloc_replay.single.kvfill import KVPattern
 
 
 def best(fn, repeats: int) -> float:

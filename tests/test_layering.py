@@ -2,9 +2,9 @@
 
 Every import counts: module level, inside functions, under ``TYPE_CHECKING``. Layers, lowest first (a module may
 import its own layer and the ones below it): errors, translators, geometry, pool, leases, allocator, requests,
-transfer, backends, integrations, replay/cli, and ``umalloc.testing`` on top (imported by nothing in the package;
-doctests use it). Backends and transfer know plans and regions, not allocators: neither imports the pool, leases,
-allocator or requests layers.
+transfer, backends, integrations, and ``umalloc.testing`` on top (imported by nothing in the package;
+doctests use it); the replay application is the separate package ``umalloc_replay``. Backends and transfer know
+plans and regions, not allocators: neither imports the pool, leases, allocator or requests layers.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1] / "umalloc"
 
 #: layer rank of each top-level part (lower may not import higher)
 RANK = {"errors": 0, "translators": 1, "geometry": 2, "pool": 3, "leases": 4, "allocator": 5, "requests": 6,
-        "transfer": 7, "backends": 8, "integrations": 9, "replay": 10, "cli": 10, "testing": 11}
+        "transfer": 7, "backends": 8, "integrations": 9, "testing": 11}
 #: the allocation layers, which transfer and backends never import
 ALLOCATION = {"pool", "leases", "allocator", "requests"}
 MAX_MODULE_LINES = 860  # "about 800": the two largest modules (allocator facade, request table) are within 7 %
@@ -79,6 +79,21 @@ def test_imports_point_down_the_layers() -> None:
             elif here in ("transfer", "backends") and there in ALLOCATION:
                 wrong.append(f"{mod} -> {d} ({here} knows plans and regions, not allocators)")
     assert not wrong, "imports against the layering:\n" + "\n".join(sorted(wrong))
+
+
+def test_no_module_imports_an_underscore_name_from_another_layer() -> None:
+    """A layer's private names (``_``-prefixed) stay inside it: e.g. the pool's meta column constants and
+    kernels are read through its typed accessors (``Heap``, ``EndView``) by every layer above it."""
+    modules = {_module_name(p) for p in ROOT.rglob("*.py")}
+    wrong = []
+    for path in ROOT.rglob("*.py"):
+        mod = _module_name(path)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("umalloc."):
+                if node.module in modules and _part(node.module) != _part(mod):
+                    wrong += [f"{mod} <- {node.module}.{a.name}" for a in node.names
+                              if a.name.startswith("_") and a.name != "__version__"]
+    assert not wrong, "underscore names imported across layers:\n" + "\n".join(sorted(wrong))
 
 
 def test_modules_stay_small() -> None:

@@ -2,8 +2,7 @@
 
 Three failure tiers (docs/architecture.md, "Failure tiers"):
 
-* an expected shortage returns ``None`` or raises :class:`OutOfPages` (carrying ``requested`` and ``free``)
-  where an API says so;
+* an expected shortage returns ``None`` (or ``False``) and changes nothing, never a partial allocation;
 * caller misuse raises a :class:`UmallocValueError` subclass (also a :class:`ValueError`) naming the value
   and the allowed range, and changes nothing;
 * a broken internal invariant raises :class:`InvariantError` (an :class:`AssertionError`) naming the
@@ -64,23 +63,6 @@ class LeaseError(UmallocValueError):
     """Misuse of a lease: unknown pages, pinning a page that is not live, an already-ended lease, ..."""
 
 
-class OutOfPages(UmallocError):
-    """Not enough pages; nothing was allocated.
-
-    Attributes:
-        requested: pages asked for.
-        free: pages that were usable at the time.
-        end: the end (sub-pool) that ran short, when known.
-    """
-
-    def __init__(self, requested: int, free: int, end: str | None = None) -> None:
-        self.requested = int(requested)
-        self.free = int(free)
-        self.end = end
-        where = f" in end {end!r}" if end else ""
-        super().__init__(f"out of pages{where}: requested {self.requested}, free {self.free}")
-
-
 class InvariantError(AssertionError):
     """A broken internal invariant; the message names it. Always a bug in umalloc."""
 
@@ -133,6 +115,15 @@ class ArenaInUseError(UmallocValueError):
 class StaleLeaseError(LeaseError):
     """A release or settle carried a lease generation that is no longer live (the lease ended and its pages may
     belong to a new owner since, F27), or asked for a transition the lease's state does not allow."""
+
+
+class StaleHandleError(NotAllocatedError):
+    """A request handle whose slot was freed (and perhaps reused) since the handle was issued: its generation is no
+    longer the slot's (F30). Nothing changes."""
+
+
+class ArenaMemoryError(UmallocError, MemoryError):
+    """The host or device could not allocate an arena's bytes (nothing was allocated)."""
 
 
 class PeerDiedError(TransferError):

@@ -6,7 +6,7 @@
 * :class:`FakeClock`: a settable clock for lease deadlines (no sleeps).
 * :func:`seed_from_env`: a seed, printed, overridable with ``UMALLOC_SEED``.
 * :func:`require_or_skip`: skip a test whose transfer engine is missing (fails instead under
-  ``UMALLOC_REQUIRE_BACKENDS=1``); re-exported from :mod:`umalloc.backends`.
+  ``UMALLOC_REQUIRE_BACKENDS=1``): the one place tests decide whether an engine may be skipped.
 * :func:`writable_end_tables`: writable ``(p2v, state, v2p)`` of one end, for tests that corrupt an allocator
   on purpose to check that :meth:`~umalloc.allocator.facade.MultiEndedAllocator.check_invariants` notices.
 """
@@ -19,9 +19,30 @@ from typing import Any
 import numpy as np
 
 from umalloc.allocator.facade import MultiEndedAllocator
-from umalloc.backends import require_or_skip
+from umalloc.backends import backend_available
 from umalloc.geometry.arena import Arena
 from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, LayerSpec
+
+#: Env var that turns engine skips into failures (set in CI).
+REQUIRE_ENV = "UMALLOC_REQUIRE_BACKENDS"
+
+
+def require_or_skip(name: str) -> None:
+    """Skip the calling pytest test if backend ``name`` cannot be imported — or FAIL it under
+    ``UMALLOC_REQUIRE_BACKENDS=1`` (CI), so a broken install can never pass as a skip.
+
+    Raises:
+        UmallocValueError: unknown ``name``.
+        pytest's Skipped or Failed outcome (imports pytest lazily; only for use inside tests).
+    """
+    ok, why = backend_available(name)
+    if ok:
+        return
+    import pytest
+
+    if os.environ.get(REQUIRE_ENV, "") not in ("", "0"):
+        pytest.fail(f"backend {name!r} is required ({REQUIRE_ENV}=1) but unavailable: {why}", pytrace=False)
+    pytest.skip(f"backend {name!r} unavailable: {why}")
 
 
 def tiny_spec(arena_bytes: int = 320) -> ArenaSpec:

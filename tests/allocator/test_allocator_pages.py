@@ -10,7 +10,6 @@ floor 32 B; an arena of ``B`` bytes has physical pages ``1 .. B/32 - 1`` shared 
 
 from __future__ import annotations
 
-import os
 import pickle
 import random
 
@@ -28,6 +27,7 @@ from umalloc.errors import (
     UmallocValueError,
 )
 from umalloc.geometry.spec import Grow
+from umalloc.testing import seed_from_env
 
 I64 = np.int64
 
@@ -292,8 +292,7 @@ def test_hot_path_general_path_and_mirror_path_agree_with_a_model() -> None:
     """Random page calls (valid and invalid, every id form) on three allocators: the hot path, the general path
     (debug checks) and the general path with a CPU v2p mirror. Each must give the model's pages, errors and table,
     the same snapshot, and the mirror must equal the host table. 1024 B: 31 physical pages, virtual ids 1..31."""
-    seed = int(os.environ.get("UMALLOC_SEED", "20240611"))
-    print(f"seed={seed}")
+    seed = seed_from_env(20240611)
     rng = random.Random(seed)
     NS = 12                                                       # block-table slots
     for _ in range(4):

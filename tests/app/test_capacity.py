@@ -11,7 +11,8 @@ import pytest
 from umalloc.errors import UmallocValueError
 from umalloc.geometry.presets import preset_ends
 from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, LayerSpec
-from umalloc.replay.layouts import (
+from umalloc_replay.report import check_report
+from umalloc_replay.single.layouts import (
     SGLANG_SWA_FULL_TOKENS_RATIO,
     byte_accounting,
     padded_ends,
@@ -19,8 +20,7 @@ from umalloc.replay.layouts import (
     static_budget_pages,
     vllm_unified_page,
 )
-from umalloc.replay.report import check_report
-from umalloc.replay.run import Replay, ReplayConfig
+from umalloc_replay.single.run import Replay, ReplayConfig
 
 PS = 16
 O_TOKEN = 12 * 8 * 128 * 2  # gpt-oss-20b: 12 layers per end x 8 KV heads x (64 + 64) x 2 B = 24,576 B per token

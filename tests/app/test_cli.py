@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from umalloc.cli import app
+from umalloc_replay.cli import app
 
 AZURE = "TIMESTAMP,ContextTokens,GeneratedTokens\n" + "\n".join(
     f"2023-11-16 18:15:4{i}.{i}805900,{40 + 10 * i},{6 + i}" for i in range(6))
@@ -50,8 +50,10 @@ def refused(args: list[str], root: Path, *needles: str) -> str:
 
 
 def mem_available() -> int:
-    with open("/proc/meminfo") as fh:
-        return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("MemAvailable:"))
+    """The host memory the replay sees (fixed for the tests by ``conftest.py``)."""
+    from umalloc_replay.preflight import available_memory_bytes
+
+    return available_memory_bytes()
 
 
 # ---- output paths ---------------------------------------------------------------------------------------------
@@ -129,7 +131,8 @@ def test_skip_starts_the_slice_later_and_the_title_names_it(tmp_path, azure):
     assert res.exit_code == 0, res.output
     rep = json.loads(out.read_text())
     # rows 3 and 4 of the file: 70 + 6 and 80 + 7 tokens (AZURE above)
-    assert rep["tokens"] == {"prompt": 70 + 80, "generated": 9 + 10, "total": 169}
+    assert rep["tokens"] == {"prompt": 70 + 80, "generated": 9 + 10, "total": 169, "zero_prompts_as_1": 0,
+                             "zero_outputs_as_1": 0}
     assert rep["config"]["skip"] == 3
     title = " ".join(res.output.split())
     assert "azure.csv rows 3-4, token scale 1, gemma-3-12b-draft, 16-token pages, layout dynamic" in title
@@ -192,11 +195,11 @@ def _alive(pid: int) -> bool:
 @pytest.mark.parametrize("backend", ["local", pytest.param("nixl", marks=pytest.mark.backend)])
 def test_ctrl_c_is_quiet_ends_every_child_and_exits_130(tmp_path, backend):
     if backend != "local":
-        from umalloc.backends import require_or_skip
+        from umalloc.testing import require_or_skip
 
         require_or_skip(backend)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-c", "from umalloc.cli import app; app()", "replay", "--backend", backend,
+    cmd = [sys.executable, "-c", "from umalloc_replay.cli import app; app()", "replay", "--backend", backend,
            "--no-progress", "--requests", "1000"]  # several minutes of work: interrupted well before its end
     # a session of its own, so the SIGINT goes to the whole process group as a terminal's Ctrl-C does
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -237,7 +240,7 @@ def test_compaction_off_refusal_suggests_lazy_when_lazy_places_it(tmp_path):
     base = ["--trace", str(tr), "--arena-bytes", "3GiB,1595MiB", *QUICK]
     out = refused([*base, "--compaction", "off"], tmp_path, "cannot be placed", "--compaction lazy places it")
     assert "--requests" not in out  # request 0 is the culprit: fewer requests cannot help
-    from umalloc.replay.run import Replay, ReplayConfig
+    from umalloc_replay.single.run import Replay, ReplayConfig
 
     Replay(ReplayConfig(trace=str(tr), token_scale=1, prefill_arena_bytes=3 << 30, decode_arena_bytes=1595 << 20,
                         compaction="lazy"))  # accepted: the hint is true
@@ -247,10 +250,10 @@ def test_compaction_off_refusal_suggests_lazy_when_lazy_places_it(tmp_path):
 def test_mooncake_replay_is_quiet_on_success():
     """A successful Mooncake run prints the result and no engine log lines: the engine's glog reports
     "Local segment descriptor not found" at ERROR on every P2P start unless its flag is raised for that call."""
-    from umalloc.backends import require_or_skip
+    from umalloc.testing import require_or_skip
 
     require_or_skip("mooncake")
-    cmd = [sys.executable, "-c", "from umalloc.cli import app; app()", "replay", "--backend", "mooncake",
+    cmd = [sys.executable, "-c", "from umalloc_replay.cli import app; app()", "replay", "--backend", "mooncake",
            "--requests", "2", "--no-progress"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, res.stdout + res.stderr
@@ -261,10 +264,10 @@ def test_mooncake_replay_is_quiet_on_success():
 
 @pytest.mark.backend
 def test_a_killed_second_process_ends_the_replay_with_one_error_line(tmp_path):
-    from umalloc.backends import require_or_skip
+    from umalloc.testing import require_or_skip
 
     require_or_skip("nixl")
-    cmd = [sys.executable, "-c", "from umalloc.cli import app; app()", "replay", "--backend", "nixl",
+    cmd = [sys.executable, "-c", "from umalloc_replay.cli import app; app()", "replay", "--backend", "nixl",
            "--no-progress", "--requests", "1000"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=dict(os.environ),
                             start_new_session=True)
@@ -284,3 +287,17 @@ def test_a_killed_second_process_ends_the_replay_with_one_error_line(tmp_path):
     assert proc.returncode == 1, text
     assert "Traceback" not in text, text
     assert text.strip().splitlines()[-1].startswith("error: the nixl backend failed"), text
+
+
+def test_the_host_memory_refusal_follows_the_injected_figure_not_the_machine(tmp_path, azure, monkeypatch):
+    """Issue 26 item 25: the refusal depends on ``$UMALLOC_HOST_MEMORY_BYTES`` when set (the suite sets it), so
+    no test depends on the memory free where it runs; the message says what to pass."""
+    base = ["--trace", str(azure), *QUICK, "--arena-bytes", "64MiB"]
+    monkeypatch.setenv("UMALLOC_HOST_MEMORY_BYTES", "100MiB")  # two 64 MiB arenas exceed it
+    out = refused(base, tmp_path, "host memory", f"{100 << 20:,} bytes available: pass smaller --arena-bytes")
+    assert "allowed" not in out.split("available:", 1)[1]
+    monkeypatch.setenv("UMALLOC_HOST_MEMORY_BYTES", "4GiB")
+    res = CliRunner().invoke(app, ["replay", *base])
+    assert res.exit_code == 0, res.output
+    monkeypatch.setenv("UMALLOC_HOST_MEMORY_BYTES", "lots")
+    refused(base, tmp_path, "$UMALLOC_HOST_MEMORY_BYTES: size 'lots'")

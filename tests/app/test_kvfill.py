@@ -10,7 +10,7 @@ import torch
 from umalloc.errors import InvalidIdError
 from umalloc.geometry.arena import Arena
 from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, LayerSpec
-from umalloc.replay.kvfill import KVPattern
+from umalloc_replay.single.kvfill import KVPattern
 
 M64 = (1 << 64) - 1
 

@@ -11,13 +11,13 @@ import math
 import pytest
 from typer.testing import CliRunner
 
-from umalloc.backends import require_or_skip
-from umalloc.cli import app, parse_arena_bytes, parse_size_bytes
 from umalloc.errors import UmallocValueError
 from umalloc.geometry.presets import preset_ends
-from umalloc.replay.report import check_report
-from umalloc.replay.run import Replay, ReplayConfig, default_arena_bytes
-from umalloc.replay.trace import default_trace_path, load_trace
+from umalloc.testing import require_or_skip
+from umalloc_replay.cli import app, parse_arena_bytes, parse_size_bytes
+from umalloc_replay.report import check_report
+from umalloc_replay.single.run import Replay, ReplayConfig, default_arena_bytes
+from umalloc_replay.trace import default_trace_path, load_trace
 
 MIB = 1 << 20
 
@@ -92,7 +92,9 @@ def assert_clean(rep: dict) -> None:
 def check_against_hand_values(rep: dict, rows: list[tuple[int, int]]) -> None:
     exp = gemma_expected(rows)
     assert rep["tokens"] == {"prompt": exp["prompt"], "generated": exp["generated"],
-                             "total": exp["prompt"] + exp["generated"]}
+                             "total": exp["prompt"] + exp["generated"],
+                             "zero_prompts_as_1": sum(L == 0 for L, _ in rows),
+                             "zero_outputs_as_1": sum(o == 0 for _, o in rows)}
     assert rep["bytes"]["moved_by_vector"] == exp["moved"]
     assert rep["bytes"]["moved"] == sum(exp["moved"].values())
     assert rep["bytes"]["filled"] == rep["bytes"]["moved"]  # prefill writes exactly what travels
@@ -289,7 +291,27 @@ def test_cli_refuses_bad_arguments(tmp_path):
     assert res.exit_code == 2 and "size '0.5' is 0.5 bytes" in res.output
     # an arena too small for the geometry is refused before the progress bar is drawn: the error comes first
     res = runner.invoke(app, ["replay", "--arena-bytes", "1KiB"])
-    assert res.exit_code == 2 and res.output.startswith("error: invalid arena_bytes=1024")
+    assert res.exit_code == 2 and res.output.startswith("error: --arena-bytes: the prefill arena of 1,024 bytes")
+
+
+def test_an_arena_below_its_floor_names_the_option_the_side_and_the_bytes_the_slice_needs(tmp_path):
+    """Issue 26 item 9: ``--arena-bytes 1KiB`` named neither the option nor the side (``invalid arena_bytes=1024:
+    allowed >= 11960320``). The size it names is enough: the same slice with that many bytes passes the fit."""
+    import re
+
+    p = tmp_path / "azure.csv"
+    p.write_text(AZURE_PRESSURE)
+    base = ["replay", "--trace", str(p), "--requests", "2", "--token-scale", "1", "--no-progress"]
+    for arena, side in (("128MiB,1KiB", "decode"), ("1KiB,128MiB", "prefill")):
+        res = CliRunner().invoke(app, [*base, "--arena-bytes", arena])
+        assert res.exit_code == 2, res.output
+        msg = res.stderr.strip()
+        assert msg.startswith(f"error: --arena-bytes: the {side} arena of 1,024 bytes is too small"), msg
+        assert res.stdout == "" and "\n" not in msg
+        need = int(re.search(rf"with {side.upper()} >= ([0-9,]+)", msg).group(1).replace(",", ""))
+        ok = ("128MiB," if side == "decode" else "") + str(need) + ("" if side == "decode" else ",128MiB")
+        res = CliRunner().invoke(app, [*base, "--arena-bytes", ok])  # the named size runs the slice
+        assert res.exit_code == 0, res.output
 
 
 def test_size_parsing():

@@ -30,12 +30,12 @@ from umalloc.errors import IncompatiblePeerError, SpecError, UmallocValueError
 from umalloc.geometry.arena import Arena
 from umalloc.geometry.presets import preset_ends, rank_kv_heads
 from umalloc.geometry.spec import ArenaSpec, EndSpec, KVDtype, LayerSpec
-from umalloc.replay.headpattern import HeadPattern, expected_block, global_heads
-from umalloc.replay.ranks import MultiRankReplay, RanksConfig, is_multi_rank, rank_ids
-from umalloc.replay.ranks_report import check_ranks_report, ranks_table
-from umalloc.replay.rankside import must_have_positions, rank_ends
 from umalloc.transfer import PeerLayout
 from umalloc.transfer.heads import global_heads as transfer_global_heads
+from umalloc_replay.multirank.headpattern import HeadPattern, expected_block, global_heads
+from umalloc_replay.multirank.ranks import MultiRankReplay, RanksConfig, is_multi_rank, rank_ids
+from umalloc_replay.multirank.ranks_report import check_ranks_report, ranks_table
+from umalloc_replay.multirank.rankside import must_have_positions, rank_ends
 
 M64 = (1 << 64) - 1
 
@@ -64,7 +64,7 @@ def ref_value(seed: int, rid: int, end: str, layer: int, kv: int, head: int, pos
 
 
 def test_expected_block_is_the_note_s_hash():
-    from umalloc.replay.headpattern import block_key
+    from umalloc_replay.multirank.headpattern import block_key
 
     pos = np.array([0, 5, 1 << 20], dtype=np.int64)
     for itemsize in (1, 2, 4):
@@ -209,7 +209,7 @@ def brute_expected_bytes(cfg: RanksConfig, lengths: list[int], tp_rank: int, dcp
 
 
 def run_case(backend: str, case: dict) -> tuple[RanksConfig, dict]:
-    from umalloc.backends import require_or_skip
+    from umalloc.testing import require_or_skip
 
     require_or_skip(backend)
     cfg = RanksConfig(backend=backend, **{**TINY, **case})
@@ -270,8 +270,8 @@ def flip_first_target_byte(ctx, rid: int) -> int:
 
 @pytest.mark.backend
 def test_a_byte_corrupted_after_the_transfer_is_found_on_that_rank_only():
-    from umalloc.backends import require_or_skip
-    from umalloc.replay.ranks import RankPool
+    from umalloc.testing import require_or_skip
+    from umalloc_replay.multirank.ranks import RankPool
 
     require_or_skip("nixl")
     run = MultiRankReplay(RanksConfig(backend="nixl", decode_tp=2, **TINY))
@@ -296,12 +296,12 @@ def test_a_byte_corrupted_after_the_transfer_is_found_on_that_rank_only():
 
 # ==== the console script: report, Ctrl-C, a killed rank ======================================================
 
-CLI = [sys.executable, "-c", "from umalloc.cli import app; app()", "replay"]
+CLI = [sys.executable, "-c", "from umalloc_replay.cli import app; app()", "replay"]
 
 
 @pytest.mark.backend
 def test_cli_writes_the_multi_rank_report(tmp_path):
-    from umalloc.backends import require_or_skip
+    from umalloc.testing import require_or_skip
 
     require_or_skip("mooncake")
     out = tmp_path / "r.json"
@@ -310,9 +310,11 @@ def test_cli_writes_the_multi_rank_report(tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     rep = json.loads(out.read_text())
     assert rep["ok"] and rep["config"]["decode"]["dcp"] == 2 and len(rep["ranks"]) == 3
-    assert "multi-rank replay: prefill TP 1 x DCP 1" in res.stdout and "prompts capped at 256 tokens" in res.stdout
+    # what runs goes to stderr with the progress; stdout carries the result table only
+    assert "multi-rank replay: prefill TP 1 x DCP 1" in res.stderr and "prompts capped at 256 tokens" in res.stderr
     bad = subprocess.run([*CLI, "--decode-tp", "3", "--backend", "nixl"], capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and bad.stdout.strip().startswith("error:") and "tp_size" in bad.stdout, bad.stdout
+    assert bad.returncode == 2 and bad.stderr.strip().startswith("error:") and "tp_size" in bad.stderr, bad.stderr
+    assert bad.stdout == "", bad.stdout
 
 
 def _alive(pid: int) -> bool:
@@ -362,7 +364,7 @@ LONG = ["--prefill-tp", "2", "--requests", "200", "--token-scale", "16", "--max-
 @pytest.mark.backend
 @pytest.mark.parametrize("backend", ["nixl", "mooncake"])
 def test_ctrl_c_ends_every_rank_and_exits_130(backend):
-    from umalloc.backends import require_or_skip
+    from umalloc.testing import require_or_skip
 
     require_or_skip(backend)
     proc, pids, lines = _start_until_ranks(["--backend", backend, *LONG])
@@ -379,7 +381,7 @@ def test_ctrl_c_ends_every_rank_and_exits_130(backend):
 @pytest.mark.backend
 @pytest.mark.parametrize("backend,victim", [("nixl", "decode rank 0"), ("mooncake", "prefill rank 1")])
 def test_a_killed_rank_ends_every_rank_with_one_error_line_naming_it(backend, victim):
-    from umalloc.backends import require_or_skip
+    from umalloc.testing import require_or_skip
 
     require_or_skip(backend)
     proc, pids, lines = _start_until_ranks(["--backend", backend, *LONG])
@@ -405,7 +407,7 @@ def _refused_multi(args: list[str], root: Path, *needles: str, absent: tuple[str
 
     from typer.testing import CliRunner
 
-    from umalloc.cli import app
+    from umalloc_replay.cli import app
 
     before = set(root.rglob("*"))
     res = CliRunner().invoke(app, ["replay", "--no-progress", "--report", str(root / "r.json"), *args])
@@ -426,7 +428,7 @@ def _first_lengths(n: int, scale: int = 64, cap: int = 256) -> list[int]:
     from importlib.resources import files
 
     out = []
-    with (files("umalloc") / "data" / "conversation_trace.jsonl").open() as fh:
+    with (files("umalloc_replay") / "data" / "conversation_trace.jsonl").open() as fh:
         for line in fh:
             if len(out) == n:
                 break
@@ -468,7 +470,7 @@ def test_a_smaller_max_batch_is_suggested_only_when_the_request_fits_alone(tmp_p
 
 
 def test_host_memory_and_rank_count_are_checked_before_any_rank(tmp_path):
-    from umalloc.replay.preflight import available_memory_bytes
+    from umalloc_replay.preflight import available_memory_bytes
 
     have = available_memory_bytes()
     _refused_multi(["--prefill-tp", "2", "--backend", "nixl", "--arena-bytes", "1TiB"], tmp_path,

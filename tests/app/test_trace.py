@@ -8,7 +8,7 @@ import hashlib
 import pytest
 
 from umalloc.errors import UmallocValueError
-from umalloc.replay.trace import (
+from umalloc_replay.trace import (
     TraceFormatError,
     default_trace_path,
     detect_format,
@@ -198,3 +198,35 @@ def test_binary_non_utf8_and_directory_traces_are_refused(tmp_path):
         load_trace(late)
     with pytest.raises(TraceFormatError, match="is a directory"):
         load_trace(tmp_path)
+
+
+def test_a_malformed_jsonl_line_names_its_line_and_column_in_full(tmp_path):
+    """Issue 26 item 8: ``…:6: not JSON (Invalid control character at)`` was cut mid-sentence, with no column."""
+    good = '{"timestamp": 0, "input_length": 10, "output_length": 2}'
+    bad = '{"timestamp": 5, "input_length": "1\t0", "output_length": 2}'  # a raw TAB inside a JSON string
+    p = tmp_path / "t.jsonl"
+    p.write_text("\n".join([good] * 5 + [bad]) + "\n")
+    column = bad.index("\t") + 1  # 1-based, counted here from the line itself
+    with pytest.raises(UmallocValueError) as info:
+        load_trace(p, fmt="mooncake")
+    msg = str(info.value)
+    assert msg == f"{p}:6:{column}: not JSON: Invalid control character at column {column}", msg
+
+
+def test_zero_token_rows_are_counted(tmp_path):
+    """Issue 26 item 14: a 0-token prompt (or output) becomes 1 token; the trace counts such rows of its slice."""
+    p = tmp_path / "z.csv"
+    p.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                 "2023-11-16 18:15:46.0,0,5\n2023-11-16 18:15:47.0,30,0\n2023-11-16 18:15:48.0,0,0\n"
+                 "2023-11-16 18:15:49.0,17,3\n")
+    t = load_trace(p, token_scale=1)
+    assert [(r.input_tokens, r.output_tokens) for r in t] == [(1, 5), (30, 1), (1, 1), (17, 3)]
+    assert (t.zero_prompts, t.zero_outputs) == (2, 2)
+    assert t.summary()["zero_prompts"] == 2 and t.summary()["zero_outputs"] == 2
+    skipped = load_trace(p, token_scale=1, skip=3)  # the count covers the slice only
+    assert (skipped.zero_prompts, skipped.zero_outputs) == (0, 0)
+    m = tmp_path / "z.jsonl"
+    m.write_text('{"timestamp": 0, "input_length": 0, "output_length": 4}\n'
+                 '{"timestamp": 1, "input_length": 9, "output_length": 2}\n')
+    t = load_trace(m, token_scale=4)  # 9 tokens / 4 -> 3: a scaled count is never 0, only a 0 is raised
+    assert [(r.input_tokens, r.output_tokens) for r in t] == [(1, 1), (3, 1)] and (t.zero_prompts, t.zero_outputs) == (1, 0)

@@ -7,7 +7,6 @@ every wait is bounded by ``DEADLINE_S``.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 
@@ -15,15 +14,15 @@ import numpy as np
 import torch
 
 from umalloc.allocator.facade import MultiEndedAllocator
-from umalloc.backends import require_or_skip
-from umalloc.backends._worker import BackendWorker
+from umalloc.backends.worker import BackendWorker
 from umalloc.geometry.arena import Arena
 from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, LayerSpec
+from umalloc.testing import require_or_skip, seed_from_env
 from umalloc.transfer import PeerLayout
 
 ENGINES = ["nixl", "mooncake"]
 DEADLINE_S = 10.0
-SEED = int(os.environ.get("UMALLOC_SEED", "20240607"))
+SEED = seed_from_env(20240607)
 W = "kv_worker:"
 L_TOKENS = 21  # request length used by the plan tests
 
@@ -48,15 +47,6 @@ def brute_apply(dst_before: bytes, dst_base: int, src: bytes, src_base: int, des
 def tbytes(t: torch.Tensor) -> bytes:
     return bytes(t.numpy().tobytes())
 
-
-class ManualClock:
-    """A settable lease clock in seconds (no sleeps)."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 # ==== KV sides ==================================================================================================

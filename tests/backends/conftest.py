@@ -9,8 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from backend_helpers import ENGINES, SEED
 
-from umalloc.backends import backend_available, get_backend, require_or_skip
-from umalloc.backends._worker import BackendWorker
+from umalloc.backends import backend_available, get_backend
+from umalloc.backends.worker import BackendWorker
+from umalloc.testing import require_or_skip
 
 # ==== backends and workers ==================================================================================
 

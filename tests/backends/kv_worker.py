@@ -1,4 +1,4 @@
-"""Plan-level commands for :class:`umalloc.backends._worker.BackendWorker` children, run as
+"""Plan-level commands for :class:`umalloc.backends.worker.BackendWorker` children, run as
 ``worker.run("kv_worker:kv_setup", ...)``: a KV side (arena + allocator) in the child, receiver halves, send plans.
 
 Test harness code: it drives an allocator, which the engine layer never does (backends know plans and regions,
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from umalloc.allocator.facade import MultiEndedAllocator
-from umalloc.backends._worker import WorkerContext, pattern_fill
+from umalloc.backends.worker import WorkerContext, pattern_fill
 from umalloc.errors import BackendError
 from umalloc.geometry.arena import Arena
 from umalloc.transfer import PeerLayout, build_receiver_half, build_send_plan

@@ -34,10 +34,11 @@ from backend_helpers import (
     worker,
 )
 
-from umalloc.backends import BACKEND_NAMES, get_backend, require_or_skip
+from umalloc.backends import BACKEND_NAMES, get_backend
 from umalloc.backends.descriptors import MAX_BATCH_BYTES, MAX_BATCH_DESCRIPTORS, chunk_descriptors
 from umalloc.errors import TransferError, TransferTimeout, UmallocValueError
 from umalloc.geometry.region import Region
+from umalloc.testing import require_or_skip
 from umalloc.transfer import PeerLayout, build_plan, build_send_plan
 
 pytestmark = pytest.mark.timeout(120)

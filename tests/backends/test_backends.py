@@ -24,7 +24,6 @@ from backend_helpers import (
     ENGINES,
     L_TOKENS,
     SEED,
-    ManualClock,
     W,
     alloc_request,
     brute_apply,
@@ -46,7 +45,6 @@ from umalloc.backends import (
     TransferHandle,
     backend_available,
     get_backend,
-    require_or_skip,
 )
 from umalloc.backends.protocol import plan_leases_gone
 from umalloc.errors import (
@@ -63,6 +61,7 @@ from umalloc.geometry.arena import Arena
 from umalloc.geometry.region import Region
 from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, LayerSpec
 from umalloc.pool.pagestate import PAGE_PENDING
+from umalloc.testing import FakeClock, require_or_skip
 from umalloc.transfer import PeerLayout, build_plan, build_receiver_half, build_send_plan
 
 pytestmark = pytest.mark.timeout(60)
@@ -622,7 +621,7 @@ def test_mooncake_queued_chunk_is_never_posted_after_its_lease_deadline(backend_
     spec = kv_spec()
     src_arena = Arena(spec)
     src_arena.data.copy_(seeded_bytes(spec.arena_bytes, SEED))
-    clock = ManualClock()
+    clock = FakeClock()
     src_alloc = MultiEndedAllocator(src_arena, clock=clock)
     a = backend_factory(name, layout=PeerLayout.from_arena(src_arena), max_batch_descriptors=2)
     a.register(src_arena.regions())
@@ -663,7 +662,7 @@ def _plan_with_a_1s_lease(name, backend_factory, plan_id: str):
     plan between them whose leases end at t = 1 s; ``(clock, a, b, peer, plan, src_alloc, dst_alloc,
     dst_arena)``."""
     spec = kv_spec()
-    clock = ManualClock()
+    clock = FakeClock()
     src_arena, dst_arena = Arena(spec), Arena(spec)
     src_arena.data.copy_(seeded_bytes(spec.arena_bytes, SEED))
     src_alloc = MultiEndedAllocator(src_arena, clock=clock)
@@ -1000,8 +999,8 @@ def test_replay_child_keeps_the_receiver_half_while_the_engine_holds_a_part(back
     gives up (the paused receiver still holds a chunk) the error it reports says so (``draining``), and the parent
     then keeps its receiver half leased instead of failing it (bytes may still land there). A plain failure, or a
     dead child, fails the half."""
-    from umalloc.backends._worker import WorkerContext, WorkerDied, WorkerTimeout, _describe, _rebuild
-    from umalloc.replay.remote import child_finish, settle_failed_half
+    from umalloc.backends.worker import WorkerContext, WorkerDied, WorkerTimeout, _describe, _rebuild
+    from umalloc_replay.single.remote import child_finish, settle_failed_half
 
     name = "mooncake"
     spec = one_owner_spec()

@@ -20,7 +20,6 @@ from backend_helpers import (
     ENGINES,
     L_TOKENS,
     SEED,
-    ManualClock,
     W,
     alloc_request,
     brute_apply,
@@ -33,7 +32,6 @@ from backend_helpers import (
 )
 
 from umalloc.allocator.facade import MultiEndedAllocator
-from umalloc.backends import require_or_skip
 from umalloc.errors import (
     BackendError,
     LeaseError,
@@ -45,6 +43,7 @@ from umalloc.errors import (
 )
 from umalloc.geometry.arena import Arena
 from umalloc.pool.pagestate import PAGE_PENDING
+from umalloc.testing import FakeClock, require_or_skip
 from umalloc.transfer import PeerLayout, build_plan, build_receiver_half, build_send_plan
 
 ALL = ["local", "nixl", "mooncake"]
@@ -105,7 +104,7 @@ def test_F24_lease_deadline_mid_flight_with_the_receiver_stalled(name, backend_w
     """The source lease's deadline passes while the engine holds the transfer (receiver SIGSTOPped): the lease
     goes in doubt — pages pinned, pending after the free, never reused — and settles on the engine's terminal
     report after the receiver resumes. The destination gets exactly the request's bytes."""
-    clock = ManualClock()
+    clock = FakeClock()
     w, src_arena, src_alloc, a, peer, src_vt, plan, want = _sender(name, backend_workers, backend_factory, clock)
     leased = {e: p.copy() for e, p in plan.src_lease.pages.items() if p.size}
     n_leased = sum(p.size for p in leased.values())
@@ -178,7 +177,7 @@ def test_F24_abort_mid_flight_fails_the_plan_at_once_and_keeps_the_pages(name, b
 
 @pytest.mark.parametrize("name", ALL)
 def test_F12_deadline_before_submit_reclaims_at_once_and_refuses_the_post(name, backend_factory):
-    clock = ManualClock()
+    clock = FakeClock()
     src_arena, src_alloc, a, dst_arena, dst_alloc, b = kv_pair(backend_factory, name, clock=clock)
     peer = a.connect(b.metadata())
     svt, dvt = alloc_request(src_alloc, L_TOKENS), alloc_request(dst_alloc, L_TOKENS)
@@ -322,7 +321,7 @@ def _two_sides(name, backend_factory, clock):
 
 @pytest.mark.parametrize("name", ALL)
 def test_F10_vectors_submitted_at_different_times_complete_the_plan_only_together(name, backend_factory):
-    clock = ManualClock()
+    clock = FakeClock()
     src_arena, dst_arena, src_alloc, dst_alloc, a, peer, plan = _two_sides(name, backend_factory, clock)
     names = list(plan.vectors)
     assert "draft" in names and len(names) >= 2
@@ -354,7 +353,7 @@ def test_F10_vectors_submitted_at_different_times_complete_the_plan_only_togethe
 
 @pytest.mark.parametrize("name", ALL)
 def test_F10_a_vector_never_submitted_fails_the_plan_at_its_deadline(name, backend_factory):
-    clock = ManualClock()
+    clock = FakeClock()
     src_arena, dst_arena, src_alloc, dst_alloc, a, peer, plan = _two_sides(name, backend_factory, clock)
     first = plan.split([n for n in plan.vectors if n != "draft"])
     later = plan.split(["draft"])
@@ -382,17 +381,17 @@ def test_F24_replay_child_that_does_not_answer_keeps_its_half_until_it_is_confir
     times out, the half stays pending and held (the child may still write), its lease goes in doubt at the
     deadline instead of being reclaimed, and the freed pages stay pending; ``close`` ends the child and, once it
     is confirmed gone, settles the half: nothing pending, pinned or in doubt is left."""
-    from umalloc.backends._worker import WorkerTimeout
+    from umalloc.backends.worker import WorkerTimeout
     from umalloc.geometry.presets import preset_ends
     from umalloc.geometry.spec import ArenaSpec
-    from umalloc.replay import remote
-    from umalloc.replay.prefill import alloc_sequence
-    from umalloc.replay.report import PhaseTimer
-    from umalloc.replay.trace import TraceRequest
-    from umalloc.replay.workload import RequestState
+    from umalloc_replay.report import PhaseTimer
+    from umalloc_replay.single import remote
+    from umalloc_replay.single.prefill import alloc_sequence
+    from umalloc_replay.trace import TraceRequest
+    from umalloc_replay.workload import RequestState
 
     require_or_skip(name)
-    clock = ManualClock()
+    clock = FakeClock()
     spec = ArenaSpec(preset_ends("llama-3.1-8b", page_size=16, draft=False), arena_bytes=64 << 20)
     dec = MultiEndedAllocator(Arena(spec), clock=clock)
     rp = remote.RemotePrefill(name, spec, dec, PhaseTimer(), model="llama-3.1-8b", page_size=16, draft=False,
@@ -434,7 +433,7 @@ def test_F24_backend_close_or_reset_settles_the_halves_published_through_it(name
     every registration — settle it where that stops every peer's writes (``local``, ``mooncake``); on NIXL,
     whose shared-memory WRITEs land in deregistered memory, it stays in doubt until the sender's report
     (``settle``). A half that completed is not touched."""
-    clock = ManualClock()
+    clock = FakeClock()
     src_arena, src_alloc, a, dst_arena, dst_alloc, b = kv_pair(backend_factory, name, clock=clock)
     peer = a.connect(b.metadata())
     halves, wants = [], []
@@ -498,7 +497,7 @@ def _one_process_fault(name, backend_factory, fault: str):
     never reaches the peer) and settle once the engine let go; every destination byte is its old value or the
     transfer's, all of them the transfer's if the transfer completed; nothing leaks. Returns the matrix row's
     ``(wrong, leaked, in_doubt, t_err)``."""
-    clock = ManualClock()
+    clock = FakeClock()
     src_arena, src_alloc, a, dst_arena, dst_alloc, b = kv_pair(backend_factory, name, clock=clock)
     peer = a.connect(b.metadata())
     src_vt = alloc_request(src_alloc, L_TOKENS)
@@ -634,7 +633,7 @@ def test_F12_receiver_killed_mid_transfer_fails_the_handle_and_settles(name, bac
     """The receiver (SIGSTOPped, the transfer in the engine) is SIGKILLed: the handle fails with a
     TransferError within the bound, the source lease settles once the engine reports the part ended, and no
     page of it was reused meanwhile. Runs last (keep it at the end of the file): it kills the shared worker."""
-    clock = ManualClock()
+    clock = FakeClock()
     w, src_arena, src_alloc, a, peer, src_vt, plan, want = _sender(name, backend_workers, backend_factory, clock)
     leased = {e: p.copy() for e, p in plan.src_lease.pages.items() if p.size}
     w.pause()

@@ -29,20 +29,14 @@ from umalloc.errors import UmallocError
 from umalloc.geometry.arena import Arena
 from umalloc.geometry.region import Region
 from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, LayerSpec
+from umalloc.testing import FakeClock, seed_from_env
 from umalloc.transfer import PeerLayout, build_plan
 
-SEED = int(os.environ.get("UMALLOC_SEED", "20240607"))
+SEED = seed_from_env(20240607)
 EXAMPLES = int(os.environ.get("UMALLOC_FUZZ_EXAMPLES", "1000"))
 
 pytestmark = pytest.mark.timeout(120)
 
-
-class ManualClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def spec() -> ArenaSpec:
@@ -60,7 +54,7 @@ def request(alloc: MultiEndedAllocator, tokens: int = 13) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def world():
     print(f"UMALLOC_SEED={SEED}")
-    clock = ManualClock()
+    clock = FakeClock()
     arenas = {k: Arena(spec()) for k in "abc"}
     g = torch.Generator().manual_seed(SEED)
     arenas["a"].data.copy_(torch.randint(0, 256, (spec().arena_bytes,), generator=g, dtype=torch.uint8))

@@ -17,14 +17,7 @@ from umalloc.allocator.facade import snapshots_equal
 from umalloc.errors import InvariantError, LeaseError
 from umalloc.leases.table import Lease, LeaseTable
 from umalloc.pool.pagestate import PAGE_PENDING
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from umalloc.testing import FakeClock
 
 
 def make_table(**kw):

@@ -1,4 +1,4 @@
-"""CUDA commands for :class:`umalloc.backends._worker.BackendWorker` children, run as
+"""CUDA commands for :class:`umalloc.backends.worker.BackendWorker` children, run as
 ``worker.run("gpu_worker:vram_arena", ...)``: a CUDA arena in the child, filled with seeded bytes and registered
 as VRAM with the child's backend. The spawned child imports this module by name (it inherits pytest's
 ``sys.path``)."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from umalloc.backends._worker import WorkerContext, pattern_fill
+from umalloc.backends.worker import WorkerContext, pattern_fill
 
 
 def vram_buffer(ctx: WorkerContext, nbytes: int, seed: int) -> int:

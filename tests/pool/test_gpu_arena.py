@@ -209,7 +209,7 @@ def test_nixl_second_process_writes_its_vram_into_this_process(here_device):
     cuda_ipc or whatever the installed NIXL offers) or into a DRAM arena (retraction's VRAM->DRAM); the expected
     bytes are an independent re-creation of the child's seeded buffer."""
     _nixl_or_skip()
-    from umalloc.backends._worker import BackendWorker, pattern_fill
+    from umalloc.backends.worker import BackendWorker, pattern_fill
 
     n = 4 << 20
     w = BackendWorker("nixl")

@@ -193,7 +193,7 @@ def test_cached_pages_lru_order_reclaim_and_eviction_with_on_evict() -> None:
     alloc.arena.envelopes("full")[3] = 9
     table.free_requests(s, cache=True)
     assert table.cached_pages().tolist() == [3, 2, 5, 4] and _live(alloc) == 5
-    assert table.capacity() == {"free_pages": 3, "reclaimable_pages": 4, "available_pages": 7}
+    assert table.capacity()["full"] == {"free_pages": 3, "reclaimable_pages": 4, "available_pages": 7}
     assert table.stats().cached_pages == 4 and table.stats().pages_cached == 4
     table.reclaim(_t(2, 3))                           # a prefix hit on r0's prompt
     assert table.cached_pages().tolist() == [5, 4] and table.stats().engine_refs == 2

@@ -105,6 +105,8 @@ class RequestMachine(RuleBasedStateMachine):
     def grow(self, slots: list[int], lens: list[int], decode: bool) -> None:
         table = self.table
         fresh_before = self.held() | set(self.cached)
+        fronts = {s: self.reqs[s].front for s in slots}
+        before = (self.alloc.snapshot(), table.snapshot())
         for s, e in zip(slots, lens, strict=True):             # windows advance before anything is allocated
             if e:
                 r = self.reqs[s]
@@ -120,9 +122,13 @@ class RequestMachine(RuleBasedStateMachine):
                 cow[s] = refs[last] > 1
                 refs[last] -= cow[s]
         out = table.decode(slots) if decode else table.extend(slots, lens)
-        fresh_before -= self.take_evictions()
-        if out is None:
+        gone = self.take_evictions()
+        fresh_before -= gone
+        if out is None:   # Issue 26 item 15 (F29): refused, nothing changed: no window advanced, nothing evicted
+            assert not gone, f"a refused extend evicted {sorted(gone)}"
+            assert snapshots_equal(before[0], self.alloc.snapshot()) and snapshots_equal(before[1], table.snapshot())
             for s in slots:
+                self.reqs[s].front = fronts[s]
                 assert table.pages(s).tolist() == self.reqs[s].pages
             return
         out = out.tolist()

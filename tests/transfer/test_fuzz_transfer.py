@@ -8,7 +8,6 @@ shared by every example (set up once); each example mutates one argument of a go
 from __future__ import annotations
 
 import json
-import os
 
 import numpy as np
 import pytest
@@ -21,6 +20,7 @@ from umalloc.errors import UmallocError
 from umalloc.geometry.arena import Arena
 from umalloc.geometry.region import Region
 from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, LayerSpec
+from umalloc.testing import seed_from_env
 from umalloc.transfer import (
     IndexVector,
     PeerLayout,
@@ -35,8 +35,7 @@ from umalloc.transfer import (
     vector_rows,
 )
 
-SEED = int(os.environ.get("UMALLOC_SEED", "4321"))
-print(f"test_fuzz_transfer seed {SEED} (override with UMALLOC_SEED)")
+SEED = seed_from_env(4321)
 _SETTINGS = settings(max_examples=60, deadline=None, database=None,
                      suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 

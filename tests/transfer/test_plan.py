@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import os
 
 import numpy as np
 import pytest
@@ -28,6 +27,7 @@ from umalloc.geometry.arena import Arena
 from umalloc.geometry.region import Region, RegionGroup, RegionMember
 from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, KVDtype, LayerSpec
 from umalloc.leases.table import LeaseTable
+from umalloc.testing import seed_from_env
 from umalloc.transfer import (
     IndexVector,
     PeerLayout,
@@ -448,8 +448,7 @@ def test_source_ranks_cover_every_row_once():
 # plans through real allocators
 # =============================================================================================================
 
-SEED = int(os.environ.get("UMALLOC_SEED", "1234"))
-print(f"test_plan seed {SEED} (override with UMALLOC_SEED)")
+SEED = seed_from_env(1234)
 
 MHA2 = LayerSpec.mha(1, 2)  # K 4 B + V 4 B per token (bf16)
 SWA_W = 3

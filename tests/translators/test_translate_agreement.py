@@ -10,8 +10,6 @@ The cpu translator is also called exactly as a host fast path would: the numpy v
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
@@ -20,6 +18,7 @@ from umalloc.allocator.facade import MultiEndedAllocator
 from umalloc.errors import InvalidIdError, TombstoneError
 from umalloc.geometry.arena import Arena
 from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, LayerSpec
+from umalloc.testing import seed_from_env
 from umalloc.translators import cpu as cpu_impl
 from umalloc.translators import cuda as cuda_impl
 from umalloc.translators import reference as ref_impl
@@ -80,8 +79,7 @@ def outcome(fn, *args, **kwargs):
 @pytest.mark.parametrize(("impl", "device"), IMPLS)
 @pytest.mark.parametrize("page_size", [2, 3])
 def test_translators_agree_with_the_allocator(impl, device, page_size):
-    seed = int(os.environ.get("UMALLOC_SEED", "20261201")) + page_size
-    print(f"seed={seed} (override with UMALLOC_SEED)")
+    seed = seed_from_env(20261201) + page_size
     rng = np.random.default_rng(seed)
     for _ in range(5):
         alloc = make_allocator(page_size)
@@ -132,8 +130,7 @@ def test_allocator_translate_into_a_torch_out_agrees_with_brute_force(page_size)
     """The allocator's by-address path (contiguous CPU int64 torch ids and ``out=``): the same answers as a
     brute-force loop over the v2p table and the same error types as the reference translator; a refused call
     writes nothing into ``out``; ``out`` may be the ids themselves."""
-    seed = int(os.environ.get("UMALLOC_SEED", "20261201")) + 10 * page_size
-    print(f"seed={seed} (override with UMALLOC_SEED)")
+    seed = seed_from_env(20261201) + 10 * page_size
     rng = np.random.default_rng(seed)
     for _ in range(5):
         alloc = make_allocator(page_size)

@@ -10,7 +10,6 @@ another translator.
 from __future__ import annotations
 
 import inspect
-import os
 import random
 import re
 
@@ -22,6 +21,7 @@ from hypothesis import strategies as st
 
 import umalloc.translators as tr
 from umalloc.errors import InvalidIdError, TombstoneError, UmallocValueError
+from umalloc.testing import seed_from_env
 from umalloc.translators import cpu as cpu_impl
 from umalloc.translators import cuda as cuda_impl
 from umalloc.translators import reference as ref_impl
@@ -544,8 +544,7 @@ def test_rank_local_positions_match_brute_force(impl, positions, dcp_size, data)
 def test_seeded_batches_through_real_dispatch(impl, monkeypatch):
     """Batches above a lowered parallel threshold, through the real chunk-per-thread dispatch of ``cpu``."""
     monkeypatch.setattr(cpu_impl, "PARALLEL_MIN_ITEMS", 1000)
-    seed = int(os.environ.get("UMALLOC_SEED", "20240611"))
-    print(f"seed={seed} (override with UMALLOC_SEED)")
+    seed = seed_from_env(20240611)
     rng = random.Random(seed)
     ps, num_pages = 4, 3_000
     v2p = [rng.randrange(1, 50_000) if rng.random() > 0.1 else -1 for _ in range(num_pages)]

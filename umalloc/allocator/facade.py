@@ -31,8 +31,10 @@ Policy:
 * **Layers** (one concept per module): :mod:`umalloc.pool.heap` owns every array and the root address
   vector; :mod:`umalloc.pool.kernels` is the numba layer (the only pointer intrinsics are in
   :mod:`umalloc.pool.kernels.raw`); :mod:`umalloc.pool.ladder` plans the shortfall ladder (pure);
-  :mod:`umalloc.allocator.ids` validates ids at the boundary; :mod:`umalloc.allocator.observe` holds the stats schema,
-  read-only end views and invariant checks. This module is the facade: validation, hot paths, the calls; its
+  :mod:`umalloc.allocator.ids` validates ids at the boundary; :mod:`umalloc.pool.views` holds the typed, read-only
+  end views and the heap's invariant checks, :mod:`umalloc.allocator.observe` the stats schema and snapshots. The
+  facade reads the heap only through its typed accessors (band, owner, page size, counters), never its columns.
+  This module is the facade: validation, hot paths, the calls; its
   parts :mod:`~umalloc.allocator.translation`, :mod:`~umalloc.allocator.space`, :mod:`~umalloc.allocator.leasing` and
   :mod:`~umalloc.allocator.freeing` (free and release) hold the rest of its methods.
 * **Tables handed out are read-only**: :meth:`MultiEndedAllocator.v2p` / :meth:`~MultiEndedAllocator.p2v` return
@@ -49,6 +51,16 @@ Note [Pending pages]
 F02); the *physical* page becomes a hole, or ``PAGE_PENDING`` if a lease pins it. A pending page is not in any
 table, not drained, not counted as available, and blocks the band from retreating past it. When its last pin
 drops the lease table calls back and it becomes a hole.
+
+Note [Trials]
+~~~~~~~~~~~~~
+:meth:`MultiEndedAllocator.trial` lets a caller that composes several allocator calls (the request table: window
+releases, evictions, one allocation) refuse the whole of them with nothing changed (F29). It copies ``meta``,
+``h64`` and ``h8`` (the bind-mask area excepted: masks are append-only and cached by the heap) on entry and
+writes them back on a rollback, then re-copies every device mirror. Pins are not touched by allocation, freeing
+or compaction, and lease expiry waits while a trial runs, so the lease table and the restored tables agree.
+Bytes: with ``compaction=False`` no envelope is written; with compaction on, moves write only into holes and gap
+pages, so a rollback is exact except for the bytes of pages the trial itself freed, which ``keep_bytes`` saves.
 
 Note [Page-level hot path]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -77,13 +89,14 @@ call, O(len(vpages) + pages skipped).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, NoReturn
+from typing import Any, NoReturn, overload
 
 import numpy as np
 import torch
@@ -121,18 +134,9 @@ from umalloc.geometry.spec import ArenaSpec, Grow
 from umalloc.leases.table import LeaseTable
 from umalloc.pool.heap import Heap, claim_arena
 from umalloc.pool.kernels import raw
-from umalloc.pool.kernels.codes import _OK, raise_for
+from umalloc.pool.kernels.codes import OK, raise_for
 from umalloc.pool.kernels.layout import (
-    _FIRST,
-    _G_UP,
-    _GROW,
-    _HI,
-    _LO,
-    _NV,
-    _OWNER,
-    _SPLIT_ONE,
-    _TOP,
-    _VLIVE,
+    SPLIT_ONE,
     V_FREED,
     V_LIVE,
     V_NEVER,
@@ -141,18 +145,31 @@ from umalloc.pool.kernels.layout import (
 from umalloc.pool.kernels.ops import (
     CLAIM_LIVE,
     CLAIM_RANGE,
-    _k_alloc_pages,
-    _k_bind,
-    _k_claim,
-    _k_decode,
-    _k_extend,
     hot_entries,
+    k_alloc_pages,
+    k_bind,
+    k_claim,
+    k_decode,
+    k_extend,
 )
 from umalloc.pool.mirror import make_mirrors, refresh
 
 logger = logging.getLogger(__name__)
 
 COMPACTION_MODES = ("eager", "lazy", "off")
+
+class AllocatorTrial:
+    """The handle :meth:`MultiEndedAllocator.trial` yields: :meth:`commit` keeps what the trial did."""
+
+    __slots__ = ("committed",)
+
+    def __init__(self) -> None:
+        self.committed = False
+
+    def commit(self) -> None:
+        """Keep every change made inside the trial (idempotent). O(1)."""
+        self.committed = True
+
 
 class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart, FreePart):
     """Hands out pages of every end of one :class:`~umalloc.geometry.arena.Arena` under virtual token ids.
@@ -208,7 +225,18 @@ class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart, FreePart):
         self.last_shortfall: dict[str, int] = {}
         self._names: tuple[str, ...] = tuple(e.name for e in self.spec.ends)
         self._index: dict[str, int] = {n: i for i, n in enumerate(self._names)}
-        device = arena.device if mirror_device is None else torch.device(mirror_device)
+        if mirror_device is None:
+            device = arena.device
+        else:
+            try:
+                device = torch.device(mirror_device)
+            except (RuntimeError, ValueError, TypeError):
+                raise UmallocValueError(f"mirror_device={mirror_device!r}: allowed None, 'cpu' or 'cuda[:N]'") from None
+            if device.type not in ("cpu", "cuda"):
+                raise UmallocValueError(f"mirror_device={mirror_device!r}: allowed None, 'cpu' or 'cuda[:N]'")
+            if device.type == "cuda" and not torch.cuda.is_available():
+                raise UmallocValueError(f"mirror_device={mirror_device!r}: no CUDA device is available here; "
+                                        "allowed None or 'cpu'")
         heap = Heap(self.spec, self._float_splits(float_split))
         self._heap = heap
         # the heap's arrays under the names the facade's code uses (aliases: the heap owns them)
@@ -226,13 +254,14 @@ class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart, FreePart):
         # ---- leases: the heap's pin arrays, lent to the table
         self._leases = LeaseTable({n: heap.slots[i] for i, n in enumerate(self._names)}, clock=clock,
                                   on_unpinned=self._on_unpinned,
-                                  first_pages={n: int(self._meta[i, _FIRST]) for i, n in enumerate(self._names)},
+                                  first_pages={n: heap.first_page(i) for i, n in enumerate(self._names)},
                                   validator=self._validate_lease_pages,
                                   pins=dict(zip(self._names, heap.pins, strict=True)))
         # O(1) truthiness: the hot path's "any lease work?" test (an active lease, or pages unpinned on another
         # thread waiting to be delivered: Note [Lease threading])
         self._active_leases = self._leases.work_view
         self._expired_by_end = [0] * len(self._names)
+        self._trial_depth = 0   # trial(): lease expiry waits while a trial runs (Note [Trials])
 
         # ---- device mirrors of v2p (one 2-D block per owner group) when the arena lives on CUDA
         self._device = device
@@ -250,7 +279,7 @@ class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart, FreePart):
         self._debug = os.environ.get("UMALLOC_DEBUG", "") == "1"
         self._hot = hot_entries(self._debug)
         self._addr = raw.lend if self._debug else raw.address
-        self._bound: dict[str, int] = {n: i for i, n in enumerate(self._names) if int(self._meta[i, _OWNER]) != i}
+        self._bound: dict[str, int] = {n: i for i, n in enumerate(self._names) if heap.owner_of(i) != i}
         if self.debug_checks:
             self.check_invariants()
         claim_arena(arena, self)
@@ -273,7 +302,7 @@ class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart, FreePart):
                 raise UmallocValueError(f"float_split names {name!r}: allowed one of the float ends {floats}")
             if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0.0 <= frac <= 1.0:
                 raise UmallocValueError(f"float_split[{name!r}]={frac!r}: allowed a number in [0, 1]")
-            out[name] = int(round(frac * _SPLIT_ONE))
+            out[name] = int(round(frac * SPLIT_ONE))
         return out
 
     # ------------------------------------------------------------------------------------------------------
@@ -293,7 +322,7 @@ class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart, FreePart):
                     f"{[self._names[o] for o in self._owners]}; pass owner=")
             return self._default_owner
         o = self._end_index(owner)
-        if self._meta[o, _OWNER] != o:
+        if self._heap.owner_of(o) != o:
             raise UmallocValueError(f"owner={owner!r} is bound to {self.owner_of(owner)!r}; allowed an id-owner "
                                     f"end: {[self._names[i] for i in self._owners]}")
         return o
@@ -309,7 +338,7 @@ class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart, FreePart):
         >>> small_allocator().owner_of("swa")
         'full'
         """
-        return self._names[int(self._meta[self._end_index(end), _OWNER])]
+        return self._names[self._heap.owner_of(self._end_index(end))]
 
     def num_vpages(self, owner: str | None = None) -> int:
         """Size of the owner's virtual page id space (``num_page_slots(owner)``; id 0 is reserved).
@@ -318,7 +347,7 @@ class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart, FreePart):
         >>> small_allocator().num_vpages()
         10
         """
-        return int(self._meta[self._owner_index(owner), _NV])
+        return self._heap.num_vpages(self._owner_index(owner))
 
     def bound_ends(self, owner: str | None = None) -> tuple[str, ...]:
         """Names of the ends bound to ``owner`` (excluding the owner)."""
@@ -326,8 +355,7 @@ class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart, FreePart):
 
     def band(self, end: str) -> tuple[int, int]:
         """The band ``[lo, hi)`` of ``end`` in its physical pages. O(1)."""
-        e = self._end_index(end)
-        return int(self._meta[e, _LO]), int(self._meta[e, _HI])
+        return self._heap.band(self._end_index(end))
 
     def watermark(self, end: str) -> int:
         """``hi`` of an up/float end's band; ``lo - 1`` of a down end's (band ``(watermark, top]``). O(1)."""
@@ -363,6 +391,15 @@ class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart, FreePart):
         o = self._owner_index(owner)
         return o, self._bind_mask(o, bind)
 
+    @overload
+    def alloc_pages(self, num_pages: int, *, owner: str | None = None, bind: Sequence[str] | None = None,
+                    out: None = None, index: None = None) -> torch.Tensor | None: ...
+    @overload
+    def alloc_pages(self, num_pages: int, *, owner: str | None = None, bind: Sequence[str] | None = None,
+                    out: torch.Tensor, index: torch.Tensor | np.ndarray | None = None) -> torch.Tensor | None: ...
+    @overload
+    def alloc_pages(self, num_pages: int, *, owner: str | None = None, bind: Sequence[str] | None = None,
+                    out: np.ndarray, index: torch.Tensor | np.ndarray | None = None) -> np.ndarray | None: ...
     def alloc_pages(self, num_pages: int, *, owner: str | None = None,
                     bind: Sequence[str] | None = None, out: torch.Tensor | np.ndarray | None = None,
                     index: torch.Tensor | np.ndarray | None = None) -> torch.Tensor | np.ndarray | None:
@@ -415,8 +452,8 @@ class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart, FreePart):
                 idx, n_idx, n_out = index, num_pages, out.shape[0]
             if idx is not None:
                 args = (self._root_a, self._default_owner, self._default_mask, num_pages, out, n_out, idx, n_idx)
-                if self._hot.alloc_pages(*args) != _OK and self._retry(
-                        _k_alloc_pages, args, self._default_mask, "alloc_pages") is None:
+                if self._hot.alloc_pages(*args) != OK and self._retry(
+                        k_alloc_pages, args, self._default_mask, "alloc_pages") is None:
                     return None
                 return out
         num_pages = count_arg(num_pages, "num_pages")
@@ -437,7 +474,7 @@ class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart, FreePart):
         elif out is None:
             # more pages than the owner has free virtual ids is refused by the kernel before anything is
             # written, so a huge num_pages must not size the output either
-            free_ids = int(self._meta[o, _NV]) - 1 - int(self._meta[o, _VLIVE])
+            free_ids = self._heap.num_vpages(o) - 1 - self._heap.live_vpages(o)
             res = torch.empty(min(k, free_ids + 1), dtype=_I64)
             arg, n_out = raw.address(res), k
         else:
@@ -445,7 +482,7 @@ class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart, FreePart):
         if self._active_leases:
             self._tick()
         args = (self._root_a, o, mask, k, arg, n_out, idx_arg, n_idx)
-        if _k_alloc_pages(*args) != _OK and self._retry(_k_alloc_pages, args, mask, "alloc_pages") is None:
+        if k_alloc_pages(*args) != OK and self._retry(k_alloc_pages, args, mask, "alloc_pages") is None:
             return None
         del keep_idx
         if self._sync:
@@ -475,19 +512,19 @@ class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart, FreePart):
         >>> alloc.alloc_pages(3).tolist(), alloc.translate_pages(torch.tensor([5]), "ids").tolist()
         ([1, 2, 3], [5])
         """
-        if len(self._names) != 1 or int(self._meta[0, _GROW]) != _G_UP:
+        if len(self._names) != 1 or self.spec.ends[0].grow is not Grow.UP:
             raise UmallocValueError(f"claim_pages: allowed an id allocator (one 'up' end, the arena's only one); "
                                     f"this arena has ends {list(self._names)}")
         vp = id_batch(vpages, "vpages")
         if self._active_leases:
             self._tick()
-        r = int(_k_claim(self._root_a, 0, vp))
+        r = int(k_claim(self._root_a, 0, vp))
         if r:
             code, pos = r % 8, r // 8
             v = int(vp[pos])
             if code == CLAIM_RANGE:
                 raise InvalidIdError(f"claim_pages: vpages[{pos}]={v} is out of range; allowed "
-                                     f"[{max(1, int(self._meta[0, _FIRST]))}, {int(self._meta[0, _TOP])}]")
+                                     f"[{max(1, self.ends[self._names[0]].first_page)}, {self.ends[self._names[0]].top_page}]")
             what = "is live or repeated in the batch" if code == CLAIM_LIVE else "has a physical page that is not free"
             raise InvalidIdError(f"claim_pages: vpages[{pos}]={v} {what}; allowed distinct free virtual pages")
         if self._sync:
@@ -552,8 +589,8 @@ class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart, FreePart):
         addr = self._addr
         args = (self._root_a, o, mask, addr(prefix_lens), addr(seq_lens), addr(last_loc), B, out_a, n_out)
         res = self._hot.extend(*args)
-        if self._err[0] != _OK:
-            res = self._retry(_k_extend, args, mask, "alloc_extend")
+        if self._err[0] != OK:
+            res = self._retry(k_extend, args, mask, "alloc_extend")
             if res is None:
                 return None
         if self._sync:
@@ -604,7 +641,7 @@ class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart, FreePart):
             self._tick()
         addr = self._addr
         args = (self._root_a, o, mask, addr(seq_lens), addr(last_loc), B, addr(res))
-        if self._hot.decode(*args) != _OK and self._retry(_k_decode, args, mask, "alloc_decode") is None:
+        if self._hot.decode(*args) != OK and self._retry(k_decode, args, mask, "alloc_decode") is None:
             return None
         if self._sync:
             self._after(o, int(self._err[1]))
@@ -630,23 +667,89 @@ class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart, FreePart):
         """
         b = self._bound_index(end, "bind_end")
         toks = _ids(vtokens, "vtokens")
-        o = int(self._meta[b, _OWNER])
+        o = self._heap.owner_of(b)
         mask = self._bind_mask(o, None, only=b)
         if self._active_leases:
             self._tick()
         args = (self._root_a, b, mask, raw.address(toks), toks.numel())
-        n = _k_bind(*args)
+        n = k_bind(*args)
         if n < 0:
-            n = self._retry(_k_bind, args, mask, "bind_end")
+            n = self._retry(k_bind, args, mask, "bind_end")
             if n is None:
                 return False
         if self._sync:
             self._after(o, n)
         return True
 
+    @contextlib.contextmanager
+    def trial(self, *, compaction: bool = True, keep_bytes: Mapping[str, np.ndarray] | None = None,
+              ) -> Iterator[AllocatorTrial]:
+        """Run allocator calls that a caller may roll back as one (Note [Trials]): on leaving the ``with`` block
+        without :meth:`AllocatorTrial.commit`, every host table, band, counter and mirror is restored to what it
+        was on entry; ``keep_bytes`` (end name -> physical pages) have their envelope bytes saved on entry and
+        written back on a rollback (pages a trial frees whose content must survive it).
+
+        Args:
+            compaction: ``False`` runs the trial with compaction off (no byte moves: a rollback is exact without
+                ``keep_bytes``); ``True`` keeps the allocator's mode, whose moves write only into holes and gap.
+
+        Raises:
+            UmallocValueError: ``compaction`` not a bool, a bad ``keep_bytes``, or a trial inside a trial.
+
+        Threading: holds the lease table's lock throughout; lease expiry (F12) waits until the trial ends.
+        Complexity: O(slots + virtual pages) to save and to restore, plus the ``keep_bytes``.
+
+        >>> from umalloc.testing import small_allocator
+        >>> alloc = small_allocator(); before = alloc.snapshot()
+        >>> with alloc.trial() as t:
+        ...     _ = alloc.alloc_pages(3)
+        >>> snapshots_equal(before, alloc.snapshot())
+        True
+        """
+        if type(compaction) is not bool:
+            raise UmallocValueError(f"trial: compaction={compaction!r}; allowed True or False")
+        if self._trial_depth:
+            raise UmallocValueError("trial: a trial is already running on this allocator; allowed one at a time")
+        saved_bytes: list[tuple[str, np.ndarray, torch.Tensor]] = []
+        for end, pages in (keep_bytes or {}).items():
+            e = self._end_index(end)
+            p = np.asarray(pages, dtype=np.int64).reshape(-1)
+            if p.size and (int(p.min()) < 1 or int(p.max()) >= int(self.ends[self._names[e]].num_page_slots)):
+                raise UmallocValueError(f"trial: keep_bytes[{end!r}] holds a page outside [1, slots)")
+            env = self.arena.envelopes(end)
+            saved_bytes.append((end, p, env[torch.from_numpy(p).to(env.device)].clone()))
+        with self._leases.lock:
+            if self._active_leases:
+                self._tick()
+            heap = self._heap
+            mb = heap.mask_base
+            saved = (self._meta.copy(), self._h64.copy(), self._h8[:mb].copy(), dict(self.last_shortfall))
+            mode, eager, debug = self.compaction_mode, self._eager, self.debug_checks
+            handle = AllocatorTrial()
+            self._trial_depth = 1
+            if not compaction:
+                self.compaction_mode, self._eager = "off", False
+            self.debug_checks = False   # a caller's tables are mid-change inside a trial
+            try:
+                yield handle
+            finally:
+                self._trial_depth = 0
+                self.compaction_mode, self._eager, self.debug_checks = mode, eager, debug
+                if not handle.committed:
+                    self._meta[:] = saved[0]
+                    self._h64[:] = saved[1]
+                    self._h8[:mb] = saved[2]
+                    for end, p, data in saved_bytes:
+                        env = self.arena.envelopes(end)
+                        env[torch.from_numpy(p).to(env.device)] = data
+                    for o, mirror in self._mirror.items():
+                        mirror.copy_(torch.from_numpy(self._host2d[o]))
+                elif self.debug_checks:
+                    self.check_invariants()
+
     def _bound_index(self, end: str, where: str) -> int:
         b = self._end_index(end)
-        if self._meta[b, _OWNER] == b:
+        if self._heap.owner_of(b) == b:
             raise UmallocValueError(f"{where}: end {end!r} is an id-owner end; allowed a bound end: "
                                     f"{[n for n in self._names if self.owner_of(n) != n]}")
         return b
@@ -676,7 +779,7 @@ class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart, FreePart):
         """
         if self._active_leases:
             self._tick()
-        return end_stats(self._heap, self.spec, self._leases, self._expired_by_end)
+        return end_stats(self._heap, self.spec, self.ends, self._leases, self._expired_by_end)
 
     def snapshot(self) -> dict[str, Any]:
         """Every page's state and every table, as copies (numpy arrays), plus bands and counters.
@@ -720,5 +823,5 @@ class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart, FreePart):
         return f"MultiEndedAllocator({ends})"
 
 
-__all__ = ["COMPACTION_MODES", "V_FREED", "V_LIVE", "V_NEVER", "V_RESERVED", "EndStats", "EndView",
+__all__ = ["COMPACTION_MODES", "AllocatorTrial", "V_FREED", "V_LIVE", "V_NEVER", "V_RESERVED", "EndStats", "EndView",
            "MultiEndedAllocator", "snapshots_equal"]

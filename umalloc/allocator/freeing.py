@@ -19,8 +19,7 @@ import numpy as np
 import torch
 
 from umalloc.allocator.ids import _NP_I64, _hot_index, _id_arg, check_strict
-from umalloc.pool.kernels.layout import _OWNER
-from umalloc.pool.kernels.ops import _k_free, _k_release
+from umalloc.pool.kernels.ops import k_free, k_release
 
 
 class FreePart:
@@ -35,7 +34,7 @@ class FreePart:
     _default_owner: int
     _bound: dict[str, int]
     _group: dict[int, tuple[int, ...]]
-    _meta: np.ndarray
+    _heap: Any
     _active_leases: Mapping[int, Any]
     _owner_index: Callable[[str | None], int]
     _bound_index: Callable[[str, str], int]
@@ -123,7 +122,7 @@ class FreePart:
         if type(arg) is int and type(idx_arg) is int:  # torch ids by address: Note [Direct entry]
             n = self._hot.free_addr(self._root_a, o, arg, n_ids, pages, idx_arg, n_idx)
         else:
-            n = _k_free(self._root_a, o, arg, n_ids, pages, idx_arg, n_idx)
+            n = k_free(self._root_a, o, arg, n_ids, pages, idx_arg, n_idx)
         del keep, keep_idx
         if n < 0:
             self._raise(where, pages=pages)
@@ -205,14 +204,14 @@ class FreePart:
         if type(arg) is int and type(idx_arg) is int:  # torch ids by address: Note [Direct entry]
             n = self._hot.release_addr(self._root_a, b, arg, n_ids, strict, pages, idx_arg, n_idx)
         else:
-            n = _k_release(self._root_a, b, arg, n_ids, strict, pages, idx_arg, n_idx)
+            n = k_release(self._root_a, b, arg, n_ids, strict, pages, idx_arg, n_idx)
         del keep, keep_idx
         if n < 0:
             self._raise(where, pages=pages)
         if n and self._eager:
             self._after_free((b,))
         if self._sync:
-            self._after(int(self._meta[b, _OWNER]), n)
+            self._after(self._heap.owner_of(b), n)
 
 
 __all__ = ["FreePart"]

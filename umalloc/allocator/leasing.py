@@ -22,7 +22,6 @@ import torch
 
 from umalloc.errors import LeaseError
 from umalloc.leases.table import LEASE_EXPIRED, Lease, LeaseTable
-from umalloc.pool.kernels.placement import _k_unpend
 from umalloc.pool.pagestate import PAGE_LIVE
 
 
@@ -33,15 +32,17 @@ class LeasePart:
     _leases: LeaseTable
     _active_leases: Mapping[int, Lease]
     _expired_by_end: list[int]
+    _trial_depth: int
     _index: dict[str, int]
-    _meta: np.ndarray
-    _h64: np.ndarray
-    _h8: np.ndarray
+    _heap: Any
     _end_index: Callable[[str], int]
 
     def _tick(self) -> None:
         """Deliver pages unpinned on other threads, then reclaim leases past their deadline (F12) or put them in
-        doubt (F24); the unpinned-hook turns their pending pages into holes."""
+        doubt (F24); the unpinned-hook turns their pending pages into holes. Nothing while a trial runs (Note
+        [Trials] in :mod:`umalloc.allocator.facade`: a rollback must not undo a reclaim the lease table keeps)."""
+        if self._trial_depth:
+            return
         table = self._leases
         if table._queue:
             table.drain()
@@ -112,7 +113,7 @@ class LeasePart:
         e = self._index[end]
         # pending pages whose last pin dropped become holes (or gap at a band edge); eager compaction runs on the
         # next free, lazy compaction on the next shortfall
-        _k_unpend(self._meta, self._h64, self._h8, e, np.ascontiguousarray(pages, dtype=np.int64))
+        self._heap.unpend(e, pages)
 
 
 __all__ = ["LeasePart"]

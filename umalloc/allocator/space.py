@@ -25,9 +25,7 @@ from umalloc.geometry.arena import Arena
 from umalloc.geometry.spec import ArenaSpec, swa_tail_start
 from umalloc.pool.compaction import CompactionReport, MovePlan, apply_plan
 from umalloc.pool.heap import Heap
-from umalloc.pool.kernels.codes import _E_IDS, _E_SHORT, _OK
-from umalloc.pool.kernels.layout import _HI, _HOLES, _LO, _MOVES, _OWNER, _PB, _PS
-from umalloc.pool.kernels.placement import _k_recount, _plan, _reach
+from umalloc.pool.kernels.codes import E_IDS, E_SHORT, OK
 from umalloc.pool.ladder import plan_end, plan_shortfall, slide_plan
 from umalloc.pool.pagestate import PAGE_HOLE
 
@@ -83,15 +81,15 @@ class SpacePart:
         """The slow path of a placement kernel that did not return OK (the hot path tests that inline): misuse
         raises (nothing changed); a shortfall runs the ladder (Note [Shortfall]) and the kernel once more.
         Returns the kernel's result, or None if the pages still do not fit (nothing changed)."""
-        if self._err[0] == _E_IDS:  # the owner's virtual id space is exhausted: no ladder can help
+        if self._err[0] == E_IDS:  # the owner's virtual id space is exhausted: no ladder can help
             self._short()
             return None
-        if self._err[0] != _E_SHORT:
+        if self._err[0] != E_SHORT:
             self._raise(where)
         if not self._retry_after_shortfall(int(self._err[2]), mask):
             return None
         res = kernel(*args)
-        if self._err[0] != _OK:
+        if self._err[0] != OK:
             self._short()
             return None
         return res
@@ -120,9 +118,9 @@ class SpacePart:
 
     def _apply_slide(self, f: int, shift: int) -> None:
         """Shift float end ``f``'s band by ``shift`` pages (Note [Float slide] in :mod:`umalloc.pool.ladder`)."""
-        plan, wide_lo, wide_hi = slide_plan(int(self._meta[f, _LO]), int(self._meta[f, _HI]), shift)
+        plan, wide_lo, wide_hi = slide_plan(*self._heap.band(f), shift)
         self._heap.end_tables(f)[1][plan.dst_pages] = PAGE_HOLE  # the band first widens over the gap, as holes
-        self._meta[f, _LO], self._meta[f, _HI] = wide_lo, wide_hi
+        self._heap.set_band(f, wide_lo, wide_hi)
         self._apply_plan(f, plan)
 
     def _plan_end(self, e: int, budget: int | None, free_edge: str = "high") -> MovePlan:
@@ -135,11 +133,9 @@ class SpacePart:
         v = self.ends[name]
         p2v, state, v2p = self._heap.end_tables(e)
         apply_plan(self.arena, name, plan, state=state, p2v=p2v, v2p=v2p, pins=self._pins[e])
-        self._meta[e, _LO], self._meta[e, _HI] = plan.new_lo, plan.new_hi
-        _k_recount(self._meta, self._h64, self._h8, e)
-        self._meta[e, _MOVES] += plan.num_moves
+        self._heap.after_moves(e, plan.new_lo, plan.new_hi, plan.num_moves)
         if self._mirror and plan.num_moves:
-            self._refresh_mirror(int(self._meta[e, _OWNER]), v.p2v[plan.dst_pages])
+            self._refresh_mirror(self._heap.owner_of(e), v.p2v[plan.dst_pages])
         if plan.num_moves:
             logger.debug("compaction of %r moved %d page(s); band [%d, %d)", name, plan.num_moves,
                          plan.new_lo, plan.new_hi)
@@ -167,11 +163,11 @@ class SpacePart:
         e = self._end_index(end)
         if self._active_leases:
             self._tick()
-        return int(self._meta[e, _HOLES]) + int(_reach(self._meta, self._h64, e))
+        return self._heap.free_pages(e)
 
     def available_tokens(self, end: str) -> int:
         """:meth:`available_pages` times ``page_size``."""
-        return self.available_pages(end) * int(self._meta[self._end_index(end), _PS])
+        return self.available_pages(end) * self._heap.page_size(self._end_index(end))
 
     def can_alloc(self, num_pages_by_end: Mapping[str, int]) -> bool:
         """True if every named end can take its page count *at the same time* (the joint plan over the shared
@@ -200,9 +196,9 @@ class SpacePart:
         need = np.zeros(E, np.int64)
         for name, k in num_pages_by_end.items():
             e = self._end_index(name)
-            need[e] = max(0, count_arg(k, f"num_pages_by_end[{name!r}]") - int(self._meta[e, _HOLES]))
+            need[e] = max(0, count_arg(k, f"num_pages_by_end[{name!r}]") - self._heap.hole_pages(e))
         nlo, nhi, deficit = np.empty(E, np.int64), np.empty(E, np.int64), np.empty(E, np.int64)
-        _plan(self._meta, self._chain, need, nlo, nhi, deficit)
+        self._heap.plan_bands(need, nlo, nhi, deficit)
         return {self._names[e]: int(deficit[e]) for e in range(E) if deficit[e] > 0}
 
     @staticmethod
@@ -253,8 +249,8 @@ class SpacePart:
         (1, [2, 1])
         """
         if budget_pages is not None and (isinstance(budget_pages, bool) or not isinstance(budget_pages, int)
-                                         or budget_pages < 0):
-            raise UmallocValueError(f"budget_pages={budget_pages!r}: allowed None or an int >= 0")
+                                         or not 0 <= budget_pages < 1 << 63):
+            raise UmallocValueError(f"budget_pages={budget_pages!r}: allowed None or an int in [0, 2**63)")
         if self._active_leases:
             self._tick()
         ends = [self._end_index(end)] if end is not None else self._chain.tolist()
@@ -264,7 +260,7 @@ class SpacePart:
             if plan.num_moves or plan.retreated_pages:
                 report = report + self._apply_plan(e, plan)
             else:
-                report = report + CompactionReport.from_plan(self._names[e], plan, int(self._meta[e, _PB]))
+                report = report + CompactionReport.from_plan(self._names[e], plan, self._heap.page_bytes(e))
         if self.debug_checks:
             self.check_invariants()
         return report

@@ -23,7 +23,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple, NoReturn
+from typing import Any, NamedTuple, NoReturn, overload
 
 import numpy as np
 import torch
@@ -31,7 +31,6 @@ import torch
 from umalloc.allocator.ids import _I64, _NP_I64, _ids, _np_ids, _out, _out_arg, check_strict, read_only_table
 from umalloc.errors import InvalidIdError, UmallocError
 from umalloc.pool.heap import Heap
-from umalloc.pool.kernels.layout import _OWNER, _PS
 from umalloc.translators import cpu as host_translator
 from umalloc.translators import cuda as device_translator
 
@@ -52,7 +51,6 @@ class TranslationPart:
     """Translation methods of the allocator facade (the attributes below are set by its constructor)."""
 
     _heap: Heap
-    _meta: np.ndarray
     _err: np.ndarray
     _names: tuple[str, ...]
     _group: dict[int, tuple[int, ...]]
@@ -73,7 +71,7 @@ class TranslationPart:
         writable copy. On CPU it views the host master; on CUDA the device mirror refreshed by every call. O(1).
         """
         e = self._end_index(end)
-        o = int(self._meta[e, _OWNER])
+        o = self._heap.owner_of(e)
         row = self._group[o].index(e)
         if self._mirror:
             return read_only_table(self._mirror[o][row])
@@ -85,6 +83,12 @@ class TranslationPart:
         e = self._end_index(end)
         return read_only_table(torch.from_numpy(self._heap.end_tables(e)[0]))
 
+    @overload
+    def translate(self, vtokens: torch.Tensor, end: str, *, strict: bool = True,
+                  out: torch.Tensor | None = None) -> torch.Tensor: ...
+    @overload
+    def translate(self, vtokens: np.ndarray, end: str, *, strict: bool = True,
+                  out: np.ndarray | None = None) -> np.ndarray: ...
     def translate(self, vtokens: torch.Tensor | np.ndarray, end: str, *, strict: bool = True,
                   out: torch.Tensor | np.ndarray | None = None) -> torch.Tensor | np.ndarray:
         """Physical token ids of ``end`` for virtual token ids: ``v2p[end][t // ps] * ps + t % ps``.
@@ -114,6 +118,12 @@ class TranslationPart:
         """
         return self._translate(vtokens, end, strict, out, pages=False)
 
+    @overload
+    def translate_pages(self, vpages: torch.Tensor, end: str, *, strict: bool = True,
+                        out: torch.Tensor | None = None) -> torch.Tensor: ...
+    @overload
+    def translate_pages(self, vpages: np.ndarray, end: str, *, strict: bool = True,
+                        out: np.ndarray | None = None) -> np.ndarray: ...
     def translate_pages(self, vpages: torch.Tensor | np.ndarray, end: str, *, strict: bool = True,
                         out: torch.Tensor | np.ndarray | None = None) -> torch.Tensor | np.ndarray:
         """Physical pages of ``end`` for virtual pages (``(n,)``, the forms :meth:`translate` takes: torch or
@@ -137,9 +147,9 @@ class TranslationPart:
         except (KeyError, TypeError):
             pass
         e = self._end_index(end)  # type: ignore[arg-type]
-        o = int(self._meta[e, _OWNER])
+        o = self._heap.owner_of(e)
         row = self._group[o].index(e)
-        tables = _EndTables(e, self._names[e], self._host2d[o][row], int(self._meta[e, _PS]),
+        tables = _EndTables(e, self._names[e], self._host2d[o][row], self._heap.page_size(e),
                             self._mirror[o][row] if self._mirror else None)
         self._end_tables[end] = tables
         return tables
@@ -269,9 +279,7 @@ class TranslationPart:
         """
         res = self.translate_pages(vpages, end)
         phys = res if isinstance(res, np.ndarray) else res.cpu().numpy()
-        if phys.size == 0:
-            return 0
-        return int(1 + np.count_nonzero(phys[1:] != phys[:-1] + 1))
+        return int(host_translator.pages_to_runs_numpy(phys, phys).shape[0])  # the one run coalescer
 
 
 __all__ = ["TranslationPart"]

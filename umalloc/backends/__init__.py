@@ -22,16 +22,14 @@ Policy:
   the plan checks) ; ``descriptors`` (raw batch validation, region lookup) <- ``registry`` (registration
   multiset, F21) and ``peers`` (metadata, connect-time layout check, F22) ; ``published`` (receiver halves
   published to senders, settled when the engine lets go of their memory) ; all <- ``base`` (:class:`BackendBase`)
-  <- ``local`` / ``nixl`` / ``mooncake``; ``_worker`` (a backend in a second process) uses only
+  <- ``local`` / ``nixl`` / ``mooncake``; ``worker`` (a backend in a second process) uses only
   :func:`get_backend`. Backends know plans (by protocol) and regions, never allocators.
-* :func:`require_or_skip` is the one place tests decide whether an engine may be skipped: under
-  ``UMALLOC_REQUIRE_BACKENDS=1`` (CI) a missing engine fails the test instead.
+* Tests decide whether an engine may be skipped in one place, :func:`umalloc.testing.require_or_skip`.
 """
 
 from __future__ import annotations
 
 import importlib
-import os
 
 from umalloc.backends.handle import HANDLE_STATES, TransferHandle
 from umalloc.backends.protocol import PlanLike, TransferBackend
@@ -46,7 +44,6 @@ __all__ = [
     "available_backends",
     "backend_available",
     "get_backend",
-    "require_or_skip",
 ]
 
 #: Names accepted by :func:`get_backend`, in conformance-suite order.
@@ -60,10 +57,6 @@ _MODULES = {
 
 #: The Python module each engine needs (checked by :func:`backend_available`).
 _ENGINE_MODULES = {"local": None, "nixl": "nixl_cu12", "mooncake": "mooncake.engine"}
-
-#: Env var that turns engine skips into failures (set in CI).
-REQUIRE_ENV = "UMALLOC_REQUIRE_BACKENDS"
-
 
 def get_backend(name: str, **kw: object) -> TransferBackend:
     """Create a transfer backend by name, importing its engine only now.
@@ -112,20 +105,3 @@ def backend_available(name: str) -> tuple[bool, str]:
 def available_backends() -> list[str]:
     """The names of :data:`BACKEND_NAMES` whose engines import here, in order."""
     return [n for n in BACKEND_NAMES if backend_available(n)[0]]
-
-
-def require_or_skip(name: str) -> None:
-    """Skip the calling pytest test if backend ``name`` cannot be imported — or FAIL it under
-    ``UMALLOC_REQUIRE_BACKENDS=1`` (CI), so a broken install can never pass as a skip.
-
-    Raises:
-        pytest's Skipped or Failed outcome (imports pytest lazily; only for use inside tests).
-    """
-    ok, why = backend_available(name)
-    if ok:
-        return
-    import pytest
-
-    if os.environ.get(REQUIRE_ENV, "") not in ("", "0"):
-        pytest.fail(f"backend {name!r} is required ({REQUIRE_ENV}=1) but unavailable: {why}", pytrace=False)
-    pytest.skip(f"backend {name!r} unavailable: {why}")

@@ -44,7 +44,7 @@ failure at once, the pages stay pinned until the hold is let go (F24).
 
 Note [Deadlines and in-flight parts]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-The rule (DESIGN: compaction gating, F11): while a transfer may still read or write a page, the page stays
+The rule (F11 in docs/faults.md): while a transfer may still read or write a page, the page stays
 leased. ``wait``'s deadline bounds the *caller's wait*, not the engine: no engine here can take back bytes it
 was handed (Mooncake has no cancel; its ``TIMEOUT`` status is the engine's slice-age report about a slice that
 is still in flight; NIXL can refuse to release a request that is still active). Setting the engine's timeout
@@ -105,7 +105,7 @@ from umalloc.backends.peers import (
     peer_info,
 )
 from umalloc.backends.protocol import EngineHold, PlanLike, check_plan, plan_item_bytes
-from umalloc.backends.published import PublishedHalves
+from umalloc.backends.published import PublishedHalves, check_half_registered
 from umalloc.backends.registry import Registry, validate_regions
 from umalloc.errors import (
     BackendError,
@@ -118,6 +118,7 @@ from umalloc.errors import (
 )
 from umalloc.geometry.region import Region
 from umalloc.transfer import PeerLayout
+from umalloc.transfer.plan import ReceiverHalf
 
 
 def _check_timeout(timeout_s: object) -> None:
@@ -349,7 +350,7 @@ class BackendBase:
                 half.fail(exc)  # type: ignore[attr-defined]
         return state
 
-    def publish_half(self, half: object) -> dict:
+    def publish_half(self, half: object, sender: str | None = None) -> dict:
         """Receiver side: ``half.publish()`` for senders that write through this backend into memory registered
         here (a :class:`~umalloc.transfer.plan.ReceiverHalf`), keeping the half so that :meth:`close` and
         :meth:`reset` settle it, if it is still held then, once the engine released every registration — where
@@ -358,12 +359,68 @@ class BackendBase:
         the sender's report (``half.complete()`` / ``half.settle()``) or :meth:`fail_half_if_peer_died` ends it.
         O(halves held).
 
+        ``sender``: the connected peer that writes the half (optional): :meth:`poll_half` and :meth:`wait_half`
+        then check its liveness on every call and fail the half with :class:`~umalloc.errors.PeerDiedError` once
+        it is not alive (F12), so a receiver that only waits learns of a dead sender.
+
         Raises:
             BackendError: the backend is closed.
+            UmallocValueError: ``half`` is not a ReceiverHalf, or ``sender`` not a connected peer.
+            RegistrationError: the half's pages lie outside the memory registered here, or this backend has no
+                layout to place them with (:meth:`set_layout`), or the half names another layout (nothing kept).
             LeaseError, UmallocValueError: the half's lease or the half already ended (nothing kept).
         """
         self._check_open()
-        return self._halves.publish(half)
+        if not isinstance(half, ReceiverHalf):
+            raise UmallocValueError(f"publish_half: half={type(half).__name__}; allowed a ReceiverHalf "
+                                    f"(build_receiver_half)")
+        if sender is not None:
+            self._get_peer(sender)
+        check_half_registered(half, self._layout_obj, self._reg.regions, self.name)
+        return self._halves.publish(half, sender)
+
+    # Note [Published half liveness]: a receiver that names the sender at publish_half gets its liveness
+    # checked on every poll_half / wait_half (peer_state: the process gone -> the half settles; the engine
+    # reports it down -> the half fails, in doubt), so an engine that only waits is told PeerDiedError (F12).
+    def poll_half(self, half: object) -> str:
+        """Receiver side: the state of a half published here (``"pending"``, ``"done"``, ``"failed"``) after a
+        liveness check of the sender named at :meth:`publish_half` (Note [Published half liveness]): a sender
+        that is not alive fails the half (``"gone"``: it settles, its pages come free; ``"unreachable"``: in
+        doubt) and :class:`~umalloc.errors.PeerDiedError` is raised. Progresses the engine first.
+
+        Raises: UmallocValueError: not a ReceiverHalf. PeerDiedError: the sender died (the half has ended).
+        Complexity: one :meth:`peer_state` (Mooncake: a probe bounded by 1 s) while the half is pending.
+        """
+        self._check_open()
+        if not isinstance(half, ReceiverHalf):
+            raise UmallocValueError(f"poll_half: half={type(half).__name__}; allowed a ReceiverHalf published here")
+        sender = self._halves.sender_of(half)
+        self.progress()
+        if half.state == "pending" and sender is not None and sender in self._peers:  # type: ignore[attr-defined]
+            self.fail_half_if_peer_died(half, sender)
+        if isinstance(half.error, PeerDiedError):  # type: ignore[attr-defined]
+            raise half.error  # type: ignore[attr-defined]
+        return half.state  # type: ignore[attr-defined, no-any-return]
+
+    def wait_half(self, half: object, timeout_s: float) -> str:
+        """Receiver side: block until a half published here ended (the sender's report: ``half.complete()`` /
+        ``settle()`` from any thread) or ``timeout_s`` passed, checking the sender's liveness on every poll
+        (:meth:`poll_half`). Returns the half's terminal state.
+
+        Raises:
+            UmallocValueError: not a ReceiverHalf, or a bad ``timeout_s``. PeerDiedError: the sender died.
+            TransferTimeout: still pending at the deadline; the half is left as it is (a timeout proves nothing:
+                the sender may still write, F24).
+        """
+        _check_timeout(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while self.poll_half(half) == "pending":
+            now = time.monotonic()
+            if now >= deadline:
+                raise TransferTimeout(f"{self.name}: receiver half {half.request_id!r} still pending after "  # type: ignore[attr-defined]
+                                      f"{timeout_s:.3g} s (left pending: its sender may still write)")
+            time.sleep(min(self.wait_max_sleep_s * 4, deadline - now))
+        return half.state  # type: ignore[attr-defined, no-any-return]
 
     def published_halves(self) -> int:
         """Halves published through :meth:`publish_half` that may still be written (pending, or in doubt). O(n)."""
@@ -463,6 +520,7 @@ class BackendBase:
         dst_idx = locate(d, 1, info.starts, info.ends,
                          f"destination was never registered by peer {peer!r} ({len(info.regions)} region(s) "
                          "in its metadata)")
+        self._engine_check_peer_metadata(info)
         n = d.shape[0]
         total = int(d[:, 2].sum()) if n else 0
         chunks = chunk_located(d, src_idx, dst_idx, *self._max_batch, self._reg, info)
@@ -746,6 +804,10 @@ class BackendBase:
 
     def _engine_metadata(self) -> dict:
         return {}
+
+    def _engine_check_peer_metadata(self, peer: PeerInfo) -> None:
+        """Engine hook, before a batch is posted: raise RegistrationError if the peer's metadata is known to be
+        stale (its registrations changed since it was taken); nothing is posted then."""
 
     def _engine_connect(self, md: dict) -> str:
         raise NotImplementedError

@@ -7,7 +7,7 @@ Policy:
   (``get_agent_metadata`` -> ``add_remote_agent``). Without a progress thread a target only advances when it is
   progressed, so :meth:`progress` drains notifications (``get_new_notifs``) of every live agent of this
   process, ``wait`` progresses while it polls, and a receiver in another process keeps calling
-  :meth:`progress` (``needs_progress`` is True; the worker harness in :mod:`umalloc.backends._worker` does it).
+  :meth:`progress` (``needs_progress`` is True; the worker harness in :mod:`umalloc.backends.worker` does it).
 * ``UCX_NET_DEVICES`` defaults to ``lo`` (loopback) before the first agent starts, and then ``UCX_MODULES`` to
   ``^ib,rdmacm`` (Note [UCX modules on loopback]); both are left alone when already set.
 * Posting: one request per chunk of Note [Bounded batches] (:mod:`umalloc.backends.descriptors`) and (source
@@ -49,6 +49,16 @@ here). umalloc therefore adds a small handshake on NIXL's own notification chann
   target drops the sender.
 * A target that dies without a bye is caught by UCX (``NIXL_ERR_REMOTE_DISCONNECT``), and within one process the
   peer's open/closed state is read directly.
+
+Note [NIXL registration generations]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A target's metadata carries its registration generation (``reg_gen``: 1, + 1 at every deregistration). A sender's
+hello quotes the generation of the metadata it connects with; a target at another generation answers
+``umalloc:stale:<now>`` instead of the ack, and ``connect`` raises :class:`~umalloc.errors.RegistrationError`
+(F30: old metadata names memory deregistered since; a WRITE through it would land there and report DONE). A
+target that deregisters tells its senders ``umalloc:regen:<now>``, and every post checks the generation (within
+one process, the target's own counter): a post to a target past the connect's generation is refused before
+anything is sent.
 
 Notifications are drained with ``get_new_notifs`` (``update_notifs`` keeps every message forever).
 
@@ -114,6 +124,8 @@ HELLO = b"umalloc:hello:"
 ACK = b"umalloc:ack"
 BYE = b"umalloc:bye"
 FORGET = b"umalloc:forget"
+STALE = b"umalloc:stale:"   # the target's answer to a hello carrying an old registration generation
+REGEN = b"umalloc:regen:"   # the target tells its senders its registration generation moved
 #: Live NIXL backends of this process by agent name (peers in one process read each other's state).
 _AGENTS: weakref.WeakValueDictionary[str, NixlBackend] = weakref.WeakValueDictionary()
 #: ``auto`` posts prepared per-page lists when descriptors average at most this many pages.
@@ -168,6 +180,12 @@ class NixlBackend(BackendBase):
         self._senders: set[str] = set()  # agents that said hello to us (we are their target)
         self._acked: set[str] = set()  # targets that answered our hello
         self._gone: set[str] = set()  # targets that said bye
+        # Note [NIXL registration generations]: this side's generation (+ 1 at every deregistration), the
+        # generation each target's metadata carried at connect, and targets known to have moved past it
+        self._reg_gen = 1
+        self._peer_gen: dict[str, int] = {}
+        self._stale: dict[str, int] = {}
+        self._loaded_stale: set[str] = set()   # senders loaded only to answer a stale hello
         _AGENTS[self.agent_name] = self
 
     # ---- registration ----------------------------------------------------------------------------------
@@ -194,6 +212,12 @@ class NixlBackend(BackendBase):
 
     def _engine_deregister(self, region: Region, token: object) -> None:
         self._agent.deregister_memory(token, backends=["UCX"])
+        self._reg_gen += 1   # metadata taken before now names memory that may be gone
+        for sender in sorted(self._senders):
+            try:
+                self._agent.send_notif(sender, REGEN + str(self._reg_gen).encode())
+            except Exception:  # pragma: no cover - a sender already gone needs no notice
+                pass
 
     def _on_registration_change(self) -> None:
         self._drop_prepped(lambda key: True)
@@ -209,7 +233,7 @@ class NixlBackend(BackendBase):
     # ---- metadata and peers ----------------------------------------------------------------------------
     def _engine_metadata(self) -> dict:
         md = self._agent.get_agent_metadata()
-        return {"agent_name": self.agent_name, "agent_md": base64.b64encode(md).decode()}
+        return {"agent_name": self.agent_name, "agent_md": base64.b64encode(md).decode(), "reg_gen": self._reg_gen}
 
     def _check_engine_metadata(self, engine: dict) -> None:
         name, md = engine.get("agent_name"), engine.get("agent_md")
@@ -221,6 +245,10 @@ class NixlBackend(BackendBase):
             ok = False
         if not ok:
             raise UmallocValueError("nixl peer metadata: engine.agent_md allowed the base64 of NIXL agent metadata")
+        gen = engine.get("reg_gen")
+        if isinstance(gen, bool) or not isinstance(gen, int) or gen < 1:
+            raise UmallocValueError(f"nixl peer metadata: engine.reg_gen={gen!r}, allowed an int >= 1 (the "
+                                    f"registration generation)")
 
     def _engine_connect(self, md: dict) -> str:
         eng = md["engine"]  # checked by _check_engine_metadata
@@ -241,10 +269,17 @@ class NixlBackend(BackendBase):
             raise BackendError(f"nixl: metadata names agent {want!r} but NIXL loaded {name!r}")
         self._acked.discard(name)
         self._gone.discard(name)
+        self._stale.pop(name, None)
+        gen = int(eng["reg_gen"])
         try:
-            self._agent.send_notif(name, HELLO + self._agent.get_agent_metadata())
+            self._agent.send_notif(name, HELLO + str(gen).encode() + b":" + self._agent.get_agent_metadata())
             deadline = time.monotonic() + self.connect_timeout_s
             while name not in self._acked:
+                if name in self._stale:
+                    raise RegistrationError(
+                        f"nixl: the metadata of peer {name!r} is stale: it carries registration generation {gen}, "
+                        f"the peer is at {self._stale.pop(name)} (it deregistered memory since); allowed the "
+                        f"peer's current metadata")
                 if time.monotonic() >= deadline:
                     raise BackendError(f"nixl: peer {name!r} did not answer the handshake within "
                                        f"{self.connect_timeout_s:.3g} s (is it progressing?)")
@@ -256,9 +291,29 @@ class NixlBackend(BackendBase):
             except Exception:  # pragma: no cover
                 pass
             raise
+        self._peer_gen[name] = gen
         return name
 
+    def _engine_check_peer_metadata(self, peer: PeerInfo) -> None:
+        """Note [NIXL registration generations]: refuse a post to a target whose registrations moved past the
+        generation its metadata carried (its notice, or within this process its own counter)."""
+        self._engine_progress()
+        if self._peer_closed(peer.name):
+            return   # a closed target fails the handle as a closed peer (its engine writes nothing more)
+        want = self._peer_gen.get(peer.name)
+        other = _AGENTS.get(peer.name)
+        now = self._stale.get(peer.name)
+        if now is None and other is not None and peer.pid == os.getpid() and want is not None \
+                and other._reg_gen != want:
+            now = other._reg_gen
+        if now is not None and now != want:
+            raise RegistrationError(f"nixl: peer {peer.name!r} deregistered memory since its metadata was taken "
+                                    f"(registration generation {want} -> {now}); nothing was sent; allowed a "
+                                    f"reconnect with its current metadata")
+
     def _engine_disconnect(self, peer: PeerInfo) -> None:
+        self._peer_gen.pop(peer.name, None)
+        self._stale.pop(peer.name, None)
         self._drop_prepped(lambda key: key[0] == peer.name)
         self._acked.discard(peer.name)
         try:
@@ -470,17 +525,32 @@ class NixlBackend(BackendBase):
     def _on_notif(self, sender: str, msg: bytes) -> None:
         """Note [NIXL peer handshake]."""
         if msg.startswith(HELLO):
+            gen_s, _, agent_md = msg[len(HELLO):].partition(b":")
+            if not gen_s.isdigit() or int(gen_s) != self._reg_gen:
+                try:   # Note [NIXL registration generations]: stale metadata; the sender's connect refuses
+                    if sender not in self._peers and sender not in self._loaded_stale:
+                        self._agent.add_remote_agent(agent_md)
+                        self._loaded_stale.add(sender)
+                    self._agent.send_notif(sender, STALE + str(self._reg_gen).encode())
+                except Exception:  # a sender we cannot answer times out in its connect
+                    pass
+                return
             try:
                 if sender not in self._peers:  # (a peer we send to is loaded already: keep that connection)
-                    if sender in self._senders:
+                    if sender in self._senders or sender in self._loaded_stale:
                         self._agent.remove_remote_agent(sender)  # a sender reconnecting: refresh
-                    self._agent.add_remote_agent(msg[len(HELLO):])
+                        self._loaded_stale.discard(sender)
+                    self._agent.add_remote_agent(agent_md)
                 self._senders.add(sender)
                 self._agent.send_notif(sender, ACK)
             except Exception:  # a sender we cannot answer times out in its connect
                 self._senders.discard(sender)
         elif msg == ACK:
             self._acked.add(sender)
+        elif msg.startswith(STALE) or msg.startswith(REGEN):
+            gen_s = msg[len(STALE if msg.startswith(STALE) else REGEN):]
+            if gen_s.isdigit():
+                self._stale[sender] = int(gen_s)
         elif msg == BYE:
             self._gone.add(sender)
         elif msg == FORGET and sender in self._senders:

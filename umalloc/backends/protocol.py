@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 @runtime_checkable
 class TransferBackend(Protocol):
-    """What every transfer backend provides (DESIGN §4).
+    """What every transfer backend provides.
 
     Lifecycle: ``register`` the arena regions, exchange ``metadata()`` out of band, ``connect`` to the peer's
     metadata, then ``submit`` plans (or ``write_descriptors`` batches) and ``poll`` / ``wait`` / ``release``

@@ -21,7 +21,12 @@ Policy:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
+
+from umalloc.errors import RegistrationError
 
 
 def _held(half: Any) -> bool:
@@ -31,14 +36,15 @@ def _held(half: Any) -> bool:
 class PublishedHalves:
     """The halves one backend published that may still be written (see the module policy)."""
 
-    __slots__ = ("_halves",)
+    __slots__ = ("_halves", "_senders")
 
     def __init__(self) -> None:
         self._halves: list[Any] = []
+        self._senders: dict[int, tuple[Any, str]] = {}   # id(half) -> (half, its sender peer), halves held
 
-    def publish(self, half: Any) -> dict:
-        """``half.publish()``, and keep ``half`` until it ended or :meth:`end_all`. Idempotent per half.
-        O(halves held).
+    def publish(self, half: Any, sender: str | None = None) -> dict:
+        """``half.publish()``, and keep ``half`` (with the peer ``sender`` that writes it, if named) until it ended
+        or :meth:`end_all`. Idempotent per half. O(halves held).
 
         Raises:
             LeaseError, UmallocValueError: from ``half.publish()`` (its lease ended, or the half ended); nothing
@@ -48,7 +54,15 @@ class PublishedHalves:
         kept = [h for h in self._halves if h is not half and _held(h)]
         kept.append(half)
         self._halves = kept
+        self._senders = {k: v for k, v in self._senders.items() if _held(v[0])}
+        if sender is not None:
+            self._senders[id(half)] = (half, sender)
         return wire
+
+    def sender_of(self, half: Any) -> str | None:
+        """The sender named when ``half`` was published (``None``: none, or not published here). O(1)."""
+        got = self._senders.get(id(half))
+        return got[1] if got is not None and got[0] is half else None
 
     def held(self) -> int:
         """How many published halves may still be written. O(halves kept)."""
@@ -58,6 +72,7 @@ class PublishedHalves:
         """Forget every half; with ``settle`` (no peer can write the memory any more) settle each one still held
         with ``exc`` first. Returns how many were still held. O(halves kept + their leased pages)."""
         halves, self._halves = self._halves, []
+        self._senders.clear()
         held = [h for h in halves if _held(h)]
         if settle:
             for half in held:
@@ -65,4 +80,29 @@ class PublishedHalves:
         return len(held)
 
 
-__all__ = ["PublishedHalves"]
+def check_half_registered(half: Any, lay: Any, registered: Sequence[Any], backend: str) -> None:
+    """Raise RegistrationError unless every page of ``half`` lies inside one of the ``registered`` regions of
+    backend ``backend`` (named in messages), placed by its PeerLayout ``lay`` (F25: memory the engine never
+    registered cannot be fenced by its close). O(pages + regions log regions)."""
+    if lay is None:
+        raise RegistrationError(f"publish_half: this {backend} backend has no layout (set_layout) to place "
+                                f"the half's pages with; allowed a backend built with the receiver's layout")
+    if half.layout_digest != lay.digest:
+        raise RegistrationError(f"publish_half: the half refers to layout {half.layout_digest[:12]}, this "
+                                f"backend's is {lay.digest[:12]}; allowed a half of the memory registered here")
+    regions = sorted(registered, key=lambda r: r.base_ptr)
+    bases = np.array([r.base_ptr for r in regions], dtype=np.uint64)
+    ends = np.array([r.base_ptr + r.nbytes for r in regions], dtype=np.uint64)
+    for end, pages in half.pages_by_end().items():
+        pb = lay.end(end).page_bytes
+        lo = np.uint64(lay.arena_base_ptr) + np.asarray(pages, dtype=np.uint64) * np.uint64(pb)
+        i = np.searchsorted(bases, lo, side="right").astype(np.int64) - 1
+        ok = (i >= 0) & (lo + np.uint64(pb) <= ends[np.maximum(i, 0)]) if regions else np.zeros(lo.shape, bool)
+        if not ok.all():
+            bad = int(np.asarray(pages)[np.flatnonzero(~ok)[0]])
+            raise RegistrationError(f"publish_half: page {bad} of end {end!r} lies outside every region "
+                                    f"registered on this {backend} backend; allowed a half of registered "
+                                    f"memory")
+
+
+__all__ = ["PublishedHalves", "check_half_registered"]

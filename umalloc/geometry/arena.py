@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from umalloc.errors import InvalidIdError, UmallocValueError
+from umalloc.errors import ArenaMemoryError, InvalidIdError, UmallocValueError
 from umalloc.geometry.region import DRAM, VRAM, Region, RegionMember
 from umalloc.geometry.spec import ArenaSpec, EndSpec, LayerKind
 
@@ -74,9 +74,20 @@ class Arena:
             raise UmallocValueError(f"spec={spec!r}: allowed an ArenaSpec")
         self.spec = spec
         dev = _arena_device(device)
+        if type(pin_memory) is not bool or type(zero) is not bool:
+            raise UmallocValueError(f"zero={zero!r}, pin_memory={pin_memory!r}: allowed True or False")
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise UmallocValueError(f"device={device!r}: no CUDA device is available here; allowed 'cpu'")
+        if pin_memory and dev.type == "cpu" and not torch.cuda.is_available():
+            raise UmallocValueError("pin_memory=True: pinned host memory needs a CUDA device, and none is "
+                                    "available here; allowed pin_memory=False")
         alloc = torch.zeros if zero else torch.empty
-        self.data: torch.Tensor = alloc(spec.arena_bytes, dtype=torch.uint8, device=dev,
-                                        pin_memory=pin_memory and dev.type == "cpu")
+        try:
+            self.data: torch.Tensor = alloc(spec.arena_bytes, dtype=torch.uint8, device=dev,
+                                            pin_memory=pin_memory and dev.type == "cpu")
+        except (RuntimeError, MemoryError, TypeError, OverflowError) as exc:   # torch: RuntimeError, or a size past int64
+            raise ArenaMemoryError(f"arena_bytes={spec.arena_bytes} on {dev}: could not be allocated "
+                                   f"({str(exc).splitlines()[0][:120]})") from None
         self._page_bytes = {e.name: e.page_bytes for e in spec.ends}
 
     # ---- geometry -------------------------------------------------------------------------------------
@@ -104,7 +115,7 @@ class Arena:
         """Bytes of one page (envelope) of ``end``."""
         try:
             return self._page_bytes[end]
-        except KeyError:
+        except (KeyError, TypeError):
             self.spec.end(end)  # raises SpecError naming the allowed ends
             raise
 
@@ -117,6 +128,7 @@ class Arena:
         return self.spec.top_page(end)
 
     def _check_page(self, end: str, ppage: int) -> None:
+        self.spec.end(end)   # a bad end name raises SpecError before any lookup
         top = self.top_page(end)
         if isinstance(ppage, bool) or not isinstance(ppage, int) or not 0 <= ppage <= top:
             raise InvalidIdError(f"physical page {ppage!r} of end {end!r}: allowed a Python int in [0, {top}]")

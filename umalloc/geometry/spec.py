@@ -438,7 +438,7 @@ class ArenaSpec:
         """The end called ``name``; raises :class:`SpecError` if there is none."""
         try:
             return self._by_name[name]
-        except KeyError:
+        except (KeyError, TypeError):   # TypeError: an unhashable name (a list)
             raise SpecError("end", name, f"one of {sorted(self._by_name)}") from None
 
     @property
@@ -557,8 +557,8 @@ def swa_tail_start(seq_len: int, window: int, prefix_len: int, page_size: int) -
     """
     for nm, v, lo in (("seq_len", seq_len, 0), ("window", window, 1), ("prefix_len", prefix_len, 0),
                       ("page_size", page_size, 1)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
-            raise UmallocValueError(f"swa_tail_start: {nm}={v!r}; allowed an int >= {lo}")
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not lo <= v < 1 << 63:
+            raise UmallocValueError(f"swa_tail_start: {nm}={v!r}; allowed an int in [{lo}, 2**63)")
     if prefix_len > seq_len:
         raise UmallocValueError(f"swa_tail_start: prefix_len={prefix_len} > seq_len={seq_len}; "
                                 f"allowed prefix_len in [0, seq_len]")

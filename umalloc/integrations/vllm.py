@@ -183,7 +183,7 @@ def _pool_class() -> type:
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
-    class UmallocBlockPool(BlockPool):  # type: ignore[misc, valid-type]
+    class UmallocBlockPool(BlockPool):  # type: ignore[misc, valid-type, unused-ignore]
         """vLLM ``BlockPool`` whose blocks' ids, reference counts and cached-free LRU are umalloc's (module
         docstring for the policy).
 

@@ -34,7 +34,7 @@ Completions arrive on engine threads (a Mooncake sender, a NIXL poller, an async
 * One **owner thread** (the one that built the table, or the last to call :meth:`LeaseTable.claim_thread`) runs
   the allocator. Every other method of the table and of :class:`Lease` may be called from any thread: each takes
   the table's ``lock`` (a re-entrant lock held only for the pin-count update, O(pages of the lease)).
-* Pages whose last pin drops on the owner thread are reported through ``on_unpinned`` at once (as before).
+* Pages whose last pin drops on the owner thread are reported through ``on_unpinned`` at once.
   Dropped on another thread they go onto a completion queue instead, and the owner's next allocator call drains
   it (:meth:`LeaseTable.drain`), so the allocator's own state is only ever written by its owner thread. Before
   delivery each queued page is re-checked under the lock: one pinned again since is not reported.
@@ -115,6 +115,7 @@ LEASE_SETTLED = "settled"
 UnpinnedHook = Callable[[str, np.ndarray], None]
 PageValidator = Callable[[str, np.ndarray], None]
 _DRAIN = -1  # work_view key present while the completion queue holds pages
+MAX_PAGE_SLOTS = 1 << 32  # most page slots per end a table allocates its own pin counts for
 
 #: Lease generations, unique in the process (a token from another table or an earlier table is stale).
 _GENERATIONS = itertools.count(1)
@@ -259,7 +260,7 @@ class Lease:
             return True
         if self._state != LEASE_ACTIVE or self.deadline is None:
             return False
-        return self._table.clock() >= self.deadline
+        return self._table.now() >= self.deadline
 
     @property
     def num_pages(self) -> int:
@@ -357,6 +358,8 @@ class LeaseTable:
         for end, n in page_slots.items():
             if not isinstance(end, str) or isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
                 raise LeaseError(f"page_slots[{end!r}]={n!r}: allowed an int >= 1 per end name")
+            if pins is None and n > MAX_PAGE_SLOTS:
+                raise LeaseError(f"page_slots[{end!r}]={n}: allowed at most 2**32 page slots per end")
             self._slots[end] = int(n)
         self._lo: dict[str, int] = {e: 0 for e in self._slots}
         if not callable(clock):
@@ -409,7 +412,7 @@ class LeaseTable:
         return tuple(self._slots)
 
     def _check_end(self, end: str) -> None:
-        if end not in self._slots:
+        if not isinstance(end, str) or end not in self._slots:
             raise LeaseError(f"end {end!r}: allowed one of {sorted(self._slots)}")
 
     def pin_count(self, end: str) -> np.ndarray:
@@ -434,9 +437,18 @@ class LeaseTable:
         return self.any_pinned(end)
 
     def is_pinned(self, end: str, pages: np.ndarray) -> np.ndarray:
-        """Boolean mask, same shape as ``pages`` (int64 physical pages, unchecked): pinned or not."""
+        """Boolean mask, same shape as ``pages`` (1-D int64 physical pages in ``[0, page_slots)``): pinned or not.
+
+        Raises: LeaseError for an unknown end or a page outside the end's slots."""
         self._check_end(end)
-        return self._pins[end][pages] > 0
+        p = np.asarray(pages)
+        if p.dtype.kind not in "iu" or p.ndim != 1:
+            raise LeaseError(f"is_pinned: pages of dtype {p.dtype}, shape {p.shape}; allowed 1-D integer physical "
+                             f"pages")
+        n = self._slots[end]
+        if p.size and (int(p.min()) < 0 or int(p.max()) >= n):
+            raise LeaseError(f"is_pinned: a page outside [0, {n}) of end {end!r}")
+        return self._pins[end][p] > 0
 
     def active(self) -> list[Lease]:
         """Active leases in creation order (a new list)."""
@@ -483,6 +495,9 @@ class LeaseTable:
         Raises:
             StaleLeaseError: no live lease has this id and generation (it ended; its pages may have a new owner).
         """
+        for nm, v in (("lease_id", lease_id), ("generation", generation)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise LeaseError(f"lookup: {nm}={v!r}; allowed an int")
         with self.lock:
             lease = self._active.get(lease_id) or self._doubt.get(lease_id)
         if lease is None or lease.generation != generation:
@@ -553,10 +568,10 @@ class LeaseTable:
                 raise LeaseError(f"deadline_s={deadline_s!r}: allowed None or a finite number of seconds > 0")
         checked: dict[str, np.ndarray] = {}
         for end, arr in pages.items():
-            if end not in self._slots:
+            if not isinstance(end, str) or end not in self._slots:
                 raise LeaseError(f"lease names end {end!r}: allowed one of {sorted(self._slots)}")
             checked[end] = _as_page_array(end, arr, self._lo[end], self._slots[end])
-        deadline = None if deadline_s is None else self.clock() + float(deadline_s)
+        deadline = None if deadline_s is None else self.now() + float(deadline_s)
         with self.lock:  # the allocator holds it while it compacts (Note [Lease threading])
             if self.validator is not None:
                 for end, arr in checked.items():
@@ -684,6 +699,14 @@ class LeaseTable:
         while heap and heap[0][1] not in self._active:
             heapq.heappop(heap)
 
+    def now(self) -> float:
+        """The clock's reading as a float; a clock that returns anything but a finite real number raises
+        :class:`~umalloc.errors.LeaseError`. O(1)."""
+        t = self.clock()
+        if isinstance(t, bool) or not isinstance(t, (int, float, np.integer, np.floating)) or not math.isfinite(t):
+            raise LeaseError(f"clock() returned {t!r}; allowed a finite number of seconds")
+        return float(t)
+
     def expire(self, now: float | None = None) -> list[Lease]:
         """End every active lease whose deadline is ``<= now`` (default: the clock): reclaimed at once (``expired``,
         counted in ``leases_expired`` / ``pages_expired``) when no engine holds a part of it, else ``in_doubt``
@@ -694,7 +717,9 @@ class LeaseTable:
                 self._drop_stale_deadlines()
                 if not self._deadlines:
                     return []
-            now = self.clock()
+            now = self.now()
+        elif isinstance(now, bool) or not isinstance(now, (int, float, np.integer, np.floating)) or not math.isfinite(now):
+            raise LeaseError(f"expire: now={now!r}; allowed None or a finite number of seconds")
         heap = self._deadlines
         out: list[Lease] = []
         unpinned: dict[str, list[np.ndarray]] = {}
@@ -726,6 +751,8 @@ class LeaseTable:
     def release_tagged(self, tag: str) -> int:
         """Release every active lease carrying ``tag`` (a peer died, a request was aborted); one with an engine
         hold goes in doubt instead (F24). Returns how many. O(leases + their pages)."""
+        if not isinstance(tag, str):
+            raise LeaseError(f"release_tagged: tag={tag!r}; allowed a str")
         with self.lock:
             victims = [lease for lease in self._active.values() if lease.tag == tag]
             for lease in victims:

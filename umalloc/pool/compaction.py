@@ -386,13 +386,13 @@ def copy_moves(arena: Arena, end: str, src_pages: np.ndarray, dst_pages: np.ndar
     implementation), else one ``index_select`` + ``index_copy_``. Complexity: O(n * page_bytes).
 
     Note [Compaction copies and threads]
-        The CPU copy used to switch to a ``parallel=True`` numba loop from 16 MiB whatever the caller wanted.
-        Under numba's OpenMP layer starting the thread pool sets the calling thread's OpenMP thread count,
-        which torch shares: the replay's torch thread count went from 1 to 2 after the first big eager
-        compaction, and its token loop then ran 3-5x slower (``umalloc replay --compaction eager`` 6x slower
-        than lazy on 30 requests). Now the caller's torch thread count is the copy's budget: with 1 thread
-        (the replay) the copy stays on the calling thread and no pool starts; with more, large copies run on
-        ``min(torch, numba)`` threads, and both counts are restored afterwards (tested). Measured on 2 cores:
+        The caller's torch thread count is the copy's thread budget: with 1 thread (the replay) the copy stays
+        on the calling thread and no thread pool starts; with more, large copies run on ``min(torch, numba)``
+        threads, and both counts are restored afterwards (tested). Under numba's OpenMP layer, starting the
+        thread pool sets the calling thread's OpenMP thread count, which torch shares: a copy that started
+        the pool regardless of the caller's budget would raise a 1-thread caller to 2 threads, and its token
+        loop runs 3-5x slower on 2 cores (``umalloc replay --compaction eager`` 6x slower than lazy on 30
+        requests). Measured on 2 cores:
         a 256 MiB flush took 16-17 ms on two threads vs 27 ms on one when the cores were free, while under
         load one thread was as fast or faster (64 MiB: 24 vs 12 GB/s contiguous).
     """

@@ -49,8 +49,10 @@ from umalloc.pool.kernels.layout import (
     _HBOFF,
     _HI,
     _HINT,
+    _HOLES,
     _LO,
     _MASK_SLOTS,
+    _MOVES,
     _NE,
     _NFIELDS,
     _NV,
@@ -63,15 +65,17 @@ from umalloc.pool.kernels.layout import (
     _PSOFF,
     _SCROFF,
     _SPLIT,
-    _SPLIT_ONE,
     _TOP,
     _VBOFF,
     _VHINT,
+    _VLIVE,
     _VOFF,
     _VT,
+    SPLIT_ONE,
     V_RESERVED,
 )
 from umalloc.pool.kernels.ops import live_roots
+from umalloc.pool.kernels.placement import _k_recount, _k_unpend, _plan, _reach
 from umalloc.pool.kernels.raw import build_root, root_address
 from umalloc.pool.pagestate import PAGE_GAP, PAGE_RESERVED, TOMBSTONE
 
@@ -173,7 +177,7 @@ class Heap:
             m[_GROW] = _GROW_CODE[e.grow]
             m[_POFF], m[_VOFF], m[_NV] = poff[i], voff[i], nv[i]
             m[_OWNER] = index[spec.owner_of(e.name)]
-            m[_SPLIT] = splits.get(e.name, _SPLIT_ONE // 2)
+            m[_SPLIT] = splits.get(e.name, SPLIT_ONE // 2)
             m[_FLOORB], m[_ARENAB] = spec.floor_bytes, spec.arena_bytes
             m[_VT], m[_CHOFF], m[_ERROFF], m[_SCROFF], m[_NE] = VT, CH, ERR, SCR, E
             m[_HBOFF], m[_VBOFF] = hboff[i], vboff[i]
@@ -294,6 +298,60 @@ class Heap:
     def owner_of(self, e: int) -> int:
         """Index of end ``e``'s id owner."""
         return int(self.meta[e, _OWNER])
+
+    # ---- typed accessors: the column layout of ``meta`` stays inside the pool -----------------------------
+    def page_size(self, e: int) -> int:
+        """Tokens per page of end ``e``. O(1)."""
+        return int(self.meta[e, _PS])
+
+    def page_bytes(self, e: int) -> int:
+        """Bytes per page of end ``e``. O(1)."""
+        return int(self.meta[e, _PB])
+
+    def first_page(self, e: int) -> int:
+        """Lowest page of end ``e`` above the reserved floor. O(1)."""
+        return int(self.meta[e, _FIRST])
+
+    def num_vpages(self, o: int) -> int:
+        """Size of owner ``o``'s virtual page id space (id 0 reserved). O(1)."""
+        return int(self.meta[o, _NV])
+
+    def live_vpages(self, o: int) -> int:
+        """Live virtual pages of owner ``o``. O(1)."""
+        return int(self.meta[o, _VLIVE])
+
+    def band(self, e: int) -> tuple[int, int]:
+        """The band ``[lo, hi)`` of end ``e`` in its physical pages. O(1)."""
+        return int(self.meta[e, _LO]), int(self.meta[e, _HI])
+
+    def hole_pages(self, e: int) -> int:
+        """Holes inside end ``e``'s band. O(1)."""
+        return int(self.meta[e, _HOLES])
+
+    def free_pages(self, e: int) -> int:
+        """Pages end ``e`` can take now: its holes plus the gap it can reach. O(chain)."""
+        return int(self.meta[e, _HOLES]) + int(_reach(self.meta, self.h64, e))
+
+    def plan_bands(self, need: np.ndarray, new_lo: np.ndarray, new_hi: np.ndarray, deficit: np.ndarray) -> None:
+        """Plan every end's band for ``need`` fresh pages per end (``int64 (E,)``): writes the bands it would
+        take into ``new_lo``/``new_hi`` and each end's shortfall into ``deficit`` (all ``int64 (E,)``); changes
+        nothing in the heap. O(E)."""
+        _plan(self.meta, self.chain, need, new_lo, new_hi, deficit)
+
+    def set_band(self, e: int, lo: int, hi: int) -> None:
+        """Set end ``e``'s band to ``[lo, hi)`` (the caller moved the pages: compaction, the float slide)."""
+        self.meta[e, _LO], self.meta[e, _HI] = lo, hi
+
+    def after_moves(self, e: int, lo: int, hi: int, num_moves: int) -> None:
+        """After compaction moved ``num_moves`` pages of end ``e`` and its band became ``[lo, hi)``: set the
+        band, recount holes/gap and the hole bitmap, count the moves. O(band)."""
+        self.meta[e, _LO], self.meta[e, _HI] = lo, hi
+        _k_recount(self.meta, self.h64, self.h8, e)
+        self.meta[e, _MOVES] += num_moves
+
+    def unpend(self, e: int, pages: np.ndarray) -> None:
+        """Pending pages of end ``e`` whose last pin dropped become holes (or gap at a band edge). O(pages)."""
+        _k_unpend(self.meta, self.h64, self.h8, e, np.ascontiguousarray(pages, dtype=np.int64))
 
 
 # one allocator per arena (two would hand out the same pages): id(arena) -> (weakref to the arena, to its allocator)

@@ -111,8 +111,9 @@ def k_new(rq, n, out):
 
 @njit(cache=True)
 def k_grow_plan(rq, pg, r2p, slots, ext, ps, mt, win, mark, cow, rel, info):
-    """Validate an extend batch; count its fresh pages (copies included, Note [Copy-on-write]) and tokens;
-    then advance every windowed bound end (Note [Windows]) and list the pages whose last holder there left."""
+    """Validate an extend batch; count its fresh pages (copies included, Note [Copy-on-write]) and tokens; list,
+    per windowed bound end, the pages whose last holder there leaves when the window advances (Note [Windows]).
+    Changes nothing: :func:`k_window_apply` advances the windows once the caller has made room."""
     info[:] = 0
     if not check_slots(rq, slots, mark, info):
         return
@@ -126,8 +127,9 @@ def k_grow_plan(rq, pg, r2p, slots, ext, ps, mt, win, mark, cow, rel, info):
         if e < 0:
             _fail(info, E_NEG, i, e)
             return
-        if L + e > mt:
-            _fail(info, E_LONG, i, L + e)
+        if e > mt - L:   # not L + e > mt: that sum may overflow int64
+            _fail(info, E_LONG, i, e)
+            info[I_PAGES] = L
             return
         if e > 0:
             k += (L + e + ps - 1) // ps - (L + ps - 1) // ps
@@ -151,6 +153,7 @@ def k_grow_plan(rq, pg, r2p, slots, ext, ps, mt, win, mark, cow, rel, info):
     info[I_PAGES] = k + ncow
     info[I_TOTAL] = total
     info[I_NCOW] = ncow
+    # the window releases, listed without changing anything: counts drop for the listing, then come back
     for b in range(win.shape[0]):
         W = win[b]
         c = 0
@@ -160,16 +163,39 @@ def k_grow_plan(rq, pg, r2p, slots, ext, ps, mt, win, mark, cow, rel, info):
                     continue
                 s = slots[i]
                 tail = max(0, rq[RQ_LEN, s] - W) // ps
-                f = rq[RQ_FRONT + b, s]
-                if tail > f:
-                    for j in range(f, tail):
-                        vp = r2p[s, j]
-                        pg[PG_NEED + b, vp] -= 1
-                        if pg[PG_NEED + b, vp] == 0:
-                            rel[b, c] = vp
-                            c += 1
-                    rq[RQ_FRONT + b, s] = tail
+                for j in range(rq[RQ_FRONT + b, s], tail):
+                    vp = r2p[s, j]
+                    pg[PG_NEED + b, vp] -= 1
+                    if pg[PG_NEED + b, vp] == 0:
+                        rel[b, c] = vp
+                        c += 1
+            for i in range(n):
+                if ext[i] == 0:
+                    continue
+                s = slots[i]
+                for j in range(rq[RQ_FRONT + b, s], max(0, rq[RQ_LEN, s] - W) // ps):
+                    pg[PG_NEED + b, r2p[s, j]] += 1
         info[I_REL + b] = c
+
+
+@njit(cache=True)
+def k_window_apply(rq, pg, r2p, slots, ext, ps, win):
+    """Advance every windowed bound end of a planned extend batch (the releases :func:`k_grow_plan` listed, which
+    the caller has made on the allocator): fronts move to the window tail and the counts drop."""
+    for b in range(win.shape[0]):
+        W = win[b]
+        if W <= 0:
+            continue
+        for i in range(slots.shape[0]):
+            if ext[i] == 0:
+                continue
+            s = slots[i]
+            tail = max(0, rq[RQ_LEN, s] - W) // ps
+            f = rq[RQ_FRONT + b, s]
+            if tail > f:
+                for j in range(f, tail):
+                    pg[PG_NEED + b, r2p[s, j]] -= 1
+                rq[RQ_FRONT + b, s] = tail
 
 
 @njit(cache=True)

@@ -21,15 +21,18 @@ Policy:
   of every ``extend`` / ``decode``, the pages that left the request's window (automatic; there is no separate
   call, so a page is never released twice). A bound end without a window (a draft) holds every page.
 * **Cached pages** (Note [Cached pages]): ``free_requests(cache=True)`` / ``release(cache=True)`` keep full pages
-  whose count reaches 0 as cached, in LRU order; ``reclaim`` revives them; allocation evicts them, LRU first, only
-  when the allocator returns ``None``, calling ``on_evict(vpages)`` before their ids can be reused.
+  whose count reaches 0 as cached, in LRU order; ``reclaim`` revives them; an extend evicts them, LRU first, only
+  when the eviction makes it fit and only as many as it needs (Note [Room]), calling ``on_evict(vpages)`` before
+  their ids can be reused.
+* **Admission** (Note [Room]): ``capacity`` per end, ``can_extend``, ``max_extend_tokens``. **Handles** (Note
+  [Handles]): ``new_requests(handles=True)`` / ``handles``; every call taking slots refuses a stale one (F30).
 * **Padded lanes** (F05, Note [Padded lanes]): writes of a padded lane go to :attr:`RequestTable.pad_write_vtoken`
   (the sink); reads to :attr:`RequestTable.pad_read_vtoken`, a page of zeros the table holds and no write maps to.
   Unused entries of ``req_to_token`` hold the zero page's token, so a read past a request's length is finite.
 * **Failures**: misuse (unknown or freed slot, a slot twice in a batch, extend past ``max_tokens_per_request``,
-  truncate beyond the length, a page the engine does not hold) raises a typed
-  :class:`~umalloc.errors.UmallocValueError` subclass and changes nothing; a shortage returns ``None`` (the only
-  change then: windows advanced and cached pages evicted, both harmless); a broken invariant raises
+  truncate beyond the length, a page the engine does not hold, a stale handle) raises a typed
+  :class:`~umalloc.errors.UmallocValueError` subclass and changes nothing; a shortage returns ``None`` and changes
+  nothing either: no window advanced, no page evicted, no ``on_evict`` call (F29); a broken invariant raises
   :class:`~umalloc.errors.InvariantError` from :meth:`RequestTable.check_invariants`.
 
 The table's pages are freed and released only through it: the allocator's ``free`` / ``release_end`` /
@@ -72,6 +75,8 @@ evicted before its prefix, as vLLM's ``free_blocks(reversed(blocks))``); ``relea
 takes pages from the LRU head, as many as the allocator's shortfall names (at least one), and retries until the
 allocation fits or the cache is empty.
 
+Notes [Room] and [Chunked prefill]: :mod:`umalloc.requests.room`; Note [Handles]: :mod:`umalloc.requests.handles`.
+
 Note [Padded lanes]
 ~~~~~~~~~~~~~~~~~~~
 ``pad_write_vtoken`` is token 0: virtual page 0 maps to the sink (physical page 0) on every end, which padded
@@ -107,6 +112,7 @@ from umalloc.errors import (
     NotAllocatedError,
     UmallocValueError,
 )
+from umalloc.requests.handles import SlotGenerations, slot_of
 from umalloc.requests.refcounts import (
     E_DUP,
     E_FREE_SLOT,
@@ -145,9 +151,12 @@ from umalloc.requests.refcounts import (
     k_new,
     k_revive,
     k_unref,
+    k_window_apply,
 )
+from umalloc.requests.room import Room, largest
 
 _I32_MAX = (1 << 31) - 1
+MAX_REQUESTS, MAX_TABLE_CELLS = 1 << 31, 1 << 36   #: most slots / slots x tokens: more is refused before allocating
 
 
 # =============================================================================================================
@@ -203,6 +212,9 @@ class RequestTable:
         for nm, v in (("max_requests", max_requests), ("max_tokens_per_request", max_tokens_per_request)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise UmallocValueError(f"{nm}={v!r}: allowed an int >= 1")
+        if max_requests > MAX_REQUESTS or max_requests * max_tokens_per_request > MAX_TABLE_CELLS:
+            raise UmallocValueError(f"max_requests={max_requests} x max_tokens_per_request={max_tokens_per_request}"
+                                    f": allowed max_requests <= 2**31 and a product <= 2**36 cells")
         if dtype not in (torch.int32, torch.int64):
             raise UmallocValueError(f"dtype={dtype!r}: allowed torch.int32 or torch.int64")
         if on_evict is not None and not callable(on_evict):
@@ -242,6 +254,7 @@ class RequestTable:
         self.exclusive = bool(exclusive)
         self.on_evict = on_evict
         self._rq = np.zeros((RQ_FRONT + NB, R), np.int64)
+        self._gens = SlotGenerations(R)   # Note [Handles]
         self._pg = np.zeros((PG_NEED + NB, NV), np.int32)
         self._lru = np.zeros((2, NV), np.int64)
         self._r2p = np.zeros((R, MP), np.int64)
@@ -283,6 +296,7 @@ class RequestTable:
             for end in (owner, *self.bound_ends)}
         self.req_to_token: torch.Tensor = (torch.from_numpy(self._r2t) if self._dev is None
                                            else torch.from_numpy(self._r2t).to(device))
+        self._room = Room(alloc, owner, self._owner_arg, self.bound_ends, self._pagebuf, self.cached_pages)
         alloc.attach_holder_check(self._check_as_holder)  # the allocator's invariants now see this table's holds
 
     def _check_as_holder(self) -> None:
@@ -303,14 +317,15 @@ class RequestTable:
         if code == E_NEG:
             raise UmallocValueError(f"{where}: extend_lens[{pos}]={val}; allowed >= 0")
         if code == E_LONG:
-            raise UmallocValueError(f"{where}: request at {what}[{pos}] would hold {val} tokens; allowed at most "
-                                    f"max_tokens_per_request={self.max_tokens_per_request}")
+            held, mt = int(self._info[3]), self.max_tokens_per_request
+            raise UmallocValueError(f"{where}: extend_lens[{pos}]={val} on the request at {what}[{pos}] holding "
+                                    f"{held} tokens; allowed at most {mt - held} (max_tokens_per_request={mt})")
         if code == E_TRUNC:
             raise UmallocValueError(f"{where}: num_tokens[{pos}]={val}; allowed [0, the request's length]")
         raise InvariantError(f"{where}: unknown kernel result {code}")
 
     def _slots(self, slots: object, where: str) -> np.ndarray:
-        s = id_batch(slots, "slots")
+        s = self._rows(id_batch(slots, "slots"), where)
         info = self._info
         info[:] = 0
         if not check_slots(self._rq, s, self._mark, info):
@@ -318,14 +333,24 @@ class RequestTable:
         return s
 
     def _slot(self, slot: object, where: str) -> int:
-        if isinstance(slot, torch.Tensor) and slot.numel() == 1 and slot.dim() <= 1:
+        if (isinstance(slot, torch.Tensor) and slot.numel() == 1 and slot.dim() <= 1
+                and slot.dtype in (torch.int64, torch.int32)):
             slot = int(slot.reshape(-1)[0])
-        if isinstance(slot, bool) or not isinstance(slot, (int, np.integer)):
-            raise InvalidIdError(f"{where}: slot={slot!r}; allowed an int in [0, {self.max_requests})")
-        s = int(slot)
-        if not 0 <= s < self.max_requests or not self._rq[RQ_INUSE, s]:
-            self._slots(np.array([s], np.int64), where)   # raises the typed error
-        return s
+        if isinstance(slot, (bool, np.bool_)) or not isinstance(slot, (int, np.integer)):
+            raise InvalidIdError(f"{where}: slot={slot!r}; allowed an int in [0, {self.max_requests}) or a handle")
+        if not 0 <= int(slot) < 1 << 63:
+            raise InvalidIdError(f"{where}: slot={slot}; allowed an int in [0, {self.max_requests}) or a handle")
+        return int(self._slots(np.array([int(slot)], np.int64), where)[0])   # raises the typed error
+
+    def _rows(self, s: np.ndarray, where: str) -> np.ndarray:
+        return self._gens.rows(s, self._rq[RQ_INUSE], where)
+
+    def handles(self, slots: object) -> torch.Tensor:
+        """``int64 (B,)`` handles ``generation << 32 | slot`` of live requests (Note [Handles], with a doctest).
+        Raises: as :meth:`extend` for bad slots. O(B)."""
+        return torch.from_numpy(self._gens.handles(self._slots(slots, "handles")))
+
+    slot_of = staticmethod(slot_of)
 
     def _page_ids(self, vpages: object, where: str) -> np.ndarray:
         vp = id_batch(vpages, "vpages")
@@ -348,26 +373,15 @@ class RequestTable:
         if n:
             self.alloc.free_pages(self._freed[:n], owner=self._owner_arg)
 
-    def _take(self, k: int) -> np.ndarray | None:
-        """``k`` fresh virtual pages (bound on every bound end), evicting cached pages LRU first while the
-        allocator falls short (Note [Cached pages]); ``None`` if even an empty cache does not make room."""
-        buf = self._pagebuf[:k]
-        if k == 0:
-            return buf
-        if k >= self._pagebuf.shape[0]:   # more than the owner's whole id space: no eviction can help
-            return None
-        alloc_pages, owner = self.alloc.alloc_pages, self._owner_arg
-        if self._lru[LRU_NEXT, 0]:   # a cache: make room first rather than run the allocator's shortfall ladder
-            short = k - self.alloc.available_pages(self.owner)
-            if short > 0:
-                if short > int(np.count_nonzero(self._pg[PG_STATE] == PAGE_CACHED)):
-                    return None   # even the whole cache is too small: evict nothing (nothing changes)
-                self.evict(short)
-        while alloc_pages(k, out=buf, owner=owner) is None:
-            if self._lru[LRU_NEXT, 0] == 0:
-                return None
-            self.evict(max(1, sum(self.alloc.last_shortfall.values())))
-        return buf
+    def _plan(self, s: np.ndarray, e: np.ndarray, where: str) -> tuple[int, list[np.ndarray]]:
+        """Validate and plan an extend batch, changing nothing: its fresh pages and, per bound end, the pages its
+        window advance releases (copies). Raises as :meth:`extend`."""
+        info, rel = self._info, self._rel
+        k_grow_plan(self._rq, self._pg, self._r2p, s, e, self.page_size, self.max_tokens_per_request, self._win,
+                     self._mark, self._cow, rel, info)
+        if info[I_CODE]:
+            self._raise(where)
+        return int(info[I_PAGES]), [rel[b, : int(info[I_REL + b])].copy() for b in range(rel.shape[0])]
 
     def _push(self, flat: np.ndarray) -> None:
         """Refresh the device copy of ``req_to_token`` at flat positions ``flat`` (CUDA arenas only)."""
@@ -404,21 +418,26 @@ class RequestTable:
     # ------------------------------------------------------------------------------------------------------
     # requests
     # ------------------------------------------------------------------------------------------------------
-    def new_requests(self, num_requests: int) -> torch.Tensor | None:
+    def new_requests(self, num_requests: int, *, handles: bool = False) -> torch.Tensor | None:
         """Open ``num_requests`` empty requests in the lowest free slots.
 
         Returns:
-            ``int64 (num_requests,)`` slots, ascending; ``None`` if fewer slots are free (nothing changed).
+            ``int64 (num_requests,)`` slots, ascending (with ``handles``: their handles, Note [Handles]); ``None``
+            if fewer slots are free (nothing changed).
 
         Raises:
-            UmallocValueError: a bad count. Complexity: O(max_requests).
+            UmallocValueError: a bad count or ``handles`` not a bool. Complexity: O(max_requests).
         """
         n = count_arg(num_requests, "num_requests")
+        if type(handles) is not bool:
+            raise UmallocValueError(f"new_requests: handles={handles!r}; allowed True or False")
         if n > self.max_requests:
             return None   # more than every slot: fewer are free (nothing changed)
         out = np.empty(n, np.int64)
         if k_new(self._rq, n, out) < 0:
             return None
+        if handles:
+            out = self._gens.handles(out)
         return torch.from_numpy(out)
 
     def extend(self, slots: object, extend_lens: object) -> torch.Tensor | None:
@@ -432,16 +451,18 @@ class RequestTable:
 
         Returns:
             ``int64`` CPU tensor ``(sum(extend_lens),)`` of the new tokens' virtual ids, request by request (what
-            the engine writes KV to); ``None`` if the arena lacks space even after evicting every cached page (no
-            token handed out; windows advanced and pages evicted stay so).
+            the engine writes KV to); ``None`` if the arena lacks space even after evicting every cached page
+            (nothing changed: no window advanced, no page evicted, Note [Room]).
 
         Raises:
             InvalidIdError: bad shapes/dtypes, a slot out of range or twice. NotAllocatedError: a slot not live.
-            UmallocValueError: a negative length or a request past ``max_tokens_per_request``. Nothing changes.
+            StaleHandleError: a handle of a slot freed since. UmallocValueError: a negative length or a request
+            past ``max_tokens_per_request``. Nothing changes.
 
-        Complexity: O(B + new tokens + released pages), two numba kernels around one ``alloc_pages``.
+        Complexity: O(B + new tokens + released pages), three numba kernels around one ``alloc_pages`` when the
+        pages fit outright; under pressure O(slots) per allocator trial (Note [Room]).
         """
-        s = id_batch(slots, "slots")
+        s = self._rows(id_batch(slots, "slots"), "extend")
         e = id_batch(extend_lens, "extend_lens")
         if e.shape[0] != s.shape[0]:
             raise InvalidIdError(f"extend: slots ({s.shape[0]},) and extend_lens ({e.shape[0]},); allowed equal "
@@ -453,22 +474,22 @@ class RequestTable:
 
         Returns / Raises: as :meth:`extend`; the result is ``int64 (B,)``.
         """
-        s = id_batch(slots, "slots")
+        s = self._rows(id_batch(slots, "slots"), "decode")
         return self._grow(s, self._ones[: s.shape[0]] if s.shape[0] <= self.max_requests
                           else np.ones(s.shape[0], np.int64), "decode")
 
     def _grow(self, s: np.ndarray, e: np.ndarray, where: str) -> torch.Tensor | None:
-        info, rel = self._info, self._rel
-        k_grow_plan(self._rq, self._pg, self._r2p, s, e, self.page_size, self.max_tokens_per_request, self._win,
-                     self._mark, self._cow, rel, info)
-        if info[I_CODE]:
-            self._raise(where)
-        if rel.shape[0]:
-            self._release_bound()
-        total, ncow = int(info[I_TOTAL]), int(info[I_NCOW])
-        pages = self._take(int(info[I_PAGES]))
-        if pages is None:
+        k, released = self._plan(s, e, where)
+        room = self._room.make(k, released)
+        if room is False:
             return None
+        if room is not True:
+            self.evict(int(room))   # on_evict runs here, while the pages are still allocated
+            return self._grow(s, e, where)   # planned again: on_evict may have called back into the table
+        info, rel = self._info, self._rel
+        k_window_apply(self._rq, self._pg, self._r2p, s, e, self.page_size, self._win)
+        total, ncow = int(info[I_TOTAL]), int(info[I_NCOW])
+        pages = self._pagebuf[:k]
         out = np.empty(total, np.int64)
         flat = self._no_flat if self._dev is None else np.empty(total + s.shape[0] * self.page_size, np.int64)
         k_grow_apply(self._rq, self._pg, self._r2p, self._r2t, s, e, self.page_size, self._cow, pages, out, flat,
@@ -479,6 +500,38 @@ class RequestTable:
         if self._dev is not None:
             self._push(flat[: int(info[I_TOTAL])])
         return torch.from_numpy(out)
+
+    def can_extend(self, slots: object, extend_lens: object) -> bool:
+        """True if :meth:`extend` with these arguments would hand out its tokens now (window releases, the
+        evictions it would make and compaction counted: Note [Room]); the admission query of a scheduler.
+        Changes nothing (it runs in allocator trials that are rolled back).
+
+        Raises: as :meth:`extend`. Complexity: O(B) when the pages fit outright; else O(slots) per trial, at most
+        2 + 2 * log2(cached pages + 1) trials.
+
+        >>> from umalloc.testing import small_allocator
+        >>> table = RequestTable(small_allocator(), max_requests=2, max_tokens_per_request=40)
+        >>> (s,) = table.new_requests(1).tolist()
+        >>> table.can_extend([s], [6]), table.can_extend([s], [7])   # 7 shared slots: 3 pages on both ends
+        (True, False)
+        """
+        s = self._rows(id_batch(slots, "slots"), "can_extend")
+        e = id_batch(extend_lens, "extend_lens")
+        if e.shape[0] != s.shape[0]:
+            raise InvalidIdError(f"can_extend: slots ({s.shape[0]},) and extend_lens ({e.shape[0]},); allowed "
+                                 f"equal (B,) shapes")
+        return self._room.fits(*self._plan(s, e, "can_extend"))
+
+    def max_extend_tokens(self, slot: object) -> int:
+        """The most tokens one :meth:`extend` of request ``slot`` alone can take now (:meth:`can_extend`'s
+        answer, searched): the chunk size of a chunked prefill (Note [Chunked prefill]). Changes nothing.
+
+        Raises: as :meth:`extend` for a bad slot. Complexity: O(log max_tokens_per_request) :meth:`can_extend`
+        calls.
+        """
+        one = np.array([self._slot(slot, "max_extend_tokens")], np.int64)
+        return largest(lambda n: self.can_extend(one, np.array([n], np.int64)),
+                       self.max_tokens_per_request - int(self._rq[RQ_LEN, one[0]]))
 
     def truncate(self, slots: object, num_tokens: object) -> None:
         """Roll requests back to ``num_tokens[i]`` tokens (speculative decoding: drop rejected drafts): frees
@@ -498,7 +551,7 @@ class RequestTable:
         >>> table.truncate([s], [2]); table.pages(s).tolist(), alloc.stats()["full"].live_pages
         ([2], 2)
         """
-        s = id_batch(slots, "slots")
+        s = self._rows(id_batch(slots, "slots"), "truncate")
         keep = id_batch(num_tokens, "num_tokens")
         if keep.shape[0] != s.shape[0]:
             raise InvalidIdError(f"truncate: slots ({s.shape[0]},) and num_tokens ({keep.shape[0]},); allowed "
@@ -524,6 +577,7 @@ class RequestTable:
             raise UmallocValueError(f"free_requests: cache={cache!r}; allowed True or False")
         s = self._slots(slots, "free_requests")
         self._drop(s, self._zeros[: s.shape[0]], cache, True)
+        self._gens.bump(s)
 
     def _drop(self, s: np.ndarray, keep: np.ndarray, cache: bool, clear: bool) -> None:
         old = self._rq[RQ_LEN, s] if self._dev is not None else None
@@ -731,19 +785,26 @@ class RequestTable:
     # ------------------------------------------------------------------------------------------------------
     # capacity and observability
     # ------------------------------------------------------------------------------------------------------
-    def capacity(self) -> dict[str, int]:
-        """Owner-end pages: ``free_pages`` (allocatable now), ``reclaimable_pages`` (cached, evictable) and
-        ``available_pages`` (their sum: what allocations can get). O(ends)."""
-        free = self.alloc.available_pages(self.owner)
-        cached = int(np.count_nonzero(self._pg[PG_STATE] == PAGE_CACHED))
-        return {"free_pages": free, "reclaimable_pages": cached, "available_pages": free + cached}
+    def capacity(self) -> dict[str, dict[str, int]]:
+        """Per end of the table (the owner first, then each bound end): ``free_pages`` (what that end can
+        allocate now, :meth:`~umalloc.allocator.facade.MultiEndedAllocator.available_pages`),
+        ``reclaimable_pages`` (cached pages eviction returns to it: the owner's cached pages; 0 on a bound end,
+        where cached pages hold nothing) and ``available_pages`` (their sum). An extend takes one page per
+        fresh page on *every* end, so the fewest ``available_pages`` over the ends bounds it; ask
+        :meth:`can_extend` for a given batch (it also counts window releases and compaction). O(ends).
+
+        >>> from umalloc.testing import small_allocator
+        >>> RequestTable(small_allocator(), max_requests=1, max_tokens_per_request=4).capacity()["swa"]
+        {'free_pages': 7, 'reclaimable_pages': 0, 'available_pages': 7}
+        """
+        return self._room.capacity(int(np.count_nonzero(self._pg[PG_STATE] == PAGE_CACHED)))
 
     def stats(self) -> RequestTableStats:
         """:class:`RequestTableStats` now. O(max_requests + virtual pages)."""
         pg, rq = self._pg, self._rq
         live = int(np.count_nonzero(rq[RQ_INUSE]))
         held = pg[PG_STATE] == PAGE_HELD
-        cap = self.capacity()
+        cap = self.capacity()[self.owner]
         return RequestTableStats(
             live_requests=live, free_slots=self.max_requests - live, tokens=int(rq[RQ_LEN].sum()),
             held_pages=int(np.count_nonzero(held)), shared_pages=int(np.count_nonzero(held & (pg[PG_REF] > 1))),
@@ -757,7 +818,8 @@ class RequestTable:
         compare two with :func:`~umalloc.allocator.facade.snapshots_equal`. O(slots + table size)."""
         return {"alloc": self.alloc.snapshot(),
                 "table": {"rq": self._rq.copy(), "pg": self._pg.copy(), "lru": self._lru.copy(),
-                          "r2p": self._r2p.copy(), "r2t": self._r2t.copy(), "counters": dict(self._counters)}}
+                          "r2p": self._r2p.copy(), "r2t": self._r2t.copy(), "gen": self._gens.gen.copy(),
+                          "counters": dict(self._counters)}}
 
     def check_invariants(self, *, allocator: bool = True) -> None:
         """Check every invariant (the allocator's first, unless ``allocator=False``); raise

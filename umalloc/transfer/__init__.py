@@ -28,7 +28,6 @@ from umalloc.transfer.plan import (
     PLAN_PENDING,
     HalfVector,
     IndexVector,
-    PlanHalf,
     PlanLike,
     ReceiverHalf,
     TransferPlan,
@@ -38,7 +37,7 @@ from umalloc.transfer.rows import DCP_SHARDED_ROLES, is_dcp_sharded, owned_count
 
 __all__ = [
     "DCP_SHARDED_ROLES", "PLAN_ABORTED", "PLAN_DONE", "PLAN_FAILED", "PLAN_PENDING", "VECTOR_NAME_BY_ROLE",
-    "CheckedLayouts", "HalfVector", "IndexVector", "PeerLayout", "PlanAllocator", "PlanHalf", "PlanLike",
+    "CheckedLayouts", "HalfVector", "IndexVector", "PeerLayout", "PlanAllocator", "PlanLike",
     "ReceiverHalf", "TransferPlan", "VTokens", "VectorStats", "build_plan", "build_receiver_half",
     "build_send_plan", "check_compatible", "compatible_layouts", "is_dcp_sharded", "layout_differences",
     "owned_count", "source_ranks", "swa_tail_start", "vector_rows",

@@ -35,6 +35,7 @@ past ``L`` are not valid on either side (allocated to this request, not yet writ
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -67,6 +68,26 @@ class PlanAllocator(Protocol):
                         out: torch.Tensor | None = None) -> torch.Tensor: ...
 
     def lease(self, pages: Mapping[str, Any], *, deadline_s: float | None = None, tag: str = "") -> Any: ...
+
+
+def _check_allocator(alloc: object, name: str) -> None:
+    """Refuse, with a typed error, an argument that is not a :class:`PlanAllocator` (an arena with a spec, the
+    translate and lease calls), before anything is read from it."""
+    arena = getattr(alloc, "arena", None)
+    if not (isinstance(getattr(alloc, "spec", None), ArenaSpec) and isinstance(getattr(arena, "spec", None), ArenaSpec)
+            and callable(getattr(alloc, "translate_pages", None)) and callable(getattr(alloc, "lease", None))):
+        raise UmallocValueError(f"{name}={type(alloc).__name__}: allowed an allocator (a MultiEndedAllocator or "
+                                f"another PlanAllocator)")
+
+
+def _check_deadline(deadline_s: object) -> None:
+    """``deadline_s`` is ``None`` or a finite number of seconds > 0 (the leases' rule), checked before any lease
+    is taken, also for a plan that pins no page."""
+    if deadline_s is None:
+        return
+    if isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float, np.integer, np.floating)) \
+            or not math.isfinite(deadline_s) or deadline_s <= 0:
+        raise UmallocValueError(f"deadline_s={deadline_s!r}: allowed None or a finite number of seconds > 0")
 
 
 # ==== virtual token ids: validated and converted once =========================================================
@@ -297,6 +318,8 @@ def build_receiver_half(request_id: str, dst_alloc: PlanAllocator, dst_vtokens: 
 
     Complexity: O(rows) validation + O(pages) translation, once per id owner and vector.
     """
+    _check_allocator(dst_alloc, "dst_alloc")
+    _check_deadline(deadline_s)
     layout = PeerLayout.from_arena(dst_alloc.arena) if layout is None else layout
     spec = layout.spec
     owner_vt = _resolve_vtokens(spec, dst_vtokens, dst_owner, "dst")
@@ -478,6 +501,8 @@ def build_send_plan(request_id: str, src_alloc: PlanAllocator, src_vtokens: VTok
 
     Complexity: O(rows + pages) plus the descriptors' bounds check.
     """
+    _check_allocator(src_alloc, "src_alloc")
+    _check_deadline(deadline_s)
     if not isinstance(half, ReceiverHalf):
         half = ReceiverHalf.from_dict(half)
     src_layout = PeerLayout.from_arena(src_alloc.arena) if src_layout is None else src_layout
@@ -566,6 +591,8 @@ def build_plan(request_id: str, src_alloc: PlanAllocator, src_vtokens: VTokens, 
         UmallocValueError: ``checked`` is not a CheckedLayouts, or does not cover the layouts given.
         Everything :func:`build_receiver_half` and :func:`build_send_plan` raise; on any error no lease is held.
     """
+    _check_allocator(src_alloc, "src_alloc")
+    _check_allocator(dst_alloc, "dst_alloc")
     src_layout = PeerLayout.from_arena(src_alloc.arena) if src_layout is None else src_layout
     dst_layout = PeerLayout.from_arena(dst_alloc.arena) if dst_layout is None else dst_layout
     if checked is None:

@@ -191,7 +191,11 @@ class PeerLayout:
         """The layout of an :class:`~umalloc.geometry.arena.Arena` (its spec, regions and base address).
 
         Cached per arena and arguments (the arena's bytes never move), so repeated plans reuse one layout and
-        its digest."""
+        its digest.
+
+        Raises: UmallocValueError: ``arena`` is not an arena (a spec, a base address and its regions)."""
+        if not all(hasattr(arena, a) for a in ("spec", "base_ptr", "regions", "region")):
+            raise UmallocValueError(f"arena={type(arena).__name__}: allowed an umalloc Arena")
         key = (tp_rank, tp_size, dcp_rank, dcp_size, arena.base_ptr)
         try:
             per_arena = _LAYOUTS.setdefault(arena, {})

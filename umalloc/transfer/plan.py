@@ -38,7 +38,13 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from umalloc.errors import InvalidIdError, LeaseError, TransferTimeout, UmallocValueError
+from umalloc.errors import (
+    DescriptorBoundsError,
+    InvalidIdError,
+    LeaseError,
+    TransferTimeout,
+    UmallocValueError,
+)
 from umalloc.geometry.region import RegionGroup
 from umalloc.transfer.descriptors import EMPTY_IDS, SideBounds, vector_descriptors
 from umalloc.transfer.layout import PeerLayout, wire_int
@@ -277,6 +283,20 @@ class VectorStats:
     per_layer_descriptor_equivalent: int
 
 
+def _refuse_overlapping_destinations(request_id: str, desc: np.ndarray) -> None:
+    """Raise :class:`~umalloc.errors.DescriptorBoundsError` if two descriptors write a common destination byte
+    (the result would depend on the engine's order). O(N log N)."""
+    if desc.shape[0] < 2:
+        return
+    order = np.argsort(desc[:, 1], kind="stable")
+    dst, n = desc[order, 1], desc[order, 2]
+    bad = np.flatnonzero(dst[1:] < dst[:-1] + n[:-1])
+    if bad.size:
+        i, j = int(order[bad[0]]), int(order[bad[0] + 1])
+        raise DescriptorBoundsError(f"plan {request_id!r}: descriptors {i} and {j} write overlapping destination "
+                                    f"bytes at {int(desc[j, 1]):#x}; allowed destinations that do not overlap")
+
+
 class TransferPlan(_LeaseHolder):
     """One request's transfer: named :class:`IndexVector` s, their bounds-checked descriptors, and the leases.
 
@@ -369,6 +389,7 @@ class TransferPlan(_LeaseHolder):
         parts = [d for d in self._by_vector.values() if d.shape[0]]
         all_desc = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else _NO_DESCRIPTORS
         all_desc.setflags(write=False)
+        _refuse_overlapping_destinations(request_id, all_desc)
         self._all = all_desc
         self.num_descriptors = int(all_desc.shape[0])
         self.total_bytes = sum(s.bytes for s in self.stats_by_vector.values())
@@ -655,12 +676,14 @@ class ReceiverHalf(_LeaseHolder):
     def settle(self, exc: BaseException | None = None) -> bool:
         """A confirmed end of everything the peer was sent: the sender's terminal report of a failed transfer,
         the sender process confirmed gone, or this side's backend closed/reset after the engine released its
-        registrations. Fails the half if still pending (``exc``), then lets go of the publication hold, so an
-        in-doubt lease settles (state ``settled``: the end was confirmed, not reported done). Returns True if the
-        half was still pending. Any thread. O(leased pages)."""
-        ended = self._finish(PLAN_FAILED, exc)
+        registrations. Lets go of the publication hold, then fails the half if still pending (``exc``): a lease
+        in doubt settles (state ``settled``: the end was confirmed, not reported done), an active one is released
+        without passing through in doubt. Returns True if the half was still pending. Any thread. O(leased
+        pages)."""
+        # the end is confirmed, so the publication hold goes first: a lease still active then ends released, never
+        # passing through in doubt; one already in doubt settles
         self._let_go()
-        return ended
+        return self._finish(PLAN_FAILED, exc)
 
     @property
     def lease(self) -> LeaseLike | None:
@@ -711,10 +734,6 @@ class ReceiverHalf(_LeaseHolder):
                 f"P={self.prefix_tokens}, vectors={ {n: len(v.pages) for n, v in self.vectors.items()} })")
 
 
-#: The name the agreed interface uses for the receiver's half.
-PlanHalf = ReceiverHalf
-
-
 # ==== what backends use of a plan =============================================================================
 
 
@@ -736,9 +755,11 @@ class PlanLike(Protocol):
     """
 
     state: str
-    vectors: Mapping[str, Any]
     num_descriptors: int
     total_bytes: int
+
+    @property
+    def vectors(self) -> Mapping[str, Any]: ...
 
     @property
     def src_lease(self) -> LeaseLike | None: ...
@@ -756,5 +777,5 @@ class PlanLike(Protocol):
 
 
 __all__ = ["EMPTY_IDS", "PLAN_ABORTED", "PLAN_DONE", "PLAN_FAILED", "PLAN_PENDING", "HalfVector", "IndexVector",
-           "LeaseLike", "PlanHalf", "PlanLike", "ReceiverHalf", "TransferPlan", "VectorPart", "VectorStats",
+           "LeaseLike", "PlanLike", "ReceiverHalf", "TransferPlan", "VectorPart", "VectorStats",
            "as_ids", "unique_pages_by_end"]

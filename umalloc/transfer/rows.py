@@ -127,6 +127,8 @@ def vector_rows(end: EndSpec, seq_len_tokens: int, prefix_tokens: int = 0, *, dc
     >>> vector_rows(full, 19, 6, dcp_size=4, dcp_rank=1)      # positions 1, 5, 9, 13, 17 -> rows 0..4
     (2, 5)
     """
+    if not isinstance(end, EndSpec):
+        raise UmallocValueError(f"end={type(end).__name__}: allowed an EndSpec")
     if end.role is EndRole.STATE:
         raise UmallocValueError(f"end {end.name!r} is a state end: it travels as a whole slot, not by rows")
     check_tokens(seq_len_tokens, prefix_tokens)
@@ -166,9 +168,10 @@ def check_dcp(dcp_size: object, dcp_rank: object) -> None:
 
 def check_tokens(seq_len_tokens: object, prefix_tokens: object) -> None:
     """Raise :class:`~umalloc.errors.UmallocValueError` unless ``seq_len_tokens`` is an int >= 0 and
-    ``prefix_tokens`` an int in ``[0, seq_len_tokens]``. O(1)."""
-    if isinstance(seq_len_tokens, bool) or not isinstance(seq_len_tokens, int) or seq_len_tokens < 0:
-        raise UmallocValueError(f"seq_len_tokens={seq_len_tokens!r}: allowed an int >= 0")
+    ``prefix_tokens`` an int in ``[0, seq_len_tokens]`` (lengths below ``2**62``: token ids times a page size
+    must fit int64). O(1)."""
+    if isinstance(seq_len_tokens, bool) or not isinstance(seq_len_tokens, int) or not 0 <= seq_len_tokens < 1 << 62:
+        raise UmallocValueError(f"seq_len_tokens={seq_len_tokens!r}: allowed an int in [0, 2**62)")
     if isinstance(prefix_tokens, bool) or not isinstance(prefix_tokens, int) \
             or not 0 <= prefix_tokens <= seq_len_tokens:
         raise UmallocValueError(f"prefix_tokens={prefix_tokens!r}: allowed an int in [0, {seq_len_tokens}]")

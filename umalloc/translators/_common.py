@@ -123,6 +123,9 @@ def check_out(out: object, shape: tuple[int, ...] | torch.Size, dtype: torch.dty
             raise InvalidIdError(f"out must have shape {tuple(shape)}, got {out.shape}")
         if not out.flags.writeable:
             raise InvalidIdError("out is a read-only numpy array: allowed a writeable one")
+        if any(st == 0 and n > 1 for st, n in zip(out.strides, out.shape, strict=True)):
+            raise InvalidIdError("out has a stride-0 (broadcast) dimension: several results would share one "
+                                 "element; allowed an out whose elements are distinct memory")
         return
     if not isinstance(out, torch.Tensor):
         raise UmallocValueError(f"out must be a torch.Tensor (or, for CPU ids, a numpy array), got "
@@ -132,6 +135,9 @@ def check_out(out: object, shape: tuple[int, ...] | torch.Size, dtype: torch.dty
     check_dense(out, "out")
     if tuple(out.shape) != tuple(shape):
         raise InvalidIdError(f"out must have shape {tuple(shape)}, got {tuple(out.shape)}")
+    if any(st == 0 and n > 1 for st, n in zip(out.stride(), out.shape, strict=True)):
+        raise InvalidIdError("out has a stride-0 (expanded) dimension: several results would share one element; "
+                             "allowed an out whose elements are distinct memory")
     if out.device != device:
         raise UmallocValueError(f"out is on {out.device} but the input is on {device}; they must match")
 

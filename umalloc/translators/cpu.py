@@ -127,7 +127,7 @@ def _host(x: object, name: str, *, ndim: int | None = None, int64_only: bool = F
 def _check_out(out: object, shape: tuple[int, ...], dtype: torch.dtype) -> None:
     """:func:`umalloc.translators._common.check_out` for CPU results, with a fast accept."""
     if (type(out) is torch.Tensor and out.dtype is dtype and out.is_cpu and out.layout is torch.strided
-            and out.shape == shape):
+            and out.shape == shape and out.is_contiguous()):
         return
     c.check_out(out, shape, dtype, _CPU)
 

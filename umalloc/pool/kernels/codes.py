@@ -23,8 +23,8 @@ from umalloc.errors import (
 from umalloc.pool.kernels.layout import _ERROFF, _NV, _OWNER, _PS
 
 # ---- kernel result codes (err[0]) --------------------------------------------------------------------------
-_OK, _E_SHORT, _E_RANGE, _E_RESERVED, _E_NOTALLOC, _E_DOUBLE, _E_UNBOUND, _E_BOUND = range(8)
-_E_LENS, _E_LAST_OFFSET, _E_LAST_NOPREFIX, _E_TAIL_SHARED, _E_TAIL_UNBOUND, _E_TOMB, _E_OUT, _E_IDS, _E_INDEX = \
+OK, E_SHORT, _E_RANGE, _E_RESERVED, _E_NOTALLOC, _E_DOUBLE, _E_UNBOUND, _E_BOUND = range(8)
+_E_LENS, _E_LAST_OFFSET, _E_LAST_NOPREFIX, _E_TAIL_SHARED, _E_TAIL_UNBOUND, _E_TOMB, _E_OUT, E_IDS, _E_INDEX = \
     range(8, 17)
 
 

@@ -24,7 +24,7 @@ _G_UP, _G_DOWN, _G_FLOAT = 0, 1, 2
 # ---- virtual page states (owner ends) -----------------------------------------------------------------------
 V_NEVER, V_LIVE, V_FREED, V_RESERVED = 0, 1, 2, 3
 
-_SPLIT_ONE = 1_000_000  # float_split is stored in parts per million
+SPLIT_ONE = 1_000_000  # float_split is stored in parts per million
 _MASK_SLOTS = 64  # cached bind masks per allocator
 
 __all__ = ["V_FREED", "V_LIVE", "V_NEVER", "V_RESERVED"]

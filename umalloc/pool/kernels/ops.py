@@ -1,6 +1,6 @@
 """Kernel entry points (numba): allocation, extend/decode, free/release, bind, translation; their compiled entries.
 
-Each ``_k_*`` kernel takes the heap root address (Note [Heap root] in :mod:`umalloc.pool.kernels.raw`), validates
+Each ``k_*`` kernel takes the heap root address (Note [Heap root] in :mod:`umalloc.pool.kernels.raw`), validates
 its whole batch first and writes nothing on misuse (the error record, :mod:`umalloc.pool.kernels.codes`).
 
 Note [Direct entry]
@@ -29,7 +29,6 @@ from umalloc.pool.kernels.bitmap import _bclr, _bset
 from umalloc.pool.kernels.codes import (
     _E_BOUND,
     _E_DOUBLE,
-    _E_IDS,
     _E_INDEX,
     _E_LAST_NOPREFIX,
     _E_LAST_OFFSET,
@@ -38,11 +37,12 @@ from umalloc.pool.kernels.codes import (
     _E_OUT,
     _E_RANGE,
     _E_RESERVED,
-    _E_SHORT,
     _E_TAIL_SHARED,
     _E_TAIL_UNBOUND,
     _E_UNBOUND,
-    _OK,
+    E_IDS,
+    E_SHORT,
+    OK,
     _fail,
 )
 from umalloc.pool.kernels.layout import (
@@ -121,10 +121,10 @@ def _check_tail(meta, h64, h8, owner, mask, stamp, vp, i, ll):
 
 
 @njit(cache=True, error_model="numpy")
-def _k_alloc_pages(root, owner, mask, k, vids_a, n_vids, idx_a, n_idx):
+def k_alloc_pages(root, owner, mask, k, vids_a, n_vids, idx_a, n_idx):
     """Mint ``k`` virtual pages into ``vids_a`` (``n_vids`` long; with ``n_idx >= 0`` page ``j`` goes to
     ``vids[idx[j]]``, a scatter into a block table, every index checked first) per Note [Placement order].
-    More pages than the owner has free virtual ids can never fit (no compaction helps): _E_IDS with the owner's
+    More pages than the owner has free virtual ids can never fit (no compaction helps): E_IDS with the owner's
     deficit, nothing changed."""
     meta, h64, h8 = _heaps(root)
     use_idx = n_idx >= 0
@@ -139,11 +139,11 @@ def _k_alloc_pages(root, owner, mask, k, vids_a, n_vids, idx_a, n_idx):
         for e in range(meta.shape[0]):
             h64[b + e] = 0
         h64[b + owner] = k - free_ids
-        return _fail(meta, h64, _E_IDS, 0, k, 0)
+        return _fail(meta, h64, E_IDS, 0, k, 0)
     vids = _ids_view(vids_a, n_vids)
     _, _, nlo, nhi = _plan_scratch(meta, h64)
     if not _plan_k(meta, h64, h8, mask, k, nlo, nhi):
-        return _E_SHORT
+        return E_SHORT
     scr = _mint_bind(meta, h64, h8, owner, mask, k, nlo, nhi)
     if use_idx:
         # every slot is read before the first write: ``index`` may overlap the table (even be it), and a slot
@@ -156,16 +156,16 @@ def _k_alloc_pages(root, owner, mask, k, vids_a, n_vids, idx_a, n_idx):
     else:
         for j in range(k):
             vids[j] = h64[scr + j]
-    h64[meta[0, _ERROFF]] = _OK
-    return _OK
+    h64[meta[0, _ERROFF]] = OK
+    return OK
 
 
-#: :func:`_k_claim` results: 0 ok, else (code, position) packed as ``code + 8 * position``
+#: :func:`k_claim` results: 0 ok, else (code, position) packed as ``code + 8 * position``
 CLAIM_RANGE, CLAIM_LIVE, CLAIM_PAGE = 1, 2, 3
 
 
 @njit(cache=True, error_model="numpy")
-def _k_claim(root, e, vids):
+def k_claim(root, e, vids):
     """Mint exactly the virtual pages ``vids`` of the one-end owner ``e`` and bind each to the physical page of
     the same number (Note [Exact ids] in :mod:`umalloc.allocator.facade`). Validates the whole batch first:
     returns 0, or ``code + 8 * position`` of the first bad entry (out of range, not a free virtual page or
@@ -225,7 +225,7 @@ def _k_claim(root, e, vids):
 
 
 @njit(cache=True, error_model="numpy")
-def _k_extend(root, owner, mask, pre_a, seq_a, last_a, B, out_a, n_out):
+def k_extend(root, owner, mask, pre_a, seq_a, last_a, B, out_a, n_out):
     """SGLang-style extend. Writes the virtual token ids to ``out_a`` (``n_out`` long) or, if ``out_a == 0``,
     returns a new array of them; err[0] holds the result code, err[1] the number of fresh pages.
 
@@ -311,13 +311,13 @@ def _k_extend(root, owner, mask, pre_a, seq_a, last_a, B, out_a, n_out):
             t += cnt
             j += 1
     eb = meta[0, _ERROFF]
-    h64[eb] = _OK
+    h64[eb] = OK
     h64[eb + 1] = k
     return res
 
 
 @njit(cache=True, error_model="numpy")
-def _k_decode(root, owner, mask, seq_a, last_a, B, out_a):
+def k_decode(root, owner, mask, seq_a, last_a, B, out_a):
     """SGLang-style decode: one token per request at position ``seq - 1``, written to ``out_a``."""
     meta, h64, h8 = _heaps(root)
     seq = _view(seq_a, B)
@@ -352,7 +352,7 @@ def _k_decode(root, owner, mask, seq_a, last_a, B, out_a):
     if k > 0:
         _, _, nlo, nhi = _plan_scratch(meta, h64)
         if not _plan_k(meta, h64, h8, mask, k, nlo, nhi):
-            return _E_SHORT
+            return E_SHORT
         scr = _mint_bind(meta, h64, h8, owner, mask, k, nlo, nhi)
     out = _view(out_a, B)
     j = scr
@@ -364,9 +364,9 @@ def _k_decode(root, owner, mask, seq_a, last_a, B, out_a):
         else:
             out[i] = last[i] + 1
     eb = meta[0, _ERROFF]
-    h64[eb] = _OK
+    h64[eb] = OK
     h64[eb + 1] = k
-    return _OK
+    return OK
 
 
 @njit(cache=True, error_model="numpy")
@@ -419,7 +419,7 @@ def _unique_vpages(meta, h64, h8, owner, toks, bound_end, strict_bound, want_unb
 
 
 @njit(cache=True, error_model="numpy")
-def _k_free(root, owner, toks_a, n_tok, pages, idx_a, n_idx):
+def k_free(root, owner, toks_a, n_tok, pages, idx_a, n_idx):
     """Free the unique virtual pages of the tokens on the owner and every bound end still bound. Returns the
     number of unique pages (ids in the scratch area), or -1 on misuse (nothing changed)."""
     meta, h64, h8 = _heaps(root)
@@ -443,12 +443,12 @@ def _k_free(root, owner, toks_a, n_tok, pages, idx_a, n_idx):
             hint = v
     meta[owner, _VHINT] = hint
     meta[owner, _VLIVE] -= n
-    h64[meta[0, _ERROFF]] = _OK
+    h64[meta[0, _ERROFF]] = OK
     return n
 
 
 @njit(cache=True, error_model="numpy")
-def _k_release(root, b, toks_a, n_tok, strict, pages, idx_a, n_idx):
+def k_release(root, b, toks_a, n_tok, strict, pages, idx_a, n_idx):
     """Unbind bound end ``b`` from the unique virtual pages of the tokens (the owner stays live)."""
     meta, h64, h8 = _heaps(root)
     toks = _ids_view(toks_a, n_tok)
@@ -457,12 +457,12 @@ def _k_release(root, b, toks_a, n_tok, strict, pages, idx_a, n_idx):
     if n < 0:
         return -1
     meta[b, _RELEASED] += _unbind(meta, h64, h8, _pins_of(root, b), b, meta[0, _SCROFF], n)
-    h64[meta[0, _ERROFF]] = _OK
+    h64[meta[0, _ERROFF]] = OK
     return n
 
 
 @njit(cache=True, error_model="numpy")
-def _k_bind(root, b, mask, toks_a, n_tok):
+def k_bind(root, b, mask, toks_a, n_tok):
     """Bind fresh pages of bound end ``b`` (``mask`` selects it alone) to the unique live, unbound virtual
     pages of the tokens, in first-occurrence order."""
     meta, h64, h8 = _heaps(root)
@@ -483,12 +483,12 @@ def _k_bind(root, b, mask, toks_a, n_tok):
             v = h64[scr + j]
             h64[poff + pages[j]] = v
             h64[bvoff + v] = pages[j]
-    h64[meta[0, _ERROFF]] = _OK
+    h64[meta[0, _ERROFF]] = OK
     return n
 
 
 @njit(cache=True, error_model="numpy")
-def _k_translate(root, e, ids_a, n, ps, strict, out_a):
+def k_translate(root, e, ids_a, n, ps, strict, out_a):
     """Translate ``n`` int64 ids at ``ids_a`` (virtual tokens for ``ps`` = the end's page size, virtual pages
     for ``ps`` = 1) on end ``e``'s host v2p master into ``n`` int64s at ``out_a``, with the translators' one loop
     (:func:`umalloc.translators.cpu.v2p_run`; its return code, ``out`` untouched unless 0). Writes no heap
@@ -506,15 +506,15 @@ class Entries:
 
     def __init__(self) -> None:
         i, b, ids = types.int64, types.boolean, types.Array(types.int64, 1, "A")
-        self.free = _k_free.compile((i, i, ids, i, b, ids, i))
-        self.release = _k_release.compile((i, i, ids, i, b, b, ids, i))
-        self.alloc_pages = _k_alloc_pages.compile((i, i, i, i, ids, i, ids, i))
+        self.free = k_free.compile((i, i, ids, i, b, ids, i))
+        self.release = k_release.compile((i, i, ids, i, b, b, ids, i))
+        self.alloc_pages = k_alloc_pages.compile((i, i, i, i, ids, i, ids, i))
         # the token-level calls pass validated torch tensors by address: every argument an int (or a bool)
-        self.decode = _k_decode.compile((i,) * 7)
-        self.extend = _k_extend.compile((i,) * 9)
-        self.free_addr = _k_free.compile((i, i, i, i, b, i, i))
-        self.release_addr = _k_release.compile((i, i, i, i, b, b, i, i))
-        self.translate_addr = _k_translate.compile((i, i, i, i, i, b, i))
+        self.decode = k_decode.compile((i,) * 7)
+        self.extend = k_extend.compile((i,) * 9)
+        self.free_addr = k_free.compile((i, i, i, i, b, i, i))
+        self.release_addr = k_release.compile((i, i, i, i, b, b, i, i))
+        self.translate_addr = k_translate.compile((i, i, i, i, i, b, i))
 
 
 # Per entry: the role of each argument, for CheckedEntries. "root": a live heap root; "end": an end index;

@@ -39,7 +39,7 @@ from __future__ import annotations
 from numba import njit
 
 from umalloc.pool.kernels.bitmap import _bclr, _bset, _pop_high, _pop_low
-from umalloc.pool.kernels.codes import _E_SHORT, _fail
+from umalloc.pool.kernels.codes import E_SHORT, _fail
 from umalloc.pool.kernels.layout import (
     _ALLOCS,
     _ARENAB,
@@ -66,12 +66,12 @@ from umalloc.pool.kernels.layout import (
     _PSOFF,
     _SCROFF,
     _SPLIT,
-    _SPLIT_ONE,
     _TOP,
     _VBOFF,
     _VHINT,
     _VLIVE,
     _VOFF,
+    SPLIT_ONE,
     V_LIVE,
 )
 from umalloc.pool.pagestate import PAGE_GAP, PAGE_HOLE, PAGE_LIVE, PAGE_PENDING, TOMBSTONE
@@ -162,7 +162,7 @@ def _plan(meta, chain, need, new_lo, new_hi, deficit):
             else:
                 take = min(k, max(0, highp - lowp))
                 if take > 0:
-                    target = below + (above - below) * meta[e, _SPLIT] // _SPLIT_ONE
+                    target = below + (above - below) * meta[e, _SPLIT] // SPLIT_ONE
                     s = -(-target // pb)
                     s = max(s, lowp)
                     s = min(s, highp - take)
@@ -210,7 +210,7 @@ def _plan_k(meta, h64, h8, mask, k, nlo, nhi):
         b = meta[0, _ERROFF] + 4
         for e in range(E):
             h64[b + e] = deficit[e]
-        _fail(meta, h64, _E_SHORT, 0, k, 0)
+        _fail(meta, h64, E_SHORT, 0, k, 0)
         return False
     return True
 

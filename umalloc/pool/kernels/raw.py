@@ -27,7 +27,7 @@ What a caller must guarantee
 Note [Heap root]
 ~~~~~~~~~~~~~~~~
 numba's dispatcher unboxes each array argument (about 0.2 us each, more for a tuple of arrays) but an int in
-tens of ns. The hot kernels (``_k_*``) therefore take one int, the address of a small int64 *root* vector:
+tens of ns. The hot kernels (``k_*``) therefore take one int, the address of a small int64 *root* vector:
 ``[meta address, E, h64 address, len, h8 address, len, (pin-count address, len) per end]``, and view the masters
 with ``numba.carray``.
 
@@ -88,7 +88,7 @@ def _ids_view(x, n):  # noqa: ARG001 - typed by the overload below
     raise NotImplementedError("numba-only")
 
 
-# not inline="always": numba's IR inlining of this overload miscompiled _k_free (the owner's live-id counter
+# not inline="always": numba's IR inlining of this overload miscompiled k_free (the owner's live-id counter
 # stopped moving; tests/allocator/test_allocator.py caught it). The call costs nothing measurable.
 @overload(_ids_view)
 def _ids_view_impl(x, n):

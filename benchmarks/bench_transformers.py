@@ -1,0 +1,221 @@
+"""transformers' continuous batching on its own ``PagedAttentionCache`` vs on umalloc, at equal cache bytes.
+
+The same requests -- a slice of the shipped Mooncake conversation trace (``umalloc/data/conversation_trace.jsonl``),
+prompt and output lengths divided by ``--scale`` to fit the tiny model's context, prompts built from the trace's
+``hash_ids`` so requests that share hash blocks share prompt prefixes -- go through one tiny random-weight model
+(seeded) twice in one run: stock, then with :func:`umalloc.integrations.transformers.install`. Both caches get the
+same ``num_blocks``, so the same bytes (umalloc's arena is exactly the stock cache tensor's size). Per run:
+
+* tokens/s: generated tokens / wall seconds of the generation loop;
+* mean / max concurrent requests: ``len(active_requests)`` of the scheduler at each step;
+* refused: ``can_store_request_tokens`` answers ``False`` (requests left waiting); preempted: requests whose
+  cache transformers' offloading manager freed to make room (``free_blocks(no_cache=True)``);
+* memory layer share: wall time inside the cache's scheduler-facing methods (allocation, freeing, prefix match,
+  hash marking, read/write index building and the step hook), the same set wrapped on both caches, over the
+  loop's wall time. The attention's own cache reads and writes (``update``) are the same tensor ops on both and
+  are not counted.
+
+Run (in the peer venv, which has transformers):
+
+    PYTHONPATH=.peer/path .peer/transformers-venv/bin/python benchmarks/bench_transformers.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TRACE = Path(__file__).resolve().parent.parent / "umalloc" / "data" / "conversation_trace.jsonl"
+TRACE_BLOCK_TOKENS = 512   # the Mooncake trace's hash block
+MEMORY_METHODS = ("can_store_request_tokens", "free_blocks", "search_prefix_match", "mark_complete_blocks",
+                  "extend_read_and_write_indices", "prepare_fork_request", "evict_cached_blocks")
+
+
+def build_model(name: str, seed: int, window: int) -> Any:
+    import transformers
+    common = dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32, max_position_embeddings=4096, pad_token_id=0)
+    torch.manual_seed(seed)
+    if name == "gemma3":   # 5 sliding : 1 full, as Gemma 3
+        cfg = transformers.Gemma3TextConfig(num_hidden_layers=6, sliding_window=window,
+                                            layer_types=["sliding_attention"] * 5 + ["full_attention"], **common)
+        model = transformers.Gemma3ForCausalLM(cfg)
+    elif name == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(num_hidden_layers=6, **common))
+    else:
+        raise SystemExit(f"--model {name!r}: allowed gemma3 or llama")
+    model = model.eval()
+    model.config._attn_implementation = "sdpa"
+    return model
+
+
+def trace_requests(num: int, start: int, scale: int, max_new: int, vocab: int, seed: int) -> list[tuple[list[int],
+                                                                                                          int]]:
+    """``(prompt tokens, max_new_tokens)`` for trace lines ``[start, start + num)``; each hash id is one
+    deterministic block of ``512 / scale`` tokens, so shared hash ids give shared prefixes."""
+    lines = TRACE.read_text().splitlines()[start:start + num]
+    block = max(1, TRACE_BLOCK_TOKENS // scale)
+    out = []
+    for line in lines:
+        rec = json.loads(line)
+        n_in = max(2, rec["input_length"] // scale)
+        toks: list[int] = []
+        for h in rec["hash_ids"]:
+            rng = random.Random(seed * 1_000_003 + h)
+            toks.extend(rng.randrange(3, vocab) for _ in range(block))
+        out.append((toks[:n_in], max(1, min(max_new, rec["output_length"] // scale))))
+    return out
+
+
+class Probe:
+    """Counts steps, concurrency, refusals, preemptions and memory-layer seconds by wrapping methods of the cache
+    class and the scheduler classes (restored by :meth:`close`)."""
+
+    def __init__(self, cache_cls: type) -> None:
+        from transformers.generation.continuous_batching import scheduler as sched
+        self.active: list[int] = []
+        self.refused = 0
+        self.preempted = 0
+        self.memory_s = 0.0
+        self._undo: list[tuple[type, str, Any]] = []
+        for cls in (sched.FIFOScheduler, sched.PrefillFirstScheduler):
+            self._wrap(cls, "schedule_batch", self._on_schedule)
+        for m in MEMORY_METHODS:
+            self._wrap(cache_cls, m, self._timed(m))
+
+    def _wrap(self, cls: type, name: str, make: Any) -> None:
+        orig = getattr(cls, name)
+        self._undo.append((cls, name, vars(cls).get(name)))
+        setattr(cls, name, make(orig))
+
+    def _on_schedule(self, orig: Any) -> Any:
+        probe = self
+
+        @functools.wraps(orig)
+        def wrapper(sched: Any, *a: Any, **k: Any) -> Any:
+            out = orig(sched, *a, **k)
+            probe.active.append(len(sched.active_requests))
+            return out
+        return wrapper
+
+    def _timed(self, name: str) -> Any:
+        probe = self
+
+        def make(orig: Any) -> Any:
+            @functools.wraps(orig)
+            def wrapper(cache: Any, *a: Any, **k: Any) -> Any:
+                t0 = time.perf_counter()
+                try:
+                    out = orig(cache, *a, **k)
+                finally:
+                    probe.memory_s += time.perf_counter() - t0
+                if name == "can_store_request_tokens" and out is False and not k.get("dry_run") and \
+                        not (len(a) > 2 and a[2]):
+                    probe.refused += 1
+                if name == "free_blocks" and (k.get("no_cache") or (len(a) > 1 and a[1])):
+                    probe.preempted += 1
+                return out
+            return wrapper
+        return make
+
+    def close(self) -> None:
+        for cls, name, orig in reversed(self._undo):
+            if orig is None:
+                delattr(cls, name)
+            else:
+                setattr(cls, name, orig)
+
+
+def run_once(model: Any, reqs: list[tuple[list[int], int]], cb_kwargs: dict[str, Any], umalloc_on: bool,
+             cache_cls: type) -> dict[str, Any]:
+    import transformers
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    from umalloc.integrations import transformers as ut
+
+    gcfg = transformers.GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0,
+                                         max_new_tokens=max(n for _, n in reqs))
+    cb = ContinuousBatchingConfig(use_async_batching=False, auto_switch_to_flash=False, **cb_kwargs)
+    inst = ut.install() if umalloc_on else None
+    probe = Probe(cache_cls)
+    try:
+        with model.continuous_batching_context_manager(generation_config=gcfg, continuous_batching_config=cb,
+                                                       block=True, timeout=30) as manager:
+            t0 = time.perf_counter()
+            ids = [manager.add_request(p, max_new_tokens=n) for p, n in reqs]
+            done: dict[str, list[int]] = {}
+            while len(done) < len(ids):
+                res = manager.get_result(timeout=5)
+                if res is None:
+                    if not manager.is_running():
+                        raise RuntimeError("the generation thread stopped")
+                    continue
+                if res.is_finished():
+                    if res.error is not None:
+                        raise RuntimeError(f"request {res.request_id} failed: {res.error}")
+                    done[res.request_id] = list(res.generated_tokens)
+            wall = time.perf_counter() - t0
+    finally:
+        probe.close()
+        if inst is not None:
+            ut.uninstall()
+    gen = sum(len(v) for v in done.values())
+    act = probe.active or [0]
+    return {"tokens": [done[i] for i in ids], "generated": gen, "wall_s": wall, "tok_s": gen / wall,
+            "mean_conc": sum(act) / len(act), "max_conc": max(act), "steps": len(probe.active),
+            "refused": probe.refused, "preempted": probe.preempted, "mem_share": probe.memory_s / wall}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="gemma3")
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--start", type=int, default=0, help="first trace line")
+    ap.add_argument("--scale", type=int, default=32, help="divide trace lengths by this")
+    ap.add_argument("--max-new", type=int, default=24)
+    ap.add_argument("--window", type=int, default=64)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--num-blocks", type=int, default=96, help="cache capacity for both (equal bytes)")
+    ap.add_argument("--max-batch-tokens", type=int, default=256)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+
+    from umalloc.integrations.transformers import UmallocPagedCache
+
+    model = build_model(args.model, args.seed, args.window)
+    reqs = trace_requests(args.requests, args.start, args.scale, args.max_new, model.config.vocab_size, args.seed)
+    cb_kwargs = dict(page_size=args.page_size, num_blocks=args.num_blocks, max_batch_tokens=args.max_batch_tokens,
+                     max_memory_percent=0.9)
+    print(f"# model={args.model} requests={len(reqs)} prompt tokens={sum(len(p) for p, _ in reqs)} "
+          f"max_new<= {args.max_new} page_size={args.page_size} num_blocks={args.num_blocks} seed={args.seed}")
+    run_once(model, reqs[:2], cb_kwargs, False, PagedAttentionCache)     # warm-up (kernels, numba)
+    run_once(model, reqs[:2], cb_kwargs, True, UmallocPagedCache)
+    stock = run_once(model, reqs, cb_kwargs, False, PagedAttentionCache)
+    um = run_once(model, reqs, cb_kwargs, True, UmallocPagedCache)
+    same = stock["tokens"] == um["tokens"]
+    print("| cache | tokens/s | mean conc. | max conc. | steps | refused | preempted | memory layer |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, r in (("stock", stock), ("umalloc", um)):
+        print(f"| {name} | {r['tok_s']:.1f} | {r['mean_conc']:.2f} | {r['max_conc']} | {r['steps']} | "
+              f"{r['refused']} | {r['preempted']} | {100 * r['mem_share']:.2f}% |")
+    print(f"ratios umalloc/stock: tokens/s {um['tok_s'] / stock['tok_s']:.2f}x, mean concurrency "
+          f"{um['mean_conc'] / stock['mean_conc']:.2f}x; tokens identical: {same}")
+    if args.json:
+        args.json.write_text(json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "tokens"}
+                                         for k, v in (("stock", stock), ("umalloc", um))}, indent=2))
+    if not same:
+        raise SystemExit("tokens differ between stock and umalloc")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,20 @@
+"""Fixtures of the replay application's tests.
+
+Every test here runs as if the host had :data:`TEST_HOST_MEMORY` bytes available (``$UMALLOC_HOST_MEMORY_BYTES``,
+inherited by the console-script processes the tests start): the replay's host-memory refusal then depends on the
+sizes a test asks for, never on the memory free on the machine that runs the suite (issue 26 item 25)."""
+
+from __future__ import annotations
+
+import pytest
+
+from umalloc_replay.preflight import HOST_MEMORY_ENV
+
+#: The host memory the tests see: far above what any test's replay holds, far below the sizes the refusal tests
+#: ask for (10 TiB arenas, a 100,000,000-token prompt).
+TEST_HOST_MEMORY = 256 << 30
+
+
+@pytest.fixture(autouse=True)
+def _fixed_host_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(HOST_MEMORY_ENV, str(TEST_HOST_MEMORY))

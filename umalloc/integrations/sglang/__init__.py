@@ -1,0 +1,136 @@
+"""umalloc behind SGLang's KV-cache allocators: token, paged and SWA pools whose slot ids come from umalloc.
+
+Enable it with one call before SGLang builds its ``ModelRunner``::
+
+    import umalloc.integrations.sglang
+    umalloc.integrations.sglang.install()   # SGLang's KV-cache configurator now builds the umalloc classes
+
+Tested with SGLang 0.5.23 (:data:`SUPPORTED_SGLANG_VERSIONS`; the ``umalloc[sglang]`` extra pins it);
+:func:`install` refuses any other version with :class:`UnsupportedSGLangVersion`, because the classes follow
+that release's allocator interface method by method.
+
+What :func:`install` patches: ``KVCacheConfigurator._build_token_to_kv_pool_allocator`` in
+``sglang.srt.mem_cache.kv_cache_configurator`` constructs the allocator through the module-level names it
+imported; :func:`install` rebinds them in that module:
+
+* ``TokenToKVPoolAllocator`` -> :class:`UmallocTokenToKVPoolAllocator` (``page_size`` 1),
+* ``PagedTokenToKVPoolAllocator`` -> :class:`UmallocPagedTokenToKVPoolAllocator`,
+* ``SWATokenToKVPoolAllocator`` -> :class:`UmallocSWATokenToKVPoolAllocator` (full + sliding-window pools).
+
+The classes (module attributes, built on first access because they subclass SGLang's allocator base):
+
+* ``UmallocTokenToKVPoolAllocator``, ``UmallocPagedTokenToKVPoolAllocator``: one
+  :class:`~umalloc.integrations.sglang.pools.SlotPool` each.
+* ``UmallocSWATokenToKVPoolAllocator``: a full and an SWA pool with SGLang's token-level ``full -> swa``
+  index mapping (:mod:`umalloc.integrations.sglang.swa`).
+
+How they differ from SGLang's own classes (order of ids, misuse that raises) is listed in
+:mod:`umalloc.integrations.sglang.pools` and in the README ("SGLang").
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import sys
+from typing import Any
+
+from umalloc.errors import UmallocError
+
+#: SGLang versions this integration is tested with (the ``umalloc[sglang]`` extra pins them).
+SUPPORTED_SGLANG_VERSIONS: tuple[str, ...] = ("0.5.23",)
+
+#: ``kv_cache_configurator`` name -> umalloc class name that :func:`install` binds there.
+PATCHED_NAMES: dict[str, str] = {
+    "TokenToKVPoolAllocator": "UmallocTokenToKVPoolAllocator",
+    "PagedTokenToKVPoolAllocator": "UmallocPagedTokenToKVPoolAllocator",
+    "SWATokenToKVPoolAllocator": "UmallocSWATokenToKVPoolAllocator",
+}
+
+#: The module whose names :func:`install` rebinds.
+CONFIGURATOR_MODULE = "sglang.srt.mem_cache.kv_cache_configurator"
+
+
+class UnsupportedSGLangVersion(UmallocError):
+    """The installed SGLang is not one of :data:`SUPPORTED_SGLANG_VERSIONS`; ``version`` names it."""
+
+    def __init__(self, version: str) -> None:
+        self.version = version
+        super().__init__(f"SGLang {version} is untested with umalloc.integrations.sglang; allowed "
+                         f"{', '.join(SUPPORTED_SGLANG_VERSIONS)} (pip install 'umalloc[sglang]')")
+
+
+class SGLangUnavailable(UmallocError, ImportError):
+    """SGLang is not installed here (typed, and an ImportError for callers that catch that)."""
+
+
+def sglang_version() -> str:
+    """The installed SGLang's version (its distribution metadata; SGLang is not imported).
+
+    Raises:
+        SGLangUnavailable: SGLang is not installed (an ImportError).
+    """
+    try:
+        return importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        raise SGLangUnavailable("SGLang is not installed (pip install 'umalloc[sglang]')") from None
+
+
+def check_version(version: str | None = None) -> str:
+    """Refuse an untested SGLang: returns ``version`` (default: the installed one) if supported.
+
+    Raises:
+        UnsupportedSGLangVersion: it is not in :data:`SUPPORTED_SGLANG_VERSIONS`. ImportError: no SGLang.
+
+    >>> check_version("0.5.23")
+    '0.5.23'
+    >>> check_version("0.5.24")
+    Traceback (most recent call last):
+    ...
+    umalloc.integrations.sglang.UnsupportedSGLangVersion: SGLang 0.5.24 is untested with umalloc.integrations.sglang; allowed 0.5.23 (pip install 'umalloc[sglang]')
+    """
+    v = sglang_version() if version is None else version
+    if v not in SUPPORTED_SGLANG_VERSIONS:
+        raise UnsupportedSGLangVersion(v)
+    return v
+
+
+def _classes() -> dict[str, type]:
+    check_version()
+    from umalloc.integrations.sglang.classes import allocator_classes
+
+    return allocator_classes()
+
+
+def install() -> dict[str, type]:
+    """Make SGLang's KV-cache configurator build the umalloc classes (see the module docstring for the names it
+    rebinds in ``sglang.srt.mem_cache.kv_cache_configurator``). Call it before SGLang builds its model runner.
+    Idempotent.
+
+    Returns:
+        the rebound names -> the umalloc classes now bound to them.
+
+    Raises:
+        UnsupportedSGLangVersion: the installed SGLang is not tested. ImportError: SGLang is not installed.
+    """
+    classes = _classes()
+    __import__(CONFIGURATOR_MODULE)
+    module = sys.modules[CONFIGURATOR_MODULE]
+    bound = {}
+    for name, ours in PATCHED_NAMES.items():
+        if ours in classes:
+            setattr(module, name, classes[ours])
+            bound[name] = classes[ours]
+    return bound
+
+
+def __getattr__(name: str) -> Any:
+    if name.startswith("Umalloc") and name.endswith("Allocator"):
+        classes = _classes()
+        if name in classes:
+            return classes[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# the Umalloc*Allocator classes are reached as attributes (module __getattr__: they import SGLang)
+__all__ = ["CONFIGURATOR_MODULE", "PATCHED_NAMES", "SUPPORTED_SGLANG_VERSIONS", "SGLangUnavailable", "UnsupportedSGLangVersion",
+           "check_version", "install", "sglang_version"]

@@ -1,0 +1,857 @@
+"""umalloc as the KV memory of Hugging Face transformers' continuous batching (``generate_batch``).
+
+:func:`install` makes every ``PagedAttentionCache`` that transformers builds afterwards an
+:class:`UmallocPagedCache`: the model's KV lives in one umalloc :class:`~umalloc.geometry.arena.Arena`, its pages
+are handed out by a :class:`~umalloc.core.allocator.MultiEndedAllocator` and owned per request by a
+:class:`~umalloc.core.requests.RequestTable`. transformers' scheduler, request states, logits processing, masks
+and attention kernels are unchanged: only the memory layer is replaced.
+
+Policy:
+
+* **One arena, one end per attention type.** Full-attention layers are the ``full`` end (grows up, id owner);
+  sliding-window layers the ``swa`` end (grows down, bound to ``full``'s virtual pages, window = the config's
+  ``sliding_window``). Each end has its own page geometry (``page_size`` tokens of every layer it holds, page-major
+  envelope: layer 0 K, layer 0 V, layer 1 K, ...); the split between them is dynamic (no sectors).
+* **Block ids are virtual pages.** A request's pages are the table's ``req_to_token`` row; the read / write row
+  indices handed to attention are computed every step by translating those virtual tokens to physical ones on the
+  layer's end, so compaction may move pages between steps (Note [Rows]).
+* **Sharing is the table's.** Prefix hits, forks and cached pages use the table's reference counts, copy-on-write
+  and cached-free LRU; the integration keeps only a content-hash index (hash -> virtual page), cleaned by
+  ``on_evict``. Cached pages are evicted only when an allocation falls short.
+* **Padding lanes** write umalloc's sink (physical page 0, row 0) and read the table's zero page.
+* **Size**: the arena has exactly the bytes transformers' own cache tensor would have (its sectors plus its two
+  trash sectors, computed by transformers' ``PagedAttentionMemoryHandler`` from ``num_blocks`` / memory), or
+  ``arena_bytes`` if given.
+* **Out of memory** behaves as transformers' cache does: ``can_store_request_tokens`` returns ``False`` with
+  nothing allocated (F29), the request waits or is preempted by transformers' own offloading manager.
+
+Note [Seams]
+~~~~~~~~~~~~
+Where transformers 5.23's interfaces are adapted, all in this module:
+
+1. ``continuous_api.PagedAttentionCache`` (the name ``_create_batch_processor`` calls) is replaced by a factory;
+   :func:`uninstall` puts the original back. Nothing else of transformers is patched.
+2. ``cache.cache_allocators`` holds one :class:`_EndGroup` per attention type (the attributes the IO builder,
+   the offloading manager and ``update`` read: ``index``, ``layer_type``, ``tokens_per_page``, ``get_seqlen_k``,
+   ``read_trash_index`` / ``write_trash_index``, ``needs_new_blocks``, ``block_table``), not a CacheAllocator.
+3. ``cache.pool.try_to_free_sectors()``, which the scheduler calls once per step before scheduling, is the step
+   hook: forced compaction (``compact_every_step``) and the per-step ``check_invariants`` run there, after the
+   previous forward and before the next step's indices are built.
+4. ``read_trash_index`` is a property (the zero page may move under compaction); the IO builder reads it every
+   step before it builds the indices.
+5. The decode fast path (block tables) is off (``max_blocks_per_request = 0``): block tables would hold physical
+   pages that compaction may move; eager / sdpa read through row indices only.
+6. ``evict_cached_blocks`` evicts nothing and returns ``False``: the table evicts LRU pages itself when an
+   allocation falls short, and ``compute_free_capacity`` counts cached pages as free.
+7. De-duplication on block completion registers a new content hash only; a page whose content is already indexed
+   stays the request's own (the table has no page swap), so one duplicate may live until its request ends.
+9. sdpa and flash attention test ``isinstance(cache, PagedAttentionCache)``: :func:`install` builds the class the
+   engine instantiates with transformers' class as a second base (after :class:`UmallocPagedCache`), for that
+   check only; it verifies that every method the engine calls resolves to umalloc's.
+8. Refused at construction (typed errors): tensor parallelism, CPU offloading (``cpu_offload_space > 0``, it copies
+   by physical block id), attention types other than full / sliding, and models whose every layer slides (the
+   sliding end needs a full-attention id owner).
+
+Note [Rows]
+~~~~~~~~~~~
+transformers' eager / sdpa paged attention indexes a per-layer view of the cache as token rows of
+``[num_kv_heads, head_dim]``: row ``r`` of layer ``i`` of a group is element row ``r + 2 * i * page_size`` of the
+group's flat row view, and physical page ``p`` starts at row ``p * rows_per_page`` with
+``rows_per_page = 2 * page_size * num_layers``. That is exactly umalloc's page-major envelope, so the row of
+virtual token ``t`` on end ``e`` is ``(pt // page_size) * rows_per_page + pt % page_size`` with
+``pt = translate(t, e)``. Row 0 is the sink (padded writes); row 1 is the sliding reads' sentinel (a marker, never
+a real row: real rows start at ``first_page * rows_per_page >= 2``).
+
+Note [Long prefills]
+~~~~~~~~~~~~~~~~~~~~
+The request table binds every new page on the sliding end and releases the pages that left the window at the
+start of the *next* growth. A prefill chunk much longer than the window would so hold sliding pages for all its
+tokens at once, where transformers' ring buffer holds ``window`` tokens. For a first prefill chunk (the request
+holds nothing yet, so this step reads nothing from the cache) longer than twice the window the cache grows the
+request one page at a time (each step's start releases what the previous one pushed out), after checking that the
+full pages and the sliding peak (``_swa_peak_pages``: the window's pages plus four) fit jointly (``can_alloc``), so
+it is still all or nothing. The early tokens' sliding writes then go to the sink: attention reads them from this step's own K/V,
+never from the cache. A later chunk (``past > 0``) reads the window before ``past``, which an intermediate step's
+release would drop: a *guard* request forked from it at ``past`` holds that window (the table's fork holds the
+window tail on the sliding end) until the next step hook, after the forward that reads it, and this step's
+sliding reads go through the guard's row: the request's own row may name a copy of its shared partial last page
+(copy-on-write) that a later window step released again.
+
+Threading: the scheduler's thread only (transformers drives the cache from one thread).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib
+import math
+from array import array
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from umalloc import (
+    Arena,
+    ArenaSpec,
+    EndRole,
+    EndSpec,
+    Grow,
+    InvariantError,
+    KVDtype,
+    LayerSpec,
+    MultiEndedAllocator,
+    RequestTable,
+    UmallocValueError,
+)
+
+#: transformers versions this integration is tested against (exactly).
+SUPPORTED_TRANSFORMERS_VERSIONS: tuple[str, ...] = ("5.23.0",)
+
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+_END_OF = {FULL_ATTENTION: "full", SLIDING_ATTENTION: "swa"}
+_TORCH_TO_KV = {torch.float32: KVDtype.FP32, torch.float16: KVDtype.FP16, torch.bfloat16: KVDtype.BF16}
+_SENTINEL_ROW = 1
+_SINK_ROW = 0
+
+
+class UnsupportedTransformersVersion(UmallocValueError):
+    """:func:`install` on a transformers version this integration was not tested against."""
+
+
+class UnsupportedCacheError(UmallocValueError):
+    """A model or continuous-batching config the umalloc cache cannot hold (layer and type, or option, named)."""
+
+
+@dataclass(frozen=True)
+class CacheOptions:
+    """How :class:`UmallocPagedCache` builds its arena.
+
+    Attributes:
+        arena_bytes: total arena bytes; ``None``: the bytes of transformers' own cache tensor for the same config.
+        compaction: the allocator's mode, ``"lazy"`` (compact when an allocation falls short), ``"eager"`` (after
+            every free) or ``"off"``.
+        compact_every_step: compact every end at the step hook (Note [Seams] 3), to exercise moving pages.
+        compact_budget_pages: most pages that forced compaction moves per end and step (``None``: unbounded), the
+            lazy allocator's move budget applied between steps.
+        check_every_step: run ``check_invariants`` (table and allocator) at the step hook.
+        max_requests: request slots (``None``: ``min(owner pages, 1024)``).
+    """
+
+    arena_bytes: int | None = None
+    compaction: str = "lazy"
+    compact_every_step: bool = False
+    compact_budget_pages: int | None = None
+    check_every_step: bool = False
+    max_requests: int | None = None
+
+
+@dataclass
+class CacheCounters:
+    """Cumulative counters of one :class:`UmallocPagedCache` (plain ints).
+
+    Attributes:
+        steps: step hooks seen. compactions / pages_moved: forced compactions and the pages they moved (the
+        allocator's own eager / lazy moves are in ``alloc.stats()[end].pages_moved``). prefix_hits /
+        prefix_hit_tokens: prompts that reused cached pages and the tokens reused. evicted_pages: cached pages
+        evicted (``on_evict``). refused_allocations: ``can_store_request_tokens`` answers ``False``.
+        max_live_requests: most requests holding pages at once. memory_seconds: wall time inside this layer
+        (allocation, translation, freeing, hooks), measured with ``time.perf_counter``.
+    """
+
+    steps: int = 0
+    compactions: int = 0
+    pages_moved: int = 0
+    prefix_hits: int = 0
+    prefix_hit_tokens: int = 0
+    evicted_pages: int = 0
+    refused_allocations: int = 0
+    max_live_requests: int = 0
+    forks: int = 0
+    memory_seconds: float = 0.0
+    live_requests_sum: int = 0
+
+
+def _block_hash(parent: int | None, tokens: list[int]) -> int:
+    """A chained 64-bit content hash of one full page of tokens (blake2b, stable across processes)."""
+    h = hashlib.blake2b(digest_size=8)
+    if parent is not None:
+        h.update(parent.to_bytes(8, "little", signed=False))
+    h.update(array("i", tokens).tobytes())
+    return int.from_bytes(h.digest(), "little", signed=False)
+
+
+class _Timer:
+    """Adds the wall time of a ``with`` block to ``counters.memory_seconds``."""
+
+    __slots__ = ("counters", "t0")
+
+    def __init__(self, counters: CacheCounters) -> None:
+        self.counters = counters
+        self.t0 = 0.0
+
+    def __enter__(self) -> None:
+        import time
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        import time
+        self.counters.memory_seconds += time.perf_counter() - self.t0
+
+
+class _Pool:
+    """The object transformers' scheduler reaches as ``cache.pool``: its ``try_to_free_sectors`` is the step hook
+    (Note [Seams] 3)."""
+
+    def __init__(self, cache: UmallocPagedCache) -> None:
+        self._cache = cache
+
+    def try_to_free_sectors(self) -> None:
+        self._cache.step_hook()
+
+    @property
+    def num_free_sectors(self) -> int:
+        return 0
+
+
+class _EndGroup:
+    """One attention type of the model on one end of the arena, with the attributes transformers reads from a
+    cache allocator (Note [Seams] 2). Holds per-layer K/V row views of the arena (Note [Rows])."""
+
+    supports_block_table = False
+
+    def __init__(self, cache: UmallocPagedCache, index: int, layer_type: str, end: str, layer_indices: list[int],
+                 num_kv_heads: int, head_dim: int, sliding_window: int | None) -> None:
+        self._cache = cache
+        self.index = index
+        self.layer_type = layer_type
+        self.end = end
+        self.layer_indices = list(layer_indices)
+        self.tokens_per_page = cache.page_size
+        self.sliding_window = sliding_window
+        self.use_block_sharing = layer_type == FULL_ATTENTION and cache.allow_block_sharing
+        self.rows_per_page = 2 * cache.page_size * len(layer_indices)
+        self.write_trash_index = _SINK_ROW
+        self.sentinel_index = _SENTINEL_ROW
+        arena = cache.arena
+        self.bytes_per_block = arena.page_bytes(end)
+        self.num_blocks = arena.top_page(end) + 1 - arena.first_page(end)
+        row_elems = num_kv_heads * head_dim
+        flat = arena.data.view(cache.dtype)
+        num_rows = flat.numel() // row_elems
+        flat = flat[: num_rows * row_elems].view(num_rows, num_kv_heads, head_dim)
+        ps = cache.page_size
+        self._views = {layer: (flat[2 * i * ps:], flat[(2 * i + 1) * ps:]) for i, layer in enumerate(layer_indices)}
+
+    # ---- transformers' allocator attributes -----------------------------------------------------------------
+    @property
+    def read_trash_index(self) -> int:
+        """Row of the table's zero page on this end (padded reads); recomputed each step (Note [Seams] 4)."""
+        return int(self.rows(torch.tensor([self._cache.table.pad_read_vtoken], dtype=torch.int64))[0])
+
+    @property
+    def block_table(self) -> dict[str, list[int]]:
+        """request id -> its virtual pages (read-only copy)."""
+        c = self._cache
+        return {rid: c.table.pages(slot).tolist() for rid, slot in c.slots.items()}
+
+    def get_seqlen_k(self, past_length: int, query_length: int) -> int:
+        if self.sliding_window is None:
+            return past_length + query_length
+        return query_length + min(past_length, self.sliding_window - 1)
+
+    def needs_new_blocks(self, request_id: str, past_length: int, query_length: int) -> int:
+        """Pages this end needs for ``query_length`` more tokens (every new page is bound on every end)."""
+        held = self._cache.held_tokens(request_id)
+        ps = self.tokens_per_page
+        pages = max(0, -(-(past_length + query_length) // ps) - -(-held // ps))
+        if self.sliding_window is not None and query_length > 2 * self.sliding_window:
+            pages = min(pages, _swa_peak_pages(self.sliding_window, ps))   # Note [Long prefills]
+        return pages
+
+    # ---- rows -------------------------------------------------------------------------------------------
+    def rows(self, vtokens: torch.Tensor) -> torch.Tensor:
+        """``int64`` rows (Note [Rows]) of virtual tokens ``vtokens`` on this end. Raises ``TombstoneError`` for a
+        token whose page is not bound here."""
+        pt = self._cache.alloc.translate(vtokens, self.end)
+        assert isinstance(pt, torch.Tensor)
+        ps = self.tokens_per_page
+        return (pt // ps) * self.rows_per_page + pt % ps
+
+    def read_rows(self, slot: int, past_length: int, query_length: int) -> list[int]:
+        r2t = self._cache.table.req_to_token
+        if self.sliding_window is None:
+            return self.rows(r2t[slot, : past_length + query_length].to(torch.int64)).tolist()
+        lo = max(0, past_length - (self.sliding_window - 1))
+        return self.rows(r2t[slot, lo:past_length].to(torch.int64)).tolist() + [_SENTINEL_ROW] * query_length
+
+    def write_rows(self, slot: int, past_length: int, query_length: int) -> list[int]:
+        """Rows this step writes. A sliding end may have released the pages of a long prefill's early tokens
+        (Note [Long prefills]): their writes go to the sink, as no later step reads them."""
+        vt = self._cache.table.req_to_token[slot, past_length: past_length + query_length].to(torch.int64)
+        if self.sliding_window is None:
+            return self.rows(vt).tolist()
+        pt = self._cache.alloc.translate(vt, self.end, strict=False)
+        assert isinstance(pt, torch.Tensor)
+        ps = self.tokens_per_page
+        return ((pt // ps) * self.rows_per_page + pt % ps).tolist()
+
+    # ---- attention update ---------------------------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               read_index: torch.Tensor, write_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this step's K/V (``[q, kv_heads, head_dim]``) at ``write_index`` rows and return the K/V attention
+        reads (``[len(read_index), kv_heads, head_dim]``). Full attention writes then reads; sliding attention reads
+        the cached tail first, puts the new states at the sentinel rows, then writes (its reads never include this
+        step's rows)."""
+        k_rows, v_rows = self._views[layer_idx]
+        if self.sliding_window is None or read_index.numel() == 0:
+            k_rows.index_copy_(0, write_index, key_states)
+            v_rows.index_copy_(0, write_index, value_states)
+            if read_index.numel() == 0:
+                return key_states, value_states
+            return k_rows.index_select(0, read_index), v_rows.index_select(0, read_index)
+        new = (read_index == _SENTINEL_ROW).view(-1, 1, 1)
+        k_out = k_rows.index_select(0, read_index)
+        v_out = v_rows.index_select(0, read_index)
+        k_out.masked_scatter_(new, key_states)
+        v_out.masked_scatter_(new, value_states)
+        k_rows.index_copy_(0, write_index, key_states)
+        v_rows.index_copy_(0, write_index, value_states)
+        return k_out, v_out
+
+
+def _text_config_dims(config: Any, dtype: torch.dtype) -> tuple[int, int, dict[str, list[int]], int | None]:
+    """``(num_kv_heads, head_dim, layers by attention type, sliding_window)`` of a text config; refuses what the
+    arena cannot hold (Note [Seams] 8)."""
+    utils = importlib.import_module("transformers.generation.continuous_batching.utils")
+    num_kv_heads = int(utils.find_num_key_value_heads(config))
+    head_dim = int(utils.find_head_dim(config))
+    layer_types = getattr(config, "layer_types", None)
+    sliding_window = getattr(config, "sliding_window", None)
+    n = int(config.num_hidden_layers)
+    if layer_types is None:
+        layer_types = [SLIDING_ATTENTION if sliding_window is not None else FULL_ATTENTION] * n
+    groups: dict[str, list[int]] = {}
+    for i, lt in enumerate(layer_types):
+        if lt not in _END_OF:
+            raise UnsupportedCacheError(f"layer {i} has attention type {lt!r}; the umalloc cache holds "
+                                        f"{sorted(_END_OF)}")
+        groups.setdefault(lt, []).append(i)
+    if FULL_ATTENTION not in groups:
+        raise UnsupportedCacheError(f"every layer of the model is {SLIDING_ATTENTION!r} (layer 0 first); the umalloc "
+                                    "cache needs at least one full_attention layer as the id owner")
+    if SLIDING_ATTENTION in groups and (not isinstance(sliding_window, int) or sliding_window <= 0):
+        raise UnsupportedCacheError(f"layer {groups[SLIDING_ATTENTION][0]} is {SLIDING_ATTENTION!r} with "
+                                    f"sliding_window={sliding_window!r}; allowed a positive int")
+    if dtype not in _TORCH_TO_KV:
+        raise UnsupportedCacheError(f"cache dtype {dtype}; allowed {sorted(map(str, _TORCH_TO_KV))}")
+    return num_kv_heads, head_dim, groups, sliding_window if SLIDING_ATTENTION in groups else None
+
+
+def _swa_peak_pages(window: int, page_size: int) -> int:
+    """Most fresh sliding pages a long prefill grown page by page binds at once: the window's pages, the page
+    being filled, one released page not yet drained, one shared partial page copied on write, one spare."""
+    return -(-window // page_size) + 4
+
+
+class UmallocPagedCache:
+    """transformers' ``PagedAttentionCache`` interface (5.23) over a umalloc arena (module docstring).
+
+    Constructed by transformers' batch processor once :func:`install` is active, with the stock signature.
+
+    Attributes:
+        arena, alloc, table: the umalloc arena, allocator and request table.
+        cache_allocators: attention type -> :class:`_EndGroup` (order: full first).
+        slots: request id -> table slot of every request holding pages.
+        counters: :class:`CacheCounters`.
+        stock_cache_bytes: bytes transformers' own cache tensor would have for this config.
+
+    Raises:
+        UnsupportedCacheError: Note [Seams] 8.
+    """
+
+    def __init__(self, config: Any, continuous_batching_config: Any, device: torch.device | str,
+                 distributed_helper: Any, dtype: torch.dtype = torch.float16,
+                 model_supports_logits_to_keep: bool = False, *, options: CacheOptions | None = None) -> None:
+        opts = options or CacheOptions()
+        cb = continuous_batching_config
+        if distributed_helper is not None and getattr(distributed_helper, "tp_size", 1) > 1:
+            raise UnsupportedCacheError(f"tp_size={distributed_helper.tp_size}; the umalloc cache allows 1")
+        if (cb.cpu_offload_space or 0) > 0:
+            raise UnsupportedCacheError(f"cpu_offload_space={cb.cpu_offload_space}; the umalloc cache allows 0 "
+                                        "(transformers' CPU swap copies by physical block id)")
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+        self.page_size = ps = int(cb.page_size)
+        self.allow_block_sharing = bool(cb.allow_block_sharing)
+        num_kv_heads, head_dim, groups, window = _text_config_dims(config, dtype)
+        kv = _TORCH_TO_KV[dtype]
+
+        # ---- transformers' own sizing (sectors), for equal bytes
+        cache_mod = importlib.import_module("transformers.generation.continuous_batching.cache")
+        page_bytes = {lt: 2 * num_kv_heads * head_dim * dtype.itemsize * ps * len(ix) for lt, ix in groups.items()}
+        bytes_per_sector = math.lcm(*page_bytes.values(), 128)
+        tokens_per_sector = max(bytes_per_sector // pb * ps for pb in page_bytes.values())
+        model_block_bytes = int(config.num_hidden_layers) * 2 * num_kv_heads * head_dim * dtype.itemsize * ps
+        self.max_batch_tokens, num_sectors = cache_mod.PagedAttentionMemoryHandler(
+            config=config, cb_config=cb, dtype=dtype, bytes_per_sector=bytes_per_sector,
+            tokens_per_sector=tokens_per_sector, bytes_per_block=model_block_bytes, attn_types=list(groups),
+            model_supports_logits_to_keep=model_supports_logits_to_keep,
+        ).infer_max_batch_tokens_and_num_sectors()
+        self.stock_cache_bytes = (num_sectors + 2) * bytes_per_sector
+        self.bytes_per_sector = bytes_per_sector
+        arena_bytes = self.stock_cache_bytes if opts.arena_bytes is None else int(opts.arena_bytes)
+        arena_bytes -= arena_bytes % 16
+
+        # ---- the arena: full (owner, up) and swa (bound, down)
+        ends = [EndSpec("full", tuple(LayerSpec.mha(num_kv_heads, head_dim, dtype=kv)
+                                      for _ in groups[FULL_ATTENTION]), page_size=ps, grow=Grow.UP)]
+        if SLIDING_ATTENTION in groups:
+            ends.append(EndSpec("swa", tuple(LayerSpec.mha(num_kv_heads, head_dim, dtype=kv, window_tokens=window)
+                                             for _ in groups[SLIDING_ATTENTION]), page_size=ps, grow=Grow.DOWN,
+                                owner="full", role=EndRole.SWA))
+        self.arena = Arena(ArenaSpec(tuple(ends), arena_bytes=arena_bytes), device=device)
+        self.alloc = MultiEndedAllocator(self.arena, compaction=opts.compaction)
+        owner_pages = self.arena.top_page("full") + 1 - self.arena.first_page("full")
+        max_pos = int(getattr(config, "max_position_embeddings", owner_pages * ps) or owner_pages * ps)
+        self.max_tokens_per_request = max(ps, min(max_pos, owner_pages * ps))
+        max_requests = opts.max_requests or max(1, min(owner_pages, 1024))
+        self.table = RequestTable(self.alloc, max_requests=max_requests,
+                                  max_tokens_per_request=self.max_tokens_per_request, dtype=torch.int64,
+                                  on_evict=self._on_evict)
+        self.options = opts
+        self.counters = CacheCounters()
+        self._timer = _Timer(self.counters)
+        self.slots: dict[str, int] = {}
+        self._guards: dict[str, int] = {}
+        self._hash_to_vpage: dict[int, int] = {}
+        self._vpage_to_hash: dict[int, int] = {}
+
+        self.cache_allocators: dict[str, _EndGroup] = {}
+        self.layer_to_allocator: dict[int, _EndGroup] = {}
+        for index, lt in enumerate(sorted(groups, key=lambda t: t != FULL_ATTENTION)):
+            grp = _EndGroup(self, index, lt, _END_OF[lt], groups[lt], num_kv_heads, head_dim,
+                            window if lt == SLIDING_ATTENTION else None)
+            self.cache_allocators[lt] = grp
+            for layer in groups[lt]:
+                self.layer_to_allocator[layer] = grp
+        self.pool = _Pool(self)
+        self.use_prefix_sharing = self.allow_block_sharing and SLIDING_ATTENTION not in groups
+        self.num_blocks = (arena_bytes - self.arena.floor_bytes) // model_block_bytes
+        self.max_blocks_per_request = 0
+        self.max_decode_fast_path_length = 0
+        self.read_cache_limit = None
+        self.max_tokens_read = max(g.num_blocks * ps for g in self.cache_allocators.values())
+
+    # ---- bookkeeping ---------------------------------------------------------------------------------------
+    def held_tokens(self, request_id: str) -> int:
+        slot = self.slots.get(request_id)
+        return 0 if slot is None else int(self.table.num_tokens([slot])[0])
+
+    def _on_evict(self, vpages: torch.Tensor) -> None:
+        self.counters.evicted_pages += int(vpages.numel())
+        for vp in vpages.tolist():
+            h = self._vpage_to_hash.pop(vp, None)
+            if h is not None and self._hash_to_vpage.get(h) == vp:
+                del self._hash_to_vpage[h]
+
+    def _forget_hashes(self, vpages: list[int]) -> None:
+        for vp in vpages:
+            h = self._vpage_to_hash.pop(vp, None)
+            if h is not None and self._hash_to_vpage.get(h) == vp:
+                del self._hash_to_vpage[h]
+
+    def _free_slot(self, request_id: str, cache: bool) -> None:
+        """Free one request's slot. With ``cache`` its full pages stay cached (their hashes stay indexed: only full
+        pages are hashed and only partial pages are freed); without, its pages lose their hashes."""
+        slot = self.slots.pop(request_id, None)
+        if slot is None:
+            return
+        if not cache:
+            self._forget_hashes(self.table.pages(slot).tolist())
+        self.table.free_requests([slot], cache=cache)
+
+    def step_hook(self) -> None:
+        """Once per scheduling step (Note [Seams] 3): free the last step's guard requests (Note [Long prefills]),
+        optional forced compaction and invariant checks."""
+        with self._timer:
+            if self._guards:
+                self.table.free_requests(list(self._guards.values()))
+                self._guards.clear()
+            c = self.counters
+            c.steps += 1
+            c.live_requests_sum += len(self.slots)
+            if self.options.compact_every_step:
+                report = self.alloc.compact(budget_pages=self.options.compact_budget_pages)
+                c.compactions += 1
+                c.pages_moved += report.pages_moved
+            if self.options.check_every_step:
+                self.check_invariants()
+
+    def check_invariants(self) -> None:
+        """The table's and the allocator's invariants, plus: every indexed page is held by a request or cached,
+        and the hash index is one-to-one. O(pages)."""
+        self.table.check_invariants()
+        kept = set(self.table.cached_pages().tolist())
+        for slot in self.slots.values():
+            kept.update(self.table.pages(slot).tolist())
+        for vp, h in self._vpage_to_hash.items():
+            if vp not in kept or self._hash_to_vpage.get(h) != vp:
+                raise InvariantError(f"hash-index: virtual page {vp} is indexed but neither held nor cached, or its "
+                                     "hash maps elsewhere")
+        if len(self._hash_to_vpage) != len(self._vpage_to_hash):
+            raise InvariantError("hash-index: hash -> page and page -> hash differ in size")
+
+    # ---- scheduler-facing API (transformers' PagedAttentionCache) --------------------------------------------
+    def can_store_request_tokens(self, state: Any, request_len: int, dry_run: bool = False) -> bool:
+        """Make ``state``'s request hold ``state.current_len() + request_len`` tokens (all or nothing; already
+        held tokens are not allocated twice). ``dry_run``: only answer whether the arena could hold
+        ``request_len`` tokens of a new request now."""
+        with self._timer:
+            if dry_run:
+                pages = -(-int(request_len) // self.page_size)
+                need = {g.end: pages if g.sliding_window is None or request_len <= 2 * g.sliding_window
+                        else _swa_peak_pages(g.sliding_window, self.page_size)
+                        for g in self.cache_allocators.values()}
+                return request_len <= self.max_tokens_per_request and self.alloc.can_alloc(need)
+            rid = state.request_id
+            target = int(state.current_len()) + int(request_len)   # transformers' contract: past + query
+            if target > self.max_tokens_per_request:
+                return False
+            known = self.slots.get(rid)
+            fresh = known is None
+            slot = -1 if known is None else known
+            grow = target - (0 if known is None else self.held_tokens_of(slot))
+            if grow <= 0:
+                return True
+            if fresh:
+                got = self.table.new_requests(1)
+                if got is None:
+                    self.counters.refused_allocations += 1
+                    return False
+                slot = int(got[0])
+            if not self._extend(rid, slot, grow):
+                if fresh:
+                    self.table.free_requests([slot])
+                self.counters.refused_allocations += 1
+                return False
+            if fresh:
+                self.slots[rid] = slot
+                self.counters.max_live_requests = max(self.counters.max_live_requests, len(self.slots))
+            return True
+
+    def _extend(self, request_id: str, slot: int, num_tokens: int) -> bool:
+        """Grow request ``slot`` by ``num_tokens`` tokens, all or nothing (Note [Long prefills])."""
+        swa = self.cache_allocators.get(SLIDING_ATTENTION)
+        window = None if swa is None else swa.sliding_window
+        ps = self.page_size
+        held = self.held_tokens_of(slot)
+        if window is None or num_tokens <= 2 * window:
+            return self.table.extend([slot], torch.tensor([num_tokens], dtype=torch.int64)) is not None
+        chunk = ps
+        full_pages = -(-(held + num_tokens) // ps) - -(-held // ps)
+        swa_peak = _swa_peak_pages(window, ps)
+        guard = None
+        if held > 0:   # this step reads the window before `held`: a guard request holds it
+            guard = self.table.fork(slot, held)
+            if guard is None:
+                return self.table.extend([slot], torch.tensor([num_tokens], dtype=torch.int64)) is not None
+        if not self.alloc.can_alloc({"full": full_pages + (guard is not None), "swa": swa_peak}):
+            if guard is not None:
+                self.table.free_requests([guard])
+            return False
+        if guard is not None:
+            self._guards[request_id] = int(guard)
+        done = 0
+        while done < num_tokens:
+            step = min(chunk, num_tokens - done)
+            if self.table.extend([slot], torch.tensor([step], dtype=torch.int64)) is None:
+                raise InvariantError(f"long prefill: extend of {step} tokens failed after {done} of {num_tokens} "
+                                     f"although can_alloc(full={full_pages}, swa={swa_peak}) held")
+            done += step
+        return True
+
+    def held_tokens_of(self, slot: int) -> int:
+        return int(self.table.num_tokens([slot])[0])
+
+    def count_storable_requests(self, list_blocks_needed: list[dict[str, int]]) -> int:
+        """How many of the requests, in order, the free bytes (free pages, gap, cached pages) could hold."""
+        free_bytes = self.free_bytes()
+        for i, blocks in enumerate(list_blocks_needed):
+            need = sum(n * self.cache_allocators[name].bytes_per_block for name, n in blocks.items())
+            if need > free_bytes:
+                return i
+            free_bytes -= need
+        return len(list_blocks_needed)
+
+    def free_bytes(self) -> int:
+        """Bytes allocatable now or after evicting every cached page: holes of every end, the gap between the
+        ends, and the cached pages (owner pages plus their bindings)."""
+        st = self.alloc.stats()
+        full = st["full"]
+        total = sum(s.hole_bytes for s in st.values())
+        if "swa" in st:
+            swa = st["swa"]
+            total += max(0, swa.band_lo * swa.page_bytes - full.band_hi * full.page_bytes)
+        else:
+            total += self.arena.arena_bytes - full.band_hi * full.page_bytes
+        return total + int(self.table.capacity()["reclaimable_pages"]) * full.page_bytes
+
+    def compute_free_capacity(self, relative: bool = True) -> int | float:
+        """Free bytes (:meth:`free_bytes`), or their share of the usable arena."""
+        free = self.free_bytes()
+        return free / (self.arena.arena_bytes - self.arena.floor_bytes) if relative else free
+
+    def evict_cached_blocks(self) -> bool:
+        """Nothing to do: the table evicts cached pages itself when an allocation falls short (Note [Seams] 6)."""
+        return False
+
+    def free_blocks(self, request_id: str, no_cache: bool = False) -> None:
+        """Free a request's pages; with prefix sharing its full pages stay cached (unless ``no_cache``)."""
+        with self._timer:
+            self._free_slot(request_id, cache=self.use_prefix_sharing and not no_cache)
+
+    def free_all_requests(self, clear_ledgers: bool = False) -> None:
+        with self._timer:
+            if self._guards:
+                self.table.free_requests(list(self._guards.values()))
+                self._guards.clear()
+            for rid in list(self.slots):
+                self._free_slot(rid, cache=self.use_prefix_sharing and not clear_ledgers)
+            if clear_ledgers:
+                cached = self.table.cached_pages()
+                if cached.numel():
+                    self.table.evict(int(cached.numel()))
+                self._hash_to_vpage.clear()
+                self._vpage_to_hash.clear()
+
+    def reset(self) -> None:
+        self.free_all_requests(clear_ledgers=True)
+
+    def search_prefix_match(self, request_id: str, prompt_ids: list[int]) -> int:
+        """Share the longest indexed prefix of ``prompt_ids`` (whole pages, never the last token) with a new
+        request; returns the tokens shared."""
+        if not self.use_prefix_sharing:
+            return 0
+        with self._timer:
+            ps = self.page_size
+            matched: list[int] = []
+            parent: int | None = None
+            for b in range((len(prompt_ids) - 1) // ps):
+                parent = _block_hash(parent, list(prompt_ids[b * ps:(b + 1) * ps]))
+                vp = self._hash_to_vpage.get(parent)
+                if vp is None:
+                    break
+                matched.append(vp)
+            if not matched or request_id in self.slots:
+                return 0
+            got = self.table.new_requests(1)
+            if got is None:
+                return 0
+            slot = int(got[0])
+            self.table.reclaim(matched)
+            ok = self.table.attach_prefix(slot, matched)
+            self.table.release(matched, cache=True)
+            if not ok:
+                self.table.free_requests([slot])
+                return 0
+            self.slots[request_id] = slot
+            self.counters.prefix_hits += 1
+            self.counters.prefix_hit_tokens += len(matched) * ps
+            return len(matched) * ps
+
+    def count_new_complete_blocks(self, state: Any, request_len: int) -> dict[str, int]:
+        if not self.use_prefix_sharing:
+            return {}
+        ps = self.page_size
+        n = (state.current_len() % ps + request_len) // ps
+        return {FULL_ATTENTION: n} if n else {}
+
+    def mark_complete_blocks(self, state: Any, complete_blocks: dict[str, int]) -> None:
+        """Index the content hashes of the pages the last forward completed (Note [Seams] 7)."""
+        if not self.allow_block_sharing or not complete_blocks or state.request_id not in self.slots:
+            return
+        with self._timer:
+            tokens = state.initial_tokens + state.generated_tokens
+            pages = self.table.pages(self.slots[state.request_id]).tolist()
+            ps = self.page_size
+            budget = sum(complete_blocks.values())
+            parent: int | None = None
+            for i, vp in enumerate(pages):
+                h = self._vpage_to_hash.get(vp)
+                if h is None:
+                    chunk = tokens[i * ps:(i + 1) * ps]
+                    if budget == 0 or len(chunk) < ps:
+                        break
+                    h = _block_hash(parent, chunk)
+                    budget -= 1
+                    if h not in self._hash_to_vpage:
+                        self._hash_to_vpage[h] = vp
+                        self._vpage_to_hash[vp] = h
+                parent = h
+
+    def extend_read_and_write_indices(self, request_id: str, past_length: int, query_length: int,
+                                      read_index: list[list[int]] | None, write_index: list[list[int]]) -> None:
+        """Append the request's attention rows (Note [Rows]) per attention type, in ``cache_allocators`` order."""
+        with self._timer:
+            slot = self.slots[request_id]
+            for grp, out in zip(self.cache_allocators.values(), write_index, strict=True):
+                out.extend(grp.write_rows(slot, past_length, query_length))
+            if read_index is not None:
+                guard = self._guards.get(request_id, slot)
+                for grp, out in zip(self.cache_allocators.values(), read_index, strict=True):
+                    # a sliding read of a guarded request goes through the guard's row (Note [Long prefills])
+                    src = guard if grp.sliding_window is not None else slot
+                    out.extend(grp.read_rows(src, past_length, query_length))
+
+    def fill_block_table(self, request_id: str, past_length: int, query_length: int,
+                         block_table: torch.Tensor) -> None:
+        raise UnsupportedCacheError("the umalloc cache has no decode fast path (max_blocks_per_request = 0)")
+
+    def prepare_fork_request(self, src_state: Any, dst_req_ids: list[str],
+                             copy_src_and_dst: dict[str, tuple[list[int], list[int]]]) -> list[str]:
+        """Fork the source's pages into new requests (shared, copy-on-write in the table); returns the ids forked
+        (those a slot was free for). Nothing for the caller to copy."""
+        with self._timer:
+            src = self.slots[src_state.request_id]
+            forked = []
+            for rid in dst_req_ids:
+                slot = self.table.fork(src)
+                if slot is None:
+                    break
+                self.slots[rid] = int(slot)
+                forked.append(rid)
+                self.counters.forks += 1
+            self.counters.max_live_requests = max(self.counters.max_live_requests, len(self.slots))
+            return forked
+
+    def perform_cache_copy(self, copy_src_and_dst: dict[str, tuple[list[int], list[int]]]) -> None:
+        """Nothing to copy: forks share pages and the table copies on write."""
+
+    @torch.compiler.disable
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """transformers' per-layer cache call: ``key_states`` / ``value_states`` ``[1, kv_heads, q, head_dim]``;
+        returns the attention's K/V ``[1, kv_heads, q + read, head_dim]`` (``kwargs`` updated in place)."""
+        grp = self.layer_to_allocator[layer_idx]
+        kwargs["cu_seq_lens_k"] = kwargs["cu_seq_lens_k"][grp.layer_type].to(torch.int32)
+        kwargs["max_length_k"] = kwargs["max_length_k"][grp.layer_type]
+        if kwargs.get("block_table") is not None:
+            raise UnsupportedCacheError("the umalloc cache has no block-table path (max_blocks_per_request = 0)")
+        k, v = (x.squeeze(0).transpose(0, 1) for x in (key_states, value_states))
+        k, v = grp.update(k, v, layer_idx, kwargs["read_index"][grp.index], kwargs["write_index"][grp.index])
+        return k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+
+
+# =============================================================================================================
+# install / uninstall
+# =============================================================================================================
+@dataclass
+class Installation:
+    """What :func:`install` did: ``caches`` lists every :class:`UmallocPagedCache` built while it is active."""
+
+    options: CacheOptions
+    original: Any
+    caches: list[UmallocPagedCache] = field(default_factory=list)
+
+
+_active: Installation | None = None
+
+#: every PagedAttentionCache method transformers 5.23's batch processor, scheduler, IO builder, model runner,
+#: offloading manager and attention interfaces call
+_ENGINE_METHODS = (
+    "can_store_request_tokens", "count_storable_requests", "free_blocks", "free_all_requests", "search_prefix_match",
+    "count_new_complete_blocks", "mark_complete_blocks", "evict_cached_blocks", "extend_read_and_write_indices",
+    "update", "reset", "prepare_fork_request", "perform_cache_copy", "compute_free_capacity", "fill_block_table",
+    "__init__",
+)
+
+
+def installed_version() -> str:
+    """The installed transformers distribution's version (package metadata)."""
+    import importlib.metadata
+    return importlib.metadata.version("transformers")
+
+
+def check_version(version: str) -> None:
+    """Raise :class:`UnsupportedTransformersVersion` unless ``version`` is one of
+    :data:`SUPPORTED_TRANSFORMERS_VERSIONS`."""
+    if version not in SUPPORTED_TRANSFORMERS_VERSIONS:
+        raise UnsupportedTransformersVersion(f"transformers {version}: umalloc.integrations.transformers is tested "
+                                             f"with {list(SUPPORTED_TRANSFORMERS_VERSIONS)} only")
+
+
+def install(options: CacheOptions | None = None) -> Installation:
+    """Make every ``PagedAttentionCache`` transformers builds from now on an :class:`UmallocPagedCache`.
+
+    Returns:
+        the :class:`Installation` (its ``caches`` collects the caches built).
+
+    Raises:
+        UnsupportedTransformersVersion: transformers is not one of :data:`SUPPORTED_TRANSFORMERS_VERSIONS`.
+        UmallocValueError: already installed, or ``options`` not a :class:`CacheOptions`. Nothing changes.
+    """
+    global _active
+    check_version(installed_version())
+    opts = CacheOptions() if options is None else options
+    if not isinstance(opts, CacheOptions):
+        raise UmallocValueError(f"options={options!r}: allowed a CacheOptions")
+    if _active is not None:
+        raise UmallocValueError("umalloc is already installed in transformers; call uninstall() first")
+    api: Any = importlib.import_module("transformers.generation.continuous_batching.continuous_api")
+    inst = Installation(options=opts, original=api.PagedAttentionCache)
+    # sdpa / flash attention test isinstance(cache, PagedAttentionCache) (Note [Seams] 9): the cache class the
+    # engine sees names the stock one as a base, for that check only; every method it calls is umalloc's
+    engine_cls = type("UmallocPagedAttentionCache", (UmallocPagedCache, api.PagedAttentionCache), {})
+    missing = [m for m in _ENGINE_METHODS if getattr(engine_cls, m) is not getattr(UmallocPagedCache, m)]
+    if missing:
+        raise InvariantError(f"engine cache class: {missing} would resolve to transformers' own methods")
+
+    def factory(*args: Any, **kwargs: Any) -> UmallocPagedCache:
+        cache: UmallocPagedCache = engine_cls(*args, options=inst.options, **kwargs)
+        inst.caches.append(cache)
+        return cache
+
+    api.PagedAttentionCache = factory
+    _active = inst
+    return inst
+
+
+def uninstall() -> None:
+    """Give transformers its own ``PagedAttentionCache`` back (no-op if not installed)."""
+    global _active
+    if _active is None:
+        return
+    api: Any = importlib.import_module("transformers.generation.continuous_batching.continuous_api")
+    api.PagedAttentionCache = _active.original
+    _active = None
+
+
+@contextlib.contextmanager
+def installed(options: CacheOptions | None = None) -> Iterator[Installation]:
+    """``with installed(opts) as inst:`` -- :func:`install` for the block, :func:`uninstall` after."""
+    inst = install(options)
+    try:
+        yield inst
+    finally:
+        uninstall()
+
+
+__all__ = [
+    "SUPPORTED_TRANSFORMERS_VERSIONS",
+    "CacheCounters",
+    "CacheOptions",
+    "Installation",
+    "UmallocPagedCache",
+    "UnsupportedCacheError",
+    "UnsupportedTransformersVersion",
+    "check_version",
+    "install",
+    "installed",
+    "installed_version",
+    "uninstall",
+]

@@ -1,0 +1,33 @@
+"""The main job, ``umalloc replay``: a real request trace through a prefill arena and a decode arena.
+
+Modules: :mod:`~umalloc_replay.trace` (trace parsers), :mod:`~umalloc_replay.single.kvfill` (deterministic KV
+pattern fill and verify), :mod:`~umalloc_replay.workload` (request lifecycle, footprints, block table),
+:mod:`~umalloc_replay.single.prefill` (the prefill side in process, sequence allocation),
+:mod:`~umalloc_replay.single.remote` (the prefill side in a second process), :mod:`~umalloc_replay.report` (JSON report
+schema and the final table), :mod:`~umalloc_replay.plot` (occupancy plot), :mod:`~umalloc_replay.single.layouts`
+(dynamic / static / padded decode layouts and their byte accounting), :mod:`~umalloc_replay.single.fit` (the up-front
+fit check), :mod:`~umalloc_replay.preflight` (argument, path and memory checks), :mod:`~umalloc_replay.signals`
+(Ctrl-C and the second process), :mod:`~umalloc_replay.single.kvfill_kernels` (compiled pattern loops),
+:mod:`~umalloc_replay.single.run` (the driver and its scheduler). The multi-rank transfer replay (one process per TP /
+DCP rank on each side, ``--prefill-tp`` / ``--decode-tp`` / ``--prefill-dcp`` / ``--decode-dcp`` /
+``--prefill-page-size``): :mod:`~umalloc_replay.multirank.ranks` (orchestration), :mod:`~umalloc_replay.multirank.rankside` (what
+each rank runs), :mod:`~umalloc_replay.multirank.headpattern` (the pattern by global head and logical position),
+:mod:`~umalloc_replay.multirank.ranks_report` (its report and table). The console script is :mod:`umalloc_replay.cli`.
+"""
+
+#: ``umalloc replay`` with no arguments replays this many requests of the packaged trace ...
+DEFAULT_REQUESTS = 96
+#: ... with every token count divided by this (about two minutes on a 2-core CPU machine).
+DEFAULT_TOKEN_SCALE = 8
+#: The multi-rank replay's defaults: requests, token scale and the cap on every scaled prompt.
+DEFAULT_RANK_REQUESTS = 4
+DEFAULT_RANK_TOKEN_SCALE = 64
+DEFAULT_MAX_PROMPT_TOKENS = 256
+
+#: The model presets of :data:`umalloc.PRESETS` by name, the default one and those with a drafter, spelled out
+#: here so that ``umalloc --help`` and argument errors import no torch (``tests/app/test_cli_start_up.py``
+#: checks them against :data:`umalloc.PRESETS`).
+PRESET_NAMES = ("deepseek-v3", "gemma-3-12b", "gemma-3-12b-draft", "gpt-oss-20b", "llama-3-8b-eagle", "llama-3.1-8b",
+                "qwen3-8b", "qwen3-8b-draft")
+DEFAULT_PRESET_NAME = "gemma-3-12b-draft"
+PRESETS_WITH_DRAFT = ("deepseek-v3", "gemma-3-12b-draft", "llama-3-8b-eagle", "qwen3-8b-draft")

@@ -1,0 +1,373 @@
+"""The ``umalloc`` console script (typer). Subcommands:
+
+* ``umalloc replay`` — the main job: a real request trace through a prefill arena and a decode arena, every byte
+  verified (:mod:`umalloc_replay.single.run`). With no arguments it replays a slice of the packaged Mooncake
+  conversation trace on the default preset (Gemma-3-12B with its sliding-window layers and a Gemma-3-1B drafter)
+  through the local backend, under memory pressure, in about two minutes on a 2-core machine.
+
+Sizes accept plain bytes or a binary/decimal suffix (``512MiB``, ``2GiB``, ``1.5GB``); ``--arena-bytes`` takes one
+size for both arenas or ``PREFILL,DECODE``. Every argument, the trace file and both output paths are checked
+before anything runs (:mod:`umalloc_replay.preflight`). The exit status is 0 when every invariant of the report
+holds, 1 when one does not, 2 for bad arguments (one ``error:`` line, nothing written), and 130 after Ctrl-C (one
+``interrupted`` line; the second process of ``nixl``/``mooncake`` is ended).
+
+With ``--prefill-tp``, ``--decode-tp``, ``--prefill-dcp``, ``--decode-dcp``, ``--prefill-head-groups`` or
+``--decode-head-groups`` other than 1, a ``--prefill-page-size`` other than ``--page-size``, or ``--multi-rank``, it runs the multi-rank transfer replay instead
+(:mod:`umalloc_replay.multirank.ranks`): one process per rank on each side, every rank's slice verified. A rank that dies
+ends every process and exits 1 with one ``error:`` line naming the rank.
+"""
+
+from __future__ import annotations
+
+# Ctrl-C while Python imports typer and builds the command ends the process as Ctrl-C during the run does: one
+# ``interrupted`` line on stderr and exit 130, no traceback. The handler is set before the other imports and put
+# back at the end of this module; :class:`UmallocApp` takes over from there.
+import os
+import signal
+import sys
+import threading
+
+
+def _interrupted_at_start_up(signum: int, frame: object) -> None:
+    sys.stderr.write("interrupted\n")
+    sys.stderr.flush()
+    os._exit(130)
+
+
+_QUIET_START = threading.current_thread() is threading.main_thread() and \
+    signal.getsignal(signal.SIGINT) is signal.default_int_handler
+if _QUIET_START:
+    signal.signal(signal.SIGINT, _interrupted_at_start_up)
+
+from collections.abc import Sequence  # noqa: E402
+from enum import Enum  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Annotated, Any  # noqa: E402
+
+import typer  # noqa: E402
+from typer.core import TyperGroup  # noqa: E402
+
+from umalloc import UmallocValueError, __version__  # noqa: E402
+from umalloc_replay import (  # noqa: E402
+    DEFAULT_MAX_PROMPT_TOKENS,
+    DEFAULT_PRESET_NAME,
+    DEFAULT_RANK_REQUESTS,
+    DEFAULT_RANK_TOKEN_SCALE,
+    DEFAULT_REQUESTS,
+    DEFAULT_TOKEN_SCALE,
+    PRESET_NAMES,
+    PRESETS_WITH_DRAFT,
+)
+from umalloc_replay.preflight import parse_arena_bytes, parse_size_bytes  # noqa: E402
+
+#: typer's usage errors (a bad value, an unknown option) derive from click's ``ClickException``, which typer
+#: vendors or depends on by version; ``typer.BadParameter`` is public in both and names it among its bases.
+_CLICK_ERROR: type[Exception] = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+
+
+def _stderr_line(text: str) -> None:
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
+class _OneLineErrors(TyperGroup):
+    """The ``umalloc`` command group: a usage error (an out-of-range value, an unknown option, a bad choice) is
+    one ``error:`` line on stderr and exit 2, as every refusal of the replay; Ctrl-C anywhere is one
+    ``interrupted`` line on stderr and exit 130."""
+
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,
+             complete_var: str | None = None, standalone_mode: bool = True, windows_expand_args: bool = True,
+             **extra: Any) -> Any:
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False,
+                                windows_expand_args=windows_expand_args, **extra)
+        except _CLICK_ERROR as exc:
+            usage = exc.ctx.command_path if getattr(exc, "ctx", None) is not None else "umalloc"  # type: ignore
+            _stderr_line(f"error: {exc.format_message()} (see {usage} --help)")  # type: ignore[attr-defined]
+            code = 2
+        except typer.Abort:  # end of input at a prompt
+            code = 1
+        except KeyboardInterrupt:
+            code = 130
+        if code == 130:  # typer turns a KeyboardInterrupt into exit 130; the replay does too after its cleanup
+            _stderr_line("interrupted")
+        code = 0 if code is None else code
+        if standalone_mode:
+            sys.exit(code)
+        return code
+
+
+class UmallocApp(typer.Typer):
+    """The ``umalloc`` console script: a :class:`typer.Typer` whose Ctrl-C while the command is built is quiet,
+    and whose process ends at once after Ctrl-C: the replay has ended its children by then and keeps nothing, so
+    the interpreter's teardown (an engine's agent and threads: seconds) is skipped."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().__call__(*args, **kwargs)
+        except KeyboardInterrupt:
+            _stderr_line("interrupted")
+        except SystemExit as exc:
+            if exc.code != 130:
+                raise
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
+
+
+app = UmallocApp(cls=_OneLineErrors, add_completion=False, no_args_is_help=True,
+                 context_settings={"max_content_width": 120},
+                 help="umalloc: multi-ended KV-cache page allocator. `umalloc replay` runs the main job.")
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        print(f"umalloc {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _main(version: Annotated[bool, typer.Option(
+        "--version", is_eager=True, callback=_print_version, help="Print the version and exit.")] = False) -> None:
+    """umalloc: multi-ended KV-cache page allocator."""
+
+
+class BackendName(str, Enum):
+    local = "local"
+    nixl = "nixl"
+    mooncake = "mooncake"
+
+
+class CompactionMode(str, Enum):
+    lazy = "lazy"
+    eager = "eager"
+    off = "off"
+
+
+class TraceFormat(str, Enum):
+    auto = "auto"
+    mooncake = "mooncake"
+    azure = "azure"
+
+
+class OutputFormat(str, Enum):
+    table = "table"
+    json = "json"
+
+
+_TRACE, _MODEL, _BACKEND, _RANKS, _OUT = "Trace", "Model and arena", "Backend", "Multi-rank", "Output"
+
+
+@app.command()
+def replay(
+    trace: Annotated[Path | None, typer.Option(
+        "--trace", metavar="FILE", rich_help_panel=_TRACE, show_default="the packaged Mooncake trace",
+        help="Trace file: Mooncake JSONL or Azure LLM inference CSV (the packaged trace: Mooncake conversation, "
+        "Apache-2.0).")] = None,
+    trace_format: Annotated[TraceFormat, typer.Option(
+        "--trace-format", rich_help_panel=_TRACE, help="Trace format (auto: from the file's first bytes).")
+    ] = TraceFormat.auto,
+    requests: Annotated[int | None, typer.Option(
+        "--requests", min=1, metavar="N", rich_help_panel=_TRACE,
+        show_default=f"{DEFAULT_REQUESTS}, or every row of a shorter trace; multi-rank {DEFAULT_RANK_REQUESTS}",
+        help="Replay N requests (at most the trace's rows after --skip).")] = None,
+    skip: Annotated[int, typer.Option(
+        "--skip", min=0, metavar="N", rich_help_panel=_TRACE, help="Start the slice after the first N rows.")] = 0,
+    token_scale: Annotated[int | None, typer.Option(
+        "--token-scale", min=1, metavar="K", rich_help_panel=_TRACE,
+        show_default=f"{DEFAULT_TOKEN_SCALE}; multi-rank {DEFAULT_RANK_TOKEN_SCALE}",
+        help="Divide every token count by K (ceiling; a 0-token prompt counts as 1 token, reported).")] = None,
+    model: Annotated[str, typer.Option(
+        "--model", metavar="PRESET", rich_help_panel=_MODEL,
+        help=f"Model preset: {', '.join(PRESET_NAMES)}.")] = DEFAULT_PRESET_NAME,
+    draft: Annotated[bool | None, typer.Option(
+        "--draft/--no-draft", rich_help_panel=_MODEL, show_default="--draft where the preset has a drafter",
+        help="Include the drafter's pool.")] = None,
+    page_size: Annotated[int, typer.Option(
+        "--page-size", min=1, metavar="N", rich_help_panel=_MODEL, help="Tokens per page (decode's when "
+        "multi-rank).")] = 16,
+    arena_bytes: Annotated[str | None, typer.Option(
+        "--arena-bytes", metavar="SIZE[,SIZE]", rich_help_panel=_MODEL,
+        show_default="sized from the slice, tight enough to keep the decode arena under pressure",
+        help="Arena bytes: SIZE for both or PREFILL,DECODE (e.g. 2GiB,3GiB; rounded down to 16 bytes; "
+        "multi-rank: every rank's arena).")] = None,
+    layout: Annotated[str, typer.Option(
+        "--layout", metavar="LAYOUT", rich_help_panel=_MODEL,
+        help="Decode arena layout: dynamic (one multi-ended arena); static[:RATIO] (a fixed region per end, "
+        "RATIO = SWA tokens / full tokens as SGLang's --swa-full-tokens-ratio); padded (every end padded as "
+        "vLLM's hybrid allocator unifies page sizes).")] = "dynamic",
+    max_batch: Annotated[int, typer.Option(
+        "--max-batch", min=1, metavar="N", rich_help_panel=_MODEL,
+        help="Most requests decoding at once (multi-rank: requests in flight per step).")] = 64,
+    compaction: Annotated[CompactionMode, typer.Option(
+        "--compaction", rich_help_panel=_MODEL, help="Allocator compaction mode.")] = CompactionMode.lazy,
+    seed: Annotated[int, typer.Option("--seed", metavar="N", rich_help_panel=_MODEL,
+                                      help="Seed of the KV pattern.")] = 0,
+    check_every: Annotated[int, typer.Option(
+        "--check-every", min=0, metavar="N", rich_help_panel=_MODEL,
+        help="Run check_invariants() on both sides every N steps (0: at the end only).")] = 0,
+    backend: Annotated[BackendName, typer.Option(
+        "--backend", rich_help_panel=_BACKEND,
+        help="Transfer backend; nixl and mooncake run the prefill side in a second process.")
+    ] = BackendName.local,
+    multi_rank: Annotated[bool, typer.Option(
+        "--multi-rank", rich_help_panel=_RANKS,
+        help="Run the multi-rank replay (one process per rank on each side, every rank's slice verified) even at "
+        "TP 1, DCP 1 and one page size; any option of this panel other than 1 runs it too.")] = False,
+    prefill_tp: Annotated[int, typer.Option("--prefill-tp", min=1, metavar="N", rich_help_panel=_RANKS,
+                                            help="Prefill TP size.")] = 1,
+    decode_tp: Annotated[int, typer.Option("--decode-tp", min=1, metavar="N", rich_help_panel=_RANKS,
+                                           help="Decode TP size.")] = 1,
+    prefill_dcp: Annotated[int, typer.Option("--prefill-dcp", min=1, metavar="N", rich_help_panel=_RANKS,
+                                             help="Prefill DCP size.")] = 1,
+    decode_dcp: Annotated[int, typer.Option("--decode-dcp", min=1, metavar="N", rich_help_panel=_RANKS,
+                                            help="Decode DCP size.")] = 1,
+    prefill_page_size: Annotated[int | None, typer.Option(
+        "--prefill-page-size", min=1, metavar="N", rich_help_panel=_RANKS, show_default="--page-size",
+        help="Prefill tokens per page.")] = None,
+    prefill_head_groups: Annotated[int, typer.Option(
+        "--prefill-head-groups", min=1, metavar="G", rich_help_panel=_RANKS,
+        help="Head groups of the prefill ranks' pages (1: page-major envelope; G > 1: head-group-outer on "
+        "every end whose heads divide by G).")] = 1,
+    decode_head_groups: Annotated[int, typer.Option(
+        "--decode-head-groups", min=1, metavar="G", rich_help_panel=_RANKS,
+        help="Head groups of the decode ranks' pages.")] = 1,
+    max_prompt_tokens: Annotated[int | None, typer.Option(
+        "--max-prompt-tokens", min=1, metavar="N", rich_help_panel=_RANKS, show_default=str(DEFAULT_MAX_PROMPT_TOKENS),
+        help="Cap every scaled prompt at N tokens (multi-rank only).")] = None,
+    output_format: Annotated[OutputFormat, typer.Option(
+        "--format", rich_help_panel=_OUT, help="Result on stdout: table (one line per figure, also when stdout "
+        "is not a terminal) or json (the report).")] = OutputFormat.table,
+    report: Annotated[Path | None, typer.Option(
+        "--report", metavar="FILE", rich_help_panel=_OUT, show_default="none", help="Write the JSON report "
+        "here.")] = None,
+    plot: Annotated[Path | None, typer.Option(
+        "--plot", metavar="FILE", rich_help_panel=_OUT, show_default="none",
+        help="Write the occupancy plot here: .png, .pdf or .svg by the suffix (.png added when there is none; a "
+        "folder gets umalloc-replay.png). Single-rank only.")] = None,
+    progress: Annotated[bool, typer.Option(
+        "--progress/--no-progress", rich_help_panel=_OUT, help="Show the progress bar (on stderr).")] = True,
+) -> None:
+    """Replay a real request trace through a prefill arena and a decode arena; verify every byte."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    from umalloc import BackendError
+    from umalloc_replay.preflight import check_output_file, check_trace_file, is_multi_rank, resolve_plot_path
+
+    err = Console(stderr=True)  # errors, warnings, the progress bar, what runs; stdout carries the result only
+    rank_error: tuple[type[Exception], ...] = ()
+
+    def fail(msg: str, code: int) -> typer.Exit:
+        # soft_wrap: a path or a figure in the message is never split across lines; escape: "[...]" in a
+        # message is text, not rich markup
+        err.print(f"[red]error:[/red] {escape(msg)}", soft_wrap=True)
+        return typer.Exit(code)
+
+    try:
+        try:
+            # every check that needs no torch, numba or engine runs first, so a refusal answers at once
+            pre_b, dec_b = parse_arena_bytes(arena_bytes) if arena_bytes is not None else (None, None)
+            if trace is not None:
+                check_trace_file(trace)
+            if model not in PRESET_NAMES:
+                raise UmallocValueError(f"--model {model!r}: allowed one of {', '.join(PRESET_NAMES)}")
+            if draft and model not in PRESETS_WITH_DRAFT:
+                raise UmallocValueError(f"--draft: preset {model!r} has no drafter: allowed --no-draft, or a preset "
+                                        f"with one ({', '.join(PRESETS_WITH_DRAFT)})")
+            if report is not None:
+                check_output_file(report, "--report")
+            plot_path = resolve_plot_path(plot) if plot is not None else None
+            if plot_path is not None and report is not None and plot_path.resolve() == report.resolve():
+                raise UmallocValueError(f"--report and --plot name the same file {str(report)!r}")
+            multi = multi_rank or prefill_head_groups > 1 or decode_head_groups > 1 or \
+                is_multi_rank(prefill_tp, decode_tp, prefill_dcp, decode_dcp, prefill_page_size, page_size)
+            if multi and (layout != "dynamic" or plot_path is not None):
+                raise UmallocValueError(f"{'--plot' if plot_path is not None else '--layout ' + layout}: the "
+                                        "multi-rank replay runs the dynamic layout and draws no plot; allowed "
+                                        "without it")
+            if not multi and max_prompt_tokens is not None:
+                raise UmallocValueError(f"--max-prompt-tokens {max_prompt_tokens}: only the multi-rank replay "
+                                        "caps prompts; allowed with --multi-rank or a multi-rank option "
+                                        "(--prefill-tp, --decode-tp, ...), or without it")
+            if multi:
+                from umalloc_replay.multirank.ranks import RankError, RanksConfig, run_ranks
+                from umalloc_replay.multirank.ranks_report import check_ranks_report, ranks_table
+
+                rank_error = (RankError,)
+                rcfg = RanksConfig(
+                    backend=backend.value, trace=None if trace is None else str(trace),
+                    trace_format=None if trace_format is TraceFormat.auto else trace_format.value, model=model,
+                    page_size=page_size, prefill_page_size=prefill_page_size, prefill_tp=prefill_tp,
+                    decode_tp=decode_tp, prefill_dcp=prefill_dcp, decode_dcp=decode_dcp,
+                    prefill_head_groups=prefill_head_groups, decode_head_groups=decode_head_groups,
+                    prefill_arena_bytes=pre_b, decode_arena_bytes=dec_b, requests=requests, skip=skip,
+                    token_scale=token_scale,
+                    max_prompt_tokens=DEFAULT_MAX_PROMPT_TOKENS if max_prompt_tokens is None else max_prompt_tokens,
+                    draft=True if draft is None else draft, seed=seed, max_batch=max_batch,
+                    compaction=compaction.value, check_every=check_every)
+                result = run_ranks(rcfg, progress=progress, console=err)
+                table_of, check_of = ranks_table, check_ranks_report
+            else:
+                from umalloc_replay.report import check_report, report_table
+                from umalloc_replay.single.run import ReplayConfig, run_replay
+
+                cfg = ReplayConfig(
+                    trace=None if trace is None else str(trace),
+                    trace_format=None if trace_format is TraceFormat.auto else trace_format.value,
+                    model=model, page_size=page_size, prefill_arena_bytes=pre_b, decode_arena_bytes=dec_b,
+                    backend=backend.value, requests=requests, skip=skip, token_scale=token_scale,
+                    draft=True if draft is None else draft, seed=seed, max_batch=max_batch,
+                    compaction=compaction.value, check_every=check_every, layout=layout,
+                )
+                result = run_replay(cfg, progress=progress, console=err)
+                table_of, check_of = report_table, check_report
+        except UmallocValueError as exc:
+            raise fail(str(exc), 2) from None
+        except rank_error as exc:  # a rank of the multi-rank replay died or failed: every rank was ended
+            raise fail(str(exc), 1) from None
+        except BackendError as exc:  # a transfer engine or the second process failed mid-run (e.g. killed)
+            raise fail(f"the {backend.value} backend failed: {exc}", 1) from None
+        if output_format is OutputFormat.json:
+            import json
+
+            print(json.dumps(result, indent=1), flush=True)
+        else:
+            print_table(table_of(result))
+        try:
+            if report is not None:
+                import json
+
+                report.write_text(json.dumps(result, indent=1) + "\n")
+                err.print(f"report: {report}", soft_wrap=True)
+            if plot_path is not None:
+                from umalloc_replay.plot import plot_report
+
+                err.print(f"plot: {plot_report(result, plot_path)}", soft_wrap=True)
+        except OSError as exc:  # checked up front; the disk may still fill up or the folder go away
+            raise fail(f"writing the output failed: {exc}", 1) from None
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None  # the command group prints the one `interrupted` line
+    problems = check_of(result)
+    if problems:
+        for p in problems:
+            err.print(f"[red]invariant:[/red] {escape(str(p))}", soft_wrap=True)
+        raise typer.Exit(1)
+
+
+def print_table(table: Any) -> None:
+    """Print a rich table on stdout: at the terminal's width on a terminal, else at the table's own natural width,
+    so a log keeps one line per row (rich falls back to 80 columns and wraps a row otherwise)."""
+    from rich.console import Console
+
+    out = Console()
+    if not out.is_terminal:
+        out = Console(width=Console(width=100_000).measure(table).maximum)
+    out.print(table)
+
+
+if _QUIET_START:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+__all__ = ["UmallocApp", "app", "parse_arena_bytes", "parse_size_bytes", "print_table"]

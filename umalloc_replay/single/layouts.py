@@ -1,0 +1,226 @@
+"""The three decode-arena layouts ``umalloc replay --layout`` compares: same scheduler, admission, retraction, bytes.
+
+* ``dynamic`` (the default): one multi-ended arena; the split between the ends follows the requests served.
+* ``static[:RATIO]``: each end gets a fixed share of the same arena, sized once as SGLang sizes its hybrid SWA
+  pools (:func:`static_budget_pages`). It is enforced as a per-end page budget checked by the scheduler's
+  admission, restore and decode step (the allocator underneath is the dynamic one, so the bytes, the transfers
+  and the verification are the same; only what may be held per end changes). ``RATIO`` is SGLang's
+  ``--swa-full-tokens-ratio`` (SWA-layer tokens / full-layer tokens); omitted, SGLang's default
+  :data:`SGLANG_SWA_FULL_TOKENS_RATIO`.
+* ``padded``: every layer's page unified to one size as vLLM's hybrid KV cache manager does
+  (:func:`vllm_unified_page`), built as a padded :class:`ArenaSpec` (:func:`padded_ends`) for both arenas (the two
+  sides of a transfer share one geometry). Padding layers are real layers of the envelope: they are filled,
+  moved and verified like the others, and counted as bytes lost to padding.
+
+Static pools and padded pages never change the prefill arena's layout except that ``padded`` pads it too.
+
+Note [SGLang's static SWA split]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+SGLang (``python/sglang/srt/server_args.py``: ``swa_full_tokens_ratio: float = 0.8``;
+``model_runner.set_num_tokens_hybrid_swa``) solves, in per-layer tokens ``T``::
+
+    swa_tokens * swa_layers + full_tokens * full_layers = T,   swa_tokens = ratio * full_tokens
+
+and rounds both down to whole pages. The replay's ends have different bytes per token (the drafter's too), so
+the same two equations are solved in bytes of the usable arena, with the draft pool given the full pool's token
+count (a request holds as many draft tokens as full tokens)::
+
+    full_tokens * (full_entry + ratio * swa_entry + draft_entry) = usable_bytes
+
+Note [vLLM's unified page]
+~~~~~~~~~~~~~~~~~~~~~~~~~~
+vLLM's hybrid allocator (``vllm/v1/core/kv_cache_utils.py``) keeps one physical block size for every layer:
+
+1. ``unify_kv_cache_spec_page_size``: each layer's page is ``block_size * token_bytes``; the largest is the
+   unified page ``P``. A layer with a smaller page whose size divides ``P`` grows its block size by
+   ``P / page`` (same bytes per token, coarser pages); one that does not divide ``P`` is padded to ``P``.
+2. ``_get_kv_cache_groups_uniform_page_size``: layers of one spec form a type; the group size ``G`` is the
+   smallest type's layer count, or the largest's when ``max < 1.5 * min``; every type is padded with layers up
+   to a multiple of ``G`` (``num_padding_layers = G - n % G``), and one block is ``G * P`` bytes.
+
+The replay keeps its page size for every end (bound ends share the owner's page size), so step 1's block-size
+growth is taken at its bytes (no padding; its coarser granularity is not modelled) and step 2's padding layers
+add bytes. A page that does not divide ``P`` (vLLM's ``page_size_padded``) occurs in no preset and is refused. Types are keyed by the layer spec across ends, as vLLM
+keys them across the target and the drafter; a type's padding layers join the last end holding that type.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from umalloc import ArenaSpec, EndRole, EndSpec, LayerSpec, UmallocValueError
+
+#: SGLang's default ``--swa-full-tokens-ratio`` (``server_args.py``, Note [SGLang's static SWA split]).
+SGLANG_SWA_FULL_TOKENS_RATIO = 0.8
+
+LAYOUTS = ("dynamic", "static", "padded")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A parsed ``--layout``: ``name`` one of :data:`LAYOUTS`; ``swa_full_tokens_ratio`` for ``static``."""
+
+    name: str = "dynamic"
+    swa_full_tokens_ratio: float | None = None
+
+    @property
+    def label(self) -> str:
+        """``dynamic``, ``static:0.8``, ``padded``."""
+        return f"static:{self.swa_full_tokens_ratio:g}" if self.name == "static" else self.name
+
+
+def parse_layout(text: str) -> Layout:
+    """``"dynamic"``, ``"padded"``, ``"static"`` or ``"static:RATIO"`` (RATIO a finite number > 0).
+
+    Raises:
+        UmallocValueError: anything else.
+
+    >>> parse_layout("static").label, parse_layout("static:0.25").label, parse_layout("padded").label
+    ('static:0.8', 'static:0.25', 'padded')
+    """
+    if not isinstance(text, str):
+        raise UmallocValueError(f"layout={text!r}: allowed 'dynamic', 'static[:RATIO]' or 'padded'")
+    name, _, arg = text.strip().partition(":")
+    if name in ("dynamic", "padded") and not arg:
+        return Layout(name)
+    if name == "static":
+        if not arg:
+            return Layout("static", SGLANG_SWA_FULL_TOKENS_RATIO)
+        try:
+            ratio = float(arg)
+        except ValueError:
+            ratio = float("nan")
+        if not (math.isfinite(ratio) and ratio > 0):
+            raise UmallocValueError(f"layout={text!r}: RATIO {arg!r}, allowed a finite number > 0 (SGLang's "
+                                    "--swa-full-tokens-ratio, SWA tokens / full tokens)")
+        return Layout("static", ratio)
+    raise UmallocValueError(f"layout={text!r}: allowed 'dynamic', 'static[:RATIO]' or 'padded'")
+
+
+def static_budget_pages(spec: ArenaSpec, ratio: float) -> dict[str, int]:
+    """Pages each end of ``spec`` may hold under SGLang's static split (Note [SGLang's static SWA split]).
+
+    Returns:
+        ``{end: pages}``: ``floor(full_tokens / page_size)`` for target and draft ends,
+        ``floor(ratio * full_tokens / page_size)`` for SWA ends, where ``full_tokens`` solves the byte equation.
+
+    >>> from umalloc.geometry.presets import preset_arena_spec
+    >>> page = 16 * 24576                  # gpt-oss-20b: both ends 24,576 B per token
+    >>> spec = preset_arena_spec("gpt-oss-20b", page + 2000 * page, page_size=16)   # floor = one page
+    >>> static_budget_pages(spec, 1.0), static_budget_pages(spec, 0.25)
+    ({'full': 1000, 'swa': 1000}, {'full': 1600, 'swa': 400})
+    """
+    if not (isinstance(ratio, (int, float)) and math.isfinite(ratio) and ratio > 0):
+        raise UmallocValueError(f"ratio={ratio!r}: allowed a finite number > 0")
+    per_full_token = sum(e.entry_bytes * (ratio if e.role is EndRole.SWA else 1.0) for e in spec.ends)
+    full_tokens = spec.usable_bytes() / per_full_token
+    out = {}
+    for e in spec.ends:
+        tokens = ratio * full_tokens if e.role is EndRole.SWA else full_tokens
+        out[e.name] = int(tokens // e.page_size)
+    return out
+
+
+@dataclass(frozen=True)
+class UnifiedPage:
+    """vLLM's unified page for a set of ends (Note [vLLM's unified page]).
+
+    Attributes:
+        page_bytes: ``P``, the largest per-layer page (bytes).
+        group_size: ``G``, layers per KV cache group.
+        block_bytes: ``G * P``, one physical block.
+        types: per layer type ``(token_bytes, window_tokens, kind)``: ``(layers, padding_layers)``.
+    """
+
+    page_bytes: int
+    group_size: int
+    block_bytes: int
+    types: dict[tuple[int, int | None, str], tuple[int, int]]
+
+
+def _type_key(layer: LayerSpec) -> tuple[int, int | None, str]:
+    return (layer.token_bytes, layer.window_tokens, layer.kind.value)
+
+
+def vllm_unified_page(ends: tuple[EndSpec, ...]) -> UnifiedPage:
+    """vLLM's unified page size and grouping for ``ends`` (their layers, at each end's page size). O(layers).
+
+    Raises:
+        UmallocValueError: a layer page that does not divide the unified page (page padding, not modelled).
+
+    >>> from umalloc.geometry.presets import preset_ends
+    >>> u = vllm_unified_page(preset_ends("gemma-3-12b-draft", page_size=16))
+    >>> u.page_bytes, u.group_size, u.block_bytes, u.types[(1024, 512, "mha")]
+    (131072, 4, 524288, (22, 2))
+    """
+    big = max(e.page_size * layer.token_bytes for e in ends for layer in e.layers)
+    for e in ends:
+        for layer in e.layers:
+            if big % (e.page_size * layer.token_bytes):
+                raise UmallocValueError(f"end {e.name!r}: a layer page of {e.page_size * layer.token_bytes} B does "
+                                        f"not divide the unified page {big} B (vLLM pads it; not modelled here)")
+    counts: dict[tuple[int, int | None, str], int] = {}
+    for e in ends:
+        for layer in e.layers:
+            counts[_type_key(layer)] = counts.get(_type_key(layer), 0) + 1
+    lo, hi = min(counts.values()), max(counts.values())
+    group = hi if hi < lo * 1.5 else lo
+    types = {k: (n, (group - n % group) % group) for k, n in counts.items()}
+    return UnifiedPage(big, group, group * big, types)
+
+
+def padded_ends(ends: tuple[EndSpec, ...]) -> tuple[EndSpec, ...]:
+    """``ends`` as vLLM's rule lays them out (Note [vLLM's unified page]): every layer type gets its padding
+    layers (copies of its spec) appended to the last end holding it. O(layers).
+
+    Raises:
+        UmallocValueError: see :func:`vllm_unified_page`.
+
+    >>> from umalloc.geometry.presets import preset_ends
+    >>> [(e.name, len(e.layers)) for e in padded_ends(preset_ends("gemma-3-12b-draft"))]
+    [('full', 8), ('swa', 40), ('draft', 28)]
+    """
+    u = vllm_unified_page(ends)
+    last_end = {}
+    for e in ends:
+        for layer in e.layers:
+            last_end[_type_key(layer)] = e.name
+    out = []
+    for e in ends:
+        layers = list(e.layers)
+        for key, (_n, pad) in u.types.items():
+            if pad and last_end[key] == e.name:
+                spec = next(x for x in e.layers if _type_key(x) == key)
+                layers.extend([spec] * pad)
+        out.append(replace(e, layers=tuple(layers)))
+    return tuple(out)
+
+
+def byte_accounting(spec: ArenaSpec, stats: dict, natural_page_bytes: dict[str, int]) -> dict[str, int]:
+    """Where every byte of a decode arena is, from one :meth:`MultiEndedAllocator.stats` snapshot.
+
+    Returns ``{"live_bytes", "padding_bytes", "pending_bytes", "free_bytes", "floor_bytes", "held_bytes"}``:
+    ``live_bytes`` the live pages at their natural (unpadded) page bytes, ``padding_bytes`` what the padded
+    layout adds to them, ``pending_bytes`` freed pages still leased, ``free_bytes`` holes plus the bytes no band
+    covers, ``held_bytes = live + padding + pending``. The bands are measured from their page bounds, so
+    ``live + padding + pending + free + floor == arena_bytes`` is a check, not a definition: it fails if a band
+    held a page the counts miss.
+    """
+    out = dict.fromkeys(("live_bytes", "padding_bytes", "pending_bytes", "free_bytes"), 0)
+    band_bytes = 0
+    for name, st in stats.items():
+        pb = spec.end(name).page_bytes
+        out["live_bytes"] += st.live_pages * natural_page_bytes[name]
+        out["padding_bytes"] += st.live_pages * (pb - natural_page_bytes[name])
+        out["pending_bytes"] += st.pending_pages * pb
+        out["free_bytes"] += st.hole_pages * pb
+        band_bytes += max(0, st.band_hi - st.band_lo) * pb
+    out["free_bytes"] += spec.usable_bytes() - band_bytes
+    out["floor_bytes"] = spec.floor_bytes
+    out["held_bytes"] = out["live_bytes"] + out["padding_bytes"] + out["pending_bytes"]
+    return out
+
+
+__all__ = ["LAYOUTS", "SGLANG_SWA_FULL_TOKENS_RATIO", "Layout", "UnifiedPage", "byte_accounting", "padded_ends",
+           "parse_layout", "static_budget_pages", "vllm_unified_page"]
