@@ -152,7 +152,7 @@ class UmallocFreeBlockQueue:
             for i in refs.free_ids().tolist():
                 if i >= first:
                     yield blocks[i]
-        v = refs.next_cached(cursor.block_id if cached_cursor else 0)
+        v = refs.next_cached(cursor.block_id if cursor is not None and cached_cursor else 0)
         while v:
             yield blocks[v]
             v = refs.next_cached(v)

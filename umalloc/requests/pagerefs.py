@@ -231,7 +231,7 @@ class PageRefs:
         self._take, self._unref, self._ref_k = hot.take, hot.unref, hot.ref
         self._freed = np.zeros(nv, np.int64)
         self._claim = np.zeros(nv, np.int64)
-        self.ref_counts = memoryview(self._ref)
+        self.ref_counts: memoryview = self._ref.data
         self.num_free = alloc.available_pages(self.end)
         self.num_cached = 0
         self._alloc_pages, self._free_pages = alloc.alloc_pages, alloc.free_pages
