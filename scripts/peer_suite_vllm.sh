@@ -5,7 +5,10 @@
 #   1. a separate venv in .peer/vllm-venv (never .venv) with CPU torch 2.13.0 and the imports of
 #      tests/peer/vllm-requirements.txt (under constraints.txt), then the vLLM wheel installed --no-deps;
 #   2. the vLLM sdist from PyPI (only its tests/ extracted, so its vllm/ sources never shadow the wheel);
-#   3. pytest --noconftest over the KV-manager test files twice: stock, and with -p vllm_plugin --umalloc-pool;
+#   3. pytest --noconftest over the KV-manager and the scheduler-level test files of tests/v1/core twice: stock,
+#      and with -p vllm_plugin --umalloc-pool; VLLM_TARGET_DEVICE=cpu, and an offline HF_HOME holding the
+#      config.json of the model the scheduler tests name, written from its published architecture numbers
+#      (tests/peer/vllm_model_snapshot.py; nothing comes from a hub: HF_HUB_OFFLINE=1);
 #   4. each run's outcomes against tests/peer/vllm_expected.txt: any failure not listed, or a listed test that
 #      passes, fails this script;
 #   5. umalloc's own tests of the integration (tests/integrations/test_integration_vllm.py) in the same venv, where vLLM is.
@@ -23,6 +26,14 @@ REQ=tests/peer/vllm-requirements.txt
 EXPECTED=tests/peer/vllm_expected.txt
 FILES=(test_single_type_kv_cache_manager test_prefix_caching test_kv_cache_utils test_kv_sharing
        test_kv_cache_metrics test_mamba_align_chunk_split test_contiguous_kv_packing)
+# the scheduler-level files (the e2e files start a real engine and are not run)
+SCHED_FILES=(test_scheduler test_async_scheduler test_deferred_block_free test_swa_inflight_window_free
+             test_priority_preemption_bug test_priority_scheduler_random test_worker_slot_overflow
+             test_prefix_replay test_output test_encoder_cache_manager test_kv_cache_planning
+             test_kv_cache_config_builder test_repetition_detection)
+[ "${PEER_VLLM_SCHEDULER:-1}" = 0 ] && SCHED_FILES=()
+# a subprocess test with a wall-clock timeout: its outcome depends on the machine's load, not on the pool
+DESELECT=tests/v1/core/test_kv_cache_planning.py::test_is_kv_cache_spec_uniform
 PY=${PYTHON:-python3}
 t0=$SECONDS
 mkdir -p "$CACHE"
@@ -70,22 +81,33 @@ fi
 # umalloc from this checkout, and nothing else of it, on the peer venv's path
 mkdir -p "$PEER/path"
 ln -sfn "$ROOT/umalloc" "$PEER/path/umalloc"
+# the model configs the scheduler tests name, in an offline Hugging Face cache of this folder's own
+"$VENV/bin/python" tests/peer/vllm_model_snapshot.py "$PEER/hf"
 echo "[vllm-peer] set-up done in $((SECONDS - t0)) s"
 
 # ---- 3. + 4. the two runs
 tests=()
-for f in "${FILES[@]}"; do tests+=("tests/v1/core/$f.py"); done
+for f in "${FILES[@]}" "${SCHED_FILES[@]}"; do tests+=("tests/v1/core/$f.py"); done
 status=0
-for run in stock umalloc; do
-  extra=()
+run_pytest() {  # one run (stock | umalloc); the two run at once, one per core
+  local run=$1 t1=$SECONDS extra=()
+  shift
   [ "$run" = umalloc ] && extra=(--umalloc-pool)
-  t1=$SECONDS
-  (cd "$SRC" && HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONPATH="$PEER/path:$ROOT/tests/peer" \
+  (cd "$SRC" && HF_HOME="$PEER/hf" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_TARGET_DEVICE=cpu \
+     PYTHONPATH="$PEER/path:$ROOT/tests/peer" \
      "$VENV/bin/python" -m pytest -c pytest.ini --rootdir . --noconftest -q -p no:cacheprovider -p vllm_plugin \
      "${extra[@]}" -W ignore::pytest.PytestUnknownMarkWarning --outcomes-json="$PEER/outcomes-$run.json" \
-     "${tests[@]}" "$@" \
+     "${tests[@]}" --deselect "$DESELECT" "$@" \
      > "$PEER/pytest-$run.log" 2>&1) || true
   echo "[vllm-peer] $run: pytest finished in $((SECONDS - t1)) s (log .peer/pytest-$run.log)"
+}
+t1=$SECONDS
+rm -f "$PEER"/outcomes-stock.json "$PEER"/outcomes-umalloc.json
+run_pytest stock "$@" &
+run_pytest umalloc "$@" &
+wait
+echo "[vllm-peer] both runs (${#FILES[@]} KV-manager + ${#SCHED_FILES[@]} scheduler-level files) in $((SECONDS - t1)) s"
+for run in stock umalloc; do
   if [ ! -s "$PEER/outcomes-$run.json" ]; then
     tail -n 30 "$PEER/pytest-$run.log"
     echo "[vllm-peer] $run: pytest wrote no outcomes" >&2

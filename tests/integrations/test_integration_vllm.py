@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+import random
 import sys
 
 import numpy as np
 import pytest
 
-from umalloc.errors import InvariantError, UmallocError, UmallocValueError
+from umalloc.errors import DoubleFreeError, InvariantError, UmallocError, UmallocValueError
 from umalloc.integrations.vllm import END, id_allocator
 
 PEER = pathlib.Path(__file__).resolve().parents[1] / "peer"
@@ -191,8 +192,73 @@ def test_check_invariants_sees_a_block_nobody_holds(vllm_pool):
     pool = vllm_pool(4, enable_caching=False, hash_block_size=16)
     b = pool.get_new_blocks(1)
     b[0].ref_cnt = 0                                 # a leak: live in umalloc, held by no one
-    with pytest.raises(InvariantError, match="ownership"):
+    with pytest.raises(InvariantError, match=r"\[held\]"):
         pool.check_invariants()
+    b[0].ref_cnt = 1
+    pool.check_invariants()
+    pool.allocator.alloc_pages(1)                    # a block taken from umalloc behind the pool
+    with pytest.raises(InvariantError, match="owner-live"):
+        pool.check_invariants()
+
+
+def test_ref_cnt_is_umallocs_count_and_a_double_free_changes_nothing(vllm_pool):
+    pool = vllm_pool(6, enable_caching=True, hash_block_size=16)
+    b = pool.get_new_blocks(2)                       # 1 2
+    assert [pool.refs.ref_counts[i] for i in (1, 2)] == [1, 1]
+    b[0].ref_cnt += 1                                # vLLM's CoW path takes an extra reference this way
+    assert pool.refs.ref_counts[1] == 2 and b[0].ref_cnt == 2
+    pool.free_blocks([b[0], b[1]])
+    assert b[0].ref_cnt == 1 and pool.get_num_free_blocks() == 4
+    with pytest.raises(DoubleFreeError):
+        pool.free_blocks([b[0], b[1]])               # block 2 is already free
+    assert b[0].ref_cnt == 1 and pool.get_num_free_blocks() == 4
+    pool.check_invariants()
+    pool.free_blocks([b[0]])
+    assert pool.get_num_free_blocks() == 5
+    pool.check_invariants()
+
+
+def test_random_prefix_caching_matches_vllms_pool(vllm_pool):
+    """vLLM's own pool is the oracle: the same requests (shared prefixes, evictions) give the same prefix
+    hits and free counts at every step (block ids differ by design)."""
+    from types import SimpleNamespace
+
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_utils import BlockHash
+
+    seed = 7
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    pools = [BlockPool(64, enable_caching=True, hash_block_size=16),
+             vllm_pool(64, enable_caching=True, hash_block_size=16)]
+    live: list[list[list]] = [[], []]
+    for step in range(300):
+        fam = rng.randrange(6)
+        hashes = [BlockHash(f"f{fam}-{j}".encode()) for j in range(rng.randint(1, 8))]
+        hashes += [BlockHash(f"r{step}-{j}".encode()) for j in range(rng.randint(0, 3))]
+        free_first = len(live[0]) > 4 or rng.random() < 0.3
+        results = []
+        for p, pool in enumerate(pools):
+            if free_first and live[p]:
+                pool.free_blocks(reversed(live[p].pop(0)))
+            found = []
+            for h in hashes:
+                got = pool.get_cached_block(h, [0])
+                if got is None:
+                    break
+                found.append(got[0])
+            pool.touch(found)
+            need = len(hashes) - len(found)
+            if need > pool.get_num_free_blocks():
+                pool.free_blocks(found)
+                results.append((len(found), None, pool.get_num_free_blocks()))
+                continue
+            blocks = found + pool.get_new_blocks(need)
+            pool.cache_full_blocks(SimpleNamespace(block_hashes=hashes), blocks, len(found), len(hashes), 16, 0)
+            live[p].append(blocks)
+            results.append((len(found), len(blocks), pool.get_num_free_blocks()))
+        assert results[0] == results[1], f"step {step}"
+        pools[1].check_invariants()
 
 
 def test_install_makes_the_kv_cache_manager_build_the_umalloc_pool(vllm_pool, monkeypatch):

@@ -76,6 +76,15 @@ path, which validates and converts, then runs the same kernel through the dispat
 result and the same typed errors. The kernels bound every read and write by the lengths they are given (an
 ``index`` slot is checked against the table before anything changes, and all slots are read before the first
 write, so ``index`` may overlap ``out``).
+
+Note [Exact ids]
+~~~~~~~~~~~~~~~~
+:meth:`MultiEndedAllocator.claim_pages` takes the virtual pages the caller names instead of the lowest free ones,
+for an allocator used as an id allocator: one ``up`` end, the only end of its arena, never compacted by the
+caller, so that virtual page ``v`` sits on physical page ``v`` (lowest-free-first minting keeps that identity,
+and a claim binds ``v`` to page ``v``). A claimed page below the band's edge is a hole taken out of the hole
+bitmap; one at or past the edge moves the edge to ``v + 1`` and the pages skipped become holes. One kernel
+call, O(len(vpages) + pages skipped).
 """
 
 from __future__ import annotations
@@ -102,6 +111,7 @@ from umalloc.allocator.ids import (
     _out,
     _out_arg,
     count_arg,
+    id_batch,
 )
 from umalloc.allocator.leasing import LeasePart
 from umalloc.allocator.observe import (
@@ -133,9 +143,12 @@ from umalloc.pool.kernels.layout import (
     V_RESERVED,
 )
 from umalloc.pool.kernels.ops import (
+    CLAIM_LIVE,
+    CLAIM_RANGE,
     hot_entries,
     k_alloc_pages,
     k_bind,
+    k_claim,
     k_decode,
     k_extend,
 )
@@ -475,6 +488,49 @@ class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart, FreePart):
         if self._sync:
             self._after(o, k)
         return res
+
+    def claim_pages(self, vpages: torch.Tensor | np.ndarray | Sequence[int]) -> None:
+        """Mint exactly the free virtual pages ``vpages``, each on the physical page of the same number (Note
+        [Exact ids]): the entry an id allocator uses to take one named id (a prefix-cache hit on a block it
+        holds as free) without an allocate-and-free of the ids below it.
+
+        Args:
+            vpages: ``int64 (n,)`` distinct virtual pages, each free (never allocated or freed), a torch tensor,
+                numpy array or list of ints.
+
+        Raises:
+            UmallocValueError: the allocator is not an id allocator (more than one end, or its end does not
+            grow ``up``). InvalidIdError: an id outside ``[max(1, first_page), top_page]``, a live or repeated
+            id, or one whose physical page is not free (pending under a lease). Nothing changes on any error.
+
+        Complexity: O(n + pages skipped) in one numba kernel.
+
+        >>> from umalloc.geometry import Arena, ArenaSpec, EndSpec, LayerSpec
+        >>> alloc = MultiEndedAllocator(Arena(ArenaSpec((EndSpec("ids", (LayerSpec.mha(1, 4),), page_size=1),),
+        ...                                             arena_bytes=8 * 16)), compaction="off")
+        >>> alloc.claim_pages([5])
+        >>> alloc.alloc_pages(3).tolist(), alloc.translate_pages(torch.tensor([5]), "ids").tolist()
+        ([1, 2, 3], [5])
+        """
+        if len(self._names) != 1 or self.spec.ends[0].grow is not Grow.UP:
+            raise UmallocValueError(f"claim_pages: allowed an id allocator (one 'up' end, the arena's only one); "
+                                    f"this arena has ends {list(self._names)}")
+        vp = id_batch(vpages, "vpages")
+        if self._active_leases:
+            self._tick()
+        r = int(k_claim(self._root_a, 0, vp))
+        if r:
+            code, pos = r % 8, r // 8
+            v = int(vp[pos])
+            if code == CLAIM_RANGE:
+                raise InvalidIdError(f"claim_pages: vpages[{pos}]={v} is out of range; allowed "
+                                     f"[{max(1, self.ends[self._names[0]].first_page)}, {self.ends[self._names[0]].top_page}]")
+            what = "is live or repeated in the batch" if code == CLAIM_LIVE else "has a physical page that is not free"
+            raise InvalidIdError(f"claim_pages: vpages[{pos}]={v} {what}; allowed distinct free virtual pages")
+        if self._sync:
+            self._refresh_mirror(0, vp)
+            if self.debug_checks:
+                self.check_invariants()
 
     def alloc_extend(self, prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_loc: torch.Tensor, *,
                      owner: str | None = None, bind: Sequence[str] | None = None,

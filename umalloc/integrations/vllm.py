@@ -1,4 +1,4 @@
-"""umalloc behind vLLM's ``BlockPool``: block ids and the free list come from a umalloc allocator.
+"""umalloc behind vLLM's ``BlockPool``: block ids, reference counts and the cached-free LRU are umalloc's.
 
 Enable it with one call before vLLM builds its KV-cache manager::
 
@@ -10,33 +10,36 @@ refuses other versions because the pool overrides vLLM internals (``free_block_q
 
 Policy:
 
-* **Who owns what.** Block ``i`` of the pool is virtual page ``i`` of a one-end umalloc allocator with
+* **Who owns what.** Block ``i`` of the pool is virtual page ``i`` of a one-end umalloc id allocator with
   ``num_gpu_blocks`` page slots (one 16-byte id page per block: the allocator hands out ids, vLLM keeps its own
-  KV tensors). umalloc owns the free ids: a block whose reference count is 0 and that holds nothing worth
-  keeping is *free in umalloc*. vLLM's ``KVCacheBlock`` objects, their ``ref_cnt``, the prefix-cache hash map
-  and the KV events stay vLLM's, unchanged. umalloc has no reference counts or cached pages yet, so two things
-  stay in this adapter: ``ref_cnt`` (vLLM's field) and the *evictable* list -- blocks with ``ref_cnt == 0``
-  that keep their id because their content is still useful (a prefix-cache hash, or an ``unpin_blocks``
-  reader), in LRU order (vLLM's own ``FreeKVCacheBlockQueue``).
+  KV tensors). One :class:`~umalloc.requests.pagerefs.PageRefs` over it holds every block's holders: its reference
+  count (``KVCacheBlock.ref_cnt`` of this pool's blocks reads and writes umalloc's count; there is no second
+  copy) and whether a block with count 0 is *cached* (content kept, in umalloc's LRU: the page states and links
+  the request table uses) or free in the allocator. vLLM keeps what only it knows: the prefix-cache hash map,
+  the hashes on the blocks, the KV events and metrics. umalloc's invariants
+  (:meth:`UmallocBlockPool.check_invariants`) report a leaked block (held with count 0, or live in the
+  allocator with no holder); a double free raises :class:`~umalloc.errors.DoubleFreeError`, nothing changed.
 * **null_block** is block 0 = umalloc's reserved virtual page 0 (mapped to the sink page, never handed out).
 * **Allocation** (``get_new_blocks(n)``): when umalloc has fewer than ``n`` free ids, the least recently used
-  evictable blocks go back to umalloc first, exactly as many as missing; then one ``alloc_pages(n)`` call.
-  The blocks a call returns are therefore always umalloc's ``n`` lowest free ids, in ascending order, and
-  cached blocks are evicted only when no uncached free block is left -- the same eviction rule as vLLM's.
+  cached blocks go back to it first, exactly as many as missing (their hashes leave vLLM's map); then one
+  ``alloc_pages(n)`` call. The blocks a call returns are umalloc's ``n`` lowest free ids, ascending, and cached
+  blocks are evicted only when no uncached free block is left, oldest first -- vLLM's eviction rule.
 * **By design, not vLLM's order**: vLLM reuses the most recently freed block first (LIFO) to keep the GPU
   cache warm; umalloc hands out the lowest free id, so fresh blocks form ascending contiguous runs
   (fewer transfer descriptors, a compact high end). Tests that pin vLLM's exact reuse order see the
   difference; nothing else does.
-* **Free** (``free_blocks``): blocks reaching ``ref_cnt == 0`` without a hash go back to umalloc in one
-  ``free_pages`` call; hashed blocks join the evictable list's tail (vLLM's LRU rule). ``unpin_blocks`` puts
-  released blocks at the evictable tail (last resort), as vLLM does. ``evict_blocks`` and a successful
-  ``reset_prefix_cache`` return the evictable blocks they un-hash to umalloc.
-* **Adopting a specific id**: a prefix-cache hit may name a block that umalloc holds as free (a hash put on
-  a never-allocated block, as a KV connector or a test can do); ``touch`` then takes exactly that id out of
-  umalloc (:meth:`UmallocBlockPool.adopt`), so the hit is served as vLLM serves it.
+* **Free** (``free_blocks``): one ``unref`` of the batch: blocks reaching count 0 without a hash go back to
+  umalloc, hashed ones join the LRU tail (vLLM's rule). A bare ``KVCacheBlock`` that is not one of the pool's
+  blocks (``pool=None``, as some of vLLM's tests build) only has its own ``ref_cnt`` lowered, as vLLM does. ``unpin_blocks`` puts released blocks at the LRU tail
+  (last resort), as vLLM does. ``evict_blocks`` and a successful ``reset_prefix_cache`` return the cached
+  blocks they un-hash to umalloc.
+* **A specific id**: a prefix-cache hit may name a block that umalloc holds as free (a hash put on a
+  never-allocated block, as a KV connector or a test can do); ``touch`` then claims exactly that id from the
+  allocator (:meth:`~umalloc.allocator.facade.MultiEndedAllocator.claim_pages`), so the hit is served as vLLM
+  serves it.
 * Block ids equal physical pages: with one ``up`` end and compaction off, umalloc gives the ``j``-th lowest
-  free virtual id the ``j``-th lowest free physical page, so ``v2p`` stays the identity and vLLM's block
-  tables index its KV tensors directly (:meth:`UmallocBlockPool.check_invariants` checks it).
+  free virtual id the ``j``-th lowest free physical page (and a claimed id its own page), so ``v2p`` stays the
+  identity and vLLM's block tables index its KV tensors directly (:meth:`UmallocBlockPool.check_invariants`).
 
 Threading: as vLLM's pool, called from the scheduler thread only.
 """
@@ -52,6 +55,7 @@ import numpy as np
 
 from umalloc import TOMBSTONE, Arena, ArenaSpec, EndSpec, LayerSpec, MultiEndedAllocator
 from umalloc.errors import InvariantError, UmallocError, UmallocValueError
+from umalloc.requests.pagerefs import PAGE_NOT_MANAGED, PageRefs
 
 #: vLLM versions this adapter is tested with (the ``umalloc[vllm]`` extra pins them).
 SUPPORTED_VLLM_VERSIONS: tuple[str, ...] = ("0.33.0",)
@@ -86,236 +90,260 @@ def id_allocator(num_blocks: int) -> MultiEndedAllocator:
 
 class UmallocFreeBlockQueue:
     """Read-only stand-in for vLLM's ``FreeKVCacheBlockQueue`` on a :class:`UmallocBlockPool`: every block with
-    ``ref_cnt == 0`` in allocation order -- umalloc's free ids ascending, then the evictable blocks, LRU first.
+    count 0 in allocation order -- umalloc's free ids ascending, then the cached blocks, LRU first.
 
-    The pool mutates its two parts itself; this object only answers the readers vLLM and its tests have:
-    ``num_free_blocks``, ``get_all_free_blocks``, ``iter_blocks_after`` and the linked list's ends
-    (Note [Free chain snapshot]).
+    The pool's :class:`~umalloc.requests.pagerefs.PageRefs` holds both parts; this object only answers the readers
+    vLLM and its tests have: ``num_free_blocks``, ``get_all_free_blocks``, ``iter_blocks_after`` and the linked
+    list's ends (Note [Free chain snapshot]).
 
     Note [Free chain snapshot]
     ~~~~~~~~~~~~~~~~~~~~~~~~~~
     vLLM's readers may walk the free list by hand, ``fake_free_list_head.next_free_block...`` until a block
-    whose ``next_free_block`` is ``None``. Blocks free in umalloc are in no list, so reading
-    ``fake_free_list_head`` links them, ascending, in front of the evictable list through ``next_free_block``
-    only (their ``prev_free_block`` stays ``None``: that is how the pool tells them from evictable blocks) and
-    returns a head of its own; with no block free in umalloc it is the evictable list's real head. The chain
-    is a snapshot of the moment of reading: the pool clears a block's stale ``next_free_block`` when it hands
-    the block out. O(num_gpu_blocks) per read.
+    whose ``next_free_block`` is ``None`` (the tail sentinel). Free blocks are in no Python list, so reading
+    ``fake_free_list_head`` links every free block in allocation order through ``prev_free_block`` /
+    ``next_free_block`` between a head and a tail sentinel of this object's own. The chain is a snapshot of the
+    moment of reading: the pool's next call that changes a block's state clears the links it set.
+    O(num_gpu_blocks) per read.
     """
 
-    def __init__(self, pool: Any, evictable: Any) -> None:
+    def __init__(self, pool: Any, block_cls: type) -> None:
         self._pool = pool
-        self._evictable = evictable
-        self._snapshot_head = type(evictable.fake_free_list_head)(block_id=-1)
+        self._head = block_cls(block_id=-1)
+        self._tail = block_cls(block_id=-1)
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks free in umalloc plus evictable blocks. O(1)."""
-        return self._pool.get_num_free_blocks()
+        """Blocks free in umalloc plus cached blocks. O(1)."""
+        refs = self._pool.refs
+        return refs.num_free + refs.num_cached
 
     @property
     def fake_free_list_head(self) -> Any:
-        """Head of the chain through every free block in allocation order (Note [Free chain snapshot])."""
-        free = self._pool.free_ids()
-        if free.size == 0:
-            return self._evictable.fake_free_list_head
-        blocks = self._pool.blocks
-        prev = self._snapshot_head
-        for i in free.tolist():
-            prev.next_free_block = blocks[i]
-            prev = blocks[i]
-        prev.next_free_block = self._evictable.fake_free_list_head.next_free_block
-        return self._snapshot_head
+        """Head sentinel of the chain through every free block in allocation order (Note [Free chain
+        snapshot]): reading it links the chain."""
+        chain = self.get_all_free_blocks()
+        prev = self._head
+        for b in chain:
+            prev.next_free_block = b
+            b.prev_free_block = prev
+            prev = b
+        prev.next_free_block = self._tail
+        self._tail.prev_free_block = prev
+        self._pool._linked = chain
+        return self._head
 
     @property
     def fake_free_list_tail(self) -> Any:
-        return self._evictable.fake_free_list_tail
+        """Tail sentinel of the chain (its ``next_free_block`` is ``None``)."""
+        return self._tail
 
     def get_all_free_blocks(self) -> list[Any]:
         """Every free block in the order allocation takes them. O(num_gpu_blocks)."""
-        blocks = self._pool.blocks
-        return [blocks[i] for i in self._pool.free_ids().tolist()] + self._evictable.get_all_free_blocks()
+        refs, blocks = self._pool.refs, self._pool.blocks
+        return [blocks[i] for i in refs.free_ids().tolist()] + [blocks[i] for i in refs.cached().tolist()]
 
     def iter_blocks_after(self, cursor: Any | None) -> Iterator[Any]:
-        """Free blocks in allocation order after ``cursor`` (``None``: from the first). O(num_gpu_blocks)."""
-        if cursor is None or cursor.prev_free_block is None:
-            first = 0 if cursor is None else cursor.block_id + 1
-            blocks = self._pool.blocks
-            for i in self._pool.free_ids().tolist():
+        """Free blocks in allocation order after ``cursor`` (``None``, or a block no longer free: from the
+        first). O(num_gpu_blocks)."""
+        refs, blocks = self._pool.refs, self._pool.blocks
+        cached_cursor = cursor is not None and 0 < cursor.block_id < len(blocks) and refs.is_cached(cursor.block_id)
+        if not cached_cursor:
+            first = 0 if cursor is None or refs.state(cursor.block_id) != PAGE_NOT_MANAGED else cursor.block_id + 1
+            for i in refs.free_ids().tolist():
                 if i >= first:
                     yield blocks[i]
-            cursor = None
-        yield from self._evictable.iter_blocks_after(cursor)
+        v = refs.next_cached(cursor.block_id if cursor is not None and cached_cursor else 0)
+        while v:
+            yield blocks[v]
+            v = refs.next_cached(v)
+
+
+def _block_class(base: type, counts: memoryview) -> type:
+    """vLLM's ``KVCacheBlock`` whose ``ref_cnt`` is umalloc's count of the block (``counts``: the pool's
+    :attr:`PageRefs.ref_counts`); one class per pool."""
+
+    def get(self: Any, _counts: memoryview = counts) -> int:
+        return _counts[self.block_id]
+
+    def put(self: Any, value: int, _counts: memoryview = counts) -> None:
+        if self.block_id >= 0:   # the chain sentinels have no count
+            _counts[self.block_id] = value
+
+    class UmallocKVCacheBlock(base):  # type: ignore[misc, valid-type]
+        __slots__ = ()
+        ref_cnt = property(get, put, doc="umalloc's reference count of this block (PageRefs.ref_counts). O(1).")
+
+    UmallocKVCacheBlock.__module__ = __name__
+    return UmallocKVCacheBlock
 
 
 @functools.cache
 def _pool_class() -> type:
     """Build :class:`UmallocBlockPool` on first use (vLLM is imported only then)."""
     from vllm.v1.core.block_pool import BlockPool
-    from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
     class UmallocBlockPool(BlockPool):  # type: ignore[misc, valid-type, unused-ignore]
-        """vLLM ``BlockPool`` with block ids and the free list from umalloc (module docstring for the policy).
+        """vLLM ``BlockPool`` whose blocks' ids, reference counts and cached-free LRU are umalloc's (module
+        docstring for the policy).
 
-        Same constructor and methods as vLLM's ``BlockPool``; additionally :attr:`allocator`, :meth:`free_ids`,
-        :meth:`adopt` and :meth:`check_invariants`. ``free_block_queue`` is a read-only
-        :class:`UmallocFreeBlockQueue`. Complexities: ``get_new_blocks(n)`` O(n + evicted) plus one umalloc
-        kernel call; ``free_blocks`` O(blocks) plus one; ``get_num_free_blocks`` O(1).
+        Same constructor and methods as vLLM's ``BlockPool``; additionally :attr:`allocator` (the id
+        allocator), :attr:`refs` (its :class:`~umalloc.requests.pagerefs.PageRefs`, the blocks' only owner),
+        :meth:`free_ids`, :meth:`adopt` and :meth:`check_invariants`. ``free_block_queue`` is a read-only
+        :class:`UmallocFreeBlockQueue`. Complexities: ``get_new_blocks(n)`` O(n + evicted) plus at most three
+        umalloc kernel calls; ``free_blocks``/``touch`` O(blocks) plus one or two; ``get_num_free_blocks`` O(1).
         """
 
         def __init__(self, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int,
                      *args: Any, **kwargs: Any) -> None:
             super().__init__(num_gpu_blocks, enable_caching, hash_block_size, *args, **kwargs)
             self.allocator = id_allocator(num_gpu_blocks)
-            for block in self.blocks:  # vLLM's queue linked every block: umalloc holds them now
-                block.prev_free_block = block.next_free_block = None
-            self._evictable = FreeKVCacheBlockQueue([])
-            self.free_block_queue = UmallocFreeBlockQueue(self, self._evictable)
+            self.refs = PageRefs(self.allocator)
+            cls = _block_class(KVCacheBlock, self.refs.ref_counts)
+            self.blocks = [cls(i, pool=self) for i in range(num_gpu_blocks)]
+            self.null_block = self.blocks[0]
+            self.null_block.is_null = True
+            self.free_block_queue = UmallocFreeBlockQueue(self, cls)
+            self._linked: list[Any] = []   # blocks the last free-chain snapshot linked
+
+        def _unlink(self) -> None:
+            for b in self._linked:
+                b.prev_free_block = b.next_free_block = None
+            self._linked = []
 
         # ---- umalloc side ------------------------------------------------------------------------------
         def free_ids(self) -> np.ndarray:
             """Block ids free in umalloc, ascending (the order ``get_new_blocks`` hands them out): a new
             ``int64`` numpy array. O(num_gpu_blocks)."""
-            v2p = self.allocator.v2p(END).numpy()
-            return np.flatnonzero(v2p == TOMBSTONE).astype(np.int64)
+            return self.refs.free_ids()
 
         def adopt(self, block: Any) -> None:
-            """Take exactly ``block``'s id out of umalloc's free ids (it keeps ``ref_cnt`` 0; the caller
-            raises it). The lower free ids are allocated with it and freed again: two umalloc calls.
+            """Take exactly ``block``'s id out of umalloc's free ids with one reference (one
+            ``claim_pages`` call).
 
             Raises:
                 UmallocValueError: ``block`` is the null block or its id is not free in umalloc.
             """
-            free = self.free_ids()
-            below = int(np.searchsorted(free, block.block_id))
-            if block.is_null or below == free.size or free[below] != block.block_id:
+            if block.is_null or not 0 < block.block_id < len(self.blocks) \
+                    or self.refs.state(block.block_id) != PAGE_NOT_MANAGED:
                 raise UmallocValueError(f"adopt: block {block.block_id} is not free in umalloc; allowed one of "
-                                        f"the {free.size} free ids")
-            got = self.allocator.alloc_pages(below + 1)
-            if got is None or int(got[-1]) != block.block_id:
-                raise InvariantError(f"lowest-free-first: alloc_pages({below + 1}) gave {got} while adopting "
-                                     f"block {block.block_id}")
-            if below:
-                self.allocator.free_pages(got[:-1].numpy())
-            block.next_free_block = None  # Note [Free chain snapshot]
-
-        def _free_to_umalloc(self, blocks: Sequence[Any]) -> None:
-            if blocks:
-                self.allocator.free_pages(np.fromiter((b.block_id for b in blocks), np.int64, len(blocks)))
+                                        f"the {self.refs.num_free} free ids")
+            if self._linked:
+                self._unlink()
+            self.refs.ref(np.array([block.block_id], np.int64))
 
         # ---- vLLM's BlockPool API ----------------------------------------------------------------------
         def get_num_free_blocks(self) -> int:
-            return self.allocator.available_pages(END) + self._evictable.num_free_blocks
+            refs = self.refs
+            return refs.num_free + refs.num_cached
 
         def get_new_blocks(self, num_blocks: int) -> list[Any]:
-            free = self.allocator.available_pages(END)
-            if num_blocks > free + self._evictable.num_free_blocks:
+            refs = self.refs
+            if num_blocks > refs.num_free + refs.num_cached:
                 raise UmallocValueError(f"Cannot get {num_blocks} free blocks from the pool: allowed at most "
-                                        f"{free + self._evictable.num_free_blocks}")
-            if num_blocks <= 0:
-                return []
-            if num_blocks > free:  # LRU evictable blocks back to umalloc, exactly as many as missing
-                self._free_to_umalloc(self._evictable.popleft_n(num_blocks - free))
-            ids = self.allocator.alloc_pages(num_blocks)
-            if ids is None:
-                raise InvariantError(f"free-count: umalloc refused {num_blocks} ids it counted as free")
-            ret = [self.blocks[i] for i in ids.tolist()]
+                                        f"{refs.num_free + refs.num_cached}")
+            if self._linked:
+                self._unlink()
+            ids = refs.take(num_blocks).tolist()
+            blocks = self.blocks
+            ret = [blocks[i] for i in ids]
             if self._reuse_watchers:
                 self._notify_reuse(ret)
-            for block in ret:
-                block.next_free_block = None  # Note [Free chain snapshot]
-                if self.enable_caching:
-                    self._maybe_evict_cached_block(block)
-                assert block.ref_cnt == 0
-                block.ref_cnt += 1
-                if self.metrics_collector:
-                    self.metrics_collector.on_block_allocated(block)
+            metrics = self.metrics_collector
+            if self.enable_caching:
+                if metrics:
+                    for block in ret:
+                        self._maybe_evict_cached_block(block)
+                        metrics.on_block_allocated(block)
+                else:
+                    for block in ret:   # the evicted cached blocks (and any block given a hash while free)
+                        if block._block_hash is not None:
+                            self._maybe_evict_cached_block(block)
+            elif metrics:
+                for block in ret:
+                    metrics.on_block_allocated(block)
             return ret
 
         def touch(self, blocks: Sequence[Any]) -> None:
-            for block in blocks:
-                if block.is_null:
-                    continue
-                if block.ref_cnt == 0:
-                    if block.prev_free_block is not None:
-                        self._evictable.remove(block)
-                    else:
-                        self.adopt(block)
-                block.ref_cnt += 1
-                if self.metrics_collector:
-                    self.metrics_collector.on_block_accessed(block)
+            if not blocks:
+                return
+            if self._linked:
+                self._unlink()
+            self.refs.ref(np.array([b.block_id for b in blocks], np.int64))   # the null block is id 0: skipped
+            if self.metrics_collector:
+                for block in blocks:
+                    if not block.is_null:
+                        self.metrics_collector.on_block_accessed(block)
 
         def free_blocks(self, ordered_blocks: Iterable[Any]) -> None:
-            to_umalloc: list[Any] = []
-            to_evictable: list[Any] = []
-            other_pools: dict[Any, list[Any]] = {}
-            for block in ordered_blocks:
-                if block.is_null:  # never pooled; its ref_cnt is not maintained
-                    continue
-                if block.pool is not None and block.pool is not self:
-                    other_pools.setdefault(block.pool, []).append(block)
-                    continue
-                block.ref_cnt -= 1
-                if block.ref_cnt == 0:
-                    if block.block_hash is None or not self.enable_caching:
-                        to_umalloc.append(block)
-                    else:
-                        to_evictable.append(block)
-            self._free_to_umalloc(to_umalloc)
-            self._evictable.append_n(to_evictable)
-            for pool, blocks in other_pools.items():
-                pool.free_blocks(blocks)
+            blocks = ordered_blocks if type(ordered_blocks) is list else list(ordered_blocks)
+            if self.enable_caching:   # -id: kept as cached at count 0 (it has a hash)
+                ids = [b.block_id if b._block_hash is None else -b.block_id for b in blocks if b.pool is self]
+            else:
+                ids = [b.block_id for b in blocks if b.pool is self]
+            if len(ids) != len(blocks):   # blocks of other pools (deferred frees), or pool-less blocks
+                other_pools: dict[Any, list[Any]] = {}
+                ids = []
+                for b in blocks:
+                    if b.pool is not None and b.pool is not self:
+                        other_pools.setdefault(b.pool, []).append(b)
+                    elif b.pool is None and not b.is_null:
+                        b.ref_cnt -= 1   # a bare KVCacheBlock (not one of this pool's): its own count, as vLLM
+                    elif not b.is_null:
+                        ids.append(-b.block_id if self.enable_caching and b._block_hash is not None
+                                   else b.block_id)
+                self._free_ids(ids)
+                for pool, theirs in other_pools.items():
+                    pool.free_blocks(theirs)
+                return
+            self._free_ids(ids)
+
+        def _free_ids(self, ids: list[int]) -> None:
+            if ids:
+                if self._linked:
+                    self._unlink()
+                self.refs.unref(np.array(ids, np.int64))
 
         def unpin_blocks(self, blocks: Iterable[Any], on_reuse: Callable[[Any], None]) -> None:
-            released: list[Any] = []
+            ids: list[int] = []
             for block in blocks:
                 assert block.ref_cnt > 0 and not block.is_null
-                block.ref_cnt -= 1
                 self._reuse_watchers[block.block_id] = on_reuse
-                if block.ref_cnt == 0:
-                    released.append(block)
-            self._evictable.append_n(released)
+                ids.append(-block.block_id)   # cached at count 0 whatever its hash: a reader still reads it
+            self._free_ids(ids)
 
         def evict_blocks(self, block_ids: set[int]) -> None:
-            back: list[Any] = []
+            back: list[int] = []
             for block_id in block_ids:
                 assert block_id < len(self.blocks), f"Invalid block_id {block_id} >= {len(self.blocks)}"
-                block = self.blocks[block_id]
-                if self._maybe_evict_cached_block(block) and block.ref_cnt == 0 \
-                        and block.prev_free_block is not None:
-                    self._evictable.remove(block)
-                    back.append(block)
-            self._free_to_umalloc(back)
+                if self._maybe_evict_cached_block(self.blocks[block_id]):
+                    back.append(block_id)
+            if back:
+                if self._linked:
+                    self._unlink()
+                self.refs.uncache(back)   # the un-hashed cached ones go back to umalloc; held ones stay held
 
         def reset_prefix_cache(self) -> bool:
             if not super().reset_prefix_cache():
                 return False
-            self._free_to_umalloc(self._evictable.popleft_n(self._evictable.num_free_blocks))
+            if self._linked:
+                self._unlink()
+            self.refs.uncache_all()
             return True
 
         # ---- checks ------------------------------------------------------------------------------------
         def check_invariants(self) -> None:
-            """O(num_gpu_blocks): umalloc's own invariants; ``v2p`` is the identity on live ids; a block is free
-            in umalloc iff its ``ref_cnt`` is 0 and it is not evictable; evictable blocks have ``ref_cnt`` 0; the
-            null block is id 0 and never handed out. Raises :class:`~umalloc.errors.InvariantError`."""
+            """O(num_gpu_blocks): umalloc's invariants (the allocator's and the block owner's:
+            :meth:`PageRefs.check_invariants` -- a leaked block, a count set behind the pool, a block freed
+            or allocated behind it); ``v2p`` is the identity on live ids; the null block is id 0 and never
+            handed out. Raises :class:`~umalloc.errors.InvariantError`."""
             self.allocator.check_invariants()
             v2p = self.allocator.v2p(END).numpy()
             live = np.flatnonzero(v2p != TOMBSTONE)
             if not np.array_equal(v2p[live], live):
                 raise InvariantError("identity: v2p differs from the identity on live block ids")
-            evictable = {b.block_id for b in self._evictable.get_all_free_blocks()}
-            if len(evictable) != self._evictable.num_free_blocks:
-                raise InvariantError("evictable-count: the evictable list and its count disagree")
-            free = set(np.flatnonzero(v2p == TOMBSTONE).tolist())
-            for block in self.blocks[1:]:
-                idle = block.ref_cnt == 0 and block.block_id not in evictable
-                if idle != (block.block_id in free):
-                    raise InvariantError(f"ownership: block {block.block_id} (ref_cnt {block.ref_cnt}, "
-                                         f"evictable {block.block_id in evictable}) is "
-                                         f"{'free' if block.block_id in free else 'live'} in umalloc")
-                if block.block_id in evictable and block.ref_cnt != 0:
-                    raise InvariantError(f"evictable-idle: block {block.block_id} has ref_cnt {block.ref_cnt}")
-            if not self.null_block.is_null or self.null_block.block_id != 0 or v2p[0] != 0:
+            if not self.null_block.is_null or self.null_block.block_id != 0 or v2p[0] != 0 \
+                    or self.blocks[0] is not self.null_block:
                 raise InvariantError("null-block: block 0 must be the null block on umalloc's reserved page 0")
 
     UmallocBlockPool.__module__ = __name__

@@ -25,7 +25,7 @@ import numpy as np
 from numba import njit, types
 
 from umalloc.errors import InvalidIdError
-from umalloc.pool.kernels.bitmap import _bset
+from umalloc.pool.kernels.bitmap import _bclr, _bset
 from umalloc.pool.kernels.codes import (
     _E_BOUND,
     _E_DOUBLE,
@@ -46,16 +46,25 @@ from umalloc.pool.kernels.codes import (
     _fail,
 )
 from umalloc.pool.kernels.layout import (
+    _ALLOCS,
     _ERROFF,
+    _FIRST,
     _FREES,
+    _HBOFF,
+    _HI,
+    _HINT,
+    _HOLES,
+    _LIVE,
     _NV,
     _OWNER,
+    _PEAK,
     _POFF,
     _PS,
     _PSHIFT,
     _RELEASED,
     _SCROFF,
     _STAMP,
+    _TOP,
     _VBOFF,
     _VHINT,
     _VLIVE,
@@ -63,9 +72,19 @@ from umalloc.pool.kernels.layout import (
     _VT,
     V_FREED,
     V_LIVE,
+    V_NEVER,
 )
-from umalloc.pool.kernels.placement import _mint_bind, _page_scratch, _plan_k, _plan_scratch, _take, _unbind
+from umalloc.pool.kernels.placement import (
+    _mint_bind,
+    _page_scratch,
+    _plan_k,
+    _plan_scratch,
+    _take,
+    _to_hole,
+    _unbind,
+)
 from umalloc.pool.kernels.raw import _heaps, _ids_view, _pins_of, _view, check_lent, forget_lent
+from umalloc.pool.pagestate import PAGE_GAP, PAGE_HOLE, PAGE_LIVE
 from umalloc.translators.cpu import v2p_run
 
 
@@ -139,6 +158,70 @@ def k_alloc_pages(root, owner, mask, k, vids_a, n_vids, idx_a, n_idx):
             vids[j] = h64[scr + j]
     h64[meta[0, _ERROFF]] = OK
     return OK
+
+
+#: :func:`k_claim` results: 0 ok, else (code, position) packed as ``code + 8 * position``
+CLAIM_RANGE, CLAIM_LIVE, CLAIM_PAGE = 1, 2, 3
+
+
+@njit(cache=True, error_model="numpy")
+def k_claim(root, e, vids):
+    """Mint exactly the virtual pages ``vids`` of the one-end owner ``e`` and bind each to the physical page of
+    the same number (Note [Exact ids] in :mod:`umalloc.allocator.facade`). Validates the whole batch first:
+    returns 0, or ``code + 8 * position`` of the first bad entry (out of range, not a free virtual page or
+    repeated, physical page not free) with nothing changed."""
+    meta, h64, h8 = _heaps(root)
+    n = vids.shape[0]
+    voff = meta[e, _VOFF]
+    poff = meta[e, _POFF]
+    nv = meta[e, _NV]
+    bad = 0
+    marked = 0
+    for j in range(n):
+        v = vids[j]
+        if v < 1 or v >= nv or v < meta[e, _FIRST] or v > meta[e, _TOP]:
+            bad = CLAIM_RANGE + 8 * j
+            break
+        s = h8[voff + v]
+        if s != V_NEVER and s != V_FREED:
+            bad = CLAIM_LIVE + 8 * j
+            break
+        ps = h8[poff + v]
+        if ps != PAGE_HOLE and ps != PAGE_GAP:
+            bad = CLAIM_PAGE + 8 * j
+            break
+        h8[voff + v] = s + 16   # marked: a repeat in the batch is "not free"; the state is restored below
+        marked += 1
+    for j in range(marked):
+        v = vids[j]
+        h8[voff + v] -= 16
+    if bad:
+        return bad
+    vb = meta[e, _VBOFF]
+    hb = meta[e, _HBOFF]
+    for j in range(n):
+        v = vids[j]
+        h8[voff + v] = V_LIVE
+        _bclr(h64, vb, v)
+        hi = meta[e, _HI]
+        if v >= hi:   # fresh band: the pages between the band's edge and v become holes
+            for p in range(hi, v):
+                _to_hole(meta, h64, h8, e, p)
+            meta[e, _HI] = v + 1
+        else:         # a hole
+            _bclr(h64, hb, v)
+            meta[e, _HOLES] -= 1
+        h8[poff + v] = PAGE_LIVE
+        h64[poff + v] = v
+        h64[voff + v] = v
+        meta[e, _LIVE] += 1
+        meta[e, _ALLOCS] += 1
+    if meta[e, _HOLES] == 0:
+        meta[e, _HINT] = meta[e, _HI]
+    if meta[e, _LIVE] > meta[e, _PEAK]:
+        meta[e, _PEAK] = meta[e, _LIVE]
+    meta[e, _VLIVE] += n
+    return 0
 
 
 @njit(cache=True, error_model="numpy")

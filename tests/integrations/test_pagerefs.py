@@ -1,0 +1,171 @@
+"""umalloc.requests.pagerefs.PageRefs (the holders of an id allocator's pages) and the allocator's exact-id entry
+``claim_pages``. Expected ids are worked out by hand from the documented policy; the random test checks every
+step against a plain-Python model of the same rules (counts, an LRU list, lowest free id first)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from umalloc.errors import DoubleFreeError, InvalidIdError, InvariantError, UmallocValueError
+from umalloc.integrations.vllm import END, id_allocator
+from umalloc.requests.pagerefs import PAGE_CACHED, PAGE_HELD, PAGE_NOT_MANAGED, PageRefs
+from umalloc.testing import small_allocator
+
+
+def _a(*ids: int) -> np.ndarray:
+    return np.array(ids, np.int64)
+
+
+# ---- claim_pages ------------------------------------------------------------------------------------------------
+def test_claim_pages_takes_exact_ids_on_their_own_physical_pages():
+    alloc = id_allocator(16)                         # ids 1..15
+    alloc.claim_pages([5])                           # past the band: 1..4 become holes
+    assert alloc.alloc_pages(3).tolist() == [1, 2, 3]
+    alloc.free_pages(_a(2))
+    alloc.claim_pages(_a(2, 9))                      # a hole, and past the band again
+    assert alloc.alloc_pages(3).tolist() == [4, 6, 7]
+    v2p = alloc.v2p(END).numpy()
+    assert v2p.tolist() == [0, 1, 2, 3, 4, 5, 6, 7, -1, 9] + [-1] * 6
+    assert alloc.available_pages(END) == 7           # 8 and 10..15
+    alloc.check_invariants()
+
+
+@pytest.mark.parametrize("bad", [[0], [16], [-1], [3], [8, 8]])
+def test_claim_pages_refuses_bad_ids_and_changes_nothing(bad):
+    alloc = id_allocator(16)
+    alloc.alloc_pages(3)                             # 1 2 3 live
+    before = alloc.snapshot()
+    with pytest.raises(InvalidIdError):
+        alloc.claim_pages(bad)
+    from umalloc.allocator.facade import snapshots_equal
+
+    assert snapshots_equal(before, alloc.snapshot())
+    alloc.check_invariants()
+
+
+def test_claim_pages_refuses_an_allocator_that_is_not_an_id_allocator():
+    with pytest.raises(UmallocValueError, match="id allocator"):
+        small_allocator().claim_pages([3])
+
+
+# ---- PageRefs ------------------------------------------------------------------------------------------------------
+def test_take_hands_out_free_ids_first_then_evicts_cached_lru_first():
+    refs = PageRefs(id_allocator(8))                 # pages 1..7
+    assert refs.take(5).tolist() == [1, 2, 3, 4, 5]
+    refs.unref(_a(-3, -1, 2))                        # 3 then 1 cached (LRU: 3 first), 2 free
+    assert (refs.num_free, refs.num_cached) == (3, 2)
+    assert refs.cached().tolist() == [3, 1] and refs.free_ids().tolist() == [2, 6, 7]
+    assert refs.take(3).tolist() == [2, 6, 7] and refs.evicted().tolist() == []   # no eviction while free
+    assert refs.take(1).tolist() == [3] and refs.evicted().tolist() == [3]         # the LRU cached page
+    assert refs.state(3) == PAGE_HELD and refs.state(1) == PAGE_CACHED and refs.ref_counts[3] == 1
+    refs.check_invariants()
+    with pytest.raises(UmallocValueError):
+        refs.take(2)                                 # 1 page left (cached 1)
+    assert (refs.num_free, refs.num_cached) == (0, 1)
+    refs.check_invariants()
+
+
+def test_ref_revives_cached_pages_and_claims_free_ones_by_id():
+    refs = PageRefs(id_allocator(8))
+    refs.take(2)                                     # 1 2
+    refs.unref(_a(-1))                               # 1 cached
+    assert refs.ref(_a(1, 5, 5, 0)) == 1             # 1 revived; 5 claimed from the allocator, twice; 0 skipped
+    assert refs.ref_counts[1] == 1 and refs.ref_counts[5] == 2 and refs.state(5) == PAGE_HELD
+    assert refs.free_ids().tolist() == [3, 4, 6, 7] and refs.num_free == 4
+    assert refs.take(2).tolist() == [3, 4]
+    refs.check_invariants()
+    with pytest.raises(InvalidIdError):
+        refs.ref(_a(2, 8))
+    assert refs.ref_counts[2] == 1                   # nothing changed
+    refs.check_invariants()
+
+
+def test_unref_is_all_or_nothing_and_refuses_a_double_free():
+    refs = PageRefs(id_allocator(6))
+    refs.take(3)                                     # 1 2 3
+    refs.unref(_a(2))
+    with pytest.raises(DoubleFreeError, match="double"):
+        refs.unref(_a(1, 3, 2))                      # 2 has no reference left
+    assert [refs.ref_counts[i] for i in (1, 2, 3)] == [1, 0, 1] and refs.num_free == 3
+    with pytest.raises(InvalidIdError):
+        refs.unref(_a(1, -9))
+    assert refs.ref_counts[1] == 1
+    refs.check_invariants()
+
+
+def test_check_invariants_reports_a_leak_and_pages_moved_behind_its_back():
+    refs = PageRefs(id_allocator(6))
+    refs.take(2)
+    refs.ref_counts[1] = 0                           # dropped outside unref: held by no one (a leak)
+    with pytest.raises(InvariantError, match=r"\[held\]"):
+        refs.check_invariants()
+    refs.ref_counts[1] = 1
+    refs.check_invariants()
+    refs.alloc.alloc_pages(1)                        # id 3, allocated behind the owner
+    with pytest.raises(InvariantError, match=r"\[owner-live\] page refs: page 3"):
+        refs.alloc.check_invariants()                # the allocator's check runs the owner's too
+
+
+def test_uncache_returns_only_cached_pages():
+    refs = PageRefs(id_allocator(6))
+    refs.take(3)
+    refs.unref(_a(-1, -2))
+    assert refs.uncache(_a(2, 3)) == 1               # 3 is held: untouched
+    assert refs.cached().tolist() == [1] and refs.state(2) == PAGE_NOT_MANAGED
+    assert refs.uncache_all() == 1 and refs.num_free == 4
+    refs.check_invariants()
+
+
+def test_pagerefs_refuses_a_used_or_multi_end_allocator():
+    alloc = id_allocator(4)
+    alloc.alloc_pages(1)
+    with pytest.raises(UmallocValueError, match="live pages"):
+        PageRefs(alloc)
+    with pytest.raises(UmallocValueError, match="id allocator"):
+        PageRefs(small_allocator())
+
+
+def test_random_ops_match_a_model_of_the_rules():
+    seed = 1234
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    n = 40
+    refs = PageRefs(id_allocator(n))
+    count = [0] * n
+    lru: list[int] = []                              # cached pages, LRU first
+    for _step in range(600):
+        free = [i for i in range(1, n) if count[i] == 0 and i not in lru]
+        op = rng.random()
+        if op < 0.4:
+            k = rng.randint(0, len(free) + len(lru))
+            want = free[:k] + lru[: max(0, k - len(free))]
+            del lru[: max(0, k - len(free))]
+            got = refs.take(k).tolist()
+            assert got == want
+            for i in got:
+                count[i] = 1
+        elif op < 0.75:
+            held = [i for i in range(1, n) if count[i] > 0]
+            if not held:
+                continue
+            pick = rng.sample(held, rng.randint(1, len(held)))
+            keep = {i: rng.random() < 0.5 for i in pick}
+            refs.unref(np.array([-i if keep[i] else i for i in pick], np.int64))
+            for i in pick:
+                count[i] -= 1
+                if count[i] == 0 and keep[i]:
+                    lru.append(i)
+        else:
+            pick = [rng.randrange(1, n) for _ in range(rng.randint(1, 4))]
+            refs.ref(np.array(pick, np.int64))
+            for i in pick:
+                if i in lru:
+                    lru.remove(i)
+                count[i] += 1
+        assert [refs.ref_counts[i] for i in range(1, n)] == count[1:]
+        assert refs.cached().tolist() == lru
+        assert refs.num_free == sum(1 for i in range(1, n) if count[i] == 0 and i not in lru)
+        refs.check_invariants()

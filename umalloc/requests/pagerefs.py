@@ -1,0 +1,399 @@
+"""Reference-counted pages with a cached-free LRU, for an engine that allocates page by page (vLLM's ``BlockPool``).
+
+A :class:`PageRefs` sits on the one end of an id allocator (one ``up`` end, Note [Exact ids] in
+:mod:`umalloc.allocator.facade`) and is the only owner of its pages: each virtual page is *held* (reference count
+``> 0``), *cached* (count 0, content kept, in LRU order; the states and LRU links of
+:mod:`umalloc.requests.refcounts`, the machinery the request table uses) or *free* in the allocator. The engine keeps
+no count of its own: it reads and adjusts the counts here (:attr:`PageRefs.ref_counts`).
+
+Policy:
+
+* **take** (``take(n)``): ``n`` fresh pages, the allocator's ``n`` lowest free ids, each with count 1. When the
+  allocator has fewer than ``n`` free ids, the LRU-first cached pages go back to it first, exactly as many as
+  missing (so cached pages are evicted only after every free one is used, oldest first); the evicted ids are
+  listed (:meth:`PageRefs.evicted`) for the engine to drop from its prefix index.
+* **ref** (``ref(ids)``): one more reference per entry; a cached page leaves the LRU, a free page is claimed
+  from the allocator by id (:meth:`~umalloc.allocator.facade.MultiEndedAllocator.claim_pages`).
+* **unref** (``unref(ids)``): one reference less per entry, all or nothing: a count that would drop below 0
+  (a double free) raises and changes nothing. A page reaching 0 joins the LRU tail if its entry is negative
+  (``-id``: content worth keeping) and goes back to the allocator otherwise; id 0 (the reserved page) is skipped.
+* **Counts are the engine's to read and to raise** on held pages (``ref_counts[i] += 1`` for a copy it keeps);
+  a count set to 0 outside :meth:`unref`, or raised on a page that is not held, is what
+  :meth:`check_invariants` reports (a leak, or a page held by no one).
+* O(1) free count: :attr:`PageRefs.num_free` (allocator) and :attr:`PageRefs.num_cached` are counters.
+
+Not thread-safe: call from the thread that owns the allocator.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, types
+
+from umalloc.allocator.facade import MultiEndedAllocator
+from umalloc.allocator.ids import id_batch
+from umalloc.errors import DoubleFreeError, InvalidIdError, InvariantError, UmallocValueError
+from umalloc.pool.pagestate import TOMBSTONE
+from umalloc.requests.refcounts import (
+    LRU_NEXT,
+    LRU_PREV,
+    PAGE_CACHED,
+    PAGE_HELD,
+    PAGE_NOT_MANAGED,
+    _lru_push,
+    _lru_unlink,
+)
+
+
+# ---- kernels (numba; every one validates its whole batch before it writes) ---------------------------------
+@njit(cache=True)
+def k_take(ref, state, lru, out, m, n):
+    """Hold ``out[:m]`` (fresh from the allocator) once each, then take ``n - m`` pages off the LRU head into
+    ``out[m:n]`` held once each (the caller checked there are enough)."""
+    for i in range(m):
+        v = out[i]
+        ref[v] = 1
+        state[v] = PAGE_HELD
+    for i in range(m, n):
+        v = lru[LRU_NEXT, 0]
+        _lru_unlink(lru, v)
+        ref[v] = 1
+        state[v] = PAGE_HELD
+        out[i] = v
+
+
+@njit(cache=True)
+def k_ref(ref, state, lru, ids, claim):
+    """One reference more per nonzero entry. If an entry is a free page, nothing changes: the free pages
+    (distinct, in first-seen order) go to ``claim`` and minus their number is returned. Else the number of
+    pages revived from the cache; -2**62 + i if entry ``i`` is out of range."""
+    nv = ref.shape[0]
+    m = 0
+    for i in range(ids.shape[0]):
+        v = ids[i]
+        if v == 0:
+            continue
+        if v < 0 or v >= nv:
+            for j in range(m):
+                state[claim[j]] = PAGE_NOT_MANAGED
+            return -(1 << 62) + i
+        if state[v] == PAGE_NOT_MANAGED:
+            state[v] = 3   # marked while listing: a repeat is listed once
+            claim[m] = v
+            m += 1
+    if m:
+        for j in range(m):
+            state[claim[j]] = PAGE_NOT_MANAGED
+        return -m
+    revived = 0
+    for i in range(ids.shape[0]):
+        v = ids[i]
+        if v == 0:
+            continue
+        if state[v] == PAGE_CACHED:
+            _lru_unlink(lru, v)
+            state[v] = PAGE_HELD
+            revived += 1
+        ref[v] += 1
+    return revived
+
+
+@njit(cache=True)
+def k_unref(ref, state, lru, ids, freed):
+    """One reference less per nonzero entry (``-v``: page ``v``, kept as cached at 0). All or nothing: on an
+    entry out of range or a count that would drop below 0 nothing changes and ``-(code + 4 * position)`` is
+    returned (code 1: range, 2: double free). Else ``freed_count + cached_count * 2**32`` (the pages freed
+    are listed in ``freed``)."""
+    nv = ref.shape[0]
+    n = ids.shape[0]
+    bad = -1
+    code = 0
+    for i in range(n):
+        v = ids[i]
+        if v < 0:
+            v = -v
+        if v == 0:
+            continue
+        if v >= nv:
+            bad, code = i, 1
+            break
+        ref[v] -= 1
+        if ref[v] < 0:
+            bad, code = i, 2
+            ref[v] += 1
+            break
+    if bad >= 0:
+        for i in range(bad):
+            v = abs(ids[i])
+            if v:
+                ref[v] += 1
+        return -(code + 4 * bad)
+    nf = 0
+    nc = 0
+    for i in range(n):
+        v = ids[i]
+        keep = v < 0
+        if keep:
+            v = -v
+        if v == 0 or ref[v] != 0 or state[v] != PAGE_HELD:
+            continue
+        if keep:
+            state[v] = PAGE_CACHED
+            _lru_push(lru, v)
+            nc += 1
+        else:
+            state[v] = PAGE_NOT_MANAGED
+            freed[nf] = v
+            nf += 1
+    return nf + (nc << 32)
+
+
+@njit(cache=True)
+def k_uncache(state, lru, ids, freed):
+    """The cached pages among ``ids`` leave the LRU and are listed in ``freed`` (state -> free); returns how many."""
+    c = 0
+    for i in range(ids.shape[0]):
+        v = ids[i]
+        if 0 < v < state.shape[0] and state[v] == PAGE_CACHED:
+            _lru_unlink(lru, v)
+            state[v] = PAGE_NOT_MANAGED
+            freed[c] = v
+            c += 1
+    return c
+
+
+class _Entries:
+    """Compiled entry points of the hot kernels for the arrays :class:`PageRefs` passes (no per-call typing)."""
+
+    def __init__(self) -> None:
+        i32, i8 = types.Array(types.int32, 1, "C"), types.Array(types.int8, 1, "C")
+        lru, ids = types.Array(types.int64, 2, "C"), types.Array(types.int64, 1, "A")
+        self.take = k_take.compile((i32, i8, lru, ids, types.int64, types.int64))
+        self.unref = k_unref.compile((i32, i8, lru, ids, ids))
+        self.ref = k_ref.compile((i32, i8, lru, ids, ids))
+
+
+_compiled: list[_Entries] = []
+
+
+def _entries() -> _Entries:
+    if not _compiled:
+        _compiled.append(_Entries())
+    return _compiled[0]
+
+
+# ---- the owner -------------------------------------------------------------------------------------------------
+class PageRefs:
+    """The holders of every page of an id allocator's one end (module docstring).
+
+    Args:
+        alloc: an id allocator (one ``up`` end, the only end of its arena) with no live page.
+
+    Attributes:
+        alloc: the allocator (its pages are freed and allocated through this object only).
+        ref_counts: ``memoryview`` (format ``"i"``, int32) of length ``num_vpages``: the reference count of
+            every page; index it for a Python ``int`` (O(1), no numpy scalar). Writable for an engine that
+            takes an extra reference on a held page; :meth:`check_invariants` reports any other write.
+        num_free / num_cached: pages free in the allocator / cached. O(1) attributes.
+
+    Raises:
+        UmallocValueError: ``alloc`` is not an id allocator, or has live pages.
+
+    Complexity: O(num_vpages) memory (int32 counts, int8 states, int64 LRU links).
+
+    >>> from umalloc.integrations.vllm import id_allocator
+    >>> refs = PageRefs(id_allocator(6))               # pages 1..5
+    >>> a = refs.take(3).tolist(); a                    # count 1 each
+    [1, 2, 3]
+    >>> refs.unref(np.array([-1, 2], np.int64))          # 1 cached (worth keeping), 2 free again
+    >>> refs.num_free, refs.num_cached, refs.take(4).tolist(), refs.evicted().tolist()
+    (3, 1, [2, 4, 5, 1], [1])
+    """
+
+    def __init__(self, alloc: MultiEndedAllocator) -> None:
+        if not isinstance(alloc, MultiEndedAllocator):
+            raise UmallocValueError(f"alloc={alloc!r}: allowed a MultiEndedAllocator")
+        ends = list(alloc.ends)
+        if len(ends) != 1 or alloc.spec.ends[0].grow.value != "up":
+            raise UmallocValueError(f"alloc: allowed an id allocator (one 'up' end, the arena's only one); got "
+                                    f"ends {ends}")
+        self.end = ends[0]
+        if (live := alloc.stats()[self.end].live_pages):
+            raise UmallocValueError(f"alloc: {live} live pages allocated outside; allowed an allocator with none")
+        self.alloc = alloc
+        nv = alloc.num_vpages()
+        self._ref = np.zeros(nv, np.int32)
+        self._state = np.zeros(nv, np.int8)
+        self._lru = np.zeros((2, nv), np.int64)
+        self._buf = np.zeros(nv, np.int64)        # take's output (a view of it is returned)
+        self._m = self._n = 0                     # the last take: pages fresh from the allocator, all pages
+        hot = _entries()
+        self._take, self._unref, self._ref_k = hot.take, hot.unref, hot.ref
+        self._freed = np.zeros(nv, np.int64)
+        self._claim = np.zeros(nv, np.int64)
+        self.ref_counts: memoryview = self._ref.data
+        self.num_free = alloc.available_pages(self.end)
+        self.num_cached = 0
+        self._alloc_pages, self._free_pages = alloc.alloc_pages, alloc.free_pages
+        alloc.attach_holder_check(self._check_as_holder)
+
+    # ---- the engine's calls ------------------------------------------------------------------------------------
+    def take(self, n: int) -> np.ndarray:
+        """``n`` pages held once each (module docstring): the allocator's free ids ascending, then as many
+        cached pages as missing, LRU first (:meth:`evicted`; they stay live in the allocator, so taking them
+        is a state change here only). Returns an ``int64 (n,)`` view of a buffer this object reuses (valid
+        until the next ``take``). Raises UmallocValueError for ``n`` not an int in
+        ``[0, num_free + num_cached]`` (nothing changes). O(n) in two kernel calls."""
+        free = self.num_free
+        if type(n) is not int or n < 0:
+            raise UmallocValueError(f"take: {n!r} pages; allowed an int >= 0")
+        buf = self._buf[:n]
+        if n <= free:   # no eviction
+            if n and self._alloc_pages(n, out=buf) is None:
+                raise InvariantError(f"free-count: the allocator refused {n} pages counted as free")
+            self._take(self._ref, self._state, self._lru, buf, n, n)
+            self._m = self._n = n
+            self.num_free = free - n
+            return buf
+        if n - free > self.num_cached:
+            raise UmallocValueError(f"take: {n} pages; allowed at most {free + self.num_cached} (free {free} + "
+                                    f"cached {self.num_cached})")
+        if free and self._alloc_pages(free, out=self._buf[:free]) is None:
+            raise InvariantError(f"free-count: the allocator refused {free} pages counted as free")
+        self._take(self._ref, self._state, self._lru, buf, free, n)
+        self._m, self._n = free, n
+        self.num_free = 0
+        self.num_cached -= n - free
+        return buf
+
+    def evicted(self) -> np.ndarray:
+        """``int64`` the cached pages the last :meth:`take` evicted, LRU first (a view of its result; empty if
+        none)."""
+        return self._buf[self._m: self._n]
+
+    def ref(self, ids: np.ndarray) -> int:
+        """One reference more per entry of ``ids`` (``int64 (n,)``; 0 entries skipped); cached pages leave the
+        LRU, free pages are claimed by id from the allocator. Returns the pages revived from the cache.
+        Raises InvalidIdError for an id out of range (nothing changes). O(n)."""
+        ids = id_batch(ids, "ids")
+        r = int(self._ref_k(self._ref, self._state, self._lru, ids, self._claim))
+        if r < 0:
+            if r <= -(1 << 61):
+                i = r + (1 << 62)
+                raise InvalidIdError(f"ref: ids[{i}]={int(ids[i])}; allowed [0, {self._ref.shape[0]})")
+            claim = self._claim[:-r].copy()
+            self.alloc.claim_pages(claim)
+            self._state[claim] = PAGE_HELD   # count 0 for a moment: the retry below raises it
+            self.num_free += r
+            r = int(self._ref_k(self._ref, self._state, self._lru, ids, self._claim))
+        self.num_cached -= r
+        return r
+
+    def unref(self, ids: np.ndarray) -> None:
+        """One reference less per entry of ``ids`` (``int64 (n,)``: ``v`` frees page ``v`` at 0, ``-v`` caches
+        it; 0 skipped). Raises DoubleFreeError (a count would drop below 0) or InvalidIdError (out of range);
+        nothing changes on either. O(n) in two kernel calls."""
+        ids = id_batch(ids, "ids")
+        r = self._unref(self._ref, self._state, self._lru, ids, self._freed)
+        if r < 0:
+            code, i = -r % 4, -r // 4
+            if code == 2:
+                raise DoubleFreeError(f"unref: ids[{i}]: page {abs(int(ids[i]))} has no reference left (a double "
+                                      f"free); nothing changed")
+            raise InvalidIdError(f"unref: ids[{i}]={int(ids[i])}; allowed |id| < {self._ref.shape[0]}")
+        nf = r & 0xFFFFFFFF
+        if nf:
+            self._free_pages(self._freed[:nf])
+            self.num_free += nf
+        self.num_cached += r >> 32
+
+    def uncache(self, ids: object) -> int:
+        """The cached pages among ``ids`` go back to the allocator (content dropped); others are untouched.
+        Returns how many. O(n)."""
+        c = int(k_uncache(self._state, self._lru, id_batch(ids, "ids"), self._freed))
+        if c:
+            self._free_pages(self._freed[:c])
+            self.num_cached -= c
+            self.num_free += c
+        return c
+
+    def uncache_all(self) -> int:
+        """Every cached page back to the allocator (LRU order). Returns how many. O(cached)."""
+        return self.uncache(self.cached())
+
+    # ---- reading -------------------------------------------------------------------------------------------------
+    def state(self, page: int) -> int:
+        """``PAGE_HELD``, ``PAGE_CACHED`` or ``PAGE_NOT_MANAGED`` (free) of one page. O(1)."""
+        return int(self._state[page])
+
+    def is_cached(self, page: int) -> bool:
+        return int(self._state[page]) == PAGE_CACHED
+
+    def free_ids(self) -> np.ndarray:
+        """``int64`` pages free in the allocator, ascending (the order :meth:`take` hands them out). O(pages)."""
+        free = np.flatnonzero(self._state == PAGE_NOT_MANAGED)
+        return free[free != 0].astype(np.int64)
+
+    def cached(self) -> np.ndarray:
+        """``int64`` cached pages in LRU order (the next evicted first). O(cached)."""
+        out = np.empty(self.num_cached, np.int64)
+        lru, v = self._lru, int(self._lru[LRU_NEXT, 0])
+        for i in range(self.num_cached):
+            out[i] = v
+            v = int(lru[LRU_NEXT, v])
+        return out
+
+    def next_cached(self, page: int) -> int:
+        """The cached page after ``page`` in LRU order (``page`` 0: the first), 0 at the end. O(1)."""
+        return int(self._lru[LRU_NEXT, page])
+
+    # ---- checks ----------------------------------------------------------------------------------------------------
+    def _check_as_holder(self) -> None:
+        self.check_invariants(allocator=False)
+
+    def check_invariants(self, *, allocator: bool = True) -> None:
+        """Raise :class:`~umalloc.errors.InvariantError` naming the first broken invariant (the allocator's
+        first, unless ``allocator=False``): ``held`` (a page is held iff its count is positive: a held page
+        with count 0 is a leak, a count on a cached or free page was raised behind this object), ``cached`` (the
+        LRU links are the cached pages exactly), ``owner-live`` (a page is live in the allocator iff it is held
+        or cached: a free page live there was allocated behind this object, a held one freed behind it),
+        ``counts`` (``num_free`` / ``num_cached`` equal the states). O(pages)."""
+        if allocator:
+            self.alloc.check_invariants()   # runs this check too (attach_holder_check)
+            return
+        ref, st = self._ref, self._state
+        bad = np.flatnonzero((st[1:] == PAGE_HELD) != (ref[1:] > 0))   # page 0 is reserved: nobody's
+        if bad.size:
+            v = int(bad[0]) + 1
+            raise InvariantError(f"[held] page refs: page {v} has state {int(st[v])} and count {int(ref[v])} (a "
+                                 f"held page with no count is leaked; a count outside a held page was set behind "
+                                 f"the pool)")
+        cached = np.flatnonzero(st == PAGE_CACHED)
+        walk: list[int] = []
+        v = int(self._lru[LRU_NEXT, 0])
+        while v and len(walk) <= st.shape[0]:
+            walk.append(v)
+            if int(self._lru[LRU_PREV, int(self._lru[LRU_NEXT, v])]) != v:
+                raise InvariantError(f"[cached] page refs: LRU links broken after page {v}")
+            v = int(self._lru[LRU_NEXT, v])
+        if sorted(walk) != cached.tolist():
+            raise InvariantError(f"[cached] page refs: the LRU list {walk[:8]} differs from the cached pages "
+                                 f"{cached[:8].tolist()}")
+        live = self.alloc.v2p(self.end).numpy() != TOMBSTONE
+        live[0] = False
+        managed = st != PAGE_NOT_MANAGED
+        wrong = np.flatnonzero(live != managed)
+        if wrong.size:
+            v = int(wrong[0])
+            raise InvariantError(f"[owner-live] page refs: page {v} is {'live' if live[v] else 'free'} in the "
+                                 f"allocator but {'free' if not managed[v] else 'held or cached'} here "
+                                 f"({'allocated behind this object' if live[v] else 'freed behind it'})")
+        n_free = int(np.count_nonzero(~managed[1:]))
+        if self.num_free != n_free or self.num_cached != cached.size \
+                or self.alloc.available_pages(self.end) != n_free:
+            raise InvariantError(f"[counts] page refs: num_free {self.num_free} / num_cached {self.num_cached}; "
+                                 f"the states say {n_free} / {cached.size}, the allocator "
+                                 f"{self.alloc.available_pages(self.end)} free")
+
+
+__all__ = ["PAGE_CACHED", "PAGE_HELD", "PAGE_NOT_MANAGED", "PageRefs"]
