@@ -169,7 +169,7 @@ def _block_class(base: type, counts: memoryview) -> type:
         if self.block_id >= 0:   # the chain sentinels have no count
             _counts[self.block_id] = value
 
-    class UmallocKVCacheBlock(base):  # type: ignore[misc, valid-type]
+    class UmallocKVCacheBlock(base):  # type: ignore[misc, valid-type, unused-ignore]
         __slots__ = ()
         ref_cnt = property(get, put, doc="umalloc's reference count of this block (PageRefs.ref_counts). O(1).")
 
