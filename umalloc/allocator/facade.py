@@ -505,7 +505,7 @@ class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart, FreePart):
 
         Complexity: O(n + pages skipped) in one numba kernel.
 
-        >>> from umalloc.geometry import Arena, ArenaSpec, EndSpec, LayerSpec
+        >>> from umalloc import Arena, ArenaSpec, EndSpec, LayerSpec
         >>> alloc = MultiEndedAllocator(Arena(ArenaSpec((EndSpec("ids", (LayerSpec.mha(1, 4),), page_size=1),),
         ...                                             arena_bytes=8 * 16)), compaction="off")
         >>> alloc.claim_pages([5])
