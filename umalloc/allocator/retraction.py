@@ -295,7 +295,7 @@ def restore(allocator: MultiEndedAllocator, retracted: RetractedKV) -> torch.Ten
 
     Virtual ids are re-minted: the result holds the request's NEW virtual token ids, int64 ``(num_tokens,)`` on
     the arena's device, in the order of the tokens given to :func:`retract`, each at the same offset inside its
-    page as before. Pages that were unbound on a bound end (tombstoned SWA pages) stay unbound.
+    page as at retraction. Pages that were unbound on a bound end (tombstoned SWA pages) stay unbound.
 
     The whole record is checked against the allocator before anything is allocated (Note [Restore checks the
     whole record]); a record taken from an allocator of another geometry is refused.
