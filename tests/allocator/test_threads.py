@@ -37,7 +37,13 @@ class _Completions(threading.Thread):
         self.back: queue.SimpleQueue = queue.SimpleQueue()
         self.rng = np.random.default_rng(seed + 1)
         self.errors: list[BaseException] = []
+        self.submitted = 0  # jobs handed over by the main thread; each one ends before the stop job
         self.done = 0
+
+    def submit(self, job: tuple) -> None:
+        """Queues one job (main thread only)."""
+        self.submitted += 1
+        self.jobs.put(job)
 
     def run(self) -> None:
         while True:
@@ -93,7 +99,6 @@ def test_completion_thread_races_alloc_free_compact() -> None:
     leases: dict[int, object] = {}
     keys = iter(range(1 << 30))
     steps = 0
-    worker_jobs = 0  # jobs handed to the worker; each one ends before the stop job
     one = lambda x: torch.tensor([x], dtype=torch.int64)  # noqa: E731
     try:
         while steps < STRESS_STEPS:
@@ -109,8 +114,7 @@ def test_completion_thread_races_alloc_free_compact() -> None:
                 if rng.random() < 0.5:  # leased on the worker thread
                     key = next(keys)
                     in_transit[key] = vp
-                    worker.jobs.put(("pin", key, vp))
-                    worker_jobs += 1
+                    worker.submit(("pin", key, vp))
                 else:
                     # some with a deadline of a few ms: the owner's expiry races the worker's release
                     lease = alloc.lease({"full": pp}, deadline_s=0.002 if rng.random() < 0.3 else None)
@@ -128,18 +132,15 @@ def test_completion_thread_races_alloc_free_compact() -> None:
                 lease = leases.pop(lid)
                 held.pop(lid, None)  # pages may come free from now on
                 if rng.random() < 0.5 or not lease.active:  # (an expired lease takes no engine hold)
-                    worker.jobs.put(("release", lease))
-                    worker_jobs += 1
+                    worker.submit(("release", lease))
                 else:
-                    worker.jobs.put(("engine", lease, lease.hold_engine()))
-                    worker_jobs += 1
+                    worker.submit(("engine", lease, lease.hold_engine()))
             elif op == 5:
                 svt = alloc.alloc_extend(one(0), one(4), one(-1))
                 dvt = other.alloc_extend(one(0), one(4), one(-1))
                 if svt is not None and dvt is not None:
                     plan = build_plan("r", alloc, {"full": svt}, other, {"full": dvt}, deadline_s=None)
-                    worker.jobs.put(("plan", plan))
-                    worker_jobs += 1
+                    worker.submit(("plan", plan))
                     owned.extend((svt[::2] // 2).tolist())
                     other.free(dvt)
                 else:
@@ -182,4 +183,4 @@ def test_completion_thread_races_alloc_free_compact() -> None:
           f"settled={alloc.lease_table.leases_settled}")
     assert (st.live_pages, st.pending_pages, st.pinned_pages, st.in_doubt_pages) == (0, 0, 0, 0)
     assert alloc.leases_active() == 0 and not alloc.lease_table.in_doubt()
-    assert steps == STRESS_STEPS and worker.done == worker_jobs
+    assert worker.done == worker.submitted > 10
