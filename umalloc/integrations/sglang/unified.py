@@ -38,8 +38,9 @@ Threading: one scheduler thread. Complexity: each call is one or two umalloc ker
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -163,20 +164,52 @@ def build_unified_class(base: type, sglang_unified_base: type | None) -> type:
             self._groups: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor],
                                 list[torch.Tensor]] | None = None
             self.free_group: list[torch.Tensor] | None = None
+            self._deferred = [0, 0]  # Note [Deferred boundary pages]: full, swa
 
         @staticmethod
-        def _state_of(view: Any) -> EndState:
+        def _state_of(view: Any, deferred: int) -> EndState:
             return EndState(page_bytes=view.page_bytes, capacity_pages=view.top_page - view.first_page + 1,
-                            band_pages=view.hi - view.lo, live_pages=view.live_pages,
-                            hole_pages=view.hole_pages)
+                            band_pages=view.hi - view.lo + deferred, live_pages=view.live_pages,
+                            hole_pages=view.hole_pages + deferred)
 
         def _end_states(self) -> tuple[EndState, EndState]:
-            return self._state_of(self._full_view), self._state_of(self._swa_view)
+            """Both ends as SGLang's accounting sees them (Note [Deferred boundary pages])."""
+            d = self._deferred
+            return self._state_of(self._full_view, d[0]), self._state_of(self._swa_view, d[1])
 
         def _gap_bytes(self) -> int:
             f, s = self._full_view, self._swa_view
             up, down = (f, s) if f.grow is Grow.UP else (s, f)
-            return max(0, down.lo * down.page_bytes - up.hi * up.page_bytes)
+            gap = down.lo * down.page_bytes - up.hi * up.page_bytes
+            return max(0, gap - self._deferred[0] * f.page_bytes - self._deferred[1] * s.page_bytes)
+
+        # Note [Deferred boundary pages]
+        # umalloc retreats a band the moment its frontier page is freed (no page moves); SGLang's lazy pools keep
+        # such pages as holes until their next flush that may move pages. So that every size this class reports
+        # and every refusal is SGLang's, ``_deferred[e]`` counts the pages end ``e`` retreated that SGLang would
+        # still hold as holes: they count as holes inside the band and not as gap. A flush (gate open) absorbs
+        # them, as SGLang's does; an allocation drains SGLang's lowest holes first, so they are used last.
+        def _snapshot(self) -> tuple[tuple[int, int, int], ...]:
+            return tuple((v.hi - v.lo, v.hole_pages, v.live_pages) for v in (self._full_view, self._swa_view))
+
+        @contextlib.contextmanager
+        def _tracked(self) -> Iterator[None]:
+            before = self._snapshot()
+            try:
+                yield
+            finally:
+                self._account(before)
+
+        def _account(self, before: tuple[tuple[int, int, int], ...]) -> None:
+            if not self.lazy_compaction:
+                return
+            for e, view in enumerate((self._full_view, self._swa_view)):
+                band_b, holes_b, live_b = before[e]
+                d = self._deferred[e]
+                taken = max(0, view.live_pages - live_b)
+                if taken:
+                    d = min(d, max(0, holes_b + d - taken))
+                self._deferred[e] = d + max(0, band_b - (view.hi - view.lo))
 
         # ---- sizes -----------------------------------------------------------------------------------------
         @property
@@ -300,6 +333,7 @@ def build_unified_class(base: type, sglang_unified_base: type | None) -> type:
                     if kv is not None and hasattr(kv, "move_physical_pages"):
                         kv.move_physical_pages(dst, src, self.page_size)
                     moved += int(src.numel())
+            self._deferred = [0, 0]
             self.pages_moved += moved
             return moved
 
@@ -391,7 +425,8 @@ def build_unified_class(base: type, sglang_unified_base: type | None) -> type:
                                         f"page_size={ps}")
             if not self.ensure_capacity(need_size, need_size):
                 return None
-            pages = self.allocator.alloc_pages(need_size // ps)
+            with self._tracked():
+                pages = self.allocator.alloc_pages(need_size // ps)
             if pages is None:
                 raise InvariantError("unified alloc: umalloc refused pages SGLang's capacity rule admits")
             return (pages[:, None] * ps + torch.arange(ps)).reshape(-1).to(self.device)
@@ -416,7 +451,8 @@ def build_unified_class(base: type, sglang_unified_base: type | None) -> type:
             if int((seq - prefix).sum()) != total:
                 raise InvalidIdError(f"alloc_extend: extend_num_tokens={total}; allowed sum(seq_lens - prefix_lens)"
                                      f" = {int((seq - prefix).sum())}")
-            out = self.allocator.alloc_extend(prefix, seq, last_loc.to(torch.int64).cpu(), bind=bind)
+            with self._tracked():
+                out = self.allocator.alloc_extend(prefix, seq, last_loc.to(torch.int64).cpu(), bind=bind)
             if out is None:
                 raise InvariantError("unified alloc_extend: umalloc refused pages SGLang's capacity rule admits")
             return out.to(self.device)
@@ -441,10 +477,11 @@ def build_unified_class(base: type, sglang_unified_base: type | None) -> type:
                 return None
             out = self._extend(prefix_lens_cpu, seq_lens_cpu, last_loc, extend_num_tokens, [])
             if swa_tail_len:
-                new = out[(torch.arange(prefix_len, seq_len) >= first_new * ps)]
-                tail = new[new >= 0][-min(swa_tail_len, new.numel()):] if new.numel() else new
-                tail_pages = torch.unique(tail // ps)
-                if tail_pages.numel() and not self.allocator.bind_end(SWA, tail_pages * ps):
+                new_pages = torch.unique(out[torch.arange(prefix_len, seq_len) >= first_new * ps] // ps)
+                tail_pages = new_pages[torch.isin(new_pages, torch.unique(out[-swa_tail_len:] // ps))]
+                with self._tracked():
+                    bound = not tail_pages.numel() or self.allocator.bind_end(SWA, tail_pages * ps)
+                if not bound:
                     raise InvariantError("alloc_extend_swa_tail: umalloc refused SWA pages the rule admits")
             return out
 
@@ -456,7 +493,8 @@ def build_unified_class(base: type, sglang_unified_base: type | None) -> type:
             n = int(((seq_lens_cpu - 1) % ps == 0).sum())
             if not self.ensure_capacity(n * ps, n * ps):
                 return None
-            out = self.allocator.alloc_decode(seq_lens_cpu.to(torch.int64).cpu(), last_loc.to(torch.int64).cpu())
+            with self._tracked():
+                out = self.allocator.alloc_decode(seq_lens_cpu.to(torch.int64).cpu(), last_loc.to(torch.int64).cpu())
             if out is None:
                 raise InvariantError("unified alloc_decode: umalloc refused pages SGLang's capacity rule admits")
             return out.to(self.device)
@@ -481,14 +519,16 @@ def build_unified_class(base: type, sglang_unified_base: type | None) -> type:
             if self._groups is not None:
                 self._groups[0].append(self._host(free_index))
                 return
-            self.allocator.free(self._host(free_index))
+            with self._tracked():
+                self.allocator.free(self._host(free_index))
             self._after_free()
 
         def free_swa(self, free_index: torch.Tensor) -> None:
             """Release the SWA pages of these tokens' virtual pages where bound; full pages and ids stay."""
             if free_index is None or free_index.numel() == 0:
                 return
-            self.allocator.release_end(SWA, self._host(free_index), strict=False)
+            with self._tracked():
+                self.allocator.release_end(SWA, self._host(free_index), strict=False)
             self._after_free()
 
         def free_swa_segment(self, free_index: torch.Tensor, *, start_pos: int) -> None:
@@ -496,7 +536,8 @@ def build_unified_class(base: type, sglang_unified_base: type | None) -> type:
             one raises NotAllocatedError)."""
             if free_index is None or free_index.numel() == 0:
                 return
-            self.allocator.release_pages(SWA, self._reps(free_index, start_pos))
+            with self._tracked():
+                self.allocator.release_pages(SWA, self._reps(free_index, start_pos))
             self._after_free()
 
         def free_full(self, free_index: torch.Tensor) -> None:
@@ -506,7 +547,8 @@ def build_unified_class(base: type, sglang_unified_base: type | None) -> type:
             if self._groups is not None:
                 self._groups[1].append(self._host(free_index))
                 return
-            self.allocator.free(self._host(free_index))
+            with self._tracked():
+                self.allocator.free(self._host(free_index))
             self._after_free()
 
         def free_full_segment(self, free_index: torch.Tensor, *, start_pos: int) -> None:
@@ -517,7 +559,8 @@ def build_unified_class(base: type, sglang_unified_base: type | None) -> type:
             if self._groups is not None:
                 self._groups[3].append(pages)
                 return
-            self.allocator.free_pages(pages)
+            with self._tracked():
+                self.allocator.free_pages(pages)
             self._after_free()
 
         def free_segment(self, free_index: torch.Tensor, *, start_pos: int) -> None:
@@ -528,7 +571,8 @@ def build_unified_class(base: type, sglang_unified_base: type | None) -> type:
             if self._groups is not None:
                 self._groups[2].append(pages)
                 return
-            self.allocator.free_pages(pages)
+            with self._tracked():
+                self.allocator.free_pages(pages)
             self._after_free()
 
         def free_group_begin(self) -> None:
@@ -544,10 +588,11 @@ def build_unified_class(base: type, sglang_unified_base: type | None) -> type:
                 raise UmallocValueError("free_group_end: no free group is open; allowed after free_group_begin")
             tokens, full_tokens, pages, full_pages = self._groups
             self._groups, self.free_group = None, None
-            if tokens or full_tokens:
-                self.allocator.free(torch.cat(tokens + full_tokens))
-            if pages or full_pages:
-                self.allocator.free_pages(torch.cat(pages + full_pages))
+            with self._tracked():
+                if tokens or full_tokens:
+                    self.allocator.free(torch.cat(tokens + full_tokens))
+                if pages or full_pages:
+                    self.allocator.free_pages(torch.cat(pages + full_pages))
             if tokens or full_tokens or pages or full_pages:
                 self._after_free()
 
