@@ -9,7 +9,8 @@ buffer sized for 12-40 full and 6-40 SWA pages, and legacy capacities given or d
 new page there), page-aligned ``alloc``, frees of whole requests in and out of free groups (``free`` /
 ``free_segment`` for the window tail, ``free_full_segment`` for the evicted head), page-aligned truncation,
 SWA eviction of out-of-window pages (``free_swa_segment``), and in lazy mode ``flush_opportunistic`` and the move
-gate (``set_host_transfer_move_gate`` / ``set_disagg_move_gate`` with a callable the sequence opens and closes).
+gate (``set_host_transfer_move_gate`` / ``set_disagg_move_gate`` with a callable the sequence opens and closes; the flush op is SGLang's urgent
+flush on its side, see ``op_flush``).
 
 Compared after every op (the equivalence):
 
@@ -144,8 +145,14 @@ class UnifiedScenario(PagedScenario):
             self.stats["swa pages evicted"] += (tail - done) // ps
 
     def op_flush(self) -> None:
-        for side in self.sides:
-            side.alloc.flush_opportunistic()
+        """umalloc's ``flush_opportunistic`` against SGLang's urgent flush of both sub-pools (the pass its
+        ``ensure_capacity`` runs): both pack every live page and return all holes to the gap. SGLang's own
+        non-urgent pass leaves the moved pages' sources as holes until its next flush (README, "SGLang")."""
+        sg, um = self.sides
+        if not sg.alloc.full_attn_allocator.moves_blocked():
+            sg.alloc.full_attn_allocator.flush_for_allocation()
+            sg.alloc.swa_attn_allocator.flush_for_allocation()
+        um.alloc.flush_opportunistic()
         self.stats["flushes"] += 1
 
     def op_gate(self) -> None:
