@@ -102,6 +102,66 @@ def unified_arena_spec(total_bytes: int, full_entry_bytes: int, swa_entry_bytes:
     return ArenaSpec(ends, arena_bytes=total_bytes, floor_bytes=floor)
 
 
+class EndTranslator:
+    """What SGLang's ``UnifiedSWAKVPool.attach_allocators`` holds per sub-pool: ``translate_kv_loc`` of one end
+    (virtual token ids -> that end's physical token ids; a page without a page on the end -> the sink).
+
+    Args:
+        allocator: the umalloc :class:`~umalloc.MultiEndedAllocator`. end: ``"full"`` or ``"swa"``.
+    """
+
+    def __init__(self, allocator: MultiEndedAllocator, end: str) -> None:
+        self.allocator = allocator
+        self.end = end
+
+    def translate_kv_loc(self, loc: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        res = self.allocator.translate(loc.to(torch.int64).cpu(), self.end, strict=False).to(loc.device)
+        if out is None:
+            return res
+        out.copy_(res)
+        return out
+
+
+class EndAllocator(EndTranslator):
+    """The per-end handle SGLang's unified radix cache reaches through (``allocator.full_attn_allocator`` /
+    ``.swa_attn_allocator``): translation, the end's own ``available_size``, and frees with SGLang's sub-pool
+    meaning -- on the full end a free returns the virtual pages (and their SWA pages, which umalloc never leaves
+    bound to a freed id), on the SWA end it releases only the SWA pages still bound.
+
+    Args:
+        owner: the unified allocator (its frees keep its accounting and eager compaction). end: ``"full"``/``"swa"``.
+    """
+
+    def __init__(self, owner: Any, end: str) -> None:
+        super().__init__(owner.allocator, end)
+        self.owner = owner
+        self.page_size = owner.page_size
+        self.sub_pool_name = end
+
+    def available_size(self) -> int:
+        """Tokens this end alone can take now (SGLang's sub-pool ``available_size``). O(1)."""
+        return self.owner.end_available_size(self.end)
+
+    def _live_on_owner(self, free_index: torch.Tensor) -> torch.Tensor:
+        """The tokens whose virtual page is still live: SGLang's tree frees a node's full side before its SWA
+        side, and umalloc already released the SWA pages of an id it freed."""
+        v = free_index.detach().to(torch.int64).reshape(-1).cpu()
+        full_v2p = torch.from_numpy(self.allocator.ends[FULL].v2p.copy())
+        return v[full_v2p[v // self.page_size] != TOMBSTONE]
+
+    def free(self, free_index: torch.Tensor) -> None:
+        if self.end == FULL:
+            self.owner.free(free_index)
+        else:
+            self.owner.free_swa(self._live_on_owner(free_index))
+
+    def free_segment(self, free_index: torch.Tensor, *, start_pos: int) -> None:
+        if self.end == FULL:
+            self.owner.free_segment(free_index, start_pos=start_pos)
+        else:
+            self.owner.free_swa(self._live_on_owner(free_index))
+
+
 def build_unified_class(base: type, sglang_unified_base: type | None) -> type:
     """The unified class over SGLang's allocator ``base``; registered as a virtual subclass of SGLang's
     ``UnifiedSWAAllocatorBase`` (``sglang_unified_base``) so SGLang's ``isinstance`` routing treats it as one."""
@@ -152,8 +212,7 @@ def build_unified_class(base: type, sglang_unified_base: type | None) -> type:
                                      full.capacity_pages) * page_size
             self.free_pages = torch.empty(0, dtype=torch.int64)
             self.release_pages = torch.empty(0, dtype=torch.int64)
-            if kvcache is not None and hasattr(kvcache, "attach_allocators"):
-                kvcache.attach_allocators(full_allocator=self, swa_allocator=self)
+            self._attach()
 
         # ---- the umalloc allocator -------------------------------------------------------------------------
         def _new_allocator(self) -> None:
@@ -165,6 +224,23 @@ def build_unified_class(base: type, sglang_unified_base: type | None) -> type:
                                 list[torch.Tensor]] | None = None
             self.free_group: list[torch.Tensor] | None = None
             self._deferred = [0, 0]  # Note [Deferred boundary pages]: full, swa
+
+        def _attach(self) -> None:
+            """Give the KV pool one translator per end (it translates SWA reads through the SWA one)."""
+            kv = self._kvcache
+            if kv is not None and hasattr(kv, "attach_allocators"):
+                kv.attach_allocators(full_allocator=EndTranslator(self.allocator, FULL),
+                                     swa_allocator=EndTranslator(self.allocator, SWA))
+            if kv is not None and hasattr(kv, "full_kv_pool"):
+                kv.full_kv_pool.host_transfer_translate = self.translate_kv_loc
+            self.full_attn_allocator = EndAllocator(self, FULL)
+            self.swa_attn_allocator = EndAllocator(self, SWA)
+
+        def end_available_size(self, end: str) -> int:
+            """Tokens end ``end`` alone can take now, peers not compacted (SGLang's sub-pool view). O(1)."""
+            full, swa = self._end_states()
+            state = full if end == FULL else swa
+            return end_available_pages(state, self._gap_bytes(), lazy=self.lazy_compaction) * self.page_size
 
         @staticmethod
         def _state_of(view: Any, deferred: int) -> EndState:
@@ -532,12 +608,16 @@ def build_unified_class(base: type, sglang_unified_base: type | None) -> type:
             self._after_free()
 
         def free_swa_segment(self, free_index: torch.Tensor, *, start_pos: int) -> None:
-            """:meth:`free_swa` of a page-aligned kv-row segment whose SWA pages are all bound (a page without
-            one raises NotAllocatedError)."""
+            """:meth:`free_swa` of a page-aligned kv-row segment whose SWA pages are all bound (a live page
+            without one raises NotAllocatedError; a page whose virtual id is already free is skipped: its SWA page
+            went with the id)."""
             if free_index is None or free_index.numel() == 0:
                 return
+            pages = self._reps(free_index, start_pos)
+            # SGLang's tree frees a node's full side first; umalloc released the SWA pages with those ids already
+            pages = pages[torch.from_numpy(self._full_view.v2p.copy())[pages] != TOMBSTONE]
             with self._tracked():
-                self.allocator.release_pages(SWA, self._reps(free_index, start_pos))
+                self.allocator.release_pages(SWA, pages)
             self._after_free()
 
         def free_full(self, free_index: torch.Tensor) -> None:
@@ -608,6 +688,7 @@ def build_unified_class(base: type, sglang_unified_base: type | None) -> type:
         def clear(self) -> None:
             """Everything free (a fresh umalloc allocator on a fresh arena); move gates stay installed."""
             self._new_allocator()
+            self._attach()
 
         def set_latest_forward_done_event(self, event: Any) -> None:
             """Accepted: umalloc moves pages synchronously on the scheduler thread."""
@@ -648,4 +729,5 @@ def build_unified_class(base: type, sglang_unified_base: type | None) -> type:
     return UmallocUnifiedSWATokenToKVPoolAllocator
 
 
-__all__ = ["DEFAULT_FLUSH_MOVES", "FULL", "SWA", "build_unified_class", "unified_arena_spec"]
+__all__ = ["DEFAULT_FLUSH_MOVES", "FULL", "NOMINAL_WINDOW_TOKENS", "SWA", "EndAllocator", "EndTranslator", "build_unified_class",
+           "unified_arena_spec"]
