@@ -105,6 +105,7 @@ class UnifiedScenario(PagedScenario):
     # ---- ops ------------------------------------------------------------------------------------------------
     def both(self, call: Callable[[Side], Any], what: str) -> list[Any]:
         out = super().both(call, what)
+        self.stats["refused, gate closed"] += out[0] is None and self.lazy and not self.gate_open
         if out[0] is not None:
             for side, t in zip(self.sides, out, strict=True):
                 self._stamp(side, t.to(torch.int64))
