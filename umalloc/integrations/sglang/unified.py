@@ -41,11 +41,21 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
-from umalloc import TOMBSTONE, Arena, ArenaSpec, EndRole, EndSpec, Grow, KVDtype, LayerSpec, MultiEndedAllocator
+from umalloc import (
+    TOMBSTONE,
+    Arena,
+    ArenaSpec,
+    EndRole,
+    EndSpec,
+    Grow,
+    KVDtype,
+    LayerSpec,
+    MultiEndedAllocator,
+)
 from umalloc.errors import InvalidIdError, InvariantError, UmallocValueError
 from umalloc.integrations.sglang.capacity import (
     EndState,
@@ -187,7 +197,7 @@ def build_unified_class(base: type, sglang_unified_base: type | None) -> type:
                 raise UmallocValueError("full_max_total_num_tokens and swa_max_total_num_tokens: allowed both "
                                         "set or both omitted (SGLang's rule)")
             full_spec, swa_spec = unified_buffer.spec(FULL), unified_buffer.spec(SWA)
-            base.__init__(self, full_max_total_num_tokens or 1, page_size, full_spec.get_dtype(), device,
+            super().__init__(full_max_total_num_tokens or 1, page_size, full_spec.get_dtype(), device,
                           kvcache, need_sort)
             self.unified_buffer = unified_buffer
             self.lazy_compaction = bool(lazy_compaction)
@@ -216,7 +226,6 @@ def build_unified_class(base: type, sglang_unified_base: type | None) -> type:
 
         # ---- the umalloc allocator -------------------------------------------------------------------------
         def _new_allocator(self) -> None:
-            self.allocator = None  # the old one releases its arena first (one allocator per arena)
             self.allocator = MultiEndedAllocator(Arena(self.arena_spec, zero=False), compaction="off")
             self._full_view = self.allocator.ends[FULL]
             self._swa_view = self.allocator.ends[SWA]
@@ -724,8 +733,8 @@ def build_unified_class(base: type, sglang_unified_base: type | None) -> type:
             if ((sv != TOMBSTONE) & (fv == TOMBSTONE))[1:].any():
                 raise InvariantError("unified: an SWA page bound to a virtual page with no full page")
 
-    if sglang_unified_base is not None:
-        sglang_unified_base.register(UmallocUnifiedSWATokenToKVPoolAllocator)
+    if sglang_unified_base is not None:  # an abc.ABC: a virtual subclass, nothing of SGLang's class is inherited
+        cast(Any, sglang_unified_base).register(UmallocUnifiedSWATokenToKVPoolAllocator)
     return UmallocUnifiedSWATokenToKVPoolAllocator
 
 
