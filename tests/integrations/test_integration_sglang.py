@@ -213,7 +213,7 @@ def test_sglang_constructor_path_builds_the_umalloc_class(page_size: int, hybrid
     from sglang.srt.server_args import ServerArgs
     from sglang_differential import fake_swa_kv
 
-    stock = {name: getattr(conf, name) for name in um_sglang.PATCHED_NAMES}
+    stock = _stock_names()
     reset_context()
     publish(ServerArgs(model_path="dummy", device="cpu", page_size=page_size), role="tokenizer")
     try:
@@ -235,8 +235,7 @@ def test_sglang_constructor_path_builds_the_umalloc_class(page_size: int, hybrid
         assert alloc.page_size == page_size
         assert alloc.available_size() == (512 if hybrid_swa else 1024)
     finally:
-        for name, cls in stock.items():
-            setattr(conf, name, cls)
+        _restore(stock)
         reset_context()
 
 
@@ -251,6 +250,7 @@ def test_sglang_fixture_cache_runs_on_umalloc(page_size: int, lazy: bool) -> Non
     from sglang_unified_differential import _context
 
     _context()
+    fx.setup_allocator_context()  # an earlier test may have reset SGLang's runtime context
     stock = _stock_names()
     seen = []
     try:
@@ -278,6 +278,7 @@ def _unified_pair(page_size: int, lazy: bool) -> tuple[object, object]:
     from sglang_unified_differential import _context
 
     _context()
+    fx.setup_allocator_context()
     ump = sglang_module("sglang.srt.mem_cache.unified_memory_pool")
     specs = [ump.MHASubPoolSpec(name=n, layer_num=1, head_num=1, head_dim=8, store_dtype=torch.float16,
                                 grow_direction=g) for n, g in (("full", "down"), ("swa", "up"))]
