@@ -4,7 +4,7 @@
 
 (run it with PYTHONPATH=.peer/path after scripts/peer_suite_sglang.sh has built the venv.)
 
-Workload (a pure function of the options and the conversation trace in umalloc/data; the scheduler model of the
+Workload (a pure function of the options and the conversation trace in umalloc_replay/data; the scheduler model of the
 peer allocator benchmark, written here): the first ``--n`` trace rows, input and output lengths divided by
 ``--scale`` (ceil, at least 1). FCFS admission while a request's whole lifetime, ``ceil((in + out) / page_size)``
 pages, fits next to the admitted ones in ``--pool-pages`` (so no allocation can fail, on either side). Each step:
@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-TRACE = ROOT / "umalloc" / "data" / "conversation_trace.jsonl"
+TRACE = ROOT / "umalloc_replay" / "data" / "conversation_trace.jsonl"
 
 
 @dataclass
