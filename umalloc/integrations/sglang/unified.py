@@ -409,12 +409,15 @@ def build_unified_class(base: type, sglang_unified_base: type | None) -> type:
             moved = 0
             for end, kv in ((FULL, getattr(self._kvcache, "full_kv_pool", None)),
                             (SWA, getattr(self._kvcache, "swa_kv_pool", None))):
-                before = torch.from_numpy(self.allocator.ends[end].v2p.copy())
+                view = self.allocator.ends[end]
+                if view.hole_pages == 0:
+                    continue  # nothing to move, and a freed frontier already retreated
+                before = view.v2p.copy()
                 report = self.allocator.compact(end, budget_pages=budget_pages)
                 if report.pages_moved:
-                    after = torch.from_numpy(self.allocator.ends[end].v2p.copy())
+                    after = view.v2p
                     changed = (before != after) & (before != TOMBSTONE) & (after != TOMBSTONE)
-                    src, dst = before[changed], after[changed]
+                    src, dst = torch.from_numpy(before[changed]), torch.from_numpy(after[changed])
                     if kv is not None and hasattr(kv, "move_physical_pages"):
                         kv.move_physical_pages(dst, src, self.page_size)
                     moved += int(src.numel())
