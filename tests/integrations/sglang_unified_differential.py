@@ -207,22 +207,26 @@ class UnifiedScenario(PagedScenario):
                 raise Differ(f"{what}: {name} {a} vs {b}")
         check_relabelling(sg.rows, um.rows, self.page_size, f"{what} (virtual ids)")
         phys: list[list[dict[int, torch.Tensor]]] = [[{}, {}], [{}, {}]]
-        for i, side in enumerate(self.sides):
-            kv = side.kv  # type: ignore[attr-defined]
-            for rid, row in side.rows.items():
-                done = self.evicted.get(rid, 0)
+        rids = sorted(sg.rows)
+        if rids:  # all live tokens of a side in one batch: one translate and one KV read per end
+            lens = [sg.rows[r].numel() for r in rids]
+            done = torch.cat([torch.arange(n) >= self.evicted.get(r, 0) for r, n in zip(rids, lens, strict=True)])
+            for i, side in enumerate(self.sides):
+                kv = side.kv  # type: ignore[attr-defined]
+                row = torch.cat([side.rows[r] for r in rids])
                 bound = self._bound(side, row)
-                want = torch.arange(row.numel()) >= done
-                if not torch.equal(bound, want):
-                    raise Differ(f"{what}: {side.name}: request {rid}: SWA pages not exactly past the evicted "
-                                 f"head {done}")
+                if not torch.equal(bound, done):
+                    raise Differ(f"{what}: {side.name}: SWA pages not exactly past each request's evicted head")
                 full = side.alloc.translate_kv_loc(row)
                 if not torch.equal(kv.full_kv_pool.buf[full], row):
-                    raise Differ(f"{what}: {side.name}: request {rid}: full KV did not follow the page moves")
-                swa = side.alloc.translate_loc_from_full_to_swa(row[done:])
-                if not torch.equal(kv.swa_kv_pool.buf[swa], row[done:]):
-                    raise Differ(f"{what}: {side.name}: request {rid}: SWA KV did not follow the page moves")
-                phys[i][0][rid], phys[i][1][rid] = full, swa
+                    raise Differ(f"{what}: {side.name}: full KV did not follow the page moves")
+                swa = torch.zeros_like(row)
+                swa[done] = side.alloc.translate_loc_from_full_to_swa(row[done])
+                if not torch.equal(kv.swa_kv_pool.buf[swa[done]], row[done]):
+                    raise Differ(f"{what}: {side.name}: SWA KV did not follow the page moves")
+                for r, f, w, d in zip(rids, torch.split(full, lens), torch.split(swa, lens),
+                                      torch.split(done, lens), strict=True):
+                    phys[i][0][r], phys[i][1][r] = f, w[d]
         check_relabelling(phys[0][0], phys[1][0], self.page_size, f"{what} (full physical)")
         check_relabelling(phys[0][1], phys[1][1], self.page_size, f"{what} (SWA physical)")
         um.alloc.check_invariants()
