@@ -225,9 +225,9 @@ def main(argv: list[str] | None = None) -> int:
 
     sys.path.insert(0, str(ROOT / "tests" / "integrations"))
     from sglang_differential import fake_swa_kv
-    from sglang_unified_differential import _context
+    from sglang_unified_differential import prepare_unified_context
 
-    _context()  # SGLang's runtime context and the CPU twins of its unified extend/decode kernels
+    prepare_unified_context()  # SGLang's runtime context and the CPU twins of its unified extend/decode kernels
     from sglang.srt.mem_cache.allocator.unified_hybrid_swa import UnifiedSWATokenToKVPoolAllocator
     from sglang.srt.mem_cache.unified_memory_pool import MHASubPoolSpec, UnifiedKVPool
     from sglang.test.unified_allocator_fixtures import FakeUnifiedSWAKVPool

@@ -37,16 +37,18 @@ from sglang_differential import Differ, PagedScenario, Side, check_relabelling, 
 
 import umalloc.integrations.sglang as um_sglang
 
-_CONTEXT_READY: list[bool] = []
+CONTEXT_READY: list[bool] = []
 
 
-def _context() -> None:
-    if not _CONTEXT_READY:
+def prepare_unified_context() -> None:
+    """SGLang's runtime context for its allocators (its fixtures' ``setup_allocator_context``) and the CPU twins
+    of its unified extend/decode kernels (tests/peer/sglang_cpu_shims.py). Idempotent."""
+    if not CONTEXT_READY:
         sglang_module("sglang.test.unified_allocator_fixtures").setup_allocator_context()
         import sglang_cpu_shims  # on the path now: sglang_module put tests/peer there
 
         sglang_cpu_shims.cpu_unified_kernels()  # SGLang's unified extend/decode launch Triton: its CPU twins
-        _CONTEXT_READY.append(True)
+        CONTEXT_READY.append(True)
 
 
 class UnifiedScenario(PagedScenario):
@@ -55,7 +57,7 @@ class UnifiedScenario(PagedScenario):
     kind = "unified"
 
     def build(self) -> tuple[Side, Side]:
-        _context()
+        prepare_unified_context()
         rng, ps = self.rng, self.page_size
         ump = sglang_module("sglang.srt.mem_cache.unified_memory_pool")
         fixtures = sglang_module("sglang.test.unified_allocator_fixtures")
@@ -237,4 +239,4 @@ class UnifiedScenario(PagedScenario):
         self.stats["lazy"] += self.lazy
 
 
-__all__ = ["UnifiedScenario"]
+__all__ = ["UnifiedScenario", "prepare_unified_context"]

@@ -247,9 +247,9 @@ def test_sglang_fixture_cache_runs_on_umalloc(page_size: int, lazy: bool) -> Non
     umalloc's: the same sizes before and after."""
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
     from sglang.test import unified_allocator_fixtures as fx
-    from sglang_unified_differential import _context
+    from sglang_unified_differential import prepare_unified_context
 
-    _context()
+    prepare_unified_context()
     fx.setup_allocator_context()  # an earlier test may have reset SGLang's runtime context
     stock = _stock_names()
     seen = []
@@ -275,9 +275,9 @@ def _unified_pair(page_size: int, lazy: bool) -> tuple[object, object]:
     from sglang.srt.mem_cache.allocator.unified_hybrid_swa import UnifiedSWATokenToKVPoolAllocator
     from sglang.test import unified_allocator_fixtures as fx
     from sglang_differential import sglang_module
-    from sglang_unified_differential import _context
+    from sglang_unified_differential import prepare_unified_context
 
-    _context()
+    prepare_unified_context()
     fx.setup_allocator_context()
     ump = sglang_module("sglang.srt.mem_cache.unified_memory_pool")
     specs = [ump.MHASubPoolSpec(name=n, layer_num=1, head_num=1, head_dim=8, store_dtype=torch.float16,
