@@ -4,7 +4,7 @@
 
 (run it with PYTHONPATH=.peer/path after scripts/peer_suite_sglang.sh has built the venv.)
 
-Workload (a pure function of the options and the conversation trace in umalloc/data; the scheduler model of the
+Workload (a pure function of the options and the conversation trace in umalloc_replay/data; the scheduler model of the
 peer allocator benchmark, written here): the first ``--n`` trace rows, input and output lengths divided by
 ``--scale`` (ceil, at least 1). FCFS admission while a request's whole lifetime, ``ceil((in + out) / page_size)``
 pages, fits next to the admitted ones in ``--pool-pages`` (so no allocation can fail, on either side). Each step:
@@ -15,7 +15,9 @@ finished prefill earlier, round-robin), then the finished requests are freed ins
 Each class is driven as SGLang's scheduler drives it: a ``req_to_token`` table, ``last_loc`` gathered from it,
 batched ``alloc_extend``/``alloc_decode`` (the token class: ``alloc(n)``, SGLang's page-size-1 path). The SWA
 class also releases pages that left the window (``free_swa_segment``) after every step and frees a finished
-request's evicted head with ``free_full_segment``. Timing: a fresh allocator per repeat, the whole replay under
+request's evicted head with ``free_full_segment``; so do the unified classes (one ``UnifiedKVPool`` of the peer
+benchmark's geometry: full grows up, SWA down, room for ``--pool-pages`` pages a side), whose lazy variant calls
+``flush_opportunistic`` after the frees and evictions of a step, as the peer benchmark's adapter does. Timing: a fresh allocator per repeat, the whole replay under
 ``time.perf_counter`` (op tensors prepared before, untimed), median of ``--repeats`` (the two sides alternate); torch uses ``--threads`` threads (default 1). The
 harness work (table gathers and scatters) is the same on both sides and inside the timing.
 """
@@ -38,7 +40,7 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-TRACE = ROOT / "umalloc" / "data" / "conversation_trace.jsonl"
+TRACE = ROOT / "umalloc_replay" / "data" / "conversation_trace.jsonl"
 
 
 @dataclass
@@ -140,7 +142,9 @@ class Replay:
         alloc = self.make()
         lens = [0] * len(self.w.lengths)
         evicted = [0] * len(self.w.lengths)
-        rows, ps, swa = self.rows, self.ps, self.kind == "swa"
+        rows, ps = self.rows, self.ps
+        swa, lazy = self.kind != "paged" and self.kind != "token", self.kind == "unified-lazy"
+        empty = alloc.available_size()
         t0 = time.perf_counter()
         for p in self.prepared:
             if p[0] == "E":
@@ -177,14 +181,20 @@ class Replay:
                     lens[r] = evicted[r] = 0
                 alloc.free_group_end()
                 touched = []
+                if lazy:
+                    alloc.flush_opportunistic()
             if swa:
                 for r in touched:
                     tail = max(0, lens[r] - self.window) // ps * ps
                     if tail > evicted[r]:
                         alloc.free_swa_segment(rows[r, evicted[r]:tail], start_pos=evicted[r])
                         evicted[r] = tail
+                if lazy and touched:
+                    alloc.flush_opportunistic()
         dt = time.perf_counter() - t0
-        assert alloc.available_size() == (alloc.size // ps) * ps, "not everything returned"
+        if lazy:
+            alloc.flush_opportunistic()
+        assert alloc.available_size() == empty, "not everything returned"
         return dt
 
 
@@ -198,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-decode-batch", type=int, default=256)
     ap.add_argument("--swa-window", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--classes", default="token,paged,swa")
+    ap.add_argument("--classes", default="token,paged,swa,unified-eager,unified-lazy")
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (1: a shared machine oversubscribed by OpenMP spin-waits distorts torch timings)")
     ap.add_argument("--json", default=None, help="append one JSON line per result here")
     a = ap.parse_args(argv)
@@ -215,6 +225,24 @@ def main(argv: list[str] | None = None) -> int:
 
     sys.path.insert(0, str(ROOT / "tests" / "integrations"))
     from sglang_differential import fake_swa_kv
+    from sglang_unified_differential import prepare_unified_context
+
+    prepare_unified_context()  # SGLang's runtime context and the CPU twins of its unified extend/decode kernels
+    from sglang.srt.mem_cache.allocator.unified_hybrid_swa import UnifiedSWATokenToKVPoolAllocator
+    from sglang.srt.mem_cache.unified_memory_pool import MHASubPoolSpec, UnifiedKVPool
+    from sglang.test.unified_allocator_fixtures import FakeUnifiedSWAKVPool
+
+    # the peer benchmark's unified geometry: full grows up, SWA down, 1 layer x 1 head x 16 dims fp16, room for
+    # pool_pages full + pool_pages SWA pages (+ 2: the sink floor and slack)
+    specs = [MHASubPoolSpec(name=n, layer_num=1, head_num=1, head_dim=16, store_dtype=torch.float16,
+                            grow_direction=g) for n, g in (("full", "up"), ("swa", "down"))]
+    unified_pool = UnifiedKVPool(total_bytes=(2 * a.pool_pages + 2) * specs[0].entry_bytes() * a.page_size,
+                                 sub_pool_specs=specs, device="cpu", enable_memory_saver=False,
+                                 page_size=a.page_size)
+
+    def unified(cls: Any, lazy: bool) -> Callable[[], Any]:
+        return lambda: cls(unified_buffer=unified_pool, kvcache=FakeUnifiedSWAKVPool(unified_pool), device="cpu",
+                           page_size=a.page_size, lazy_compaction=lazy)
 
     w = build_workload(a.n, a.scale, a.page_size, a.pool_pages, a.max_prefill_tokens, a.max_decode_batch)
     ps, size = a.page_size, a.pool_pages * a.page_size
@@ -228,6 +256,10 @@ def main(argv: list[str] | None = None) -> int:
                   lambda: ums.UmallocPagedTokenToKVPoolAllocator(size, ps, bf, "cpu", None, False), ps),
         "swa": (lambda: SWATokenToKVPoolAllocator(size, size, ps, bf, "cpu", fake_swa_kv(), False),
                 lambda: ums.UmallocSWATokenToKVPoolAllocator(size, size, ps, bf, "cpu", fake_swa_kv(), False), ps),
+        "unified-eager": (unified(UnifiedSWATokenToKVPoolAllocator, False),
+                          unified(ums.UmallocUnifiedSWATokenToKVPoolAllocator, False), ps),
+        "unified-lazy": (unified(UnifiedSWATokenToKVPoolAllocator, True),
+                         unified(ums.UmallocUnifiedSWATokenToKVPoolAllocator, True), ps),
     }
     print("| class | SGLang s | umalloc s | SGLang request-ops/s | umalloc request-ops/s | umalloc / SGLang |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")

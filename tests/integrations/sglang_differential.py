@@ -474,7 +474,19 @@ class SWAScenario(PagedScenario):
 
 SCENARIOS: dict[str, type[Scenario]] = {"token": TokenScenario, "paged": PagedScenario, "swa": SWAScenario}
 #: page sizes each class runs at (SGLang's token allocator has no page size: it is page size 1)
-CLASS_PAGE_SIZES: dict[str, tuple[int, ...]] = {"token": (1,), "paged": PAGE_SIZES, "swa": PAGE_SIZES}
+CLASS_PAGE_SIZES: dict[str, tuple[int, ...]] = {"token": (1,), "paged": PAGE_SIZES, "swa": PAGE_SIZES,
+                                                "unified": PAGE_SIZES}
+
+
+def scenario_class(kind: str) -> type[Scenario]:
+    """The scenario of ``kind``; ``"unified"`` lives in sglang_unified_differential.py (imported on first use)."""
+    if kind == "unified" and kind not in SCENARIOS:
+        if HERE not in sys.path:
+            sys.path.insert(0, HERE)
+        from sglang_unified_differential import UnifiedScenario
+
+        SCENARIOS[kind] = UnifiedScenario
+    return SCENARIOS[kind]
 
 
 def run_class(kind: str, page_size: int, sequences: int, n_ops: int, seed: int,
@@ -484,7 +496,7 @@ def run_class(kind: str, page_size: int, sequences: int, n_ops: int, seed: int,
     same, diffs = 0, []
     for k in range(sequences):
         s = seed * 1_000_003 + k
-        scenario = SCENARIOS[kind](s, page_size, n_ops)
+        scenario = scenario_class(kind)(s, page_size, n_ops)
         try:
             scenario.run()
             same += 1
@@ -500,11 +512,12 @@ def describe(stats: collections.Counter[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    sys.modules.setdefault("sglang_differential", sys.modules[__name__])  # one copy when run as a script
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sequences", type=int, default=30)
     p.add_argument("--ops", type=int, default=50)
     p.add_argument("--seed", type=int, default=int(os.environ.get("UMALLOC_SEED", "25")))
-    p.add_argument("--classes", default=",".join(SCENARIOS))
+    p.add_argument("--classes", default=",".join(CLASS_PAGE_SIZES))
     args = p.parse_args(argv)
     print(f"seed={args.seed} (override with --seed or UMALLOC_SEED); {args.sequences} sequences x {args.ops} ops")
     failed = False

@@ -29,7 +29,7 @@ from sglang_differential import (  # noqa: E402
 )
 
 import umalloc.integrations.sglang as um_sglang  # noqa: E402
-from umalloc.errors import DoubleFreeError, InvalidIdError, NotAllocatedError  # noqa: E402
+from umalloc.errors import DoubleFreeError, InvalidIdError, NotAllocatedError, UmallocValueError  # noqa: E402
 
 SEQUENCES = int(os.environ.get("UMALLOC_SGLANG_SEQUENCES", "30"))
 OPS = int(os.environ.get("UMALLOC_SGLANG_OPS", "50"))
@@ -48,8 +48,12 @@ def test_differential(kind: str, page_size: int) -> None:
     assert same == SEQUENCES
     assert stats["refused"] > 0 and stats["allocs"] > stats["refused"]  # both outcomes exercised
     assert stats["free groups"] > 0
-    if kind == "swa":
+    if kind in ("swa", "unified"):
         assert stats["swa pages evicted"] > 0
+    if kind == "unified":  # both compaction modes, flushes that move pages, the gate closed under refusals
+        assert 0 < stats["lazy"] < SEQUENCES
+        assert stats["flushes"] > 0 and stats["pages moved (umalloc)"] > 0
+        assert stats["refused, gate closed"] > 0
 
 
 class _OnePageMore(PagedScenario):
@@ -68,23 +72,41 @@ def test_differential_notices_a_capacity_difference() -> None:
         _OnePageMore(7, 16, 20).run()
 
 
-def test_install_rebinds_the_configurator_names() -> None:
+def _stock_names() -> list[tuple[object, str, object]]:
+    import sglang.srt.mem_cache.allocator.unified_hybrid_swa as uhs
     import sglang.srt.mem_cache.kv_cache_configurator as conf
 
-    stock = {name: getattr(conf, name) for name in um_sglang.PATCHED_NAMES}
+    return [(conf, n, getattr(conf, n)) for n in um_sglang.PATCHED_NAMES] + \
+        [(uhs, n, getattr(uhs, n)) for n in um_sglang.PATCHED_UNIFIED_NAMES]
+
+
+def _restore(stock: list[tuple[object, str, object]]) -> None:
+    for module, name, cls in stock:
+        setattr(module, name, cls)
+
+
+def test_install_rebinds_the_configurator_names() -> None:
+    import sglang.srt.mem_cache.kv_cache_configurator as conf
+    import sglang.srt.mem_cache.unified_memory_pool as ump
+
+    stock = _stock_names()
     try:
         bound = um_sglang.install()
         build = conf.KVCacheConfigurator._build_token_to_kv_pool_allocator
-        for name, cls in bound.items():
+        for name in um_sglang.PATCHED_NAMES:
+            cls = bound[name]
             assert getattr(conf, name) is cls
             assert cls.__name__ == um_sglang.PATCHED_NAMES[name]
             assert name in build.__code__.co_names  # the constructor path names it ...
             assert build.__globals__[name] is cls  # ... and resolves it to the umalloc class
-        assert set(bound) == set(um_sglang.PATCHED_NAMES)
+        # SGLang's unified factory imports its class from unified_hybrid_swa when it runs
+        factory = ump.init_unified_swa_pools.__code__
+        assert "UnifiedSWATokenToKVPoolAllocator" in factory.co_names + factory.co_varnames
+        assert bound["UnifiedSWATokenToKVPoolAllocator"].__name__ == "UmallocUnifiedSWATokenToKVPoolAllocator"
+        assert set(bound) == set(um_sglang.PATCHED_NAMES) | set(um_sglang.PATCHED_UNIFIED_NAMES)
         assert um_sglang.install() == bound  # idempotent
     finally:
-        for name, cls in stock.items():
-            setattr(conf, name, cls)
+        _restore(stock)
 
 
 def test_untested_version_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -191,7 +213,7 @@ def test_sglang_constructor_path_builds_the_umalloc_class(page_size: int, hybrid
     from sglang.srt.server_args import ServerArgs
     from sglang_differential import fake_swa_kv
 
-    stock = {name: getattr(conf, name) for name in um_sglang.PATCHED_NAMES}
+    stock = _stock_names()
     reset_context()
     publish(ServerArgs(model_path="dummy", device="cpu", page_size=page_size), role="tokenizer")
     try:
@@ -213,6 +235,95 @@ def test_sglang_constructor_path_builds_the_umalloc_class(page_size: int, hybrid
         assert alloc.page_size == page_size
         assert alloc.available_size() == (512 if hybrid_swa else 1024)
     finally:
-        for name, cls in stock.items():
-            setattr(conf, name, cls)
+        _restore(stock)
         reset_context()
+
+
+# ---- the unified class: SGLang's shipped fixtures, the move gate ------------------------------------------------
+@pytest.mark.parametrize(("page_size", "lazy"), [(1, False), (1, True), (16, False), (16, True)])
+def test_sglang_fixture_cache_runs_on_umalloc(page_size: int, lazy: bool) -> None:
+    """SGLang's ``build_swa_cache`` fixture (real ``UnifiedSWAKVPool`` CPU buffers, ``UnifiedRadixCache`` inserts of
+    96 pages, then an eviction through the tree's components) on SGLang's class and, after install(), on
+    umalloc's: the same sizes before and after."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+    from sglang.test import unified_allocator_fixtures as fx
+    from sglang_unified_differential import prepare_unified_context
+
+    prepare_unified_context()
+    fx.setup_allocator_context()  # an earlier test may have reset SGLang's runtime context
+    stock = _stock_names()
+    seen = []
+    try:
+        for install in (False, True):
+            if install:
+                um_sglang.install()
+            alloc, cache = fx.build_swa_cache(occupancy=96, lazy=lazy, page_size=page_size)
+            row = [type(alloc).__name__, alloc.available_size(), alloc.full_available_size(),
+                   alloc.swa_available_size(), cache.full_evictable_size(), cache.swa_evictable_size()]
+            cache.evict(EvictParams(num_tokens=10 * page_size, swa_num_tokens=10 * page_size))
+            row += [alloc.available_size(), alloc.full_available_size(), alloc.swa_available_size()]
+            seen.append(row)
+    finally:
+        _restore(stock)
+    assert seen[0][0] == "UnifiedSWATokenToKVPoolAllocator"
+    assert seen[1][0] == "UmallocUnifiedSWATokenToKVPoolAllocator"
+    assert seen[1][1:] == seen[0][1:]
+    assert seen[0][7] > seen[0][1]  # the eviction freed pages
+
+
+def _unified_pair(page_size: int, lazy: bool) -> tuple[object, object]:
+    from sglang.srt.mem_cache.allocator.unified_hybrid_swa import UnifiedSWATokenToKVPoolAllocator
+    from sglang.test import unified_allocator_fixtures as fx
+    from sglang_differential import sglang_module
+    from sglang_unified_differential import prepare_unified_context
+
+    prepare_unified_context()
+    fx.setup_allocator_context()
+    ump = sglang_module("sglang.srt.mem_cache.unified_memory_pool")
+    specs = [ump.MHASubPoolSpec(name=n, layer_num=1, head_num=1, head_dim=8, store_dtype=torch.float16,
+                                grow_direction=g) for n, g in (("full", "down"), ("swa", "up"))]
+    pool = ump.UnifiedKVPool(total_bytes=2 * 16 * page_size * specs[0].entry_bytes(), sub_pool_specs=specs,
+                             device="cpu", enable_memory_saver=False, page_size=page_size)
+    return tuple(cls(unified_buffer=pool, kvcache=fx.FakeUnifiedSWAKVPool(pool), device="cpu",
+                     page_size=page_size, lazy_compaction=lazy)
+                 for cls in (UnifiedSWATokenToKVPoolAllocator, um_sglang.UmallocUnifiedSWATokenToKVPoolAllocator))
+
+
+def test_move_gate_refuses_what_needs_a_flush() -> None:
+    """Lazy mode, a full arena whose SWA end has holes (out-of-window pages released): one page more than the
+    joint view offers fits only after the SWA holes are compacted into the gap; it is refused while the gate is
+    closed and granted once it opens, on SGLang's class and on umalloc's alike."""
+    outcomes = []
+    for alloc in _unified_pair(4, lazy=True):
+        gate = [True]
+        alloc.set_host_transfer_move_gate(lambda gate=gate: gate[0])
+        chunks = []
+        while (c := alloc.alloc(4)) is not None:
+            chunks.append(c)
+        alloc.free_swa(torch.cat(chunks[:4]))  # SWA holes at its anchor; the full end keeps every page
+        need = alloc.available_size() + 4
+        gate[0] = False
+        closed = alloc.alloc(need)
+        gate[0] = True
+        opened = alloc.alloc(need)
+        outcomes.append((len(chunks), need, closed is None, None if opened is None else opened.numel()))
+    assert outcomes[0] == outcomes[1]
+    assert outcomes[0][2] and outcomes[0][3] == outcomes[0][1]  # refused closed, granted open
+
+
+def test_move_gate_needs_lazy_compaction() -> None:
+    sg, um = _unified_pair(4, lazy=False)
+    with pytest.raises(AssertionError):
+        sg.set_disagg_move_gate(lambda: True)
+    with pytest.raises(UmallocValueError, match="lazy_compaction"):
+        um.set_disagg_move_gate(lambda: True)
+
+
+def test_unified_double_free_is_refused() -> None:
+    _, um = _unified_pair(4, lazy=True)
+    t = um.alloc(8)
+    um.free(t)
+    before = (um.available_size(), um.full_available_size(), um.swa_available_size())
+    with pytest.raises(DoubleFreeError):
+        um.free(t)
+    assert (um.available_size(), um.full_available_size(), um.swa_available_size()) == before

@@ -17,12 +17,20 @@ imported; :func:`install` rebinds them in that module:
 * ``PagedTokenToKVPoolAllocator`` -> :class:`UmallocPagedTokenToKVPoolAllocator`,
 * ``SWATokenToKVPoolAllocator`` -> :class:`UmallocSWATokenToKVPoolAllocator` (full + sliding-window pools).
 
+and, in ``sglang.srt.mem_cache.allocator.unified_hybrid_swa`` (:data:`UNIFIED_MODULE`, the module SGLang's
+unified-memory factory ``init_unified_swa_pools`` imports the class from when it runs):
+
+* ``UnifiedSWATokenToKVPoolAllocator`` -> :class:`UmallocUnifiedSWATokenToKVPoolAllocator` (one umalloc arena for
+  the full and SWA sub-pools of a ``UnifiedKVPool``: :mod:`umalloc.integrations.sglang.unified`).
+
 The classes (module attributes, built on first access because they subclass SGLang's allocator base):
 
 * ``UmallocTokenToKVPoolAllocator``, ``UmallocPagedTokenToKVPoolAllocator``: one
   :class:`~umalloc.integrations.sglang.pools.SlotPool` each.
 * ``UmallocSWATokenToKVPoolAllocator``: a full and an SWA pool with SGLang's token-level ``full -> swa``
   index mapping (:mod:`umalloc.integrations.sglang.swa`).
+* ``UmallocUnifiedSWATokenToKVPoolAllocator``: the two ends of one umalloc ``MultiEndedAllocator`` under shared
+  virtual ids, compaction and move gates (:mod:`umalloc.integrations.sglang.unified`).
 
 How they differ from SGLang's own classes (order of ids, misuse that raises) is listed in
 :mod:`umalloc.integrations.sglang.pools` and in the README ("SGLang").
@@ -48,6 +56,15 @@ PATCHED_NAMES: dict[str, str] = {
 
 #: The module whose names :func:`install` rebinds.
 CONFIGURATOR_MODULE = "sglang.srt.mem_cache.kv_cache_configurator"
+
+#: The module ``init_unified_swa_pools`` (SGLang's unified-memory factory) imports its allocator class from at each
+#: call; :func:`install` rebinds ``UnifiedSWATokenToKVPoolAllocator`` there.
+UNIFIED_MODULE = "sglang.srt.mem_cache.allocator.unified_hybrid_swa"
+
+#: ``unified_hybrid_swa`` name -> umalloc class name that :func:`install` binds there.
+PATCHED_UNIFIED_NAMES: dict[str, str] = {
+    "UnifiedSWATokenToKVPoolAllocator": "UmallocUnifiedSWATokenToKVPoolAllocator",
+}
 
 
 class UnsupportedSGLangVersion(UmallocError):
@@ -113,11 +130,11 @@ def install() -> dict[str, type]:
         UnsupportedSGLangVersion: the installed SGLang is not tested. ImportError: SGLang is not installed.
     """
     classes = _classes()
-    __import__(CONFIGURATOR_MODULE)
-    module = sys.modules[CONFIGURATOR_MODULE]
     bound = {}
-    for name, ours in PATCHED_NAMES.items():
-        if ours in classes:
+    for module_name, names in ((CONFIGURATOR_MODULE, PATCHED_NAMES), (UNIFIED_MODULE, PATCHED_UNIFIED_NAMES)):
+        __import__(module_name)
+        module = sys.modules[module_name]
+        for name, ours in names.items():
             setattr(module, name, classes[ours])
             bound[name] = classes[ours]
     return bound
@@ -132,5 +149,6 @@ def __getattr__(name: str) -> Any:
 
 
 # the Umalloc*Allocator classes are reached as attributes (module __getattr__: they import SGLang)
-__all__ = ["CONFIGURATOR_MODULE", "PATCHED_NAMES", "SUPPORTED_SGLANG_VERSIONS", "SGLangUnavailable", "UnsupportedSGLangVersion",
+__all__ = ["CONFIGURATOR_MODULE", "PATCHED_NAMES", "PATCHED_UNIFIED_NAMES", "SUPPORTED_SGLANG_VERSIONS",
+           "UNIFIED_MODULE", "SGLangUnavailable", "UnsupportedSGLangVersion",
            "check_version", "install", "sglang_version"]

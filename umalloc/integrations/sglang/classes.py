@@ -17,6 +17,7 @@ import torch
 from umalloc.errors import UmallocValueError
 from umalloc.integrations.sglang.pools import SlotPool
 from umalloc.integrations.sglang.swa import build_swa_class
+from umalloc.integrations.sglang.unified import build_unified_class
 
 
 def _check_aligned(start_pos: int, page_size: int) -> None:
@@ -28,7 +29,8 @@ def _check_aligned(start_pos: int, page_size: int) -> None:
 @functools.cache
 def allocator_classes() -> dict[str, type]:
     """Build the umalloc-backed classes (imports SGLang's allocator base). Returns name -> class for
-    ``UmallocTokenToKVPoolAllocator``, ``UmallocPagedTokenToKVPoolAllocator``, ``UmallocSWATokenToKVPoolAllocator``.
+    ``UmallocTokenToKVPoolAllocator``, ``UmallocPagedTokenToKVPoolAllocator``, ``UmallocSWATokenToKVPoolAllocator``,
+    ``UmallocUnifiedSWATokenToKVPoolAllocator``.
 
     Raises:
         ImportError: SGLang is not installed.
@@ -164,7 +166,11 @@ def allocator_classes() -> dict[str, type]:
 
     swa = build_swa_class(BaseTokenToKVPoolAllocator, UmallocTokenToKVPoolAllocator,
                           UmallocPagedTokenToKVPoolAllocator)
+    from sglang.srt.mem_cache.allocator.unified_hybrid_swa import UnifiedSWAAllocatorBase
+
+    unified = build_unified_class(BaseTokenToKVPoolAllocator, UnifiedSWAAllocatorBase)
     return {
+        "UmallocUnifiedSWATokenToKVPoolAllocator": unified,
         "UmallocTokenToKVPoolAllocator": UmallocTokenToKVPoolAllocator,
         "UmallocPagedTokenToKVPoolAllocator": UmallocPagedTokenToKVPoolAllocator,
         "UmallocSWATokenToKVPoolAllocator": swa,
