@@ -76,17 +76,21 @@ def load_slice(cfg: GenerateConfig, max_context_tokens: int) -> list[TraceReques
     """The scaled trace slice (module docstring). Raises :class:`UmallocValueError` (the trace's own errors, or
     a request longer than the context, naming it and the scale that fits)."""
     trace = load_trace(cfg.trace, token_scale=1, max_requests=cfg.requests, fmt=cfg.trace_format, skip=cfg.skip)
-    out = []
-    for r in trace:
-        inp, new = scale_tokens(r.input_tokens, cfg.token_scale), scale_tokens(r.output_tokens, cfg.output_scale)
-        if inp + new > max_context_tokens:
+    out = [TraceRequest(r.request_id, r.arrival_s, scale_tokens(r.input_tokens, cfg.token_scale),
+                        scale_tokens(r.output_tokens, cfg.output_scale), r.hash_ids) for r in trace]
+    over = [r for r in out if r.input_tokens + r.output_tokens > max_context_tokens]
+    if over:
+        r = over[0]
+        if any(t.output_tokens + 1 > max_context_tokens for t in out):
+            hint = "a larger --output-scale"
+        else:
             fit = next(k for k in range(cfg.token_scale, 1 << 40)
-                       if scale_tokens(r.input_tokens, k) + new <= max_context_tokens)
-            raise UmallocValueError(f"--token-scale {cfg.token_scale}: request {r.request_id} has {inp} prompt + "
-                                    f"{new} output tokens, over the model's context of {max_context_tokens}: "
-                                    f"allowed --token-scale >= {fit} (or a larger --output-scale, or a slice "
-                                    "without it)")
-        out.append(TraceRequest(r.request_id, r.arrival_s, inp, new, r.hash_ids))
+                       if all(scale_tokens(t.input_tokens, k) + t.output_tokens <= max_context_tokens
+                              for t in trace.requests))
+            hint = f"--token-scale >= {fit}"
+        raise UmallocValueError(f"--token-scale {cfg.token_scale}: request {r.request_id} has {r.input_tokens} "
+                                f"prompt + {r.output_tokens} output tokens, over the model's context of "
+                                f"{max_context_tokens} ({len(over)} of {len(out)} requests are): allowed {hint}")
     return out
 
 
@@ -118,7 +122,15 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
         UmallocValueError: bad configuration (nothing started).
         BackendError: the transfer engine or the second process failed (e.g. it was killed).
     """
-    from umalloc_replay.generate.kv import FAULTS, ModelKV, first_difference, read_pages_kv, reference_tokens
+    from umalloc_replay.generate.kv import (
+        FAULTS,
+        ModelKV,
+        cache_from_kv,
+        first_difference,
+        greedy_continue,
+        read_pages_kv,
+        reference_tokens,
+    )
     from umalloc_replay.generate.models import (
         MAX_CONTEXT_TOKENS,
         VOCAB_SIZE,
@@ -173,6 +185,7 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
     prefill_child_s = 0.0
     weights_ok = True
     bar = None
+    interrupted = False
     try:
         if progress and console is not None:
             from rich.progress import Progress
@@ -213,8 +226,6 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
                 with timer.phase("allocator"):
                     dec.free(vt)
                 t0 = time.perf_counter()
-                from umalloc_replay.generate.kv import cache_from_kv, greedy_continue
-
                 cache = cache_from_kv(model, geo, kv, r.input_tokens)
                 toks = greedy_continue(model, cache, outs[r.request_id]["first_token"], r.output_tokens)
                 decode_s += time.perf_counter() - t0
@@ -231,10 +242,13 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
         dec.check_invariants()
         pages_left = {"prefill": _live_pages(prefill.stats()), "decode": _live_pages(dec.stats())}
         leases_left = {"prefill": int(prefill.leases_active()), "decode": int(dec.leases_active())}
+    except KeyboardInterrupt:
+        interrupted = True  # the second process is killed at once, not asked to finish its transfers
+        raise
     finally:
         if bar is not None:
             bar.stop()
-        prefill.close()
+        prefill.close(interrupted=interrupted)
     total_s = time.perf_counter() - t_start
     sec = timer.seconds
     prefill_compute_s = kv_local.prefill_s if kv_local is not None else prefill_child_s
