@@ -60,13 +60,14 @@ def prefill_kv(model: Any, prompt: list[int]) -> PrefillKV:
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
-    for layer in cache.layers:
+    layers: list[Any] = list(cache.layers)  # DynamicLayer / DynamicSlidingWindowLayer for these models
+    for layer in layers:
         if layer.is_sliding:
             layer.activate_past_recording()
     with torch.no_grad():
         out = model(input_ids=torch.tensor([prompt], dtype=torch.long), past_key_values=cache, use_cache=True)
     first = int(out.logits[0, -1].argmax())
-    return PrefillKV(first, [la.keys[0].clone() for la in cache.layers], [la.values[0].clone() for la in cache.layers])
+    return PrefillKV(first, [la.keys[0].clone() for la in layers], [la.values[0].clone() for la in layers])
 
 
 def tail_start_tokens(geo: ModelGeometry, layer: int, seq_len_tokens: int, page_size: int) -> int:
@@ -89,7 +90,8 @@ def cache_from_kv(model: Any, geo: ModelGeometry, kv: dict[int, tuple[torch.Tens
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
-    for i, layer in enumerate(cache.layers):
+    layers: list[Any] = list(cache.layers)
+    for i, layer in enumerate(layers):
         if i not in kv:
             raise UmallocValueError(f"cache_from_kv: layer {i} has no K/V")
         k, v = kv[i]

@@ -23,6 +23,7 @@ gives every backend the same pins at each free, so the same compactions.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -38,7 +39,6 @@ from umalloc import (
     pages_for_tokens,
 )
 from umalloc_replay.report import PhaseTimer
-from umalloc_replay.single.kvfill import KVPattern
 from umalloc_replay.workload import RequestState, first_kept_page, pages_held
 
 # ==== sequence helpers (both sides) =============================================================================
@@ -112,7 +112,7 @@ def _seq_pages(spec: ArenaSpec, end: str, seq_len: int, lo_page: int) -> np.ndar
     return np.arange(lo_page, pages_for_tokens(seq_len, spec.end(end).page_size), dtype=np.int64)
 
 
-def fill_sequence(alloc: MultiEndedAllocator, pattern: KVPattern, rid: int, vt: torch.Tensor, seq_len: int) -> int:
+def fill_sequence(alloc: MultiEndedAllocator, pattern: PagePattern, rid: int, vt: torch.Tensor, seq_len: int) -> int:
     """Fill every page a fresh sequence holds on every end (whole pages); returns bytes written."""
     spec = alloc.spec
     total = 0
@@ -126,6 +126,14 @@ def fill_sequence(alloc: MultiEndedAllocator, pattern: KVPattern, rid: int, vt: 
 
 
 # ==== the local prefill side ============================================================================
+
+
+class PagePattern(Protocol):
+    """What fills a prefill side's pages: :class:`~umalloc_replay.single.kvfill.KVPattern` (the replay's keyed
+    pattern) or a model's KV writer (``umalloc generate``)."""
+
+    def fill_pages(self, arena: Arena, end: str, request_id: int, seq_pages: torch.Tensor | np.ndarray,
+                   ppages: torch.Tensor | np.ndarray) -> int: ...
 
 
 @dataclass
@@ -148,7 +156,7 @@ class LocalPrefill:
 
     name = "local"
 
-    def __init__(self, spec: ArenaSpec, pattern: KVPattern, decode: MultiEndedAllocator, timer: PhaseTimer,
+    def __init__(self, spec: ArenaSpec, pattern: PagePattern, decode: MultiEndedAllocator, timer: PhaseTimer,
                  *, compaction: str, transfer_timeout_s: float, lease_deadline_s: float | None) -> None:
         from umalloc import get_backend
 
@@ -248,4 +256,4 @@ class LocalPrefill:
 
 
 
-__all__ = ["LocalPrefill", "PlanFigures", "alloc_sequence", "fill_sequence", "swa_ends", "warm_up"]
+__all__ = ["LocalPrefill", "PagePattern", "PlanFigures", "alloc_sequence", "fill_sequence", "swa_ends", "warm_up"]

@@ -253,8 +253,10 @@ class RemotePrefill:
                                          compaction, padded)
             else:
                 target, args = setup
-                self._stats = self.worker.run(target, *args, progress=self.b.progress,
-                                              timeout_s=self.timeout_s + CALL_MARGIN_S)
+                got = self.worker.run(target, *args, progress=self.b.progress,
+                                      timeout_s=self.timeout_s + CALL_MARGIN_S)
+                assert isinstance(got, dict), f"{target} returned {type(got).__name__}, not the child's stats"
+                self._stats = got
             self.peer = self.worker.call("connect", self.b.metadata(), progress=self.b.progress,
                                          timeout_s=CALL_MARGIN_S)
         except BaseException:
