@@ -143,3 +143,27 @@ def test_every_readme_generate_command_parses() -> None:
     for args in cmds:
         backends.add(gen.make_context("generate", list(args)).params["backend"].value)
     assert backends == {"local", "nixl", "mooncake"}
+
+
+@pytest.mark.backend
+def test_a_killed_prefill_process_ends_the_run_with_a_backend_error() -> None:
+    """The prefill process killed (SIGKILL, from outside) between two batches: the next batch's call raises
+    ``WorkerDied``, a ``BackendError``, which the CLI turns into its one ``error:`` line and exit 1."""
+    import os
+    import signal
+
+    from umalloc import BackendError, WorkerDied
+
+    require_or_skip("nixl")
+    seen: list = []
+
+    def kill_after_first(batch: int, prefill) -> None:  # type: ignore[no-untyped-def]
+        seen.append(prefill.worker)
+        os.kill(prefill.worker.pid, signal.SIGKILL)  # as from outside: the worker does not know
+        while prefill.worker.alive():  # the kernel ends it: wait on its state, not on a clock
+            os.sched_yield()
+
+    cfg = GenerateConfig(model="llama", backend="nixl", requests=4, token_scale=64, output_scale=32, max_batch=2)
+    with pytest.raises(WorkerDied) as info:
+        run_generate(cfg, on_batch=kill_after_first)
+    assert isinstance(info.value, BackendError) and not seen[0].alive()

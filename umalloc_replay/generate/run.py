@@ -27,6 +27,7 @@ Policy:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,8 +116,11 @@ def _live_pages(stats: dict) -> int:
     return sum(int(s.live_pages) + int(s.pending_pages) for s in stats.values())
 
 
-def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = None) -> dict:
-    """Run ``cfg`` (module docstring); returns the JSON-ready report.
+def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = None,
+                 on_batch: Callable[[int, Any], None] | None = None) -> dict:
+    """Run ``cfg`` (module docstring); returns the JSON-ready report. ``on_batch(batch_index, prefill_side)``
+    runs after each batch's requests decoded (tests end the second process or raise ``KeyboardInterrupt``
+    there, at a point of their choosing).
 
     Raises:
         UmallocValueError: bad configuration (nothing started).
@@ -238,6 +242,8 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
                                    else None})
                 if bar is not None:
                     bar.advance(task)
+            if on_batch is not None:
+                on_batch(lo // cfg.max_batch, prefill)
         prefill.check_invariants()
         dec.check_invariants()
         pages_left = {"prefill": _live_pages(prefill.stats()), "decode": _live_pages(dec.stats())}
