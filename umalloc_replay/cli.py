@@ -397,6 +397,13 @@ def generate(
         help="Requests whose KV is in flight at once (the arenas hold this many prompts).")] = 4,
     seed: Annotated[int, typer.Option("--seed", min=0, metavar="N", rich_help_panel=_MODEL,
                                       help="Seed of the weights and the prompts.")] = 0,
+    draft: Annotated[bool, typer.Option(
+        "--draft/--no-draft", rich_help_panel=_MODEL,
+        help="Add a drafter (the target cut to one full-attention layer) whose KV rides the same plan in its own "
+        "draft end; the decode side decodes speculatively with greedy verification.")] = False,
+    draft_tokens: Annotated[int, typer.Option(
+        "--draft-tokens", min=1, metavar="K", rich_help_panel=_MODEL,
+        help="Draft tokens proposed per verification (with --draft).")] = 4,
     output_format: Annotated[OutputFormat, typer.Option(
         "--format", rich_help_panel=_OUT, help="Result on stdout: table or json (the report).")] = OutputFormat.table,
     report: Annotated[Path | None, typer.Option(
@@ -438,7 +445,7 @@ def generate(
                 model=model, backend=backend.value, trace=None if trace is None else str(trace),
                 trace_format=None if trace_format is TraceFormat.auto else trace_format.value, requests=requests,
                 skip=skip, token_scale=token_scale, output_scale=output_scale, page_size=page_size, seed=seed,
-                max_batch=max_batch)
+                max_batch=max_batch, draft=draft, draft_tokens=draft_tokens)
             result = run_generate(cfg, progress=progress, console=err)
         except UmallocValueError as exc:
             raise fail(str(exc), 2) from None

@@ -37,10 +37,16 @@ MODELS = ("llama", "gemma3")
 _reports: dict[tuple[str, str], dict] = {}
 
 
+#: the remote runs that carry a drafter too (its draft vector over NIXL and over Mooncake, no extra process)
+WITH_DRAFT = {("llama", "nixl"), ("gemma3", "mooncake"), ("llama", "local-draft"), ("gemma3", "local-draft")}
+
+
 def report_of(model: str, backend: str) -> dict:
     if (model, backend) not in _reports:
-        print(f"seed {SEED}: {model} over {backend}")
-        _reports[(model, backend)] = run_generate(GenerateConfig(model=model, backend=backend, **SLICE))
+        draft = (model, backend) in WITH_DRAFT
+        print(f"seed {SEED}: {model} over {backend}, draft {draft}")
+        _reports[(model, backend)] = run_generate(GenerateConfig(
+            model=model, backend=backend.removesuffix("-draft"), draft=draft, draft_tokens=2, **SLICE))
     return _reports[(model, backend)]
 
 
@@ -59,11 +65,11 @@ def test_the_reference_is_transformers_stock_greedy_generate(model: str) -> None
         assert reference_tokens(m, geo, prompt, r.output_tokens, 16) == stock[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("backend", ["local", pytest.param("nixl", marks=pytest.mark.backend),
+@pytest.mark.parametrize("backend", ["local", "local-draft", pytest.param("nixl", marks=pytest.mark.backend),
                                      pytest.param("mooncake", marks=pytest.mark.backend)])
 @pytest.mark.parametrize("model", MODELS)
 def test_every_request_equals_one_process(model: str, backend: str) -> None:
-    if backend != "local":
+    if not backend.startswith("local"):
         require_or_skip(backend)
     rep = report_of(model, backend)
     assert check_generate_report(rep) == []
@@ -71,6 +77,12 @@ def test_every_request_equals_one_process(model: str, backend: str) -> None:
     assert rep["tokens_generated"] == sum(len(t) for t in rep["tokens"].values()) > 4
     # the plan moved the target pages of every prompt, and for gemma3 the SWA tail too: bytes from the pages held
     spec_bytes = {"llama": {"target"}, "gemma3": {"target", "swa_tail"}}[model]
+    if (model, backend) in WITH_DRAFT:  # speculative decoding, tokens still the target-only reference's
+        spec_bytes |= {"draft"}
+        sp = rep["speculative"]
+        assert rep["draft"] and sp["rounds"] > 0 and 0 < sp["accepted"] < sp["proposed"], sp
+    else:
+        assert not rep["draft"] and rep["speculative"]["rounds"] == 0
     assert set(rep["bytes_by_vector"]) == spec_bytes
     assert rep["pages_left"] == {"prefill": 0, "decode": 0} and rep["leases_left"] == {"prefill": 0, "decode": 0}
 
@@ -167,3 +179,15 @@ def test_a_killed_prefill_process_ends_the_run_with_a_backend_error() -> None:
     with pytest.raises(WorkerDied) as info:
         run_generate(cfg, on_batch=kill_after_first)
     assert isinstance(info.value, BackendError) and not seen[0].alive()
+
+
+def test_a_stale_draft_kv_keeps_the_tokens_and_changes_the_acceptance() -> None:
+    """The drafter's pages sent unwritten (zeros: what they held before the drafter's forward): greedy
+    verification keeps every token equal to the target-only reference, and only the draft acceptance shows it
+    — so the token check alone cannot see a stale draft; the acceptance differs from the true-KV run's."""
+    good = report_of("gemma3", "local-draft")
+    stale = run_generate(GenerateConfig(model="gemma3", draft=True, draft_tokens=2, fault="stale_draft", **SLICE))
+    assert check_generate_report(stale) == []
+    assert stale["tokens"] == good["tokens"]
+    assert stale["speculative"]["accepted"] != good["speculative"]["accepted"], (stale["speculative"],
+                                                                                good["speculative"])

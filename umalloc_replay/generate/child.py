@@ -16,20 +16,29 @@ OUTPUTS_TARGET = "umalloc_replay.generate.child:child_outputs"
 
 
 def child_setup_model(ctx, model_name: str, seed: int, page_size: int, arena_bytes: int, compaction: str,
-                      prompts: dict[int, list[int]], fault: str | None) -> dict:
-    """Build the model, the prefill arena (ends of :func:`~umalloc_replay.generate.models.arena_ends`) and its
+                      prompts: dict[int, list[int]], fault: str | None, draft: bool) -> dict:
+    """Build the model (and with ``draft`` its drafter), the prefill arena (ends of :func:`~umalloc_replay.generate.models.arena_ends`) and its
     allocator, and adopt them as the child's prefill side; returns the child's stats."""
     from umalloc import Arena, ArenaSpec, MultiEndedAllocator
     from umalloc_replay.generate.kv import ModelKV
-    from umalloc_replay.generate.models import arena_ends, build_model, geometry_of, weights_digest
+    from umalloc_replay.generate.models import (
+        arena_ends,
+        build_drafter,
+        build_model,
+        geometry_of,
+        weights_digest,
+    )
     from umalloc_replay.single.remote import adopt_prefill_side
 
     model = build_model(model_name, seed)
     geo = geometry_of(model)
-    spec = ArenaSpec(arena_ends(geo, page_size), arena_bytes=arena_bytes)
+    drafter = build_drafter(model, seed) if draft else None
+    spec = ArenaSpec(arena_ends(geo, page_size, None if drafter is None else geometry_of(drafter)),
+                     arena_bytes=arena_bytes)
     alloc = MultiEndedAllocator(Arena(spec, zero=False), compaction=compaction)
-    kv = ModelKV(model, geo, spec, {int(k): list(v) for k, v in prompts.items()}, fault)
-    ctx.objects["generate_weights_digest"] = weights_digest(model)
+    kv = ModelKV(model, geo, spec, {int(k): list(v) for k, v in prompts.items()}, fault, drafter)
+    ctx.objects["generate_weights_digest"] = weights_digest(model) + ("" if drafter is None else
+                                                                      "/" + weights_digest(drafter))
     return adopt_prefill_side(ctx, alloc, kv)
 
 

@@ -20,7 +20,10 @@ Policy:
   ``W - 1``) with ``L`` tokens seen.
 * Faults (:data:`FAULTS`, tests only): ``swap_kv_heads`` writes KV heads 0 and 1 of the first full layer
   swapped; ``swa_tail_start`` writes the sliding tail one page early (sequence page ``j`` gets page ``j - 1``'s
-  tokens). The digest covers what was written, so only the token check sees either.
+  tokens); ``stale_draft`` leaves the drafter's KV unwritten (zeros: the pages' bytes before the drafter's
+  forward). The digest covers what was written, so only the token check sees the first two; a stale draft
+  cannot change the tokens (speculative verification keeps the target's output) and shows only as a different
+  draft acceptance.
 
 Threading: one thread per process. Units: tokens, bytes; tensors float32 on CPU.
 """
@@ -39,7 +42,7 @@ from umalloc_replay.generate.models import ModelGeometry, end_layers
 from umalloc_replay.workload import first_kept_page
 
 #: The faults :class:`ModelKV` can write (module docstring).
-FAULTS = ("swap_kv_heads", "swa_tail_start")
+FAULTS = ("swap_kv_heads", "swa_tail_start", "stale_draft")
 
 
 @dataclass
@@ -164,28 +167,30 @@ class ModelKV:
     """
 
     def __init__(self, model: Any, geo: ModelGeometry, spec: ArenaSpec, prompts: dict[int, list[int]],
-                 fault: str | None = None) -> None:
+                 fault: str | None = None, drafter: Any = None) -> None:
         if fault is not None and fault not in FAULTS:
             raise UmallocValueError(f"fault {fault!r}: allowed None or one of {FAULTS}")
-        self.model, self.geo, self.spec, self.fault = model, geo, spec, fault
+        self.model, self.geo, self.spec, self.fault, self.drafter = model, geo, spec, fault, drafter
         self.prompts = prompts
-        self.layers = end_layers(geo)
+        self.layers = ends_of(geo, drafter)
         self.first_tokens: dict[int, int] = {}
         self.digests: dict[int, dict[str, str]] = {}
-        self._kv: dict[int, PrefillKV] = {}
+        self._kv: dict[int, dict[str, PrefillKV]] = {}
         self.prefill_s = 0.0
 
-    def _prefill(self, request_id: int) -> PrefillKV:
+    def _prefill(self, request_id: int) -> dict[str, PrefillKV]:
         import time
 
         if request_id not in self._kv:
             if request_id not in self.prompts:
                 raise UmallocValueError(f"request {request_id}: no prompt")
             t0 = time.perf_counter()
-            pre = prefill_kv(self.model, self.prompts[request_id])
+            pre = {"target": prefill_kv(self.model, self.prompts[request_id])}
+            if self.drafter is not None:
+                pre["draft"] = prefill_kv(self.drafter, self.prompts[request_id])
             self.prefill_s += time.perf_counter() - t0
             self._kv[request_id] = pre
-            self.first_tokens[request_id] = pre.first_token
+            self.first_tokens[request_id] = pre["target"].first_token
             self.digests[request_id] = {}
         return self._kv[request_id]
 
@@ -193,7 +198,8 @@ class ModelKV:
                    ppages: torch.Tensor | np.ndarray) -> int:
         """Write sequence pages ``seq_pages`` (ascending, contiguous) of ``request_id``'s KV on ``end`` into
         physical pages ``ppages`` (int64 ``(n,)``); returns bytes written (whole envelopes)."""
-        pre = self._prefill(request_id)
+        source, layers = self.layers[end]
+        pre = self._prefill(request_id)[source]
         sp = torch.as_tensor(np.asarray(seq_pages), dtype=torch.int64)
         pp = torch.as_tensor(np.asarray(ppages), dtype=torch.int64)
         ps = self.spec.end(end).page_size
@@ -201,8 +207,10 @@ class ModelKV:
         lo = int(sp[0]) * ps if n else 0
         if end == "swa" and self.fault == "swa_tail_start":
             lo -= ps
-        for i, layer in enumerate(self.layers[end]):
+        for i, layer in enumerate(layers):
             k, v = pre.keys[layer], pre.values[layer]
+            if end == "draft" and self.fault == "stale_draft":
+                k, v = torch.zeros_like(k), torch.zeros_like(v)
             if end == "full" and i == 0 and self.fault == "swap_kv_heads":
                 k, v = k[[1, 0, *range(2, k.shape[0])]], v[[1, 0, *range(2, v.shape[0])]]
             kview, vview = arena.kv_views(end, i)
@@ -220,17 +228,29 @@ class ModelKV:
                 for rid in request_ids}
 
 
-def read_pages_kv(alloc: MultiEndedAllocator, geo: ModelGeometry, vtokens: torch.Tensor,
-                  seq_len_tokens: int) -> tuple[dict[int, tuple[torch.Tensor, torch.Tensor]], dict[str, str]]:
-    """Read a received request back from ``alloc``'s arena: the K/V of every model layer (``[kv_heads, T,
-    head_dim]`` from :func:`tail_start_tokens`, copies) for :func:`cache_from_kv`, and the digest of each end's
-    envelopes (the pages the plan wrote, in sequence order). ``vtokens``: the request's int64 virtual token ids
-    on the owner end."""
+def ends_of(geo: ModelGeometry, drafter: Any = None) -> dict[str, tuple[str, list[int]]]:
+    """End name -> (``"target"`` or ``"draft"``, that model's layers the end holds, in the end's order)."""
+    out = {end: ("target", layers) for end, layers in end_layers(geo).items()}
+    if drafter is not None:
+        out["draft"] = ("draft", list(range(int(drafter.config.num_hidden_layers))))
+    return out
+
+
+KV = dict[int, tuple[torch.Tensor, torch.Tensor]]
+
+
+def read_pages_kv(alloc: MultiEndedAllocator, geo: ModelGeometry, vtokens: torch.Tensor, seq_len_tokens: int,
+                  drafter: Any = None) -> tuple[dict[str, KV], dict[str, str]]:
+    """Read a received request back from ``alloc``'s arena: per model (``"target"``, and ``"draft"`` with a
+    ``drafter``) the K/V of every layer (``[kv_heads, T, head_dim]`` from :func:`tail_start_tokens`, copies)
+    for :func:`cache_from_kv`, and the digest of each end's envelopes (the pages the plan wrote, in sequence
+    order). ``vtokens``: the request's int64 virtual token ids on the owner end."""
     spec = alloc.spec
     arena = alloc.arena
-    kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    kvs: dict[str, KV] = {"target": {}, "draft": {}} if drafter is not None else {"target": {}}
     digests: dict[str, str] = {}
-    for end, layers in end_layers(geo).items():
+    for end, (source, layers) in ends_of(geo, drafter).items():
+        kv = kvs[source]
         ps = spec.end(end).page_size
         first = first_kept_page(spec, end, seq_len_tokens)
         num_pages = -(-seq_len_tokens // ps) - first
@@ -247,7 +267,58 @@ def read_pages_kv(alloc: MultiEndedAllocator, geo: ModelGeometry, vtokens: torch
             k = kview[pp].reshape(num_pages * ps, h, d)[:n_tok].transpose(0, 1).contiguous()
             v = vview[pp].reshape(num_pages * ps, h, d)[:n_tok].transpose(0, 1).contiguous()
             kv[layer] = (k, v)
-    return kv, digests
+    return kvs, digests
+
+
+@dataclass
+class SpecFigures:
+    """Speculative decoding counts of one request: verification rounds, draft tokens proposed and accepted."""
+
+    rounds: int = 0
+    proposed: int = 0
+    accepted: int = 0
+
+
+def speculative_continue(model: Any, drafter: Any, cache: Any, draft_cache: Any, first_token: int,
+                         num_new_tokens: int, draft_tokens: int) -> tuple[list[int], SpecFigures]:
+    """Greedy speculative decoding: ``num_new_tokens`` tokens starting with ``first_token``, equal to
+    :func:`greedy_continue`'s when the target's multi-token verification ranks tokens as its one-token steps do.
+
+    Each round the drafter proposes up to ``draft_tokens`` greedy tokens over ``draft_cache``; the target
+    scores the last token and the proposals in one forward over ``cache``; the longest prefix of proposals equal
+    to the target's own greedy choices is accepted, plus the target's token after it. Both caches are cropped to
+    the accepted tokens (``cache``'s sliding layers record their past so the crop can roll them back; the
+    drafter, full attention only, crops plainly). O(rounds) target forwards, O(tokens) drafter forwards."""
+    for layer in cache.layers:
+        if getattr(layer, "is_sliding", False):
+            layer.activate_past_recording()
+    out = [int(first_token)]
+    fig = SpecFigures()
+    with torch.no_grad():
+        while len(out) < num_new_tokens:
+            k = min(draft_tokens, num_new_tokens - len(out))
+            last = out[-1]
+            props: list[int] = []
+            tok = last
+            for _ in range(k):
+                lg = drafter(input_ids=torch.tensor([[tok]]), past_key_values=draft_cache, use_cache=True).logits
+                tok = int(lg[0, -1].argmax())
+                props.append(tok)
+            lg = model(input_ids=torch.tensor([[last, *props]]), past_key_values=cache, use_cache=True).logits
+            want = lg[0].argmax(-1).tolist()
+            n_acc = 0
+            while n_acc < k and props[n_acc] == want[n_acc]:
+                n_acc += 1
+            out += props[:n_acc] + [int(want[n_acc])]
+            fig.rounds += 1
+            fig.proposed += k
+            fig.accepted += n_acc
+            cache.crop(-(k - n_acc))  # keep `last` and the accepted proposals
+            if n_acc == k:  # every proposal accepted: the drafter never ran on its last one
+                drafter(input_ids=torch.tensor([[props[-1]]]), past_key_values=draft_cache, use_cache=True)
+            else:  # the drafter ran on `last` and props[:k-1]; keep `last` and the accepted ones
+                draft_cache.crop(-(k - 1 - n_acc))
+    return out[:num_new_tokens], fig
 
 
 def first_difference(got: list[int], want: list[int]) -> int | None:
@@ -259,5 +330,6 @@ def first_difference(got: list[int], want: list[int]) -> int | None:
     return None if len(got) == len(want) else min(len(got), len(want))
 
 
-__all__ = ["FAULTS", "ModelKV", "PrefillKV", "cache_from_kv", "first_difference", "greedy_continue", "prefill_kv",
-           "read_pages_kv", "reference_tokens", "tail_start_tokens"]
+__all__ = ["FAULTS", "KV", "ModelKV", "PrefillKV", "SpecFigures", "cache_from_kv", "ends_of", "first_difference",
+           "greedy_continue", "prefill_kv", "read_pages_kv", "reference_tokens", "speculative_continue",
+           "tail_start_tokens"]

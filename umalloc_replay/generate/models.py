@@ -84,6 +84,30 @@ def build_model(name: str, seed: int) -> Any:
     return model
 
 
+def build_drafter(target: Any, seed: int) -> Any:
+    """The drafter of ``--draft``: the target's architecture cut to one full-attention layer (an early-exit,
+    LayerSkip-style self-speculative drafter): the target's embedding, final norm and output head, and as its
+    only layer a copy of the target's first full-attention layer. Deterministic given the target (``seed`` is
+    unused: the weights come from the target, whose seed made them). Its guesses agree with the target's often
+    enough that drafts are accepted, rejected and partly accepted in one run."""
+    import copy
+
+    cfg = copy.deepcopy(target.config)
+    full = geometry_of(target).layers_of(FULL_ATTENTION)[0]
+    cfg.num_hidden_layers = 1
+    if getattr(cfg, "layer_types", None) is not None:
+        cfg.layer_types = [FULL_ATTENTION]
+    torch.set_num_threads(1)
+    draft = type(target)(cfg).eval()
+    state = {k: v for k, v in target.state_dict().items() if not k.startswith("model.layers.")}
+    prefix = f"model.layers.{full}."
+    state.update({"model.layers.0." + k[len(prefix):]: v for k, v in target.state_dict().items()
+                  if k.startswith(prefix)})
+    draft.load_state_dict(state, strict=True)
+    draft.config._attn_implementation = "sdpa"
+    return draft
+
+
 def geometry_of(model: Any) -> ModelGeometry:
     """:class:`ModelGeometry` of a model built by :func:`build_model`."""
     cfg = model.config
@@ -93,8 +117,10 @@ def geometry_of(model: Any) -> ModelGeometry:
     return ModelGeometry(types, int(cfg.num_key_value_heads), int(cfg.head_dim), window)
 
 
-def arena_ends(geo: ModelGeometry, page_size: int) -> tuple[EndSpec, ...]:
-    """The arena ends holding a model's KV (module docstring); float32 K and V rows of every layer."""
+def arena_ends(geo: ModelGeometry, page_size: int, draft: ModelGeometry | None = None) -> tuple[EndSpec, ...]:
+    """The arena ends holding a model's KV (module docstring); float32 K and V rows of every layer. With
+    ``draft`` (a full-attention drafter's geometry) a ``draft`` end too (bound to ``full``, every token; it
+    floats between ``full`` and ``swa``, or grows down without ``swa``)."""
     full = tuple(LayerSpec.mha(geo.num_kv_heads, geo.head_dim, dtype=KVDtype.FP32)
                  for _ in geo.layers_of(FULL_ATTENTION))
     ends = [EndSpec("full", full, page_size=page_size, grow=Grow.UP)]
@@ -103,6 +129,13 @@ def arena_ends(geo: ModelGeometry, page_size: int) -> tuple[EndSpec, ...]:
         layers = tuple(LayerSpec.mha(geo.num_kv_heads, geo.head_dim, dtype=KVDtype.FP32,
                                      window_tokens=geo.window_tokens) for _ in sliding)
         ends.append(EndSpec("swa", layers, page_size=page_size, grow=Grow.DOWN, owner="full", role=EndRole.SWA))
+    if draft is not None:
+        if draft.window_tokens is not None:
+            raise UmallocValueError("the drafter has sliding layers; allowed a full-attention drafter")
+        dl = tuple(LayerSpec.mha(draft.num_kv_heads, draft.head_dim, dtype=KVDtype.FP32)
+                   for _ in draft.layer_types)
+        ends.append(EndSpec("draft", dl, page_size=page_size, grow=Grow.FLOAT if sliding else Grow.DOWN,
+                            owner="full", role=EndRole.DRAFT))
     return tuple(ends)
 
 
@@ -125,4 +158,4 @@ def weights_digest(model: Any) -> str:
 
 
 __all__ = ["FULL_ATTENTION", "GEMMA3_WINDOW_TOKENS", "INITIALIZER_RANGE", "MAX_CONTEXT_TOKENS", "SLIDING_ATTENTION", "VOCAB_SIZE",
-           "ModelGeometry", "arena_ends", "build_model", "end_layers", "geometry_of", "weights_digest"]
+           "ModelGeometry", "arena_ends", "build_drafter", "build_model", "end_layers", "geometry_of", "weights_digest"]

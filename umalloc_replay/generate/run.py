@@ -52,7 +52,10 @@ GENERATE_SCHEMA = "umalloc-generate/1"
 class GenerateConfig:
     """One ``umalloc generate`` run (the CLI options; see ``umalloc generate --help``).
 
-    ``fault``: a wrong KV written on the prefill side (:data:`~umalloc_replay.generate.kv.FAULTS`), for the
+    ``draft``: a drafter (:func:`~umalloc_replay.generate.models.build_drafter`) whose KV rides the same plan
+    (its own ``draft`` end and index vector); the decode side decodes speculatively
+    (:func:`~umalloc_replay.generate.kv.speculative_continue`, ``draft_tokens`` per round) and must still equal
+    the target-only reference. ``fault``: a wrong KV written on the prefill side (:data:`~umalloc_replay.generate.kv.FAULTS`), for the
     tests that show the token check catches it; ``None`` in every real run.
     """
 
@@ -71,6 +74,8 @@ class GenerateConfig:
     transfer_timeout_s: float = 120.0
     lease_deadline_s: float | None = 600.0
     fault: str | None = None
+    draft: bool = False
+    draft_tokens: int = 4
 
 
 def load_slice(cfg: GenerateConfig, max_context_tokens: int) -> list[TraceRequest]:
@@ -134,11 +139,13 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
         greedy_continue,
         read_pages_kv,
         reference_tokens,
+        speculative_continue,
     )
     from umalloc_replay.generate.models import (
         MAX_CONTEXT_TOKENS,
         VOCAB_SIZE,
         arena_ends,
+        build_drafter,
         build_model,
         geometry_of,
         weights_digest,
@@ -153,9 +160,14 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
     t_start = time.perf_counter()
     model = build_model(cfg.model, cfg.seed)
     geo = geometry_of(model)
+    if cfg.fault == "stale_draft" and not cfg.draft:
+        raise UmallocValueError("fault stale_draft: allowed with draft=True")
     if cfg.fault == "swa_tail_start" and geo.window_tokens is None:
         raise UmallocValueError(f"fault swa_tail_start: model {cfg.model!r} has no sliding layer")
-    ends = arena_ends(geo, cfg.page_size)
+    if cfg.draft_tokens < 1:
+        raise UmallocValueError(f"--draft-tokens {cfg.draft_tokens}: allowed >= 1")
+    drafter = build_drafter(model, cfg.seed) if cfg.draft else None
+    ends = arena_ends(geo, cfg.page_size, None if drafter is None else geometry_of(drafter))
     nbytes = arena_bytes_for(ends, reqs, cfg.max_batch)
     spec = ArenaSpec(ends, arena_bytes=nbytes)
     prompts = {r.request_id: prompt_tokens(cfg.seed, r.request_id, r.input_tokens, VOCAB_SIZE) for r in reqs}
@@ -169,14 +181,15 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
     dec = MultiEndedAllocator(Arena(spec, zero=False), compaction=cfg.compaction)
     kv_local: ModelKV | None = None
     if cfg.backend == "local":
-        kv_local = ModelKV(model, geo, spec, prompts, cfg.fault)
+        kv_local = ModelKV(model, geo, spec, prompts, cfg.fault, drafter)
         prefill: Any = LocalPrefill(spec, kv_local, dec, timer, compaction=cfg.compaction,
                                     transfer_timeout_s=cfg.transfer_timeout_s, lease_deadline_s=cfg.lease_deadline_s)
     else:
         from umalloc_replay.generate.child import SETUP_TARGET
         from umalloc_replay.single.remote import RemotePrefill
 
-        setup = (SETUP_TARGET, (cfg.model, cfg.seed, cfg.page_size, nbytes, cfg.compaction, prompts, cfg.fault))
+        setup = (SETUP_TARGET, (cfg.model, cfg.seed, cfg.page_size, nbytes, cfg.compaction, prompts, cfg.fault,
+                                cfg.draft))
         prefill = RemotePrefill(cfg.backend, spec, dec, timer, model=cfg.model, page_size=cfg.page_size,
                                 draft=False, seed=cfg.seed, compaction=cfg.compaction, padded=False,
                                 transfer_timeout_s=cfg.transfer_timeout_s, lease_deadline_s=cfg.lease_deadline_s,
@@ -188,6 +201,7 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
     decode_s = 0.0
     prefill_child_s = 0.0
     weights_ok = True
+    spec_fig = {"rounds": 0, "proposed": 0, "accepted": 0}
     bar = None
     interrupted = False
     try:
@@ -214,24 +228,34 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
             figures += prefill.finish_all(tickets)
             rids = [r.request_id for r in batch]
             if kv_local is not None:
-                outs, wd = kv_local.outputs(rids), weights_digest(model)
+                outs = kv_local.outputs(rids)
+                wd = weights_digest(model) + ("" if drafter is None else "/" + weights_digest(drafter))
             else:
                 from umalloc_replay.generate.child import OUTPUTS_TARGET
 
                 res = prefill.worker.run(OUTPUTS_TARGET, rids, progress=prefill.b.progress,
                                          timeout_s=cfg.transfer_timeout_s)
                 outs, wd, prefill_child_s = res["outputs"], res["weights_digest"], res["prefill_s"]
-            weights_ok = weights_ok and wd == weights_digest(model)
+            weights_ok = weights_ok and wd == weights_digest(model) + ("" if drafter is None else
+                                                                       "/" + weights_digest(drafter))
             for r, vt in held:
                 with timer.phase("verify"):
-                    kv, digests = read_pages_kv(dec, geo, vt, r.input_tokens)
+                    kvs, digests = read_pages_kv(dec, geo, vt, r.input_tokens, drafter)
                 if digests != outs[r.request_id]["digests"]:
                     digest_bad.append(r.request_id)
                 with timer.phase("allocator"):
                     dec.free(vt)
                 t0 = time.perf_counter()
-                cache = cache_from_kv(model, geo, kv, r.input_tokens)
-                toks = greedy_continue(model, cache, outs[r.request_id]["first_token"], r.output_tokens)
+                cache = cache_from_kv(model, geo, kvs["target"], r.input_tokens)
+                first = outs[r.request_id]["first_token"]
+                if drafter is None:
+                    toks = greedy_continue(model, cache, first, r.output_tokens)
+                else:
+                    dcache = cache_from_kv(drafter, geometry_of(drafter), kvs["draft"], r.input_tokens)
+                    toks, fig = speculative_continue(model, drafter, cache, dcache, first, r.output_tokens,
+                                                     cfg.draft_tokens)
+                    for key in spec_fig:
+                        spec_fig[key] += getattr(fig, key)
                 decode_s += time.perf_counter() - t0
                 generated[r.request_id] = toks
                 pos = first_difference(toks, reference[r.request_id])
@@ -289,6 +313,8 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
                     "memory_layer": sec["allocator"] + sec["translate_plan"], "kv_read_verify": sec["verify"]},
         "decode_tokens_per_s": tokens / decode_s if decode_s > 0 else 0.0,
         "pages_left": pages_left, "leases_left": leases_left,
+        "draft": cfg.draft, "draft_tokens": cfg.draft_tokens if cfg.draft else 0, "speculative": spec_fig,
+        "draft_acceptance": spec_fig["accepted"] / spec_fig["proposed"] if spec_fig["proposed"] else None,
         "tokens": {str(k): v for k, v in generated.items()},
         "max_prompt_pages": max(pages_for_tokens(r.input_tokens, cfg.page_size) for r in reqs),
     }
@@ -331,6 +357,9 @@ def generate_table(report: dict) -> Any:
         ("tokens generated", f"{report['tokens_generated']:,}"),
         ("decode tokens/s", f"{report['decode_tokens_per_s']:,.0f}"),
         ("bytes moved", f"{report['bytes_moved']:,}"),
+        ("draft acceptance", "no drafter" if not report["draft"] else
+         f"{report['speculative']['accepted']} of {report['speculative']['proposed']} proposed "
+         f"({report['draft_acceptance'] or 0:.0%}, {report['speculative']['rounds']} target verifications)"),
         ("bytes by vector", ", ".join(f"{k} {v:,}" for k, v in sorted(report["bytes_by_vector"].items()))),
         ("descriptors per request", f"{report['descriptors_per_request']:.2f} "
          f"(per layer and page: {report['per_layer_per_page_descriptors'] / max(n, 1):.1f})"),
