@@ -12,7 +12,11 @@ fit check), :mod:`~umalloc_replay.preflight` (argument, path and memory checks),
 DCP rank on each side, ``--prefill-tp`` / ``--decode-tp`` / ``--prefill-dcp`` / ``--decode-dcp`` /
 ``--prefill-page-size``): :mod:`~umalloc_replay.multirank.ranks` (orchestration), :mod:`~umalloc_replay.multirank.rankside` (what
 each rank runs), :mod:`~umalloc_replay.multirank.headpattern` (the pattern by global head and logical position),
-:mod:`~umalloc_replay.multirank.ranks_report` (its report and table). The console script is :mod:`umalloc_replay.cli`.
+:mod:`~umalloc_replay.multirank.ranks_report` (its report and table). ``umalloc generate`` (a random-weight model's KV
+from a prefill side to a decode side, tokens compared with one process): :mod:`~umalloc_replay.generate.models`
+(the tiny models and their arena ends), :mod:`~umalloc_replay.generate.kv` (prefill KV, pages, cache rebuild,
+greedy and speculative decoding), :mod:`~umalloc_replay.generate.child` (the prefill process),
+:mod:`~umalloc_replay.generate.run` (the driver, report and table). The console script is :mod:`umalloc_replay.cli`.
 """
 
 #: ``umalloc replay`` with no arguments replays this many requests of the packaged trace ...
