@@ -191,3 +191,17 @@ def test_a_stale_draft_kv_keeps_the_tokens_and_changes_the_acceptance() -> None:
     assert stale["tokens"] == good["tokens"]
     assert stale["speculative"]["accepted"] != good["speculative"]["accepted"], (stale["speculative"],
                                                                                 good["speculative"])
+
+
+def test_the_write_gate_keeps_stale_draft_kv_from_the_decode_side() -> None:
+    """The drafter's forward runs after the target's pages are planned (vLLM #35158's order). Through the write
+    gate every post waits for the drafter and the decode side receives the draft KV the drafter wrote (every
+    digest matches); posted at once (``write_gate=False``) the same run sends the draft pages' old bytes, and
+    the decode side's digest of every request's draft pages differs from what the drafter wrote."""
+    gated = report_of("gemma3", "local-draft")
+    assert gated["write_gate"] == {"deferred_posts": 4, "posted_before_draft": 0}
+    assert gated["digest_mismatches"] == []
+    early = run_generate(GenerateConfig(model="gemma3", draft=True, draft_tokens=2, write_gate=False, **SLICE))
+    assert early["write_gate"] == {"deferred_posts": 0, "posted_before_draft": 4}
+    assert early["digest_mismatches"] == [0, 1, 2, 3]
+    assert early["tokens"] == gated["tokens"]  # verification keeps the tokens: only the bytes show it

@@ -167,10 +167,15 @@ class ModelKV:
     """
 
     def __init__(self, model: Any, geo: ModelGeometry, spec: ArenaSpec, prompts: dict[int, list[int]],
-                 fault: str | None = None, drafter: Any = None) -> None:
+                 fault: str | None = None, drafter: Any = None, *, late_draft: bool = False,
+                 gate: Any = None) -> None:
         if fault is not None and fault not in FAULTS:
             raise UmallocValueError(f"fault {fault!r}: allowed None or one of {FAULTS}")
+        if late_draft and drafter is None:
+            raise UmallocValueError("late_draft: allowed with a drafter")
         self.model, self.geo, self.spec, self.fault, self.drafter = model, geo, spec, fault, drafter
+        self.late_draft, self.gate = late_draft, gate
+        self._late: dict[int, tuple[Arena, torch.Tensor, torch.Tensor]] = {}
         self.prompts = prompts
         self.layers = ends_of(geo, drafter)
         self.first_tokens: dict[int, int] = {}
@@ -186,7 +191,7 @@ class ModelKV:
                 raise UmallocValueError(f"request {request_id}: no prompt")
             t0 = time.perf_counter()
             pre = {"target": prefill_kv(self.model, self.prompts[request_id])}
-            if self.drafter is not None:
+            if self.drafter is not None and not self.late_draft:
                 pre["draft"] = prefill_kv(self.drafter, self.prompts[request_id])
             self.prefill_s += time.perf_counter() - t0
             self._kv[request_id] = pre
@@ -199,9 +204,13 @@ class ModelKV:
         """Write sequence pages ``seq_pages`` (ascending, contiguous) of ``request_id``'s KV on ``end`` into
         physical pages ``ppages`` (int64 ``(n,)``); returns bytes written (whole envelopes)."""
         source, layers = self.layers[end]
-        pre = self._prefill(request_id)[source]
         sp = torch.as_tensor(np.asarray(seq_pages), dtype=torch.int64)
         pp = torch.as_tensor(np.asarray(ppages), dtype=torch.int64)
+        if source == "draft" and self.late_draft:  # the drafter's forward runs later (write_late_draft)
+            self._prefill(request_id)
+            self._late[request_id] = (arena, sp, pp)
+            return self._wrote(request_id, end, int(sp.numel()) * arena.page_bytes(end), digest=None)
+        pre = self._prefill(request_id)[source]
         ps = self.spec.end(end).page_size
         n = int(sp.numel())
         lo = int(sp[0]) * ps if n else 0
@@ -217,10 +226,44 @@ class ModelKV:
             kview[pp] = _pages_of(k, lo, n, ps)
             assert vview is not None
             vview[pp] = _pages_of(v, lo, n, ps)
-        self.digests[request_id][end] = _digest(arena, end, pp)
-        if len(self.digests[request_id]) == len(self.layers):
-            del self._kv[request_id]  # every end written: the K/V is in the arena now
-        return n * arena.page_bytes(end)
+        return self._wrote(request_id, end, n * arena.page_bytes(end), digest=_digest(arena, end, pp))
+
+    def _wrote(self, request_id: int, end: str, nbytes: int, digest: str | None) -> int:
+        """Record ``end`` of ``request_id`` as handled (``digest``: of what was written; ``None``: left to a
+        later producer); once every end is, drop the prefill K/V and signal the target's producer."""
+        got = self.digests[request_id]
+        got[end] = digest  # type: ignore[assignment]
+        if len(got) == len(self.layers):
+            del self._kv[request_id]  # every end written (or left to the late drafter): the K/V is in the arena
+            if self.gate is not None:
+                self.gate.signal(str(request_id), "target")
+        return nbytes
+
+    def write_late_draft(self, request_id: int) -> list:
+        """With ``late_draft``: run the drafter's forward for ``request_id`` now and write its KV into the draft
+        pages recorded at fill time, then signal the ``draft`` producer at the gate; returns what that signal
+        posted (the gate's deferred submissions). Raises :class:`UmallocValueError` for a request with no
+        pending draft."""
+        if request_id not in self._late:
+            raise UmallocValueError(f"request {request_id}: no late draft pending")
+        arena, sp, pp = self._late.pop(request_id)
+        import time
+
+        t0 = time.perf_counter()
+        pre = prefill_kv(self.drafter, self.prompts[request_id])
+        self.prefill_s += time.perf_counter() - t0
+        ps = self.spec.end("draft").page_size
+        lo = int(sp[0]) * ps if sp.numel() else 0
+        for i, layer in enumerate(self.layers["draft"][1]):
+            k, v = pre.keys[layer], pre.values[layer]
+            if self.fault == "stale_draft":
+                k, v = torch.zeros_like(k), torch.zeros_like(v)
+            kview, vview = arena.kv_views("draft", i)
+            assert vview is not None
+            kview[pp] = _pages_of(k, lo, int(sp.numel()), ps)
+            vview[pp] = _pages_of(v, lo, int(sp.numel()), ps)
+        self.digests[request_id]["draft"] = _digest(arena, "draft", pp)
+        return [] if self.gate is None else self.gate.signal(str(request_id), "draft")
 
     def outputs(self, request_ids: list[int]) -> dict[int, dict]:
         """``{rid: {"first_token", "digests"}}`` of written requests, forgotten here once returned."""

@@ -55,7 +55,11 @@ class GenerateConfig:
     ``draft``: a drafter (:func:`~umalloc_replay.generate.models.build_drafter`) whose KV rides the same plan
     (its own ``draft`` end and index vector); the decode side decodes speculatively
     (:func:`~umalloc_replay.generate.kv.speculative_continue`, ``draft_tokens`` per round) and must still equal
-    the target-only reference. ``fault``: a wrong KV written on the prefill side (:data:`~umalloc_replay.generate.kv.FAULTS`), for the
+    the target-only reference. On the local backend the drafter's forward runs after the target's pages are
+    planned (the order in which vLLM #35158 sent stale draft pages): the post goes through a
+    :class:`~umalloc.WriteGate` (target and SWA-tail vectors by the target, the draft vector by the drafter) and
+    waits for the drafter; ``write_gate=False`` (tests only) posts at once, with the draft pages' old bytes.
+    ``fault``: a wrong KV written on the prefill side (:data:`~umalloc_replay.generate.kv.FAULTS`), for the
     tests that show the token check catches it; ``None`` in every real run.
     """
 
@@ -76,6 +80,7 @@ class GenerateConfig:
     fault: str | None = None
     draft: bool = False
     draft_tokens: int = 4
+    write_gate: bool = True
 
 
 def load_slice(cfg: GenerateConfig, max_context_tokens: int) -> list[TraceRequest]:
@@ -180,10 +185,17 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
     timer = PhaseTimer()
     dec = MultiEndedAllocator(Arena(spec, zero=False), compaction=cfg.compaction)
     kv_local: ModelKV | None = None
+    gate: Any = None
     if cfg.backend == "local":
-        kv_local = ModelKV(model, geo, spec, prompts, cfg.fault, drafter)
+        from umalloc import WriteGate
+
+        gate = WriteGate({"target": ("target",), "swa_tail": ("target",), "draft": ("draft",)}) \
+            if drafter is not None and cfg.write_gate else None
+        kv_local = ModelKV(model, geo, spec, prompts, cfg.fault, drafter, late_draft=drafter is not None,
+                           gate=gate)
         prefill: Any = LocalPrefill(spec, kv_local, dec, timer, compaction=cfg.compaction,
-                                    transfer_timeout_s=cfg.transfer_timeout_s, lease_deadline_s=cfg.lease_deadline_s)
+                                    transfer_timeout_s=cfg.transfer_timeout_s, lease_deadline_s=cfg.lease_deadline_s,
+                                    gate=gate)
     else:
         from umalloc_replay.generate.child import SETUP_TARGET
         from umalloc_replay.single.remote import RemotePrefill
@@ -202,6 +214,7 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
     prefill_child_s = 0.0
     weights_ok = True
     spec_fig = {"rounds": 0, "proposed": 0, "accepted": 0}
+    gate_figs = {"deferred_posts": 0, "posted_before_draft": 0}
     bar = None
     interrupted = False
     try:
@@ -223,6 +236,11 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
                 ticket = prefill.start(RequestState(r), vt)
                 if ticket is None:
                     raise InvariantError(f"prefill arena of {nbytes:,} bytes short for request {r.request_id}")
+                if kv_local is not None and kv_local.late_draft:
+                    deferred = gate is not None and ticket[1] is None
+                    kv_local.write_late_draft(r.request_id)  # the drafter's forward, after the target's plan
+                    gate_figs["deferred_posts"] += int(deferred)
+                    gate_figs["posted_before_draft"] += int(not deferred)
                 tickets.append(ticket)
                 held.append((r, vt))
             figures += prefill.finish_all(tickets)
@@ -314,6 +332,7 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
         "decode_tokens_per_s": tokens / decode_s if decode_s > 0 else 0.0,
         "pages_left": pages_left, "leases_left": leases_left,
         "draft": cfg.draft, "draft_tokens": cfg.draft_tokens if cfg.draft else 0, "speculative": spec_fig,
+        "write_gate": gate_figs,
         "draft_acceptance": spec_fig["accepted"] / spec_fig["proposed"] if spec_fig["proposed"] else None,
         "tokens": {str(k): v for k, v in generated.items()},
         "max_prompt_pages": max(pages_for_tokens(r.input_tokens, cfg.page_size) for r in reqs),
@@ -357,6 +376,8 @@ def generate_table(report: dict) -> Any:
         ("tokens generated", f"{report['tokens_generated']:,}"),
         ("decode tokens/s", f"{report['decode_tokens_per_s']:,.0f}"),
         ("bytes moved", f"{report['bytes_moved']:,}"),
+        ("posts deferred by the write gate", f"{report['write_gate']['deferred_posts']} (posted before the "
+         f"drafter wrote: {report['write_gate']['posted_before_draft']})"),
         ("draft acceptance", "no drafter" if not report["draft"] else
          f"{report['speculative']['accepted']} of {report['speculative']['proposed']} proposed "
          f"({report['draft_acceptance'] or 0:.0%}, {report['speculative']['rounds']} target verifications)"),

@@ -32,9 +32,11 @@ from umalloc import (
     Arena,
     ArenaSpec,
     EndRole,
+    InvariantError,
     MultiEndedAllocator,
     PeerLayout,
     UmallocValueError,
+    WriteGate,
     build_plan,
     pages_for_tokens,
 )
@@ -150,14 +152,16 @@ class PlanFigures:
 class LocalPrefill:
     """The prefill side in this process: its arena, allocator, pattern, and a local backend pair.
 
-    ``start`` allocates, fills, plans (leasing both sides) and submits; ``finish_all`` waits, frees the prefill
-    pages and returns the plan's figures. Both sides' allocators are used from this one thread.
+    ``start`` allocates, fills, plans (leasing both sides) and submits — through ``gate`` when given (a
+    :class:`~umalloc.WriteGate`: the submission waits until every producer of the plan's vectors signalled);
+    ``finish_all`` waits, frees the prefill pages and returns the plan's figures. Both sides' allocators are used from this one thread.
     """
 
     name = "local"
 
     def __init__(self, spec: ArenaSpec, pattern: PagePattern, decode: MultiEndedAllocator, timer: PhaseTimer,
-                 *, compaction: str, transfer_timeout_s: float, lease_deadline_s: float | None) -> None:
+                 *, compaction: str, transfer_timeout_s: float, lease_deadline_s: float | None,
+                 gate: WriteGate | None = None) -> None:
         from umalloc import get_backend
 
         self.arena = Arena(spec, zero=False)  # every byte read back is written first
@@ -178,6 +182,7 @@ class LocalPrefill:
         self.bytes_filled = 0
         self.max_leases = 0  # most leases (both sides) held at once, over the run
         self.step_leases = 0  # the same since the driver last reset it
+        self.gate = gate
 
     def start(self, rs: RequestState, dst_vtokens: torch.Tensor) -> object | None:
         """Prefill ``rs`` and submit its plan; ``None`` if the prefill arena is short (nothing changed)."""
@@ -201,9 +206,18 @@ class LocalPrefill:
         held = self.alloc.leases_active() + self.decode.leases_active()
         self.max_leases = max(self.max_leases, held)
         self.step_leases = max(self.step_leases, held)
-        with self.timer.phase("transfer"):
-            handle = self.src.submit(plan, self.peer)
-        return (plan, handle, vt)
+        ticket: list = [plan, None, vt]
+
+        def submit() -> object:
+            with self.timer.phase("transfer"):
+                ticket[1] = self.src.submit(plan, self.peer)
+            return ticket[1]
+
+        if self.gate is None:
+            submit()
+        else:  # posted once every producer of the plan's vectors signalled (maybe later, by their signal)
+            self.gate.post(plan, submit)
+        return ticket
 
     def finish_all(self, tickets: list) -> list[PlanFigures]:
         """Wait for every transfer of ``tickets`` and release it (its plan's leases end with it), then free every
@@ -212,7 +226,11 @@ class LocalPrefill:
         first: BaseException | None = None
         try:
             with self.timer.phase("transfer"):
-                for _plan, handle, _vt in tickets:
+                for plan, handle, _vt in tickets:
+                    if handle is None:  # its post still waits at the gate: never sent
+                        first = first or InvariantError(f"request {plan.request_id}: finished while its post waits "
+                                                        "for a producer at the write gate")
+                        continue
                     try:
                         self.src.wait(handle, self.timeout_s)
                     except BaseException as exc:
