@@ -376,8 +376,9 @@ def generate_table(report: dict) -> Any:
         ("tokens generated", f"{report['tokens_generated']:,}"),
         ("decode tokens/s", f"{report['decode_tokens_per_s']:,.0f}"),
         ("bytes moved", f"{report['bytes_moved']:,}"),
-        ("posts deferred by the write gate", f"{report['write_gate']['deferred_posts']} (posted before the "
-         f"drafter wrote: {report['write_gate']['posted_before_draft']})"),
+        ("posts deferred by the write gate", "no drafter" if not report["draft"] else
+         f"{report['write_gate']['deferred_posts']} (posted before the drafter wrote: "
+         f"{report['write_gate']['posted_before_draft']})"),
         ("draft acceptance", "no drafter" if not report["draft"] else
          f"{report['speculative']['accepted']} of {report['speculative']['proposed']} proposed "
          f"({report['draft_acceptance'] or 0:.0%}, {report['speculative']['rounds']} target verifications)"),
