@@ -2,8 +2,9 @@
 # Set up everything umalloc needs on a fresh machine, idempotently:
 #   1. the system libraries the Mooncake wheel links against (libibverbs1, libnl-3-200, libnl-route-3-200),
 #      installed with apt-get when running as root, else a clear message;
-#   2. a virtualenv in .venv with umalloc installed editable with its dev extras, under constraints.txt
-#      (torch==2.13.0: the CPU build; an unpinned torch would pull a multi-GB CUDA build).
+#   2. a virtualenv in .venv with umalloc installed editable with its dev and transformers extras (transformers
+#      builds `umalloc generate`'s models), under constraints.txt (torch==2.13.0: the CPU build; an unpinned torch
+#      would pull a multi-GB CUDA build).
 # Usage: bash scripts/setup.sh      (sourced by scripts/replay.sh and scripts/test.sh)
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -38,9 +39,9 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  echo "[setup] installing umalloc[dev] into .venv (torch pinned by constraints.txt)"
+  echo "[setup] installing umalloc[dev,transformers] into .venv (torch pinned by constraints.txt)"
   # (this machine's pip config names local package folders that may be absent: drop those warnings only)
-  .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[dev]" \
+  .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[dev,transformers]" \
     2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
   echo "$want" > "$stamp"
 fi

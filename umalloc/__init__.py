@@ -43,6 +43,7 @@ _EXPORTS: dict[str, str] = {
     "build_plan": "umalloc.transfer.build",
     "build_receiver_half": "umalloc.transfer.build",
     "build_send_plan": "umalloc.transfer.build",
+    "WriteGate": "umalloc.transfer.gate",
     "get_backend": "umalloc.backends",
     # errors
     "UmallocError": "umalloc.errors",
@@ -56,6 +57,7 @@ _EXPORTS: dict[str, str] = {
     "StaleLeaseError": "umalloc.errors",
     "InvariantError": "umalloc.errors",
     "ArenaInUseError": "umalloc.errors",
+    "WriteIncompleteError": "umalloc.errors",
     # transfer errors
     "IncompatiblePeerError": "umalloc.errors",
     "DescriptorBoundsError": "umalloc.errors",
@@ -116,6 +118,7 @@ if TYPE_CHECKING:
         TransferTimeout,
         UmallocError,
         UmallocValueError,
+        WriteIncompleteError,
     )
     from umalloc.geometry.arena import Arena
     from umalloc.geometry.presets import (
@@ -152,6 +155,7 @@ if TYPE_CHECKING:
         build_receiver_half,
         build_send_plan,
     )
+    from umalloc.transfer.gate import WriteGate
     from umalloc.transfer.layout import (
         PeerLayout,
         check_compatible,
@@ -177,6 +181,7 @@ __all__ = [
     "PRESETS", "PeerDiedError", "PeerLayout", "ReceiverHalf", "Region", "RegistrationError", "RequestTable",
     "RequestTableStats", "SpecError", "StaleLeaseError", "TOMBSTONE", "TombstoneError", "TransferError",
     "TransferPlan", "TransferTimeout", "UmallocError", "UmallocValueError", "WorkerDied", "WorkerTimeout",
+    "WriteGate", "WriteIncompleteError",
     "build_plan", "build_receiver_half", "build_send_plan", "check_compatible", "get_backend",
     "is_dcp_sharded", "owned_count", "pages_for_tokens", "preset_ends", "rank_kv_heads", "rows_of_checked",
     "sends_to", "swa_pages_per_seq", "swa_tail_start",

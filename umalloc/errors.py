@@ -126,5 +126,15 @@ class ArenaMemoryError(UmallocError, MemoryError):
     """The host or device could not allocate an arena's bytes (nothing was allocated)."""
 
 
+class WriteIncompleteError(UmallocValueError):
+    """:meth:`umalloc.transfer.gate.WriteGate.post` with ``refuse=True`` before every producer of the plan's index
+    vectors signalled that it wrote them (``missing``: vector name -> producers not yet signalled). Nothing was
+    submitted or kept."""
+
+    def __init__(self, message: str, missing: dict[str, tuple[str, ...]] | None = None) -> None:
+        super().__init__(message)
+        self.missing = dict(missing or {})
+
+
 class PeerDiedError(TransferError):
     """The peer of a transfer (its process, agent or connection) is gone; what it may have written is in doubt."""

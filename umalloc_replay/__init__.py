@@ -12,7 +12,11 @@ fit check), :mod:`~umalloc_replay.preflight` (argument, path and memory checks),
 DCP rank on each side, ``--prefill-tp`` / ``--decode-tp`` / ``--prefill-dcp`` / ``--decode-dcp`` /
 ``--prefill-page-size``): :mod:`~umalloc_replay.multirank.ranks` (orchestration), :mod:`~umalloc_replay.multirank.rankside` (what
 each rank runs), :mod:`~umalloc_replay.multirank.headpattern` (the pattern by global head and logical position),
-:mod:`~umalloc_replay.multirank.ranks_report` (its report and table). The console script is :mod:`umalloc_replay.cli`.
+:mod:`~umalloc_replay.multirank.ranks_report` (its report and table). ``umalloc generate`` (a random-weight model's KV
+from a prefill side to a decode side, tokens compared with one process): :mod:`~umalloc_replay.generate.models`
+(the tiny models and their arena ends), :mod:`~umalloc_replay.generate.kv` (prefill KV, pages, cache rebuild,
+greedy and speculative decoding), :mod:`~umalloc_replay.generate.child` (the prefill process),
+:mod:`~umalloc_replay.generate.run` (the driver, report and table). The console script is :mod:`umalloc_replay.cli`.
 """
 
 #: ``umalloc replay`` with no arguments replays this many requests of the packaged trace ...
@@ -31,3 +35,12 @@ PRESET_NAMES = ("deepseek-v3", "gemma-3-12b", "gemma-3-12b-draft", "gpt-oss-20b"
                 "qwen3-8b", "qwen3-8b-draft")
 DEFAULT_PRESET_NAME = "gemma-3-12b-draft"
 PRESETS_WITH_DRAFT = ("deepseek-v3", "gemma-3-12b-draft", "llama-3-8b-eagle", "qwen3-8b-draft")
+
+#: ``umalloc generate``'s model names (:mod:`umalloc_replay.generate.models`), its default slice and scales:
+#: the first DEFAULT_GENERATE_REQUESTS rows, prompts divided by DEFAULT_GENERATE_TOKEN_SCALE, outputs by
+#: DEFAULT_GENERATE_OUTPUT_SCALE (seconds on a 2-core machine).
+GENERATE_MODEL_NAMES = ("llama", "qwen3", "gemma3")
+DEFAULT_GENERATE_MODEL = "gemma3"
+DEFAULT_GENERATE_REQUESTS = 8
+DEFAULT_GENERATE_TOKEN_SCALE = 64
+DEFAULT_GENERATE_OUTPUT_SCALE = 16

@@ -49,12 +49,17 @@ from typer.core import TyperGroup  # noqa: E402
 
 from umalloc import UmallocValueError, __version__  # noqa: E402
 from umalloc_replay import (  # noqa: E402
+    DEFAULT_GENERATE_MODEL,
+    DEFAULT_GENERATE_OUTPUT_SCALE,
+    DEFAULT_GENERATE_REQUESTS,
+    DEFAULT_GENERATE_TOKEN_SCALE,
     DEFAULT_MAX_PROMPT_TOKENS,
     DEFAULT_PRESET_NAME,
     DEFAULT_RANK_REQUESTS,
     DEFAULT_RANK_TOKEN_SCALE,
     DEFAULT_REQUESTS,
     DEFAULT_TOKEN_SCALE,
+    GENERATE_MODEL_NAMES,
     PRESET_NAMES,
     PRESETS_WITH_DRAFT,
 )
@@ -117,7 +122,8 @@ class UmallocApp(typer.Typer):
 
 app = UmallocApp(cls=_OneLineErrors, add_completion=False, no_args_is_help=True,
                  context_settings={"max_content_width": 120},
-                 help="umalloc: multi-ended KV-cache page allocator. `umalloc replay` runs the main job.")
+                 help="umalloc: multi-ended KV-cache page allocator. `umalloc replay` runs the main job; `umalloc "
+                 "generate` checks a real model's KV moved between processes.")
 
 
 def _print_version(value: bool) -> None:
@@ -355,6 +361,119 @@ def replay(
         raise typer.Exit(1)
 
 
+@app.command()
+def generate(
+    model: Annotated[str, typer.Option(
+        "--model", metavar="NAME", rich_help_panel=_MODEL,
+        help=f"Random-weight model (seeded, tiny): {', '.join(GENERATE_MODEL_NAMES)} (gemma3 mixes sliding-window "
+        "and full-attention layers).")] = DEFAULT_GENERATE_MODEL,
+    backend: Annotated[BackendName, typer.Option(
+        "--backend", rich_help_panel=_BACKEND,
+        help="Transfer backend; nixl and mooncake run the prefill side (its own model copy and arena) in a second "
+        "process.")] = BackendName.local,
+    trace: Annotated[Path | None, typer.Option(
+        "--trace", metavar="FILE", rich_help_panel=_TRACE, show_default="the packaged Mooncake trace",
+        help="Trace file: Mooncake JSONL or Azure LLM inference CSV.")] = None,
+    trace_format: Annotated[TraceFormat, typer.Option(
+        "--trace-format", rich_help_panel=_TRACE, help="Trace format (auto: from the file's first bytes).")
+    ] = TraceFormat.auto,
+    requests: Annotated[int, typer.Option(
+        "--requests", min=1, metavar="N", rich_help_panel=_TRACE, help="Run N requests of the trace (at most its "
+        "rows after --skip).")] = DEFAULT_GENERATE_REQUESTS,
+    skip: Annotated[int, typer.Option(
+        "--skip", min=0, metavar="N", rich_help_panel=_TRACE, help="Start the slice after the first N rows.")] = 0,
+    token_scale: Annotated[int, typer.Option(
+        "--token-scale", min=1, metavar="K", rich_help_panel=_TRACE,
+        help="Divide every prompt length by K (ceiling, at least 1); every request must fit the model's context "
+        "of 1024 tokens.")] = DEFAULT_GENERATE_TOKEN_SCALE,
+    output_scale: Annotated[int, typer.Option(
+        "--output-scale", min=1, metavar="K", rich_help_panel=_TRACE,
+        help="Divide every output length by K (ceiling, at least 1): tokens generated per request.")
+    ] = DEFAULT_GENERATE_OUTPUT_SCALE,
+    page_size: Annotated[int, typer.Option(
+        "--page-size", min=1, metavar="N", rich_help_panel=_MODEL, help="Tokens per page.")] = 16,
+    max_batch: Annotated[int, typer.Option(
+        "--max-batch", min=1, metavar="N", rich_help_panel=_MODEL,
+        help="Requests whose KV is in flight at once (the arenas hold this many prompts).")] = 4,
+    seed: Annotated[int, typer.Option("--seed", min=0, metavar="N", rich_help_panel=_MODEL,
+                                      help="Seed of the weights and the prompts.")] = 0,
+    draft: Annotated[bool, typer.Option(
+        "--draft/--no-draft", rich_help_panel=_MODEL,
+        help="Add a drafter (the target cut to one full-attention layer) whose KV rides the same plan in its own "
+        "draft end; the decode side decodes speculatively with greedy verification.")] = False,
+    draft_tokens: Annotated[int, typer.Option(
+        "--draft-tokens", min=1, metavar="K", rich_help_panel=_MODEL,
+        help="Draft tokens proposed per verification (with --draft).")] = 4,
+    output_format: Annotated[OutputFormat, typer.Option(
+        "--format", rich_help_panel=_OUT, help="Result on stdout: table or json (the report).")] = OutputFormat.table,
+    report: Annotated[Path | None, typer.Option(
+        "--report", metavar="FILE", rich_help_panel=_OUT, show_default="none", help="Write the JSON report "
+        "here.")] = None,
+    progress: Annotated[bool, typer.Option(
+        "--progress/--no-progress", rich_help_panel=_OUT, help="Show the progress bar (on stderr).")] = True,
+) -> None:
+    """Generate with a random-weight model whose KV a prefill side sends to a decode side on umalloc pages; every
+    request's tokens must equal one process's."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    from umalloc import BackendError
+    from umalloc_replay.preflight import check_output_file, check_trace_file
+
+    err = Console(stderr=True)
+
+    def fail(msg: str, code: int) -> typer.Exit:
+        err.print(f"[red]error:[/red] {escape(msg)}", soft_wrap=True)
+        return typer.Exit(code)
+
+    try:
+        try:
+            if model not in GENERATE_MODEL_NAMES:
+                raise UmallocValueError(f"--model {model!r}: allowed one of {', '.join(GENERATE_MODEL_NAMES)}")
+            if trace is not None:
+                check_trace_file(trace)
+            if report is not None:
+                check_output_file(report, "--report")
+            from umalloc_replay.generate.run import (
+                GenerateConfig,
+                check_generate_report,
+                generate_table,
+                run_generate,
+            )
+
+            cfg = GenerateConfig(
+                model=model, backend=backend.value, trace=None if trace is None else str(trace),
+                trace_format=None if trace_format is TraceFormat.auto else trace_format.value, requests=requests,
+                skip=skip, token_scale=token_scale, output_scale=output_scale, page_size=page_size, seed=seed,
+                max_batch=max_batch, draft=draft, draft_tokens=draft_tokens)
+            result = run_generate(cfg, progress=progress, console=err)
+        except UmallocValueError as exc:
+            raise fail(str(exc), 2) from None
+        except BackendError as exc:  # a transfer engine or the prefill process failed mid-run (e.g. killed)
+            raise fail(f"the {backend.value} backend failed: {exc}", 1) from None
+        if output_format is OutputFormat.json:
+            import json
+
+            print(json.dumps(result, indent=1), flush=True)
+        else:
+            print_table(generate_table(result))
+        try:
+            if report is not None:
+                import json
+
+                report.write_text(json.dumps(result, indent=1) + "\n")
+                err.print(f"report: {report}", soft_wrap=True)
+        except OSError as exc:
+            raise fail(f"writing the output failed: {exc}", 1) from None
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+    problems = check_generate_report(result)
+    if problems:
+        for p in problems:
+            err.print(f"[red]check:[/red] {escape(str(p))}", soft_wrap=True)
+        raise typer.Exit(1)
+
+
 def print_table(table: Any) -> None:
     """Print a rich table on stdout: at the terminal's width on a terminal, else at the table's own natural width,
     so a log keeps one line per row (rich falls back to 80 columns and wraps a row otherwise)."""
@@ -370,4 +489,4 @@ if _QUIET_START:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-__all__ = ["UmallocApp", "app", "parse_arena_bytes", "parse_size_bytes", "print_table"]
+__all__ = ["UmallocApp", "app", "generate", "parse_arena_bytes", "parse_size_bytes", "print_table"]

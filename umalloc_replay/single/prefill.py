@@ -23,6 +23,7 @@ gives every backend the same pins at each free, so the same compactions.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -31,14 +32,15 @@ from umalloc import (
     Arena,
     ArenaSpec,
     EndRole,
+    InvariantError,
     MultiEndedAllocator,
     PeerLayout,
     UmallocValueError,
+    WriteGate,
     build_plan,
     pages_for_tokens,
 )
 from umalloc_replay.report import PhaseTimer
-from umalloc_replay.single.kvfill import KVPattern
 from umalloc_replay.workload import RequestState, first_kept_page, pages_held
 
 # ==== sequence helpers (both sides) =============================================================================
@@ -112,7 +114,7 @@ def _seq_pages(spec: ArenaSpec, end: str, seq_len: int, lo_page: int) -> np.ndar
     return np.arange(lo_page, pages_for_tokens(seq_len, spec.end(end).page_size), dtype=np.int64)
 
 
-def fill_sequence(alloc: MultiEndedAllocator, pattern: KVPattern, rid: int, vt: torch.Tensor, seq_len: int) -> int:
+def fill_sequence(alloc: MultiEndedAllocator, pattern: PagePattern, rid: int, vt: torch.Tensor, seq_len: int) -> int:
     """Fill every page a fresh sequence holds on every end (whole pages); returns bytes written."""
     spec = alloc.spec
     total = 0
@@ -126,6 +128,14 @@ def fill_sequence(alloc: MultiEndedAllocator, pattern: KVPattern, rid: int, vt: 
 
 
 # ==== the local prefill side ============================================================================
+
+
+class PagePattern(Protocol):
+    """What fills a prefill side's pages: :class:`~umalloc_replay.single.kvfill.KVPattern` (the replay's keyed
+    pattern) or a model's KV writer (``umalloc generate``)."""
+
+    def fill_pages(self, arena: Arena, end: str, request_id: int, seq_pages: torch.Tensor | np.ndarray,
+                   ppages: torch.Tensor | np.ndarray) -> int: ...
 
 
 @dataclass
@@ -142,14 +152,16 @@ class PlanFigures:
 class LocalPrefill:
     """The prefill side in this process: its arena, allocator, pattern, and a local backend pair.
 
-    ``start`` allocates, fills, plans (leasing both sides) and submits; ``finish_all`` waits, frees the prefill
-    pages and returns the plan's figures. Both sides' allocators are used from this one thread.
+    ``start`` allocates, fills, plans (leasing both sides) and submits — through ``gate`` when given (a
+    :class:`~umalloc.WriteGate`: the submission waits until every producer of the plan's vectors signalled);
+    ``finish_all`` waits, frees the prefill pages and returns the plan's figures. Both sides' allocators are used from this one thread.
     """
 
     name = "local"
 
-    def __init__(self, spec: ArenaSpec, pattern: KVPattern, decode: MultiEndedAllocator, timer: PhaseTimer,
-                 *, compaction: str, transfer_timeout_s: float, lease_deadline_s: float | None) -> None:
+    def __init__(self, spec: ArenaSpec, pattern: PagePattern, decode: MultiEndedAllocator, timer: PhaseTimer,
+                 *, compaction: str, transfer_timeout_s: float, lease_deadline_s: float | None,
+                 gate: WriteGate | None = None) -> None:
         from umalloc import get_backend
 
         self.arena = Arena(spec, zero=False)  # every byte read back is written first
@@ -170,6 +182,7 @@ class LocalPrefill:
         self.bytes_filled = 0
         self.max_leases = 0  # most leases (both sides) held at once, over the run
         self.step_leases = 0  # the same since the driver last reset it
+        self.gate = gate
 
     def start(self, rs: RequestState, dst_vtokens: torch.Tensor) -> object | None:
         """Prefill ``rs`` and submit its plan; ``None`` if the prefill arena is short (nothing changed)."""
@@ -193,9 +206,18 @@ class LocalPrefill:
         held = self.alloc.leases_active() + self.decode.leases_active()
         self.max_leases = max(self.max_leases, held)
         self.step_leases = max(self.step_leases, held)
-        with self.timer.phase("transfer"):
-            handle = self.src.submit(plan, self.peer)
-        return (plan, handle, vt)
+        ticket: list = [plan, None, vt]
+
+        def submit() -> object:
+            with self.timer.phase("transfer"):
+                ticket[1] = self.src.submit(plan, self.peer)
+            return ticket[1]
+
+        if self.gate is None:
+            submit()
+        else:  # posted once every producer of the plan's vectors signalled (maybe later, by their signal)
+            self.gate.post(plan, submit)
+        return ticket
 
     def finish_all(self, tickets: list) -> list[PlanFigures]:
         """Wait for every transfer of ``tickets`` and release it (its plan's leases end with it), then free every
@@ -204,7 +226,11 @@ class LocalPrefill:
         first: BaseException | None = None
         try:
             with self.timer.phase("transfer"):
-                for _plan, handle, _vt in tickets:
+                for plan, handle, _vt in tickets:
+                    if handle is None:  # its post still waits at the gate: never sent
+                        first = first or InvariantError(f"request {plan.request_id}: finished while its post waits "
+                                                        "for a producer at the write gate")
+                        continue
                     try:
                         self.src.wait(handle, self.timeout_s)
                     except BaseException as exc:
@@ -248,4 +274,4 @@ class LocalPrefill:
 
 
 
-__all__ = ["LocalPrefill", "PlanFigures", "alloc_sequence", "fill_sequence", "swa_ends", "warm_up"]
+__all__ = ["LocalPrefill", "PagePattern", "PlanFigures", "alloc_sequence", "fill_sequence", "swa_ends", "warm_up"]

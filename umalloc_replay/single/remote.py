@@ -67,12 +67,21 @@ def child_setup(ctx, model: str, page_size: int, draft: bool, arena_bytes: int, 
     spec = ArenaSpec(padded_ends(ends) if padded else ends, arena_bytes=arena_bytes)
     arena = Arena(spec, zero=False)
     alloc = MultiEndedAllocator(arena, compaction=compaction)
+    torch.set_num_threads(1)
+    return adopt_prefill_side(ctx, alloc, KVPattern(spec, seed))
+
+
+def adopt_prefill_side(ctx, alloc: MultiEndedAllocator, pattern: object) -> dict:
+    """Make ``alloc`` (and its arena) the child's prefill side, filled by ``pattern``: warm the allocator up,
+    register the arena with the child's backend, publish its layout. ``pattern`` has ``fill_pages(arena, end,
+    request_id, seq_pages, ppages) -> bytes`` (:class:`~umalloc_replay.single.kvfill.KVPattern`, or a model's
+    KV writer, as ``umalloc generate``'s prefill side). Returns the child's stats. Every setup function passed as
+    :class:`RemotePrefill`'s ``setup`` ends with it."""
     warm_up(alloc)
     b = ctx._b()
-    b.register(arena.regions())
-    b.set_layout(PeerLayout.from_arena(arena))
-    torch.set_num_threads(1)
-    ctx.objects.update(replay_arena=arena, replay_alloc=alloc, replay_pattern=KVPattern(spec, seed),
+    b.register(alloc.arena.regions())
+    b.set_layout(PeerLayout.from_arena(alloc.arena))
+    ctx.objects.update(replay_arena=alloc.arena, replay_alloc=alloc, replay_pattern=pattern,
                        replay_inflight={}, replay_filled=0)
     return _child_stats(ctx)
 
@@ -210,6 +219,9 @@ class RemotePrefill:
         timer: the replay's phase timer.
         model, page_size, draft, seed, compaction, padded: what the child rebuilds its arena and pattern from.
         transfer_timeout_s, lease_deadline_s: bound of each transfer wait; deadline of both sides' leases.
+        setup: ``("module:function", args)`` that the child runs as ``function(ctx, *args)`` instead of
+            :func:`child_setup` (then ``model`` ... ``padded`` are unused): it builds the child's allocator and
+            pattern and ends with :func:`adopt_prefill_side` (``umalloc generate``: a model's KV as the pattern).
 
     Raises:
         BackendUnavailable: the engine cannot start here (in either process).
@@ -219,7 +231,8 @@ class RemotePrefill:
 
     def __init__(self, backend: str, pre_spec: ArenaSpec, decode: MultiEndedAllocator, timer: PhaseTimer, *,
                  model: str, page_size: int, draft: bool, seed: int, compaction: str, padded: bool,
-                 transfer_timeout_s: float, lease_deadline_s: float | None) -> None:
+                 transfer_timeout_s: float, lease_deadline_s: float | None,
+                 setup: tuple[str, tuple] | None = None) -> None:
         from umalloc import BackendWorker, get_backend
 
         self.decode = decode
@@ -235,8 +248,15 @@ class RemotePrefill:
             self.b = get_backend(backend, layout=self.dst_layout)
             self.b.register(decode.arena.regions())
             self.worker.wait_ready(timeout_s=CALL_MARGIN_S)
-            self._stats = self._call("child_setup", model, page_size, draft, pre_spec.arena_bytes, seed, compaction,
-                                     padded)
+            if setup is None:
+                self._stats = self._call("child_setup", model, page_size, draft, pre_spec.arena_bytes, seed,
+                                         compaction, padded)
+            else:
+                target, args = setup
+                got = self.worker.run(target, *args, progress=self.b.progress,
+                                      timeout_s=self.timeout_s + CALL_MARGIN_S)
+                assert isinstance(got, dict), f"{target} returned {type(got).__name__}, not the child's stats"
+                self._stats = got
             self.peer = self.worker.call("connect", self.b.metadata(), progress=self.b.progress,
                                          timeout_s=CALL_MARGIN_S)
         except BaseException:
@@ -347,5 +367,5 @@ class RemotePrefill:
                 self.b.close()
 
 
-__all__ = ["CALL_MARGIN_S", "RemotePrefill", "child_check", "child_finish", "child_finish_all", "child_setup",
-           "child_start", "settle_failed_half"]
+__all__ = ["CALL_MARGIN_S", "RemotePrefill", "adopt_prefill_side", "child_check", "child_finish",
+           "child_finish_all", "child_setup", "child_start", "settle_failed_half"]

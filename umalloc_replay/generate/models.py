@@ -1,0 +1,161 @@
+"""Tiny random-weight models for ``umalloc generate``, built from transformers configs (no hub, no download).
+
+Policy:
+
+* Each name of :data:`umalloc_replay.GENERATE_MODEL_NAMES` is one transformers architecture at toy size (hidden 64,
+  2-3 layers, 2 KV heads of 16 dims, vocabulary 512, float32, :data:`INITIALIZER_RANGE`), its weights drawn from ``torch.manual_seed(seed)``,
+  so two processes that build the same name and seed hold bit-identical weights (:func:`weights_digest` checks).
+* ``gemma3`` mixes sliding-window and full-attention layers (window :data:`GEMMA3_WINDOW_TOKENS`); ``llama`` and
+  ``qwen3`` are full attention only.
+* :func:`arena_ends` is the umalloc geometry of a model's KV: one ``full`` end (id owner, grows up) with the
+  full-attention layers in model order, and for a sliding model one ``swa`` end (grows down, bound to ``full``,
+  window = the config's ``sliding_window``) with the sliding layers — the ends
+  :mod:`umalloc.integrations.transformers` builds for the same config.
+* Attention runs through sdpa on CPU; every process of a run uses one torch thread (:func:`build_model`), so the
+  prefill process computes the KV exactly as the reference does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from umalloc import EndRole, EndSpec, Grow, KVDtype, LayerSpec, UmallocValueError
+from umalloc_replay import GENERATE_MODEL_NAMES
+
+VOCAB_SIZE = 512
+#: Longest sequence (prompt + generated) every model accepts (its ``max_position_embeddings``).
+MAX_CONTEXT_TOKENS = 1024
+#: gemma3's sliding window in tokens.
+GEMMA3_WINDOW_TOKENS = 32
+#: Weight init spread and untied embeddings: at transformers' defaults (0.02, tied) a random gemma3 repeats one
+#: token, so a wrong KV would go unseen; at 0.3 untied every model's greedy output varies token to token.
+INITIALIZER_RANGE = 0.3
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+
+
+@dataclass(frozen=True)
+class ModelGeometry:
+    """The KV geometry of a model: ``layer_types[i]`` of model layer ``i``, KV heads, head dim (elements),
+    sliding window in tokens (``None``: no sliding layer), the KV dtype."""
+
+    layer_types: tuple[str, ...]
+    num_kv_heads: int
+    head_dim: int
+    window_tokens: int | None
+    dtype: torch.dtype = torch.float32
+
+    def layers_of(self, layer_type: str) -> list[int]:
+        """Model layer indices of ``layer_type``, ascending (the order of the end's layers)."""
+        return [i for i, t in enumerate(self.layer_types) if t == layer_type]
+
+
+def _config(name: str) -> tuple[Any, Any]:
+    import transformers
+
+    common: dict[str, Any] = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                  max_position_embeddings=MAX_CONTEXT_TOKENS, pad_token_id=0, bos_token_id=1,
+                                  eos_token_id=2, initializer_range=INITIALIZER_RANGE, tie_word_embeddings=False)
+    if name == "llama":
+        return transformers.LlamaConfig(num_hidden_layers=2, **common), transformers.LlamaForCausalLM
+    if name == "qwen3":
+        return transformers.Qwen3Config(num_hidden_layers=2, **common), transformers.Qwen3ForCausalLM
+    if name == "gemma3":
+        cfg = transformers.Gemma3TextConfig(num_hidden_layers=3, sliding_window=GEMMA3_WINDOW_TOKENS,
+                                            layer_types=[SLIDING_ATTENTION, FULL_ATTENTION, SLIDING_ATTENTION],
+                                            **common)
+        return cfg, transformers.Gemma3ForCausalLM
+    raise UmallocValueError(f"--model {name!r}: allowed one of {', '.join(GENERATE_MODEL_NAMES)}")
+
+
+def build_model(name: str, seed: int) -> Any:
+    """The model ``name`` with weights from ``torch.manual_seed(seed)``, in eval mode, sdpa attention, float32.
+    Sets torch to one thread (module docstring). Raises :class:`UmallocValueError` for an unknown name."""
+    cfg, cls = _config(name)
+    torch.set_num_threads(1)
+    torch.manual_seed(seed)
+    model = cls(cfg).eval()
+    model.config._attn_implementation = "sdpa"
+    return model
+
+
+def build_drafter(target: Any, seed: int) -> Any:
+    """The drafter of ``--draft``: the target's architecture cut to one full-attention layer (an early-exit,
+    LayerSkip-style self-speculative drafter): the target's embedding, final norm and output head, and as its
+    only layer a copy of the target's first full-attention layer. Deterministic given the target (``seed`` is
+    unused: the weights come from the target, whose seed made them). Its guesses agree with the target's often
+    enough that drafts are accepted, rejected and partly accepted in one run."""
+    import copy
+
+    cfg = copy.deepcopy(target.config)
+    full = geometry_of(target).layers_of(FULL_ATTENTION)[0]
+    cfg.num_hidden_layers = 1
+    if getattr(cfg, "layer_types", None) is not None:
+        cfg.layer_types = [FULL_ATTENTION]
+    torch.set_num_threads(1)
+    draft = type(target)(cfg).eval()
+    state = {k: v for k, v in target.state_dict().items() if not k.startswith("model.layers.")}
+    prefix = f"model.layers.{full}."
+    state.update({"model.layers.0." + k[len(prefix):]: v for k, v in target.state_dict().items()
+                  if k.startswith(prefix)})
+    draft.load_state_dict(state, strict=True)
+    draft.config._attn_implementation = "sdpa"
+    return draft
+
+
+def geometry_of(model: Any) -> ModelGeometry:
+    """:class:`ModelGeometry` of a model built by :func:`build_model`."""
+    cfg = model.config
+    n = int(cfg.num_hidden_layers)
+    types = tuple(getattr(cfg, "layer_types", None) or [FULL_ATTENTION] * n)
+    window = getattr(cfg, "sliding_window", None) if SLIDING_ATTENTION in types else None
+    return ModelGeometry(types, int(cfg.num_key_value_heads), int(cfg.head_dim), window)
+
+
+def arena_ends(geo: ModelGeometry, page_size: int, draft: ModelGeometry | None = None) -> tuple[EndSpec, ...]:
+    """The arena ends holding a model's KV (module docstring); float32 K and V rows of every layer. With
+    ``draft`` (a full-attention drafter's geometry) a ``draft`` end too (bound to ``full``, every token; it
+    floats between ``full`` and ``swa``, or grows down without ``swa``)."""
+    full = tuple(LayerSpec.mha(geo.num_kv_heads, geo.head_dim, dtype=KVDtype.FP32)
+                 for _ in geo.layers_of(FULL_ATTENTION))
+    ends = [EndSpec("full", full, page_size=page_size, grow=Grow.UP)]
+    sliding = geo.layers_of(SLIDING_ATTENTION)
+    if sliding:
+        layers = tuple(LayerSpec.mha(geo.num_kv_heads, geo.head_dim, dtype=KVDtype.FP32,
+                                     window_tokens=geo.window_tokens) for _ in sliding)
+        ends.append(EndSpec("swa", layers, page_size=page_size, grow=Grow.DOWN, owner="full", role=EndRole.SWA))
+    if draft is not None:
+        if draft.window_tokens is not None:
+            raise UmallocValueError("the drafter has sliding layers; allowed a full-attention drafter")
+        dl = tuple(LayerSpec.mha(draft.num_kv_heads, draft.head_dim, dtype=KVDtype.FP32)
+                   for _ in draft.layer_types)
+        ends.append(EndSpec("draft", dl, page_size=page_size, grow=Grow.FLOAT if sliding else Grow.DOWN,
+                            owner="full", role=EndRole.DRAFT))
+    return tuple(ends)
+
+
+def end_layers(geo: ModelGeometry) -> dict[str, list[int]]:
+    """End name -> the model layers it holds, in the end's layer order."""
+    out = {"full": geo.layers_of(FULL_ATTENTION)}
+    if geo.window_tokens is not None:
+        out["swa"] = geo.layers_of(SLIDING_ATTENTION)
+    return out
+
+
+def weights_digest(model: Any) -> str:
+    """blake2b (16 hex digits) of every parameter's bytes in ``state_dict`` order: equal in two processes that
+    built the same name and seed."""
+    h = hashlib.blake2b(digest_size=8)
+    for name, t in model.state_dict().items():
+        h.update(name.encode())
+        h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+__all__ = ["FULL_ATTENTION", "GEMMA3_WINDOW_TOKENS", "INITIALIZER_RANGE", "MAX_CONTEXT_TOKENS", "SLIDING_ATTENTION", "VOCAB_SIZE",
+           "ModelGeometry", "arena_ends", "build_drafter", "build_model", "end_layers", "geometry_of", "weights_digest"]

@@ -1,0 +1,404 @@
+"""The driver of ``umalloc generate``: a trace slice through a random-weight model, its KV moved from a prefill
+side to a decode side on umalloc pages, every request's tokens compared with one process.
+
+Policy:
+
+* The slice: ``requests`` rows of the trace after ``skip``; prompt lengths divided by ``token_scale``, output
+  lengths by ``output_scale`` (ceiling, at least 1, :func:`~umalloc_replay.trace.scale_tokens`). Every request
+  must fit the model's context (:data:`~umalloc_replay.generate.models.MAX_CONTEXT_TOKENS`), else the run is
+  refused naming the request and the smallest ``token_scale`` that fits — before any process starts. Prompt
+  token ids are seeded per request (:func:`prompt_tokens`), the same in every process.
+* The reference: per request, in this process, :func:`~umalloc_replay.generate.kv.reference_tokens` (prefill
+  forward, a cache built from its K/V, greedy decoding); no umalloc, no transfer.
+* The PD run: the replay's prefill side (:class:`~umalloc_replay.single.prefill.LocalPrefill` for ``local``,
+  :class:`~umalloc_replay.single.remote.RemotePrefill` for ``nixl`` / ``mooncake``, which runs the prefill side
+  in a second process over the real engine) with a :class:`~umalloc_replay.generate.kv.ModelKV` as its pattern:
+  per batch of up to ``max_batch`` requests the decode side allocates each prompt's pages (full end: every page;
+  swa end: the window tail), leases and publishes them (receiver half), the prefill side runs the model forward,
+  writes the KV into its own pages, plans (its lease) and posts; every transfer of the batch is waited for and
+  both sides' leases end. Then per request the decode side reads its pages, checks their digest against the
+  prefill side's, frees them, builds the cache from the bytes it read only, and continues greedily from the
+  prefill's first token.
+* The check (:func:`check_generate_report`): every request's tokens equal the reference's (else its first
+  differing position is listed), every digest matches, both models' weights digest match, and no page or lease
+  is left on either side after ``check_invariants``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from umalloc import Arena, ArenaSpec, InvariantError, MultiEndedAllocator, UmallocValueError, pages_for_tokens
+from umalloc_replay import (
+    DEFAULT_GENERATE_MODEL,
+    DEFAULT_GENERATE_OUTPUT_SCALE,
+    DEFAULT_GENERATE_REQUESTS,
+    DEFAULT_GENERATE_TOKEN_SCALE,
+)
+from umalloc_replay.report import PhaseTimer
+from umalloc_replay.trace import TraceRequest, load_trace, scale_tokens
+from umalloc_replay.workload import RequestState, pages_held
+
+#: The report's schema version (:func:`check_generate_report` reads this layout).
+GENERATE_SCHEMA = "umalloc-generate/1"
+
+
+@dataclass(frozen=True)
+class GenerateConfig:
+    """One ``umalloc generate`` run (the CLI options; see ``umalloc generate --help``).
+
+    ``draft``: a drafter (:func:`~umalloc_replay.generate.models.build_drafter`) whose KV rides the same plan
+    (its own ``draft`` end and index vector); the decode side decodes speculatively
+    (:func:`~umalloc_replay.generate.kv.speculative_continue`, ``draft_tokens`` per round) and must still equal
+    the target-only reference. On the local backend the drafter's forward runs after the target's pages are
+    planned (the order in which vLLM #35158 sent stale draft pages): the post goes through a
+    :class:`~umalloc.WriteGate` (target and SWA-tail vectors by the target, the draft vector by the drafter) and
+    waits for the drafter; ``write_gate=False`` (tests only) posts at once, with the draft pages' old bytes.
+    ``fault``: a wrong KV written on the prefill side (:data:`~umalloc_replay.generate.kv.FAULTS`), for the
+    tests that show the token check catches it; ``None`` in every real run.
+    """
+
+    model: str = DEFAULT_GENERATE_MODEL
+    backend: str = "local"
+    trace: str | None = None
+    trace_format: str | None = None
+    requests: int = DEFAULT_GENERATE_REQUESTS
+    skip: int = 0
+    token_scale: int = DEFAULT_GENERATE_TOKEN_SCALE
+    output_scale: int = DEFAULT_GENERATE_OUTPUT_SCALE
+    page_size: int = 16
+    seed: int = 0
+    max_batch: int = 4
+    compaction: str = "lazy"
+    transfer_timeout_s: float = 120.0
+    lease_deadline_s: float | None = 600.0
+    fault: str | None = None
+    draft: bool = False
+    draft_tokens: int = 4
+    write_gate: bool = True
+
+
+def load_slice(cfg: GenerateConfig, max_context_tokens: int) -> list[TraceRequest]:
+    """The scaled trace slice (module docstring). Raises :class:`UmallocValueError` (the trace's own errors, or
+    a request longer than the context, naming it and the scale that fits)."""
+    trace = load_trace(cfg.trace, token_scale=1, max_requests=cfg.requests, fmt=cfg.trace_format, skip=cfg.skip)
+    out = [TraceRequest(r.request_id, r.arrival_s, scale_tokens(r.input_tokens, cfg.token_scale),
+                        scale_tokens(r.output_tokens, cfg.output_scale), r.hash_ids) for r in trace]
+    over = [r for r in out if r.input_tokens + r.output_tokens > max_context_tokens]
+    if over:
+        r = over[0]
+        if any(t.output_tokens + 1 > max_context_tokens for t in out):
+            hint = "a larger --output-scale"
+        else:
+            fit = next(k for k in range(cfg.token_scale, 1 << 40)
+                       if all(scale_tokens(t.input_tokens, k) + t.output_tokens <= max_context_tokens
+                              for t in trace.requests))
+            hint = f"--token-scale >= {fit}"
+        raise UmallocValueError(f"--token-scale {cfg.token_scale}: request {r.request_id} has {r.input_tokens} "
+                                f"prompt + {r.output_tokens} output tokens, over the model's context of "
+                                f"{max_context_tokens} ({len(over)} of {len(out)} requests are): allowed {hint}")
+    return out
+
+
+def prompt_tokens(seed: int, request_id: int, num_tokens: int, vocab_size: int) -> list[int]:
+    """Prompt token ids of one request: uniform in ``[3, vocab_size)`` from a generator seeded by
+    ``(seed, request_id)`` (ids 0-2 are pad, bos, eos)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + request_id)
+    return torch.randint(3, vocab_size, (num_tokens,), generator=g).tolist()
+
+
+def arena_bytes_for(spec_ends: tuple, reqs: list[TraceRequest], max_batch: int) -> int:
+    """Arena bytes that hold the ``max_batch`` largest prompts at once on every end (their pages, one spare
+    page per request and end), twice over (slack for placement), plus the reserved floor; 16-aligned."""
+    probe = ArenaSpec(spec_ends, arena_bytes=1 << 40)
+    big = sorted(reqs, key=lambda r: r.input_tokens, reverse=True)[:max_batch]
+    need = sum((pages_held(probe, e.name, r.input_tokens) + 1) * e.page_bytes for r in big for e in spec_ends)
+    total = probe.floor_bytes + 2 * need
+    return total + (-total) % 16
+
+
+def _live_pages(stats: dict) -> int:
+    return sum(int(s.live_pages) + int(s.pending_pages) for s in stats.values())
+
+
+def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = None,
+                 on_batch: Callable[[int, Any], None] | None = None) -> dict:
+    """Run ``cfg`` (module docstring); returns the JSON-ready report. ``on_batch(batch_index, prefill_side)``
+    runs after each batch's requests decoded (tests end the second process or raise ``KeyboardInterrupt``
+    there, at a point of their choosing).
+
+    Raises:
+        UmallocValueError: bad configuration (nothing started).
+        BackendError: the transfer engine or the second process failed (e.g. it was killed).
+    """
+    from umalloc_replay.generate.kv import (
+        FAULTS,
+        ModelKV,
+        cache_from_kv,
+        first_difference,
+        greedy_continue,
+        read_pages_kv,
+        reference_tokens,
+        speculative_continue,
+    )
+    from umalloc_replay.generate.models import (
+        MAX_CONTEXT_TOKENS,
+        VOCAB_SIZE,
+        arena_ends,
+        build_drafter,
+        build_model,
+        geometry_of,
+        weights_digest,
+    )
+    from umalloc_replay.single.prefill import LocalPrefill, alloc_sequence
+
+    if cfg.fault is not None and cfg.fault not in FAULTS:
+        raise UmallocValueError(f"fault {cfg.fault!r}: allowed None or one of {FAULTS}")
+    if cfg.backend not in ("local", "nixl", "mooncake"):
+        raise UmallocValueError(f"--backend {cfg.backend!r}: allowed local, nixl, mooncake")
+    reqs = load_slice(cfg, MAX_CONTEXT_TOKENS)
+    t_start = time.perf_counter()
+    model = build_model(cfg.model, cfg.seed)
+    geo = geometry_of(model)
+    if cfg.fault == "stale_draft" and not cfg.draft:
+        raise UmallocValueError("fault stale_draft: allowed with draft=True")
+    if cfg.fault == "swa_tail_start" and geo.window_tokens is None:
+        raise UmallocValueError(f"fault swa_tail_start: model {cfg.model!r} has no sliding layer")
+    if cfg.draft_tokens < 1:
+        raise UmallocValueError(f"--draft-tokens {cfg.draft_tokens}: allowed >= 1")
+    drafter = build_drafter(model, cfg.seed) if cfg.draft else None
+    ends = arena_ends(geo, cfg.page_size, None if drafter is None else geometry_of(drafter))
+    nbytes = arena_bytes_for(ends, reqs, cfg.max_batch)
+    spec = ArenaSpec(ends, arena_bytes=nbytes)
+    prompts = {r.request_id: prompt_tokens(cfg.seed, r.request_id, r.input_tokens, VOCAB_SIZE) for r in reqs}
+
+    t0 = time.perf_counter()
+    reference = {r.request_id: reference_tokens(model, geo, prompts[r.request_id], r.output_tokens, cfg.page_size)
+                 for r in reqs}
+    reference_s = time.perf_counter() - t0
+
+    timer = PhaseTimer()
+    dec = MultiEndedAllocator(Arena(spec, zero=False), compaction=cfg.compaction)
+    kv_local: ModelKV | None = None
+    gate: Any = None
+    if cfg.backend == "local":
+        from umalloc import WriteGate
+
+        gate = WriteGate({"target": ("target",), "swa_tail": ("target",), "draft": ("draft",)}) \
+            if drafter is not None and cfg.write_gate else None
+        kv_local = ModelKV(model, geo, spec, prompts, cfg.fault, drafter, late_draft=drafter is not None,
+                           gate=gate)
+        prefill: Any = LocalPrefill(spec, kv_local, dec, timer, compaction=cfg.compaction,
+                                    transfer_timeout_s=cfg.transfer_timeout_s, lease_deadline_s=cfg.lease_deadline_s,
+                                    gate=gate)
+    else:
+        from umalloc_replay.generate.child import SETUP_TARGET
+        from umalloc_replay.single.remote import RemotePrefill
+
+        setup = (SETUP_TARGET, (cfg.model, cfg.seed, cfg.page_size, nbytes, cfg.compaction, prompts, cfg.fault,
+                                cfg.draft))
+        prefill = RemotePrefill(cfg.backend, spec, dec, timer, model=cfg.model, page_size=cfg.page_size,
+                                draft=False, seed=cfg.seed, compaction=cfg.compaction, padded=False,
+                                transfer_timeout_s=cfg.transfer_timeout_s, lease_deadline_s=cfg.lease_deadline_s,
+                                setup=setup)
+    generated: dict[int, list[int]] = {}
+    differ: list[dict] = []
+    digest_bad: list[int] = []
+    figures: list[Any] = []
+    decode_s = 0.0
+    prefill_child_s = 0.0
+    weights_ok = True
+    spec_fig = {"rounds": 0, "proposed": 0, "accepted": 0}
+    gate_figs = {"deferred_posts": 0, "posted_before_draft": 0}
+    bar = None
+    interrupted = False
+    try:
+        if progress and console is not None:
+            from rich.progress import Progress
+
+            bar = Progress(console=console, transient=True)
+            bar.start()
+            task = bar.add_task(f"generate {cfg.model} over {cfg.backend}", total=len(reqs))
+        for lo in range(0, len(reqs), cfg.max_batch):
+            batch = reqs[lo: lo + cfg.max_batch]
+            tickets, held = [], []
+            for r in batch:
+                with timer.phase("allocator"):
+                    vt = alloc_sequence(dec, r.input_tokens)
+                if vt is None:
+                    raise InvariantError(f"decode arena of {nbytes:,} bytes short for request {r.request_id} "
+                                         f"({r.input_tokens} tokens) although sized for {cfg.max_batch} prompts")
+                ticket = prefill.start(RequestState(r), vt)
+                if ticket is None:
+                    raise InvariantError(f"prefill arena of {nbytes:,} bytes short for request {r.request_id}")
+                if kv_local is not None and kv_local.late_draft:
+                    deferred = gate is not None and ticket[1] is None
+                    kv_local.write_late_draft(r.request_id)  # the drafter's forward, after the target's plan
+                    gate_figs["deferred_posts"] += int(deferred)
+                    gate_figs["posted_before_draft"] += int(not deferred)
+                tickets.append(ticket)
+                held.append((r, vt))
+            figures += prefill.finish_all(tickets)
+            rids = [r.request_id for r in batch]
+            if kv_local is not None:
+                outs = kv_local.outputs(rids)
+                wd = weights_digest(model) + ("" if drafter is None else "/" + weights_digest(drafter))
+            else:
+                from umalloc_replay.generate.child import OUTPUTS_TARGET
+
+                res = prefill.worker.run(OUTPUTS_TARGET, rids, progress=prefill.b.progress,
+                                         timeout_s=cfg.transfer_timeout_s)
+                outs, wd, prefill_child_s = res["outputs"], res["weights_digest"], res["prefill_s"]
+            weights_ok = weights_ok and wd == weights_digest(model) + ("" if drafter is None else
+                                                                       "/" + weights_digest(drafter))
+            for r, vt in held:
+                with timer.phase("verify"):
+                    kvs, digests = read_pages_kv(dec, geo, vt, r.input_tokens, drafter)
+                if digests != outs[r.request_id]["digests"]:
+                    digest_bad.append(r.request_id)
+                with timer.phase("allocator"):
+                    dec.free(vt)
+                t0 = time.perf_counter()
+                cache = cache_from_kv(model, geo, kvs["target"], r.input_tokens)
+                first = outs[r.request_id]["first_token"]
+                if drafter is None:
+                    toks = greedy_continue(model, cache, first, r.output_tokens)
+                else:
+                    dcache = cache_from_kv(drafter, geometry_of(drafter), kvs["draft"], r.input_tokens)
+                    toks, fig = speculative_continue(model, drafter, cache, dcache, first, r.output_tokens,
+                                                     cfg.draft_tokens)
+                    for key in spec_fig:
+                        spec_fig[key] += getattr(fig, key)
+                decode_s += time.perf_counter() - t0
+                generated[r.request_id] = toks
+                pos = first_difference(toks, reference[r.request_id])
+                if pos is not None:
+                    differ.append({"request": r.request_id, "position": pos,
+                                   "got": toks[pos] if pos < len(toks) else None,
+                                   "want": reference[r.request_id][pos] if pos < len(reference[r.request_id])
+                                   else None})
+                if bar is not None:
+                    bar.advance(task)
+            if on_batch is not None:
+                on_batch(lo // cfg.max_batch, prefill)
+        prefill.check_invariants()
+        dec.check_invariants()
+        pages_left = {"prefill": _live_pages(prefill.stats()), "decode": _live_pages(dec.stats())}
+        leases_left = {"prefill": int(prefill.leases_active()), "decode": int(dec.leases_active())}
+    except KeyboardInterrupt:
+        interrupted = True  # the second process is killed at once, not asked to finish its transfers
+        raise
+    finally:
+        if bar is not None:
+            bar.stop()
+        prefill.close(interrupted=interrupted)
+    total_s = time.perf_counter() - t_start
+    sec = timer.seconds
+    prefill_compute_s = kv_local.prefill_s if kv_local is not None else prefill_child_s
+    tokens = sum(len(t) for t in generated.values())
+    n = len(reqs)
+    bytes_by_vector: dict[str, int] = {}
+    for f in figures:
+        for name, b in f.bytes_by_vector.items():
+            bytes_by_vector[name] = bytes_by_vector.get(name, 0) + int(b)
+    return {
+        "schema": GENERATE_SCHEMA,
+        "model": cfg.model, "backend": cfg.backend, "seed": cfg.seed, "page_size": cfg.page_size,
+        "layer_types": list(geo.layer_types), "window_tokens": geo.window_tokens,
+        "token_scale": cfg.token_scale, "output_scale": cfg.output_scale, "fault": cfg.fault,
+        "arena_bytes": nbytes,
+        "requests": n,
+        "prompt_tokens": sum(r.input_tokens for r in reqs),
+        "tokens_generated": tokens,
+        "identical": n - len(differ),
+        "differing": differ,
+        "digest_mismatches": digest_bad,
+        "weights_match": weights_ok,
+        "bytes_moved": sum(int(f.bytes_total) for f in figures),
+        "bytes_by_vector": bytes_by_vector,
+        "descriptors": sum(int(f.descriptors) for f in figures),
+        "descriptors_per_request": sum(int(f.descriptors) for f in figures) / max(n, 1),
+        "per_layer_per_page_descriptors": sum(int(f.per_layer_per_page) for f in figures),
+        "pages_per_request": {e.name: sum(pages_held(spec, e.name, r.input_tokens) for r in reqs) / max(n, 1)
+                              for e in ends},
+        "seconds": {"total": total_s, "reference": reference_s, "prefill_compute": prefill_compute_s,
+                    "transfer": sec["transfer"], "decode_compute": decode_s,
+                    "memory_layer": sec["allocator"] + sec["translate_plan"], "kv_read_verify": sec["verify"]},
+        "decode_tokens_per_s": tokens / decode_s if decode_s > 0 else 0.0,
+        "pages_left": pages_left, "leases_left": leases_left,
+        "draft": cfg.draft, "draft_tokens": cfg.draft_tokens if cfg.draft else 0, "speculative": spec_fig,
+        "write_gate": gate_figs,
+        "draft_acceptance": spec_fig["accepted"] / spec_fig["proposed"] if spec_fig["proposed"] else None,
+        "tokens": {str(k): v for k, v in generated.items()},
+        "max_prompt_pages": max(pages_for_tokens(r.input_tokens, cfg.page_size) for r in reqs),
+    }
+
+
+def check_generate_report(report: dict) -> list[str]:
+    """Every failed check of a :func:`run_generate` report, one line each (empty: the run passed)."""
+    out = []
+    for d in report["differing"]:
+        out.append(f"request {d['request']}: tokens differ from one process at position {d['position']} "
+                   f"(got {d['got']}, want {d['want']})")
+    if report["digest_mismatches"]:
+        out.append(f"received KV digest differs from the prefill side's for requests {report['digest_mismatches']}")
+    if not report["weights_match"]:
+        out.append("the prefill process's model weights differ from the decode process's")
+    for side in ("prefill", "decode"):
+        if report["pages_left"][side]:
+            out.append(f"{report['pages_left'][side]} pages left on the {side} side")
+        if report["leases_left"][side]:
+            out.append(f"{report['leases_left'][side]} leases left on the {side} side")
+    return out
+
+
+def generate_table(report: dict) -> Any:
+    """The result as a rich table: one figure per row."""
+    from rich.table import Table
+
+    s = report["seconds"]
+    t = Table(title=f"umalloc generate: {report['model']} over {report['backend']}", show_header=True)
+    t.add_column("figure")
+    t.add_column("value", justify="right")
+    n = report["requests"]
+    rows = [
+        ("requests", f"{n}"),
+        ("identical to one process", f"{report['identical']} of {n}"),
+        ("differing (request@position)", ", ".join(f"{d['request']}@{d['position']}" for d in report["differing"])
+         or "none"),
+        ("KV digest mismatches", f"{len(report['digest_mismatches'])}"),
+        ("prompt tokens", f"{report['prompt_tokens']:,}"),
+        ("tokens generated", f"{report['tokens_generated']:,}"),
+        ("decode tokens/s", f"{report['decode_tokens_per_s']:,.0f}"),
+        ("bytes moved", f"{report['bytes_moved']:,}"),
+        ("posts deferred by the write gate", "no drafter" if not report["draft"] else
+         f"{report['write_gate']['deferred_posts']} (posted before the drafter wrote: "
+         f"{report['write_gate']['posted_before_draft']})"),
+        ("draft acceptance", "no drafter" if not report["draft"] else
+         f"{report['speculative']['accepted']} of {report['speculative']['proposed']} proposed "
+         f"({report['draft_acceptance'] or 0:.0%}, {report['speculative']['rounds']} target verifications)"),
+        ("bytes by vector", ", ".join(f"{k} {v:,}" for k, v in sorted(report["bytes_by_vector"].items()))),
+        ("descriptors per request", f"{report['descriptors_per_request']:.2f} "
+         f"(per layer and page: {report['per_layer_per_page_descriptors'] / max(n, 1):.1f})"),
+        ("prefill compute s", f"{s['prefill_compute']:.3f}"),
+        ("transfer s", f"{s['transfer']:.3f}"),
+        ("decode compute s", f"{s['decode_compute']:.3f}"),
+        ("memory layer s", f"{s['memory_layer']:.3f}"),
+        ("KV read + digest s", f"{s['kv_read_verify']:.3f}"),
+        ("one-process reference s", f"{s['reference']:.3f}"),
+        ("total s", f"{s['total']:.3f}"),
+        ("pages left (prefill, decode)", f"{report['pages_left']['prefill']}, {report['pages_left']['decode']}"),
+        ("leases left (prefill, decode)", f"{report['leases_left']['prefill']}, {report['leases_left']['decode']}"),
+    ]
+    for k, v in rows:
+        t.add_row(k, v)
+    return t
+
+
+__all__ = ["GENERATE_SCHEMA", "GenerateConfig", "arena_bytes_for", "check_generate_report", "generate_table",
+           "load_slice", "prompt_tokens", "run_generate"]
