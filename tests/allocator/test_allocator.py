@@ -541,13 +541,13 @@ def test_peak_and_counters() -> None:
 CORRUPTIONS = [
     ("p2v-live", lambda a: W(a, "full")[0].__setitem__(5, 3)),
     ("tables-inverse", lambda a: W(a, "full")[2].__setitem__(2, 1)),
-    ("counts", lambda a: a._meta.__setitem__((0, 12), 5)),
+    ("counts", lambda a: a._heap.meta.__setitem__((0, 12), 5)),
     ("state-codes", lambda a: W(a, "full")[1].__setitem__(2, PAGE_GAP)),
     ("state-codes", lambda a: W(a, "swa")[1].__setitem__(3, PAGE_HOLE)),
     ("sink", lambda a: W(a, "swa")[2].__setitem__(0, 4)),
-    ("owner-live", lambda a: a._h8.__setitem__(a._meta[0, _VOFF] + 1, V_FREED)),
-    ("bitmaps", lambda a: a._h64.__setitem__(a._meta[0, _HBOFF], 1 << 5)),
-    ("bands-disjoint", lambda a: a._meta.__setitem__((0, _PB), 100)),   # full's frontier now past swa's
+    ("owner-live", lambda a: a._heap.h8.__setitem__(a._heap.meta[0, _VOFF] + 1, V_FREED)),
+    ("bitmaps", lambda a: a._heap.h64.__setitem__(a._heap.meta[0, _HBOFF], 1 << 5)),
+    ("bands-disjoint", lambda a: a._heap.meta.__setitem__((0, _PB), 100)),   # full's frontier now past swa's
 ]
 
 
@@ -570,7 +570,7 @@ def test_v2p_mirror_is_refreshed_by_every_call() -> None:
     assert alloc.v2p("swa").tolist()[:4] == [0, -1, 8, -1]
     assert alloc.v2p("full").tolist()[:4] == [0, 1, 2, -1]
     alloc.check_invariants()                                    # includes [device-mirror]
-    alloc._mirror[0][1, 2] = 5
+    alloc._after_call.mirrors[0][1, 2] = 5
     with pytest.raises(InvariantError, match="device-mirror"):
         alloc.check_invariants()
 

@@ -505,6 +505,16 @@ class LeaseTable:
                                   "(it ended; its pages may belong to a new owner)")
         return lease
 
+    @property
+    def owner_thread(self) -> int:
+        """Thread id of the owner thread (:meth:`claim_thread`). O(1)."""
+        return self._owner
+
+    @property
+    def unpinned_waiting(self) -> bool:
+        """True while pages unpinned on another thread wait for :meth:`drain`. O(1)."""
+        return bool(self._queue)
+
     def claim_thread(self) -> None:
         """Make the calling thread the owner: pages unpinned on it are reported at once, on others queued for
         :meth:`drain` (Note [Lease threading]). O(1)."""
