@@ -19,6 +19,7 @@ _EXPORTS: dict[str, str] = {
     # allocator
     "MultiEndedAllocator": "umalloc.allocator.facade",
     "EndStats": "umalloc.allocator.facade",
+    "RetractedKV": "umalloc.allocator.retraction",
     # request ownership
     "RequestTable": "umalloc.requests.table",
     "RequestTableStats": "umalloc.requests.table",
@@ -89,6 +90,9 @@ if TYPE_CHECKING:
     from umalloc.allocator.facade import (
         EndStats,
         MultiEndedAllocator,
+    )
+    from umalloc.allocator.retraction import (
+        RetractedKV,
     )
     from umalloc.backends import get_backend
     from umalloc.backends.worker import (
@@ -175,7 +179,7 @@ __all__ = [
     "EndRole", "EndSpec", "EndStats", "Grow", "IncompatiblePeerError", "InvalidIdError", "InvariantError",
     "KVDtype", "LayerKind", "LayerSpec", "Lease", "LeaseError", "MultiEndedAllocator", "NotAllocatedError",
     "PRESETS", "PeerDiedError", "PeerLayout", "ReceiverHalf", "Region", "RegistrationError", "RequestTable",
-    "RequestTableStats", "SpecError", "StaleLeaseError", "TOMBSTONE", "TombstoneError", "TransferError",
+    "RequestTableStats", "RetractedKV", "SpecError", "StaleLeaseError", "TOMBSTONE", "TombstoneError", "TransferError",
     "TransferPlan", "TransferTimeout", "UmallocError", "UmallocValueError", "WorkerDied", "WorkerTimeout",
     "build_plan", "build_receiver_half", "build_send_plan", "check_compatible", "get_backend",
     "is_dcp_sharded", "owned_count", "pages_for_tokens", "preset_ends", "rank_kv_heads", "rows_of_checked",
