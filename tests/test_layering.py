@@ -81,19 +81,35 @@ def test_imports_point_down_the_layers() -> None:
     assert not wrong, "imports against the layering:\n" + "\n".join(sorted(wrong))
 
 
-def test_no_module_imports_an_underscore_name_from_another_layer() -> None:
-    """A layer's private names (``_``-prefixed) stay inside it: e.g. the pool's meta column constants and
-    kernels are read through its typed accessors (``Heap``, ``EndView``) by every layer above it."""
-    modules = {_module_name(p) for p in ROOT.rglob("*.py")}
+def _underscore_imports_across_folders(root: Path, package: str) -> list[str]:
+    """``"<module> <- <module>.<name>"`` for every ``_``-prefixed name a module under ``root`` imports from a
+    module of ``package`` that lives in another folder (a subfolder counts as another folder)."""
+    files = {".".join((package, *p.relative_to(root).with_suffix("").parts)).removesuffix(".__init__"): p
+             for p in root.rglob("*.py")}
     wrong = []
-    for path in ROOT.rglob("*.py"):
-        mod = _module_name(path)
+    for mod, path in files.items():
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("umalloc."):
-                if node.module in modules and _part(node.module) != _part(mod):
-                    wrong += [f"{mod} <- {node.module}.{a.name}" for a in node.names
-                              if a.name.startswith("_") and a.name != "__version__"]
-    assert not wrong, "underscore names imported across layers:\n" + "\n".join(sorted(wrong))
+            if isinstance(node, ast.ImportFrom) and node.module in files and files[node.module].parent != path.parent:
+                wrong += [f"{mod} <- {node.module}.{a.name}" for a in node.names
+                          if a.name.startswith("_") and a.name != "__version__"]
+    return wrong
+
+
+def test_no_module_imports_an_underscore_name_from_another_folder() -> None:
+    """A folder's private names (``_``-prefixed) stay inside it: e.g. the pool's meta columns are public names of
+    ``pool.kernels.layout`` for the pool, and every layer above it reads the pool through its typed accessors
+    (``Heap``, ``EndView``)."""
+    wrong = _underscore_imports_across_folders(ROOT, "umalloc")
+    assert not wrong, "underscore names imported across folders:\n" + "\n".join(sorted(wrong))
+
+
+def test_the_folder_walk_catches_a_private_import(tmp_path: Path) -> None:
+    """The walk itself: a ``_`` name from a subfolder's module is caught; one from the same folder is not."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "low.py").write_text("_X = 1\nY = 2\n")
+    (tmp_path / "same.py").write_text("_Z = 3\n")
+    (tmp_path / "top.py").write_text("from pkg.sub.low import _X, Y\nfrom pkg.same import _Z\n")
+    assert _underscore_imports_across_folders(tmp_path, "pkg") == ["pkg.top <- pkg.sub.low._X"]
 
 
 def test_modules_stay_small() -> None:

@@ -23,7 +23,7 @@ from umalloc.errors import (
 )
 from umalloc.geometry.arena import Arena
 from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, LayerSpec
-from umalloc.pool.kernels.layout import _HBOFF, _PB, _VOFF
+from umalloc.pool.kernels.layout import M_HBOFF, M_PB, M_VOFF
 from umalloc.pool.pagestate import PAGE_GAP, PAGE_HOLE, PAGE_LIVE, PAGE_PENDING, PAGE_RESERVED, TOMBSTONE
 from umalloc.testing import writable_end_tables as W
 
@@ -545,9 +545,9 @@ CORRUPTIONS = [
     ("state-codes", lambda a: W(a, "full")[1].__setitem__(2, PAGE_GAP)),
     ("state-codes", lambda a: W(a, "swa")[1].__setitem__(3, PAGE_HOLE)),
     ("sink", lambda a: W(a, "swa")[2].__setitem__(0, 4)),
-    ("owner-live", lambda a: a._heap.h8.__setitem__(a._heap.meta[0, _VOFF] + 1, V_FREED)),
-    ("bitmaps", lambda a: a._heap.h64.__setitem__(a._heap.meta[0, _HBOFF], 1 << 5)),
-    ("bands-disjoint", lambda a: a._heap.meta.__setitem__((0, _PB), 100)),   # full's frontier now past swa's
+    ("owner-live", lambda a: a._heap.h8.__setitem__(a._heap.meta[0, M_VOFF] + 1, V_FREED)),
+    ("bitmaps", lambda a: a._heap.h64.__setitem__(a._heap.meta[0, M_HBOFF], 1 << 5)),
+    ("bands-disjoint", lambda a: a._heap.meta.__setitem__((0, M_PB), 100)),   # full's frontier now past swa's
 ]
 
 
