@@ -33,7 +33,7 @@ _EXPORTS: dict[str, str] = {
     "Grow": "umalloc.geometry.spec",
     "EndRole": "umalloc.geometry.spec",
     # leases and compaction
-    "Lease": "umalloc.leases.table",
+    "Lease": "umalloc.leases.lease",
     "CompactionReport": "umalloc.pool.compaction",
     # page states
     "TOMBSTONE": "umalloc.pool.pagestate",
@@ -144,7 +144,7 @@ if TYPE_CHECKING:
         swa_pages_per_seq,
         swa_tail_start,
     )
-    from umalloc.leases.table import Lease
+    from umalloc.leases.lease import Lease
     from umalloc.pool.compaction import CompactionReport
     from umalloc.pool.pagestate import TOMBSTONE
     from umalloc.requests.table import (
