@@ -19,7 +19,7 @@ RANK = {"errors": 0, "translators": 1, "geometry": 2, "pool": 3, "leases": 4, "a
         "transfer": 7, "backends": 8, "integrations": 9, "testing": 11}
 #: the allocation layers, which transfer and backends never import
 ALLOCATION = {"pool", "leases", "allocator", "requests"}
-MAX_MODULE_LINES = 860  # "about 800": the two largest modules (allocator facade, request table) are within 7 %
+MAX_MODULE_LINES = 860  # "about 800": one module (backends/base.py, 852 lines) is above 800; every other is below
 
 
 def _module_name(path: Path) -> str:
@@ -113,7 +113,8 @@ def test_the_folder_walk_catches_a_private_import(tmp_path: Path) -> None:
 
 
 def test_modules_stay_small() -> None:
-    big = {str(p.relative_to(ROOT)): n for p in ROOT.rglob("*.py")
+    roots = (ROOT, ROOT.parent / "umalloc_replay")   # the library and the app
+    big = {str(p.relative_to(ROOT.parent)): n for root in roots for p in root.rglob("*.py")
            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
     assert not big, f"modules over {MAX_MODULE_LINES} lines: {big}"
 
