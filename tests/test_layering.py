@@ -123,3 +123,20 @@ def test_the_library_reads_nothing_from_the_team_folder() -> None:
     """The package must not depend on the team's ``shared/`` folder at run time (docs/faults.md is the catalogue)."""
     hits = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py") if "shared/" in p.read_text()]
     assert not hits, f"modules naming shared/: {hits}"
+
+
+def test_no_class_inherits_from_two_classes_of_the_library() -> None:
+    """Composition over inheritance: a class may extend one of the library's classes (an error's family, a
+    protocol), never mix several of them in."""
+    trees = {p: ast.parse(p.read_text()) for p in ROOT.rglob("*.py")}
+    own = {n.name for t in trees.values() for n in ast.walk(t) if isinstance(n, ast.ClassDef)}
+    wrong = []
+    for path, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                bases = [b.id if isinstance(b, ast.Name) else b.attr if isinstance(b, ast.Attribute) else ""
+                         for b in node.bases]
+                if len([b for b in bases if b in own]) > 1:
+                    wrong.append(f"{path.relative_to(ROOT)}: {node.name}({', '.join(bases)})")
+    assert len(own) > 50, f"the walk found {len(own)} classes"
+    assert not wrong, "classes mixing several library classes:\n" + "\n".join(wrong)

@@ -822,3 +822,30 @@ def test_block_table_index_out_of_range_changes_nothing(page_alloc, call) -> Non
     with pytest.raises(InvalidIdError):
         alloc.free_pages(table, index=np.array([-1], np.int64))
     assert snapshots_equal(snap, alloc.snapshot())
+
+
+def test_per_call_methods_match_the_class_methods_and_a_subclass_override_wins() -> None:
+    """Note [Composed services]: the per-call methods bound at construction give what the class's own methods
+    give, and a subclass's override of one is the method its instances run."""
+    from umalloc.testing import small_allocator, tiny_spec
+
+    bound, direct = small_allocator(), small_allocator()
+    for alloc, call in ((bound, lambda a, name: getattr(a, name)),
+                        (direct, lambda a, name: getattr(MultiEndedAllocator, name).__get__(a))):
+        vp = call(alloc, "alloc_pages")(3)
+        call(alloc, "release_pages")("swa", vp[:1])
+        call(alloc, "free_pages")(vp[2:])
+    assert snapshots_equal(bound.snapshot(), direct.snapshot())
+    assert bound.translate_pages(torch.tensor([1, 2]), "swa", strict=False).tolist() == [0, 8]   # swa 7..9 down
+
+    freed: list[list[int]] = []
+
+    class Recording(MultiEndedAllocator):
+        def free_pages(self, vpages, *, owner=None, index=None):  # type: ignore[no-untyped-def]
+            freed.append([int(v) for v in vpages])
+            super().free_pages(vpages, owner=owner, index=index)
+
+    alloc = Recording(Arena(tiny_spec()))
+    vp = alloc.alloc_pages(2)
+    alloc.free_pages(vp)
+    assert freed == [[1, 2]] and alloc.stats()["full"].live_pages == 0
