@@ -10,6 +10,7 @@ export UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo} MC_LOG_LEVEL=${MC_LOG_LEVEL:-ERROR
 # the integrations and tests/typing/readme_snippets.py, which uses the README's snippets and a transfer plan).
 .venv/bin/ruff check umalloc umalloc_replay tests benchmarks scripts
 .venv/bin/mypy --strict --follow-imports=silent umalloc/__init__.py umalloc/integrations tests/typing/readme_snippets.py
+.venv/bin/mypy --follow-imports=silent umalloc/allocator umalloc_replay   # the allocator's services and the app
 # tests/integrations/test_transformers_cb.py (the transformers equality matrix) runs in its own venv in CI
 # (scripts/peer_suite_transformers.sh); now that .venv has transformers too it is left out here, not run twice.
 exec .venv/bin/python -m pytest --ignore=tests/integrations/test_transformers_cb.py "$@"

@@ -19,6 +19,7 @@ _EXPORTS: dict[str, str] = {
     # allocator
     "MultiEndedAllocator": "umalloc.allocator.facade",
     "EndStats": "umalloc.allocator.facade",
+    "RetractedKV": "umalloc.allocator.retraction",
     # request ownership
     "RequestTable": "umalloc.requests.table",
     "RequestTableStats": "umalloc.requests.table",
@@ -32,7 +33,7 @@ _EXPORTS: dict[str, str] = {
     "Grow": "umalloc.geometry.spec",
     "EndRole": "umalloc.geometry.spec",
     # leases and compaction
-    "Lease": "umalloc.leases.table",
+    "Lease": "umalloc.leases.lease",
     "CompactionReport": "umalloc.pool.compaction",
     # page states
     "TOMBSTONE": "umalloc.pool.pagestate",
@@ -92,6 +93,9 @@ if TYPE_CHECKING:
         EndStats,
         MultiEndedAllocator,
     )
+    from umalloc.allocator.retraction import (
+        RetractedKV,
+    )
     from umalloc.backends import get_backend
     from umalloc.backends.worker import (
         BackendWorker,
@@ -143,7 +147,7 @@ if TYPE_CHECKING:
         swa_pages_per_seq,
         swa_tail_start,
     )
-    from umalloc.leases.table import Lease
+    from umalloc.leases.lease import Lease
     from umalloc.pool.compaction import CompactionReport
     from umalloc.pool.pagestate import TOMBSTONE
     from umalloc.requests.table import (
@@ -179,7 +183,7 @@ __all__ = [
     "EndRole", "EndSpec", "EndStats", "Grow", "IncompatiblePeerError", "InvalidIdError", "InvariantError",
     "KVDtype", "LayerKind", "LayerSpec", "Lease", "LeaseError", "MultiEndedAllocator", "NotAllocatedError",
     "PRESETS", "PeerDiedError", "PeerLayout", "ReceiverHalf", "Region", "RegistrationError", "RequestTable",
-    "RequestTableStats", "SpecError", "StaleLeaseError", "TOMBSTONE", "TombstoneError", "TransferError",
+    "RequestTableStats", "RetractedKV", "SpecError", "StaleLeaseError", "TOMBSTONE", "TombstoneError", "TransferError",
     "TransferPlan", "TransferTimeout", "UmallocError", "UmallocValueError", "WorkerDied", "WorkerTimeout",
     "WriteGate", "WriteIncompleteError",
     "build_plan", "build_receiver_half", "build_send_plan", "check_compatible", "get_backend",

@@ -25,6 +25,7 @@ from umalloc import (
     ArenaSpec,
     EndRole,
     InvariantError,
+    RetractedKV,
     UmallocValueError,
     pages_for_tokens,
     swa_pages_per_seq,
@@ -92,7 +93,7 @@ class RequestState:
     seq_len: int = 0
     generated: int = 0
     swa_lo_page: int = 0
-    retracted: object | None = None
+    retracted: RetractedKV | None = None
     admitted_step: int = -1
 
     @property

@@ -23,7 +23,7 @@ from umalloc.errors import (
 )
 from umalloc.geometry.arena import Arena
 from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, LayerSpec
-from umalloc.pool.kernels.layout import _HBOFF, _PB, _VOFF
+from umalloc.pool.kernels.layout import M_HBOFF, M_PB, M_VOFF
 from umalloc.pool.pagestate import PAGE_GAP, PAGE_HOLE, PAGE_LIVE, PAGE_PENDING, PAGE_RESERVED, TOMBSTONE
 from umalloc.testing import writable_end_tables as W
 
@@ -541,13 +541,13 @@ def test_peak_and_counters() -> None:
 CORRUPTIONS = [
     ("p2v-live", lambda a: W(a, "full")[0].__setitem__(5, 3)),
     ("tables-inverse", lambda a: W(a, "full")[2].__setitem__(2, 1)),
-    ("counts", lambda a: a._meta.__setitem__((0, 12), 5)),
+    ("counts", lambda a: a._heap.meta.__setitem__((0, 12), 5)),
     ("state-codes", lambda a: W(a, "full")[1].__setitem__(2, PAGE_GAP)),
     ("state-codes", lambda a: W(a, "swa")[1].__setitem__(3, PAGE_HOLE)),
     ("sink", lambda a: W(a, "swa")[2].__setitem__(0, 4)),
-    ("owner-live", lambda a: a._h8.__setitem__(a._meta[0, _VOFF] + 1, V_FREED)),
-    ("bitmaps", lambda a: a._h64.__setitem__(a._meta[0, _HBOFF], 1 << 5)),
-    ("bands-disjoint", lambda a: a._meta.__setitem__((0, _PB), 100)),   # full's frontier now past swa's
+    ("owner-live", lambda a: a._heap.h8.__setitem__(a._heap.meta[0, M_VOFF] + 1, V_FREED)),
+    ("bitmaps", lambda a: a._heap.h64.__setitem__(a._heap.meta[0, M_HBOFF], 1 << 5)),
+    ("bands-disjoint", lambda a: a._heap.meta.__setitem__((0, M_PB), 100)),   # full's frontier now past swa's
 ]
 
 
@@ -570,7 +570,7 @@ def test_v2p_mirror_is_refreshed_by_every_call() -> None:
     assert alloc.v2p("swa").tolist()[:4] == [0, -1, 8, -1]
     assert alloc.v2p("full").tolist()[:4] == [0, 1, 2, -1]
     alloc.check_invariants()                                    # includes [device-mirror]
-    alloc._mirror[0][1, 2] = 5
+    alloc._after_call.mirrors[0][1, 2] = 5
     with pytest.raises(InvariantError, match="device-mirror"):
         alloc.check_invariants()
 
@@ -822,3 +822,30 @@ def test_block_table_index_out_of_range_changes_nothing(page_alloc, call) -> Non
     with pytest.raises(InvalidIdError):
         alloc.free_pages(table, index=np.array([-1], np.int64))
     assert snapshots_equal(snap, alloc.snapshot())
+
+
+def test_per_call_methods_match_the_class_methods_and_a_subclass_override_wins() -> None:
+    """Note [Composed services]: the per-call methods bound at construction give what the class's own methods
+    give, and a subclass's override of one is the method its instances run."""
+    from umalloc.testing import small_allocator, tiny_spec
+
+    bound, direct = small_allocator(), small_allocator()
+    for alloc, call in ((bound, lambda a, name: getattr(a, name)),
+                        (direct, lambda a, name: getattr(MultiEndedAllocator, name).__get__(a))):
+        vp = call(alloc, "alloc_pages")(3)
+        call(alloc, "release_pages")("swa", vp[:1])
+        call(alloc, "free_pages")(vp[2:])
+    assert snapshots_equal(bound.snapshot(), direct.snapshot())
+    assert bound.translate_pages(torch.tensor([1, 2]), "swa", strict=False).tolist() == [0, 8]   # swa 7..9 down
+
+    freed: list[list[int]] = []
+
+    class Recording(MultiEndedAllocator):
+        def free_pages(self, vpages, *, owner=None, index=None):  # type: ignore[no-untyped-def]
+            freed.append([int(v) for v in vpages])
+            super().free_pages(vpages, owner=owner, index=index)
+
+    alloc = Recording(Arena(tiny_spec()))
+    vp = alloc.alloc_pages(2)
+    alloc.free_pages(vp)
+    assert freed == [[1, 2]] and alloc.stats()["full"].live_pages == 0

@@ -116,20 +116,20 @@ def test_debug_mode_checks_direct_entry_arguments(monkeypatch, bad) -> None:
     alloc, _ = with_request()
     snap = alloc.snapshot()
     with pytest.raises(InvalidIdError, match="argument 2"):
-        alloc._hot.free(alloc._root_a, 0, bad, 4, True, np.zeros(0, np.int64), -1)
+        alloc._entry.hot.free(alloc._entry.root_a, 0, bad, 4, True, np.zeros(0, np.int64), -1)
     with pytest.raises(InvalidIdError, match="not the root of a live heap"):
-        alloc._hot.free(12345, 0, np.ones(1, np.int64), 1, True, np.zeros(0, np.int64), -1)
+        alloc._entry.hot.free(12345, 0, np.ones(1, np.int64), 1, True, np.zeros(0, np.int64), -1)
     with pytest.raises(InvalidIdError, match="end index"):
-        alloc._hot.free(alloc._root_a, 7, np.ones(1, np.int64), 1, True, np.zeros(0, np.int64), -1)
+        alloc._entry.hot.free(alloc._entry.root_a, 7, np.ones(1, np.int64), 1, True, np.zeros(0, np.int64), -1)
     with pytest.raises(InvalidIdError, match="lent"):                  # an address nobody lent, or too short
-        alloc._hot.free_addr(alloc._root_a, 0, T(2).data_ptr(), 1, False, 0, -1)
+        alloc._entry.hot.free_addr(alloc._entry.root_a, 0, T(2).data_ptr(), 1, False, 0, -1)
     assert snapshots_equal(snap, alloc.snapshot())
 
 
 def test_debug_mode_runs_the_same_calls(monkeypatch) -> None:
     monkeypatch.setenv("UMALLOC_DEBUG", "1")
     alloc = small_allocator()
-    assert type(alloc._hot) is not type(hot_entries())
+    assert type(alloc._entry.hot) is not type(hot_entries())
     toks = alloc.alloc_extend(T(0), T(3), T(-1))
     assert toks.tolist() == [2, 3, 4]
     assert alloc.alloc_decode(T(4), T(4)).tolist() == [5]

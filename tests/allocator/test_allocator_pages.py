@@ -154,11 +154,11 @@ def test_an_expired_lease_is_reclaimed_by_a_numpy_page_call() -> None:
     assert out.tolist() == [1] and pages(alloc, T(1), "full") == [3] and pages(alloc, T(1), "swa") == [11]
     alloc.free_pages(A(1))                                      # full 3 at the frontier retreats, swa 11 too
     now[0] = 2.0
-    assert alloc._plain and alloc._active_leases               # expired, not yet reclaimed
+    assert alloc._plain and alloc._leasing.work               # expired, not yet reclaimed
     alloc.alloc_pages(1, out=out)                                # reclaims the lease, then drains hole 1
     assert out.tolist() == [1] and pages(alloc, T(1), "full") == [1]
     st = alloc.stats()["full"]
-    assert (st.pending_pages, st.leases_expired) == (0, 1) and not alloc._active_leases
+    assert (st.pending_pages, st.leases_expired) == (0, 1) and not alloc._leasing.work
     alloc.check_invariants()
 
 

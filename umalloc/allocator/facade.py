@@ -32,11 +32,9 @@ Policy:
   vector; :mod:`umalloc.pool.kernels` is the numba layer (the only pointer intrinsics are in
   :mod:`umalloc.pool.kernels.raw`); :mod:`umalloc.pool.ladder` plans the shortfall ladder (pure);
   :mod:`umalloc.allocator.ids` validates ids at the boundary; :mod:`umalloc.pool.views` holds the typed, read-only
-  end views and the heap's invariant checks, :mod:`umalloc.allocator.observe` the stats schema and snapshots. The
-  facade reads the heap only through its typed accessors (band, owner, page size, counters), never its columns.
-  This module is the facade: validation, hot paths, the calls; its
-  parts :mod:`~umalloc.allocator.translation`, :mod:`~umalloc.allocator.space`, :mod:`~umalloc.allocator.leasing` and
-  :mod:`~umalloc.allocator.freeing` (free and release) hold the rest of its methods.
+  end views and the heap's invariant checks, :mod:`umalloc.allocator.observe` the stats schema and snapshots.
+  This module is the facade: it validates the constructor's arguments, builds the services (Note [Composed
+  services]) and runs trials and the observability calls.
 * **Tables handed out are read-only**: :meth:`MultiEndedAllocator.v2p` / :meth:`~MultiEndedAllocator.p2v` return
   :class:`~umalloc.allocator.ids.ReadOnlyTable` views (writes and ``out=`` refused), :class:`EndView` arrays are
   read-only numpy views, :meth:`~MultiEndedAllocator.snapshot` returns copies.
@@ -44,6 +42,24 @@ Policy:
   :class:`~umalloc.errors.ArenaInUseError` while the first is alive).
 * ``strict`` is a ``bool`` everywhere, default ``True`` (a tombstoned or unbound page raises); ``0``, ``"no"``
   and other non-bools are refused.
+
+Note [Composed services]
+~~~~~~~~~~~~~~~~~~~~~~~~
+The allocator is a composition, not a class cut into files. Each part is a small object that owns its state and
+receives, at construction, the parts it calls (nothing else reaches into it):
+
+::
+
+    MultiEndedAllocator --+-- Heap (pool: every host array, typed accessors)
+                          +-- EndIndex (names -> indices)        KernelEntry (root, direct entries, errors)
+                          +-- LeaseService (LeaseTable, expiry)  AfterCall (mirrors, debug checks)
+                          +-- SpaceService (capacity, ladder, compaction policy, last shortfall)
+                          +-- AllocationService, FreeingService, TranslationService (the per-call work)
+
+The facade's methods delegate to the service of their concern with the same signature; each service method
+documents its call in full. For the per-call methods (allocation, translation, free and release) the facade
+binds the service's bound method on the instance at construction, so a call costs what a call on the service
+costs (one attribute lookup, no extra frame); a subclass that overrides one of them keeps its override.
 
 Note [Pending pages]
 ~~~~~~~~~~~~~~~~~~~~
@@ -91,10 +107,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, NoReturn, overload
 
@@ -102,18 +117,11 @@ import numpy as np
 import torch
 
 from umalloc.allocator import retraction
-from umalloc.allocator.freeing import FreePart
-from umalloc.allocator.ids import (
-    _I64,
-    _NP_I64,
-    _id_arg,
-    _ids,
-    _out,
-    _out_arg,
-    count_arg,
-    id_batch,
-)
-from umalloc.allocator.leasing import LeasePart
+from umalloc.allocator.allocation import AllocationService
+from umalloc.allocator.calls import AfterCall, KernelEntry
+from umalloc.allocator.ends import EndIndex
+from umalloc.allocator.freeing import FreeingService
+from umalloc.allocator.leasing import LeaseService
 from umalloc.allocator.observe import (
     EndStats,
     EndView,
@@ -122,19 +130,17 @@ from umalloc.allocator.observe import (
     snapshot,
     snapshots_equal,
 )
-from umalloc.allocator.space import SpacePart
-from umalloc.allocator.translation import TranslationPart
+from umalloc.allocator.space import SpaceService
+from umalloc.allocator.translation import TranslationService
 from umalloc.errors import (
     HeapCopyError,
-    InvalidIdError,
     UmallocValueError,
 )
 from umalloc.geometry.arena import Arena
-from umalloc.geometry.spec import ArenaSpec, Grow
-from umalloc.leases.table import LeaseTable
+from umalloc.geometry.spec import ArenaSpec, Grow, swa_tail_start
+from umalloc.leases.table import Lease, LeaseTable
+from umalloc.pool.compaction import CompactionReport
 from umalloc.pool.heap import Heap, claim_arena
-from umalloc.pool.kernels import raw
-from umalloc.pool.kernels.codes import OK, raise_for
 from umalloc.pool.kernels.layout import (
     SPLIT_ONE,
     V_FREED,
@@ -142,17 +148,6 @@ from umalloc.pool.kernels.layout import (
     V_NEVER,
     V_RESERVED,
 )
-from umalloc.pool.kernels.ops import (
-    CLAIM_LIVE,
-    CLAIM_RANGE,
-    hot_entries,
-    k_alloc_pages,
-    k_bind,
-    k_claim,
-    k_decode,
-    k_extend,
-)
-from umalloc.pool.mirror import make_mirrors, refresh
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +166,7 @@ class AllocatorTrial:
         self.committed = True
 
 
-class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart, FreePart):
+class MultiEndedAllocator:
     """Hands out pages of every end of one :class:`~umalloc.geometry.arena.Arena` under virtual token ids.
 
     Args:
@@ -219,12 +214,7 @@ class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart, FreePart):
             raise UmallocValueError(f"debug_checks={debug_checks!r}: allowed True or False")
         self.arena = arena
         self.spec: ArenaSpec = arena.spec
-        self.compaction_mode = compaction
-        self.move_budget_pages = move_budget_pages
-        self.debug_checks = bool(debug_checks)
-        self.last_shortfall: dict[str, int] = {}
-        self._names: tuple[str, ...] = tuple(e.name for e in self.spec.ends)
-        self._index: dict[str, int] = {n: i for i, n in enumerate(self._names)}
+        self._holder_checks: list[weakref.WeakMethod] = []  # attach_holder_check: RequestTable checks
         if mirror_device is None:
             device = arena.device
         else:
@@ -237,52 +227,65 @@ class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart, FreePart):
             if device.type == "cuda" and not torch.cuda.is_available():
                 raise UmallocValueError(f"mirror_device={mirror_device!r}: no CUDA device is available here; "
                                         "allowed None or 'cpu'")
+        # the parts (Note [Composed services]): each owns its state and gets what it uses at construction
         heap = Heap(self.spec, self._float_splits(float_split))
         self._heap = heap
-        # the heap's arrays under the names the facade's code uses (aliases: the heap owns them)
-        self._meta, self._h64, self._h8, self._pins = heap.meta, heap.h64, heap.h8, heap.pins
-        self._chain, self._err, self._scratch = heap.chain, heap.err, heap.scratch
-        self._owners, self._group, self._host2d = heap.owners, heap.group, heap.host2d
-        self._root_a, self._mask_base = heap.root_a, heap.mask_base
-        owners = self._owners
-        self._default_owner = owners[0] if len(owners) == 1 else -1
-        self._default_mask = self._bind_mask(owners[0], None) if len(owners) == 1 else -1
+        ends = self._ends = EndIndex(heap)
+        entry = self._entry = KernelEntry(heap)
+        # v2p mirrors (one 2-D block per owner group) when the arena lives on CUDA, or on request
+        mirrored = device.type == "cuda" or mirror_device is not None
+        after_call = self._after_call = AfterCall(heap, device if mirrored else None, bool(debug_checks),
+                                                  self.check_invariants)
+        leasing = self._leasing = LeaseService(heap, ends, clock)
+        space = self._space = SpaceService(heap, arena, self.spec, ends, entry, leasing, after_call,
+                                           compaction=compaction, move_budget_pages=move_budget_pages)
+        self._trial_depth = 0
         self.ends: Mapping[str, EndView] = MappingProxyType(
-            {n: EndView(heap, self.spec, i) for i, n in enumerate(self._names)})
-
-        self._holder_checks: list[weakref.WeakMethod] = []  # attach_holder_check: RequestTable checks
-        # ---- leases: the heap's pin arrays, lent to the table
-        self._leases = LeaseTable({n: heap.slots[i] for i, n in enumerate(self._names)}, clock=clock,
-                                  on_unpinned=self._on_unpinned,
-                                  first_pages={n: heap.first_page(i) for i, n in enumerate(self._names)},
-                                  validator=self._validate_lease_pages,
-                                  pins=dict(zip(self._names, heap.pins, strict=True)))
-        # O(1) truthiness: the hot path's "any lease work?" test (an active lease, or pages unpinned on another
-        # thread waiting to be delivered: Note [Lease threading])
-        self._active_leases = self._leases.work_view
-        self._expired_by_end = [0] * len(self._names)
-        self._trial_depth = 0   # trial(): lease expiry waits while a trial runs (Note [Trials])
-
-        # ---- device mirrors of v2p (one 2-D block per owner group) when the arena lives on CUDA
-        self._device = device
-        self._mirror: dict[int, torch.Tensor] = {}
-        if device.type == "cuda" or mirror_device is not None:
-            self._mirror = make_mirrors(self._host2d, device)
-        self._sync = bool(self._mirror) or self.debug_checks
-        self._eager = compaction == "eager"
+            {n: EndView(heap, self.spec, i) for i, n in enumerate(ends.names)})
         # Note [Page-level hot path]: alloc_pages / free_pages / release_pages with numpy ids, the default owner
         # and nothing to do after the kernel (no device mirror, no debug checks, no eager compaction, no lease)
         # run the kernel straight from the public method; anything else takes the general path
-        self._plain = not self._sync and not self._eager and len(owners) == 1
-        # UMALLOC_DEBUG=1: every direct-entry argument is checked (Note [Direct entry]); ids a direct entry reads
-        # by address are lent (raw.lend) so the check can bound them. Dispatcher calls type their own arguments.
-        self._debug = os.environ.get("UMALLOC_DEBUG", "") == "1"
-        self._hot = hot_entries(self._debug)
-        self._addr = raw.lend if self._debug else raw.address
-        self._bound: dict[str, int] = {n: i for i, n in enumerate(self._names) if heap.owner_of(i) != i}
-        if self.debug_checks:
+        self._plain = not after_call.sync and not space.eager and len(ends.owners) == 1
+        self._translation = TranslationService(heap, ends, entry, after_call.mirrors)
+        self._freeing = FreeingService(heap, ends, entry, leasing, after_call, space, plain=self._plain)
+        self._allocation = AllocationService(heap, self.spec, ends, entry, leasing, after_call, space,
+                                             plain=self._plain)
+        self._bind_delegates()
+        if after_call.debug_checks:
             self.check_invariants()
         claim_arena(arena, self)
+
+    def _bind_delegates(self) -> None:
+        """Note [Composed services]: the per-call methods bound straight to their service on this instance."""
+        cls = type(self)
+        for name, service in (("alloc_pages", self._allocation), ("alloc_extend", self._allocation),
+                              ("alloc_decode", self._allocation), ("bind_end", self._allocation),
+                              ("translate", self._translation), ("translate_pages", self._translation),
+                              ("free", self._freeing), ("free_pages", self._freeing),
+                              ("release_end", self._freeing), ("release_pages", self._freeing)):
+            if getattr(cls, name) is getattr(MultiEndedAllocator, name):  # a subclass's override wins
+                self.__dict__[name] = getattr(service, name)
+
+    # ---- the parts' state, read through the facade
+    @property
+    def compaction_mode(self) -> str:
+        """``"lazy"``, ``"eager"`` or ``"off"`` (the constructor's ``compaction``)."""
+        return self._space.compaction_mode
+
+    @property
+    def move_budget_pages(self) -> int | None:
+        """Most pages one lazy compaction may move per call (``None``: unbounded)."""
+        return self._space.move_budget_pages
+
+    @property
+    def last_shortfall(self) -> dict[str, int]:
+        """End name -> pages lacking in the last allocation that fell short (F20)."""
+        return self._space.last_shortfall
+
+    @property
+    def debug_checks(self) -> bool:
+        """Whether :meth:`check_invariants` runs after every mutating call."""
+        return self._after_call.debug_checks
 
     def _refuse_copy(self, *_: Any) -> NoReturn:
         raise HeapCopyError("a MultiEndedAllocator cannot be copied, deep-copied or pickled (it owns a heap of raw "
@@ -308,29 +311,6 @@ class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart, FreePart):
     # ------------------------------------------------------------------------------------------------------
     # ends and id spaces
     # ------------------------------------------------------------------------------------------------------
-    def _end_index(self, end: str) -> int:
-        try:
-            return self._index[end]
-        except (KeyError, TypeError):
-            raise UmallocValueError(f"end {end!r}: allowed one of {list(self._names)}") from None
-
-    def _owner_index(self, owner: str | None) -> int:
-        if owner is None:
-            if self._default_owner < 0:
-                raise UmallocValueError(
-                    f"owner=None is ambiguous: this arena has id-owner ends "
-                    f"{[self._names[o] for o in self._owners]}; pass owner=")
-            return self._default_owner
-        o = self._end_index(owner)
-        if self._heap.owner_of(o) != o:
-            raise UmallocValueError(f"owner={owner!r} is bound to {self.owner_of(owner)!r}; allowed an id-owner "
-                                    f"end: {[self._names[i] for i in self._owners]}")
-        return o
-
-    def _bind_mask(self, o: int, bind: Iterable[str] | None, *, only: int = -1) -> int:
-        """Offset in ``h8`` of the bind mask of owner ``o`` (:meth:`umalloc.pool.heap.Heap.bind_mask`)."""
-        return self._heap.bind_mask(o, bind, only=only)
-
     def owner_of(self, end: str) -> str:
         """Name of the id-owner end whose virtual ids ``end`` uses (``end`` itself for an owner).
 
@@ -338,7 +318,7 @@ class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart, FreePart):
         >>> small_allocator().owner_of("swa")
         'full'
         """
-        return self._names[self._heap.owner_of(self._end_index(end))]
+        return self._ends.owner_name(self._ends.end(end))
 
     def num_vpages(self, owner: str | None = None) -> int:
         """Size of the owner's virtual page id space (``num_page_slots(owner)``; id 0 is reserved).
@@ -347,50 +327,23 @@ class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart, FreePart):
         >>> small_allocator().num_vpages()
         10
         """
-        return self._heap.num_vpages(self._owner_index(owner))
+        return self._heap.num_vpages(self._ends.owner(owner))
 
     def bound_ends(self, owner: str | None = None) -> tuple[str, ...]:
         """Names of the ends bound to ``owner`` (excluding the owner)."""
-        return tuple(self._names[b] for b in self._group[self._owner_index(owner)][1:])
+        return tuple(self._ends.names[b] for b in self._ends.group[self._ends.owner(owner)][1:])
 
     def band(self, end: str) -> tuple[int, int]:
         """The band ``[lo, hi)`` of ``end`` in its physical pages. O(1)."""
-        return self._heap.band(self._end_index(end))
+        return self._heap.band(self._ends.end(end))
 
     def watermark(self, end: str) -> int:
         """``hi`` of an up/float end's band; ``lo - 1`` of a down end's (band ``(watermark, top]``). O(1)."""
-        return self.ends[self._names[self._end_index(end)]].watermark
+        return self.ends[self._ends.names[self._ends.end(end)]].watermark
 
     # ------------------------------------------------------------------------------------------------------
-    # per-call plumbing
+    # allocation (:class:`~umalloc.allocator.allocation.AllocationService`)
     # ------------------------------------------------------------------------------------------------------
-    def _raise(self, where: str, *, pages: bool = False) -> NoReturn:
-        """Raise the typed error the last kernel left in err (ids are virtual pages if ``pages``)."""
-        raise_for(self._err, self._meta, self._names, where, pages=pages)
-        raise AssertionError("unreachable")
-
-    def _after(self, o: int, n_scratch: int) -> None:
-        """After a mutating call: refresh owner ``o``'s ``v2p`` mirror for the ``n_scratch`` virtual pages the
-        kernel left in the scratch area; debug checks."""
-        if self._mirror and n_scratch:
-            self._refresh_mirror(o, self._scratch[:n_scratch])
-        if self.debug_checks:
-            self.check_invariants()
-
-    def _refresh_mirror(self, o: int, vids: np.ndarray) -> None:
-        """Refresh owner ``o``'s device mirror at the virtual pages ``vids`` (:func:`umalloc.pool.mirror.refresh`)."""
-        if self._mirror:
-            refresh(self._mirror[o], self._host2d[o], vids)
-
-    # ------------------------------------------------------------------------------------------------------
-    # allocation
-    # ------------------------------------------------------------------------------------------------------
-    def _resolve(self, owner: str | None, bind: Sequence[str] | None) -> tuple[int, int]:
-        if owner is None and bind is None and self._default_owner >= 0:
-            return self._default_owner, self._default_mask
-        o = self._owner_index(owner)
-        return o, self._bind_mask(o, bind)
-
     @overload
     def alloc_pages(self, num_pages: int, *, owner: str | None = None, bind: Sequence[str] | None = None,
                     out: None = None, index: None = None) -> torch.Tensor | None: ...
@@ -403,283 +356,32 @@ class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart, FreePart):
     def alloc_pages(self, num_pages: int, *, owner: str | None = None,
                     bind: Sequence[str] | None = None, out: torch.Tensor | np.ndarray | None = None,
                     index: torch.Tensor | np.ndarray | None = None) -> torch.Tensor | np.ndarray | None:
-        """Mint ``num_pages`` fresh virtual pages and bind a physical page of the owner and of each bound end
-        (the page-level call of an engine that keeps a per-request page table, as vLLM's
-        ``BlockPool.get_new_blocks`` does).
-
-        Args:
-            num_pages: pages to allocate (an ``int`` or numpy integer in ``[0, 2**63)``; not a ``bool``).
-            owner: id-owner end (``None``: the only one; ambiguous -> error).
-            bind: bound ends to bind too (default: every bound end of the owner; ``[]``: the owner only).
-            out: optional preallocated output of ``num_pages`` int64s: a contiguous CPU ``torch.int64`` tensor or
-                a writeable 1-D native ``int64`` numpy array (any strides). With ``index``: the flat block table
-                to write into (any length).
-            index: optional ``int64 (num_pages,)`` slots of ``out`` (a 1-D torch tensor or numpy array): page
-                ``j`` is written to ``out[index[j]]`` -- straight into a ``req_to_page`` block table, no scatter by
-                the caller. Every slot is checked to lie in ``[0, len(out))`` before anything changes, and all are
-                read before the first write (``index`` may overlap ``out``); slots should be distinct (a repeated
-                slot keeps the last page written to it).
-
-        Returns:
-            the virtual pages (ascending, lowest free ids first): a new ``int64`` CPU tensor ``(num_pages,)``, or
-            ``out`` itself if given (with ``index``: the whole table, pages at the slots), or ``None`` if any end
-            lacks space or the owner lacks free virtual ids (nothing changed, ``out`` untouched;
-            :attr:`last_shortfall` holds each end's deficit).
-
-        Raises:
-            UmallocValueError: bad ``num_pages``, owner or bind names. InvalidIdError: a wrong ``out`` or
-            ``index`` (type, dtype, shape, device, a read-only numpy ``out``, ``index`` without ``out``, an
-            ``index`` length other than ``num_pages``, a slot outside ``out``). Nothing changes on any error.
-
-        Complexity: O(num_pages + holes scanned) in one numba kernel; pages per Note [Placement order].
-
-        >>> from umalloc.testing import small_allocator
-        >>> alloc = small_allocator()
-        >>> alloc.alloc_pages(2, bind=[]).tolist(), alloc.stats()["swa"].live_pages
-        ([1, 2], 0)
-        >>> alloc.alloc_pages(100) is None, alloc.last_shortfall
-        (True, {'full': 93})
-        """
-        if type(out) is np.ndarray and type(num_pages) is int and owner is None and bind is None and self._plain \
-                and not self._active_leases and out.dtype is _NP_I64 and out.ndim == 1 and out.flags.writeable:
-            # the hot path, Note [Page-level hot path]: out holds the pages, or with index is the table
-            idx: Any = None
-            if index is None:
-                if out.shape[0] == num_pages:
-                    idx, n_idx, n_out = out, -1, num_pages
-            elif type(index) is np.ndarray and index.dtype is _NP_I64 and index.ndim == 1 \
-                    and index.shape[0] == num_pages:
-                idx, n_idx, n_out = index, num_pages, out.shape[0]
-            if idx is not None:
-                args = (self._root_a, self._default_owner, self._default_mask, num_pages, out, n_out, idx, n_idx)
-                if self._hot.alloc_pages(*args) != OK and self._retry(
-                        k_alloc_pages, args, self._default_mask, "alloc_pages") is None:
-                    return None
-                return out
-        num_pages = count_arg(num_pages, "num_pages")
-        if owner is None and bind is None and self._default_owner >= 0:  # the hot path: no call
-            o, mask = self._default_owner, self._default_mask
-        else:
-            o, mask = self._resolve(owner, bind)
-        k = num_pages
-        keep_idx, idx_arg, n_idx = None, 0, -1
-        if index is not None:
-            if out is None:
-                raise InvalidIdError("alloc_pages: index given without out; allowed index only with out (the "
-                                     "block table it indexes)")
-            keep_idx, idx_arg, n_idx = _id_arg(index, "index")  # dispatcher path: plain addresses
-            if n_idx != k:
-                raise InvalidIdError(f"alloc_pages: index has {n_idx} slots; allowed exactly num_pages={k}")
-            res, arg, n_out = _out_arg(out, None)
-        elif out is None:
-            # more pages than the owner has free virtual ids is refused by the kernel before anything is
-            # written, so a huge num_pages must not size the output either
-            free_ids = self._heap.num_vpages(o) - 1 - self._heap.live_vpages(o)
-            res = torch.empty(min(k, free_ids + 1), dtype=_I64)
-            arg, n_out = raw.address(res), k
-        else:
-            res, arg, n_out = _out_arg(out, k)
-        if self._active_leases:
-            self._tick()
-        args = (self._root_a, o, mask, k, arg, n_out, idx_arg, n_idx)
-        if k_alloc_pages(*args) != OK and self._retry(k_alloc_pages, args, mask, "alloc_pages") is None:
-            return None
-        del keep_idx
-        if self._sync:
-            self._after(o, k)
-        return res
+        """Mint ``num_pages`` fresh virtual pages bound on the owner and its bound ends:
+        :meth:`AllocationService.alloc_pages <umalloc.allocator.allocation.AllocationService.alloc_pages>`."""
+        return self._allocation.alloc_pages(num_pages, owner=owner, bind=bind, out=out, index=index)
 
     def claim_pages(self, vpages: torch.Tensor | np.ndarray | Sequence[int]) -> None:
-        """Mint exactly the free virtual pages ``vpages``, each on the physical page of the same number (Note
-        [Exact ids]): the entry an id allocator uses to take one named id (a prefix-cache hit on a block it
-        holds as free) without an allocate-and-free of the ids below it.
-
-        Args:
-            vpages: ``int64 (n,)`` distinct virtual pages, each free (never allocated or freed), a torch tensor,
-                numpy array or list of ints.
-
-        Raises:
-            UmallocValueError: the allocator is not an id allocator (more than one end, or its end does not
-            grow ``up``). InvalidIdError: an id outside ``[max(1, first_page), top_page]``, a live or repeated
-            id, or one whose physical page is not free (pending under a lease). Nothing changes on any error.
-
-        Complexity: O(n + pages skipped) in one numba kernel.
-
-        >>> from umalloc import Arena, ArenaSpec, EndSpec, LayerSpec
-        >>> alloc = MultiEndedAllocator(Arena(ArenaSpec((EndSpec("ids", (LayerSpec.mha(1, 4),), page_size=1),),
-        ...                                             arena_bytes=8 * 16)), compaction="off")
-        >>> alloc.claim_pages([5])
-        >>> alloc.alloc_pages(3).tolist(), alloc.translate_pages(torch.tensor([5]), "ids").tolist()
-        ([1, 2, 3], [5])
-        """
-        if len(self._names) != 1 or self.spec.ends[0].grow is not Grow.UP:
-            raise UmallocValueError(f"claim_pages: allowed an id allocator (one 'up' end, the arena's only one); "
-                                    f"this arena has ends {list(self._names)}")
-        vp = id_batch(vpages, "vpages")
-        if self._active_leases:
-            self._tick()
-        r = int(k_claim(self._root_a, 0, vp))
-        if r:
-            code, pos = r % 8, r // 8
-            v = int(vp[pos])
-            if code == CLAIM_RANGE:
-                raise InvalidIdError(f"claim_pages: vpages[{pos}]={v} is out of range; allowed "
-                                     f"[{max(1, self.ends[self._names[0]].first_page)}, {self.ends[self._names[0]].top_page}]")
-            what = "is live or repeated in the batch" if code == CLAIM_LIVE else "has a physical page that is not free"
-            raise InvalidIdError(f"claim_pages: vpages[{pos}]={v} {what}; allowed distinct free virtual pages")
-        if self._sync:
-            self._refresh_mirror(0, vp)
-            if self.debug_checks:
-                self.check_invariants()
+        """Mint exactly the free virtual pages ``vpages`` (Note [Exact ids]):
+        :meth:`AllocationService.claim_pages <umalloc.allocator.allocation.AllocationService.claim_pages>`."""
+        self._allocation.claim_pages(vpages)
 
     def alloc_extend(self, prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_loc: torch.Tensor, *,
                      owner: str | None = None, bind: Sequence[str] | None = None,
                      out: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Allocate the tokens ``[prefix_len, seq_len)`` of each request (SGLang ``alloc_extend`` semantics).
-
-        Each request first fills its partial last page (tokens ``last_loc + 1, ...``), then gets
-        ``ceil(seq_len / page_size) - ceil(prefix_len / page_size)`` fresh virtual pages, in request order, each
-        bound on the owner and the ``bind`` ends (default all bound ends).
-
-        Args:
-            prefix_lens: ``int64 (B,)`` tokens each request already holds.
-            seq_lens: ``int64 (B,)`` tokens after the extend (``>= prefix_lens``).
-            last_loc: ``int64 (B,)`` virtual token id of each request's last prefix token (position
-                ``prefix_len - 1``), or ``-1`` where ``prefix_len == 0``.
-            out: optional preallocated contiguous CPU ``int64`` output of shape ``(sum(seq_lens - prefix_lens),)``.
-
-        Returns:
-            ``int64`` CPU tensor ``(sum(seq_lens - prefix_lens),)`` of virtual token ids, request by request (``out``
-            if given), or ``None`` if any end lacks space (nothing changed).
-
-        Raises:
-            InvalidIdError: bad dtype/shape, ``prefix_len > seq_len``, ``last_loc`` out of range, in page 0, at the
-                wrong page offset, a partial tail page extended twice in one batch, or a wrong-sized ``out``.
-            NotAllocatedError / DoubleFreeError: ``last_loc`` not live; a partial tail page unbound on a ``bind``
-                end.
-
-        Complexity: O(B + new tokens) in one numba kernel.
-
-        >>> from umalloc.testing import small_allocator
-        >>> alloc = small_allocator()            # page_size 2
-        >>> t = alloc.alloc_extend(torch.tensor([0, 0]), torch.tensor([3, 1]), torch.tensor([-1, -1]))
-        >>> t.tolist()                               # request 0: pages 1, 2; request 1: page 3
-        [2, 3, 4, 6]
-        >>> alloc.alloc_extend(torch.tensor([3]), torch.tensor([5]), torch.tensor([4])).tolist()
-        [5, 8]
-        """
-        if owner is None and bind is None and self._default_owner >= 0:  # the hot path: no call
-            o, mask = self._default_owner, self._default_mask
-        else:
-            o, mask = self._resolve(owner, bind)
-        prefix_lens = _ids(prefix_lens, "prefix_lens")
-        seq_lens = _ids(seq_lens, "seq_lens")
-        last_loc = _ids(last_loc, "last_loc")
-        B = prefix_lens.numel()
-        if seq_lens.numel() != B or last_loc.numel() != B:
-            raise InvalidIdError(f"alloc_extend: shapes prefix_lens ({B},), seq_lens ({seq_lens.numel()},), "
-                                 f"last_loc ({last_loc.numel()},); allowed three equal (B,) shapes")
-        if out is None:
-            out_a = n_out = 0
-        else:
-            out = _out(out, None)
-            out_a, n_out = self._addr(out), out.numel()
-        if self._active_leases:
-            self._tick()
-        addr = self._addr
-        args = (self._root_a, o, mask, addr(prefix_lens), addr(seq_lens), addr(last_loc), B, out_a, n_out)
-        res = self._hot.extend(*args)
-        if self._err[0] != OK:
-            res = self._retry(k_extend, args, mask, "alloc_extend")
-            if res is None:
-                return None
-        if self._sync:
-            self._after(o, int(self._err[1]))
-        return torch.from_numpy(res) if out is None else out
+        """Allocate the tokens ``[prefix_len, seq_len)`` of each request (SGLang ``alloc_extend`` semantics):
+        :meth:`AllocationService.alloc_extend <umalloc.allocator.allocation.AllocationService.alloc_extend>`."""
+        return self._allocation.alloc_extend(prefix_lens, seq_lens, last_loc, owner=owner, bind=bind, out=out)
 
     def alloc_decode(self, seq_lens: torch.Tensor, last_loc: torch.Tensor, *, owner: str | None = None,
                      bind: Sequence[str] | None = None, out: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Allocate one token per request at position ``seq_len - 1`` (SGLang ``alloc_decode`` semantics): a
-        fresh virtual page only where that position starts a page, else ``last_loc + 1``.
-
-        Args:
-            seq_lens: ``int64 (B,)`` lengths *after* adding the new token (``>= 1``).
-            last_loc: ``int64 (B,)`` virtual token id of position ``seq_len - 2`` (``-1`` where ``seq_len == 1``).
-            out: optional preallocated contiguous CPU ``int64 (B,)`` output.
-
-        Returns:
-            ``int64`` CPU tensor ``(B,)`` of virtual token ids (``out`` if given), or ``None`` if any end lacks
-            space (nothing changed).
-
-        Raises: as :meth:`alloc_extend`.
-
-        >>> from umalloc.testing import small_allocator
-        >>> alloc = small_allocator()            # page_size 2
-        >>> alloc.alloc_decode(torch.tensor([1, 1]), torch.tensor([-1, -1])).tolist()   # new pages 1, 2
-        [2, 4]
-        >>> alloc.alloc_decode(torch.tensor([2, 2]), torch.tensor([2, 4])).tolist()     # same pages
-        [3, 5]
-        >>> alloc.alloc_decode(torch.tensor([3]), torch.tensor([3])).tolist()           # position 2: page 3
-        [6]
-        >>> alloc.alloc_decode(torch.tensor([2]), torch.tensor([3]))
-        Traceback (most recent call last):
-        ...
-        umalloc.errors.InvalidIdError: alloc_decode: request 0: last_loc=3 is not at the page offset of token position 0 (page arithmetic uses absolute positions, F07)
-        """
-        if owner is None and bind is None and self._default_owner >= 0:  # the hot path: no call
-            o, mask = self._default_owner, self._default_mask
-        else:
-            o, mask = self._resolve(owner, bind)
-        seq_lens = _ids(seq_lens, "seq_lens")
-        last_loc = _ids(last_loc, "last_loc")
-        B = seq_lens.numel()
-        if last_loc.numel() != B:
-            raise InvalidIdError(f"alloc_decode: shapes seq_lens ({B},), last_loc ({last_loc.numel()},); allowed "
-                                 f"two equal (B,) shapes")
-        res = torch.empty(B, dtype=_I64) if out is None else _out(out, B)
-        if self._active_leases:
-            self._tick()
-        addr = self._addr
-        args = (self._root_a, o, mask, addr(seq_lens), addr(last_loc), B, addr(res))
-        if self._hot.decode(*args) != OK and self._retry(k_decode, args, mask, "alloc_decode") is None:
-            return None
-        if self._sync:
-            self._after(o, int(self._err[1]))
-        return res
+        """Allocate one token per request at position ``seq_len - 1`` (SGLang ``alloc_decode`` semantics):
+        :meth:`AllocationService.alloc_decode <umalloc.allocator.allocation.AllocationService.alloc_decode>`."""
+        return self._allocation.alloc_decode(seq_lens, last_loc, owner=owner, bind=bind, out=out)
 
     def bind_end(self, end: str, vtokens: torch.Tensor) -> bool:
-        """Bind fresh physical pages of bound ``end`` to the live virtual pages of ``vtokens``, which must be
-        unbound on it (e.g. the SWA window tail of a request whose earlier pages were allocated with
-        ``bind=[]``). Pages are taken per Note [Placement order] and assigned in first-occurrence order.
-
-        Returns:
-            True, or False if ``end`` lacks space (nothing changed).
-
-        Raises:
-            UmallocValueError: ``end`` unknown or an id owner. InvalidIdError: bad ids, page 0, or a page already
-            bound on ``end``. NotAllocatedError / DoubleFreeError: a page that is not live. Nothing changes.
-
-        >>> from umalloc.testing import small_allocator
-        >>> alloc = small_allocator()
-        >>> vp = alloc.alloc_pages(2, bind=[])
-        >>> alloc.bind_end("swa", vp * 2), alloc.translate_pages(vp, "swa").tolist()
-        (True, [8, 9])
-        """
-        b = self._bound_index(end, "bind_end")
-        toks = _ids(vtokens, "vtokens")
-        o = self._heap.owner_of(b)
-        mask = self._bind_mask(o, None, only=b)
-        if self._active_leases:
-            self._tick()
-        args = (self._root_a, b, mask, raw.address(toks), toks.numel())
-        n = k_bind(*args)
-        if n < 0:
-            n = self._retry(k_bind, args, mask, "bind_end")
-            if n is None:
-                return False
-        if self._sync:
-            self._after(o, n)
-        return True
+        """Bind fresh physical pages of bound ``end`` to live virtual pages:
+        :meth:`AllocationService.bind_end <umalloc.allocator.allocation.AllocationService.bind_end>`."""
+        return self._allocation.bind_end(end, vtokens)
 
     @contextlib.contextmanager
     def trial(self, *, compaction: bool = True, keep_bytes: Mapping[str, np.ndarray] | None = None,
@@ -712,54 +414,171 @@ class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart, FreePart):
             raise UmallocValueError("trial: a trial is already running on this allocator; allowed one at a time")
         saved_bytes: list[tuple[str, np.ndarray, torch.Tensor]] = []
         for end, pages in (keep_bytes or {}).items():
-            e = self._end_index(end)
+            e = self._ends.end(end)
             p = np.asarray(pages, dtype=np.int64).reshape(-1)
-            if p.size and (int(p.min()) < 1 or int(p.max()) >= int(self.ends[self._names[e]].num_page_slots)):
+            if p.size and (int(p.min()) < 1 or int(p.max()) >= int(self.ends[self._ends.names[e]].num_page_slots)):
                 raise UmallocValueError(f"trial: keep_bytes[{end!r}] holds a page outside [1, slots)")
             env = self.arena.envelopes(end)
             saved_bytes.append((end, p, env[torch.from_numpy(p).to(env.device)].clone()))
-        with self._leases.lock:
-            if self._active_leases:
-                self._tick()
+        leasing, space, after_call = self._leasing, self._space, self._after_call
+        with leasing.table.lock:
+            if leasing.work:
+                leasing.tick()
             heap = self._heap
             mb = heap.mask_base
-            saved = (self._meta.copy(), self._h64.copy(), self._h8[:mb].copy(), dict(self.last_shortfall))
-            mode, eager, debug = self.compaction_mode, self._eager, self.debug_checks
+            saved = (heap.meta.copy(), heap.h64.copy(), heap.h8[:mb].copy())
+            mode, eager, debug = space.compaction_mode, space.eager, after_call.debug_checks
             handle = AllocatorTrial()
             self._trial_depth = 1
+            leasing.paused = True
             if not compaction:
-                self.compaction_mode, self._eager = "off", False
-            self.debug_checks = False   # a caller's tables are mid-change inside a trial
+                space.compaction_mode, space.eager = "off", False
+            after_call.debug_checks = False   # a caller's tables are mid-change inside a trial
             try:
                 yield handle
             finally:
                 self._trial_depth = 0
-                self.compaction_mode, self._eager, self.debug_checks = mode, eager, debug
+                leasing.paused = False
+                space.compaction_mode, space.eager, after_call.debug_checks = mode, eager, debug
                 if not handle.committed:
-                    self._meta[:] = saved[0]
-                    self._h64[:] = saved[1]
-                    self._h8[:mb] = saved[2]
+                    heap.meta[:] = saved[0]
+                    heap.h64[:] = saved[1]
+                    heap.h8[:mb] = saved[2]
                     for end, p, data in saved_bytes:
                         env = self.arena.envelopes(end)
                         env[torch.from_numpy(p).to(env.device)] = data
-                    for o, mirror in self._mirror.items():
-                        mirror.copy_(torch.from_numpy(self._host2d[o]))
-                elif self.debug_checks:
-                    self.check_invariants()
+                    after_call.reload_mirrors()
+                else:
+                    after_call.checks()
 
-    def _bound_index(self, end: str, where: str) -> int:
-        b = self._end_index(end)
-        if self._heap.owner_of(b) == b:
-            raise UmallocValueError(f"{where}: end {end!r} is an id-owner end; allowed a bound end: "
-                                    f"{[n for n in self._names if self.owner_of(n) != n]}")
-        return b
+    # ------------------------------------------------------------------------------------------------------
+    # the services' calls (Note [Composed services]; each documents its call in full)
+    # ------------------------------------------------------------------------------------------------------
+    @overload
+    def translate(self, vtokens: torch.Tensor, end: str, *, strict: bool = True,
+                  out: torch.Tensor | None = None) -> torch.Tensor: ...
+    @overload
+    def translate(self, vtokens: np.ndarray, end: str, *, strict: bool = True,
+                  out: np.ndarray | None = None) -> np.ndarray: ...
+    def translate(self, vtokens: torch.Tensor | np.ndarray, end: str, *, strict: bool = True,
+                  out: torch.Tensor | np.ndarray | None = None) -> torch.Tensor | np.ndarray:
+        """Physical token ids of ``end`` for virtual token ids: :meth:`TranslationService.translate
+        <umalloc.allocator.translation.TranslationService.translate>`."""
+        return self._translation.translate(vtokens, end, strict=strict, out=out)
 
-    def retract(self, vtokens: torch.Tensor, *, owner: str | None = None) -> Any:
+    @overload
+    def translate_pages(self, vpages: torch.Tensor, end: str, *, strict: bool = True,
+                        out: torch.Tensor | None = None) -> torch.Tensor: ...
+    @overload
+    def translate_pages(self, vpages: np.ndarray, end: str, *, strict: bool = True,
+                        out: np.ndarray | None = None) -> np.ndarray: ...
+    def translate_pages(self, vpages: torch.Tensor | np.ndarray, end: str, *, strict: bool = True,
+                        out: torch.Tensor | np.ndarray | None = None) -> torch.Tensor | np.ndarray:
+        """Physical pages of ``end`` for virtual pages: :meth:`TranslationService.translate_pages
+        <umalloc.allocator.translation.TranslationService.translate_pages>`."""
+        return self._translation.translate_pages(vpages, end, strict=strict, out=out)
+
+    def v2p(self, end: str) -> torch.Tensor:
+        """Read-only ``int64 (num_vpages(owner),)`` table of ``end``: :meth:`TranslationService.v2p
+        <umalloc.allocator.translation.TranslationService.v2p>`."""
+        return self._translation.v2p(end)
+
+    def p2v(self, end: str) -> torch.Tensor:
+        """Read-only ``int64 (num_page_slots(end),)`` table of ``end``: :meth:`TranslationService.p2v
+        <umalloc.allocator.translation.TranslationService.p2v>`."""
+        return self._translation.p2v(end)
+
+    def num_contiguous_runs(self, vpages: torch.Tensor, end: str) -> int:
+        """Runs of consecutive ascending physical pages ``vpages`` forms on ``end``:
+        :meth:`TranslationService.num_contiguous_runs
+        <umalloc.allocator.translation.TranslationService.num_contiguous_runs>`."""
+        return self._translation.num_contiguous_runs(vpages, end)
+
+    def free(self, vtokens: torch.Tensor | np.ndarray, *, owner: str | None = None) -> None:
+        """Free the virtual pages holding ``vtokens`` on every end: :meth:`FreeingService.free
+        <umalloc.allocator.freeing.FreeingService.free>`."""
+        self._freeing.free(vtokens, owner=owner)
+
+    def free_pages(self, vpages: torch.Tensor | np.ndarray, *, owner: str | None = None,
+                   index: torch.Tensor | np.ndarray | None = None) -> None:
+        """:meth:`free` for virtual page ids: :meth:`FreeingService.free_pages
+        <umalloc.allocator.freeing.FreeingService.free_pages>`."""
+        self._freeing.free_pages(vpages, owner=owner, index=index)
+
+    def release_end(self, end: str, vtokens: torch.Tensor | np.ndarray, *, strict: bool = True) -> None:
+        """Tombstone bound ``end`` only for the pages of ``vtokens``: :meth:`FreeingService.release_end
+        <umalloc.allocator.freeing.FreeingService.release_end>`."""
+        self._freeing.release_end(end, vtokens, strict=strict)
+
+    def release_pages(self, end: str, vpages: torch.Tensor | np.ndarray, *, strict: bool = True,
+                      index: torch.Tensor | np.ndarray | None = None) -> None:
+        """:meth:`release_end` for virtual page ids: :meth:`FreeingService.release_pages
+        <umalloc.allocator.freeing.FreeingService.release_pages>`."""
+        self._freeing.release_pages(end, vpages, strict=strict, index=index)
+
+    def available_pages(self, end: str) -> int:
+        """Pages ``end`` can allocate now: :meth:`SpaceService.available_pages
+        <umalloc.allocator.space.SpaceService.available_pages>`."""
+        return self._space.available_pages(end)
+
+    def available_tokens(self, end: str) -> int:
+        """:meth:`available_pages` times ``page_size``."""
+        return self._space.available_tokens(end)
+
+    def can_alloc(self, num_pages_by_end: Mapping[str, int]) -> bool:
+        """True if every named end can take its page count at once: :meth:`SpaceService.can_alloc
+        <umalloc.allocator.space.SpaceService.can_alloc>`."""
+        return self._space.can_alloc(num_pages_by_end)
+
+    def shortfall_pages(self, num_pages_by_end: Mapping[str, int]) -> dict[str, int]:
+        """Per end, the pages it would lack: :meth:`SpaceService.shortfall_pages
+        <umalloc.allocator.space.SpaceService.shortfall_pages>`."""
+        return self._space.shortfall_pages(num_pages_by_end)
+
+    def compact(self, end: str | None = None, *, budget_pages: int | None = None) -> CompactionReport:
+        """Compact ``end`` (default: every end): :meth:`SpaceService.compact
+        <umalloc.allocator.space.SpaceService.compact>`."""
+        return self._space.compact(end, budget_pages=budget_pages)
+
+    @staticmethod
+    def swa_tail_start(seq_len: int, window: int, prefix_len: int, page_size: int) -> int:
+        """First token whose SWA page must exist: ``floor_to_page(max(prefix_len, seq_len - window))``
+        (:func:`umalloc.geometry.spec.swa_tail_start`, the one function prefill and decode use, F18/F19).
+
+        Raises:
+            UmallocValueError: negative lengths, ``window < 1``, ``page_size < 1`` or ``prefix_len > seq_len``.
+
+        >>> MultiEndedAllocator.swa_tail_start(100, 32, 0, 16)     # window [68, 100): pages from token 64
+        64
+        >>> MultiEndedAllocator.swa_tail_start(10, 3, 0, 16)       # page_size > window: keep page 0
+        0
+        """
+        return swa_tail_start(seq_len, window, prefix_len, page_size)
+
+    def lease(self, pages: Mapping[str, torch.Tensor], *, deadline_s: float | None = None, tag: str = "") -> Lease:
+        """Pin physical pages of any ends: :meth:`LeaseService.lease
+        <umalloc.allocator.leasing.LeaseService.lease>`. Any thread."""
+        return self._leasing.lease(pages, deadline_s=deadline_s, tag=tag)
+
+    def leases_active(self) -> int:
+        """Active leases over all ends (after reclaiming expired ones)."""
+        return self._leasing.leases_active()
+
+    def moves_blocked(self, end: str) -> bool:
+        """Coarse gate: True while any page of ``end`` is pinned (umalloc's compaction plans around single pins)."""
+        return self._leasing.moves_blocked(end)
+
+    @property
+    def lease_table(self) -> LeaseTable:
+        """The :class:`~umalloc.leases.table.LeaseTable` holding this arena's pins."""
+        return self._leasing.table
+
+    def retract(self, vtokens: torch.Tensor, *, owner: str | None = None) -> retraction.RetractedKV:
         """Copy a request's pages of every end (owner and every bound end) to host memory, then free them;
         see :func:`umalloc.allocator.retraction.retract` (returns a ``RetractedKV``)."""
         return retraction.retract(self, vtokens, owner=owner)
 
-    def restore(self, retracted: Any) -> torch.Tensor | None:
+    def restore(self, retracted: retraction.RetractedKV) -> torch.Tensor | None:
         """Re-allocate a retracted request (virtual ids re-minted) and write its bytes back; ``None`` (nothing
         changed) if an end lacks space. See :func:`umalloc.allocator.retraction.restore`."""
         return retraction.restore(self, retracted)
@@ -777,9 +596,9 @@ class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart, FreePart):
         >>> s.live_pages, s.live_bytes, s.band_lo, s.watermark, s.free_pages
         (3, 96, 7, 6, 3)
         """
-        if self._active_leases:
-            self._tick()
-        return end_stats(self._heap, self.spec, self.ends, self._leases, self._expired_by_end)
+        if self._leasing.work:
+            self._leasing.tick()
+        return end_stats(self._heap, self.spec, self.ends, self._leasing.table, self._leasing.expired_by_end)
 
     def snapshot(self) -> dict[str, Any]:
         """Every page's state and every table, as copies (numpy arrays), plus bands and counters.
@@ -789,7 +608,7 @@ class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart, FreePart):
         {name: {"vstate": array (V_NEVER=0, V_LIVE=1, V_FREED=2, V_RESERVED=3), "live": int}}, "leases": [...]}``.
         Two snapshots compare equal (:func:`snapshots_equal`) iff nothing observable changed. O(slots).
         """
-        return snapshot(self._heap, self.ends, self._leases)
+        return snapshot(self._heap, self.ends, self._leasing.table)
 
     def check_invariants(self) -> None:
         """Check every invariant in O(slots + virtual pages) (:func:`umalloc.allocator.observe.check_invariants` lists
@@ -800,10 +619,11 @@ class MultiEndedAllocator(TranslationPart, SpacePart, LeasePart, FreePart):
         >>> from umalloc.testing import small_allocator
         >>> alloc = small_allocator(); _ = alloc.alloc_pages(2); alloc.check_invariants()
         """
-        with self._leases.lock:
-            if self._leases._queue:
-                self._leases.drain()
-            check_invariants(self._heap, self.spec, self.ends, self._mirror, self._leases)
+        table = self._leasing.table
+        with table.lock:
+            if table.unpinned_waiting:
+                table.drain()
+            check_invariants(self._heap, self.spec, self.ends, self._after_call.mirrors, table)
         for ref in tuple(self._holder_checks):
             if (check := ref()) is not None:
                 check()

@@ -1,7 +1,7 @@
-"""The allocator's free and release calls (a part of :class:`~umalloc.allocator.facade.MultiEndedAllocator`).
+"""The allocator's freeing service: the free and release calls.
 
-* :meth:`FreePart.free` / :meth:`~FreePart.free_pages` give a request's virtual pages back on the owner and on
-  every bound end; :meth:`~FreePart.release_end` / :meth:`~FreePart.release_pages` tombstone one bound end only
+* :meth:`FreeingService.free` / :meth:`~FreeingService.free_pages` give a request's virtual pages back on the owner and on
+  every bound end; :meth:`~FreeingService.release_end` / :meth:`~FreeingService.release_pages` tombstone one bound end only
   (SWA pages that left the window, F18). Tokens or pages, torch or numpy ids, an optional ``index`` gather from
   a block table; every one validates at the boundary and changes nothing on an error.
 * A physical page pinned by a lease becomes pending instead of a hole (Note [Pending pages] in
@@ -12,36 +12,46 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NoReturn
-
 import numpy as np
 import torch
 
+from umalloc.allocator.calls import AfterCall, KernelEntry
+from umalloc.allocator.ends import EndIndex
 from umalloc.allocator.ids import _NP_I64, _hot_index, _id_arg, check_strict
+from umalloc.allocator.leasing import LeaseService
+from umalloc.allocator.space import SpaceService
+from umalloc.pool.heap import Heap
 from umalloc.pool.kernels.ops import k_free, k_release
 
 
-class FreePart:
-    """Free and release methods of the allocator facade (the attributes below are set by its constructor)."""
+class FreeingService:
+    """Free and release on one allocator's ends (owner thread).
 
-    _plain: bool
-    _eager: bool
-    _sync: bool
-    _hot: Any
-    _root_a: np.ndarray
-    _addr: Any
-    _default_owner: int
-    _bound: dict[str, int]
-    _group: dict[int, tuple[int, ...]]
-    _heap: Any
-    _active_leases: Mapping[int, Any]
-    _owner_index: Callable[[str | None], int]
-    _bound_index: Callable[[str, str], int]
-    _raise: Callable[..., NoReturn]
-    _tick: Callable[[], None]
-    _after: Callable[[int, int], None]
-    _after_free: Callable[[Sequence[int]], None]
+    Args:
+        heap, ends, entry, leasing, after_call, space: the allocator's heap, end index, kernel entry, lease
+            service, after-call work and space service (eager compaction after a free).
+        plain: the page-level hot path applies (Note [Page-level hot path] in :mod:`umalloc.allocator.facade`).
+    """
+
+    __slots__ = ("_addr", "_after_call", "_bound", "_default_owner", "_ends", "_entry", "_group", "_heap", "_hot",
+                 "_leasing", "_plain", "_root_a", "_space", "_sync", "_work")
+
+    def __init__(self, heap: Heap, ends: EndIndex, entry: KernelEntry, leasing: LeaseService,
+                 after_call: AfterCall, space: SpaceService, *, plain: bool) -> None:
+        self._heap = heap
+        self._ends = ends
+        self._entry = entry
+        self._leasing = leasing
+        self._after_call = after_call
+        self._space = space
+        # what the hot paths read, held directly (each is fixed for the allocator's life)
+        self._plain = plain
+        self._sync = after_call.sync
+        self._work = leasing.work
+        self._hot, self._root_a, self._addr = entry.hot, entry.root_a, entry.addr
+        self._default_owner = ends.default_owner
+        self._bound = ends.bound
+        self._group = ends.group
 
     def free(self, vtokens: torch.Tensor | np.ndarray, *, owner: str | None = None) -> None:
         """Free the unique virtual pages containing ``vtokens`` on the owner and on every bound end where they
@@ -100,12 +110,12 @@ class FreePart:
         ...
         umalloc.errors.DoubleFreeError: free_pages: virtual page 2 at position 0 is a virtual page of 'full' that is already free
         """
-        if type(vpages) is np.ndarray and owner is None and self._plain and not self._active_leases \
+        if type(vpages) is np.ndarray and owner is None and self._plain and not self._work \
                 and vpages.dtype is _NP_I64 and vpages.ndim == 1:  # the hot path, Note [Page-level hot path]
             idx, n_idx = _hot_index(vpages, index)
             if idx is not None:
                 if self._hot.free(self._root_a, self._default_owner, vpages, vpages.shape[0], True, idx, n_idx) < 0:
-                    self._raise("free_pages", pages=True)
+                    self._entry.raise_error("free_pages", pages=True)
                 return
         self._free(vpages, owner, True, "free_pages", index)
 
@@ -114,22 +124,22 @@ class FreePart:
         if owner is None and self._default_owner >= 0:
             o = self._default_owner
         else:
-            o = self._owner_index(owner)
+            o = self._ends.owner(owner)
         keep, arg, n_ids = _id_arg(ids, "vpages" if pages else "vtokens", self._addr)
         keep_idx, idx_arg, n_idx = (None, 0, -1) if index is None else _id_arg(index, "index", self._addr)
-        if self._active_leases:
-            self._tick()
+        if self._work:
+            self._leasing.tick()
         if type(arg) is int and type(idx_arg) is int:  # torch ids by address: Note [Direct entry]
             n = self._hot.free_addr(self._root_a, o, arg, n_ids, pages, idx_arg, n_idx)
         else:
             n = k_free(self._root_a, o, arg, n_ids, pages, idx_arg, n_idx)
         del keep, keep_idx
         if n < 0:
-            self._raise(where, pages=pages)
-        if n and self._eager:
-            self._after_free(self._group[o])
+            self._entry.raise_error(where, pages=pages)
+        if n and self._space.eager:
+            self._space.after_free(self._group[o])
         if self._sync:
-            self._after(o, n)
+            self._after_call.after(o, n)
 
     def release_end(self, end: str, vtokens: torch.Tensor | np.ndarray, *, strict: bool = True) -> None:
         """Tombstone bound ``end`` only, for the unique virtual pages of ``vtokens`` (SWA pages that left the
@@ -180,14 +190,14 @@ class FreePart:
         >>> alloc.translate_pages(vp, "swa", strict=False).tolist()
         [0, 9]
         """
-        if type(vpages) is np.ndarray and self._plain and not self._active_leases and vpages.dtype is _NP_I64 \
+        if type(vpages) is np.ndarray and self._plain and not self._work and vpages.dtype is _NP_I64 \
                 and vpages.ndim == 1 and type(end) is str and (strict is True or strict is False):  # the hot path
             b = self._bound.get(end, -1)
             idx, n_idx = _hot_index(vpages, index)
             if b >= 0 and idx is not None:
                 if self._hot.release(self._root_a, b, vpages, vpages.shape[0], strict, True, idx,
                                      n_idx) < 0:
-                    self._raise("release_pages", pages=True)
+                    self._entry.raise_error("release_pages", pages=True)
                 return
         self._release(end, vpages, strict, True, "release_pages", index)
 
@@ -195,23 +205,23 @@ class FreePart:
                  index: torch.Tensor | np.ndarray | None = None) -> None:
         b = self._bound.get(end, -1) if type(end) is str else -1
         if b < 0:
-            b = self._bound_index(end, where)
+            b = self._ends.bound_end(end, where)
         strict = check_strict(strict, where)
         keep, arg, n_ids = _id_arg(ids, "vpages" if pages else "vtokens", self._addr)
         keep_idx, idx_arg, n_idx = (None, 0, -1) if index is None else _id_arg(index, "index", self._addr)
-        if self._active_leases:
-            self._tick()
+        if self._work:
+            self._leasing.tick()
         if type(arg) is int and type(idx_arg) is int:  # torch ids by address: Note [Direct entry]
             n = self._hot.release_addr(self._root_a, b, arg, n_ids, strict, pages, idx_arg, n_idx)
         else:
             n = k_release(self._root_a, b, arg, n_ids, strict, pages, idx_arg, n_idx)
         del keep, keep_idx
         if n < 0:
-            self._raise(where, pages=pages)
-        if n and self._eager:
-            self._after_free((b,))
+            self._entry.raise_error(where, pages=pages)
+        if n and self._space.eager:
+            self._space.after_free((b,))
         if self._sync:
-            self._after(self._heap.owner_of(b), n)
+            self._after_call.after(self._heap.owner_of(b), n)
 
 
-__all__ = ["FreePart"]
+__all__ = ["FreeingService"]

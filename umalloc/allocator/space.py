@@ -1,12 +1,14 @@
-"""Capacity, the shortfall ladder's execution and compaction (a part of
-:class:`~umalloc.allocator.facade.MultiEndedAllocator`).
+"""The allocator's space service: capacity, the shortfall ladder's execution and compaction.
 
-* Capacity queries (:meth:`SpacePart.available_pages`, :meth:`~SpacePart.can_alloc`,
-  :meth:`~SpacePart.shortfall_pages`) run the same band planner an allocation runs; they count holes and reachable
-  gap only, never pending pages, never what compaction might free.
-* A placement kernel that falls short comes back through :meth:`SpacePart._retry`: misuse raises, a shortfall
+* Capacity queries (:meth:`SpaceService.available_pages`, :meth:`~SpaceService.can_alloc`,
+  :meth:`~SpaceService.shortfall_pages`) run the same band planner an allocation runs; they count holes and
+  reachable gap only, never pending pages, never what compaction might free.
+* A placement kernel that falls short comes back through :meth:`SpaceService.retry`: misuse raises, a shortfall
   applies the plan :func:`umalloc.pool.ladder.plan_shortfall` computes (Note [Shortfall] there), then runs the
   kernel once more. Plans execute through :func:`umalloc.pool.compaction.apply_plan` on the heap's writable views.
+* The service owns the compaction policy (``compaction_mode``, ``move_budget_pages``, ``eager``) and the last
+  shortfall record; a trial (Note [Trials] in :mod:`umalloc.allocator.facade`) switches the policy off while it
+  runs.
 """
 
 from __future__ import annotations
@@ -14,15 +16,17 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NoReturn
+from typing import Any
 
 import numpy as np
-import torch
 
+from umalloc.allocator.calls import AfterCall, KernelEntry
+from umalloc.allocator.ends import EndIndex
 from umalloc.allocator.ids import count_arg
+from umalloc.allocator.leasing import LeaseService
 from umalloc.errors import UmallocValueError
 from umalloc.geometry.arena import Arena
-from umalloc.geometry.spec import ArenaSpec, swa_tail_start
+from umalloc.geometry.spec import ArenaSpec
 from umalloc.pool.compaction import CompactionReport, MovePlan, apply_plan
 from umalloc.pool.heap import Heap
 from umalloc.pool.kernels.codes import E_IDS, E_SHORT, OK
@@ -37,59 +41,67 @@ def _under_lease_lock(method: Callable[..., Any]) -> Callable[..., Any]:
     another thread waits until the move plan is applied, so it never pins a page that is being moved."""
     @functools.wraps(method)
     def locked(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with self._leases.lock:
+        with self._lock:
             return method(self, *args, **kwargs)
 
     return locked
 
 
-class SpacePart:
-    """Capacity and compaction methods of the allocator facade (the attributes below are set by its constructor)."""
+class SpaceService:
+    """Capacity and compaction of one allocator's ends (owner thread; compaction holds the lease table's lock).
 
-    arena: Arena
-    spec: ArenaSpec
-    compaction_mode: str
-    move_budget_pages: int | None
-    debug_checks: bool
-    last_shortfall: dict[str, int]
-    ends: Mapping[str, Any]
-    _heap: Heap
-    _meta: np.ndarray
-    _h64: np.ndarray
-    _h8: np.ndarray
-    _err: np.ndarray
-    _chain: np.ndarray
-    _pins: tuple[np.ndarray, ...]
-    _names: tuple[str, ...]
-    _index: dict[str, int]
-    _mirror: dict[int, torch.Tensor]
-    _active_leases: Mapping[int, Any]
-    _end_index: Callable[[str], int]
-    _raise: Callable[..., NoReturn]
-    _tick: Callable[[], None]
-    _refresh_mirror: Callable[[int, np.ndarray], None]
-    check_invariants: Callable[[], None]
+    Args:
+        heap, arena, spec: the allocator's heap, arena and geometry.
+        ends, entry, leasing, after_call: the allocator's end index, kernel entry, lease service and after-call
+            work.
+        compaction: ``"lazy"``, ``"eager"`` or ``"off"`` (validated by the facade).
+        move_budget_pages: most pages one lazy compaction may move per call (``None``: unbounded).
+
+    Attributes:
+        compaction_mode, move_budget_pages: the policy. eager: ``compaction_mode == "eager"`` (a trial turns it
+        off). last_shortfall: end name -> pages lacking in the last allocation that fell short (F20).
+    """
+
+    __slots__ = ("_after_call", "_arena", "_ends", "_entry", "_heap", "_leasing", "_lock", "_spec",
+                 "compaction_mode", "eager", "last_shortfall", "move_budget_pages")
+
+    def __init__(self, heap: Heap, arena: Arena, spec: ArenaSpec, ends: EndIndex, entry: KernelEntry,
+                 leasing: LeaseService, after_call: AfterCall, *, compaction: str,
+                 move_budget_pages: int | None) -> None:
+        self._heap = heap
+        self._arena = arena
+        self._spec = spec
+        self._ends = ends
+        self._entry = entry
+        self._leasing = leasing
+        self._lock = leasing.table.lock
+        self._after_call = after_call
+        self.compaction_mode = compaction
+        self.eager = compaction == "eager"
+        self.move_budget_pages = move_budget_pages
+        self.last_shortfall: dict[str, int] = {}
 
     def _short(self) -> dict[str, int]:
         """The per-end deficits of the last shortfall (F20), kept in :attr:`last_shortfall`."""
-        E = len(self._names)
-        self.last_shortfall = {self._names[e]: int(self._err[4 + e]) for e in range(E) if self._err[4 + e] > 0}
+        names, err = self._ends.names, self._entry.err
+        self.last_shortfall = {names[e]: int(err[4 + e]) for e in range(len(names)) if err[4 + e] > 0}
         logger.debug("allocation fell short: %s", self.last_shortfall)
         return self.last_shortfall
 
-    def _retry(self, kernel: Callable[..., Any], args: tuple[Any, ...], mask: int, where: str) -> Any:
+    def retry(self, kernel: Callable[..., Any], args: tuple[Any, ...], mask: int, where: str) -> Any:
         """The slow path of a placement kernel that did not return OK (the hot path tests that inline): misuse
         raises (nothing changed); a shortfall runs the ladder (Note [Shortfall]) and the kernel once more.
         Returns the kernel's result, or None if the pages still do not fit (nothing changed)."""
-        if self._err[0] == E_IDS:  # the owner's virtual id space is exhausted: no ladder can help
+        err = self._entry.err
+        if err[0] == E_IDS:  # the owner's virtual id space is exhausted: no ladder can help
             self._short()
             return None
-        if self._err[0] != E_SHORT:
-            self._raise(where)
-        if not self._retry_after_shortfall(int(self._err[2]), mask):
+        if err[0] != E_SHORT:
+            self._entry.raise_error(where)
+        if not self._retry_after_shortfall(int(err[2]), mask):
             return None
         res = kernel(*args)
-        if self._err[0] != OK:
+        if err[0] != OK:
             self._short()
             return None
         return res
@@ -102,11 +114,12 @@ class SpacePart:
         deficits = self._short()
         if self.compaction_mode == "off" or not deficits:
             return False
-        E = len(self._names)
-        states = [self._heap.end_tables(e)[1] for e in range(E)]
-        planned = plan_shortfall(self._meta, self._chain.tolist(), self._h8[mask: mask + E],
-                                 {self._index[n] for n in deficits}, k, states, self._pins, self.move_budget_pages,
-                                 self.spec.floor_bytes, self.spec.arena_bytes)
+        heap = self._heap
+        E = len(self._ends.names)
+        states = [heap.end_tables(e)[1] for e in range(E)]
+        planned = plan_shortfall(heap.meta, heap.chain.tolist(), heap.h8[mask: mask + E],
+                                 {self._ends.index[n] for n in deficits}, k, states, heap.pins,
+                                 self.move_budget_pages, self._spec.floor_bytes, self._spec.arena_bytes)
         if planned is None:
             return False
         plans, slides = planned
@@ -125,24 +138,23 @@ class SpacePart:
 
     def _plan_end(self, e: int, budget: int | None, free_edge: str = "high") -> MovePlan:
         """The compaction plan of end ``e`` (pure, :func:`umalloc.pool.ladder.plan_end`)."""
-        return plan_end(self._meta, e, self._heap.end_tables(e)[1], self._pins[e], budget, free_edge)
+        return plan_end(self._heap.meta, e, self._heap.end_tables(e)[1], self._heap.pins[e], budget, free_edge)
 
     def _apply_plan(self, e: int, plan: MovePlan) -> CompactionReport:
         """Execute a plan of end ``e``: one batched envelope copy, tables, band, counters, bitmaps, mirror."""
-        name = self._names[e]
-        v = self.ends[name]
+        name = self._ends.names[e]
         p2v, state, v2p = self._heap.end_tables(e)
-        apply_plan(self.arena, name, plan, state=state, p2v=p2v, v2p=v2p, pins=self._pins[e])
+        apply_plan(self._arena, name, plan, state=state, p2v=p2v, v2p=v2p, pins=self._heap.pins[e])
         self._heap.after_moves(e, plan.new_lo, plan.new_hi, plan.num_moves)
-        if self._mirror and plan.num_moves:
-            self._refresh_mirror(self._heap.owner_of(e), v.p2v[plan.dst_pages])
+        if plan.num_moves:
+            self._after_call.refresh(self._heap.owner_of(e), p2v[plan.dst_pages])
         if plan.num_moves:
             logger.debug("compaction of %r moved %d page(s); band [%d, %d)", name, plan.num_moves,
                          plan.new_lo, plan.new_hi)
-        return CompactionReport.from_plan(name, plan, v.page_bytes)
+        return CompactionReport.from_plan(name, plan, self._heap.page_bytes(e))
 
     @_under_lease_lock
-    def _after_free(self, touched_ends: Sequence[int]) -> None:
+    def after_free(self, touched_ends: Sequence[int]) -> None:
         """Eager compaction (``compaction="eager"``): after a free/release/unpin touched ``touched_ends``,
         compact each of them within the move budget (a float end toward its low edge)."""
         for e in touched_ends:
@@ -160,14 +172,14 @@ class SpacePart:
         >>> alloc.available_pages("full"), alloc.available_tokens("swa")
         (9, 18)
         """
-        e = self._end_index(end)
-        if self._active_leases:
-            self._tick()
+        e = self._ends.end(end)
+        if self._leasing.work:
+            self._leasing.tick()
         return self._heap.free_pages(e)
 
     def available_tokens(self, end: str) -> int:
         """:meth:`available_pages` times ``page_size``."""
-        return self.available_pages(end) * self._heap.page_size(self._end_index(end))
+        return self.available_pages(end) * self._heap.page_size(self._ends.end(end))
 
     def can_alloc(self, num_pages_by_end: Mapping[str, int]) -> bool:
         """True if every named end can take its page count *at the same time* (the joint plan over the shared
@@ -190,37 +202,16 @@ class SpacePart:
         """
         if not isinstance(num_pages_by_end, Mapping):
             raise UmallocValueError(f"num_pages_by_end={num_pages_by_end!r}: allowed a mapping end -> pages")
-        if self._active_leases:
-            self._tick()
-        E = len(self._names)
+        if self._leasing.work:
+            self._leasing.tick()
+        E = len(self._ends.names)
         need = np.zeros(E, np.int64)
         for name, k in num_pages_by_end.items():
-            e = self._end_index(name)
+            e = self._ends.end(name)
             need[e] = max(0, count_arg(k, f"num_pages_by_end[{name!r}]") - self._heap.hole_pages(e))
         nlo, nhi, deficit = np.empty(E, np.int64), np.empty(E, np.int64), np.empty(E, np.int64)
         self._heap.plan_bands(need, nlo, nhi, deficit)
-        return {self._names[e]: int(deficit[e]) for e in range(E) if deficit[e] > 0}
-
-    @staticmethod
-    def swa_tail_start(seq_len: int, window: int, prefix_len: int, page_size: int) -> int:
-        """First token whose SWA page must exist: ``floor_to_page(max(prefix_len, seq_len - window))``.
-
-        The one function prefill (what to send) and decode (what to keep: pages wholly before it may be released)
-        use, so both work in the same units (tokens floored to the page) also when ``page_size > window``
-        (F18/F19).
-
-        Raises:
-            UmallocValueError: negative lengths, ``window < 1``, ``page_size < 1`` or ``prefix_len > seq_len``.
-
-        >>> from umalloc.allocator.facade import MultiEndedAllocator
-        >>> MultiEndedAllocator.swa_tail_start(100, 32, 0, 16)     # window [68, 100): pages from token 64
-        64
-        >>> MultiEndedAllocator.swa_tail_start(10, 3, 0, 16)       # page_size > window: keep page 0
-        0
-        >>> MultiEndedAllocator.swa_tail_start(100, 32, 90, 16)    # the receiver holds 90 tokens already
-        80
-        """
-        return swa_tail_start(seq_len, window, prefix_len, page_size)
+        return {self._ends.names[e]: int(deficit[e]) for e in range(E) if deficit[e] > 0}
 
     @_under_lease_lock
     def compact(self, end: str | None = None, *, budget_pages: int | None = None) -> CompactionReport:
@@ -251,20 +242,19 @@ class SpacePart:
         if budget_pages is not None and (isinstance(budget_pages, bool) or not isinstance(budget_pages, int)
                                          or not 0 <= budget_pages < 1 << 63):
             raise UmallocValueError(f"budget_pages={budget_pages!r}: allowed None or an int in [0, 2**63)")
-        if self._active_leases:
-            self._tick()
-        ends = [self._end_index(end)] if end is not None else self._chain.tolist()
+        if self._leasing.work:
+            self._leasing.tick()
+        ends = [self._ends.end(end)] if end is not None else self._heap.chain.tolist()
         report = CompactionReport()
         for e in ends:
             plan = self._plan_end(e, budget_pages, "high")
             if plan.num_moves or plan.retreated_pages:
                 report = report + self._apply_plan(e, plan)
             else:
-                report = report + CompactionReport.from_plan(self._names[e], plan, self._heap.page_bytes(e))
-        if self.debug_checks:
-            self.check_invariants()
+                report = report + CompactionReport.from_plan(self._ends.names[e], plan, self._heap.page_bytes(e))
+        self._after_call.checks()
         return report
 
 
 
-__all__ = ["SpacePart"]
+__all__ = ["SpaceService"]

@@ -1,6 +1,6 @@
-"""The allocator's translation and table views (a part of :class:`~umalloc.allocator.facade.MultiEndedAllocator`).
+"""The allocator's translation service: translation and the read-only table views.
 
-* :meth:`TranslationPart.translate` / :meth:`~TranslationPart.translate_pages` validate at the boundary (torch or
+* :meth:`TranslationService.translate` / :meth:`~TranslationService.translate_pages` validate at the boundary (torch or
   numpy ids, ``int32`` and narrower converted once, ``strict`` a bool, default ``True``) and then translate with
   the translators, the one translation implementation: host ids through
   :func:`umalloc.translators.cpu.virtual_to_physical` (``_pages``) with the end's host master v2p row as the
@@ -12,22 +12,23 @@
   runs the translators' one serial loop on the end's host master: no ``Tensor.numpy()`` (about 0.7 us each)
   and no array unboxing. Other 1-D int64 CPU ids (a tensor or a numpy array) with no ``out`` or a caller-owned
   contiguous one of the same kind go to the translator as numpy views (the translators' host fast path);
-  every other input is validated and converted here first (:meth:`TranslationPart._translate_checked`). A
+  every other input is validated and converted here first (:meth:`TranslationService._translate_checked`). A
   call refused on a fast path is then re-validated here, so a bad argument raises the allocator's own
   message; a range or tombstone error keeps the translator's message (which names the position, the value and
   the allowed range) behind ``"<call> on end '<end>': "``; ``out`` is untouched.
-* :meth:`~TranslationPart.v2p` / :meth:`~TranslationPart.p2v` return read-only zero-copy views
+* :meth:`~TranslationService.v2p` / :meth:`~TranslationService.p2v` return read-only zero-copy views
   (:class:`~umalloc.allocator.ids.ReadOnlyTable`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, NamedTuple, NoReturn, overload
+from typing import Any, NamedTuple, NoReturn
 
 import numpy as np
 import torch
 
+from umalloc.allocator.calls import KernelEntry
+from umalloc.allocator.ends import EndIndex
 from umalloc.allocator.ids import _I64, _NP_I64, _ids, _np_ids, _out, _out_arg, check_strict, read_only_table
 from umalloc.errors import InvalidIdError, UmallocError
 from umalloc.pool.heap import Heap
@@ -47,20 +48,26 @@ class _EndTables(NamedTuple):
     device: torch.Tensor | None  # the end's device mirror row, or None without mirrors
 
 
-class TranslationPart:
-    """Translation methods of the allocator facade (the attributes below are set by its constructor)."""
+class TranslationService:
+    """Translation on every end of one allocator (reads the host masters and mirrors; owner thread, or any
+    thread that orders its reads after the allocator calls it depends on).
 
-    _heap: Heap
-    _err: np.ndarray
-    _names: tuple[str, ...]
-    _group: dict[int, tuple[int, ...]]
-    _host2d: dict[int, np.ndarray]
-    _mirror: dict[int, torch.Tensor]
-    _end_index: Callable[[str], int]
-    _end_tables: dict[object, _EndTables]
-    _hot: Any
-    _root_a: int
-    _addr: Callable[[torch.Tensor], int]
+    Args:
+        heap: the allocator's heap. ends: its end index. entry: its kernel entry. mirrors: owner index -> device
+            ``v2p`` block (empty without mirrors).
+
+    Per end it keeps the tables one translation needs (:class:`_EndTables`), built on first use: the heap never
+    rebinds its arrays and mirrors are written in place only.
+    """
+
+    __slots__ = ("_addr", "_end_tables", "_ends", "_heap", "_hot", "_mirror", "_root_a")
+
+    def __init__(self, heap: Heap, ends: EndIndex, entry: KernelEntry, mirrors: dict[int, torch.Tensor]) -> None:
+        self._heap = heap
+        self._ends = ends
+        self._hot, self._root_a, self._addr = entry.hot, entry.root_a, entry.addr  # the fast path's entry
+        self._mirror = mirrors
+        self._end_tables: dict[object, _EndTables] = {}
 
     def v2p(self, end: str) -> torch.Tensor:
         """``int64`` tensor ``(num_vpages(owner),)`` on the arena's device: physical page of each virtual page
@@ -70,25 +77,19 @@ class TranslationPart:
         call): writes, in-place ops and passing it as ``out=`` raise InvalidIdError; ``.clone()`` gives a
         writable copy. On CPU it views the host master; on CUDA the device mirror refreshed by every call. O(1).
         """
-        e = self._end_index(end)
+        e = self._ends.end(end)
         o = self._heap.owner_of(e)
-        row = self._group[o].index(e)
+        row = self._ends.group[o].index(e)
         if self._mirror:
             return read_only_table(self._mirror[o][row])
-        return read_only_table(torch.from_numpy(self._host2d[o][row]))
+        return read_only_table(torch.from_numpy(self._heap.host2d[o][row]))
 
     def p2v(self, end: str) -> torch.Tensor:
         """``int64`` CPU tensor ``(num_page_slots(end),)``: virtual page bound to each physical page, TOMBSTONE
         where none. A read-only view of the host master (as :meth:`v2p`). O(1)."""
-        e = self._end_index(end)
+        e = self._ends.end(end)
         return read_only_table(torch.from_numpy(self._heap.end_tables(e)[0]))
 
-    @overload
-    def translate(self, vtokens: torch.Tensor, end: str, *, strict: bool = True,
-                  out: torch.Tensor | None = None) -> torch.Tensor: ...
-    @overload
-    def translate(self, vtokens: np.ndarray, end: str, *, strict: bool = True,
-                  out: np.ndarray | None = None) -> np.ndarray: ...
     def translate(self, vtokens: torch.Tensor | np.ndarray, end: str, *, strict: bool = True,
                   out: torch.Tensor | np.ndarray | None = None) -> torch.Tensor | np.ndarray:
         """Physical token ids of ``end`` for virtual token ids: ``v2p[end][t // ps] * ps + t % ps``.
@@ -118,12 +119,6 @@ class TranslationPart:
         """
         return self._translate(vtokens, end, strict, out, pages=False)
 
-    @overload
-    def translate_pages(self, vpages: torch.Tensor, end: str, *, strict: bool = True,
-                        out: torch.Tensor | None = None) -> torch.Tensor: ...
-    @overload
-    def translate_pages(self, vpages: np.ndarray, end: str, *, strict: bool = True,
-                        out: np.ndarray | None = None) -> np.ndarray: ...
     def translate_pages(self, vpages: torch.Tensor | np.ndarray, end: str, *, strict: bool = True,
                         out: torch.Tensor | np.ndarray | None = None) -> torch.Tensor | np.ndarray:
         """Physical pages of ``end`` for virtual pages (``(n,)``, the forms :meth:`translate` takes: torch or
@@ -142,14 +137,12 @@ class TranslationPart:
         """The :class:`_EndTables` of ``end`` (built on first use). Raises UmallocValueError for an unknown end."""
         try:
             return self._end_tables[end]
-        except AttributeError:
-            self._end_tables = {}
         except (KeyError, TypeError):
             pass
-        e = self._end_index(end)  # type: ignore[arg-type]
+        e = self._ends.end(end)  # type: ignore[arg-type]
         o = self._heap.owner_of(e)
-        row = self._group[o].index(e)
-        tables = _EndTables(e, self._names[e], self._host2d[o][row], self._heap.page_size(e),
+        row = self._ends.group[o].index(e)
+        tables = _EndTables(e, self._ends.names[e], self._heap.host2d[o][row], self._heap.page_size(e),
                             self._mirror[o][row] if self._mirror else None)
         self._end_tables[end] = tables
         return tables
@@ -282,4 +275,4 @@ class TranslationPart:
         return int(host_translator.pages_to_runs_numpy(phys, phys).shape[0])  # the one run coalescer
 
 
-__all__ = ["TranslationPart"]
+__all__ = ["TranslationService"]

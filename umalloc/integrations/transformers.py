@@ -31,7 +31,7 @@ Where transformers 5.23's interfaces are adapted, all in this module:
 
 1. ``continuous_api.PagedAttentionCache`` (the name ``_create_batch_processor`` calls) is replaced by a factory;
    :func:`uninstall` puts the original back. Nothing else of transformers is patched.
-2. ``cache.cache_allocators`` holds one :class:`_EndGroup` per attention type (the attributes the IO builder,
+2. ``cache.cache_allocators`` holds one :class:`EndGroup` per attention type (the attributes the IO builder,
    the offloading manager and ``update`` read: ``index``, ``layer_type``, ``tokens_per_page``, ``get_seqlen_k``,
    ``read_trash_index`` / ``write_trash_index``, ``needs_new_blocks``, ``block_table``), not a CacheAllocator.
 3. ``cache.pool.try_to_free_sectors()``, which the scheduler calls once per step before scheduling, is the step
@@ -69,7 +69,7 @@ start of the *next* growth. A prefill chunk much longer than the window would so
 tokens at once, where transformers' ring buffer holds ``window`` tokens. For a first prefill chunk (the request
 holds nothing yet, so this step reads nothing from the cache) longer than twice the window the cache grows the
 request one page at a time (each step's start releases what the previous one pushed out), after checking that the
-full pages and the sliding peak (``_swa_peak_pages``: the window's pages plus four) fit jointly (``can_alloc``), so
+full pages and the sliding peak (``swa_peak_pages``: the window's pages plus four) fit jointly (``can_alloc``), so
 it is still all or nothing. The early tokens' sliding writes then go to the sink: attention reads them from this step's own K/V,
 never from the cache. A later chunk (``past > 0``) reads the window before ``past``, which an intermediate step's
 release would drop: a *guard* request forked from it at ``past`` holds that window (the table's fork holds the
@@ -106,16 +106,18 @@ from umalloc import (
     RequestTable,
     UmallocValueError,
 )
+from umalloc.integrations.transformers_groups import (
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    EndGroup,
+    swa_peak_pages,
+)
 
 #: transformers versions this integration is tested against (exactly).
 SUPPORTED_TRANSFORMERS_VERSIONS: tuple[str, ...] = ("5.23.0",)
 
-FULL_ATTENTION = "full_attention"
-SLIDING_ATTENTION = "sliding_attention"
 _END_OF = {FULL_ATTENTION: "full", SLIDING_ATTENTION: "swa"}
 _TORCH_TO_KV = {torch.float32: KVDtype.FP32, torch.float16: KVDtype.FP16, torch.bfloat16: KVDtype.BF16}
-_SENTINEL_ROW = 1
-_SINK_ROW = 0
 
 
 class UnsupportedTransformersVersion(UmallocValueError):
@@ -217,112 +219,6 @@ class _Pool:
         return 0
 
 
-class _EndGroup:
-    """One attention type of the model on one end of the arena, with the attributes transformers reads from a
-    cache allocator (Note [Seams] 2). Holds per-layer K/V row views of the arena (Note [Rows])."""
-
-    supports_block_table = False
-
-    def __init__(self, cache: UmallocPagedCache, index: int, layer_type: str, end: str, layer_indices: list[int],
-                 num_kv_heads: int, head_dim: int, sliding_window: int | None) -> None:
-        self._cache = cache
-        self.index = index
-        self.layer_type = layer_type
-        self.end = end
-        self.layer_indices = list(layer_indices)
-        self.tokens_per_page = cache.page_size
-        self.sliding_window = sliding_window
-        self.use_block_sharing = layer_type == FULL_ATTENTION and cache.allow_block_sharing
-        self.rows_per_page = 2 * cache.page_size * len(layer_indices)
-        self.write_trash_index = _SINK_ROW
-        self.sentinel_index = _SENTINEL_ROW
-        arena = cache.arena
-        self.bytes_per_block = arena.page_bytes(end)
-        self.num_blocks = arena.top_page(end) + 1 - arena.first_page(end)
-        row_elems = num_kv_heads * head_dim
-        flat = arena.data.view(cache.dtype)
-        num_rows = flat.numel() // row_elems
-        flat = flat[: num_rows * row_elems].view(num_rows, num_kv_heads, head_dim)
-        ps = cache.page_size
-        self._views = {layer: (flat[2 * i * ps:], flat[(2 * i + 1) * ps:]) for i, layer in enumerate(layer_indices)}
-
-    # ---- transformers' allocator attributes -----------------------------------------------------------------
-    @property
-    def read_trash_index(self) -> int:
-        """Row of the table's zero page on this end (padded reads); recomputed each step (Note [Seams] 4)."""
-        return int(self.rows(torch.tensor([self._cache.table.pad_read_vtoken], dtype=torch.int64))[0])
-
-    @property
-    def block_table(self) -> dict[str, list[int]]:
-        """request id -> its virtual pages (read-only copy)."""
-        c = self._cache
-        return {rid: c.table.pages(slot).tolist() for rid, slot in c.slots.items()}
-
-    def get_seqlen_k(self, past_length: int, query_length: int) -> int:
-        if self.sliding_window is None:
-            return past_length + query_length
-        return query_length + min(past_length, self.sliding_window - 1)
-
-    def needs_new_blocks(self, request_id: str, past_length: int, query_length: int) -> int:
-        """Pages this end needs for ``query_length`` more tokens (every new page is bound on every end)."""
-        held = self._cache.held_tokens(request_id)
-        ps = self.tokens_per_page
-        pages = max(0, -(-(past_length + query_length) // ps) - -(-held // ps))
-        if self.sliding_window is not None and query_length > 2 * self.sliding_window:
-            pages = min(pages, _swa_peak_pages(self.sliding_window, ps))   # Note [Long prefills]
-        return pages
-
-    # ---- rows -------------------------------------------------------------------------------------------
-    def rows(self, vtokens: torch.Tensor) -> torch.Tensor:
-        """``int64`` rows (Note [Rows]) of virtual tokens ``vtokens`` on this end. Raises ``TombstoneError`` for a
-        token whose page is not bound here."""
-        pt = self._cache.alloc.translate(vtokens, self.end)
-        assert isinstance(pt, torch.Tensor)
-        ps = self.tokens_per_page
-        return (pt // ps) * self.rows_per_page + pt % ps
-
-    def read_rows(self, slot: int, past_length: int, query_length: int) -> list[int]:
-        r2t = self._cache.table.req_to_token
-        if self.sliding_window is None:
-            return self.rows(r2t[slot, : past_length + query_length].to(torch.int64)).tolist()
-        lo = max(0, past_length - (self.sliding_window - 1))
-        return self.rows(r2t[slot, lo:past_length].to(torch.int64)).tolist() + [_SENTINEL_ROW] * query_length
-
-    def write_rows(self, slot: int, past_length: int, query_length: int) -> list[int]:
-        """Rows this step writes. A sliding end may have released the pages of a long prefill's early tokens
-        (Note [Long prefills]): their writes go to the sink, as no later step reads them."""
-        vt = self._cache.table.req_to_token[slot, past_length: past_length + query_length].to(torch.int64)
-        if self.sliding_window is None:
-            return self.rows(vt).tolist()
-        pt = self._cache.alloc.translate(vt, self.end, strict=False)
-        assert isinstance(pt, torch.Tensor)
-        ps = self.tokens_per_page
-        return ((pt // ps) * self.rows_per_page + pt % ps).tolist()
-
-    # ---- attention update ---------------------------------------------------------------------------------
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
-               read_index: torch.Tensor, write_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write this step's K/V (``[q, kv_heads, head_dim]``) at ``write_index`` rows and return the K/V attention
-        reads (``[len(read_index), kv_heads, head_dim]``). Full attention writes then reads; sliding attention reads
-        the cached tail first, puts the new states at the sentinel rows, then writes (its reads never include this
-        step's rows)."""
-        k_rows, v_rows = self._views[layer_idx]
-        if self.sliding_window is None or read_index.numel() == 0:
-            k_rows.index_copy_(0, write_index, key_states)
-            v_rows.index_copy_(0, write_index, value_states)
-            if read_index.numel() == 0:
-                return key_states, value_states
-            return k_rows.index_select(0, read_index), v_rows.index_select(0, read_index)
-        new = (read_index == _SENTINEL_ROW).view(-1, 1, 1)
-        k_out = k_rows.index_select(0, read_index)
-        v_out = v_rows.index_select(0, read_index)
-        k_out.masked_scatter_(new, key_states)
-        v_out.masked_scatter_(new, value_states)
-        k_rows.index_copy_(0, write_index, key_states)
-        v_rows.index_copy_(0, write_index, value_states)
-        return k_out, v_out
-
-
 def _text_config_dims(config: Any, dtype: torch.dtype) -> tuple[int, int, dict[str, list[int]], int | None]:
     """``(num_kv_heads, head_dim, layers by attention type, sliding_window)`` of a text config; refuses what the
     arena cannot hold (Note [Seams] 8)."""
@@ -351,12 +247,6 @@ def _text_config_dims(config: Any, dtype: torch.dtype) -> tuple[int, int, dict[s
     return num_kv_heads, head_dim, groups, sliding_window if SLIDING_ATTENTION in groups else None
 
 
-def _swa_peak_pages(window: int, page_size: int) -> int:
-    """Most fresh sliding pages a long prefill grown page by page binds at once: the window's pages, the page
-    being filled, one released page not yet drained, one shared partial page copied on write, one spare."""
-    return -(-window // page_size) + 4
-
-
 class UmallocPagedCache:
     """transformers' ``PagedAttentionCache`` interface (5.23) over a umalloc arena (module docstring).
 
@@ -364,7 +254,7 @@ class UmallocPagedCache:
 
     Attributes:
         arena, alloc, table: the umalloc arena, allocator and request table.
-        cache_allocators: attention type -> :class:`_EndGroup` (order: full first).
+        cache_allocators: attention type -> :class:`EndGroup` (order: full first).
         slots: request id -> table slot of every request holding pages.
         counters: :class:`CacheCounters`.
         stock_cache_bytes: bytes transformers' own cache tensor would have for this config.
@@ -431,10 +321,10 @@ class UmallocPagedCache:
         self._hash_to_vpage: dict[int, int] = {}
         self._vpage_to_hash: dict[int, int] = {}
 
-        self.cache_allocators: dict[str, _EndGroup] = {}
-        self.layer_to_allocator: dict[int, _EndGroup] = {}
+        self.cache_allocators: dict[str, EndGroup] = {}
+        self.layer_to_allocator: dict[int, EndGroup] = {}
         for index, lt in enumerate(sorted(groups, key=lambda t: t != FULL_ATTENTION)):
-            grp = _EndGroup(self, index, lt, _END_OF[lt], groups[lt], num_kv_heads, head_dim,
+            grp = EndGroup(self, index, lt, _END_OF[lt], groups[lt], num_kv_heads, head_dim,
                             window if lt == SLIDING_ATTENTION else None)
             self.cache_allocators[lt] = grp
             for layer in groups[lt]:
@@ -515,7 +405,7 @@ class UmallocPagedCache:
             if dry_run:
                 pages = -(-int(request_len) // self.page_size)
                 need = {g.end: pages if g.sliding_window is None or request_len <= 2 * g.sliding_window
-                        else _swa_peak_pages(g.sliding_window, self.page_size)
+                        else swa_peak_pages(g.sliding_window, self.page_size)
                         for g in self.cache_allocators.values()}
                 return request_len <= self.max_tokens_per_request and self.alloc.can_alloc(need)
             rid = state.request_id
@@ -554,7 +444,7 @@ class UmallocPagedCache:
             return self.table.extend([slot], torch.tensor([num_tokens], dtype=torch.int64)) is not None
         chunk = ps
         full_pages = -(-(held + num_tokens) // ps) - -(-held // ps)
-        swa_peak = _swa_peak_pages(window, ps)
+        swa_peak = swa_peak_pages(window, ps)
         guard = None
         if held > 0:   # this step reads the window before `held`: a guard request holds it
             guard = self.table.fork(slot, held)

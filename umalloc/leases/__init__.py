@@ -1,1 +1,1 @@
-"""Leases: the lease table, lease states (active, released, expired, in doubt, settled) and generations."""
+"""Leases: the lease handle and its states (lease), the lease table with pin counts, expiry, the in-doubt rule and generations (table)."""

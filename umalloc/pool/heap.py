@@ -18,9 +18,9 @@ Note [Host heaps]
 All host masters live in two flat arrays so that a kernel call passes few arguments (numba's dispatch cost
 grows with every array argument): ``h64`` (int64) = [p2v of every end | v2p of every owner group | vstamp |
 chain | err | scratch | plan scratch | page scratch | hole bitmaps | free-id bitmaps] and ``h8`` (int8) =
-[state of every end | vstate of every owner group | bind masks]. ``meta[e, _POFF]`` indexes both p2v (h64) and
-state (h8); ``meta[e, _VOFF]`` indexes both v2p (h64) and the owner's vstate (h8); vstamp is at
-``_VT + _VOFF``. The v2p rows of one owner group (the owner first, then its bound ends) are contiguous: one 2-D
+[state of every end | vstate of every owner group | bind masks]. ``meta[e, M_POFF]`` indexes both p2v (h64) and
+state (h8); ``meta[e, M_VOFF]`` indexes both v2p (h64) and the owner's vstate (h8); vstamp is at
+``M_VT + M_VOFF``. The v2p rows of one owner group (the owner first, then its bound ends) are contiguous: one 2-D
 block per owner (:attr:`Heap.host2d`), which the device mirror copies.
 """
 
@@ -35,51 +35,51 @@ import numpy as np
 from umalloc.errors import ArenaInUseError, HeapCopyError, UmallocValueError
 from umalloc.geometry.arena import Arena
 from umalloc.geometry.spec import ArenaSpec, Grow
-from umalloc.pool.kernels.bitmap import _pack_bits
+from umalloc.pool.kernels.bitmap import pack_bits
 from umalloc.pool.kernels.layout import (
-    _ARENAB,
-    _CHOFF,
-    _ERROFF,
-    _FIRST,
-    _FLOORB,
-    _G_DOWN,
-    _G_FLOAT,
-    _G_UP,
-    _GROW,
-    _HBOFF,
-    _HI,
-    _HINT,
-    _HOLES,
-    _LO,
-    _MASK_SLOTS,
-    _MOVES,
-    _NE,
-    _NFIELDS,
-    _NV,
-    _OWNER,
-    _PB,
-    _PGOFF,
-    _POFF,
-    _PS,
-    _PSHIFT,
-    _PSOFF,
-    _SCROFF,
-    _SPLIT,
-    _TOP,
-    _VBOFF,
-    _VHINT,
-    _VLIVE,
-    _VOFF,
-    _VT,
+    G_DOWN,
+    G_FLOAT,
+    G_UP,
+    M_ARENAB,
+    M_CHOFF,
+    M_ERROFF,
+    M_FIRST,
+    M_FLOORB,
+    M_GROW,
+    M_HBOFF,
+    M_HI,
+    M_HINT,
+    M_HOLES,
+    M_LO,
+    M_MOVES,
+    M_NE,
+    M_NFIELDS,
+    M_NV,
+    M_OWNER,
+    M_PB,
+    M_PGOFF,
+    M_POFF,
+    M_PS,
+    M_PSHIFT,
+    M_PSOFF,
+    M_SCROFF,
+    M_SPLIT,
+    M_TOP,
+    M_VBOFF,
+    M_VHINT,
+    M_VLIVE,
+    M_VOFF,
+    M_VT,
+    MASK_SLOTS,
     SPLIT_ONE,
     V_RESERVED,
 )
 from umalloc.pool.kernels.ops import live_roots
-from umalloc.pool.kernels.placement import _k_recount, _k_unpend, _plan, _reach
+from umalloc.pool.kernels.placement import k_recount, k_unpend, plan_band_growth, reach_pages
 from umalloc.pool.kernels.raw import build_root, root_address
 from umalloc.pool.pagestate import PAGE_GAP, PAGE_RESERVED, TOMBSTONE
 
-_GROW_CODE = {Grow.UP: _G_UP, Grow.DOWN: _G_DOWN, Grow.FLOAT: _G_FLOAT}
+_GROW_CODE = {Grow.UP: G_UP, Grow.DOWN: G_DOWN, Grow.FLOAT: G_FLOAT}
 
 
 class Heap:
@@ -91,7 +91,7 @@ class Heap:
         splits: per float end name, ``float_split`` in parts per million (missing: one half).
 
     Attributes (all fixed at construction):
-        meta: ``int64 (E, _NFIELDS)``; h64: ``int64``; h8: ``int8`` (Note [Host heaps]).
+        meta: ``int64 (E, M_NFIELDS)``; h64: ``int64``; h8: ``int8`` (Note [Host heaps]).
         pins: per end an ``int32 (num_page_slots,)`` pin-count array (lent to the lease table).
         root: the ``int64`` root vector; root_a: its address (what kernels take).
         names, index: end names in spec order and name -> index; owners: id-owner indices; group: owner ->
@@ -167,36 +167,36 @@ class Heap:
         h64[ERR: SCR] = 0
         h64[HB:] = 0  # hole bitmaps (none yet), free-virtual-id bitmaps (set below)
         MASK = PT + VT
-        h8 = np.zeros(MASK + _MASK_SLOTS * E, np.int8)
+        h8 = np.zeros(MASK + MASK_SLOTS * E, np.int8)
         h8[:PT] = PAGE_GAP
-        meta = np.zeros((E, _NFIELDS), np.int64)
+        meta = np.zeros((E, M_NFIELDS), np.int64)
         for i, e in enumerate(ends):
             first, top = spec.first_page(e.name), spec.top_page(e.name)
             m = meta[i]
-            m[_FIRST], m[_TOP], m[_PB], m[_PS] = first, top, e.page_bytes, e.page_size
-            m[_GROW] = _GROW_CODE[e.grow]
-            m[_POFF], m[_VOFF], m[_NV] = poff[i], voff[i], nv[i]
-            m[_OWNER] = index[spec.owner_of(e.name)]
-            m[_SPLIT] = splits.get(e.name, SPLIT_ONE // 2)
-            m[_FLOORB], m[_ARENAB] = spec.floor_bytes, spec.arena_bytes
-            m[_VT], m[_CHOFF], m[_ERROFF], m[_SCROFF], m[_NE] = VT, CH, ERR, SCR, E
-            m[_HBOFF], m[_VBOFF] = hboff[i], vboff[i]
-            m[_PSOFF], m[_PGOFF] = PS, PG
-            m[_PSHIFT] = e.page_size.bit_length() - 1 if e.page_size & (e.page_size - 1) == 0 else -1
+            m[M_FIRST], m[M_TOP], m[M_PB], m[M_PS] = first, top, e.page_bytes, e.page_size
+            m[M_GROW] = _GROW_CODE[e.grow]
+            m[M_POFF], m[M_VOFF], m[M_NV] = poff[i], voff[i], nv[i]
+            m[M_OWNER] = index[spec.owner_of(e.name)]
+            m[M_SPLIT] = splits.get(e.name, SPLIT_ONE // 2)
+            m[M_FLOORB], m[M_ARENAB] = spec.floor_bytes, spec.arena_bytes
+            m[M_VT], m[M_CHOFF], m[M_ERROFF], m[M_SCROFF], m[M_NE] = VT, CH, ERR, SCR, E
+            m[M_HBOFF], m[M_VBOFF] = hboff[i], vboff[i]
+            m[M_PSOFF], m[M_PGOFF] = PS, PG
+            m[M_PSHIFT] = e.page_size.bit_length() - 1 if e.page_size & (e.page_size - 1) == 0 else -1
             if e.grow is Grow.DOWN:
-                m[_LO] = m[_HI] = top + 1
-                m[_HINT] = top
+                m[M_LO] = m[M_HI] = top + 1
+                m[M_HINT] = top
             else:
-                m[_LO] = m[_HI] = first
-                m[_HINT] = first
+                m[M_LO] = m[M_HI] = first
+                m[M_HINT] = first
             h8[poff[i]: poff[i] + first] = PAGE_RESERVED
             h64[voff[i]] = 0  # virtual page 0 -> the sink on every end
         for o in owners:
             h8[voff[o]] = V_RESERVED  # virtual page 0 is never minted
-            meta[o, _VHINT] = 1
+            meta[o, M_VHINT] = 1
             free_ids = np.zeros(((slots[o] + 63) >> 6) * 64, bool)
             free_ids[1: slots[o]] = True
-            h64[vboff[o]: vboff[o] + ((slots[o] + 63) >> 6)] = _pack_bits(free_ids)
+            h64[vboff[o]: vboff[o] + ((slots[o] + 63) >> 6)] = pack_bits(free_ids)
         up = [i for i, e in enumerate(ends) if e.grow is Grow.UP]
         fl = [i for i, e in enumerate(ends) if e.grow is Grow.FLOAT]
         dn = [i for i, e in enumerate(ends) if e.grow is Grow.DOWN]
@@ -240,7 +240,7 @@ class Heap:
 
     def bind_mask(self, o: int, bind: Iterable[str] | None, *, only: int = -1) -> int:
         """Offset in ``h8`` of the bind mask of owner ``o``: the owner plus ``bind`` (end names; None: all bound
-        ends; any iterable, read once); ``only >= 0``: that end alone. Masks are cached (``_MASK_SLOTS`` slots in
+        ends; any iterable, read once); ``only >= 0``: that end alone. Masks are cached (``MASK_SLOTS`` slots in
         ``h8``; the default owner's full mask keeps slot 0). Raises UmallocValueError for a str, a non-iterable,
         non-str names or an end that is not bound to ``o``. O(1) on a hit, O(E) on a miss."""
         if bind is not None and only < 0:
@@ -271,7 +271,7 @@ class Heap:
                     mask[b] = 1
         default = self.owners[0] if len(self.owners) == 1 else -1
         slot = len(self._mask_cache)
-        if slot >= _MASK_SLOTS:  # an unusual number of distinct bind sets: recycle the cache
+        if slot >= MASK_SLOTS:  # an unusual number of distinct bind sets: recycle the cache
             self._mask_cache.clear()
             slot = 0
             if default >= 0:
@@ -287,71 +287,71 @@ class Heap:
     def end_tables(self, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Writable ``(p2v, state, v2p)`` views of end ``e`` (the allocator's own code only). O(1)."""
         m = self.meta[e]
-        poff, voff, nv, n = int(m[_POFF]), int(m[_VOFF]), int(m[_NV]), int(m[_TOP]) + 1
+        poff, voff, nv, n = int(m[M_POFF]), int(m[M_VOFF]), int(m[M_NV]), int(m[M_TOP]) + 1
         return self.h64[poff: poff + n], self.h8[poff: poff + n], self.h64[voff: voff + nv]
 
     def vstate(self, o: int) -> np.ndarray:
         """Writable ``int8 (num_vpages,)`` virtual page states of owner ``o``. O(1)."""
-        voff, nv = int(self.meta[o, _VOFF]), int(self.meta[o, _NV])
+        voff, nv = int(self.meta[o, M_VOFF]), int(self.meta[o, M_NV])
         return self.h8[voff: voff + nv]
 
     def owner_of(self, e: int) -> int:
         """Index of end ``e``'s id owner."""
-        return int(self.meta[e, _OWNER])
+        return int(self.meta[e, M_OWNER])
 
     # ---- typed accessors: the column layout of ``meta`` stays inside the pool -----------------------------
     def page_size(self, e: int) -> int:
         """Tokens per page of end ``e``. O(1)."""
-        return int(self.meta[e, _PS])
+        return int(self.meta[e, M_PS])
 
     def page_bytes(self, e: int) -> int:
         """Bytes per page of end ``e``. O(1)."""
-        return int(self.meta[e, _PB])
+        return int(self.meta[e, M_PB])
 
     def first_page(self, e: int) -> int:
         """Lowest page of end ``e`` above the reserved floor. O(1)."""
-        return int(self.meta[e, _FIRST])
+        return int(self.meta[e, M_FIRST])
 
     def num_vpages(self, o: int) -> int:
         """Size of owner ``o``'s virtual page id space (id 0 reserved). O(1)."""
-        return int(self.meta[o, _NV])
+        return int(self.meta[o, M_NV])
 
     def live_vpages(self, o: int) -> int:
         """Live virtual pages of owner ``o``. O(1)."""
-        return int(self.meta[o, _VLIVE])
+        return int(self.meta[o, M_VLIVE])
 
     def band(self, e: int) -> tuple[int, int]:
         """The band ``[lo, hi)`` of end ``e`` in its physical pages. O(1)."""
-        return int(self.meta[e, _LO]), int(self.meta[e, _HI])
+        return int(self.meta[e, M_LO]), int(self.meta[e, M_HI])
 
     def hole_pages(self, e: int) -> int:
         """Holes inside end ``e``'s band. O(1)."""
-        return int(self.meta[e, _HOLES])
+        return int(self.meta[e, M_HOLES])
 
     def free_pages(self, e: int) -> int:
         """Pages end ``e`` can take now: its holes plus the gap it can reach. O(chain)."""
-        return int(self.meta[e, _HOLES]) + int(_reach(self.meta, self.h64, e))
+        return int(self.meta[e, M_HOLES]) + int(reach_pages(self.meta, self.h64, e))
 
     def plan_bands(self, need: np.ndarray, new_lo: np.ndarray, new_hi: np.ndarray, deficit: np.ndarray) -> None:
         """Plan every end's band for ``need`` fresh pages per end (``int64 (E,)``): writes the bands it would
         take into ``new_lo``/``new_hi`` and each end's shortfall into ``deficit`` (all ``int64 (E,)``); changes
         nothing in the heap. O(E)."""
-        _plan(self.meta, self.chain, need, new_lo, new_hi, deficit)
+        plan_band_growth(self.meta, self.chain, need, new_lo, new_hi, deficit)
 
     def set_band(self, e: int, lo: int, hi: int) -> None:
         """Set end ``e``'s band to ``[lo, hi)`` (the caller moved the pages: compaction, the float slide)."""
-        self.meta[e, _LO], self.meta[e, _HI] = lo, hi
+        self.meta[e, M_LO], self.meta[e, M_HI] = lo, hi
 
     def after_moves(self, e: int, lo: int, hi: int, num_moves: int) -> None:
         """After compaction moved ``num_moves`` pages of end ``e`` and its band became ``[lo, hi)``: set the
         band, recount holes/gap and the hole bitmap, count the moves. O(band)."""
-        self.meta[e, _LO], self.meta[e, _HI] = lo, hi
-        _k_recount(self.meta, self.h64, self.h8, e)
-        self.meta[e, _MOVES] += num_moves
+        self.meta[e, M_LO], self.meta[e, M_HI] = lo, hi
+        k_recount(self.meta, self.h64, self.h8, e)
+        self.meta[e, M_MOVES] += num_moves
 
     def unpend(self, e: int, pages: np.ndarray) -> None:
         """Pending pages of end ``e`` whose last pin dropped become holes (or gap at a band edge). O(pages)."""
-        _k_unpend(self.meta, self.h64, self.h8, e, np.ascontiguousarray(pages, dtype=np.int64))
+        k_unpend(self.meta, self.h64, self.h8, e, np.ascontiguousarray(pages, dtype=np.int64))
 
 
 # one allocator per arena (two would hand out the same pages): id(arena) -> (weakref to the arena, to its allocator)

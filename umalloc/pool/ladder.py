@@ -32,8 +32,19 @@ from collections.abc import Collection, Sequence
 import numpy as np
 
 from umalloc.pool.compaction import MovePlan, plan_down, plan_float, plan_up
-from umalloc.pool.kernels.layout import _FIRST, _G_DOWN, _G_FLOAT, _G_UP, _GROW, _HI, _HOLES, _LO, _PB, _TOP
-from umalloc.pool.kernels.placement import _plan
+from umalloc.pool.kernels.layout import (
+    G_DOWN,
+    G_FLOAT,
+    G_UP,
+    M_FIRST,
+    M_GROW,
+    M_HI,
+    M_HOLES,
+    M_LO,
+    M_PB,
+    M_TOP,
+)
+from umalloc.pool.kernels.placement import plan_band_growth
 from umalloc.pool.pagestate import PAGE_GAP, PAGE_HOLE, PAGE_LIVE
 
 
@@ -41,12 +52,12 @@ def plan_end(meta: np.ndarray, e: int, state: np.ndarray, pins: np.ndarray, budg
              free_edge: str = "high") -> MovePlan:
     """The compaction plan of end ``e`` (:mod:`umalloc.pool.compaction`'s planners); a float end frees
     ``free_edge``. O(band)."""
-    g = int(meta[e, _GROW])
-    lo, hi = int(meta[e, _LO]), int(meta[e, _HI])
-    if g == _G_UP:
-        return plan_up(state, pins, int(meta[e, _FIRST]), hi, budget)
-    if g == _G_DOWN:
-        return plan_down(state, pins, int(meta[e, _TOP]), lo - 1, budget)
+    g = int(meta[e, M_GROW])
+    lo, hi = int(meta[e, M_LO]), int(meta[e, M_HI])
+    if g == G_UP:
+        return plan_up(state, pins, int(meta[e, M_FIRST]), hi, budget)
+    if g == G_DOWN:
+        return plan_down(state, pins, int(meta[e, M_TOP]), lo - 1, budget)
     return plan_float(state, pins, lo, hi, free_edge=free_edge, budget_pages=budget)
 
 
@@ -70,16 +81,16 @@ def neighbour_plans(meta: np.ndarray, chain: Sequence[int], short: Collection[in
     for pos, x in enumerate(chain):
         if x not in short:
             continue
-        g = int(meta[x, _GROW])
+        g = int(meta[x, M_GROW])
         dirs = []
-        if g != _G_DOWN:
+        if g != G_DOWN:
             dirs.append((range(pos + 1, len(chain)), "low"))     # neighbour above: free its low edge
-        if g != _G_UP:
+        if g != G_UP:
             dirs.append((range(pos - 1, -1, -1), "high"))        # neighbour below: free its high edge
         for rng, edge in dirs:
             for j in rng:
                 n = chain[j]
-                if meta[n, _GROW] == _G_FLOAT and meta[n, _LO] == meta[n, _HI]:
+                if meta[n, M_GROW] == G_FLOAT and meta[n, M_LO] == meta[n, M_HI]:
                     continue  # an empty float bounds nothing
                 if n not in plans:
                     plan = plan_end(meta, n, states[n], pins[n], budget, edge)
@@ -98,52 +109,52 @@ def float_slides(meta: np.ndarray, chain: Sequence[int], short: Collection[int],
     slide is skipped if it would move a pinned or pending page, leave the arena, or exceed the move budget."""
     out: dict[int, int] = {}
     for pos, x in enumerate(chain):
-        g = int(meta[x, _GROW])
-        if x not in short or g == _G_FLOAT:
+        g = int(meta[x, M_GROW])
+        if x not in short or g == G_FLOAT:
             continue
-        step = 1 if g == _G_UP else -1
+        step = 1 if g == G_UP else -1
         f = -1
         j = pos + step
         while 0 <= j < len(chain):
             n = chain[j]
-            if meta[n, _GROW] != _G_FLOAT or meta2[n, _LO] < meta2[n, _HI]:
+            if meta[n, M_GROW] != G_FLOAT or meta2[n, M_LO] < meta2[n, M_HI]:
                 f = n
                 break
             j += step
-        if f < 0 or meta[f, _GROW] != _G_FLOAT or f in out:
+        if f < 0 or meta[f, M_GROW] != G_FLOAT or f in out:
             continue
-        need_x = max(0, k - int(meta2[x, _HOLES]))
-        pbx, pbf = int(meta2[x, _PB]), int(meta2[f, _PB])
-        lo, hi = int(meta2[f, _LO]), int(meta2[f, _HI])
-        if g == _G_UP:
-            m = -(-(int(meta2[x, _HI]) + need_x) * pbx // pbf) - lo
+        need_x = max(0, k - int(meta2[x, M_HOLES]))
+        pbx, pbf = int(meta2[x, M_PB]), int(meta2[f, M_PB])
+        lo, hi = int(meta2[f, M_LO]), int(meta2[f, M_HI])
+        if g == G_UP:
+            m = -(-(int(meta2[x, M_HI]) + need_x) * pbx // pbf) - lo
             src = np.arange(lo, lo + m)
             dst_lo, dst_hi = hi, hi + m
         else:
-            m = hi - (int(meta2[x, _LO]) - need_x) * pbx // pbf
+            m = hi - (int(meta2[x, M_LO]) - need_x) * pbx // pbf
             src = np.arange(hi - m, hi)
             dst_lo, dst_hi = lo - m, lo
         if m <= 0 or m > hi - lo or (budget is not None and m > budget):
             continue
-        if dst_lo < int(meta[f, _FIRST]) or dst_hi > int(meta[f, _TOP]) + 1:
+        if dst_lo < int(meta[f, M_FIRST]) or dst_hi > int(meta[f, M_TOP]) + 1:
             continue
         # the destination must lie in the gap before the next present end on the float's far side
         fpos = list(chain).index(f)
-        far = range(fpos + 1, len(chain)) if g == _G_UP else range(fpos - 1, -1, -1)
-        bound = arena_bytes if g == _G_UP else floor_bytes
+        far = range(fpos + 1, len(chain)) if g == G_UP else range(fpos - 1, -1, -1)
+        bound = arena_bytes if g == G_UP else floor_bytes
         for jj in far:
             nn = chain[jj]
-            if meta[nn, _GROW] != _G_FLOAT or meta2[nn, _LO] < meta2[nn, _HI]:
-                bound = int(meta2[nn, _LO] * meta2[nn, _PB]) if g == _G_UP else int(meta2[nn, _HI] * meta2[nn, _PB])
+            if meta[nn, M_GROW] != G_FLOAT or meta2[nn, M_LO] < meta2[nn, M_HI]:
+                bound = int(meta2[nn, M_LO] * meta2[nn, M_PB]) if g == G_UP else int(meta2[nn, M_HI] * meta2[nn, M_PB])
                 break
-        if (g == _G_UP and dst_hi * pbf > bound) or (g == _G_DOWN and dst_lo * pbf < bound):
+        if (g == G_UP and dst_hi * pbf > bound) or (g == G_DOWN and dst_lo * pbf < bound):
             continue
         st = states[f]
         if not ((st[src] == PAGE_LIVE).all() and (pins[f][src] == 0).all()
                 and (st[dst_lo:dst_hi] == PAGE_GAP).all()):
             continue
         out[f] = m * step
-        meta2[f, _LO], meta2[f, _HI] = lo + m * step, hi + m * step
+        meta2[f, M_LO], meta2[f, M_HI] = lo + m * step, hi + m * step
     return out
 
 
@@ -172,18 +183,18 @@ def plan_shortfall(meta: np.ndarray, chain: Sequence[int], bind: np.ndarray, sho
     meta2 = meta.copy()
     after = list(states)
     for e, plan in plans.items():
-        meta2[e, _LO], meta2[e, _HI] = plan.new_lo, plan.new_hi
+        meta2[e, M_LO], meta2[e, M_HI] = plan.new_lo, plan.new_hi
         after[e] = state_after(states[e], plan)
-        meta2[e, _HOLES] = int(np.count_nonzero(after[e][plan.new_lo: plan.new_hi] == PAGE_HOLE))
+        meta2[e, M_HOLES] = int(np.count_nonzero(after[e][plan.new_lo: plan.new_hi] == PAGE_HOLE))
     slides = float_slides(meta, chain, short, k, meta2, after, pins, budget, floor_bytes, arena_bytes)
     if not plans and not slides:
         return None
     need = np.zeros(E, np.int64)
     for e in range(E):
         if bind[e]:
-            need[e] = max(0, k - int(meta2[e, _HOLES]))
+            need[e] = max(0, k - int(meta2[e, M_HOLES]))
     nlo, nhi, deficit = np.empty(E, np.int64), np.empty(E, np.int64), np.empty(E, np.int64)
-    if _plan(meta2, np.asarray(chain, np.int64), need, nlo, nhi, deficit) > 0:
+    if plan_band_growth(meta2, np.asarray(chain, np.int64), need, nlo, nhi, deficit) > 0:
         return None  # compaction within the budget would not make it fit: move nothing
     return plans, slides
 

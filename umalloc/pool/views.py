@@ -16,39 +16,39 @@ import torch
 from umalloc.errors import InvariantError
 from umalloc.geometry.spec import ArenaSpec, Grow
 from umalloc.pool.heap import Heap
-from umalloc.pool.kernels.bitmap import _unpack_bits
+from umalloc.pool.kernels.bitmap import unpack_bits
 from umalloc.pool.kernels.layout import (
-    _ALLOCS,
-    _FIRST,
-    _FREES,
-    _G_DOWN,
-    _G_FLOAT,
-    _G_UP,
-    _GROW,
-    _HBOFF,
-    _HI,
-    _HINT,
-    _HOLES,
-    _LIVE,
-    _LO,
-    _MOVES,
-    _NV,
-    _OWNER,
-    _PB,
-    _PEAK,
-    _PENDING,
-    _RELEASED,
-    _TOP,
-    _VBOFF,
-    _VHINT,
-    _VLIVE,
-    _VOFF,
+    G_DOWN,
+    G_FLOAT,
+    G_UP,
+    M_ALLOCS,
+    M_FIRST,
+    M_FREES,
+    M_GROW,
+    M_HBOFF,
+    M_HI,
+    M_HINT,
+    M_HOLES,
+    M_LIVE,
+    M_LO,
+    M_MOVES,
+    M_NV,
+    M_OWNER,
+    M_PB,
+    M_PEAK,
+    M_PENDING,
+    M_RELEASED,
+    M_TOP,
+    M_VBOFF,
+    M_VHINT,
+    M_VLIVE,
+    M_VOFF,
     V_FREED,
     V_LIVE,
     V_NEVER,
     V_RESERVED,
 )
-from umalloc.pool.kernels.placement import _reach
+from umalloc.pool.kernels.placement import reach_pages
 from umalloc.pool.pagestate import PAGE_GAP, PAGE_HOLE, PAGE_LIVE, PAGE_PENDING, PAGE_RESERVED, TOMBSTONE
 
 
@@ -93,12 +93,12 @@ class EndView:
     @property
     def lo(self) -> int:
         """First page of the band."""
-        return int(self._meta[self.index, _LO])
+        return int(self._meta[self.index, M_LO])
 
     @property
     def hi(self) -> int:
         """One past the last page of the band."""
-        return int(self._meta[self.index, _HI])
+        return int(self._meta[self.index, M_HI])
 
     @property
     def watermark(self) -> int:
@@ -108,40 +108,40 @@ class EndView:
 
     @property
     def live_pages(self) -> int:
-        return int(self._meta[self.index, _LIVE])
+        return int(self._meta[self.index, M_LIVE])
 
     @property
     def hole_pages(self) -> int:
-        return int(self._meta[self.index, _HOLES])
+        return int(self._meta[self.index, M_HOLES])
 
     @property
     def pending_pages(self) -> int:
-        return int(self._meta[self.index, _PENDING])
+        return int(self._meta[self.index, M_PENDING])
 
     @property
     def peak_live_pages(self) -> int:
-        return int(self._meta[self.index, _PEAK])
+        return int(self._meta[self.index, M_PEAK])
 
     @property
     def pages_allocated(self) -> int:
-        return int(self._meta[self.index, _ALLOCS])
+        return int(self._meta[self.index, M_ALLOCS])
 
     @property
     def pages_freed(self) -> int:
-        return int(self._meta[self.index, _FREES])
+        return int(self._meta[self.index, M_FREES])
 
     @property
     def pages_released(self) -> int:
-        return int(self._meta[self.index, _RELEASED])
+        return int(self._meta[self.index, M_RELEASED])
 
     @property
     def pages_moved(self) -> int:
-        return int(self._meta[self.index, _MOVES])
+        return int(self._meta[self.index, M_MOVES])
 
     @property
     def reachable_gap_pages(self) -> int:
         """Gap pages this end can grow into now, between its neighbours' byte frontiers. O(chain)."""
-        return int(_reach(self._meta, self._h64, self.index))
+        return int(reach_pages(self._meta, self._h64, self.index))
 
     def __repr__(self) -> str:
         return (f"EndView({self.name!r}, grow={self.grow.value}, band=[{self.lo}, {self.hi}), "
@@ -174,9 +174,9 @@ def check_heap(heap: Heap, spec: ArenaSpec, views: Mapping[str, EndView],
     prev_name, prev_hi = "floor", spec.floor_bytes
     for e in heap.chain.tolist():
         m = heap.meta[e]
-        if m[_GROW] == _G_FLOAT and m[_LO] == m[_HI]:
+        if m[M_GROW] == G_FLOAT and m[M_LO] == m[M_HI]:
             continue
-        lo_b, hi_b = int(m[_LO] * m[_PB]), int(m[_HI] * m[_PB])
+        lo_b, hi_b = int(m[M_LO] * m[M_PB]), int(m[M_HI] * m[M_PB])
         if lo_b < prev_hi:
             raise InvariantError(f"[bands-disjoint] end {heap.names[e]!r} starts at byte {lo_b}, below the "
                                  f"frontier {prev_hi} of {prev_name!r}")
@@ -191,17 +191,17 @@ def _check_end(heap: Heap, views: Mapping[str, EndView], i: int, name: str) -> N
     m = heap.meta[i]
     v = views[name]
     st, p2v, v2p = v.state, v.p2v, v.v2p
-    first, top, lo, hi = int(m[_FIRST]), int(m[_TOP]), int(m[_LO]), int(m[_HI])
-    g = int(m[_GROW])
+    first, top, lo, hi = int(m[M_FIRST]), int(m[M_TOP]), int(m[M_LO]), int(m[M_HI])
+    g = int(m[M_GROW])
 
     def bad(inv: str, msg: str) -> InvariantError:
         return InvariantError(f"[{inv}] end {name!r}: {msg}")
 
     if not (first <= lo <= hi <= top + 1):
         raise bad("bands-disjoint", f"band [{lo}, {hi}) outside [{first}, {top + 1}]")
-    if g == _G_UP and lo != first:
+    if g == G_UP and lo != first:
         raise bad("state-codes", f"up band starts at {lo}, not first_page {first}")
-    if g == _G_DOWN and hi != top + 1:
+    if g == G_DOWN and hi != top + 1:
         raise bad("state-codes", f"down band ends at {hi}, not top_page + 1 = {top + 1}")
     if np.any(st[:first] != PAGE_RESERVED):
         raise bad("state-codes", "a page below first_page is not reserved")
@@ -213,22 +213,22 @@ def _check_end(heap: Heap, views: Mapping[str, EndView], i: int, name: str) -> N
     live = int(np.count_nonzero(band == PAGE_LIVE))
     holes = int(np.count_nonzero(band == PAGE_HOLE))
     pend = int(np.count_nonzero(band == PAGE_PENDING))
-    if (live, holes, pend) != (int(m[_LIVE]), int(m[_HOLES]), int(m[_PENDING])):
-        raise bad("counts", f"counters live/holes/pending = {int(m[_LIVE])}/{int(m[_HOLES])}/"
-                            f"{int(m[_PENDING])}, states say {live}/{holes}/{pend}")
+    if (live, holes, pend) != (int(m[M_LIVE]), int(m[M_HOLES]), int(m[M_PENDING])):
+        raise bad("counts", f"counters live/holes/pending = {int(m[M_LIVE])}/{int(m[M_HOLES])}/"
+                            f"{int(m[M_PENDING])}, states say {live}/{holes}/{pend}")
     if hi > lo:
-        if g != _G_DOWN and st[hi - 1] == PAGE_HOLE:
+        if g != G_DOWN and st[hi - 1] == PAGE_HOLE:
             raise bad("band-edges", f"top edge page {hi - 1} is a hole")
-        if g != _G_UP and st[lo] == PAGE_HOLE:
+        if g != G_UP and st[lo] == PAGE_HOLE:
             raise bad("band-edges", f"bottom edge page {lo} is a hole")
     if holes:
         hole_idx = np.flatnonzero(st == PAGE_HOLE)
-        hint = int(m[_HINT])
-        if (g == _G_DOWN and hole_idx.max() > hint) or (g != _G_DOWN and hole_idx.min() < hint):
+        hint = int(m[M_HINT])
+        if (g == G_DOWN and hole_idx.max() > hint) or (g != G_DOWN and hole_idx.min() < hint):
             raise bad("hole-hint", f"drain hint {hint} skips holes {hole_idx[:8].tolist()}")
     nw = (top + 64) >> 6
-    hb = int(m[_HBOFF])
-    if not np.array_equal(_unpack_bits(heap.h64[hb: hb + nw], top + 1), st == PAGE_HOLE):
+    hb = int(m[M_HBOFF])
+    if not np.array_equal(unpack_bits(heap.h64[hb: hb + nw], top + 1), st == PAGE_HOLE):
         raise bad("bitmaps", "the hole bitmap differs from the hole states")
     is_live = st == PAGE_LIVE
     if np.any((p2v != TOMBSTONE) != is_live):
@@ -247,8 +247,8 @@ def _check_end(heap: Heap, views: Mapping[str, EndView], i: int, name: str) -> N
     pp = v2p[bound]
     if pp.size and (pp.min() < first or pp.max() > top or np.any(p2v[pp] != bound)):
         raise bad("tables-inverse", "p2v[v2p[v]] != v on a bound virtual page")
-    o = int(m[_OWNER])
-    ovs = heap.h8[heap.meta[o, _VOFF]: heap.meta[o, _VOFF] + heap.meta[o, _NV]]
+    o = int(m[M_OWNER])
+    ovs = heap.h8[heap.meta[o, M_VOFF]: heap.meta[o, M_VOFF] + heap.meta[o, M_NV]]
     if np.any(ovs[bound] != V_LIVE):
         raise bad("owner-live", f"bound on virtual pages not live on owner {heap.names[o]!r}")
     if o == i:
@@ -257,14 +257,14 @@ def _check_end(heap: Heap, views: Mapping[str, EndView], i: int, name: str) -> N
         owner_live = v2p[1:] != TOMBSTONE
         if np.any(owner_live != (ovs[1:] == V_LIVE)):
             raise bad("owner-live", "virtual page states disagree with the owner's v2p")
-        if int(np.count_nonzero(owner_live)) != int(m[_VLIVE]):
+        if int(np.count_nonzero(owner_live)) != int(m[M_VLIVE]):
             raise bad("counts", "live virtual page counter is off")
-        vb, nvw = int(m[_VBOFF]), (int(m[_NV]) + 63) >> 6
-        if not np.array_equal(_unpack_bits(heap.h64[vb: vb + nvw], int(m[_NV])),
+        vb, nvw = int(m[M_VBOFF]), (int(m[M_NV]) + 63) >> 6
+        if not np.array_equal(unpack_bits(heap.h64[vb: vb + nvw], int(m[M_NV])),
                               (ovs == V_NEVER) | (ovs == V_FREED)):
             raise bad("bitmaps", "the free-virtual-id bitmap differs from the virtual page states")
         free_v = np.flatnonzero(ovs[1:] != V_LIVE)
-        if free_v.size and free_v.min() + 1 < int(m[_VHINT]):
+        if free_v.size and free_v.min() + 1 < int(m[M_VHINT]):
             raise bad("hole-hint", "the minting hint skips a free virtual page")
     pins = heap.pins[i]
     if np.any((st == PAGE_PENDING) & (pins <= 0)):

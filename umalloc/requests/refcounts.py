@@ -20,7 +20,13 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from numba import njit
 
-from umalloc.errors import InvariantError
+from umalloc.errors import (
+    DoubleFreeError,
+    InvalidIdError,
+    InvariantError,
+    NotAllocatedError,
+    UmallocValueError,
+)
 from umalloc.pool.pagestate import TOMBSTONE
 
 # ---- per-request rows of ``rq`` (int64 [2 + NB, R]) and per-page rows of ``pg`` (int32 [3 + NB, NV]) --------
@@ -415,6 +421,28 @@ def k_revive(pg, lru, vps):
         pg[PG_REF, vp] += 1
 
 
+
+def raise_for_code(info: np.ndarray, where: str, what: str, max_requests: int, max_tokens_per_request: int) -> None:
+    """Raise the typed error for the result code a table kernel left in ``info[:4]`` (code, position, value,
+    tokens held) of a call named ``where`` on argument ``what``."""
+    code, pos, val = (int(x) for x in info[:3])
+    if code == E_RANGE:
+        raise InvalidIdError(f"{where}: {what}[{pos}]={val} is out of range; allowed [0, {max_requests})")
+    if code == E_FREE_SLOT:
+        cls = DoubleFreeError if where == "free_requests" else NotAllocatedError
+        raise cls(f"{where}: {what}[{pos}]={val} is not a live request (never created or already freed)")
+    if code == E_DUP:
+        raise InvalidIdError(f"{where}: {what}[{pos}]={val} appears twice in the batch; allowed each slot once")
+    if code == E_NEG:
+        raise UmallocValueError(f"{where}: extend_lens[{pos}]={val}; allowed >= 0")
+    if code == E_LONG:
+        held, mt = int(info[3]), max_tokens_per_request
+        raise UmallocValueError(f"{where}: extend_lens[{pos}]={val} on the request at {what}[{pos}] holding "
+                                f"{held} tokens; allowed at most {mt - held} (max_tokens_per_request={mt})")
+    if code == E_TRUNC:
+        raise UmallocValueError(f"{where}: num_tokens[{pos}]={val}; allowed [0, the request's length]")
+    raise InvariantError(f"{where}: unknown kernel result {code}")
+
 def check_state(rq, pg, lru, r2p, r2t, ps: int, zero: int, pad: int, where: str) -> None:
     """Recompute the table's counts from its page tables and compare (``where`` names the table in messages).
 
@@ -545,6 +573,21 @@ class RequestTableStats:
     pages_reclaimed: int
     pages_evicted: int
     pages_copied: int
+
+    @classmethod
+    def of(cls, rq: np.ndarray, pg: np.ndarray, max_requests: int, owner_capacity: dict[str, int],
+           counters: dict[str, int]) -> RequestTableStats:
+        """The stats of a table's request rows ``rq``, page rows ``pg``, its owner's :meth:`capacity
+        <umalloc.requests.table.RequestTable.capacity>` entry and its totals. O(max_requests + pages)."""
+        live = int(np.count_nonzero(rq[RQ_INUSE]))
+        held = pg[PG_STATE] == PAGE_HELD
+        return cls(
+            live_requests=live, free_slots=max_requests - live, tokens=int(rq[RQ_LEN].sum()),
+            held_pages=int(np.count_nonzero(held)), shared_pages=int(np.count_nonzero(held & (pg[PG_REF] > 1))),
+            engine_refs=int(pg[PG_ENG].sum()), cached_pages=owner_capacity["reclaimable_pages"],
+            free_pages=owner_capacity["free_pages"], reclaimable_pages=owner_capacity["reclaimable_pages"],
+            pages_cached=counters["cached"], pages_reclaimed=counters["reclaimed"],
+            pages_evicted=counters["evicted"], pages_copied=counters["copied"])
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)

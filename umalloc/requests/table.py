@@ -106,20 +106,15 @@ import torch
 from umalloc.allocator.facade import MultiEndedAllocator
 from umalloc.allocator.ids import count_arg, id_batch
 from umalloc.errors import (
-    DoubleFreeError,
     InvalidIdError,
     InvariantError,
     NotAllocatedError,
     UmallocValueError,
 )
+from umalloc.requests.cow import EnvelopeCopier
+from umalloc.requests.device_rows import DeviceRows
 from umalloc.requests.handles import SlotGenerations, slot_of
 from umalloc.requests.refcounts import (
-    E_DUP,
-    E_FREE_SLOT,
-    E_LONG,
-    E_NEG,
-    E_RANGE,
-    E_TRUNC,
     I_CODE,
     I_NCACHED,
     I_NCOW,
@@ -152,6 +147,7 @@ from umalloc.requests.refcounts import (
     k_revive,
     k_unref,
     k_window_apply,
+    raise_for_code,
 )
 from umalloc.requests.room import Room, largest
 
@@ -251,7 +247,7 @@ class RequestTable:
         MP = -(-MT // ps)
         NB = len(self.bound_ends)
         self.dtype = dtype
-        self.exclusive = bool(exclusive)
+        self.exclusive: bool = bool(exclusive)
         self.on_evict = on_evict
         self._rq = np.zeros((RQ_FRONT + NB, R), np.int64)
         self._gens = SlotGenerations(R)   # Note [Handles]
@@ -290,12 +286,9 @@ class RequestTable:
         self._r2t[:] = self.pad_read_vtoken
         device = alloc.arena.device
         self._dev = device if device.type != "cpu" else None
-        # whole-page views per end for copy-on-write (numpy on the CPU: one fancy-index copy per end)
-        self._envelopes: dict[str, np.ndarray | torch.Tensor] = {
-            end: alloc.arena.envelopes(end).numpy() if self._dev is None else alloc.arena.envelopes(end)
-            for end in (owner, *self.bound_ends)}
-        self.req_to_token: torch.Tensor = (torch.from_numpy(self._r2t) if self._dev is None
-                                           else torch.from_numpy(self._r2t).to(device))
+        self._copier = EnvelopeCopier(alloc, (owner, *self.bound_ends))  # Note [Copy-on-write]
+        self._device_rows = DeviceRows(self._r2t, device)
+        self.req_to_token: torch.Tensor = self._device_rows.table
         self._room = Room(alloc, owner, self._owner_arg, self.bound_ends, self._pagebuf, self.cached_pages)
         alloc.attach_holder_check(self._check_as_holder)  # the allocator's invariants now see this table's holds
 
@@ -306,23 +299,7 @@ class RequestTable:
     # helpers
     # ------------------------------------------------------------------------------------------------------
     def _raise(self, where: str, what: str = "slots") -> None:
-        code, pos, val = (int(x) for x in self._info[:3])
-        if code == E_RANGE:
-            raise InvalidIdError(f"{where}: {what}[{pos}]={val} is out of range; allowed [0, {self.max_requests})")
-        if code == E_FREE_SLOT:
-            cls = DoubleFreeError if where == "free_requests" else NotAllocatedError
-            raise cls(f"{where}: {what}[{pos}]={val} is not a live request (never created or already freed)")
-        if code == E_DUP:
-            raise InvalidIdError(f"{where}: {what}[{pos}]={val} appears twice in the batch; allowed each slot once")
-        if code == E_NEG:
-            raise UmallocValueError(f"{where}: extend_lens[{pos}]={val}; allowed >= 0")
-        if code == E_LONG:
-            held, mt = int(self._info[3]), self.max_tokens_per_request
-            raise UmallocValueError(f"{where}: extend_lens[{pos}]={val} on the request at {what}[{pos}] holding "
-                                    f"{held} tokens; allowed at most {mt - held} (max_tokens_per_request={mt})")
-        if code == E_TRUNC:
-            raise UmallocValueError(f"{where}: num_tokens[{pos}]={val}; allowed [0, the request's length]")
-        raise InvariantError(f"{where}: unknown kernel result {code}")
+        raise_for_code(self._info, where, what, self.max_requests, self.max_tokens_per_request)
 
     def _slots(self, slots: object, where: str) -> np.ndarray:
         s = self._rows(id_batch(slots, "slots"), where)
@@ -382,38 +359,6 @@ class RequestTable:
         if info[I_CODE]:
             self._raise(where)
         return int(info[I_PAGES]), [rel[b, : int(info[I_REL + b])].copy() for b in range(rel.shape[0])]
-
-    def _push(self, flat: np.ndarray) -> None:
-        """Refresh the device copy of ``req_to_token`` at flat positions ``flat`` (CUDA arenas only)."""
-        if self._dev is None or flat.size == 0:
-            return
-        idx = torch.from_numpy(np.ascontiguousarray(flat)).to(self._dev)
-        vals = torch.from_numpy(self._r2t.reshape(-1)[flat]).to(self._dev)
-        self.req_to_token.view(-1).index_copy_(0, idx, vals)
-
-    def _push_ranges(self, slots: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> None:
-        if self._dev is None:
-            return
-        MT = self.max_tokens_per_request
-        parts = [s * MT + np.arange(a, b, dtype=np.int64)
-                 for s, a, b in zip(slots.tolist(), lo.tolist(), hi.tolist(), strict=True) if b > a]
-        if parts:
-            self._push(np.concatenate(parts))
-
-    def _copy_pages(self, n: int) -> None:
-        """Whole-envelope copies ``old -> new`` of the first ``n`` copy-on-write pairs, on the owner and on every
-        bound end where both pages are bound (Note [Copy-on-write])."""
-        pairs = self._cowpairs[:, :n]
-        for end, env in self._envelopes.items():
-            phys = self.alloc.ends[end].v2p[pairs]
-            both = (phys[0] > 0) & (phys[1] > 0)
-            src, dst = phys[0][both], phys[1][both]
-            if isinstance(env, np.ndarray):
-                env[dst] = env[src]
-            elif src.size:
-                env.index_copy_(0, torch.from_numpy(dst).to(env.device), env.index_select(
-                    0, torch.from_numpy(src).to(env.device)))
-        self._counters["copied"] += n
 
     # ------------------------------------------------------------------------------------------------------
     # requests
@@ -495,10 +440,11 @@ class RequestTable:
         k_grow_apply(self._rq, self._pg, self._r2p, self._r2t, s, e, self.page_size, self._cow, pages, out, flat,
                       self._cowpairs, rel, info)
         if ncow:
-            self._copy_pages(ncow)
+            self._copier.copy(self._cowpairs[:, :ncow])
+            self._counters["copied"] += ncow
             self._release_bound()
         if self._dev is not None:
-            self._push(flat[: int(info[I_TOTAL])])
+            self._device_rows.push(flat[: int(info[I_TOTAL])])
         return torch.from_numpy(out)
 
     def can_extend(self, slots: object, extend_lens: object) -> bool:
@@ -589,7 +535,7 @@ class RequestTable:
             self._release_bound()
         self._free_listed(int(info[I_NFREED]))
         if old is not None:
-            self._push_ranges(s, keep, old)
+            self._device_rows.push_ranges(s, keep, old)
 
     def fork(self, src_slot: object, num_tokens: int | None = None) -> int | None:
         """Open a request holding the first ``num_tokens`` tokens (default: all) of request ``src_slot``: it shares
@@ -627,7 +573,7 @@ class RequestTable:
         if c < 0:
             return None
         if self._dev is not None:
-            self._push_ranges(np.array([c], np.int64), np.zeros(1, np.int64), np.array([n], np.int64))
+            self._device_rows.push_ranges(np.array([c], np.int64), np.zeros(1, np.int64), np.array([n], np.int64))
         return c
 
     def attach_prefix(self, slot: object, vpages: object) -> bool:
@@ -679,7 +625,7 @@ class RequestTable:
         for b in range(len(self.bound_ends)):
             self._rq[RQ_FRONT + b, s] = fronts[b]
             self._pg[PG_NEED + b, vp[fronts[b]:]] += 1
-        self._push_ranges(np.array([s], np.int64), np.zeros(1, np.int64), np.array([n], np.int64))
+        self._device_rows.push_ranges(np.array([s], np.int64), np.zeros(1, np.int64), np.array([n], np.int64))
         return True
 
     def num_tokens(self, slots: object) -> torch.Tensor:
@@ -801,17 +747,8 @@ class RequestTable:
 
     def stats(self) -> RequestTableStats:
         """:class:`RequestTableStats` now. O(max_requests + virtual pages)."""
-        pg, rq = self._pg, self._rq
-        live = int(np.count_nonzero(rq[RQ_INUSE]))
-        held = pg[PG_STATE] == PAGE_HELD
-        cap = self.capacity()[self.owner]
-        return RequestTableStats(
-            live_requests=live, free_slots=self.max_requests - live, tokens=int(rq[RQ_LEN].sum()),
-            held_pages=int(np.count_nonzero(held)), shared_pages=int(np.count_nonzero(held & (pg[PG_REF] > 1))),
-            engine_refs=int(pg[PG_ENG].sum()), cached_pages=cap["reclaimable_pages"], free_pages=cap["free_pages"],
-            reclaimable_pages=cap["reclaimable_pages"], pages_cached=self._counters["cached"],
-            pages_reclaimed=self._counters["reclaimed"], pages_evicted=self._counters["evicted"],
-            pages_copied=self._counters["copied"])
+        return RequestTableStats.of(self._rq, self._pg, self.max_requests, self.capacity()[self.owner],
+                                    self._counters)
 
     def snapshot(self) -> dict[str, Any]:
         """The allocator's :meth:`~MultiEndedAllocator.snapshot` plus copies of every table array and counter;

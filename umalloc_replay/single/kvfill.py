@@ -416,7 +416,7 @@ class KVPattern:
             yield (lambda out, t=table[sl], k=keys[b]: torch.bitwise_xor(t, k, out=out)), env5[pg, :, :, sl, :]
 
     def _cpu_token_args(self, arena: Arena, ep: _EndPattern, request_ids: np.ndarray | int, pos: np.ndarray,
-                        pt: torch.Tensor) -> tuple | None:
+                        pt: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
         """Arguments of the compiled token loops (:mod:`umalloc_replay.single.kvfill_kernels`): ``(env5, pages, slots,
         table_tok, keys)`` as numpy views, or ``None`` when they do not apply (a CUDA arena or an end that is not
         row-uniform)."""
@@ -507,8 +507,8 @@ class KVPattern:
         if torch.equal(got, vals):
             return VerifyResult(nbytes)
         diff = got.contiguous().view(torch.uint8).view(len(pos), -1) != vals.view(torch.uint8).view(len(pos), -1)
-        per_tok = diff.sum(dim=1)
-        return VerifyResult(nbytes, int((per_tok > 0).sum()), int(per_tok.sum()))
+        bad_bytes_per_tok = diff.sum(dim=1)
+        return VerifyResult(nbytes, int((bad_bytes_per_tok > 0).sum()), int(bad_bytes_per_tok.sum()))
 
     # ---- checks ----------------------------------------------------------------------------------------
     def _check_ppages(self, arena: Arena, ep: _EndPattern, ppages, n: int) -> torch.Tensor:

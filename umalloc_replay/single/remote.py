@@ -30,10 +30,11 @@ from __future__ import annotations
 
 import time
 from types import SimpleNamespace
+from typing import cast
 
 import torch
 
-from umalloc import ArenaSpec, MultiEndedAllocator, PeerLayout, build_receiver_half
+from umalloc import ArenaSpec, MultiEndedAllocator, PeerLayout, ReceiverHalf, build_receiver_half
 from umalloc_replay.report import PhaseTimer
 from umalloc_replay.signals import sigint_ignored
 from umalloc_replay.single.prefill import PlanFigures, warm_up
@@ -188,7 +189,7 @@ def child_check(ctx) -> dict:
 # ==== in the parent =============================================================================================
 
 
-def settle_failed_half(half: object, exc: BaseException) -> bool:
+def settle_failed_half(half: ReceiverHalf, exc: BaseException) -> bool:
     """End the receiver ``half`` of a transfer that failed with ``exc`` — unless bytes may still land in its pages.
 
     The half is kept pending (held: a published half's lease goes in doubt at its deadline, never free, F24) when
@@ -240,7 +241,7 @@ class RemotePrefill:
         self.timeout_s = transfer_timeout_s
         self.deadline_s = lease_deadline_s
         self.dst_layout = PeerLayout.from_arena(decode.arena)
-        self.kept_halves: list = []  # halves the child may still write: settled once it is confirmed gone
+        self.kept_halves: list[ReceiverHalf] = []  # halves the child may still write: settled once it is confirmed gone
         with sigint_ignored():  # the child inherits SIGINT ignored: Ctrl-C is the parent's (umalloc_replay.signals)
             self.worker = BackendWorker(backend)
         self.b = None
@@ -270,8 +271,8 @@ class RemotePrefill:
         """Run ``child_<fn>`` in the child, bounded by ``transfer_s`` (default: one transfer timeout) plus
         :data:`CALL_MARGIN_S`."""
         bound = (self.timeout_s if transfer_s is None else transfer_s) + CALL_MARGIN_S
-        return self.worker.run(_HERE + fn, *args, progress=self.b.progress,  # type: ignore[union-attr]
-                               timeout_s=bound)
+        assert self.b is not None, "the backend is set before the first call"
+        return cast(dict, self.worker.run(_HERE + fn, *args, progress=self.b.progress, timeout_s=bound))
 
     def _account(self, res: dict) -> None:
         """Move the child's own phase split out of the parent's ``transfer`` measurement."""
@@ -327,7 +328,7 @@ class RemotePrefill:
         return [PlanFigures(f["bytes_total"], f["bytes_by_vector"], f["descriptors"], f["runs"],
                             f["per_layer_per_page"]) for f in res["plans"]]
 
-    def _settle_or_keep(self, half: object, exc: BaseException) -> None:
+    def _settle_or_keep(self, half: ReceiverHalf, exc: BaseException) -> None:
         if not settle_failed_half(half, exc):
             self.kept_halves.append(half)
 

@@ -72,11 +72,11 @@ def _pop_high(h64, base, start, k, out, out_off):
 
 
 
-def _pack_bits(bits: np.ndarray) -> np.ndarray:
+def pack_bits(bits: np.ndarray) -> np.ndarray:
     """Bool array (length a multiple of 64) -> int64 words, bit ``i`` of word ``w`` = element ``64 w + i``."""
     return np.packbits(bits, bitorder="little").view("<i8").astype(np.int64)
 
 
-def _unpack_bits(words: np.ndarray, n: int) -> np.ndarray:
-    """The first ``n`` bits of int64 ``words`` as a bool array (the inverse of :func:`_pack_bits`)."""
+def unpack_bits(words: np.ndarray, n: int) -> np.ndarray:
+    """The first ``n`` bits of int64 ``words`` as a bool array (the inverse of :func:`pack_bits`)."""
     return np.unpackbits(words.astype("<i8").view(np.uint8), bitorder="little")[:n].astype(bool)

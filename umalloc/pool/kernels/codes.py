@@ -20,7 +20,7 @@ from umalloc.errors import (
     NotAllocatedError,
     TombstoneError,
 )
-from umalloc.pool.kernels.layout import _ERROFF, _NV, _OWNER, _PS
+from umalloc.pool.kernels.layout import M_ERROFF, M_NV, M_OWNER, M_PS
 
 # ---- kernel result codes (err[0]) --------------------------------------------------------------------------
 OK, E_SHORT, _E_RANGE, _E_RESERVED, _E_NOTALLOC, _E_DOUBLE, _E_UNBOUND, _E_BOUND = range(8)
@@ -31,7 +31,7 @@ _E_LENS, _E_LAST_OFFSET, _E_LAST_NOPREFIX, _E_TAIL_SHARED, _E_TAIL_UNBOUND, _E_T
 @njit(cache=True, error_model="numpy")
 def _fail(meta, h64, code, pos, value, extra):
     """Record a misuse (``code`` at batch position ``pos``, offending ``value``, ``extra``); returns ``code``."""
-    b = meta[0, _ERROFF]
+    b = meta[0, M_ERROFF]
     h64[b] = code
     h64[b + 1] = pos
     h64[b + 2] = value
@@ -41,8 +41,8 @@ def _fail(meta, h64, code, pos, value, extra):
 
 def id_limit(meta: np.ndarray, e: int, pages: bool = False) -> int:
     """One past the largest id end ``e`` accepts: its owner's virtual pages (or tokens)."""
-    o = int(meta[e, _OWNER])
-    return int(meta[o, _NV] * (1 if pages else meta[o, _PS]))
+    o = int(meta[e, M_OWNER])
+    return int(meta[o, M_NV] * (1 if pages else meta[o, M_PS]))
 
 
 def raise_for(err: np.ndarray, meta: np.ndarray, names: Sequence[str], where: str, *, pages: bool = False) -> None:

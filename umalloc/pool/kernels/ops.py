@@ -46,30 +46,30 @@ from umalloc.pool.kernels.codes import (
     _fail,
 )
 from umalloc.pool.kernels.layout import (
-    _ALLOCS,
-    _ERROFF,
-    _FIRST,
-    _FREES,
-    _HBOFF,
-    _HI,
-    _HINT,
-    _HOLES,
-    _LIVE,
-    _NV,
-    _OWNER,
-    _PEAK,
-    _POFF,
-    _PS,
-    _PSHIFT,
-    _RELEASED,
-    _SCROFF,
-    _STAMP,
-    _TOP,
-    _VBOFF,
-    _VHINT,
-    _VLIVE,
-    _VOFF,
-    _VT,
+    M_ALLOCS,
+    M_ERROFF,
+    M_FIRST,
+    M_FREES,
+    M_HBOFF,
+    M_HI,
+    M_HINT,
+    M_HOLES,
+    M_LIVE,
+    M_NV,
+    M_OWNER,
+    M_PEAK,
+    M_POFF,
+    M_PS,
+    M_PSHIFT,
+    M_RELEASED,
+    M_SCROFF,
+    M_STAMP,
+    M_TOP,
+    M_VBOFF,
+    M_VHINT,
+    M_VLIVE,
+    M_VOFF,
+    M_VT,
     V_FREED,
     V_LIVE,
     V_NEVER,
@@ -108,13 +108,13 @@ def _vpage_of(h8, voff, ps, lim, t, shift):
 def _check_tail(meta, h64, h8, owner, mask, stamp, vp, i, ll):
     """A partial tail page extended by request ``i``: not extended twice in one batch, bound on every end of
     the bind mask. Returns False (err filled) on misuse."""
-    sidx = meta[0, _VT] + meta[owner, _VOFF] + vp
+    sidx = meta[0, M_VT] + meta[owner, M_VOFF] + vp
     if h64[sidx] == stamp:
         _fail(meta, h64, _E_TAIL_SHARED, i, ll, 0)
         return False
     h64[sidx] = stamp
     for b in range(meta.shape[0]):
-        if h8[mask + b] and b != owner and h64[meta[b, _VOFF] + vp] < 0:
+        if h8[mask + b] and b != owner and h64[meta[b, M_VOFF] + vp] < 0:
             _fail(meta, h64, _E_TAIL_UNBOUND, i, ll, b)
             return False
     return True
@@ -133,9 +133,9 @@ def k_alloc_pages(root, owner, mask, k, vids_a, n_vids, idx_a, n_idx):
         for j in range(k):
             if idx[j] < 0 or idx[j] >= n_vids:
                 return _fail(meta, h64, _E_INDEX, j, idx[j], n_vids)
-    free_ids = meta[owner, _NV] - 1 - meta[owner, _VLIVE]
+    free_ids = meta[owner, M_NV] - 1 - meta[owner, M_VLIVE]
     if k > free_ids:
-        b = meta[0, _ERROFF] + 4
+        b = meta[0, M_ERROFF] + 4
         for e in range(meta.shape[0]):
             h64[b + e] = 0
         h64[b + owner] = k - free_ids
@@ -156,7 +156,7 @@ def k_alloc_pages(root, owner, mask, k, vids_a, n_vids, idx_a, n_idx):
     else:
         for j in range(k):
             vids[j] = h64[scr + j]
-    h64[meta[0, _ERROFF]] = OK
+    h64[meta[0, M_ERROFF]] = OK
     return OK
 
 
@@ -172,14 +172,14 @@ def k_claim(root, e, vids):
     repeated, physical page not free) with nothing changed."""
     meta, h64, h8 = _heaps(root)
     n = vids.shape[0]
-    voff = meta[e, _VOFF]
-    poff = meta[e, _POFF]
-    nv = meta[e, _NV]
+    voff = meta[e, M_VOFF]
+    poff = meta[e, M_POFF]
+    nv = meta[e, M_NV]
     bad = 0
     marked = 0
     for j in range(n):
         v = vids[j]
-        if v < 1 or v >= nv or v < meta[e, _FIRST] or v > meta[e, _TOP]:
+        if v < 1 or v >= nv or v < meta[e, M_FIRST] or v > meta[e, M_TOP]:
             bad = CLAIM_RANGE + 8 * j
             break
         s = h8[voff + v]
@@ -197,30 +197,30 @@ def k_claim(root, e, vids):
         h8[voff + v] -= 16
     if bad:
         return bad
-    vb = meta[e, _VBOFF]
-    hb = meta[e, _HBOFF]
+    vb = meta[e, M_VBOFF]
+    hb = meta[e, M_HBOFF]
     for j in range(n):
         v = vids[j]
         h8[voff + v] = V_LIVE
         _bclr(h64, vb, v)
-        hi = meta[e, _HI]
+        hi = meta[e, M_HI]
         if v >= hi:   # fresh band: the pages between the band's edge and v become holes
             for p in range(hi, v):
                 _to_hole(meta, h64, h8, e, p)
-            meta[e, _HI] = v + 1
+            meta[e, M_HI] = v + 1
         else:         # a hole
             _bclr(h64, hb, v)
-            meta[e, _HOLES] -= 1
+            meta[e, M_HOLES] -= 1
         h8[poff + v] = PAGE_LIVE
         h64[poff + v] = v
         h64[voff + v] = v
-        meta[e, _LIVE] += 1
-        meta[e, _ALLOCS] += 1
-    if meta[e, _HOLES] == 0:
-        meta[e, _HINT] = meta[e, _HI]
-    if meta[e, _LIVE] > meta[e, _PEAK]:
-        meta[e, _PEAK] = meta[e, _LIVE]
-    meta[e, _VLIVE] += n
+        meta[e, M_LIVE] += 1
+        meta[e, M_ALLOCS] += 1
+    if meta[e, M_HOLES] == 0:
+        meta[e, M_HINT] = meta[e, M_HI]
+    if meta[e, M_LIVE] > meta[e, M_PEAK]:
+        meta[e, M_PEAK] = meta[e, M_LIVE]
+    meta[e, M_VLIVE] += n
     return 0
 
 
@@ -237,14 +237,14 @@ def k_extend(root, owner, mask, pre_a, seq_a, last_a, B, out_a, n_out):
     pre = _view(pre_a, B)
     seq = _view(seq_a, B)
     last = _view(last_a, B)
-    ps = meta[owner, _PS]
-    voff = meta[owner, _VOFF]
-    lim = meta[owner, _NV] * ps
-    shift = meta[owner, _PSHIFT]
-    meta[owner, _STAMP] += 1
-    stamp = meta[owner, _STAMP]
+    ps = meta[owner, M_PS]
+    voff = meta[owner, M_VOFF]
+    lim = meta[owner, M_NV] * ps
+    shift = meta[owner, M_PSHIFT]
+    meta[owner, M_STAMP] += 1
+    stamp = meta[owner, M_STAMP]
     empty = np.empty(0, np.int64)
-    free_ids = meta[owner, _NV] - 1 - meta[owner, _VLIVE]
+    free_ids = meta[owner, M_NV] - 1 - meta[owner, M_VLIVE]
     k = 0
     ntok = 0
     over = False  # more fresh pages than free virtual ids: can never fit (Note [Extend overflow])
@@ -310,7 +310,7 @@ def k_extend(root, owner, mask, pre_a, seq_a, last_a, B, out_a, n_out):
             o += cnt
             t += cnt
             j += 1
-    eb = meta[0, _ERROFF]
+    eb = meta[0, M_ERROFF]
     h64[eb] = OK
     h64[eb + 1] = k
     return res
@@ -322,12 +322,12 @@ def k_decode(root, owner, mask, seq_a, last_a, B, out_a):
     meta, h64, h8 = _heaps(root)
     seq = _view(seq_a, B)
     last = _view(last_a, B)
-    ps = meta[owner, _PS]
-    voff = meta[owner, _VOFF]
-    lim = meta[owner, _NV] * ps
-    shift = meta[owner, _PSHIFT]
-    meta[owner, _STAMP] += 1
-    stamp = meta[owner, _STAMP]
+    ps = meta[owner, M_PS]
+    voff = meta[owner, M_VOFF]
+    lim = meta[owner, M_NV] * ps
+    shift = meta[owner, M_PSHIFT]
+    meta[owner, M_STAMP] += 1
+    stamp = meta[owner, M_STAMP]
     k = 0
     for i in range(B):
         L = seq[i]
@@ -347,8 +347,8 @@ def k_decode(root, owner, mask, seq_a, last_a, B, out_a):
         if (L - 1) % ps == 0:
             k += 1
         elif not _check_tail(meta, h64, h8, owner, mask, stamp, vp, i, ll):
-            return h64[meta[0, _ERROFF]]
-    scr = meta[0, _SCROFF]
+            return h64[meta[0, M_ERROFF]]
+    scr = meta[0, M_SCROFF]
     if k > 0:
         _, _, nlo, nhi = _plan_scratch(meta, h64)
         if not _plan_k(meta, h64, h8, mask, k, nlo, nhi):
@@ -363,7 +363,7 @@ def k_decode(root, owner, mask, seq_a, last_a, B, out_a):
             j += 1
         else:
             out[i] = last[i] + 1
-    eb = meta[0, _ERROFF]
+    eb = meta[0, M_ERROFF]
     h64[eb] = OK
     h64[eb + 1] = k
     return OK
@@ -376,15 +376,15 @@ def _unique_vpages(meta, h64, h8, owner, toks, bound_end, strict_bound, want_unb
     unique pages into the scratch area (first-occurrence order). With ``bound_end >= 0`` also check each page's
     binding on that end: ``want_unbound`` -> it must be unbound (else _E_BOUND); else it must be bound
     (_E_UNBOUND if ``strict_bound``, skipped otherwise). Returns the count, or -1 (err filled)."""
-    voff = meta[owner, _VOFF]
-    ps = 1 if pages else meta[owner, _PS]
-    lim = meta[owner, _NV] * ps
-    shift = 0 if pages else meta[owner, _PSHIFT]
-    st = meta[0, _VT] + voff
-    scr = meta[0, _SCROFF]
-    meta[owner, _STAMP] += 1
-    stamp = meta[owner, _STAMP]
-    bvoff = meta[bound_end, _VOFF] if bound_end >= 0 else 0
+    voff = meta[owner, M_VOFF]
+    ps = 1 if pages else meta[owner, M_PS]
+    lim = meta[owner, M_NV] * ps
+    shift = 0 if pages else meta[owner, M_PSHIFT]
+    st = meta[0, M_VT] + voff
+    scr = meta[0, M_SCROFF]
+    meta[owner, M_STAMP] += 1
+    stamp = meta[owner, M_STAMP]
+    bvoff = meta[bound_end, M_VOFF] if bound_end >= 0 else 0
     n = 0
     n_tab = toks.shape[0]
     for i in range(idx.shape[0] if use_idx else n_tab):
@@ -428,22 +428,22 @@ def k_free(root, owner, toks_a, n_tok, pages, idx_a, n_idx):
     n = _unique_vpages(meta, h64, h8, owner, toks, -1, False, False, pages, idx, n_idx >= 0)
     if n < 0:
         return -1
-    scr = meta[0, _SCROFF]
+    scr = meta[0, M_SCROFF]
     for b in range(meta.shape[0]):
-        if meta[b, _OWNER] == owner:
-            meta[b, _FREES] += _unbind(meta, h64, h8, _pins_of(root, b), b, scr, n)
-    voff = meta[owner, _VOFF]
-    vb = meta[owner, _VBOFF]
-    hint = meta[owner, _VHINT]
+        if meta[b, M_OWNER] == owner:
+            meta[b, M_FREES] += _unbind(meta, h64, h8, _pins_of(root, b), b, scr, n)
+    voff = meta[owner, M_VOFF]
+    vb = meta[owner, M_VBOFF]
+    hint = meta[owner, M_VHINT]
     for j in range(n):
         v = h64[scr + j]
         h8[voff + v] = V_FREED
         _bset(h64, vb, v)
         if v < hint:
             hint = v
-    meta[owner, _VHINT] = hint
-    meta[owner, _VLIVE] -= n
-    h64[meta[0, _ERROFF]] = OK
+    meta[owner, M_VHINT] = hint
+    meta[owner, M_VLIVE] -= n
+    h64[meta[0, M_ERROFF]] = OK
     return n
 
 
@@ -453,11 +453,11 @@ def k_release(root, b, toks_a, n_tok, strict, pages, idx_a, n_idx):
     meta, h64, h8 = _heaps(root)
     toks = _ids_view(toks_a, n_tok)
     idx = _ids_view(idx_a, max(n_idx, 0))
-    n = _unique_vpages(meta, h64, h8, meta[b, _OWNER], toks, b, strict, False, pages, idx, n_idx >= 0)
+    n = _unique_vpages(meta, h64, h8, meta[b, M_OWNER], toks, b, strict, False, pages, idx, n_idx >= 0)
     if n < 0:
         return -1
-    meta[b, _RELEASED] += _unbind(meta, h64, h8, _pins_of(root, b), b, meta[0, _SCROFF], n)
-    h64[meta[0, _ERROFF]] = OK
+    meta[b, M_RELEASED] += _unbind(meta, h64, h8, _pins_of(root, b), b, meta[0, M_SCROFF], n)
+    h64[meta[0, M_ERROFF]] = OK
     return n
 
 
@@ -467,7 +467,7 @@ def k_bind(root, b, mask, toks_a, n_tok):
     pages of the tokens, in first-occurrence order."""
     meta, h64, h8 = _heaps(root)
     toks = _view(toks_a, n_tok)
-    n = _unique_vpages(meta, h64, h8, meta[b, _OWNER], toks, b, True, True, False, toks, False)
+    n = _unique_vpages(meta, h64, h8, meta[b, M_OWNER], toks, b, True, True, False, toks, False)
     if n < 0:
         return -1
     if n > 0:
@@ -476,14 +476,14 @@ def k_bind(root, b, mask, toks_a, n_tok):
             return -1
         pages = _page_scratch(meta, h64, n)
         _take(meta, h64, h8, b, n, nlo[b], nhi[b], pages)
-        poff = meta[b, _POFF]
-        bvoff = meta[b, _VOFF]
-        scr = meta[0, _SCROFF]
+        poff = meta[b, M_POFF]
+        bvoff = meta[b, M_VOFF]
+        scr = meta[0, M_SCROFF]
         for j in range(n):
             v = h64[scr + j]
             h64[poff + pages[j]] = v
             h64[bvoff + v] = pages[j]
-    h64[meta[0, _ERROFF]] = OK
+    h64[meta[0, M_ERROFF]] = OK
     return n
 
 
@@ -494,8 +494,8 @@ def k_translate(root, e, ids_a, n, ps, strict, out_a):
     (:func:`umalloc.translators.cpu.v2p_run`; its return code, ``out`` untouched unless 0). Writes no heap
     state. O(n)."""
     meta, h64, _ = _heaps(root)
-    off = meta[e, _VOFF]
-    tab = h64[off: off + meta[meta[e, _OWNER], _NV]]
+    off = meta[e, M_VOFF]
+    tab = h64[off: off + meta[meta[e, M_OWNER], M_NV]]
     return v2p_run(_view(ids_a, n), tab, ps, np.iinfo(np.int64).max, strict, _view(out_a, n))
 
 

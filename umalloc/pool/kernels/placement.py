@@ -41,36 +41,36 @@ from numba import njit
 from umalloc.pool.kernels.bitmap import _bclr, _bset, _pop_high, _pop_low
 from umalloc.pool.kernels.codes import E_SHORT, _fail
 from umalloc.pool.kernels.layout import (
-    _ALLOCS,
-    _ARENAB,
-    _CHOFF,
-    _ERROFF,
-    _FIRST,
-    _FLOORB,
-    _G_DOWN,
-    _G_FLOAT,
-    _G_UP,
-    _GROW,
-    _HBOFF,
-    _HI,
-    _HINT,
-    _HOLES,
-    _LIVE,
-    _LO,
-    _NE,
-    _PB,
-    _PEAK,
-    _PENDING,
-    _PGOFF,
-    _POFF,
-    _PSOFF,
-    _SCROFF,
-    _SPLIT,
-    _TOP,
-    _VBOFF,
-    _VHINT,
-    _VLIVE,
-    _VOFF,
+    G_DOWN,
+    G_FLOAT,
+    G_UP,
+    M_ALLOCS,
+    M_ARENAB,
+    M_CHOFF,
+    M_ERROFF,
+    M_FIRST,
+    M_FLOORB,
+    M_GROW,
+    M_HBOFF,
+    M_HI,
+    M_HINT,
+    M_HOLES,
+    M_LIVE,
+    M_LO,
+    M_NE,
+    M_PB,
+    M_PEAK,
+    M_PENDING,
+    M_PGOFF,
+    M_POFF,
+    M_PSOFF,
+    M_SCROFF,
+    M_SPLIT,
+    M_TOP,
+    M_VBOFF,
+    M_VHINT,
+    M_VLIVE,
+    M_VOFF,
     SPLIT_ONE,
     V_LIVE,
 )
@@ -81,20 +81,20 @@ from umalloc.pool.pagestate import PAGE_GAP, PAGE_HOLE, PAGE_LIVE, PAGE_PENDING,
 def _plan_scratch(meta, h64):
     """Four int64 scratch rows of length E in the heap (need, deficit, new_lo, new_hi): no allocation."""
     E = meta.shape[0]
-    b = meta[0, _PSOFF]
+    b = meta[0, M_PSOFF]
     return h64[b: b + E], h64[b + E: b + 2 * E], h64[b + 2 * E: b + 3 * E], h64[b + 3 * E: b + 4 * E]
 
 
 @njit(cache=True, inline="always", error_model="numpy")
 def _page_scratch(meta, h64, k):
-    b = meta[0, _PGOFF]
+    b = meta[0, M_PGOFF]
     return h64[b: b + k]
 
 
 @njit(cache=True, inline="always", error_model="numpy")
 def _chain(meta, h64):
-    c = meta[0, _CHOFF]
-    return h64[c: c + meta[0, _NE]]
+    c = meta[0, M_CHOFF]
+    return h64[c: c + meta[0, M_NE]]
 
 
 
@@ -103,9 +103,9 @@ def _below_bytes(meta, chain, pos, new_lo, new_hi):
     """Byte frontier of the nearest present end below chain position ``pos`` (the floor if none)."""
     for j in range(pos - 1, -1, -1):
         e = chain[j]
-        if meta[e, _GROW] != _G_FLOAT or new_lo[e] < new_hi[e]:
-            return new_hi[e] * meta[e, _PB]
-    return meta[chain[pos], _FLOORB]
+        if meta[e, M_GROW] != G_FLOAT or new_lo[e] < new_hi[e]:
+            return new_hi[e] * meta[e, M_PB]
+    return meta[chain[pos], M_FLOORB]
 
 
 @njit(cache=True, error_model="numpy")
@@ -113,20 +113,20 @@ def _above_bytes(meta, chain, pos, new_lo, new_hi):
     """Byte frontier of the nearest present end above chain position ``pos`` (the arena's end if none)."""
     for j in range(pos + 1, chain.shape[0]):
         e = chain[j]
-        if meta[e, _GROW] != _G_FLOAT or new_lo[e] < new_hi[e]:
-            return new_lo[e] * meta[e, _PB]
-    return meta[chain[pos], _ARENAB]
+        if meta[e, M_GROW] != G_FLOAT or new_lo[e] < new_hi[e]:
+            return new_lo[e] * meta[e, M_PB]
+    return meta[chain[pos], M_ARENAB]
 
 
 @njit(cache=True, error_model="numpy")
-def _plan(meta, chain, need, new_lo, new_hi, deficit):
+def plan_band_growth(meta, chain, need, new_lo, new_hi, deficit):
     """Plan band growth: ``need[e]`` pages of fresh band per end (beyond its holes). Fills ``new_lo/new_hi``
     and ``deficit``; returns the total deficit (0: feasible). Up/down ends are planned first, then the float
     ends in chain order (Note [Float policy]). A short end still takes what it can, so the ends planned after
     it see the tightest frontiers and report their own deficits (F20)."""
     for e in range(meta.shape[0]):
-        new_lo[e] = meta[e, _LO]
-        new_hi[e] = meta[e, _HI]
+        new_lo[e] = meta[e, M_LO]
+        new_hi[e] = meta[e, M_HI]
         deficit[e] = 0
     short = 0
     n = chain.shape[0]
@@ -136,19 +136,19 @@ def _plan(meta, chain, need, new_lo, new_hi, deficit):
             k = need[e]
             if k <= 0:
                 continue
-            g = meta[e, _GROW]
-            if (phase == 0) == (g == _G_FLOAT):
+            g = meta[e, M_GROW]
+            if (phase == 0) == (g == G_FLOAT):
                 continue
-            pb = meta[e, _PB]
+            pb = meta[e, M_PB]
             below = _below_bytes(meta, chain, pos, new_lo, new_hi)
             above = _above_bytes(meta, chain, pos, new_lo, new_hi)
-            lowp = max(meta[e, _FIRST], -(-below // pb))
-            highp = min(meta[e, _TOP] + 1, above // pb)
-            if g == _G_UP:
+            lowp = max(meta[e, M_FIRST], -(-below // pb))
+            highp = min(meta[e, M_TOP] + 1, above // pb)
+            if g == G_UP:
                 take = min(k, max(0, highp - new_hi[e]))
                 new_hi[e] += take
                 deficit[e] = k - take
-            elif g == _G_DOWN:
+            elif g == G_DOWN:
                 take = min(k, max(0, new_lo[e] - lowp))
                 new_lo[e] -= take
                 deficit[e] = k - take
@@ -162,7 +162,7 @@ def _plan(meta, chain, need, new_lo, new_hi, deficit):
             else:
                 take = min(k, max(0, highp - lowp))
                 if take > 0:
-                    target = below + (above - below) * meta[e, _SPLIT] // SPLIT_ONE
+                    target = below + (above - below) * meta[e, M_SPLIT] // SPLIT_ONE
                     s = -(-target // pb)
                     s = max(s, lowp)
                     s = min(s, highp - take)
@@ -174,24 +174,24 @@ def _plan(meta, chain, need, new_lo, new_hi, deficit):
 
 
 @njit(cache=True, error_model="numpy")
-def _reach(meta, h64, e):
+def reach_pages(meta, h64, e):
     """Pages of fresh band end ``e`` could grow into now (nothing else growing)."""
     chain = _chain(meta, h64)
     pos = 0
     for j in range(chain.shape[0]):
         if chain[j] == e:
             pos = j
-    lo_a = meta[:, _LO].copy()
-    hi_a = meta[:, _HI].copy()
-    pb = meta[e, _PB]
+    lo_a = meta[:, M_LO].copy()
+    hi_a = meta[:, M_HI].copy()
+    pb = meta[e, M_PB]
     below = _below_bytes(meta, chain, pos, lo_a, hi_a)
     above = _above_bytes(meta, chain, pos, lo_a, hi_a)
-    lowp = max(meta[e, _FIRST], -(-below // pb))
-    highp = min(meta[e, _TOP] + 1, above // pb)
-    g = meta[e, _GROW]
-    if g == _G_UP:
+    lowp = max(meta[e, M_FIRST], -(-below // pb))
+    highp = min(meta[e, M_TOP] + 1, above // pb)
+    g = meta[e, M_GROW]
+    if g == G_UP:
         return max(0, highp - hi_a[e])
-    if g == _G_DOWN:
+    if g == G_DOWN:
         return max(0, lo_a[e] - lowp)
     if lo_a[e] < hi_a[e]:
         return max(0, highp - hi_a[e]) + max(0, lo_a[e] - lowp)
@@ -205,9 +205,9 @@ def _plan_k(meta, h64, h8, mask, k, nlo, nhi):
     E = meta.shape[0]
     need, deficit, _, _ = _plan_scratch(meta, h64)
     for e in range(E):
-        need[e] = max(0, k - meta[e, _HOLES]) if h8[mask + e] else 0
-    if _plan(meta, _chain(meta, h64), need, nlo, nhi, deficit) > 0:
-        b = meta[0, _ERROFF] + 4
+        need[e] = max(0, k - meta[e, M_HOLES]) if h8[mask + e] else 0
+    if plan_band_growth(meta, _chain(meta, h64), need, nlo, nhi, deficit) > 0:
+        b = meta[0, M_ERROFF] + 4
         for e in range(E):
             h64[b + e] = deficit[e]
         _fail(meta, h64, E_SHORT, 0, k, 0)
@@ -219,13 +219,13 @@ def _plan_k(meta, h64, h8, mask, k, nlo, nhi):
 def _take(meta, h64, h8, e, k, nlo, nhi, pages):
     """Take ``k`` pages on end ``e`` per Note [Placement order] into ``pages[:k]`` (ascending), mark them live
     and move the band to ``[nlo, nhi)`` (already planned). p2v is written by the caller."""
-    off = meta[e, _POFF]
-    g = meta[e, _GROW]
-    lo = meta[e, _LO]
-    hi = meta[e, _HI]
-    h = min(k, meta[e, _HOLES])
+    off = meta[e, M_POFF]
+    g = meta[e, M_GROW]
+    lo = meta[e, M_LO]
+    hi = meta[e, M_HI]
+    h = min(k, meta[e, M_HOLES])
     j = 0
-    if g == _G_FLOAT and lo == hi:  # placing an empty float: all fresh
+    if g == G_FLOAT and lo == hi:  # placing an empty float: all fresh
         for p in range(nlo, nhi):
             pages[j] = p
             j += 1
@@ -234,45 +234,45 @@ def _take(meta, h64, h8, e, k, nlo, nhi, pages):
             pages[j] = p
             j += 1
         if h > 0:  # holes from the bitmap, starting at the drain hint
-            if g == _G_DOWN:  # the highest holes, written ascending
-                meta[e, _HINT] = _pop_high(h64, meta[e, _HBOFF], meta[e, _HINT], h, pages, j)
+            if g == G_DOWN:  # the highest holes, written ascending
+                meta[e, M_HINT] = _pop_high(h64, meta[e, M_HBOFF], meta[e, M_HINT], h, pages, j)
             else:
-                meta[e, _HINT] = _pop_low(h64, meta[e, _HBOFF], meta[e, _HINT], h, pages, j)
+                meta[e, M_HINT] = _pop_low(h64, meta[e, M_HBOFF], meta[e, M_HINT], h, pages, j)
             j += h
-            meta[e, _HOLES] -= h
+            meta[e, M_HOLES] -= h
         for p in range(hi, nhi):
             pages[j] = p
             j += 1
     for i in range(k):
         h8[off + pages[i]] = PAGE_LIVE
-    meta[e, _LO] = nlo
-    meta[e, _HI] = nhi
-    if meta[e, _HOLES] == 0:
-        meta[e, _HINT] = nlo - 1 if g == _G_DOWN else nhi
-    meta[e, _LIVE] += k
-    meta[e, _ALLOCS] += k
-    if meta[e, _LIVE] > meta[e, _PEAK]:
-        meta[e, _PEAK] = meta[e, _LIVE]
+    meta[e, M_LO] = nlo
+    meta[e, M_HI] = nhi
+    if meta[e, M_HOLES] == 0:
+        meta[e, M_HINT] = nlo - 1 if g == G_DOWN else nhi
+    meta[e, M_LIVE] += k
+    meta[e, M_ALLOCS] += k
+    if meta[e, M_LIVE] > meta[e, M_PEAK]:
+        meta[e, M_PEAK] = meta[e, M_LIVE]
 
 
 @njit(cache=True, error_model="numpy")
 def _mint_bind(meta, h64, h8, owner, mask, k, nlo, nhi):
     """Mint ``k`` virtual pages of ``owner`` (lowest free id first) into the scratch area and bind a fresh
     page of every end of ``mask`` to each (Note [Placement order]). Returns the scratch offset of the ids."""
-    voff = meta[owner, _VOFF]
-    scr = meta[0, _SCROFF]
+    voff = meta[owner, M_VOFF]
+    scr = meta[0, M_SCROFF]
     if k > 0:
-        meta[owner, _VHINT] = _pop_low(h64, meta[owner, _VBOFF], meta[owner, _VHINT], k, h64, scr)
+        meta[owner, M_VHINT] = _pop_low(h64, meta[owner, M_VBOFF], meta[owner, M_VHINT], k, h64, scr)
     for j in range(k):
         h8[voff + h64[scr + j]] = V_LIVE
-    meta[owner, _VLIVE] += k
+    meta[owner, M_VLIVE] += k
     pages = _page_scratch(meta, h64, k)
     for e in range(meta.shape[0]):
         if not h8[mask + e]:
             continue
         _take(meta, h64, h8, e, k, nlo[e], nhi[e], pages)
-        poff = meta[e, _POFF]
-        evoff = meta[e, _VOFF]
+        poff = meta[e, M_POFF]
+        evoff = meta[e, M_VOFF]
         for j in range(k):
             p = pages[j]
             vid = h64[scr + j]
@@ -284,55 +284,55 @@ def _mint_bind(meta, h64, h8, owner, mask, k, nlo, nhi):
 @njit(cache=True, error_model="numpy")
 def _trim(meta, h64, h8, e):
     """Retreat the moving edge(s) of end ``e``'s band over trailing holes (they become gap)."""
-    off = meta[e, _POFF]
-    hb = meta[e, _HBOFF]
-    g = meta[e, _GROW]
-    lo = meta[e, _LO]
-    hi = meta[e, _HI]
+    off = meta[e, M_POFF]
+    hb = meta[e, M_HBOFF]
+    g = meta[e, M_GROW]
+    lo = meta[e, M_LO]
+    hi = meta[e, M_HI]
     removed = 0
-    if g != _G_DOWN:
+    if g != G_DOWN:
         while hi > lo and h8[off + hi - 1] == PAGE_HOLE:
             hi -= 1
             h8[off + hi] = PAGE_GAP
             _bclr(h64, hb, hi)
             removed += 1
-    if g != _G_UP:
+    if g != G_UP:
         while lo < hi and h8[off + lo] == PAGE_HOLE:
             h8[off + lo] = PAGE_GAP
             _bclr(h64, hb, lo)
             lo += 1
             removed += 1
     if removed:
-        meta[e, _LO] = lo
-        meta[e, _HI] = hi
-        meta[e, _HOLES] -= removed
-    if meta[e, _HOLES] == 0:
-        meta[e, _HINT] = lo - 1 if g == _G_DOWN else hi
-    elif g == _G_FLOAT and meta[e, _HINT] < lo:
-        meta[e, _HINT] = lo
+        meta[e, M_LO] = lo
+        meta[e, M_HI] = hi
+        meta[e, M_HOLES] -= removed
+    if meta[e, M_HOLES] == 0:
+        meta[e, M_HINT] = lo - 1 if g == G_DOWN else hi
+    elif g == G_FLOAT and meta[e, M_HINT] < lo:
+        meta[e, M_HINT] = lo
 
 
 @njit(cache=True, error_model="numpy")
 def _to_hole(meta, h64, h8, e, p):
-    h8[meta[e, _POFF] + p] = PAGE_HOLE
-    _bset(h64, meta[e, _HBOFF], p)
-    meta[e, _HOLES] += 1
-    if meta[e, _GROW] == _G_DOWN:
-        if p > meta[e, _HINT]:
-            meta[e, _HINT] = p
-    elif p < meta[e, _HINT]:
-        meta[e, _HINT] = p
+    h8[meta[e, M_POFF] + p] = PAGE_HOLE
+    _bset(h64, meta[e, M_HBOFF], p)
+    meta[e, M_HOLES] += 1
+    if meta[e, M_GROW] == G_DOWN:
+        if p > meta[e, M_HINT]:
+            meta[e, M_HINT] = p
+    elif p < meta[e, M_HINT]:
+        meta[e, M_HINT] = p
 
 
 @njit(cache=True, error_model="numpy")
 def _unbind(meta, h64, h8, pin, b, scr, n):
     """Unbind end ``b`` from the ``n`` virtual pages at ``h64[scr:]`` where bound (holes, or pending where
     pinned), then trim its band; returns the pages unbound."""
-    off = meta[b, _POFF]
-    voff = meta[b, _VOFF]
-    down = meta[b, _GROW] == _G_DOWN
-    hb = meta[b, _HBOFF]
-    hint = meta[b, _HINT]
+    off = meta[b, M_POFF]
+    voff = meta[b, M_VOFF]
+    down = meta[b, M_GROW] == G_DOWN
+    hb = meta[b, M_HBOFF]
+    hint = meta[b, M_HINT]
     holes = 0
     pend = 0
     for j in range(n):
@@ -356,25 +356,25 @@ def _unbind(meta, h64, h8, pin, b, scr, n):
                 hint = p
     freed = holes + pend
     if freed:
-        meta[b, _HOLES] += holes
-        meta[b, _PENDING] += pend
-        meta[b, _HINT] = hint
-        meta[b, _LIVE] -= freed
+        meta[b, M_HOLES] += holes
+        meta[b, M_PENDING] += pend
+        meta[b, M_HINT] = hint
+        meta[b, M_LIVE] -= freed
         _trim(meta, h64, h8, b)
     return freed
 
 
 
 @njit(cache=True, error_model="numpy")
-def _k_unpend(meta, h64, h8, e, pages):
+def k_unpend(meta, h64, h8, e, pages):
     """Pending pages of end ``e`` among ``pages`` whose last pin dropped become holes; returns how many."""
-    off = meta[e, _POFF]
+    off = meta[e, M_POFF]
     n = 0
     for i in range(pages.shape[0]):
         p = pages[i]
         if h8[off + p] != PAGE_PENDING:
             continue
-        meta[e, _PENDING] -= 1
+        meta[e, M_PENDING] -= 1
         _to_hole(meta, h64, h8, e, p)
         n += 1
     if n:
@@ -383,14 +383,14 @@ def _k_unpend(meta, h64, h8, e, pages):
 
 
 @njit(cache=True, error_model="numpy")
-def _k_recount(meta, h64, h8, e):
+def k_recount(meta, h64, h8, e):
     """Recompute end ``e``'s live/hole/pending counters and drain hint from its states (after compaction
     rewrote them), and re-trim its band."""
-    off = meta[e, _POFF]
-    hb = meta[e, _HBOFF]
-    lo = meta[e, _LO]
-    hi = meta[e, _HI]
-    for w in range((meta[e, _TOP] + 64) >> 6):
+    off = meta[e, M_POFF]
+    hb = meta[e, M_HBOFF]
+    lo = meta[e, M_LO]
+    hi = meta[e, M_HI]
+    for w in range((meta[e, M_TOP] + 64) >> 6):
         h64[hb + w] = 0
     live = 0
     holes = 0
@@ -409,10 +409,10 @@ def _k_recount(meta, h64, h8, e):
             last_hole = p
         elif s == PAGE_PENDING:
             pend += 1
-    meta[e, _LIVE] = live
-    meta[e, _HOLES] = holes
-    meta[e, _PENDING] = pend
+    meta[e, M_LIVE] = live
+    meta[e, M_HOLES] = holes
+    meta[e, M_PENDING] = pend
     if holes:
-        meta[e, _HINT] = last_hole if meta[e, _GROW] == _G_DOWN else first_hole
+        meta[e, M_HINT] = last_hole if meta[e, M_GROW] == G_DOWN else first_hole
     _trim(meta, h64, h8, e)
 

@@ -4,7 +4,7 @@ Rules (read before touching anything that imports this module)
 ================================================================
 Who owns each array
     Every array whose address appears here belongs to one :class:`umalloc.pool.heap.Heap`: ``meta`` (int64
-    ``(E, _NFIELDS)``), ``h64`` (int64), ``h8`` (int8), one pin-count array per end (int32, lent to the
+    ``(E, M_NFIELDS)``), ``h64`` (int64), ``h8`` (int8), one pin-count array per end (int32, lent to the
     :class:`~umalloc.leases.table.LeaseTable`) and the *root* vector (int64) that lists the others' addresses and
     lengths (Note [Heap root]). The heap allocates them once, in its constructor, and never rebinds, resizes or
     frees them while it lives; it refuses copy, deepcopy and pickle (a copy would carry addresses of another
@@ -50,7 +50,7 @@ from numba import carray, njit, types
 from numba.extending import intrinsic, overload
 
 from umalloc.errors import InvalidIdError
-from umalloc.pool.kernels.layout import _NFIELDS
+from umalloc.pool.kernels.layout import M_NFIELDS
 
 
 def _ptr_intrinsic(elem: types.Type, doc: str) -> Any:
@@ -107,7 +107,7 @@ _R_META, _R_E, _R_H64, _R_N64, _R_H8, _R_N8, _R_PINS = range(7)
 def _heaps(root_a):
     """(meta, h64, h8) viewed from the root vector at address ``root_a`` (Note [Heap root])."""
     root = carray(_i64_ptr(root_a), (_R_PINS,))
-    meta = carray(_i64_ptr(root[_R_META]), (root[_R_E], _NFIELDS))
+    meta = carray(_i64_ptr(root[_R_META]), (root[_R_E], M_NFIELDS))
     h64 = carray(_i64_ptr(root[_R_H64]), (root[_R_N64],))
     h8 = carray(_i8_ptr(root[_R_H8]), (root[_R_N8],))
     return meta, h64, h8
@@ -129,8 +129,8 @@ def build_root(meta: np.ndarray, h64: np.ndarray, h8: np.ndarray, pins: Sequence
         if arr.dtype != dt or not arr.flags.c_contiguous:
             raise InvalidIdError(f"heap array {name}: {arr.dtype}, contiguous={arr.flags.c_contiguous}; "
                                  f"allowed contiguous {np.dtype(dt)}")
-    if meta.shape != (E, _NFIELDS) or len(pins) != E:
-        raise InvalidIdError(f"heap meta {meta.shape} with {len(pins)} pin arrays; allowed ({E}, {_NFIELDS}), {E}")
+    if meta.shape != (E, M_NFIELDS) or len(pins) != E:
+        raise InvalidIdError(f"heap meta {meta.shape} with {len(pins)} pin arrays; allowed ({E}, {M_NFIELDS}), {E}")
     root = np.zeros(_R_PINS + 2 * E, np.int64)
     root[[_R_META, _R_E, _R_H64, _R_N64, _R_H8, _R_N8]] = (meta.ctypes.data, E, h64.ctypes.data, h64.size,
                                                             h8.ctypes.data, h8.size)
