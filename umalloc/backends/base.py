@@ -32,8 +32,10 @@ Policy:
 
 Note [Plan endings]
 ~~~~~~~~~~~~~~~~~~~
-``plan.complete()`` when every part is done; ``plan.fail(exc)`` when a part failed, the peer died, or ``wait``'s
-deadline passed (F12: a dead peer releases the held pages); ``plan.abort()`` when a pending handle is released.
+``plan.complete()`` when every part is done; ``plan.fail(exc)`` when a part failed or the peer died (F12: a dead
+peer releases the held pages); ``plan.abort()`` when a pending handle is released. ``wait``'s deadline is not an
+ending: while the engine holds a part the handle is ``in_doubt`` and the plan ends with the engine's outcome
+(Note [Deadlines and in-flight parts]); only a handle whose parts were all withdrawn fails with the timeout.
 The plan is ended by ``poll`` / ``wait`` / ``release`` / ``progress`` / ``drain`` / ``close`` in the caller's
 thread. Before the first part is handed to the engine the backend takes an engine hold on the plan's leases
 (:class:`~umalloc.backends.protocol.EngineHold`), let go when the engine reported every part ended — on the
@@ -51,20 +53,26 @@ is still in flight; NIXL can refuse to release a request that is still active). 
 below the lease deadline would not help either, since an engine timeout does not mean the engine stopped. So
 the ordering is made correct by construction on the backend side:
 
-* at the deadline (or on ``release`` of a pending handle) the handle is failed at once — ``wait`` raises
-  :class:`~umalloc.errors.TransferTimeout` on time, never hangs — and every part not yet handed to the engine
-  is withdrawn and never posted;
+* at the deadline ``wait`` raises :class:`~umalloc.errors.TransferTimeout` on time, never hangs; every part
+  not yet handed to the engine is withdrawn and never posted, and parts the engine holds are left to end (a
+  timeout is "not known", not "failed", F24: NIXL's release of a request stalled on its receiver returns while
+  the bytes still arrive). If the engine holds a part the handle is ``in_doubt``: its plan stays pending with
+  its leases, and once the engine reports every part ended the handle turns ``done`` (``plan.complete()``) or
+  ``failed`` (``plan.fail(exc)``, the engine's error) as the engine says;
+* on ``release`` of a pending handle the handle fails at once, parts not yet handed over are withdrawn and the
+  engine is asked to cancel the rest;
 * if the engine may still be working on a part it was handed (``_engine_in_flight``), the handle is
   ``draining``: its plan stays pending and keeps its leases; ``poll`` / ``progress`` / ``drain`` end the plan
-  (``fail``, or ``abort`` after a release) in the caller's thread once the engine reports every such part
-  ended (completed or failed). Registration changes that would drop engine memory wait for drains too;
+  (the engine's outcome after a deadline, ``abort`` after a release) in the caller's thread once the engine
+  reports every such part ended (completed or failed). Registration changes that would drop engine memory wait
+  for drains too;
 * an engine thread posts a queued part only while the plan's leases are active and not past their deadline.
 
 ::
 
     submit ── posted ──────────── wait deadline ─────── engine: last part ended
-      |  leases held               | handle failed          | plan.fail(TransferTimeout)
-      |                            | leases still held      | leases released, pages reusable
+      |  leases held               | handle in_doubt        | handle done / failed as the engine says
+      |                            | leases still held      | plan.complete() / plan.fail(exc): pages reusable
 
 Lease deadlines set by the plan's builder (``deadline_s``) are the allocator's F12 backstop for a peer that
 never answers; they are reclaimed by the allocator, not by a backend. Choose them longer than any transfer can
@@ -167,7 +175,7 @@ class BackendBase:
         self._peer_id = uuid.uuid4().hex
         self._reg = Registry(self._engine_register, self._engine_deregister)
         self._peers: dict[str, PeerInfo] = {}
-        self._ht = HandleTable(self.name, self._engine_in_flight, self._engine_release)
+        self._ht = HandleTable(self.name, self._engine_in_flight, self._engine_release, self._engine_poll)
         self._counts: Counter[str] = Counter()  # connects, register_calls, deregister_calls
         self._halves = PublishedHalves()
         self._closed = False
@@ -543,9 +551,10 @@ class BackendBase:
         return h
 
     def poll(self, handle: TransferHandle) -> str:
-        """Progress and return the handle's state: ``"pending"``, ``"done"`` or ``"failed"``. Non-blocking.
-        Ends the plan when the handle becomes terminal (Note [Plan endings]), or, for a ``draining`` handle,
-        once the engine confirms its parts ended (Note [Deadlines and in-flight parts]).
+        """Progress and return the handle's state: ``"pending"``, ``"in_doubt"`` (``wait`` timed out while the
+        engine held a part), ``"done"`` or ``"failed"``. Non-blocking. Ends the plan when the handle becomes
+        terminal (Note [Plan endings]), or, for a ``draining`` handle, once the engine confirms its parts ended
+        (Note [Deadlines and in-flight parts]).
 
         Raises:
             UmallocValueError: not a handle of this backend (also once released).
@@ -557,7 +566,7 @@ class BackendBase:
             return h.state
         self.progress()
         pending, err = self._engine_poll(h)
-        if pending == 0:
+        if pending == 0 and h.state == "pending":
             err = err or h.engine.get("post_error")
             if err is not None:
                 self._ht.finish(h, "failed", err)
@@ -571,31 +580,41 @@ class BackendBase:
     wait_max_sleep_s = 0.0005
 
     def wait(self, handle: TransferHandle, timeout_s: float) -> None:
-        """Block until the handle is terminal or ``timeout_s`` passed.
+        """Block until the handle's outcome is known (``done`` or ``failed``) or ``timeout_s`` passed. Also
+        waits out an ``in_doubt`` handle (an earlier deadline): it returns once the engine reported every part
+        done.
 
         Raises:
             UmallocValueError: ``timeout_s`` not a positive finite number, or not a handle of this backend.
-            TransferTimeout: deadline passed; parts not yet handed to the engine are withdrawn, engine parts are
-                cancelled where the engine can, and the handle is failed. Its plan fails (releasing the leases)
-                at once if no part can still touch memory, else when the engine confirms that every part ended:
-                until then the handle is ``draining`` and the pages stay leased (Note [Deadlines and in-flight
-                parts]; see :meth:`drain`).
+            TransferTimeout: deadline passed: the outcome is not known (F24). Parts not yet handed to the engine
+                are withdrawn (never posted); parts the engine holds are left to end — no engine here can take
+                back what it was handed, and NIXL's release of a request stalled on its receiver does not stop
+                the bytes. If the engine holds a part the handle is ``in_doubt`` (draining): its plan stays
+                pending with its leases (pages pinned, not reusable) until the engine reports every part ended;
+                then the handle and the plan end as the engine says (``done``: ``plan.complete()``; a failure:
+                ``plan.fail(exc)``), in the caller's thread (:meth:`poll`, :meth:`progress`, :meth:`drain`).
+                Else the handle fails and the plan fails with the timeout (Note [Deadlines and in-flight
+                parts]).
             TransferError: the transfer failed (engine error, dead or closed peer); plan failed.
         """
         h = self._ht.own(handle)
         _check_timeout(timeout_s)
         deadline = time.monotonic() + timeout_s
         spins = 0
-        while self.poll(h) == "pending":
+        while self.poll(h) in ("pending", "in_doubt"):
             now = time.monotonic()
             if now >= deadline:
                 exc = TransferTimeout(f"{self.name}: transfer {h.handle_id} to {h.peer!r} "
                                       f"({h.num_descriptors} descriptors, {h.total_bytes} bytes) not done "
-                                      f"after {timeout_s:.3g} s")
-                try:
-                    self._engine_cancel(h)
-                finally:
-                    self._ht.finish(h, "failed", exc)
+                                      f"after {timeout_s:.3g} s: outcome not known (in doubt until the engine "
+                                      "reports every part ended)")
+                if h.state == "pending":
+                    try:
+                        self._engine_withdraw(h)
+                    finally:
+                        self._ht.time_out(h, exc)
+                if h.state != "failed":
+                    raise exc
                 break
             spins += 1
             if spins > self.wait_spin_polls:
@@ -672,8 +691,9 @@ class BackendBase:
     # ---- observability ---------------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
         """Fixed-schema counters (ints): registered_regions (engine-level), registrations (outstanding
-        caller registrations), open_handles, pending_handles, draining_handles (failed, engine parts maybe still
-        in flight, plan not ended yet), peers, handles_submitted, handles_done, handles_failed,
+        caller registrations), open_handles, pending_handles, draining_handles (failed or in doubt, engine parts
+        maybe still in flight, plan not ended yet), in_doubt_handles (``wait`` timed out while the engine held a
+        part: outcome not known yet, F24), peers, handles_submitted, handles_done, handles_failed,
         handles_drained_late (failed handles whose plan had to wait for the engine), descriptors_posted,
         bytes_posted, bytes_done, engine_parts_posted, connects."""
         c = self._ht.counts
@@ -683,6 +703,7 @@ class BackendBase:
             "open_handles": len(self._ht.open),
             "pending_handles": self._ht.num_pending(),
             "draining_handles": len(self._ht.draining),
+            "in_doubt_handles": self._ht.num_in_doubt(),
             "peers": len(self._peers),
             "handles_submitted": c["handles_submitted"],
             "handles_done": c["handles_done"],
@@ -832,6 +853,10 @@ class BackendBase:
     def _engine_cancel(self, h: TransferHandle) -> None:
         """Cancel pending parts where the engine can (best effort); parts not yet handed to the engine must never
         be handed to it afterwards."""
+
+    def _engine_withdraw(self, h: TransferHandle) -> None:
+        """At ``wait``'s deadline: parts not yet handed to the engine are never handed to it; parts the engine
+        holds are left alone (their outcome is still to come, F24)."""
 
     def _engine_in_flight(self, h: TransferHandle) -> int:
         """Parts of ``h`` the engine may still be reading or writing memory for (after ``_engine_cancel``): a

@@ -3,9 +3,11 @@
 Policy:
 
 * A :class:`TransferHandle` is ``pending`` until every engine part of its transfer has ended (F11), then ``done``
-  or ``failed``. A failed handle whose engine parts may still read or write memory is ``draining``: its plan
-  (and the plan's leases) ends only once the engine confirms (Note [Deadlines and in-flight parts] in
-  :mod:`umalloc.backends.base`).
+  or ``failed``. A handle whose engine parts may still read or write memory after it stopped being pending is
+  ``draining``: its plan (and the plan's leases) ends only once the engine confirms (Note [Deadlines and
+  in-flight parts] in :mod:`umalloc.backends.base`). A deadline is not an outcome: a handle whose ``wait``
+  timed out while the engine holds a part is ``in_doubt`` (draining, its plan pending, its pages pinned) until
+  the engine reports every part ended, and then ``done`` or ``failed`` as the engine says (F24).
 * :class:`HandleTable` owns one backend's handles: the open ones (submitted, not released), the draining ones
   (released or not), and a weak set of every handle it made (another backend's handle is refused, also once
   released). Its transitions (:meth:`HandleTable.finish`, :meth:`HandleTable.reap`) end a handle's plan exactly
@@ -20,10 +22,15 @@ Policy:
 
     new ──> pending ──finish("done")───────────────────────────> done      plan.complete()
                │
-               └─finish("failed") ─┬─ engine holds no part ────> failed    plan.fail(exc) / plan.abort()
-                                   └─ engine holds a part ─────> failed + draining
-                                                                   │ reap(): the engine let go
-                                                                   └──> plan.fail(exc) / plan.abort()
+               ├─finish("failed") ─┬─ engine holds no part ────> failed    plan.fail(exc) / plan.abort()
+               │                   └─ engine holds a part ─────> failed + draining
+               │                                                   │ reap(): the engine let go
+               │                                                   └──> plan.fail(exc) / plan.abort()
+               └─time_out() ───────┬─ engine holds no part ────> failed    plan.fail(TransferTimeout)
+                                   └─ engine holds a part ─────> in_doubt + draining (plan pending)
+                                                                   │ reap(): the engine let go; its outcome:
+                                                                   ├─ every part done ──> done    plan.complete()
+                                                                   └─ a part failed ────> failed  plan.fail(exc)
 """
 
 from __future__ import annotations
@@ -38,10 +45,12 @@ from dataclasses import dataclass, field
 from umalloc.errors import InvariantError, UmallocValueError
 
 #: Handle states. ``pending`` until every engine part of the transfer has ended (F11); then ``done`` or
-#: ``failed`` (engine error, dead peer, deadline, or released while pending). A handle failed by a deadline or a
-#: release may still be ``draining``: the engine has not confirmed that its parts stopped touching memory, so its
-#: plan (and leases) has not ended yet (Note [Deadlines and in-flight parts] in ``umalloc.backends.base``).
-HANDLE_STATES: tuple[str, ...] = ("pending", "done", "failed")
+#: ``failed`` (engine error, dead peer, or released while pending). A handle failed by a release may still be
+#: ``draining``: the engine has not confirmed that its parts stopped touching memory, so its plan (and leases)
+#: has not ended yet (Note [Deadlines and in-flight parts] in ``umalloc.backends.base``). ``in_doubt``: ``wait``'s
+#: deadline passed while the engine held a part — the outcome is not known (F24); the handle drains and turns
+#: ``done`` or ``failed`` when the engine reports every part ended.
+HANDLE_STATES: tuple[str, ...] = ("pending", "in_doubt", "done", "failed")
 
 
 @dataclass(eq=False)
@@ -65,13 +74,14 @@ class TransferHandle:
         num_parts: engine submissions the transfer was split into (the batch's chunks; NIXL: one per chunk and
             memory-kind group; fewer when posting failed part way). Summed by the ``engine_parts_posted`` stat.
         plan: the plan submitted, or ``None`` for a raw descriptor batch.
-        state: ``"pending"``, ``"done"`` or ``"failed"``.
-        error: the exception that failed the handle (a ``TransferError``), else ``None``.
+        state: ``"pending"``, ``"in_doubt"``, ``"done"`` or ``"failed"`` (:data:`HANDLE_STATES`).
+        error: the exception that failed the handle (a ``TransferError``), the ``TransferTimeout`` of an
+            ``in_doubt`` handle, else ``None``.
         released: ``True`` once :meth:`TransferBackend.release` ran (idempotent).
         draining: ``True`` while the handle is failed but the engine may still read or write its memory; the
             plan's leases are held until it turns ``False`` (``poll`` / ``progress`` / ``drain`` observe it).
         submitted_at / finished_at: ``time.monotonic()`` stamps in seconds (``finished_at`` ``None`` while
-            pending).
+            pending or in doubt).
     """
 
     handle_id: int
@@ -96,7 +106,8 @@ class TransferHandle:
 
     @property
     def terminal(self) -> bool:
-        return self.state != "pending"
+        """``done`` or ``failed``: the outcome is known."""
+        return self.state in ("done", "failed")
 
 
 class PlansInFlight:
@@ -140,19 +151,24 @@ class HandleTable:
         backend: the backend's name (stamped on each handle, named in errors).
         in_flight: ``in_flight(h)`` -> engine parts of ``h`` that may still touch memory (the engine hook).
         release_engine: ``release_engine(h)`` frees the engine resources of a terminal handle (the engine hook).
+        outcome: ``outcome(h)`` -> ``(parts pending, first error or None)`` as the engine reports them (the poll
+            hook); read when an ``in_doubt`` handle's parts all ended.
 
     Attributes:
         open: handles submitted and not released, by id.
         draining: failed handles (released or not) whose engine parts may still touch memory, by id.
         counts: ``handles_submitted``, ``handles_done``, ``handles_failed``, ``handles_drained_late``,
-            ``descriptors_posted``, ``bytes_posted``, ``bytes_done``, ``engine_parts_posted``.
+            ``handles_timed_out`` (``wait`` deadlines that left a handle in doubt), ``descriptors_posted``,
+            ``bytes_posted``, ``bytes_done``, ``engine_parts_posted``.
     """
 
     def __init__(self, backend: str, in_flight: Callable[[TransferHandle], int],
-                 release_engine: Callable[[TransferHandle], None]) -> None:
+                 release_engine: Callable[[TransferHandle], None],
+                 outcome: Callable[[TransferHandle], tuple[int, BaseException | None]]) -> None:
         self.backend = backend
         self._in_flight = in_flight
         self._release_engine = release_engine
+        self._outcome = outcome
         self.open: dict[int, TransferHandle] = {}
         self.draining: dict[int, TransferHandle] = {}
         self._made: weakref.WeakSet[TransferHandle] = weakref.WeakSet()
@@ -217,6 +233,38 @@ class HandleTable:
             return
         self._end_plan(h, abort)
 
+    def time_out(self, h: TransferHandle, exc: BaseException) -> None:
+        """``pending`` -> ``in_doubt`` at ``wait``'s deadline while the engine holds a part of ``h`` (the plan
+        stays pending, its leases hold every page: the bytes may still move, F24); -> ``failed`` (plan failed with
+        ``exc``) when the engine holds none. The caller withdrew the parts not handed to the engine yet."""
+        if h.state != "pending":
+            raise InvariantError(f"handle {h.handle_id} timed out while {h.state}")
+        if not self._in_flight(h):
+            self.finish(h, "failed", exc)
+            return
+        h.state = "in_doubt"
+        h.error = exc
+        h.draining = True
+        h.engine["ending_abort"] = False
+        self.draining[h.handle_id] = h
+        self.counts["handles_timed_out"] += 1
+        self.counts["handles_drained_late"] += 1
+
+    def _settle_in_doubt(self, h: TransferHandle) -> None:
+        """``in_doubt`` -> the engine's outcome, once every part ended: ``done`` when the engine reports no
+        failure, else ``failed`` with the engine's error (the deadline's ``TransferTimeout`` as its context)."""
+        _pending, err = self._outcome(h)
+        h.finished_at = time.monotonic()
+        if err is None:
+            h.state, h.error = "done", None
+            self.counts["handles_done"] += 1
+            self.counts["bytes_done"] += h.total_bytes
+        else:
+            if err.__context__ is None and h.error is not err:
+                err.__context__ = h.error
+            h.state, h.error = "failed", err
+            self.counts["handles_failed"] += 1
+
     @staticmethod
     def _end_plan(h: TransferHandle, abort: bool) -> None:
         plan = h.plan
@@ -240,6 +288,8 @@ class HandleTable:
                 continue
             del self.draining[hid]
             h.draining = False
+            if h.state == "in_doubt":
+                self._settle_in_doubt(h)
             try:
                 if h.released:
                     self._release_engine(h)
@@ -262,6 +312,10 @@ class HandleTable:
     def num_pending(self) -> int:
         return sum(1 for h in self.open.values() if h.state == "pending")
 
+    def num_in_doubt(self) -> int:
+        """Handles (released or not) whose ``wait`` timed out while the engine held a part, outcome not known."""
+        return sum(1 for h in self.draining.values() if h.state == "in_doubt")
+
     def num_busy(self) -> int:
         """Transfers whose engine parts may touch registered memory: pending plus draining."""
         return self.num_pending() + len(self.draining)
@@ -272,7 +326,7 @@ class HandleTable:
         for hid, h in self.open.items():
             if h.handle_id != hid or h.released:
                 raise InvariantError(f"handle table entry {hid} inconsistent (released={h.released})")
-            if (h.state == "pending") != (h.finished_at is None):
+            if (h.state in ("pending", "in_doubt")) != (h.finished_at is None):
                 raise InvariantError(f"handle {hid}: state {h.state} vs finished_at {h.finished_at}")
             if h.draining != (hid in self.draining):
                 raise InvariantError(f"handle {hid}: draining={h.draining} but in the draining table: "
@@ -283,10 +337,14 @@ class HandleTable:
                 raise InvariantError(f"handle {h.handle_id}: its plan is in flight but not recorded as in flight "
                                      "on it")
         for hid, h in self.draining.items():
-            if h.handle_id != hid or not h.draining or h.state != "failed":
+            if h.handle_id != hid or not h.draining or h.state not in ("failed", "in_doubt"):
                 raise InvariantError(f"draining handle {hid} inconsistent (state {h.state}, draining={h.draining})")
             if not h.released and self.open.get(hid) is not h:
                 raise InvariantError(f"draining handle {hid} is neither released nor open")
         c = self.counts
-        if c["handles_done"] + c["handles_failed"] + self.num_pending() != c["handles_submitted"]:
-            raise InvariantError("handles submitted != done + failed + pending")
+        if c["handles_done"] + c["handles_failed"] + self.num_pending() + self.num_in_doubt() \
+                != c["handles_submitted"]:
+            raise InvariantError("handles submitted != done + failed + pending + in doubt")
+        for h in self.open.values():
+            if h.state == "in_doubt" and not h.draining:
+                raise InvariantError(f"handle {h.handle_id} in doubt but not draining")

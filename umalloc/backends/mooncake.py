@@ -436,7 +436,13 @@ class MooncakeBackend(BackendBase):
                     pending += 1
                 elif isinstance(res, BaseException) and err is None:
                     err = res
+                elif res == "skipped" and err is None:
+                    err = TransferError("mooncake: a chunk was withdrawn before it was posted (the handle was "
+                                        "cancelled or timed out): not every byte was sent")
         return pending, err
+
+    def _engine_withdraw(self, h: TransferHandle) -> None:
+        self._engine_cancel(h)  # only queued chunks are withdrawn: a chunk the engine holds runs to its end
 
     def _engine_cancel(self, h: TransferHandle) -> None:
         state = h.engine.get("state")
