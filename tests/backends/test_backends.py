@@ -64,7 +64,7 @@ from umalloc.pool.pagestate import PAGE_PENDING
 from umalloc.testing import FakeClock, require_or_skip
 from umalloc.transfer import PeerLayout, build_plan, build_receiver_half, build_send_plan
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(600)  # a hang guard: a loaded machine may take minutes
 
 
 def _param(name: str):
@@ -536,11 +536,10 @@ def test_peer_closed_before_transfer_fails_the_plan(name, backend_factory):
                       alloc_request(dst_alloc, L_TOKENS))
     before = tbytes(dst_arena.data)
     b.close()
-    t0 = time.monotonic()
     h = a.submit(plan, peer)
     with pytest.raises(TransferError, match="closed") as e:
         a.wait(h, DEADLINE_S)
-    assert not isinstance(e.value, TransferTimeout) and time.monotonic() - t0 < DEADLINE_S
+    assert not isinstance(e.value, TransferTimeout)  # the closed peer ended it, not the deadline
     assert plan.state == "failed" and plan.error is e.value
     assert src_alloc.leases_active() == 0 and dst_alloc.leases_active() == 0
     assert tbytes(dst_arena.data) == before
@@ -842,11 +841,10 @@ def test_failure_paths_with_a_second_process(name, backend_workers, backend_fact
     # 4. peer backend closed while its process lives
     plan = new_plan("f-4")
     w.call("close_backend")
-    t0 = time.monotonic()
     h = a.submit(plan, peer)
     with pytest.raises(TransferError) as e:
         a.wait(h, DEADLINE_S)
-    assert not isinstance(e.value, TransferTimeout) and time.monotonic() - t0 < DEADLINE_S
+    assert not isinstance(e.value, TransferTimeout)  # the closed peer ended it, not the deadline
     assert plan.state == "failed" and src_alloc.leases_active() == 0
     a.release(h)
     a.disconnect(peer)
@@ -863,11 +861,10 @@ def test_failure_paths_with_a_second_process(name, backend_workers, backend_fact
     time.sleep(0.2)
     assert a.poll(h) == "pending"
     w.kill()
-    t0 = time.monotonic()
     for hh in (h, h2):
         with pytest.raises(TransferError) as e:
             a.wait(hh, DEADLINE_S)
-        assert not isinstance(e.value, TransferTimeout) and time.monotonic() - t0 < DEADLINE_S
+        assert not isinstance(e.value, TransferTimeout)  # the dead peer ended it, not the deadline
         a.release(hh)
     assert plan.state == "failed" and src_alloc.leases_active() == 0
     if name == "mooncake":  # the plan's failed chunk found the peer dead: the queued batch is never posted
@@ -941,7 +938,7 @@ def test_mooncake_refused_reset_keeps_its_peers_usable(backend_workers, backend_
         t0 = time.monotonic()
         with pytest.raises(BackendError, match="reset refused"):
             a.reset()
-        assert time.monotonic() - t0 < 3.0  # bounded by close_timeout_s
+        assert time.monotonic() - t0 < 60.0  # bounded by close_timeout_s = 0.3 (60: slack for a loaded host)
         assert a.peers() == [peer] and a.stats()["registrations"] == 1 and h.released and h.draining
     finally:
         w.resume()
@@ -1016,7 +1013,7 @@ def test_mooncake_connect_to_a_stalled_peer_is_bounded(backend_workers, backend_
         t0 = time.monotonic()
         with pytest.raises(BackendError, match="did not answer"):
             a.connect(md)
-        assert time.monotonic() - t0 < 4.0
+        assert time.monotonic() - t0 < 45.0  # connect_timeout_s = 1, not the engine's own ~60 s probe
         assert a.peers() == [] and a.stats()["connects"] == 0
     finally:
         w.resume()
@@ -1054,10 +1051,8 @@ def test_replay_child_keeps_the_receiver_half_while_the_engine_holds_a_part(back
     try:
         h = a.submit(plan, peer)
         ctx.objects["replay_inflight"][1] = (plan, h, vt)
-        t0 = time.monotonic()
         with pytest.raises(TransferError) as e:
             child_finish(ctx, 1, 0.3)
-        assert time.monotonic() - t0 < 3.0
         assert getattr(e.value, "draining", False) is True
         assert h.released and h.draining and plan.state == "pending" and src_alloc.leases_active() == 1
         back = _rebuild(_describe(e.value))  # what reaches the parent through the worker pipe
@@ -1098,7 +1093,7 @@ def test_mooncake_close_while_a_chunk_is_in_the_engine(backend_workers, backend_
         time.sleep(0.2)
         t0 = time.monotonic()
         a.close()
-        assert time.monotonic() - t0 < 4.0  # close_timeout_s = 0.5 plus slack for a loaded host
+        assert time.monotonic() - t0 < 60.0  # close_timeout_s = 0.5 plus slack for a loaded host
         assert a.closed and h.released and h.draining and a.draining_handles() == [h]
         assert plan.state == "pending" and src_alloc.leases_active() == 1
         a.check_invariants()
@@ -1122,7 +1117,7 @@ def test_mooncake_disconnect_while_a_handle_drains_does_not_wait_for_the_engine(
     buf_id, dst = w.call("alloc", n)
     w.call("register", [Region(dst, n).to_dict()])
     src = seeded_bytes(n, SEED + 3)
-    a = backend_factory(name)
+    a = backend_factory(name, close_timeout_s=600.0)  # a disconnect that waited for the sender would hang
     a.register([Region(src.data_ptr(), n)])
     md = w.call("metadata")
     peer = a.connect(md)
@@ -1135,7 +1130,7 @@ def test_mooncake_disconnect_while_a_handle_drains_does_not_wait_for_the_engine(
         assert h.draining
         t0 = time.monotonic()
         a.disconnect(peer)
-        assert time.monotonic() - t0 < 3.0 and a.peers() == []  # the old wait was close_timeout_s = 5 s
+        assert time.monotonic() - t0 < 60.0 and a.peers() == []  # the old wait was close_timeout_s (600 s here)
         assert h.draining and a.draining_handles() == [h]  # still in the engine: still held
     finally:
         w.resume()
