@@ -26,63 +26,17 @@ Policy:
 * Handles (:mod:`umalloc.backends.handle`) belong to the backend that made them: ``poll`` / ``wait`` /
   ``release`` / ``drain`` refuse another backend's handle, released or not.
 * Engine failures never raise from ``submit``: they fail the handle, and ``poll`` / ``wait`` report them. A
-  handle is terminal only when every engine part of it has ended or its deadline passed (F11); then, in the
-  caller's thread, its plan ends exactly once (Note [Plan endings]) — but never while a part the engine was
-  handed may still read or write the plan's pages (Note [Deadlines and in-flight parts]).
+  handle is terminal (``done`` / ``failed``) only when every engine part of it has ended (F11; a deadline
+  leaves it ``in_doubt``); then, in the caller's thread, its plan ends exactly once (Note [Plan endings]) —
+  but never while a part the engine was handed may still read or write the plan's pages (Note [Deadlines and
+  in-flight parts]).
 
-Note [Plan endings]
-~~~~~~~~~~~~~~~~~~~
-``plan.complete()`` when every part is done; ``plan.fail(exc)`` when a part failed or the peer died (F12: a dead
-peer releases the held pages); ``plan.abort()`` when a pending handle is released. ``wait``'s deadline is not an
-ending: while the engine holds a part the handle is ``in_doubt`` and the plan ends with the engine's outcome
-(Note [Deadlines and in-flight parts]); only a handle whose parts were all withdrawn fails with the timeout.
-The plan is ended by ``poll`` / ``wait`` / ``release`` / ``progress`` / ``drain`` / ``close`` in the caller's
-thread. Before the first part is handed to the engine the backend takes an engine hold on the plan's leases
-(:class:`~umalloc.backends.protocol.EngineHold`), let go when the engine reported every part ended — on the
-caller's thread, or on the engine's own thread where it has one (Mooncake's sender): leases may be ended from any
-thread (Note [Lease threading] in :mod:`umalloc.leases.table`). A lease deadline passing, or the caller ending the
-plan (``plan.abort()``/``fail()``) while a hold is outstanding leaves the lease *in doubt*: the plan reports its
-failure at once, the pages stay pinned until the hold is let go (F24).
-
-Note [Deadlines and in-flight parts]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-The rule (F11 in docs/faults.md): while a transfer may still read or write a page, the page stays
-leased. ``wait``'s deadline bounds the *caller's wait*, not the engine: no engine here can take back bytes it
-was handed (Mooncake has no cancel; its ``TIMEOUT`` status is the engine's slice-age report about a slice that
-is still in flight; NIXL can refuse to release a request that is still active). Setting the engine's timeout
-below the lease deadline would not help either, since an engine timeout does not mean the engine stopped. So
-the ordering is made correct by construction on the backend side:
-
-* at the deadline ``wait`` raises :class:`~umalloc.errors.TransferTimeout` on time, never hangs; every part
-  not yet handed to the engine is withdrawn and never posted, and parts the engine holds are left to end (a
-  timeout is "not known", not "failed", F24: NIXL's release of a request stalled on its receiver returns while
-  the bytes still arrive). If the engine holds a part the handle is ``in_doubt``: its plan stays pending with
-  its leases, and once the engine reports every part ended the handle turns ``done`` (``plan.complete()``) or
-  ``failed`` (``plan.fail(exc)``, the engine's error) as the engine says;
-* on ``release`` of a pending handle the handle fails at once, parts not yet handed over are withdrawn and the
-  engine is asked to cancel the rest;
-* if the engine may still be working on a part it was handed (``_engine_in_flight``), the handle is
-  ``draining``: its plan stays pending and keeps its leases; ``poll`` / ``progress`` / ``drain`` end the plan
-  (the engine's outcome after a deadline, ``abort`` after a release) in the caller's thread once the engine
-  reports every such part ended (completed or failed). Registration changes that would drop engine memory wait
-  for drains too;
-* an engine thread posts a queued part only while the plan's leases are active and not past their deadline.
-
-::
-
-    submit ── posted ──────────── wait deadline ─────── engine: last part ended
-      |  leases held               | handle in_doubt        | handle done / failed as the engine says
-      |                            | leases still held      | plan.complete() / plan.fail(exc): pages reusable
-
-Lease deadlines set by the plan's builder (``deadline_s``) are the allocator's F12 backstop for a peer that
-never answers; they are reclaimed by the allocator, not by a backend. Choose them longer than any transfer can
-stay in an engine. A receiver learns the outcome from the sender, which should report it once its plan ended
-(``drain``), so the receiver's half is not released while bytes may still land in it.
+The plan-ending rules (Note [Plan endings], Note [Deadlines and in-flight parts]) live with the handles'
+lifecycle in :mod:`umalloc.backends.handle`.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import time
 import uuid
@@ -101,7 +55,7 @@ from umalloc.backends.descriptors import (
     chunk_located,
     locate,
 )
-from umalloc.backends.handle import HandleTable, TransferHandle
+from umalloc.backends.handle import HandleTable, TransferHandle, check_timeout
 from umalloc.backends.peers import (
     LOOPBACK,
     PeerInfo,
@@ -127,12 +81,6 @@ from umalloc.errors import (
 from umalloc.geometry.region import Region
 from umalloc.transfer import PeerLayout
 from umalloc.transfer.plan import ReceiverHalf
-
-
-def _check_timeout(timeout_s: object) -> None:
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not (
-            timeout_s > 0 and math.isfinite(timeout_s)):
-        raise UmallocValueError(f"timeout_s={timeout_s!r}: allowed a positive finite number of seconds")
 
 
 class BackendBase:
@@ -420,7 +368,7 @@ class BackendBase:
             TransferTimeout: still pending at the deadline; the half is left as it is (a timeout proves nothing:
                 the sender may still write, F24).
         """
-        _check_timeout(timeout_s)
+        check_timeout(timeout_s)
         deadline = time.monotonic() + timeout_s
         while self.poll_half(half) == "pending":
             now = time.monotonic()
@@ -598,30 +546,8 @@ class BackendBase:
             TransferError: the transfer failed (engine error, dead or closed peer); plan failed.
         """
         h = self._ht.own(handle)
-        _check_timeout(timeout_s)
-        deadline = time.monotonic() + timeout_s
-        spins = 0
-        while self.poll(h) in ("pending", "in_doubt"):
-            now = time.monotonic()
-            if now >= deadline:
-                exc = TransferTimeout(f"{self.name}: transfer {h.handle_id} to {h.peer!r} "
-                                      f"({h.num_descriptors} descriptors, {h.total_bytes} bytes) not done "
-                                      f"after {timeout_s:.3g} s: outcome not known (in doubt until the engine "
-                                      "reports every part ended)")
-                if h.state == "pending":
-                    try:
-                        self._engine_withdraw(h)
-                    finally:
-                        self._ht.time_out(h, exc)
-                if h.state != "failed":
-                    raise exc
-                break
-            spins += 1
-            if spins > self.wait_spin_polls:
-                time.sleep(min(self.wait_max_sleep_s, deadline - now))
-        if h.state == "failed":
-            assert h.error is not None
-            raise h.error
+        check_timeout(timeout_s)
+        self._ht.wait(h, timeout_s, self.poll, self._engine_withdraw, self.wait_spin_polls, self.wait_max_sleep_s)
 
     def release(self, handle: TransferHandle) -> None:
         """Free the handle's engine resources. Idempotent. A pending handle is cancelled first (its plan
@@ -654,21 +580,8 @@ class BackendBase:
 
         Complexity: polls the engine until drained or the deadline (sleeps between polls).
         """
-        _check_timeout(timeout_s)
-        handle = self._ht.own(handle)
-        if not handle.draining:
-            if handle.state == "pending":
-                raise UmallocValueError(f"drain: handle {handle.handle_id} is pending: wait for it first")
-            return True
-        deadline = time.monotonic() + timeout_s
-        while True:
-            self.progress()
-            if not handle.draining:
-                return True
-            now = time.monotonic()
-            if now >= deadline:
-                return False
-            time.sleep(min(self.wait_max_sleep_s * 4, deadline - now))
+        check_timeout(timeout_s)
+        return self._ht.drain(self._ht.own(handle), timeout_s, self.progress, self.wait_max_sleep_s * 4)
 
     def draining_handles(self) -> list[TransferHandle]:
         """Failed handles (released or not) whose engine parts may still read or write memory; their plans

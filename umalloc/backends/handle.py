@@ -5,13 +5,13 @@ Policy:
 * A :class:`TransferHandle` is ``pending`` until every engine part of its transfer has ended (F11), then ``done``
   or ``failed``. A handle whose engine parts may still read or write memory after it stopped being pending is
   ``draining``: its plan (and the plan's leases) ends only once the engine confirms (Note [Deadlines and
-  in-flight parts] in :mod:`umalloc.backends.base`). A deadline is not an outcome: a handle whose ``wait``
+  in-flight parts] below). A deadline is not an outcome: a handle whose ``wait``
   timed out while the engine holds a part is ``in_doubt`` (draining, its plan pending, its pages pinned) until
   the engine reports every part ended, and then ``done`` or ``failed`` as the engine says (F24).
 * :class:`HandleTable` owns one backend's handles: the open ones (submitted, not released), the draining ones
   (released or not), and a weak set of every handle it made (another backend's handle is refused, also once
   released). Its transitions (:meth:`HandleTable.finish`, :meth:`HandleTable.reap`) end a handle's plan exactly
-  once (Note [Plan endings] in :mod:`umalloc.backends.base`).
+  once (Note [Plan endings] below).
 * :data:`PLANS_IN_FLIGHT` records, across every backend of the process, the handle each plan is in flight on
   (pending or draining). A plan is in flight on one handle at a time: a second handle, on this backend or
   another, would outlive the leases that the first one's ending releases (F11).
@@ -31,23 +31,73 @@ Policy:
                                                                    │ reap(): the engine let go; its outcome:
                                                                    ├─ every part done ──> done    plan.complete()
                                                                    └─ a part failed ────> failed  plan.fail(exc)
+
+Note [Plan endings]
+~~~~~~~~~~~~~~~~~~~
+``plan.complete()`` when every part is done; ``plan.fail(exc)`` when a part failed or the peer died (F12: a dead
+peer releases the held pages); ``plan.abort()`` when a pending handle is released. ``wait``'s deadline is not an
+ending: while the engine holds a part the handle is ``in_doubt`` and the plan ends with the engine's outcome
+(Note [Deadlines and in-flight parts]); only a handle whose parts were all withdrawn fails with the timeout.
+The plan is ended by ``poll`` / ``wait`` / ``release`` / ``progress`` / ``drain`` / ``close`` in the caller's
+thread. Before the first part is handed to the engine the backend takes an engine hold on the plan's leases
+(:class:`~umalloc.backends.protocol.EngineHold`), let go when the engine reported every part ended — on the
+caller's thread, or on the engine's own thread where it has one (Mooncake's sender): leases may be ended from any
+thread (Note [Lease threading] in :mod:`umalloc.leases.table`). A lease deadline passing, or the caller ending the
+plan (``plan.abort()``/``fail()``) while a hold is outstanding leaves the lease *in doubt*: the plan reports its
+failure at once, the pages stay pinned until the hold is let go (F24).
+
+Note [Deadlines and in-flight parts]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The rule (F11 in docs/faults.md): while a transfer may still read or write a page, the page stays
+leased. ``wait``'s deadline bounds the *caller's wait*, not the engine: no engine here can take back bytes it
+was handed (Mooncake has no cancel; its ``TIMEOUT`` status is the engine's slice-age report about a slice that
+is still in flight; NIXL can refuse to release a request that is still active). Setting the engine's timeout
+below the lease deadline would not help either, since an engine timeout does not mean the engine stopped. So
+the ordering is made correct by construction on the backend side:
+
+* at the deadline ``wait`` raises :class:`~umalloc.errors.TransferTimeout` on time, never hangs; every part
+  not yet handed to the engine is withdrawn and never posted, and parts the engine holds are left to end (a
+  timeout is "not known", not "failed", F24: NIXL's release of a request stalled on its receiver returns while
+  the bytes still arrive). If the engine holds a part the handle is ``in_doubt``: its plan stays pending with
+  its leases, and once the engine reports every part ended the handle turns ``done`` (``plan.complete()``) or
+  ``failed`` (``plan.fail(exc)``, the engine's error) as the engine says;
+* on ``release`` of a pending handle the handle fails at once, parts not yet handed over are withdrawn and the
+  engine is asked to cancel the rest;
+* if the engine may still be working on a part it was handed (``_engine_in_flight``), the handle is
+  ``draining``: its plan stays pending and keeps its leases; ``poll`` / ``progress`` / ``drain`` end the plan
+  (the engine's outcome after a deadline, ``abort`` after a release) in the caller's thread once the engine
+  reports every such part ended (completed or failed). Registration changes that would drop engine memory wait
+  for drains too;
+* an engine thread posts a queued part only while the plan's leases are active and not past their deadline.
+
+::
+
+    submit ── posted ──────────── wait deadline ─────── engine: last part ended
+      |  leases held               | handle in_doubt        | handle done / failed as the engine says
+      |                            | leases still held      | plan.complete() / plan.fail(exc): pages reusable
+
+Lease deadlines set by the plan's builder (``deadline_s``) are the allocator's F12 backstop for a peer that
+never answers; they are reclaimed by the allocator, not by a backend. Choose them longer than any transfer can
+stay in an engine. A receiver learns the outcome from the sender, which should report it once its plan ended
+(``drain``), so the receiver's half is not released while bytes may still land in it.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import time
 import weakref
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from umalloc.errors import InvariantError, UmallocValueError
+from umalloc.errors import InvariantError, TransferTimeout, UmallocValueError
 
 #: Handle states. ``pending`` until every engine part of the transfer has ended (F11); then ``done`` or
 #: ``failed`` (engine error, dead peer, or released while pending). A handle failed by a release may still be
 #: ``draining``: the engine has not confirmed that its parts stopped touching memory, so its plan (and leases)
-#: has not ended yet (Note [Deadlines and in-flight parts] in ``umalloc.backends.base``). ``in_doubt``: ``wait``'s
+#: has not ended yet (Note [Deadlines and in-flight parts] below). ``in_doubt``: ``wait``'s
 #: deadline passed while the engine held a part — the outcome is not known (F24); the handle drains and turns
 #: ``done`` or ``failed`` when the engine reports every part ended.
 HANDLE_STATES: tuple[str, ...] = ("pending", "in_doubt", "done", "failed")
@@ -108,6 +158,13 @@ class TransferHandle:
     def terminal(self) -> bool:
         """``done`` or ``failed``: the outcome is known."""
         return self.state in ("done", "failed")
+
+
+def check_timeout(timeout_s: object) -> None:
+    """UmallocValueError unless ``timeout_s`` is a positive finite number of seconds (bools refused). O(1)."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not (
+            timeout_s > 0 and math.isfinite(timeout_s)):
+        raise UmallocValueError(f"timeout_s={timeout_s!r}: allowed a positive finite number of seconds")
 
 
 class PlansInFlight:
@@ -264,6 +321,54 @@ class HandleTable:
                 err.__context__ = h.error
             h.state, h.error = "failed", err
             self.counts["handles_failed"] += 1
+
+    def wait(self, h: TransferHandle, timeout_s: float, poll: Callable[[TransferHandle], str],
+             withdraw: Callable[[TransferHandle], None], spin_polls: int, max_sleep_s: float) -> None:
+        """The loop of ``BackendBase.wait`` (its docstring says what it promises): ``poll(h)`` until the outcome
+        is known or ``timeout_s`` passed, busy for ``spin_polls`` polls, then sleeping up to ``max_sleep_s``
+        between polls; at the deadline a pending handle's unposted parts are withdrawn (``withdraw``) and it
+        goes in doubt (:meth:`time_out`) or fails. Raises the failure, or TransferTimeout."""
+        deadline = time.monotonic() + timeout_s
+        spins = 0
+        while poll(h) in ("pending", "in_doubt"):
+            now = time.monotonic()
+            if now >= deadline:
+                exc = TransferTimeout(f"{self.backend}: transfer {h.handle_id} to {h.peer!r} "
+                                      f"({h.num_descriptors} descriptors, {h.total_bytes} bytes) not done "
+                                      f"after {timeout_s:.3g} s: outcome not known (in doubt until the engine "
+                                      "reports every part ended)")
+                if h.state == "pending":
+                    try:
+                        withdraw(h)
+                    finally:
+                        self.time_out(h, exc)
+                if h.state != "failed":
+                    raise exc
+                break
+            spins += 1
+            if spins > spin_polls:
+                time.sleep(min(max_sleep_s, deadline - now))
+        if h.state == "failed":
+            assert h.error is not None
+            raise h.error
+
+    @staticmethod
+    def drain(h: TransferHandle, timeout_s: float, progress: Callable[[], None], sleep_s: float) -> bool:
+        """The loop of ``BackendBase.drain``: ``progress()`` until ``h`` no longer drains (True) or ``timeout_s``
+        passed (False), sleeping up to ``sleep_s`` between rounds; a pending handle is refused."""
+        if not h.draining:
+            if h.state == "pending":
+                raise UmallocValueError(f"drain: handle {h.handle_id} is pending: wait for it first")
+            return True
+        deadline = time.monotonic() + timeout_s
+        while True:
+            progress()
+            if not h.draining:
+                return True
+            now = time.monotonic()
+            if now >= deadline:
+                return False
+            time.sleep(min(sleep_s, deadline - now))
 
     @staticmethod
     def _end_plan(h: TransferHandle, abort: bool) -> None:

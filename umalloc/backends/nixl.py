@@ -73,7 +73,7 @@ still in progress, asks the UCX backend to cancel it; a release that succeeds me
 request. A release that fails (``NIXL_ERR_REPOST_ACTIVE``: the request is still active) leaves a *zombie*,
 retried on every :meth:`~umalloc.backends.base.BackendBase.progress`; the zombie counts as in flight
 (``_engine_in_flight``), so its handle drains and its plan ends only once the retried release succeeds (Note
-[Deadlines and in-flight parts] in :mod:`umalloc.backends.base`). Closing the backend ends the agent and with it
+[Deadlines and in-flight parts] in :mod:`umalloc.backends.handle`). Closing the backend ends the agent and with it
 every zombie. What UCX had already put on the wire before the cancel is beyond any sender's reach; a receiver
 keeps its half leased until the sender reports its plan ended.
 
