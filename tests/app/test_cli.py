@@ -207,15 +207,17 @@ def test_ctrl_c_is_quiet_ends_every_child_and_exits_130(tmp_path, backend):
         start = time.monotonic()
         kids: set[int] = set()
         # running: past imports and warm-up (and, remote, the worker's start-up)
+        # (any moment is a valid one for the SIGINT: start-up interrupts are just as quiet, see
+        # test_cli_start_up.py; the 8 s only spread it into the run, and 600 s is a hang guard)
         while proc.poll() is None and (time.monotonic() - start < 8 or (backend != "local" and not kids)):
-            if time.monotonic() - start > 60:
+            if time.monotonic() - start > 600:
                 break
             kids |= _descendants(proc.pid)
             time.sleep(0.2)
         assert proc.poll() is None, proc.communicate()[0].decode()
         kids |= _descendants(proc.pid)
         os.killpg(proc.pid, signal.SIGINT)
-        out, _ = proc.communicate(timeout=60)
+        out, _ = proc.communicate(timeout=300)  # a hang guard (item 10: it used to linger 10-25 s)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -225,7 +227,7 @@ def test_ctrl_c_is_quiet_ends_every_child_and_exits_130(tmp_path, backend):
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, text
     if backend != "local":
         assert kids, "the second process was never seen"
-    end = time.monotonic() + 10
+    end = time.monotonic() + 120  # a hang guard: a loaded machine may take a while to reap the children
     while any(_alive(k) for k in kids) and time.monotonic() < end:
         time.sleep(0.1)
     assert not [k for k in kids if _alive(k)], "a child outlived the replay"
@@ -273,7 +275,7 @@ def test_a_killed_second_process_ends_the_replay_with_one_error_line(tmp_path):
                             start_new_session=True)
     try:
         start, kids = time.monotonic(), set()
-        while proc.poll() is None and (time.monotonic() - start < 8 or not kids) and time.monotonic() - start < 60:
+        while proc.poll() is None and (time.monotonic() - start < 8 or not kids) and time.monotonic() - start < 600:
             kids |= _descendants(proc.pid)
             time.sleep(0.2)
         assert proc.poll() is None and kids, "the replay and its second process never ran together"

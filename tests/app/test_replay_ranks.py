@@ -331,7 +331,7 @@ def _start_until_ranks(args: list[str]) -> tuple[subprocess.Popen, dict[str, int
     proc = subprocess.Popen([*CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)
     lines: list[str] = []
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + 600  # a hang guard
     while time.monotonic() < deadline:
         line = proc.stdout.readline().decode(errors="replace")  # type: ignore[union-attr]
         if not line:
@@ -346,11 +346,11 @@ def _start_until_ranks(args: list[str]) -> tuple[subprocess.Popen, dict[str, int
 
 def _finish(proc: subprocess.Popen, lines: list[str], pids: dict[str, int]) -> str:
     try:
-        rest, _ = proc.communicate(timeout=120)
+        rest, _ = proc.communicate(timeout=300)  # a hang guard
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    end = time.monotonic() + 15
+    end = time.monotonic() + 120  # a hang guard: a loaded machine may take a while to reap the ranks
     while any(_alive(p) for p in pids.values()) and time.monotonic() < end:
         time.sleep(0.1)
     assert not [k for k, p in pids.items() if _alive(p)], "a rank outlived the replay"
@@ -369,7 +369,7 @@ def test_ctrl_c_ends_every_rank_and_exits_130(backend):
     require_or_skip(backend)
     proc, pids, lines = _start_until_ranks(["--backend", backend, *LONG])
     assert set(pids) == {"prefill rank 0", "prefill rank 1", "decode rank 0"}
-    time.sleep(1.0)  # requests in flight
+    time.sleep(1.0)  # spreads the SIGINT into the run; any moment is valid (start-up interrupts are quiet too)
     assert proc.poll() is None
     os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: the whole process group
     text = _finish(proc, lines, pids)
@@ -385,7 +385,7 @@ def test_a_killed_rank_ends_every_rank_with_one_error_line_naming_it(backend, vi
 
     require_or_skip(backend)
     proc, pids, lines = _start_until_ranks(["--backend", backend, *LONG])
-    time.sleep(1.0)
+    time.sleep(1.0)  # spreads the kill into the run; the outcome must be the same at any moment after start-up
     assert proc.poll() is None
     os.kill(pids[victim], signal.SIGKILL)
     text = _finish(proc, lines, pids)

@@ -21,7 +21,7 @@ from umalloc.testing import require_or_skip, seed_from_env
 from umalloc.transfer import PeerLayout
 
 ENGINES = ["nixl", "mooncake"]
-DEADLINE_S = 10.0
+DEADLINE_S = 60.0  # a hang guard only: no test asserts that anything ends before it
 SEED = seed_from_env(20240607)
 W = "kv_worker:"
 L_TOKENS = 21  # request length used by the plan tests

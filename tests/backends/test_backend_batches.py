@@ -41,7 +41,7 @@ from umalloc.geometry.region import Region
 from umalloc.testing import require_or_skip
 from umalloc.transfer import PeerLayout, build_plan, build_send_plan
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(600)  # a hang guard: a loaded machine may take minutes
 
 
 def _param(name: str):
@@ -354,20 +354,24 @@ def test_multi_chunk_plan_deadline_then_dead_peer(name, backend_workers, backend
         assert h.num_parts == math.ceil(d.shape[0] / 2)
         with pytest.raises(TransferTimeout):
             a.wait(h, 0.5)
-        assert h.state == "failed"
-        if name == "mooncake":
-            assert h.draining  # the first chunk is in the engine; the others were withdrawn
-        assert (plan.state, src_alloc.leases_active()) == (("pending", 1) if h.draining else ("failed", 0))
+        # outcome not known (F24): in doubt, the plan keeps its lease (Mooncake: the first chunk is in the
+        # engine, the others were withdrawn; NIXL: every part was handed over and stays in the engine)
+        assert h.state == "in_doubt" and h.draining
+        assert (plan.state, src_alloc.leases_active()) == ("pending", 1)
         a.release(h)
     finally:
         w.resume()
     assert a.drain(h, DEADLINE_S) and not h.draining
-    assert plan.state == "failed" and isinstance(plan.error, TransferTimeout)
     assert src_alloc.leases_active() == 0 and _settled(src_alloc) == 0
-    if name == "mooncake":  # only the chunk the engine held landed: the first two descriptors
-        base = a.peer_layout(peer).arena_base_ptr
+    base = a.peer_layout(peer).arena_base_ptr
+    if name == "mooncake":  # only the chunk the engine held landed: the first two descriptors; not every byte
+        assert plan.state == "failed" and "withdrawn" in str(plan.error)
+        assert isinstance(plan.error.__context__, TransferTimeout)
         assert w.run(W + "kv_arena_bytes") == brute_apply(before, base, src_bytes, src_arena.base_ptr, d[:2])
-    assert w.run(W + "kv_finish_half", "b-3", False) == 0
+    else:  # every part NIXL was handed ended DONE: the engine's outcome
+        assert plan.state == "done" and h.state == "done"
+        assert w.run(W + "kv_arena_bytes") == brute_apply(before, base, src_bytes, src_arena.base_ptr, d)
+    assert w.run(W + "kv_finish_half", "b-3", plan.state == "done") == 0
 
     # 2. the receiver dies while the chunks are pending
     md = w.call("metadata")
@@ -379,10 +383,9 @@ def test_multi_chunk_plan_deadline_then_dead_peer(name, backend_workers, backend
     time.sleep(0.2)
     assert a.poll(h) == "pending" and h.num_parts == math.ceil(plan.num_descriptors / 2)
     w.kill()
-    t0 = time.monotonic()
     with pytest.raises(TransferError) as e:
         a.wait(h, DEADLINE_S)
-    assert not isinstance(e.value, TransferTimeout) and time.monotonic() - t0 < DEADLINE_S
+    assert not isinstance(e.value, TransferTimeout)  # the dead peer ended it, not the deadline
     a.release(h)
     assert a.drain(h, DEADLINE_S)
     assert plan.state == "failed" and src_alloc.leases_active() == 0 and _settled(src_alloc) == 0

@@ -48,7 +48,7 @@ from umalloc.transfer import PeerLayout, build_plan, build_receiver_half, build_
 
 ALL = ["local", "nixl", "mooncake"]
 MARKER = 0xAB
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(900)  # a hang guard: a loaded machine may take minutes
 
 
 def _row(fault: str, name: str, wrong: int, leaked: int, in_doubt: int, t_err: float | None) -> None:
@@ -607,7 +607,7 @@ def test_F12_peer_disconnects_during_wait(name, backend_workers, backend_factory
         goes.join(DEADLINE_S)
         w.resume()
     w.call("set_progress", True)
-    assert went and t_err < DEADLINE_S
+    assert went and t_err < DEADLINE_S  # DEADLINE_S is a hang guard (60 s): the wait ended on the peer's exit
     st = src_alloc.stats()
     in_doubt = sum(st[e].in_doubt_pages for e in st)  # a failed plan whose engine still held a part
     assert a.drain(h, DEADLINE_S)

@@ -32,13 +32,22 @@ from typing import Any
 import numpy as np
 import torch
 
+from umalloc import (
+    check_compatible,
+    owned_count,
+    pages_for_tokens,
+    preset_ends,
+    rank_kv_heads,
+    sends_to,
+    swa_pages_per_seq,
+)
 from umalloc.allocator.facade import MultiEndedAllocator, snapshots_equal
 from umalloc.errors import UmallocError
 from umalloc.geometry.arena import Arena
 from umalloc.leases.table import LeaseTable
 from umalloc.requests.table import RequestTable
 from umalloc.testing import tiny_spec
-from umalloc.transfer import PeerLayout, build_receiver_half
+from umalloc.transfer import PeerLayout, ReceiverHalf, build_receiver_half, build_send_plan
 from umalloc.transfer.build import build_plan
 from umalloc.transfer.rows import vector_rows
 from umalloc.translators import get_translator
@@ -92,6 +101,11 @@ def _pool(kind: str) -> list[tuple[Callable[[], Any], bool]]:
         return [(lambda: None, False), (lambda: _expanded(torch.int64), True), (lambda: torch.zeros(3), True),
                 (lambda: torch.zeros((1, 3), dtype=torch.int64), True), (lambda: [0, 0, 0], True),
                 (lambda: object(), True)]
+    if kind == "table":   # a v2p table over a physical space of 6 pages (the translators' num_physical_pages)
+        return [(lambda: torch.tensor([0, 3, 4, 5, -1]), False), (lambda: np.array([5, -1, 2]), False),
+                (lambda: torch.tensor([0, 2**62]), True), (lambda: torch.tensor([6]), True),
+                (lambda: np.array([2**63 - 1, 0]), True), (lambda: torch.tensor([[0, 1]]), True),
+                (lambda: torch.tensor([0.5]), True), (lambda: [0, 1], False), *junk]
     if kind == "mapping":   # end name -> count or pages
         return [(lambda: {"full": 1}, False), (lambda: {"full": 1, "swa": 1}, False), (lambda: ["full"], True),
                 (lambda: {("full",): 1}, True), (lambda: {"nope": 1}, True), (lambda: {"full": 1.5}, True),
@@ -129,6 +143,8 @@ class Ctx:
     evicted: list = field(default_factory=list)
     live: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
     slotpool: Any = None
+    halloc: Any = None   # an allocator only the plan helpers use: its sequence ``hseq`` stays live
+    hseq: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
 
 
 def _make_ctx(backends: dict[str, Any]) -> Ctx:
@@ -138,6 +154,9 @@ def _make_ctx(backends: dict[str, Any]) -> Ctx:
     ctx = Ctx(alloc=alloc, talloc=MultiEndedAllocator(Arena(tiny_spec(640))), table=None,  # type: ignore[arg-type]
               leases=LeaseTable({"full": 8, "swa": 8}), arena=Arena(tiny_spec()), backends=backends)
     ctx.live = alloc.alloc_pages(4) * 2
+    ctx.halloc = MultiEndedAllocator(Arena(tiny_spec(640)))
+    ps = ctx.halloc.spec.end("full").page_size
+    ctx.hseq = (ctx.halloc.alloc_pages(2)[:, None] * ps + torch.arange(ps)).reshape(-1)
     from umalloc.integrations.sglang.pools import SlotPool
 
     ctx.slotpool = SlotPool(8, 2)
@@ -156,6 +175,8 @@ def _snap(ctx: Ctx, group: str) -> Any:
         return (ctx.talloc.snapshot(), ctx.table.snapshot(), ctx.talloc.arena.data.clone(), list(ctx.evicted))
     if group == "arena":
         return ctx.arena.data.clone()
+    if group == "halloc":
+        return (ctx.halloc.snapshot(), ctx.halloc.arena.data.clone())
     if group == "leases":
         return (len(ctx.leases), ctx.leases.pin_count("full").copy(), ctx.leases.pin_count("swa").copy(),
                 ctx.leases.stats())
@@ -177,6 +198,25 @@ def _equal(a: Any, b: Any) -> bool:
 
 def _live_vtokens(ctx: Ctx) -> torch.Tensor:
     return ctx.live
+
+
+def _seq_vtokens(ctx: Ctx) -> torch.Tensor:
+    """A live sequence's virtual token ids on ``ctx.halloc`` (no fuzzed call frees them)."""
+    return ctx.hseq
+
+
+def _fresh_half(ctx: Ctx) -> ReceiverHalf:
+    """A receiver half over the live pages whose lease ends at once (a copy of its dict stays valid input)."""
+    half = build_receiver_half("h", ctx.halloc, _seq_vtokens(ctx))
+    half.abort()
+    return half
+
+
+def _fresh_plan(ctx: Ctx) -> Any:
+    """A plan over the live pages, aborted at once (its vectors stay readable)."""
+    plan = build_plan("p", ctx.halloc, _seq_vtokens(ctx), ctx.halloc, _seq_vtokens(ctx))
+    plan.abort()
+    return plan
 
 
 def _targets() -> list[Target]:
@@ -278,6 +318,12 @@ def _targets() -> list[Target]:
         *[Target(f"{impl}.virtual_to_physical_pages", ("ids", "out", "bool"),
                  lambda ctx, v, o, s, t=t: t.virtual_to_physical_pages(v, v2p, out=o, strict=s), group="none")
           for impl, t in tr.items()],
+        *[Target(f"{impl}.virtual_to_physical_pages(num_physical_pages)", ("ids", "table", "bool"),
+                 lambda ctx, v, tab, st, t=t: t.virtual_to_physical_pages(v, tab, strict=st, num_physical_pages=6),
+                 group="none") for impl, t in tr.items()],
+        *[Target(f"{impl}.virtual_to_physical(num_physical_pages)", ("ids", "table", "count"),
+                 lambda ctx, v, tab, p, t=t: t.virtual_to_physical(v, tab, p, strict=False, num_physical_pages=6),
+                 group="none") for impl, t in tr.items()],
         *[Target(f"{impl}.tokens_to_pages", ("ids", "count"), lambda ctx, v, p, t=t: t.tokens_to_pages(v, p),
                  group="none") for impl, t in tr.items()],
         *[Target(f"{impl}.pages_to_runs", ("ids", "ids"), lambda ctx, a, b, t=t: t.pages_to_runs(a, b),
@@ -294,6 +340,18 @@ def _targets() -> list[Target]:
                lambda ctx, v, n, d: build_receiver_half("r", ctx.alloc, v, seq_len_tokens=n, deadline_s=d).abort(),
                group="plan"),
         Target("vector_rows", ("obj", "count", "count"), lambda ctx, e, n, p: vector_rows(e, n, p), group="none"),
+        Target("build_send_plan", ("obj", "ids", "obj"),
+               lambda ctx, h, v, lay: build_send_plan("r", ctx.halloc, v, h, lay).abort(), group="halloc"),
+        Target("ReceiverHalf.from_dict", ("obj",), lambda ctx, d: ReceiverHalf.from_dict(d), group="none"),
+        Target("TransferPlan.split", ("obj",), lambda ctx, names: _fresh_plan(ctx).split(names), group="halloc"),
+        Target("pages_for_tokens", ("count", "count"), lambda ctx, n, p: pages_for_tokens(n, p), group="none"),
+        Target("swa_pages_per_seq", ("count", "count", "count"),
+               lambda ctx, w, p, c: swa_pages_per_seq(w, p, c), group="none"),
+        Target("rank_kv_heads", ("count", "count"), lambda ctx, h, tp: rank_kv_heads(h, tp), group="none"),
+        Target("owned_count", ("count", "count", "count"), lambda ctx, n, s, r: owned_count(n, s, r), group="none"),
+        Target("check_compatible", ("obj", "obj"), lambda ctx, a, b: check_compatible(a, b), group="none"),
+        Target("sends_to", ("obj", "obj"), lambda ctx, a, b: sends_to(a, b), group="none"),
+        Target("preset_ends", ("str", "count"), lambda ctx, n, p: preset_ends(n, page_size=p), group="none"),
         Target("PeerLayout.from_arena", ("obj",), lambda ctx, a: PeerLayout.from_arena(a), group="none"),
     ]
     # sane values for the parameters that need one to reach deeper code
@@ -303,6 +361,13 @@ def _targets() -> list[Target]:
             "build_receiver_half": (lambda c: _live_vtokens(c), None, None),
             "alloc.translate": (lambda c: _live_vtokens(c), None, None),
             "vector_rows": (lambda c: c.alloc.spec.end("full"), None, None),
+            "build_send_plan": (lambda c: _fresh_half(c), lambda c: _seq_vtokens(c),
+                                lambda c: PeerLayout.from_arena(c.alloc.arena)),
+            "ReceiverHalf.from_dict": (lambda c: _fresh_half(c).to_dict(),),
+            "check_compatible": (lambda c: PeerLayout.from_arena(c.alloc.arena),
+                                 lambda c: PeerLayout.from_arena(c.alloc.arena)),
+            "sends_to": (lambda c: PeerLayout.from_arena(c.alloc.arena), lambda c: PeerLayout.from_arena(c.alloc.arena)),
+            "preset_ends": (lambda c: "qwen3-8b", lambda c: 16),
             "PeerLayout.from_arena": (lambda c: c.alloc.arena,)}
     for t in out:
         t.sane = sane.get(t.name, ())
@@ -393,7 +458,7 @@ def run(seed: int, rounds: int = 20, backends: list[str] | None = None) -> Resul
         targets = _targets() + _backend_targets(names) + _integration_targets()
         ctx = _make_ctx(made)
         pools = {k: _pool(k) for k in ("name", "owner", "count_or_none", "obj_or_none", "ids", "count", "slot", "bool", "seconds", "out", "mapping", "str",
-                                       "obj")}
+                                       "obj", "table")}
         for t in targets:
             per = res.per_target.setdefault(t.name, Counter())
             for _ in range(rounds):

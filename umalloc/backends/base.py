@@ -26,55 +26,17 @@ Policy:
 * Handles (:mod:`umalloc.backends.handle`) belong to the backend that made them: ``poll`` / ``wait`` /
   ``release`` / ``drain`` refuse another backend's handle, released or not.
 * Engine failures never raise from ``submit``: they fail the handle, and ``poll`` / ``wait`` report them. A
-  handle is terminal only when every engine part of it has ended or its deadline passed (F11); then, in the
-  caller's thread, its plan ends exactly once (Note [Plan endings]) — but never while a part the engine was
-  handed may still read or write the plan's pages (Note [Deadlines and in-flight parts]).
+  handle is terminal (``done`` / ``failed``) only when every engine part of it has ended (F11; a deadline
+  leaves it ``in_doubt``); then, in the caller's thread, its plan ends exactly once (Note [Plan endings]) —
+  but never while a part the engine was handed may still read or write the plan's pages (Note [Deadlines and
+  in-flight parts]).
 
-Note [Plan endings]
-~~~~~~~~~~~~~~~~~~~
-``plan.complete()`` when every part is done; ``plan.fail(exc)`` when a part failed, the peer died, or ``wait``'s
-deadline passed (F12: a dead peer releases the held pages); ``plan.abort()`` when a pending handle is released.
-The plan is ended by ``poll`` / ``wait`` / ``release`` / ``progress`` / ``drain`` / ``close`` in the caller's
-thread. Before the first part is handed to the engine the backend takes an engine hold on the plan's leases
-(:class:`~umalloc.backends.protocol.EngineHold`), let go when the engine reported every part ended — on the
-caller's thread, or on the engine's own thread where it has one (Mooncake's sender): leases may be ended from any
-thread (Note [Lease threading] in :mod:`umalloc.leases.table`). A lease deadline passing, or the caller ending the
-plan (``plan.abort()``/``fail()``) while a hold is outstanding leaves the lease *in doubt*: the plan reports its
-failure at once, the pages stay pinned until the hold is let go (F24).
-
-Note [Deadlines and in-flight parts]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-The rule (F11 in docs/faults.md): while a transfer may still read or write a page, the page stays
-leased. ``wait``'s deadline bounds the *caller's wait*, not the engine: no engine here can take back bytes it
-was handed (Mooncake has no cancel; its ``TIMEOUT`` status is the engine's slice-age report about a slice that
-is still in flight; NIXL can refuse to release a request that is still active). Setting the engine's timeout
-below the lease deadline would not help either, since an engine timeout does not mean the engine stopped. So
-the ordering is made correct by construction on the backend side:
-
-* at the deadline (or on ``release`` of a pending handle) the handle is failed at once — ``wait`` raises
-  :class:`~umalloc.errors.TransferTimeout` on time, never hangs — and every part not yet handed to the engine
-  is withdrawn and never posted;
-* if the engine may still be working on a part it was handed (``_engine_in_flight``), the handle is
-  ``draining``: its plan stays pending and keeps its leases; ``poll`` / ``progress`` / ``drain`` end the plan
-  (``fail``, or ``abort`` after a release) in the caller's thread once the engine reports every such part
-  ended (completed or failed). Registration changes that would drop engine memory wait for drains too;
-* an engine thread posts a queued part only while the plan's leases are active and not past their deadline.
-
-::
-
-    submit ── posted ──────────── wait deadline ─────── engine: last part ended
-      |  leases held               | handle failed          | plan.fail(TransferTimeout)
-      |                            | leases still held      | leases released, pages reusable
-
-Lease deadlines set by the plan's builder (``deadline_s``) are the allocator's F12 backstop for a peer that
-never answers; they are reclaimed by the allocator, not by a backend. Choose them longer than any transfer can
-stay in an engine. A receiver learns the outcome from the sender, which should report it once its plan ended
-(``drain``), so the receiver's half is not released while bytes may still land in it.
+The plan-ending rules (Note [Plan endings], Note [Deadlines and in-flight parts]) live with the handles'
+lifecycle in :mod:`umalloc.backends.handle`.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import time
 import uuid
@@ -93,7 +55,7 @@ from umalloc.backends.descriptors import (
     chunk_located,
     locate,
 )
-from umalloc.backends.handle import HandleTable, TransferHandle
+from umalloc.backends.handle import HandleTable, TransferHandle, check_timeout
 from umalloc.backends.peers import (
     LOOPBACK,
     PeerInfo,
@@ -119,12 +81,6 @@ from umalloc.errors import (
 from umalloc.geometry.region import Region
 from umalloc.transfer import PeerLayout
 from umalloc.transfer.plan import ReceiverHalf
-
-
-def _check_timeout(timeout_s: object) -> None:
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not (
-            timeout_s > 0 and math.isfinite(timeout_s)):
-        raise UmallocValueError(f"timeout_s={timeout_s!r}: allowed a positive finite number of seconds")
 
 
 class BackendBase:
@@ -167,7 +123,7 @@ class BackendBase:
         self._peer_id = uuid.uuid4().hex
         self._reg = Registry(self._engine_register, self._engine_deregister)
         self._peers: dict[str, PeerInfo] = {}
-        self._ht = HandleTable(self.name, self._engine_in_flight, self._engine_release)
+        self._ht = HandleTable(self.name, self._engine_in_flight, self._engine_release, self._engine_poll)
         self._counts: Counter[str] = Counter()  # connects, register_calls, deregister_calls
         self._halves = PublishedHalves()
         self._closed = False
@@ -412,7 +368,7 @@ class BackendBase:
             TransferTimeout: still pending at the deadline; the half is left as it is (a timeout proves nothing:
                 the sender may still write, F24).
         """
-        _check_timeout(timeout_s)
+        check_timeout(timeout_s)
         deadline = time.monotonic() + timeout_s
         while self.poll_half(half) == "pending":
             now = time.monotonic()
@@ -543,9 +499,10 @@ class BackendBase:
         return h
 
     def poll(self, handle: TransferHandle) -> str:
-        """Progress and return the handle's state: ``"pending"``, ``"done"`` or ``"failed"``. Non-blocking.
-        Ends the plan when the handle becomes terminal (Note [Plan endings]), or, for a ``draining`` handle,
-        once the engine confirms its parts ended (Note [Deadlines and in-flight parts]).
+        """Progress and return the handle's state: ``"pending"``, ``"in_doubt"`` (``wait`` timed out while the
+        engine held a part), ``"done"`` or ``"failed"``. Non-blocking. Ends the plan when the handle becomes
+        terminal (Note [Plan endings]), or, for a ``draining`` handle, once the engine confirms its parts ended
+        (Note [Deadlines and in-flight parts]).
 
         Raises:
             UmallocValueError: not a handle of this backend (also once released).
@@ -557,7 +514,7 @@ class BackendBase:
             return h.state
         self.progress()
         pending, err = self._engine_poll(h)
-        if pending == 0:
+        if pending == 0 and h.state == "pending":
             err = err or h.engine.get("post_error")
             if err is not None:
                 self._ht.finish(h, "failed", err)
@@ -571,38 +528,26 @@ class BackendBase:
     wait_max_sleep_s = 0.0005
 
     def wait(self, handle: TransferHandle, timeout_s: float) -> None:
-        """Block until the handle is terminal or ``timeout_s`` passed.
+        """Block until the handle's outcome is known (``done`` or ``failed``) or ``timeout_s`` passed. Also
+        waits out an ``in_doubt`` handle (an earlier deadline): it returns once the engine reported every part
+        done.
 
         Raises:
             UmallocValueError: ``timeout_s`` not a positive finite number, or not a handle of this backend.
-            TransferTimeout: deadline passed; parts not yet handed to the engine are withdrawn, engine parts are
-                cancelled where the engine can, and the handle is failed. Its plan fails (releasing the leases)
-                at once if no part can still touch memory, else when the engine confirms that every part ended:
-                until then the handle is ``draining`` and the pages stay leased (Note [Deadlines and in-flight
-                parts]; see :meth:`drain`).
+            TransferTimeout: deadline passed: the outcome is not known (F24). Parts not yet handed to the engine
+                are withdrawn (never posted); parts the engine holds are left to end — no engine here can take
+                back what it was handed, and NIXL's release of a request stalled on its receiver does not stop
+                the bytes. If the engine holds a part the handle is ``in_doubt`` (draining): its plan stays
+                pending with its leases (pages pinned, not reusable) until the engine reports every part ended;
+                then the handle and the plan end as the engine says (``done``: ``plan.complete()``; a failure:
+                ``plan.fail(exc)``), in the caller's thread (:meth:`poll`, :meth:`progress`, :meth:`drain`).
+                Else the handle fails and the plan fails with the timeout (Note [Deadlines and in-flight
+                parts]).
             TransferError: the transfer failed (engine error, dead or closed peer); plan failed.
         """
         h = self._ht.own(handle)
-        _check_timeout(timeout_s)
-        deadline = time.monotonic() + timeout_s
-        spins = 0
-        while self.poll(h) == "pending":
-            now = time.monotonic()
-            if now >= deadline:
-                exc = TransferTimeout(f"{self.name}: transfer {h.handle_id} to {h.peer!r} "
-                                      f"({h.num_descriptors} descriptors, {h.total_bytes} bytes) not done "
-                                      f"after {timeout_s:.3g} s")
-                try:
-                    self._engine_cancel(h)
-                finally:
-                    self._ht.finish(h, "failed", exc)
-                break
-            spins += 1
-            if spins > self.wait_spin_polls:
-                time.sleep(min(self.wait_max_sleep_s, deadline - now))
-        if h.state == "failed":
-            assert h.error is not None
-            raise h.error
+        check_timeout(timeout_s)
+        self._ht.wait(h, timeout_s, self.poll, self._engine_withdraw, self.wait_spin_polls, self.wait_max_sleep_s)
 
     def release(self, handle: TransferHandle) -> None:
         """Free the handle's engine resources. Idempotent. A pending handle is cancelled first (its plan
@@ -635,21 +580,8 @@ class BackendBase:
 
         Complexity: polls the engine until drained or the deadline (sleeps between polls).
         """
-        _check_timeout(timeout_s)
-        handle = self._ht.own(handle)
-        if not handle.draining:
-            if handle.state == "pending":
-                raise UmallocValueError(f"drain: handle {handle.handle_id} is pending: wait for it first")
-            return True
-        deadline = time.monotonic() + timeout_s
-        while True:
-            self.progress()
-            if not handle.draining:
-                return True
-            now = time.monotonic()
-            if now >= deadline:
-                return False
-            time.sleep(min(self.wait_max_sleep_s * 4, deadline - now))
+        check_timeout(timeout_s)
+        return self._ht.drain(self._ht.own(handle), timeout_s, self.progress, self.wait_max_sleep_s * 4)
 
     def draining_handles(self) -> list[TransferHandle]:
         """Failed handles (released or not) whose engine parts may still read or write memory; their plans
@@ -672,8 +604,9 @@ class BackendBase:
     # ---- observability ---------------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
         """Fixed-schema counters (ints): registered_regions (engine-level), registrations (outstanding
-        caller registrations), open_handles, pending_handles, draining_handles (failed, engine parts maybe still
-        in flight, plan not ended yet), peers, handles_submitted, handles_done, handles_failed,
+        caller registrations), open_handles, pending_handles, draining_handles (failed or in doubt, engine parts
+        maybe still in flight, plan not ended yet), in_doubt_handles (``wait`` timed out while the engine held a
+        part: outcome not known yet, F24), peers, handles_submitted, handles_done, handles_failed,
         handles_drained_late (failed handles whose plan had to wait for the engine), descriptors_posted,
         bytes_posted, bytes_done, engine_parts_posted, connects."""
         c = self._ht.counts
@@ -683,6 +616,7 @@ class BackendBase:
             "open_handles": len(self._ht.open),
             "pending_handles": self._ht.num_pending(),
             "draining_handles": len(self._ht.draining),
+            "in_doubt_handles": self._ht.num_in_doubt(),
             "peers": len(self._peers),
             "handles_submitted": c["handles_submitted"],
             "handles_done": c["handles_done"],
@@ -832,6 +766,10 @@ class BackendBase:
     def _engine_cancel(self, h: TransferHandle) -> None:
         """Cancel pending parts where the engine can (best effort); parts not yet handed to the engine must never
         be handed to it afterwards."""
+
+    def _engine_withdraw(self, h: TransferHandle) -> None:
+        """At ``wait``'s deadline: parts not yet handed to the engine are never handed to it; parts the engine
+        holds are left alone (their outcome is still to come, F24)."""
 
     def _engine_in_flight(self, h: TransferHandle) -> int:
         """Parts of ``h`` the engine may still be reading or writing memory for (after ``_engine_cancel``): a

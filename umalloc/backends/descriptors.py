@@ -24,7 +24,7 @@ batch at 1 GiB. So a backend cuts every batch, a plan's or a raw one, before the
   ``max_batch_descriptors`` of them and at most ``max_batch_bytes`` bytes;
 * each chunk is one engine submission (NIXL: one request per chunk and memory-kind group); every chunk runs under
   the plan's leases, the handle is done when every chunk is done and failed when any failed, and the in-flight
-  and in-doubt rules count every chunk (Note [Deadlines and in-flight parts] in :mod:`umalloc.backends.base`).
+  and in-doubt rules count every chunk (Note [Deadlines and in-flight parts] in :mod:`umalloc.backends.handle`).
 
 Defaults, on every backend, configurable per backend at construction: :data:`MAX_BATCH_DESCRIPTORS` (2048) and
 :data:`MAX_BATCH_BYTES` (1 GiB).

@@ -42,7 +42,7 @@ is kept), and the spinning ``get_batch_transfer_status`` frees the batch's ids a
 Seen here (0.3.13, TCP, ``MC_TRANSFER_TIMEOUT=5``): descriptors to a paused peer stayed WAITING for 8 s, and every
 byte landed when the peer resumed. None of this tells when the engine stopped reading the source pages or writing
 the destination, so an engine timeout shorter than the lease deadline would prove nothing; umalloc takes the other
-design (Note [Deadlines and in-flight parts] in :mod:`umalloc.backends.base`):
+design (Note [Deadlines and in-flight parts] in :mod:`umalloc.backends.handle`):
 
 * only COMPLETED (1) and FAILED (-1) end a descriptor; TIMEOUT keeps it in flight and it is polled on; the
   spinning batch call is not used at all;
@@ -436,7 +436,13 @@ class MooncakeBackend(BackendBase):
                     pending += 1
                 elif isinstance(res, BaseException) and err is None:
                     err = res
+                elif res == "skipped" and err is None:
+                    err = TransferError("mooncake: a chunk was withdrawn before it was posted (the handle was "
+                                        "cancelled or timed out): not every byte was sent")
         return pending, err
+
+    def _engine_withdraw(self, h: TransferHandle) -> None:
+        self._engine_cancel(h)  # only queued chunks are withdrawn: a chunk the engine holds runs to its end
 
     def _engine_cancel(self, h: TransferHandle) -> None:
         state = h.engine.get("state")

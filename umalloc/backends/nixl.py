@@ -64,12 +64,16 @@ Notifications are drained with ``get_new_notifs`` (``update_notifs`` keeps every
 
 Note [NIXL cancel and leases]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-At ``wait``'s deadline or a release, a pending request is released: NIXL checks it once more and, if it is
+At ``wait``'s deadline nothing is released: a request stalled on a receiver that has not progressed yet is
+released by NIXL without complaint, yet once the receiver progresses the bytes still arrive (seen here: the plan
+reported failed, its pages free, while the WRITE landed). So the handle is ``in_doubt``, its request stays in
+NIXL and is read (``check_xfer_state``) until it reports DONE or ERR; the plan then ends with that outcome.
+On a release, a pending request is released: NIXL checks it once more and, if it is
 still in progress, asks the UCX backend to cancel it; a release that succeeds means NIXL no longer runs the
 request. A release that fails (``NIXL_ERR_REPOST_ACTIVE``: the request is still active) leaves a *zombie*,
 retried on every :meth:`~umalloc.backends.base.BackendBase.progress`; the zombie counts as in flight
 (``_engine_in_flight``), so its handle drains and its plan ends only once the retried release succeeds (Note
-[Deadlines and in-flight parts] in :mod:`umalloc.backends.base`). Closing the backend ends the agent and with it
+[Deadlines and in-flight parts] in :mod:`umalloc.backends.handle`). Closing the backend ends the agent and with it
 every zombie. What UCX had already put on the wire before the cancel is beyond any sender's reach; a receiver
 keeps its half leased until the sender reports its plan ended.
 
@@ -492,8 +496,10 @@ class NixlBackend(BackendBase):
             self._zombies.append(part)
 
     def _engine_in_flight(self, h: TransferHandle) -> int:
-        """Parts NIXL may still be running: pending requests not released yet, and zombies (Note [NIXL cancel
-        and leases])."""
+        """Parts NIXL may still be running: pending requests not released yet (their state read from NIXL now:
+        a handle in doubt after a deadline keeps its requests, Note [NIXL cancel and leases]), and zombies."""
+        if self._agent is not None and any(p["state"] == "pending" and "xh" in p for p in h.engine.get("parts", ())):
+            self._engine_poll(h)
         return sum(1 for part in h.engine.get("parts", ())
                    if "zombie" in part or (part["state"] == "pending" and "xh" in part))
 
@@ -580,6 +586,12 @@ class NixlBackend(BackendBase):
         for part in self._zombies:  # the agent ends below, and every request with it
             part.pop("zombie", None)
         self._zombies.clear()
+        for h in self._ht.draining.values():  # requests of handles in doubt end with the agent too
+            for part in h.engine.get("parts", ()):
+                if part["state"] == "pending":
+                    part["state"] = "failed"
+                    part["error"] = TransferError("nixl: the agent closed while the request was in doubt")
+                part.pop("xh", None)
         _AGENTS.pop(self.agent_name, None)
         agent = getattr(self, "_agent", None)
         self._agent = None

@@ -108,14 +108,15 @@ def rank_kv_heads(total_kv_heads: int, tp_size: int) -> int:
     consecutive ranks). O(1).
 
     Raises:
-        SpecError: ``tp_size`` not an int >= 1, or heads that do not split evenly (``total % tp_size`` when
+        SpecError: ``total_kv_heads`` or ``tp_size`` not an int in ``[1, 2**63)``, or heads that do not split evenly (``total % tp_size`` when
             ``tp_size <= total``, ``tp_size % total`` when ``tp_size > total``; vLLM refuses both).
 
     >>> rank_kv_heads(8, 2), rank_kv_heads(8, 8), rank_kv_heads(1, 4), rank_kv_heads(8, 16)
     (4, 1, 1, 1)
     """
-    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
-        raise SpecError("tp_size", tp_size, "an int >= 1")
+    for nm, v in (("total_kv_heads", total_kv_heads), ("tp_size", tp_size)):
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v < 1 << 63:
+            raise SpecError(nm, v, "an int in [1, 2**63)")
     if tp_size <= total_kv_heads:
         if total_kv_heads % tp_size:
             raise SpecError("tp_size", tp_size, f"a divisor of the layer's {total_kv_heads} KV heads, or a "
@@ -169,7 +170,7 @@ def preset_ends(name: str, *, page_size: int = 16, draft: bool = True, draft_pag
     """
     try:
         preset = PRESETS[name]
-    except KeyError:
+    except (KeyError, TypeError):  # a list or dict name is no key either
         raise SpecError("preset", name, f"one of {sorted(PRESETS)}") from None
     target = MODELS[preset.target]
 

@@ -477,15 +477,38 @@ def _round_up(x: int, align: int) -> int:
     return -(-x // align) * align
 
 
+def _check_ints(call: str, *args: tuple[str, object, int]) -> None:
+    """UmallocValueError naming the first ``(name, value, lo)`` that is not an int (bools refused) in
+    ``[lo, 2**63)``."""
+    for nm, v, lo in args:
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or not lo <= v < 1 << 63:
+            raise UmallocValueError(f"{call}: {nm}={v!r}; allowed an int in [{lo}, 2**63)")
+
+
 def pages_for_tokens(num_tokens: int, page_size: int) -> int:
-    """``ceil(num_tokens / page_size)``."""
-    return -(-num_tokens // page_size)
+    """``ceil(num_tokens / page_size)``. O(1).
+
+    Raises:
+        UmallocValueError: ``num_tokens`` not an int in ``[0, 2**63)`` or ``page_size`` not one in ``[1, 2**63)``.
+
+    >>> pages_for_tokens(17, 16)
+    2
+    """
+    _check_ints("pages_for_tokens", ("num_tokens", num_tokens, 0), ("page_size", page_size, 1))
+    return int(-(-num_tokens // page_size))
 
 
 def swa_pages_per_seq(window_tokens: int, page_size: int, chunk_tokens: int = 1) -> int:
     """Pages one sequence's sliding-window layers need at most: ``cdiv(window - 1 + chunk, page_size) + 1``
     (vLLM ``SlidingWindowSpec.max_memory_usage_bytes``; the ``+ 1`` covers a window that does not start on a
-    page boundary; ``chunk_tokens`` is the largest prefill chunk, 1 for decode)."""
+    page boundary; ``chunk_tokens`` is the largest prefill chunk, 1 for decode). O(1).
+
+    Raises:
+        UmallocValueError: an argument not an int in ``[1, 2**63)``, or ``window - 1 + chunk`` beyond it.
+    """
+    _check_ints("swa_pages_per_seq", ("window_tokens", window_tokens, 1), ("page_size", page_size, 1),
+                ("chunk_tokens", chunk_tokens, 1))
+    _check_ints("swa_pages_per_seq", ("window_tokens - 1 + chunk_tokens", window_tokens - 1 + chunk_tokens, 1))
     return pages_for_tokens(window_tokens - 1 + chunk_tokens, page_size) + 1
 
 

@@ -423,6 +423,7 @@ def check_compatible(local: PeerLayout, remote: PeerLayout) -> None:
 
     Raises:
         IncompatiblePeerError: with ``differences`` listing every difference, one line each.
+        UmallocValueError: ``local`` or ``remote`` not a :class:`PeerLayout`.
 
     >>> from umalloc.geometry.spec import LayerSpec
     >>> def lay(ps, heads):
@@ -436,6 +437,10 @@ def check_compatible(local: PeerLayout, remote: PeerLayout) -> None:
     ...     print(len(e.differences), e.differences[0])
     2 end 'full': page_size local 2, remote 3: neither divides the other (ids expand by a whole ratio, F14)
     """
+    for nm, lay in (("local", local), ("remote", remote)):
+        if not isinstance(lay, PeerLayout):
+            raise UmallocValueError(f"check_compatible: {nm}={type(lay).__name__}; allowed a PeerLayout "
+                                    "(PeerLayout.from_arena, or PeerLayout.from_dict of a peer's metadata)")
     key = (local.digest, remote.digest)
     diffs = _COMPAT.get(key)
     if diffs is None:

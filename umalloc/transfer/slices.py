@@ -133,6 +133,7 @@ def sends_to(src_layout: PeerLayout, dst_layout: PeerLayout) -> bool:
     Raises:
         IncompatiblePeerError: layouts no plan can map (:func:`~umalloc.transfer.layout.check_compatible`, cached
             per pair of digests), every difference listed.
+        UmallocValueError: an argument that is not a ``PeerLayout``.
 
     >>> from umalloc.geometry.region import Region
     >>> from umalloc.geometry.spec import ArenaSpec, LayerSpec

@@ -151,6 +151,30 @@ def check_id_space(num_vpages: int, page_size: int) -> None:
         )
 
 
+def check_physical_bound(v2p: torch.Tensor | np.ndarray, num_physical_pages: object) -> None:
+    """Refuse a v2p table holding an entry that is not a physical page id of a space of ``num_physical_pages``
+    pages: an entry ``>= num_physical_pages`` (negative entries are tombstones). ``None``: no bound (the
+    translators then know only the id dtype's range). Called before anything is written. O(len(v2p)).
+
+    Raises:
+        UmallocValueError: ``num_physical_pages`` not None or an int in ``[0, 2**63)``.
+        InvalidIdError: an entry at or above the bound, named with its index.
+    """
+    if num_physical_pages is None:
+        return
+    if isinstance(num_physical_pages, (bool, np.bool_)) or not isinstance(num_physical_pages, (int, np.integer)) \
+            or not 0 <= int(num_physical_pages) <= _I64_MAX:
+        raise UmallocValueError(f"num_physical_pages={num_physical_pages!r}: allowed None or an int in "
+                                f"[0, {_I64_MAX}]")
+    n = int(num_physical_pages)
+    tab = v2p if isinstance(v2p, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(v2p))
+    bad = tab >= n
+    if tab.numel() and bool(bad.any()):
+        i = first_true(bad)
+        raise InvalidIdError(f"v2p[{i}] = {int(tab[i])} is not a physical page id: allowed entries < "
+                             f"num_physical_pages={n} (negative entries are tombstones)")
+
+
 def max_entry(page_size: int, id_max: int) -> int:
     """Largest v2p entry ``p`` whose physical ids ``p * page_size + offset`` (offset < page_size) fit
     ``id_max``."""

@@ -51,6 +51,7 @@ class Translator(Protocol):
         *,
         out: torch.Tensor | np.ndarray | None = None,
         strict: bool = STRICT_DEFAULT,
+        num_physical_pages: int | None = None,
     ) -> torch.Tensor | np.ndarray: ...
 
     def virtual_to_physical_pages(
@@ -60,6 +61,7 @@ class Translator(Protocol):
         *,
         out: torch.Tensor | np.ndarray | None = None,
         strict: bool = STRICT_DEFAULT,
+        num_physical_pages: int | None = None,
     ) -> torch.Tensor | np.ndarray: ...
 
     def tokens_to_pages(self, tokens: IndexLike, page_size: int) -> torch.Tensor: ...

@@ -520,15 +520,16 @@ def _dcp_fill(pos, d, r, shift, indices, rows):
 
 
 def _translate(ids: Any, v2p: Any, page_size: object, out: Any, strict: object, name: str,
-               unit: str) -> torch.Tensor | np.ndarray:
+               unit: str, bound: object = None) -> torch.Tensor | np.ndarray:
     """The one host translation. Note [Host fast path]: ids given as a numpy array or a CPU tensor, a numpy
     table, ``out`` None or a numpy array or a CPU tensor, an int page size and a bool ``strict`` go straight to
     :func:`_v2p_serial`, whose fixed signature makes numba's dispatcher check dtypes, ranks and layouts (1-D
     C-contiguous int64, ``out`` writeable); anything it does not take, and batches from
     :data:`PARALLEL_MIN_ITEMS`, take :func:`_translate_checked`, which validates with the shared typed errors.
-    ``out`` is never written on an error."""
+    ``out`` is never written on an error; ``bound`` (``num_physical_pages``) takes the checked path."""
     kind = type(ids)
-    if (kind is np.ndarray or kind is torch.Tensor) and type(page_size) is int and (strict is True or strict is False):
+    if (kind is np.ndarray or kind is torch.Tensor) and type(page_size) is int and (strict is True or strict is False) \
+            and bound is None:
         try:
             ids_np = ids if kind is np.ndarray else ids.numpy()
             kout = type(out)
@@ -542,11 +543,11 @@ def _translate(ids: Any, v2p: Any, page_size: object, out: Any, strict: object, 
             return torch.from_numpy(res) if out is None else out
         if code > 0:
             _raise_code(code, ids_np, v2p, page_size, name, unit)
-    return _translate_checked(ids, v2p, page_size, out, strict, name, unit)
+    return _translate_checked(ids, v2p, page_size, out, strict, name, unit, bound)
 
 
 def _translate_checked(ids: Any, v2p: Any, page_size: object, out: Any, strict: object, name: str,
-                       unit: str) -> torch.Tensor | np.ndarray:
+                       unit: str, bound: object = None) -> torch.Tensor | np.ndarray:
     """:func:`_translate` for every other input: validate everything, then one kernel call into ``out`` (when
     it is int64 and contiguous) or into scratch that is then copied into ``out`` or returned."""
     flag = c.strict_flag(strict)
@@ -557,6 +558,7 @@ def _translate_checked(ids: Any, v2p: Any, page_size: object, out: Any, strict: 
     out_np = None if out is None else _out_view(out, ids_np.shape, dtype)
     num_vpages = tab.shape[0]
     c.check_id_space(num_vpages, ps)
+    c.check_physical_bound(tab, bound)
     flat = ids_np.reshape(-1) if dtype == np.int64 and ids_np.flags.c_contiguous else _flat(ids_np)
     n = flat.shape[0]
     direct = out_np is not None and dtype == np.int64 and out_np.flags.c_contiguous
@@ -617,6 +619,7 @@ def virtual_to_physical(
     *,
     out: torch.Tensor | np.ndarray | None = None,
     strict: bool = c.STRICT_DEFAULT,
+    num_physical_pages: int | None = None,
 ) -> torch.Tensor | np.ndarray:
     """Numba version of :func:`umalloc.translators.reference.virtual_to_physical` (CPU tensors and numpy
     arrays only; the fastest call for host tables, e.g. an allocator's numpy v2p master).
@@ -630,7 +633,7 @@ def virtual_to_physical(
     >>> virtual_to_physical(torch.tensor([0, 1, 3, 4, 5]), torch.tensor([5, -1, 2]), 2, strict=False)
     tensor([10, 11,  1,  4,  5])
     """
-    return _translate(vtokens, v2p, page_size, out, strict, "vtokens", "token")
+    return _translate(vtokens, v2p, page_size, out, strict, "vtokens", "token", num_physical_pages)
 
 
 def virtual_to_physical_pages(
@@ -639,13 +642,14 @@ def virtual_to_physical_pages(
     *,
     out: torch.Tensor | np.ndarray | None = None,
     strict: bool = c.STRICT_DEFAULT,
+    num_physical_pages: int | None = None,
 ) -> torch.Tensor | np.ndarray:
     """Numba version of :func:`umalloc.translators.reference.virtual_to_physical_pages` (CPU only).
 
     >>> virtual_to_physical_pages(torch.tensor([2, 1, 0]), torch.tensor([5, -1, 2]), strict=False)
     tensor([2, 0, 5])
     """
-    return _translate(vpages, v2p, 1, out, strict, "vpages", "page")
+    return _translate(vpages, v2p, 1, out, strict, "vpages", "page", num_physical_pages)
 
 
 def tokens_to_pages(tokens: c.IndexLike, page_size: int) -> torch.Tensor:

@@ -196,6 +196,7 @@ def virtual_to_physical(
     *,
     out: torch.Tensor | None = None,
     strict: bool = c.STRICT_DEFAULT,
+    num_physical_pages: int | None = None,
 ) -> torch.Tensor:
     """CUDA version of :func:`umalloc.translators.reference.virtual_to_physical` (CUDA tensors only).
 
@@ -203,6 +204,7 @@ def virtual_to_physical(
     ``out`` when given (so ``out`` may alias the input).
     """
     vt, tab, ps, flag = c.translate_args(vtokens, v2p, page_size, out, "vtokens", strict)
+    c.check_physical_bound(tab, num_physical_pages)
     return _translate(vt, tab, ps, out, flag, "vtokens", "token")
 
 
@@ -212,9 +214,11 @@ def virtual_to_physical_pages(
     *,
     out: torch.Tensor | None = None,
     strict: bool = c.STRICT_DEFAULT,
+    num_physical_pages: int | None = None,
 ) -> torch.Tensor:
     """CUDA version of :func:`umalloc.translators.reference.virtual_to_physical_pages` (CUDA tensors only)."""
     vp, tab, _, flag = c.translate_args(vpages, v2p, 1, out, "vpages", strict)
+    c.check_physical_bound(tab, num_physical_pages)
     return _translate(vp, tab, 1, out, flag, "vpages", "page")
 
 

@@ -54,6 +54,7 @@ def virtual_to_physical(
     *,
     out: torch.Tensor | np.ndarray | None = None,
     strict: bool = c.STRICT_DEFAULT,
+    num_physical_pages: int | None = None,
 ) -> torch.Tensor | np.ndarray:
     """Translate virtual token ids to physical token ids: ``v2p[t // page_size] * page_size + t % page_size``.
 
@@ -66,6 +67,9 @@ def virtual_to_physical(
             itself, or overlap it), or for CPU ids a writeable numpy array of their dtype and shape; returned.
         strict: a bool (``True``/``False`` only, default :data:`STRICT_DEFAULT` = True): raise on a
             tombstoned entry; ``False`` maps it to the sink (Note [Tombstones map to the sink]).
+        num_physical_pages: the size of the physical page space the table's entries index, or ``None`` (no
+            bound beyond the id dtype's): a table holding an entry at or above it is refused, whether or not
+            the ids look it up (``O(len(v2p))`` more).
 
     Returns:
         tensor of ``vtokens``' shape, dtype and device: physical token ids (``out`` itself when given).
@@ -73,10 +77,11 @@ def virtual_to_physical(
     Raises:
         InvalidIdError: a virtual token outside ``[0, len(v2p) * page_size)`` (never clamped); a v2p entry
             whose physical ids ``entry * page_size + offset`` would not fit ``vtokens``' dtype (never wrapped;
-            the message names the largest entry allowed); a wrong dtype, rank, layout (sparse), a meta
-            tensor, or a wrong ``out`` dtype/shape.
+            the message names the largest entry allowed); a v2p entry at or above ``num_physical_pages``; a
+            wrong dtype, rank, layout (sparse), a meta tensor, or a wrong ``out`` dtype/shape.
         TombstoneError: ``strict`` and a token falls in a tombstoned page.
-        UmallocValueError: ``strict`` not a bool; ``page_size`` outside ``[1, 2**63 - 1]``;
+        UmallocValueError: ``strict`` not a bool; ``page_size`` outside ``[1, 2**63 - 1]``; a bad
+            ``num_physical_pages``;
             ``len(v2p) * page_size`` beyond int64; tensors on different devices.
 
     Errors are checked in that order (range, tombstone, entry overflow) and raised before anything is
@@ -88,6 +93,7 @@ def virtual_to_physical(
     tensor([10, 11,  1,  4,  5])
     """
     vt, tab, ps, flag = c.translate_args(vtokens, v2p, page_size, out, "vtokens", strict)
+    c.check_physical_bound(tab, num_physical_pages)
     return _translate(vt, tab, ps, out, flag, "vtokens", "token")
 
 
@@ -97,6 +103,7 @@ def virtual_to_physical_pages(
     *,
     out: torch.Tensor | np.ndarray | None = None,
     strict: bool = c.STRICT_DEFAULT,
+    num_physical_pages: int | None = None,
 ) -> torch.Tensor | np.ndarray:
     """Translate virtual page ids to physical page ids: ``v2p[vpage]``, tombstones to the sink page.
 
@@ -106,12 +113,14 @@ def virtual_to_physical_pages(
         out: optional tensor of ``vpages``' dtype, shape and device (may alias ``vpages``), or for CPU ids
             a writeable numpy array; returned.
         strict: a bool (default True): raise on a tombstoned entry; ``False`` returns :data:`SINK_PAGE`.
+        num_physical_pages: as in :func:`virtual_to_physical`.
 
     Returns:
         tensor of ``vpages``' shape and dtype: physical page ids (0 for tombstones when not strict).
 
     Raises:
-        InvalidIdError: a page outside ``[0, len(v2p))``; an entry beyond int32 for int32 ids; wrong dtype,
+        InvalidIdError: a page outside ``[0, len(v2p))``; an entry beyond int32 for int32 ids, or at or above
+            ``num_physical_pages``; wrong dtype,
             rank, layout, a meta tensor, or a wrong ``out``.
         TombstoneError: ``strict`` and a tombstoned entry.
         UmallocValueError: ``strict`` not a bool; tensors on different devices.
@@ -122,6 +131,7 @@ def virtual_to_physical_pages(
     tensor([2, 0, 5])
     """
     vp, tab, _, flag = c.translate_args(vpages, v2p, 1, out, "vpages", strict)
+    c.check_physical_bound(tab, num_physical_pages)
     return _translate(vp, tab, 1, out, flag, "vpages", "page")
 
 
