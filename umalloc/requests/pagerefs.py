@@ -11,28 +11,44 @@ Policy:
 * **take** (``take(n)``): ``n`` fresh pages, the allocator's ``n`` lowest free ids, each with count 1. When the
   allocator has fewer than ``n`` free ids, the LRU-first cached pages go back to it first, exactly as many as
   missing (so cached pages are evicted only after every free one is used, oldest first); the evicted ids are
-  listed (:meth:`PageRefs.evicted`) for the engine to drop from its prefix index.
+  listed (:meth:`PageRefs.evicted`), and the pages handed out with their keep flag set
+  (:meth:`PageRefs.taken_kept`) for the engine to drop from its prefix index.
 * **ref** (``ref(ids)``): one more reference per entry; a cached page leaves the LRU, a free page is claimed
   from the allocator by id (:meth:`~umalloc.allocator.facade.MultiEndedAllocator.claim_pages`).
 * **unref** (``unref(ids)``): one reference less per entry, all or nothing: a count that would drop below 0
-  (a double free) raises and changes nothing. A page reaching 0 joins the LRU tail if its entry is negative
-  (``-id``: content worth keeping) and goes back to the allocator otherwise; id 0 (the reserved page) is skipped.
+  (a double free) raises and changes nothing. A page reaching 0 joins the LRU tail if its *keep flag* is set
+  (:attr:`PageRefs.keep_flags`: the engine marks the pages whose content it indexes) or its entry is negative
+  (``-id``: keep it this once), and goes back to the allocator otherwise; id 0 (the reserved page) is skipped.
 * **Counts are the engine's to read and to raise** on held pages (``ref_counts[i] += 1`` for a copy it keeps);
   a count set to 0 outside :meth:`unref`, or raised on a page that is not held, is what
   :meth:`check_invariants` reports (a leak, or a page held by no one).
 * O(1) free count: :attr:`PageRefs.num_free` (allocator) and :attr:`PageRefs.num_cached` are counters.
+
+Note [Fused kernels]
+~~~~~~~~~~~~~~~~~~~~
+``take`` and ``unref`` are one numba call each: the kernel here calls the allocator's own page kernel
+(``k_alloc_pages`` / ``k_free``) on its heap (:meth:`~umalloc.allocator.facade.MultiEndedAllocator.direct_kernel_args`)
+and does the bookkeeping in the same call, so no Python runs between the allocator's change and this object's,
+and a list of ids crosses into the kernel as one ``array('q')``. When the allocator's public methods would do
+more than their kernel (a device mirror, ``debug_checks``, eager compaction, lease work due, or a refused
+allocation to retry), the call takes them instead: the holder check the allocator runs from inside them waits
+until the bookkeeping is done (:meth:`PageRefs.check_invariants` runs after the call under ``debug_checks``).
 
 Not thread-safe: call from the thread that owns the allocator.
 """
 
 from __future__ import annotations
 
+from array import array
+
 import numpy as np
-from numba import njit, types
+from numba import njit, typeof, types
 
 from umalloc.allocator.facade import MultiEndedAllocator
 from umalloc.allocator.ids import id_batch
 from umalloc.errors import DoubleFreeError, InvalidIdError, InvariantError, UmallocValueError
+from umalloc.pool.kernels.codes import OK
+from umalloc.pool.kernels.ops import k_alloc_pages, k_free
 from umalloc.pool.pagestate import TOMBSTONE
 from umalloc.requests.refcounts import (
     LRU_NEXT,
@@ -45,11 +61,13 @@ from umalloc.requests.refcounts import (
 )
 
 
-# ---- kernels (numba; every one validates its whole batch before it writes) ---------------------------------
+# ---- kernels (numba; every one validates its whole batch before it writes). ``ids`` arguments are 1-D int64
+# numpy arrays or ``array('q')`` buffers (indexed only, never sliced), ``n`` of them read ----------------------------
 @njit(cache=True)
-def k_take(ref, state, lru, out, m, n):
+def k_hold(ref, state, lru, keep, out, m, n, kept):
     """Hold ``out[:m]`` (fresh from the allocator) once each, then take ``n - m`` pages off the LRU head into
-    ``out[m:n]`` held once each (the caller checked there are enough)."""
+    ``out[m:n]`` held once each (the caller checked there are enough). The pages of ``out[:n]`` whose keep flag
+    is set go to ``kept`` in order; returns how many."""
     for i in range(m):
         v = out[i]
         ref[v] = 1
@@ -60,16 +78,34 @@ def k_take(ref, state, lru, out, m, n):
         ref[v] = 1
         state[v] = PAGE_HELD
         out[i] = v
+    c = 0
+    for i in range(n):
+        v = out[i]
+        if keep[v]:
+            kept[c] = v
+            c += 1
+    return c
 
 
 @njit(cache=True)
-def k_ref(ref, state, lru, ids, claim):
-    """One reference more per nonzero entry. If an entry is a free page, nothing changes: the free pages
-    (distinct, in first-seen order) go to ``claim`` and minus their number is returned. Else the number of
-    pages revived from the cache; -2**62 + i if entry ``i`` is out of range."""
+def k_take_direct(root, owner, mask, ref, state, lru, keep, out, n, free, kept):
+    """:func:`k_hold` after minting ``min(n, free)`` pages into ``out`` with the allocator's own kernel (one
+    call for the whole take). Returns -1 with nothing changed if the allocator refuses (lease work, no
+    physical page): the caller takes the allocator's public path."""
+    m = n if n <= free else free
+    if m and k_alloc_pages(root, owner, mask, m, out, m, out[:0], -1) != OK:
+        return -1
+    return k_hold(ref, state, lru, keep, out, m, n, kept)
+
+
+@njit(cache=True)
+def k_ref(ref, state, lru, ids, n, claim):
+    """One reference more per nonzero entry of ``ids[:n]``. If an entry is a free page, nothing changes: the
+    free pages (distinct, in first-seen order) go to ``claim`` and minus their number is returned. Else the
+    number of pages revived from the cache; -2**62 + i if entry ``i`` is out of range."""
     nv = ref.shape[0]
     m = 0
-    for i in range(ids.shape[0]):
+    for i in range(n):
         v = ids[i]
         if v == 0:
             continue
@@ -86,7 +122,7 @@ def k_ref(ref, state, lru, ids, claim):
             state[claim[j]] = PAGE_NOT_MANAGED
         return -m
     revived = 0
-    for i in range(ids.shape[0]):
+    for i in range(n):
         v = ids[i]
         if v == 0:
             continue
@@ -99,13 +135,13 @@ def k_ref(ref, state, lru, ids, claim):
 
 
 @njit(cache=True)
-def k_unref(ref, state, lru, ids, freed):
-    """One reference less per nonzero entry (``-v``: page ``v``, kept as cached at 0). All or nothing: on an
-    entry out of range or a count that would drop below 0 nothing changes and ``-(code + 4 * position)`` is
-    returned (code 1: range, 2: double free). Else ``freed_count + cached_count * 2**32`` (the pages freed
-    are listed in ``freed``)."""
+def k_unref(ref, state, lru, keep, ids, n, freed):
+    """One reference less per nonzero entry of ``ids[:n]`` (``-v``: page ``v``, cached at 0 whatever its keep
+    flag). All or nothing: on an entry out of range or a count that would drop below 0 nothing changes and
+    ``-(code + 4 * position)`` is returned (code 1: range, 2: double free). Else ``freed_count + cached_count *
+    2**32``: a page reaching 0 joins the LRU tail if its entry is negative or its keep flag is set, and is listed
+    in ``freed`` otherwise."""
     nv = ref.shape[0]
-    n = ids.shape[0]
     bad = -1
     code = 0
     for i in range(n):
@@ -132,12 +168,12 @@ def k_unref(ref, state, lru, ids, freed):
     nc = 0
     for i in range(n):
         v = ids[i]
-        keep = v < 0
-        if keep:
+        cache = v < 0
+        if cache:
             v = -v
         if v == 0 or ref[v] != 0 or state[v] != PAGE_HELD:
             continue
-        if keep:
+        if cache or keep[v]:
             state[v] = PAGE_CACHED
             _lru_push(lru, v)
             nc += 1
@@ -146,6 +182,22 @@ def k_unref(ref, state, lru, ids, freed):
             freed[nf] = v
             nf += 1
     return nf + (nc << 32)
+
+
+#: :func:`k_unref_direct`: the allocator refused to free the pages this object freed (they were freed behind it)
+UNREF_ALLOC_REFUSED = -3
+
+
+@njit(cache=True)
+def k_unref_direct(root, owner, ref, state, lru, keep, ids, n, freed):
+    """:func:`k_unref`, then the freed pages back to the allocator with its own kernel (one call for the whole
+    free); :data:`UNREF_ALLOC_REFUSED` if the allocator refuses them (an owner-live invariant broken behind this
+    object)."""
+    r = k_unref(ref, state, lru, keep, ids, n, freed)
+    nf = r & 0xFFFFFFFF
+    if r > 0 and nf and k_free(root, owner, freed[:nf], nf, True, freed[:0], -1) < 0:   # an array's length is its n
+        return UNREF_ALLOC_REFUSED
+    return r
 
 
 @njit(cache=True)
@@ -163,14 +215,19 @@ def k_uncache(state, lru, ids, freed):
 
 
 class _Entries:
-    """Compiled entry points of the hot kernels for the arrays :class:`PageRefs` passes (no per-call typing)."""
+    """Compiled entry points of the hot kernels for the arrays :class:`PageRefs` passes (no per-call typing):
+    ids as ``array('q')`` (a list's conversion) or as int64 numpy arrays."""
 
     def __init__(self) -> None:
-        i32, i8 = types.Array(types.int32, 1, "C"), types.Array(types.int8, 1, "C")
-        lru, ids = types.Array(types.int64, 2, "C"), types.Array(types.int64, 1, "A")
-        self.take = k_take.compile((i32, i8, lru, ids, types.int64, types.int64))
-        self.unref = k_unref.compile((i32, i8, lru, ids, ids))
-        self.ref = k_ref.compile((i32, i8, lru, ids, ids))
+        i, i32, i8 = types.int64, types.Array(types.int32, 1, "C"), types.Array(types.int8, 1, "C")
+        lru, buf, arr = types.Array(types.int64, 2, "C"), types.Array(types.int64, 1, "C"), types.Array(types.int64, 1, "A")
+        q = typeof(array("q"))
+        self.hold = k_hold.compile((i32, i8, lru, i8, buf, i, i, buf))
+        self.take_direct = k_take_direct.compile((i, i, i, i32, i8, lru, i8, buf, i, i, buf))
+        # indexed by ``type(ids) is array``: [numpy entry, array('q') entry]
+        self.ref = tuple(k_ref.compile((i32, i8, lru, t, i, buf)) for t in (arr, q))
+        self.unref = tuple(k_unref.compile((i32, i8, lru, i8, t, i, buf)) for t in (arr, q))
+        self.unref_direct = tuple(k_unref_direct.compile((i, i, i32, i8, lru, i8, t, i, buf)) for t in (arr, q))
 
 
 _compiled: list[_Entries] = []
@@ -194,20 +251,26 @@ class PageRefs:
         ref_counts: ``memoryview`` (format ``"i"``, int32) of length ``num_vpages``: the reference count of
             every page; index it for a Python ``int`` (O(1), no numpy scalar). Writable for an engine that
             takes an extra reference on a held page; :meth:`check_invariants` reports any other write.
+        keep_flags: ``memoryview`` (format ``"b"``, int8) of length ``num_vpages``: 1 if the page's content is
+            worth keeping (the engine indexes it by content: a vLLM block with a hash), else 0. The engine
+            sets and clears it; :meth:`unref` caches a page reaching 0 whose flag is set, :meth:`take` lists the
+            pages it hands out whose flag is set (:meth:`taken_kept`).
         num_free / num_cached: pages free in the allocator / cached. O(1) attributes.
+        num_taken_kept: how many pages the last :meth:`take` handed out with their keep flag set.
 
     Raises:
         UmallocValueError: ``alloc`` is not an id allocator, or has live pages.
 
-    Complexity: O(num_vpages) memory (int32 counts, int8 states, int64 LRU links).
+    Complexity: O(num_vpages) memory (int32 counts, int8 states and flags, int64 LRU links and buffers).
 
     >>> from umalloc.integrations.vllm import id_allocator
     >>> refs = PageRefs(id_allocator(6))               # pages 1..5
     >>> a = refs.take(3).tolist(); a                    # count 1 each
     [1, 2, 3]
-    >>> refs.unref(np.array([-1, 2], np.int64))          # 1 cached (worth keeping), 2 free again
-    >>> refs.num_free, refs.num_cached, refs.take(4).tolist(), refs.evicted().tolist()
-    (3, 1, [2, 4, 5, 1], [1])
+    >>> refs.keep_flags[1] = 1                          # page 1's content is worth keeping
+    >>> refs.unref([1, 2])                              # 1 cached, 2 free again
+    >>> refs.num_free, refs.num_cached, refs.take(4).tolist(), refs.evicted().tolist(), refs.taken_kept().tolist()
+    (3, 1, [2, 4, 5, 1], [1], [1])
     """
 
     def __init__(self, alloc: MultiEndedAllocator) -> None:
@@ -224,17 +287,22 @@ class PageRefs:
         nv = alloc.num_vpages()
         self._ref = np.zeros(nv, np.int32)
         self._state = np.zeros(nv, np.int8)
+        self._keep = np.zeros(nv, np.int8)
         self._lru = np.zeros((2, nv), np.int64)
         self._buf = np.zeros(nv, np.int64)        # take's output (a view of it is returned)
+        self._kept = np.zeros(nv, np.int64)       # the last take's pages with their keep flag set
         self._m = self._n = 0                     # the last take: pages fresh from the allocator, all pages
-        hot = _entries()
-        self._take, self._unref, self._ref_k = hot.take, hot.unref, hot.ref
+        self.num_taken_kept = 0
+        self._hot = _entries()
         self._freed = np.zeros(nv, np.int64)
         self._claim = np.zeros(nv, np.int64)
         self.ref_counts: memoryview = self._ref.data
+        self.keep_flags: memoryview = self._keep.data
         self.num_free = alloc.available_pages(self.end)
         self.num_cached = 0
-        self._alloc_pages, self._free_pages = alloc.alloc_pages, alloc.free_pages
+        # Note [Fused kernels]: one kernel call per take / unref, the allocator's kernel inside ours
+        self._direct = alloc.direct_kernel_args()
+        self._busy = False                        # inside a call that runs the allocator's public methods
         alloc.attach_holder_check(self._check_as_holder)
 
     # ---- the engine's calls ------------------------------------------------------------------------------------
@@ -243,83 +311,143 @@ class PageRefs:
         cached pages as missing, LRU first (:meth:`evicted`; they stay live in the allocator, so taking them
         is a state change here only). Returns an ``int64 (n,)`` view of a buffer this object reuses (valid
         until the next ``take``). Raises UmallocValueError for ``n`` not an int in
-        ``[0, num_free + num_cached]`` (nothing changes). O(n) in two kernel calls."""
+        ``[0, num_free + num_cached]`` (nothing changes). O(n) in one kernel call (Note [Fused kernels])."""
         free = self.num_free
         if type(n) is not int or n < 0:
             raise UmallocValueError(f"take: {n!r} pages; allowed an int >= 0")
-        buf = self._buf[:n]
-        if n <= free:   # no eviction
-            if n and self._alloc_pages(n, out=buf) is None:
-                raise InvariantError(f"free-count: the allocator refused {n} pages counted as free")
-            self._take(self._ref, self._state, self._lru, buf, n, n)
-            self._m = self._n = n
-            self.num_free = free - n
-            return buf
-        if n - free > self.num_cached:
+        if n > free + self.num_cached:
             raise UmallocValueError(f"take: {n} pages; allowed at most {free + self.num_cached} (free {free} + "
                                     f"cached {self.num_cached})")
-        if free and self._alloc_pages(free, out=self._buf[:free]) is None:
-            raise InvariantError(f"free-count: the allocator refused {free} pages counted as free")
-        self._take(self._ref, self._state, self._lru, buf, free, n)
-        self._m, self._n = free, n
-        self.num_free = 0
-        self.num_cached -= n - free
-        return buf
+        buf = self._buf
+        d = self._direct
+        c = -1
+        public = False
+        if d is not None and not d[3]:
+            c = self._hot.take_direct(d[0], d[1], d[2], self._ref, self._state, self._lru, self._keep, buf, n, free,
+                                      self._kept)
+        if c < 0:   # the allocator's public path (its checks, lease ticks, retries), then the bookkeeping
+            m = n if n <= free else free
+            self._busy = True
+            try:
+                got = self.alloc.alloc_pages(m, out=buf[:m]) if m else buf
+            finally:
+                self._busy = False
+            if got is None:
+                raise InvariantError(f"free-count: the allocator refused {m} pages counted as free")
+            c = self._hot.hold(self._ref, self._state, self._lru, self._keep, buf, m, n, self._kept)
+            public = True
+        m = n if n <= free else free
+        self._m, self._n = m, n
+        self.num_free = free - m
+        self.num_cached -= n - m
+        self.num_taken_kept = c
+        if public:
+            self._after_public()
+        return buf[:n]
 
     def evicted(self) -> np.ndarray:
         """``int64`` the cached pages the last :meth:`take` evicted, LRU first (a view of its result; empty if
         none)."""
         return self._buf[self._m: self._n]
 
-    def ref(self, ids: np.ndarray) -> int:
-        """One reference more per entry of ``ids`` (``int64 (n,)``; 0 entries skipped); cached pages leave the
-        LRU, free pages are claimed by id from the allocator. Returns the pages revived from the cache.
-        Raises InvalidIdError for an id out of range (nothing changes). O(n)."""
-        ids = id_batch(ids, "ids")
-        r = int(self._ref_k(self._ref, self._state, self._lru, ids, self._claim))
+    def taken_kept(self) -> np.ndarray:
+        """``int64`` the pages the last :meth:`take` handed out with their keep flag set, in its order (the
+        evicted pages and any page flagged while free; a view of a reused buffer)."""
+        return self._kept[: self.num_taken_kept]
+
+    def _batch(self, ids: object, where: str) -> tuple[np.ndarray | array[int], int]:
+        """``(ids as an array the kernels take, length)``: a list of ints becomes an ``array('q')`` (C speed),
+        anything else goes through :func:`~umalloc.allocator.ids.id_batch`."""
+        if type(ids) is list:
+            try:
+                q = array("q", ids)
+            except (TypeError, OverflowError) as e:
+                raise InvalidIdError(f"{where}: {e}; allowed a list of int64 ints") from None
+            return q, len(q)
+        a = id_batch(ids, where)
+        return a, a.shape[0]
+
+    def ref(self, ids: np.ndarray | list[int]) -> int:
+        """One reference more per entry of ``ids`` (``int64 (n,)`` numpy or a list of ints; 0 entries skipped);
+        cached pages leave the LRU, free pages are claimed by id from the allocator. Returns the pages revived
+        from the cache. Raises InvalidIdError for an id out of range (nothing changes). O(n)."""
+        q, n = self._batch(ids, "ids")
+        k = self._hot.ref[type(q) is array]
+        r = int(k(self._ref, self._state, self._lru, q, n, self._claim))
         if r < 0:
             if r <= -(1 << 61):
                 i = r + (1 << 62)
-                raise InvalidIdError(f"ref: ids[{i}]={int(ids[i])}; allowed [0, {self._ref.shape[0]})")
+                raise InvalidIdError(f"ref: ids[{i}]={int(q[i])}; allowed [0, {self._ref.shape[0]})")
             claim = self._claim[:-r].copy()
-            self.alloc.claim_pages(claim)
+            self._busy = True
+            try:
+                self.alloc.claim_pages(claim)
+            finally:
+                self._busy = False
             self._state[claim] = PAGE_HELD   # count 0 for a moment: the retry below raises it
             self.num_free += r
-            r = int(self._ref_k(self._ref, self._state, self._lru, ids, self._claim))
+            r = int(k(self._ref, self._state, self._lru, q, n, self._claim))
+            self.num_cached -= r
+            self._after_public()
+            return r
         self.num_cached -= r
         return r
 
-    def unref(self, ids: np.ndarray) -> None:
-        """One reference less per entry of ``ids`` (``int64 (n,)``: ``v`` frees page ``v`` at 0, ``-v`` caches
-        it; 0 skipped). Raises DoubleFreeError (a count would drop below 0) or InvalidIdError (out of range);
-        nothing changes on either. O(n) in two kernel calls."""
-        ids = id_batch(ids, "ids")
-        r = self._unref(self._ref, self._state, self._lru, ids, self._freed)
+    def unref(self, ids: np.ndarray | list[int]) -> None:
+        """One reference less per entry of ``ids`` (``int64 (n,)`` numpy or a list of ints; 0 skipped): a page
+        reaching 0 is cached (LRU tail) if its keep flag is set or its entry is ``-v``, and goes back to the
+        allocator otherwise. Raises DoubleFreeError (a count would drop below 0) or InvalidIdError (out of
+        range); nothing changes on either. O(n) in one kernel call (Note [Fused kernels])."""
+        q, n = self._batch(ids, "ids")
+        d = self._direct
+        if d is not None and not d[3]:
+            r = self._hot.unref_direct[type(q) is array](d[0], d[1], self._ref, self._state, self._lru, self._keep, q,
+                                                      n, self._freed)
+            if r == UNREF_ALLOC_REFUSED:
+                raise InvariantError("owner-live: the allocator refused pages held here (freed behind this object)")
+        else:
+            r = self._hot.unref[type(q) is array](self._ref, self._state, self._lru, self._keep, q, n, self._freed)
+            if r >= 0 and (nf := r & 0xFFFFFFFF):
+                self._busy = True
+                try:
+                    self.alloc.free_pages(self._freed[:nf])
+                finally:
+                    self._busy = False
         if r < 0:
             code, i = -r % 4, -r // 4
             if code == 2:
-                raise DoubleFreeError(f"unref: ids[{i}]: page {abs(int(ids[i]))} has no reference left (a double "
+                raise DoubleFreeError(f"unref: ids[{i}]: page {abs(int(q[i]))} has no reference left (a double "
                                       f"free); nothing changed")
-            raise InvalidIdError(f"unref: ids[{i}]={int(ids[i])}; allowed |id| < {self._ref.shape[0]}")
-        nf = r & 0xFFFFFFFF
-        if nf:
-            self._free_pages(self._freed[:nf])
-            self.num_free += nf
+            raise InvalidIdError(f"unref: ids[{i}]={int(q[i])}; allowed |id| < {self._ref.shape[0]}")
+        self.num_free += r & 0xFFFFFFFF
         self.num_cached += r >> 32
+        if d is None or d[3]:
+            self._after_public()
 
     def uncache(self, ids: object) -> int:
         """The cached pages among ``ids`` go back to the allocator (content dropped); others are untouched.
         Returns how many. O(n)."""
         c = int(k_uncache(self._state, self._lru, id_batch(ids, "ids"), self._freed))
         if c:
-            self._free_pages(self._freed[:c])
+            self._busy = True
+            try:
+                self.alloc.free_pages(self._freed[:c])
+            finally:
+                self._busy = False
             self.num_cached -= c
             self.num_free += c
+            self._after_public()
         return c
 
     def uncache_all(self) -> int:
         """Every cached page back to the allocator (LRU order). Returns how many. O(cached)."""
         return self.uncache(self.cached())
+
+    def _after_public(self) -> None:
+        """After a call that ran the allocator's public methods: with ``debug_checks``, the holder check the
+        allocator skipped while this object's bookkeeping was half done (:meth:`_check_as_holder`)."""
+        if self.alloc.debug_checks:
+            self.check_invariants(allocator=False)
 
     # ---- reading -------------------------------------------------------------------------------------------------
     def state(self, page: int) -> int:
@@ -349,7 +477,8 @@ class PageRefs:
 
     # ---- checks ----------------------------------------------------------------------------------------------------
     def _check_as_holder(self) -> None:
-        self.check_invariants(allocator=False)
+        if not self._busy:   # mid-call (the allocator changed, this object not yet): checked after the call
+            self.check_invariants(allocator=False)
 
     def check_invariants(self, *, allocator: bool = True) -> None:
         """Raise :class:`~umalloc.errors.InvariantError` naming the first broken invariant (the allocator's
