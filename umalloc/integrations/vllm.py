@@ -174,25 +174,25 @@ def _block_class(base: type, counts: memoryview, keep: memoryview | None) -> typ
         if self.block_id >= 0:   # the chain sentinels have no count
             _counts[self.block_id] = value
 
-    set_hash, reset = getattr(base, "set_block_hash"), getattr(base, "reset_hash")  # noqa: B009 - base: type
-
     class UmallocKVCacheBlock(base):  # type: ignore[misc, valid-type, unused-ignore]
         __slots__ = ()
         ref_cnt = property(get, put, doc="umalloc's reference count of this block (PageRefs.ref_counts). O(1).")
 
-        if keep is not None:
-            def set_block_hash(self, block_hash: Any, num_tokens: int | None = None) -> None:
-                """vLLM's ``set_block_hash``; the block's umalloc keep flag is set (freed at count 0, it stays
-                cached). O(1)."""
-                set_hash(self, block_hash, num_tokens)
-                if self.block_id > 0:
-                    keep[self.block_id] = 1
+        if keep is not None:   # the hash slots written here, one frame per call (the hash is on vLLM's hot path)
+            def set_block_hash(self: Any, block_hash: Any, num_tokens: int | None = None) -> None:
+                """vLLM's ``set_block_hash`` (the block must have no hash yet: AssertionError) and umalloc's
+                keep flag of the block set: freed at count 0, it stays cached. O(1)."""
+                assert self._block_hash is None and self._block_hash_num_tokens is None, \
+                    f"block {self.block_id} already has a hash"
+                self._block_hash = block_hash
+                self._block_hash_num_tokens = num_tokens
+                keep[self.block_id] = 1
 
-            def reset_hash(self) -> None:
-                """vLLM's ``reset_hash``; the block's umalloc keep flag is cleared. O(1)."""
-                reset(self)
-                if self.block_id > 0:
-                    keep[self.block_id] = 0
+            def reset_hash(self: Any) -> None:
+                """vLLM's ``reset_hash`` and umalloc's keep flag of the block cleared. O(1)."""
+                self._block_hash = None
+                self._block_hash_num_tokens = None
+                keep[self.block_id] = 0
 
     UmallocKVCacheBlock.__module__ = __name__
     return UmallocKVCacheBlock
@@ -260,13 +260,15 @@ def _pool_class() -> type:
 
         def get_new_blocks(self, num_blocks: int) -> list[Any]:
             refs = self.refs
-            if num_blocks > refs.num_free + refs.num_cached:
-                raise UmallocValueError(f"Cannot get {num_blocks} free blocks from the pool: allowed at most "
-                                        f"{refs.num_free + refs.num_cached}")
             if self._linked:
                 self._unlink()
+            try:
+                ids = refs.take(num_blocks)
+            except UmallocValueError:   # nothing changed
+                raise UmallocValueError(f"Cannot get {num_blocks} free blocks from the pool: allowed at most "
+                                        f"{refs.num_free + refs.num_cached}") from None
             blocks = self.blocks
-            ret = [blocks[i] for i in refs.take(num_blocks).tolist()]
+            ret = [blocks[i] for i in ids]
             # the blocks handed out with a hash (evicted cached ones, or a hash put on a free block): vLLM's
             # per-block eviction runs for these only, the others have no hash to drop
             kept = refs.taken_kept().tolist() if refs.num_taken_kept else ()
@@ -366,7 +368,7 @@ def _pool_class() -> type:
                 raise InvariantError("null-block: block 0 must be the null block on umalloc's reserved page 0")
             keep = self.refs.keep_flags
             for b in self.blocks:   # the keep flags are the blocks' hashes (set and reset through the block)
-                if keep[b.block_id] != (self.enable_caching and b.block_id > 0 and b._block_hash is not None):
+                if keep[b.block_id] != (self.enable_caching and b._block_hash is not None):
                     raise InvariantError(f"keep-flags: block {b.block_id} has hash {b._block_hash!r} but umalloc's "
                                          f"keep flag {keep[b.block_id]} (a hash written behind set_block_hash)")
 

@@ -60,21 +60,32 @@ from umalloc.requests.refcounts import (
     _lru_unlink,
 )
 
+# ---- the state: one int64 block ``w`` [W_ROWS, num_vpages], one call argument (Note [Fused kernels]) ----------
+#: rows of ``w``: the LRU links (rows LRU_PREV, LRU_NEXT: :mod:`umalloc.requests.refcounts`' layout), then the
+#: reference counts, page states, keep flags, take's output, take's kept pages, pages to free, pages to claim
+W_REF, W_STATE, W_KEEP, W_OUT, W_KEPT, W_FREED, W_CLAIM = range(2, 9)
+W_ROWS = 9
+#: kernel results: the allocator refused (take: retry on the public path; unref: pages freed behind this object)
+R_ALLOC_REFUSED = -1
+#: :func:`k_take_direct`: ``n`` outside ``[0, free + cached]``
+R_TAKE_RANGE = -2
+
 
 # ---- kernels (numba; every one validates its whole batch before it writes). ``ids`` arguments are 1-D int64
 # numpy arrays or ``array('q')`` buffers (indexed only, never sliced), ``n`` of them read ----------------------------
 @njit(cache=True)
-def k_hold(ref, state, lru, keep, out, m, n, kept):
-    """Hold ``out[:m]`` (fresh from the allocator) once each, then take ``n - m`` pages off the LRU head into
-    ``out[m:n]`` held once each (the caller checked there are enough). The pages of ``out[:n]`` whose keep flag
-    is set go to ``kept`` in order; returns how many."""
+def k_hold(w, m, n):
+    """Hold ``w[W_OUT, :m]`` (fresh from the allocator) once each, then take ``n - m`` pages off the LRU head
+    into ``w[W_OUT, m:n]`` held once each (the caller checked there are enough). The pages handed out whose keep
+    flag is set go to ``w[W_KEPT]`` in order; returns how many."""
+    ref, state, keep, out, kept = w[W_REF], w[W_STATE], w[W_KEEP], w[W_OUT], w[W_KEPT]
     for i in range(m):
         v = out[i]
         ref[v] = 1
         state[v] = PAGE_HELD
     for i in range(m, n):
-        v = lru[LRU_NEXT, 0]
-        _lru_unlink(lru, v)
+        v = w[LRU_NEXT, 0]
+        _lru_unlink(w, v)
         ref[v] = 1
         state[v] = PAGE_HELD
         out[i] = v
@@ -88,21 +99,25 @@ def k_hold(ref, state, lru, keep, out, m, n, kept):
 
 
 @njit(cache=True)
-def k_take_direct(root, owner, mask, ref, state, lru, keep, out, n, free, kept):
-    """:func:`k_hold` after minting ``min(n, free)`` pages into ``out`` with the allocator's own kernel (one
-    call for the whole take). Returns -1 with nothing changed if the allocator refuses (lease work, no
-    physical page): the caller takes the allocator's public path."""
+def k_take_direct(root, owner, mask, w, n, free, cached):
+    """:func:`k_hold` after minting ``min(n, free)`` pages into ``w[W_OUT]`` with the allocator's own kernel
+    (one call for the whole take). :data:`R_TAKE_RANGE` for ``n`` outside ``[0, free + cached]``,
+    :data:`R_ALLOC_REFUSED` if the allocator refuses (no physical page): nothing changed on either."""
+    if n < 0 or n > free + cached:
+        return R_TAKE_RANGE
     m = n if n <= free else free
+    out = w[W_OUT]
     if m and k_alloc_pages(root, owner, mask, m, out, m, out[:0], -1) != OK:
-        return -1
-    return k_hold(ref, state, lru, keep, out, m, n, kept)
+        return R_ALLOC_REFUSED
+    return k_hold(w, m, n)
 
 
 @njit(cache=True)
-def k_ref(ref, state, lru, ids, n, claim):
+def k_ref(w, ids, n):
     """One reference more per nonzero entry of ``ids[:n]``. If an entry is a free page, nothing changes: the
-    free pages (distinct, in first-seen order) go to ``claim`` and minus their number is returned. Else the
+    free pages (distinct, in first-seen order) go to ``w[W_CLAIM]`` and minus their number is returned. Else the
     number of pages revived from the cache; -2**62 + i if entry ``i`` is out of range."""
+    ref, state, claim = w[W_REF], w[W_STATE], w[W_CLAIM]
     nv = ref.shape[0]
     m = 0
     for i in range(n):
@@ -127,7 +142,7 @@ def k_ref(ref, state, lru, ids, n, claim):
         if v == 0:
             continue
         if state[v] == PAGE_CACHED:
-            _lru_unlink(lru, v)
+            _lru_unlink(w, v)
             state[v] = PAGE_HELD
             revived += 1
         ref[v] += 1
@@ -135,12 +150,13 @@ def k_ref(ref, state, lru, ids, n, claim):
 
 
 @njit(cache=True)
-def k_unref(ref, state, lru, keep, ids, n, freed):
+def k_unref(w, ids, n):
     """One reference less per nonzero entry of ``ids[:n]`` (``-v``: page ``v``, cached at 0 whatever its keep
     flag). All or nothing: on an entry out of range or a count that would drop below 0 nothing changes and
     ``-(code + 4 * position)`` is returned (code 1: range, 2: double free). Else ``freed_count + cached_count *
     2**32``: a page reaching 0 joins the LRU tail if its entry is negative or its keep flag is set, and is listed
-    in ``freed`` otherwise."""
+    in ``w[W_FREED]`` otherwise."""
+    ref, state, keep, freed = w[W_REF], w[W_STATE], w[W_KEEP], w[W_FREED]
     nv = ref.shape[0]
     bad = -1
     code = 0
@@ -163,7 +179,7 @@ def k_unref(ref, state, lru, keep, ids, n, freed):
             v = abs(ids[i])
             if v:
                 ref[v] += 1
-        return -(code + 4 * bad)
+        return -(code + 4 * bad) - 4   # below R_ALLOC_REFUSED and R_TAKE_RANGE
     nf = 0
     nc = 0
     for i in range(n):
@@ -175,7 +191,7 @@ def k_unref(ref, state, lru, keep, ids, n, freed):
             continue
         if cache or keep[v]:
             state[v] = PAGE_CACHED
-            _lru_push(lru, v)
+            _lru_push(w, v)
             nc += 1
         else:
             state[v] = PAGE_NOT_MANAGED
@@ -184,30 +200,30 @@ def k_unref(ref, state, lru, keep, ids, n, freed):
     return nf + (nc << 32)
 
 
-#: :func:`k_unref_direct`: the allocator refused to free the pages this object freed (they were freed behind it)
-UNREF_ALLOC_REFUSED = -3
-
-
 @njit(cache=True)
-def k_unref_direct(root, owner, ref, state, lru, keep, ids, n, freed):
+def k_unref_direct(root, owner, w, ids, n):
     """:func:`k_unref`, then the freed pages back to the allocator with its own kernel (one call for the whole
-    free); :data:`UNREF_ALLOC_REFUSED` if the allocator refuses them (an owner-live invariant broken behind this
+    free); :data:`R_ALLOC_REFUSED` if the allocator refuses them (an owner-live invariant broken behind this
     object)."""
-    r = k_unref(ref, state, lru, keep, ids, n, freed)
+    r = k_unref(w, ids, n)
     nf = r & 0xFFFFFFFF
-    if r > 0 and nf and k_free(root, owner, freed[:nf], nf, True, freed[:0], -1) < 0:   # an array's length is its n
-        return UNREF_ALLOC_REFUSED
+    if r > 0 and nf:
+        freed = w[W_FREED]
+        if k_free(root, owner, freed[:nf], nf, True, freed[:0], -1) < 0:   # an array's length is its count
+            return R_ALLOC_REFUSED
     return r
 
 
 @njit(cache=True)
-def k_uncache(state, lru, ids, freed):
-    """The cached pages among ``ids`` leave the LRU and are listed in ``freed`` (state -> free); returns how many."""
+def k_uncache(w, ids):
+    """The cached pages among ``ids`` leave the LRU and are listed in ``w[W_FREED]`` (state -> free); returns
+    how many."""
+    state, freed = w[W_STATE], w[W_FREED]
     c = 0
     for i in range(ids.shape[0]):
         v = ids[i]
         if 0 < v < state.shape[0] and state[v] == PAGE_CACHED:
-            _lru_unlink(lru, v)
+            _lru_unlink(w, v)
             state[v] = PAGE_NOT_MANAGED
             freed[c] = v
             c += 1
@@ -215,19 +231,17 @@ def k_uncache(state, lru, ids, freed):
 
 
 class _Entries:
-    """Compiled entry points of the hot kernels for the arrays :class:`PageRefs` passes (no per-call typing):
-    ids as ``array('q')`` (a list's conversion) or as int64 numpy arrays."""
+    """Compiled entry points of the hot kernels for the arguments :class:`PageRefs` passes (no per-call typing):
+    ids as ``array('q')`` (a list's conversion) or as int64 numpy arrays, indexed by ``type(ids) is array``."""
 
     def __init__(self) -> None:
-        i, i32, i8 = types.int64, types.Array(types.int32, 1, "C"), types.Array(types.int8, 1, "C")
-        lru, buf, arr = types.Array(types.int64, 2, "C"), types.Array(types.int64, 1, "C"), types.Array(types.int64, 1, "A")
-        q = typeof(array("q"))
-        self.hold = k_hold.compile((i32, i8, lru, i8, buf, i, i, buf))
-        self.take_direct = k_take_direct.compile((i, i, i, i32, i8, lru, i8, buf, i, i, buf))
-        # indexed by ``type(ids) is array``: [numpy entry, array('q') entry]
-        self.ref = tuple(k_ref.compile((i32, i8, lru, t, i, buf)) for t in (arr, q))
-        self.unref = tuple(k_unref.compile((i32, i8, lru, i8, t, i, buf)) for t in (arr, q))
-        self.unref_direct = tuple(k_unref_direct.compile((i, i, i32, i8, lru, i8, t, i, buf)) for t in (arr, q))
+        i, w = types.int64, types.Array(types.int64, 2, "C")
+        kinds = (types.Array(types.int64, 1, "A"), typeof(array("q")))
+        self.hold = k_hold.compile((w, i, i))
+        self.take_direct = k_take_direct.compile((i, i, i, w, i, i, i))
+        self.ref = tuple(k_ref.compile((w, t, i)) for t in kinds)
+        self.unref = tuple(k_unref.compile((w, t, i)) for t in kinds)
+        self.unref_direct = tuple(k_unref_direct.compile((i, i, w, t, i)) for t in kinds)
 
 
 _compiled: list[_Entries] = []
@@ -248,20 +262,20 @@ class PageRefs:
 
     Attributes:
         alloc: the allocator (its pages are freed and allocated through this object only).
-        ref_counts: ``memoryview`` (format ``"i"``, int32) of length ``num_vpages``: the reference count of
-            every page; index it for a Python ``int`` (O(1), no numpy scalar). Writable for an engine that
-            takes an extra reference on a held page; :meth:`check_invariants` reports any other write.
-        keep_flags: ``memoryview`` (format ``"b"``, int8) of length ``num_vpages``: 1 if the page's content is
-            worth keeping (the engine indexes it by content: a vLLM block with a hash), else 0. The engine
-            sets and clears it; :meth:`unref` caches a page reaching 0 whose flag is set, :meth:`take` lists the
-            pages it hands out whose flag is set (:meth:`taken_kept`).
+        ref_counts: ``memoryview`` (int64 items) of length ``num_vpages``: the reference count of every page;
+            index it for a Python ``int`` (O(1), no numpy scalar). Writable for an engine that takes an extra
+            reference on a held page; :meth:`check_invariants` reports any other write.
+        keep_flags: ``memoryview`` (int64 items, 0 or 1) of length ``num_vpages``: 1 if the page's content is
+            worth keeping (the engine indexes it by content: a vLLM block with a hash). The engine sets and
+            clears it; :meth:`unref` caches a page reaching 0 whose flag is set, :meth:`take` lists the pages
+            it hands out whose flag is set (:meth:`taken_kept`).
         num_free / num_cached: pages free in the allocator / cached. O(1) attributes.
         num_taken_kept: how many pages the last :meth:`take` handed out with their keep flag set.
 
     Raises:
         UmallocValueError: ``alloc`` is not an id allocator, or has live pages.
 
-    Complexity: O(num_vpages) memory (int32 counts, int8 states and flags, int64 LRU links and buffers).
+    Complexity: O(num_vpages) memory (``W_ROWS`` int64 per page).
 
     >>> from umalloc.integrations.vllm import id_allocator
     >>> refs = PageRefs(id_allocator(6))               # pages 1..5
@@ -285,153 +299,170 @@ class PageRefs:
             raise UmallocValueError(f"alloc: {live} live pages allocated outside; allowed an allocator with none")
         self.alloc = alloc
         nv = alloc.num_vpages()
-        self._ref = np.zeros(nv, np.int32)
-        self._state = np.zeros(nv, np.int8)
-        self._keep = np.zeros(nv, np.int8)
-        self._lru = np.zeros((2, nv), np.int64)
-        self._buf = np.zeros(nv, np.int64)        # take's output (a view of it is returned)
-        self._kept = np.zeros(nv, np.int64)       # the last take's pages with their keep flag set
+        w = self._w = np.zeros((W_ROWS, nv), np.int64)
+        self._lru, self._ref, self._state, self._keep = w[:2], w[W_REF], w[W_STATE], w[W_KEEP]
+        self._out, self._kept = w[W_OUT].data, w[W_KEPT].data   # take's results, read as memoryviews
         self._m = self._n = 0                     # the last take: pages fresh from the allocator, all pages
         self.num_taken_kept = 0
-        self._hot = _entries()
-        self._freed = np.zeros(nv, np.int64)
-        self._claim = np.zeros(nv, np.int64)
+        hot = self._hot = _entries()
+        self._take_k = hot.take_direct
+        self._ref_a, self._ref_q = hot.ref
+        self._unref_a, self._unref_q = hot.unref_direct
         self.ref_counts: memoryview = self._ref.data
         self.keep_flags: memoryview = self._keep.data
         self.num_free = alloc.available_pages(self.end)
         self.num_cached = 0
-        # Note [Fused kernels]: one kernel call per take / unref, the allocator's kernel inside ours
-        self._direct = alloc.direct_kernel_args()
+        # Note [Fused kernels]: one kernel call per take / unref, the allocator's kernel inside ours; root 0:
+        # the allocator's calls do more than their kernel, take its public methods
+        direct = alloc.direct_kernel_args()
+        self._root, self._owner, self._mask, self._lease_work = direct if direct is not None else (0, 0, 0, {1: 1})
         self._busy = False                        # inside a call that runs the allocator's public methods
         alloc.attach_holder_check(self._check_as_holder)
 
     # ---- the engine's calls ------------------------------------------------------------------------------------
-    def take(self, n: int) -> np.ndarray:
+    def take(self, n: int) -> memoryview:
         """``n`` pages held once each (module docstring): the allocator's free ids ascending, then as many
         cached pages as missing, LRU first (:meth:`evicted`; they stay live in the allocator, so taking them
-        is a state change here only). Returns an ``int64 (n,)`` view of a buffer this object reuses (valid
-        until the next ``take``). Raises UmallocValueError for ``n`` not an int in
+        is a state change here only). Returns a ``memoryview`` of ``n`` int64 page ids over a buffer this
+        object reuses (valid until the next ``take``). Raises UmallocValueError for ``n`` not an int in
         ``[0, num_free + num_cached]`` (nothing changes). O(n) in one kernel call (Note [Fused kernels])."""
-        free = self.num_free
-        if type(n) is not int or n < 0:
+        if type(n) is not int:
             raise UmallocValueError(f"take: {n!r} pages; allowed an int >= 0")
-        if n > free + self.num_cached:
-            raise UmallocValueError(f"take: {n} pages; allowed at most {free + self.num_cached} (free {free} + "
-                                    f"cached {self.num_cached})")
-        buf = self._buf
-        d = self._direct
-        c = -1
-        public = False
-        if d is not None and not d[3]:
-            c = self._hot.take_direct(d[0], d[1], d[2], self._ref, self._state, self._lru, self._keep, buf, n, free,
-                                      self._kept)
-        if c < 0:   # the allocator's public path (its checks, lease ticks, retries), then the bookkeeping
-            m = n if n <= free else free
-            self._busy = True
-            try:
-                got = self.alloc.alloc_pages(m, out=buf[:m]) if m else buf
-            finally:
-                self._busy = False
-            if got is None:
-                raise InvariantError(f"free-count: the allocator refused {m} pages counted as free")
-            c = self._hot.hold(self._ref, self._state, self._lru, self._keep, buf, m, n, self._kept)
-            public = True
+        free = self.num_free
+        c = R_ALLOC_REFUSED
+        if not self._lease_work:
+            c = self._take_k(self._root, self._owner, self._mask, self._w, n, free, self.num_cached)
+        if c < 0:
+            return self._take_public(n, c)
         m = n if n <= free else free
-        self._m, self._n = m, n
+        self._m = m
+        self._n = n
         self.num_free = free - m
         self.num_cached -= n - m
         self.num_taken_kept = c
-        if public:
-            self._after_public()
-        return buf[:n]
+        return self._out[:n]
 
-    def evicted(self) -> np.ndarray:
-        """``int64`` the cached pages the last :meth:`take` evicted, LRU first (a view of its result; empty if
-        none)."""
-        return self._buf[self._m: self._n]
+    def _take_public(self, n: int, c: int) -> memoryview:
+        """:meth:`take` through the allocator's public ``alloc_pages`` (its checks, lease ticks, retries)."""
+        free = self.num_free
+        if c == R_TAKE_RANGE or n < 0 or n > free + self.num_cached:
+            raise UmallocValueError(f"take: {n} pages; allowed an int in [0, {free + self.num_cached}] (free "
+                                    f"{free} + cached {self.num_cached})")
+        m = n if n <= free else free
+        self._busy = True
+        try:
+            got = self.alloc.alloc_pages(m, out=self._w[W_OUT, :m]) if m else True
+        finally:
+            self._busy = False
+        if got is None:
+            raise InvariantError(f"free-count: the allocator refused {m} pages counted as free")
+        self.num_taken_kept = self._hot.hold(self._w, m, n)
+        self._m = m
+        self._n = n
+        self.num_free = free - m
+        self.num_cached -= n - m
+        self._after_public()
+        return self._out[:n]
 
-    def taken_kept(self) -> np.ndarray:
-        """``int64`` the pages the last :meth:`take` handed out with their keep flag set, in its order (the
-        evicted pages and any page flagged while free; a view of a reused buffer)."""
+    def evicted(self) -> memoryview:
+        """The cached pages the last :meth:`take` evicted, LRU first (int64 ``memoryview`` of its result; empty
+        if none)."""
+        return self._out[self._m: self._n]
+
+    def taken_kept(self) -> memoryview:
+        """The pages the last :meth:`take` handed out with their keep flag set, in its order (the evicted pages
+        and any page flagged while free; an int64 ``memoryview`` of a reused buffer)."""
         return self._kept[: self.num_taken_kept]
-
-    def _batch(self, ids: object, where: str) -> tuple[np.ndarray | array[int], int]:
-        """``(ids as an array the kernels take, length)``: a list of ints becomes an ``array('q')`` (C speed),
-        anything else goes through :func:`~umalloc.allocator.ids.id_batch`."""
-        if type(ids) is list:
-            try:
-                q = array("q", ids)
-            except (TypeError, OverflowError) as e:
-                raise InvalidIdError(f"{where}: {e}; allowed a list of int64 ints") from None
-            return q, len(q)
-        a = id_batch(ids, where)
-        return a, a.shape[0]
 
     def ref(self, ids: np.ndarray | list[int]) -> int:
         """One reference more per entry of ``ids`` (``int64 (n,)`` numpy or a list of ints; 0 entries skipped);
         cached pages leave the LRU, free pages are claimed by id from the allocator. Returns the pages revived
-        from the cache. Raises InvalidIdError for an id out of range (nothing changes). O(n)."""
-        q, n = self._batch(ids, "ids")
-        k = self._hot.ref[type(q) is array]
-        r = int(k(self._ref, self._state, self._lru, q, n, self._claim))
-        if r < 0:
-            if r <= -(1 << 61):
-                i = r + (1 << 62)
-                raise InvalidIdError(f"ref: ids[{i}]={int(q[i])}; allowed [0, {self._ref.shape[0]})")
-            claim = self._claim[:-r].copy()
-            self._busy = True
+        from the cache. Raises InvalidIdError for an id out of range or not an int (nothing changes). O(n)."""
+        if type(ids) is list:
             try:
-                self.alloc.claim_pages(claim)
-            finally:
-                self._busy = False
-            self._state[claim] = PAGE_HELD   # count 0 for a moment: the retry below raises it
-            self.num_free += r
-            r = int(k(self._ref, self._state, self._lru, q, n, self._claim))
+                q: np.ndarray | array[int] = array("q", ids)
+            except (TypeError, OverflowError) as e:
+                raise InvalidIdError(f"ref: {e}; allowed a list of int64 ints") from None
+            n, k = len(q), self._ref_q
+        else:
+            q = id_batch(ids, "ids")
+            n, k = q.shape[0], self._ref_a
+        r = k(self._w, q, n)
+        if r >= 0:
             self.num_cached -= r
-            self._after_public()
             return r
+        if r <= -(1 << 61):
+            i = r + (1 << 62)
+            raise InvalidIdError(f"ref: ids[{i}]={int(q[i])}; allowed [0, {self._ref.shape[0]})")
+        claim = self._w[W_CLAIM, :-r].copy()
+        self._busy = True
+        try:
+            self.alloc.claim_pages(claim)
+        finally:
+            self._busy = False
+        self._state[claim] = PAGE_HELD   # count 0 for a moment: the retry below raises it
+        self.num_free += r
+        r = k(self._w, q, n)
         self.num_cached -= r
+        self._after_public()
         return r
 
     def unref(self, ids: np.ndarray | list[int]) -> None:
         """One reference less per entry of ``ids`` (``int64 (n,)`` numpy or a list of ints; 0 skipped): a page
         reaching 0 is cached (LRU tail) if its keep flag is set or its entry is ``-v``, and goes back to the
         allocator otherwise. Raises DoubleFreeError (a count would drop below 0) or InvalidIdError (out of
-        range); nothing changes on either. O(n) in one kernel call (Note [Fused kernels])."""
-        q, n = self._batch(ids, "ids")
-        d = self._direct
-        if d is not None and not d[3]:
-            r = self._hot.unref_direct[type(q) is array](d[0], d[1], self._ref, self._state, self._lru, self._keep, q,
-                                                      n, self._freed)
-            if r == UNREF_ALLOC_REFUSED:
-                raise InvariantError("owner-live: the allocator refused pages held here (freed behind this object)")
+        range, not an int); nothing changes on any. O(n) in one kernel call (Note [Fused kernels])."""
+        if type(ids) is list:
+            try:
+                q: np.ndarray | array[int] = array("q", ids)
+            except (TypeError, OverflowError) as e:
+                raise InvalidIdError(f"unref: {e}; allowed a list of int64 ints") from None
+            n, k = len(q), self._unref_q
         else:
-            r = self._hot.unref[type(q) is array](self._ref, self._state, self._lru, self._keep, q, n, self._freed)
-            if r >= 0 and (nf := r & 0xFFFFFFFF):
-                self._busy = True
-                try:
-                    self.alloc.free_pages(self._freed[:nf])
-                finally:
-                    self._busy = False
+            q = id_batch(ids, "ids")
+            n, k = q.shape[0], self._unref_a
+        if self._lease_work:
+            r = self._unref_public(q, n)
+        else:
+            r = k(self._root, self._owner, self._w, q, n)
+            if r >= 0:
+                self.num_free += r & 0xFFFFFFFF
+                self.num_cached += r >> 32
+                return
+        if r == R_ALLOC_REFUSED:
+            raise InvariantError("owner-live: the allocator refused pages held here (freed behind this object)")
         if r < 0:
-            code, i = -r % 4, -r // 4
+            code, i = (-r - 4) % 4, (-r - 4) // 4
             if code == 2:
                 raise DoubleFreeError(f"unref: ids[{i}]: page {abs(int(q[i]))} has no reference left (a double "
                                       f"free); nothing changed")
             raise InvalidIdError(f"unref: ids[{i}]={int(q[i])}; allowed |id| < {self._ref.shape[0]}")
-        self.num_free += r & 0xFFFFFFFF
+
+    def _unref_public(self, q: np.ndarray | array[int], n: int) -> int:
+        """:meth:`unref` with the allocator's public ``free_pages``; the kernel's result (negative: nothing
+        changed)."""
+        r = int(self._hot.unref[type(q) is array](self._w, q, n))
+        if r < 0:
+            return r
+        if (nf := r & 0xFFFFFFFF):
+            self._busy = True
+            try:
+                self.alloc.free_pages(self._w[W_FREED, :nf])
+            finally:
+                self._busy = False
+        self.num_free += nf
         self.num_cached += r >> 32
-        if d is None or d[3]:
-            self._after_public()
+        self._after_public()
+        return r
 
     def uncache(self, ids: object) -> int:
         """The cached pages among ``ids`` go back to the allocator (content dropped); others are untouched.
         Returns how many. O(n)."""
-        c = int(k_uncache(self._state, self._lru, id_batch(ids, "ids"), self._freed))
+        c = int(k_uncache(self._w, id_batch(ids, "ids")))
         if c:
             self._busy = True
             try:
-                self.alloc.free_pages(self._freed[:c])
+                self.alloc.free_pages(self._w[W_FREED, :c])
             finally:
                 self._busy = False
             self.num_cached -= c
