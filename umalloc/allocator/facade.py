@@ -380,7 +380,7 @@ class MultiEndedAllocator:
         """
         if not self._plain:
             return None
-        return self._root_a, self._default_owner, self._default_mask, self._active_leases
+        return self._entry.root_a, self._ends.default_owner, self._ends.default_mask, self._leasing.work
 
     def alloc_extend(self, prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_loc: torch.Tensor, *,
                      owner: str | None = None, bind: Sequence[str] | None = None,
