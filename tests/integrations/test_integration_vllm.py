@@ -201,6 +201,32 @@ def test_check_invariants_sees_a_block_nobody_holds(vllm_pool):
         pool.check_invariants()
 
 
+def test_keep_flags_are_the_block_hashes_and_a_hash_written_behind_them_is_reported(vllm_pool):
+    pool = vllm_pool(6, enable_caching=True, hash_block_size=16)
+    b = pool.get_new_blocks(3)                       # 1 2 3
+    _hashed(pool, b[1], b"two")
+    assert [pool.refs.keep_flags[i] for i in (1, 2, 3)] == [0, 1, 0]
+    pool.free_blocks(b)                              # 2 cached (it has a hash), 1 and 3 back to umalloc
+    assert pool.refs.cached().tolist() == [2] and _ids(pool.free_block_queue.get_all_free_blocks()) == [1, 3, 4, 5, 2]
+    pool.check_invariants()
+    b[0]._block_hash = b[1].block_hash               # a hash written past set_block_hash: umalloc cannot see it
+    with pytest.raises(InvariantError, match="keep-flags: block 1"):
+        pool.check_invariants()
+    b[0]._block_hash = None
+    assert _ids(pool.get_new_blocks(5)) == [1, 3, 4, 5, 2]   # 2 evicted last: its hash leaves vLLM's map
+    assert pool.get_cached_block(b"two", [0]) is None and pool.refs.keep_flags[2] == 0
+    pool.check_invariants()
+
+
+def test_without_prefix_caching_a_hashed_block_is_freed_not_kept(vllm_pool):
+    pool = vllm_pool(4, enable_caching=False, hash_block_size=16)   # vLLM frees every block at 0 then
+    b = pool.get_new_blocks(2)
+    _hashed(pool, b[0], b"one")
+    pool.free_blocks(b)
+    assert pool.refs.num_cached == 0 and pool.refs.keep_flags[1] == 0 and pool.get_num_free_blocks() == 3
+    pool.check_invariants()
+
+
 def test_ref_cnt_is_umallocs_count_and_a_double_free_changes_nothing(vllm_pool):
     pool = vllm_pool(6, enable_caching=True, hash_block_size=16)
     b = pool.get_new_blocks(2)                       # 1 2

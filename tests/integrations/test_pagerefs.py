@@ -9,14 +9,23 @@ import random
 import numpy as np
 import pytest
 
+from umalloc import Arena, ArenaSpec, EndSpec, LayerSpec, MultiEndedAllocator
 from umalloc.errors import DoubleFreeError, InvalidIdError, InvariantError, UmallocValueError
-from umalloc.integrations.vllm import END, id_allocator
+from umalloc.integrations.vllm import END, ID_PAGE_BYTES, id_allocator
 from umalloc.requests.pagerefs import PAGE_CACHED, PAGE_HELD, PAGE_NOT_MANAGED, PageRefs
 from umalloc.testing import small_allocator
 
 
 def _a(*ids: int) -> np.ndarray:
     return np.array(ids, np.int64)
+
+
+def _checked_id_allocator(num_blocks: int) -> MultiEndedAllocator:
+    """:func:`id_allocator` with ``debug_checks=True``: every PageRefs call takes the allocator's public path
+    (Note [Fused kernels]), and the allocator checks every invariant, the holder's too, after each of its calls."""
+    end = EndSpec(END, (LayerSpec.mha(1, 4),), page_size=1)
+    return MultiEndedAllocator(Arena(ArenaSpec((end,), arena_bytes=num_blocks * ID_PAGE_BYTES)), compaction="off",
+                               debug_checks=True)
 
 
 # ---- claim_pages ------------------------------------------------------------------------------------------------
@@ -128,39 +137,104 @@ def test_pagerefs_refuses_a_used_or_multi_end_allocator():
         PageRefs(small_allocator())
 
 
-def test_random_ops_match_a_model_of_the_rules():
+def test_direct_kernel_args_only_where_a_call_is_its_kernel_alone():
+    root, owner, mask, lease_work = id_allocator(4).direct_kernel_args()
+    assert type(root) is int and root != 0 and (owner, mask) == (0, mask) and not lease_work
+    assert _checked_id_allocator(4).direct_kernel_args() is None
+
+
+def test_keep_flags_decide_cached_or_free_and_take_lists_the_kept_pages_it_hands_out():
+    refs = PageRefs(id_allocator(8))                 # pages 1..7
+    refs.take(4)                                     # 1 2 3 4
+    refs.keep_flags[2] = refs.keep_flags[4] = 1      # 2 and 4 hold content worth keeping
+    refs.unref([4, 3, 2, 1])                         # 4 then 2 cached; 3 and 1 free
+    assert refs.cached().tolist() == [4, 2] and refs.free_ids().tolist() == [1, 3, 5, 6, 7]
+    assert refs.take(5).tolist() == [1, 3, 5, 6, 7] and refs.num_taken_kept == 0
+    refs.keep_flags[4] = 0                           # the engine dropped 4's content (still cached)
+    assert refs.take(2).tolist() == [4, 2] and refs.taken_kept().tolist() == [2]
+    assert refs.evicted().tolist() == [4, 2]
+    refs.check_invariants()
+    refs.keep_flags[6] = 1
+    refs.unref([-1, 6])                              # -1: cached this once (flag clear); 6: by its flag
+    assert refs.cached().tolist() == [1, 6] and refs.num_free == 0
+    refs.check_invariants()
+
+
+def test_a_flagged_free_page_is_listed_when_handed_out():
+    refs = PageRefs(id_allocator(5))
+    refs.keep_flags[2] = 1                           # flagged while free (a hash put on a free vLLM block)
+    assert refs.take(3).tolist() == [1, 2, 3] and refs.taken_kept().tolist() == [2]
+    assert refs.evicted().tolist() == []
+
+
+@pytest.mark.parametrize("bad", [[1.0], [1, "2"], [2**63], [None]])
+def test_list_ids_refuse_non_ints_and_change_nothing(bad):
+    refs = PageRefs(id_allocator(6))
+    refs.take(2)
+    for call in (refs.ref, refs.unref):
+        with pytest.raises(InvalidIdError):
+            call(bad)
+    assert [refs.ref_counts[i] for i in (1, 2)] == [1, 1] and refs.num_free == 3
+    refs.check_invariants()
+
+
+def test_the_public_path_checks_the_holder_only_once_a_call_is_done():
+    # debug_checks: the allocator runs every check, PageRefs' holder check too, after alloc_pages / free_pages;
+    # mid-take the allocator has the pages and PageRefs does not yet: that check must wait for the call's end
+    refs = PageRefs(_checked_id_allocator(6))
+    assert refs.take(3).tolist() == [1, 2, 3]
+    refs.keep_flags[1] = 1
+    refs.unref([1, 2])
+    assert refs.take(3).tolist() == [2, 4, 5] and refs.ref([5, 3]) == 0
+    assert refs.take(1).tolist() == [1] and refs.evicted().tolist() == [1]
+    refs.unref(_a(1, 2))
+    assert refs.uncache_all() == 1 and refs.num_free == 2   # 1 (cached by its flag) and 2
+    refs.ref_counts[3] = 0                           # a leak: the next call's check reports it
+    with pytest.raises(InvariantError, match=r"\[held\]"):
+        refs.unref([5])
+
+
+@pytest.mark.parametrize("checked", [False, True], ids=["fused", "public"])
+def test_random_ops_match_a_model_of_the_rules(checked):
     seed = 1234
     print(f"seed {seed}")
     rng = random.Random(seed)
     n = 40
-    refs = PageRefs(id_allocator(n))
+    refs = PageRefs(_checked_id_allocator(n) if checked else id_allocator(n))
     count = [0] * n
+    keep = [False] * n                               # the keep flags, as the model sees them
     lru: list[int] = []                              # cached pages, LRU first
     for _step in range(600):
         free = [i for i in range(1, n) if count[i] == 0 and i not in lru]
         op = rng.random()
-        if op < 0.4:
+        if op < 0.35:
             k = rng.randint(0, len(free) + len(lru))
             want = free[:k] + lru[: max(0, k - len(free))]
             del lru[: max(0, k - len(free))]
             got = refs.take(k).tolist()
             assert got == want
+            assert refs.taken_kept().tolist() == [i for i in want if keep[i]]
             for i in got:
                 count[i] = 1
-        elif op < 0.75:
+        elif op < 0.65:
             held = [i for i in range(1, n) if count[i] > 0]
             if not held:
                 continue
             pick = rng.sample(held, rng.randint(1, len(held)))
-            keep = {i: rng.random() < 0.5 for i in pick}
-            refs.unref(np.array([-i if keep[i] else i for i in pick], np.int64))
+            once = {i: rng.random() < 0.3 for i in pick}  # -i: cached this once whatever the flag
+            entries = [-i if once[i] else i for i in pick]
+            refs.unref(entries if rng.random() < 0.5 else np.array(entries, np.int64))
             for i in pick:
                 count[i] -= 1
-                if count[i] == 0 and keep[i]:
+                if count[i] == 0 and (once[i] or keep[i]):
                     lru.append(i)
+        elif op < 0.8:
+            i = rng.randrange(1, n)
+            keep[i] = not keep[i]
+            refs.keep_flags[i] = int(keep[i])
         else:
             pick = [rng.randrange(1, n) for _ in range(rng.randint(1, 4))]
-            refs.ref(np.array(pick, np.int64))
+            refs.ref(pick if rng.random() < 0.5 else np.array(pick, np.int64))
             for i in pick:
                 if i in lru:
                     lru.remove(i)

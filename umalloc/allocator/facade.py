@@ -365,6 +365,23 @@ class MultiEndedAllocator:
         :meth:`AllocationService.claim_pages <umalloc.allocator.allocation.AllocationService.claim_pages>`."""
         self._allocation.claim_pages(vpages)
 
+    def direct_kernel_args(self) -> tuple[int, int, int, Mapping[int, object]] | None:
+        """``(root, owner, mask, lease_work)`` for a holder of this allocator's pages that calls the page kernels
+        (``k_alloc_pages`` / ``k_free`` of :mod:`umalloc.pool.kernels.ops`) from its own numba kernel, fused with
+        its bookkeeping (:class:`~umalloc.requests.pagerefs.PageRefs`): the heap root address, the one id owner's
+        end index and its bind mask (ints, valid for the allocator's life), and a mapping that is non-empty while
+        lease work is due (then call the public methods instead: they tick the leases first). ``None`` when a
+        call does more than its kernel (a device mirror, ``debug_checks``, eager compaction, several id owners):
+        use the public methods. O(1).
+
+        >>> from umalloc.testing import small_allocator
+        >>> len(small_allocator().direct_kernel_args()), small_allocator(debug_checks=True).direct_kernel_args()
+        (4, None)
+        """
+        if not self._plain:
+            return None
+        return self._entry.root_a, self._ends.default_owner, self._ends.default_mask, self._leasing.work
+
     def alloc_extend(self, prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_loc: torch.Tensor, *,
                      owner: str | None = None, bind: Sequence[str] | None = None,
                      out: torch.Tensor | None = None) -> torch.Tensor | None:

@@ -15,24 +15,27 @@ Policy:
   KV tensors). One :class:`~umalloc.requests.pagerefs.PageRefs` over it holds every block's holders: its reference
   count (``KVCacheBlock.ref_cnt`` of this pool's blocks reads and writes umalloc's count; there is no second
   copy) and whether a block with count 0 is *cached* (content kept, in umalloc's LRU: the page states and links
-  the request table uses) or free in the allocator. vLLM keeps what only it knows: the prefix-cache hash map,
+  the request table uses) or free in the allocator, and whether a block's content is worth keeping (its keep
+  flag: "has a hash"). vLLM keeps what only it knows: the prefix-cache hash map,
   the hashes on the blocks, the KV events and metrics. umalloc's invariants
   (:meth:`UmallocBlockPool.check_invariants`) report a leaked block (held with count 0, or live in the
   allocator with no holder); a double free raises :class:`~umalloc.errors.DoubleFreeError`, nothing changed.
 * **null_block** is block 0 = umalloc's reserved virtual page 0 (mapped to the sink page, never handed out).
 * **Allocation** (``get_new_blocks(n)``): when umalloc has fewer than ``n`` free ids, the least recently used
-  cached blocks go back to it first, exactly as many as missing (their hashes leave vLLM's map); then one
-  ``alloc_pages(n)`` call. The blocks a call returns are umalloc's ``n`` lowest free ids, ascending, and cached
+  cached blocks go back to it first, exactly as many as missing (their hashes leave vLLM's map); all in one
+  ``PageRefs.take(n)`` kernel call (Note [Fused kernels] in :mod:`umalloc.requests.pagerefs`). The blocks a call returns are umalloc's ``n`` lowest free ids, ascending, and cached
   blocks are evicted only when no uncached free block is left, oldest first -- vLLM's eviction rule.
 * **By design, not vLLM's order**: vLLM reuses the most recently freed block first (LIFO) to keep the GPU
   cache warm; umalloc hands out the lowest free id, so fresh blocks form ascending contiguous runs
   (fewer transfer descriptors, a compact high end). Tests that pin vLLM's exact reuse order see the
   difference; nothing else does.
-* **Free** (``free_blocks``): one ``unref`` of the batch: blocks reaching count 0 without a hash go back to
-  umalloc, hashed ones join the LRU tail (vLLM's rule). A bare ``KVCacheBlock`` that is not one of the pool's
-  blocks (``pool=None``, as some of vLLM's tests build) only has its own ``ref_cnt`` lowered, as vLLM does. ``unpin_blocks`` puts released blocks at the LRU tail
-  (last resort), as vLLM does. ``evict_blocks`` and a successful ``reset_prefix_cache`` return the cached
-  blocks they un-hash to umalloc.
+* **Free** (``free_blocks``): one ``unref`` of the batch's ids: a block reaching count 0 goes back to umalloc,
+  or joins the LRU tail if umalloc's keep flag of it is set -- the block's ``set_block_hash`` / ``reset_hash``
+  set and clear it, so the flag is "has a hash" (vLLM's rule) and the free path reads nothing but ids. A bare
+  ``KVCacheBlock`` that is not one of the pool's blocks (``pool=None``, as some of vLLM's tests build) only has
+  its own ``ref_cnt`` lowered, as vLLM does. ``unpin_blocks`` puts released blocks at the LRU tail (last
+  resort), as vLLM does. ``evict_blocks`` and a successful ``reset_prefix_cache`` return the cached blocks they
+  un-hash to umalloc.
 * **A specific id**: a prefix-cache hit may name a block that umalloc holds as free (a hash put on a
   never-allocated block, as a KV connector or a test can do); ``touch`` then claims exactly that id from the
   allocator (:meth:`~umalloc.allocator.facade.MultiEndedAllocator.claim_pages`), so the hit is served as vLLM
@@ -158,9 +161,11 @@ class UmallocFreeBlockQueue:
             v = refs.next_cached(v)
 
 
-def _block_class(base: type, counts: memoryview) -> type:
+def _block_class(base: type, counts: memoryview, keep: memoryview | None) -> type:
     """vLLM's ``KVCacheBlock`` whose ``ref_cnt`` is umalloc's count of the block (``counts``: the pool's
-    :attr:`PageRefs.ref_counts`); one class per pool."""
+    :attr:`PageRefs.ref_counts`) and whose hash, when set or reset, sets or clears umalloc's keep flag of the
+    block (``keep``: :attr:`PageRefs.keep_flags`; ``None`` with prefix caching off, where a freed block is
+    never kept, as in vLLM); one class per pool."""
 
     def get(self: Any, _counts: memoryview = counts) -> int:
         return _counts[self.block_id]
@@ -172,6 +177,22 @@ def _block_class(base: type, counts: memoryview) -> type:
     class UmallocKVCacheBlock(base):  # type: ignore[misc, valid-type, unused-ignore]
         __slots__ = ()
         ref_cnt = property(get, put, doc="umalloc's reference count of this block (PageRefs.ref_counts). O(1).")
+
+        if keep is not None:   # the hash slots written here, one frame per call (the hash is on vLLM's hot path)
+            def set_block_hash(self: Any, block_hash: Any, num_tokens: int | None = None) -> None:
+                """vLLM's ``set_block_hash`` (the block must have no hash yet: AssertionError) and umalloc's
+                keep flag of the block set: freed at count 0, it stays cached. O(1)."""
+                assert self._block_hash is None and self._block_hash_num_tokens is None, \
+                    f"block {self.block_id} already has a hash"
+                self._block_hash = block_hash
+                self._block_hash_num_tokens = num_tokens
+                keep[self.block_id] = 1
+
+            def reset_hash(self: Any) -> None:
+                """vLLM's ``reset_hash`` and umalloc's keep flag of the block cleared. O(1)."""
+                self._block_hash = None
+                self._block_hash_num_tokens = None
+                keep[self.block_id] = 0
 
     UmallocKVCacheBlock.__module__ = __name__
     return UmallocKVCacheBlock
@@ -199,7 +220,7 @@ def _pool_class() -> type:
             super().__init__(num_gpu_blocks, enable_caching, hash_block_size, *args, **kwargs)
             self.allocator = id_allocator(num_gpu_blocks)
             self.refs = PageRefs(self.allocator)
-            cls = _block_class(KVCacheBlock, self.refs.ref_counts)
+            cls = _block_class(KVCacheBlock, self.refs.ref_counts, self.refs.keep_flags if enable_caching else None)
             self.blocks = [cls(i, pool=self) for i in range(num_gpu_blocks)]
             self.null_block = self.blocks[0]
             self.null_block.is_null = True
@@ -230,7 +251,7 @@ def _pool_class() -> type:
                                         f"the {self.refs.num_free} free ids")
             if self._linked:
                 self._unlink()
-            self.refs.ref(np.array([block.block_id], np.int64))
+            self.refs.ref([block.block_id])
 
         # ---- vLLM's BlockPool API ----------------------------------------------------------------------
         def get_num_free_blocks(self) -> int:
@@ -239,29 +260,29 @@ def _pool_class() -> type:
 
         def get_new_blocks(self, num_blocks: int) -> list[Any]:
             refs = self.refs
-            if num_blocks > refs.num_free + refs.num_cached:
-                raise UmallocValueError(f"Cannot get {num_blocks} free blocks from the pool: allowed at most "
-                                        f"{refs.num_free + refs.num_cached}")
             if self._linked:
                 self._unlink()
-            ids = refs.take(num_blocks).tolist()
+            try:
+                ids = refs.take(num_blocks)
+            except UmallocValueError:   # nothing changed
+                raise UmallocValueError(f"Cannot get {num_blocks} free blocks from the pool: allowed at most "
+                                        f"{refs.num_free + refs.num_cached}") from None
             blocks = self.blocks
             ret = [blocks[i] for i in ids]
+            # the blocks handed out with a hash (evicted cached ones, or a hash put on a free block): vLLM's
+            # per-block eviction runs for these only, the others have no hash to drop
+            kept = refs.taken_kept().tolist() if refs.num_taken_kept else ()
             if self._reuse_watchers:
                 self._notify_reuse(ret)
             metrics = self.metrics_collector
-            if self.enable_caching:
-                if metrics:
-                    for block in ret:
-                        self._maybe_evict_cached_block(block)
-                        metrics.on_block_allocated(block)
-                else:
-                    for block in ret:   # the evicted cached blocks (and any block given a hash while free)
-                        if block._block_hash is not None:
-                            self._maybe_evict_cached_block(block)
-            elif metrics:
+            if metrics:
                 for block in ret:
+                    if self.enable_caching:
+                        self._maybe_evict_cached_block(block)
                     metrics.on_block_allocated(block)
+            else:
+                for i in kept:
+                    self._maybe_evict_cached_block(blocks[i])
             return ret
 
         def touch(self, blocks: Sequence[Any]) -> None:
@@ -269,7 +290,7 @@ def _pool_class() -> type:
                 return
             if self._linked:
                 self._unlink()
-            self.refs.ref(np.array([b.block_id for b in blocks], np.int64))   # the null block is id 0: skipped
+            self.refs.ref([b.block_id for b in blocks])   # the null block is id 0: skipped
             if self.metrics_collector:
                 for block in blocks:
                     if not block.is_null:
@@ -277,32 +298,28 @@ def _pool_class() -> type:
 
         def free_blocks(self, ordered_blocks: Iterable[Any]) -> None:
             blocks = ordered_blocks if type(ordered_blocks) is list else list(ordered_blocks)
-            if self.enable_caching:   # -id: kept as cached at count 0 (it has a hash)
-                ids = [b.block_id if b._block_hash is None else -b.block_id for b in blocks if b.pool is self]
-            else:
-                ids = [b.block_id for b in blocks if b.pool is self]
-            if len(ids) != len(blocks):   # blocks of other pools (deferred frees), or pool-less blocks
-                other_pools: dict[Any, list[Any]] = {}
-                ids = []
-                for b in blocks:
-                    if b.pool is not None and b.pool is not self:
-                        other_pools.setdefault(b.pool, []).append(b)
-                    elif b.pool is None and not b.is_null:
-                        b.ref_cnt -= 1   # a bare KVCacheBlock (not one of this pool's): its own count, as vLLM
-                    elif not b.is_null:
-                        ids.append(-b.block_id if self.enable_caching and b._block_hash is not None
-                                   else b.block_id)
-                self._free_ids(ids)
-                for pool, theirs in other_pools.items():
-                    pool.free_blocks(theirs)
+            ids = [b.block_id for b in blocks if b.pool is self]   # kept or freed at 0 by the keep flags
+            if len(ids) == len(blocks):
+                if ids:
+                    if self._linked:
+                        self._unlink()
+                    self.refs.unref(ids)
                 return
-            self._free_ids(ids)
-
-        def _free_ids(self, ids: list[int]) -> None:
+            other_pools: dict[Any, list[Any]] = {}   # blocks of other pools (deferred frees), or pool-less blocks
+            ids = []
+            for b in blocks:
+                if b.pool is self:
+                    ids.append(b.block_id)
+                elif b.pool is not None:
+                    other_pools.setdefault(b.pool, []).append(b)
+                elif not b.is_null:
+                    b.ref_cnt -= 1   # a bare KVCacheBlock (not one of this pool's): its own count, as vLLM
             if ids:
                 if self._linked:
                     self._unlink()
-                self.refs.unref(np.array(ids, np.int64))
+                self.refs.unref(ids)
+            for pool, theirs in other_pools.items():
+                pool.free_blocks(theirs)
 
         def unpin_blocks(self, blocks: Iterable[Any], on_reuse: Callable[[Any], None]) -> None:
             ids: list[int] = []
@@ -310,7 +327,10 @@ def _pool_class() -> type:
                 assert block.ref_cnt > 0 and not block.is_null
                 self._reuse_watchers[block.block_id] = on_reuse
                 ids.append(-block.block_id)   # cached at count 0 whatever its hash: a reader still reads it
-            self._free_ids(ids)
+            if ids:
+                if self._linked:
+                    self._unlink()
+                self.refs.unref(ids)
 
         def evict_blocks(self, block_ids: set[int]) -> None:
             back: list[int] = []
@@ -336,7 +356,8 @@ def _pool_class() -> type:
             """O(num_gpu_blocks): umalloc's invariants (the allocator's and the block owner's:
             :meth:`PageRefs.check_invariants` -- a leaked block, a count set behind the pool, a block freed
             or allocated behind it); ``v2p`` is the identity on live ids; the null block is id 0 and never
-            handed out. Raises :class:`~umalloc.errors.InvariantError`."""
+            handed out; a block's keep flag is set iff it has a hash (prefix caching on). Raises
+            :class:`~umalloc.errors.InvariantError`."""
             self.allocator.check_invariants()
             v2p = self.allocator.v2p(END).numpy()
             live = np.flatnonzero(v2p != TOMBSTONE)
@@ -345,6 +366,11 @@ def _pool_class() -> type:
             if not self.null_block.is_null or self.null_block.block_id != 0 or v2p[0] != 0 \
                     or self.blocks[0] is not self.null_block:
                 raise InvariantError("null-block: block 0 must be the null block on umalloc's reserved page 0")
+            keep = self.refs.keep_flags
+            for b in self.blocks:   # the keep flags are the blocks' hashes (set and reset through the block)
+                if keep[b.block_id] != (self.enable_caching and b._block_hash is not None):
+                    raise InvariantError(f"keep-flags: block {b.block_id} has hash {b._block_hash!r} but umalloc's "
+                                         f"keep flag {keep[b.block_id]} (a hash written behind set_block_hash)")
 
     UmallocBlockPool.__module__ = __name__
     return UmallocBlockPool

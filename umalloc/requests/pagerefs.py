@@ -11,28 +11,44 @@ Policy:
 * **take** (``take(n)``): ``n`` fresh pages, the allocator's ``n`` lowest free ids, each with count 1. When the
   allocator has fewer than ``n`` free ids, the LRU-first cached pages go back to it first, exactly as many as
   missing (so cached pages are evicted only after every free one is used, oldest first); the evicted ids are
-  listed (:meth:`PageRefs.evicted`) for the engine to drop from its prefix index.
+  listed (:meth:`PageRefs.evicted`), and the pages handed out with their keep flag set
+  (:meth:`PageRefs.taken_kept`) for the engine to drop from its prefix index.
 * **ref** (``ref(ids)``): one more reference per entry; a cached page leaves the LRU, a free page is claimed
   from the allocator by id (:meth:`~umalloc.allocator.facade.MultiEndedAllocator.claim_pages`).
 * **unref** (``unref(ids)``): one reference less per entry, all or nothing: a count that would drop below 0
-  (a double free) raises and changes nothing. A page reaching 0 joins the LRU tail if its entry is negative
-  (``-id``: content worth keeping) and goes back to the allocator otherwise; id 0 (the reserved page) is skipped.
+  (a double free) raises and changes nothing. A page reaching 0 joins the LRU tail if its *keep flag* is set
+  (:attr:`PageRefs.keep_flags`: the engine marks the pages whose content it indexes) or its entry is negative
+  (``-id``: keep it this once), and goes back to the allocator otherwise; id 0 (the reserved page) is skipped.
 * **Counts are the engine's to read and to raise** on held pages (``ref_counts[i] += 1`` for a copy it keeps);
   a count set to 0 outside :meth:`unref`, or raised on a page that is not held, is what
   :meth:`check_invariants` reports (a leak, or a page held by no one).
 * O(1) free count: :attr:`PageRefs.num_free` (allocator) and :attr:`PageRefs.num_cached` are counters.
+
+Note [Fused kernels]
+~~~~~~~~~~~~~~~~~~~~
+``take`` and ``unref`` are one numba call each: the kernel here calls the allocator's own page kernel
+(``k_alloc_pages`` / ``k_free``) on its heap (:meth:`~umalloc.allocator.facade.MultiEndedAllocator.direct_kernel_args`)
+and does the bookkeeping in the same call, so no Python runs between the allocator's change and this object's,
+and a list of ids crosses into the kernel as one ``array('q')``. When the allocator's public methods would do
+more than their kernel (a device mirror, ``debug_checks``, eager compaction, lease work due, or a refused
+allocation to retry), the call takes them instead: the holder check the allocator runs from inside them waits
+until the bookkeeping is done (:meth:`PageRefs.check_invariants` runs after the call under ``debug_checks``).
 
 Not thread-safe: call from the thread that owns the allocator.
 """
 
 from __future__ import annotations
 
+from array import array
+
 import numpy as np
-from numba import njit, types
+from numba import njit, typeof, types
 
 from umalloc.allocator.facade import MultiEndedAllocator
 from umalloc.allocator.ids import id_batch
 from umalloc.errors import DoubleFreeError, InvalidIdError, InvariantError, UmallocValueError
+from umalloc.pool.kernels.codes import OK
+from umalloc.pool.kernels.ops import k_alloc_pages, k_free
 from umalloc.pool.pagestate import TOMBSTONE
 from umalloc.requests.refcounts import (
     LRU_NEXT,
@@ -44,32 +60,67 @@ from umalloc.requests.refcounts import (
     _lru_unlink,
 )
 
+# ---- the state: one int64 block ``w`` [W_ROWS, num_vpages], one call argument (Note [Fused kernels]) ----------
+#: rows of ``w``: the LRU links (rows LRU_PREV, LRU_NEXT: :mod:`umalloc.requests.refcounts`' layout), then the
+#: reference counts, page states, keep flags, take's output, take's kept pages, pages to free, pages to claim
+W_REF, W_STATE, W_KEEP, W_OUT, W_KEPT, W_FREED, W_CLAIM = range(2, 9)
+W_ROWS = 9
+#: kernel results: the allocator refused (take: retry on the public path; unref: pages freed behind this object)
+R_ALLOC_REFUSED = -1
+#: :func:`k_take_direct`: ``n`` outside ``[0, free + cached]``
+R_TAKE_RANGE = -2
 
-# ---- kernels (numba; every one validates its whole batch before it writes) ---------------------------------
+
+# ---- kernels (numba; every one validates its whole batch before it writes). ``ids`` arguments are 1-D int64
+# numpy arrays or ``array('q')`` buffers (indexed only, never sliced), ``n`` of them read ----------------------------
 @njit(cache=True)
-def k_take(ref, state, lru, out, m, n):
-    """Hold ``out[:m]`` (fresh from the allocator) once each, then take ``n - m`` pages off the LRU head into
-    ``out[m:n]`` held once each (the caller checked there are enough)."""
+def k_hold(w, m, n):
+    """Hold ``w[W_OUT, :m]`` (fresh from the allocator) once each, then take ``n - m`` pages off the LRU head
+    into ``w[W_OUT, m:n]`` held once each (the caller checked there are enough). The pages handed out whose keep
+    flag is set go to ``w[W_KEPT]`` in order; returns how many."""
+    ref, state, keep, out, kept = w[W_REF], w[W_STATE], w[W_KEEP], w[W_OUT], w[W_KEPT]
     for i in range(m):
         v = out[i]
         ref[v] = 1
         state[v] = PAGE_HELD
     for i in range(m, n):
-        v = lru[LRU_NEXT, 0]
-        _lru_unlink(lru, v)
+        v = w[LRU_NEXT, 0]
+        _lru_unlink(w, v)
         ref[v] = 1
         state[v] = PAGE_HELD
         out[i] = v
+    c = 0
+    for i in range(n):
+        v = out[i]
+        if keep[v]:
+            kept[c] = v
+            c += 1
+    return c
 
 
 @njit(cache=True)
-def k_ref(ref, state, lru, ids, claim):
-    """One reference more per nonzero entry. If an entry is a free page, nothing changes: the free pages
-    (distinct, in first-seen order) go to ``claim`` and minus their number is returned. Else the number of
-    pages revived from the cache; -2**62 + i if entry ``i`` is out of range."""
+def k_take_direct(root, owner, mask, w, n, free, cached):
+    """:func:`k_hold` after minting ``min(n, free)`` pages into ``w[W_OUT]`` with the allocator's own kernel
+    (one call for the whole take). :data:`R_TAKE_RANGE` for ``n`` outside ``[0, free + cached]``,
+    :data:`R_ALLOC_REFUSED` if the allocator refuses (no physical page): nothing changed on either."""
+    if n < 0 or n > free + cached:
+        return R_TAKE_RANGE
+    m = n if n <= free else free
+    out = w[W_OUT]
+    if m and k_alloc_pages(root, owner, mask, m, out, m, out[:0], -1) != OK:
+        return R_ALLOC_REFUSED
+    return k_hold(w, m, n)
+
+
+@njit(cache=True)
+def k_ref(w, ids, n):
+    """One reference more per nonzero entry of ``ids[:n]``. If an entry is a free page, nothing changes: the
+    free pages (distinct, in first-seen order) go to ``w[W_CLAIM]`` and minus their number is returned. Else the
+    number of pages revived from the cache; -2**62 + i if entry ``i`` is out of range."""
+    ref, state, claim = w[W_REF], w[W_STATE], w[W_CLAIM]
     nv = ref.shape[0]
     m = 0
-    for i in range(ids.shape[0]):
+    for i in range(n):
         v = ids[i]
         if v == 0:
             continue
@@ -86,12 +137,12 @@ def k_ref(ref, state, lru, ids, claim):
             state[claim[j]] = PAGE_NOT_MANAGED
         return -m
     revived = 0
-    for i in range(ids.shape[0]):
+    for i in range(n):
         v = ids[i]
         if v == 0:
             continue
         if state[v] == PAGE_CACHED:
-            _lru_unlink(lru, v)
+            _lru_unlink(w, v)
             state[v] = PAGE_HELD
             revived += 1
         ref[v] += 1
@@ -99,13 +150,14 @@ def k_ref(ref, state, lru, ids, claim):
 
 
 @njit(cache=True)
-def k_unref(ref, state, lru, ids, freed):
-    """One reference less per nonzero entry (``-v``: page ``v``, kept as cached at 0). All or nothing: on an
-    entry out of range or a count that would drop below 0 nothing changes and ``-(code + 4 * position)`` is
-    returned (code 1: range, 2: double free). Else ``freed_count + cached_count * 2**32`` (the pages freed
-    are listed in ``freed``)."""
+def k_unref(w, ids, n):
+    """One reference less per nonzero entry of ``ids[:n]`` (``-v``: page ``v``, cached at 0 whatever its keep
+    flag). All or nothing: on an entry out of range or a count that would drop below 0 nothing changes and
+    ``-(code + 4 * position)`` is returned (code 1: range, 2: double free). Else ``freed_count + cached_count *
+    2**32``: a page reaching 0 joins the LRU tail if its entry is negative or its keep flag is set, and is listed
+    in ``w[W_FREED]`` otherwise."""
+    ref, state, keep, freed = w[W_REF], w[W_STATE], w[W_KEEP], w[W_FREED]
     nv = ref.shape[0]
-    n = ids.shape[0]
     bad = -1
     code = 0
     for i in range(n):
@@ -127,19 +179,19 @@ def k_unref(ref, state, lru, ids, freed):
             v = abs(ids[i])
             if v:
                 ref[v] += 1
-        return -(code + 4 * bad)
+        return -(code + 4 * bad) - 4   # below R_ALLOC_REFUSED and R_TAKE_RANGE
     nf = 0
     nc = 0
     for i in range(n):
         v = ids[i]
-        keep = v < 0
-        if keep:
+        cache = v < 0
+        if cache:
             v = -v
         if v == 0 or ref[v] != 0 or state[v] != PAGE_HELD:
             continue
-        if keep:
+        if cache or keep[v]:
             state[v] = PAGE_CACHED
-            _lru_push(lru, v)
+            _lru_push(w, v)
             nc += 1
         else:
             state[v] = PAGE_NOT_MANAGED
@@ -149,13 +201,29 @@ def k_unref(ref, state, lru, ids, freed):
 
 
 @njit(cache=True)
-def k_uncache(state, lru, ids, freed):
-    """The cached pages among ``ids`` leave the LRU and are listed in ``freed`` (state -> free); returns how many."""
+def k_unref_direct(root, owner, w, ids, n):
+    """:func:`k_unref`, then the freed pages back to the allocator with its own kernel (one call for the whole
+    free); :data:`R_ALLOC_REFUSED` if the allocator refuses them (an owner-live invariant broken behind this
+    object)."""
+    r = k_unref(w, ids, n)
+    nf = r & 0xFFFFFFFF
+    if r > 0 and nf:
+        freed = w[W_FREED]
+        if k_free(root, owner, freed[:nf], nf, True, freed[:0], -1) < 0:   # an array's length is its count
+            return R_ALLOC_REFUSED
+    return r
+
+
+@njit(cache=True)
+def k_uncache(w, ids):
+    """The cached pages among ``ids`` leave the LRU and are listed in ``w[W_FREED]`` (state -> free); returns
+    how many."""
+    state, freed = w[W_STATE], w[W_FREED]
     c = 0
     for i in range(ids.shape[0]):
         v = ids[i]
         if 0 < v < state.shape[0] and state[v] == PAGE_CACHED:
-            _lru_unlink(lru, v)
+            _lru_unlink(w, v)
             state[v] = PAGE_NOT_MANAGED
             freed[c] = v
             c += 1
@@ -163,14 +231,17 @@ def k_uncache(state, lru, ids, freed):
 
 
 class _Entries:
-    """Compiled entry points of the hot kernels for the arrays :class:`PageRefs` passes (no per-call typing)."""
+    """Compiled entry points of the hot kernels for the arguments :class:`PageRefs` passes (no per-call typing):
+    ids as ``array('q')`` (a list's conversion) or as int64 numpy arrays, indexed by ``type(ids) is array``."""
 
     def __init__(self) -> None:
-        i32, i8 = types.Array(types.int32, 1, "C"), types.Array(types.int8, 1, "C")
-        lru, ids = types.Array(types.int64, 2, "C"), types.Array(types.int64, 1, "A")
-        self.take = k_take.compile((i32, i8, lru, ids, types.int64, types.int64))
-        self.unref = k_unref.compile((i32, i8, lru, ids, ids))
-        self.ref = k_ref.compile((i32, i8, lru, ids, ids))
+        i, w = types.int64, types.Array(types.int64, 2, "C")
+        kinds = (types.Array(types.int64, 1, "A"), typeof(array("q")))
+        self.hold = k_hold.compile((w, i, i))
+        self.take_direct = k_take_direct.compile((i, i, i, w, i, i, i))
+        self.ref = tuple(k_ref.compile((w, t, i)) for t in kinds)
+        self.unref = tuple(k_unref.compile((w, t, i)) for t in kinds)
+        self.unref_direct = tuple(k_unref_direct.compile((i, i, w, t, i)) for t in kinds)
 
 
 _compiled: list[_Entries] = []
@@ -191,23 +262,29 @@ class PageRefs:
 
     Attributes:
         alloc: the allocator (its pages are freed and allocated through this object only).
-        ref_counts: ``memoryview`` (format ``"i"``, int32) of length ``num_vpages``: the reference count of
-            every page; index it for a Python ``int`` (O(1), no numpy scalar). Writable for an engine that
-            takes an extra reference on a held page; :meth:`check_invariants` reports any other write.
+        ref_counts: ``memoryview`` (int64 items) of length ``num_vpages``: the reference count of every page;
+            index it for a Python ``int`` (O(1), no numpy scalar). Writable for an engine that takes an extra
+            reference on a held page; :meth:`check_invariants` reports any other write.
+        keep_flags: ``memoryview`` (int64 items, 0 or 1) of length ``num_vpages``: 1 if the page's content is
+            worth keeping (the engine indexes it by content: a vLLM block with a hash). The engine sets and
+            clears it; :meth:`unref` caches a page reaching 0 whose flag is set, :meth:`take` lists the pages
+            it hands out whose flag is set (:meth:`taken_kept`).
         num_free / num_cached: pages free in the allocator / cached. O(1) attributes.
+        num_taken_kept: how many pages the last :meth:`take` handed out with their keep flag set.
 
     Raises:
         UmallocValueError: ``alloc`` is not an id allocator, or has live pages.
 
-    Complexity: O(num_vpages) memory (int32 counts, int8 states, int64 LRU links).
+    Complexity: O(num_vpages) memory (``W_ROWS`` int64 per page).
 
     >>> from umalloc.integrations.vllm import id_allocator
     >>> refs = PageRefs(id_allocator(6))               # pages 1..5
     >>> a = refs.take(3).tolist(); a                    # count 1 each
     [1, 2, 3]
-    >>> refs.unref(np.array([-1, 2], np.int64))          # 1 cached (worth keeping), 2 free again
-    >>> refs.num_free, refs.num_cached, refs.take(4).tolist(), refs.evicted().tolist()
-    (3, 1, [2, 4, 5, 1], [1])
+    >>> refs.keep_flags[1] = 1                          # page 1's content is worth keeping
+    >>> refs.unref([1, 2])                              # 1 cached, 2 free again
+    >>> refs.num_free, refs.num_cached, refs.take(4).tolist(), refs.evicted().tolist(), refs.taken_kept().tolist()
+    (3, 1, [2, 4, 5, 1], [1], [1])
     """
 
     def __init__(self, alloc: MultiEndedAllocator) -> None:
@@ -222,104 +299,186 @@ class PageRefs:
             raise UmallocValueError(f"alloc: {live} live pages allocated outside; allowed an allocator with none")
         self.alloc = alloc
         nv = alloc.num_vpages()
-        self._ref = np.zeros(nv, np.int32)
-        self._state = np.zeros(nv, np.int8)
-        self._lru = np.zeros((2, nv), np.int64)
-        self._buf = np.zeros(nv, np.int64)        # take's output (a view of it is returned)
+        w = self._w = np.zeros((W_ROWS, nv), np.int64)
+        self._lru, self._ref, self._state, self._keep = w[:2], w[W_REF], w[W_STATE], w[W_KEEP]
+        self._out, self._kept = w[W_OUT].data, w[W_KEPT].data   # take's results, read as memoryviews
         self._m = self._n = 0                     # the last take: pages fresh from the allocator, all pages
-        hot = _entries()
-        self._take, self._unref, self._ref_k = hot.take, hot.unref, hot.ref
-        self._freed = np.zeros(nv, np.int64)
-        self._claim = np.zeros(nv, np.int64)
+        self.num_taken_kept = 0
+        hot = self._hot = _entries()
+        self._take_k = hot.take_direct
+        self._ref_a, self._ref_q = hot.ref
+        self._unref_a, self._unref_q = hot.unref_direct
         self.ref_counts: memoryview = self._ref.data
+        self.keep_flags: memoryview = self._keep.data
         self.num_free = alloc.available_pages(self.end)
         self.num_cached = 0
-        self._alloc_pages, self._free_pages = alloc.alloc_pages, alloc.free_pages
+        # Note [Fused kernels]: one kernel call per take / unref, the allocator's kernel inside ours; root 0:
+        # the allocator's calls do more than their kernel, take its public methods
+        direct = alloc.direct_kernel_args()
+        self._root, self._owner, self._mask, self._lease_work = direct if direct is not None else (0, 0, 0, {1: 1})
+        self._busy = False                        # inside a call that runs the allocator's public methods
         alloc.attach_holder_check(self._check_as_holder)
 
     # ---- the engine's calls ------------------------------------------------------------------------------------
-    def take(self, n: int) -> np.ndarray:
+    def take(self, n: int) -> memoryview:
         """``n`` pages held once each (module docstring): the allocator's free ids ascending, then as many
         cached pages as missing, LRU first (:meth:`evicted`; they stay live in the allocator, so taking them
-        is a state change here only). Returns an ``int64 (n,)`` view of a buffer this object reuses (valid
-        until the next ``take``). Raises UmallocValueError for ``n`` not an int in
-        ``[0, num_free + num_cached]`` (nothing changes). O(n) in two kernel calls."""
-        free = self.num_free
-        if type(n) is not int or n < 0:
+        is a state change here only). Returns a ``memoryview`` of ``n`` int64 page ids over a buffer this
+        object reuses (valid until the next ``take``). Raises UmallocValueError for ``n`` not an int in
+        ``[0, num_free + num_cached]`` (nothing changes). O(n) in one kernel call (Note [Fused kernels])."""
+        if type(n) is not int:
             raise UmallocValueError(f"take: {n!r} pages; allowed an int >= 0")
-        buf = self._buf[:n]
-        if n <= free:   # no eviction
-            if n and self._alloc_pages(n, out=buf) is None:
-                raise InvariantError(f"free-count: the allocator refused {n} pages counted as free")
-            self._take(self._ref, self._state, self._lru, buf, n, n)
-            self._m = self._n = n
-            self.num_free = free - n
-            return buf
-        if n - free > self.num_cached:
-            raise UmallocValueError(f"take: {n} pages; allowed at most {free + self.num_cached} (free {free} + "
-                                    f"cached {self.num_cached})")
-        if free and self._alloc_pages(free, out=self._buf[:free]) is None:
-            raise InvariantError(f"free-count: the allocator refused {free} pages counted as free")
-        self._take(self._ref, self._state, self._lru, buf, free, n)
-        self._m, self._n = free, n
-        self.num_free = 0
-        self.num_cached -= n - free
-        return buf
+        free = self.num_free
+        c = R_ALLOC_REFUSED
+        if not self._lease_work:
+            c = self._take_k(self._root, self._owner, self._mask, self._w, n, free, self.num_cached)
+        if c < 0:
+            return self._take_public(n, c)
+        m = n if n <= free else free
+        self._m = m
+        self._n = n
+        self.num_free = free - m
+        self.num_cached -= n - m
+        self.num_taken_kept = c
+        return self._out[:n]
 
-    def evicted(self) -> np.ndarray:
-        """``int64`` the cached pages the last :meth:`take` evicted, LRU first (a view of its result; empty if
-        none)."""
-        return self._buf[self._m: self._n]
+    def _take_public(self, n: int, c: int) -> memoryview:
+        """:meth:`take` through the allocator's public ``alloc_pages`` (its checks, lease ticks, retries)."""
+        free = self.num_free
+        if c == R_TAKE_RANGE or n < 0 or n > free + self.num_cached:
+            raise UmallocValueError(f"take: {n} pages; allowed an int in [0, {free + self.num_cached}] (free "
+                                    f"{free} + cached {self.num_cached})")
+        m = n if n <= free else free
+        self._busy = True
+        try:
+            got = self.alloc.alloc_pages(m, out=self._w[W_OUT, :m]) if m else True
+        finally:
+            self._busy = False
+        if got is None:
+            raise InvariantError(f"free-count: the allocator refused {m} pages counted as free")
+        self.num_taken_kept = self._hot.hold(self._w, m, n)
+        self._m = m
+        self._n = n
+        self.num_free = free - m
+        self.num_cached -= n - m
+        self._after_public()
+        return self._out[:n]
 
-    def ref(self, ids: np.ndarray) -> int:
-        """One reference more per entry of ``ids`` (``int64 (n,)``; 0 entries skipped); cached pages leave the
-        LRU, free pages are claimed by id from the allocator. Returns the pages revived from the cache.
-        Raises InvalidIdError for an id out of range (nothing changes). O(n)."""
-        ids = id_batch(ids, "ids")
-        r = int(self._ref_k(self._ref, self._state, self._lru, ids, self._claim))
-        if r < 0:
-            if r <= -(1 << 61):
-                i = r + (1 << 62)
-                raise InvalidIdError(f"ref: ids[{i}]={int(ids[i])}; allowed [0, {self._ref.shape[0]})")
-            claim = self._claim[:-r].copy()
+    def evicted(self) -> memoryview:
+        """The cached pages the last :meth:`take` evicted, LRU first (int64 ``memoryview`` of its result; empty
+        if none)."""
+        return self._out[self._m: self._n]
+
+    def taken_kept(self) -> memoryview:
+        """The pages the last :meth:`take` handed out with their keep flag set, in its order (the evicted pages
+        and any page flagged while free; an int64 ``memoryview`` of a reused buffer)."""
+        return self._kept[: self.num_taken_kept]
+
+    def ref(self, ids: np.ndarray | list[int]) -> int:
+        """One reference more per entry of ``ids`` (``int64 (n,)`` numpy or a list of ints; 0 entries skipped);
+        cached pages leave the LRU, free pages are claimed by id from the allocator. Returns the pages revived
+        from the cache. Raises InvalidIdError for an id out of range or not an int (nothing changes). O(n)."""
+        if type(ids) is list:
+            try:
+                q: np.ndarray | array[int] = array("q", ids)
+            except (TypeError, OverflowError) as e:
+                raise InvalidIdError(f"ref: {e}; allowed a list of int64 ints") from None
+            n, k = len(q), self._ref_q
+        else:
+            q = id_batch(ids, "ids")
+            n, k = q.shape[0], self._ref_a
+        r = k(self._w, q, n)
+        if r >= 0:
+            self.num_cached -= r
+            return r
+        if r <= -(1 << 61):
+            i = r + (1 << 62)
+            raise InvalidIdError(f"ref: ids[{i}]={int(q[i])}; allowed [0, {self._ref.shape[0]})")
+        claim = self._w[W_CLAIM, :-r].copy()
+        self._busy = True
+        try:
             self.alloc.claim_pages(claim)
-            self._state[claim] = PAGE_HELD   # count 0 for a moment: the retry below raises it
-            self.num_free += r
-            r = int(self._ref_k(self._ref, self._state, self._lru, ids, self._claim))
+        finally:
+            self._busy = False
+        self._state[claim] = PAGE_HELD   # count 0 for a moment: the retry below raises it
+        self.num_free += r
+        r = k(self._w, q, n)
         self.num_cached -= r
+        self._after_public()
         return r
 
-    def unref(self, ids: np.ndarray) -> None:
-        """One reference less per entry of ``ids`` (``int64 (n,)``: ``v`` frees page ``v`` at 0, ``-v`` caches
-        it; 0 skipped). Raises DoubleFreeError (a count would drop below 0) or InvalidIdError (out of range);
-        nothing changes on either. O(n) in two kernel calls."""
-        ids = id_batch(ids, "ids")
-        r = self._unref(self._ref, self._state, self._lru, ids, self._freed)
+    def unref(self, ids: np.ndarray | list[int]) -> None:
+        """One reference less per entry of ``ids`` (``int64 (n,)`` numpy or a list of ints; 0 skipped): a page
+        reaching 0 is cached (LRU tail) if its keep flag is set or its entry is ``-v``, and goes back to the
+        allocator otherwise. Raises DoubleFreeError (a count would drop below 0) or InvalidIdError (out of
+        range, not an int); nothing changes on any. O(n) in one kernel call (Note [Fused kernels])."""
+        if type(ids) is list:
+            try:
+                q: np.ndarray | array[int] = array("q", ids)
+            except (TypeError, OverflowError) as e:
+                raise InvalidIdError(f"unref: {e}; allowed a list of int64 ints") from None
+            n, k = len(q), self._unref_q
+        else:
+            q = id_batch(ids, "ids")
+            n, k = q.shape[0], self._unref_a
+        if self._lease_work:
+            r = self._unref_public(q, n)
+        else:
+            r = k(self._root, self._owner, self._w, q, n)
+            if r >= 0:
+                self.num_free += r & 0xFFFFFFFF
+                self.num_cached += r >> 32
+                return
+        if r == R_ALLOC_REFUSED:
+            raise InvariantError("owner-live: the allocator refused pages held here (freed behind this object)")
         if r < 0:
-            code, i = -r % 4, -r // 4
+            code, i = (-r - 4) % 4, (-r - 4) // 4
             if code == 2:
-                raise DoubleFreeError(f"unref: ids[{i}]: page {abs(int(ids[i]))} has no reference left (a double "
+                raise DoubleFreeError(f"unref: ids[{i}]: page {abs(int(q[i]))} has no reference left (a double "
                                       f"free); nothing changed")
-            raise InvalidIdError(f"unref: ids[{i}]={int(ids[i])}; allowed |id| < {self._ref.shape[0]}")
-        nf = r & 0xFFFFFFFF
-        if nf:
-            self._free_pages(self._freed[:nf])
-            self.num_free += nf
+            raise InvalidIdError(f"unref: ids[{i}]={int(q[i])}; allowed |id| < {self._ref.shape[0]}")
+
+    def _unref_public(self, q: np.ndarray | array[int], n: int) -> int:
+        """:meth:`unref` with the allocator's public ``free_pages``; the kernel's result (negative: nothing
+        changed)."""
+        r = int(self._hot.unref[type(q) is array](self._w, q, n))
+        if r < 0:
+            return r
+        if (nf := r & 0xFFFFFFFF):
+            self._busy = True
+            try:
+                self.alloc.free_pages(self._w[W_FREED, :nf])
+            finally:
+                self._busy = False
+        self.num_free += nf
         self.num_cached += r >> 32
+        self._after_public()
+        return r
 
     def uncache(self, ids: object) -> int:
         """The cached pages among ``ids`` go back to the allocator (content dropped); others are untouched.
         Returns how many. O(n)."""
-        c = int(k_uncache(self._state, self._lru, id_batch(ids, "ids"), self._freed))
+        c = int(k_uncache(self._w, id_batch(ids, "ids")))
         if c:
-            self._free_pages(self._freed[:c])
+            self._busy = True
+            try:
+                self.alloc.free_pages(self._w[W_FREED, :c])
+            finally:
+                self._busy = False
             self.num_cached -= c
             self.num_free += c
+            self._after_public()
         return c
 
     def uncache_all(self) -> int:
         """Every cached page back to the allocator (LRU order). Returns how many. O(cached)."""
         return self.uncache(self.cached())
+
+    def _after_public(self) -> None:
+        """After a call that ran the allocator's public methods: with ``debug_checks``, the holder check the
+        allocator skipped while this object's bookkeeping was half done (:meth:`_check_as_holder`)."""
+        if self.alloc.debug_checks:
+            self.check_invariants(allocator=False)
 
     # ---- reading -------------------------------------------------------------------------------------------------
     def state(self, page: int) -> int:
@@ -349,7 +508,8 @@ class PageRefs:
 
     # ---- checks ----------------------------------------------------------------------------------------------------
     def _check_as_holder(self) -> None:
-        self.check_invariants(allocator=False)
+        if not self._busy:   # mid-call (the allocator changed, this object not yet): checked after the call
+            self.check_invariants(allocator=False)
 
     def check_invariants(self, *, allocator: bool = True) -> None:
         """Raise :class:`~umalloc.errors.InvariantError` naming the first broken invariant (the allocator's
