@@ -54,6 +54,8 @@ def test_differential(kind: str, page_size: int) -> None:
         assert 0 < stats["lazy"] < SEQUENCES
         assert stats["flushes"] > 0 and stats["pages moved (umalloc)"] > 0
         assert stats["refused, gate closed"] > 0
+        # the scheduler's pricing: plans that fit now, need eviction, or cannot fit; capped decode lengths
+        assert stats["plans evicting"] > 0 and stats["plans refused"] > 0 and stats["max_new_tokens capped"] > 0
 
 
 class _OnePageMore(PagedScenario):
