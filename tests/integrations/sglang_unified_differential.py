@@ -164,24 +164,27 @@ class UnifiedScenario(PagedScenario):
 
         for _ in range(3):
             full = demand()
-            swa = demand() if rng.random() < 0.9 else full
-            kw = dict(full_evictable_tokens=rng.randint(-ps, cap), swa_evictable_tokens=rng.randint(-ps, cap),
-                      empty_pool=rng.random() < 0.2)
-            prefer = rng.random() < 0.4
-            plan = self.both_same(lambda s: s.alloc.reclaim_plan(full, swa, prefer_swa=prefer, **kw),
-                                  f"reclaim_plan({full}, {swa}, prefer_swa={prefer}, {kw})")
-            self.stats["plans refused"] += plan is None
-            self.stats["plans evicting"] += plan not in (None, (0, 0))
-            slack = rng.random() < 0.5
-            self.both_same(lambda s: s.alloc.can_reserve(full, swa, require_token_slack=slack, **kw),
-                           f"can_reserve({full}, {swa}, slack={slack}, {kw})")
-            self.both_same(lambda s: s.alloc.prealloc_ceiling_fits(full, swa), f"prealloc_ceiling_fits({full}, {swa})")
+            self._plan_once(full, demand() if rng.random() < 0.9 else full, cap)
         args = dict(input_tokens=rng.randint(0, cap), max_new_tokens=rng.randint(0, cap), token_capacity=cap,
                     sliding_window_size=rng.choice([None, 0, self.window, rng.randint(1, cap)]),
                     chunk_size=rng.choice([None, rng.randint(1, cap)]))
         got = self.both_same(lambda s: s.alloc.max_new_tokens_for_memory(**args),
                              f"max_new_tokens_for_memory({args})")
         self.stats["max_new_tokens capped"] += got is not None and got < args["max_new_tokens"]
+
+    def _plan_once(self, full: float, swa: float, cap: int) -> None:
+        rng, ps = self.rng, self.page_size
+        kw: dict[str, Any] = dict(full_evictable_tokens=rng.randint(-ps, cap),
+                                  swa_evictable_tokens=rng.randint(-ps, cap), empty_pool=rng.random() < 0.2)
+        prefer = rng.random() < 0.4
+        plan = self.both_same(lambda s: s.alloc.reclaim_plan(full, swa, prefer_swa=prefer, **kw),
+                              f"reclaim_plan({full}, {swa}, prefer_swa={prefer}, {kw})")
+        self.stats["plans refused"] += plan is None
+        self.stats["plans evicting"] += plan not in (None, (0, 0))
+        slack = rng.random() < 0.5
+        self.both_same(lambda s: s.alloc.can_reserve(full, swa, require_token_slack=slack, **kw),
+                       f"can_reserve({full}, {swa}, slack={slack}, {kw})")
+        self.both_same(lambda s: s.alloc.prealloc_ceiling_fits(full, swa), f"prealloc_ceiling_fits({full}, {swa})")
 
     def both_same(self, call: Callable[[Side], Any], what: str) -> Any:
         """``call`` on both sides; raises Differ unless the results are equal. Returns SGLang's."""
