@@ -10,7 +10,8 @@ new page there), page-aligned ``alloc``, frees of whole requests in and out of f
 ``free_segment`` for the window tail, ``free_full_segment`` for the evicted head), page-aligned truncation,
 SWA eviction of out-of-window pages (``free_swa_segment``), and in lazy mode ``flush_opportunistic`` and the move
 gate (``set_host_transfer_move_gate`` / ``set_disagg_move_gate`` with a callable the sequence opens and closes; the flush op is SGLang's urgent
-flush on its side, see ``op_flush``).
+flush on its side, see ``op_flush``), and the scheduler's pricing calls (``op_plan``: ``reclaim_plan``,
+``can_reserve``, ``prealloc_ceiling_fits``, ``max_new_tokens_for_memory``, whose results must be equal).
 
 Compared after every op (the equivalence):
 
