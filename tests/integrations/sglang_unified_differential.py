@@ -10,7 +10,8 @@ new page there), page-aligned ``alloc``, frees of whole requests in and out of f
 ``free_segment`` for the window tail, ``free_full_segment`` for the evicted head), page-aligned truncation,
 SWA eviction of out-of-window pages (``free_swa_segment``), and in lazy mode ``flush_opportunistic`` and the move
 gate (``set_host_transfer_move_gate`` / ``set_disagg_move_gate`` with a callable the sequence opens and closes; the flush op is SGLang's urgent
-flush on its side, see ``op_flush``).
+flush on its side, see ``op_flush``), and the scheduler's pricing calls (``op_plan``: ``reclaim_plan``,
+``can_reserve``, ``prealloc_ceiling_fits``, ``max_new_tokens_for_memory``, whose results must be equal).
 
 Compared after every op (the equivalence):
 
@@ -97,7 +98,7 @@ class UnifiedScenario(PagedScenario):
     @property
     def ops(self) -> list[Callable[[], None]]:
         ops = [self.op_extend, self.op_extend, self.op_alloc, self.op_free, self.op_truncate, self.op_evict,
-               self.op_evict]
+               self.op_evict, self.op_plan]
         if self.page_size > 1:
             ops += [self.op_decode, self.op_decode, self.op_decode]
         if self.lazy:
@@ -146,6 +147,52 @@ class UnifiedScenario(PagedScenario):
                 side.alloc.free_swa_segment(side.rows[rid][done:tail], start_pos=done)
             self.evicted[rid] = tail
             self.stats["swa pages evicted"] += (tail - done) // ps
+
+    def op_plan(self) -> None:
+        """The scheduler's pricing calls, none of which changes state: ``reclaim_plan`` (with evictable counts,
+        ``empty_pool``, ``prefer_swa``), ``can_reserve`` (with ``require_token_slack``), ``prealloc_ceiling_fits``
+        and ``max_new_tokens_for_memory``, with demands from negative through past the pool (and fractional)."""
+        rng, ps = self.rng, self.page_size
+        cap = 44 * ps
+        avail = self.sides[0].alloc.available_size()
+
+        def demand() -> float:  # mostly near what fits now, where eviction decides
+            kind = rng.random()
+            if kind < 0.05:
+                return -1
+            n = rng.randint(0, cap) if kind < 0.35 else max(0, avail + rng.randint(-4 * ps, 16 * ps))
+            return n + 0.5 if rng.random() < 0.2 else n
+
+        for _ in range(3):
+            full = demand()
+            self._plan_once(full, demand() if rng.random() < 0.9 else full, cap)
+        args = dict(input_tokens=rng.randint(0, cap), max_new_tokens=rng.randint(0, cap), token_capacity=cap,
+                    sliding_window_size=rng.choice([None, 0, self.window, rng.randint(1, cap)]),
+                    chunk_size=rng.choice([None, rng.randint(1, cap)]))
+        got = self.both_same(lambda s: s.alloc.max_new_tokens_for_memory(**args),
+                             f"max_new_tokens_for_memory({args})")
+        self.stats["max_new_tokens capped"] += got is not None and got < args["max_new_tokens"]
+
+    def _plan_once(self, full: float, swa: float, cap: int) -> None:
+        rng, ps = self.rng, self.page_size
+        kw: dict[str, Any] = dict(full_evictable_tokens=rng.randint(-ps, cap),
+                                  swa_evictable_tokens=rng.randint(-ps, cap), empty_pool=rng.random() < 0.2)
+        prefer = rng.random() < 0.4
+        plan = self.both_same(lambda s: s.alloc.reclaim_plan(full, swa, prefer_swa=prefer, **kw),
+                              f"reclaim_plan({full}, {swa}, prefer_swa={prefer}, {kw})")
+        self.stats["plans refused"] += plan is None
+        self.stats["plans evicting"] += plan not in (None, (0, 0))
+        slack = rng.random() < 0.5
+        self.both_same(lambda s: s.alloc.can_reserve(full, swa, require_token_slack=slack, **kw),
+                       f"can_reserve({full}, {swa}, slack={slack}, {kw})")
+        self.both_same(lambda s: s.alloc.prealloc_ceiling_fits(full, swa), f"prealloc_ceiling_fits({full}, {swa})")
+
+    def both_same(self, call: Callable[[Side], Any], what: str) -> Any:
+        """``call`` on both sides; raises Differ unless the results are equal. Returns SGLang's."""
+        a, b = (call(side) for side in self.sides)
+        if a != b:
+            raise Differ(f"{what} [{self.describe}]: SGLang {a!r} vs umalloc {b!r}")
+        return a
 
     def op_flush(self) -> None:
         """umalloc's ``flush_opportunistic`` against SGLang's urgent flush of both sub-pools (the pass its

@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import os
 import sys
+from typing import Any
 
 import pytest
 
@@ -54,6 +55,8 @@ def test_differential(kind: str, page_size: int) -> None:
         assert 0 < stats["lazy"] < SEQUENCES
         assert stats["flushes"] > 0 and stats["pages moved (umalloc)"] > 0
         assert stats["refused, gate closed"] > 0
+        # the scheduler's pricing: plans that fit now, need eviction, or cannot fit; capped decode lengths
+        assert stats["plans evicting"] > 0 and stats["plans refused"] > 0 and stats["max_new_tokens capped"] > 0
 
 
 class _OnePageMore(PagedScenario):
@@ -269,6 +272,98 @@ def test_sglang_fixture_cache_runs_on_umalloc(page_size: int, lazy: bool) -> Non
     assert seen[1][0] == "UmallocUnifiedSWATokenToKVPoolAllocator"
     assert seen[1][1:] == seen[0][1:]
     assert seen[0][7] > seen[0][1]  # the eviction freed pages
+
+
+TREE_OPS = int(os.environ.get("UMALLOC_SGLANG_TREE_OPS", "40"))
+
+
+def _tree_sequence(alloc: object, cache: object, seed: int, page_size: int, n_ops: int) -> list[object]:
+    """One seeded sequence of the scheduler calls that take a radix cache, on one side; the record of every result
+    and, after each op, the sizes of the allocator and the tree. Both sides draw the same ops from ``seed``."""
+    import random
+    from array import array
+
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    rng, ps, a, c = random.Random(seed), page_size, cast_any(alloc), cast_any(cache)
+    cap, out, next_key = 110 * ps, [], 10_000_000
+
+    def demand() -> int:
+        return max(0, a.available_size() + rng.randint(-4, 40) * ps) if rng.random() < 0.7 else rng.randint(0, cap)
+
+    for _ in range(n_ops):
+        op = rng.choice(["evict", "evict", "prealloc_fits", "reclaim_for_prealloc", "budget", "budget", "insert",
+                         "insert"])
+        if op == "evict":
+            n, m = demand(), (demand() if rng.random() < 0.7 else None)
+            out.append((op, n, m, a.evict_to_free_tokens(c, n, swa_num_tokens=m)))
+        elif op == "prealloc_fits":
+            f, w, budget = demand(), demand(), rng.randint(0, cap)
+            swa_budget = rng.choice([None, rng.randint(0, cap)])
+            out.append((op, f, w, a.prealloc_fits(c, f, w, full_budget_tokens=budget, swa_budget_tokens=swa_budget)))
+        elif op == "reclaim_for_prealloc":  # the message is each class's own prose: None-ness is compared
+            f, w = demand(), demand()
+            out.append((op, f, w, a.reclaim_for_prealloc(c, f, w) is None))
+        elif op == "budget":
+            b = a.create_prefill_budget(c, num_mixed_decode_tokens=rng.randint(0, 4) * ps)
+            ext, new = rng.randint(1, 200) * ps, rng.randint(0, 30) * ps
+            chunk = rng.choice([None, rng.randint(1, 40) * ps])
+            out.append((op, type(b).__name__, b.has_capacity(), b.remaining_total, b.remaining_swa,
+                        b.check_prefill(extend_input_len=ext, total_tokens=ext + new, max_new_tokens=new,
+                                        input_tokens=ext, swa_host_hit_length=0, chunk_limit=chunk),
+                        b.prepare_load_back(full_tokens=ext, extend_input_len=ext, max_new_tokens=new,
+                                            swa_host_hit_length=0, chunk_limit=chunk)))
+        else:  # new pages into the tree (evictable), as the fixture inserts
+            k = rng.randint(1, 6)
+            slots = a.alloc(k * ps)
+            out.append((op, k, slots is None))
+            for i in range(k if slots is not None else 0):
+                key = RadixKey(array("q", range(next_key, next_key + ps)))
+                c.insert(InsertParams(key=key, value=slots[i * ps:(i + 1) * ps]))
+                next_key += 1000
+        out.append(("sizes", a.available_size(), a.full_available_size(), a.swa_available_size(),
+                    c.full_evictable_size(), c.swa_evictable_size()))
+    return out
+
+
+def cast_any(x: object) -> Any:
+    return x
+
+
+@pytest.mark.parametrize(("page_size", "lazy"), [(1, False), (1, True), (16, False), (16, True)])
+def test_scheduler_calls_with_a_radix_cache_match_sglang(page_size: int, lazy: bool) -> None:
+    """``evict_to_free_tokens``, ``prealloc_fits``, ``reclaim_for_prealloc`` and ``create_prefill_budget`` (its
+    ``check_prefill``/``prepare_load_back``) on SGLang's ``build_swa_cache`` fixture (a real ``UnifiedRadixCache``
+    holding 96 of 100 pages) with SGLang's class and, after install(), umalloc's: one seeded sequence, new pages
+    inserted into the tree between the calls; every result and, after every op, the allocator's sizes and the
+    tree's evictable sizes must be equal."""
+    from sglang.test import unified_allocator_fixtures as fx
+    from sglang_unified_differential import prepare_unified_context
+
+    prepare_unified_context()
+    fx.setup_allocator_context()
+    seed = SEED * 1_000_003 + page_size * 2 + lazy
+    print(f"\nseed={seed} (from UMALLOC_SEED)")
+    stock = _stock_names()
+    records, names = [], []
+    try:
+        for install in (False, True):
+            if install:
+                um_sglang.install()
+            alloc, cache = fx.build_swa_cache(occupancy=96, lazy=lazy, page_size=page_size)
+            names.append(type(alloc).__name__)
+            records.append(_tree_sequence(alloc, cache, seed, page_size, TREE_OPS))
+    finally:
+        _restore(stock)
+    assert names == ["UnifiedSWATokenToKVPoolAllocator", "UmallocUnifiedSWATokenToKVPoolAllocator"]
+    for i, (a, b) in enumerate(zip(*records, strict=True)):
+        assert a == b, f"op {i}: SGLang {a} vs umalloc {b}"
+    evicts = [r[3] for r in records[0] if r[0] == "evict"]
+    assert True in evicts and None in evicts  # demands that fit after eviction and ones that cannot
+    rec = records[0]  # [op, sizes, op, sizes, ...]: some eviction shrank the tree
+    assert any(rec[i][0] == "evict" and rec[i + 1][4] < rec[i - 1][4] for i in range(2, len(rec), 2))
+    assert any(r[0] == "budget" and r[5][0] for r in rec) and any(r[0] == "budget" and not r[5][0] for r in rec)
 
 
 def _unified_pair(page_size: int, lazy: bool) -> tuple[object, object]:

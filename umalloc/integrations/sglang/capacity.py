@@ -79,29 +79,39 @@ def joint_available_pages(full: EndState, swa: EndState, gap_bytes: int, *, lazy
 
 def fits_page_demand(full: EndState, swa: EndState, gap_bytes: int, num_full_pages: int, num_swa_pages: int, *,
                      free_virtual_pages: int, virtual_capacity_pages: int, empty_gap_bytes: int,
-                     compacted: bool) -> bool:
+                     compacted: bool, full_reclaim_pages: int = 0, swa_reclaim_pages: int = 0,
+                     empty_pool: bool = False) -> bool:
     """Whether ``num_full_pages`` full and ``num_swa_pages`` SWA pages fit at once (SGLang's
-    ``_fits_page_demand`` without reclaim). ``compacted``: as if both ends had no holes (the state after a flush).
+    ``_fits_page_demand``). ``compacted``: as if both ends had no holes (the state after a flush).
 
     Args:
         free_virtual_pages: virtual page ids the owner can still mint. virtual_capacity_pages: all of them.
         empty_gap_bytes: the gap of the empty arena (what a flush can give back at most).
+        full_reclaim_pages / swa_reclaim_pages: live pages of each end priced as freed first (each capped at the
+            end's live pages; a freed page becomes a hole, or with ``compacted`` gives its bytes to the gap).
+        empty_pool: price against the empty arena (live pages and reclaims ignored; pass ``compacted=True``).
     """
     if min(num_full_pages, num_swa_pages) < 0:
         return False
+    if empty_pool:
+        full_reclaim = swa_reclaim = full_live = swa_live = 0
+    else:
+        full_reclaim = min(full.live_pages, max(0, full_reclaim_pages))
+        swa_reclaim = min(swa.live_pages, max(0, swa_reclaim_pages))
+        full_live, swa_live = full.live_pages - full_reclaim, swa.live_pages - swa_reclaim
     full_cap = min(virtual_capacity_pages, full.capacity_pages)
     swa_cap = min(virtual_capacity_pages, swa.capacity_pages)
-    if full.live_pages + num_full_pages > full_cap or swa.live_pages + num_swa_pages > swa_cap:
+    if full_live + num_full_pages > full_cap or swa_live + num_swa_pages > swa_cap:
         return False
     if compacted:
-        virtual_room = virtual_capacity_pages - full.live_pages
+        virtual_room = virtual_capacity_pages - full_live
         full_holes = swa_holes = 0
-        full_room = full_cap - full.live_pages
-        swa_room = swa_cap - swa.live_pages
-        gap = empty_gap_bytes - full.live_pages * full.page_bytes - swa.live_pages * swa.page_bytes
+        full_room = full_cap - full_live
+        swa_room = swa_cap - swa_live
+        gap = empty_gap_bytes - full_live * full.page_bytes - swa_live * swa.page_bytes
     else:
-        virtual_room = free_virtual_pages
-        full_holes, swa_holes = full.hole_pages, swa.hole_pages
+        virtual_room = free_virtual_pages + full_reclaim
+        full_holes, swa_holes = full.hole_pages + full_reclaim, swa.hole_pages + swa_reclaim
         full_room, swa_room = full.index_room, swa.index_room
         gap = gap_bytes
     if num_full_pages > virtual_room or num_full_pages > full_holes + full_room or \

@@ -25,9 +25,12 @@ Differences from SGLang's class (README, "SGLang"): virtual ids are the lowest f
 ids) and physical pages come out ascending on both ends, so ids match SGLang's up to a relabelling of pages; a
 double free, a free of an unallocated id, or a segment free of a page already released raise umalloc's typed
 errors (SGLang: a stale-slot assertion or an invariant log); ``set_full_to_swa_mapping`` with SWA ids of SGLang's
-own choosing is refused (umalloc picks physical pages); the scheduler's reclaim planning (``reclaim_plan``,
-``can_reserve``, ``prealloc_*``, ``max_new_tokens_for_memory``, ``evict_to_free_tokens``) is not implemented
-(``NotImplementedError``).
+own choosing is refused (umalloc picks physical pages).
+
+The scheduler's reclaim planning (``reclaim_plan``, ``can_reserve``, ``prealloc_fits``, ``prealloc_ceiling_fits``,
+``reclaim_for_prealloc``, ``max_new_tokens_for_memory``, ``evict_to_free_tokens``, ``create_prefill_budget``) is
+:mod:`umalloc.integrations.sglang.reclaim`: SGLang's rules priced on umalloc's end state, evicting through the
+SGLang radix cache passed in.
 
 Memory: umalloc's :class:`~umalloc.Arena` is a host buffer of the pool's size created with ``zero=False``; only
 compaction writes to it (the page moves umalloc makes on its own envelopes), so on a CUDA pool the device memory
@@ -57,6 +60,7 @@ from umalloc import (
     MultiEndedAllocator,
 )
 from umalloc.errors import InvalidIdError, InvariantError, UmallocValueError
+from umalloc.integrations.sglang import reclaim
 from umalloc.integrations.sglang.capacity import (
     EndState,
     end_available_pages,
@@ -381,12 +385,19 @@ def build_unified_class(base: type, sglang_unified_base: type | None) -> type:
             return self._kvcache
 
         # ---- capacity gate and compaction ------------------------------------------------------------------
-        def _fits(self, n_full: int, n_swa: int, compacted: bool) -> bool:
+        def _fits(self, n_full: int, n_swa: int, compacted: bool, full_reclaim_pages: int = 0,
+                  swa_reclaim_pages: int = 0, empty_pool: bool = False) -> bool:
             full, swa = self._end_states()
             cap = full.capacity_pages
             return fits_page_demand(full, swa, self._gap_bytes(), n_full, n_swa,
                                     free_virtual_pages=cap - full.live_pages, virtual_capacity_pages=cap,
-                                    empty_gap_bytes=self._empty_gap_bytes, compacted=compacted)
+                                    empty_gap_bytes=self._empty_gap_bytes, compacted=compacted,
+                                    full_reclaim_pages=full_reclaim_pages, swa_reclaim_pages=swa_reclaim_pages,
+                                    empty_pool=empty_pool)
+
+        def live_pages(self, end: str) -> int:
+            """Pages of end ``end`` holding a live virtual page (SGLang's ``allocated_count() // page_size``). O(1)."""
+            return int((self._full_view if end == FULL else self._swa_view).live_pages)
 
         def ensure_capacity(self, full_tokens: int, swa_tokens: int) -> bool:
             """Whether ``full_tokens``/``swa_tokens`` fit now; in lazy mode, with the gate open, compacts both
@@ -713,12 +724,16 @@ def build_unified_class(base: type, sglang_unified_base: type | None) -> type:
         def set_hicache_transfer_done_event(self, transfer_key: Any, event: Any) -> None:
             """Accepted: a HiCache transfer in flight is expressed with the move gate."""
 
-        def _not_implemented(self, *args: Any, **kwargs: Any) -> Any:
-            raise NotImplementedError("the scheduler's reclaim planning over a radix cache is not implemented by "
-                                      "umalloc's unified class (README, 'SGLang')")
-
-        reclaim_plan = can_reserve = prealloc_fits = prealloc_ceiling_fits = reclaim_for_prealloc = \
-            max_new_tokens_for_memory = evict_to_free_tokens = create_prefill_budget = _not_implemented
+        # ---- the scheduler's reclaim planning (umalloc.integrations.sglang.reclaim: docstrings there) ----------
+        reclaim_plan = reclaim.reclaim_plan
+        can_reserve = reclaim.can_reserve
+        prealloc_fits = reclaim.prealloc_fits
+        prealloc_fits_assumes_reclaim = reclaim.prealloc_fits_assumes_reclaim
+        prealloc_ceiling_fits = reclaim.prealloc_ceiling_fits
+        reclaim_for_prealloc = reclaim.reclaim_for_prealloc
+        max_new_tokens_for_memory = reclaim.max_new_tokens_for_memory
+        evict_to_free_tokens = reclaim.evict_to_free_tokens
+        create_prefill_budget = reclaim.create_prefill_budget
 
         def get_cpu_copy(self, indices: Any, mamba_indices: Any = None, req_pool_index: Any = None) -> Any:
             return self._kvcache.get_cpu_copy(indices, mamba_indices=mamba_indices, req_pool_index=req_pool_index)
