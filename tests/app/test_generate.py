@@ -16,6 +16,7 @@ import re
 import signal
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -39,7 +40,7 @@ from umalloc_replay.generate.run import (  # noqa: E402
 
 SEED = seed_from_env(0)
 #: a small slice: 4 requests, prompts 36-421 tokens (gemma3's window is 32: every long prompt has an SWA tail)
-SLICE = dict(requests=4, token_scale=64, output_scale=32, seed=SEED)
+SLICE: dict[str, Any] = dict(requests=4, token_scale=64, output_scale=32, seed=SEED)
 MODELS = ("llama", "gemma3")
 _reports: dict[tuple[str, str], dict] = {}
 
