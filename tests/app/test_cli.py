@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from process_tree import descendant_pids, pid_alive
 from typer.testing import CliRunner
 
 from umalloc_replay.cli import app
@@ -169,29 +170,6 @@ def test_layout_is_validated(tmp_path, azure):
 # ---- Ctrl-C -------------------------------------------------------------------------------------------------
 
 
-def _descendants(pid: int) -> set[int]:
-    out, todo = set(), [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            kids = Path(f"/proc/{p}/task/{p}/children").read_text().split()
-        except OSError:
-            continue
-        for k in map(int, kids):
-            if k not in out:
-                out.add(k)
-                todo.append(k)
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
-
-
 @pytest.mark.parametrize("backend", ["local", pytest.param("nixl", marks=pytest.mark.backend)])
 def test_ctrl_c_is_quiet_ends_every_child_and_exits_130(tmp_path, backend):
     if backend != "local":
@@ -212,10 +190,10 @@ def test_ctrl_c_is_quiet_ends_every_child_and_exits_130(tmp_path, backend):
         while proc.poll() is None and (time.monotonic() - start < 8 or (backend != "local" and not kids)):
             if time.monotonic() - start > 600:
                 break
-            kids |= _descendants(proc.pid)
+            kids |= descendant_pids(proc.pid)
             time.sleep(0.2)
         assert proc.poll() is None, proc.communicate()[0].decode()
-        kids |= _descendants(proc.pid)
+        kids |= descendant_pids(proc.pid)
         os.killpg(proc.pid, signal.SIGINT)
         out, _ = proc.communicate(timeout=300)  # a hang guard (item 10: it used to linger 10-25 s)
     finally:
@@ -228,9 +206,9 @@ def test_ctrl_c_is_quiet_ends_every_child_and_exits_130(tmp_path, backend):
     if backend != "local":
         assert kids, "the second process was never seen"
     end = time.monotonic() + 120  # a hang guard: a loaded machine may take a while to reap the children
-    while any(_alive(k) for k in kids) and time.monotonic() < end:
+    while any(pid_alive(k) for k in kids) and time.monotonic() < end:
         time.sleep(0.1)
-    assert not [k for k in kids if _alive(k)], "a child outlived the replay"
+    assert not [k for k in kids if pid_alive(k)], "a child outlived the replay"
 
 
 def test_compaction_off_refusal_suggests_lazy_when_lazy_places_it(tmp_path):
@@ -276,7 +254,7 @@ def test_a_killed_second_process_ends_the_replay_with_one_error_line(tmp_path):
     try:
         start, kids = time.monotonic(), set()
         while proc.poll() is None and (time.monotonic() - start < 8 or not kids) and time.monotonic() - start < 600:
-            kids |= _descendants(proc.pid)
+            kids |= descendant_pids(proc.pid)
             time.sleep(0.2)
         assert proc.poll() is None and kids, "the replay and its second process never ran together"
         for k in kids:

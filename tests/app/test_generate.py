@@ -11,11 +11,19 @@ catches it. Seeded (``UMALLOC_SEED``, printed).
 
 from __future__ import annotations
 
+import os
+import re
+import signal
+import subprocess
+import sys
+from typing import Any
+
 import pytest
 
 transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
+from process_tree import descendant_pids, wait_all_ended  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
 from umalloc.testing import require_or_skip, seed_from_env  # noqa: E402
@@ -32,7 +40,7 @@ from umalloc_replay.generate.run import (  # noqa: E402
 
 SEED = seed_from_env(0)
 #: a small slice: 4 requests, prompts 36-421 tokens (gemma3's window is 32: every long prompt has an SWA tail)
-SLICE = dict(requests=4, token_scale=64, output_scale=32, seed=SEED)
+SLICE: dict[str, Any] = dict(requests=4, token_scale=64, output_scale=32, seed=SEED)
 MODELS = ("llama", "gemma3")
 _reports: dict[tuple[str, str], dict] = {}
 
@@ -205,3 +213,64 @@ def test_the_write_gate_keeps_stale_draft_kv_from_the_decode_side() -> None:
     assert early["write_gate"] == {"deferred_posts": 0, "posted_before_draft": 4}
     assert early["digest_mismatches"] == [0, 1, 2, 3]
     assert early["tokens"] == gated["tokens"]  # verification keeps the tokens: only the bytes show it
+
+
+# ---- the CLI ended from outside: Ctrl-C, a killed prefill process ---------------------------------------------
+
+#: Eight batches of one request: the run has batches left to do when the prefill process's marker line appears.
+CLI_LONG = ["--requests", "8", "--max-batch", "1", "--no-progress"]
+
+
+def _start_until_prefill(backend: str) -> tuple[subprocess.Popen, int, set[int], list[str]]:
+    """Start ``umalloc generate --backend BACKEND`` in a session of its own (so a SIGINT to its process group is a
+    terminal's Ctrl-C) and read its output up to the ``prefill process: pid N`` line. Returns the process, N, the
+    run's descendants then (N among them) and the lines read."""
+    cmd = [sys.executable, "-c", "from umalloc_replay.cli import app; app()", "generate", "--backend", backend,
+           *CLI_LONG]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
+    lines: list[str] = []
+    for raw in iter(proc.stdout.readline, b""):  # type: ignore[union-attr]
+        lines.append(raw.decode(errors="replace"))
+        m = re.fullmatch(rf"prefill process: pid (\d+) \({backend}\)\n", lines[-1])
+        if m:
+            kids = descendant_pids(proc.pid)
+            assert int(m[1]) in kids, (m[1], kids)  # the line names a real child of the run
+            return proc, int(m[1]), kids, lines
+    proc.wait(timeout=120)
+    raise AssertionError(f"no prefill process line (exit {proc.returncode}):\n" + "".join(lines))
+
+
+def _finish(proc: subprocess.Popen, lines: list[str], kids: set[int]) -> str:
+    """Wait (hang guard 120 s) for the run to end; assert none of ``kids`` outlives it; return all its output."""
+    try:
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert wait_all_ended(kids) == [], "a child outlived the run"
+    return "".join(lines) + rest.decode(errors="replace")
+
+
+@pytest.mark.backend
+def test_ctrl_c_mid_run_is_quiet_ends_the_prefill_process_and_exits_130() -> None:
+    require_or_skip("nixl")
+    proc, _, kids, lines = _start_until_prefill("nixl")
+    os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: the whole process group, the child included
+    text = _finish(proc, lines, kids)
+    assert proc.returncode == 130, text
+    assert text.strip().splitlines()[-1] == "interrupted" and text.count("interrupted") == 1, text
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text and "error:" not in text, text
+
+
+@pytest.mark.backend
+def test_a_killed_prefill_process_ends_the_cli_run_with_one_error_line_naming_it() -> None:
+    require_or_skip("mooncake")
+    proc, pid, kids, lines = _start_until_prefill("mooncake")
+    os.kill(pid, signal.SIGKILL)
+    text = _finish(proc, lines, kids)
+    assert proc.returncode == 1, text
+    errors = [ln for ln in text.splitlines() if "error:" in ln]
+    assert errors == [f"error: the mooncake backend failed: the prefill process (pid {pid}) died (killed by "
+                      "signal 9)"], text
+    assert "Traceback" not in text, text

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from process_tree import pid_alive
 
 from umalloc.errors import IncompatiblePeerError, SpecError, UmallocValueError
 from umalloc.geometry.arena import Arena
@@ -317,14 +318,6 @@ def test_cli_writes_the_multi_rank_report(tmp_path):
     assert bad.stdout == "", bad.stdout
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
-
-
 def _start_until_ranks(args: list[str]) -> tuple[subprocess.Popen, dict[str, int], list[str]]:
     """Start the console script in its own session; return it once it printed its ranks' pids."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -351,9 +344,9 @@ def _finish(proc: subprocess.Popen, lines: list[str], pids: dict[str, int]) -> s
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     end = time.monotonic() + 120  # a hang guard: a loaded machine may take a while to reap the ranks
-    while any(_alive(p) for p in pids.values()) and time.monotonic() < end:
+    while any(pid_alive(p) for p in pids.values()) and time.monotonic() < end:
         time.sleep(0.1)
-    assert not [k for k, p in pids.items() if _alive(p)], "a rank outlived the replay"
+    assert not [k for k, p in pids.items() if pid_alive(p)], "a rank outlived the replay"
     return "".join(lines) + rest.decode(errors="replace")
 
 

@@ -33,7 +33,15 @@ from typing import Any
 
 import torch
 
-from umalloc import Arena, ArenaSpec, InvariantError, MultiEndedAllocator, UmallocValueError, pages_for_tokens
+from umalloc import (
+    Arena,
+    ArenaSpec,
+    InvariantError,
+    MultiEndedAllocator,
+    UmallocValueError,
+    WorkerDied,
+    pages_for_tokens,
+)
 from umalloc_replay import (
     DEFAULT_GENERATE_MODEL,
     DEFAULT_GENERATE_OUTPUT_SCALE,
@@ -126,15 +134,24 @@ def _live_pages(stats: dict) -> int:
     return sum(int(s.live_pages) + int(s.pending_pages) for s in stats.values())
 
 
+def _prefill_died(worker: Any) -> WorkerDied:
+    """The error naming a dead (reaped) prefill process: its pid and how it ended (signal or exit code)."""
+    code = worker.process.exitcode
+    how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+    return WorkerDied(f"the prefill process (pid {worker.pid}) died ({how})")
+
+
 def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = None,
                  on_batch: Callable[[int, Any], None] | None = None) -> dict:
     """Run ``cfg`` (module docstring); returns the JSON-ready report. ``on_batch(batch_index, prefill_side)``
     runs after each batch's requests decoded (tests end the second process or raise ``KeyboardInterrupt``
-    there, at a point of their choosing).
+    there, at a point of their choosing). With ``--backend nixl|mooncake`` and a ``console`` (rich), prints
+    ``prefill process: pid N (BACKEND)`` on it once the second process is up with its model, before any batch.
 
     Raises:
         UmallocValueError: bad configuration (nothing started).
-        BackendError: the transfer engine or the second process failed (e.g. it was killed).
+        BackendError: the transfer engine or the second process failed; a dead prefill process is a
+            ``WorkerDied`` naming its pid and its signal or exit code.
     """
     from umalloc_replay.generate.kv import (
         FAULTS,
@@ -206,6 +223,8 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
                                 draft=False, seed=cfg.seed, compaction=cfg.compaction, padded=False,
                                 transfer_timeout_s=cfg.transfer_timeout_s, lease_deadline_s=cfg.lease_deadline_s,
                                 setup=setup)
+        if console is not None:  # the second process is up, its model built: the run's batches come next
+            console.print(f"prefill process: pid {prefill.worker.pid} ({cfg.backend})", soft_wrap=True)
     generated: dict[int, list[int]] = {}
     differ: list[dict] = []
     digest_bad: list[int] = []
@@ -293,6 +312,11 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
     except KeyboardInterrupt:
         interrupted = True  # the second process is killed at once, not asked to finish its transfers
         raise
+    except WorkerDied as exc:
+        if kv_local is not None:
+            raise
+        prefill.close(interrupted=True)  # reaps the dead child (idempotent): its exit status is known after
+        raise _prefill_died(prefill.worker) from exc
     finally:
         if bar is not None:
             bar.stop()
