@@ -172,6 +172,16 @@ class UnifiedScenario(PagedScenario):
         got = self.both_same(lambda s: s.alloc.max_new_tokens_for_memory(**args),
                              f"max_new_tokens_for_memory({args})")
         self.stats["max_new_tokens capped"] += got is not None and got < args["max_new_tokens"]
+        self.both_same(lambda s: s.alloc.swa_capacity_and_available(full_capacity=cap, swa_capacity=cap),
+                       "swa_capacity_and_available")
+        n = rng.randint(1, 4)
+        prefix = torch.tensor([rng.randint(0, cap) for _ in range(n)])
+        seq = prefix + torch.tensor([rng.randint(0, 3 * ps) for _ in range(n)])
+        shard = rng.choice([1, 1, 1, 2])
+        got = self.both_same(lambda s: s.alloc.get_extend_allocation_demand(
+            prefix, seq, conservative_num_tokens=cap, shard_size=shard),
+            f"get_extend_allocation_demand({prefix.tolist()}, {seq.tolist()}, shard_size={shard})")
+        self.stats["extend demands"] += got > 0
 
     def _plan_once(self, full: float, swa: float, cap: int) -> None:
         rng, ps = self.rng, self.page_size

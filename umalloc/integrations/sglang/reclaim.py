@@ -186,3 +186,26 @@ def create_prefill_budget(alloc: Any, tree_cache: Any, *, num_mixed_decode_token
 __all__ = ["can_reserve", "create_prefill_budget", "evict_to_free_tokens", "max_new_tokens_for_memory",
            "prealloc_ceiling_fits", "prealloc_fits", "prealloc_fits_assumes_reclaim", "reclaim_for_prealloc",
            "reclaim_plan"]
+
+
+def swa_capacity_and_available(alloc: Any, *, full_capacity: int,
+                               swa_capacity: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """``((full capacity, full available), (SWA capacity, SWA available))`` in tokens, as SGLang's unified class
+    reports them to its scheduler: the capacities are the current ones (available + live pages of each end), not
+    the ``full_capacity`` / ``swa_capacity`` the caller passes (accepted for the signature, unused). O(1)."""
+    del full_capacity, swa_capacity
+    return ((alloc.current_full_capacity, alloc.full_available_size()),
+            (alloc.current_swa_capacity, alloc.swa_available_size()))
+
+
+def get_extend_allocation_demand(alloc: Any, prefix_lens_cpu: Any, seq_lens_cpu: Any, *,
+                                 conservative_num_tokens: int, shard_size: int) -> int:
+    """Tokens an extend batch allocates: ``page_size`` x the new pages (per request ``ceil(seq_len / page_size) -
+    ceil(prefix_len / page_size)``, summed), or ``conservative_num_tokens`` when ``shard_size != 1`` (SGLang's
+    rule). ``prefix_lens_cpu`` / ``seq_lens_cpu``: int CPU tensors of one length per request. O(requests)."""
+    if shard_size != 1:
+        return conservative_num_tokens
+    ps = alloc.page_size
+    after = (seq_lens_cpu + ps - 1) // ps
+    before = (prefix_lens_cpu + ps - 1) // ps
+    return int(ps * int((after - before).sum()))

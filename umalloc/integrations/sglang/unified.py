@@ -734,6 +734,8 @@ def build_unified_class(base: type, sglang_unified_base: type | None) -> type:
         max_new_tokens_for_memory = reclaim.max_new_tokens_for_memory
         evict_to_free_tokens = reclaim.evict_to_free_tokens
         create_prefill_budget = reclaim.create_prefill_budget
+        swa_capacity_and_available = reclaim.swa_capacity_and_available
+        get_extend_allocation_demand = reclaim.get_extend_allocation_demand
 
         def get_cpu_copy(self, indices: Any, mamba_indices: Any = None, req_pool_index: Any = None) -> Any:
             return self._kvcache.get_cpu_copy(indices, mamba_indices=mamba_indices, req_pool_index=req_pool_index)
