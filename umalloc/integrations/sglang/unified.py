@@ -48,6 +48,7 @@ from typing import Any, cast
 
 import torch
 
+import umalloc.integrations.sglang.reclaim as reclaim
 from umalloc import (
     TOMBSTONE,
     Arena,
@@ -60,7 +61,6 @@ from umalloc import (
     MultiEndedAllocator,
 )
 from umalloc.errors import InvalidIdError, InvariantError, UmallocValueError
-from umalloc.integrations.sglang import reclaim
 from umalloc.integrations.sglang.capacity import (
     EndState,
     end_available_pages,
