@@ -32,6 +32,7 @@ from umalloc.allocator.ends import EndIndex
 from umalloc.allocator.ids import _I64, _NP_I64, _ids, _np_ids, _out, _out_arg, check_strict, read_only_table
 from umalloc.errors import InvalidIdError, UmallocError
 from umalloc.pool.heap import Heap
+from umalloc.translators import coalesce_runs
 from umalloc.translators import cpu as host_translator
 from umalloc.translators import cuda as device_translator
 
@@ -270,9 +271,8 @@ class TranslationService:
         >>> alloc.num_contiguous_runs(vp, "full"), alloc.num_contiguous_runs(vp.flip(0), "full")
         (1, 4)
         """
-        res = self.translate_pages(vpages, end)
-        phys = res if isinstance(res, np.ndarray) else res.cpu().numpy()
-        return int(host_translator.pages_to_runs_numpy(phys, phys).shape[0])  # the one run coalescer
+        phys = self.translate_pages(vpages, end)
+        return int(coalesce_runs(phys, phys).shape[0])
 
 
 __all__ = ["TranslationService"]
