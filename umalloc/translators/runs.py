@@ -22,7 +22,14 @@ import numpy as np
 import torch
 
 from umalloc.errors import InvalidIdError
-from umalloc.translators import _common as c
+from umalloc.translators._common import (
+    IndexLike,
+    first_true,
+    positive_int,
+    raise_negative,
+    runs_args,
+    wrap_numpy,
+)
 from umalloc.translators._dispatch import get_translator, load_impl
 
 _I64 = np.dtype(np.int64)
@@ -31,7 +38,7 @@ _I64_MAX = (1 << 63) - 1
 _host: ModuleType | None = None
 
 
-def coalesce_runs(src: c.IndexLike, dst: c.IndexLike, *, page_size: int | None = None,
+def coalesce_runs(src: IndexLike, dst: IndexLike, *, page_size: int | None = None,
                   translator: Any = None) -> np.ndarray:
     """Maximal runs of pairs ``(src[i], dst[i])`` contiguous on both sides, as host numpy.
 
@@ -59,10 +66,10 @@ def coalesce_runs(src: c.IndexLike, dst: c.IndexLike, *, page_size: int | None =
     """
     if page_size is None:
         return _pairs(src, dst, translator)
-    ps = c.positive_int(page_size, "page_size")
+    ps = positive_int(page_size, "page_size")
     if not (type(src) is np.ndarray and type(dst) is np.ndarray and src.dtype is _I64 and dst.dtype is _I64
             and src.ndim == 1 and dst.shape == src.shape):
-        src, dst = (t.to(torch.int64) for t in c.runs_args(src, dst))
+        src, dst = (t.to(torch.int64) for t in runs_args(src, dst))
     if src.shape[0] == 0:
         return np.empty((0, 3), dtype=np.int64)
     try:
@@ -90,17 +97,17 @@ def _pairs(src: Any, dst: Any, translator: Any) -> np.ndarray:
 def _bad_rows(src: Any, dst: Any, ps: int) -> InvalidIdError | None:
     """The :class:`InvalidIdError` naming the first negative id, else the first id too large to spread."""
     for name, ids in (("src", src), ("dst", dst)):
-        t = ids if isinstance(ids, torch.Tensor) else c.wrap_numpy(ids)
+        t = ids if isinstance(ids, torch.Tensor) else wrap_numpy(ids)
         if bool((t < 0).any()):
             try:
-                c.raise_negative(t, name)
+                raise_negative(t, name)
             except InvalidIdError as exc:
                 return exc
     for name, ids in (("src", src), ("dst", dst)):
-        t = ids if isinstance(ids, torch.Tensor) else c.wrap_numpy(ids)
+        t = ids if isinstance(ids, torch.Tensor) else wrap_numpy(ids)
         limit = (_I64_MAX // (ps + 1)) * ps + min(ps - 1, _I64_MAX % (ps + 1))
         if bool((t > limit).any()):
-            i = c.first_true(t.reshape(-1) > limit)
+            i = first_true(t.reshape(-1) > limit)
             return InvalidIdError(f"{name}[{i}] = {int(t.reshape(-1)[i])} is too large to coalesce in pages "
                                   f"of {ps}: allowed ids <= {limit}")
     return None
