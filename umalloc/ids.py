@@ -19,7 +19,7 @@ conversion to numpy ``int64``.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -30,6 +30,8 @@ from umalloc.errors import InvalidIdError, UmallocError
 Accept = Literal["int64", "int32", "int"]
 
 _NP_I64 = np.dtype(np.int64)
+_T_I64 = torch.int64
+_STRIDED = torch.strided
 _I64_END = 1 << 63
 _TORCH_INTS = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
 _TORCH_OK = {"int64": frozenset({torch.int64}), "int32": frozenset({torch.int64, torch.int32}), "int": _TORCH_INTS}
@@ -82,14 +84,27 @@ def host_ids(x: object, name: str, *, accept: Accept = "int", lists: bool = Fals
     >>> host_ids([3, 4], "ids", lists=True).tolist(), host_ids(np.array([5], dtype=np.uint8), "ids").dtype
     ([3, 4], dtype('int64'))
     """
-    if type(x) is np.ndarray and x.dtype is _NP_I64 and x.ndim == 1 and not nonnegative:
-        return x
-    lo = 0 if nonnegative else -_I64_END
+    v: Any = x
+    tx = type(v)
+    if tx is np.ndarray and v.dtype is _NP_I64 and v.ndim == 1:
+        a: np.ndarray = v
+    elif tx is torch.Tensor and v.dtype is _T_I64 and v.dim() == 1 and v.is_cpu and v.layout is _STRIDED:
+        a = v.numpy()  # integer tensors never require grad
+    else:
+        a = _convert(x, name, accept, lists, 0 if nonnegative else -_I64_END, error)
+    if nonnegative and a.size and int(a.min()) < 0:
+        raise error(f"{name}: negative id {int(a.min())}; allowed [0, {_I64_END - 1}]")
+    return a
+
+
+def _convert(x: object, name: str, accept: Accept, lists: bool, lo: int, error: type[UmallocError]
+             ) -> np.ndarray:
+    """:func:`host_ids` past its first tests: every check, and the one conversion."""
     if isinstance(x, torch.Tensor):
         check_id_tensor(x, name, accept, error)
         if x.dim() != 1:
             raise error(f"{name}: shape {tuple(x.shape)}; allowed 1-D")
-        a = (x if x.is_cpu else x.cpu()).detach().numpy()  # integer tensors never require grad
+        a = (x if x.is_cpu else x.cpu()).numpy()
     elif isinstance(x, np.ndarray):
         check_id_dtype(x.dtype, name, accept, error)
         if x.ndim != 1:
@@ -104,7 +119,7 @@ def host_ids(x: object, name: str, *, accept: Accept = "int", lists: bool = Fals
                 raise error(f"{name}: value {max(x)} does not fit int64 (2**63 or more); allowed "
                             f"[{lo}, {_I64_END - 1}]")
             if x and min(x) < lo:
-                raise error(f"{name}: value {min(x)} is {'negative' if nonnegative else 'below int64'}; allowed "
+                raise error(f"{name}: value {min(x)} is {'negative' if lo == 0 else 'below int64'}; allowed "
                             f"[{lo}, {_I64_END - 1}]")
             return np.array(x, dtype=np.int64) if x else np.zeros(0, dtype=np.int64)
         try:  # floats, bools, nested lists: numpy names the dtype or rank refused below
@@ -117,10 +132,7 @@ def host_ids(x: object, name: str, *, accept: Accept = "int", lists: bool = Fals
         kinds = "a 1-D integer torch tensor or numpy array" + (", or a list of ints" if lists else "")
         raise error(f"{name}: got {type(x).__name__}; allowed {kinds}")
     # native int64 under another dtype object (unpickled, np.longlong) becomes the canonical one
-    a = a.view(_NP_I64) if a.dtype == _NP_I64 else a.astype(_NP_I64)
-    if nonnegative and a.size and int(a.min()) < 0:
-        raise error(f"{name}: negative id {int(a.min())}; allowed [0, {_I64_END - 1}]")
-    return a
+    return a.view(_NP_I64) if a.dtype == _NP_I64 else a.astype(_NP_I64)
 
 
 def id_batch(x: object, name: str) -> np.ndarray:

@@ -72,13 +72,15 @@ def coalesce_runs(src: IndexLike, dst: IndexLike, *, page_size: int | None = Non
         src, dst = (t.to(torch.int64) for t in runs_args(src, dst))
     if src.shape[0] == 0:
         return np.empty((0, 3), dtype=np.int64)
+    step = np.int64(ps)  # numpy scalars: arithmetic with them skips the Python-int conversion
     try:
-        runs = _pairs(src + src // ps, dst + dst // ps, translator)
+        runs = _pairs(src + src // step, dst + dst // step, translator)
     except InvalidIdError as exc:  # a spread id is negative: a negative id, or one whose spread wrapped
         raise _bad_rows(src, dst, ps) or exc from None
     if ps < _I64_MAX:  # else no id reaches a page boundary: nothing was spread
-        runs[:, 0] -= runs[:, 0] // (ps + 1)
-        runs[:, 1] -= runs[:, 1] // (ps + 1)
+        spread_step = np.int64(ps + 1)
+        runs[:, 0] -= runs[:, 0] // spread_step
+        runs[:, 1] -= runs[:, 1] // spread_step
     return runs
 
 
