@@ -39,7 +39,6 @@ _I32_MAX = (1 << 31) - 1
 #: Largest value each accepted id dtype holds (results must fit the ids' own dtype).
 ID_MAX = {torch.int64: _I64_MAX, torch.int32: _I32_MAX, np.dtype(np.int64): _I64_MAX,
           np.dtype(np.int32): _I32_MAX}
-_ID_DTYPES = (torch.int64, torch.int32)
 _NP_ID_DTYPES = (np.dtype(np.int64), np.dtype(np.int32))
 _TORCH_OF = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
 
