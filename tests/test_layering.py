@@ -1,8 +1,9 @@
 """The package's layering, read from the source: imports point one way and modules stay small.
 
 Every import counts: module level, inside functions, under ``TYPE_CHECKING``. Layers, lowest first (a module may
-import its own layer and the ones below it): errors, translators, geometry, pool, leases, allocator, requests,
-transfer, backends, integrations, and ``umalloc.testing`` on top (imported by nothing in the package;
+import its own layer and the ones below it): errors and ids (the id validator, importing only errors),
+translators, geometry, pool, leases, allocator, requests, transfer, backends, integrations, and
+``umalloc.testing`` on top (imported by nothing in the package;
 doctests use it); the replay application is the separate package ``umalloc_replay``. Backends and transfer know
 plans and regions, not allocators: neither imports the pool, leases, allocator or requests layers.
 """
@@ -15,7 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1] / "umalloc"
 
 #: layer rank of each top-level part (lower may not import higher)
-RANK = {"errors": 0, "translators": 1, "geometry": 2, "pool": 3, "leases": 4, "allocator": 5, "requests": 6,
+RANK = {"errors": 0, "ids": 0, "translators": 1, "geometry": 2, "pool": 3, "leases": 4, "allocator": 5, "requests": 6,
         "transfer": 7, "backends": 8, "integrations": 9, "testing": 11}
 #: the allocation layers, which transfer and backends never import
 ALLOCATION = {"pool", "leases", "allocator", "requests"}

@@ -83,6 +83,7 @@ _EXPORTS: dict[str, str] = {
     "owned_count": "umalloc.transfer.rows",
     "rows_of_checked": "umalloc.transfer.rows",
     "sends_to": "umalloc.transfer.slices",
+    "coalesce_runs": "umalloc.translators.runs",
     "BackendWorker": "umalloc.backends.worker",
     "WorkerDied": "umalloc.backends.worker",
     "WorkerTimeout": "umalloc.backends.worker",
@@ -176,6 +177,7 @@ if TYPE_CHECKING:
     from umalloc.transfer.slices import (
         sends_to,
     )
+    from umalloc.translators.runs import coalesce_runs
 
 __all__ = [
     "ARENA_ALIGN_BYTES", "Arena", "ArenaInUseError", "ArenaSpec", "BackendError", "BackendUnavailable",
@@ -186,7 +188,7 @@ __all__ = [
     "RequestTableStats", "RetractedKV", "SpecError", "StaleLeaseError", "TOMBSTONE", "TombstoneError", "TransferError",
     "TransferPlan", "TransferTimeout", "UmallocError", "UmallocValueError", "WorkerDied", "WorkerTimeout",
     "WriteGate", "WriteIncompleteError",
-    "build_plan", "build_receiver_half", "build_send_plan", "check_compatible", "get_backend",
+    "build_plan", "build_receiver_half", "build_send_plan", "check_compatible", "coalesce_runs", "get_backend",
     "is_dcp_sharded", "owned_count", "pages_for_tokens", "preset_ends", "rank_kv_heads", "rows_of_checked",
     "sends_to", "swa_pages_per_seq", "swa_tail_start",
 ]

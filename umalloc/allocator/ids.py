@@ -5,7 +5,8 @@
   :mod:`umalloc.pool.kernels.raw`); other integer dtypes (``int32`` block tables of vLLM and SGLang, ``int16``,
   unsigned) are converted once to ``int64``, and values that do not fit (``uint64`` at or above ``2**63``) are
   refused. Bools, floats, complex, meta and sparse tensors are refused with
-  :class:`~umalloc.errors.InvalidIdError`.
+  :class:`~umalloc.errors.InvalidIdError`. The checks and conversions are :mod:`umalloc.ids` (the one id
+  validator); this module adds the hot paths' first tests and the kernel arguments.
 * Outputs (``out=``) are caller-owned ``int64`` buffers; a table the allocator returned
   (:class:`ReadOnlyTable`, or a view of one) is refused as ``out``.
 * ``strict`` is a ``bool`` (Python or numpy); anything else (``0``, ``"no"``, ``None``) is refused.
@@ -22,13 +23,13 @@ import numpy as np
 import torch
 
 from umalloc.errors import InvalidIdError, UmallocValueError
+from umalloc.ids import check_id_tensor, host_ids
 from umalloc.pool.kernels.raw import address
 
 _I64 = torch.int64
 _Tensor = torch.Tensor
 _NP_I64 = np.dtype(np.int64)
 _I64_END = 1 << 63  # the first count an int64 kernel argument cannot hold
-_TORCH_INTS = (torch.int8, torch.int16, torch.int32, torch.uint8)
 
 
 class ReadOnlyTable(torch.Tensor):
@@ -88,10 +89,6 @@ def check_strict(strict: object, where: str) -> bool:
     raise UmallocValueError(f"{where}: strict={strict!r}; allowed True or False")
 
 
-def _refuse_float(t: torch.Tensor, name: str) -> None:
-    raise InvalidIdError(f"{name}: dtype {t.dtype}; allowed an integer dtype (int64, or int32 and narrower)")
-
-
 def _ids(t: object, name: str) -> torch.Tensor:
     """Validate 1-D integer ids given as a torch tensor; return a contiguous CPU ``int64`` tensor (itself when it
     already is one: the kernels read it in place). The first test is the hot path's."""
@@ -99,12 +96,9 @@ def _ids(t: object, name: str) -> torch.Tensor:
         return t
     if not isinstance(t, torch.Tensor):
         if type(t) is np.ndarray:
-            return torch.from_numpy(_np_ids(t, name))
+            return torch.from_numpy(host_ids(t, name))
         raise InvalidIdError(f"{name}: got {type(t).__name__}; allowed a 1-D integer torch tensor or numpy array")
-    if t.layout is not torch.strided or t.is_meta:  # no dense data to read (copying one raises untyped)
-        raise InvalidIdError(f"{name}: layout {t.layout} on {t.device}; allowed a dense (strided) tensor with data")
-    if t.dtype is not _I64 and t.dtype not in _TORCH_INTS:
-        _refuse_float(t, name)
+    check_id_tensor(t, name)
     if t.dim() != 1:
         raise InvalidIdError(f"{name}: shape {tuple(t.shape)}; allowed a 1-D tensor")
     if t.dtype is not _I64:
@@ -112,21 +106,6 @@ def _ids(t: object, name: str) -> torch.Tensor:
     if not t.is_cpu or not t.is_contiguous():
         t = t.to("cpu").contiguous()
     return t
-
-
-def _np_ids(t: np.ndarray, name: str) -> np.ndarray:
-    """1-D integer numpy ids as native int64 (a view where they already are, else one converted copy)."""
-    if t.ndim != 1 or t.dtype.kind not in "iu":
-        raise InvalidIdError(f"{name}: numpy {t.dtype}, shape {t.shape}; allowed a 1-D integer array")
-    if not t.dtype.isnative:
-        raise InvalidIdError(f"{name}: numpy dtype {t.dtype.str}; allowed native int64 (or a narrower native "
-                             f"integer dtype)")
-    if t.dtype == _NP_I64:
-        # native int64 under another dtype object (unpickled, np.longlong): the kernels get the canonical one
-        return t.view(_NP_I64)
-    if t.dtype.kind == "u" and t.dtype.itemsize == 8 and t.size and int(t.max()) >= _I64_END:
-        raise InvalidIdError(f"{name}: value {int(t.max())} does not fit int64; allowed ids below 2**63")
-    return t.astype(_NP_I64)
 
 
 def _out(out: object, n: int | None, name: str = "out") -> torch.Tensor:
@@ -158,7 +137,7 @@ def _id_arg(t: object, name: str, addr: Callable[[torch.Tensor], int] = address)
     elif tt is np.ndarray:
         if t.dtype is _NP_I64 and t.ndim == 1:  # type: ignore[attr-defined]
             return t, t, t.shape[0]  # type: ignore[attr-defined]
-        v = _np_ids(t, name)  # type: ignore[arg-type]
+        v = host_ids(t, name)
         return v, v, v.shape[0]
     c = _ids(t, name)
     return c, addr(c), c.numel()
@@ -199,32 +178,4 @@ def count_arg(value: object, name: str) -> int:
     return v
 
 
-_NP_INT64 = np.dtype(np.int64)
-
-
-def id_batch(x: object, name: str) -> np.ndarray:
-    """A 1-D integer id batch as int64 numpy (torch int32/int64 on any device, numpy integers, or a list)."""
-    if type(x) is np.ndarray and x.dtype is _NP_INT64 and x.ndim == 1:   # the engine's own index arrays
-        return x
-    if isinstance(x, torch.Tensor):
-        if x.dtype not in (torch.int64, torch.int32) or x.dim() != 1 or x.is_sparse or x.is_meta:
-            raise InvalidIdError(f"{name}: dtype {x.dtype}, shape {tuple(x.shape)}; allowed a dense 1-D "
-                                 f"torch.int64 or torch.int32 tensor")
-        if x.device.type != "cpu":
-            x = x.cpu()
-        a = x.numpy()
-        return a if a.dtype is _NP_INT64 else a.astype(np.int64)
-    if isinstance(x, np.ndarray):
-        if x.ndim != 1 or x.dtype.kind not in "iu":
-            raise InvalidIdError(f"{name}: dtype {x.dtype}, shape {x.shape}; allowed a 1-D integer numpy array")
-        if x.dtype.kind == "u" and x.size and int(x.max()) >= 2**63:
-            raise InvalidIdError(f"{name}: value {int(x.max())}; allowed ids in [0, 2**63)")
-        return x if x.dtype is _NP_INT64 else x.astype(np.int64)
-    if isinstance(x, (list, tuple)) and all(type(v) is int for v in x):
-        if any(not -(2**63) <= v < 2**63 for v in x):
-            raise InvalidIdError(f"{name}: a value outside int64; allowed ids in [0, 2**63)")
-        return np.array(x, dtype=np.int64).reshape(-1)
-    raise InvalidIdError(f"{name}={x!r}: allowed a 1-D integer torch tensor, numpy array or list of ints")
-
-
-__all__ = ["ReadOnlyTable", "check_strict", "count_arg", "id_batch", "read_only_table"]
+__all__ = ["ReadOnlyTable", "check_strict", "count_arg", "read_only_table"]

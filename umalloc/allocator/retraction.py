@@ -47,6 +47,7 @@ import torch
 from umalloc.errors import InvalidIdError, NotAllocatedError, UmallocValueError
 from umalloc.geometry.arena import Arena
 from umalloc.geometry.spec import ArenaSpec, EndSpec
+from umalloc.ids import host_ids
 from umalloc.pool.pagestate import TOMBSTONE
 
 
@@ -159,14 +160,10 @@ def retract(allocator: MultiEndedAllocator, vtokens: torch.Tensor, *, owner: str
     ({'full': 2, 'swa': 2}, 0, 0)
     """
     owner = _resolve_owner(allocator, owner)
-    if not isinstance(vtokens, torch.Tensor) or vtokens.dtype != torch.int64 or vtokens.dim() != 1:
-        raise InvalidIdError(f"vtokens: allowed a 1-D torch.int64 tensor, got "
-                             f"{type(vtokens).__name__} {getattr(vtokens, 'dtype', '')}")
-    if vtokens.layout is not torch.strided or vtokens.is_meta:  # no dense data to read
-        raise InvalidIdError(f"vtokens: layout {vtokens.layout} on {vtokens.device}; allowed a dense tensor with "
-                             f"data")
+    if not isinstance(vtokens, torch.Tensor):
+        raise InvalidIdError(f"vtokens: allowed a 1-D torch.int64 tensor, got {type(vtokens).__name__}")
+    toks = host_ids(vtokens, "vtokens", accept="int64")
     page_size = allocator.spec.end(owner).page_size
-    toks = vtokens.detach().cpu().numpy()
     num_vpages = allocator.num_vpages(owner)
     if toks.size and (toks.min() < 0 or toks.max() >= num_vpages * page_size):
         raise InvalidIdError(f"virtual token ids of owner {owner!r}: allowed [0, {num_vpages * page_size - 1}]")

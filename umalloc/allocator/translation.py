@@ -29,9 +29,11 @@ import torch
 
 from umalloc.allocator.calls import KernelEntry
 from umalloc.allocator.ends import EndIndex
-from umalloc.allocator.ids import _I64, _NP_I64, _ids, _np_ids, _out, _out_arg, check_strict, read_only_table
+from umalloc.allocator.ids import _I64, _NP_I64, _ids, _out, _out_arg, check_strict, read_only_table
 from umalloc.errors import InvalidIdError, UmallocError
+from umalloc.ids import host_ids
 from umalloc.pool.heap import Heap
+from umalloc.translators import coalesce_runs
 from umalloc.translators import cpu as host_translator
 from umalloc.translators import cuda as device_translator
 
@@ -202,7 +204,7 @@ class TranslationService:
                 raise type(exc)(f"{where} on end {t.name!r}: {exc}") from None
         name = "vpages" if pages else "vtokens"
         if type(ids) is np.ndarray:
-            toks_np = _np_ids(ids, name)
+            toks_np = host_ids(ids, name)
             if out is None:
                 out_np = np.empty(toks_np.shape[0], np.int64)
             elif type(out) is np.ndarray:
@@ -270,9 +272,8 @@ class TranslationService:
         >>> alloc.num_contiguous_runs(vp, "full"), alloc.num_contiguous_runs(vp.flip(0), "full")
         (1, 4)
         """
-        res = self.translate_pages(vpages, end)
-        phys = res if isinstance(res, np.ndarray) else res.cpu().numpy()
-        return int(host_translator.pages_to_runs_numpy(phys, phys).shape[0])  # the one run coalescer
+        phys = self.translate_pages(vpages, end)
+        return int(coalesce_runs(phys, phys).shape[0])
 
 
 __all__ = ["TranslationService"]

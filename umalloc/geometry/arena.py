@@ -26,6 +26,7 @@ import torch
 from umalloc.errors import ArenaMemoryError, InvalidIdError, UmallocValueError
 from umalloc.geometry.region import DRAM, VRAM, Region, RegionMember
 from umalloc.geometry.spec import ArenaSpec, EndSpec, LayerKind
+from umalloc.ids import check_id_dtype, check_id_tensor
 
 #: Device types an arena may live on.
 ARENA_DEVICE_TYPES = ("cpu", "cuda")
@@ -287,15 +288,10 @@ def _page_ids(ids: object, name: str) -> torch.Tensor:
     """``ids`` as an int64 tensor (numpy wrapped), or raise :class:`InvalidIdError` for a float, bool or other
     dtype, a meta or sparse tensor."""
     if isinstance(ids, np.ndarray):
-        if ids.dtype not in (np.int64, np.int32):
-            raise InvalidIdError(f"copy_pages: {name} must have an int64 or int32 dtype, got numpy {ids.dtype}")
+        check_id_dtype(ids.dtype, f"copy_pages: {name}", "int32")
         ids = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))
     if not isinstance(ids, torch.Tensor):
         raise InvalidIdError(f"copy_pages: {name} must be an int64/int32 tensor or numpy array, "
                              f"got {type(ids).__name__}")
-    if ids.dtype not in (torch.int64, torch.int32):
-        raise InvalidIdError(f"copy_pages: {name} must have dtype torch.int64 or torch.int32, got {ids.dtype}")
-    if ids.layout is not torch.strided or ids.device.type == "meta":
-        raise InvalidIdError(f"copy_pages: {name} must be a dense tensor holding values, got {ids.layout} on "
-                             f"{ids.device}")
+    check_id_tensor(ids, f"copy_pages: {name}", "int32")
     return ids.to(torch.int64)

@@ -102,6 +102,7 @@ import numpy as np
 from numba import njit
 
 from umalloc.errors import InvariantError, LeaseError, StaleLeaseError
+from umalloc.ids import host_ids
 from umalloc.leases.lease import (
     LEASE_ACTIVE,
     LEASE_EXPIRED,
@@ -124,29 +125,7 @@ _GENERATIONS = itertools.count(1)
 
 def _as_page_array(end: str, pages: object, lo: int, hi: int) -> np.ndarray:
     """Validate one end's page list and return it as a sorted, deduplicated, read-only ``int64`` array."""
-    if hasattr(pages, "detach") and hasattr(pages, "cpu"):  # a torch tensor on any device
-        import torch
-
-        if not isinstance(pages, torch.Tensor):
-            raise LeaseError(f"pages[{end!r}]: allowed a 1-D integer torch tensor, numpy array or sequence")
-        if pages.layout is not torch.strided or pages.is_meta:  # no dense data to read
-            raise LeaseError(f"pages[{end!r}]: layout {pages.layout} on {pages.device}; allowed a dense tensor "
-                             f"with data")
-        if pages.dtype.is_floating_point or pages.dtype.is_complex or pages.dtype == torch.bool:
-            raise LeaseError(f"pages[{end!r}] dtype {pages.dtype}: allowed an integer dtype (int64)")
-        arr = pages.detach().cpu().numpy()
-    else:
-        try:
-            arr = np.asarray(pages)
-        except Exception as exc:  # noqa: BLE001 - any conversion failure is caller misuse
-            raise LeaseError(f"pages[{end!r}]={pages!r}: allowed a 1-D integer array") from exc
-        if arr.size == 0 and arr.dtype.kind == "f":  # an empty Python list converts to float64
-            arr = arr.astype(np.int64)
-    if arr.ndim != 1:
-        raise LeaseError(f"pages[{end!r}] has shape {arr.shape}: allowed a 1-D array of physical pages")
-    if arr.dtype.kind not in "iu":
-        raise LeaseError(f"pages[{end!r}] dtype {arr.dtype}: allowed an integer dtype (int64)")
-    arr = np.ascontiguousarray(arr, dtype=np.int64)
+    arr = np.ascontiguousarray(host_ids(pages, f"pages[{end!r}]", lists=True, error=LeaseError))
     bad, ascending = _scan_pages(arr, lo, hi)
     if bad >= 0:
         raise LeaseError(f"physical page {int(arr[bad])} of end {end!r}: allowed [{lo}, {hi - 1}]")

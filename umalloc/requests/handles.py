@@ -22,8 +22,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from umalloc.allocator.ids import id_batch
 from umalloc.errors import InvalidIdError, StaleHandleError
+from umalloc.ids import id_batch
 
 HANDLE_SHIFT = 32                     # handle = generation << 32 | slot
 SLOT_MASK = (1 << HANDLE_SHIFT) - 1

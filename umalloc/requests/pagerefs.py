@@ -45,8 +45,8 @@ import numpy as np
 from numba import njit, typeof, types
 
 from umalloc.allocator.facade import MultiEndedAllocator
-from umalloc.allocator.ids import id_batch
 from umalloc.errors import DoubleFreeError, InvalidIdError, InvariantError, UmallocValueError
+from umalloc.ids import id_batch
 from umalloc.pool.kernels.codes import OK
 from umalloc.pool.kernels.ops import k_alloc_pages, k_free
 from umalloc.pool.pagestate import TOMBSTONE

@@ -45,6 +45,7 @@ from numba import njit
 
 from umalloc.errors import InvalidIdError, InvariantError, UmallocValueError
 from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec
+from umalloc.ids import host_ids
 from umalloc.transfer.layout import CheckedLayouts, PeerLayout, check_compatible
 from umalloc.transfer.plan import EMPTY_IDS, HalfVector, IndexVector, ReceiverHalf, TransferPlan
 from umalloc.transfer.rows import check_tokens, is_dcp_sharded, rows_of_checked
@@ -54,8 +55,6 @@ from umalloc.translators import get_translator
 #: Virtual token ids of one request: one 1-D int64/int32 tensor (or numpy array) for the target owner, or a
 #: mapping ``{id owner end: ids}``.
 VTokens = torch.Tensor | np.ndarray | Mapping[str, torch.Tensor | np.ndarray]
-
-_ID_DTYPES = (torch.int64, torch.int32)
 
 
 class PlanAllocator(Protocol):
@@ -94,24 +93,9 @@ def _check_deadline(deadline_s: object) -> None:
 
 
 def _host_ids(vt: object, what: str) -> np.ndarray:
-    """Virtual token ids as a 1-D numpy int64 array (a view where the input already is one, else one copy)."""
-    if isinstance(vt, torch.Tensor):
-        if vt.dtype not in _ID_DTYPES:
-            raise InvalidIdError(f"{what}: dtype {vt.dtype}, allowed torch.int64 or torch.int32 virtual token ids")
-        if vt.layout is not torch.strided or vt.is_meta:
-            raise InvalidIdError(f"{what}: a {vt.layout} tensor on {vt.device}, allowed a strided CPU or CUDA "
-                                 "tensor")
-        arr = (vt if vt.is_cpu else vt.cpu()).numpy()  # integer tensors never require grad
-    elif isinstance(vt, np.ndarray):
-        arr = vt
-        if arr.dtype not in (np.int64, np.int32):
-            raise InvalidIdError(f"{what}: dtype {arr.dtype}, allowed int64 or int32 virtual token ids")
-    else:
-        raise InvalidIdError(f"{what}: {type(vt).__name__}, allowed a 1-D int64 or int32 tensor of virtual "
-                             "token ids")
-    if arr.ndim != 1:
-        raise InvalidIdError(f"{what}: shape {tuple(arr.shape)}, allowed 1-D virtual token ids")
-    return arr.astype(np.int64, copy=False)
+    """Virtual token ids (int64 or int32) as a 1-D numpy int64 array (a view where the input already is one,
+    else one copy): :func:`umalloc.ids.host_ids`."""
+    return host_ids(vt, f"{what} (virtual token ids)", accept="int32")
 
 
 def _resolve_vtokens(spec: ArenaSpec, vtokens: VTokens, owner: str | None, side: str) -> dict[str, np.ndarray]:

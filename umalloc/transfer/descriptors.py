@@ -5,8 +5,8 @@ Policy:
 * Input ids are numpy ``int64`` 1-D arrays of *physical* ids (pages, or token rows ``page * page_size + row``),
   already checked non-negative by their vector; output descriptors are a read-only numpy ``uint64`` ``(N, 3)``
   array, member-major (one block of rows per region-group member), page runs before row runs.
-* Run coalescing is the translators' ``pages_to_runs`` (the one implementation); a row run never crosses a page
-  boundary on either side (rows of two pages are not adjacent bytes: Note [Boundary page] in
+* Run coalescing is the translators' ``pages_to_runs`` through :func:`umalloc.translators.coalesce_runs` (the
+  one implementation); a row run never crosses a page boundary on either side (rows of two pages are not adjacent bytes: Note [Boundary page] in
   :mod:`umalloc.transfer.build`).
 * Every id is checked against its end's last page *before* any address arithmetic (an id past it could wrap a
   uint64 address back into the arena), every group member against the side's registered regions, then every
@@ -28,7 +28,7 @@ from umalloc.errors import DescriptorBoundsError, InvariantError, UmallocValueEr
 from umalloc.geometry.region import RegionGroup
 from umalloc.transfer.layout import ADDRESS_LIMIT, EndGeometry, PeerLayout
 from umalloc.transfer.slices import pair_pieces, same_slices, slice_descriptors
-from umalloc.translators import cpu as host_translator
+from umalloc.translators import coalesce_runs
 
 EMPTY_IDS = np.zeros(0, dtype=np.int64)
 EMPTY_IDS.setflags(write=False)
@@ -76,9 +76,8 @@ def vector_descriptors(vector: str, src_pages: np.ndarray, dst_pages: np.ndarray
         src_rows, dst_rows: int64 ``(m,)`` physical token-row pairs, non-negative; pair ``i`` copies one row of
             every layer block.
         src, dst: the two sides (:class:`SideBounds`).
-        translator: the translator that coalesces runs (default None: the host one,
-            :func:`umalloc.translators.cpu.pages_to_runs_numpy`, numpy in and out); another implementation
-            module is called through its ``pages_to_runs``.
+        translator: the translator that coalesces runs (:func:`umalloc.translators.coalesce_runs`'s
+            ``translator``; default None: the host one, numpy in and out).
 
     Returns:
         :class:`VectorDescriptors`.
@@ -103,8 +102,10 @@ def vector_descriptors(vector: str, src_pages: np.ndarray, dst_pages: np.ndarray
     fast = own and len(src.group.members) == 1
     _check_ids(vector, "src", EMPTY_IDS if fast else src_pages, src_rows, s_geom)
     _check_ids(vector, "dst", EMPTY_IDS if fast else dst_pages, dst_rows, d_geom)
-    page_runs = _runs(translator, src_pages, dst_pages) if src_pages.shape[0] else _EMPTY_RUNS
-    row_runs = _row_runs(translator, src_rows, dst_rows, s_geom.page_size)
+    # row runs stay inside one page on both sides (the spread form of coalesce_runs)
+    page_runs = coalesce_runs(src_pages, dst_pages, translator=translator) if src_pages.shape[0] else _EMPTY_RUNS
+    row_runs = coalesce_runs(src_rows, dst_rows, page_size=s_geom.page_size, translator=translator) \
+        if src_rows.shape[0] else _EMPTY_RUNS
     if page_runs.shape[0] == 0 and row_runs.shape[0] == 0:
         return VectorDescriptors(_NO_DESCRIPTORS, 0, 0)
     if len(src.group.members) == 1:
@@ -244,29 +245,6 @@ def _page_descriptors(runs: np.ndarray, src_group: RegionGroup, dst_group: Regio
         out[m, :, 1] += np.uint64(dm.base_addr)
         np.multiply(u[:, 2], item, out=out[m, :, 2])
     return out.reshape(k * r, 3)
-
-
-def _runs(translator: Any, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
-    """Runs of ``(src, dst)`` (int64 numpy ``(R, 3)``): the host coalescing, or ``translator``'s."""
-    if translator is None or translator is host_translator:
-        return host_translator.pages_to_runs_numpy(src, dst)
-    return translator.pages_to_runs(src, dst).cpu().numpy()
-
-
-def _row_runs(translator: Any, src_rows: np.ndarray, dst_rows: np.ndarray, page_size: int) -> np.ndarray:
-    """Runs ``(src_token, dst_token, num_rows)`` of row pairs contiguous on both sides *inside one page*.
-
-    Coalescing is the translators' ``pages_to_runs`` on ids spread by one per page (``t + t // page_size``), so
-    a run never crosses a page boundary on either side.
-    """
-    if src_rows.shape[0] == 0:
-        return _EMPTY_RUNS
-    spread_s = src_rows + src_rows // page_size
-    spread_d = dst_rows + dst_rows // page_size
-    runs = _runs(translator, spread_s, spread_d)
-    runs[:, 0] -= runs[:, 0] // (page_size + 1)
-    runs[:, 1] -= runs[:, 1] // (page_size + 1)
-    return runs
 
 
 def _row_descriptors(runs: np.ndarray, geom: EndGeometry, src_group: RegionGroup, dst_group: RegionGroup

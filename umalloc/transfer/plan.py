@@ -46,6 +46,7 @@ from umalloc.errors import (
     UmallocValueError,
 )
 from umalloc.geometry.region import RegionGroup
+from umalloc.ids import host_ids
 from umalloc.transfer.descriptors import EMPTY_IDS, SideBounds, vector_descriptors
 from umalloc.transfer.layout import PeerLayout, wire_int
 from umalloc.transfer.rows import check_dcp, check_tokens
@@ -58,7 +59,6 @@ PLAN_ABORTED = "aborted"
 
 _HALF_FORMAT = 1
 _ENDING = threading.Lock()  # the first terminal transition wins, whichever thread it comes from
-_I64_MAX = (1 << 63) - 1
 _NO_DESCRIPTORS = np.zeros((0, 3), dtype=np.uint64)
 _NO_DESCRIPTORS.setflags(write=False)
 
@@ -79,31 +79,10 @@ def as_ids(x: object, what: str) -> np.ndarray:
     >>> as_ids([3, 4], "ids").tolist(), as_ids(np.array([5], dtype=np.uint8), "ids").dtype
     ([3, 4], dtype('int64'))
     """
-    if isinstance(x, np.ndarray):
-        if x.dtype.kind not in "iu":
-            raise InvalidIdError(f"{what}: dtype {x.dtype}, allowed int64")
-        if x.dtype == np.uint64 and x.size and int(x.max()) > _I64_MAX:
-            raise InvalidIdError(f"{what}: id {int(x.max())} past int64; allowed [0, {_I64_MAX}]")
-        a = np.array(x, dtype=np.int64)
-    elif isinstance(x, torch.Tensor):
-        if x.dtype != torch.int64:
-            raise InvalidIdError(f"{what}: dtype {x.dtype}, allowed torch.int64")
-        if x.layout != torch.strided or x.device.type == "meta":
-            raise InvalidIdError(f"{what}: a {x.layout} tensor on {x.device}, allowed a strided CPU or CUDA tensor")
-        a = x.detach().cpu().numpy().copy()
-    elif isinstance(x, (list, tuple)):
-        if not all(type(v) is int or isinstance(v, np.integer) for v in x):
-            bad = next(v for v in x if not (type(v) is int or isinstance(v, np.integer)))
-            raise InvalidIdError(f"{what}: entry {bad!r} ({type(bad).__name__}), allowed ints")
-        if x and (max(x) > _I64_MAX):
-            raise InvalidIdError(f"{what}: id {max(x)} past int64; allowed [0, {_I64_MAX}]")
-        a = np.array(x, dtype=np.int64) if len(x) else np.zeros(0, dtype=np.int64)
-    else:
-        raise InvalidIdError(f"{what}: {type(x).__name__}, allowed an int64 tensor, array or list")
-    if a.ndim != 1:
-        raise InvalidIdError(f"{what}: shape {a.shape}, allowed 1-D")
-    if a.size and int(a.min()) < 0:
-        raise InvalidIdError(f"{what}: negative physical id {int(a.min())}; allowed ids >= 0")
+    # umalloc.ids checks and converts; tensors are int64 only (a plan's ids come from int64 tables)
+    a = host_ids(x, what, accept="int64" if isinstance(x, torch.Tensor) else "int", lists=True, nonnegative=True)
+    if a is x or not a.flags.owndata:  # the caller's memory: the plan keeps a private copy
+        a = a.copy()
     a.setflags(write=False)
     return a
 

@@ -9,7 +9,8 @@
   wrapped. A refused call writes nothing: ``out=`` is left untouched.
 * ``tokens_to_pages``: page ids of whole, aligned pages of tokens (misalignment raises, never truncates).
 * ``pages_to_runs`` / ``runs_to_descriptors``: coalesce page pairs into runs contiguous on both sides, then into
-  ``(src_addr, dst_addr, nbytes)`` uint64 descriptors per region pair.
+  ``(src_addr, dst_addr, nbytes)`` uint64 descriptors per region pair. :func:`coalesce_runs` (package level) is
+  ``pages_to_runs`` as host numpy, optionally bounded to pages: what callers outside the translators use.
 * ``kernel_page_ids``: ids a page-major layout gives attention kernels.
 * ``rank_local_positions``: what a decode-context-parallel rank owns and its rank-local rows.
 
@@ -28,6 +29,7 @@ from umalloc.translators._dispatch import (
     get_translator,
     load_impl,
 )
+from umalloc.translators.runs import coalesce_runs
 
 __all__ = [
     "ENV_VAR",
@@ -39,6 +41,7 @@ __all__ = [
     "RegionsLike",
     "Translator",
     "available_impls",
+    "coalesce_runs",
     "get_translator",
     "load_impl",
 ]

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from umalloc.errors import InvalidIdError, TombstoneError, UmallocValueError
+from umalloc.ids import check_id_dtype
 
 #: The v2p entry of an unbound virtual page. Any negative entry is treated as unbound.
 TOMBSTONE: int = -1
@@ -38,7 +39,6 @@ _I32_MAX = (1 << 31) - 1
 #: Largest value each accepted id dtype holds (results must fit the ids' own dtype).
 ID_MAX = {torch.int64: _I64_MAX, torch.int32: _I32_MAX, np.dtype(np.int64): _I64_MAX,
           np.dtype(np.int32): _I32_MAX}
-_ID_DTYPES = (torch.int64, torch.int32)
 _NP_ID_DTYPES = (np.dtype(np.int64), np.dtype(np.int32))
 _TORCH_OF = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
 
@@ -66,16 +66,14 @@ def as_index_tensor(x: object, name: str, *, ndim: int | None = None, int64_only
     A numpy array is wrapped zero-copy (``torch.from_numpy``; a read-only array too, the translators never
     write their inputs); a tensor is returned as is. ``int64_only`` refuses int32 (the v2p table).
     """
-    allowed = "int64" if int64_only else "int64 or int32"
+    accept = "int64" if int64_only else "int32"  # umalloc.ids: "int32" takes int64 or int32
     if isinstance(x, np.ndarray):
-        if x.dtype not in _NP_ID_DTYPES or (int64_only and x.dtype != np.int64):
-            raise InvalidIdError(f"{name} must have dtype {allowed}, got numpy {x.dtype}")
+        check_id_dtype(x.dtype, name, accept)
         x = wrap_numpy(x)
     elif not isinstance(x, torch.Tensor):
+        allowed = "int64" if int64_only else "int64 or int32"
         raise InvalidIdError(f"{name} must be an {allowed} torch.Tensor or numpy array, got {type(x).__name__}")
-    if x.dtype not in _ID_DTYPES or (int64_only and x.dtype != torch.int64):
-        raise InvalidIdError(f"{name} must have dtype torch.{allowed.replace(' or ', ' or torch.')}, "
-                             f"got {x.dtype}")
+    check_id_dtype(x.dtype, name, accept)
     check_dense(x, name)
     if ndim is not None and x.dim() != ndim:
         raise InvalidIdError(f"{name} must be {ndim}-D, got shape {tuple(x.shape)}")

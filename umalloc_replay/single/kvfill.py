@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from umalloc import Arena, ArenaSpec, InvalidIdError, UmallocValueError
+from umalloc import Arena, ArenaSpec, InvalidIdError, UmallocValueError, coalesce_runs
 from umalloc_replay.single import kvfill_kernels as _kernels
 
 _M64 = (1 << 64) - 1
@@ -279,7 +279,8 @@ class KVPattern:
         dev = env.device
         table = self._table(ep, dev)
         nl = ep.num_layers
-        for j, p0, n in _runs(pp):
+        # runs of ascending pages: the library's coalescing of the pairs (position in sp, page)
+        for j, p0, n in coalesce_runs(np.arange(pp.shape[0]), pp.numpy()).tolist():
             keys = self._keys_torch(ep, request_id, sp[j:j + n]).to(dev)   # (n, nl)
             if ep.uniform:
                 run = env[p0:p0 + n].view(n, nl, -1)
@@ -530,19 +531,6 @@ class KVPattern:
             pages = torch.unique(pt // ep.page_size)
             self._check_ppages(arena, ep, pages, int(pages.numel()))
         return pt
-
-
-def _runs(pages: torch.Tensor) -> list[tuple[int, int, int]]:
-    """Maximal ascending runs of ``pages`` (int64 ``(n,)``): ``[(index of the run's first page, first page,
-    length), ...]``. O(n)."""
-    a = pages.numpy() if pages.device.type == "cpu" else pages.cpu().numpy()
-    n = len(a)
-    if n == 0:
-        return []
-    breaks = np.nonzero(np.diff(a) != 1)[0] + 1
-    starts = np.concatenate(([0], breaks))
-    lens = np.diff(np.concatenate((starts, [n])))
-    return [(int(i), int(a[i]), int(m)) for i, m in zip(starts, lens, strict=True)]
 
 
 def _as_np_i64(x: torch.Tensor | np.ndarray, name: str) -> np.ndarray:
