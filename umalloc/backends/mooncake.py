@@ -54,6 +54,18 @@ design (Note [Deadlines and in-flight parts] in :mod:`umalloc.backends.handle`):
   stuck on a peer that never answers keeps its pages leased until the engine gives it up or the lease's own
   deadline (the allocator's F12 backstop) reclaims them.
 
+Note [Mooncake retries]
+~~~~~~~~~~~~~~~~~~~~~~~
+The engine reports FAILED (-1) for a descriptor it gave up; on a loaded host that happens to a few descriptors of a
+large chunk while the peer is fine (seen here: 63 of 2,048 descriptors of a multi-rank replay at load ~10, the
+peer answering the probe right after). FAILED ends the descriptor in the engine, and the plan's leases still pin
+both sides' pages, so posting the same descriptor again writes the same source bytes to the same destination:
+whatever part of the failed attempt landed is overwritten with identical bytes. So a chunk's failed descriptors
+are posted again, up to ``max_retries`` times (default 2), only while (a) the peer answers a probe, (b) the handle
+is neither cancelled nor failed, and (c) the plan's leases hold (checked under the handle's lock before each
+retry); the chunk stays in flight throughout. A dead or closed peer, a withdrawn handle or an ended lease fails the
+chunk at once. :attr:`MooncakeBackend.retried_descriptors` counts the descriptors posted again.
+
 Note [Mooncake status without spinning]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 ``get_batch_transfer_status`` waits by spinning on the batch's state, holding a core for the whole transfer; on a
@@ -73,12 +85,13 @@ about 40 % (2048 ids at a 1 ms cap, measured here).
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import os
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from umalloc.backends.base import BackendBase
@@ -110,6 +123,11 @@ POLL_MIN_CAP_S = 1e-3
 POLL_NAP_SHARE = 0.05
 POLL_MAX_NAP_S = 0.05
 
+#: ``_why``'s answer when the peer answers a probe after a failed chunk (the only case a chunk is retried).
+PEER_REACHABLE = "peer reachable (it refused the write)"
+#: Default ``max_retries`` (Note [Mooncake retries]).
+MAX_RETRIES = 2
+
 _STOP = object()
 #: Result of a chunk the sender thread has taken and not finished: the engine may be touching its memory.
 IN_FLIGHT = "in_flight"
@@ -126,6 +144,24 @@ def _let_go_if_ended(state: dict) -> None:
         return
     hold.drop()
 
+
+
+def _leases_gone(state: dict) -> str | None:
+    """Why the handle's plan no longer protects its pages (:func:`plan_leases_gone`), or ``None``. Handle lock
+    held."""
+    try:
+        return plan_leases_gone(state["plan"])
+    except Exception as e:  # a lease that cannot be read cannot be trusted: do not post
+        return f"the plan's leases could not be checked ({type(e).__name__}: {e})"
+
+
+def _retry_stopper(state: dict) -> str | None:
+    """Why a failed chunk of this handle must not be posted again (Note [Mooncake retries]), or ``None``. Takes the
+    handle's lock."""
+    with state["lock"]:
+        if state["cancelled"] or state["failed"]:
+            return "the handle was cancelled or failed"
+        return _leases_gone(state)
 
 
 @contextmanager
@@ -157,11 +193,13 @@ class _PeerSender:
     """
 
     def __init__(self, engine: object, peer: str, predecessor: threading.Thread | None = None,
-                 counts: dict[str, int] | None = None) -> None:
+                 counts: dict[str, int] | None = None, max_retries: int = MAX_RETRIES) -> None:
         self.engine = engine
         self.peer = peer
-        #: Shared with the backend: ``status_checks`` (``transfer_check_status`` calls, a statistic).
-        self.counts = counts if counts is not None else {"status_checks": 0}
+        self.max_retries = max_retries
+        #: Shared with the backend: ``status_checks`` (``transfer_check_status`` calls) and
+        #: ``retried_descriptors`` (descriptors posted again, Note [Mooncake retries]); statistics.
+        self.counts = counts if counts is not None else {"status_checks": 0, "retried_descriptors": 0}
         self.predecessor = predecessor
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         #: Why the peer is known unreachable (set by this thread when a failed chunk's probe fails, cleared by a
@@ -184,10 +222,7 @@ class _PeerSender:
                     state["results"][i] = "skipped"
                     _let_go_if_ended(state)
                     continue
-                try:
-                    why = plan_leases_gone(state["plan"])
-                except Exception as e:  # a lease that cannot be read cannot be trusted: do not post
-                    why = f"the plan's leases could not be checked ({type(e).__name__}: {e})"
+                why = _leases_gone(state)
                 if why is None and self.unreachable is not None:
                     why = self.unreachable
                 if why is not None:
@@ -197,54 +232,77 @@ class _PeerSender:
                     _let_go_if_ended(state)
                     continue
                 state["results"][i] = IN_FLIGHT
-            res = self._post(src, dst, lengths)
+            res = self._post(src, dst, lengths, functools.partial(_retry_stopper, state))
             with state["lock"]:
                 state["results"][i] = res
                 if res != "done":
                     state["failed"] = True
                 _let_go_if_ended(state)
 
-    def _post(self, src: list[int], dst: list[int], lengths: list[int]) -> object:
+    def _post(self, src: list[int], dst: list[int], lengths: list[int],
+              may_retry: Callable[[], str | None] | None = None) -> object:
+        """Post a chunk and drain it (:meth:`_post_once`); descriptors the engine reported FAILED while the peer
+        still answers a probe are posted again, up to ``max_retries`` times, while ``may_retry()`` says nothing
+        stops it (``None``: the handle is neither cancelled nor failed and the plan's leases hold) — Note
+        [Mooncake retries]. Returns ``"done"`` or the TransferError of the last attempt."""
+        todo = list(zip(src, dst, lengths, strict=True))
+        retries = 0
+        while True:
+            failed, status = self._post_once(todo)
+            if not failed:
+                return "done"
+            why = self._why()
+            stop = "no retry allowed" if may_retry is None else may_retry()
+            if retries >= self.max_retries or why != PEER_REACHABLE or stop is not None:
+                after = f" after {retries} retries" if retries else ""
+                return TransferError(f"mooncake: {len(failed)} of {len(todo)} descriptors to {self.peer!r} failed "
+                                     f"(status {status}){after}; {why}")
+            retries += 1
+            self.counts["retried_descriptors"] = self.counts.get("retried_descriptors", 0) + len(failed)
+            todo = failed
+
+    def _post_once(self, todo: list[tuple[int, int, int]]) -> tuple[list[tuple[int, int, int]], int]:
         """One transfer id per descriptor, each polled without spinning (sleeps between rounds) until the engine
         reports it ended, and never after: COMPLETED (1) and FAILED (-1) end an id and free it; TIMEOUT (-2)
         does not (the slice is still in flight, Note [Mooncake deadlines]), nor does WAITING (0). Ids already
-        posted are always drained, even after a failure, so no part of the chunk is still in flight when the
-        chunk reports (F11)."""
+        posted are always drained, even after a failure, so no part of the chunk is still in flight when this
+        returns (F11). Returns the descriptors that failed (a refused post also leaves the rest unposted: they
+        count as failed) and the first failing status (-100: the engine refused the post)."""
         eng = self.engine
-        pending: list[int] = []
-        failed: list[int] = []
-        for s, d, n in zip(src, dst, lengths, strict=True):
+        pending: list[tuple[int, tuple[int, int, int]]] = []
+        failed: list[tuple[int, int, int]] = []
+        status = 0
+        for k, (s, d, n) in enumerate(todo):
             try:
                 bid = eng.transfer_submit_write(self.peer, s, d, n)
             except Exception:  # pragma: no cover - the engine returns codes; nothing was posted for this one
                 bid = None
             if bid is None or bid <= 0:
-                failed.append(-100)
+                failed.extend(todo[k:])
+                status = -100
                 break
-            pending.append(bid)
+            pending.append((bid, (s, d, n)))
         nap = 5e-5
         t0 = time.monotonic()
         while pending:
             keep = []
             self.counts["status_checks"] += len(pending)
-            for bid in pending:
+            for bid, desc in pending:
                 st = eng.transfer_check_status(bid)
                 if st == 1:
                     continue
                 if st == -1:
-                    failed.append(st)
+                    failed.append(desc)
+                    status = status or st
                 else:  # 0 (waiting) or -2 (TIMEOUT: older than MC_TRANSFER_TIMEOUT, still in flight)
-                    keep.append(bid)
+                    keep.append((bid, desc))
             pending = keep
             if pending:
                 time.sleep(nap)
                 # Note [Mooncake status without spinning]: the rounds cost a bounded share of the time in flight
                 cap = min(POLL_MAX_NAP_S, max(POLL_MIN_CAP_S, (time.monotonic() - t0) * POLL_NAP_SHARE))
                 nap = min(nap * 2, cap)
-        if not failed:
-            return "done"
-        return TransferError(f"mooncake: {len(failed)} of {len(src)} descriptors to {self.peer!r} failed (status "
-                             f"{failed[0]}); {self._why()}")
+        return failed, status
 
     def _why(self) -> str:
         """Probe the peer after a failed chunk. An unreachable peer fails every later chunk without posting it
@@ -254,7 +312,7 @@ class _PeerSender:
             return "peer state unknown"
         rc = probe(self.peer)
         if rc == 0:
-            return "peer reachable (it refused the write)"
+            return PEER_REACHABLE
         self.unreachable = f"peer closed or unreachable (probe {rc})"
         return self.unreachable
 
@@ -279,10 +337,12 @@ class MooncakeBackend(BackendBase):
             is working on (Note [Mooncake deadlines]); ``disconnect`` never waits for them.
         connect_timeout_s: bound on :meth:`connect`'s probe and handshake with the peer (the engine's own probe
             of a peer process that does not answer blocks for about a minute).
+        max_retries: how many times a chunk's FAILED descriptors are posted again while the peer answers a probe
+            and the plan's leases hold (Note [Mooncake retries]); 0 turns retries off.
 
     Raises:
-        UmallocValueError: a bad ``max_batch_descriptors``, ``max_batch_bytes`` or timeout (before the engine
-            starts).
+        UmallocValueError: a bad ``max_batch_descriptors``, ``max_batch_bytes``, timeout or ``max_retries``
+            (before the engine starts).
         BackendUnavailable: the engine does not initialise.
     """
 
@@ -291,10 +351,14 @@ class MooncakeBackend(BackendBase):
 
     def __init__(self, *, layout: object | None = None, host: str = "127.0.0.1", protocol: str = "tcp",
                  max_batch_descriptors: int = MAX_BATCH_DESCRIPTORS, max_batch_bytes: int = MAX_BATCH_BYTES,
-                 close_timeout_s: float = 5.0, connect_timeout_s: float = 10.0) -> None:
+                 close_timeout_s: float = 5.0, connect_timeout_s: float = 10.0,
+                 max_retries: int = MAX_RETRIES) -> None:
         for what, v in (("close_timeout_s", close_timeout_s), ("connect_timeout_s", connect_timeout_s)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v > 0 and math.isfinite(v)):
                 raise UmallocValueError(f"{what}={v!r}: allowed a positive finite number of seconds")
+        if isinstance(max_retries, bool) or not isinstance(max_retries, int) or not 0 <= max_retries <= 100:
+            raise UmallocValueError(f"max_retries={max_retries!r}: allowed an int in [0, 100]")
+        self.max_retries = max_retries
         super().__init__(layout=layout, host=host, max_batch_descriptors=max_batch_descriptors,
                          max_batch_bytes=max_batch_bytes)
         self.close_timeout_s = float(close_timeout_s)
@@ -311,13 +375,19 @@ class MooncakeBackend(BackendBase):
         #: Threads of senders stopped by ``disconnect`` (maybe still finishing a chunk), by peer session: the
         #: peer's next sender waits for its predecessor.
         self._retired: dict[str, threading.Thread] = {}
-        self._sender_counts = {"status_checks": 0}
+        self._sender_counts = {"status_checks": 0, "retried_descriptors": 0}
 
     @property
     def status_checks(self) -> int:
         """``transfer_check_status`` calls the sender threads made so far (Note [Mooncake status without
         spinning]); a statistic, not reset by :meth:`reset`."""
         return int(self._sender_counts["status_checks"])
+
+    @property
+    def retried_descriptors(self) -> int:
+        """Descriptors posted again after the engine reported them FAILED (Note [Mooncake retries]); a statistic,
+        not reset by :meth:`reset`."""
+        return int(self._sender_counts["retried_descriptors"])
 
     # ---- registration ----------------------------------------------------------------------------------
     def _check_region(self, region: Region) -> None:
@@ -350,7 +420,7 @@ class MooncakeBackend(BackendBase):
         self._reach(session, bool(md["regions"]))
         if session not in self._senders:
             self._senders[session] = _PeerSender(self._engine, session, self._retired.pop(session, None),
-                                                 self._sender_counts)
+                                                 self._sender_counts, self.max_retries)
         self._senders[session].unreachable = None  # it answered the probe above
         return session
 
