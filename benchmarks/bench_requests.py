@@ -186,10 +186,10 @@ def run_mode(mode: str, w: wl.Workload, args: argparse.Namespace) -> dict:
         table = make_table(w, prep, swa, args.swa_window, args.swa_ratio)
         extra.update(checked_replay(table, prep, np.zeros(prep.n_rids, np.int64), cache, w.params.page_size))
         if swa:   # the windows advanced exactly as bench_allocator's explicit releases (same pages, same rule)
-            released = table.alloc.stats()["swa"].pages_released
-            want = ba.PreparedPages(w, args.swa_window).release_pages
+            released = table.alloc.stats()["swa"].pages_unbound
+            want = ba.PreparedPages(w, args.swa_window).unbound_pages
             assert released == want, f"swa pages released {released}, bench_allocator releases {want}"
-            extra["swa_pages_released"] = released
+            extra["swa_pages_unbound"] = released
         extra["verified"] = True
     walls = []
     for _ in range(args.repeats):

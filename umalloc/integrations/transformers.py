@@ -545,7 +545,7 @@ class UmallocPagedCache:
             slot = int(got[0])
             self.table.reclaim(matched)
             ok = self.table.attach_prefix(slot, matched)
-            self.table.release(matched, cache=True)
+            self.table.drop_refs(matched, cache=True)
             if not ok:
                 self.table.free_requests([slot])
                 return 0

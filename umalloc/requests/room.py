@@ -62,7 +62,7 @@ class Room:
         into ``pagebuf[:k]``. False if they do not fit (the releases stay: callers run this in a trial)."""
         for end, pages in zip(self.bound_ends, released, strict=True):
             if pages.size:
-                self.alloc.release_pages(end, pages)
+                self.alloc.unbind_pages(end, pages)
         return k == 0 or self.alloc.alloc_pages(k, out=self.pagebuf[:k], owner=self.owner_arg) is not None
 
     def fits_now(self, k: int) -> bool:

@@ -173,7 +173,7 @@ def alloc_rows(alloc: MultiEndedAllocator, layout: PeerLayout, L: int) -> dict[s
             continue
         lo, _hi = _end_rows(e, L, *layout.dcp_for(e.name))
         if lo:
-            alloc.release_end(e.name, out[spec.owner_of(e.name)][:lo])
+            alloc.unbind_end(e.name, out[spec.owner_of(e.name)][:lo])
     return out
 
 
@@ -355,10 +355,10 @@ def child_prefill_start(ctx, items: list[tuple[int, int, dict[int, dict]]]) -> d
 
 
 def child_prefill_finish(ctx, request_ids: list[int], timeout_s: float) -> dict:
-    """Prefill: wait for every plan of ``request_ids`` (each bounded by ``timeout_s``) and release it (its source
+    """Prefill: wait for every plan of ``request_ids`` (each bounded by ``timeout_s``) and forget it (its source
     lease ends with it), then free the requests' rows — every wait before any free. Returns ``{"elapsed_s": {rid:
     {dst: seconds from submit to done}}, "wait_s", "alloc_s"}``. The first failure is raised once every handle
-    was released and every request freed."""
+    was forgotten and every request freed."""
     st = _state(ctx)
     b = ctx._b()
     first: BaseException | None = None
@@ -373,7 +373,7 @@ def child_prefill_finish(ctx, request_ids: list[int], timeout_s: float) -> dict:
             except BaseException as exc:
                 first = first or exc
             finally:
-                b.release(handle)
+                b.forget(handle)
     t1 = time.perf_counter()
     for rid in request_ids:
         free_rows(st.alloc, st.held.pop(rid)[1])

@@ -17,7 +17,11 @@ import torch
 from umalloc.errors import UmallocValueError
 from umalloc.integrations.sglang.pools import SlotPool
 from umalloc.integrations.sglang.swa import build_swa_class
-from umalloc.integrations.sglang.unified import build_unified_class
+from umalloc.integrations.sglang.unified import (
+    build_unified_class,
+    kvcache_get_cpu_copy,
+    kvcache_load_cpu_copy,
+)
 
 
 def _check_aligned(start_pos: int, page_size: int) -> None:
@@ -91,15 +95,8 @@ def allocator_classes() -> dict[str, type]:
             self.free_group = None
             self.pool.end_group()
 
-        def get_cpu_copy(self, indices: Any, mamba_indices: Any = None, req_pool_index: Any = None) -> Any:
-            """The KV pool's host copy of ``indices`` (slot ids are the KV pool's own indices)."""
-            return self._kvcache.get_cpu_copy(indices, mamba_indices=mamba_indices, req_pool_index=req_pool_index)
-
-        def load_cpu_copy(self, kv_cache_cpu: Any, indices: Any, mamba_indices: Any = None,
-                          req_pool_index: Any = None) -> Any:
-            """Write a host copy back into the KV pool at ``indices``."""
-            return self._kvcache.load_cpu_copy(kv_cache_cpu, indices, mamba_indices=mamba_indices,
-                                               req_pool_index=req_pool_index)
+        get_cpu_copy = kvcache_get_cpu_copy
+        load_cpu_copy = kvcache_load_cpu_copy
 
         def check_invariants(self) -> None:
             """umalloc's invariants and physical slot ids (:meth:`SlotPool.check_invariants`)."""

@@ -158,7 +158,7 @@ class EndAllocator(EndTranslator):
 
     def _live_on_owner(self, free_index: torch.Tensor) -> torch.Tensor:
         """The tokens whose virtual page is still live: SGLang's tree frees a node's full side before its SWA
-        side, and umalloc already released the SWA pages of an id it freed."""
+        side, and umalloc already unbound the SWA pages of an id it freed."""
         v = free_index.detach().to(torch.int64).reshape(-1).cpu()
         full_v2p = torch.from_numpy(self.allocator.ends[FULL].v2p.copy())
         return v[full_v2p[v // self.page_size] != TOMBSTONE]
@@ -174,6 +174,20 @@ class EndAllocator(EndTranslator):
             self.owner.free_segment(free_index, start_pos=start_pos)
         else:
             self.owner.free_swa(self._live_on_owner(free_index))
+
+
+def kvcache_get_cpu_copy(allocator: Any, indices: Any, mamba_indices: Any = None, req_pool_index: Any = None) -> Any:
+    """SGLang's ``get_cpu_copy`` of every umalloc allocator class here: the KV pool's (``allocator._kvcache``)
+    host copy of ``indices`` (the allocator's slot ids are the KV pool's own indices)."""
+    return allocator._kvcache.get_cpu_copy(indices, mamba_indices=mamba_indices, req_pool_index=req_pool_index)
+
+
+def kvcache_load_cpu_copy(allocator: Any, kv_cache_cpu: Any, indices: Any, mamba_indices: Any = None,
+                          req_pool_index: Any = None) -> Any:
+    """SGLang's ``load_cpu_copy`` of every umalloc allocator class here: write a host copy back into the KV pool
+    at ``indices``."""
+    return allocator._kvcache.load_cpu_copy(kv_cache_cpu, indices, mamba_indices=mamba_indices,
+                                            req_pool_index=req_pool_index)
 
 
 def build_unified_class(base: type, sglang_unified_base: type | None) -> type:
@@ -623,11 +637,11 @@ def build_unified_class(base: type, sglang_unified_base: type | None) -> type:
             self._after_free()
 
         def free_swa(self, free_index: torch.Tensor) -> None:
-            """Release the SWA pages of these tokens' virtual pages where bound; full pages and ids stay."""
+            """Unbind the SWA pages of these tokens' virtual pages where bound; full pages and ids stay."""
             if free_index is None or free_index.numel() == 0:
                 return
             with self._tracked():
-                self.allocator.release_end(SWA, self._host(free_index), strict=False)
+                self.allocator.unbind_end(SWA, self._host(free_index), strict=False)
             self._after_free()
 
         def free_swa_segment(self, free_index: torch.Tensor, *, start_pos: int) -> None:
@@ -637,14 +651,14 @@ def build_unified_class(base: type, sglang_unified_base: type | None) -> type:
             if free_index is None or free_index.numel() == 0:
                 return
             pages = self._reps(free_index, start_pos)
-            # SGLang's tree frees a node's full side first; umalloc released the SWA pages with those ids already
+            # SGLang's tree frees a node's full side first; umalloc unbound the SWA pages with those ids already
             pages = pages[torch.from_numpy(self._full_view.v2p.copy())[pages] != TOMBSTONE]
             with self._tracked():
-                self.allocator.release_pages(SWA, pages)
+                self.allocator.unbind_pages(SWA, pages)
             self._after_free()
 
         def free_full(self, free_index: torch.Tensor) -> None:
-            """The full pages and ids of tokens whose SWA pages are released; deferred inside a free group."""
+            """The full pages and ids of tokens whose SWA pages are unbound; deferred inside a free group."""
             if free_index is None or free_index.numel() == 0:
                 return
             if self._groups is not None:
@@ -737,13 +751,8 @@ def build_unified_class(base: type, sglang_unified_base: type | None) -> type:
         swa_capacity_and_available = reclaim.swa_capacity_and_available
         get_extend_allocation_demand = reclaim.get_extend_allocation_demand
 
-        def get_cpu_copy(self, indices: Any, mamba_indices: Any = None, req_pool_index: Any = None) -> Any:
-            return self._kvcache.get_cpu_copy(indices, mamba_indices=mamba_indices, req_pool_index=req_pool_index)
-
-        def load_cpu_copy(self, kv_cache_cpu: Any, indices: Any, mamba_indices: Any = None,
-                          req_pool_index: Any = None) -> Any:
-            return self._kvcache.load_cpu_copy(kv_cache_cpu, indices, mamba_indices=mamba_indices,
-                                               req_pool_index=req_pool_index)
+        get_cpu_copy = kvcache_get_cpu_copy
+        load_cpu_copy = kvcache_load_cpu_copy
 
         def check_invariants(self) -> None:
             """umalloc's invariants, plus: every live virtual page has a full page (SWA pages only on live
