@@ -11,7 +11,7 @@ fingerprint. The harness plays an SGLang-style scheduler:
   with ``out=`` staging tensors and writes the returned virtual token ids back;
 * it frees every request finished in one op with one ``free`` call (page granular: the first token of each
   page, gathered from the block table);
-* mode ``umalloc-swa`` adds an SWA end (grows down, bound to ``full``) and, before each op, releases the SWA
+* mode ``umalloc-swa`` adds an SWA end (grows down, bound to ``full``) and, before each op, unbinds the SWA
   pages that left the window (``unbind_end``; frontier from ``swa_tail_start``, SGLang's
   ``free_swa_out_of_window_slots`` rule without prefix sharing, window 128 tokens after scaling).
 
@@ -128,7 +128,7 @@ class _SwaUnbinds:
 
 
 class Prepared:
-    """Per-op numpy index arrays into the flat block table (untimed), and the SWA release lists.
+    """Per-op numpy index arrays into the flat block table (untimed), and the SWA unbind lists.
 
     The block table has one row per *live* request, recycled when a request finishes (as SGLang's
     ``ReqToTokenPool`` does): the lowest free row goes to each newly admitted request.
@@ -314,7 +314,7 @@ def replay(alloc: MultiEndedAllocator, prep: Prepared, table: np.ndarray, swa: b
 def replay_pages(alloc: MultiEndedAllocator, prep: PreparedPages, table: np.ndarray, swa: bool) -> None:
     """The timed loop of the page-table form (see :class:`PreparedPages`): the block table is a flat numpy int64
     array (as vLLM's ``BlockTable.block_table_np``); umalloc writes new pages straight into its slots and reads
-    the pages to free or release from them (``index=``), so the harness does no gather or scatter of its own.
+    the pages to free or unbind from them (``index=``), so the harness does no gather or scatter of its own.
     The checked pass does the gathers and scatters itself, so the two forms check each other."""
     alloc_pages, free_pages, unbind_pages = alloc.alloc_pages, alloc.free_pages, alloc.unbind_pages
     for o in prep.ops:
@@ -328,7 +328,7 @@ def replay_pages(alloc: MultiEndedAllocator, prep: PreparedPages, table: np.ndar
 
 def checked_replay_pages(alloc: MultiEndedAllocator, prep: PreparedPages, table: np.ndarray, swa: bool) -> dict:
     """Untimed verification pass of the page-table form: after every op the allocator's live pages equal the
-    harness's, every allocation is fresh, every page freed or released is one the harness holds; every 97 ops
+    harness's, every allocation is fresh, every page freed or unbound is one the harness holds; every 97 ops
     ``check_invariants()`` and a data marker written through each live page's envelope on every end reads back;
     nothing leaks at the end."""
     live: set[int] = set()
@@ -339,7 +339,7 @@ def checked_replay_pages(alloc: MultiEndedAllocator, prep: PreparedPages, table:
     for i, o in enumerate(prep.ops):
         if swa and o.ev is not None:
             ev = table[o.ev]
-            assert set(ev.tolist()) <= swa_live, f"op {i}: release of a page not bound on swa"
+            assert set(ev.tolist()) <= swa_live, f"op {i}: unbind of a page not bound on swa"
             alloc.unbind_pages("swa", torch.from_numpy(ev))
             swa_live.difference_update(ev.tolist())
         if o.kind == _F:

@@ -331,13 +331,14 @@ def replay(
             raise fail(str(exc), 1) from None
         except BackendError as exc:  # a transfer engine or the second process failed mid-run (e.g. killed)
             raise fail(f"the {backend.value} backend failed: {exc}", 1) from None
-        def plot(path: Path) -> None:
+
+        def write_plot(path: Path) -> None:
             from umalloc_replay.plot import plot_report
 
             err.print(f"plot: {plot_report(result, path)}", soft_wrap=True)
 
         emit_result(result, output_format, table_of, report, err,
-                    then=None if plot_path is None else functools.partial(plot, plot_path))
+                    then=None if plot_path is None else functools.partial(write_plot, plot_path))
     except KeyboardInterrupt:
         raise typer.Exit(130) from None  # the command group prints the one `interrupted` line
     problems = check_of(result)

@@ -300,35 +300,12 @@ def test_error_ranges_are_the_ranges_checked() -> None:
 def test_core_imports_form_no_cycle_not_even_inside_functions() -> None:
     """Every import in the allocation layers (pool, leases, allocator, requests; module level, inside functions,
     under TYPE_CHECKING) points one way."""
-    import ast
-    from pathlib import Path
+    from import_graph import ROOT, assert_acyclic, import_graph
 
-    root = Path(__file__).resolve().parents[2] / "umalloc"
     layers = ("pool", "leases", "allocator", "requests")
-    prefixes = tuple(f"umalloc.{layer}" for layer in layers)
-    paths = [p for layer in layers for p in (root / layer).rglob("*.py")]
-    graph: dict[str, set[str]] = {}
-    for path in paths:
-        mod = "umalloc." + ".".join(path.relative_to(root).with_suffix("").parts)
-        mod = mod.removesuffix(".__init__")
-        deps = graph.setdefault(mod, set())
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else \
-                [a.name for a in node.names] if isinstance(node, ast.Import) else []
-            deps.update(n for n in names if n.startswith(prefixes))
-    state: dict[str, int] = {}
-
-    def visit(m: str, path: list[str]) -> None:
-        if state.get(m) == 2:
-            return
-        assert state.get(m) != 1, f"import cycle: {' -> '.join([*path, m])}"
-        state[m] = 1
-        for d in graph.get(m, ()):
-            visit(d, [*path, m])
-        state[m] = 2
-
-    for m in graph:
-        visit(m, [])
+    graph = import_graph(layers)
+    assert_acyclic(graph)
+    paths = [p for layer in layers for p in (ROOT / layer).rglob("*.py")]
     assert "umalloc.allocator.facade" not in graph["umalloc.allocator.retraction"]
     # raw addresses come from kernels/raw only (compaction reads one buffer address for an alignment test and
     # passes none to a kernel)

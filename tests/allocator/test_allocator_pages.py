@@ -260,7 +260,7 @@ class PageModel:
             self.swa.add(v)
         return free[:k]
 
-    def _pages(self, table: np.ndarray, index: np.ndarray | None, release: bool, strict: bool) -> list[int]:
+    def _pages(self, table: np.ndarray, index: np.ndarray | None, unbind: bool, strict: bool) -> list[int]:
         got: list[int] = []
         for i in range(len(table) if index is None else len(index)):
             if index is not None and not 0 <= index[i] < len(table):
@@ -270,7 +270,7 @@ class PageModel:
                 raise InvalidIdError("range")
             if self.state[v] != "live":
                 raise DoubleFreeError("freed") if self.state[v] == "freed" else NotAllocatedError("never")
-            if release and v not in self.swa:
+            if unbind and v not in self.swa:
                 if strict:
                     raise NotAllocatedError("unbound")
                 continue
@@ -283,7 +283,7 @@ class PageModel:
             self.state[v] = "freed"
             self.swa.discard(v)
 
-    def release(self, table: np.ndarray, index: np.ndarray | None, strict: bool) -> None:
+    def unbind(self, table: np.ndarray, index: np.ndarray | None, strict: bool) -> None:
         for v in self._pages(table, index, True, strict):
             self.swa.discard(v)
 
@@ -301,7 +301,7 @@ def test_hot_path_general_path_and_mirror_path_agree_with_a_model() -> None:
         tables = [np.full(NS, -1, I64) for _ in allocs]
         model, mtable = PageModel(32, 31), np.full(NS, -1, I64)
         for step in range(80):
-            op = rng.choice(["alloc", "alloc-index", "free", "free-index", "release", "release-index"])
+            op = rng.choice(["alloc", "alloc-index", "free", "free-index", "unbind", "unbind-index"])
             k = rng.randint(0, 4)
             if rng.random() < 0.9:
                 slots = A(*rng.sample(range(NS), k))
@@ -326,10 +326,10 @@ def test_hot_path_general_path_and_mirror_path_agree_with_a_model() -> None:
                     want = model.free(ids, None)
                 elif op == "free-index":
                     want = model.free(mtable, slots)
-                elif op == "release":
-                    want = model.release(ids, None, strict)
+                elif op == "unbind":
+                    want = model.unbind(ids, None, strict)
                 else:
-                    want = model.release(mtable, slots, strict)
+                    want = model.unbind(mtable, slots, strict)
             except UmallocError as e:
                 want = type(e)
             for alloc, table in zip(allocs, tables, strict=True):
@@ -345,7 +345,7 @@ def test_hot_path_general_path_and_mirror_path_agree_with_a_model() -> None:
                         got = alloc.free_pages(_forms(form, ids))
                     elif op == "free-index":
                         got = alloc.free_pages(table, index=_forms(form, slots))
-                    elif op == "release":
+                    elif op == "unbind":
                         got = alloc.unbind_pages("swa", _forms(form, ids), strict=strict)
                     else:
                         got = alloc.unbind_pages("swa", table, index=_forms(form, slots), strict=strict)

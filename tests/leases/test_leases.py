@@ -247,7 +247,7 @@ class LeaseMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.model)
     @rule(data=st.data())
-    def release(self, data) -> None:
+    def end(self, data) -> None:
         lid = data.draw(st.sampled_from(sorted(self.model)))
         lease = self.model[lid][2]
         assert lease.end() is True
@@ -255,7 +255,7 @@ class LeaseMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.ended)
     @rule(data=st.data())
-    def release_again(self, data) -> None:
+    def end_again(self, data) -> None:
         lease = data.draw(st.sampled_from(self.ended))
         assert lease.end() is False
         assert self.unpinned == []

@@ -682,7 +682,7 @@ class LeaseCompactionMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.leases)
     @rule(data=st.data())
-    def release(self, data) -> None:
+    def end_lease(self, data) -> None:
         lease = self.leases.pop(data.draw(st.integers(0, len(self.leases) - 1)))[0]
         lease.end()
         lease.end()  # harmless

@@ -254,7 +254,7 @@ class RequestMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: any(self.eng.values()))
     @rule(data=st.data(), cache=st.booleans())
-    def release(self, data: st.DataObject, cache: bool) -> None:
+    def drop_refs(self, data: st.DataObject, cache: bool) -> None:
         vps = data.draw(st.lists(st.sampled_from(sorted(p for p, n in self.eng.items() if n)), min_size=1,
                                  max_size=2, unique=True))
         self.table.drop_refs(vps, cache=cache)

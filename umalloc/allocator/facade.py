@@ -71,7 +71,7 @@ drops the lease table calls back and it becomes a hole.
 Note [Trials]
 ~~~~~~~~~~~~~
 :meth:`MultiEndedAllocator.trial` lets a caller that composes several allocator calls (the request table: window
-releases, evictions, one allocation) refuse the whole of them with nothing changed (F29). It copies ``meta``,
+unbinds, evictions, one allocation) refuse the whole of them with nothing changed (F29). It copies ``meta``,
 ``h64`` and ``h8`` (the bind-mask area excepted: masks are append-only and cached by the heap) on entry and
 writes them back on a rollback, then re-copies every device mirror. Pins are not touched by allocation, freeing
 or compaction, and lease expiry waits while a trial runs, so the lease table and the restored tables agree.

@@ -687,7 +687,7 @@ class BackendBase:
             raise BackendError(f"{self.name} backend is closed")
 
     def close(self) -> None:
-        """Release every handle (cancelling pending ones), forget peers, deregister everything, stop the
+        """Forget every handle (cancelling pending ones), forget peers, deregister everything, stop the
         engine, then settle every half still held of :meth:`publish_half` where no sender can write it now
         (:attr:`fences_peer_writes`, and no transfer of this side's still in the engine, which keeps it running).
         Idempotent."""

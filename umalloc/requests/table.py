@@ -420,8 +420,8 @@ class RequestTable:
                           else np.ones(s.shape[0], np.int64), "decode")
 
     def _grow(self, s: np.ndarray, e: np.ndarray, where: str) -> torch.Tensor | None:
-        k, released = self._plan(s, e, where)
-        room = self._room.make(k, released)
+        k, unbinds = self._plan(s, e, where)
+        room = self._room.make(k, unbinds)
         if room is False:
             return None
         if room is not True:

@@ -435,7 +435,7 @@ class Replay:
         while True:
             batch = list(self.running)
             seq = np.array([r.seq_len for r in batch], dtype=np.int64)
-            self._unbind_swa(batch, seq + 1)  # idempotent: only pages not released yet
+            self._unbind_swa(batch, seq + 1)  # idempotent: only pages not unbound yet
             slots = np.array([r.slot for r in batch], dtype=np.int64)
             last = self.table.gather(slots, seq - 1)
             step_need = self._step_need(seq)

@@ -14,14 +14,11 @@ from typing import Any
 
 import torch
 
+import umalloc.integrations.sglang.hostcopy as hostcopy
 from umalloc.errors import UmallocValueError
 from umalloc.integrations.sglang.pools import SlotPool
 from umalloc.integrations.sglang.swa import build_swa_class
-from umalloc.integrations.sglang.unified import (
-    build_unified_class,
-    kvcache_get_cpu_copy,
-    kvcache_load_cpu_copy,
-)
+from umalloc.integrations.sglang.unified import build_unified_class
 
 
 def _check_aligned(start_pos: int, page_size: int) -> None:
@@ -95,8 +92,8 @@ def allocator_classes() -> dict[str, type]:
             self.free_group = None
             self.pool.end_group()
 
-        get_cpu_copy = kvcache_get_cpu_copy
-        load_cpu_copy = kvcache_load_cpu_copy
+        get_cpu_copy = hostcopy.get_cpu_copy
+        load_cpu_copy = hostcopy.load_cpu_copy
 
         def check_invariants(self) -> None:
             """umalloc's invariants and physical slot ids (:meth:`SlotPool.check_invariants`)."""

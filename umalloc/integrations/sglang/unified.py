@@ -23,7 +23,7 @@ Mapping (SGLang 0.5.23 -> umalloc):
 
 Differences from SGLang's class (README, "SGLang"): virtual ids are the lowest free ones (SGLang: a FIFO of freed
 ids) and physical pages come out ascending on both ends, so ids match SGLang's up to a relabelling of pages; a
-double free, a free of an unallocated id, or a segment free of a page already released raise umalloc's typed
+double free, a free of an unallocated id, or a segment free of a page already unbound raise umalloc's typed
 errors (SGLang: a stale-slot assertion or an invariant log); ``set_full_to_swa_mapping`` with SWA ids of SGLang's
 own choosing is refused (umalloc picks physical pages).
 
@@ -48,6 +48,7 @@ from typing import Any, cast
 
 import torch
 
+import umalloc.integrations.sglang.hostcopy as hostcopy
 import umalloc.integrations.sglang.reclaim as reclaim
 from umalloc import (
     TOMBSTONE,
@@ -140,7 +141,7 @@ class EndAllocator(EndTranslator):
     """The per-end handle SGLang's unified radix cache reaches through (``allocator.full_attn_allocator`` /
     ``.swa_attn_allocator``): translation, the end's own ``available_size``, and frees with SGLang's sub-pool
     meaning -- on the full end a free returns the virtual pages (and their SWA pages, which umalloc never leaves
-    bound to a freed id), on the SWA end it releases only the SWA pages still bound.
+    bound to a freed id), on the SWA end it unbinds only the SWA pages still bound.
 
     Args:
         owner: the unified allocator (its frees keep its accounting and eager compaction). end: ``"full"``/``"swa"``.
@@ -174,20 +175,6 @@ class EndAllocator(EndTranslator):
             self.owner.free_segment(free_index, start_pos=start_pos)
         else:
             self.owner.free_swa(self._live_on_owner(free_index))
-
-
-def kvcache_get_cpu_copy(allocator: Any, indices: Any, mamba_indices: Any = None, req_pool_index: Any = None) -> Any:
-    """SGLang's ``get_cpu_copy`` of every umalloc allocator class here: the KV pool's (``allocator._kvcache``)
-    host copy of ``indices`` (the allocator's slot ids are the KV pool's own indices)."""
-    return allocator._kvcache.get_cpu_copy(indices, mamba_indices=mamba_indices, req_pool_index=req_pool_index)
-
-
-def kvcache_load_cpu_copy(allocator: Any, kv_cache_cpu: Any, indices: Any, mamba_indices: Any = None,
-                          req_pool_index: Any = None) -> Any:
-    """SGLang's ``load_cpu_copy`` of every umalloc allocator class here: write a host copy back into the KV pool
-    at ``indices``."""
-    return allocator._kvcache.load_cpu_copy(kv_cache_cpu, indices, mamba_indices=mamba_indices,
-                                            req_pool_index=req_pool_index)
 
 
 def build_unified_class(base: type, sglang_unified_base: type | None) -> type:
@@ -751,8 +738,8 @@ def build_unified_class(base: type, sglang_unified_base: type | None) -> type:
         swa_capacity_and_available = reclaim.swa_capacity_and_available
         get_extend_allocation_demand = reclaim.get_extend_allocation_demand
 
-        get_cpu_copy = kvcache_get_cpu_copy
-        load_cpu_copy = kvcache_load_cpu_copy
+        get_cpu_copy = hostcopy.get_cpu_copy
+        load_cpu_copy = hostcopy.load_cpu_copy
 
         def check_invariants(self) -> None:
             """umalloc's invariants, plus: every live virtual page has a full page (SWA pages only on live
