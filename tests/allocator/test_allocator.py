@@ -215,10 +215,10 @@ MISUSE = [
     ("int32 never allocated", lambda a: a.free(torch.tensor([12], dtype=torch.int32)), NotAllocatedError),
     ("2-D", lambda a: a.free(torch.tensor([[2]])), InvalidIdError),
     ("a list", lambda a: a.free([2]), InvalidIdError),
-    ("release on the owner", lambda a: a.unbind_end("full", T(2)), UmallocValueError),
-    ("release unknown end", lambda a: a.unbind_end("nope", T(2)), UmallocValueError),
-    ("release unbound (strict)", lambda a: a.unbind_end("swa", T(8)), NotAllocatedError),
-    ("release freed", lambda a: a.unbind_end("swa", T(6)), DoubleFreeError),
+    ("unbind on the owner", lambda a: a.unbind_end("full", T(2)), UmallocValueError),
+    ("unbind unknown end", lambda a: a.unbind_end("nope", T(2)), UmallocValueError),
+    ("unbind unbound (strict)", lambda a: a.unbind_end("swa", T(8)), NotAllocatedError),
+    ("unbind freed", lambda a: a.unbind_end("swa", T(6)), DoubleFreeError),
     ("bind already bound", lambda a: a.bind_end("swa", T(2)), InvalidIdError),
     ("bind on the owner", lambda a: a.bind_end("full", T(8)), UmallocValueError),
     ("extend shape mismatch", lambda a: a.alloc_extend(T(0), T(1, 1), T(-1)), InvalidIdError),
@@ -800,7 +800,7 @@ def test_page_calls_through_a_block_table_index(page_alloc, lib) -> None:
     alloc.check_invariants()
 
 
-@pytest.mark.parametrize("call", ["alloc", "free", "release"])
+@pytest.mark.parametrize("call", ["alloc", "free", "unbind"])
 def test_block_table_index_out_of_range_changes_nothing(page_alloc, call) -> None:
     alloc = page_alloc
     table = np.zeros(4, np.int64)

@@ -58,7 +58,7 @@ class _Completions(threading.Thread):
                         pages = self.alloc.translate_pages(torch.from_numpy(vpages), "full").numpy()
                         lease = self.alloc.lease({"full": pages}, tag="t")
                     self.back.put((key, pages, lease))
-                elif kind == "release":
+                elif kind == "end":
                     job[1].end()
                 elif kind == "engine":  # release while an engine holds a part, then the engine's report
                     _, lease, gen = job
@@ -132,7 +132,7 @@ def test_completion_thread_races_alloc_free_compact() -> None:
                 lease = leases.pop(lid)
                 held.pop(lid, None)  # pages may come free from now on
                 if rng.random() < 0.5 or not lease.active:  # (an expired lease takes no engine hold)
-                    worker.submit(("release", lease))
+                    worker.submit(("end", lease))
                 else:
                     worker.submit(("engine", lease, lease.hold_engine()))
             elif op == 5:
