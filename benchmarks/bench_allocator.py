@@ -11,14 +11,14 @@ fingerprint. The harness plays an SGLang-style scheduler:
   with ``out=`` staging tensors and writes the returned virtual token ids back;
 * it frees every request finished in one op with one ``free`` call (page granular: the first token of each
   page, gathered from the block table);
-* mode ``umalloc-swa`` adds an SWA end (grows down, bound to ``full``) and, before each op, releases the SWA
-  pages that left the window (``release_end``; frontier from ``swa_tail_start``, SGLang's
+* mode ``umalloc-swa`` adds an SWA end (grows down, bound to ``full``) and, before each op, unbinds the SWA
+  pages that left the window (``unbind_end``; frontier from ``swa_tail_start``, SGLang's
   ``free_swa_out_of_window_slots`` rule without prefix sharing, window 128 tokens after scaling).
 
 Modes ``umalloc-pages`` / ``umalloc-pages-swa`` replay the same ops as a vLLM-style scheduler does (see
 :class:`PreparedPages`): a ``req_to_page`` block table of virtual page ids in numpy (as vLLM's ``BlockTable``
 keeps it), one ``alloc_pages(k, out=table, index=slots)`` per op for the pages its requests newly need, one
-``free_pages(table, index=slots)`` per op for the finished requests, one ``release_pages`` per op for the pages
+``free_pages(table, index=slots)`` per op for the finished requests, one ``unbind_pages`` per op for the pages
 that left the SWA window. This is the
 like-for-like comparison with vLLM's BlockPool, which is itself a page-level allocator (``get_new_blocks``,
 ``free_blocks``); the token modes are the like-for-like comparison with SGLang's token-level allocators.
@@ -97,7 +97,7 @@ class _Rows:
         heapq.heappush(self._free, self._base.pop(r) // self.width)
 
 
-class _SwaReleases:
+class _SwaUnbinds:
     """The SWA pages that leave the window before an op, as flat slots of the block table: per request, pages
     from its last frontier up to ``swa_tail_start`` (SGLang's ``free_swa_out_of_window_slots`` rule without prefix
     sharing). A token table (``tokens_per_slot = 1``) names each page by its first token's slot, a page table
@@ -128,7 +128,7 @@ class _SwaReleases:
 
 
 class Prepared:
-    """Per-op numpy index arrays into the flat block table (untimed), and the SWA release lists.
+    """Per-op numpy index arrays into the flat block table (untimed), and the SWA unbind lists.
 
     The block table has one row per *live* request, recycled when a request finishes (as SGLang's
     ``ReqToTokenPool`` does): the lowest free row goes to each newly admitted request.
@@ -141,7 +141,7 @@ class Prepared:
         length: dict[int, int] = {}
         rows_ = _Rows(self.width)
         row = rows_.base
-        releases = _SwaReleases(swa_window, ps, 1)
+        unbinds = _SwaUnbinds(swa_window, ps, 1)
 
         def stage(o: _Op) -> None:
             o.ev_buf, o.ev_t = _buffer(o.ev.size) if o.ev is not None else (None, None)
@@ -154,7 +154,7 @@ class Prepared:
                 ext = np.array([it[2] for it in payload], np.int64)
                 o.kind = _E
                 rows = np.array([row(r) for r in rids.tolist()], np.int64)
-                o.ev = releases(rows_, rids.tolist(), pre.tolist())
+                o.ev = unbinds(rows_, rids.tolist(), pre.tolist())
                 o.pre_t = torch.from_numpy(pre)
                 o.seq_t = torch.from_numpy(pre + ext)
                 o.last_flat = rows + np.maximum(pre - 1, 0)
@@ -178,7 +178,7 @@ class Prepared:
                 rows = np.array([row(r) for r in payload], np.int64)
                 cur = np.array([length[r] for r in payload], np.int64)
                 o.kind = _D
-                o.ev = releases(rows_, list(payload), cur.tolist())
+                o.ev = unbinds(rows_, list(payload), cur.tolist())
                 o.seq_t = torch.from_numpy(cur + 1)
                 o.last_flat = rows + cur - 1
                 o.write_flat = rows + cur
@@ -200,10 +200,10 @@ class Prepared:
                 o.n_req = len(payload)
             self.ops.append(o)
         self.n_req = rows_.n_rows
-        self.n_release_calls, self.release_pages = releases.n_calls, releases.n_pages
+        self.n_unbind_calls, self.unbound_pages = unbinds.n_calls, unbinds.n_pages
 
     def api_calls(self, swa: bool) -> int:
-        return len(self.ops) + (self.n_release_calls if swa else 0)
+        return len(self.ops) + (self.n_unbind_calls if swa else 0)
 
 
 class PreparedPages:
@@ -211,7 +211,7 @@ class PreparedPages:
     of virtual page ids (one row per live request, rows recycled like :class:`Prepared`'s) and asks for pages,
     not tokens: per op one ``alloc_pages(k)`` for all the pages its requests newly need (``k = 0``: no call,
     as peerbench's BlockPool adapter skips ``get_new_blocks(0)``), one scatter of them into the table, one
-    ``free_pages`` for every request finished in the op, and (SWA) one ``release_pages`` of the pages that left
+    ``free_pages`` for every request finished in the op, and (SWA) one ``unbind_pages`` of the pages that left
     the window -- the same pages, frontiers (``swa_tail_start``) and call order as the token form.
     """
 
@@ -223,7 +223,7 @@ class PreparedPages:
         length: dict[int, int] = {}
         rows_ = _Rows(self.width)
         row = rows_.base
-        releases = _SwaReleases(swa_window, ps, ps)
+        unbinds = _SwaUnbinds(swa_window, ps, ps)
 
         def new_pages(items: list[tuple[int, int, int]]) -> None:
             slots = [row(r) + np.arange(-(-pre // ps), -(-(pre + n) // ps), dtype=np.int64) for r, pre, n in items]
@@ -236,13 +236,13 @@ class PreparedPages:
             o.ev = None
             if kind == "E":
                 o.kind = _E
-                o.ev = releases(rows_, [it[0] for it in payload], [it[1] for it in payload])
+                o.ev = unbinds(rows_, [it[0] for it in payload], [it[1] for it in payload])
                 new_pages([(r, pre, n) for r, pre, n in payload])
                 for r, pre, n in payload:
                     length[r] = pre + n
             elif kind == "D":
                 o.kind = _D
-                o.ev = releases(rows_, list(payload), [length[r] for r in payload])
+                o.ev = unbinds(rows_, list(payload), [length[r] for r in payload])
                 new_pages([(r, length[r], 1) for r in payload])
                 for r in payload:
                     length[r] += 1
@@ -255,11 +255,11 @@ class PreparedPages:
             o.n_req = len(payload)
             self.ops.append(o)
         self.n_req = rows_.n_rows
-        self.n_release_calls, self.release_pages = releases.n_calls, releases.n_pages
+        self.n_unbind_calls, self.unbound_pages = unbinds.n_calls, unbinds.n_pages
 
     def api_calls(self, swa: bool) -> int:
         n_free = sum(1 for o in self.ops if o.kind == _F)
-        return self.n_alloc_calls + n_free + (self.n_release_calls if swa else 0)
+        return self.n_alloc_calls + n_free + (self.n_unbind_calls if swa else 0)
 
 
 def tiny_ends(page_size: int, swa_window: int | None) -> tuple[EndSpec, ...]:
@@ -286,12 +286,12 @@ def replay(alloc: MultiEndedAllocator, prep: Prepared, table: np.ndarray, swa: b
     """The timed loop: SGLang-scheduler-style calls, block-table gathers and scatters through persistent
     staging tensors (``out=`` keeps the output pointers stable, as a CUDA-graph engine would)."""
     take = table.take
-    alloc_extend, alloc_decode, free, release_end = (alloc.alloc_extend, alloc.alloc_decode, alloc.free,
-                                                     alloc.release_end)
+    alloc_extend, alloc_decode, free, unbind_end = (alloc.alloc_extend, alloc.alloc_decode, alloc.free,
+                                                    alloc.unbind_end)
     for o in prep.ops:
         if swa and o.ev is not None:
             take(o.ev, out=o.ev_buf, mode="clip")
-            release_end("swa", o.ev_t)
+            unbind_end("swa", o.ev_t)
         k = o.kind
         if k == _D:
             take(o.last_flat, out=o.last_buf, mode="clip")
@@ -314,12 +314,12 @@ def replay(alloc: MultiEndedAllocator, prep: Prepared, table: np.ndarray, swa: b
 def replay_pages(alloc: MultiEndedAllocator, prep: PreparedPages, table: np.ndarray, swa: bool) -> None:
     """The timed loop of the page-table form (see :class:`PreparedPages`): the block table is a flat numpy int64
     array (as vLLM's ``BlockTable.block_table_np``); umalloc writes new pages straight into its slots and reads
-    the pages to free or release from them (``index=``), so the harness does no gather or scatter of its own.
+    the pages to free or unbind from them (``index=``), so the harness does no gather or scatter of its own.
     The checked pass does the gathers and scatters itself, so the two forms check each other."""
-    alloc_pages, free_pages, release_pages = alloc.alloc_pages, alloc.free_pages, alloc.release_pages
+    alloc_pages, free_pages, unbind_pages = alloc.alloc_pages, alloc.free_pages, alloc.unbind_pages
     for o in prep.ops:
         if swa and o.ev is not None:
-            release_pages("swa", table, index=o.ev)
+            unbind_pages("swa", table, index=o.ev)
         if o.kind == _F:
             free_pages(table, index=o.target)
         elif o.n_pages:
@@ -328,7 +328,7 @@ def replay_pages(alloc: MultiEndedAllocator, prep: PreparedPages, table: np.ndar
 
 def checked_replay_pages(alloc: MultiEndedAllocator, prep: PreparedPages, table: np.ndarray, swa: bool) -> dict:
     """Untimed verification pass of the page-table form: after every op the allocator's live pages equal the
-    harness's, every allocation is fresh, every page freed or released is one the harness holds; every 97 ops
+    harness's, every allocation is fresh, every page freed or unbound is one the harness holds; every 97 ops
     ``check_invariants()`` and a data marker written through each live page's envelope on every end reads back;
     nothing leaks at the end."""
     live: set[int] = set()
@@ -339,8 +339,8 @@ def checked_replay_pages(alloc: MultiEndedAllocator, prep: PreparedPages, table:
     for i, o in enumerate(prep.ops):
         if swa and o.ev is not None:
             ev = table[o.ev]
-            assert set(ev.tolist()) <= swa_live, f"op {i}: release of a page not bound on swa"
-            alloc.release_pages("swa", torch.from_numpy(ev))
+            assert set(ev.tolist()) <= swa_live, f"op {i}: unbind of a page not bound on swa"
+            alloc.unbind_pages("swa", torch.from_numpy(ev))
             swa_live.difference_update(ev.tolist())
         if o.kind == _F:
             vps = table[o.target]
@@ -399,7 +399,7 @@ def checked_replay(alloc: MultiEndedAllocator, prep: Prepared, table: np.ndarray
 
     for i, o in enumerate(prep.ops):
         if swa and o.ev is not None:
-            alloc.release_end("swa", torch.from_numpy(table[o.ev]))
+            alloc.unbind_end("swa", torch.from_numpy(table[o.ev]))
         if o.kind == _F:
             vps = np.unique(table[o.target] // ps)
             assert set(vps.tolist()) <= live_v, "free of a page the harness does not hold"
@@ -475,8 +475,8 @@ def run_mode(mode: str, w: wl.Workload, args: argparse.Namespace) -> dict:
         "workload_peak_pages": w.meta["peak_live_pages"],
     }
     if swa:
-        res.update({"swa_window": window, "swa_release_calls": prep.n_release_calls,
-                    "swa_pages_released": prep.release_pages})
+        res.update({"swa_window": window, "swa_unbind_calls": prep.n_unbind_calls,
+                    "swa_pages_unbound": prep.unbound_pages})
     res.update(extra)
     return res
 

@@ -17,8 +17,8 @@ What it measures (not a test; nothing is asserted, the targets are printed as PA
 
 * ``plan overhead`` (``--plan-repeats``, local backend, in-process): the backend's own cost per plan, for a
   2048-token request over a small KV spec (a few KiB of bytes, fragmented: one descriptor per hole page plus
-  the contiguous rest): ``submit`` + ``wait`` + ``release`` of a fresh plan (building it is not timed), against
-  the same descriptors posted raw (``write_descriptors`` + ``wait`` + ``release``) in the same run; median us.
+  the contiguous rest): ``submit`` + ``wait`` + ``forget`` of a fresh plan (building it is not timed), against
+  the same descriptors posted raw (``write_descriptors`` + ``wait`` + ``forget``) in the same run; median us.
 
 * ``hetero`` (``--hetero``, on by default): one request of ``--hetero-tokens`` (default 1024) of Llama-3.1-8B (32
   layers, 8 KV heads of 128, bf16, page size 16) from a prefill rank to decode rank 0, between ranks of different
@@ -221,7 +221,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                                 h = b.write_descriptors(d, peer, item_bytes=pb)
                                 b.wait(h, args.timeout_s)
                                 times.append(time.perf_counter() - t0)
-                                b.release(h)
+                                b.forget(h)
                             best = min(times[1:])
                             so, do = sample.offsets(dmap, pb)
                             nb = min(pb, 4096)
@@ -276,12 +276,12 @@ def plan_overhead(repeats: int, seq_len_tokens: int = 2048) -> dict[str, float]:
         t0 = time.perf_counter()
         h = a.submit(plan, peer)
         a.wait(h, 10.0)
-        a.release(h)
+        a.forget(h)
         submit_s.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         h = a.write_descriptors(d, peer)
         a.wait(h, 10.0)
-        a.release(h)
+        a.forget(h)
         raw_s.append(time.perf_counter() - t0)
     a.close()
     b.close()
@@ -412,7 +412,7 @@ def run_hetero(args: argparse.Namespace) -> list[dict]:
                     b.wait(h, args.timeout_s)
                     times.append(time.perf_counter() - t0)
                     parts = h.num_parts
-                    b.release(h)
+                    b.forget(h)
                 best = min(times[1:])
                 pick = rng.choice(d.shape[0], size=min(16, d.shape[0]), replace=False)
                 nb = int(min(64, d[pick, 2].min()))

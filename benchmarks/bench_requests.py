@@ -14,7 +14,7 @@ Modes:
 
 * ``table`` -- prefix caching off (the like-for-like with ``KVCacheManager(enable_caching=False)``);
 * ``table-swa`` -- with an SWA end (window 128 tokens after scaling): windows advance inside ``extend`` /
-  ``decode`` (the same pages, frontiers and release order as ``bench_allocator.py --modes umalloc-swa``);
+  ``decode`` (the same pages, frontiers and unbind order as ``bench_allocator.py --modes umalloc-swa``);
 * ``table-apc`` -- prefix caching on: ``free_requests(cache=True)`` keeps every full page as cached, and
   allocation evicts them LRU first when the pool runs out (vLLM ``kvcm-apc``: no hits, prompts are unique);
 * ``table-fork`` -- fork-heavy prefix caching: at its first decode every request is forked at its length
@@ -185,11 +185,11 @@ def run_mode(mode: str, w: wl.Workload, args: argparse.Namespace) -> dict:
     if not args.no_verify:
         table = make_table(w, prep, swa, args.swa_window, args.swa_ratio)
         extra.update(checked_replay(table, prep, np.zeros(prep.n_rids, np.int64), cache, w.params.page_size))
-        if swa:   # the windows advanced exactly as bench_allocator's explicit releases (same pages, same rule)
-            released = table.alloc.stats()["swa"].pages_released
-            want = ba.PreparedPages(w, args.swa_window).release_pages
-            assert released == want, f"swa pages released {released}, bench_allocator releases {want}"
-            extra["swa_pages_released"] = released
+        if swa:   # the windows advanced exactly as bench_allocator's explicit unbinds (same pages, same rule)
+            unbound = table.alloc.stats()["swa"].pages_unbound
+            want = ba.PreparedPages(w, args.swa_window).unbound_pages
+            assert unbound == want, f"swa pages unbound {unbound}, bench_allocator unbinds {want}"
+            extra["swa_pages_unbound"] = unbound
         extra["verified"] = True
     walls = []
     for _ in range(args.repeats):

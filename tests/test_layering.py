@@ -13,7 +13,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1] / "umalloc"
+from import_graph import ROOT, assert_acyclic, import_graph
 
 #: layer rank of each top-level part (lower may not import higher)
 RANK = {"errors": 0, "ids": 0, "translators": 1, "geometry": 2, "pool": 3, "leases": 4, "allocator": 5, "requests": 6,
@@ -23,51 +23,17 @@ ALLOCATION = {"pool", "leases", "allocator", "requests"}
 MAX_MODULE_LINES = 860  # "about 800": one module (backends/base.py, 852 lines) is above 800; every other is below
 
 
-def _module_name(path: Path) -> str:
-    return ".".join(("umalloc", *path.relative_to(ROOT).with_suffix("").parts)).removesuffix(".__init__")
-
-
-def _graph() -> dict[str, set[str]]:
-    modules = {_module_name(p): p for p in ROOT.rglob("*.py")}
-    graph: dict[str, set[str]] = {}
-    for mod, path in modules.items():
-        deps = graph.setdefault(mod, set())
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module:
-                if node.module == "umalloc":
-                    deps.update(f"umalloc.{a.name}" for a in node.names if f"umalloc.{a.name}" in modules)
-                elif node.module.startswith("umalloc."):
-                    deps.add(node.module)
-            elif isinstance(node, ast.Import):
-                deps.update(a.name for a in node.names if a.name.startswith("umalloc."))
-        deps.discard(mod)
-    return graph
-
-
 def _part(mod: str) -> str:
     return mod.split(".")[1] if mod.count(".") else ""
 
 
 def test_no_import_cycle_anywhere_in_the_package() -> None:
-    graph = _graph()
-    state: dict[str, int] = {}
-
-    def visit(m: str, path: list[str]) -> None:
-        if state.get(m) == 2:
-            return
-        assert state.get(m) != 1, f"import cycle: {' -> '.join([*path, m])}"
-        state[m] = 1
-        for d in sorted(graph.get(m, ())):
-            visit(d, [*path, m])
-        state[m] = 2
-
-    for m in sorted(graph):
-        visit(m, [])
+    assert_acyclic(import_graph())
 
 
 def test_imports_point_down_the_layers() -> None:
     wrong = []
-    for mod, deps in _graph().items():
+    for mod, deps in import_graph().items():
         here = _part(mod)
         if here not in RANK:  # umalloc/__init__.py: the lazy export table names every layer
             continue

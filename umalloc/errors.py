@@ -52,7 +52,7 @@ class DoubleFreeError(InvalidIdError):
 
 
 class NotAllocatedError(InvalidIdError):
-    """A page freed, released or translated that was never allocated (or is not live now)."""
+    """A page freed, unbound or translated that was never allocated (or is not live now)."""
 
 
 class TombstoneError(InvalidIdError):
@@ -113,8 +113,9 @@ class ArenaInUseError(UmallocValueError):
 
 
 class StaleLeaseError(LeaseError):
-    """A release or settle carried a lease generation that is no longer live (the lease ended and its pages may
-    belong to a new owner since, F27), or asked for a transition the lease's state does not allow."""
+    """An engine report (``unhold_engine``) or ``settle`` carried a lease generation that is no longer live (the
+    lease ended and its pages may belong to a new owner since, F27), or asked for a transition the lease's state
+    does not allow."""
 
 
 class StaleHandleError(NotAllocatedError):

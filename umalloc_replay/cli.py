@@ -39,7 +39,8 @@ _QUIET_START = threading.current_thread() is threading.main_thread() and \
 if _QUIET_START:
     signal.signal(signal.SIGINT, _interrupted_at_start_up)
 
-from collections.abc import Sequence  # noqa: E402
+import functools  # noqa: E402
+from collections.abc import Callable, Sequence  # noqa: E402
 from enum import Enum  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Annotated, Any  # noqa: E402
@@ -264,11 +265,7 @@ def replay(
     err = Console(stderr=True)  # errors, warnings, the progress bar, what runs; stdout carries the result only
     rank_error: tuple[type[Exception], ...] = ()
 
-    def fail(msg: str, code: int) -> typer.Exit:
-        # soft_wrap: a path or a figure in the message is never split across lines; escape: "[...]" in a
-        # message is text, not rich markup
-        err.print(f"[red]error:[/red] {escape(msg)}", soft_wrap=True)
-        return typer.Exit(code)
+    fail = functools.partial(error_exit, err)
 
     try:
         try:
@@ -334,24 +331,14 @@ def replay(
             raise fail(str(exc), 1) from None
         except BackendError as exc:  # a transfer engine or the second process failed mid-run (e.g. killed)
             raise fail(f"the {backend.value} backend failed: {exc}", 1) from None
-        if output_format is OutputFormat.json:
-            import json
 
-            print(json.dumps(result, indent=1), flush=True)
-        else:
-            print_table(table_of(result))
-        try:
-            if report is not None:
-                import json
+        def write_plot(path: Path) -> None:
+            from umalloc_replay.plot import plot_report
 
-                report.write_text(json.dumps(result, indent=1) + "\n")
-                err.print(f"report: {report}", soft_wrap=True)
-            if plot_path is not None:
-                from umalloc_replay.plot import plot_report
+            err.print(f"plot: {plot_report(result, path)}", soft_wrap=True)
 
-                err.print(f"plot: {plot_report(result, plot_path)}", soft_wrap=True)
-        except OSError as exc:  # checked up front; the disk may still fill up or the folder go away
-            raise fail(f"writing the output failed: {exc}", 1) from None
+        emit_result(result, output_format, table_of, report, err,
+                    then=None if plot_path is None else functools.partial(write_plot, plot_path))
     except KeyboardInterrupt:
         raise typer.Exit(130) from None  # the command group prints the one `interrupted` line
     problems = check_of(result)
@@ -422,9 +409,7 @@ def generate(
 
     err = Console(stderr=True)
 
-    def fail(msg: str, code: int) -> typer.Exit:
-        err.print(f"[red]error:[/red] {escape(msg)}", soft_wrap=True)
-        return typer.Exit(code)
+    fail = functools.partial(error_exit, err)
 
     try:
         try:
@@ -451,20 +436,7 @@ def generate(
             raise fail(str(exc), 2) from None
         except BackendError as exc:  # a transfer engine or the prefill process failed mid-run (e.g. killed)
             raise fail(f"the {backend.value} backend failed: {exc}", 1) from None
-        if output_format is OutputFormat.json:
-            import json
-
-            print(json.dumps(result, indent=1), flush=True)
-        else:
-            print_table(generate_table(result))
-        try:
-            if report is not None:
-                import json
-
-                report.write_text(json.dumps(result, indent=1) + "\n")
-                err.print(f"report: {report}", soft_wrap=True)
-        except OSError as exc:
-            raise fail(f"writing the output failed: {exc}", 1) from None
+        emit_result(result, output_format, generate_table, report, err)
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
     problems = check_generate_report(result)
@@ -472,6 +444,39 @@ def generate(
         for p in problems:
             err.print(f"[red]check:[/red] {escape(str(p))}", soft_wrap=True)
         raise typer.Exit(1)
+
+
+def error_exit(err: Any, msg: str, code: int) -> typer.Exit:
+    """Print ``error: msg`` on ``err`` (the stderr console) and return the ``typer.Exit(code)`` to raise."""
+    from rich.markup import escape
+
+    # soft_wrap: a path or a figure in the message is never split across lines; escape: "[...]" in a message is
+    # text, not rich markup
+    err.print(f"[red]error:[/red] {escape(msg)}", soft_wrap=True)
+    return typer.Exit(code)
+
+
+def emit_result(result: dict[str, Any], output_format: OutputFormat, table_of: Callable[[dict[str, Any]], Any],
+                report: Path | None, err: Any, *, then: Callable[[], None] | None = None) -> None:
+    """The result of ``umalloc replay`` / ``umalloc generate``: printed on stdout (``--format json``: indented
+    JSON, else the rich table ``table_of(result)``), then written as JSON to ``report`` (if given), then ``then``
+    (the replay's plot). A failed write (``OSError``: the paths are checked up front, but the disk may still fill
+    up or the folder go away) raises ``typer.Exit(1)`` after an ``error:`` line; a failed print (stdout closed) is
+    no write failure and propagates as it is."""
+    import json
+
+    if output_format is OutputFormat.json:
+        print(json.dumps(result, indent=1), flush=True)
+    else:
+        print_table(table_of(result))
+    try:
+        if report is not None:
+            report.write_text(json.dumps(result, indent=1) + "\n")
+            err.print(f"report: {report}", soft_wrap=True)
+        if then is not None:
+            then()
+    except OSError as exc:
+        raise error_exit(err, f"writing the output failed: {exc}", 1) from None
 
 
 def print_table(table: Any) -> None:

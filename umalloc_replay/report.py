@@ -8,7 +8,7 @@ Policy:
   request completed, zero live pages and zero active leases at the end on both sides.
 * Units are in the key names (``*_bytes``, ``*_pages``, ``*_s``, ``*_tokens``); counts are ints, times floats.
 * Time is split into disjoint phases measured with ``time.perf_counter``: ``allocator`` (every allocator call:
-  alloc / bind / free / release / retract / restore / compaction), ``translate_plan`` (address translation and
+  alloc / bind / free / unbind / retract / restore / compaction), ``translate_plan`` (address translation and
   plan building, leases included), ``transfer`` (backend submit + wait), ``verify`` (recomputing the pattern and
   comparing), ``fill`` (writing the pattern: what a model's forward pass would do) and ``other`` (the rest).
 * The timeline samples one point per scheduler step (downsampled to at most :data:`MAX_TIMELINE_POINTS` in the

@@ -8,7 +8,7 @@ Policy:
   ``input_tokens + output_tokens`` tokens and finishes.
 * Footprints follow the agreed SWA formula (:meth:`MultiEndedAllocator.swa_tail_start`, F19): an end whose every
   layer slides keeps the pages from ``floor_to_page(max(0, L - W))``; every other end keeps the whole sequence.
-  Decode releases the SWA pages that left the window *before* it allocates the step's token, so an SWA end
+  Decode unbinds the SWA pages that left the window *before* it allocates the step's token, so an SWA end
   never holds more than ``cdiv(W, page_size) + 1`` pages of a request (``swa_pages_per_seq``).
 * The block table (:class:`BlockTable`) is SGLang's ``req_to_token``: one row of virtual token ids per request
   slot (int64, ``-1`` unused), so decode gathers the whole batch's ``last_loc`` in one indexing op.
@@ -63,7 +63,7 @@ def pages_held(spec: ArenaSpec, end: str, seq_len: int) -> int:
 
 def peak_pages(spec: ArenaSpec, end: str, input_tokens: int, output_tokens: int) -> int:
     """Most pages of ``end`` a request holds over its life on the decode side (prompt, then one token per step,
-    SWA pages released before each step's allocation)."""
+    SWA pages unbound before each step's allocation)."""
     e = spec.end(end)
     final = input_tokens + output_tokens
     full = pages_for_tokens(final, e.page_size)
@@ -82,7 +82,7 @@ class RequestState:
         slot: row of the :class:`BlockTable` while the request holds decode pages, else -1.
         seq_len: tokens in the decode KV (``input_tokens`` after the transfer, +1 per decode step).
         generated: decode steps done.
-        swa_lo_page: first sequence page still bound on the SWA end (pages below it were released).
+        swa_lo_page: first sequence page still bound on the SWA end (pages below it were unbound).
         retracted: the host copy while retracted.
         admitted_step: scheduler step of the (last) admission; retraction picks the newest.
     """

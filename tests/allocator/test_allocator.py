@@ -215,10 +215,10 @@ MISUSE = [
     ("int32 never allocated", lambda a: a.free(torch.tensor([12], dtype=torch.int32)), NotAllocatedError),
     ("2-D", lambda a: a.free(torch.tensor([[2]])), InvalidIdError),
     ("a list", lambda a: a.free([2]), InvalidIdError),
-    ("release on the owner", lambda a: a.release_end("full", T(2)), UmallocValueError),
-    ("release unknown end", lambda a: a.release_end("nope", T(2)), UmallocValueError),
-    ("release unbound (strict)", lambda a: a.release_end("swa", T(8)), NotAllocatedError),
-    ("release freed", lambda a: a.release_end("swa", T(6)), DoubleFreeError),
+    ("unbind on the owner", lambda a: a.unbind_end("full", T(2)), UmallocValueError),
+    ("unbind unknown end", lambda a: a.unbind_end("nope", T(2)), UmallocValueError),
+    ("unbind unbound (strict)", lambda a: a.unbind_end("swa", T(8)), NotAllocatedError),
+    ("unbind freed", lambda a: a.unbind_end("swa", T(6)), DoubleFreeError),
     ("bind already bound", lambda a: a.bind_end("swa", T(2)), InvalidIdError),
     ("bind on the owner", lambda a: a.bind_end("full", T(8)), UmallocValueError),
     ("extend shape mismatch", lambda a: a.alloc_extend(T(0), T(1, 1), T(-1)), InvalidIdError),
@@ -259,19 +259,19 @@ def test_out_of_space_returns_none_and_changes_nothing() -> None:
     assert pages(alloc, v, "full") == [5]
 
 
-# ---- release_end / bind_end -------------------------------------------------------------------------------------
-def test_release_end_tombstones_only_the_bound_end() -> None:
+# ---- unbind_end / bind_end -------------------------------------------------------------------------------------
+def test_unbind_end_tombstones_only_the_bound_end() -> None:
     alloc = full_swa()
     t = alloc.alloc_extend(T(0), T(6), T(-1))                   # vpages 1 2 3: swa 7 8 9
-    alloc.release_end("swa", t[:3])                             # tokens 2 3 4: vpages 1, 2
+    alloc.unbind_end("swa", t[:3])                             # tokens 2 3 4: vpages 1, 2
     assert pages(alloc, T(1, 2, 3), "swa") == [0, 0, 9]
     assert pages(alloc, T(1, 2, 3), "full") == [1, 2, 3]
     assert alloc.band("swa") == (9, 10)                         # 7 and 8 were the frontier: retreated
     with pytest.raises(TombstoneError):
         alloc.translate(t[:1], "swa")
     assert alloc.translate(t[:1], "swa", strict=False).tolist() == [0]   # the sink
-    alloc.release_end("swa", t, strict=False)                   # skips the unbound ones, releases vpage 3
-    assert alloc.stats()["swa"].live_pages == 0 and alloc.stats()["swa"].pages_released == 3
+    alloc.unbind_end("swa", t, strict=False)                   # skips the unbound ones, releases vpage 3
+    assert alloc.stats()["swa"].live_pages == 0 and alloc.stats()["swa"].pages_unbound == 3
     alloc.free(t)
     assert alloc.stats()["full"].pages_freed == 3 and alloc.stats()["swa"].pages_freed == 0
 
@@ -413,7 +413,7 @@ def test_default_preset_gemma_with_a_float_draft() -> None:
     assert t is not None and t.numel() == 57
     for end in ("full", "swa", "draft"):
         assert alloc.num_contiguous_runs(torch.unique(t // 16), end) == 1
-    alloc.release_end("swa", t[:16])
+    alloc.unbind_end("swa", t[:16])
     alloc.free(t)
     assert all(s.live_pages == 0 for s in alloc.stats().values())
 
@@ -432,12 +432,12 @@ def test_pinned_freed_pages_stay_pending_until_the_lease_ends() -> None:
     assert alloc.ends["full"].state[2] == PAGE_PENDING
     v = alloc.alloc_pages(1)                                    # vpage 2 again, on fresh pages
     assert v.tolist() == [2] and pages(alloc, v, "full") == [4] and pages(alloc, v, "swa") == [6]
-    lease.release()
+    lease.end()
     assert alloc.ends["full"].state[2] == PAGE_HOLE and alloc.ends["swa"].state[8] == PAGE_HOLE
     assert pages(alloc, v, "full") == [4]                       # the re-minted id kept its own page
     w = alloc.alloc_pages(1)
     assert pages(alloc, w, "full") == [2] and pages(alloc, w, "swa") == [8]
-    assert lease.release() is False
+    assert lease.end() is False
 
 
 def test_expired_leases_are_reclaimed_on_the_next_call_and_counted() -> None:
@@ -513,7 +513,7 @@ def test_stats_are_recomputed_from_the_snapshot() -> None:
             assert (s.band_lo, s.band_hi) == e["band"]
             assert s.reachable_gap_pages == _reachable_gap_by_hand(snap, name, 32), name
             assert s.free_pages == s.hole_pages + s.reachable_gap_pages == alloc.available_pages(name)
-            assert s.pages_allocated - s.pages_freed - s.pages_released == s.live_pages
+            assert s.pages_allocated - s.pages_freed - s.pages_unbound == s.live_pages
         assert snap["owners"]["full"]["live"] == len(live) == int((snap["owners"]["full"]["vstate"] == V_LIVE).sum())
 
 
@@ -565,7 +565,7 @@ def test_v2p_mirror_is_refreshed_by_every_call() -> None:
     alloc = full_swa(mirror_device="cpu")                      # a CPU mirror exercises the device-refresh path
     t = alloc.alloc_extend(T(0), T(5), T(-1))
     assert alloc.v2p("swa").tolist()[:4] == [0, 7, 8, 9]
-    alloc.release_end("swa", t[:2])
+    alloc.unbind_end("swa", t[:2])
     alloc.free(t[4:])
     assert alloc.v2p("swa").tolist()[:4] == [0, -1, 8, -1]
     assert alloc.v2p("full").tolist()[:4] == [0, 1, 2, -1]
@@ -624,7 +624,7 @@ def test_unhashable_end_and_non_tensor_out_raise_typed_errors() -> None:
     t = alloc.alloc_extend(T(0), T(2), T(-1))
     before = alloc.snapshot()
     with pytest.raises(UmallocValueError):                         # used to be a bare TypeError
-        alloc.release_end(["swa"], t)
+        alloc.unbind_end(["swa"], t)
     with pytest.raises(InvalidIdError):                            # used to be an AttributeError
         alloc.translate(t, "full", out=[0, 0])
     with pytest.raises(InvalidIdError):
@@ -636,7 +636,7 @@ def test_sink_page_is_refused_as_reserved_not_as_never_allocated() -> None:
     alloc = full_swa()                                             # page_size 2: tokens 0, 1 lie in vpage 0
     alloc.alloc_pages(1)
     before = alloc.snapshot()
-    for call in (lambda: alloc.free(T(0)), lambda: alloc.free(T(1)), lambda: alloc.release_end("swa", T(1)),
+    for call in (lambda: alloc.free(T(0)), lambda: alloc.free(T(1)), lambda: alloc.unbind_end("swa", T(1)),
                  lambda: alloc.alloc_decode(T(2), T(0)), lambda: alloc.alloc_extend(T(1), T(3), T(0))):
         with pytest.raises(InvalidIdError, match="reserved, the sink") as info:
             call()
@@ -651,7 +651,7 @@ def test_extend_refuses_a_partial_tail_page_twice_in_a_batch_or_unbound_on_a_bin
     with pytest.raises(InvalidIdError, match="another request"):   # two requests extending tokens 5 of vpage 2
         alloc.alloc_extend(T(3, 3), T(4, 4), T(int(t[2]), int(t[2])))
     assert snapshots_equal(before, alloc.snapshot())
-    alloc.release_end("swa", t[2:])                                # vpage 2 unbound on swa, live on full
+    alloc.unbind_end("swa", t[2:])                                # vpage 2 unbound on swa, live on full
     before = alloc.snapshot()
     with pytest.raises(NotAllocatedError, match="not bound on end 'swa'"):
         alloc.alloc_extend(T(3), T(4), T(4))                      # token 5 would need vpage 2 on swa too
@@ -661,7 +661,7 @@ def test_extend_refuses_a_partial_tail_page_twice_in_a_batch_or_unbound_on_a_bin
     assert alloc.alloc_extend(T(3), T(4), T(4), bind=[]).tolist() == [5]   # the owner alone may fill it
 
 
-# ---- page-level calls (vLLM-style page tables): alloc_pages(out=), free_pages, release_pages ---------------------
+# ---- page-level calls (vLLM-style page tables): alloc_pages(out=), free_pages, unbind_pages ---------------------
 @pytest.fixture(params=[False, True], ids=["hot-path", "checked-path"])
 def page_alloc(request) -> MultiEndedAllocator:
     """full + swa as :func:`full_swa` but 416 B: pages 1..12, room for 6 virtual pages bound on both ends.
@@ -749,21 +749,21 @@ def test_free_pages_misuse_is_typed_and_changes_nothing(page_alloc, ids, err) ->
     assert snapshots_equal(snap, alloc.snapshot())
 
 
-def test_release_pages_tombstones_only_the_bound_end(page_alloc) -> None:
+def test_unbind_pages_tombstones_only_the_bound_end(page_alloc) -> None:
     alloc = page_alloc
     vp = alloc.alloc_pages(3)                                   # full 1 2 3, swa 10 11 12
-    alloc.release_pages("swa", np.array([1, 2, 1], np.int64))  # duplicates merge
+    alloc.unbind_pages("swa", np.array([1, 2, 1], np.int64))   # duplicates merge
     assert pages(alloc, vp, "swa") == [0, 0, 12] and pages(alloc, vp, "full") == [1, 2, 3]
     snap = alloc.snapshot()
-    with pytest.raises(NotAllocatedError, match="not bound"):  # strict: page 1 is already released
-        alloc.release_pages("swa", np.array([3, 1], np.int64))
+    with pytest.raises(NotAllocatedError, match="not bound"):  # strict: page 1 is already unbound
+        alloc.unbind_pages("swa", np.array([3, 1], np.int64))
     assert snapshots_equal(snap, alloc.snapshot())
-    alloc.release_pages("swa", np.array([3, 1], np.int64), strict=False)
+    alloc.unbind_pages("swa", np.array([3, 1], np.int64), strict=False)
     assert pages(alloc, vp, "swa") == [0, 0, 0] and alloc.stats()["swa"].live_pages == 0
     with pytest.raises(UmallocValueError, match="id-owner"):
-        alloc.release_pages("full", np.array([1], np.int64))
+        alloc.unbind_pages("full", np.array([1], np.int64))
     with pytest.raises(UmallocValueError):
-        alloc.release_pages("nope", np.array([1], np.int64))
+        alloc.unbind_pages("nope", np.array([1], np.int64))
     assert alloc.stats()["full"].live_pages == 3
 
 
@@ -779,20 +779,20 @@ def test_page_level_calls_respect_leases(page_alloc) -> None:
     out = np.zeros(1, np.int64)
     alloc.alloc_pages(1, out=out)
     assert pages(alloc, torch.from_numpy(out), "full") != [1]   # page 1 is pending, not reused
-    lease.release()
+    lease.end()
     assert alloc.stats()["full"].pending_pages == 0
 
 
 @pytest.mark.parametrize("lib", ["numpy", "torch"])
 def test_page_calls_through_a_block_table_index(page_alloc, lib) -> None:
-    """index=: alloc_pages writes straight into a req_to_page table, free_pages / release_pages gather from it.
+    """index=: alloc_pages writes straight into a req_to_page table, free_pages / unbind_pages gather from it.
     Expected slots and pages by hand: two requests of 2 and 1 pages in rows 0 and 1 of a 2 x 4 table."""
     alloc = page_alloc
     arr = (lambda *xs: np.array(xs, np.int64)) if lib == "numpy" else T
     table = np.full(8, -1, np.int64) if lib == "numpy" else torch.full((8,), -1, dtype=torch.int64)
     assert alloc.alloc_pages(3, out=table, index=arr(0, 1, 4)) is table
     assert table.tolist() == [1, 2, -1, -1, 3, -1, -1, -1]
-    alloc.release_pages("swa", table, index=arr(0, 0))           # row 0's first page left the window
+    alloc.unbind_pages("swa", table, index=arr(0, 0))           # row 0's first page left the window
     assert pages(alloc, T(1, 2, 3), "swa") == [0, 11, 12] and pages(alloc, T(1, 2, 3), "full") == [1, 2, 3]
     alloc.free_pages(table, index=arr(0, 1))                     # request 0 finishes
     assert alloc.stats()["full"].live_pages == 1 and alloc.stats()["swa"].live_pages == 1
@@ -800,7 +800,7 @@ def test_page_calls_through_a_block_table_index(page_alloc, lib) -> None:
     alloc.check_invariants()
 
 
-@pytest.mark.parametrize("call", ["alloc", "free", "release"])
+@pytest.mark.parametrize("call", ["alloc", "free", "unbind"])
 def test_block_table_index_out_of_range_changes_nothing(page_alloc, call) -> None:
     alloc = page_alloc
     table = np.zeros(4, np.int64)
@@ -813,7 +813,7 @@ def test_block_table_index_out_of_range_changes_nothing(page_alloc, call) -> Non
         elif call == "free":
             alloc.free_pages(table, index=bad)
         else:
-            alloc.release_pages("swa", table, index=bad)
+            alloc.unbind_pages("swa", table, index=bad)
     assert snapshots_equal(snap, alloc.snapshot()) and np.array_equal(table, before)
     with pytest.raises(InvalidIdError, match="exactly num_pages"):
         alloc.alloc_pages(2, out=table, index=np.array([2], np.int64))
@@ -833,7 +833,7 @@ def test_per_call_methods_match_the_class_methods_and_a_subclass_override_wins()
     for alloc, call in ((bound, lambda a, name: getattr(a, name)),
                         (direct, lambda a, name: getattr(MultiEndedAllocator, name).__get__(a))):
         vp = call(alloc, "alloc_pages")(3)
-        call(alloc, "release_pages")("swa", vp[:1])
+        call(alloc, "unbind_pages")("swa", vp[:1])
         call(alloc, "free_pages")(vp[2:])
     assert snapshots_equal(bound.snapshot(), direct.snapshot())
     assert bound.translate_pages(torch.tensor([1, 2]), "swa", strict=False).tolist() == [0, 8]   # swa 7..9 down
@@ -849,3 +849,21 @@ def test_per_call_methods_match_the_class_methods_and_a_subclass_override_wins()
     vp = alloc.alloc_pages(2)
     alloc.free_pages(vp)
     assert freed == [[1, 2]] and alloc.stats()["full"].live_pages == 0
+
+
+@pytest.mark.parametrize("old", ["release_end", "release_pages"])
+def test_the_deprecated_release_names_warn_and_unbind_as_the_new_ones(old) -> None:
+    """``release_end`` / ``release_pages`` (the README's names before ``unbind_end`` / ``unbind_pages``) still work
+    for one release: the same effect as the new name (swa page 9 of vpage 2 stays bound, vpage 1's swa page
+    goes), after a DeprecationWarning naming the new one."""
+    from umalloc.testing import small_allocator
+
+    alloc = small_allocator()
+    vp = alloc.alloc_pages(2)
+    new = {"release_end": "unbind_end", "release_pages": "unbind_pages"}[old]
+    ids = vp[:1] * alloc.spec.end("full").page_size if old == "release_end" else vp[:1]
+    with pytest.warns(DeprecationWarning, match=f"MultiEndedAllocator.{old} is deprecated: use {new}"):
+        getattr(alloc, old)("swa", ids)
+    assert alloc.translate_pages(vp, "swa", strict=False).tolist() == [0, 9]
+    assert alloc.translate_pages(vp, "full").tolist() == [1, 2]
+    alloc.check_invariants()

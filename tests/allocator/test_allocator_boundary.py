@@ -97,7 +97,7 @@ def test_end_view_arrays_are_read_only() -> None:
 
 def test_refused_translate_leaves_out_untouched() -> None:
     alloc, toks = with_request()
-    alloc.release_end("swa", toks[2:3])                       # virtual page 2 unbound on swa
+    alloc.unbind_end("swa", toks[2:3])                       # virtual page 2 unbound on swa
     out = torch.full((4,), -7, dtype=torch.int64)
     with pytest.raises(TombstoneError):
         alloc.translate(toks, "swa", out=out)                 # the bad id is the third: nothing written before it
@@ -138,7 +138,7 @@ def test_debug_mode_runs_the_same_calls(monkeypatch) -> None:
     alloc.free(T(6))
     vp = np.empty(2, np.int64)
     assert alloc.alloc_pages(2, out=vp).tolist() == [3, 4]     # virtual page 3 was freed just before
-    alloc.release_pages("swa", vp[:1])
+    alloc.unbind_pages("swa", vp[:1])
     alloc.free_pages(vp)
     alloc.free(toks)
     assert alloc.stats()["full"].live_pages == 0
@@ -150,7 +150,7 @@ def test_heap_owns_the_pins_and_refuses_copies() -> None:
     heap = alloc._heap
     lease = alloc.lease({"full": T(1)})
     assert heap.pins[0][1] == 1 and alloc.lease_table.pin_count("full")[1] == 1   # one array, lent
-    lease.release()
+    lease.end()
     for f in (copy.copy, copy.deepcopy, pickle.dumps):
         with pytest.raises(HeapCopyError):
             f(heap)
@@ -180,8 +180,8 @@ def test_strict_is_a_bool(strict) -> None:
     snap = alloc.snapshot()
     for call in (lambda: alloc.translate(toks, "swa", strict=strict),
                  lambda: alloc.translate_pages(T(1), "swa", strict=strict),
-                 lambda: alloc.release_end("swa", toks[:1], strict=strict),
-                 lambda: alloc.release_pages("swa", np.array([1]), strict=strict)):
+                 lambda: alloc.unbind_end("swa", toks[:1], strict=strict),
+                 lambda: alloc.unbind_pages("swa", np.array([1]), strict=strict)):
         with pytest.raises(UmallocValueError, match="strict"):
             call()
     assert snapshots_equal(snap, alloc.snapshot())
@@ -205,7 +205,7 @@ def test_int32_block_tables_free_and_release_like_int64() -> None:
     table = np.zeros(6, np.int32)
     vp = alloc.alloc_pages(3)
     table[[4, 1, 2]] = vp.numpy()                              # a vLLM-style int32 block table
-    alloc.release_pages("swa", table, index=np.array([1], np.int32))
+    alloc.unbind_pages("swa", table, index=np.array([1], np.int32))
     assert alloc.translate_pages(T(1, 2, 3), "swa", strict=False).tolist() == [7, 0, 9]   # table[1] = 2
     alloc.free_pages(torch.from_numpy(table), index=torch.tensor([4, 2], dtype=torch.int32))
     assert alloc.stats()["full"].live_pages == 1
@@ -236,7 +236,7 @@ def test_meta_and_sparse_tensors_are_typed(make) -> None:
         alloc.lease({"full": make()})
     for call in (lambda: alloc.retract(make()), lambda: alloc.translate(make(), "full"),
                  lambda: alloc.translate_pages(make(), "full"), lambda: alloc.free(make()),
-                 lambda: alloc.release_pages("swa", make())):
+                 lambda: alloc.unbind_pages("swa", make())):
         with pytest.raises(InvalidIdError):
             call()
     assert snapshots_equal(snap, alloc.snapshot())
@@ -300,35 +300,12 @@ def test_error_ranges_are_the_ranges_checked() -> None:
 def test_core_imports_form_no_cycle_not_even_inside_functions() -> None:
     """Every import in the allocation layers (pool, leases, allocator, requests; module level, inside functions,
     under TYPE_CHECKING) points one way."""
-    import ast
-    from pathlib import Path
+    from import_graph import ROOT, assert_acyclic, import_graph
 
-    root = Path(__file__).resolve().parents[2] / "umalloc"
     layers = ("pool", "leases", "allocator", "requests")
-    prefixes = tuple(f"umalloc.{layer}" for layer in layers)
-    paths = [p for layer in layers for p in (root / layer).rglob("*.py")]
-    graph: dict[str, set[str]] = {}
-    for path in paths:
-        mod = "umalloc." + ".".join(path.relative_to(root).with_suffix("").parts)
-        mod = mod.removesuffix(".__init__")
-        deps = graph.setdefault(mod, set())
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else \
-                [a.name for a in node.names] if isinstance(node, ast.Import) else []
-            deps.update(n for n in names if n.startswith(prefixes))
-    state: dict[str, int] = {}
-
-    def visit(m: str, path: list[str]) -> None:
-        if state.get(m) == 2:
-            return
-        assert state.get(m) != 1, f"import cycle: {' -> '.join([*path, m])}"
-        state[m] = 1
-        for d in graph.get(m, ()):
-            visit(d, [*path, m])
-        state[m] = 2
-
-    for m in graph:
-        visit(m, [])
+    graph = import_graph(layers)
+    assert_acyclic(graph)
+    paths = [p for layer in layers for p in (ROOT / layer).rglob("*.py")]
     assert "umalloc.allocator.facade" not in graph["umalloc.allocator.retraction"]
     # raw addresses come from kernels/raw only (compaction reads one buffer address for an alignment test and
     # passes none to a kernel)

@@ -38,12 +38,12 @@ def test_F01_releasing_one_token_retires_its_whole_page() -> None:
     assert alloc.translate(t[4:], "full").tolist() == [8, 9, 10, 11]
     with pytest.raises(DoubleFreeError):                          # no half-applied page left to free
         alloc.free(t[3:4])
-    alloc.release_end("swa", t[6:7])                              # one token releases vpage 2 on swa, whole
+    alloc.unbind_end("swa", t[6:7])                              # one token releases vpage 2 on swa, whole
     for tok in t[4:].tolist():
         with pytest.raises(TombstoneError):
             alloc.translate(T(tok), "swa")
     st = alloc.stats()
-    assert (st["full"].live_pages, st["swa"].live_pages, st["full"].pages_freed, st["swa"].pages_released) == \
+    assert (st["full"].live_pages, st["swa"].live_pages, st["full"].pages_freed, st["swa"].pages_unbound) == \
         (1, 0, 1, 1)
 
 
@@ -57,7 +57,7 @@ def test_F02_reused_virtual_ids_and_pages_start_clean() -> None:
     alloc.free(w * 2)
     x = alloc.alloc_pages(1)                                      # vpage 1, now bound on swa (page 9)
     assert pages(alloc, x, "swa") == [9]
-    alloc.release_end("swa", x * 2)
+    alloc.unbind_end("swa", x * 2)
     alloc.free(x * 2)
     y = alloc.alloc_pages(1, bind=[])                             # vpage 1 again, unbound on swa again
     assert y.tolist() == [1] and alloc.v2p("swa")[1].item() == TOMBSTONE
@@ -65,7 +65,7 @@ def test_F02_reused_virtual_ids_and_pages_start_clean() -> None:
     # a page freed under a lease and reused after it: its pin count starts at 0
     lease = alloc.lease({"full": alloc.translate_pages(y, "full")})
     alloc.free(y * 2)
-    lease.release()
+    lease.end()
     z = alloc.alloc_pages(1)
     assert pages(alloc, z, "full") == [1] and alloc.lease_table.pin_count("full")[1] == 0
     alloc.free(z * 2)                                             # not pending: no stale pin
@@ -81,7 +81,7 @@ def test_F03_a_deferred_reclaim_keeps_the_page_it_captured() -> None:
     w = alloc.alloc_pages(1)                                      # vpage 1 re-minted -> full page 3
     assert w.tolist() == [1] and pages(alloc, w, "full") == [3]
     stamp(alloc, "full", w, T(333))
-    lease.release()                                               # the deferred reclaim of page 1 resolves now
+    lease.end()                                               # the deferred reclaim of page 1 resolves now
     assert alloc.ends["full"].state[1] == PAGE_HOLE               # page 1, not vpage 1's current page 3
     assert alloc.ends["full"].state[3] == PAGE_LIVE and pages(alloc, w, "full") == [3]
     assert alloc.compact("full").pages_moved == 1                 # 3 -> 1, bytes follow
@@ -91,7 +91,7 @@ def test_F03_a_deferred_reclaim_keeps_the_page_it_captured() -> None:
 def test_F04_the_sink_never_enters_a_release_path() -> None:
     alloc = full_swa()
     t = alloc.alloc_extend(T(0), T(4), T(-1))
-    for call in (lambda: alloc.free(T(0)), lambda: alloc.free(T(1)), lambda: alloc.release_end("swa", T(1)),
+    for call in (lambda: alloc.free(T(0)), lambda: alloc.free(T(1)), lambda: alloc.unbind_end("swa", T(1)),
                  lambda: alloc.bind_end("swa", T(0))):
         before = alloc.snapshot()
         with pytest.raises(InvalidIdError):
@@ -221,7 +221,7 @@ def test_F18_pages_overlapping_the_window_are_never_released(page_size: int, win
         tail = alloc.swa_tail_start(L, window, 0, ps)             # first token whose swa page must exist
         assert tail % ps == 0 and tail <= max(0, L - window)
         if tail > released:
-            alloc.release_end("swa", toks[released:tail:ps])
+            alloc.unbind_end("swa", toks[released:tail:ps])
             released = tail
         window_toks = toks[max(0, L - window):L]
         alloc.translate(window_toks, "swa")                       # strict: every token in the window is bound
@@ -310,7 +310,7 @@ def test_pending_pages_are_walls_for_the_ladder() -> None:
     alloc.free(live[-1:] * 2)                                     # page 7 pending: the band cannot retreat
     assert alloc.ends["full"].state[7] == PAGE_PENDING
     assert not alloc.bind_end("swa", live[:3] * 2)                # needs 3 swa pages, only 8, 9 reachable
-    lease.release()
+    lease.end()
     assert alloc.bind_end("swa", live[:3] * 2)
 
 

@@ -1,4 +1,4 @@
-"""The page-level calls of MultiEndedAllocator (``alloc_pages(out=, index=)``, ``free_pages``, ``release_pages``)
+"""The page-level calls of MultiEndedAllocator (``alloc_pages(out=, index=)``, ``free_pages``, ``unbind_pages``)
 under hostile input: memory safety of the block-table scatter/gather, typed errors that change nothing, the
 page-level hot path (Note [Page-level hot path]) against the general path and against a model, leases (F11,
 F12), two id owners, eager compaction.
@@ -106,8 +106,8 @@ def test_page_calls_take_native_int64_under_another_dtype_object(checked, kind) 
     assert alloc.alloc_pages(3, out=out) is out and out.tolist() == [1, 2, 3]
     table = arr(-1, -1, -1, -1)
     assert alloc.alloc_pages(2, out=table, index=arr(3, 0)) is table and table.tolist() == [5, -1, -1, 4]
-    alloc.release_pages("swa", arr(2))
-    alloc.release_pages("swa", table, index=arr(0))
+    alloc.unbind_pages("swa", arr(2))
+    alloc.unbind_pages("swa", table, index=arr(0))
     assert pages(alloc, T(1, 2, 3, 4, 5), "swa")[1] == 0 and pages(alloc, T(5), "swa") == [0]
     alloc.free_pages(arr(1, 2))
     alloc.free(arr(3 * 2 + 1))                          # a token of page 3
@@ -129,7 +129,7 @@ def test_id_tensors_without_dense_data_are_refused_typed(checked, bad) -> None:
     else:
         ids = torch.sparse_coo_tensor(torch.tensor([[0]]), torch.tensor([1]), (1,), check_invariants=True)
     table = np.full(4, -1, I64)
-    for call in (lambda: alloc.free_pages(ids), lambda: alloc.free(ids), lambda: alloc.release_pages("swa", ids),
+    for call in (lambda: alloc.free_pages(ids), lambda: alloc.free(ids), lambda: alloc.unbind_pages("swa", ids),
                  lambda: alloc.free_pages(vp.numpy(), index=ids),
                  lambda: alloc.alloc_pages(1, out=table, index=ids)):
         with pytest.raises(InvalidIdError, match="dense"):
@@ -162,12 +162,12 @@ def test_an_expired_lease_is_reclaimed_by_a_numpy_page_call() -> None:
     alloc.check_invariants()
 
 
-def test_release_pages_of_a_leased_swa_page_goes_pending(checked) -> None:
-    """F11 on the bound end: 416 B, swa 11 12 for vpages 1 2; the leased swa page 12 is released by page id."""
+def test_unbind_pages_of_a_leased_swa_page_goes_pending(checked) -> None:
+    """F11 on the bound end: 416 B, swa 11 12 for vpages 1 2; the leased swa page 12 is unbound by page id."""
     alloc = full_swa(416, checked)
     alloc.alloc_pages(2)
     with alloc.lease({"swa": T(12)}):
-        alloc.release_pages("swa", A(2))
+        alloc.unbind_pages("swa", A(2))
         st = alloc.stats()["swa"]
         assert (st.live_pages, st.pending_pages) == (1, 1)
         out = np.zeros(1, I64)
@@ -260,7 +260,7 @@ class PageModel:
             self.swa.add(v)
         return free[:k]
 
-    def _pages(self, table: np.ndarray, index: np.ndarray | None, release: bool, strict: bool) -> list[int]:
+    def _pages(self, table: np.ndarray, index: np.ndarray | None, unbind: bool, strict: bool) -> list[int]:
         got: list[int] = []
         for i in range(len(table) if index is None else len(index)):
             if index is not None and not 0 <= index[i] < len(table):
@@ -270,7 +270,7 @@ class PageModel:
                 raise InvalidIdError("range")
             if self.state[v] != "live":
                 raise DoubleFreeError("freed") if self.state[v] == "freed" else NotAllocatedError("never")
-            if release and v not in self.swa:
+            if unbind and v not in self.swa:
                 if strict:
                     raise NotAllocatedError("unbound")
                 continue
@@ -283,7 +283,7 @@ class PageModel:
             self.state[v] = "freed"
             self.swa.discard(v)
 
-    def release(self, table: np.ndarray, index: np.ndarray | None, strict: bool) -> None:
+    def unbind(self, table: np.ndarray, index: np.ndarray | None, strict: bool) -> None:
         for v in self._pages(table, index, True, strict):
             self.swa.discard(v)
 
@@ -301,7 +301,7 @@ def test_hot_path_general_path_and_mirror_path_agree_with_a_model() -> None:
         tables = [np.full(NS, -1, I64) for _ in allocs]
         model, mtable = PageModel(32, 31), np.full(NS, -1, I64)
         for step in range(80):
-            op = rng.choice(["alloc", "alloc-index", "free", "free-index", "release", "release-index"])
+            op = rng.choice(["alloc", "alloc-index", "free", "free-index", "unbind", "unbind-index"])
             k = rng.randint(0, 4)
             if rng.random() < 0.9:
                 slots = A(*rng.sample(range(NS), k))
@@ -326,10 +326,10 @@ def test_hot_path_general_path_and_mirror_path_agree_with_a_model() -> None:
                     want = model.free(ids, None)
                 elif op == "free-index":
                     want = model.free(mtable, slots)
-                elif op == "release":
-                    want = model.release(ids, None, strict)
+                elif op == "unbind":
+                    want = model.unbind(ids, None, strict)
                 else:
-                    want = model.release(mtable, slots, strict)
+                    want = model.unbind(mtable, slots, strict)
             except UmallocError as e:
                 want = type(e)
             for alloc, table in zip(allocs, tables, strict=True):
@@ -345,10 +345,10 @@ def test_hot_path_general_path_and_mirror_path_agree_with_a_model() -> None:
                         got = alloc.free_pages(_forms(form, ids))
                     elif op == "free-index":
                         got = alloc.free_pages(table, index=_forms(form, slots))
-                    elif op == "release":
-                        got = alloc.release_pages("swa", _forms(form, ids), strict=strict)
+                    elif op == "unbind":
+                        got = alloc.unbind_pages("swa", _forms(form, ids), strict=strict)
                     else:
-                        got = alloc.release_pages("swa", table, index=_forms(form, slots), strict=strict)
+                        got = alloc.unbind_pages("swa", table, index=_forms(form, slots), strict=strict)
                 except UmallocError as e:
                     got = type(e)
                 assert got == want, (seed, step, op, k, slots, ids, strict)

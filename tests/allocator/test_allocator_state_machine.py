@@ -1,4 +1,4 @@
-"""Hypothesis state machine over tiny arenas: random alloc_extend / alloc_decode / free / release_end / bind_end
+"""Hypothesis state machine over tiny arenas: random alloc_extend / alloc_decode / free / unbind_end / bind_end
 (/ compact / misuse) on up+down, mixed page bytes and up+float+down geometries, every compaction mode.
 
 After every step: ``check_invariants()``; the harness's own model of what each request holds equals the
@@ -213,9 +213,9 @@ class AllocatorMachine(RuleBasedStateMachine):
             return
         part = t[self.released[r]:tail]
         if data.draw(st.booleans()):
-            self.alloc.release_pages("swa", self._ids(data, part, True), strict=False)
+            self.alloc.unbind_pages("swa", self._ids(data, part, True), strict=False)
         else:
-            self.alloc.release_end("swa", self._ids(data, part, False), strict=False)
+            self.alloc.unbind_end("swa", self._ids(data, part, False), strict=False)
         for v in np.unique(t[self.released[r]:tail].numpy() // self.ps).tolist():
             self.marks.pop(("swa", v), None)
         self.released[r] = tail

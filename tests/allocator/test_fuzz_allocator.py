@@ -108,7 +108,7 @@ def _count(draw):
 def _call(draw, w: _World):
     alloc = w.alloc
     op = draw(st.sampled_from(["alloc_pages", "alloc_pages_out", "extend", "decode", "free", "free_pages",
-                               "free_pages_index", "release_end", "release_pages", "bind_end", "translate",
+                               "free_pages_index", "unbind_end", "unbind_pages", "bind_end", "translate",
                                "translate_pages", "translate_out", "lease", "lease_release", "can_alloc",
                                "shortfall", "compact", "available", "runs", "pin_table"]))
     strict = draw(st.sampled_from([True, False, True, 0, "no"]))
@@ -141,10 +141,10 @@ def _call(draw, w: _World):
         index = draw(st.sampled_from([np.array(idx, np.int64), torch.tensor(idx, dtype=torch.int64),
                                       np.array(idx, np.int32), np.array(idx, np.float64)]))
         return lambda: alloc.free_pages(table, index=index)
-    if op == "release_end":
-        return lambda: alloc.release_end(_end_name(draw, w), _ids(draw, w, "tokens"), strict=strict)
-    if op == "release_pages":
-        return lambda: alloc.release_pages(_end_name(draw, w), _ids(draw, w, "pages"), strict=strict)
+    if op == "unbind_end":
+        return lambda: alloc.unbind_end(_end_name(draw, w), _ids(draw, w, "tokens"), strict=strict)
+    if op == "unbind_pages":
+        return lambda: alloc.unbind_pages(_end_name(draw, w), _ids(draw, w, "pages"), strict=strict)
     if op == "bind_end":
         return lambda: alloc.bind_end(_end_name(draw, w), _ids(draw, w, "tokens"))
     if op == "translate":
@@ -168,7 +168,7 @@ def _call(draw, w: _World):
             return got
         return lease
     if op == "lease_release":
-        return lambda: w.leases.pop(draw(st.integers(0, len(w.leases) - 1))).release() if w.leases else None
+        return lambda: w.leases.pop(draw(st.integers(0, len(w.leases) - 1))).end() if w.leases else None
     if op in ("can_alloc", "shortfall"):
         need = {_end_name(draw, w): _count(draw)}
         f = alloc.can_alloc if op == "can_alloc" else alloc.shortfall_pages
@@ -200,5 +200,5 @@ def test_every_call_succeeds_or_raises_typed_and_changes_nothing(shape, data) ->
             assert snapshots_equal(before, w.alloc.snapshot()), f"step {step}: a refused call changed the state"
         w.alloc.check_invariants()
     for lease in w.leases:
-        lease.release()
+        lease.end()
     w.alloc.check_invariants()

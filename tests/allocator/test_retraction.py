@@ -46,7 +46,7 @@ def setup_request(alloc):
         model.write(vpages_of(t))
     tail = alloc.swa_tail_start(9, 4, 0, PAGE_SIZE)
     assert tail == 4
-    alloc.release_end("swa", req[:tail])
+    alloc.unbind_end("swa", req[:tail])
     model.forget(vpages_of(req[:tail]), ["swa"])
     model.check()
     return model, other, req, third

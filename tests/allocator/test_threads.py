@@ -58,13 +58,13 @@ class _Completions(threading.Thread):
                         pages = self.alloc.translate_pages(torch.from_numpy(vpages), "full").numpy()
                         lease = self.alloc.lease({"full": pages}, tag="t")
                     self.back.put((key, pages, lease))
-                elif kind == "release":
-                    job[1].release()
+                elif kind == "end":
+                    job[1].end()
                 elif kind == "engine":  # release while an engine holds a part, then the engine's report
                     _, lease, gen = job
-                    lease.release()
+                    lease.end()
                     time.sleep(float(self.rng.random()) * 1e-4)
-                    lease.release_engine(gen)
+                    lease.unhold_engine(gen)
                 elif kind == "plan":
                     plan = job[1]
                     plan.complete() if self.rng.random() < 0.5 else plan.abort()
@@ -132,7 +132,7 @@ def test_completion_thread_races_alloc_free_compact() -> None:
                 lease = leases.pop(lid)
                 held.pop(lid, None)  # pages may come free from now on
                 if rng.random() < 0.5 or not lease.active:  # (an expired lease takes no engine hold)
-                    worker.submit(("release", lease))
+                    worker.submit(("end", lease))
                 else:
                     worker.submit(("engine", lease, lease.hold_engine()))
             elif op == 5:
@@ -175,7 +175,7 @@ def test_completion_thread_races_alloc_free_compact() -> None:
         owned.extend(in_transit.pop(key).tolist())
         leases[lease.id] = lease
     for lease in leases.values():
-        lease.release()
+        lease.end()
     alloc.free_pages(np.array(sorted(set(owned)), dtype=np.int64))
     alloc.check_invariants()
     st = alloc.stats()["full"]

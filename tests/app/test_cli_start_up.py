@@ -210,3 +210,30 @@ def test_zero_token_prompts_are_reported(tmp_path) -> None:
     assert (tok["zero_prompts_as_1"], tok["zero_outputs_as_1"]) == (2, 1)
     row = next(ln for ln in res.stdout.splitlines() if "0-token rows" in ln)
     assert "2 prompts, 1 outputs" in row and "counted as 1 token" in row, row
+
+
+def test_a_failed_report_write_exits_1_and_a_failed_print_is_not_called_a_write_failure(tmp_path, capsys):
+    """The one output helper of ``umalloc replay`` and ``umalloc generate``: the result is printed first, then a
+    report that cannot be written is an ``error:`` line and exit status 1; an error while printing propagates as
+    itself (it is not the report's ``OSError``) and no report is written."""
+    import io
+
+    import typer
+    from rich.console import Console
+
+    from umalloc_replay.cli import OutputFormat, emit_result
+
+    err = Console(file=io.StringIO(), width=400)
+    result = {"requests": 3, "leaked_pages": 0}
+    with pytest.raises(typer.Exit) as exited:
+        emit_result(result, OutputFormat.json, lambda r: None, tmp_path / "no-such-folder" / "r.json", err)
+    assert exited.value.exit_code == 1
+    assert "error: writing the output failed" in err.file.getvalue()
+    assert json.loads(capsys.readouterr().out) == result
+
+    def closed_stdout(r):
+        raise BrokenPipeError("stdout closed")
+
+    with pytest.raises(BrokenPipeError):
+        emit_result(result, OutputFormat.table, closed_stdout, tmp_path / "r.json", err)
+    assert not (tmp_path / "r.json").exists()

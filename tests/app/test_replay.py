@@ -157,7 +157,7 @@ def test_swa_tail_sent_and_released_while_decoding(tmp_path):
     rep = r.run()
     assert_clean(rep)
     assert rep["bytes"]["moved_by_vector"] == {"target": 19 * PS * O_TOKEN, "swa_tail": 9 * PS * O_TOKEN}
-    assert r.dec.stats()["swa"].pages_released == 3
+    assert r.dec.stats()["swa"].pages_unbound == 3
     # final verify: 340 = 21 whole pages + 4 tokens; SWA pages 13..20 + 4 tokens
     assert rep["bytes"]["verified_final"] == (21 + 8) * PS * O_TOKEN + 2 * 4 * O_TOKEN
 

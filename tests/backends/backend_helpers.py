@@ -11,9 +11,11 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+import pytest
 import torch
 
 from umalloc.allocator.facade import MultiEndedAllocator
+from umalloc.backends import BACKEND_NAMES
 from umalloc.backends.worker import BackendWorker
 from umalloc.geometry.arena import Arena
 from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, LayerSpec
@@ -25,6 +27,15 @@ DEADLINE_S = 60.0  # a hang guard only: no test asserts that anything ends befor
 SEED = seed_from_env(20240607)
 W = "kv_worker:"
 L_TOKENS = 21  # request length used by the plan tests
+
+
+def backend_param(name: str):
+    """``name`` as a pytest parameter: marked ``backend`` (a real transfer engine) unless it is ``local``."""
+    return pytest.param(name, marks=[pytest.mark.backend] if name != "local" else [], id=name)
+
+
+BACKEND_PARAMS = [backend_param(n) for n in BACKEND_NAMES]   # every backend
+ENGINE_PARAMS = [backend_param(n) for n in ENGINES]          # the real transfer engines
 
 
 # ==== byte models ===============================================================================================

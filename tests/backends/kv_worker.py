@@ -78,7 +78,7 @@ def kv_finish_half(ctx: WorkerContext, request_id: str, ok: bool = True) -> int:
 
 def kv_send(ctx: WorkerContext, request_id: str, half: dict, peer: str, vtokens: dict[str, list[int]],
             timeout_s: float = 30.0, wait: bool = True) -> dict:
-    """Build the sender plan from a receiver half and submit it; with ``wait`` wait for it and release the handle.
+    """Build the sender plan from a receiver half and submit it; with ``wait`` wait for it and forget the handle.
 
     A failed wait is followed by a bounded ``drain`` (up to ``timeout_s`` more), so the outcome is reported only
     once the sender's plan ended and the receiver may release its half (Note [Deadlines and in-flight parts]);
@@ -98,7 +98,7 @@ def kv_send(ctx: WorkerContext, request_id: str, half: dict, peer: str, vtokens:
         except BackendError as e:
             err = f"{type(e).__name__}: {e}"
             b.drain(h, timeout_s)
-        b.release(h)
+        b.forget(h)
     else:
         ctx.handles[h.handle_id] = h
     return {"state": h.state, "plan_state": plan.state, "draining": h.draining, "descriptors": plan.num_descriptors,

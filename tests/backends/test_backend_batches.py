@@ -20,7 +20,9 @@ import numpy as np
 import pytest
 import torch
 from backend_helpers import (
+    BACKEND_PARAMS,
     DEADLINE_S,
+    ENGINE_PARAMS,
     L_TOKENS,
     SEED,
     W,
@@ -34,7 +36,7 @@ from backend_helpers import (
     worker,
 )
 
-from umalloc.backends import BACKEND_NAMES, get_backend
+from umalloc.backends import get_backend
 from umalloc.backends.descriptors import MAX_BATCH_BYTES, MAX_BATCH_DESCRIPTORS, chunk_descriptors
 from umalloc.errors import TransferError, TransferTimeout, UmallocValueError
 from umalloc.geometry.region import Region
@@ -42,14 +44,6 @@ from umalloc.testing import require_or_skip
 from umalloc.transfer import PeerLayout, build_plan, build_send_plan
 
 pytestmark = pytest.mark.timeout(600)  # a hang guard: a loaded machine may take minutes
-
-
-def _param(name: str):
-    return pytest.param(name, marks=[pytest.mark.backend] if name != "local" else [], id=name)
-
-
-ALL = [_param(n) for n in BACKEND_NAMES]
-ENG = [_param(n) for n in ("nixl", "mooncake")]
 
 
 def rows(*triples) -> np.ndarray:
@@ -217,7 +211,7 @@ def test_tiny_caps_land_every_byte_and_count_the_submissions(name, kw, backend_f
     h = a.write_descriptors(d, peer)
     a.wait(h, DEADLINE_S)
     assert (h.state, h.num_descriptors, h.total_bytes, h.num_parts) == ("done", 13, sum(LENS), LENS_PARTS)
-    a.release(h)
+    a.forget(h)
     assert tbytes(dst) == want
     # 40 page-sized (256 B) descriptors with a page hint: 3 per submission (768 B) -> ceil(40 / 3) = 14; NIXL
     # "prepped" keeps posting prepared per-page lists, one request per chunk
@@ -231,7 +225,7 @@ def test_tiny_caps_land_every_byte_and_count_the_submissions(name, kw, backend_f
     assert (h.state, h.num_parts) == ("done", 14)
     if kw.get("mode") == "prepped":
         assert h.engine["mode"] == "prepped"
-    a.release(h)
+    a.forget(h)
     assert tbytes(dst) == want
     s = a.stats()
     assert (s["handles_done"], s["descriptors_posted"], s["bytes_posted"], s["engine_parts_posted"]) == (
@@ -239,7 +233,7 @@ def test_tiny_caps_land_every_byte_and_count_the_submissions(name, kw, backend_f
     a.check_invariants()
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", BACKEND_PARAMS)
 def test_default_caps_post_one_submission_per_2048_descriptors(name, backend_factory):
     """5000 one-byte descriptors under the defaults: ceil(5000 / 2048) = 3 submissions (the byte cap never binds)."""
     a, b = backend_factory(name), backend_factory(name)
@@ -254,13 +248,13 @@ def test_default_caps_post_one_submission_per_2048_descriptors(name, backend_fac
     h = a.write_descriptors(d, peer)
     a.wait(h, DEADLINE_S)
     assert (h.state, h.num_parts) == ("done", 3)
-    a.release(h)
+    a.forget(h)
     want = torch.zeros(2 * n, dtype=torch.uint8)
     want[1::2] = seeded_bytes(2 * n, SEED)[0::2]
     assert torch.equal(dst, want)
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", BACKEND_PARAMS)
 def test_a_plan_under_tiny_caps_lands_exactly_and_ends_its_leases(name, backend_factory):
     """A real plan (target, SWA tail, draft) with one submission per piece of at most 48 bytes: the handle posts
     sum(ceil(nbytes / 48)) submissions over the plan's descriptors, every destination byte matches a brute-force
@@ -277,14 +271,14 @@ def test_a_plan_under_tiny_caps_lands_exactly_and_ends_its_leases(name, backend_
     h = a.submit(plan, peer)
     a.wait(h, DEADLINE_S)
     assert (h.state, h.num_parts, h.num_descriptors) == ("done", parts, d.shape[0])
-    a.release(h)
+    a.forget(h)
     assert tbytes(dst_arena.data) == want
     assert plan.state == "done" and src_alloc.leases_active() == 0 and dst_alloc.leases_active() == 0
     src_alloc.check_invariants()
     dst_alloc.check_invariants()
 
 
-@pytest.mark.parametrize("name", ENG)
+@pytest.mark.parametrize("name", ENGINE_PARAMS)
 def test_a_plan_under_tiny_caps_between_processes(name, backend_workers, backend_factory):
     """The sender here (3 descriptors, 100 bytes per submission), the receiver in the shared worker: every byte
     of the worker's arena matches a brute-force replay of the plan over its bytes before the transfer."""
@@ -305,7 +299,7 @@ def test_a_plan_under_tiny_caps_between_processes(name, backend_workers, backend
     h = a.submit(plan, peer)
     a.wait(h, DEADLINE_S)
     assert h.state == "done" and h.num_parts >= 2
-    a.release(h)
+    a.forget(h)
     assert w.run(W + "kv_arena_bytes") == want
     assert plan.state == "done" and src_alloc.leases_active() == 0
     assert w.run(W + "kv_finish_half", "b-2") == 0
@@ -320,7 +314,7 @@ def _settled(alloc) -> int:
     return sum(st[e].pending_pages + st[e].in_doubt_pages for e in st)
 
 
-@pytest.mark.parametrize("name", ENG)
+@pytest.mark.parametrize("name", ENGINE_PARAMS)
 def test_multi_chunk_plan_deadline_then_dead_peer(name, backend_workers, backend_factory):
     """A plan in chunks of 2 descriptors to the victim worker.
 
@@ -358,7 +352,7 @@ def test_multi_chunk_plan_deadline_then_dead_peer(name, backend_workers, backend
         # engine, the others were withdrawn; NIXL: every part was handed over and stays in the engine)
         assert h.state == "in_doubt" and h.draining
         assert (plan.state, src_alloc.leases_active()) == ("pending", 1)
-        a.release(h)
+        a.forget(h)
     finally:
         w.resume()
     assert a.drain(h, DEADLINE_S) and not h.draining
@@ -386,7 +380,7 @@ def test_multi_chunk_plan_deadline_then_dead_peer(name, backend_workers, backend
     with pytest.raises(TransferError) as e:
         a.wait(h, DEADLINE_S)
     assert not isinstance(e.value, TransferTimeout)  # the dead peer ended it, not the deadline
-    a.release(h)
+    a.forget(h)
     assert a.drain(h, DEADLINE_S)
     assert plan.state == "failed" and src_alloc.leases_active() == 0 and _settled(src_alloc) == 0
     s = a.stats()

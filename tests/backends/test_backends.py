@@ -20,8 +20,9 @@ import numpy as np
 import pytest
 import torch
 from backend_helpers import (
+    BACKEND_PARAMS,
     DEADLINE_S,
-    ENGINES,
+    ENGINE_PARAMS,
     L_TOKENS,
     SEED,
     W,
@@ -39,7 +40,6 @@ from backend_helpers import (
 import umalloc.backends as backends_mod
 from umalloc.allocator.facade import MultiEndedAllocator
 from umalloc.backends import (
-    BACKEND_NAMES,
     PlanLike,
     TransferBackend,
     TransferHandle,
@@ -67,15 +67,17 @@ from umalloc.transfer import PeerLayout, build_plan, build_receiver_half, build_
 pytestmark = pytest.mark.timeout(600)  # a hang guard: a loaded machine may take minutes
 
 
-def _param(name: str):
-    return pytest.param(name, marks=[pytest.mark.backend] if name != "local" else [], id=name)
-
-
-ALL = [_param(n) for n in BACKEND_NAMES]
-ENG = [_param(n) for n in ENGINES]
-
-
 # ==== helpers ===================================================================================================
+
+
+def counting_pair(backend_factory, name: str, nbytes: int):
+    """Two backends ``name``: ``a`` registers ``src`` (``nbytes`` bytes 0, 1, 2, ...), ``b`` registers ``dst``
+    (zeros) and ``a`` connects to ``b``. Returns ``a, b, src, dst, peer``."""
+    a, b = backend_factory(name), backend_factory(name)
+    src, dst = torch.arange(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
+    a.register([Region(src.data_ptr(), nbytes)])
+    b.register([Region(dst.data_ptr(), nbytes)])
+    return a, b, src, dst, a.connect(b.metadata())
 
 
 def descriptor_shapes(src_base: int, dst_base: int, nbytes: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -122,7 +124,7 @@ def expected_page_pairs(src_pages_of, dst_pages_of, src_vt, dst_vt) -> list[tupl
 # ==== protocol and handles ======================================================================================
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", BACKEND_PARAMS)
 def test_backend_conforms_to_protocol(name, backend_factory):
     b = backend_factory(name)
     assert isinstance(b, TransferBackend) and b.name == name
@@ -150,13 +152,9 @@ def test_require_or_skip_fails_under_ci_flag(monkeypatch):
         require_or_skip("ghost")
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", BACKEND_PARAMS)
 def test_handle_misuse_is_refused_and_changes_nothing(name, backend_factory):
-    a, b = backend_factory(name), backend_factory(name)
-    src, dst = torch.arange(256, dtype=torch.uint8), torch.zeros(256, dtype=torch.uint8)
-    a.register([Region(src.data_ptr(), 256)])
-    b.register([Region(dst.data_ptr(), 256)])
-    peer = a.connect(b.metadata())
+    a, b, src, dst, peer = counting_pair(backend_factory, name, 256)
     before = a.stats()
     bad = [np.zeros((2, 2), np.uint64), np.zeros((1, 3), np.float64), np.array([[-1, 0, 1]], np.int64),
            np.array([[src.data_ptr(), dst.data_ptr(), 0]], np.uint64), [[1, 2, 3]]]
@@ -171,7 +169,7 @@ def test_handle_misuse_is_refused_and_changes_nothing(name, backend_factory):
     assert a.stats() == before and not dst.any()
     h = a.write_descriptors(np.array([[src.data_ptr() + 254, dst.data_ptr() + 254, 2]], np.uint64), peer)
     a.wait(h, DEADLINE_S)  # the last two bytes of both regions: in bounds
-    a.release(h)
+    a.forget(h)
     assert dst.tolist() == [0] * 254 + [254, 255]
     h = a.write_descriptors(np.zeros((0, 3), np.uint64), peer)  # empty batch: done at once
     assert isinstance(h, TransferHandle) and a.poll(h) == "done"
@@ -180,8 +178,8 @@ def test_handle_misuse_is_refused_and_changes_nothing(name, backend_factory):
             a.wait(h, t)
     with pytest.raises(UmallocValueError, match="does not belong"):
         b.poll(h)
-    a.release(h)
-    a.release(h)  # idempotent
+    a.forget(h)
+    a.forget(h)  # idempotent
     assert a.poll(h) == "done" and a.stats()["open_handles"] == 0
     a.check_invariants()
 
@@ -189,7 +187,7 @@ def test_handle_misuse_is_refused_and_changes_nothing(name, backend_factory):
 # ==== registration (F21) ========================================================================================
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", BACKEND_PARAMS)
 def test_F21_registration_dedupes_merges_and_balances(name, backend_factory):
     b = backend_factory(name)
     buf = torch.zeros(64 << 10, dtype=torch.uint8)
@@ -227,7 +225,7 @@ def test_F21_registration_dedupes_merges_and_balances(name, backend_factory):
     assert state() == ([], 0)
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", BACKEND_PARAMS)
 def test_merged_registration_carries_a_descriptor_spanning_both_inputs(name, backend_factory):
     """Two overlapping registrations on the receiver become one engine region: one descriptor may span them."""
     a, b = backend_factory(name), backend_factory(name)
@@ -240,13 +238,13 @@ def test_merged_registration_carries_a_descriptor_spanning_both_inputs(name, bac
     d = np.array([[src.data_ptr() + 100, dst.data_ptr() + (4 << 10), 16 << 10]], np.uint64)
     h = a.write_descriptors(d, peer)
     a.wait(h, DEADLINE_S)
-    a.release(h)
+    a.forget(h)
     want = torch.zeros_like(dst)
     want[4 << 10: 20 << 10] = src[100: 100 + (16 << 10)]
     assert torch.equal(dst, want)
 
 
-@pytest.mark.parametrize("name", ENG)
+@pytest.mark.parametrize("name", ENGINE_PARAMS)
 def test_registration_refuses_memory_the_engine_cannot_take(name, backend_factory):
     b = backend_factory(name)
     buf = torch.zeros(4096, dtype=torch.uint8)
@@ -295,14 +293,14 @@ def test_descriptor_batches_in_one_process(name, kw, backend_factory):
         if name == "mooncake":
             chunk = kw.get("max_batch_descriptors", 2048)
             assert h.num_parts == -(-d.shape[0] // chunk)  # chunked per peer limit
-        a.release(h)
+        a.forget(h)
         assert tbytes(dst) == want, shape
     s = a.stats()
     assert s["open_handles"] == 0 and s["handles_done"] == 3 and s["handles_failed"] == 0
     a.check_invariants()
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", BACKEND_PARAMS)
 def test_peers_send_both_ways(name, backend_factory):
     """A and B each connect to the other (either order of hellos) and write to each other; closing one side
     fails the other's later transfers to it."""
@@ -316,25 +314,25 @@ def test_peers_send_both_ways(name, backend_factory):
     want_x = tbytes(y)[:4096] + tbytes(x)[4096:]  # then x's lower half <- y's (untouched) lower half
     h = a.write_descriptors(np.array([[x.data_ptr(), y.data_ptr() + 4096, 4096]], np.uint64), pb)
     a.wait(h, DEADLINE_S)
-    a.release(h)
+    a.forget(h)
     h = b.write_descriptors(np.array([[y.data_ptr(), x.data_ptr(), 4096]], np.uint64), pa)
     b.wait(h, DEADLINE_S)
-    b.release(h)
+    b.forget(h)
     assert tbytes(y) == want_y and tbytes(x) == want_x
     pb = a.connect(b.metadata())  # reconnecting refreshes the peer; both directions keep working
     h = a.write_descriptors(np.array([[x.data_ptr() + 4096, y.data_ptr(), 16]], np.uint64), pb)
     a.wait(h, DEADLINE_S)
-    a.release(h)
+    a.forget(h)
     assert tbytes(y)[:16] == tbytes(x)[4096:4112]
     b.close()
     h = a.write_descriptors(np.array([[x.data_ptr(), y.data_ptr(), 16]], np.uint64), pb)
     with pytest.raises(TransferError):
         a.wait(h, DEADLINE_S)
-    a.release(h)
+    a.forget(h)
 
 
 @pytest.mark.parametrize("sender", ["here", "worker"])
-@pytest.mark.parametrize("name", ENG)
+@pytest.mark.parametrize("name", ENGINE_PARAMS)
 def test_descriptor_batches_between_processes(name, sender, backend_workers, backend_factory):
     """4 MiB of seeded bytes on each side; ``sender`` WRITEs three batch shapes to the other process. Expected
     receiver bytes: a brute-force replay of the descriptors over independent re-creations of both buffers."""
@@ -358,7 +356,7 @@ def test_descriptor_batches_between_processes(name, sender, backend_workers, bac
         if sender == "here":
             h = b.write_descriptors(d, peer)
             b.wait(h, DEADLINE_S)
-            b.release(h)
+            b.forget(h)
             got = w.call("read", buf_id, 0, n)
         else:
             res = w.call("write", d, peer, DEADLINE_S, timeout_s=DEADLINE_S + 5, progress=b.progress)
@@ -373,7 +371,7 @@ def test_descriptor_batches_between_processes(name, sender, backend_workers, bac
 # ==== plan-level transfers ======================================================================================
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", BACKEND_PARAMS)
 @pytest.mark.parametrize("prefix_tokens", [0, 6])
 def test_plan_target_draft_swa_in_one_process(name, prefix_tokens, backend_factory):
     src_arena, src_alloc, a, dst_arena, dst_alloc, b = kv_pair(backend_factory, name)
@@ -388,7 +386,7 @@ def test_plan_target_draft_swa_in_one_process(name, prefix_tokens, backend_facto
     assert src_alloc.leases_active() == 1 and dst_alloc.leases_active() == 1
     h = a.submit(plan, peer)
     a.wait(h, DEADLINE_S)
-    a.release(h)
+    a.forget(h)
     assert tbytes(dst_arena.data) == want
     assert plan.state == "done" and src_alloc.leases_active() == 0 and dst_alloc.leases_active() == 0
     senv = {e: src_arena.envelopes(e) for e in ("full", "swa", "draft")}
@@ -414,7 +412,7 @@ def test_plan_target_draft_swa_in_one_process(name, prefix_tokens, backend_facto
         assert torch.equal(denv["draft"][dd[:3]], bvenv["draft"][dd[:3]])
 
 
-@pytest.mark.parametrize("name", ENG)
+@pytest.mark.parametrize("name", ENGINE_PARAMS)
 def test_plan_sender_in_second_process(name, backend_workers, backend_factory):
     """Prefill (sender) in the worker, decode (receiver) here: receiver half -> worker builds, submits, waits."""
     w = worker(backend_workers, name)
@@ -456,7 +454,7 @@ def test_plan_sender_in_second_process(name, backend_workers, backend_factory):
 # ==== connect-time geometry (F22) ===============================================================================
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", BACKEND_PARAMS)
 def test_incompatible_geometry_refused_at_connect(name, backend_factory):
     a_arena, _ = kv_side(kv_spec(4), None)
     b_arena, _ = kv_side(kv_spec(6), None)  # a page size 4 does not divide (8 would be mapped, F14)
@@ -485,7 +483,7 @@ def test_incompatible_geometry_refused_at_connect(name, backend_factory):
     a.check_invariants()
 
 
-@pytest.mark.parametrize("name", ENG)
+@pytest.mark.parametrize("name", ENGINE_PARAMS)
 def test_incompatible_geometry_refused_across_processes(name, backend_workers, backend_factory):
     w = worker(backend_workers, name)
     w.call("reset_backend")
@@ -506,7 +504,7 @@ def test_incompatible_geometry_refused_across_processes(name, backend_workers, b
 # ==== unregistered destinations, closed peers ==================================================================
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", BACKEND_PARAMS)
 def test_unregistered_destination_is_refused_before_sending(name, backend_factory):
     # The receiver registers only the lower half of its arena; the SWA end grows down from the top.
     src_arena, src_alloc, a, dst_arena, dst_alloc, b = kv_pair(
@@ -528,7 +526,7 @@ def test_unregistered_destination_is_refused_before_sending(name, backend_factor
     assert a.stats()["open_handles"] == 0
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", BACKEND_PARAMS)
 def test_peer_closed_before_transfer_fails_the_plan(name, backend_factory):
     src_arena, src_alloc, a, dst_arena, dst_alloc, b = kv_pair(backend_factory, name)
     peer = a.connect(b.metadata())
@@ -543,12 +541,12 @@ def test_peer_closed_before_transfer_fails_the_plan(name, backend_factory):
     assert plan.state == "failed" and plan.error is e.value
     assert src_alloc.leases_active() == 0 and dst_alloc.leases_active() == 0
     assert tbytes(dst_arena.data) == before
-    a.release(h)
+    a.forget(h)
     s = a.stats()
     assert s["open_handles"] == 0 and s["handles_failed"] == 1
 
 
-@pytest.mark.parametrize("name", ENG)
+@pytest.mark.parametrize("name", ENGINE_PARAMS)
 def test_F11_wait_deadline_keeps_the_leases_until_the_engine_lets_go(name, backend_workers, backend_factory):
     """F11/F24 ordering at a deadline: ``wait`` raises TransferTimeout on time, but the engine still holds the
     transfer (a paused receiver: neither engine can take back what it was handed), so the handle is ``in_doubt``
@@ -592,7 +590,7 @@ def test_F11_wait_deadline_keeps_the_leases_until_the_engine_lets_go(name, backe
             a.deregister(src_arena.regions())
         with pytest.raises(UmallocValueError, match="in flight"):
             a.submit(plan, peer)
-        a.release(h)  # released while in doubt: the plan still waits for the engine's outcome
+        a.forget(h)  # forgotten while in doubt: the plan still waits for the engine's outcome
         assert h.draining and h.state == "in_doubt" and plan.state == "pending" and a.stats()["open_handles"] == 0
     finally:
         w.resume()
@@ -641,7 +639,7 @@ def test_F24_nixl_wait_timeout_on_a_stalled_receiver_is_in_doubt_until_the_write
     assert w.run(W + "kv_arena_bytes") == want
     s = a.stats()
     assert (s["handles_done"], s["handles_failed"], s["in_doubt_handles"], s["draining_handles"]) == (1, 0, 0, 0)
-    a.release(h)
+    a.forget(h)
     assert w.run(W + "kv_finish_half", "t-24") == 0
     src_alloc.free(src_vt["full"], owner="full")
     src_alloc.free(src_vt["draft"], owner="draft")
@@ -686,8 +684,8 @@ def test_mooncake_queued_chunk_is_never_posted_after_its_lease_deadline(backend_
     with pytest.raises(TransferError, match="not posted: the plan's src_lease is past its deadline"):
         a.wait(h, DEADLINE_S)
     assert not h.draining and plan.state == "failed"
-    a.release(hb)
-    a.release(h)
+    a.forget(hb)
+    a.forget(h)
     # only the blocker's 64 bytes changed on the receiver
     assert w.run(W + "kv_arena_bytes") == brute_apply(before, base, tbytes(src_arena.data), src_arena.base_ptr,
                                                       blocker)
@@ -715,7 +713,7 @@ def _plan_with_a_1s_lease(name, backend_factory, plan_id: str):
     return clock, a, b, peer, plan, src_alloc, dst_alloc, dst_arena
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", BACKEND_PARAMS)
 def test_submit_refuses_a_plan_whose_lease_is_past_its_deadline(name, backend_factory):
     """A lease past its deadline no longer protects its pages, even before the allocator reclaimed it: the plan
     is refused at submit with a LeaseError and nothing is sent."""
@@ -729,7 +727,7 @@ def test_submit_refuses_a_plan_whose_lease_is_past_its_deadline(name, backend_fa
     assert src_alloc.leases_active() == 0 and dst_alloc.leases_active() == 0
 
 
-@pytest.mark.parametrize("name", ENG)
+@pytest.mark.parametrize("name", ENGINE_PARAMS)
 def test_failure_paths_with_a_second_process(name, backend_workers, backend_factory):
     """One victim worker per engine, as receiver; this process sends real plans (leases on both sides).
 
@@ -737,7 +735,7 @@ def test_failure_paths_with_a_second_process(name, backend_workers, backend_fact
        multi-part on Mooncake (chunks of 2), every part must end before the plan does.
     2. deadline: a paused peer -> TransferTimeout at the deadline, handle failed; the plan fails and its lease
        ends once the engine let go of every part (Mooncake: after the peer resumes).
-    3. release while pending -> plan aborted (once the engine let go), lease released; release is idempotent.
+    3. forget while pending -> plan aborted (once the engine let go), lease released; forget is idempotent.
     4. peer backend closed (process alive) -> TransferError (not a timeout), plan failed.
     5. F12: peer killed mid-transfer -> TransferError within the deadline, plan failed.
     """
@@ -792,7 +790,7 @@ def test_failure_paths_with_a_second_process(name, backend_workers, backend_fact
     finally:
         w.resume()
     a.wait(h, DEADLINE_S)
-    a.release(h)
+    a.forget(h)
     assert plan.state == "done" and src_alloc.leases_active() == 0
     assert w.run(W + "kv_arena_bytes") == want
     assert w.run(W + "kv_finish_half", "f-1") == 0
@@ -811,23 +809,23 @@ def test_failure_paths_with_a_second_process(name, backend_workers, backend_fact
         assert time.monotonic() - t0 >= 0.5  # never before the deadline
         assert h.state == "in_doubt" and h.draining and isinstance(h.error, TransferTimeout)
         assert (plan.state, src_alloc.leases_active()) == ("pending", 1)
-        a.release(h)
+        a.forget(h)
     finally:
         w.resume()
     assert a.drain(h, DEADLINE_S) and not h.draining
     assert h.state in ("done", "failed") and plan.state == h.state and src_alloc.leases_active() == 0
     assert w.run(W + "kv_finish_half", "f-2", h.state == "done") == 0  # the receiver lets go after the plan ended
 
-    # 3. release while pending aborts the plan (once the engine let go of it)
+    # 3. forget while pending aborts the plan (once the engine let go of it)
     peer = fresh_peer()
     plan = new_plan("f-3")
     w.pause()
     try:
         h = a.submit(plan, peer)
         time.sleep(0.2)
-        a.release(h)
-        a.release(h)
-        assert h.state == "failed" and h.released
+        a.forget(h)
+        a.forget(h)
+        assert h.state == "failed" and h.forgotten
         if name == "mooncake":
             assert h.draining
         assert (plan.state, src_alloc.leases_active()) == (("pending", 1) if h.draining else ("aborted", 0))
@@ -846,7 +844,7 @@ def test_failure_paths_with_a_second_process(name, backend_workers, backend_fact
         a.wait(h, DEADLINE_S)
     assert not isinstance(e.value, TransferTimeout)  # the closed peer ended it, not the deadline
     assert plan.state == "failed" and src_alloc.leases_active() == 0
-    a.release(h)
+    a.forget(h)
     a.disconnect(peer)
 
     # 5. peer killed mid-transfer
@@ -865,7 +863,7 @@ def test_failure_paths_with_a_second_process(name, backend_workers, backend_fact
         with pytest.raises(TransferError) as e:
             a.wait(hh, DEADLINE_S)
         assert not isinstance(e.value, TransferTimeout)  # the dead peer ended it, not the deadline
-        a.release(hh)
+        a.forget(hh)
     assert plan.state == "failed" and src_alloc.leases_active() == 0
     if name == "mooncake":  # the plan's failed chunk found the peer dead: the queued batch is never posted
         assert "not posted: peer closed or unreachable" in str(h2.error)
@@ -874,7 +872,7 @@ def test_failure_paths_with_a_second_process(name, backend_workers, backend_fact
     a.check_invariants()
 
 
-@pytest.mark.parametrize("name", ENG)
+@pytest.mark.parametrize("name", ENGINE_PARAMS)
 def test_worker_errors_come_back_typed(name, backend_workers):
     w = worker(backend_workers, name)
     with pytest.raises(UmallocValueError, match="metadata"):
@@ -939,20 +937,20 @@ def test_mooncake_refused_reset_keeps_its_peers_usable(backend_workers, backend_
         with pytest.raises(BackendError, match="reset refused"):
             a.reset()
         assert time.monotonic() - t0 < 60.0  # bounded by close_timeout_s = 0.3 (60: slack for a loaded host)
-        assert a.peers() == [peer] and a.stats()["registrations"] == 1 and h.released and h.draining
+        assert a.peers() == [peer] and a.stats()["registrations"] == 1 and h.forgotten and h.draining
     finally:
         w.resume()
     assert a.drain(h, DEADLINE_S) and not h.draining
     h2 = a.write_descriptors(d2, peer)
     a.wait(h2, DEADLINE_S)
-    a.release(h2)
+    a.forget(h2)
     assert w.call("read", buf_id) == tbytes(src)  # both halves landed (the first one after the deadline)
     assert_backend_idle(a)
     w.call("reset_backend")
     w.call("free", buf_id)
 
 
-@pytest.mark.parametrize("name", ENG)
+@pytest.mark.parametrize("name", ENGINE_PARAMS)
 def test_plan_in_flight_on_one_backend_is_refused_by_another(name, backend_workers, backend_factory):
     """F11 across backends: a plan pending (or draining) on backend ``a`` must not be submitted on backend ``b``
     too — whichever handle ended first would end the plan and release its leases while the other engine still
@@ -981,8 +979,8 @@ def test_plan_in_flight_on_one_backend_is_refused_by_another(name, backend_worke
         assert b.stats()["handles_submitted"] == 0 and b.open_handles() == []
         with pytest.raises(TransferTimeout):
             a.wait(h, 0.3)
-        a.release(h)
-        assert h.state == "in_doubt" and h.draining  # released, plan still pending: still in flight on a
+        a.forget(h)
+        assert h.state == "in_doubt" and h.draining  # forgotten, plan still pending: still in flight on a
         assert plan.state == "pending" and src_alloc.leases_active() == 1
         with pytest.raises(UmallocValueError, match="in flight"):
             b.submit(plan, peer_b)
@@ -1022,7 +1020,7 @@ def test_mooncake_connect_to_a_stalled_peer_is_bounded(backend_workers, backend_
     peer = a.connect(md)
     h = a.write_descriptors(np.array([[src.data_ptr(), dst, 4096]], np.uint64), peer)
     a.wait(h, DEADLINE_S)
-    a.release(h)
+    a.forget(h)
     assert w.call("read", buf_id) == tbytes(src)
     assert_backend_idle(a)
     w.call("reset_backend")
@@ -1057,7 +1055,7 @@ def test_replay_child_keeps_the_receiver_half_while_the_engine_holds_a_part(back
             child_finish(ctx, 1, 0.3)
         except TransferError as exc:
             err = exc
-        assert h.released
+        assert h.forgotten
         if h.draining:  # the engine still holds the chunk after the child's bounded drain: the report says so
             assert err is not None and getattr(err, "draining", False) is True, err
             assert plan.state == "pending" and src_alloc.leases_active() == 1
@@ -1106,7 +1104,7 @@ def test_mooncake_close_while_a_chunk_is_in_the_engine(backend_workers, backend_
         t0 = time.monotonic()
         a.close()
         assert time.monotonic() - t0 < 60.0  # close_timeout_s = 0.5 plus slack for a loaded host
-        assert a.closed and h.released and h.draining and a.draining_handles() == [h]
+        assert a.closed and h.forgotten and h.draining and a.draining_handles() == [h]
         assert plan.state == "pending" and src_alloc.leases_active() == 1
         a.check_invariants()
     finally:
@@ -1147,27 +1145,23 @@ def test_mooncake_disconnect_while_a_handle_drains_does_not_wait_for_the_engine(
     finally:
         w.resume()
     assert a.drain(h, DEADLINE_S)
-    a.release(h)
+    a.forget(h)
     peer = a.connect(md)
     h2 = a.write_descriptors(np.array([[src.data_ptr() + half, dst + half, half]], np.uint64), peer)
     a.wait(h2, DEADLINE_S)
-    a.release(h2)
+    a.forget(h2)
     assert w.call("read", buf_id) == tbytes(src)
     assert_backend_idle(a)
     w.call("reset_backend")
     w.call("free", buf_id)
 
 
-@pytest.mark.parametrize("name", ALL)
-def test_handles_of_another_backend_are_refused_also_once_released(name, backend_factory):
-    """poll / wait / release / drain of a handle another backend made are misuse: a typed error that changes
-    nothing, also after the handle was released there (``release`` used to return silently and ``drain`` to
-    answer True for someone else's released handle). Bad ``drain`` arguments are refused the same way."""
-    a, b = backend_factory(name), backend_factory(name)
-    src, dst = torch.arange(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)
-    a.register([Region(src.data_ptr(), 64)])
-    b.register([Region(dst.data_ptr(), 64)])
-    peer = a.connect(b.metadata())
+@pytest.mark.parametrize("name", BACKEND_PARAMS)
+def test_handles_of_another_backend_are_refused_also_once_forgotten(name, backend_factory):
+    """poll / wait / forget / drain of a handle another backend made are misuse: a typed error that changes
+    nothing, also after the handle was forgotten there (neither ``forget`` nor ``drain`` answers for someone else's
+    forgotten handle). Bad ``drain`` arguments are refused the same way."""
+    a, b, src, dst, peer = counting_pair(backend_factory, name, 64)
     h = a.write_descriptors(np.array([[src.data_ptr(), dst.data_ptr(), 64]], np.uint64), peer)
     a.wait(h, DEADLINE_S)
     for t in (0, -1.0, float("nan"), float("inf"), True, "1"):
@@ -1175,22 +1169,22 @@ def test_handles_of_another_backend_are_refused_also_once_released(name, backend
             a.drain(h, t)
     with pytest.raises(UmallocValueError, match="TransferHandle"):
         a.drain(object(), 1.0)
-    for released in (False, True):
-        if released:
-            a.release(h)
+    for forgotten in (False, True):
+        if forgotten:
+            a.forget(h)
         before = b.stats()
-        for call in (lambda: b.poll(h), lambda: b.wait(h, 1.0), lambda: b.release(h), lambda: b.drain(h, 1.0)):
+        for call in (lambda: b.poll(h), lambda: b.wait(h, 1.0), lambda: b.forget(h), lambda: b.drain(h, 1.0)):
             with pytest.raises(UmallocValueError, match="does not belong"):
                 call()
-        assert b.stats() == before and h.released is released and h.state == "done"
+        assert b.stats() == before and h.forgotten is forgotten and h.state == "done"
     assert a.drain(h, 1.0) and a.poll(h) == "done"
-    a.release(h)  # idempotent on its own backend
+    a.forget(h)  # idempotent on its own backend
     assert dst.tolist() == list(range(64))
     for x in (a, b):
         assert_backend_idle(x)
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", BACKEND_PARAMS)
 def test_write_descriptors_with_a_plan_refuses_an_ended_or_expired_plan(name, backend_factory):
     """``write_descriptors(..., plan=plan)`` ties the batch to the plan's leases like ``submit`` does: a plan past
     its lease deadline (LeaseError) or already ended (UmallocValueError) is refused and nothing is sent (local
@@ -1210,18 +1204,14 @@ def test_write_descriptors_with_a_plan_refuses_an_ended_or_expired_plan(name, ba
         assert_backend_idle(x)
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", BACKEND_PARAMS)
 def test_bad_arguments_to_transfer_calls_get_typed_errors(name, backend_factory):
-    """Not a handle, not a plan, a bool page size: each a UmallocValueError that changes nothing (``release(None)``
+    """Not a handle, not a plan, a bool page size: each a UmallocValueError that changes nothing (``forget(None)``
     and ``submit(None, ...)`` used to raise AttributeError; ``item_bytes=True`` was taken as 1 byte)."""
-    a, b = backend_factory(name), backend_factory(name)
-    src, dst = torch.arange(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)
-    a.register([Region(src.data_ptr(), 64)])
-    b.register([Region(dst.data_ptr(), 64)])
-    peer = a.connect(b.metadata())
+    a, b, src, dst, peer = counting_pair(backend_factory, name, 64)
     before = a.stats()
     d = np.array([[src.data_ptr(), dst.data_ptr(), 64]], np.uint64)
-    for call in (lambda: a.release(None), lambda: a.poll("h"), lambda: a.wait(None, 1.0),
+    for call in (lambda: a.forget(None), lambda: a.poll("h"), lambda: a.wait(None, 1.0),
                  lambda: a.drain(1, 1.0), lambda: a.submit(None, peer), lambda: a.submit(object(), peer),
                  lambda: a.write_descriptors(d, peer, item_bytes=True),
                  lambda: a.write_descriptors(d, peer, item_bytes=0)):
@@ -1256,7 +1246,7 @@ def test_mooncake_chunk_stuck_on_a_stalled_peer_is_polled_sparingly(backend_work
         h = a.write_descriptors(d, peer)
         with pytest.raises(TransferTimeout):
             a.wait(h, 0.5)
-        a.release(h)
+        a.forget(h)
         assert h.draining and h.num_parts == 1
         c0 = a.status_checks
         time.sleep(1.0)
@@ -1288,7 +1278,7 @@ def connected_pair(make, name: str, nbytes: int = 4096):
     return a, b, src, dst, a.connect(b.metadata())
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", BACKEND_PARAMS)
 def test_connect_validates_every_metadata_field_before_any_engine_call(name, backend_factory, monkeypatch):
     """Metadata with a field missing or mistyped raises UmallocValueError and the engine is never asked (it used to
     raise KeyError after the engine call went out); the same metadata made whole connects."""
@@ -1323,7 +1313,7 @@ def test_connect_validates_every_metadata_field_before_any_engine_call(name, bac
     a.check_invariants()
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", BACKEND_PARAMS)
 def test_peer_layout_is_checked_once_at_connect(name, backend_factory, monkeypatch):
     """F22 once: ``connect`` runs check_compatible once and keeps the peer's checked layout; ``peer_layout`` hands
     out that same object, and submitting plans for the peer never checks again. A plan built for another peer's
@@ -1345,7 +1335,7 @@ def test_peer_layout_is_checked_once_at_connect(name, backend_factory, monkeypat
         checks.clear()
         h = a.submit(plan, peer)
         a.wait(h, DEADLINE_S)
-        a.release(h)
+        a.forget(h)
         assert checks == [] and plan.state == "done"
     other_arena, other_alloc = kv_side(kv_spec(), None)  # same geometry, another arena: another layout
     c = backend_factory(name, layout=PeerLayout.from_arena(other_arena))
@@ -1361,7 +1351,7 @@ def test_peer_layout_is_checked_once_at_connect(name, backend_factory, monkeypat
     assert src_alloc.leases_active() == 0 and dst_alloc.leases_active() == 0
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", BACKEND_PARAMS)
 def test_write_descriptors_refuses_a_plan_that_is_not_a_plan_before_copying(name, backend_factory):
     """``write_descriptors(d, peer, plan=object())`` used to copy the bytes, then raise AttributeError ending the
     plan and leave the handle open: now a UmallocValueError before any copy, no handle made."""
@@ -1380,12 +1370,12 @@ def test_write_descriptors_refuses_a_plan_that_is_not_a_plan_before_copying(name
     assert a.stats() == before and not dst.any() and a.open_handles() == []
     h = a.write_descriptors(d, peer)  # the same batch without the bogus plan goes through
     a.wait(h, DEADLINE_S)
-    a.release(h)
+    a.forget(h)
     assert torch.equal(dst, src)
     assert_backend_idle(a)
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", BACKEND_PARAMS)
 def test_memory_without_an_address_is_refused_at_registration(name, backend_factory):
     """A ``meta`` tensor (what ``Arena(spec, device="meta")`` gives) has no memory: registering it raises
     RegistrationError, so no backend ever copies from or to it (the local backend used to segfault in submit).
@@ -1417,7 +1407,7 @@ def test_transfer_plans_conform_to_the_plan_protocol(backend_factory):
     plan.abort()
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", BACKEND_PARAMS)
 def test_plan_descriptors_are_validated_once_when_the_plan_is_built(name, backend_factory, monkeypatch):
     """A plan's descriptors were validated when it was built: ``submit`` locates them against the registered
     regions but does not validate them again (it used to run the raw-batch validator on every plan, after the plan
@@ -1434,9 +1424,9 @@ def test_plan_descriptors_are_validated_once_when_the_plan_is_built(name, backen
     d = plan.descriptors().copy()
     h = a.submit(plan, peer)
     a.wait(h, DEADLINE_S)
-    a.release(h)
+    a.forget(h)
     assert validated == [] and plan.state == "done" and h.num_descriptors == d.shape[0]
     h = a.write_descriptors(d, peer)
     a.wait(h, DEADLINE_S)
-    a.release(h)
+    a.forget(h)
     assert len(validated) == 1 and validated[0] is d

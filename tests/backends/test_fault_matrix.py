@@ -123,7 +123,7 @@ def test_F24_lease_deadline_mid_flight_with_the_receiver_stalled(name, backend_w
     finally:
         w.resume()
     a.wait(h, DEADLINE_S)
-    a.release(h)
+    a.forget(h)
     got = w.run(W + "kv_arena_bytes")
     wrong = _diff(got, want)
     assert wrong == 0
@@ -163,7 +163,7 @@ def test_F24_abort_mid_flight_fails_the_plan_at_once_and_keeps_the_pages(name, b
     except TransferError:
         pass
     assert a.drain(h, DEADLINE_S)
-    a.release(h)
+    a.forget(h)
     got = w.run(W + "kv_arena_bytes")
     wrong = _diff(got, want)
     assert wrong == 0
@@ -217,7 +217,7 @@ def test_F11_same_plan_submitted_twice_is_refused(name, backend_factory):
     a.wait(h, DEADLINE_S)
     with pytest.raises(UmallocValueError):
         a.submit(plan, peer)  # done: nothing may be posted again
-    a.release(h)
+    a.forget(h)
     wrong = _diff(tbytes(dst_arena.data), want)
     assert wrong == 0 and plan.state == "done"
     leaked = _settled(src_alloc) + _settled(dst_alloc)
@@ -301,7 +301,7 @@ def test_F25_receiver_deregisters_then_the_sender_writes(name, backend_factory):
             err = e
         t_err = time.monotonic() - t0
         a.drain(h, DEADLINE_S)
-        a.release(h)
+        a.forget(h)
         wrong = _diff(tbytes(dst_arena.data), before)
         if name == "local":
             assert err is not None and plan.state == "failed"
@@ -335,13 +335,13 @@ def test_F10_vectors_submitted_at_different_times_complete_the_plan_only_togethe
                              np.concatenate([by_vec[n] for n in first.names]))
     h = a.submit(first, peer)
     a.wait(h, DEADLINE_S)
-    a.release(h)
+    a.forget(h)
     assert first.state == "done" and plan.state == "pending" and plan.missing_vectors() == ["draft"]
     assert plan.src_lease.active and plan.dst_lease.active  # the draft's pages are still held
     assert _diff(tbytes(dst_arena.data), want_first) == 0
     h = a.submit(later, peer)
     a.wait(h, DEADLINE_S)
-    a.release(h)
+    a.forget(h)
     want = brute_apply(before, dst_arena.base_ptr, tbytes(src_arena.data), src_arena.base_ptr,
                        np.concatenate([by_vec[n] for n in names]))
     wrong = _diff(tbytes(dst_arena.data), want)
@@ -359,7 +359,7 @@ def test_F10_a_vector_never_submitted_fails_the_plan_at_its_deadline(name, backe
     later = plan.split(["draft"])
     h = a.submit(first, peer)
     a.wait(h, DEADLINE_S)
-    a.release(h)
+    a.forget(h)
     assert plan.check_deadline() is False and plan.state == "pending"
     clock.now = 6.0
     src_alloc.stats()
@@ -447,7 +447,7 @@ def test_F24_backend_close_or_reset_settles_the_halves_published_through_it(name
                            plan.descriptors())
         h = a.submit(plan, peer)
         a.wait(h, DEADLINE_S)
-        a.release(h)
+        a.forget(h)
         assert plan.state == "done" and _diff(tbytes(dst_arena.data), want) == 0
         halves.append(half)
         wants.append(want)
@@ -531,7 +531,7 @@ def _one_process_fault(name, backend_factory, fault: str):
     except TransferError as e:  # e.g. Mooncake withdrew the queued chunk: its leases ended first (F11)
         err = e
     assert a.drain(h, DEADLINE_S)
-    a.release(h)
+    a.forget(h)
     got = np.frombuffer(tbytes(dst_arena.data), np.uint8)
     old, new = np.frombuffer(before, np.uint8), np.frombuffer(want, np.uint8)
     wrong = int(np.count_nonzero((got != old) & (got != new)))
@@ -611,7 +611,7 @@ def test_F12_peer_disconnects_during_wait(name, backend_workers, backend_factory
     st = src_alloc.stats()
     in_doubt = sum(st[e].in_doubt_pages for e in st)  # a failed plan whose engine still held a part
     assert a.drain(h, DEADLINE_S)
-    a.release(h)
+    a.forget(h)
     assert plan.state == ("done" if outcome == "done" else "failed")
     got = np.frombuffer(w.run(W + "kv_arena_bytes"), np.uint8)
     old, new = np.frombuffer(before, np.uint8), np.frombuffer(want, np.uint8)
@@ -650,7 +650,7 @@ def test_F12_receiver_killed_mid_transfer_fails_the_handle_and_settles(name, bac
         a.wait(h, DEADLINE_S)
     t_err = time.monotonic() - t0
     assert a.drain(h, DEADLINE_S)
-    a.release(h)
+    a.forget(h)
     leaked = _settled(src_alloc)
     assert leaked == 0 and plan.src_lease.state in ("settled", "expired", "released")
     a.disconnect(peer)

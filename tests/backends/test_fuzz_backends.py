@@ -3,7 +3,7 @@
 One world per module: backend ``a`` (the caller under test) with its source arena registered, connected to ``b``
 (the real peer, its destination arena registered) and ``c`` (a peer of the same geometry over another arena), plus
 real plans in every bad state (ended, lease past its deadline, built for another peer) and handles of every kind
-(released, another backend's). Each example draws a few calls with at least one bad argument each; every call must
+(forgotten, another backend's). Each example draws a few calls with at least one bad argument each; every call must
 raise a :mod:`umalloc.errors` type (not AttributeError, KeyError, TypeError, ...), and afterwards nothing may have
 changed: no handle made or left open, no registration, peer, layout or counter changed, no destination byte
 written, every ``check_invariants`` passing. The expected state is the snapshot taken before the call, not anything
@@ -74,7 +74,7 @@ def world():
     expired = plan("expired", deadline_s=1.0)
     for_b = plan("for-b")  # pending and valid for b: submitted only to the wrong peer
     h_a = a.write_descriptors(np.array([[src, dst, 64]], np.uint64), peer_b)
-    a.release(h_a)
+    a.forget(h_a)
     h_b = b.write_descriptors(np.array([[dst, dst + 64, 64]], np.uint64), b.connect(b.metadata()))
     clock.now = 5.0  # ``expired`` is past its deadline from here on (no allocator call is made below)
     good_md = json.loads(b.metadata())
@@ -83,7 +83,7 @@ def world():
            "h_a": h_a, "h_b": h_b, "md": good_md, "registered": arenas["a"].regions()[0]}
     for p in (expired, for_b):
         p.abort()
-    b.release(h_b)
+    b.forget(h_b)
     for x in backends.values():
         x.close()
 
@@ -235,7 +235,7 @@ def calls(w):
             lambda j: ("submit-duck-plan", lambda: a.submit(DuckPlan(j), w["peer_b"]))),
         bad_peers(w).map(lambda p: ("submit-peer", lambda: a.submit(w["for_b"], p))),
         bad_handles(w).map(lambda h: ("poll", lambda: a.poll(h))),
-        bad_handles(w).map(lambda h: ("release", lambda: a.release(h))),
+        bad_handles(w).map(lambda h: ("forget", lambda: a.forget(h))),
         bad_handles(w).map(lambda h: ("wait", lambda: a.wait(h, 1.0))),
         bad_handles(w).map(lambda h: ("drain", lambda: a.drain(h, 1.0))),
         bad_timeouts.map(lambda t: ("wait-timeout", lambda: a.wait(w["h_a"], t))),

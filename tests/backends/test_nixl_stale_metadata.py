@@ -38,7 +38,7 @@ def test_issue26_item22_nixl_refuses_a_reconnect_with_metadata_older_than_a_dere
                       alloc_request(dst_alloc, L_TOKENS))
     h = a.submit(plan, peer)
     a.wait(h, DEADLINE_S)
-    a.release(h)
+    a.forget(h)
     assert plan.state == "done"
     a.disconnect(peer)
 
@@ -63,6 +63,6 @@ def test_issue26_item22_nixl_writes_nothing_once_the_target_dropped_its_registra
         with pytest.raises(TransferError):
             a.wait(h, DEADLINE_S)
         a.drain(h, DEADLINE_S)
-        a.release(h)
+        a.forget(h)
     assert plan.state in ("failed", "aborted") and tbytes(dst_arena.data) == before
     a.disconnect(peer)

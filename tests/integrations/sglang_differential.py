@@ -166,14 +166,18 @@ class Scenario:
 
     # ---- frees (token and paged) ----------------------------------------------------------------------------
     def free_requests(self, rids: list[int], grouped: bool) -> None:
-        how = [self.rng.choice(self.free_forms) for _ in rids]
+        how = {rid: self.rng.choice(self.free_forms) for rid in rids}
+        self.free_rows(rids, grouped, lambda side, rid: how[rid](side, side.rows[rid], 0))
+
+    def free_rows(self, rids: list[int], grouped: bool, free_one: Callable[[Side, int], None]) -> None:
+        """``free_one(side, rid)`` for every request of ``rids`` on each side in turn (inside a free group if
+        ``grouped``); then the requests are gone."""
         self.stats["free groups"] += grouped
         for side in self.sides:
             if grouped:
                 side.alloc.free_group_begin()
-            for rid, form in zip(rids, how, strict=True):
-                row = side.rows[rid]
-                form(side, row, 0)
+            for rid in rids:
+                free_one(side, rid)
             if grouped:
                 side.alloc.free_group_end()
         for side in self.sides:
@@ -363,6 +367,59 @@ def fake_swa_kv() -> Any:
     return FakeSWAKV()
 
 
+# ---- the SWA classes' shared ops (SWAScenario and sglang_unified_differential.UnifiedScenario) ----------------
+# ``sc`` is such a scenario: ``sides``, ``rng``, ``page_size``, ``lens``, ``stats``, its ``window`` and
+# ``evicted`` (request -> tokens of its head whose SWA pages are freed).
+def swa_evict(sc: Any) -> None:
+    """Free the SWA pages wholly before ``seq_len - window`` of some requests on both sides
+    (``free_swa_segment``, SGLang's ``free_swa_out_of_window_slots`` rule without prefix sharing)."""
+    ps = sc.page_size
+    for rid in list(sc.lens):
+        n, done = sc.lens[rid], sc.evicted.get(rid, 0)
+        tail = max(0, n - sc.window) // ps * ps
+        if tail <= done or sc.rng.random() < 0.3:
+            continue
+        for side in sc.sides:
+            side.alloc.free_swa_segment(side.rows[rid][done:tail], start_pos=done)
+        sc.evicted[rid] = tail
+        sc.stats["swa pages evicted"] += (tail - done) // ps
+
+
+def swa_free_requests(sc: Any, rids: list[int], grouped: bool, use_free: Callable[[int, int], bool]) -> None:
+    """Free ``rids`` on both sides (:meth:`Scenario.free_rows`): ``free_full_segment`` for the evicted head, then
+    ``free`` where ``use_free(rid, evicted tokens)`` (asked per side, per request, in that order), else
+    ``free_segment`` for the rest."""
+
+    def free_one(side: Side, rid: int) -> None:
+        row, done = side.rows[rid], sc.evicted.get(rid, 0)
+        if done:
+            side.alloc.free_full_segment(row[:done], start_pos=0)
+        if use_free(rid, done):
+            side.alloc.free(row[done:])
+        else:
+            side.alloc.free_segment(row[done:], start_pos=done)
+
+    sc.free_rows(rids, grouped, free_one)
+    for rid in rids:
+        sc.evicted.pop(rid, None)
+
+
+def swa_truncate(sc: Any) -> None:
+    """Cut one request at a page boundary on both sides (``free_segment``). The cut stays past the evicted
+    head: the last token keeps its SWA peer, as in every SGLang state."""
+    ps = sc.page_size
+    cands = [r for r, n in sc.lens.items() if n > max(ps, sc.evicted.get(r, 0) + ps)]
+    if not cands:
+        return
+    rid = sc.rng.choice(cands)
+    n, lo = sc.lens[rid], max(ps, sc.evicted.get(rid, 0) + ps)
+    start = ps * sc.rng.randint(lo // ps, (n - 1) // ps)
+    for side in sc.sides:
+        side.alloc.free_segment(side.rows[rid][start:], start_pos=start)
+        side.rows[rid] = side.rows[rid][:start]
+    sc.lens[rid] = start
+
+
 class SWAScenario(PagedScenario):
     """``SWATokenToKVPoolAllocator``: as the paged scenario on both pools (page size 1: alloc instead of
     extend/decode, SGLang's rule), plus SWA eviction of out-of-window pages (``free_swa_segment``, SGLang's
@@ -405,52 +462,15 @@ class SWAScenario(PagedScenario):
         self.decode(rids)
 
     def op_evict(self) -> None:
-        ps = self.page_size
-        for rid in list(self.lens):
-            n, done = self.lens[rid], self.evicted.get(rid, 0)
-            tail = max(0, n - self.window) // ps * ps
-            if tail <= done or self.rng.random() < 0.3:
-                continue
-            for side in self.sides:
-                side.alloc.free_swa_segment(side.rows[rid][done:tail], start_pos=done)
-            self.evicted[rid] = tail
-            self.stats["swa pages evicted"] += (tail - done) // ps
+        swa_evict(self)
 
     def free_requests(self, rids: list[int], grouped: bool) -> None:
-        self.stats["free groups"] += grouped
-        for side in self.sides:
-            if grouped:
-                side.alloc.free_group_begin()
-            for rid in rids:
-                row, done = side.rows[rid], self.evicted.get(rid, 0)
-                if done:
-                    side.alloc.free_full_segment(row[:done], start_pos=0)
-                if self.rng.random() < 0.5 and (done == 0 or self.page_size > 1):
-                    side.alloc.free(row[done:])
-                else:
-                    side.alloc.free_segment(row[done:], start_pos=done)
-            if grouped:
-                side.alloc.free_group_end()
-        for side in self.sides:
-            for rid in rids:
-                del side.rows[rid]
-        for rid in rids:
-            del self.lens[rid]
-            self.evicted.pop(rid, None)
+        # drawn per side: one side may free with ``free`` where the other uses ``free_segment``
+        swa_free_requests(self, rids, grouped, lambda rid, done: self.rng.random() < 0.5
+                          and (done == 0 or self.page_size > 1))
 
     def op_truncate(self) -> None:
-        ps = self.page_size
-        # the cut stays past the evicted head: the last token keeps its SWA peer, as in every SGLang state
-        cands = [r for r, n in self.lens.items() if n > max(ps, self.evicted.get(r, 0) + ps)]
-        if not cands:
-            return
-        rid = self.rng.choice(cands)
-        n, lo = self.lens[rid], max(ps, self.evicted.get(rid, 0) + ps)
-        start = ps * self.rng.randint(lo // ps, (n - 1) // ps)
-        for side in self.sides:
-            side.alloc.free_segment(side.rows[rid][start:], start_pos=start)
-            side.rows[rid] = side.rows[rid][:start]
-        self.lens[rid] = start
+        swa_truncate(self)
 
     def compare(self, what: str) -> None:
         super().compare(what)

@@ -34,7 +34,16 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from sglang_differential import Differ, PagedScenario, Side, check_relabelling, sglang_module
+from sglang_differential import (
+    Differ,
+    PagedScenario,
+    Side,
+    check_relabelling,
+    sglang_module,
+    swa_evict,
+    swa_free_requests,
+    swa_truncate,
+)
 
 import umalloc.integrations.sglang as um_sglang
 
@@ -137,16 +146,7 @@ class UnifiedScenario(PagedScenario):
         self._append([self.new_rid()], [got[0].numel()], got)
 
     def op_evict(self) -> None:
-        ps = self.page_size
-        for rid in list(self.lens):
-            n, done = self.lens[rid], self.evicted.get(rid, 0)
-            tail = max(0, n - self.window) // ps * ps
-            if tail <= done or self.rng.random() < 0.3:
-                continue
-            for side in self.sides:
-                side.alloc.free_swa_segment(side.rows[rid][done:tail], start_pos=done)
-            self.evicted[rid] = tail
-            self.stats["swa pages evicted"] += (tail - done) // ps
+        swa_evict(self)
 
     def op_plan(self) -> None:
         """The scheduler's pricing calls, none of which changes state: ``reclaim_plan`` (with evictable counts,
@@ -220,40 +220,12 @@ class UnifiedScenario(PagedScenario):
         self.stats["gate closed"] += not self.gate_open
 
     def free_requests(self, rids: list[int], grouped: bool) -> None:
-        self.stats["free groups"] += grouped
-        plain = [self.rng.random() < 0.5 for _ in rids]
-        for side in self.sides:
-            if grouped:
-                side.alloc.free_group_begin()
-            for rid, use_free in zip(rids, plain, strict=True):
-                row, done = side.rows[rid], self.evicted.get(rid, 0)
-                if done:
-                    side.alloc.free_full_segment(row[:done], start_pos=0)
-                if use_free:
-                    side.alloc.free(row[done:])
-                else:
-                    side.alloc.free_segment(row[done:], start_pos=done)
-            if grouped:
-                side.alloc.free_group_end()
-        for side in self.sides:
-            for rid in rids:
-                del side.rows[rid]
-        for rid in rids:
-            del self.lens[rid]
-            self.evicted.pop(rid, None)
+        # drawn once per request: both sides free it the same way
+        plain = {rid: self.rng.random() < 0.5 for rid in rids}
+        swa_free_requests(self, rids, grouped, lambda rid, done: plain[rid])
 
     def op_truncate(self) -> None:
-        ps = self.page_size
-        cands = [r for r, n in self.lens.items() if n > max(ps, self.evicted.get(r, 0) + ps)]
-        if not cands:
-            return
-        rid = self.rng.choice(cands)
-        n, lo = self.lens[rid], max(ps, self.evicted.get(rid, 0) + ps)
-        start = ps * self.rng.randint(lo // ps, (n - 1) // ps)
-        for side in self.sides:
-            side.alloc.free_segment(side.rows[rid][start:], start_pos=start)
-            side.rows[rid] = side.rows[rid][:start]
-        self.lens[rid] = start
+        swa_truncate(self)
 
     # ---- the comparison ------------------------------------------------------------------------------------
     def compare(self, what: str) -> None:

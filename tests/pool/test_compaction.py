@@ -449,7 +449,7 @@ def test_lazy_equals_eager_on_a_random_trace() -> None:
             bound = vps[allocs[0].v2p("swa").numpy()[vps] != TOMBSTONE]
             if bound.size:
                 for i in range(2):
-                    allocs[i].release_end("swa", torch.from_numpy(bound * PAGE_SIZE))
+                    allocs[i].unbind_end("swa", torch.from_numpy(bound * PAGE_SIZE))
                     models[i].forget(bound, ["swa"])
         assert live_sets(allocs[0]) == live_sets(allocs[1]), f"step {step}: live sets differ"
         assert models[0].pages.keys() == models[1].pages.keys()
@@ -497,7 +497,7 @@ def test_churn_3000_steps_move_budget_2_ends_with_no_ghost_page() -> None:
                 env = alloc.arena.envelopes(end)
                 leases.append((lease, {end: phys}, {end: env[torch.from_numpy(phys)].clone()}))
         elif op < 0.85 and leases:
-            leases.pop(int(rng.integers(len(leases))))[0].release()
+            leases.pop(int(rng.integers(len(leases))))[0].end()
         elif op < 0.9:
             clock.now += 1.0
         else:
@@ -516,7 +516,7 @@ def test_churn_3000_steps_move_budget_2_ends_with_no_ghost_page() -> None:
     model.check()
     assert nones > 0, "the pool never filled up: the churn lost its point"
     for lease, _, _ in leases:
-        lease.release()
+        lease.end()
     for t in reqs:
         alloc.free(t)
     alloc.compact()
@@ -569,7 +569,7 @@ def test_in_flight_transfer_pages_stay_put_until_release() -> None:
     alloc.compact()
     c_unchanged()
     model.check()
-    lease.release()  # transfer done: pending pages become holes, compaction proceeds
+    lease.end()  # transfer done: pending pages become holes, compaction proceeds
     for t in fillers[: len(fillers) // 2]:
         alloc.free(t)
         model.forget(vpages_of(t))
@@ -618,7 +618,7 @@ def test_F17_a_lease_reaches_every_end_and_every_move_path() -> None:
             alloc.free(refill)
             model.forget(vpages_of(refill))
         avail1 = {e: alloc.available_pages(e) for e in alloc.spec.end_names}
-        lease.release()
+        lease.end()
         # capacity recomputed when holds change: each end gains exactly its pending pages
         avail2 = {e: alloc.available_pages(e) for e in alloc.spec.end_names}
         for e in alloc.spec.end_names:
@@ -628,7 +628,7 @@ def test_F17_a_lease_reaches_every_end_and_every_move_path() -> None:
             assert avail2[e] - avail1[e] >= 2, (mode, e, avail0[e], avail1[e], avail2[e])
         if mode == "lazy":  # no compaction on unpin: the up end gains exactly its pending pages
             assert avail2["full"] - avail1["full"] == 2
-        live_lease.release()
+        live_lease.end()
         alloc.compact()
         model.check()
         assert_no_ghost_pages(alloc)
@@ -682,10 +682,10 @@ class LeaseCompactionMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.leases)
     @rule(data=st.data())
-    def release(self, data) -> None:
+    def end_lease(self, data) -> None:
         lease = self.leases.pop(data.draw(st.integers(0, len(self.leases) - 1)))[0]
-        lease.release()
-        lease.release()  # harmless
+        lease.end()
+        lease.end()  # harmless
 
     @rule()
     def advance_clock(self) -> None:

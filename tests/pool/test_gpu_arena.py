@@ -196,7 +196,7 @@ def test_nixl_writes_between_a_cuda_arena_and_another_arena(dst_device):
         h = a.write_descriptors(d, peer)
         a.wait(h, 30.0)
         assert h.state == "done"
-        a.release(h)
+        a.forget(h)
         assert torch.equal(dst_arena.data.cpu(), want)
     finally:
         a.close()

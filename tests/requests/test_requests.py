@@ -199,7 +199,7 @@ def test_cached_pages_lru_order_reclaim_and_eviction_with_on_evict() -> None:
     assert table.cached_pages().tolist() == [5, 4] and table.stats().engine_refs == 2
     (r,) = table.new_requests(1).tolist()
     assert table.attach_prefix(r, _t(2, 3))
-    table.release(_t(2, 3))                           # the engine's references go; the request holds them
+    table.drop_refs(_t(2, 3))                         # the engine's references go; the request holds them
     assert table.tokens(r).tolist() == [4, 5, 6, 7] and bool((alloc.arena.envelopes("full")[3] == 9).all())
     assert table.extend([r], [6]).tolist()[:2] == [12, 13] and evicted == []   # pages 6, 7, 8: the free ones
     assert table.extend([r], [0]).tolist() == []
@@ -209,7 +209,7 @@ def test_cached_pages_lru_order_reclaim_and_eviction_with_on_evict() -> None:
     table.check_invariants()
 
 
-def test_engine_references_hold_pages_after_the_request_and_release_can_cache() -> None:
+def test_engine_references_hold_pages_after_the_request_and_drop_refs_can_cache() -> None:
     alloc = _alloc(2, 8)
     table = RequestTable(alloc, max_requests=2, max_tokens_per_request=8)
     (s,) = table.new_requests(1).tolist()
@@ -217,9 +217,9 @@ def test_engine_references_hold_pages_after_the_request_and_release_can_cache() 
     table.retain(_t(2, 3, 3))                         # the radix tree holds 2 once, 3 twice
     table.free_requests([s])
     assert _live(alloc) == 3 and table.stats().engine_refs == 3
-    table.release(_t(3))
+    table.drop_refs(_t(3))
     assert _live(alloc) == 3
-    table.release(_t(3, 2), cache=True)               # both reach 0: cached in the given order
+    table.drop_refs(_t(3, 2), cache=True)             # both reach 0: cached in the given order
     assert table.cached_pages().tolist() == [3, 2] and _live(alloc) == 3
     assert table.evict(1) == 1 and table.cached_pages().tolist() == [2] and _live(alloc) == 2
     table.check_invariants()
@@ -255,8 +255,8 @@ _MISUSE = [
     ("fork", lambda t: t.fork(0.0, 0), InvalidIdError),
     ("retain", lambda t: t.retain(_t(7)), NotAllocatedError),                       # never the table's
     ("retain", lambda t: t.retain(_t(1)), InvalidIdError),                          # the zero page
-    ("release", lambda t: t.release(_t(5, 5)), NotAllocatedError),                  # one reference only
-    ("release", lambda t: t.release(_t(2)), NotAllocatedError),                     # a request's, not the engine's
+    ("drop_refs", lambda t: t.drop_refs(_t(5, 5)), NotAllocatedError),                  # one reference only
+    ("drop_refs", lambda t: t.drop_refs(_t(2)), NotAllocatedError),                     # a request's, not the engine's
     ("reclaim", lambda t: t.reclaim(_t(7)), NotAllocatedError),
     ("attach", lambda t: t.attach_prefix(0, _t(4)), UmallocValueError),             # not empty
     ("num_tokens", lambda t: t.num_tokens(_t(1)), NotAllocatedError),
@@ -307,7 +307,7 @@ def test_check_invariants_reports_a_bound_end_released_behind_the_table() -> Non
     (s,) = table.new_requests(1).tolist()
     table.extend([s], [4])
     table.check_invariants()
-    alloc.release_pages("swa", table.pages(s)[:1])    # the engine's own window release, beside the table's
+    alloc.unbind_pages("swa", table.pages(s)[:1])    # the engine's own window release, beside the table's
     with pytest.raises(InvariantError, match="bound.*on 'swa'"):
         table.check_invariants()
 
@@ -486,7 +486,7 @@ def test_pages_freed_under_a_lease_stay_pending_and_are_nobody_s_leak() -> None:
     st = alloc.stats()["full"]
     assert (st.live_pages, st.pending_pages) == (1, 2)
     table.check_invariants()
-    lease.release()
+    lease.end()
     assert alloc.stats()["full"].pending_pages == 0 and alloc.available_pages("full") == 7
     table.check_invariants()
 
@@ -590,4 +590,18 @@ def test_huge_counts_and_ids_get_typed_errors_and_change_nothing() -> None:
         with pytest.raises(err, match=r"2\*\*63"):
             call()
     assert snapshots_equal(before, alloc.snapshot()) and snapshots_equal(tbefore, table.snapshot())
+    table.check_invariants()
+
+
+def test_the_deprecated_release_warns_and_drops_engine_references_as_drop_refs() -> None:
+    """``RequestTable.release`` (the README's name before ``drop_refs``) still works for one release."""
+    alloc = _alloc(2, 8)
+    table = RequestTable(alloc, max_requests=2, max_tokens_per_request=8)
+    (s,) = table.new_requests(1).tolist()
+    table.extend([s], [4])                            # pages 2, 3
+    table.retain(_t(2, 3))
+    table.free_requests([s])                          # the engine's references alone hold 2 and 3
+    with pytest.warns(DeprecationWarning, match="RequestTable.release is deprecated: use drop_refs"):
+        table.release(_t(3, 2), cache=True)
+    assert table.cached_pages().tolist() == [3, 2] and table.stats().engine_refs == 0
     table.check_invariants()

@@ -254,10 +254,10 @@ class RequestMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: any(self.eng.values()))
     @rule(data=st.data(), cache=st.booleans())
-    def release(self, data: st.DataObject, cache: bool) -> None:
+    def drop_refs(self, data: st.DataObject, cache: bool) -> None:
         vps = data.draw(st.lists(st.sampled_from(sorted(p for p, n in self.eng.items() if n)), min_size=1,
                                  max_size=2, unique=True))
-        self.table.release(vps, cache=cache)
+        self.table.drop_refs(vps, cache=cache)
         for vp in vps:
             self.eng[vp] -= 1
             if self.refs(vp) == 0:
@@ -284,12 +284,12 @@ class RequestMachine(RuleBasedStateMachine):
             self.reqs[s] = _Req(list(vps), n * self.ps, front)
             for vp in vps[front:]:
                 self.data["swa"][vp] = {}                       # bound fresh: bytes unknown
-            table.release(vps)
+            table.drop_refs(vps)
             for vp in vps:
                 self.eng[vp] -= 1
         else:
             table.free_requests([s])
-            table.release(vps, cache=True)
+            table.drop_refs(vps, cache=True)
             for vp in vps:
                 self.eng[vp] -= 1
                 self.cached.append(vp)
@@ -313,7 +313,7 @@ class RequestMachine(RuleBasedStateMachine):
             lambda: table.extend([R], [1]),
             lambda: table.free_requests([free_slots[0]]) if free_slots else table.evict(-1),
             lambda: table.truncate([next(iter(self.reqs))], [MT + 1]) if self.reqs else table.retain([0]),
-            lambda: table.release([self.zero]),
+            lambda: table.drop_refs([self.zero]),
             lambda: table.extend([next(iter(self.reqs))] * 2, [1, 1]) if self.reqs else table.decode([-1]),
             lambda: table.fork(next(iter(self.reqs)), MT + 1) if self.reqs else table.num_tokens([R]),
         ]

@@ -538,7 +538,7 @@ class Pair:
         if src_release_swa:  # prefill drops SWA pages wholly before its tail (swa_tail_start with prefix 0)
             tail = MultiEndedAllocator.swa_tail_start(L, SWA_W, 0, 2)
             if tail:
-                self.src.release_end("swa", self.vt_src["full"][:tail])
+                self.src.unbind_end("swa", self.vt_src["full"][:tail])
         pre = extend(self.dst, "full", P, bind=[]) if P else None
         self.vt_dst = {"full": extend(self.dst, "full", L, prefix=pre, bind=[])}
         self.dst.free(noise, owner="full")
@@ -708,7 +708,7 @@ def test_leases_released_on_failure_paths(how):
 
 def test_a_failed_build_holds_no_lease():
     pr = Pair(tiny_spec(), src_release_swa=False)
-    pr.src.release_end("swa", pr.vt_src["full"][8:10])  # the source lost a tail page: strict translation fails
+    pr.src.unbind_end("swa", pr.vt_src["full"][8:10])  # the source lost a tail page: strict translation fails
     with pytest.raises(TombstoneError):
         build_plan("r8", pr.src, pr.vt_src, pr.dst, pr.vt_dst)
     assert pr.src.leases_active() == 0 and pr.dst.leases_active() == 0

@@ -73,7 +73,7 @@ class Prefill:
         # the prefill drops SWA pages wholly below its window tail: rows before the page of its first row >= L - W
         first = next((i for i, x in enumerate(mine) if x >= L - W), len(mine))
         if first // 2:
-            self.alloc.release_end("swa", self.vt["full"][: (first // 2) * 2])
+            self.alloc.unbind_end("swa", self.vt["full"][: (first // 2) * 2])
         self.layout = PeerLayout.from_arena(self.alloc.arena, dcp_rank=q, dcp_size=p)
 
 

@@ -349,7 +349,7 @@ def test_tp_split_over_a_real_engine(name):
                 rb.progress()
                 time.sleep(0.001)
             assert sender.poll(h) == "done" and plan.state == "done"
-            sender.release(h)
+            sender.forget(h)
             d.assert_received(before, whole_pages=set())  # every end is a slice plan (TP differs)
             assert src.alloc.leases_active() == 0 and d.alloc.leases_active() == 0
     finally:

@@ -58,7 +58,7 @@ def random_history(alloc: MultiEndedAllocator, rng: np.random.Generator) -> None
             bound -= set(pick)
         elif bound:
             pick = rng.choice(sorted(bound), size=int(rng.integers(1, len(bound) + 1)), replace=False).tolist()
-            alloc.release_pages("swa", torch.tensor(pick))
+            alloc.unbind_pages("swa", torch.tensor(pick))
             bound -= set(pick)
     alloc.check_invariants()
 

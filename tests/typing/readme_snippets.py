@@ -59,7 +59,7 @@ def page_ids() -> list[list[int]]:
     block_table = np.zeros((4, 8), np.int64)
     flat = block_table.reshape(-1)
     alloc.alloc_pages(5, out=flat, index=np.array([0, 1, 2, 8, 9]))
-    alloc.release_pages("swa", flat, index=np.array([0]))
+    alloc.unbind_pages("swa", flat, index=np.array([0]))
     alloc.free_pages(flat, index=np.array([8, 9]))
     rows: list[list[int]] = block_table[:2].tolist()
     return rows
@@ -109,7 +109,7 @@ def transfer_plan() -> tuple[int, bool]:
         handle = sender.submit(plan, peer)
         assert_type(handle, TransferHandle)
         sender.wait(handle, 10.0)
-        sender.release(handle)
+        sender.forget(handle)
     finally:
         sender.close()
         receiver.close()

@@ -57,13 +57,13 @@ receives, at construction, the parts it calls (nothing else reaches into it):
                           +-- AllocationService, FreeingService, TranslationService (the per-call work)
 
 The facade's methods delegate to the service of their concern with the same signature; each service method
-documents its call in full. For the per-call methods (allocation, translation, free and release) the facade
+documents its call in full. For the per-call methods (allocation, translation, free and unbind) the facade
 binds the service's bound method on the instance at construction, so a call costs what a call on the service
 costs (one attribute lookup, no extra frame); a subclass that overrides one of them keeps its override.
 
 Note [Pending pages]
 ~~~~~~~~~~~~~~~~~~~~
-``free`` and ``release_end`` retire the virtual id at once (tables become TOMBSTONE, the id may be re-minted,
+``free`` and ``unbind_end`` retire the virtual id at once (tables become TOMBSTONE, the id may be re-minted,
 F02); the *physical* page becomes a hole, or ``PAGE_PENDING`` if a lease pins it. A pending page is not in any
 table, not drained, not counted as available, and blocks the band from retreating past it. When its last pin
 drops the lease table calls back and it becomes a hole.
@@ -71,7 +71,7 @@ drops the lease table calls back and it becomes a hole.
 Note [Trials]
 ~~~~~~~~~~~~~
 :meth:`MultiEndedAllocator.trial` lets a caller that composes several allocator calls (the request table: window
-releases, evictions, one allocation) refuse the whole of them with nothing changed (F29). It copies ``meta``,
+unbinds, evictions, one allocation) refuse the whole of them with nothing changed (F29). It copies ``meta``,
 ``h64`` and ``h8`` (the bind-mask area excepted: masks are append-only and cached by the heap) on entry and
 writes them back on a rollback, then re-copies every device mirror. Pins are not touched by allocation, freeing
 or compaction, and lease expiry waits while a trial runs, so the lease table and the restored tables agree.
@@ -80,7 +80,7 @@ pages, so a rollback is exact except for the bytes of pages the trial itself fre
 
 Note [Page-level hot path]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
-``alloc_pages(out=)``, ``free_pages`` and ``release_pages`` call the kernel's direct entry (Note [Direct entry] in
+``alloc_pages(out=)``, ``free_pages`` and ``unbind_pages`` call the kernel's direct entry (Note [Direct entry] in
 :mod:`umalloc.pool.kernels.ops`) from the public method when every argument has the one form the entry was
 compiled for -- an ``int`` ``num_pages``, 1-D arrays whose dtype *is* the canonical native int64
 (``type(x) is np.ndarray``; a writeable ``out``), the default owner -- and nothing runs around the kernel: one
@@ -108,6 +108,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import MappingProxyType
@@ -242,7 +243,7 @@ class MultiEndedAllocator:
         self._trial_depth = 0
         self.ends: Mapping[str, EndView] = MappingProxyType(
             {n: EndView(heap, self.spec, i) for i, n in enumerate(ends.names)})
-        # Note [Page-level hot path]: alloc_pages / free_pages / release_pages with numpy ids, the default owner
+        # Note [Page-level hot path]: alloc_pages / free_pages / unbind_pages with numpy ids, the default owner
         # and nothing to do after the kernel (no device mirror, no debug checks, no eager compaction, no lease)
         # run the kernel straight from the public method; anything else takes the general path
         self._plain = not after_call.sync and not space.eager and len(ends.owners) == 1
@@ -262,7 +263,7 @@ class MultiEndedAllocator:
                               ("alloc_decode", self._allocation), ("bind_end", self._allocation),
                               ("translate", self._translation), ("translate_pages", self._translation),
                               ("free", self._freeing), ("free_pages", self._freeing),
-                              ("release_end", self._freeing), ("release_pages", self._freeing)):
+                              ("unbind_end", self._freeing), ("unbind_pages", self._freeing)):
             if getattr(cls, name) is getattr(MultiEndedAllocator, name):  # a subclass's override wins
                 self.__dict__[name] = getattr(service, name)
 
@@ -522,16 +523,29 @@ class MultiEndedAllocator:
         <umalloc.allocator.freeing.FreeingService.free_pages>`."""
         self._freeing.free_pages(vpages, owner=owner, index=index)
 
+    def unbind_end(self, end: str, vtokens: torch.Tensor | np.ndarray, *, strict: bool = True) -> None:
+        """Tombstone bound ``end`` only for the pages of ``vtokens``: :meth:`FreeingService.unbind_end
+        <umalloc.allocator.freeing.FreeingService.unbind_end>`."""
+        self._freeing.unbind_end(end, vtokens, strict=strict)
+
+    def unbind_pages(self, end: str, vpages: torch.Tensor | np.ndarray, *, strict: bool = True,
+                     index: torch.Tensor | np.ndarray | None = None) -> None:
+        """:meth:`unbind_end` for virtual page ids: :meth:`FreeingService.unbind_pages
+        <umalloc.allocator.freeing.FreeingService.unbind_pages>`."""
+        self._freeing.unbind_pages(end, vpages, strict=strict, index=index)
+
     def release_end(self, end: str, vtokens: torch.Tensor | np.ndarray, *, strict: bool = True) -> None:
-        """Tombstone bound ``end`` only for the pages of ``vtokens``: :meth:`FreeingService.release_end
-        <umalloc.allocator.freeing.FreeingService.release_end>`."""
-        self._freeing.release_end(end, vtokens, strict=strict)
+        """Deprecated alias of :meth:`unbind_end` (DeprecationWarning; removed in the next release)."""
+        warnings.warn("MultiEndedAllocator.release_end is deprecated: use unbind_end", DeprecationWarning,
+                      stacklevel=2)
+        self.unbind_end(end, vtokens, strict=strict)
 
     def release_pages(self, end: str, vpages: torch.Tensor | np.ndarray, *, strict: bool = True,
                       index: torch.Tensor | np.ndarray | None = None) -> None:
-        """:meth:`release_end` for virtual page ids: :meth:`FreeingService.release_pages
-        <umalloc.allocator.freeing.FreeingService.release_pages>`."""
-        self._freeing.release_pages(end, vpages, strict=strict, index=index)
+        """Deprecated alias of :meth:`unbind_pages` (DeprecationWarning; removed in the next release)."""
+        warnings.warn("MultiEndedAllocator.release_pages is deprecated: use unbind_pages", DeprecationWarning,
+                      stacklevel=2)
+        self.unbind_pages(end, vpages, strict=strict, index=index)
 
     def available_pages(self, end: str) -> int:
         """Pages ``end`` can allocate now: :meth:`SpaceService.available_pages

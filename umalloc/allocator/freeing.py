@@ -1,7 +1,7 @@
-"""The allocator's freeing service: the free and release calls.
+"""The allocator's freeing service: the free and unbind calls.
 
 * :meth:`FreeingService.free` / :meth:`~FreeingService.free_pages` give a request's virtual pages back on the owner and on
-  every bound end; :meth:`~FreeingService.release_end` / :meth:`~FreeingService.release_pages` tombstone one bound end only
+  every bound end; :meth:`~FreeingService.unbind_end` / :meth:`~FreeingService.unbind_pages` tombstone one bound end only
   (SWA pages that left the window, F18). Tokens or pages, torch or numpy ids, an optional ``index`` gather from
   a block table; every one validates at the boundary and changes nothing on an error.
 * A physical page pinned by a lease becomes pending instead of a hole (Note [Pending pages] in
@@ -21,11 +21,11 @@ from umalloc.allocator.ids import _NP_I64, _hot_index, _id_arg, check_strict
 from umalloc.allocator.leasing import LeaseService
 from umalloc.allocator.space import SpaceService
 from umalloc.pool.heap import Heap
-from umalloc.pool.kernels.ops import k_free, k_release
+from umalloc.pool.kernels.ops import k_free, k_unbind
 
 
 class FreeingService:
-    """Free and release on one allocator's ends (owner thread).
+    """Free and unbind on one allocator's ends (owner thread).
 
     Args:
         heap, ends, entry, leasing, after_call, space: the allocator's heap, end index, kernel entry, lease
@@ -141,7 +141,7 @@ class FreeingService:
         if self._sync:
             self._after_call.after(o, n)
 
-    def release_end(self, end: str, vtokens: torch.Tensor | np.ndarray, *, strict: bool = True) -> None:
+    def unbind_end(self, end: str, vtokens: torch.Tensor | np.ndarray, *, strict: bool = True) -> None:
         """Tombstone bound ``end`` only, for the unique virtual pages of ``vtokens`` (SWA pages that left the
         window: use :meth:`swa_tail_start` for the frontier, F18). The virtual ids and the other ends stay live.
 
@@ -158,15 +158,15 @@ class FreeingService:
         >>> from umalloc.testing import small_allocator
         >>> alloc = small_allocator()
         >>> vp = alloc.alloc_pages(2)
-        >>> alloc.release_end("swa", vp[:1] * 2)
+        >>> alloc.unbind_end("swa", vp[:1] * 2)
         >>> alloc.translate_pages(vp, "swa", strict=False).tolist(), alloc.translate_pages(vp, "full").tolist()
         ([0, 9], [1, 2])
         """
-        self._release(end, vtokens, strict, False, "release_end")
+        self._unbind(end, vtokens, strict, False, "unbind_end")
 
-    def release_pages(self, end: str, vpages: torch.Tensor | np.ndarray, *, strict: bool = True,
-                      index: torch.Tensor | np.ndarray | None = None) -> None:
-        """:meth:`release_end` for virtual *page* ids (vLLM-style page tables): tombstone bound ``end`` only for
+    def unbind_pages(self, end: str, vpages: torch.Tensor | np.ndarray, *, strict: bool = True,
+                     index: torch.Tensor | np.ndarray | None = None) -> None:
+        """:meth:`unbind_end` for virtual *page* ids (vLLM-style page tables): tombstone bound ``end`` only for
         ``vpages`` (or, with ``index``, for ``vpages[index]``: a gather from the block table, as
         :meth:`free_pages`); the same checks, errors and effects.
 
@@ -175,18 +175,18 @@ class FreeingService:
             vpages: ``int64 (n,)`` live virtual pages of the owner (duplicates merge), in the forms :meth:`free`
                 takes. With ``index``: the flat block table holding them (any length).
             strict: a page already unbound on ``end`` raises (default); ``strict=False`` skips it.
-            index: optional ``int64 (m,)`` slots of ``vpages`` to release, same forms.
+            index: optional ``int64 (m,)`` slots of ``vpages`` to unbind, same forms.
 
         Raises:
-            as :meth:`release_end`; also InvalidIdError for a bad ``index`` (type, dtype, shape) or a slot outside
+            as :meth:`unbind_end`; also InvalidIdError for a bad ``index`` (type, dtype, shape) or a slot outside
             ``[0, len(vpages))``. Nothing changes on any error.
 
-        Complexity: O(n, or m with ``index``, + pages released) in one numba kernel.
+        Complexity: O(n, or m with ``index``, + pages unbound) in one numba kernel.
 
         >>> from umalloc.testing import small_allocator
         >>> alloc = small_allocator()
         >>> vp = alloc.alloc_pages(2)
-        >>> alloc.release_pages("swa", vp[:1])
+        >>> alloc.unbind_pages("swa", vp[:1])
         >>> alloc.translate_pages(vp, "swa", strict=False).tolist()
         [0, 9]
         """
@@ -195,14 +195,14 @@ class FreeingService:
             b = self._bound.get(end, -1)
             idx, n_idx = _hot_index(vpages, index)
             if b >= 0 and idx is not None:
-                if self._hot.release(self._root_a, b, vpages, vpages.shape[0], strict, True, idx,
-                                     n_idx) < 0:
-                    self._entry.raise_error("release_pages", pages=True)
+                if self._hot.unbind(self._root_a, b, vpages, vpages.shape[0], strict, True, idx,
+                                    n_idx) < 0:
+                    self._entry.raise_error("unbind_pages", pages=True)
                 return
-        self._release(end, vpages, strict, True, "release_pages", index)
+        self._unbind(end, vpages, strict, True, "unbind_pages", index)
 
-    def _release(self, end: str, ids: torch.Tensor | np.ndarray, strict: bool, pages: bool, where: str,
-                 index: torch.Tensor | np.ndarray | None = None) -> None:
+    def _unbind(self, end: str, ids: torch.Tensor | np.ndarray, strict: bool, pages: bool, where: str,
+                index: torch.Tensor | np.ndarray | None = None) -> None:
         b = self._bound.get(end, -1) if type(end) is str else -1
         if b < 0:
             b = self._ends.bound_end(end, where)
@@ -212,9 +212,9 @@ class FreeingService:
         if self._work:
             self._leasing.tick()
         if type(arg) is int and type(idx_arg) is int:  # torch ids by address: Note [Direct entry]
-            n = self._hot.release_addr(self._root_a, b, arg, n_ids, strict, pages, idx_arg, n_idx)
+            n = self._hot.unbind_addr(self._root_a, b, arg, n_ids, strict, pages, idx_arg, n_idx)
         else:
-            n = k_release(self._root_a, b, arg, n_ids, strict, pages, idx_arg, n_idx)
+            n = k_unbind(self._root_a, b, arg, n_ids, strict, pages, idx_arg, n_idx)
         del keep, keep_idx
         if n < 0:
             self._entry.raise_error(where, pages=pages)

@@ -38,8 +38,8 @@ class EndStats:
         free_pages: ``hole_pages + reachable_gap_pages`` (= :meth:`MultiEndedAllocator.available_pages`).
         live_bytes, hole_bytes, pending_bytes, free_bytes: the same in bytes.
         peak_live_pages, peak_live_bytes: high-water mark of live pages.
-        pages_allocated, pages_freed, pages_released, pages_moved, bytes_moved: cumulative counters
-            (freed by :meth:`~MultiEndedAllocator.free`, released by :meth:`~MultiEndedAllocator.release_end`,
+        pages_allocated, pages_freed, pages_unbound, pages_moved, bytes_moved: cumulative counters
+            (freed by :meth:`~MultiEndedAllocator.free`, unbound by :meth:`~MultiEndedAllocator.unbind_end`,
             moved by compaction).
         pinned_pages: pages of this end pinned by leases now; leases_active: active leases naming this end;
             leases_expired: leases naming this end reclaimed at their deadline.
@@ -75,7 +75,7 @@ class EndStats:
     peak_live_bytes: int
     pages_allocated: int
     pages_freed: int
-    pages_released: int
+    pages_unbound: int
     pages_moved: int
     bytes_moved: int
     pinned_pages: int
@@ -144,7 +144,7 @@ def end_stats(heap: Heap, spec: ArenaSpec, views: Mapping[str, EndView], leases:
             reachable_gap_pages=reach, free_pages=holes + reach,
             live_bytes=live * pb, hole_bytes=holes * pb, pending_bytes=pend * pb, free_bytes=(holes + reach) * pb,
             peak_live_pages=peak, peak_live_bytes=peak * pb,
-            pages_allocated=v.pages_allocated, pages_freed=v.pages_freed, pages_released=v.pages_released,
+            pages_allocated=v.pages_allocated, pages_freed=v.pages_freed, pages_unbound=v.pages_unbound,
             pages_moved=moved, bytes_moved=moved * pb,
             pinned_pages=leases.pins_current(name), leases_active=leases_by_end[i],
             leases_expired=expired_by_end[i], in_doubt_pages=leases.in_doubt_pages(name),
@@ -165,7 +165,7 @@ def snapshot(heap: Heap, views: Mapping[str, EndView], leases: LeaseTable) -> di
             "first_page": v.first_page, "top_page": v.top_page,
             "counters": {"live": v.live_pages, "holes": v.hole_pages, "pending": v.pending_pages,
                          "peak": v.peak_live_pages, "allocated": v.pages_allocated, "freed": v.pages_freed,
-                         "released": v.pages_released, "moved": v.pages_moved},
+                         "unbound": v.pages_unbound, "moved": v.pages_moved},
         }
     owners = {}
     for o in heap.owners:

@@ -4,7 +4,7 @@ Policy:
 
 * A retraction covers the id-owner end and *every* end bound to it (target, SWA window tail, draft, state):
   a draft's pages are never dropped. An end whose page was deliberately left unbound (an SWA page that left
-  the window, tombstoned by ``release_end``) is recorded as unbound and stays unbound after restore.
+  the window, tombstoned by ``unbind_end``) is recorded as unbound and stays unbound after restore.
 * While the device -> host copy is in flight the pages are leased (Note [Leases and compaction] in
   :mod:`umalloc.leases.table`), so no compaction moves them and no reuse overwrites them; the pages are freed only
   after the copy has completed. If the copy fails, the lease is released and nothing is freed.

@@ -155,7 +155,7 @@ class SpaceService:
 
     @_under_lease_lock
     def after_free(self, touched_ends: Sequence[int]) -> None:
-        """Eager compaction (``compaction="eager"``): after a free/release/unpin touched ``touched_ends``,
+        """Eager compaction (``compaction="eager"``): after a free/unbind/unpin touched ``touched_ends``,
         compact each of them within the move budget (a float end toward its low edge)."""
         for e in touched_ends:
             plan = self._plan_end(e, self.move_budget_pages, "high")

@@ -24,7 +24,7 @@ Policy:
   second handle would outlive the leases the first one's ending releases (F11). Every one of these is checked
   before a byte is copied or a handle is made.
 * Handles (:mod:`umalloc.backends.handle`) belong to the backend that made them: ``poll`` / ``wait`` /
-  ``release`` / ``drain`` refuse another backend's handle, released or not.
+  ``forget`` / ``drain`` refuse another backend's handle, forgotten or not.
 * Engine failures never raise from ``submit``: they fail the handle, and ``poll`` / ``wait`` report them. A
   handle is terminal (``done`` / ``failed``) only when every engine part of it has ended (F11; a deadline
   leaves it ``in_doubt``); then, in the caller's thread, its plan ends exactly once (Note [Plan endings]) —
@@ -123,7 +123,7 @@ class BackendBase:
         self._peer_id = uuid.uuid4().hex
         self._reg = Registry(self._engine_register, self._engine_deregister)
         self._peers: dict[str, PeerInfo] = {}
-        self._ht = HandleTable(self.name, self._engine_in_flight, self._engine_release, self._engine_poll)
+        self._ht = HandleTable(self.name, self._engine_in_flight, self._engine_free, self._engine_poll)
         self._counts: Counter[str] = Counter()  # connects, register_calls, deregister_calls
         self._halves = PublishedHalves()
         self._closed = False
@@ -251,7 +251,7 @@ class BackendBase:
         """Forget a peer.
 
         Raises:
-            UmallocValueError: unknown peer, or transfers to it still pending (wait or release them first).
+            UmallocValueError: unknown peer, or transfers to it still pending (wait for or forget them first).
         """
         self._check_open()
         info = self._get_peer(peer)
@@ -505,7 +505,7 @@ class BackendBase:
         (Note [Deadlines and in-flight parts]).
 
         Raises:
-            UmallocValueError: not a handle of this backend (also once released).
+            UmallocValueError: not a handle of this backend (also once forgotten).
         """
         h = self._ht.own(handle)
         if h.state != "pending":
@@ -549,23 +549,23 @@ class BackendBase:
         check_timeout(timeout_s)
         self._ht.wait(h, timeout_s, self.poll, self._engine_withdraw, self.wait_spin_polls, self.wait_max_sleep_s)
 
-    def release(self, handle: TransferHandle) -> None:
+    def forget(self, handle: TransferHandle) -> None:
         """Free the handle's engine resources. Idempotent. A pending handle is cancelled first (its plan
         aborted, Note [Plan endings]); if the engine may still be working on one of its parts, the handle keeps
-        draining after release and its plan is aborted (and its engine resources freed) when the engine confirms
+        draining after ``forget`` and its plan is aborted (and its engine resources freed) when the engine confirms
         (Note [Deadlines and in-flight parts]).
 
         Raises:
-            UmallocValueError: not a handle of this backend (also once released).
+            UmallocValueError: not a handle of this backend (also once forgotten).
         """
         h = self._ht.own(handle)
-        if h.released:
+        if h.forgotten:
             return
         if h.state == "pending":
             try:
                 self._engine_cancel(h)
             finally:
-                self._ht.finish(h, "failed", TransferError(f"{self.name}: transfer {h.handle_id} released while "
+                self._ht.finish(h, "failed", TransferError(f"{self.name}: transfer {h.handle_id} forgotten while "
                                                            "pending"), abort=True)
         self._ht.forget(h)
 
@@ -576,7 +576,7 @@ class BackendBase:
 
         Raises:
             UmallocValueError: ``timeout_s`` not a positive finite number, a pending handle (``wait`` for it
-                first), or a handle of another backend (released or not).
+                first), or a handle of another backend (forgotten or not).
 
         Complexity: polls the engine until drained or the deadline (sleeps between polls).
         """
@@ -584,12 +584,12 @@ class BackendBase:
         return self._ht.drain(self._ht.own(handle), timeout_s, self.progress, self.wait_max_sleep_s * 4)
 
     def draining_handles(self) -> list[TransferHandle]:
-        """Failed handles (released or not) whose engine parts may still read or write memory; their plans
+        """Failed handles (forgotten or not) whose engine parts may still read or write memory; their plans
         end when the engine confirms (Note [Deadlines and in-flight parts])."""
         return list(self._ht.draining.values())
 
     def open_handles(self) -> list[TransferHandle]:
-        """Handles submitted and not yet released."""
+        """Handles submitted and not yet forgotten."""
         return list(self._ht.open.values())
 
     def progress(self) -> None:
@@ -640,7 +640,7 @@ class BackendBase:
 
     # ---- lifecycle -------------------------------------------------------------------------------------
     def reset(self) -> None:
-        """Return to the just-constructed state without restarting the engine: release every handle (pending
+        """Return to the just-constructed state without restarting the engine: forget every handle (pending
         ones cancelled, their plans aborted), disconnect every peer, deregister everything (then settle every
         half still held of :meth:`publish_half` where that fences the peers, :attr:`fences_peer_writes`), drop
         the layout, zero the counters and take a new peer id (metadata taken before the reset no longer names
@@ -648,13 +648,13 @@ class BackendBase:
         1 s).
 
         Raises:
-            BackendError: the backend is closed, or a released transfer is still in the engine after
-                ``_engine_quiesce``: every handle is released by then, but peers, registrations (the engine may
+            BackendError: the backend is closed, or a forgotten transfer is still in the engine after
+                ``_engine_quiesce``: every handle is forgotten by then, but peers, registrations (the engine may
                 still touch that memory) and the layout stay, and the transfer's plan stays pending.
         """
         self._check_open()
         for h in list(self._ht.open.values()):
-            self.release(h)
+            self.forget(h)
         if self._ht.draining:
             self._engine_quiesce()
             self.progress()
@@ -687,7 +687,7 @@ class BackendBase:
             raise BackendError(f"{self.name} backend is closed")
 
     def close(self) -> None:
-        """Release every handle (cancelling pending ones), forget peers, deregister everything, stop the
+        """Forget every handle (cancelling pending ones), forget peers, deregister everything, stop the
         engine, then settle every half still held of :meth:`publish_half` where no sender can write it now
         (:attr:`fences_peer_writes`, and no transfer of this side's still in the engine, which keeps it running).
         Idempotent."""
@@ -695,7 +695,7 @@ class BackendBase:
             return
         try:
             for h in list(self._ht.open.values()):
-                self.release(h)
+                self.forget(h)
             if self._ht.draining:  # let the engine finish what it was handed before memory goes
                 self._engine_quiesce()
                 self.progress()
@@ -780,7 +780,7 @@ class BackendBase:
     def _engine_quiesce(self) -> None:
         """Give the engine a bounded time to finish the parts it was handed (``close`` / ``reset``)."""
 
-    def _engine_release(self, h: TransferHandle) -> None:
+    def _engine_free(self, h: TransferHandle) -> None:
         """Free engine resources of a terminal handle."""
 
     def _engine_progress(self) -> None:

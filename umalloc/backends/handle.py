@@ -8,9 +8,9 @@ Policy:
   in-flight parts] below). A deadline is not an outcome: a handle whose ``wait``
   timed out while the engine holds a part is ``in_doubt`` (draining, its plan pending, its pages pinned) until
   the engine reports every part ended, and then ``done`` or ``failed`` as the engine says (F24).
-* :class:`HandleTable` owns one backend's handles: the open ones (submitted, not released), the draining ones
-  (released or not), and a weak set of every handle it made (another backend's handle is refused, also once
-  released). Its transitions (:meth:`HandleTable.finish`, :meth:`HandleTable.reap`) end a handle's plan exactly
+* :class:`HandleTable` owns one backend's handles: the open ones (submitted, not forgotten), the draining ones
+  (forgotten or not), and a weak set of every handle it made (another backend's handle is refused, also once
+  forgotten). Its transitions (:meth:`HandleTable.finish`, :meth:`HandleTable.reap`) end a handle's plan exactly
   once (Note [Plan endings] below).
 * :data:`PLANS_IN_FLIGHT` records, across every backend of the process, the handle each plan is in flight on
   (pending or draining). A plan is in flight on one handle at a time: a second handle, on this backend or
@@ -35,10 +35,10 @@ Policy:
 Note [Plan endings]
 ~~~~~~~~~~~~~~~~~~~
 ``plan.complete()`` when every part is done; ``plan.fail(exc)`` when a part failed or the peer died (F12: a dead
-peer releases the held pages); ``plan.abort()`` when a pending handle is released. ``wait``'s deadline is not an
+peer releases the held pages); ``plan.abort()`` when a pending handle is forgotten. ``wait``'s deadline is not an
 ending: while the engine holds a part the handle is ``in_doubt`` and the plan ends with the engine's outcome
 (Note [Deadlines and in-flight parts]); only a handle whose parts were all withdrawn fails with the timeout.
-The plan is ended by ``poll`` / ``wait`` / ``release`` / ``progress`` / ``drain`` / ``close`` in the caller's
+The plan is ended by ``poll`` / ``wait`` / ``forget`` / ``progress`` / ``drain`` / ``close`` in the caller's
 thread. Before the first part is handed to the engine the backend takes an engine hold on the plan's leases
 (:class:`~umalloc.backends.protocol.EngineHold`), let go when the engine reported every part ended — on the
 caller's thread, or on the engine's own thread where it has one (Mooncake's sender): leases may be ended from any
@@ -61,11 +61,11 @@ the ordering is made correct by construction on the backend side:
   the bytes still arrive). If the engine holds a part the handle is ``in_doubt``: its plan stays pending with
   its leases, and once the engine reports every part ended the handle turns ``done`` (``plan.complete()``) or
   ``failed`` (``plan.fail(exc)``, the engine's error) as the engine says;
-* on ``release`` of a pending handle the handle fails at once, parts not yet handed over are withdrawn and the
+* on ``forget`` of a pending handle the handle fails at once, parts not yet handed over are withdrawn and the
   engine is asked to cancel the rest;
 * if the engine may still be working on a part it was handed (``_engine_in_flight``), the handle is
   ``draining``: its plan stays pending and keeps its leases; ``poll`` / ``progress`` / ``drain`` end the plan
-  (the engine's outcome after a deadline, ``abort`` after a release) in the caller's thread once the engine
+  (the engine's outcome after a deadline, ``abort`` after a ``forget``) in the caller's thread once the engine
   reports every such part ended (completed or failed). Registration changes that would drop engine memory wait
   for drains too;
 * an engine thread posts a queued part only while the plan's leases are active and not past their deadline.
@@ -95,7 +95,7 @@ from dataclasses import dataclass, field
 from umalloc.errors import InvariantError, TransferTimeout, UmallocValueError
 
 #: Handle states. ``pending`` until every engine part of the transfer has ended (F11); then ``done`` or
-#: ``failed`` (engine error, dead peer, or released while pending). A handle failed by a release may still be
+#: ``failed`` (engine error, dead peer, or forgotten while pending). A handle failed by ``forget`` may still be
 #: ``draining``: the engine has not confirmed that its parts stopped touching memory, so its plan (and leases)
 #: has not ended yet (Note [Deadlines and in-flight parts] below). ``in_doubt``: ``wait``'s
 #: deadline passed while the engine held a part — the outcome is not known (F24); the handle drains and turns
@@ -110,7 +110,7 @@ class TransferHandle:
     A handle may own several engine parts: the chunks of Note [Bounded batches] in
     :mod:`umalloc.backends.descriptors` (at most ``max_batch_descriptors`` descriptors and ``max_batch_bytes``
     bytes each), and on NIXL one request per chunk and memory-kind group; it is ``done`` only when every part is done, and ``failed`` once a part failed and every part
-    has ended, or when ``wait``'s deadline passed or it was released while pending. In the last two cases parts
+    has ended, or when ``wait``'s deadline passed or it was forgotten while pending. In the last two cases parts
     already handed to the engine may still be moving bytes: the handle is then ``draining`` and its plan ends
     (releasing its leases) only when the engine confirms that every part ended (F11: every handle of a
     multi-part transfer; Note [Deadlines and in-flight parts]).
@@ -127,7 +127,7 @@ class TransferHandle:
         state: ``"pending"``, ``"in_doubt"``, ``"done"`` or ``"failed"`` (:data:`HANDLE_STATES`).
         error: the exception that failed the handle (a ``TransferError``), the ``TransferTimeout`` of an
             ``in_doubt`` handle, else ``None``.
-        released: ``True`` once :meth:`TransferBackend.release` ran (idempotent).
+        forgotten: ``True`` once :meth:`TransferBackend.forget` ran (idempotent).
         draining: ``True`` while the handle is failed but the engine may still read or write its memory; the
             plan's leases are held until it turns ``False`` (``poll`` / ``progress`` / ``drain`` observe it).
         submitted_at / finished_at: ``time.monotonic()`` stamps in seconds (``finished_at`` ``None`` while
@@ -144,7 +144,7 @@ class TransferHandle:
     num_parts: int = 0
     state: str = "pending"
     error: BaseException | None = None
-    released: bool = False
+    forgotten: bool = False
     draining: bool = False
     finished_at: float | None = None
     engine: dict = field(default_factory=dict, repr=False)
@@ -207,24 +207,24 @@ class HandleTable:
     Args:
         backend: the backend's name (stamped on each handle, named in errors).
         in_flight: ``in_flight(h)`` -> engine parts of ``h`` that may still touch memory (the engine hook).
-        release_engine: ``release_engine(h)`` frees the engine resources of a terminal handle (the engine hook).
+        free_engine: ``free_engine(h)`` frees the engine resources of a terminal handle (the engine hook).
         outcome: ``outcome(h)`` -> ``(parts pending, first error or None)`` as the engine reports them (the poll
             hook); read when an ``in_doubt`` handle's parts all ended.
 
     Attributes:
-        open: handles submitted and not released, by id.
-        draining: failed handles (released or not) whose engine parts may still touch memory, by id.
+        open: handles submitted and not forgotten, by id.
+        draining: failed handles (forgotten or not) whose engine parts may still touch memory, by id.
         counts: ``handles_submitted``, ``handles_done``, ``handles_failed``, ``handles_drained_late``,
             ``handles_timed_out`` (``wait`` deadlines that left a handle in doubt), ``descriptors_posted``,
             ``bytes_posted``, ``bytes_done``, ``engine_parts_posted``.
     """
 
     def __init__(self, backend: str, in_flight: Callable[[TransferHandle], int],
-                 release_engine: Callable[[TransferHandle], None],
+                 free_engine: Callable[[TransferHandle], None],
                  outcome: Callable[[TransferHandle], tuple[int, BaseException | None]]) -> None:
         self.backend = backend
         self._in_flight = in_flight
-        self._release_engine = release_engine
+        self._free_engine = free_engine
         self._outcome = outcome
         self.open: dict[int, TransferHandle] = {}
         self.draining: dict[int, TransferHandle] = {}
@@ -242,7 +242,7 @@ class HandleTable:
         raise UmallocValueError(
             f"{what}: plan is already in flight on {where} backend (handle {other.handle_id}, "
             f"{'draining' if other.draining else other.state}): a second handle would outlive its leases "
-            "(F11); wait for, release or drain that handle first")
+            "(F11); wait for, forget or drain that handle first")
 
     def new(self, peer: str, num_descriptors: int, total_bytes: int, plan: object | None) -> TransferHandle:
         """A pending handle, recorded as open (and its plan as in flight on it). The caller checked everything."""
@@ -260,7 +260,7 @@ class HandleTable:
         return h
 
     def own(self, handle: object) -> TransferHandle:
-        """``handle`` if this table made it (released or not), else UmallocValueError."""
+        """``handle`` if this table made it (forgotten or not), else UmallocValueError."""
         if not isinstance(handle, TransferHandle):
             raise UmallocValueError(f"handle={handle!r}: allowed a TransferHandle")
         if handle not in self._made:
@@ -396,29 +396,29 @@ class HandleTable:
             if h.state == "in_doubt":
                 self._settle_in_doubt(h)
             try:
-                if h.released:
-                    self._release_engine(h)
+                if h.forgotten:
+                    self._free_engine(h)
             finally:
                 self._end_plan(h, bool(h.engine.pop("ending_abort", False)))
 
     def forget(self, h: TransferHandle) -> None:
-        """Mark a terminal handle released and drop it from the open table; its engine resources are freed now
-        (``release_engine``) unless it is draining (then :meth:`reap` frees them)."""
+        """Mark a terminal handle forgotten and drop it from the open table; its engine resources are freed now
+        (``free_engine``) unless it is draining (then :meth:`reap` frees them)."""
         if h.draining:
-            h.released = True
+            h.forgotten = True
             self.open.pop(h.handle_id, None)
             return
         try:
-            self._release_engine(h)
+            self._free_engine(h)
         finally:
-            h.released = True
+            h.forgotten = True
             self.open.pop(h.handle_id, None)
 
     def num_pending(self) -> int:
         return sum(1 for h in self.open.values() if h.state == "pending")
 
     def num_in_doubt(self) -> int:
-        """Handles (released or not) whose ``wait`` timed out while the engine held a part, outcome not known."""
+        """Handles (forgotten or not) whose ``wait`` timed out while the engine held a part, outcome not known."""
         return sum(1 for h in self.draining.values() if h.state == "in_doubt")
 
     def num_busy(self) -> int:
@@ -429,8 +429,8 @@ class HandleTable:
         """O(H): open and draining tables consistent with each handle's state, plans recorded as in flight on
         their handles, counters balanced. Raises InvariantError naming the broken invariant."""
         for hid, h in self.open.items():
-            if h.handle_id != hid or h.released:
-                raise InvariantError(f"handle table entry {hid} inconsistent (released={h.released})")
+            if h.handle_id != hid or h.forgotten:
+                raise InvariantError(f"handle table entry {hid} inconsistent (forgotten={h.forgotten})")
             if (h.state in ("pending", "in_doubt")) != (h.finished_at is None):
                 raise InvariantError(f"handle {hid}: state {h.state} vs finished_at {h.finished_at}")
             if h.draining != (hid in self.draining):
@@ -444,8 +444,8 @@ class HandleTable:
         for hid, h in self.draining.items():
             if h.handle_id != hid or not h.draining or h.state not in ("failed", "in_doubt"):
                 raise InvariantError(f"draining handle {hid} inconsistent (state {h.state}, draining={h.draining})")
-            if not h.released and self.open.get(hid) is not h:
-                raise InvariantError(f"draining handle {hid} is neither released nor open")
+            if not h.forgotten and self.open.get(hid) is not h:
+                raise InvariantError(f"draining handle {hid} is neither forgotten nor open")
         c = self.counts
         if c["handles_done"] + c["handles_failed"] + self.num_pending() + self.num_in_doubt() \
                 != c["handles_submitted"]:

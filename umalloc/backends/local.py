@@ -58,7 +58,7 @@ class LocalBackend(BackendBase):
     >>> a.register([Region(src.data_ptr(), 64)]); b.register([Region(dst.data_ptr(), 64)])
     >>> peer = a.connect(b.metadata())
     >>> h = a.write_descriptors(np.array([[src.data_ptr() + 8, dst.data_ptr(), 4]], np.uint64), peer)
-    >>> a.wait(h, timeout_s=1.0); a.release(h)
+    >>> a.wait(h, timeout_s=1.0); a.forget(h)
     >>> dst[:4].tolist()
     [8, 9, 10, 11]
     >>> a.close(); b.close()

@@ -49,7 +49,7 @@ design (Note [Deadlines and in-flight parts] in :mod:`umalloc.backends.handle`):
 * a chunk is *in flight* from the moment the sender thread takes it (under the handle's lock, after checking
   that the handle is not cancelled or failed and that the plan's leases still hold) until every id it posted
   ended; ``_engine_in_flight`` counts such chunks;
-* ``wait``'s deadline and ``release`` mark the handle cancelled (its queued chunks are never posted) and fail
+* ``wait``'s deadline and ``forget`` mark the handle cancelled (its queued chunks are never posted) and fail
   it at once, but its plan — and so its leases — ends only when no chunk of it is in flight any more. A chunk
   stuck on a peer that never answers keeps its pages leased until the engine gives it up or the lease's own
   deadline (the allocator's F12 backstop) reclaims them.

@@ -503,7 +503,7 @@ class NixlBackend(BackendBase):
         return sum(1 for part in h.engine.get("parts", ())
                    if "zombie" in part or (part["state"] == "pending" and "xh" in part))
 
-    def _engine_release(self, h: TransferHandle) -> None:
+    def _engine_free(self, h: TransferHandle) -> None:
         for part in h.engine.get("parts", ()):
             self._release_xh(part)
         h.engine.pop("parts", None)

@@ -37,7 +37,7 @@ class TransferBackend(Protocol):
     """What every transfer backend provides.
 
     Lifecycle: ``register`` the arena regions, exchange ``metadata()`` out of band, ``connect`` to the peer's
-    metadata, then ``submit`` plans (or ``write_descriptors`` batches) and ``poll`` / ``wait`` / ``release``
+    metadata, then ``submit`` plans (or ``write_descriptors`` batches) and ``poll`` / ``wait`` / ``forget``
     their handles (``drain`` a failed one whose engine parts may still move bytes); a receiver publishes its
     halves with ``publish_half``; ``close`` ends everything (and settles the halves still held).
     All methods are called from one thread.
@@ -56,7 +56,7 @@ class TransferBackend(Protocol):
     def poll(self, handle: TransferHandle) -> str: ...
     def wait(self, handle: TransferHandle, timeout_s: float) -> None: ...
     def drain(self, handle: TransferHandle, timeout_s: float) -> bool: ...
-    def release(self, handle: TransferHandle) -> None: ...
+    def forget(self, handle: TransferHandle) -> None: ...
     def publish_half(self, half: Any) -> dict: ...
     def progress(self) -> None: ...
     def stats(self) -> dict[str, int]: ...
@@ -126,7 +126,7 @@ class EngineHold:
         with self._lock:
             held, self._held = self._held, []
         for lease, generation in held:
-            lease.release_engine(generation)
+            lease.unhold_engine(generation)
 
 
 def check_plan(plan: object, what: str, *, descriptors: bool) -> None:

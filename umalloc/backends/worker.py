@@ -169,13 +169,13 @@ class WorkerContext:
             try:
                 b.wait(h, timeout_s)
             finally:
-                b.release(h)
+                b.forget(h)
             times.append(time.perf_counter() - t0)
             parts = h.num_parts
         return {"elapsed_s": times, "num_parts": parts}
 
     def cmd_post(self, descriptors: object, peer: str, item_bytes: int | None = None) -> int:
-        """Post without waiting; returns a handle id for ``poll`` / ``wait`` / ``release``."""
+        """Post without waiting; returns a handle id for ``poll`` / ``wait`` / ``forget``."""
         h = self._b().write_descriptors(descriptors, peer, item_bytes=item_bytes)
         self.handles[h.handle_id] = h
         return h.handle_id
@@ -188,12 +188,12 @@ class WorkerContext:
         self._b().wait(h, timeout_s)
         return float(h.elapsed_s)
 
-    def cmd_release(self, handle_id: int) -> None:
+    def cmd_forget(self, handle_id: int) -> None:
         h = self.handles.pop(handle_id)
-        self._b().release(h)
+        self._b().forget(h)
 
     def cmd_drain(self, handle_id: int, timeout_s: float) -> bool:
-        """``backend.drain`` of a handle posted with ``post`` (and not released yet)."""
+        """``backend.drain`` of a handle posted with ``post`` (and not forgotten yet)."""
         return self._b().drain(self.handles[handle_id], timeout_s)
 
     def progress(self) -> None:

@@ -564,7 +564,7 @@ def swa_tail_start(seq_len: int, window: int, prefix_len: int, page_size: int) -
     """First token whose SWA page must exist: ``floor_to_page(max(prefix_len, seq_len - window))``.
 
     The one SWA formula (F18/F19): prefill (what to send), decode (what to keep: pages wholly before it may be
-    released), plans and the replay all call this, so every side works in the same units (tokens floored to the
+    unbound), plans and the replay all call this, so every side works in the same units (tokens floored to the
     page), also when ``page_size > window``. O(1).
 
     Raises:

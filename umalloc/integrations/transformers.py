@@ -64,18 +64,18 @@ a real row: real rows start at ``first_page * rows_per_page >= 2``).
 
 Note [Long prefills]
 ~~~~~~~~~~~~~~~~~~~~
-The request table binds every new page on the sliding end and releases the pages that left the window at the
+The request table binds every new page on the sliding end and unbinds the pages that left the window at the
 start of the *next* growth. A prefill chunk much longer than the window would so hold sliding pages for all its
 tokens at once, where transformers' ring buffer holds ``window`` tokens. For a first prefill chunk (the request
 holds nothing yet, so this step reads nothing from the cache) longer than twice the window the cache grows the
-request one page at a time (each step's start releases what the previous one pushed out), after checking that the
+request one page at a time (each step's start unbinds what the previous one pushed out), after checking that the
 full pages and the sliding peak (``swa_peak_pages``: the window's pages plus four) fit jointly (``can_alloc``), so
 it is still all or nothing. The early tokens' sliding writes then go to the sink: attention reads them from this step's own K/V,
 never from the cache. A later chunk (``past > 0``) reads the window before ``past``, which an intermediate step's
 release would drop: a *guard* request forked from it at ``past`` holds that window (the table's fork holds the
 window tail on the sliding end) until the next step hook, after the forward that reads it, and this step's
 sliding reads go through the guard's row: the request's own row may name a copy of its shared partial last page
-(copy-on-write) that a later window step released again.
+(copy-on-write) that a later window step unbound again.
 
 Threading: the scheduler's thread only (transformers drives the cache from one thread).
 """
@@ -545,7 +545,7 @@ class UmallocPagedCache:
             slot = int(got[0])
             self.table.reclaim(matched)
             ok = self.table.attach_prefix(slot, matched)
-            self.table.release(matched, cache=True)
+            self.table.drop_refs(matched, cache=True)
             if not ok:
                 self.table.free_requests([slot])
                 return 0

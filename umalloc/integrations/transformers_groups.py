@@ -39,7 +39,7 @@ class CacheParts(Protocol):
 
 def swa_peak_pages(window: int, page_size: int) -> int:
     """Most fresh sliding pages a long prefill grown page by page binds at once: the window's pages, the page
-    being filled, one released page not yet drained, one shared partial page copied on write, one spare."""
+    being filled, one unbound page not yet drained, one shared partial page copied on write, one spare."""
     return -(-window // page_size) + 4
 
 
@@ -115,7 +115,7 @@ class EndGroup:
         return self.rows(r2t[slot, lo:past_length].to(torch.int64)).tolist() + [SENTINEL_ROW] * query_length
 
     def write_rows(self, slot: int, past_length: int, query_length: int) -> list[int]:
-        """Rows this step writes. A sliding end may have released the pages of a long prefill's early tokens
+        """Rows this step writes. A sliding end may have unbound the pages of a long prefill's early tokens
         (Note [Long prefills]): their writes go to the sink, as no later step reads them."""
         vt = self._cache.table.req_to_token[slot, past_length: past_length + query_length].to(torch.int64)
         if self.sliding_window is None:

@@ -1,6 +1,6 @@
 """One transfer lease: the handle :meth:`umalloc.leases.table.LeaseTable.pin` returns, and the lease states.
 
-* A :class:`Lease` names its pages and deadline and reports its state; every state change (release, engine
+* A :class:`Lease` names its pages and deadline and reports its state; every state change (end, engine
   holds, settle) is its table's (:class:`~umalloc.leases.table.LeaseTable`, which owns the pin counts and the
   lock), so a lease is a small handle safe to use from any thread (Note [Lease threading] there).
 * States (Note [Lease states] in :mod:`umalloc.leases.table`): :data:`LEASE_ACTIVE` -> :data:`LEASE_RELEASED` |
@@ -39,14 +39,14 @@ class Lease:
 
     Attributes:
         id: unique lease number (``int``, ascending in creation order).
-        generation: the generation it was issued under (``int``, unique within its table, F27); a release or
+        generation: the generation it was issued under (``int``, unique within its table, F27); an ``unhold_engine`` or
             settle quoting another one is refused.
         tag: caller's label (request id, peer name, ...).
         pages: ``dict[end, np.ndarray]``; per end a sorted, unique, read-only ``int64`` array of physical pages.
-        deadline: absolute deadline on the table's clock (seconds), or ``None`` (held until released).
+        deadline: absolute deadline on the table's clock (seconds), or ``None`` (held until ended).
 
-    A lease is a context manager: leaving the ``with`` block releases it, also when an exception escapes (F16).
-    :meth:`release` is idempotent and harmless after expiry. Every method may be called from any thread
+    A lease is a context manager: leaving the ``with`` block ends it, also when an exception escapes (F16).
+    :meth:`end` is idempotent and harmless after expiry. Every method may be called from any thread
     (Note [Lease threading]).
 
     >>> from umalloc.leases.table import LeaseTable
@@ -56,7 +56,7 @@ class Lease:
     ([1, 3], 'active', 1)
     >>> lease.state, int(table.pin_count("full")[3])
     ('released', 0)
-    >>> lease.release()  # harmless
+    >>> lease.end()  # harmless
     False
     """
 
@@ -95,7 +95,7 @@ class Lease:
     @property
     def expired(self) -> bool:
         """True once the deadline has passed on the table's clock, even before :meth:`LeaseTable.expire`
-        reclaimed it; always True after reclaim, False after an orderly release."""
+        reclaimed it; always True after reclaim, False after an orderly :meth:`end`."""
         if self._state == LEASE_EXPIRED:
             return True
         if self._state != LEASE_ACTIVE or self.deadline is None:
@@ -107,7 +107,7 @@ class Lease:
         """Pages pinned by this lease, summed over ends."""
         return sum(int(p.size) for p in self.pages.values())
 
-    def release(self) -> bool:
+    def end(self) -> bool:
         """End the lease. Returns True if this call ended it, False if it had already ended (released, expired,
         in doubt or settled) — calling twice is harmless. With an engine hold outstanding the lease goes
         ``in_doubt`` instead of unpinning (F24): its pages stay pinned until the engine lets go. O(pages)."""
@@ -115,14 +115,14 @@ class Lease:
 
     def hold_engine(self) -> int:
         """Record that a part of this lease's transfer was handed to an engine (or its pages published to a
-        peer); returns the generation to quote to :meth:`release_engine`. O(1).
+        peer); returns the generation to quote to :meth:`unhold_engine`. O(1).
 
         Raises:
             LeaseError: the lease is not active (its pages may be reused: nothing may be posted, F11).
         """
         return self._table._hold(self)
 
-    def release_engine(self, generation: int) -> bool:
+    def unhold_engine(self, generation: int) -> bool:
         """The engine reported a part terminal: let go of one hold. An in-doubt lease whose last hold goes
         settles (unpins). Returns True if the lease settled. O(pages) when it settles, else O(1).
 
@@ -147,7 +147,7 @@ class Lease:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        self.release()
+        self.end()
 
     def __repr__(self) -> str:
         ends = {e: int(p.size) for e, p in self.pages.items()}

@@ -16,15 +16,15 @@ Policy:
   :meth:`Lease.settle` (a confirmed cancellation, or the backend's ``close``/``reset`` after the engine released
   its registrations).
 * Generations (F27): every lease carries a ``generation`` unique within its table; :meth:`LeaseTable.lookup`,
-  :meth:`Lease.release_engine` and :meth:`Lease.settle` take it and refuse a stale one with
-  :class:`~umalloc.errors.StaleLeaseError`, so a late release never touches the pages' new owner.
-* Every terminal path ends a lease: :meth:`Lease.release` (idempotent), leaving a ``with`` block (normally or by
-  an exception), :meth:`LeaseTable.release_tagged` (a dead peer), and the deadline: :meth:`LeaseTable.expire`
+  :meth:`Lease.unhold_engine` and :meth:`Lease.settle` take it and refuse a stale one with
+  :class:`~umalloc.errors.StaleLeaseError`, so a late engine report never touches the pages' new owner.
+* Every terminal path ends a lease: :meth:`Lease.end` (idempotent), leaving a ``with`` block (normally or by
+  an exception), :meth:`LeaseTable.end_tagged` (a dead peer), and the deadline: :meth:`LeaseTable.expire`
   reclaims (or puts in doubt) every lease past its deadline, counts it and logs it (F12, F16).
 * Validation happens before any state changes: an unknown end, a page outside the handable range, a bad dtype
   or shape, a bad deadline, or a page the allocator's ``validator`` rejects raises :class:`LeaseError` and
   pins nothing.
-* ``version`` increments on every pin, release and expiry, so a holder of cached capacity figures can tell
+* ``version`` increments on every pin, end and expiry, so a holder of cached capacity figures can tell
   that holds changed and recompute them (F17).
 
 Note [Lease threading]
@@ -50,9 +50,9 @@ Note [Lease states]
 ~~~~~~~~~~~~~~~~~~~
 ::
 
-    pin ─> active ─┬─ release(), no engine hold ───────────────> released
+    pin ─> active ─┬─ end(), no engine hold ───────────────────> released
                    ├─ deadline, no engine hold ────────────────> expired    (reclaimed at once, F12)
-                   └─ deadline or release() with an engine hold ─> in_doubt ─┬─ last engine hold let go ─> settled
+                   └─ deadline or end() with an engine hold ─────> in_doubt ─┬─ last engine hold let go ─> settled
                                                                              └─ settle() (confirmed) ────> settled
 
 An *engine hold* is taken by a backend when it hands a part of the lease's transfer to an engine, and let go
@@ -180,8 +180,8 @@ class LeaseTable:
     Args:
         page_slots: per end name, the size of its physical id space (``ArenaSpec.num_page_slots(end)``).
         clock: monotonic clock in seconds (tests pass a fake clock).
-        on_unpinned: called as ``on_unpinned(end, pages)`` once per end per :meth:`Lease.release`,
-            :meth:`expire` or :meth:`release_tagged` call, with the sorted ``int64`` array of that end's pages
+        on_unpinned: called as ``on_unpinned(end, pages)`` once per end per :meth:`Lease.end`,
+            :meth:`expire` or :meth:`end_tagged` call, with the sorted ``int64`` array of that end's pages
             whose pin count dropped to 0 (only ends with at least one such page; ends in ``page_slots`` order).
             Called after every count and counter is updated.
         first_pages: per end, the lowest page a lease may name (``ArenaSpec.first_page``); default 0. Use it to
@@ -409,7 +409,7 @@ class LeaseTable:
         self._drop_stale_deadlines()
         return self._deadlines[0][0] if self._deadlines else None
 
-    # ---- pin / release / expire ------------------------------------------------------------------------------
+    # ---- pin / end / expire ----------------------------------------------------------------------------------
     def pin(self, pages: Mapping[str, object], *, deadline_s: float | None, tag: str = "") -> Lease:
         """Pin physical pages of any ends; returns the active :class:`Lease`.
 
@@ -418,8 +418,8 @@ class LeaseTable:
                 of physical pages in ``[first_pages[end], page_slots[end])``. Duplicates within one end are
                 pinned once. Ends may be omitted or empty.
             deadline_s: seconds from now (table clock) after which :meth:`expire` reclaims the lease; ``None``
-                holds it until released. Must be finite and > 0.
-            tag: label (request id, peer name) for logs and :meth:`release_tagged`.
+                holds it until ended. Must be finite and > 0.
+            tag: label (request id, peer name) for logs and :meth:`end_tagged`.
 
         Raises:
             LeaseError: unknown end, bad dtype/shape, page out of range, bad deadline or tag, or a page the
@@ -542,7 +542,7 @@ class LeaseTable:
         self._check_mine(lease)
         with self.lock:
             if generation != lease.generation or lease._holds <= 0:
-                raise StaleLeaseError(f"lease {lease.id}: engine release for generation {generation} (lease "
+                raise StaleLeaseError(f"lease {lease.id}: engine report for generation {generation} (lease "
                                       f"generation {lease.generation}, {lease._holds} hold(s), {lease._state})")
             lease._holds -= 1
             if lease._holds == 0 and lease._state == LEASE_IN_DOUBT:
@@ -597,7 +597,7 @@ class LeaseTable:
                 _, lease_id = heapq.heappop(heap)
                 lease = self._active.get(lease_id)
                 if lease is None:
-                    continue  # released earlier
+                    continue  # ended earlier
                 if lease._holds:
                     self._to_doubt(lease, f"deadline passed {now - (lease.deadline or now):.3f}s ago")
                     out.append(lease)
@@ -617,11 +617,11 @@ class LeaseTable:
                 self._notify(unpinned)
         return out
 
-    def release_tagged(self, tag: str) -> int:
+    def end_tagged(self, tag: str) -> int:
         """Release every active lease carrying ``tag`` (a peer died, a request was aborted); one with an engine
         hold goes in doubt instead (F24). Returns how many. O(leases + their pages)."""
         if not isinstance(tag, str):
-            raise LeaseError(f"release_tagged: tag={tag!r}; allowed a str")
+            raise LeaseError(f"end_tagged: tag={tag!r}; allowed a str")
         with self.lock:
             victims = [lease for lease in self._active.values() if lease.tag == tag]
             for lease in victims:

@@ -12,7 +12,7 @@ its low edge, the end below a down end its high edge; a float end as the case ma
 neighbour away (Note [Float slide]). That plan is dry-run through the same planner first; only if the
 allocation then fits does anything move, and the allocation is planned once more. Otherwise ``None`` with
 nothing changed. ``MultiEndedAllocator.last_shortfall`` names each short end with its own deficit (F20).
-``compaction="eager"`` also compacts the ends a ``free``/``release_end`` touched, right after it. Capacity
+``compaction="eager"`` also compacts the ends a ``free``/``unbind_end`` touched, right after it. Capacity
 queries count holes and reachable gap only: never pending pages, never what compaction might free.
 
 Note [Float slide]

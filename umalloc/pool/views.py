@@ -37,8 +37,8 @@ from umalloc.pool.kernels.layout import (
     M_PB,
     M_PEAK,
     M_PENDING,
-    M_RELEASED,
     M_TOP,
+    M_UNBOUND,
     M_VBOFF,
     M_VHINT,
     M_VLIVE,
@@ -131,8 +131,8 @@ class EndView:
         return int(self._meta[self.index, M_FREES])
 
     @property
-    def pages_released(self) -> int:
-        return int(self._meta[self.index, M_RELEASED])
+    def pages_unbound(self) -> int:
+        return int(self._meta[self.index, M_UNBOUND])
 
     @property
     def pages_moved(self) -> int:

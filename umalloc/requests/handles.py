@@ -19,6 +19,9 @@ row back).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any, TypeAlias
+
 import numpy as np
 import torch
 
@@ -27,6 +30,12 @@ from umalloc.ids import id_batch
 
 HANDLE_SHIFT = 32                     # handle = generation << 32 | slot
 SLOT_MASK = (1 << HANDLE_SHIFT) - 1
+
+#: A batch of slots, handles, token counts or virtual pages: an int32/int64 torch tensor, a numpy integer array or a
+#: sequence of ints (validated once, by :func:`umalloc.allocator.ids.id_batch`).
+IdBatch: TypeAlias = "torch.Tensor | np.ndarray | Sequence[int]"
+#: One request slot or handle: an int (numpy integers too) or a one-element int32/int64 torch tensor.
+SlotLike: TypeAlias = "int | np.integer[Any] | torch.Tensor"
 
 
 class SlotGenerations:
@@ -63,10 +72,10 @@ class SlotGenerations:
         self.gen[rows] += 1
 
 
-def slot_of(handles: object) -> torch.Tensor:
+def slot_of(handles: IdBatch) -> torch.Tensor:
     """``int64 (B,)`` slots (``req_to_token`` rows) of handles or slots (unchecked; a slot is its own). O(B)."""
     s = id_batch(handles, "handles")
     return torch.from_numpy(np.where(s > SLOT_MASK, s & SLOT_MASK, s))
 
 
-__all__ = ["HANDLE_SHIFT", "SLOT_MASK", "SlotGenerations", "slot_of"]
+__all__ = ["HANDLE_SHIFT", "SLOT_MASK", "IdBatch", "SlotGenerations", "SlotLike", "slot_of"]

@@ -159,7 +159,7 @@ def k_grow_plan(rq, pg, r2p, slots, ext, ps, mt, win, mark, cow, rel, info):
     info[I_PAGES] = k + ncow
     info[I_TOTAL] = total
     info[I_NCOW] = ncow
-    # the window releases, listed without changing anything: counts drop for the listing, then come back
+    # the window unbinds, listed without changing anything: counts drop for the listing, then come back
     for b in range(win.shape[0]):
         W = win[b]
         c = 0
@@ -186,7 +186,7 @@ def k_grow_plan(rq, pg, r2p, slots, ext, ps, mt, win, mark, cow, rel, info):
 
 @njit(cache=True)
 def k_window_apply(rq, pg, r2p, slots, ext, ps, win):
-    """Advance every windowed bound end of a planned extend batch (the releases :func:`k_grow_plan` listed, which
+    """Advance every windowed bound end of a planned extend batch (the unbinds :func:`k_grow_plan` listed, which
     the caller has made on the allocator): fronts move to the window tail and the counts drop."""
     for b in range(win.shape[0]):
         W = win[b]
@@ -216,7 +216,7 @@ def _fresh(pg, vp, nb):
 @njit(cache=True)
 def k_grow_apply(rq, pg, r2p, r2t, slots, ext, ps, cow, pages, out, flat, cowpairs, rel, info):
     """Hand out the tokens of a planned extend batch: copies first, then each request's partial page, then its
-    fresh pages (``pages`` in order). Lists the copied pages' bound-end releases after the window's ones."""
+    fresh pages (``pages`` in order). Lists the copied pages' bound-end unbinds after the window's ones."""
     nb = rel.shape[0]
     mt = r2t.shape[1]
     want_flat = flat.shape[0] > 0

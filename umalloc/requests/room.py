@@ -6,11 +6,11 @@ once room is made); it calls the allocator's public API only, and its allocator 
 
 Note [Room]
 ~~~~~~~~~~~
-An extend first plans (validates, counts its ``k`` fresh pages, lists the window pages it releases) without
+An extend first plans (validates, counts its ``k`` fresh pages, lists the window pages it unbinds) without
 changing anything, then makes room on the allocator in the cheapest way that is sure to be all or nothing:
 
-1. ``k`` pages fit on every end now (``shortfall_pages``): release the window pages, take the pages;
-2. else, in an allocator trial (Note [Trials] in :mod:`umalloc.allocator.facade`): release the window pages, take
+1. ``k`` pages fit on every end now (``shortfall_pages``): unbind the window pages, take the pages;
+2. else, in an allocator trial (Note [Trials] in :mod:`umalloc.allocator.facade`): unbind the window pages, take
    the pages with the allocator's compaction; kept if they fit, rolled back otherwise;
 3. else, with cached pages: the fewest LRU-first cached pages whose eviction makes step 2 fit, found by rolled
    back trials (first without compaction, then with it; a binary search, as feasibility only grows with each
@@ -19,7 +19,7 @@ changing anything, then makes room on the allocator in the cheapest way that is 
    full pages cannot cover calls no ``on_evict`` (F29).
 
 Room on every end is needed at once: each fresh page is bound on the owner and on every bound end (the engine
-writes every new token's KV on every end during its forward pass; the window then releases what it left at the
+writes every new token's KV on every end during its forward pass; the window then unbinds what it left at the
 start of the next extend). :meth:`~umalloc.requests.table.RequestTable.can_extend` runs the same steps and rolls every one back.
 
 Note [Chunked prefill]
@@ -27,7 +27,7 @@ Note [Chunked prefill]
 One extend of ``n`` tokens binds ``ceil(n / page_size)`` fresh pages on a windowed end, so a prompt that fits by
 decode (a window's worth of pages at a time) may not fit in one extend. An engine prefills it in chunks, one
 extend and one forward pass per chunk, each of at most :meth:`~umalloc.requests.table.RequestTable.max_extend_tokens` tokens: the window
-releases at the start of each chunk's extend, so a windowed end holds at most the window plus one chunk.
+unbinds at the start of each chunk's extend, so a windowed end holds at most the window plus one chunk.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class Room:
 
     Args:
         alloc: the table's allocator. owner: its id-owner end; owner_arg: the ``owner=`` its calls pass.
-        bound_ends: the owner's bound ends, in the table's order (window releases are listed per end).
+        bound_ends: the owner's bound ends, in the table's order (window unbinds are listed per end).
         pagebuf: the table's ``int64 (num_vpages,)`` buffer the fresh pages are written into.
         cached_pages: the table's LRU-ordered cached pages (a callable: the list changes).
     """
@@ -57,75 +57,75 @@ class Room:
         self.pagebuf, self.cached_pages = pagebuf, cached_pages
         self._none = np.zeros(0, np.int64)
 
-    def place(self, k: int, released: list[np.ndarray]) -> bool:
-        """On the allocator only: release the window pages ``released`` (per bound end), then take ``k`` fresh pages
-        into ``pagebuf[:k]``. False if they do not fit (the releases stay: callers run this in a trial)."""
-        for end, pages in zip(self.bound_ends, released, strict=True):
+    def place(self, k: int, unbinds: list[np.ndarray]) -> bool:
+        """On the allocator only: unbind the window pages ``unbinds`` (per bound end), then take ``k`` fresh pages
+        into ``pagebuf[:k]``. False if they do not fit (the unbinds stay: callers run this in a trial)."""
+        for end, pages in zip(self.bound_ends, unbinds, strict=True):
             if pages.size:
-                self.alloc.release_pages(end, pages)
+                self.alloc.unbind_pages(end, pages)
         return k == 0 or self.alloc.alloc_pages(k, out=self.pagebuf[:k], owner=self.owner_arg) is not None
 
     def fits_now(self, k: int) -> bool:
-        """True if ``k`` fresh pages fit on every end with no release, eviction or compaction (then the window
-        releases, which only add room, cannot make them fail). O(ends)."""
+        """True if ``k`` fresh pages fit on every end with no unbind, eviction or compaction (then the window
+        unbinds, which only add room, cannot make them fail). O(ends)."""
         if k == 0:
             return True
         return not self.alloc.shortfall_pages({self.owner: k, **{b: k for b in self.bound_ends}})
 
-    def _keep(self, released: list[np.ndarray], evicted: np.ndarray) -> dict[str, np.ndarray]:
+    def _keep(self, unbinds: list[np.ndarray], evicted: np.ndarray) -> dict[str, np.ndarray]:
         """Physical pages whose bytes a trial with compaction must keep: the window pages and cached pages it
         frees (Note [Trials] in :mod:`umalloc.allocator.facade`)."""
         keep: dict[str, np.ndarray] = {}
-        for end, pages in ((self.owner, evicted), *zip(self.bound_ends, released, strict=True)):
+        for end, pages in ((self.owner, evicted), *zip(self.bound_ends, unbinds, strict=True)):
             if pages.size:
                 keep[end] = np.asarray(self.alloc.translate_pages(torch.from_numpy(pages), end), dtype=np.int64)
         return keep
 
-    def trial_fits(self, k: int, released: list[np.ndarray], evicted: np.ndarray, compaction: bool,
+    def trial_fits(self, k: int, unbinds: list[np.ndarray], evicted: np.ndarray, compaction: bool,
                    commit: bool) -> bool:
-        """Run "free ``evicted`` (cached pages, no ``on_evict``), release the window pages, take ``k`` pages" in an
+        """Run "free ``evicted`` (cached pages, no ``on_evict``), unbind the window pages, take ``k`` pages" in an
         allocator trial; keep it only if ``commit`` and it fits (Note [Room])."""
-        keep = self._keep(released, evicted) if compaction else None
+        keep = self._keep(unbinds, evicted) if compaction else None
         with self.alloc.trial(compaction=compaction, keep_bytes=keep) as trial:
             if evicted.size:
                 self.alloc.free_pages(evicted, owner=self.owner_arg)
-            ok = self.place(k, released)
+            ok = self.place(k, unbinds)
             if ok and commit:
                 trial.commit()
         return ok
 
-    def evictions_needed(self, k: int, released: list[np.ndarray]) -> int | None:
+    def evictions_needed(self, k: int, unbinds: list[np.ndarray]) -> int | None:
         """The fewest cached pages, LRU first, whose eviction lets the planned extend fit (``None``: not even the
         whole cache does). Trials without compaction first, then with it (Note [Room]). O(log cached) trials."""
         lru = self.cached_pages().numpy()
         if not lru.size:
             return None
         for compaction in (False, True):
-            if not self.trial_fits(k, released, lru, compaction, False):
+            if not self.trial_fits(k, unbinds, lru, compaction, False):
                 continue
             lo, hi = 1, lru.size     # fits with hi pages evicted; find the least
             while lo < hi:
                 mid = (lo + hi) // 2
-                if self.trial_fits(k, released, lru[:mid], compaction, False):
+                if self.trial_fits(k, unbinds, lru[:mid], compaction, False):
                     hi = mid
                 else:
                     lo = mid + 1
             return hi
         return None
 
-    def make(self, k: int, released: list[np.ndarray]) -> bool | int:
-        """Make room for a planned extend (Note [Room]): True once the window pages are released and
+    def make(self, k: int, unbinds: list[np.ndarray]) -> bool | int:
+        """Make room for a planned extend (Note [Room]): True once the window pages are unbound and
         ``pagebuf[:k]`` holds ``k`` fresh pages; an int ``n > 0`` if it fits only once the ``n`` least recently used
         cached pages are evicted (nothing done yet); False if it cannot fit (nothing changed)."""
         if k >= self.pagebuf.shape[0]:   # more than the owner's whole id space: nothing can help
             return False
         if self.fits_now(k):
-            if not self.place(k, released):
+            if not self.place(k, unbinds):
                 raise InvariantError("extend: the allocator refused pages its planner said fit")
             return True
-        if self.trial_fits(k, released, self._none, True, True):
+        if self.trial_fits(k, unbinds, self._none, True, True):
             return True
-        n = self.evictions_needed(k, released)
+        n = self.evictions_needed(k, unbinds)
         return False if n is None else n
 
     def capacity(self, cached: int) -> dict[str, dict[str, int]]:
@@ -137,14 +137,14 @@ class Room:
             out[end] = {"free_pages": free, "reclaimable_pages": rec, "available_pages": free + rec}
         return out
 
-    def fits(self, k: int, released: list[np.ndarray]) -> bool:
+    def fits(self, k: int, unbinds: list[np.ndarray]) -> bool:
         """Whether :meth:`make` would make room (with the evictions it would make); changes nothing."""
         if k >= self.pagebuf.shape[0]:
             return False
-        if self.fits_now(k) or self.trial_fits(k, released, self._none, True, False):
+        if self.fits_now(k) or self.trial_fits(k, unbinds, self._none, True, False):
             return True
         lru = self.cached_pages().numpy()
-        return bool(lru.size) and any(self.trial_fits(k, released, lru, c, False) for c in (False, True))
+        return bool(lru.size) and any(self.trial_fits(k, unbinds, lru, c, False) for c in (False, True))
 
 
 def largest(fits: Callable[[int], bool], hi: int) -> int:

@@ -17,10 +17,10 @@ Policy:
 * **Copy-on-write** (Note [Copy-on-write]): a page with more than one holder is never written. ``fork`` shares
   every page of the source prefix, a partial last page included; the first ``extend`` / ``decode`` that writes
   into a shared partial page copies it into a fresh page on every end first.
-* **Bound ends follow the request** (Note [Windows]): a bound end with a sliding window releases, at the start
+* **Bound ends follow the request** (Note [Windows]): a bound end with a sliding window unbinds, at the start
   of every ``extend`` / ``decode``, the pages that left the request's window (automatic; there is no separate
-  call, so a page is never released twice). A bound end without a window (a draft) holds every page.
-* **Cached pages** (Note [Cached pages]): ``free_requests(cache=True)`` / ``release(cache=True)`` keep full pages
+  call, so a page is never unbound twice). A bound end without a window (a draft) holds every page.
+* **Cached pages** (Note [Cached pages]): ``free_requests(cache=True)`` / ``drop_refs(cache=True)`` keep full pages
   whose count reaches 0 as cached, in LRU order; ``reclaim`` revives them; an extend evicts them, LRU first, only
   when the eviction makes it fit and only as many as it needs (Note [Room]), calling ``on_evict(vpages)`` before
   their ids can be reused.
@@ -35,7 +35,7 @@ Policy:
   nothing either: no window advanced, no page evicted, no ``on_evict`` call (F29); a broken invariant raises
   :class:`~umalloc.errors.InvariantError` from :meth:`RequestTable.check_invariants`.
 
-The table's pages are freed and released only through it: the allocator's ``free`` / ``release_end`` /
+The table's pages are freed and unbound only through it: the allocator's ``free`` / ``unbind_end`` /
 ``retract`` on them are reported by :meth:`RequestTable.check_invariants` (``owner-live`` / ``bound``); its
 ``compact`` is always fine (virtual ids never change). Not thread-safe: call from the thread that owns the
 scheduler (as the allocator).
@@ -46,7 +46,7 @@ Note [Holders]
 include it, each engine reference (``retain`` / ``reclaim``), and the table itself for the zero page.
 ``need[b][vp]`` counts the requests that hold ``vp`` *on bound end* ``b``: request ``s`` holds on ``b`` its pages
 ``[front[b][s], ceil(len / page_size))``. Engine references hold the owner page only (its id and full-attention
-content): a bound end's binding is released when the last *request* holding it there lets go, so a page is
+content): a bound end's binding is unbound when the last *request* holding it there lets go, so a page is
 bound on ``b`` exactly while ``need[b][vp] > 0``. A managed page is *held* (``ref > 0``), *cached* (``ref == 0``,
 in the LRU list, bound on the owner only) or not the table's.
 
@@ -61,9 +61,9 @@ request's ``req_to_token`` row is rewritten there).
 Note [Windows]
 ~~~~~~~~~~~~~~
 For a bound end with window ``W``, before a request of length ``L`` grows, its pages wholly before token
-``swa_tail_start(L, W, 0, page_size)`` are released there (the rule SGLang's ``free_swa_out_of_window_slots``
+``swa_tail_start(L, W, 0, page_size)`` are unbound there (the rule SGLang's ``free_swa_out_of_window_slots``
 applies, in the units of :func:`~umalloc.geometry.spec.swa_tail_start`). The front only moves forward: a
-``truncate`` or a ``fork`` below the length the window last advanced at leaves those pages released (the engine's
+``truncate`` or a ``fork`` below the length the window last advanced at leaves those pages unbound (the engine's
 attention over that short window would read recomputed KV; speculative rollback never goes below it). A fork
 holds on ``b`` the source's pages from ``max(source front, tail of the fork length)``.
 
@@ -71,7 +71,7 @@ Note [Cached pages]
 ~~~~~~~~~~~~~~~~~~~
 Only *full* pages are cached: a request's partial last page is freed with it. Pages enter the LRU at its tail:
 ``free_requests`` per request in the given order, each request's pages last page first (so a request's tail is
-evicted before its prefix, as vLLM's ``free_blocks(reversed(blocks))``); ``release`` in the given order. Eviction
+evicted before its prefix, as vLLM's ``free_blocks(reversed(blocks))``); ``drop_refs`` in the given order. Eviction
 takes pages from the LRU head, as many as the allocator's shortfall names (at least one), and retries until the
 allocation fits or the cache is empty.
 
@@ -97,6 +97,7 @@ pages are its own and outside every check here.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -105,16 +106,11 @@ import torch
 
 from umalloc.allocator.facade import MultiEndedAllocator
 from umalloc.allocator.ids import count_arg
-from umalloc.errors import (
-    InvalidIdError,
-    InvariantError,
-    NotAllocatedError,
-    UmallocValueError,
-)
+from umalloc.errors import InvalidIdError, InvariantError, NotAllocatedError, UmallocValueError
 from umalloc.ids import id_batch
 from umalloc.requests.cow import EnvelopeCopier
 from umalloc.requests.device_rows import DeviceRows
-from umalloc.requests.handles import SlotGenerations, slot_of
+from umalloc.requests.handles import IdBatch, SlotGenerations, SlotLike, slot_of
 from umalloc.requests.refcounts import (
     I_CODE,
     I_NCACHED,
@@ -302,7 +298,7 @@ class RequestTable:
     def _raise(self, where: str, what: str = "slots") -> None:
         raise_for_code(self._info, where, what, self.max_requests, self.max_tokens_per_request)
 
-    def _slots(self, slots: object, where: str) -> np.ndarray:
+    def _slots(self, slots: IdBatch, where: str) -> np.ndarray:
         s = self._rows(id_batch(slots, "slots"), where)
         info = self._info
         info[:] = 0
@@ -310,7 +306,7 @@ class RequestTable:
             self._raise(where)
         return s
 
-    def _slot(self, slot: object, where: str) -> int:
+    def _slot(self, slot: SlotLike, where: str) -> int:
         if (isinstance(slot, torch.Tensor) and slot.numel() == 1 and slot.dim() <= 1
                 and slot.dtype in (torch.int64, torch.int32)):
             slot = int(slot.reshape(-1)[0])
@@ -323,14 +319,14 @@ class RequestTable:
     def _rows(self, s: np.ndarray, where: str) -> np.ndarray:
         return self._gens.rows(s, self._rq[RQ_INUSE], where)
 
-    def handles(self, slots: object) -> torch.Tensor:
+    def handles(self, slots: IdBatch) -> torch.Tensor:
         """``int64 (B,)`` handles ``generation << 32 | slot`` of live requests (Note [Handles], with a doctest).
         Raises: as :meth:`extend` for bad slots. O(B)."""
         return torch.from_numpy(self._gens.handles(self._slots(slots, "handles")))
 
     slot_of = staticmethod(slot_of)
 
-    def _page_ids(self, vpages: object, where: str) -> np.ndarray:
+    def _page_ids(self, vpages: IdBatch, where: str) -> np.ndarray:
         vp = id_batch(vpages, "vpages")
         NV = self._pg.shape[1]
         bad = np.flatnonzero((vp < 1) | (vp >= NV) | (vp == self.zero_vpage))
@@ -339,13 +335,13 @@ class RequestTable:
                                  f"[1, {NV}) other than the zero page {self.zero_vpage}")
         return vp
 
-    def _release_bound(self) -> None:
-        """Release the listed bound-end pages (kernels leave their counts in ``info[I_REL:]``)."""
-        info, rel, release = self._info, self._rel, self.alloc.release_pages
+    def _unbind_bound(self) -> None:
+        """Unbind the listed bound-end pages (kernels leave their counts in ``info[I_REL:]``)."""
+        info, rel, unbind = self._info, self._rel, self.alloc.unbind_pages
         for b, end in enumerate(self.bound_ends):
             c = int(info[I_REL + b])
             if c:
-                release(end, rel[b, :c])
+                unbind(end, rel[b, :c])
 
     def _free_listed(self, n: int) -> None:
         if n:
@@ -353,7 +349,7 @@ class RequestTable:
 
     def _plan(self, s: np.ndarray, e: np.ndarray, where: str) -> tuple[int, list[np.ndarray]]:
         """Validate and plan an extend batch, changing nothing: its fresh pages and, per bound end, the pages its
-        window advance releases (copies). Raises as :meth:`extend`."""
+        window advance unbinds (copies). Raises as :meth:`extend`."""
         info, rel = self._info, self._rel
         k_grow_plan(self._rq, self._pg, self._r2p, s, e, self.page_size, self.max_tokens_per_request, self._win,
                      self._mark, self._cow, rel, info)
@@ -386,10 +382,10 @@ class RequestTable:
             out = self._gens.handles(out)
         return torch.from_numpy(out)
 
-    def extend(self, slots: object, extend_lens: object) -> torch.Tensor | None:
+    def extend(self, slots: IdBatch, extend_lens: IdBatch) -> torch.Tensor | None:
         """Append ``extend_lens[i]`` tokens to request ``slots[i]``: its partial last page first, then fresh
         pages (one allocator call for the batch), in batch order; a shared partial page is copied first (Note
-        [Copy-on-write]); windowed bound ends release the pages that left each window first (Note [Windows]).
+        [Copy-on-write]); windowed bound ends unbind the pages that left each window first (Note [Windows]).
 
         Args:
             slots: ``(B,)`` live request slots, each once (int32/int64 torch tensor, numpy array or list).
@@ -405,7 +401,7 @@ class RequestTable:
             StaleHandleError: a handle of a slot freed since. UmallocValueError: a negative length or a request
             past ``max_tokens_per_request``. Nothing changes.
 
-        Complexity: O(B + new tokens + released pages), three numba kernels around one ``alloc_pages`` when the
+        Complexity: O(B + new tokens + unbound pages), three numba kernels around one ``alloc_pages`` when the
         pages fit outright; under pressure O(slots) per allocator trial (Note [Room]).
         """
         s = self._rows(id_batch(slots, "slots"), "extend")
@@ -415,7 +411,7 @@ class RequestTable:
                                  f"(B,) shapes")
         return self._grow(s, e, "extend")
 
-    def decode(self, slots: object) -> torch.Tensor | None:
+    def decode(self, slots: IdBatch) -> torch.Tensor | None:
         """One token for each request (:meth:`extend` with every length 1).
 
         Returns / Raises: as :meth:`extend`; the result is ``int64 (B,)``.
@@ -425,8 +421,8 @@ class RequestTable:
                           else np.ones(s.shape[0], np.int64), "decode")
 
     def _grow(self, s: np.ndarray, e: np.ndarray, where: str) -> torch.Tensor | None:
-        k, released = self._plan(s, e, where)
-        room = self._room.make(k, released)
+        k, unbinds = self._plan(s, e, where)
+        room = self._room.make(k, unbinds)
         if room is False:
             return None
         if room is not True:
@@ -443,13 +439,13 @@ class RequestTable:
         if ncow:
             self._copier.copy(self._cowpairs[:, :ncow])
             self._counters["copied"] += ncow
-            self._release_bound()
+            self._unbind_bound()
         if self._dev is not None:
             self._device_rows.push(flat[: int(info[I_TOTAL])])
         return torch.from_numpy(out)
 
-    def can_extend(self, slots: object, extend_lens: object) -> bool:
-        """True if :meth:`extend` with these arguments would hand out its tokens now (window releases, the
+    def can_extend(self, slots: IdBatch, extend_lens: IdBatch) -> bool:
+        """True if :meth:`extend` with these arguments would hand out its tokens now (window unbinds, the
         evictions it would make and compaction counted: Note [Room]); the admission query of a scheduler.
         Changes nothing (it runs in allocator trials that are rolled back).
 
@@ -469,7 +465,7 @@ class RequestTable:
                                  f"equal (B,) shapes")
         return self._room.fits(*self._plan(s, e, "can_extend"))
 
-    def max_extend_tokens(self, slot: object) -> int:
+    def max_extend_tokens(self, slot: SlotLike) -> int:
         """The most tokens one :meth:`extend` of request ``slot`` alone can take now (:meth:`can_extend`'s
         answer, searched): the chunk size of a chunked prefill (Note [Chunked prefill]). Changes nothing.
 
@@ -480,7 +476,7 @@ class RequestTable:
         return largest(lambda n: self.can_extend(one, np.array([n], np.int64)),
                        self.max_tokens_per_request - int(self._rq[RQ_LEN, one[0]]))
 
-    def truncate(self, slots: object, num_tokens: object) -> None:
+    def truncate(self, slots: IdBatch, num_tokens: IdBatch) -> None:
         """Roll requests back to ``num_tokens[i]`` tokens (speculative decoding: drop rejected drafts): frees
         exactly the pages past the kept length, on every end, each only when its last holder lets go (F09, F28).
 
@@ -508,7 +504,7 @@ class RequestTable:
             self._raise("truncate")
         self._drop(s, keep, False, False)
 
-    def free_requests(self, slots: object, cache: bool = False) -> None:
+    def free_requests(self, slots: IdBatch, cache: bool = False) -> None:
         """Free every page the requests hold (each once) and close their slots. A page is freed when its last
         holder lets go; with ``cache=True`` a *full* page reaching 0 is kept as cached instead (Note [Cached
         pages]); a request's partial last page is freed.
@@ -517,7 +513,7 @@ class RequestTable:
             InvalidIdError: a slot out of range or twice. DoubleFreeError: a slot not live (already freed).
             UmallocValueError: ``cache`` not a bool. Nothing changes on any error.
 
-        Complexity: O(B + tokens freed) in one numba kernel, plus one ``free_pages`` and one ``release_pages``
+        Complexity: O(B + tokens freed) in one numba kernel, plus one ``free_pages`` and one ``unbind_pages``
         per bound end.
         """
         if type(cache) is not bool:
@@ -533,12 +529,12 @@ class RequestTable:
                 self.pad_read_vtoken, self._freed, self._rel, info)
         self._counters["cached"] += int(info[I_NCACHED])
         if self._rel.shape[0]:
-            self._release_bound()
+            self._unbind_bound()
         self._free_listed(int(info[I_NFREED]))
         if old is not None:
             self._device_rows.push_ranges(s, keep, old)
 
-    def fork(self, src_slot: object, num_tokens: int | None = None) -> int | None:
+    def fork(self, src_slot: SlotLike, num_tokens: int | None = None) -> int | None:
         """Open a request holding the first ``num_tokens`` tokens (default: all) of request ``src_slot``: it shares
         every page of that prefix (counts + 1), a partial last page included (copied on the first write into it,
         Note [Copy-on-write]); windowed bound ends hold the source's pages from ``max(source front, tail of
@@ -577,7 +573,7 @@ class RequestTable:
             self._device_rows.push_ranges(np.array([c], np.int64), np.zeros(1, np.int64), np.array([n], np.int64))
         return c
 
-    def attach_prefix(self, slot: object, vpages: object) -> bool:
+    def attach_prefix(self, slot: SlotLike, vpages: IdBatch) -> bool:
         """Give an empty request the pages ``vpages`` as its first ``len(vpages) * page_size`` tokens (a prefix
         hit: pages the engine holds, e.g. revived by :meth:`reclaim`); each count + 1. On each bound end the
         request holds its window tail (every page without a window); pages of it not bound there are bound
@@ -615,7 +611,7 @@ class RequestTable:
             if missing.size:
                 if not self.alloc.bind_end(end, torch.from_numpy(missing * ps)):
                     for end2, pages in bound:
-                        self.alloc.release_pages(end2, pages)
+                        self.alloc.unbind_pages(end2, pages)
                     return False
                 bound.append((end, missing))
         self._r2p[s, : vp.shape[0]] = vp
@@ -629,17 +625,17 @@ class RequestTable:
         self._device_rows.push_ranges(np.array([s], np.int64), np.zeros(1, np.int64), np.array([n], np.int64))
         return True
 
-    def num_tokens(self, slots: object) -> torch.Tensor:
+    def num_tokens(self, slots: IdBatch) -> torch.Tensor:
         """``int64 (B,)`` lengths of live requests. Raises: as :meth:`extend` for bad slots."""
         s = self._slots(slots, "num_tokens")
         return torch.from_numpy(self._rq[RQ_LEN, s].copy())
 
-    def tokens(self, slot: object) -> torch.Tensor:
+    def tokens(self, slot: SlotLike) -> torch.Tensor:
         """``int64 (length,)`` virtual token ids of one live request (a copy). Raises: as :meth:`extend`."""
         s = self._slot(slot, "tokens")
         return torch.from_numpy(self._r2t[s, : self._rq[RQ_LEN, s]].astype(np.int64))
 
-    def pages(self, slot: object) -> torch.Tensor:
+    def pages(self, slot: SlotLike) -> torch.Tensor:
         """``int64 (ceil(length / page_size),)`` virtual pages of one live request (a copy)."""
         s = self._slot(slot, "pages")
         return torch.from_numpy(self._r2p[s, : -(-int(self._rq[RQ_LEN, s]) // self.page_size)].copy())
@@ -647,7 +643,7 @@ class RequestTable:
     # ------------------------------------------------------------------------------------------------------
     # engine references and the cache
     # ------------------------------------------------------------------------------------------------------
-    def retain(self, vpages: object) -> None:
+    def retain(self, vpages: IdBatch) -> None:
         """The engine takes one reference per entry of ``vpages`` (a page twice: two) on held pages (an
         engine's prefix cache holding a request's pages, as SGLang's radix tree does). Engine references hold
         the owner page only (Note [Holders]).
@@ -664,7 +660,7 @@ class RequestTable:
                                     f"cached one)")
         k_revive(self._pg, self._lru, vp)
 
-    def reclaim(self, vpages: object) -> None:
+    def reclaim(self, vpages: IdBatch) -> None:
         """A prefix hit: the engine takes one reference per entry of ``vpages``, held or cached; cached pages
         leave the cache (content intact). O(len(vpages)).
 
@@ -682,26 +678,31 @@ class RequestTable:
         k_revive(self._pg, self._lru, vp)
         self._counters["reclaimed"] += n_cached
 
-    def release(self, vpages: object, cache: bool = False) -> None:
-        """Drop one engine reference per entry of ``vpages``; pages whose count reaches 0 are freed, or with
-        ``cache=True`` cached (in the given order, Note [Cached pages]).
+    def drop_refs(self, vpages: IdBatch, cache: bool = False) -> None:
+        """Drop one engine reference per entry of ``vpages`` (taken by :meth:`retain` or :meth:`reclaim`); pages
+        whose count reaches 0 are freed, or with ``cache=True`` cached (in the given order, Note [Cached pages]).
 
         Raises:
-            InvalidIdError: bad ids. NotAllocatedError: more releases of a page than engine references on it.
+            InvalidIdError: bad ids. NotAllocatedError: more drops of a page than engine references on it.
             UmallocValueError: ``cache`` not a bool. Nothing changes on any error.
         """
         if type(cache) is not bool:
-            raise UmallocValueError(f"release: cache={cache!r}; allowed True or False")
-        vp = self._page_ids(vpages, "release")
+            raise UmallocValueError(f"drop_refs: cache={cache!r}; allowed True or False")
+        vp = self._page_ids(vpages, "drop_refs")
         u, c = np.unique(vp, return_counts=True)
         bad = np.flatnonzero(self._pg[PG_ENG, u] < c)
         if bad.size:
-            raise NotAllocatedError(f"release: virtual page {int(u[bad[0]])} released {int(c[bad[0]])} times, the "
+            raise NotAllocatedError(f"drop_refs: virtual page {int(u[bad[0]])} dropped {int(c[bad[0]])} times, the "
                                     f"engine holds {int(self._pg[PG_ENG, u[bad[0]]])} references")
         nf = k_unref(self._pg, self._lru, vp, cache, self._freed)
         if cache:
             self._counters["cached"] += int(np.count_nonzero(self._pg[PG_STATE, u] == PAGE_CACHED))
         self._free_listed(nf)
+
+    def release(self, vpages: IdBatch, cache: bool = False) -> None:
+        """Deprecated alias of :meth:`drop_refs` (DeprecationWarning; removed in the next release)."""
+        warnings.warn("RequestTable.release is deprecated: use drop_refs", DeprecationWarning, stacklevel=2)
+        self.drop_refs(vpages, cache)
 
     def evict(self, num_pages: int) -> int:
         """Evict up to ``num_pages`` cached pages, LRU first: ``on_evict(vpages)`` is called, then they are
@@ -738,7 +739,7 @@ class RequestTable:
         ``reclaimable_pages`` (cached pages eviction returns to it: the owner's cached pages; 0 on a bound end,
         where cached pages hold nothing) and ``available_pages`` (their sum). An extend takes one page per
         fresh page on *every* end, so the fewest ``available_pages`` over the ends bounds it; ask
-        :meth:`can_extend` for a given batch (it also counts window releases and compaction). O(ends).
+        :meth:`can_extend` for a given batch (it also counts window unbinds and compaction). O(ends).
 
         >>> from umalloc.testing import small_allocator
         >>> RequestTable(small_allocator(), max_requests=1, max_tokens_per_request=4).capacity()["swa"]

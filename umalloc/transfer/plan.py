@@ -181,7 +181,7 @@ class IndexVector:
 class LeaseLike(Protocol):
     """What a plan, and a backend posting it, need of a lease (:class:`umalloc.leases.table.Lease` is one):
     ``active``, ``state`` and ``expired`` (past its deadline) are read — by engine threads too, before a queued
-    part is posted — and ``release()`` ends it."""
+    part is posted — and ``end()`` ends it."""
 
     @property
     def active(self) -> bool: ...
@@ -192,7 +192,7 @@ class LeaseLike(Protocol):
     @property
     def expired(self) -> bool: ...
 
-    def release(self) -> bool: ...
+    def end(self) -> bool: ...
 
 
 class _LeaseHolder:
@@ -210,20 +210,20 @@ class _LeaseHolder:
             self.error = exc
         for lease in self._leases:
             if lease is not None:
-                lease.release()
+                lease.end()
         return True
 
     def complete(self) -> bool:
-        """Mark done and release every lease this object holds. Returns False (and changes nothing) if it had
+        """Mark done and end every lease this object holds. Returns False (and changes nothing) if it had
         already ended. O(leased pages)."""
         return self._finish(PLAN_DONE)
 
     def fail(self, exc: BaseException | None = None) -> bool:
-        """Mark failed (keeping ``exc`` as ``error``) and release every lease. Idempotent like :meth:`complete`."""
+        """Mark failed (keeping ``exc`` as ``error``) and end every lease. Idempotent like :meth:`complete`."""
         return self._finish(PLAN_FAILED, exc)
 
     def abort(self) -> bool:
-        """Mark aborted and release every lease. Idempotent like :meth:`complete`. A lease an engine still holds
+        """Mark aborted and end every lease. Idempotent like :meth:`complete`. A lease an engine still holds
         a part of goes in doubt instead (its pages stay pinned until the engine lets go, F24)."""
         return self._finish(PLAN_ABORTED)
 
@@ -289,7 +289,7 @@ class TransferPlan(_LeaseHolder):
         src_layout, dst_layout: the two sides' layouts (geometry, regions, base addresses).
         src_leased_pages, dst_leased_pages: per end, the physical pages leased on each side for this plan;
             every descriptor must lie inside them.
-        src_lease, dst_lease: lease objects released when the plan ends (``None``: held elsewhere, e.g. by the
+        src_lease, dst_lease: lease objects ended when the plan ends (``None``: held elsewhere, e.g. by the
             remote receiver's :class:`ReceiverHalf`).
 
     Attributes:
@@ -386,7 +386,7 @@ class TransferPlan(_LeaseHolder):
         return self._leases[1]
 
     def attach_leases(self, src_lease: LeaseLike | None, dst_lease: LeaseLike | None) -> None:
-        """Hand the plan the leases of its pages (the builders lease after the bounds check); they are released
+        """Hand the plan the leases of its pages (the builders lease after the bounds check); they are ended
         when the plan ends. O(1)."""
         self._leases = (src_lease, dst_lease)
 
@@ -642,7 +642,7 @@ class ReceiverHalf(_LeaseHolder):
             published, self._published = self._published, None
         if published is not None:
             lease, generation = published
-            lease.release_engine(generation)
+            lease.unhold_engine(generation)
 
     def complete(self) -> bool:
         """The sender reported the transfer done (its plan ended): mark done and release the lease (also one
@@ -728,7 +728,7 @@ class PlanLike(Protocol):
         num_descriptors, total_bytes: counters (descriptor rows; bytes over every descriptor).
         descriptors(): read-only uint64 ``(N, 3)`` ``(src_addr, dst_addr, nbytes)``, bounds-checked when the plan
             was built; raises if the plan ended or a lease ended.
-        complete(), fail(exc), abort(): end the plan once (idempotent, first wins), releasing its leases.
+        complete(), fail(exc), abort(): end the plan once (idempotent, first wins), ending its leases.
     """
 
     state: str

@@ -93,7 +93,7 @@ def _end_rows(end: EndSpec, L: int, dcp_size: int, dcp_rank: int) -> tuple[int, 
 
 def rank_arena_bytes(ends: tuple[EndSpec, ...], max_tokens: int, batch: int, dcp_size: int, dcp_rank: int) -> int:
     """Arena bytes for ``batch`` requests of up to ``max_tokens`` tokens on one rank (:data:`ARENA_HEADROOM`
-    times the pages they hold, every SWA page counted since :func:`alloc_rows` binds them before it releases the
+    times the pages they hold, every SWA page counted since :func:`alloc_rows` binds them before it unbinds the
     head, plus the floor and two pages per end), rounded up to :data:`ARENA_ALIGN_BYTES`. O(ends)."""
     floor = max(e.page_bytes for e in ends)
     need = rank_request_bytes(ends, max_tokens, dcp_size, dcp_rank) + sum(e.page_bytes for e in ends)
@@ -104,7 +104,7 @@ def rank_arena_bytes(ends: tuple[EndSpec, ...], max_tokens: int, batch: int, dcp
 def rank_request_bytes(ends: tuple[EndSpec, ...], L: int, dcp_size: int, dcp_rank: int) -> int:
     """Bytes of the pages one rank binds for a request of ``L`` tokens: per end the pages of its local rows
     (its DCP rows on a sharded end), every SWA page counted since :func:`alloc_rows` binds them before it
-    releases the head. O(ends).
+    unbinds the head. O(ends).
 
     >>> e = rank_ends("gpt-oss-20b", page_size=16, draft=False, tp_size=1, dcp_size=1)
     >>> rank_request_bytes(e, 100, 1, 0) == 2 * 7 * 16 * 24576   # full and swa: 7 pages of 16 tokens each
@@ -151,7 +151,7 @@ def first_short(spec: ArenaSpec, dcp_size: int, dcp_rank: int, steps: list[list[
 
 def alloc_rows(alloc: MultiEndedAllocator, layout: PeerLayout, L: int) -> dict[str, torch.Tensor] | None:
     """Allocate a request of ``L`` logical tokens on one rank: per id owner its local rows (its DCP rows on a
-    sharded owner), binding every bound end, then release each SWA end's pages wholly below its window tail.
+    sharded owner), binding every bound end, then unbind each SWA end's pages wholly below its window tail.
 
     Returns:
         ``{owner end: int64 virtual token ids of its local rows}``, or ``None`` (nothing held) if the arena is
@@ -173,7 +173,7 @@ def alloc_rows(alloc: MultiEndedAllocator, layout: PeerLayout, L: int) -> dict[s
             continue
         lo, _hi = _end_rows(e, L, *layout.dcp_for(e.name))
         if lo:
-            alloc.release_end(e.name, out[spec.owner_of(e.name)][:lo])
+            alloc.unbind_end(e.name, out[spec.owner_of(e.name)][:lo])
     return out
 
 
@@ -355,10 +355,10 @@ def child_prefill_start(ctx, items: list[tuple[int, int, dict[int, dict]]]) -> d
 
 
 def child_prefill_finish(ctx, request_ids: list[int], timeout_s: float) -> dict:
-    """Prefill: wait for every plan of ``request_ids`` (each bounded by ``timeout_s``) and release it (its source
+    """Prefill: wait for every plan of ``request_ids`` (each bounded by ``timeout_s``) and forget it (its source
     lease ends with it), then free the requests' rows — every wait before any free. Returns ``{"elapsed_s": {rid:
     {dst: seconds from submit to done}}, "wait_s", "alloc_s"}``. The first failure is raised once every handle
-    was released and every request freed."""
+    was forgotten and every request freed."""
     st = _state(ctx)
     b = ctx._b()
     first: BaseException | None = None
@@ -373,7 +373,7 @@ def child_prefill_finish(ctx, request_ids: list[int], timeout_s: float) -> dict:
             except BaseException as exc:
                 first = first or exc
             finally:
-                b.release(handle)
+                b.forget(handle)
     t1 = time.perf_counter()
     for rid in request_ids:
         free_rows(st.alloc, st.held.pop(rid)[1])

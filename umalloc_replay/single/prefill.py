@@ -10,7 +10,7 @@
 
 Note [Finishing a step's transfers]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-A step's transfers all end before any of their prompts is freed. Freed one by one instead (wait, release,
+A step's transfers all end before any of their prompts is freed. Freed one by one instead (wait, forget,
 free, next), a prompt is freed while the later transfers of the step still pin prefill pages, and eager
 compaction, which never moves a pinned page, does less — by backend: Mooncake's plans end in ``wait`` (the
 caller's thread), NIXL's and the local backend's earlier (on completion), so with the same input the prefill
@@ -220,9 +220,9 @@ class LocalPrefill:
         return ticket
 
     def finish_all(self, tickets: list) -> list[PlanFigures]:
-        """Wait for every transfer of ``tickets`` and release it (its plan's leases end with it), then free every
+        """Wait for every transfer of ``tickets`` and forget it (its plan's leases end with it), then free every
         prompt (Note [Finishing a step's transfers]); the plans' figures, in order. A failure is raised (the
-        first) once every handle was released and every prompt freed."""
+        first) once every handle was forgotten and every prompt freed."""
         first: BaseException | None = None
         try:
             with self.timer.phase("transfer"):
@@ -236,7 +236,7 @@ class LocalPrefill:
                     except BaseException as exc:
                         first = first or exc
                     finally:
-                        self.src.release(handle)
+                        self.src.forget(handle)
         finally:
             # also when a transfer failed: the prompts' pages are freed (still-leased ones go pending until their
             # plan's leases end, Note [Pending pages]), never leaked

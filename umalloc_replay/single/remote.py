@@ -144,11 +144,11 @@ def _wait_drained(b, handle, timeout_s: float) -> None:
 
 
 def child_finish_all(ctx, request_ids: list[int], timeout_s: float) -> dict:
-    """Wait for every posted plan of ``request_ids`` and release it (its source lease ends with it), then free
+    """Wait for every posted plan of ``request_ids`` and forget it (its source lease ends with it), then free
     every prompt's pages; returns ``{"phases", "stats", "plans": [figures per request, in order]}``.
 
     Every wait comes before any free (Note [Finishing a step's transfers] in :mod:`umalloc_replay.single.prefill`).
-    A failure is raised once every handle was released and every prompt freed (the first failure, drained as
+    A failure is raised once every handle was forgotten and every prompt freed (the first failure, drained as
     :func:`_wait_drained` says). Takes at most about ``2 * timeout_s`` per request.
     """
     items = [(rid, *ctx.objects["replay_inflight"].pop(rid)) for rid in request_ids]
@@ -162,7 +162,7 @@ def child_finish_all(ctx, request_ids: list[int], timeout_s: float) -> dict:
             except BaseException as exc:
                 first = first or exc
             finally:
-                b.release(handle)
+                b.forget(handle)
     finally:
         t0 = time.perf_counter()
         for _rid, _plan, _handle, vt in items:

@@ -13,7 +13,7 @@ Policy (docs/architecture.md, "The main job"; the scheduler is a simplified SGLa
   (``target``, ``swa_tail``, ``draft``) is then read back through decode's own block table and compared with
   the pattern; the leases end; prefill frees.
 * **Decode step.** Every running request grows one token per step: SWA pages that left the window are
-  tombstoned first (``release_end``), then one ``alloc_decode`` call covers the whole batch, then the new
+  tombstoned first (``unbind_end``), then one ``alloc_decode`` call covers the whole batch, then the new
   token's rows are written on every end. A request that produced ``output_tokens`` tokens is re-verified
   (every live page of every end: the bytes survived compaction moves and retraction) and freed.
 * **Memory pressure** (Note [Shortfall in the replay]): the allocator runs its shortfall ladder (lazy compaction
@@ -380,7 +380,7 @@ class Replay:
                     total = total + self.pattern.verify_tokens(self.dec_arena, e.name, rs.rid, pos, pt)
         return total
 
-    def _release_swa(self, batch: list[RequestState], new_lens: np.ndarray) -> None:
+    def _unbind_swa(self, batch: list[RequestState], new_lens: np.ndarray) -> None:
         """Tombstone the SWA pages that leave the window at the new lengths (before allocating: F18)."""
         for end in self.swa:
             e = self.dec_spec.end(end)
@@ -393,7 +393,7 @@ class Replay:
                     rs.swa_lo_page = lo
             if toks:
                 with self.timer.phase("allocator"):
-                    self.dec.release_end(end, torch.cat(toks))
+                    self.dec.unbind_end(end, torch.cat(toks))
 
     def _retract_one(self) -> bool:
         """Retract the most recently admitted running request (host copy + free); raise the admission reserve.
@@ -435,7 +435,7 @@ class Replay:
         while True:
             batch = list(self.running)
             seq = np.array([r.seq_len for r in batch], dtype=np.int64)
-            self._release_swa(batch, seq + 1)  # idempotent: only pages not released yet
+            self._unbind_swa(batch, seq + 1)  # idempotent: only pages not unbound yet
             slots = np.array([r.slot for r in batch], dtype=np.int64)
             last = self.table.gather(slots, seq - 1)
             step_need = self._step_need(seq)

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+import umalloc.integrations.sglang.hostcopy as hostcopy
 from umalloc.errors import UmallocValueError
 from umalloc.integrations.sglang.pools import SlotPool
 from umalloc.integrations.sglang.swa import build_swa_class
@@ -91,15 +92,8 @@ def allocator_classes() -> dict[str, type]:
             self.free_group = None
             self.pool.end_group()
 
-        def get_cpu_copy(self, indices: Any, mamba_indices: Any = None, req_pool_index: Any = None) -> Any:
-            """The KV pool's host copy of ``indices`` (slot ids are the KV pool's own indices)."""
-            return self._kvcache.get_cpu_copy(indices, mamba_indices=mamba_indices, req_pool_index=req_pool_index)
-
-        def load_cpu_copy(self, kv_cache_cpu: Any, indices: Any, mamba_indices: Any = None,
-                          req_pool_index: Any = None) -> Any:
-            """Write a host copy back into the KV pool at ``indices``."""
-            return self._kvcache.load_cpu_copy(kv_cache_cpu, indices, mamba_indices=mamba_indices,
-                                               req_pool_index=req_pool_index)
+        get_cpu_copy = hostcopy.get_cpu_copy
+        load_cpu_copy = hostcopy.load_cpu_copy
 
         def check_invariants(self) -> None:
             """umalloc's invariants and physical slot ids (:meth:`SlotPool.check_invariants`)."""

@@ -9,10 +9,10 @@ Policy (SGLang 0.5.23's semantics, with the differences listed):
 * **The mapping** ``full_to_swa_index_mapping`` (int64 ``(size + page_size + 1,)``, last entry ``-1`` so a
   ``last_loc`` of ``-1`` maps to ``-1``) is registered with the KV pool (``kvcache.register_mapping``), which the
   attention kernels read; entry 0 means "no SWA peer".
-* **Frees**: ``free`` releases both sides; ``free_swa``/``free_swa_segment`` only the SWA peers (out-of-window
+* **Frees**: ``free`` frees both sides; ``free_swa``/``free_swa_segment`` only the SWA peers (out-of-window
   tokens; the mapping entries of their whole full pages are cleared); ``free_full``/``free_full_segment`` only
   the full side of tokens whose SWA peers are gone. Inside a free group the SWA peers are resolved (and the
-  mapping cleared) at the call, their release deferred to ``free_group_end``, as SGLang.
+  mapping cleared) at the call, their free deferred to ``free_group_end``, as SGLang.
 * **Differences**: a refused ``alloc_decode`` changes nothing on either pool (SGLang runs both pools' decode and
   keeps the side that succeeded when the other refuses); ``free_full`` of a token whose SWA peer is still mapped,
   a segment free of a token with no SWA peer, and the misuse :mod:`umalloc.integrations.sglang.pools` lists raise
@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+import umalloc.integrations.sglang.hostcopy as hostcopy
 from umalloc.errors import InvalidIdError, UmallocValueError
 
 
@@ -265,7 +266,7 @@ def build_swa_class(base: type, token_cls: type, paged_cls: type) -> type:
             self.free_full(free_index)
 
         def free_swa(self, free_index: torch.Tensor) -> None:
-            """Release the SWA peers of the whole full pages holding ``free_index`` (entries without a peer are
+            """Free the SWA peers of the whole full pages holding ``free_index`` (entries without a peer are
             skipped) and clear their mapping."""
             if free_index.numel() == 0:
                 return
@@ -276,7 +277,7 @@ def build_swa_class(base: type, token_cls: type, paged_cls: type) -> type:
             self.swa_attn_allocator.free(swa)
 
         def free_swa_segment(self, free_index: torch.Tensor, *, start_pos: int) -> None:
-            """Release the SWA pages of ``kv_row[start_pos : start_pos + n]`` (page-aligned start; every page
+            """Free the SWA pages of ``kv_row[start_pos : start_pos + n]`` (page-aligned start; every page
             must still have its SWA peer) and clear their mapping.
 
             Raises:
@@ -293,7 +294,7 @@ def build_swa_class(base: type, token_cls: type, paged_cls: type) -> type:
             swa = self.full_to_swa_index_mapping[reps]
             if bool((swa <= 0).any()):
                 bad = reps[swa <= 0][:4].tolist()
-                raise InvalidIdError(f"free_swa_segment: full slots {bad} have no SWA peer (already released?); "
+                raise InvalidIdError(f"free_swa_segment: full slots {bad} have no SWA peer (already freed?); "
                                      f"allowed slots with a live SWA peer (free_full for the rest)")
             self.swa_attn_allocator.free_page_ids(swa // ps)
             self.clear_full_to_swa_mapping(self._expand_to_full_pages(reps) if ps > 1 else reps)
@@ -303,10 +304,10 @@ def build_swa_class(base: type, token_cls: type, paged_cls: type) -> type:
             if bool((peers != 0).any()):
                 bad = free_index[peers != 0][:4].tolist()
                 raise InvalidIdError(f"{where}: full slots {bad} still have an SWA peer; allowed slots whose SWA "
-                                     f"peer is released (free for both sides)")
+                                     f"peer is freed (free for both sides)")
 
         def free_full(self, free_index: torch.Tensor) -> None:
-            """The full side of tokens whose SWA peers are released.
+            """The full side of tokens whose SWA peers are freed.
 
             Raises:
                 InvalidIdError: a token still has an SWA peer (nothing changed).
@@ -324,7 +325,7 @@ def build_swa_class(base: type, token_cls: type, paged_cls: type) -> type:
             self.full_attn_allocator.free_segment(free_index, start_pos=start_pos)
 
         def free_full_segment(self, free_index: torch.Tensor, *, start_pos: int) -> None:
-            """The full side of a kv-row segment whose SWA peers are released."""
+            """The full side of a kv-row segment whose SWA peers are freed."""
             if free_index.numel() == 0:
                 return
             self._check_no_peer(free_index, "free_full_segment")
@@ -339,7 +340,7 @@ def build_swa_class(base: type, token_cls: type, paged_cls: type) -> type:
             self.free_group = []
 
         def free_group_end(self) -> None:
-            """Release the group: the SWA pool's deferred frees, then the full pool's."""
+            """End the group: the SWA pool's deferred frees, then the full pool's."""
             if self.free_group is None:
                 raise UmallocValueError("free_group_end: no free group is open; allowed after free_group_begin")
             self.free_group = None
@@ -368,13 +369,8 @@ def build_swa_class(base: type, token_cls: type, paged_cls: type) -> type:
                 alloc.num_pages = sz // self.page_size
             self.clear()
 
-        def get_cpu_copy(self, indices: Any, mamba_indices: Any = None, req_pool_index: Any = None) -> Any:
-            return self._kvcache.get_cpu_copy(indices, mamba_indices=mamba_indices, req_pool_index=req_pool_index)
-
-        def load_cpu_copy(self, kv_cache_cpu: Any, indices: Any, mamba_indices: Any = None,
-                          req_pool_index: Any = None) -> Any:
-            return self._kvcache.load_cpu_copy(kv_cache_cpu, indices, mamba_indices=mamba_indices,
-                                               req_pool_index=req_pool_index)
+        get_cpu_copy = hostcopy.get_cpu_copy
+        load_cpu_copy = hostcopy.load_cpu_copy
 
         def check_invariants(self) -> None:
             """Both pools' invariants, plus: every mapped full slot is live on the full side and its SWA slot

@@ -23,7 +23,7 @@ Mapping (SGLang 0.5.23 -> umalloc):
 
 Differences from SGLang's class (README, "SGLang"): virtual ids are the lowest free ones (SGLang: a FIFO of freed
 ids) and physical pages come out ascending on both ends, so ids match SGLang's up to a relabelling of pages; a
-double free, a free of an unallocated id, or a segment free of a page already released raise umalloc's typed
+double free, a free of an unallocated id, or a segment free of a page already unbound raise umalloc's typed
 errors (SGLang: a stale-slot assertion or an invariant log); ``set_full_to_swa_mapping`` with SWA ids of SGLang's
 own choosing is refused (umalloc picks physical pages).
 
@@ -48,6 +48,7 @@ from typing import Any, cast
 
 import torch
 
+import umalloc.integrations.sglang.hostcopy as hostcopy
 import umalloc.integrations.sglang.reclaim as reclaim
 from umalloc import (
     TOMBSTONE,
@@ -140,7 +141,7 @@ class EndAllocator(EndTranslator):
     """The per-end handle SGLang's unified radix cache reaches through (``allocator.full_attn_allocator`` /
     ``.swa_attn_allocator``): translation, the end's own ``available_size``, and frees with SGLang's sub-pool
     meaning -- on the full end a free returns the virtual pages (and their SWA pages, which umalloc never leaves
-    bound to a freed id), on the SWA end it releases only the SWA pages still bound.
+    bound to a freed id), on the SWA end it unbinds only the SWA pages still bound.
 
     Args:
         owner: the unified allocator (its frees keep its accounting and eager compaction). end: ``"full"``/``"swa"``.
@@ -158,7 +159,7 @@ class EndAllocator(EndTranslator):
 
     def _live_on_owner(self, free_index: torch.Tensor) -> torch.Tensor:
         """The tokens whose virtual page is still live: SGLang's tree frees a node's full side before its SWA
-        side, and umalloc already released the SWA pages of an id it freed."""
+        side, and umalloc already unbound the SWA pages of an id it freed."""
         v = free_index.detach().to(torch.int64).reshape(-1).cpu()
         full_v2p = torch.from_numpy(self.allocator.ends[FULL].v2p.copy())
         return v[full_v2p[v // self.page_size] != TOMBSTONE]
@@ -623,11 +624,11 @@ def build_unified_class(base: type, sglang_unified_base: type | None) -> type:
             self._after_free()
 
         def free_swa(self, free_index: torch.Tensor) -> None:
-            """Release the SWA pages of these tokens' virtual pages where bound; full pages and ids stay."""
+            """Unbind the SWA pages of these tokens' virtual pages where bound; full pages and ids stay."""
             if free_index is None or free_index.numel() == 0:
                 return
             with self._tracked():
-                self.allocator.release_end(SWA, self._host(free_index), strict=False)
+                self.allocator.unbind_end(SWA, self._host(free_index), strict=False)
             self._after_free()
 
         def free_swa_segment(self, free_index: torch.Tensor, *, start_pos: int) -> None:
@@ -637,14 +638,14 @@ def build_unified_class(base: type, sglang_unified_base: type | None) -> type:
             if free_index is None or free_index.numel() == 0:
                 return
             pages = self._reps(free_index, start_pos)
-            # SGLang's tree frees a node's full side first; umalloc released the SWA pages with those ids already
+            # SGLang's tree frees a node's full side first; umalloc unbound the SWA pages with those ids already
             pages = pages[torch.from_numpy(self._full_view.v2p.copy())[pages] != TOMBSTONE]
             with self._tracked():
-                self.allocator.release_pages(SWA, pages)
+                self.allocator.unbind_pages(SWA, pages)
             self._after_free()
 
         def free_full(self, free_index: torch.Tensor) -> None:
-            """The full pages and ids of tokens whose SWA pages are released; deferred inside a free group."""
+            """The full pages and ids of tokens whose SWA pages are unbound; deferred inside a free group."""
             if free_index is None or free_index.numel() == 0:
                 return
             if self._groups is not None:
@@ -737,13 +738,8 @@ def build_unified_class(base: type, sglang_unified_base: type | None) -> type:
         swa_capacity_and_available = reclaim.swa_capacity_and_available
         get_extend_allocation_demand = reclaim.get_extend_allocation_demand
 
-        def get_cpu_copy(self, indices: Any, mamba_indices: Any = None, req_pool_index: Any = None) -> Any:
-            return self._kvcache.get_cpu_copy(indices, mamba_indices=mamba_indices, req_pool_index=req_pool_index)
-
-        def load_cpu_copy(self, kv_cache_cpu: Any, indices: Any, mamba_indices: Any = None,
-                          req_pool_index: Any = None) -> Any:
-            return self._kvcache.load_cpu_copy(kv_cache_cpu, indices, mamba_indices=mamba_indices,
-                                               req_pool_index=req_pool_index)
+        get_cpu_copy = hostcopy.get_cpu_copy
+        load_cpu_copy = hostcopy.load_cpu_copy
 
         def check_invariants(self) -> None:
             """umalloc's invariants, plus: every live virtual page has a full page (SWA pages only on live

@@ -65,7 +65,7 @@ def raise_for(err: np.ndarray, meta: np.ndarray, names: Sequence[str], where: st
                               f"that is already free")
     if code == _E_UNBOUND:
         raise NotAllocatedError(f"{where}: {what} at position {pos} is not bound on end {name!r} "
-                                f"(already released, or never bound); strict=False skips such pages")
+                                f"(already unbound, or never bound); strict=False skips such pages")
     if code == _E_BOUND:
         raise InvalidIdError(f"{where}: {what} at position {pos} is already bound on end {name!r}; "
                              f"allowed only live pages unbound on that end")

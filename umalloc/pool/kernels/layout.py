@@ -13,7 +13,7 @@ from __future__ import annotations
 
 # ---- meta columns (one int64 row per end; the last group is the same in every row) ------------------------
 M_LO, M_HI, M_FIRST, M_TOP, M_PB, M_PS, M_GROW, M_POFF, M_VOFF, M_OWNER, M_NV = range(11)
-M_LIVE, M_HOLES, M_PENDING, M_HINT, M_PEAK, M_ALLOCS, M_FREES, M_RELEASED, M_MOVES = range(11, 20)
+M_LIVE, M_HOLES, M_PENDING, M_HINT, M_PEAK, M_ALLOCS, M_FREES, M_UNBOUND, M_MOVES = range(11, 20)
 M_VLIVE, M_VHINT, M_STAMP, M_SPLIT = range(20, 24)
 M_FLOORB, M_ARENAB, M_VT, M_CHOFF, M_ERROFF, M_SCROFF, M_NE, M_HBOFF, M_VBOFF, M_PSOFF, M_PGOFF, M_PSHIFT, M_NFIELDS = \
     range(24, 37)

@@ -1,4 +1,4 @@
-"""Kernel entry points (numba): allocation, extend/decode, free/release, bind, translation; their compiled entries.
+"""Kernel entry points (numba): allocation, extend/decode, free/unbind, bind, translation; their compiled entries.
 
 Each ``k_*`` kernel takes the heap root address (Note [Heap root] in :mod:`umalloc.pool.kernels.raw`), validates
 its whole batch first and writes nothing on misuse (the error record, :mod:`umalloc.pool.kernels.codes`).
@@ -61,10 +61,10 @@ from umalloc.pool.kernels.layout import (
     M_POFF,
     M_PS,
     M_PSHIFT,
-    M_RELEASED,
     M_SCROFF,
     M_STAMP,
     M_TOP,
+    M_UNBOUND,
     M_VBOFF,
     M_VHINT,
     M_VLIVE,
@@ -448,7 +448,7 @@ def k_free(root, owner, toks_a, n_tok, pages, idx_a, n_idx):
 
 
 @njit(cache=True, error_model="numpy")
-def k_release(root, b, toks_a, n_tok, strict, pages, idx_a, n_idx):
+def k_unbind(root, b, toks_a, n_tok, strict, pages, idx_a, n_idx):
     """Unbind bound end ``b`` from the unique virtual pages of the tokens (the owner stays live)."""
     meta, h64, h8 = _heaps(root)
     toks = _ids_view(toks_a, n_tok)
@@ -456,7 +456,7 @@ def k_release(root, b, toks_a, n_tok, strict, pages, idx_a, n_idx):
     n = _unique_vpages(meta, h64, h8, meta[b, M_OWNER], toks, b, strict, False, pages, idx, n_idx >= 0)
     if n < 0:
         return -1
-    meta[b, M_RELEASED] += _unbind(meta, h64, h8, _pins_of(root, b), b, meta[0, M_SCROFF], n)
+    meta[b, M_UNBOUND] += _unbind(meta, h64, h8, _pins_of(root, b), b, meta[0, M_SCROFF], n)
     h64[meta[0, M_ERROFF]] = OK
     return n
 
@@ -501,19 +501,19 @@ def k_translate(root, e, ids_a, n, ps, strict, out_a):
 
 class Entries:
     """Compiled entry points of the hot kernels for the exact argument types the hot paths pass (Note [Direct
-    entry]). Attribute names: ``free``/``release``/``alloc_pages`` take numpy id arrays, ``*_addr``,
+    entry]). Attribute names: ``free``/``unbind``/``alloc_pages`` take numpy id arrays, ``*_addr``,
     ``decode`` and ``extend`` take addresses."""
 
     def __init__(self) -> None:
         i, b, ids = types.int64, types.boolean, types.Array(types.int64, 1, "A")
         self.free = k_free.compile((i, i, ids, i, b, ids, i))
-        self.release = k_release.compile((i, i, ids, i, b, b, ids, i))
+        self.unbind = k_unbind.compile((i, i, ids, i, b, b, ids, i))
         self.alloc_pages = k_alloc_pages.compile((i, i, i, i, ids, i, ids, i))
         # the token-level calls pass validated torch tensors by address: every argument an int (or a bool)
         self.decode = k_decode.compile((i,) * 7)
         self.extend = k_extend.compile((i,) * 9)
         self.free_addr = k_free.compile((i, i, i, i, b, i, i))
-        self.release_addr = k_release.compile((i, i, i, i, b, b, i, i))
+        self.unbind_addr = k_unbind.compile((i, i, i, i, b, b, i, i))
         self.translate_addr = k_translate.compile((i, i, i, i, i, b, i))
 
 
@@ -522,12 +522,12 @@ class Entries:
 # args[n] means "unread"); ("addr", n): an address lent with room for args[n] int64s (0 means "none").
 _ROLES: dict[str, tuple[Any, ...]] = {
     "free": ("root", "end", ("ids", 3), "int", "bool", ("ids", 6), "int"),
-    "release": ("root", "end", ("ids", 3), "int", "bool", "bool", ("ids", 7), "int"),
+    "unbind": ("root", "end", ("ids", 3), "int", "bool", "bool", ("ids", 7), "int"),
     "alloc_pages": ("root", "end", "int", "int", ("ids", 5), "int", ("ids", 7), "int"),
     "decode": ("root", "end", "int", ("addr", 5), ("addr", 5), "int", ("addr", 5)),
     "extend": ("root", "end", "int", ("addr", 6), ("addr", 6), ("addr", 6), "int", ("addr", 8), "int"),
     "free_addr": ("root", "end", ("addr", 3), "int", "bool", ("addr", 6), "int"),
-    "release_addr": ("root", "end", ("addr", 3), "int", "bool", "bool", ("addr", 7), "int"),
+    "unbind_addr": ("root", "end", ("addr", 3), "int", "bool", "bool", ("addr", 7), "int"),
     "translate_addr": ("root", "end", ("addr", 3), "int", "int", "bool", ("addr", 3)),
 }
 
@@ -572,12 +572,12 @@ class CheckedEntries:
     """:class:`Entries` with every argument checked first (Note [Direct entry]; debug mode)."""
 
     free: Callable[..., Any]
-    release: Callable[..., Any]
+    unbind: Callable[..., Any]
     alloc_pages: Callable[..., Any]
     decode: Callable[..., Any]
     extend: Callable[..., Any]
     free_addr: Callable[..., Any]
-    release_addr: Callable[..., Any]
+    unbind_addr: Callable[..., Any]
     translate_addr: Callable[..., Any]
 
     def __init__(self, entries: Entries) -> None:
