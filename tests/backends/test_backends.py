@@ -546,6 +546,10 @@ def test_peer_closed_before_transfer_fails_the_plan(name, backend_factory):
     assert s["open_handles"] == 0 and s["handles_failed"] == 1
 
 
+#: Tries of the F11 deadline scenario: each that the engine ended before the deadline is checked and retried.
+F11_ATTEMPTS = 4
+
+
 @pytest.mark.parametrize("name", ENGINE_PARAMS)
 def test_F11_wait_deadline_keeps_the_leases_until_the_engine_lets_go(name, backend_workers, backend_factory):
     """F11/F24 ordering at a deadline: ``wait`` raises TransferTimeout on time, but the engine still holds the
@@ -554,21 +558,41 @@ def test_F11_wait_deadline_keeps_the_leases_until_the_engine_lets_go(name, backe
     does not move them, the engine memory stays registered. Once the peer resumes and the engine reports the
     transfer ended, the handle and the plan end as the engine says and the pages come free; the bytes landed
     *after* the deadline — exactly what the held lease protects. (NIXL used to release the request at the
-    deadline and fail the plan, freeing the pages, while the WRITE still landed.)"""
-    w, src_arena, src_alloc, a, peer = sender_to_worker(backend_workers, backend_factory, name)
-    src_vt = alloc_request(src_alloc, L_TOKENS)
-    half = w.run(W + "kv_receiver_half", "d-1", w.run(W + "kv_alloc", {"full": L_TOKENS, "draft": L_TOKENS}))
-    plan = build_send_plan("d-1", src_alloc, src_vt, half, a.peer_layout(peer))
-    leased = {e: p.copy() for e, p in plan.src_lease.pages.items() if p.size}
-    assert set(leased) == {"full", "swa", "draft"}
-    before = w.run(W + "kv_arena_bytes")
-    want = brute_apply(before, a.peer_layout(peer).arena_base_ptr, tbytes(src_arena.data), src_arena.base_ptr,
-                       plan.descriptors())
-    w.pause()  # the receiver cannot take part: the first WRITE of this fresh connection cannot end meanwhile
-    try:
+    deadline and fail the plan, freeing the pages, while the WRITE still landed.) An attempt in which the engine
+    ended the transfer before the deadline anyway is checked for the right bytes and tried again."""
+    for _ in range(F11_ATTEMPTS):
+        w, src_arena, src_alloc, a, peer = sender_to_worker(backend_workers, backend_factory, name)
+        src_vt = alloc_request(src_alloc, L_TOKENS)
+        half = w.run(W + "kv_receiver_half", "d-1", w.run(W + "kv_alloc", {"full": L_TOKENS, "draft": L_TOKENS}))
+        plan = build_send_plan("d-1", src_alloc, src_vt, half, a.peer_layout(peer))
+        leased = {e: p.copy() for e, p in plan.src_lease.pages.items() if p.size}
+        assert set(leased) == {"full", "swa", "draft"}
+        before = w.run(W + "kv_arena_bytes")
+        want = brute_apply(before, a.peer_layout(peer).arena_base_ptr, tbytes(src_arena.data), src_arena.base_ptr,
+                           plan.descriptors())
+        w.pause()  # the receiver cannot take part: the first WRITE of this fresh connection cannot end meanwhile
         h = a.submit(plan, peer)
-        with pytest.raises(TransferTimeout, match="outcome not known"):
+        try:
             a.wait(h, 0.05)
+        except TransferTimeout as exc:
+            assert "outcome not known" in str(exc)
+            break  # the case under test: the receiver stays paused until the end of the try below
+        except BaseException:
+            w.resume()
+            raise
+        # The engine reported the transfer done before the deadline although the receiver was paused (seen on
+        # Mooncake on a loaded host: a small write fits the stopped receiver's socket buffers). That is not the
+        # case under test; the outcome must still be right, then the test tries again.
+        w.resume()
+        assert h.state == "done" and plan.state == "done" and src_alloc.leases_active() == 0
+        assert w.run(W + "kv_arena_bytes") == want
+        assert w.run(W + "kv_finish_half", "d-1", True) == 0
+        a.forget(h)
+        a.disconnect(peer)
+    else:
+        pytest.fail(f"{name}: the engine ended the transfer to a paused receiver before a 0.05 s deadline in all "
+                    f"{F11_ATTEMPTS} attempts: the deadline case was never reached")
+    try:
         assert h.state == "in_doubt" and h.draining and isinstance(h.error, TransferTimeout)
         assert a.stats()["draining_handles"] == 1 and a.stats()["in_doubt_handles"] == 1
         # the ordering under test: the deadline did not end the plan
