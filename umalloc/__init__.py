@@ -84,6 +84,7 @@ _EXPORTS: dict[str, str] = {
     "rows_of_checked": "umalloc.transfer.rows",
     "sends_to": "umalloc.transfer.slices",
     "coalesce_runs": "umalloc.translators.runs",
+    "host_ids": "umalloc.ids",
     "BackendWorker": "umalloc.backends.worker",
     "WorkerDied": "umalloc.backends.worker",
     "WorkerTimeout": "umalloc.backends.worker",
@@ -148,6 +149,7 @@ if TYPE_CHECKING:
         swa_pages_per_seq,
         swa_tail_start,
     )
+    from umalloc.ids import host_ids
     from umalloc.leases.lease import Lease
     from umalloc.pool.compaction import CompactionReport
     from umalloc.pool.pagestate import TOMBSTONE
@@ -189,7 +191,7 @@ __all__ = [
     "TransferPlan", "TransferTimeout", "UmallocError", "UmallocValueError", "WorkerDied", "WorkerTimeout",
     "WriteGate", "WriteIncompleteError",
     "build_plan", "build_receiver_half", "build_send_plan", "check_compatible", "coalesce_runs", "get_backend",
-    "is_dcp_sharded", "owned_count", "pages_for_tokens", "preset_ends", "rank_kv_heads", "rows_of_checked",
+    "host_ids", "is_dcp_sharded", "owned_count", "pages_for_tokens", "preset_ends", "rank_kv_heads", "rows_of_checked",
     "sends_to", "swa_pages_per_seq", "swa_tail_start",
 ]
 

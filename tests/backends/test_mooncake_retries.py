@@ -76,7 +76,7 @@ def test_a_failed_descriptor_is_posted_again_and_its_bytes_land(backend_factory)
         assert engine.posts == n + 2 and a.retried_descriptors - retried0 == 2
         assert src_alloc.leases_active() == 0 and dst_alloc.leases_active() == 0
     finally:
-        a.forget(h) if hasattr(a, "forget") else a.release(h)
+        a.forget(h)
     a.check_invariants()
 
 
@@ -94,7 +94,7 @@ def test_a_descriptor_that_keeps_failing_fails_the_plan_after_max_retries(backen
         assert engine.posts == n * (max_retries + 1) and a.retried_descriptors - retried0 == n * max_retries
         assert src_alloc.leases_active() == 0 and dst_alloc.leases_active() == 0
     finally:
-        a.forget(h) if hasattr(a, "forget") else a.release(h)
+        a.forget(h)
     a.check_invariants()
 
 

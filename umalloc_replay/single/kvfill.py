@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from umalloc import Arena, ArenaSpec, InvalidIdError, UmallocValueError, coalesce_runs
+from umalloc import Arena, ArenaSpec, InvalidIdError, UmallocValueError, coalesce_runs, host_ids
 from umalloc_replay.single import kvfill_kernels as _kernels
 
 _M64 = (1 << 64) - 1
@@ -231,7 +231,7 @@ class KVPattern:
         ``seq_pages`` are page indices inside the sequence (position // page_size), int64. O(pages x page_bytes).
         """
         ep = self._end(end)
-        sp = _as_np_i64(seq_pages, "seq_pages")
+        sp = host_ids(seq_pages, "seq_pages", accept="int64")
         n = len(sp)
         if out is None:
             out = torch.empty((n, ep.page_words), dtype=ep.dtype)
@@ -316,7 +316,7 @@ class KVPattern:
         Complexity: O(n x page_bytes): one write pass over the pages, in cache-sized chunks written in place.
         """
         ep = self._end(end)
-        sp = _as_np_i64(seq_pages, "seq_pages")
+        sp = host_ids(seq_pages, "seq_pages", accept="int64")
         pp = self._check_ppages(arena, ep, ppages, len(sp))
         env = self._env_words(arena, ep)
         if env.device.type == "cpu":
@@ -340,7 +340,7 @@ class KVPattern:
         Complexity: O(n x page_bytes): one read pass over the pages (expected words built per cache-sized chunk).
         """
         ep = self._end(end)
-        sp = _as_np_i64(seq_pages, "seq_pages")
+        sp = host_ids(seq_pages, "seq_pages", accept="int64")
         pp = self._check_ppages(arena, ep, ppages, len(sp))
         env = self._env_words(arena, ep)
         if env.device.type == "cpu":
@@ -380,7 +380,7 @@ class KVPattern:
         K row, layer 0 V row, layer 1 K row, ...). ``request_ids`` is an int or int64 ``(B,)``.
         O(B x entry_bytes)."""
         ep = self._end(end)
-        pos = _as_np_i64(positions, "positions")
+        pos = host_ids(positions, "positions", accept="int64")
         rids = np.broadcast_to(np.asarray(request_ids, dtype=np.int64), pos.shape)
         keys = self._token_keys(ep, rids, pos)
         slots = torch.from_numpy(pos % ep.page_size)
@@ -462,7 +462,7 @@ class KVPattern:
         loop]); otherwise one gather of table rows, one XOR, one scatter.
         """
         ep = self._end(end)
-        pos = _as_np_i64(positions, "positions")
+        pos = host_ids(positions, "positions", accept="int64")
         pt = self._check_ptokens(arena, ep, ptokens, len(pos))
         if len(pos) == 0:
             return 0
@@ -482,7 +482,7 @@ class KVPattern:
         """Compare single tokens (every layer's rows) with the pattern; ``mismatched_pages`` counts tokens here.
         Arguments as :meth:`fill_tokens`. O(B x entry_bytes)."""
         ep = self._end(end)
-        pos = _as_np_i64(positions, "positions")
+        pos = host_ids(positions, "positions", accept="int64")
         pt = self._check_ptokens(arena, ep, ptokens, len(pos))
         if len(pos) == 0:
             return VerifyResult(0)
@@ -513,9 +513,9 @@ class KVPattern:
 
     # ---- checks ----------------------------------------------------------------------------------------
     def _check_ppages(self, arena: Arena, ep: _EndPattern, ppages, n: int) -> torch.Tensor:
-        pp = torch.as_tensor(ppages).to("cpu")
-        if pp.dtype != torch.int64 or pp.dim() != 1 or pp.numel() != n:
-            raise InvalidIdError(f"ppages: int64 of shape ({n},) expected, got {pp.dtype} {tuple(pp.shape)}")
+        pp = torch.from_numpy(host_ids(ppages, "ppages", accept="int64"))
+        if pp.numel() != n:
+            raise InvalidIdError(f"ppages: shape {tuple(pp.shape)}; allowed ({n},)")
         top = arena.top_page(ep.name)
         first = arena.first_page(ep.name)
         if n and (int(pp.min()) < first or int(pp.max()) > top):
@@ -524,24 +524,13 @@ class KVPattern:
         return pp
 
     def _check_ptokens(self, arena: Arena, ep: _EndPattern, ptokens, n: int) -> torch.Tensor:
-        pt = torch.as_tensor(ptokens).to("cpu")
-        if pt.dtype != torch.int64 or pt.dim() != 1 or pt.numel() != n:
-            raise InvalidIdError(f"ptokens: int64 of shape ({n},) expected, got {pt.dtype} {tuple(pt.shape)}")
+        pt = torch.from_numpy(host_ids(ptokens, "ptokens", accept="int64"))
+        if pt.numel() != n:
+            raise InvalidIdError(f"ptokens: shape {tuple(pt.shape)}; allowed ({n},)")
         if n:
             pages = torch.unique(pt // ep.page_size)
             self._check_ppages(arena, ep, pages, int(pages.numel()))
         return pt
-
-
-def _as_np_i64(x: torch.Tensor | np.ndarray, name: str) -> np.ndarray:
-    if isinstance(x, torch.Tensor):
-        if x.dtype != torch.int64:
-            raise InvalidIdError(f"{name}: allowed int64, got {x.dtype}")
-        return x.detach().cpu().numpy()
-    a = np.asarray(x)
-    if a.dtype != np.int64 or a.ndim != 1:
-        raise InvalidIdError(f"{name}: allowed a 1-D int64 array, got {a.dtype} {a.shape}")
-    return a
 
 
 __all__ = ["CHUNK_BYTES", "KVPattern", "VerifyResult"]

@@ -29,6 +29,7 @@ import torch
 
 from umalloc import TOMBSTONE, Arena, ArenaSpec, EndSpec, LayerSpec, MultiEndedAllocator
 from umalloc.errors import InvalidIdError, InvariantError, UmallocValueError
+from umalloc.ids import check_id_tensor
 
 #: Name of the one end of a pool's id allocator.
 END = "kv"
@@ -44,11 +45,8 @@ def _host(ids: torch.Tensor, name: str) -> torch.Tensor:
     """``ids`` as a contiguous CPU int64 tensor (a copy only when it is not one already)."""
     if not isinstance(ids, torch.Tensor):
         raise InvalidIdError(f"{name}: a {type(ids).__name__}; allowed a 1-D torch integer tensor")
-    if ids.layout is not torch.strided or ids.is_meta:
-        raise InvalidIdError(f"{name}: a {ids.layout} tensor on {ids.device}; allowed a dense tensor with data")
+    check_id_tensor(ids, name)  # dense, an integer dtype
     if ids.dtype != torch.int64:
-        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-            raise InvalidIdError(f"{name}: dtype {ids.dtype}; allowed an integer dtype")
         ids = ids.to(torch.int64)
     return ids.reshape(-1).contiguous().cpu() if ids.dim() != 1 or ids.device.type != "cpu" else ids.contiguous()
 
