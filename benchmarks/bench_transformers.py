@@ -1,6 +1,6 @@
 """transformers' continuous batching on its own ``PagedAttentionCache`` vs on umalloc, at equal cache bytes.
 
-The same requests -- a slice of the shipped Mooncake conversation trace (``umalloc/data/conversation_trace.jsonl``),
+The same requests -- a slice of the shipped Mooncake conversation trace (``umalloc_replay/data/conversation_trace.jsonl``),
 prompt and output lengths divided by ``--scale`` to fit the tiny model's context, prompts built from the trace's
 ``hash_ids`` so requests that share hash blocks share prompt prefixes -- go through one tiny random-weight model
 (seeded) twice in one run: stock, then with :func:`umalloc.integrations.transformers.install`. Both caches get the
@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-TRACE = Path(__file__).resolve().parent.parent / "umalloc" / "data" / "conversation_trace.jsonl"
+TRACE = Path(__file__).resolve().parent.parent / "umalloc_replay" / "data" / "conversation_trace.jsonl"
 TRACE_BLOCK_TOKENS = 512   # the Mooncake trace's hash block
 MEMORY_METHODS = ("can_store_request_tokens", "free_blocks", "search_prefix_match", "mark_complete_blocks",
                   "extend_read_and_write_indices", "prepare_fork_request", "evict_cached_blocks")

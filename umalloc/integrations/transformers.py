@@ -37,8 +37,9 @@ Where transformers 5.23's interfaces are adapted, all in this module:
 3. ``cache.pool.try_to_free_sectors()``, which the scheduler calls once per step before scheduling, is the step
    hook: forced compaction (``compact_every_step``) and the per-step ``check_invariants`` run there, after the
    previous forward and before the next step's indices are built.
-4. ``read_trash_index`` is a property (the zero page may move under compaction); the IO builder reads it every
-   step before it builds the indices.
+4. ``read_trash_index`` is the zero page's virtual token and every index the IO builder collects is virtual,
+   translated in ``update`` (Note [Batch translation] in :mod:`umalloc.integrations.transformers_groups`), so
+   compaction may move the zero page too.
 5. The decode fast path (block tables) is off (``max_blocks_per_request = 0``): block tables would hold physical
    pages that compaction may move; eager / sdpa read through row indices only.
 6. ``evict_cached_blocks`` evicts nothing and returns ``False``: the table evicts LRU pages itself when an
@@ -66,16 +67,18 @@ Note [Long prefills]
 ~~~~~~~~~~~~~~~~~~~~
 The request table binds every new page on the sliding end and releases the pages that left the window at the
 start of the *next* growth. A prefill chunk much longer than the window would so hold sliding pages for all its
-tokens at once, where transformers' ring buffer holds ``window`` tokens. For a first prefill chunk (the request
-holds nothing yet, so this step reads nothing from the cache) longer than twice the window the cache grows the
-request one page at a time (each step's start releases what the previous one pushed out), after checking that the
-full pages and the sliding peak (``swa_peak_pages``: the window's pages plus four) fit jointly (``can_alloc``), so
-it is still all or nothing. The early tokens' sliding writes then go to the sink: attention reads them from this step's own K/V,
-never from the cache. A later chunk (``past > 0``) reads the window before ``past``, which an intermediate step's
-release would drop: a *guard* request forked from it at ``past`` holds that window (the table's fork holds the
-window tail on the sliding end) until the next step hook, after the forward that reads it, and this step's
-sliding reads go through the guard's row: the request's own row may name a copy of its shared partial last page
-(copy-on-write) that a later window step released again.
+tokens at once, where transformers' ring buffer holds ``window`` tokens. For a chunk longer than twice the
+window the cache grows the request one page at a time (each growth's start releases what the previous one
+pushed out), so the sliding end ends the step holding the chunk's last window, as transformers does. It is all
+or nothing without reserving a peak: a lower bound (the chunk's full pages and the last window's sliding pages,
+``swa_window_pages``) is checked first (``can_alloc``), then the growth runs, and a growth that falls short is
+rolled back (the request's slot freed, or given back to the guard below, which is the request as it was). The
+early tokens' sliding writes then go to the sink: attention reads them from this step's own K/V, never from the
+cache. A later chunk (``past > 0``) reads the window before ``past``, which an intermediate growth's release
+would drop: a *guard* request forked from it at ``past`` holds that window (the table's fork holds the window
+tail on the sliding end, sharing its pages: nothing is allocated) until the next step hook, after the forward
+that reads it, and this step's sliding reads go through the guard's row: the request's own row may name a copy
+of its shared partial last page (copy-on-write) that a later growth released again.
 
 Threading: the scheduler's thread only (transformers drives the cache from one thread).
 """
@@ -110,7 +113,7 @@ from umalloc.integrations.transformers_groups import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
     EndGroup,
-    swa_peak_pages,
+    swa_window_pages,
 )
 
 #: transformers versions this integration is tested against (exactly).
@@ -160,8 +163,10 @@ class CacheCounters:
         allocator's own eager / lazy moves are in ``alloc.stats()[end].pages_moved``). prefix_hits /
         prefix_hit_tokens: prompts that reused cached pages and the tokens reused. evicted_pages: cached pages
         evicted (``on_evict``). refused_allocations: ``can_store_request_tokens`` answers ``False``.
-        max_live_requests: most requests holding pages at once. memory_seconds: wall time inside this layer
-        (allocation, translation, freeing, hooks), measured with ``time.perf_counter``.
+        max_live_requests: most requests holding pages at once. memory_seconds: wall time inside this layer's
+        scheduler-facing calls (allocation, index building, freeing, hooks), measured with
+        ``time.perf_counter``; the index translation inside ``update`` is :attr:`UmallocPagedCache.translate_seconds`.
+        rolled_back: long prefills whose page-by-page growth fell short and was undone (Note [Long prefills]).
     """
 
     steps: int = 0
@@ -175,6 +180,7 @@ class CacheCounters:
     forks: int = 0
     memory_seconds: float = 0.0
     live_requests_sum: int = 0
+    rolled_back: int = 0
 
 
 def _block_hash(parent: int | None, tokens: list[int]) -> int:
@@ -317,6 +323,7 @@ class UmallocPagedCache:
         self.counters = CacheCounters()
         self._timer = _Timer(self.counters)
         self.slots: dict[str, int] = {}
+        self._held: dict[int, int] = {}   # slot -> tokens it holds (the table's lengths, kept here: no table call)
         self._guards: dict[str, int] = {}
         self._hash_to_vpage: dict[int, int] = {}
         self._vpage_to_hash: dict[int, int] = {}
@@ -340,7 +347,18 @@ class UmallocPagedCache:
     # ---- bookkeeping ---------------------------------------------------------------------------------------
     def held_tokens(self, request_id: str) -> int:
         slot = self.slots.get(request_id)
-        return 0 if slot is None else int(self.table.num_tokens([slot])[0])
+        return 0 if slot is None else self._held.get(slot, 0)
+
+    @property
+    def translate_seconds(self) -> float:
+        """Seconds spent translating attention indices (Note [Batch translation] in
+        :mod:`umalloc.integrations.transformers_groups`), every group."""
+        return sum(g.translate_seconds for g in self.cache_allocators.values())
+
+    def _free_table_slots(self, slots: list[int], cache: bool = False) -> None:
+        self.table.free_requests(slots, cache=cache)
+        for s in slots:
+            self._held.pop(s, None)
 
     def _on_evict(self, vpages: torch.Tensor) -> None:
         self.counters.evicted_pages += int(vpages.numel())
@@ -363,14 +381,14 @@ class UmallocPagedCache:
             return
         if not cache:
             self._forget_hashes(self.table.pages(slot).tolist())
-        self.table.free_requests([slot], cache=cache)
+        self._free_table_slots([slot], cache=cache)
 
     def step_hook(self) -> None:
         """Once per scheduling step (Note [Seams] 3): free the last step's guard requests (Note [Long prefills]),
         optional forced compaction and invariant checks."""
         with self._timer:
             if self._guards:
-                self.table.free_requests(list(self._guards.values()))
+                self._free_table_slots(list(self._guards.values()))
                 self._guards.clear()
             c = self.counters
             c.steps += 1
@@ -395,6 +413,11 @@ class UmallocPagedCache:
                                      "hash maps elsewhere")
         if len(self._hash_to_vpage) != len(self._vpage_to_hash):
             raise InvariantError("hash-index: hash -> page and page -> hash differ in size")
+        live = sorted({*self.slots.values(), *self._guards.values()})
+        if sorted(self._held) != live:
+            raise InvariantError(f"held lengths: kept for slots {sorted(self._held)}, live slots {live}")
+        if live and self.table.num_tokens(live).tolist() != [self._held[s] for s in live]:
+            raise InvariantError("held lengths: a kept length differs from the table's")
 
     # ---- scheduler-facing API (transformers' PagedAttentionCache) --------------------------------------------
     def can_store_request_tokens(self, state: Any, request_len: int, dry_run: bool = False) -> bool:
@@ -405,7 +428,7 @@ class UmallocPagedCache:
             if dry_run:
                 pages = -(-int(request_len) // self.page_size)
                 need = {g.end: pages if g.sliding_window is None or request_len <= 2 * g.sliding_window
-                        else swa_peak_pages(g.sliding_window, self.page_size)
+                        else swa_window_pages(g.sliding_window, self.page_size)
                         for g in self.cache_allocators.values()}
                 return request_len <= self.max_tokens_per_request and self.alloc.can_alloc(need)
             rid = state.request_id
@@ -415,7 +438,7 @@ class UmallocPagedCache:
             known = self.slots.get(rid)
             fresh = known is None
             slot = -1 if known is None else known
-            grow = target - (0 if known is None else self.held_tokens_of(slot))
+            grow = target - self._held.get(slot, 0)
             if grow <= 0:
                 return True
             if fresh:
@@ -424,9 +447,7 @@ class UmallocPagedCache:
                     self.counters.refused_allocations += 1
                     return False
                 slot = int(got[0])
-            if not self._extend(rid, slot, grow):
-                if fresh:
-                    self.table.free_requests([slot])
+            if not self._extend(rid, slot, grow, fresh):
                 self.counters.refused_allocations += 1
                 return False
             if fresh:
@@ -434,39 +455,63 @@ class UmallocPagedCache:
                 self.counters.max_live_requests = max(self.counters.max_live_requests, len(self.slots))
             return True
 
-    def _extend(self, request_id: str, slot: int, num_tokens: int) -> bool:
-        """Grow request ``slot`` by ``num_tokens`` tokens, all or nothing (Note [Long prefills])."""
+    def _extend(self, request_id: str, slot: int, num_tokens: int, fresh: bool) -> bool:
+        """Grow request ``slot`` by ``num_tokens`` tokens, all or nothing (Note [Long prefills]); a ``fresh`` slot
+        is freed when the growth is refused."""
         swa = self.cache_allocators.get(SLIDING_ATTENTION)
         window = None if swa is None else swa.sliding_window
         ps = self.page_size
-        held = self.held_tokens_of(slot)
+        held = self._held.get(slot, 0)
         if window is None or num_tokens <= 2 * window:
-            return self.table.extend([slot], torch.tensor([num_tokens], dtype=torch.int64)) is not None
-        chunk = ps
-        full_pages = -(-(held + num_tokens) // ps) - -(-held // ps)
-        swa_peak = swa_peak_pages(window, ps)
+            return self._extend_once(slot, held, num_tokens, fresh)
         guard = None
         if held > 0:   # this step reads the window before `held`: a guard request holds it
             guard = self.table.fork(slot, held)
             if guard is None:
-                return self.table.extend([slot], torch.tensor([num_tokens], dtype=torch.int64)) is not None
-        if not self.alloc.can_alloc({"full": full_pages + (guard is not None), "swa": swa_peak}):
+                return self._extend_once(slot, held, num_tokens, fresh)
+            self._held[int(guard)] = held
+        full_pages = -(-(held + num_tokens) // ps) - -(-held // ps) + (guard is not None and held % ps != 0)
+        if not self.alloc.can_alloc({"full": full_pages, "swa": swa_window_pages(window, ps)}):
             if guard is not None:
-                self.table.free_requests([guard])
+                self._free_table_slots([int(guard)])
+            if fresh:
+                self._free_table_slots([slot])
             return False
+        done = 0
+        one = torch.tensor([ps], dtype=torch.int64)
+        while done < num_tokens:
+            step = min(ps, num_tokens - done)
+            if self.table.extend([slot], one if step == ps else torch.tensor([step], dtype=torch.int64)) is None:
+                self._held[slot] = held + done
+                self._undo_long(request_id, slot, guard, fresh)
+                self.counters.rolled_back += 1
+                return False
+            done += step
+        self._held[slot] = held + num_tokens
         if guard is not None:
             self._guards[request_id] = int(guard)
-        done = 0
-        while done < num_tokens:
-            step = min(chunk, num_tokens - done)
-            if self.table.extend([slot], torch.tensor([step], dtype=torch.int64)) is None:
-                raise InvariantError(f"long prefill: extend of {step} tokens failed after {done} of {num_tokens} "
-                                     f"although can_alloc(full={full_pages}, swa={swa_peak}) held")
-            done += step
         return True
 
-    def held_tokens_of(self, slot: int) -> int:
-        return int(self.table.num_tokens([slot])[0])
+    def _extend_once(self, slot: int, held: int, num_tokens: int, fresh: bool) -> bool:
+        if self.table.extend([slot], torch.tensor([num_tokens], dtype=torch.int64)) is None:
+            if fresh:
+                self._free_table_slots([slot])
+            return False
+        self._held[slot] = held + num_tokens
+        return True
+
+    def _undo_long(self, request_id: str, slot: int, guard: int | None, fresh: bool) -> None:
+        """Undo a long prefill whose growth fell short (Note [Long prefills]): the guard, a fork of the request
+        as it was, takes the request's place; a request without one held nothing before and is freed (a known
+        id loses its empty slot: it holds nothing either way)."""
+        if guard is not None:
+            self._free_table_slots([slot])
+            self.slots[request_id] = int(guard)
+            return
+        if fresh or self._held.get(slot, 0) > 0:
+            self._free_table_slots([slot])
+            if not fresh:
+                self.slots.pop(request_id, None)
 
     def count_storable_requests(self, list_blocks_needed: list[dict[str, int]]) -> int:
         """How many of the requests, in order, the free bytes (free pages, gap, cached pages) could hold."""
@@ -508,7 +553,7 @@ class UmallocPagedCache:
     def free_all_requests(self, clear_ledgers: bool = False) -> None:
         with self._timer:
             if self._guards:
-                self.table.free_requests(list(self._guards.values()))
+                self._free_table_slots(list(self._guards.values()))
                 self._guards.clear()
             for rid in list(self.slots):
                 self._free_slot(rid, cache=self.use_prefix_sharing and not clear_ledgers)
@@ -550,6 +595,7 @@ class UmallocPagedCache:
                 self.table.free_requests([slot])
                 return 0
             self.slots[request_id] = slot
+            self._held[slot] = len(matched) * ps
             self.counters.prefix_hits += 1
             self.counters.prefix_hit_tokens += len(matched) * ps
             return len(matched) * ps
@@ -586,17 +632,19 @@ class UmallocPagedCache:
 
     def extend_read_and_write_indices(self, request_id: str, past_length: int, query_length: int,
                                       read_index: list[list[int]] | None, write_index: list[list[int]]) -> None:
-        """Append the request's attention rows (Note [Rows]) per attention type, in ``cache_allocators`` order."""
+        """Append the request's attention indices per attention type, in ``cache_allocators`` order: virtual
+        tokens, translated to rows (Note [Rows]) once per forward for the whole batch (Note [Batch translation]
+        in :mod:`umalloc.integrations.transformers_groups`)."""
         with self._timer:
             slot = self.slots[request_id]
             for grp, out in zip(self.cache_allocators.values(), write_index, strict=True):
-                out.extend(grp.write_rows(slot, past_length, query_length))
+                out.extend(grp.write_vtokens(slot, past_length, query_length))
             if read_index is not None:
                 guard = self._guards.get(request_id, slot)
                 for grp, out in zip(self.cache_allocators.values(), read_index, strict=True):
                     # a sliding read of a guarded request goes through the guard's row (Note [Long prefills])
                     src = guard if grp.sliding_window is not None else slot
-                    out.extend(grp.read_rows(src, past_length, query_length))
+                    out.extend(grp.read_vtokens(src, past_length, query_length))
 
     def fill_block_table(self, request_id: str, past_length: int, query_length: int,
                          block_table: torch.Tensor) -> None:
@@ -614,6 +662,7 @@ class UmallocPagedCache:
                 if slot is None:
                     break
                 self.slots[rid] = int(slot)
+                self._held[int(slot)] = self._held.get(src, 0)
                 forked.append(rid)
                 self.counters.forks += 1
             self.counters.max_live_requests = max(self.counters.max_live_requests, len(self.slots))
