@@ -12,8 +12,10 @@ same ``num_blocks``, so the same bytes (umalloc's arena is exactly the stock cac
   cache transformers' offloading manager freed to make room (``free_blocks(no_cache=True)``);
 * memory layer share: wall time inside the cache's scheduler-facing methods (allocation, freeing, prefix match,
   hash marking, read/write index building and the step hook), the same set wrapped on both caches, over the
-  loop's wall time. The attention's own cache reads and writes (``update``) are the same tensor ops on both and
-  are not counted.
+  loop's wall time; for umalloc plus the index translation inside ``update`` (its indices are virtual tokens,
+  translated once per forward and group: ``UmallocPagedCache.translate_seconds``), which stock does not have.
+  The attention's own cache reads and writes (``update``'s gathers and scatters) are the same tensor ops on both
+  and are not counted.
 
 Run (in the peer venv, which has transformers):
 
@@ -144,6 +146,7 @@ def run_once(model: Any, reqs: list[tuple[list[int], int]], cb_kwargs: dict[str,
                                          max_new_tokens=max(n for _, n in reqs))
     cb = ContinuousBatchingConfig(use_async_batching=False, auto_switch_to_flash=False, **cb_kwargs)
     inst = ut.install() if umalloc_on else None
+    translate_s = 0.0
     probe = Probe(cache_cls)
     try:
         with model.continuous_batching_context_manager(generation_config=gcfg, continuous_batching_config=cb,
@@ -165,12 +168,14 @@ def run_once(model: Any, reqs: list[tuple[list[int], int]], cb_kwargs: dict[str,
     finally:
         probe.close()
         if inst is not None:
+            translate_s = sum(c.translate_seconds for c in inst.caches)
             ut.uninstall()
     gen = sum(len(v) for v in done.values())
     act = probe.active or [0]
     return {"tokens": [done[i] for i in ids], "generated": gen, "wall_s": wall, "tok_s": gen / wall,
             "mean_conc": sum(act) / len(act), "max_conc": max(act), "steps": len(probe.active),
-            "refused": probe.refused, "preempted": probe.preempted, "mem_share": probe.memory_s / wall}
+            "refused": probe.refused, "preempted": probe.preempted,
+            "mem_share": (probe.memory_s + translate_s) / wall, "translate_share": translate_s / wall}
 
 
 def main() -> None:

@@ -68,17 +68,18 @@ Note [Long prefills]
 The request table binds every new page on the sliding end and releases the pages that left the window at the
 start of the *next* growth. A prefill chunk much longer than the window would so hold sliding pages for all its
 tokens at once, where transformers' ring buffer holds ``window`` tokens. For a chunk longer than twice the
-window the cache grows the request one page at a time (each growth's start releases what the previous one
-pushed out), so the sliding end ends the step holding the chunk's last window, as transformers does. It is all
-or nothing without reserving a peak: a lower bound (the chunk's full pages and the last window's sliding pages,
-``swa_window_pages``) is checked first (``can_alloc``), then the growth runs, and a growth that falls short is
-rolled back (the request's slot freed, or given back to the guard below, which is the request as it was). The
-early tokens' sliding writes then go to the sink: attention reads them from this step's own K/V, never from the
-cache. A later chunk (``past > 0``) reads the window before ``past``, which an intermediate growth's release
-would drop: a *guard* request forked from it at ``past`` holds that window (the table's fork holds the window
-tail on the sliding end, sharing its pages: nothing is allocated) until the next step hook, after the forward
-that reads it, and this step's sliding reads go through the guard's row: the request's own row may name a copy
-of its shared partial last page (copy-on-write) that a later growth released again.
+window the cache grows the request in several table calls (each call's start releases what the previous one
+pushed out): ``_LONG_STRIDE_PAGES`` pages per call while they fit outright, the last window plus two pages one
+page per call, so the sliding end ends the step holding the chunk's last window, as transformers does. It is
+all or nothing without reserving a peak: a lower bound (the chunk's full pages and the last window's sliding
+pages, ``swa_window_pages``) is checked against the free bytes first, then the growth runs, and a growth that
+falls short is rolled back (the request's slot freed, or given back to the guard below, which is the request as
+it was). The early tokens' sliding writes then go to the sink: attention reads them from this step's own K/V,
+never from the cache. A later chunk (``past > 0``) reads the window before ``past``, which an intermediate
+growth's release would drop: a *guard* request forked from it at ``past`` holds that window (the table's fork
+holds the window tail on the sliding end, sharing its pages: nothing is allocated) until the next step hook,
+after the forward that reads it, and this step's sliding reads go through the guard's row: the request's own row
+may name a copy of its shared partial last page (copy-on-write) that a later growth released again.
 
 Threading: the scheduler's thread only (transformers drives the cache from one thread).
 """
@@ -120,6 +121,7 @@ from umalloc.integrations.transformers_groups import (
 SUPPORTED_TRANSFORMERS_VERSIONS: tuple[str, ...] = ("5.23.0",)
 
 _END_OF = {FULL_ATTENTION: "full", SLIDING_ATTENTION: "swa"}
+_LONG_STRIDE_PAGES = 4   # pages per table call in the early part of a long prefill (Note [Long prefills])
 _TORCH_TO_KV = {torch.float32: KVDtype.FP32, torch.float16: KVDtype.FP16, torch.bfloat16: KVDtype.BF16}
 
 
@@ -324,6 +326,7 @@ class UmallocPagedCache:
         self._timer = _Timer(self.counters)
         self.slots: dict[str, int] = {}
         self._held: dict[int, int] = {}   # slot -> tokens it holds (the table's lengths, kept here: no table call)
+        self._free_bytes_memo: int | None = None   # free_bytes() until the next allocation or free
         self._guards: dict[str, int] = {}
         self._hash_to_vpage: dict[int, int] = {}
         self._vpage_to_hash: dict[int, int] = {}
@@ -356,6 +359,7 @@ class UmallocPagedCache:
         return sum(g.translate_seconds for g in self.cache_allocators.values())
 
     def _free_table_slots(self, slots: list[int], cache: bool = False) -> None:
+        self._free_bytes_memo = None
         self.table.free_requests(slots, cache=cache)
         for s in slots:
             self._held.pop(s, None)
@@ -387,6 +391,7 @@ class UmallocPagedCache:
         """Once per scheduling step (Note [Seams] 3): free the last step's guard requests (Note [Long prefills]),
         optional forced compaction and invariant checks."""
         with self._timer:
+            self._free_bytes_memo = None
             if self._guards:
                 self._free_table_slots(list(self._guards.values()))
                 self._guards.clear()
@@ -441,6 +446,9 @@ class UmallocPagedCache:
             grow = target - self._held.get(slot, 0)
             if grow <= 0:
                 return True
+            if fresh and not self._fits_bytes(*self._fresh_pages(grow)):   # cheap refusal, nothing touched
+                self.counters.refused_allocations += 1
+                return False
             if fresh:
                 got = self.table.new_requests(1)
                 if got is None:
@@ -455,9 +463,31 @@ class UmallocPagedCache:
                 self.counters.max_live_requests = max(self.counters.max_live_requests, len(self.slots))
             return True
 
+    def _fresh_pages(self, num_tokens: int) -> tuple[int, int]:
+        """(full pages, sliding pages) a request holding nothing takes at least to grow by ``num_tokens``: every
+        page on both ends, or the last window's for a long prefill (Note [Long prefills])."""
+        pages = -(-num_tokens // self.page_size)
+        swa = self.cache_allocators.get(SLIDING_ATTENTION)
+        if swa is None or swa.sliding_window is None:
+            return pages, 0
+        if num_tokens > 2 * swa.sliding_window:
+            return pages, swa_window_pages(swa.sliding_window, self.page_size)
+        return pages, pages
+
+    def _fits_bytes(self, full_pages: int, swa_pages: int) -> bool:
+        """Whether that many pages fit in the free bytes (:meth:`free_bytes`, memoized until the next change):
+        a necessary condition, whatever the layout; the allocation itself compacts if holes are in the way."""
+        if self._free_bytes_memo is None:
+            self._free_bytes_memo = self.free_bytes()
+        need = full_pages * self.cache_allocators[FULL_ATTENTION].bytes_per_block
+        if swa_pages:
+            need += swa_pages * self.cache_allocators[SLIDING_ATTENTION].bytes_per_block
+        return need <= self._free_bytes_memo
+
     def _extend(self, request_id: str, slot: int, num_tokens: int, fresh: bool) -> bool:
         """Grow request ``slot`` by ``num_tokens`` tokens, all or nothing (Note [Long prefills]); a ``fresh`` slot
         is freed when the growth is refused."""
+        self._free_bytes_memo = None
         swa = self.cache_allocators.get(SLIDING_ATTENTION)
         window = None if swa is None else swa.sliding_window
         ps = self.page_size
@@ -471,17 +501,22 @@ class UmallocPagedCache:
                 return self._extend_once(slot, held, num_tokens, fresh)
             self._held[int(guard)] = held
         full_pages = -(-(held + num_tokens) // ps) - -(-held // ps) + (guard is not None and held % ps != 0)
-        if not self.alloc.can_alloc({"full": full_pages, "swa": swa_window_pages(window, ps)}):
+        if not self._fits_bytes(full_pages, swa_window_pages(window, ps)):
             if guard is not None:
                 self._free_table_slots([int(guard)])
             if fresh:
                 self._free_table_slots([slot])
             return False
         done = 0
-        one = torch.tensor([ps], dtype=torch.int64)
+        big = _LONG_STRIDE_PAGES * ps
+        tail = window + 2 * ps   # the last tokens grow page by page, so the end holds the last window only
         while done < num_tokens:
             step = min(ps, num_tokens - done)
-            if self.table.extend([slot], one if step == ps else torch.tensor([step], dtype=torch.int64)) is None:
+            # early tokens in strides of pages when they fit outright (fewer table calls; never a compaction trial)
+            if num_tokens - done - big >= tail and self.alloc.can_alloc({"full": _LONG_STRIDE_PAGES + 1,
+                                                                        "swa": _LONG_STRIDE_PAGES + 1}):
+                step = big
+            if self.table.extend([slot], torch.tensor([step], dtype=torch.int64)) is None:
                 self._held[slot] = held + done
                 self._undo_long(request_id, slot, guard, fresh)
                 self.counters.rolled_back += 1
@@ -584,6 +619,7 @@ class UmallocPagedCache:
                 matched.append(vp)
             if not matched or request_id in self.slots:
                 return 0
+            self._free_bytes_memo = None
             got = self.table.new_requests(1)
             if got is None:
                 return 0
@@ -655,6 +691,7 @@ class UmallocPagedCache:
         """Fork the source's pages into new requests (shared, copy-on-write in the table); returns the ids forked
         (those a slot was free for). Nothing for the caller to copy."""
         with self._timer:
+            self._free_bytes_memo = None
             src = self.slots[src_state.request_id]
             forked = []
             for rid in dst_req_ids:
