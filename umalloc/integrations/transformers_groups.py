@@ -110,13 +110,21 @@ class EndGroup:
         return query_length + min(past_length, self.sliding_window - 1)
 
     def needs_new_blocks(self, request_id: str, past_length: int, query_length: int) -> int:
-        """Pages this end needs for ``query_length`` more tokens (every new page is bound on every end)."""
+        """Pages this end needs for ``query_length`` more tokens (what transformers' offloading manager sizes its
+        evictions by). Every new page is bound on every end; a sliding end first releases the pages that left the
+        window (Note [Windows] in :mod:`umalloc.requests.table`), counted here as a decode's release (the growth
+        before was by one token; an earlier one released at least that much), so a decode past the window
+        needs no sliding page net."""
         held = self._cache.held_tokens(request_id)
         ps = self.tokens_per_page
         pages = max(0, -(-(past_length + query_length) // ps) - -(-held // ps))
-        if self.sliding_window is not None and query_length > 2 * self.sliding_window:
-            pages = min(pages, swa_window_pages(self.sliding_window, ps) + 1)   # Note [Long prefills]
-        return pages
+        w = self.sliding_window
+        if w is None:
+            return pages
+        if query_length > 2 * w:
+            return min(pages, swa_window_pages(w, ps) + 1)   # Note [Long prefills]
+        released = max(0, held - w) // ps - max(0, held - 1 - w) // ps
+        return max(0, pages - released)
 
     # ---- rows -------------------------------------------------------------------------------------------
     def to_rows(self, vtokens: torch.Tensor, strict: bool = True) -> torch.Tensor:
