@@ -17,6 +17,10 @@ same ``num_blocks``, so the same bytes (umalloc's arena is exactly the stock cac
   The attention's own cache reads and writes (``update``'s gathers and scatters) are the same tensor ops on both
   and are not counted.
 
+The runs alternate (stock, umalloc, ``--repeats`` times, after one warm-up each); scheduling is deterministic
+(checked: every repeat schedules alike), tokens/s and the memory layer share are medians, the tokens/s ratio is
+the median of the per-pair ratios.
+
 Run (in the peer venv, which has transformers):
 
     PYTHONPATH=.peer/path .peer/transformers-venv/bin/python benchmarks/bench_transformers.py
@@ -28,6 +32,7 @@ import argparse
 import functools
 import json
 import random
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -190,6 +195,7 @@ def main() -> None:
     ap.add_argument("--num-blocks", type=int, default=96, help="cache capacity for both (equal bytes)")
     ap.add_argument("--max-batch-tokens", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=3, help="alternated stock / umalloc runs (medians reported)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -205,22 +211,36 @@ def main() -> None:
           f"max_new<= {args.max_new} page_size={args.page_size} num_blocks={args.num_blocks} seed={args.seed}")
     run_once(model, reqs[:2], cb_kwargs, False, PagedAttentionCache)     # warm-up (kernels, numba)
     run_once(model, reqs[:2], cb_kwargs, True, UmallocPagedCache)
-    stock = run_once(model, reqs, cb_kwargs, False, PagedAttentionCache)
-    um = run_once(model, reqs, cb_kwargs, True, UmallocPagedCache)
+    pairs = []
+    for _ in range(args.repeats):   # alternated, so load drift hits both alike
+        pairs.append((run_once(model, reqs, cb_kwargs, False, PagedAttentionCache),
+                      run_once(model, reqs, cb_kwargs, True, UmallocPagedCache)))
+    fixed = ("tokens", "mean_conc", "max_conc", "steps", "refused", "preempted")
+    for i in (0, 1):
+        if any(p[i][k] != pairs[0][i][k] for p in pairs for k in fixed):
+            raise SystemExit("a repeat scheduled differently: the run is not deterministic")
+    stock, um = (dict(pairs[0][i]) for i in (0, 1))
+    for r, i in ((stock, 0), (um, 1)):
+        for k in ("tok_s", "mem_share", "translate_share", "wall_s"):
+            r[k] = statistics.median(p[i][k] for p in pairs)
+    tok_ratio = statistics.median(u["tok_s"] / s_["tok_s"] for s_, u in pairs)
     same = stock["tokens"] == um["tokens"]
+    print(f"# medians of {args.repeats} alternated runs")
     print("| cache | tokens/s | mean conc. | max conc. | steps | refused | preempted | memory layer |")
     print("|---|---|---|---|---|---|---|---|")
     for name, r in (("stock", stock), ("umalloc", um)):
         print(f"| {name} | {r['tok_s']:.1f} | {r['mean_conc']:.2f} | {r['max_conc']} | {r['steps']} | "
               f"{r['refused']} | {r['preempted']} | {100 * r['mem_share']:.2f}% |")
-    print(f"ratios umalloc/stock: tokens/s {um['tok_s'] / stock['tok_s']:.2f}x, mean concurrency "
-          f"{um['mean_conc'] / stock['mean_conc']:.2f}x; tokens identical: {same}")
+    each = ", ".join(f"{u['tok_s'] / s_['tok_s']:.2f}" for s_, u in pairs)
+    print(f"ratios umalloc/stock: tokens/s {tok_ratio:.2f}x (median of the per-pair ratios {each}), mean concurrency "
+          f"{um['mean_conc'] / stock['mean_conc']:.2f}x; umalloc's translation in update "
+          f"{100 * um['translate_share']:.2f}% of the memory layer's {100 * um['mem_share']:.2f}%; "
+          f"tokens identical: {same}")
     if args.json:
         args.json.write_text(json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "tokens"}
                                          for k, v in (("stock", stock), ("umalloc", um))}, indent=2))
     if not same:
         raise SystemExit("tokens differ between stock and umalloc")
-
 
 if __name__ == "__main__":
     main()

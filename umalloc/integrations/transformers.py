@@ -69,8 +69,9 @@ The request table binds every new page on the sliding end and releases the pages
 start of the *next* growth. A prefill chunk much longer than the window would so hold sliding pages for all its
 tokens at once, where transformers' ring buffer holds ``window`` tokens. For a chunk longer than twice the
 window the cache grows the request in several table calls (each call's start releases what the previous one
-pushed out): ``_LONG_STRIDE_PAGES`` pages per call while they fit outright, the last window plus two pages one
-page per call, so the sliding end ends the step holding the chunk's last window, as transformers does. It is
+pushed out): up to ``_LONG_STRIDE_PAGES`` pages per call while they fit outright (else one page per call), the
+last call at most one page, so the sliding end ends the step holding the chunk's last window, as transformers
+does (the strides' pages are transient: released again at the next call's start). It is
 all or nothing without reserving a peak: a lower bound (the chunk's full pages and the last window's sliding
 pages, ``swa_window_pages``) is checked against the free bytes first, then the growth runs, and a growth that
 falls short is rolled back (the request's slot freed, or given back to the guard below, which is the request as
@@ -128,7 +129,7 @@ from umalloc.integrations.transformers_options import (
 #: transformers versions this integration is tested against (exactly).
 SUPPORTED_TRANSFORMERS_VERSIONS: tuple[str, ...] = ("5.23.0",)
 
-_LONG_STRIDE_PAGES = 4   # pages per table call in the early part of a long prefill (Note [Long prefills])
+_LONG_STRIDE_PAGES = 8   # most pages per table call of a long prefill (Note [Long prefills])
 
 
 def _block_hash(parent: int | None, tokens: list[int]) -> int:
@@ -426,14 +427,14 @@ class UmallocPagedCache:
                 self._free_table_slots([slot])
             return False
         done = 0
-        big = _LONG_STRIDE_PAGES * ps
-        tail = window + 2 * ps   # the last tokens grow page by page, so the end holds the last window only
         while done < num_tokens:
-            step = min(ps, num_tokens - done)
-            # early tokens in strides of pages when they fit outright (fewer table calls; never a compaction trial)
-            if num_tokens - done - big >= tail and self.alloc.can_alloc({"full": _LONG_STRIDE_PAGES + 1,
-                                                                        "swa": _LONG_STRIDE_PAGES + 1}):
-                step = big
+            rest = num_tokens - done
+            step = min(ps, rest)
+            # all but the last page's tokens in strides when they fit outright (few table calls, never a
+            # compaction trial); the last call grows at most a page, so the end holds the last window only
+            stride = min(_LONG_STRIDE_PAGES * ps, (rest - 1) // ps * ps)
+            if stride > ps and self.alloc.can_alloc({"full": stride // ps + 1, "swa": stride // ps + 1}):
+                step = stride
             if self.table.extend([slot], torch.tensor([step], dtype=torch.int64)) is None:
                 self._held[slot] = held + done
                 self._undo_long(request_id, slot, guard, fresh)
