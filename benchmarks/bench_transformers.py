@@ -11,7 +11,9 @@ same ``num_blocks``, so the same bytes (umalloc's arena is exactly the stock cac
 * refused: ``can_store_request_tokens`` answers ``False`` (requests left waiting); preempted: requests whose
   cache transformers' offloading manager freed to make room (``free_blocks(no_cache=True)``);
 * memory layer share: wall time inside the cache's scheduler-facing methods (allocation, freeing, prefix match,
-  hash marking, read/write index building and the step hook), the same set wrapped on both caches, over the
+  hash marking, read/write index building, free-capacity queries) and the per-step hook (stock:
+  ``CachePool.try_to_free_sectors``; umalloc: ``UmallocPagedCache.step_hook``, which that call runs), the same set
+  wrapped on both caches, over the
   loop's wall time; for umalloc plus the index translation inside ``update`` (its indices are virtual tokens,
   translated once per forward and group: ``UmallocPagedCache.translate_seconds``), which stock does not have.
   The attention's own cache reads and writes (``update``'s gathers and scatters) are the same tensor ops on both
@@ -42,6 +44,7 @@ import torch
 TRACE = Path(__file__).resolve().parent.parent / "umalloc_replay" / "data" / "conversation_trace.jsonl"
 TRACE_BLOCK_TOKENS = 512   # the Mooncake trace's hash block
 MEMORY_METHODS = ("can_store_request_tokens", "free_blocks", "search_prefix_match", "mark_complete_blocks",
+                  "compute_free_capacity", "count_storable_requests",
                   "extend_read_and_write_indices", "prepare_fork_request", "evict_cached_blocks")
 
 
@@ -85,7 +88,7 @@ class Probe:
     """Counts steps, concurrency, refusals, preemptions and memory-layer seconds by wrapping methods of the cache
     class and the scheduler classes (restored by :meth:`close`)."""
 
-    def __init__(self, cache_cls: type) -> None:
+    def __init__(self, cache_cls: type, step: tuple[type, str]) -> None:
         from transformers.generation.continuous_batching import scheduler as sched
         self.active: list[int] = []
         self.refused = 0
@@ -96,6 +99,7 @@ class Probe:
             self._wrap(cls, "schedule_batch", self._on_schedule)
         for m in MEMORY_METHODS:
             self._wrap(cache_cls, m, self._timed(m))
+        self._wrap(*step, self._timed(step[1]))   # the per-step hook the scheduler calls
 
     def _wrap(self, cls: type, name: str, make: Any) -> None:
         orig = getattr(cls, name)
@@ -152,7 +156,8 @@ def run_once(model: Any, reqs: list[tuple[list[int], int]], cb_kwargs: dict[str,
     cb = ContinuousBatchingConfig(use_async_batching=False, auto_switch_to_flash=False, **cb_kwargs)
     inst = ut.install() if umalloc_on else None
     translate_s = 0.0
-    probe = Probe(cache_cls)
+    from transformers.generation.continuous_batching.cache_allocators.cache_pool import CachePool
+    probe = Probe(cache_cls, (cache_cls, "step_hook") if umalloc_on else (CachePool, "try_to_free_sectors"))
     try:
         with model.continuous_batching_context_manager(generation_config=gcfg, continuous_batching_config=cb,
                                                        block=True, timeout=30) as manager:

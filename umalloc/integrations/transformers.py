@@ -374,7 +374,9 @@ class UmallocPagedCache:
                     self.counters.refused_allocations += 1
                     return False
                 slot = int(got[0])
-            if not self._extend(rid, slot, grow, fresh):
+            ok = self._extend(rid, slot, grow, fresh)
+            self._free_bytes_memo = None   # the growth (or its rollback) may have changed the free bytes
+            if not ok:
                 self.counters.refused_allocations += 1
                 return False
             if fresh:
@@ -491,8 +493,11 @@ class UmallocPagedCache:
         return total + int(self.table.capacity()["full"]["reclaimable_pages"]) * full.page_bytes
 
     def compute_free_capacity(self, relative: bool = True) -> int | float:
-        """Free bytes (:meth:`free_bytes`), or their share of the usable arena."""
-        free = self.free_bytes()
+        """Free bytes (:meth:`free_bytes`, memoized until the next allocation or free), or their share of the
+        usable arena."""
+        if self._free_bytes_memo is None:
+            self._free_bytes_memo = self.free_bytes()
+        free = self._free_bytes_memo
         return free / (self.arena.arena_bytes - self.arena.floor_bytes) if relative else free
 
     def evict_cached_blocks(self) -> bool:
