@@ -470,8 +470,9 @@ class UmallocPagedCache:
                 self.slots.pop(request_id, None)
 
     def count_storable_requests(self, list_blocks_needed: list[dict[str, int]]) -> int:
-        """How many of the requests, in order, the free bytes (free pages, gap, cached pages) could hold."""
-        free_bytes = self.free_bytes()
+        """How many of the requests, in order, the free bytes (free pages, gap, cached pages; memoized) could
+        hold."""
+        free_bytes = int(self.compute_free_capacity(relative=False))
         for i, blocks in enumerate(list_blocks_needed):
             need = sum(n * self.cache_allocators[name].bytes_per_block for name, n in blocks.items())
             if need > free_bytes:
