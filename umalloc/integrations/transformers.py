@@ -96,6 +96,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from umalloc import (
@@ -437,7 +438,7 @@ class UmallocPagedCache:
             stride = min(_LONG_STRIDE_PAGES * ps, (rest - 1) // ps * ps)
             if stride > ps and self.alloc.can_alloc({"full": stride // ps + 1, "swa": stride // ps + 1}):
                 step = stride
-            if self.table.extend([slot], torch.tensor([step], dtype=torch.int64)) is None:
+            if self.table.extend(np.array([slot], np.int64), np.array([step], np.int64)) is None:
                 self._held[slot] = held + done
                 self._undo_long(request_id, slot, guard, fresh)
                 self.counters.rolled_back += 1
@@ -449,7 +450,7 @@ class UmallocPagedCache:
         return True
 
     def _extend_once(self, slot: int, held: int, num_tokens: int, fresh: bool) -> bool:
-        if self.table.extend([slot], torch.tensor([num_tokens], dtype=torch.int64)) is None:
+        if self.table.extend(np.array([slot], np.int64), np.array([num_tokens], np.int64)) is None:
             if fresh:
                 self._free_table_slots([slot])
             return False
