@@ -483,16 +483,18 @@ class UmallocPagedCache:
 
     def free_bytes(self) -> int:
         """Bytes allocatable now or after evicting every cached page: holes of every end, the gap between the
-        ends, and the cached pages (owner pages plus their bindings)."""
-        st = self.alloc.stats()
-        full = st["full"]
-        total = sum(s.hole_bytes for s in st.values())
-        if "swa" in st:
-            swa = st["swa"]
-            total += max(0, swa.band_lo * swa.page_bytes - full.band_hi * full.page_bytes)
+        ends, and the cached pages (owner pages plus their bindings). O(ends), from the allocator's end views."""
+        ends = self.alloc.ends
+        full = ends["full"]
+        total = sum(v.hole_pages * v.page_bytes for v in ends.values())
+        if "swa" in ends:
+            swa = ends["swa"]
+            total += max(0, swa.lo * swa.page_bytes - full.hi * full.page_bytes)
         else:
-            total += self.arena.arena_bytes - full.band_hi * full.page_bytes
-        return total + int(self.table.capacity()["full"]["reclaimable_pages"]) * full.page_bytes
+            total += self.arena.arena_bytes - full.hi * full.page_bytes
+        if self.use_prefix_sharing:   # only then are pages cached (free_blocks caches nothing otherwise)
+            total += int(self.table.capacity()["full"]["reclaimable_pages"]) * full.page_bytes
+        return total
 
     def compute_free_capacity(self, relative: bool = True) -> int | float:
         """Free bytes (:meth:`free_bytes`, memoized until the next allocation or free), or their share of the
