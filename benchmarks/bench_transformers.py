@@ -1,7 +1,8 @@
 """transformers' continuous batching on its own ``PagedAttentionCache`` vs on umalloc, at equal cache bytes.
 
-The same requests -- a slice of the shipped Mooncake conversation trace (``umalloc_replay/data/conversation_trace.jsonl``),
-prompt and output lengths divided by ``--scale`` to fit the tiny model's context, prompts built from the trace's
+The same requests -- a slice of the shipped Mooncake conversation trace
+(``umalloc_replay/data/conversation_trace.jsonl``), prompt and output lengths divided by ``--scale`` to fit the
+tiny model's context, prompts built from the trace's
 ``hash_ids`` so requests that share hash blocks share prompt prefixes -- go through one tiny random-weight model
 (seeded) twice in one run: stock, then with :func:`umalloc.integrations.transformers.install`. Both caches get the
 same ``num_blocks``, so the same bytes (umalloc's arena is exactly the stock cache tensor's size). Per run:
@@ -26,6 +27,10 @@ the median of the per-pair ratios.
 Run (in the peer venv, which has transformers):
 
     PYTHONPATH=.peer/path .peer/transformers-venv/bin/python benchmarks/bench_transformers.py
+
+or in a venv with transformers 5.23 (the main one has it):
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_transformers.py --num-blocks 40 --max-batch-tokens 512
 """
 
 from __future__ import annotations

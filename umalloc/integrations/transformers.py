@@ -71,16 +71,17 @@ tokens at once, where transformers' ring buffer holds ``window`` tokens. For a c
 window the cache grows the request in several table calls (each call's start releases what the previous one
 pushed out): up to ``_LONG_STRIDE_PAGES`` pages per call while they fit outright (else one page per call), the
 last call at most one page, so the sliding end ends the step holding the chunk's last window, as transformers
-does (the strides' pages are transient: released again at the next call's start). It is
-all or nothing without reserving a peak: a lower bound (the chunk's full pages and the last window's sliding
-pages, ``swa_window_pages``) is checked against the free bytes first, then the growth runs, and a growth that
-falls short is rolled back (the request's slot freed, or given back to the guard below, which is the request as
-it was). The early tokens' sliding writes then go to the sink: attention reads them from this step's own K/V,
-never from the cache. A later chunk (``past > 0``) reads the window before ``past``, which an intermediate
-growth's release would drop: a *guard* request forked from it at ``past`` holds that window (the table's fork
-holds the window tail on the sliding end, sharing its pages: nothing is allocated) until the next step hook,
-after the forward that reads it, and this step's sliding reads go through the guard's row: the request's own row
-may name a copy of its shared partial last page (copy-on-write) that a later growth released again.
+does (the strides' pages are transient: released again at the next call's start). It is all or nothing
+without reserving a peak: a lower bound (the chunk's full pages and the last window's sliding pages,
+``swa_window_pages``) is checked against the free bytes first, then the growth runs, and a growth that falls
+short is rolled back (the request's slot freed, or handed to the guard below, a fork of the request at its
+length on entry). The early tokens' sliding writes then go to the sink: attention reads them from this step's
+own K/V, never from the cache. A later chunk (``past > 0``) reads the window before ``past``, which an
+intermediate growth's release would drop: a *guard* request forked from it at ``past`` holds that window (the
+table's fork holds the window tail on the sliding end, sharing its pages: nothing is allocated) until the next
+step hook, after the forward that reads it, and this step's sliding reads go through the guard's row: the
+request's own row may name a copy of its shared partial last page (copy-on-write) that a later growth released
+again.
 
 Threading: the scheduler's thread only (transformers drives the cache from one thread).
 """
@@ -459,8 +460,8 @@ class UmallocPagedCache:
 
     def _undo_long(self, request_id: str, slot: int, guard: int | None, fresh: bool) -> None:
         """Undo a long prefill whose growth fell short (Note [Long prefills]): the guard, a fork of the request
-        as it was, takes the request's place; a request without one held nothing before and is freed (a known
-        id loses its empty slot: it holds nothing either way)."""
+        at its length on entry, takes the request's place; a request without one held no tokens on entry and is
+        freed (a known id loses its empty slot: it holds nothing either way)."""
         if guard is not None:
             self._free_table_slots([slot])
             self.slots[request_id] = int(guard)

@@ -62,7 +62,8 @@ class CacheCounters:
         evicted (``on_evict``). refused_allocations: ``can_store_request_tokens`` answers ``False``.
         max_live_requests: most requests holding pages at once. memory_seconds: wall time inside this layer's
         scheduler-facing calls (allocation, index building, freeing, hooks), measured with
-        ``time.perf_counter``; the index translation inside ``update`` is :attr:`~umalloc.integrations.transformers.UmallocPagedCache.translate_seconds`.
+        ``time.perf_counter``; the index translation inside ``update`` is
+        :attr:`~umalloc.integrations.transformers.UmallocPagedCache.translate_seconds`.
         rolled_back: long prefills whose page-by-page growth fell short and was undone (Note [Long prefills]).
     """
 
