@@ -28,6 +28,7 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from umalloc import Arena, MultiEndedAllocator, RequestTable
@@ -130,10 +131,14 @@ class EndGroup:
     def to_rows(self, vtokens: torch.Tensor, strict: bool = True) -> torch.Tensor:
         """``int64`` rows of an index tensor of virtual tokens (Note [Batch translation]); ``strict=False`` maps
         tokens whose page is not bound here to the sink."""
+        ps, rpp = self.tokens_per_page, self.rows_per_page
+        if vtokens.device.type == "cpu":   # numpy arithmetic: no torch op dispatch on a few hundred ids
+            pn = self._cache.alloc.translate(vtokens.numpy(), self.end, strict=strict)
+            assert isinstance(pn, np.ndarray)
+            return torch.from_numpy((pn // ps) * rpp + pn % ps)
         pt = self._cache.alloc.translate(vtokens, self.end, strict=strict)
         assert isinstance(pt, torch.Tensor)
-        ps = self.tokens_per_page
-        return (pt // ps) * self.rows_per_page + pt % ps
+        return (pt // ps) * rpp + pt % ps
 
     def read_vtokens(self, slot: int, past_length: int, query_length: int) -> list[int]:
         """Virtual tokens this step reads (translated in :meth:`update`); sliding: the window before
