@@ -1,7 +1,8 @@
 """transformers' continuous batching on its own ``PagedAttentionCache`` vs on umalloc, at equal cache bytes.
 
-The same requests -- a slice of the shipped Mooncake conversation trace (``umalloc/data/conversation_trace.jsonl``),
-prompt and output lengths divided by ``--scale`` to fit the tiny model's context, prompts built from the trace's
+The same requests -- a slice of the shipped Mooncake conversation trace
+(``umalloc_replay/data/conversation_trace.jsonl``), prompt and output lengths divided by ``--scale`` to fit the
+tiny model's context, prompts built from the trace's
 ``hash_ids`` so requests that share hash blocks share prompt prefixes -- go through one tiny random-weight model
 (seeded) twice in one run: stock, then with :func:`umalloc.integrations.transformers.install`. Both caches get the
 same ``num_blocks``, so the same bytes (umalloc's arena is exactly the stock cache tensor's size). Per run:
@@ -11,13 +12,25 @@ same ``num_blocks``, so the same bytes (umalloc's arena is exactly the stock cac
 * refused: ``can_store_request_tokens`` answers ``False`` (requests left waiting); preempted: requests whose
   cache transformers' offloading manager freed to make room (``free_blocks(no_cache=True)``);
 * memory layer share: wall time inside the cache's scheduler-facing methods (allocation, freeing, prefix match,
-  hash marking, read/write index building and the step hook), the same set wrapped on both caches, over the
-  loop's wall time. The attention's own cache reads and writes (``update``) are the same tensor ops on both and
-  are not counted.
+  hash marking, read/write index building, free-capacity queries) and the per-step hook (stock:
+  ``CachePool.try_to_free_sectors``; umalloc: ``UmallocPagedCache.step_hook``, which that call runs), the same set
+  wrapped on both caches, over the
+  loop's wall time; for umalloc plus the index translation inside ``update`` (its indices are virtual tokens,
+  translated once per forward and group: ``UmallocPagedCache.translate_seconds``), which stock does not have.
+  The attention's own cache reads and writes (``update``'s gathers and scatters) are the same tensor ops on both
+  and are not counted.
+
+The runs alternate (stock, umalloc, ``--repeats`` times, after one warm-up each); scheduling is deterministic
+(checked: every repeat schedules alike), tokens/s and the memory layer share are medians, the tokens/s ratio is
+the median of the per-pair ratios.
 
 Run (in the peer venv, which has transformers):
 
     PYTHONPATH=.peer/path .peer/transformers-venv/bin/python benchmarks/bench_transformers.py
+
+or in a venv with transformers 5.23 (the main one has it):
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_transformers.py --num-blocks 40 --max-batch-tokens 512
 """
 
 from __future__ import annotations
@@ -26,15 +39,17 @@ import argparse
 import functools
 import json
 import random
+import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-TRACE = Path(__file__).resolve().parent.parent / "umalloc" / "data" / "conversation_trace.jsonl"
+TRACE = Path(__file__).resolve().parent.parent / "umalloc_replay" / "data" / "conversation_trace.jsonl"
 TRACE_BLOCK_TOKENS = 512   # the Mooncake trace's hash block
 MEMORY_METHODS = ("can_store_request_tokens", "free_blocks", "search_prefix_match", "mark_complete_blocks",
+                  "compute_free_capacity", "count_storable_requests",
                   "extend_read_and_write_indices", "prepare_fork_request", "evict_cached_blocks")
 
 
@@ -78,7 +93,7 @@ class Probe:
     """Counts steps, concurrency, refusals, preemptions and memory-layer seconds by wrapping methods of the cache
     class and the scheduler classes (restored by :meth:`close`)."""
 
-    def __init__(self, cache_cls: type) -> None:
+    def __init__(self, cache_cls: type, step: tuple[type, str]) -> None:
         from transformers.generation.continuous_batching import scheduler as sched
         self.active: list[int] = []
         self.refused = 0
@@ -89,6 +104,7 @@ class Probe:
             self._wrap(cls, "schedule_batch", self._on_schedule)
         for m in MEMORY_METHODS:
             self._wrap(cache_cls, m, self._timed(m))
+        self._wrap(*step, self._timed(step[1]))   # the per-step hook the scheduler calls
 
     def _wrap(self, cls: type, name: str, make: Any) -> None:
         orig = getattr(cls, name)
@@ -144,7 +160,9 @@ def run_once(model: Any, reqs: list[tuple[list[int], int]], cb_kwargs: dict[str,
                                          max_new_tokens=max(n for _, n in reqs))
     cb = ContinuousBatchingConfig(use_async_batching=False, auto_switch_to_flash=False, **cb_kwargs)
     inst = ut.install() if umalloc_on else None
-    probe = Probe(cache_cls)
+    translate_s = 0.0
+    from transformers.generation.continuous_batching.cache_allocators.cache_pool import CachePool
+    probe = Probe(cache_cls, (cache_cls, "step_hook") if umalloc_on else (CachePool, "try_to_free_sectors"))
     try:
         with model.continuous_batching_context_manager(generation_config=gcfg, continuous_batching_config=cb,
                                                        block=True, timeout=30) as manager:
@@ -165,12 +183,14 @@ def run_once(model: Any, reqs: list[tuple[list[int], int]], cb_kwargs: dict[str,
     finally:
         probe.close()
         if inst is not None:
+            translate_s = sum(c.translate_seconds for c in inst.caches)
             ut.uninstall()
     gen = sum(len(v) for v in done.values())
     act = probe.active or [0]
     return {"tokens": [done[i] for i in ids], "generated": gen, "wall_s": wall, "tok_s": gen / wall,
             "mean_conc": sum(act) / len(act), "max_conc": max(act), "steps": len(probe.active),
-            "refused": probe.refused, "preempted": probe.preempted, "mem_share": probe.memory_s / wall}
+            "refused": probe.refused, "preempted": probe.preempted,
+            "mem_share": (probe.memory_s + translate_s) / wall, "translate_share": translate_s / wall}
 
 
 def main() -> None:
@@ -185,6 +205,7 @@ def main() -> None:
     ap.add_argument("--num-blocks", type=int, default=96, help="cache capacity for both (equal bytes)")
     ap.add_argument("--max-batch-tokens", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=3, help="alternated stock / umalloc runs (medians reported)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -200,22 +221,36 @@ def main() -> None:
           f"max_new<= {args.max_new} page_size={args.page_size} num_blocks={args.num_blocks} seed={args.seed}")
     run_once(model, reqs[:2], cb_kwargs, False, PagedAttentionCache)     # warm-up (kernels, numba)
     run_once(model, reqs[:2], cb_kwargs, True, UmallocPagedCache)
-    stock = run_once(model, reqs, cb_kwargs, False, PagedAttentionCache)
-    um = run_once(model, reqs, cb_kwargs, True, UmallocPagedCache)
+    pairs = []
+    for _ in range(args.repeats):   # alternated, so load drift hits both alike
+        pairs.append((run_once(model, reqs, cb_kwargs, False, PagedAttentionCache),
+                      run_once(model, reqs, cb_kwargs, True, UmallocPagedCache)))
+    fixed = ("tokens", "mean_conc", "max_conc", "steps", "refused", "preempted")
+    for i in (0, 1):
+        if any(p[i][k] != pairs[0][i][k] for p in pairs for k in fixed):
+            raise SystemExit("a repeat scheduled differently: the run is not deterministic")
+    stock, um = (dict(pairs[0][i]) for i in (0, 1))
+    for r, i in ((stock, 0), (um, 1)):
+        for k in ("tok_s", "mem_share", "translate_share", "wall_s"):
+            r[k] = statistics.median(p[i][k] for p in pairs)
+    tok_ratio = statistics.median(u["tok_s"] / s_["tok_s"] for s_, u in pairs)
     same = stock["tokens"] == um["tokens"]
+    print(f"# medians of {args.repeats} alternated runs")
     print("| cache | tokens/s | mean conc. | max conc. | steps | refused | preempted | memory layer |")
     print("|---|---|---|---|---|---|---|---|")
     for name, r in (("stock", stock), ("umalloc", um)):
         print(f"| {name} | {r['tok_s']:.1f} | {r['mean_conc']:.2f} | {r['max_conc']} | {r['steps']} | "
               f"{r['refused']} | {r['preempted']} | {100 * r['mem_share']:.2f}% |")
-    print(f"ratios umalloc/stock: tokens/s {um['tok_s'] / stock['tok_s']:.2f}x, mean concurrency "
-          f"{um['mean_conc'] / stock['mean_conc']:.2f}x; tokens identical: {same}")
+    each = ", ".join(f"{u['tok_s'] / s_['tok_s']:.2f}" for s_, u in pairs)
+    print(f"ratios umalloc/stock: tokens/s {tok_ratio:.2f}x (median of the per-pair ratios {each}), mean concurrency "
+          f"{um['mean_conc'] / stock['mean_conc']:.2f}x; umalloc's translation in update "
+          f"{100 * um['translate_share']:.2f}% of the memory layer's {100 * um['mem_share']:.2f}%; "
+          f"tokens identical: {same}")
     if args.json:
         args.json.write_text(json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "tokens"}
                                          for k, v in (("stock", stock), ("umalloc", um))}, indent=2))
     if not same:
         raise SystemExit("tokens differ between stock and umalloc")
-
 
 if __name__ == "__main__":
     main()

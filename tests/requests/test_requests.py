@@ -156,6 +156,29 @@ def test_swa_window_releases_on_decode_and_shared_pages_wait_for_the_last_holder
     table.check_invariants()
 
 
+def test_decode_on_a_full_arena_takes_the_page_its_window_releases_without_a_trial(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """small_allocator: 9 usable 32-byte slots shared by full (up) and swa (down), page_size 2, window 4. The zero
+    page takes one slot on each end; a 6-token request pages 0, 1, 2 (three on each end): 8 slots used, 1 free.
+    Its decode at L = 6 needs page 3 on both ends (2 slots) and releases page index 0 on swa (tail(6, 4) = 2):
+    full takes the free slot, swa the released one, with no allocator trial (Note [Room], step 1b)."""
+    alloc = small_allocator()
+    table = RequestTable(alloc, max_requests=2, max_tokens_per_request=12)
+    (a,) = table.new_requests(1).tolist()
+    assert table.extend([a], [6]) is not None
+    assert alloc.stats()["full"].live_pages == 4 and alloc.stats()["swa"].live_pages == 4
+
+    def no_trial(*args: object, **kwargs: object) -> None:
+        raise AssertionError("an allocator trial ran")
+
+    monkeypatch.setattr(alloc, "trial", no_trial)
+    assert table.can_extend([a], [1])
+    assert table.decode([a]) is not None
+    assert table.num_tokens([a]).tolist() == [7]
+    assert alloc.stats()["full"].live_pages == 5 and alloc.stats()["swa"].live_pages == 4
+    table.check_invariants()
+
+
 def test_fork_shares_every_page_and_copies_a_shared_partial_page_on_first_write_F28() -> None:
     """page_size 4: a holds 6 tokens (pages 2, 3; page 3 partial). fork(a, 6) shares both. a's decode finds page 3
     shared: it gets a copy (page 4, bytes copied) and its tokens 4, 5 move there; b then writes page 3 in place."""

@@ -37,8 +37,9 @@ Where transformers 5.23's interfaces are adapted, all in this module:
 3. ``cache.pool.try_to_free_sectors()``, which the scheduler calls once per step before scheduling, is the step
    hook: forced compaction (``compact_every_step``) and the per-step ``check_invariants`` run there, after the
    previous forward and before the next step's indices are built.
-4. ``read_trash_index`` is a property (the zero page may move under compaction); the IO builder reads it every
-   step before it builds the indices.
+4. ``read_trash_index`` is the zero page's virtual token and every index the IO builder collects is virtual,
+   translated in ``update`` (Note [Batch translation] in :mod:`umalloc.integrations.transformers_groups`), so
+   compaction may move the zero page too.
 5. The decode fast path (block tables) is off (``max_blocks_per_request = 0``): block tables would hold physical
    pages that compaction may move; eager / sdpa read through row indices only.
 6. ``evict_cached_blocks`` evicts nothing and returns ``False``: the table evicts LRU pages itself when an
@@ -66,16 +67,21 @@ Note [Long prefills]
 ~~~~~~~~~~~~~~~~~~~~
 The request table binds every new page on the sliding end and unbinds the pages that left the window at the
 start of the *next* growth. A prefill chunk much longer than the window would so hold sliding pages for all its
-tokens at once, where transformers' ring buffer holds ``window`` tokens. For a first prefill chunk (the request
-holds nothing yet, so this step reads nothing from the cache) longer than twice the window the cache grows the
-request one page at a time (each step's start unbinds what the previous one pushed out), after checking that the
-full pages and the sliding peak (``swa_peak_pages``: the window's pages plus four) fit jointly (``can_alloc``), so
-it is still all or nothing. The early tokens' sliding writes then go to the sink: attention reads them from this step's own K/V,
-never from the cache. A later chunk (``past > 0``) reads the window before ``past``, which an intermediate step's
-release would drop: a *guard* request forked from it at ``past`` holds that window (the table's fork holds the
-window tail on the sliding end) until the next step hook, after the forward that reads it, and this step's
-sliding reads go through the guard's row: the request's own row may name a copy of its shared partial last page
-(copy-on-write) that a later window step unbound again.
+tokens at once, where transformers' ring buffer holds ``window`` tokens. For a chunk longer than twice the
+window the cache grows the request in several table calls (each call's start unbinds what the previous one
+pushed out): up to ``_LONG_STRIDE_PAGES`` pages per call while they fit outright (else one page per call), the
+last call at most one page, so the sliding end ends the step holding the chunk's last window, as transformers
+does (the strides' pages are transient: unbound again at the next call's start). It is all or nothing
+without reserving a peak: a lower bound (the chunk's full pages and the last window's sliding pages,
+``swa_window_pages``) is checked against the free bytes first, then the growth runs, and a growth that falls
+short is rolled back (the request's slot freed, or handed to the guard below, a fork of the request at its
+length on entry). The early tokens' sliding writes then go to the sink: attention reads them from this step's
+own K/V, never from the cache. A later chunk (``past > 0``) reads the window before ``past``, which an
+intermediate growth's unbinding would drop: a *guard* request forked from it at ``past`` holds that window (the
+table's fork holds the window tail on the sliding end, sharing its pages: nothing is allocated) until the next
+step hook, after the forward that reads it, and this step's sliding reads go through the guard's row: the
+request's own row may name a copy of its shared partial last page (copy-on-write) that a later growth unbound
+again.
 
 Threading: the scheduler's thread only (transformers drives the cache from one thread).
 """
@@ -91,6 +97,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from umalloc import (
@@ -100,7 +107,6 @@ from umalloc import (
     EndSpec,
     Grow,
     InvariantError,
-    KVDtype,
     LayerSpec,
     MultiEndedAllocator,
     RequestTable,
@@ -110,71 +116,22 @@ from umalloc.integrations.transformers_groups import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
     EndGroup,
-    swa_peak_pages,
+    swa_window_pages,
+)
+from umalloc.integrations.transformers_options import (
+    END_OF,
+    TORCH_TO_KV,
+    CacheCounters,
+    CacheOptions,
+    UnsupportedCacheError,
+    UnsupportedTransformersVersion,
+    text_config_dims,
 )
 
 #: transformers versions this integration is tested against (exactly).
 SUPPORTED_TRANSFORMERS_VERSIONS: tuple[str, ...] = ("5.23.0",)
 
-_END_OF = {FULL_ATTENTION: "full", SLIDING_ATTENTION: "swa"}
-_TORCH_TO_KV = {torch.float32: KVDtype.FP32, torch.float16: KVDtype.FP16, torch.bfloat16: KVDtype.BF16}
-
-
-class UnsupportedTransformersVersion(UmallocValueError):
-    """:func:`install` on a transformers version this integration was not tested against."""
-
-
-class UnsupportedCacheError(UmallocValueError):
-    """A model or continuous-batching config the umalloc cache cannot hold (layer and type, or option, named)."""
-
-
-@dataclass(frozen=True)
-class CacheOptions:
-    """How :class:`UmallocPagedCache` builds its arena.
-
-    Attributes:
-        arena_bytes: total arena bytes; ``None``: the bytes of transformers' own cache tensor for the same config.
-        compaction: the allocator's mode, ``"lazy"`` (compact when an allocation falls short), ``"eager"`` (after
-            every free) or ``"off"``.
-        compact_every_step: compact every end at the step hook (Note [Seams] 3), to exercise moving pages.
-        compact_budget_pages: most pages that forced compaction moves per end and step (``None``: unbounded), the
-            lazy allocator's move budget applied between steps.
-        check_every_step: run ``check_invariants`` (table and allocator) at the step hook.
-        max_requests: request slots (``None``: ``min(owner pages, 1024)``).
-    """
-
-    arena_bytes: int | None = None
-    compaction: str = "lazy"
-    compact_every_step: bool = False
-    compact_budget_pages: int | None = None
-    check_every_step: bool = False
-    max_requests: int | None = None
-
-
-@dataclass
-class CacheCounters:
-    """Cumulative counters of one :class:`UmallocPagedCache` (plain ints).
-
-    Attributes:
-        steps: step hooks seen. compactions / pages_moved: forced compactions and the pages they moved (the
-        allocator's own eager / lazy moves are in ``alloc.stats()[end].pages_moved``). prefix_hits /
-        prefix_hit_tokens: prompts that reused cached pages and the tokens reused. evicted_pages: cached pages
-        evicted (``on_evict``). refused_allocations: ``can_store_request_tokens`` answers ``False``.
-        max_live_requests: most requests holding pages at once. memory_seconds: wall time inside this layer
-        (allocation, translation, freeing, hooks), measured with ``time.perf_counter``.
-    """
-
-    steps: int = 0
-    compactions: int = 0
-    pages_moved: int = 0
-    prefix_hits: int = 0
-    prefix_hit_tokens: int = 0
-    evicted_pages: int = 0
-    refused_allocations: int = 0
-    max_live_requests: int = 0
-    forks: int = 0
-    memory_seconds: float = 0.0
-    live_requests_sum: int = 0
+_LONG_STRIDE_PAGES = 8   # most pages per table call of a long prefill (Note [Long prefills])
 
 
 def _block_hash(parent: int | None, tokens: list[int]) -> int:
@@ -219,34 +176,6 @@ class _Pool:
         return 0
 
 
-def _text_config_dims(config: Any, dtype: torch.dtype) -> tuple[int, int, dict[str, list[int]], int | None]:
-    """``(num_kv_heads, head_dim, layers by attention type, sliding_window)`` of a text config; refuses what the
-    arena cannot hold (Note [Seams] 8)."""
-    utils = importlib.import_module("transformers.generation.continuous_batching.utils")
-    num_kv_heads = int(utils.find_num_key_value_heads(config))
-    head_dim = int(utils.find_head_dim(config))
-    layer_types = getattr(config, "layer_types", None)
-    sliding_window = getattr(config, "sliding_window", None)
-    n = int(config.num_hidden_layers)
-    if layer_types is None:
-        layer_types = [SLIDING_ATTENTION if sliding_window is not None else FULL_ATTENTION] * n
-    groups: dict[str, list[int]] = {}
-    for i, lt in enumerate(layer_types):
-        if lt not in _END_OF:
-            raise UnsupportedCacheError(f"layer {i} has attention type {lt!r}; the umalloc cache holds "
-                                        f"{sorted(_END_OF)}")
-        groups.setdefault(lt, []).append(i)
-    if FULL_ATTENTION not in groups:
-        raise UnsupportedCacheError(f"every layer of the model is {SLIDING_ATTENTION!r} (layer 0 first); the umalloc "
-                                    "cache needs at least one full_attention layer as the id owner")
-    if SLIDING_ATTENTION in groups and (not isinstance(sliding_window, int) or sliding_window <= 0):
-        raise UnsupportedCacheError(f"layer {groups[SLIDING_ATTENTION][0]} is {SLIDING_ATTENTION!r} with "
-                                    f"sliding_window={sliding_window!r}; allowed a positive int")
-    if dtype not in _TORCH_TO_KV:
-        raise UnsupportedCacheError(f"cache dtype {dtype}; allowed {sorted(map(str, _TORCH_TO_KV))}")
-    return num_kv_heads, head_dim, groups, sliding_window if SLIDING_ATTENTION in groups else None
-
-
 class UmallocPagedCache:
     """transformers' ``PagedAttentionCache`` interface (5.23) over a umalloc arena (module docstring).
 
@@ -278,8 +207,8 @@ class UmallocPagedCache:
         self.device = device
         self.page_size = ps = int(cb.page_size)
         self.allow_block_sharing = bool(cb.allow_block_sharing)
-        num_kv_heads, head_dim, groups, window = _text_config_dims(config, dtype)
-        kv = _TORCH_TO_KV[dtype]
+        num_kv_heads, head_dim, groups, window = text_config_dims(config, dtype)
+        kv = TORCH_TO_KV[dtype]
 
         # ---- transformers' own sizing (sectors), for equal bytes
         cache_mod = importlib.import_module("transformers.generation.continuous_batching.cache")
@@ -317,6 +246,8 @@ class UmallocPagedCache:
         self.counters = CacheCounters()
         self._timer = _Timer(self.counters)
         self.slots: dict[str, int] = {}
+        self._held: dict[int, int] = {}   # slot -> tokens it holds (the table's lengths, kept here: no table call)
+        self._free_bytes_memo: int | None = None   # free_bytes() until the next allocation or free
         self._guards: dict[str, int] = {}
         self._hash_to_vpage: dict[int, int] = {}
         self._vpage_to_hash: dict[int, int] = {}
@@ -324,7 +255,7 @@ class UmallocPagedCache:
         self.cache_allocators: dict[str, EndGroup] = {}
         self.layer_to_allocator: dict[int, EndGroup] = {}
         for index, lt in enumerate(sorted(groups, key=lambda t: t != FULL_ATTENTION)):
-            grp = EndGroup(self, index, lt, _END_OF[lt], groups[lt], num_kv_heads, head_dim,
+            grp = EndGroup(self, index, lt, END_OF[lt], groups[lt], num_kv_heads, head_dim,
                             window if lt == SLIDING_ATTENTION else None)
             self.cache_allocators[lt] = grp
             for layer in groups[lt]:
@@ -340,7 +271,19 @@ class UmallocPagedCache:
     # ---- bookkeeping ---------------------------------------------------------------------------------------
     def held_tokens(self, request_id: str) -> int:
         slot = self.slots.get(request_id)
-        return 0 if slot is None else int(self.table.num_tokens([slot])[0])
+        return 0 if slot is None else self._held.get(slot, 0)
+
+    @property
+    def translate_seconds(self) -> float:
+        """Seconds spent translating attention indices (Note [Batch translation] in
+        :mod:`umalloc.integrations.transformers_groups`), every group."""
+        return sum(g.translate_seconds for g in self.cache_allocators.values())
+
+    def _free_table_slots(self, slots: list[int], cache: bool = False) -> None:
+        self._free_bytes_memo = None
+        self.table.free_requests(slots, cache=cache)
+        for s in slots:
+            self._held.pop(s, None)
 
     def _on_evict(self, vpages: torch.Tensor) -> None:
         self.counters.evicted_pages += int(vpages.numel())
@@ -363,14 +306,15 @@ class UmallocPagedCache:
             return
         if not cache:
             self._forget_hashes(self.table.pages(slot).tolist())
-        self.table.free_requests([slot], cache=cache)
+        self._free_table_slots([slot], cache=cache)
 
     def step_hook(self) -> None:
         """Once per scheduling step (Note [Seams] 3): free the last step's guard requests (Note [Long prefills]),
         optional forced compaction and invariant checks."""
         with self._timer:
+            self._free_bytes_memo = None
             if self._guards:
-                self.table.free_requests(list(self._guards.values()))
+                self._free_table_slots(list(self._guards.values()))
                 self._guards.clear()
             c = self.counters
             c.steps += 1
@@ -395,6 +339,11 @@ class UmallocPagedCache:
                                      "hash maps elsewhere")
         if len(self._hash_to_vpage) != len(self._vpage_to_hash):
             raise InvariantError("hash-index: hash -> page and page -> hash differ in size")
+        live = sorted({*self.slots.values(), *self._guards.values()})
+        if sorted(self._held) != live:
+            raise InvariantError(f"held lengths: kept for slots {sorted(self._held)}, live slots {live}")
+        if live and self.table.num_tokens(live).tolist() != [self._held[s] for s in live]:
+            raise InvariantError("held lengths: a kept length differs from the table's")
 
     # ---- scheduler-facing API (transformers' PagedAttentionCache) --------------------------------------------
     def can_store_request_tokens(self, state: Any, request_len: int, dry_run: bool = False) -> bool:
@@ -405,7 +354,7 @@ class UmallocPagedCache:
             if dry_run:
                 pages = -(-int(request_len) // self.page_size)
                 need = {g.end: pages if g.sliding_window is None or request_len <= 2 * g.sliding_window
-                        else swa_peak_pages(g.sliding_window, self.page_size)
+                        else swa_window_pages(g.sliding_window, self.page_size)
                         for g in self.cache_allocators.values()}
                 return request_len <= self.max_tokens_per_request and self.alloc.can_alloc(need)
             rid = state.request_id
@@ -415,18 +364,21 @@ class UmallocPagedCache:
             known = self.slots.get(rid)
             fresh = known is None
             slot = -1 if known is None else known
-            grow = target - (0 if known is None else self.held_tokens_of(slot))
+            grow = target - self._held.get(slot, 0)
             if grow <= 0:
                 return True
+            if fresh and not self._fits_bytes(*self._fresh_pages(grow)):   # cheap refusal, nothing touched
+                self.counters.refused_allocations += 1
+                return False
             if fresh:
                 got = self.table.new_requests(1)
                 if got is None:
                     self.counters.refused_allocations += 1
                     return False
                 slot = int(got[0])
-            if not self._extend(rid, slot, grow):
-                if fresh:
-                    self.table.free_requests([slot])
+            ok = self._extend(rid, slot, grow, fresh)
+            self._free_bytes_memo = None   # the growth (or its rollback) may have changed the free bytes
+            if not ok:
                 self.counters.refused_allocations += 1
                 return False
             if fresh:
@@ -434,43 +386,95 @@ class UmallocPagedCache:
                 self.counters.max_live_requests = max(self.counters.max_live_requests, len(self.slots))
             return True
 
-    def _extend(self, request_id: str, slot: int, num_tokens: int) -> bool:
-        """Grow request ``slot`` by ``num_tokens`` tokens, all or nothing (Note [Long prefills])."""
+    def _fresh_pages(self, num_tokens: int) -> tuple[int, int]:
+        """(full pages, sliding pages) a request holding nothing takes at least to grow by ``num_tokens``: every
+        page on both ends, or the last window's for a long prefill (Note [Long prefills])."""
+        pages = -(-num_tokens // self.page_size)
+        swa = self.cache_allocators.get(SLIDING_ATTENTION)
+        if swa is None or swa.sliding_window is None:
+            return pages, 0
+        if num_tokens > 2 * swa.sliding_window:
+            return pages, swa_window_pages(swa.sliding_window, self.page_size)
+        return pages, pages
+
+    def _fits_bytes(self, full_pages: int, swa_pages: int) -> bool:
+        """Whether that many pages fit in the free bytes (:meth:`free_bytes`, memoized until the next change):
+        a necessary condition, whatever the layout; the allocation itself compacts if holes are in the way."""
+        if self._free_bytes_memo is None:
+            self._free_bytes_memo = self.free_bytes()
+        need = full_pages * self.cache_allocators[FULL_ATTENTION].bytes_per_block
+        if swa_pages:
+            need += swa_pages * self.cache_allocators[SLIDING_ATTENTION].bytes_per_block
+        return need <= self._free_bytes_memo
+
+    def _extend(self, request_id: str, slot: int, num_tokens: int, fresh: bool) -> bool:
+        """Grow request ``slot`` by ``num_tokens`` tokens, all or nothing (Note [Long prefills]); a ``fresh`` slot
+        is freed when the growth is refused."""
+        self._free_bytes_memo = None
         swa = self.cache_allocators.get(SLIDING_ATTENTION)
         window = None if swa is None else swa.sliding_window
         ps = self.page_size
-        held = self.held_tokens_of(slot)
+        held = self._held.get(slot, 0)
         if window is None or num_tokens <= 2 * window:
-            return self.table.extend([slot], torch.tensor([num_tokens], dtype=torch.int64)) is not None
-        chunk = ps
-        full_pages = -(-(held + num_tokens) // ps) - -(-held // ps)
-        swa_peak = swa_peak_pages(window, ps)
+            return self._extend_once(slot, held, num_tokens, fresh)
         guard = None
         if held > 0:   # this step reads the window before `held`: a guard request holds it
             guard = self.table.fork(slot, held)
             if guard is None:
-                return self.table.extend([slot], torch.tensor([num_tokens], dtype=torch.int64)) is not None
-        if not self.alloc.can_alloc({"full": full_pages + (guard is not None), "swa": swa_peak}):
+                return self._extend_once(slot, held, num_tokens, fresh)
+            self._held[int(guard)] = held
+        full_pages = -(-(held + num_tokens) // ps) - -(-held // ps) + (guard is not None and held % ps != 0)
+        if not self._fits_bytes(full_pages, swa_window_pages(window, ps)):
             if guard is not None:
-                self.table.free_requests([guard])
+                self._free_table_slots([int(guard)])
+            if fresh:
+                self._free_table_slots([slot])
             return False
-        if guard is not None:
-            self._guards[request_id] = int(guard)
         done = 0
         while done < num_tokens:
-            step = min(chunk, num_tokens - done)
-            if self.table.extend([slot], torch.tensor([step], dtype=torch.int64)) is None:
-                raise InvariantError(f"long prefill: extend of {step} tokens failed after {done} of {num_tokens} "
-                                     f"although can_alloc(full={full_pages}, swa={swa_peak}) held")
+            rest = num_tokens - done
+            step = min(ps, rest)
+            # all but the last page's tokens in strides when they fit outright (few table calls, never a
+            # compaction trial); the last call grows at most a page, so the end holds the last window only
+            stride = min(_LONG_STRIDE_PAGES * ps, (rest - 1) // ps * ps)
+            if stride > ps and self.alloc.can_alloc({"full": stride // ps + 1, "swa": stride // ps + 1}):
+                step = stride
+            if self.table.extend(np.array([slot], np.int64), np.array([step], np.int64)) is None:
+                self._held[slot] = held + done
+                self._undo_long(request_id, slot, guard, fresh)
+                self.counters.rolled_back += 1
+                return False
             done += step
+        self._held[slot] = held + num_tokens
+        if guard is not None:
+            self._guards[request_id] = int(guard)
         return True
 
-    def held_tokens_of(self, slot: int) -> int:
-        return int(self.table.num_tokens([slot])[0])
+    def _extend_once(self, slot: int, held: int, num_tokens: int, fresh: bool) -> bool:
+        if self.table.extend(np.array([slot], np.int64), np.array([num_tokens], np.int64)) is None:
+            if fresh:
+                self._free_table_slots([slot])
+            return False
+        self._held[slot] = held + num_tokens
+        return True
+
+    def _undo_long(self, request_id: str, slot: int, guard: int | None, fresh: bool) -> None:
+        """Undo a long prefill whose growth fell short (Note [Long prefills]): the guard, a fork of the request
+        at its length on entry, takes the request's place; a request without one held no tokens on entry and is
+        freed (a known id loses its empty slot: it holds nothing either way)."""
+        if guard is not None:
+            self._free_table_slots([slot])
+            self.slots[request_id] = int(guard)
+            return
+        if fresh or self._held.get(slot, 0) > 0:
+            self._free_table_slots([slot])
+            if not fresh:
+                self.slots.pop(request_id, None)
 
     def count_storable_requests(self, list_blocks_needed: list[dict[str, int]]) -> int:
-        """How many of the requests, in order, the free bytes (free pages, gap, cached pages) could hold."""
-        free_bytes = self.free_bytes()
+        """How many of the requests, in order, the free bytes (free pages, gap, cached pages; memoized) could
+        hold."""
+        free_bytes = int(self.compute_free_capacity(relative=False))
         for i, blocks in enumerate(list_blocks_needed):
             need = sum(n * self.cache_allocators[name].bytes_per_block for name, n in blocks.items())
             if need > free_bytes:
@@ -480,20 +484,25 @@ class UmallocPagedCache:
 
     def free_bytes(self) -> int:
         """Bytes allocatable now or after evicting every cached page: holes of every end, the gap between the
-        ends, and the cached pages (owner pages plus their bindings)."""
-        st = self.alloc.stats()
-        full = st["full"]
-        total = sum(s.hole_bytes for s in st.values())
-        if "swa" in st:
-            swa = st["swa"]
-            total += max(0, swa.band_lo * swa.page_bytes - full.band_hi * full.page_bytes)
+        ends, and the cached pages (owner pages plus their bindings). O(ends), from the allocator's end views."""
+        ends = self.alloc.ends
+        full = ends["full"]
+        total = sum(v.hole_pages * v.page_bytes for v in ends.values())
+        if "swa" in ends:
+            swa = ends["swa"]
+            total += max(0, swa.lo * swa.page_bytes - full.hi * full.page_bytes)
         else:
-            total += self.arena.arena_bytes - full.band_hi * full.page_bytes
-        return total + int(self.table.capacity()["full"]["reclaimable_pages"]) * full.page_bytes
+            total += self.arena.arena_bytes - full.hi * full.page_bytes
+        if self.use_prefix_sharing:   # only then are pages cached (free_blocks caches nothing otherwise)
+            total += int(self.table.capacity()["full"]["reclaimable_pages"]) * full.page_bytes
+        return total
 
     def compute_free_capacity(self, relative: bool = True) -> int | float:
-        """Free bytes (:meth:`free_bytes`), or their share of the usable arena."""
-        free = self.free_bytes()
+        """Free bytes (:meth:`free_bytes`, memoized until the next allocation or free), or their share of the
+        usable arena."""
+        if self._free_bytes_memo is None:
+            self._free_bytes_memo = self.free_bytes()
+        free = self._free_bytes_memo
         return free / (self.arena.arena_bytes - self.arena.floor_bytes) if relative else free
 
     def evict_cached_blocks(self) -> bool:
@@ -508,7 +517,7 @@ class UmallocPagedCache:
     def free_all_requests(self, clear_ledgers: bool = False) -> None:
         with self._timer:
             if self._guards:
-                self.table.free_requests(list(self._guards.values()))
+                self._free_table_slots(list(self._guards.values()))
                 self._guards.clear()
             for rid in list(self.slots):
                 self._free_slot(rid, cache=self.use_prefix_sharing and not clear_ledgers)
@@ -539,6 +548,7 @@ class UmallocPagedCache:
                 matched.append(vp)
             if not matched or request_id in self.slots:
                 return 0
+            self._free_bytes_memo = None
             got = self.table.new_requests(1)
             if got is None:
                 return 0
@@ -550,6 +560,7 @@ class UmallocPagedCache:
                 self.table.free_requests([slot])
                 return 0
             self.slots[request_id] = slot
+            self._held[slot] = len(matched) * ps
             self.counters.prefix_hits += 1
             self.counters.prefix_hit_tokens += len(matched) * ps
             return len(matched) * ps
@@ -586,17 +597,19 @@ class UmallocPagedCache:
 
     def extend_read_and_write_indices(self, request_id: str, past_length: int, query_length: int,
                                       read_index: list[list[int]] | None, write_index: list[list[int]]) -> None:
-        """Append the request's attention rows (Note [Rows]) per attention type, in ``cache_allocators`` order."""
+        """Append the request's attention indices per attention type, in ``cache_allocators`` order: virtual
+        tokens, translated to rows (Note [Rows]) once per forward for the whole batch (Note [Batch translation]
+        in :mod:`umalloc.integrations.transformers_groups`)."""
         with self._timer:
             slot = self.slots[request_id]
             for grp, out in zip(self.cache_allocators.values(), write_index, strict=True):
-                out.extend(grp.write_rows(slot, past_length, query_length))
+                out.extend(grp.write_vtokens(slot, past_length, query_length))
             if read_index is not None:
                 guard = self._guards.get(request_id, slot)
                 for grp, out in zip(self.cache_allocators.values(), read_index, strict=True):
                     # a sliding read of a guarded request goes through the guard's row (Note [Long prefills])
                     src = guard if grp.sliding_window is not None else slot
-                    out.extend(grp.read_rows(src, past_length, query_length))
+                    out.extend(grp.read_vtokens(src, past_length, query_length))
 
     def fill_block_table(self, request_id: str, past_length: int, query_length: int,
                          block_table: torch.Tensor) -> None:
@@ -607,6 +620,7 @@ class UmallocPagedCache:
         """Fork the source's pages into new requests (shared, copy-on-write in the table); returns the ids forked
         (those a slot was free for). Nothing for the caller to copy."""
         with self._timer:
+            self._free_bytes_memo = None
             src = self.slots[src_state.request_id]
             forked = []
             for rid in dst_req_ids:
@@ -614,6 +628,7 @@ class UmallocPagedCache:
                 if slot is None:
                     break
                 self.slots[rid] = int(slot)
+                self._held[int(slot)] = self._held.get(src, 0)
                 forked.append(rid)
                 self.counters.forks += 1
             self.counters.max_live_requests = max(self.counters.max_live_requests, len(self.slots))

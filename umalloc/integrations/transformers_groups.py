@@ -5,14 +5,30 @@ continuous-batching IO builder and attention read as a cache allocator (``cache.
 * An :class:`EndGroup` holds per-layer K/V row views of the arena (Note [Rows] there) and turns a request's
   virtual tokens into rows through the allocator's translation; it owns no pages (the cache's request table
   does).
-* ``SINK_ROW`` (page 0's first row) takes writes of padded lanes; ``SENTINEL_ROW`` marks, in a sliding read
-  index, where this step's new states go.
+* The read / write indices transformers collects per request (``extend_read_and_write_indices``) and pads with
+  ``read_trash_index`` / ``write_trash_index`` hold *virtual* token ids; :meth:`EndGroup.update` translates the
+  whole batch's indices to rows once per forward, at the group's first layer (Note [Batch translation]).
+* Virtual token ``SINK_ROW`` (0) is the sink's first token (padded writes); ``SENTINEL_ROW`` (1) marks, in a
+  sliding read index, where this step's new states go. Virtual page 0 maps to physical page 0 on every end, so
+  both translate to rows 0 and 1 of the sink page.
+
+Note [Batch translation]
+~~~~~~~~~~~~~~~~~~~~~~~~
+The IO builder asks for indices request by request; translating there would be one allocator call per request
+and group. The indices stay virtual until the forward: the first layer of each group translates its read and
+write index tensors (one ``translate`` each, the whole batch) and the group's other layers reuse the rows. The
+translation runs after every allocation of the step (the scheduler allocates before the IO builder runs), so
+pages compaction moved at the step hook are translated at their new place. Sliding writes translate with
+``strict=False``: tokens whose sliding pages a long prefill already unbound (Note [Long prefills] in
+:mod:`umalloc.integrations.transformers`) write the sink. The time spent is ``translate_seconds``.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from umalloc import Arena, MultiEndedAllocator, RequestTable
@@ -37,10 +53,11 @@ class CacheParts(Protocol):
     def held_tokens(self, request_id: str) -> int: ...
 
 
-def swa_peak_pages(window: int, page_size: int) -> int:
-    """Most fresh sliding pages a long prefill grown page by page binds at once: the window's pages, the page
-    being filled, one unbound page not yet drained, one shared partial page copied on write, one spare."""
-    return -(-window // page_size) + 4
+def swa_window_pages(window: int, page_size: int) -> int:
+    """Fresh sliding pages a prefill chunk longer than twice the window leaves bound at its end: the window's
+    pages plus the one its unaligned start spills into. A lower bound of what the chunk needs (the page-by-page
+    growth of Note [Long prefills] may bind one or two more on the way, and is rolled back if they do not fit)."""
+    return -(-window // page_size) + 1
 
 
 class EndGroup:
@@ -62,6 +79,9 @@ class EndGroup:
         self.rows_per_page = 2 * cache.page_size * len(layer_indices)
         self.write_trash_index = SINK_ROW
         self.sentinel_index = SENTINEL_ROW
+        #: seconds spent translating indices (Note [Batch translation])
+        self.translate_seconds = 0.0
+        self._rows_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         arena = cache.arena
         self.bytes_per_block = arena.page_bytes(end)
         self.num_blocks = arena.top_page(end) + 1 - arena.first_page(end)
@@ -75,8 +95,9 @@ class EndGroup:
     # ---- transformers' allocator attributes -----------------------------------------------------------------
     @property
     def read_trash_index(self) -> int:
-        """Row of the table's zero page on this end (padded reads); recomputed each step (Note [Seams] 4)."""
-        return int(self.rows(torch.tensor([self._cache.table.pad_read_vtoken], dtype=torch.int64))[0])
+        """Virtual token of the table's zero page (padded reads), translated with the rest of the read index
+        (Note [Batch translation]; Note [Seams] 4)."""
+        return int(self._cache.table.pad_read_vtoken)
 
     @property
     def block_table(self) -> dict[str, list[int]]:
@@ -90,40 +111,58 @@ class EndGroup:
         return query_length + min(past_length, self.sliding_window - 1)
 
     def needs_new_blocks(self, request_id: str, past_length: int, query_length: int) -> int:
-        """Pages this end needs for ``query_length`` more tokens (every new page is bound on every end)."""
+        """Pages this end needs for ``query_length`` more tokens (what transformers' offloading manager sizes its
+        evictions by). Every new page is bound on every end; a sliding end first unbinds the pages that left the
+        window (Note [Windows] in :mod:`umalloc.requests.table`), counted here as a decode's unbinding (the growth
+        before was by one token; an earlier one unbound at least that much), so a decode past the window
+        needs no sliding page net."""
         held = self._cache.held_tokens(request_id)
         ps = self.tokens_per_page
         pages = max(0, -(-(past_length + query_length) // ps) - -(-held // ps))
-        if self.sliding_window is not None and query_length > 2 * self.sliding_window:
-            pages = min(pages, swa_peak_pages(self.sliding_window, ps))   # Note [Long prefills]
-        return pages
+        w = self.sliding_window
+        if w is None:
+            return pages
+        if query_length > 2 * w:
+            return min(pages, swa_window_pages(w, ps) + 1)   # Note [Long prefills]
+        unbound = max(0, held - w) // ps - max(0, held - 1 - w) // ps
+        return max(0, pages - unbound)
 
     # ---- rows -------------------------------------------------------------------------------------------
-    def rows(self, vtokens: torch.Tensor) -> torch.Tensor:
-        """``int64`` rows (Note [Rows]) of virtual tokens ``vtokens`` on this end. Raises ``TombstoneError`` for a
-        token whose page is not bound here."""
-        pt = self._cache.alloc.translate(vtokens, self.end)
+    def to_rows(self, vtokens: torch.Tensor, strict: bool = True) -> torch.Tensor:
+        """``int64`` rows of an index tensor of virtual tokens (Note [Batch translation]); ``strict=False`` maps
+        tokens whose page is not bound here to the sink."""
+        ps, rpp = self.tokens_per_page, self.rows_per_page
+        if vtokens.device.type == "cpu":   # numpy arithmetic: no torch op dispatch on a few hundred ids
+            pn = self._cache.alloc.translate(vtokens.numpy(), self.end, strict=strict)
+            assert isinstance(pn, np.ndarray)
+            return torch.from_numpy((pn // ps) * rpp + pn % ps)
+        pt = self._cache.alloc.translate(vtokens, self.end, strict=strict)
         assert isinstance(pt, torch.Tensor)
-        ps = self.tokens_per_page
-        return (pt // ps) * self.rows_per_page + pt % ps
+        return (pt // ps) * rpp + pt % ps
 
-    def read_rows(self, slot: int, past_length: int, query_length: int) -> list[int]:
+    def read_vtokens(self, slot: int, past_length: int, query_length: int) -> list[int]:
+        """Virtual tokens this step reads (translated in :meth:`update`); sliding: the window before
+        ``past_length``, then one ``SENTINEL_ROW`` per new token."""
         r2t = self._cache.table.req_to_token
         if self.sliding_window is None:
-            return self.rows(r2t[slot, : past_length + query_length].to(torch.int64)).tolist()
+            return r2t[slot, : past_length + query_length].tolist()
         lo = max(0, past_length - (self.sliding_window - 1))
-        return self.rows(r2t[slot, lo:past_length].to(torch.int64)).tolist() + [SENTINEL_ROW] * query_length
+        return r2t[slot, lo:past_length].tolist() + [SENTINEL_ROW] * query_length
 
-    def write_rows(self, slot: int, past_length: int, query_length: int) -> list[int]:
-        """Rows this step writes. A sliding end may have unbound the pages of a long prefill's early tokens
-        (Note [Long prefills]): their writes go to the sink, as no later step reads them."""
-        vt = self._cache.table.req_to_token[slot, past_length: past_length + query_length].to(torch.int64)
-        if self.sliding_window is None:
-            return self.rows(vt).tolist()
-        pt = self._cache.alloc.translate(vt, self.end, strict=False)
-        assert isinstance(pt, torch.Tensor)
-        ps = self.tokens_per_page
-        return ((pt // ps) * self.rows_per_page + pt % ps).tolist()
+    def write_vtokens(self, slot: int, past_length: int, query_length: int) -> list[int]:
+        """Virtual tokens this step writes (translated in :meth:`update`)."""
+        return self._cache.table.req_to_token[slot, past_length: past_length + query_length].tolist()
+
+    def _batch_rows(self, layer_idx: int, read_index: torch.Tensor,
+                    write_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This forward's rows: translated at the group's first layer, reused by its others."""
+        if layer_idx == self.layer_indices[0] or self._rows_cache is None:
+            t0 = time.perf_counter()
+            sliding = self.sliding_window is not None
+            reads = self.to_rows(read_index) if read_index.numel() else read_index
+            self._rows_cache = (reads, self.to_rows(write_index, strict=not sliding))
+            self.translate_seconds += time.perf_counter() - t0
+        return self._rows_cache
 
     # ---- attention update ---------------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
@@ -131,7 +170,8 @@ class EndGroup:
         """Write this step's K/V (``[q, kv_heads, head_dim]``) at ``write_index`` rows and return the K/V attention
         reads (``[len(read_index), kv_heads, head_dim]``). Full attention writes then reads; sliding attention reads
         the cached tail first, puts the new states at the sentinel rows, then writes (its reads never include this
-        step's rows)."""
+        step's rows). ``read_index`` / ``write_index`` hold virtual tokens (Note [Batch translation])."""
+        read_index, write_index = self._batch_rows(layer_idx, read_index, write_index)
         k_rows, v_rows = self._views[layer_idx]
         if self.sliding_window is None or read_index.numel() == 0:
             k_rows.index_copy_(0, write_index, key_states)
@@ -149,4 +189,5 @@ class EndGroup:
         return k_out, v_out
 
 
-__all__ = ["FULL_ATTENTION", "SENTINEL_ROW", "SINK_ROW", "SLIDING_ATTENTION", "CacheParts", "EndGroup", "swa_peak_pages"]
+__all__ = ["FULL_ATTENTION", "SENTINEL_ROW", "SINK_ROW", "SLIDING_ATTENTION", "CacheParts", "EndGroup",
+           "swa_window_pages"]

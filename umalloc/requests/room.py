@@ -10,6 +10,10 @@ An extend first plans (validates, counts its ``k`` fresh pages, lists the window
 changing anything, then makes room on the allocator in the cheapest way that is sure to be all or nothing:
 
 1. ``k`` pages fit on every end now (``shortfall_pages``): unbind the window pages, take the pages;
+1b. else, if they fit once the window pages are unbound (each bound end then needs ``k`` minus the pages its
+   window unbinds: an unbound page becomes a hole or gap of that end, when no lease pins it), the same: a
+   decode past the window that crosses a page boundary on a full arena unbinds one page and takes one, with
+   no trial;
 2. else, in an allocator trial (Note [Trials] in :mod:`umalloc.allocator.facade`): unbind the window pages, take
    the pages with the allocator's compaction; kept if they fit, rolled back otherwise;
 3. else, with cached pages: the fewest LRU-first cached pages whose eviction makes step 2 fit, found by rolled
@@ -72,6 +76,17 @@ class Room:
             return True
         return not self.alloc.shortfall_pages({self.owner: k, **{b: k for b in self.bound_ends}})
 
+    def fits_after_unbind(self, k: int, unbinds: list[np.ndarray]) -> bool:
+        """True if ``k`` fresh pages fit on every end, without eviction or compaction, once the window pages
+        ``unbinds`` are unbound (step 1b of Note [Room]); False whenever a lease is active (a pinned page
+        unbound becomes pending, not free). O(ends)."""
+        if k == 0 or not any(p.size for p in unbinds) or self.alloc.leases_active():
+            return False
+        need = {self.owner: k}
+        for end, pages in zip(self.bound_ends, unbinds, strict=True):
+            need[end] = max(0, k - int(pages.size))
+        return not self.alloc.shortfall_pages(need)
+
     def _keep(self, unbinds: list[np.ndarray], evicted: np.ndarray) -> dict[str, np.ndarray]:
         """Physical pages whose bytes a trial with compaction must keep: the window pages and cached pages it
         frees (Note [Trials] in :mod:`umalloc.allocator.facade`)."""
@@ -119,7 +134,7 @@ class Room:
         cached pages are evicted (nothing done yet); False if it cannot fit (nothing changed)."""
         if k >= self.pagebuf.shape[0]:   # more than the owner's whole id space: nothing can help
             return False
-        if self.fits_now(k):
+        if self.fits_now(k) or self.fits_after_unbind(k, unbinds):
             if not self.place(k, unbinds):
                 raise InvariantError("extend: the allocator refused pages its planner said fit")
             return True
@@ -141,7 +156,8 @@ class Room:
         """Whether :meth:`make` would make room (with the evictions it would make); changes nothing."""
         if k >= self.pagebuf.shape[0]:
             return False
-        if self.fits_now(k) or self.trial_fits(k, unbinds, self._none, True, False):
+        if self.fits_now(k) or self.fits_after_unbind(k, unbinds) or \
+                self.trial_fits(k, unbinds, self._none, True, False):
             return True
         lru = self.cached_pages().numpy()
         return bool(lru.size) and any(self.trial_fits(k, unbinds, lru, c, False) for c in (False, True))

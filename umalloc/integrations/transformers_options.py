@@ -1,0 +1,113 @@
+"""Options, counters, errors and config reading of :mod:`umalloc.integrations.transformers` (Note [Seams] there).
+
+Nothing here imports transformers at module import; :func:`text_config_dims` imports its utils when called.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from umalloc import KVDtype, UmallocValueError
+from umalloc.integrations.transformers_groups import FULL_ATTENTION, SLIDING_ATTENTION
+
+#: attention type -> arena end
+END_OF = {FULL_ATTENTION: "full", SLIDING_ATTENTION: "swa"}
+#: cache dtypes the arena holds
+TORCH_TO_KV = {torch.float32: KVDtype.FP32, torch.float16: KVDtype.FP16, torch.bfloat16: KVDtype.BF16}
+
+
+class UnsupportedTransformersVersion(UmallocValueError):
+    """:func:`install` on a transformers version this integration was not tested against."""
+
+
+class UnsupportedCacheError(UmallocValueError):
+    """A model or continuous-batching config the umalloc cache cannot hold (layer and type, or option, named)."""
+
+
+@dataclass(frozen=True)
+class CacheOptions:
+    """How :class:`~umalloc.integrations.transformers.UmallocPagedCache` builds its arena.
+
+    Attributes:
+        arena_bytes: total arena bytes; ``None``: the bytes of transformers' own cache tensor for the same config.
+        compaction: the allocator's mode, ``"lazy"`` (compact when an allocation falls short), ``"eager"`` (after
+            every free) or ``"off"``.
+        compact_every_step: compact every end at the step hook (Note [Seams] 3), to exercise moving pages.
+        compact_budget_pages: most pages that forced compaction moves per end and step (``None``: unbounded), the
+            lazy allocator's move budget applied between steps.
+        check_every_step: run ``check_invariants`` (table and allocator) at the step hook.
+        max_requests: request slots (``None``: ``min(owner pages, 1024)``).
+    """
+
+    arena_bytes: int | None = None
+    compaction: str = "lazy"
+    compact_every_step: bool = False
+    compact_budget_pages: int | None = None
+    check_every_step: bool = False
+    max_requests: int | None = None
+
+
+@dataclass
+class CacheCounters:
+    """Cumulative counters of one :class:`~umalloc.integrations.transformers.UmallocPagedCache` (plain ints).
+
+    Attributes:
+        steps: step hooks seen. compactions / pages_moved: forced compactions and the pages they moved (the
+        allocator's own eager / lazy moves are in ``alloc.stats()[end].pages_moved``). prefix_hits /
+        prefix_hit_tokens: prompts that reused cached pages and the tokens reused. evicted_pages: cached pages
+        evicted (``on_evict``). refused_allocations: ``can_store_request_tokens`` answers ``False``.
+        max_live_requests: most requests holding pages at once. memory_seconds: wall time inside this layer's
+        scheduler-facing calls (allocation, index building, freeing, hooks), measured with
+        ``time.perf_counter``; the index translation inside ``update`` is
+        :attr:`~umalloc.integrations.transformers.UmallocPagedCache.translate_seconds`.
+        rolled_back: long prefills whose page-by-page growth fell short and was undone (Note [Long prefills]).
+    """
+
+    steps: int = 0
+    compactions: int = 0
+    pages_moved: int = 0
+    prefix_hits: int = 0
+    prefix_hit_tokens: int = 0
+    evicted_pages: int = 0
+    refused_allocations: int = 0
+    max_live_requests: int = 0
+    forks: int = 0
+    memory_seconds: float = 0.0
+    live_requests_sum: int = 0
+    rolled_back: int = 0
+
+
+def text_config_dims(config: Any, dtype: torch.dtype) -> tuple[int, int, dict[str, list[int]], int | None]:
+    """``(num_kv_heads, head_dim, layers by attention type, sliding_window)`` of a text config; refuses what the
+    arena cannot hold (Note [Seams] 8)."""
+    utils = importlib.import_module("transformers.generation.continuous_batching.utils")
+    num_kv_heads = int(utils.find_num_key_value_heads(config))
+    head_dim = int(utils.find_head_dim(config))
+    layer_types = getattr(config, "layer_types", None)
+    sliding_window = getattr(config, "sliding_window", None)
+    n = int(config.num_hidden_layers)
+    if layer_types is None:
+        layer_types = [SLIDING_ATTENTION if sliding_window is not None else FULL_ATTENTION] * n
+    groups: dict[str, list[int]] = {}
+    for i, lt in enumerate(layer_types):
+        if lt not in END_OF:
+            raise UnsupportedCacheError(f"layer {i} has attention type {lt!r}; the umalloc cache holds "
+                                        f"{sorted(END_OF)}")
+        groups.setdefault(lt, []).append(i)
+    if FULL_ATTENTION not in groups:
+        raise UnsupportedCacheError(f"every layer of the model is {SLIDING_ATTENTION!r} (layer 0 first); the umalloc "
+                                    "cache needs at least one full_attention layer as the id owner")
+    if SLIDING_ATTENTION in groups and (not isinstance(sliding_window, int) or sliding_window <= 0):
+        raise UnsupportedCacheError(f"layer {groups[SLIDING_ATTENTION][0]} is {SLIDING_ATTENTION!r} with "
+                                    f"sliding_window={sliding_window!r}; allowed a positive int")
+    if dtype not in TORCH_TO_KV:
+        raise UnsupportedCacheError(f"cache dtype {dtype}; allowed {sorted(map(str, TORCH_TO_KV))}")
+    return num_kv_heads, head_dim, groups, sliding_window if SLIDING_ATTENTION in groups else None
+
+
+__all__ = ["END_OF", "TORCH_TO_KV", "CacheCounters", "CacheOptions", "UnsupportedCacheError",
+           "UnsupportedTransformersVersion", "text_config_dims"]
