@@ -240,7 +240,7 @@ class _PeerSender:
                 _let_go_if_ended(state)
 
     def _post(self, src: list[int], dst: list[int], lengths: list[int],
-              may_retry: Callable[[], str | None] | None = None) -> object:
+              may_retry: Callable[[], str | None]) -> object:
         """Post a chunk and drain it (:meth:`_post_once`); descriptors the engine reported FAILED while the peer
         still answers a probe are posted again, up to ``max_retries`` times, while ``may_retry()`` says nothing
         stops it (``None``: the handle is neither cancelled nor failed and the plan's leases hold) — Note
@@ -252,13 +252,12 @@ class _PeerSender:
             if not failed:
                 return "done"
             why = self._why()
-            stop = "no retry allowed" if may_retry is None else may_retry()
-            if retries >= self.max_retries or why != PEER_REACHABLE or stop is not None:
+            if retries >= self.max_retries or why != PEER_REACHABLE or may_retry() is not None:
                 after = f" after {retries} retries" if retries else ""
                 return TransferError(f"mooncake: {len(failed)} of {len(todo)} descriptors to {self.peer!r} failed "
                                      f"(status {status}){after}; {why}")
             retries += 1
-            self.counts["retried_descriptors"] = self.counts.get("retried_descriptors", 0) + len(failed)
+            self.counts["retried_descriptors"] += len(failed)
             todo = failed
 
     def _post_once(self, todo: list[tuple[int, int, int]]) -> tuple[list[tuple[int, int, int]], int]:
