@@ -397,15 +397,19 @@ class UmallocPagedCache:
             return pages, swa_window_pages(swa.sliding_window, self.page_size)
         return pages, pages
 
+    def _free_bytes_now(self) -> int:
+        """:meth:`free_bytes`, computed once until the next allocation or free clears the memo."""
+        if self._free_bytes_memo is None:
+            self._free_bytes_memo = self.free_bytes()
+        return self._free_bytes_memo
+
     def _fits_bytes(self, full_pages: int, swa_pages: int) -> bool:
         """Whether that many pages fit in the free bytes (:meth:`free_bytes`, memoized until the next change):
         a necessary condition, whatever the layout; the allocation itself compacts if holes are in the way."""
-        if self._free_bytes_memo is None:
-            self._free_bytes_memo = self.free_bytes()
         need = full_pages * self.cache_allocators[FULL_ATTENTION].bytes_per_block
         if swa_pages:
             need += swa_pages * self.cache_allocators[SLIDING_ATTENTION].bytes_per_block
-        return need <= self._free_bytes_memo
+        return need <= self._free_bytes_now()
 
     def _extend(self, request_id: str, slot: int, num_tokens: int, fresh: bool) -> bool:
         """Grow request ``slot`` by ``num_tokens`` tokens, all or nothing (Note [Long prefills]); a ``fresh`` slot
@@ -500,9 +504,7 @@ class UmallocPagedCache:
     def compute_free_capacity(self, relative: bool = True) -> int | float:
         """Free bytes (:meth:`free_bytes`, memoized until the next allocation or free), or their share of the
         usable arena."""
-        if self._free_bytes_memo is None:
-            self._free_bytes_memo = self.free_bytes()
-        free = self._free_bytes_memo
+        free = self._free_bytes_now()
         return free / (self.arena.arena_bytes - self.arena.floor_bytes) if relative else free
 
     def evict_cached_blocks(self) -> bool:
