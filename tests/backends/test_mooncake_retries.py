@@ -13,7 +13,7 @@ import ctypes
 import pytest
 from backend_helpers import DEADLINE_S, L_TOKENS, alloc_request, brute_apply, kv_pair, tbytes
 
-from umalloc.errors import TransferError
+from umalloc.errors import TransferError, UmallocValueError
 from umalloc.transfer import build_plan
 
 
@@ -100,5 +100,5 @@ def test_a_descriptor_that_keeps_failing_fails_the_plan_after_max_retries(backen
 
 def test_max_retries_is_checked_before_the_engine_starts(backend_factory):
     for bad in (-1, 101, 1.5, True, "2"):
-        with pytest.raises(Exception, match="max_retries"):
+        with pytest.raises(UmallocValueError, match="max_retries"):
             backend_factory("mooncake", max_retries=bad)
