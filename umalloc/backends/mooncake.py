@@ -5,9 +5,9 @@ Policy:
 * One engine per backend: ``initialize(host, "P2PHANDSHAKE", protocol, "")`` — no metadata server; the peer is
   addressed as ``"<host>:<rpc port>"`` and its buffer addresses travel in umalloc's metadata. ``MC_LOG_LEVEL``
   defaults to ``ERROR``.
-* ``connect`` probes the peer (``send_probe``) and opens its segment once, so a dead peer is refused at connect
-  and the first transfer does not pay the handshake; both are bounded by ``connect_timeout_s`` (a peer process
-  that does not answer holds the engine's probe for about a minute).
+* ``connect`` probes the peer (``send_probe``), so a dead peer is refused at connect; the probe is bounded by
+  ``connect_timeout_s`` (a peer process that does not answer holds the engine's probe for about a minute). The
+  first transfer to a peer opens its segment, in the peer's sender thread (Note [Mooncake segment open]).
 * Descriptors are posted in the chunks of Note [Bounded batches] (:mod:`umalloc.backends.descriptors`): at most
   ``max_batch_descriptors`` (default 2048: the engine's default limit of queued transfers per peer; a larger
   batch, or two batches in flight together, fails) and ``max_batch_bytes`` (default 1 GiB) each — Note
@@ -32,6 +32,16 @@ post to a dead peer costs about a second, so queued handles would otherwise fail
 ``connect`` reaches it again. ``disconnect`` stops the peer's sender without waiting for a chunk the engine still
 holds; a sender made by a later ``connect`` to the same peer posts nothing before its predecessor ended, so the
 per-peer limit holds across reconnects.
+
+Note [Mooncake segment open]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Opening a peer's segment is a handshake with the peer's process. ``get_first_buffer_address``, the engine's call
+that opens a segment on its own, keeps the GIL while it waits: against a stopped peer it froze every Python
+thread of the process for about 61 s (measured here with 0.3.13.post1: a ticker thread's longest gap was 61.7 s),
+so no thread can bound it. ``transfer_submit_write`` opens the segment too and lets the GIL go while it waits
+(the same stopped peer: the ticker's longest gap was 0.25 s, and the post returned once the peer resumed). So
+``connect`` only probes, which also lets the GIL go, and the first post to the peer, in its sender thread, pays
+the handshake; a caller's ``wait`` deadline bounds what it sees of that.
 
 Note [Mooncake deadlines]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -334,8 +344,8 @@ class MooncakeBackend(BackendBase):
             :mod:`umalloc.backends.descriptors`).
         close_timeout_s: how long :meth:`close` / ``reset`` wait, in all, for the engine to finish the chunks it
             is working on (Note [Mooncake deadlines]); ``disconnect`` never waits for them.
-        connect_timeout_s: bound on :meth:`connect`'s probe and handshake with the peer (the engine's own probe
-            of a peer process that does not answer blocks for about a minute).
+        connect_timeout_s: bound on :meth:`connect`'s probe of the peer (the engine's own probe of a peer process
+            that does not answer blocks for about a minute).
         max_retries: how many times a chunk's FAILED descriptors are posted again while the peer answers a probe
             and the plan's leases hold (Note [Mooncake retries]); 0 turns retries off.
 
@@ -416,19 +426,20 @@ class MooncakeBackend(BackendBase):
 
     def _engine_connect(self, md: dict) -> str:
         session = md["engine"]["session"]  # checked by _check_engine_metadata
-        self._reach(session, bool(md["regions"]))
+        self._reach(session)
         if session not in self._senders:
             self._senders[session] = _PeerSender(self._engine, session, self._retired.pop(session, None),
                                                  self._sender_counts, self.max_retries)
         self._senders[session].unreachable = None  # it answered the probe above
         return session
 
-    def _reach(self, session: str, open_segment: bool) -> None:
-        """Probe the peer and (``open_segment``) open its segment (handshake), bounded by ``connect_timeout_s``.
+    def _reach(self, session: str) -> None:
+        """Probe the peer (``send_probe``), bounded by ``connect_timeout_s``.
 
-        The engine calls block (without the GIL) until the peer answers; a peer process that does not answer
-        (stopped, overloaded) holds the probe for about a minute. So they run in a helper thread, and ``connect``
-        gives up at the bound; the helper ends when the engine does.
+        The probe blocks (without the GIL) until the peer answers; a peer process that does not answer
+        (stopped, overloaded) holds it for about a minute. So it runs in a helper thread, and ``connect`` gives
+        up at the bound; the helper ends when the engine does. The peer's segment is not opened here (Note
+        [Mooncake segment open]).
 
         Raises:
             BackendError: the probe failed, or the peer did not answer within ``connect_timeout_s``.
@@ -440,8 +451,6 @@ class MooncakeBackend(BackendBase):
             try:
                 probe = getattr(eng, "send_probe", None)
                 out["probe"] = 0 if probe is None else probe(session)
-                if out["probe"] == 0 and open_segment:  # raises nothing, returns the peer's first buffer
-                    eng.get_first_buffer_address(session)
             except Exception as e:  # pragma: no cover - the engine returns codes
                 out["error"] = e
             out["done"] = True

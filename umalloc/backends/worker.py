@@ -284,6 +284,25 @@ def _rebuild(info: tuple[str, str, str, str, dict]) -> BaseException:
     return exc
 
 
+def _all_threads_stopped(pid: int) -> bool:
+    """Every thread of process ``pid`` is stopped or exited (``T``/``t``/``Z``/``X`` in ``/proc/<pid>/task/*/stat``);
+    True where ``/proc`` does not list the process (not Linux, or the process is gone)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return True
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:  # the thread ended meanwhile
+            continue
+        state = stat[stat.rindex(b")") + 2:stat.rindex(b")") + 3]  # the field after "(comm)"
+        if state not in (b"T", b"t", b"Z", b"X"):  # stopped, traced, or exited: it runs no more
+            return False
+    return True
+
+
 class BackendWorker:
     """A backend in a spawned child process.
 
@@ -387,9 +406,23 @@ class BackendWorker:
         return self.call("run", target, *args, timeout_s=timeout_s, progress=progress, **kw)
 
     # ---- failure injection -----------------------------------------------------------------------------
-    def pause(self) -> None:
-        """SIGSTOP the child (its engine stops answering)."""
+    def pause(self, timeout_s: float = 10.0) -> None:
+        """SIGSTOP the child and return once every one of its threads is stopped (its engine answers nothing).
+
+        ``kill`` only queues the signal: on a busy host the child's engine threads may run on for a while
+        and answer a probe or drain a transfer. This waits (polling ``/proc``, Linux) until the kernel reports
+        each thread stopped; where ``/proc`` is absent it returns after queuing the signal.
+
+        Raises:
+            WorkerTimeout: some thread of the child was still running after ``timeout_s`` seconds.
+        """
         os.kill(self.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + timeout_s
+        while not _all_threads_stopped(self.pid):
+            if time.monotonic() > deadline:
+                raise WorkerTimeout(f"{self.backend} worker (pid {self.pid}) not stopped {timeout_s:.3g} s after "
+                                    "SIGSTOP")
+            time.sleep(0.001)
 
     def resume(self) -> None:
         os.kill(self.pid, signal.SIGCONT)
