@@ -580,9 +580,9 @@ def test_F11_wait_deadline_keeps_the_leases_until_the_engine_lets_go(name, backe
         except BaseException:
             w.resume()
             raise
-        # The engine reported the transfer done before the deadline although the receiver was paused (seen on
-        # Mooncake on a loaded host: a small write fits the stopped receiver's socket buffers). That is not the
-        # case under test; the outcome must still be right, then the test tries again.
+        # The engine reported the transfer done before the deadline although the receiver was paused (seen on a
+        # loaded host while ``pause`` still returned before the SIGSTOP took effect; it now waits for that). That
+        # is not the case under test; the outcome must still be right, then the test tries again.
         w.resume()
         assert h.state == "done" and plan.state == "done" and src_alloc.leases_active() == 0
         assert w.run(W + "kv_arena_bytes") == want
@@ -1000,8 +1000,8 @@ def test_plan_in_flight_on_one_backend_is_refused_by_another(name, backend_worke
     too — whichever handle ended first would end the plan and release its leases while the other engine still
     reads its pages. (Only ``a``'s own handles used to be checked.) Submitted and not yet polled, the plan is
     in flight whatever the engine did meanwhile; the forgotten-while-in-doubt case needs the engine to still
-    hold the transfer at a deadline, and an attempt in which the engine ended it first (a small write fits the
-    paused receiver's socket buffers) is checked for its outcome and tried again."""
+    hold the transfer at a deadline, and an attempt in which the engine ended it first anyway is checked for
+    its outcome and tried again."""
     w = worker(backend_workers, name)
     w.call("reset_backend")
     spec = kv_spec()
@@ -1094,7 +1094,7 @@ def test_replay_child_keeps_the_receiver_half_while_the_engine_holds_a_part(back
     gives up (the paused receiver still holds a chunk) the error it reports says so (``draining``), and the parent
     then keeps its receiver half leased instead of failing it (bytes may still land there). A plain failure, or a
     dead child, fails the half. Whether the paused peer stalls the chunk past the child's drain is up to the
-    kernel's socket buffers, not the test: either way the child's report must match what the engine did."""
+    engine, not the test: either way the child's report must match what the engine did."""
     from umalloc.backends.worker import WorkerContext, WorkerDied, WorkerTimeout, _describe, _rebuild
     from umalloc_replay.single.remote import child_finish, settle_failed_half
 
