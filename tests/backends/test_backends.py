@@ -915,7 +915,7 @@ def test_paused_worker_has_every_thread_stopped_when_pause_returns(name, backend
     import subprocess
     if shutil.which("ps") is None:
         pytest.skip("needs ps")
-    w = worker(backend_workers, name, "victim")
+    w = worker(backend_workers, name)
     w.pause()
     try:
         states = subprocess.run(["ps", "-L", "-o", "stat=", "-p", str(w.pid)], capture_output=True, text=True,
