@@ -352,10 +352,9 @@ class UmallocPagedCache:
         ``request_len`` tokens of a new request now."""
         with self._timer:
             if dry_run:
-                pages = -(-int(request_len) // self.page_size)
-                need = {g.end: pages if g.sliding_window is None or request_len <= 2 * g.sliding_window
-                        else swa_window_pages(g.sliding_window, self.page_size)
-                        for g in self.cache_allocators.values()}
+                full_pages, swa_pages = self._fresh_pages(int(request_len))
+                need = {END_OF[lt]: swa_pages if lt == SLIDING_ATTENTION else full_pages
+                        for lt in self.cache_allocators}
                 return request_len <= self.max_tokens_per_request and self.alloc.can_alloc(need)
             rid = state.request_id
             target = int(state.current_len()) + int(request_len)   # transformers' contract: past + query
