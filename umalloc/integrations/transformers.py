@@ -413,7 +413,6 @@ class UmallocPagedCache:
     def _extend(self, request_id: str, slot: int, num_tokens: int, fresh: bool) -> bool:
         """Grow request ``slot`` by ``num_tokens`` tokens, all or nothing (Note [Long prefills]); a ``fresh`` slot
         is freed when the growth is refused."""
-        self._free_bytes_memo = None
         swa = self.cache_allocators.get(SLIDING_ATTENTION)
         window = None if swa is None else swa.sliding_window
         ps = self.page_size
