@@ -12,13 +12,11 @@ same ``num_blocks``, so the same bytes (umalloc's arena is exactly the stock cac
 * refused: ``can_store_request_tokens`` answers ``False`` (requests left waiting); preempted: requests whose
   cache transformers' offloading manager freed to make room (``free_blocks(no_cache=True)``);
 * memory layer share: wall time inside the cache's scheduler-facing methods (allocation, freeing, prefix match,
-  hash marking, read/write index building, free-capacity queries) and the per-step hook (stock:
+  hash marking, read/write index building -- for umalloc that includes translating virtual tokens to physical
+  rows --, fork preparation and copies, free-capacity queries) and the per-step hook (stock:
   ``CachePool.try_to_free_sectors``; umalloc: ``UmallocPagedCache.step_hook``, which that call runs), the same set
-  wrapped on both caches, over the
-  loop's wall time; for umalloc plus the index translation inside ``update`` (its indices are virtual tokens,
-  translated once per forward and group: ``UmallocPagedCache.translate_seconds``), which stock does not have.
-  The attention's own cache reads and writes (``update``'s gathers and scatters) are the same tensor ops on both
-  and are not counted.
+  wrapped on both caches, over the loop's wall time. The attention's own cache reads and writes (``update``'s
+  gathers and scatters) are the same tensor ops on both and are not counted.
 
 The runs alternate (stock, umalloc, ``--repeats`` times, after one warm-up each); scheduling is deterministic
 (checked: every repeat schedules alike), tokens/s and the memory layer share are medians, the tokens/s ratio is
@@ -50,7 +48,7 @@ TRACE = Path(__file__).resolve().parent.parent / "umalloc_replay" / "data" / "co
 TRACE_BLOCK_TOKENS = 512   # the Mooncake trace's hash block
 MEMORY_METHODS = ("can_store_request_tokens", "free_blocks", "search_prefix_match", "mark_complete_blocks",
                   "compute_free_capacity", "count_storable_requests",
-                  "extend_read_and_write_indices", "prepare_fork_request", "evict_cached_blocks")
+                  "extend_read_and_write_indices", "prepare_fork_request", "perform_cache_copy", "evict_cached_blocks")
 
 
 def build_model(name: str, seed: int, window: int) -> Any:
@@ -160,7 +158,6 @@ def run_once(model: Any, reqs: list[tuple[list[int], int]], cb_kwargs: dict[str,
                                          max_new_tokens=max(n for _, n in reqs))
     cb = ContinuousBatchingConfig(use_async_batching=False, auto_switch_to_flash=False, **cb_kwargs)
     inst = ut.install() if umalloc_on else None
-    translate_s = 0.0
     from transformers.generation.continuous_batching.cache_allocators.cache_pool import CachePool
     probe = Probe(cache_cls, (cache_cls, "step_hook") if umalloc_on else (CachePool, "try_to_free_sectors"))
     try:
@@ -183,14 +180,13 @@ def run_once(model: Any, reqs: list[tuple[list[int], int]], cb_kwargs: dict[str,
     finally:
         probe.close()
         if inst is not None:
-            translate_s = sum(c.translate_seconds for c in inst.caches)
             ut.uninstall()
     gen = sum(len(v) for v in done.values())
     act = probe.active or [0]
     return {"tokens": [done[i] for i in ids], "generated": gen, "wall_s": wall, "tok_s": gen / wall,
             "mean_conc": sum(act) / len(act), "max_conc": max(act), "steps": len(probe.active),
             "refused": probe.refused, "preempted": probe.preempted,
-            "mem_share": (probe.memory_s + translate_s) / wall, "translate_share": translate_s / wall}
+            "mem_share": probe.memory_s / wall}
 
 
 def main() -> None:
@@ -231,7 +227,7 @@ def main() -> None:
             raise SystemExit("a repeat scheduled differently: the run is not deterministic")
     stock, um = (dict(pairs[0][i]) for i in (0, 1))
     for r, i in ((stock, 0), (um, 1)):
-        for k in ("tok_s", "mem_share", "translate_share", "wall_s"):
+        for k in ("tok_s", "mem_share", "wall_s"):
             r[k] = statistics.median(p[i][k] for p in pairs)
     tok_ratio = statistics.median(u["tok_s"] / s_["tok_s"] for s_, u in pairs)
     same = stock["tokens"] == um["tokens"]
@@ -243,9 +239,7 @@ def main() -> None:
               f"{r['refused']} | {r['preempted']} | {100 * r['mem_share']:.2f}% |")
     each = ", ".join(f"{u['tok_s'] / s_['tok_s']:.2f}" for s_, u in pairs)
     print(f"ratios umalloc/stock: tokens/s {tok_ratio:.2f}x (median of the per-pair ratios {each}), mean concurrency "
-          f"{um['mean_conc'] / stock['mean_conc']:.2f}x; umalloc's translation in update "
-          f"{100 * um['translate_share']:.2f}% of the memory layer's {100 * um['mem_share']:.2f}%; "
-          f"tokens identical: {same}")
+          f"{um['mean_conc'] / stock['mean_conc']:.2f}x; tokens identical: {same}")
     if args.json:
         args.json.write_text(json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "tokens"}
                                          for k, v in (("stock", stock), ("umalloc", um))}, indent=2))

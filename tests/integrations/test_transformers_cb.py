@@ -276,31 +276,35 @@ def test_readme_transformers_example_runs(tmp_path, capsys) -> None:  # type: ig
     assert "CacheCounters(" in capsys.readouterr().out
 
 
-def test_long_later_prefill_chunk_keeps_the_window_it_reads() -> None:
-    """A prefill chunk longer than twice the window, after an earlier chunk (past > 0, past not page-aligned):
-    the sliding rows this step reads for the window before ``past`` still hold the K/V written through them in
-    the earlier step, although the chunk grows page by page (Note [Long prefills])."""
+def test_long_later_prefill_chunk_reads_the_window_before_it() -> None:
+    """A prefill chunk longer than the window, after an earlier chunk (past > 0, not page-aligned): the sliding
+    rows this step reads for the window before ``past`` hold the K/V the earlier step wrote for those positions
+    (ring slots ``t % window``, Note [Sliding ring]), and the chunk's own writes keep only its last window."""
     from transformers.generation.continuous_batching.requests import RequestState
+
+    from umalloc.integrations.transformers_groups import SENTINEL_ROW, SINK_ROW
 
     cfg = model_for("gemma3").config
     cache = ut.UmallocPagedCache(cfg, cb_config(num_blocks=96), "cpu", None, torch.float32)
     grp = cache.cache_allocators["sliding_attention"]
     k_rows, _ = grp._views[0]
     state = RequestState(request_id="r", initial_tokens=list(range(3, 100)))
-    past = 4 * PAGE_SIZE + 1   # not page-aligned: the chunk below copies the shared partial page on write
+    past = 4 * PAGE_SIZE + 1
     assert cache.can_store_request_tokens(state, past)
     writes: list[list[int]] = [[], []]
     cache.extend_read_and_write_indices("r", 0, past, None, writes)
-    rows = grp.to_rows(torch.tensor(writes[grp.index]), strict=False)   # the indices are virtual tokens
-    k_rows[rows] = torch.arange(past, dtype=torch.float32).view(-1, 1, 1).expand(-1, *k_rows.shape[1:])
+    rows = writes[grp.index]
+    assert rows[: past - WINDOW] == [SINK_ROW] * (past - WINDOW)   # only the chunk's last window is stored
+    assert len(set(rows[past - WINDOW:])) == WINDOW
+    k_rows[torch.tensor(rows)] = torch.arange(past, dtype=torch.float32).view(-1, 1, 1).expand(-1, *k_rows.shape[1:])
     cache.step_hook()
     state.position_offset = past
     q = 3 * WINDOW + 1
     assert cache.can_store_request_tokens(state, q)
     reads: list[list[int]] = [[], []]
     cache.extend_read_and_write_indices("r", past, q, reads, [[], []])
-    sliding = grp.to_rows(torch.tensor(reads[grp.index][: WINDOW - 1]))
-    got = k_rows[sliding][:, 0, 0].tolist()
+    assert reads[grp.index][WINDOW - 1:] == [SENTINEL_ROW] * q
+    got = k_rows[torch.tensor(reads[grp.index][: WINDOW - 1])][:, 0, 0].tolist()
     assert got == [float(t) for t in range(past - WINDOW + 1, past)]
     cache.check_invariants()
     cache.step_hook()

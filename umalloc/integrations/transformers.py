@@ -8,17 +8,20 @@ and attention kernels are unchanged: only the memory layer is replaced.
 
 Policy:
 
-* **One arena, one end per attention type.** Full-attention layers are the ``full`` end (grows up, id owner);
-  sliding-window layers the ``swa`` end (grows down, bound to ``full``'s virtual pages, window = the config's
-  ``sliding_window``). Each end has its own page geometry (``page_size`` tokens of every layer it holds, page-major
-  envelope: layer 0 K, layer 0 V, layer 1 K, ...); the split between them is dynamic (no sectors).
-* **Block ids are virtual pages.** A request's pages are the table's ``req_to_token`` row; the read / write row
+* **One arena, one end per attention type.** Full-attention layers are the ``full`` end (grows up), sliding-window
+  layers the ``swa`` end (grows down); both mint their own virtual pages, each has its own page geometry
+  (``page_size`` tokens of every layer it holds, page-major envelope: layer 0 K, layer 0 V, layer 1 K, ...) and
+  its own :class:`~umalloc.core.requests.RequestTable`; the split between them is dynamic (no sectors).
+* **Sliding layers keep a ring** (Note [Sliding ring]): a request holds ``ceil(min(length, window) / page_size)``
+  sliding pages, the fewest that hold a window, as transformers' ring buffer does.
+* **Block ids are virtual pages.** A request's pages are its tables' ``req_to_token`` rows; the read / write row
   indices handed to attention are computed every step by translating those virtual tokens to physical ones on the
   layer's end, so compaction may move pages between steps (Note [Rows]).
 * **Sharing is the table's.** Prefix hits, forks and cached pages use the table's reference counts, copy-on-write
   and cached-free LRU; the integration keeps only a content-hash index (hash -> virtual page), cleaned by
   ``on_evict``. Cached pages are evicted only when an allocation falls short.
-* **Padding lanes** write umalloc's sink (physical page 0, row 0) and read the table's zero page.
+* **Padding lanes** write umalloc's sink (physical page 0, row 0) and read row 2 of it, which nothing writes
+  (Note [Rows]).
 * **Size**: the arena has exactly the bytes transformers' own cache tensor would have (its sectors plus its two
   trash sectors, computed by transformers' ``PagedAttentionMemoryHandler`` from ``num_blocks`` / memory), or
   ``arena_bytes`` if given.
@@ -37,9 +40,9 @@ Where transformers 5.23's interfaces are adapted, all in this module:
 3. ``cache.pool.try_to_free_sectors()``, which the scheduler calls once per step before scheduling, is the step
    hook: forced compaction (``compact_every_step``) and the per-step ``check_invariants`` run there, after the
    previous forward and before the next step's indices are built.
-4. ``read_trash_index`` is the zero page's virtual token and every index the IO builder collects is virtual,
-   translated in ``update`` (Note [Batch translation] in :mod:`umalloc.integrations.transformers_groups`), so
-   compaction may move the zero page too.
+4. The indices the IO builder collects are physical rows computed when it asks for them, after every move of
+   the step (Note [Index time] in :mod:`umalloc.integrations.transformers_groups`); ``read_trash_index`` is a
+   property it reads at every batch.
 5. The decode fast path (block tables) is off (``max_blocks_per_request = 0``): block tables would hold physical
    pages that compaction may move; eager / sdpa read through row indices only.
 6. ``evict_cached_blocks`` evicts nothing and returns ``False``: the table evicts LRU pages itself when an
@@ -49,9 +52,10 @@ Where transformers 5.23's interfaces are adapted, all in this module:
 9. sdpa and flash attention test ``isinstance(cache, PagedAttentionCache)``: :func:`install` builds the class the
    engine instantiates with transformers' class as a second base (after :class:`UmallocPagedCache`), for that
    check only; it verifies that every method the engine calls resolves to umalloc's.
-8. Refused at construction (typed errors): tensor parallelism, CPU offloading (``cpu_offload_space > 0``, it copies
+8. Refused at construction (typed errors): tensor parallelism, asynchronous batching (it schedules, so allocates
+   and compacts, while a forward reads rows computed before), CPU offloading (``cpu_offload_space > 0``, it copies
    by physical block id), attention types other than full / sliding, and models whose every layer slides (the
-   sliding end needs a full-attention id owner).
+   cache sizes, counts and shares prefixes by its full-attention group).
 
 Note [Rows]
 ~~~~~~~~~~~
@@ -60,28 +64,34 @@ transformers' eager / sdpa paged attention indexes a per-layer view of the cache
 group's flat row view, and physical page ``p`` starts at row ``p * rows_per_page`` with
 ``rows_per_page = 2 * page_size * num_layers``. That is exactly umalloc's page-major envelope, so the row of
 virtual token ``t`` on end ``e`` is ``(pt // page_size) * rows_per_page + pt % page_size`` with
-``pt = translate(t, e)``. Row 0 is the sink (padded writes); row 1 is the sliding reads' sentinel (a marker, never
-a real row: real rows start at ``first_page * rows_per_page >= 2``).
+``pt = translate(t, e)``. Page 0 of every end lies in the arena's reserved floor (virtual page 0 translates to
+it on every end): row 0 is the sink (padded writes, and the early tokens of a chunk longer than the window); row
+1 is the sliding reads' sentinel (a marker, replaced by this step's states, never read as data); row 2 is where
+padded lanes read (``PAD_READ_ROW``). The floor is zeroed at creation and only sink rows are ever written, all
+at multiples of ``page_size`` in the flat row view (row 0 of every layer's K and V), so with ``page_size >= 3``
+row 2 of every layer stays zero: the padded reads see zeros, as from transformers' never-written read trash, and
+no page is spent on it. With ``page_size < 3`` the tables mint a zero page instead (``zero_page=True``).
 
-Note [Long prefills]
-~~~~~~~~~~~~~~~~~~~~
-The request table binds every new page on the sliding end and unbinds the pages that left the window at the
-start of the *next* growth. A prefill chunk much longer than the window would so hold sliding pages for all its
-tokens at once, where transformers' ring buffer holds ``window`` tokens. For a chunk longer than twice the
-window the cache grows the request in several table calls (each call's start unbinds what the previous one
-pushed out): up to ``_LONG_STRIDE_PAGES`` pages per call while they fit outright (else one page per call), the
-last call at most one page, so the sliding end ends the step holding the chunk's last window, as transformers
-does (the strides' pages are transient: unbound again at the next call's start). It is all or nothing
-without reserving a peak: a lower bound (the chunk's full pages and the last window's sliding pages,
-``swa_window_pages``) is checked against the free bytes first, then the growth runs, and a growth that falls
-short is rolled back (the request's slot freed, or handed to the guard below, a fork of the request at its
-length on entry). The early tokens' sliding writes then go to the sink: attention reads them from this step's
-own K/V, never from the cache. A later chunk (``past > 0``) reads the window before ``past``, which an
-intermediate growth's unbinding would drop: a *guard* request forked from it at ``past`` holds that window (the
-table's fork holds the window tail on the sliding end, sharing its pages: nothing is allocated) until the next
-step hook, after the forward that reads it, and this step's sliding reads go through the guard's row: the
-request's own row may name a copy of its shared partial last page (copy-on-write) that a later growth unbound
-again.
+Note [Sliding ring]
+~~~~~~~~~~~~~~~~~~~
+A sliding layer reads at most the ``window - 1`` tokens before this step's, before it writes. So, as in
+transformers' ring buffer, the token at position ``t`` lives in ring slot ``t % window``: a request's row in the
+``swa`` table (``ring_table``) holds ``min(length, window)`` tokens, grows with the request until it holds a
+window, and never again; a write of position ``t`` overwrites the token that just left the window. A step of
+``query_length`` tokens writes only its last ``min(query_length, window)`` tokens (the earlier ones go to the
+sink: attention reads them from this step's own states, never from the cache), and reads the ring slots of the
+``min(past_length, window - 1)`` tokens before ``past_length``. A growth is one call per table, all or nothing
+(the ring first: its pages are the request's own, so undoing it frees exactly what it took). A fork copies its
+source's ring into fresh pages (``perform_cache_copy``): ring pages are rewritten in place, never shared.
+
+Note [Deferred growth]
+~~~~~~~~~~~~~~~~~~~~~~
+A decode (one token) into the request's own partial last page needs no page on either table, so it cannot fail:
+``can_store_request_tokens`` answers ``True`` at once and records the token; the next call that reads or changes
+the tables (the IO builder asking for indices, any other growth, a free, a fork, the step hook, the invariant
+check) first puts every recorded token into the tables with one ``extend`` per table. A page that may be shared
+is never grown this way: a fork's source and its forks (their partial last page is shared, copied on the first
+write) always go through the tables.
 
 Threading: the scheduler's thread only (transformers drives the cache from one thread).
 """
@@ -95,6 +105,7 @@ import math
 from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from time import perf_counter
 from typing import Any
 
 import numpy as np
@@ -116,7 +127,6 @@ from umalloc.integrations.transformers_groups import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
     EndGroup,
-    swa_window_pages,
 )
 from umalloc.integrations.transformers_options import (
     END_OF,
@@ -130,8 +140,6 @@ from umalloc.integrations.transformers_options import (
 
 #: transformers versions this integration is tested against (exactly).
 SUPPORTED_TRANSFORMERS_VERSIONS: tuple[str, ...] = ("5.23.0",)
-
-_LONG_STRIDE_PAGES = 8   # most pages per table call of a long prefill (Note [Long prefills])
 
 
 def _block_hash(parent: int | None, tokens: list[int]) -> int:
@@ -153,12 +161,10 @@ class _Timer:
         self.t0 = 0.0
 
     def __enter__(self) -> None:
-        import time
-        self.t0 = time.perf_counter()
+        self.t0 = perf_counter()
 
     def __exit__(self, *exc: object) -> None:
-        import time
-        self.counters.memory_seconds += time.perf_counter() - self.t0
+        self.counters.memory_seconds += perf_counter() - self.t0
 
 
 class _Pool:
@@ -199,6 +205,9 @@ class UmallocPagedCache:
         cb = continuous_batching_config
         if distributed_helper is not None and getattr(distributed_helper, "tp_size", 1) > 1:
             raise UnsupportedCacheError(f"tp_size={distributed_helper.tp_size}; the umalloc cache allows 1")
+        if cb.use_async_batching:
+            raise UnsupportedCacheError("use_async_batching=True; the umalloc cache allows False (the next batch's "
+                                        "allocations may move pages the running forward reads)")
         if (cb.cpu_offload_space or 0) > 0:
             raise UnsupportedCacheError(f"cpu_offload_space={cb.cpu_offload_space}; the umalloc cache allows 0 "
                                         "(transformers' CPU swap copies by physical block id)")
@@ -226,37 +235,50 @@ class UmallocPagedCache:
         arena_bytes = self.stock_cache_bytes if opts.arena_bytes is None else int(opts.arena_bytes)
         arena_bytes -= arena_bytes % 16
 
-        # ---- the arena: full (owner, up) and swa (bound, down)
+        # ---- the arena: full (up) and swa (down), each an id owner with its own request table
         ends = [EndSpec("full", tuple(LayerSpec.mha(num_kv_heads, head_dim, dtype=kv)
                                       for _ in groups[FULL_ATTENTION]), page_size=ps, grow=Grow.UP)]
         if SLIDING_ATTENTION in groups:
             ends.append(EndSpec("swa", tuple(LayerSpec.mha(num_kv_heads, head_dim, dtype=kv, window_tokens=window)
                                              for _ in groups[SLIDING_ATTENTION]), page_size=ps, grow=Grow.DOWN,
-                                owner="full", role=EndRole.SWA))
+                                role=EndRole.SWA))
         self.arena = Arena(ArenaSpec(tuple(ends), arena_bytes=arena_bytes), device=device)
         self.alloc = MultiEndedAllocator(self.arena, compaction=opts.compaction)
         owner_pages = self.arena.top_page("full") + 1 - self.arena.first_page("full")
         max_pos = int(getattr(config, "max_position_embeddings", owner_pages * ps) or owner_pages * ps)
         self.max_tokens_per_request = max(ps, min(max_pos, owner_pages * ps))
         max_requests = opts.max_requests or max(1, min(owner_pages, 1024))
+        zero_page = ps < 3   # else padded reads read the floor's row 2 (Note [Rows])
         self.table = RequestTable(self.alloc, max_requests=max_requests,
                                   max_tokens_per_request=self.max_tokens_per_request, dtype=torch.int64,
-                                  on_evict=self._on_evict)
+                                  owner="full", zero_page=zero_page, on_evict=self._on_evict)
+        #: the sliding layers' ring per request (Note [Sliding ring]); None without sliding layers
+        self.ring_table: RequestTable | None = None
+        self.window = window if SLIDING_ATTENTION in groups else None
+        if self.window is not None:
+            self.ring_table = RequestTable(self.alloc, max_requests=max_requests,
+                                           max_tokens_per_request=self.window, dtype=torch.int64, owner="swa",
+                                           zero_page=zero_page)
         self.options = opts
         self.counters = CacheCounters()
         self._timer = _Timer(self.counters)
         self.slots: dict[str, int] = {}
         self._held: dict[int, int] = {}   # slot -> tokens it holds (the table's lengths, kept here: no table call)
+        self.ring_slots: dict[int, int] = {}   # slot -> its ring's slot in ring_table (Note [Sliding ring])
         self._free_bytes_memo: int | None = None   # free_bytes() until the next allocation or free
-        self._guards: dict[str, int] = {}
+        self._ring_copies: list[tuple[int, int]] = []   # (source ring slot, fork's ring slot) to copy
+        self._pending: dict[int, int] = {}   # slot -> tokens granted, not yet in the tables (Note [Deferred growth])
+        self._forked: set[int] = set()   # slots that may share a partial page (fork sources and forks)
         self._hash_to_vpage: dict[int, int] = {}
         self._vpage_to_hash: dict[int, int] = {}
 
         self.cache_allocators: dict[str, EndGroup] = {}
         self.layer_to_allocator: dict[int, EndGroup] = {}
         for index, lt in enumerate(sorted(groups, key=lambda t: t != FULL_ATTENTION)):
-            grp = EndGroup(self, index, lt, END_OF[lt], groups[lt], num_kv_heads, head_dim,
-                            window if lt == SLIDING_ATTENTION else None)
+            sliding = lt == SLIDING_ATTENTION
+            table = self.ring_table if sliding and self.ring_table is not None else self.table
+            grp = EndGroup(self, index, lt, END_OF[lt], table, groups[lt], num_kv_heads, head_dim,
+                           window if sliding else None)
             self.cache_allocators[lt] = grp
             for layer in groups[lt]:
                 self.layer_to_allocator[layer] = grp
@@ -273,17 +295,42 @@ class UmallocPagedCache:
         slot = self.slots.get(request_id)
         return 0 if slot is None else self._held.get(slot, 0)
 
-    @property
-    def translate_seconds(self) -> float:
-        """Seconds spent translating attention indices (Note [Batch translation] in
-        :mod:`umalloc.integrations.transformers_groups`), every group."""
-        return sum(g.translate_seconds for g in self.cache_allocators.values())
+    def _flush(self) -> None:
+        """Put the deferred growths into the tables: one ``extend`` per table for all of them (Note [Deferred
+        growth]). Raises InvariantError if a table refuses one (they need no page, so that is a bug)."""
+        if not self._pending:
+            return
+        items = list(self._pending.items())
+        self._pending.clear()
+        slots = np.array([s for s, _ in items], np.int64)
+        if self.table.extend(slots, np.array([n for _, n in items], np.int64)) is None:
+            raise InvariantError(f"deferred growth of slots {slots.tolist()} refused by the table")
+        if self.ring_table is None or self.window is None:
+            return
+        w = self.window
+        rings = [(self.ring_slots[s], min(self._held[s], w) - min(self._held[s] - n, w)) for s, n in items]
+        rings = [(r, g) for r, g in rings if g]
+        if rings and self.ring_table.extend(np.array([r for r, _ in rings], np.int64),
+                                            np.array([g for _, g in rings], np.int64)) is None:
+            raise InvariantError(f"deferred ring growth of rings {[r for r, _ in rings]} refused by the ring table")
 
     def _free_table_slots(self, slots: list[int], cache: bool = False) -> None:
+        self._flush()
         self._free_bytes_memo = None
         self.table.free_requests(slots, cache=cache)
+        rings = [self.ring_slots.pop(s) for s in slots if s in self.ring_slots]
+        if rings and self.ring_table is not None:
+            self.ring_table.free_requests(rings)
+        self._forget_rows(slots, rings)
         for s in slots:
             self._held.pop(s, None)
+            self._forked.discard(s)
+
+    def _forget_rows(self, slots: list[int], rings: list[int]) -> None:
+        """Drop the groups' kept rows of these table slots and ring slots (Note [Row reuse] in
+        :mod:`umalloc.integrations.transformers_groups`)."""
+        for grp in self.cache_allocators.values():
+            grp.forget_rows(rings if grp.sliding_window is not None else slots)
 
     def _on_evict(self, vpages: torch.Tensor) -> None:
         self.counters.evicted_pages += int(vpages.numel())
@@ -304,18 +351,17 @@ class UmallocPagedCache:
         slot = self.slots.pop(request_id, None)
         if slot is None:
             return
-        if not cache:
+        self._flush()
+        if not cache and self._vpage_to_hash:
             self._forget_hashes(self.table.pages(slot).tolist())
         self._free_table_slots([slot], cache=cache)
 
     def step_hook(self) -> None:
-        """Once per scheduling step (Note [Seams] 3): free the last step's guard requests (Note [Long prefills]),
-        optional forced compaction and invariant checks."""
+        """Once per scheduling step (Note [Seams] 3): optional forced compaction and invariant checks."""
         with self._timer:
             self._free_bytes_memo = None
-            if self._guards:
-                self._free_table_slots(list(self._guards.values()))
-                self._guards.clear()
+            self._flush()
+            self._copy_rings()   # a caller that skipped perform_cache_copy still reads the forks' rings
             c = self.counters
             c.steps += 1
             c.live_requests_sum += len(self.slots)
@@ -327,8 +373,11 @@ class UmallocPagedCache:
                 self.check_invariants()
 
     def check_invariants(self) -> None:
-        """The table's and the allocator's invariants, plus: every indexed page is held by a request or cached,
-        and the hash index is one-to-one. O(pages)."""
+        """The tables' and the allocator's invariants, plus: every indexed page is held by a request or cached,
+        the hash index is one-to-one, the kept lengths are the table's, and every request's ring holds
+        ``min(length, window)`` tokens (Note [Sliding ring]). Puts deferred growths into the tables first (Note
+        [Deferred growth]). O(pages)."""
+        self._flush()
         self.table.check_invariants()
         kept = set(self.table.cached_pages().tolist())
         for slot in self.slots.values():
@@ -339,11 +388,21 @@ class UmallocPagedCache:
                                      "hash maps elsewhere")
         if len(self._hash_to_vpage) != len(self._vpage_to_hash):
             raise InvariantError("hash-index: hash -> page and page -> hash differ in size")
-        live = sorted({*self.slots.values(), *self._guards.values()})
+        live = sorted(self.slots.values())
         if sorted(self._held) != live:
             raise InvariantError(f"held lengths: kept for slots {sorted(self._held)}, live slots {live}")
         if live and self.table.num_tokens(live).tolist() != [self._held[s] for s in live]:
             raise InvariantError("held lengths: a kept length differs from the table's")
+        if self.ring_table is None or self.window is None:
+            return
+        self.ring_table.check_invariants()
+        if sorted(self.ring_slots) != live:
+            raise InvariantError(f"rings: kept for slots {sorted(self.ring_slots)}, live slots {live}")
+        if self.ring_table.stats().live_requests != len(live):
+            raise InvariantError("rings: the ring table has requests no live slot names")
+        if live and self.ring_table.num_tokens([self.ring_slots[s] for s in live]).tolist() != \
+                [min(self._held[s], self.window) for s in live]:
+            raise InvariantError("rings: a ring does not hold min(length, window) tokens")
 
     # ---- scheduler-facing API (transformers' PagedAttentionCache) --------------------------------------------
     def can_store_request_tokens(self, state: Any, request_len: int, dry_run: bool = False) -> bool:
@@ -353,48 +412,43 @@ class UmallocPagedCache:
         with self._timer:
             if dry_run:
                 full_pages, swa_pages = self._fresh_pages(int(request_len))
-                need = {END_OF[lt]: swa_pages if lt == SLIDING_ATTENTION else full_pages
-                        for lt in self.cache_allocators}
+                need = {"full": full_pages, "swa": swa_pages} if self.ring_table is not None else {"full": full_pages}
                 return request_len <= self.max_tokens_per_request and self.alloc.can_alloc(need)
             rid = state.request_id
             target = int(state.current_len()) + int(request_len)   # transformers' contract: past + query
             if target > self.max_tokens_per_request:
                 return False
             known = self.slots.get(rid)
-            fresh = known is None
-            slot = -1 if known is None else known
-            grow = target - self._held.get(slot, 0)
+            held = 0 if known is None else self._held[known]
+            grow = target - held
             if grow <= 0:
                 return True
-            if fresh and not self._fits_bytes(*self._fresh_pages(grow)):   # cheap refusal, nothing touched
+            if grow == 1 and known is not None and held % self.page_size and known not in self._forked:
+                # into the request's own partial last page (and ring page): no page needed, cannot fail
+                self._pending[known] = self._pending.get(known, 0) + 1
+                self._held[known] = target
+                return True
+            self._flush()
+            if known is None and not self._fits_bytes(*self._fresh_pages(grow)):   # cheap refusal, nothing touched
                 self.counters.refused_allocations += 1
                 return False
-            if fresh:
-                got = self.table.new_requests(1)
-                if got is None:
-                    self.counters.refused_allocations += 1
-                    return False
-                slot = int(got[0])
-            ok = self._extend(rid, slot, grow, fresh)
-            self._free_bytes_memo = None   # the growth (or its rollback) may have changed the free bytes
+            ok = self._grow(rid, known, held, grow)
+            self._free_bytes_memo = None   # the growth (or its undoing) may have changed the free bytes
             if not ok:
                 self.counters.refused_allocations += 1
                 return False
-            if fresh:
-                self.slots[rid] = slot
+            if known is None:
                 self.counters.max_live_requests = max(self.counters.max_live_requests, len(self.slots))
             return True
 
     def _fresh_pages(self, num_tokens: int) -> tuple[int, int]:
-        """(full pages, sliding pages) a request holding nothing takes at least to grow by ``num_tokens``: every
-        page on both ends, or the last window's for a long prefill (Note [Long prefills])."""
-        pages = -(-num_tokens // self.page_size)
-        swa = self.cache_allocators.get(SLIDING_ATTENTION)
-        if swa is None or swa.sliding_window is None:
+        """(full pages, ring pages) a request holding nothing takes to grow by ``num_tokens`` (Note [Sliding
+        ring])."""
+        ps = self.page_size
+        pages = -(-num_tokens // ps)
+        if self.window is None:
             return pages, 0
-        if num_tokens > 2 * swa.sliding_window:
-            return pages, swa_window_pages(swa.sliding_window, self.page_size)
-        return pages, pages
+        return pages, -(-min(num_tokens, self.window) // ps)
 
     def _free_bytes_now(self) -> int:
         """:meth:`free_bytes`, computed once until the next allocation or free clears the memo."""
@@ -410,68 +464,51 @@ class UmallocPagedCache:
             need += swa_pages * self.cache_allocators[SLIDING_ATTENTION].bytes_per_block
         return need <= self._free_bytes_now()
 
-    def _extend(self, request_id: str, slot: int, num_tokens: int, fresh: bool) -> bool:
-        """Grow request ``slot`` by ``num_tokens`` tokens, all or nothing (Note [Long prefills]); a ``fresh`` slot
-        is freed when the growth is refused."""
-        swa = self.cache_allocators.get(SLIDING_ATTENTION)
-        window = None if swa is None else swa.sliding_window
-        ps = self.page_size
-        held = self._held.get(slot, 0)
-        if window is None or num_tokens <= 2 * window:
-            return self._extend_once(slot, held, num_tokens, fresh)
-        guard = None
-        if held > 0:   # this step reads the window before `held`: a guard request holds it
-            guard = self.table.fork(slot, held)
-            if guard is None:
-                return self._extend_once(slot, held, num_tokens, fresh)
-            self._held[int(guard)] = held
-        full_pages = -(-(held + num_tokens) // ps) - -(-held // ps) + (guard is not None and held % ps != 0)
-        if not self._fits_bytes(full_pages, swa_window_pages(window, ps)):
-            if guard is not None:
-                self._free_table_slots([int(guard)])
-            if fresh:
-                self._free_table_slots([slot])
-            return False
-        done = 0
-        while done < num_tokens:
-            rest = num_tokens - done
-            step = min(ps, rest)
-            # all but the last page's tokens in strides when they fit outright (few table calls, never a
-            # compaction trial); the last call grows at most a page, so the end holds the last window only
-            stride = min(_LONG_STRIDE_PAGES * ps, (rest - 1) // ps * ps)
-            if stride > ps and self.alloc.can_alloc({"full": stride // ps + 1, "swa": stride // ps + 1}):
-                step = stride
-            if self.table.extend(np.array([slot], np.int64), np.array([step], np.int64)) is None:
-                self._held[slot] = held + done
-                self._undo_long(request_id, slot, guard, fresh)
-                self.counters.rolled_back += 1
+    def _grow(self, request_id: str, known: int | None, held: int, num_tokens: int) -> bool:
+        """Grow request ``known`` (None: a new request) from ``held`` by ``num_tokens`` tokens: its ring first, then
+        its full-attention row, one table call each; all or nothing (Note [Sliding ring])."""
+        one = np.ones(1, np.int64)
+        slot = known
+        if slot is None:
+            got = self.table.new_requests(1)
+            if got is None:
                 return False
-            done += step
-        self._held[slot] = held + num_tokens
-        if guard is not None:
-            self._guards[request_id] = int(guard)
-        return True
-
-    def _extend_once(self, slot: int, held: int, num_tokens: int, fresh: bool) -> bool:
-        if self.table.extend(np.array([slot], np.int64), np.array([num_tokens], np.int64)) is None:
-            if fresh:
-                self._free_table_slots([slot])
+            slot = int(got[0])
+        ring = self.ring_slots.get(slot)
+        new_ring = ring is None
+        ring_grow = 0
+        if self.ring_table is not None and self.window is not None:
+            if ring is None and known is not None:
+                raise InvariantError(f"request {request_id!r} holds tokens but no ring (Note [Sliding ring])")
+            ring_grow = min(held + num_tokens, self.window) - min(held, self.window)
+            if ring is None:
+                got = self.ring_table.new_requests(1)
+                if got is None:
+                    self.table.free_requests([slot])
+                    return False
+                ring = int(got[0])
+            if ring_grow and self.ring_table.extend(np.array([ring], np.int64), one * ring_grow) is None:
+                if new_ring:
+                    self.ring_table.free_requests([ring])
+                if known is None:
+                    self.table.free_requests([slot])
+                return False
+        if self.table.extend(np.array([slot], np.int64), one * num_tokens) is None:
+            if self.ring_table is not None and ring is not None:
+                if new_ring:
+                    self.ring_table.free_requests([ring])
+                elif ring_grow:
+                    self.ring_table.truncate(np.array([ring], np.int64), one * min(held, self.window or 0))
+                    self._forget_rows([], [ring])
+            if known is None:
+                self.table.free_requests([slot])
             return False
         self._held[slot] = held + num_tokens
+        if known is None:
+            self.slots[request_id] = slot
+        if ring is not None:
+            self.ring_slots[slot] = ring
         return True
-
-    def _undo_long(self, request_id: str, slot: int, guard: int | None, fresh: bool) -> None:
-        """Undo a long prefill whose growth fell short (Note [Long prefills]): the guard, a fork of the request
-        at its length on entry, takes the request's place; a request without one held no tokens on entry and is
-        freed (a known id loses its empty slot: it holds nothing either way)."""
-        if guard is not None:
-            self._free_table_slots([slot])
-            self.slots[request_id] = int(guard)
-            return
-        if fresh or self._held.get(slot, 0) > 0:
-            self._free_table_slots([slot])
-            if not fresh:
-                self.slots.pop(request_id, None)
 
     def count_storable_requests(self, list_blocks_needed: list[dict[str, int]]) -> int:
         """How many of the requests, in order, the free bytes (free pages, gap, cached pages; memoized) could
@@ -486,7 +523,8 @@ class UmallocPagedCache:
 
     def free_bytes(self) -> int:
         """Bytes allocatable now or after evicting every cached page: holes of every end, the gap between the
-        ends, and the cached pages (owner pages plus their bindings). O(ends), from the allocator's end views."""
+        ends, and the cached full-attention pages (only a model without sliding layers caches pages). O(ends), from
+        the allocator's end views."""
         ends = self.alloc.ends
         full = ends["full"]
         total = sum(v.hole_pages * v.page_bytes for v in ends.values())
@@ -516,9 +554,7 @@ class UmallocPagedCache:
 
     def free_all_requests(self, clear_ledgers: bool = False) -> None:
         with self._timer:
-            if self._guards:
-                self._free_table_slots(list(self._guards.values()))
-                self._guards.clear()
+            self._flush()
             for rid in list(self.slots):
                 self._free_slot(rid, cache=self.use_prefix_sharing and not clear_ledgers)
             if clear_ledgers:
@@ -548,6 +584,7 @@ class UmallocPagedCache:
                 matched.append(vp)
             if not matched or request_id in self.slots:
                 return 0
+            self._flush()
             self._free_bytes_memo = None
             got = self.table.new_requests(1)
             if got is None:
@@ -577,6 +614,7 @@ class UmallocPagedCache:
         if not self.allow_block_sharing or not complete_blocks or state.request_id not in self.slots:
             return
         with self._timer:
+            self._flush()
             tokens = state.initial_tokens + state.generated_tokens
             pages = self.table.pages(self.slots[state.request_id]).tolist()
             ps = self.page_size
@@ -597,19 +635,20 @@ class UmallocPagedCache:
 
     def extend_read_and_write_indices(self, request_id: str, past_length: int, query_length: int,
                                       read_index: list[list[int]] | None, write_index: list[list[int]]) -> None:
-        """Append the request's attention indices per attention type, in ``cache_allocators`` order: virtual
-        tokens, translated to rows (Note [Rows]) once per forward for the whole batch (Note [Batch translation]
-        in :mod:`umalloc.integrations.transformers_groups`)."""
+        """Append the request's attention rows per attention type, in ``cache_allocators`` order (Note [Rows];
+        Note [Index time] in :mod:`umalloc.integrations.transformers_groups`)."""
         with self._timer:
+            self._flush()
             slot = self.slots[request_id]
+            ring = self.ring_slots.get(slot, -1)
+            keep = slot not in self._forked   # Note [Row reuse] in transformers_groups
             for grp, out in zip(self.cache_allocators.values(), write_index, strict=True):
-                out.extend(grp.write_vtokens(slot, past_length, query_length))
+                sliding = grp.sliding_window is not None
+                out.extend(grp.write_rows(ring if sliding else slot, past_length, query_length, keep or sliding))
             if read_index is not None:
-                guard = self._guards.get(request_id, slot)
                 for grp, out in zip(self.cache_allocators.values(), read_index, strict=True):
-                    # a sliding read of a guarded request goes through the guard's row (Note [Long prefills])
-                    src = guard if grp.sliding_window is not None else slot
-                    out.extend(grp.read_vtokens(src, past_length, query_length))
+                    sliding = grp.sliding_window is not None
+                    out.extend(grp.read_rows(ring if sliding else slot, past_length, query_length, keep or sliding))
 
     def fill_block_table(self, request_id: str, past_length: int, query_length: int,
                          block_table: torch.Tensor) -> None:
@@ -617,25 +656,53 @@ class UmallocPagedCache:
 
     def prepare_fork_request(self, src_state: Any, dst_req_ids: list[str],
                              copy_src_and_dst: dict[str, tuple[list[int], list[int]]]) -> list[str]:
-        """Fork the source's pages into new requests (shared, copy-on-write in the table); returns the ids forked
-        (those a slot was free for). Nothing for the caller to copy."""
+        """Fork the source into new requests: its full-attention pages shared (copy-on-write in the table), its
+        ring into fresh pages that :meth:`perform_cache_copy` fills (Note [Sliding ring]); returns the ids forked
+        (those the slots and pages sufficed for, in order)."""
         with self._timer:
+            self._flush()
             self._free_bytes_memo = None
             src = self.slots[src_state.request_id]
+            held = self._held[src]
+            self._forked.add(src)
             forked = []
             for rid in dst_req_ids:
                 slot = self.table.fork(src)
                 if slot is None:
                     break
-                self.slots[rid] = int(slot)
-                self._held[int(slot)] = self._held.get(src, 0)
+                slot = int(slot)
+                if self.ring_table is not None and self.window is not None:
+                    got = self.ring_table.new_requests(1)
+                    ring_len = np.array([min(held, self.window)], np.int64)
+                    if got is None or self.ring_table.extend(got, ring_len) is None:
+                        if got is not None:
+                            self.ring_table.free_requests(got)
+                        self.table.free_requests([slot])
+                        break
+                    self.ring_slots[slot] = int(got[0])
+                    self._ring_copies.append((self.ring_slots[src], int(got[0])))
+                self.slots[rid] = slot
+                self._held[slot] = held
+                self._forked.add(slot)
                 forked.append(rid)
                 self.counters.forks += 1
             self.counters.max_live_requests = max(self.counters.max_live_requests, len(self.slots))
             return forked
 
     def perform_cache_copy(self, copy_src_and_dst: dict[str, tuple[list[int], list[int]]]) -> None:
-        """Nothing to copy: forks share pages and the table copies on write."""
+        """Copy the rings of the forks :meth:`prepare_fork_request` made (one page copy per fork on the ``swa``
+        end); the full-attention pages are shared, the table copies them on write."""
+        with self._timer:
+            self._copy_rings()
+
+    def _copy_rings(self) -> None:
+        if not self._ring_copies or self.ring_table is None:
+            return
+        rt = self.ring_table
+        src = torch.cat([rt.pages(s) for s, _ in self._ring_copies])
+        dst = torch.cat([rt.pages(d) for _, d in self._ring_copies])
+        self._ring_copies.clear()
+        self.arena.copy_pages("swa", self.alloc.translate_pages(dst, "swa"), self.alloc.translate_pages(src, "swa"))
 
     @torch.compiler.disable  # type: ignore[untyped-decorator]
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,

@@ -3,29 +3,37 @@ continuous-batching IO builder and attention read as a cache allocator (``cache.
 2 in :mod:`umalloc.integrations.transformers`).
 
 * An :class:`EndGroup` holds per-layer K/V row views of the arena (Note [Rows] there) and turns a request's
-  virtual tokens into rows through the allocator's translation; it owns no pages (the cache's request table
-  does).
-* The read / write indices transformers collects per request (``extend_read_and_write_indices``) and pads with
-  ``read_trash_index`` / ``write_trash_index`` hold *virtual* token ids; :meth:`EndGroup.update` translates the
-  whole batch's indices to rows once per forward, at the group's first layer (Note [Batch translation]).
-* Virtual token ``SINK_ROW`` (0) is the sink's first token (padded writes); ``SENTINEL_ROW`` (1) marks, in a
-  sliding read index, where this step's new states go. Virtual page 0 maps to physical page 0 on every end, so
-  both translate to rows 0 and 1 of the sink page.
+  virtual tokens into rows through the allocator's v2p table; it owns no pages (the cache's request tables do).
+* A sliding group's tokens are ring slots of the request's row in the cache's ``ring_table`` (Note [Sliding
+  ring] there); a full group's are the request's row in the cache's ``table``.
+* ``SINK_ROW`` (0) is where padded lanes and dropped tokens write; ``SENTINEL_ROW`` (1) marks, in a sliding read
+  index, where this step's new states go; ``PAD_READ_ROW`` (2) is where padded lanes read. All three lie in the
+  sink page, physical page 0 of every end (Note [Rows]).
 
-Note [Batch translation]
-~~~~~~~~~~~~~~~~~~~~~~~~
-The IO builder asks for indices request by request; translating there would be one allocator call per request
-and group. The indices stay virtual until the forward: the first layer of each group translates its read and
-write index tensors (one ``translate`` each, the whole batch) and the group's other layers reuse the rows. The
-translation runs after every allocation of the step (the scheduler allocates before the IO builder runs), so
-pages compaction moved at the step hook are translated at their new place. Sliding writes translate with
-``strict=False``: tokens whose sliding pages a long prefill already unbound (Note [Long prefills] in
-:mod:`umalloc.integrations.transformers`) write the sink. The time spent is ``translate_seconds``.
+Note [Row reuse]
+~~~~~~~~~~~~~~~~
+A token's row changes only when compaction moves its page (its virtual id never changes) or when the table
+rewrites the token (copy-on-write of a shared partial page, a truncation). So each group keeps, per slot of its
+table, the rows it computed together with the end's cumulative moved-page count (``pages_moved``) at that time,
+and extends them as the request grows: a decode computes one new row instead of all of them. The kept rows are
+dropped when the count moved on, when the slot is freed or shrinks (``forget_rows``), and never kept for a slot
+whose tokens copy-on-write may rewrite (the cache passes ``keep=False`` for a fork's source and its forks).
+
+Note [Index time]
+~~~~~~~~~~~~~~~~~
+The rows handed to attention are physical, computed when transformers' IO builder asks for a request's indices
+(``extend_read_and_write_indices``), from the v2p table as it is then: ``v2p[t // page_size] * rows_per_page +
+t % page_size`` for each virtual token ``t``. That is after every move of the step: compaction runs at the step
+hook, in allocations (the scheduler's, before the IO builder) and in eager mode after frees (the offloading
+manager's, also before it); nothing allocates, frees or compacts between the IO builder and the forward that
+reads the rows (transformers' synchronous loop: prepare the batch, forward, then update the requests).
+Asynchronous batching, which schedules the next batch while a forward runs, is refused at construction (Note
+[Seams] 8). On a host arena the arithmetic runs on numpy views of the tables; on a device arena through the
+allocator's ``translate``.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Protocol
 
 import numpy as np
@@ -37,6 +45,7 @@ FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 SENTINEL_ROW = 1
 SINK_ROW = 0
+PAD_READ_ROW = 2
 
 
 class CacheParts(Protocol):
@@ -49,15 +58,9 @@ class CacheParts(Protocol):
     table: RequestTable
     dtype: torch.dtype
     slots: dict[str, int]
+    ring_slots: dict[int, int]
 
     def held_tokens(self, request_id: str) -> int: ...
-
-
-def swa_window_pages(window: int, page_size: int) -> int:
-    """Fresh sliding pages a prefill chunk longer than twice the window leaves bound at its end: the window's
-    pages plus the one its unaligned start spills into. A lower bound of what the chunk needs (the page-by-page
-    growth of Note [Long prefills] may bind one or two more on the way, and is rolled back if they do not fit)."""
-    return -(-window // page_size) + 1
 
 
 class EndGroup:
@@ -66,9 +69,10 @@ class EndGroup:
 
     supports_block_table = False
 
-    def __init__(self, cache: CacheParts, index: int, layer_type: str, end: str, layer_indices: list[int],
-                 num_kv_heads: int, head_dim: int, sliding_window: int | None) -> None:
+    def __init__(self, cache: CacheParts, index: int, layer_type: str, end: str, table: RequestTable,
+                 layer_indices: list[int], num_kv_heads: int, head_dim: int, sliding_window: int | None) -> None:
         self._cache = cache
+        self._table = table   # the request table of this group's end (the ring table for a sliding group)
         self.index = index
         self.layer_type = layer_type
         self.end = end
@@ -79,9 +83,6 @@ class EndGroup:
         self.rows_per_page = 2 * cache.page_size * len(layer_indices)
         self.write_trash_index = SINK_ROW
         self.sentinel_index = SENTINEL_ROW
-        #: seconds spent translating indices (Note [Batch translation])
-        self.translate_seconds = 0.0
-        self._rows_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         arena = cache.arena
         self.bytes_per_block = arena.page_bytes(end)
         self.num_blocks = arena.top_page(end) + 1 - arena.first_page(end)
@@ -91,19 +92,33 @@ class EndGroup:
         flat = flat[: num_rows * row_elems].view(num_rows, num_kv_heads, head_dim)
         ps = cache.page_size
         self._views = {layer: (flat[2 * i * ps:], flat[(2 * i + 1) * ps:]) for i, layer in enumerate(layer_indices)}
+        # host arena: the tables' numpy views (zero-copy, they follow every later call; read only here) for the
+        # index arithmetic of Note [Index time]; a device arena goes through the allocator's translate
+        on_host = arena.device.type == "cpu"
+        self._host_r2t = table.req_to_token.numpy() if on_host else None
+        self._host_v2p = cache.alloc.v2p(end).numpy() if on_host else None
+        self._page_shift = ps.bit_length() - 1 if ps & (ps - 1) == 0 else -1   # log2(page_size), or -1
+        self._end_view = cache.alloc.ends[end]
+        self._kept_rows: dict[int, tuple[int, list[int]]] = {}   # slot -> (end's moves then, rows) (Note [Row reuse])
 
     # ---- transformers' allocator attributes -----------------------------------------------------------------
     @property
     def read_trash_index(self) -> int:
-        """Virtual token of the table's zero page (padded reads), translated with the rest of the read index
-        (Note [Batch translation]; Note [Seams] 4)."""
-        return int(self._cache.table.pad_read_vtoken)
+        """Row padded lanes read: ``PAD_READ_ROW``, or the row of the table's zero page when it has one (Note
+        [Rows] in :mod:`umalloc.integrations.transformers`; the IO builder reads this at every batch, after the
+        step's moves)."""
+        t = self._table
+        if not t.zero_vpage:
+            return PAD_READ_ROW
+        return int(self.to_rows(torch.tensor([t.pad_read_vtoken], dtype=torch.int64))[0])
 
     @property
     def block_table(self) -> dict[str, list[int]]:
-        """request id -> its virtual pages (read-only copy)."""
+        """request id -> its virtual pages on this group's end (a sliding group: its ring's; read-only copy)."""
         c = self._cache
-        return {rid: c.table.pages(slot).tolist() for rid, slot in c.slots.items()}
+        if self.sliding_window is None:
+            return {rid: c.table.pages(slot).tolist() for rid, slot in c.slots.items()}
+        return {rid: self._table.pages(c.ring_slots[slot]).tolist() for rid, slot in c.slots.items()}
 
     def get_seqlen_k(self, past_length: int, query_length: int) -> int:
         if self.sliding_window is None:
@@ -112,57 +127,123 @@ class EndGroup:
 
     def needs_new_blocks(self, request_id: str, past_length: int, query_length: int) -> int:
         """Pages this end needs for ``query_length`` more tokens (what transformers' offloading manager sizes its
-        evictions by). Every new page is bound on every end; a sliding end first unbinds the pages that left the
-        window (Note [Windows] in :mod:`umalloc.requests.table`), counted here as a decode's unbinding (the growth
-        before was by one token; an earlier one unbound at least that much), so a decode past the window
-        needs no sliding page net."""
+        evictions by): a full group one per page past the held ones, a sliding group the pages its ring still
+        lacks (Note [Sliding ring] in :mod:`umalloc.integrations.transformers`)."""
         held = self._cache.held_tokens(request_id)
         ps = self.tokens_per_page
-        pages = max(0, -(-(past_length + query_length) // ps) - -(-held // ps))
+        total = past_length + query_length
         w = self.sliding_window
-        if w is None:
-            return pages
-        if query_length > 2 * w:
-            return min(pages, swa_window_pages(w, ps) + 1)   # Note [Long prefills]
-        unbound = max(0, held - w) // ps - max(0, held - 1 - w) // ps
-        return max(0, pages - unbound)
+        if w is not None:
+            total, held = min(total, w), min(held, w)
+        return max(0, -(-total // ps) - -(-held // ps))
 
     # ---- rows -------------------------------------------------------------------------------------------
-    def to_rows(self, vtokens: torch.Tensor, strict: bool = True) -> torch.Tensor:
-        """``int64`` rows of an index tensor of virtual tokens (Note [Batch translation]); ``strict=False`` maps
-        tokens whose page is not bound here to the sink."""
+    def to_rows(self, vtokens: torch.Tensor | np.ndarray) -> torch.Tensor:
+        """``int64 (n,)`` CPU rows of ``(n,)`` virtual tokens of this group's end (Note [Rows]): on a host arena
+        ``v2p[t // page_size] * rows_per_page + t % page_size`` (one gather); ids outside the id space or on a page
+        not bound here go through the allocator's ``translate``, which raises its typed error."""
         ps, rpp = self.tokens_per_page, self.rows_per_page
-        if vtokens.device.type == "cpu":   # numpy arithmetic: no torch op dispatch on a few hundred ids
-            pn = self._cache.alloc.translate(vtokens.numpy(), self.end, strict=strict)
+        v2p = self._host_v2p
+        vt = vtokens.numpy() if isinstance(vtokens, torch.Tensor) and vtokens.device.type == "cpu" else vtokens
+        if v2p is not None and isinstance(vt, np.ndarray):
+            if vt.size == 0:
+                return torch.zeros(0, dtype=torch.int64)
+            if vt.dtype == np.int64 and vt.min() >= 0 and vt.max() < v2p.shape[0] * ps:
+                sh = self._page_shift
+                pp = v2p[vt >> sh] if sh >= 0 else v2p[vt // ps]
+                if pp.min() >= 0:
+                    return torch.from_numpy(pp * rpp + (vt & (ps - 1) if sh >= 0 else vt % ps))
+            pn = self._cache.alloc.translate(vt.astype(np.int64, copy=False), self.end)
             assert isinstance(pn, np.ndarray)
             return torch.from_numpy((pn // ps) * rpp + pn % ps)
-        pt = self._cache.alloc.translate(vtokens, self.end, strict=strict)
+        ids = torch.as_tensor(vt, dtype=torch.int64)
+        pt = self._cache.alloc.translate(ids.to(self._cache.arena.device), self.end)
         assert isinstance(pt, torch.Tensor)
-        return (pt // ps) * rpp + pt % ps
+        return ((pt // ps) * rpp + pt % ps).cpu()
 
-    def read_vtokens(self, slot: int, past_length: int, query_length: int) -> list[int]:
-        """Virtual tokens this step reads (translated in :meth:`update`); sliding: the window before
-        ``past_length``, then one ``SENTINEL_ROW`` per new token."""
-        r2t = self._cache.table.req_to_token
-        if self.sliding_window is None:
-            return r2t[slot, : past_length + query_length].tolist()
-        lo = max(0, past_length - (self.sliding_window - 1))
-        return r2t[slot, lo:past_length].tolist() + [SENTINEL_ROW] * query_length
+    def _rows_list(self, vt: np.ndarray | torch.Tensor) -> list[int]:
+        """:meth:`to_rows` of a table slice, as a list. On a host arena the table's tokens are valid ids by
+        construction, so only an unbound page (a tombstone in v2p) or an id past the id space sends the slice
+        through :meth:`to_rows`'s checked path, which raises the allocator's typed error."""
+        v2p = self._host_v2p
+        sh = self._page_shift
+        if v2p is None or sh < 0 or not isinstance(vt, np.ndarray):
+            return self.to_rows(vt).tolist()
+        n = vt.shape[0]
+        if n == 0:
+            return []
+        try:
+            if n <= 4:   # a decode's few tokens: Python ints beat numpy's per-call overhead
+                m = self.tokens_per_page - 1
+                rpp = self.rows_per_page
+                out = [int(v2p[t >> sh]) * rpp + (t & m) for t in vt.tolist()]
+                if min(out) >= 0:
+                    return out
+            else:
+                pp = v2p[vt >> sh]
+                if pp.min() >= 0:
+                    return (pp * self.rows_per_page + (vt & (self.tokens_per_page - 1))).tolist()
+        except IndexError:
+            pass
+        return self.to_rows(vt).tolist()
 
-    def write_vtokens(self, slot: int, past_length: int, query_length: int) -> list[int]:
-        """Virtual tokens this step writes (translated in :meth:`update`)."""
-        return self._cache.table.req_to_token[slot, past_length: past_length + query_length].tolist()
+    def _row(self, slot: int) -> np.ndarray | torch.Tensor:
+        """Request ``slot``'s virtual tokens in this group's table (a view)."""
+        return self._host_r2t[slot] if self._host_r2t is not None else self._table.req_to_token[slot]
 
-    def _batch_rows(self, layer_idx: int, read_index: torch.Tensor,
-                    write_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This forward's rows: translated at the group's first layer, reused by its others."""
-        if layer_idx == self.layer_indices[0] or self._rows_cache is None:
-            t0 = time.perf_counter()
-            sliding = self.sliding_window is not None
-            reads = self.to_rows(read_index) if read_index.numel() else read_index
-            self._rows_cache = (reads, self.to_rows(write_index, strict=not sliding))
-            self.translate_seconds += time.perf_counter() - t0
-        return self._rows_cache
+    def forget_rows(self, slots: list[int]) -> None:
+        """Drop the kept rows of these slots of this group's table (Note [Row reuse]): call when a slot is freed
+        or shrinks."""
+        for s in slots:
+            self._kept_rows.pop(s, None)
+
+    def _rows_of(self, slot: int, num_tokens: int, keep: bool) -> list[int]:
+        """Rows of the first ``num_tokens`` tokens of request ``slot`` (at most its length), from the rows kept
+        since the end last moved a page plus the new tokens' (Note [Row reuse]); ``keep=False`` computes them
+        all and keeps nothing (a request whose tokens may be rewritten: copy-on-write after a fork). The list is
+        the kept one: read it, never change it."""
+        row = self._row(slot)
+        if not keep:
+            return self._rows_list(row[:num_tokens])
+        moves = self._end_view.pages_moved
+        kept = self._kept_rows.get(slot)
+        if kept is None or kept[0] != moves:
+            rows = self._rows_list(row[:num_tokens])
+            self._kept_rows[slot] = (moves, rows)
+            return rows
+        rows = kept[1]
+        if len(rows) < num_tokens:
+            rows.extend(self._rows_list(row[len(rows):num_tokens]))
+        return rows
+
+    def read_rows(self, slot: int, past_length: int, query_length: int, keep: bool = True) -> list[int]:
+        """Rows this step reads for request ``slot`` of this group's table (Note [Index time]); sliding: the ring
+        slots of the ``min(past_length, window - 1)`` tokens before ``past_length`` (oldest first), then one
+        ``SENTINEL_ROW`` per new token. ``keep``: as :meth:`_rows_of`."""
+        w = self.sliding_window
+        if w is None:
+            return self._rows_of(slot, past_length + query_length, keep)[: past_length + query_length]
+        if past_length < w:
+            rows = self._rows_of(slot, past_length, keep)[:past_length]
+        else:   # the ring is full: slots (past + 1) % w, ... wrapping, w - 1 of them
+            ring = self._rows_of(slot, w, keep)
+            start = (past_length + 1) % w
+            rows = ring[start:w] + ring[:start - 1] if start else ring[:w - 1]
+        return rows + [SENTINEL_ROW] * query_length
+
+    def write_rows(self, slot: int, past_length: int, query_length: int, keep: bool = True) -> list[int]:
+        """Rows this step writes for request ``slot`` of this group's table (Note [Index time]); sliding: the last
+        ``min(query_length, window)`` tokens to their ring slots (``position % window``), the earlier ones to the
+        sink. ``keep``: as :meth:`_rows_of`."""
+        w = self.sliding_window
+        end = past_length + query_length
+        if w is None:
+            return self._rows_of(slot, end, keep)[past_length:end]
+        kept = min(query_length, w)
+        ring = self._rows_of(slot, min(end, w), keep)
+        lo = (end - kept) % w
+        rows = ring[lo: lo + kept] if lo + kept <= w else ring[lo:w] + ring[: lo + kept - w]
+        return [SINK_ROW] * (query_length - kept) + rows
 
     # ---- attention update ---------------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
@@ -170,8 +251,7 @@ class EndGroup:
         """Write this step's K/V (``[q, kv_heads, head_dim]``) at ``write_index`` rows and return the K/V attention
         reads (``[len(read_index), kv_heads, head_dim]``). Full attention writes then reads; sliding attention reads
         the cached tail first, puts the new states at the sentinel rows, then writes (its reads never include this
-        step's rows). ``read_index`` / ``write_index`` hold virtual tokens (Note [Batch translation])."""
-        read_index, write_index = self._batch_rows(layer_idx, read_index, write_index)
+        step's rows). ``read_index`` / ``write_index`` hold rows (Note [Index time])."""
         k_rows, v_rows = self._views[layer_idx]
         if self.sliding_window is None or read_index.numel() == 0:
             k_rows.index_copy_(0, write_index, key_states)
@@ -189,5 +269,5 @@ class EndGroup:
         return k_out, v_out
 
 
-__all__ = ["FULL_ATTENTION", "SENTINEL_ROW", "SINK_ROW", "SLIDING_ATTENTION", "CacheParts", "EndGroup",
-           "swa_window_pages"]
+__all__ = ["FULL_ATTENTION", "PAD_READ_ROW", "SENTINEL_ROW", "SINK_ROW", "SLIDING_ATTENTION", "CacheParts",
+           "EndGroup"]

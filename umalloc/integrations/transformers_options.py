@@ -61,10 +61,8 @@ class CacheCounters:
         prefix_hit_tokens: prompts that reused cached pages and the tokens reused. evicted_pages: cached pages
         evicted (``on_evict``). refused_allocations: ``can_store_request_tokens`` answers ``False``.
         max_live_requests: most requests holding pages at once. memory_seconds: wall time inside this layer's
-        scheduler-facing calls (allocation, index building, freeing, hooks), measured with
-        ``time.perf_counter``; the index translation inside ``update`` is
-        :attr:`~umalloc.integrations.transformers.UmallocPagedCache.translate_seconds`.
-        rolled_back: long prefills whose page-by-page growth fell short and was undone (Note [Long prefills]).
+        scheduler-facing calls (allocation, index building and translation, freeing, hooks), measured with
+        ``time.perf_counter``.
     """
 
     steps: int = 0
@@ -78,7 +76,6 @@ class CacheCounters:
     forks: int = 0
     memory_seconds: float = 0.0
     live_requests_sum: int = 0
-    rolled_back: int = 0
 
 
 def text_config_dims(config: Any, dtype: torch.dtype) -> tuple[int, int, dict[str, list[int]], int | None]:
@@ -100,7 +97,7 @@ def text_config_dims(config: Any, dtype: torch.dtype) -> tuple[int, int, dict[st
         groups.setdefault(lt, []).append(i)
     if FULL_ATTENTION not in groups:
         raise UnsupportedCacheError(f"every layer of the model is {SLIDING_ATTENTION!r} (layer 0 first); the umalloc "
-                                    "cache needs at least one full_attention layer as the id owner")
+                                    "cache needs at least one full_attention layer (it sizes requests and shares prefixes by that group)")
     if SLIDING_ATTENTION in groups and (not isinstance(sliding_window, int) or sliding_window <= 0):
         raise UnsupportedCacheError(f"layer {groups[SLIDING_ATTENTION][0]} is {SLIDING_ATTENTION!r} with "
                                     f"sliding_window={sliding_window!r}; allowed a positive int")
