@@ -311,3 +311,123 @@ def test_long_later_prefill_chunk_reads_the_window_before_it() -> None:
     cache.free_blocks("r")
     cache.check_invariants()
     assert cache.table.stats().live_requests == 0
+
+
+def _gemma(window: int):  # type: ignore[no-untyped-def]
+    """The matrix's Gemma-3 with another sliding window (same seed, same widths)."""
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0, bos_token_id=1,
+                  eos_token_id=2)
+    cfg = transformers.Gemma3TextConfig(num_hidden_layers=3, head_dim=16, sliding_window=window,
+                                        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                        **common)
+    torch.manual_seed(SEED)
+    model = transformers.Gemma3ForCausalLM(cfg).eval()
+    model.config._attn_implementation = "sdpa"
+    return model
+
+
+@pytest.mark.parametrize(("window", "page_size", "cb_kwargs"), [
+    (10, 4, {}),                                    # the window spans a partial ring page
+    (10, 4, {"max_batch_tokens": 20}),              # chunks longer than the window
+    (7, 4, {"num_blocks": 14}),                     # pressure: requests wait and are preempted
+    (6, 8, {"max_batch_tokens": 20}),               # a window shorter than one page
+])
+def test_unaligned_windows_identical(window: int, page_size: int, cb_kwargs: dict) -> None:
+    """Sliding windows that are not a multiple of the page size: tokens identical to stock ``generate_batch``
+    (the oracle) with forced compaction and the invariants checked at every step."""
+    print(f"seed={SEED}")
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    model = _gemma(window)
+    kw = dict(page_size=page_size, num_blocks=96, max_batch_tokens=48, use_async_batching=False,
+              auto_switch_to_flash=False, max_memory_percent=0.9)
+    kw.update(cb_kwargs)
+    inputs = prompts()
+    stock = batch_tokens(model, inputs, gen_config(), ContinuousBatchingConfig(**kw))
+    assert len({t for row in stock.values() for t in row}) > 2 * len(stock), "degenerate model output"
+    with ut.installed(ut.CacheOptions(compact_every_step=True, check_every_step=True)) as inst:
+        got = batch_tokens(model, inputs, gen_config(), ContinuousBatchingConfig(**kw))
+    (cache,) = inst.caches
+    assert got == stock, cache.counters
+    assert cache.counters.pages_moved > 0
+    if "num_blocks" in cb_kwargs:
+        assert cache.counters.refused_allocations > 0
+
+
+def test_ring_holds_the_fewest_pages_of_a_window() -> None:
+    """A request holds ceil(min(length, window) / page_size) sliding pages whatever its length (transformers'
+    ring buffer), counted on the allocator's swa end, independently of the cache's own bookkeeping."""
+    from transformers.generation.continuous_batching.requests import RequestState
+
+    window, ps = 10, 4
+    cache = ut.UmallocPagedCache(_gemma(window).config, cb_config(num_blocks=96), "cpu", None, torch.float32)
+    base, base_full = (cache.alloc.stats()[e].live_pages for e in ("swa", "full"))
+    state = RequestState(request_id="r", initial_tokens=list(range(3, 200)))
+    length = 0
+    for grow in (3, 5, 1, 1, 30, 1, 1, 1, 7):
+        assert cache.can_store_request_tokens(state, grow)
+        length += grow
+        state.position_offset = length
+        cache.check_invariants()   # also puts deferred decodes into the tables
+        live = cache.alloc.stats()["swa"].live_pages - base
+        assert live == -(-min(length, window) // ps), (length, live)
+        assert cache.alloc.stats()["full"].live_pages - base_full == -(-length // ps)
+    cache.free_blocks("r")
+    cache.check_invariants()
+    assert cache.alloc.stats()["swa"].live_pages == base
+
+
+def test_refused_growth_of_a_known_request_changes_nothing() -> None:
+    """A known request whose ring page would fit but whose full-attention pages do not is refused with both
+    tables and the allocator exactly as before: nothing is allocated, not even the ring's page."""
+    from transformers.generation.continuous_batching.requests import RequestState
+
+    from umalloc.allocator.observe import snapshots_equal
+
+    window, ps = 10, 4
+    cache = ut.UmallocPagedCache(_gemma(window).config, cb_config(num_blocks=16), "cpu", None, torch.float32)
+    a = RequestState(request_id="a", initial_tokens=list(range(3, 400)))
+    assert cache.can_store_request_tokens(a, ps + 1)   # a ring of 2 pages, 3 once it holds the window
+    a.position_offset = ps + 1
+    full_bytes = cache.cache_allocators["full_attention"].bytes_per_block
+    free_full_pages = cache.free_bytes() // full_bytes
+    grow = (free_full_pages + 1) * ps   # the ring's page fits, the full pages cannot
+    assert cache.alloc.can_alloc({"swa": 1})
+    assert a.current_len() + grow <= cache.max_tokens_per_request
+    before = (cache.table.snapshot(), cache.ring_table.snapshot())
+    live = {e: s.live_pages for e, s in cache.alloc.stats().items()}
+    allocated = cache.alloc.stats()["swa"].pages_allocated
+    assert not cache.can_store_request_tokens(a, grow)
+    assert cache.alloc.stats()["swa"].pages_allocated == allocated
+    after = (cache.table.snapshot(), cache.ring_table.snapshot())
+    assert all(snapshots_equal(x, y) for x, y in zip(before, after, strict=True))
+    assert {e: s.live_pages for e, s in cache.alloc.stats().items()} == live
+    assert cache.held_tokens("a") == ps + 1
+    cache.check_invariants()
+
+
+def test_async_batching_and_tiny_pages_are_refused() -> None:
+    """Asynchronous batching schedules (allocates, compacts) while a forward reads rows; pages under 4 tokens
+    (transformers' own bound) leave no never-written pad row: both refused at construction, typed."""
+    cb = cb_config()
+    cb.use_async_batching = True
+    with pytest.raises(ut.UnsupportedCacheError, match="use_async_batching"):
+        ut.UmallocPagedCache(model_for("gemma3").config, cb, "cpu", None, torch.float32)
+    cb = cb_config()
+    cb.page_size = 2
+    with pytest.raises(ut.UnsupportedCacheError, match="page_size=2"):
+        ut.UmallocPagedCache(model_for("gemma3").config, cb, "cpu", None, torch.float32)
+
+
+def test_padded_reads_read_zeros() -> None:
+    """After a run, the row padded lanes read (row 2 of the sink page, every layer's K and V) is still zero."""
+    from umalloc.integrations.transformers_groups import PAD_READ_ROW
+
+    model = model_for("gemma3")
+    with ut.installed(ut.CacheOptions(compact_every_step=True)) as inst:
+        batch_tokens(model, prompts(), gen_config(), cb_config(max_batch_tokens=20))
+    (cache,) = inst.caches
+    for grp in cache.cache_allocators.values():
+        assert grp.read_trash_index == PAD_READ_ROW
+        for k_rows, v_rows in grp._views.values():
+            assert not k_rows[PAD_READ_ROW].any() and not v_rows[PAD_READ_ROW].any()

@@ -68,9 +68,10 @@ virtual token ``t`` on end ``e`` is ``(pt // page_size) * rows_per_page + pt % p
 it on every end): row 0 is the sink (padded writes, and the early tokens of a chunk longer than the window); row
 1 is the sliding reads' sentinel (a marker, replaced by this step's states, never read as data); row 2 is where
 padded lanes read (``PAD_READ_ROW``). The floor is zeroed at creation and only sink rows are ever written, all
-at multiples of ``page_size`` in the flat row view (row 0 of every layer's K and V), so with ``page_size >= 3``
-row 2 of every layer stays zero: the padded reads see zeros, as from transformers' never-written read trash, and
-no page is spent on it. With ``page_size < 3`` the tables mint a zero page instead (``zero_page=True``).
+at multiples of ``page_size`` in the flat row view (row 0 of every layer's K and V), so, ``page_size`` being at
+least 4 (transformers' own bound, checked at construction), row 2 of every layer stays zero: the padded reads
+see zeros, as from transformers' never-written read trash, and no page is spent on them (the tables mint no zero
+page).
 
 Note [Sliding ring]
 ~~~~~~~~~~~~~~~~~~~
@@ -215,6 +216,9 @@ class UmallocPagedCache:
         self.dtype = dtype
         self.device = device
         self.page_size = ps = int(cb.page_size)
+        if ps < 4:
+            raise UnsupportedCacheError(f"page_size={ps}; the umalloc cache allows >= 4 (transformers' own bound; "
+                                        "padded reads use row 2 of the sink page, Note [Rows])")
         self.allow_block_sharing = bool(cb.allow_block_sharing)
         num_kv_heads, head_dim, groups, window = text_config_dims(config, dtype)
         kv = TORCH_TO_KV[dtype]
@@ -248,17 +252,16 @@ class UmallocPagedCache:
         max_pos = int(getattr(config, "max_position_embeddings", owner_pages * ps) or owner_pages * ps)
         self.max_tokens_per_request = max(ps, min(max_pos, owner_pages * ps))
         max_requests = opts.max_requests or max(1, min(owner_pages, 1024))
-        zero_page = ps < 3   # else padded reads read the floor's row 2 (Note [Rows])
         self.table = RequestTable(self.alloc, max_requests=max_requests,
                                   max_tokens_per_request=self.max_tokens_per_request, dtype=torch.int64,
-                                  owner="full", zero_page=zero_page, on_evict=self._on_evict)
+                                  owner="full", zero_page=False, on_evict=self._on_evict)
         #: the sliding layers' ring per request (Note [Sliding ring]); None without sliding layers
         self.ring_table: RequestTable | None = None
         self.window = window if SLIDING_ATTENTION in groups else None
         if self.window is not None:
             self.ring_table = RequestTable(self.alloc, max_requests=max_requests,
                                            max_tokens_per_request=self.window, dtype=torch.int64, owner="swa",
-                                           zero_page=zero_page)
+                                           zero_page=False)
         self.options = opts
         self.counters = CacheCounters()
         self._timer = _Timer(self.counters)
@@ -429,7 +432,7 @@ class UmallocPagedCache:
                 self._held[known] = target
                 return True
             self._flush()
-            if known is None and not self._fits_bytes(*self._fresh_pages(grow)):   # cheap refusal, nothing touched
+            if not self._fits_bytes(*self._new_pages(known, held, grow)):   # refused before anything is touched
                 self.counters.refused_allocations += 1
                 return False
             ok = self._grow(rid, known, held, grow)
@@ -455,6 +458,20 @@ class UmallocPagedCache:
         if self._free_bytes_memo is None:
             self._free_bytes_memo = self.free_bytes()
         return self._free_bytes_memo
+
+    def _new_pages(self, known: int | None, held: int, num_tokens: int) -> tuple[int, int]:
+        """(full pages, ring pages) a growth of request ``known`` (None: new) from ``held`` by ``num_tokens``
+        allocates, counting the copy of a shared partial last page (a fork's). Their bytes fitting in
+        :meth:`free_bytes` is what the growth needs: the allocator's compaction turns holes into gap, and a byte
+        frontier of each end moves in its own page size (Note [Sliding ring])."""
+        if known is None:
+            return self._fresh_pages(num_tokens)
+        ps, end = self.page_size, held + num_tokens
+        full = -(-end // ps) - -(-held // ps) + (known in self._forked and held % ps != 0)
+        if self.window is None:
+            return full, 0
+        w = self.window
+        return full, -(-min(end, w) // ps) - -(-min(held, w) // ps)
 
     def _fits_bytes(self, full_pages: int, swa_pages: int) -> bool:
         """Whether that many pages fit in the free bytes (:meth:`free_bytes`, memoized until the next change):

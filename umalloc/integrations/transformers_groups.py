@@ -102,15 +102,9 @@ class EndGroup:
         self._kept_rows: dict[int, tuple[int, list[int]]] = {}   # slot -> (end's moves then, rows) (Note [Row reuse])
 
     # ---- transformers' allocator attributes -----------------------------------------------------------------
-    @property
-    def read_trash_index(self) -> int:
-        """Row padded lanes read: ``PAD_READ_ROW``, or the row of the table's zero page when it has one (Note
-        [Rows] in :mod:`umalloc.integrations.transformers`; the IO builder reads this at every batch, after the
-        step's moves)."""
-        t = self._table
-        if not t.zero_vpage:
-            return PAD_READ_ROW
-        return int(self.to_rows(torch.tensor([t.pad_read_vtoken], dtype=torch.int64))[0])
+    #: the row padded lanes read: row 2 of the sink page, never written (Note [Rows] in
+    #: :mod:`umalloc.integrations.transformers`)
+    read_trash_index = PAD_READ_ROW
 
     @property
     def block_table(self) -> dict[str, list[int]]:
