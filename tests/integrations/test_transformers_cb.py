@@ -348,6 +348,10 @@ def test_unaligned_windows_identical(window: int, page_size: int, cb_kwargs: dic
     with ut.installed(ut.CacheOptions(compact_every_step=True, check_every_step=True)) as inst:
         got = batch_tokens(model, inputs, gen_config(), ContinuousBatchingConfig(**kw))
     (cache,) = inst.caches
+    c = cache.counters
+    scenario = "chunked-prefill" if "max_batch_tokens" in cb_kwargs else "pressure" if cb_kwargs else "plain"
+    report(f"gemma3-w{window}p{page_size}", scenario, got == stock,
+           f"steps={c.steps} moved(forced)={c.pages_moved} refused={c.refused_allocations}")
     assert got == stock, cache.counters
     assert cache.counters.pages_moved > 0
     if "num_blocks" in cb_kwargs:
