@@ -435,3 +435,20 @@ def test_padded_reads_read_zeros() -> None:
         assert grp.read_trash_index == PAD_READ_ROW
         for k_rows, v_rows in grp._views.values():
             assert not k_rows[PAD_READ_ROW].any() and not v_rows[PAD_READ_ROW].any()
+
+
+def test_forks_under_pressure_identical() -> None:
+    """num_return_sequences=2 on a small arena: forks share a partial page (copied on write, counted in the
+    growth's pages and in ``needs_new_blocks`` alike, so transformers' offloading manager frees what the cache
+    refuses), requests are refused and preempted, and the tokens equal stock ``generate_batch``'s."""
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    model = _gemma(10)
+    kw = dict(page_size=4, num_blocks=20, max_batch_tokens=24, use_async_batching=False,
+              auto_switch_to_flash=False, max_memory_percent=0.9)
+    stock = batch_tokens(model, prompts(), gen_config(2), ContinuousBatchingConfig(**kw))
+    with ut.installed(ut.CacheOptions(compaction="eager", compact_every_step=True, check_every_step=True)) as inst:
+        got = batch_tokens(model, prompts(), gen_config(2), ContinuousBatchingConfig(**kw))
+    c = inst.caches[0].counters
+    report("gemma3-w10p4", "fork-pressure", got == stock, f"forks={c.forks} refused={c.refused_allocations}")
+    assert got == stock, c
+    assert c.forks > 0 and c.refused_allocations > 0

@@ -459,6 +459,17 @@ class UmallocPagedCache:
             self._free_bytes_memo = self.free_bytes()
         return self._free_bytes_memo
 
+    def _cow_pages(self, slot: int) -> int:
+        """1 if request ``slot``'s partial last page may be shared (a fork's source or a fork that has not grown
+        through the table since), so its next growth may copy it first; else 0."""
+        return int(slot in self._forked and self._held.get(slot, 0) % self.page_size != 0)
+
+    def cow_pages(self, request_id: str) -> int:
+        """:meth:`_cow_pages` of a request id (0 for an unknown one): what ``needs_new_blocks`` adds on the
+        full-attention group, so transformers' offloading manager sizes a growth as this cache refuses it."""
+        slot = self.slots.get(request_id)
+        return 0 if slot is None else self._cow_pages(slot)
+
     def _new_pages(self, known: int | None, held: int, num_tokens: int) -> tuple[int, int]:
         """(full pages, ring pages) a growth of request ``known`` (None: new) from ``held`` by ``num_tokens``
         allocates, counting the copy of a shared partial last page (a fork's). Their bytes fitting in
@@ -467,7 +478,7 @@ class UmallocPagedCache:
         if known is None:
             return self._fresh_pages(num_tokens)
         ps, end = self.page_size, held + num_tokens
-        full = -(-end // ps) - -(-held // ps) + (known in self._forked and held % ps != 0)
+        full = -(-end // ps) - -(-held // ps) + self._cow_pages(known)
         if self.window is None:
             return full, 0
         w = self.window
@@ -520,6 +531,7 @@ class UmallocPagedCache:
             if known is None:
                 self.table.free_requests([slot])
             return False
+        self._forked.discard(slot)   # its last page is its own now: copied on write, or a fresh page
         self._held[slot] = held + num_tokens
         if known is None:
             self.slots[request_id] = slot
@@ -682,6 +694,7 @@ class UmallocPagedCache:
             src = self.slots[src_state.request_id]
             held = self._held[src]
             self._forked.add(src)
+            self._forget_rows([src], [])   # its rows are not kept while copy-on-write may rewrite its tokens
             forked = []
             for rid in dst_req_ids:
                 slot = self.table.fork(src)

@@ -62,6 +62,8 @@ class CacheParts(Protocol):
 
     def held_tokens(self, request_id: str) -> int: ...
 
+    def cow_pages(self, request_id: str) -> int: ...
+
 
 class EndGroup:
     """One attention type of the model on one end of the arena, with the attributes transformers reads from a
@@ -121,14 +123,15 @@ class EndGroup:
 
     def needs_new_blocks(self, request_id: str, past_length: int, query_length: int) -> int:
         """Pages this end needs for ``query_length`` more tokens (what transformers' offloading manager sizes its
-        evictions by): a full group one per page past the held ones, a sliding group the pages its ring still
-        lacks (Note [Sliding ring] in :mod:`umalloc.integrations.transformers`)."""
+        evictions by): a full group one per page past the held ones (and one for the copy of a shared partial
+        page), a sliding group the pages its ring still lacks (Note [Sliding ring] in :mod:`umalloc.integrations.transformers`)."""
         held = self._cache.held_tokens(request_id)
         ps = self.tokens_per_page
         total = past_length + query_length
         w = self.sliding_window
-        if w is not None:
-            total, held = min(total, w), min(held, w)
+        if w is None:   # plus the copy of a shared partial last page, as the cache counts its refusals
+            return max(0, -(-total // ps) - -(-held // ps)) + (total > held and self._cache.cow_pages(request_id))
+        total, held = min(total, w), min(held, w)
         return max(0, -(-total // ps) - -(-held // ps))
 
     # ---- rows -------------------------------------------------------------------------------------------
