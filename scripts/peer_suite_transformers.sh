@@ -49,7 +49,8 @@ t1=$SECONDS
 status=0
 UMALLOC_TF_REPORT=$report HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TRANSFORMERS_VERBOSITY=error \
   PYTHONPATH="$PEER/path" "$VENV/bin/python" -m pytest -q -p no:cacheprovider -o addopts="" \
-  -W ignore::pytest.PytestConfigWarning tests/integrations/test_transformers_cb.py "$@" \
+  -W ignore::pytest.PytestConfigWarning tests/integrations/test_transformers_cb.py \
+  tests/integrations/test_transformers_parity.py "$@" \
   > "$PEER/pytest-transformers.log" 2>&1 || status=1
 sort "$report" | sed 's/^/[transformers-peer] /'
 same=$(grep -c " identical " "$report" || true)

@@ -1,6 +1,6 @@
 """One attention type of a transformers model on one end of the umalloc arena: the object transformers'
 continuous-batching IO builder and attention read as a cache allocator (``cache.cache_allocators``; Note [Seams]
-2 in :mod:`umalloc.integrations.transformers`).
+2 in :mod:`umalloc.integrations.transformers.cache`).
 
 * An :class:`EndGroup` holds per-layer K/V row views of the arena (Note [Rows] there) and turns a request's
   virtual tokens into rows through the allocator's v2p table; it owns no pages (the cache's request tables do).
@@ -105,7 +105,7 @@ class EndGroup:
 
     # ---- transformers' allocator attributes -----------------------------------------------------------------
     #: the row padded lanes read: row 2 of the sink page, never written (Note [Rows] in
-    #: :mod:`umalloc.integrations.transformers`)
+    #: :mod:`umalloc.integrations.transformers.cache`)
     read_trash_index = PAD_READ_ROW
 
     @property
@@ -124,7 +124,7 @@ class EndGroup:
     def needs_new_blocks(self, request_id: str, past_length: int, query_length: int) -> int:
         """Pages this end needs for ``query_length`` more tokens (what transformers' offloading manager sizes its
         evictions by): a full group one per page past the held ones (and one for the copy of a shared partial
-        page), a sliding group the pages its ring still lacks (Note [Sliding ring] in :mod:`umalloc.integrations.transformers`)."""
+        page), a sliding group the pages its ring still lacks (Note [Sliding ring] in :mod:`umalloc.integrations.transformers.cache`)."""
         held = self._cache.held_tokens(request_id)
         ps = self.tokens_per_page
         total = past_length + query_length
