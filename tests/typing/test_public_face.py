@@ -72,12 +72,13 @@ def test_internals_are_not_exported_but_stay_importable() -> None:
 
 
 def test_the_typed_snippets_run() -> None:
-    # README snippet 1 frees everything it allocated: 0 live pages on every end; at the peak request 0 held
+    # README.md's example frees everything it allocated: 0 live pages on every end; at the peak request 0 held
     # 41 tokens (3 pages of 16) and request 1 8 tokens (1 page) on each of full, swa and draft
     assert readme_snippets.token_ids() == {"full": (0, 4), "swa": (0, 4), "draft": (0, 4)}
-    # snippet 2: pages 1, 2, 3 to slots 0-2 and 4, 5 to slots 8, 9, then slots 8, 9 freed (the table keeps them)
+    # docs/usage.md's page-level example: pages 1, 2, 3 to slots 0-2 and 4, 5 to slots 8, 9, then slots 8, 9
+    # freed (the table keeps them)
     assert readme_snippets.page_ids() == [[1, 2, 3, 0, 0, 0, 0, 0], [4, 5, 0, 0, 0, 0, 0, 0]]
-    # snippet 3: the child holds 16 tokens, request 1 8 tokens
+    # its request-table example: the child holds 16 tokens, request 1 8 tokens
     tokens, held_pages, cached_pages = readme_snippets.request_table()
     assert tokens == [16, 8]
     assert cached_pages == 1
