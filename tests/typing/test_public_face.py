@@ -87,3 +87,18 @@ def test_the_typed_snippets_run() -> None:
     spec = preset_arena_spec("gemma-3-12b-draft", arena_bytes=64 << 20, page_size=16)
     full = next(e for e in spec.ends if e.name == "full")
     assert same and nbytes >= 3 * full.page_bytes  # at least the 3 full-attention pages of 40 tokens moved
+
+
+def test_every_exception_of_umalloc_errors_is_a_umalloc_error() -> None:
+    """One base class catches every umalloc exception, a broken invariant included; ``InvariantError`` stays an
+    ``AssertionError`` too, so a check that expects an assertion still sees one."""
+    import inspect
+
+    from umalloc import errors
+
+    classes = [c for _, c in inspect.getmembers(errors, inspect.isclass)
+               if issubclass(c, BaseException) and c.__module__ == errors.__name__]
+    assert len(classes) > 10, classes
+    assert [c.__name__ for c in classes if not issubclass(c, errors.UmallocError)] == []
+    assert issubclass(errors.InvariantError, AssertionError)
+    assert not issubclass(errors.InvariantError, errors.UmallocValueError)   # a bug, never a refused call
