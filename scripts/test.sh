@@ -7,7 +7,7 @@ bash "$ROOT/scripts/setup.sh"
 cd "$ROOT"
 export UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo} MC_LOG_LEVEL=${MC_LOG_LEVEL:-ERROR}
 # The quick checks fail first: lint and import order, then the typed face (mypy strict on umalloc/__init__.py,
-# the integrations and tests/typing/readme_snippets.py, which uses the README's snippets and a transfer plan).
+# the integrations and tests/typing/readme_snippets.py, which uses the docs' examples and a transfer plan).
 .venv/bin/ruff check umalloc umalloc_replay tests benchmarks scripts
 .venv/bin/mypy --strict --follow-imports=silent umalloc/__init__.py umalloc/integrations tests/typing/readme_snippets.py
 .venv/bin/mypy --follow-imports=silent umalloc/allocator umalloc_replay   # the allocator's services and the app
