@@ -191,10 +191,10 @@ def bind_processor(processor: Any) -> None:
                 sched.waiting_requests_order.remove(rid)
             sched.starved_requests = [(st, n) for st, n in sched.starved_requests if st.request_id != rid]
             c.free_blocks(rid, no_cache=True)
-            c.counters.failed_alone += 1
             # children not forked yet (num_return_sequences > 1) fail with it: generate_batch waits for each
             children = [state.fork(f"{rid}__child#{i}") for i in range(state.num_children)]
             state.num_children = 0
+            c.counters.failed_alone += 1 + len(children)
             for child in children:
                 router.fail_and_deliver(child, error)
             router.fail_and_deliver(state, error)

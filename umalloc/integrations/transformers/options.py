@@ -86,7 +86,8 @@ class CacheCounters:
         prefix_hit_tokens: prompts that reused cached pages and the tokens reused. deduplicated_pages: completed
         pages replaced by an indexed page of the same content (Note [Seams] 7). evicted_pages: cached pages
         evicted (``on_evict``). refused_allocations: ``can_store_request_tokens`` answers ``False``. failed_alone:
-        requests failed because they could never complete (Note [Cannot fit]).
+        requests failed because they could never complete, with the children they were to fork into (Note
+        [Cannot fit]).
         max_live_requests: most requests holding pages at once. memory_seconds: wall time inside this layer's
         scheduler-facing calls (allocation, index building and translation, freeing, hooks), measured with
         ``time.perf_counter``.
