@@ -213,7 +213,7 @@ def test_install_refuses_other_versions(monkeypatch: pytest.MonkeyPatch) -> None
     with pytest.raises(ut.UnsupportedTransformersVersion, match="transformers 4.57.1"):
         ut.check_version("4.57.1")
     ut.check_version(ut.installed_version())
-    monkeypatch.setattr(ut, "installed_version", lambda: "5.22.0")
+    monkeypatch.setattr(transformers, "__version__", "5.22.0")
     with pytest.raises(ut.UnsupportedTransformersVersion, match="5.22.0"):
         ut.install()
     api = pytest.importorskip("transformers.generation.continuous_batching.continuous_api")

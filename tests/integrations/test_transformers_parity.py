@@ -172,6 +172,11 @@ def test_same_step_prefixes_are_shared(num_prompts: int, prefix_tokens: int) -> 
     assert mine_blocks[1] < naive
     (cache,) = inst.caches
     assert cache.counters.deduplicated_pages >= (num_prompts - 1) * (prefix_tokens // 8)
+    ledger = cache.cache_allocators[FULL].ledger   # transformers' ledger shape, read-only
+    assert len(ledger.hash_to_block) >= prefix_tokens // 8
+    assert {ledger.block_to_hash[b] for b in ledger.hash_to_block.values()} == set(ledger.hash_to_block)
+    with pytest.raises(TypeError):
+        ledger.hash_to_block[0] = 1  # type: ignore[index]
     print(f"blocks after step 1: stock {stock_blocks[1]}, umalloc {mine_blocks[1]} (naive {naive})")
 
 
@@ -327,9 +332,18 @@ def test_too_small_arena_names_its_size() -> None:
         ut.UmallocPagedCache(cfg, cb_config(), "cpu", None, torch.float32, options=ut.CacheOptions(arena_bytes=32))
 
 
+def test_latent_attention_refused_naming_it() -> None:
+    """A multi-head latent attention config (DeepSeek-V3 style, transformers 5.25 caches compressed latents) is
+    refused at construction, naming the layer and why."""
+    cfg = model_for("llama").config.__class__(**model_for("llama").config.to_dict())
+    cfg.kv_lora_rank = 32
+    with pytest.raises(ut.UnsupportedCacheError, match=r"layer 0 is multi-head latent attention \(kv_lora_rank=32\)"):
+        ut.UmallocPagedCache(cfg, cb_config(), "cpu", None, torch.float32)
+
+
 def test_version_check_reads_the_imported_module(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(transformers, "__version__", "5.22.0")
     assert ut.installed_version() == "5.22.0"
-    with pytest.raises(ut.UnsupportedTransformersVersion, match="5.22.0"):
+    with pytest.raises(ut.UnsupportedTransformersVersion, match=r"transformers 5.22.0: .*\['5.23.0', '5.25.0'\]"):
         ut.install()
 

@@ -18,8 +18,8 @@ Policy:
   indices handed to attention are computed every step by translating those virtual tokens to physical ones on the
   layer's end, so compaction may move pages between steps (Note [Rows]).
 * **Sharing is the table's.** Prefix hits, forks and cached pages use the table's reference counts, copy-on-write
-  and cached-free LRU; the integration keeps only a content-hash index (hash -> virtual page), cleaned by
-  ``on_evict``. Cached pages are evicted only when an allocation falls short.
+  and cached-free LRU; the integration keeps only a content-hash index (:mod:`~umalloc.integrations.transformers.prefix`,
+  hash -> virtual page), cleaned by ``on_evict``. Cached pages are evicted only when an allocation falls short.
 * **Padding lanes** write umalloc's sink (physical page 0, row 0) and read row 2 of it, which nothing writes
   (Note [Rows]).
 * **Size**: the arena has exactly the bytes transformers' own cache tensor would have (its sectors plus its two
@@ -36,7 +36,8 @@ Where transformers 5.23's interfaces are adapted, all in this package:
    (:mod:`~umalloc.integrations.transformers.install`); :func:`uninstall` puts the original back.
 2. ``cache.cache_allocators`` holds one :class:`EndGroup` per attention type (the attributes the IO builder,
    the offloading manager and ``update`` read: ``index``, ``layer_type``, ``tokens_per_page``, ``get_seqlen_k``,
-   ``read_trash_index`` / ``write_trash_index``, ``needs_new_blocks``, ``block_table``), not a CacheAllocator.
+   ``read_trash_index`` / ``write_trash_index``, ``needs_new_blocks``, ``block_table``; and ``ledger``, a
+   read-only ``hash_to_block`` / ``block_to_hash`` view of the prefix index), not a CacheAllocator.
 3. ``cache.pool.try_to_free_sectors()``, which the scheduler calls once per step before scheduling, is the step
    hook: forced compaction (``compact_every_step``) and the per-step ``check_invariants`` run there, after the
    previous forward and before the next step's indices are built.
@@ -117,11 +118,9 @@ Threading: the scheduler's thread only (transformers drives the cache from one t
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import math
 import weakref
-from array import array
 from time import perf_counter
 from typing import Any
 
@@ -155,15 +154,7 @@ from umalloc.integrations.transformers.options import (
     UnsupportedCacheError,
     text_config_dims,
 )
-
-
-def _block_hash(parent: int | None, tokens: list[int]) -> int:
-    """A chained 64-bit content hash of one full page of tokens (blake2b, stable across processes)."""
-    h = hashlib.blake2b(digest_size=8)
-    if parent is not None:
-        h.update(parent.to_bytes(8, "little", signed=False))
-    h.update(array("i", tokens).tobytes())
-    return int.from_bytes(h.digest(), "little", signed=False)
+from umalloc.integrations.transformers.prefix import PrefixIndex
 
 
 def _weak_call(method: Any) -> Any:
@@ -312,8 +303,7 @@ class UmallocPagedCache:
         self._ring_copies: list[tuple[int, int]] = []   # (source ring slot, fork's ring slot) to copy
         self._pending: dict[int, int] = {}   # slot -> tokens granted, not yet in the tables (Note [Deferred growth])
         self._forked: set[int] = set()   # slots that may share a partial page (fork sources and forks)
-        self._hash_to_vpage: dict[int, int] = {}
-        self._vpage_to_hash: dict[int, int] = {}
+        self.prefix = PrefixIndex()
 
         self.cache_allocators: dict[str, EndGroup] = {}
         self.layer_to_allocator: dict[int, EndGroup] = {}
@@ -375,6 +365,10 @@ class UmallocPagedCache:
         return out
 
     # ---- bookkeeping ---------------------------------------------------------------------------------------
+    def hash_index(self) -> tuple[dict[int, int], dict[int, int]]:
+        """The prefix index: (content hash -> virtual page, virtual page -> content hash), live; read it only."""
+        return self.prefix.hash_to_vpage, self.prefix.vpage_to_hash
+
     def held_tokens(self, request_id: str) -> int:
         slot = self.slots.get(request_id)
         return 0 if slot is None else self._held.get(slot, 0)
@@ -418,16 +412,7 @@ class UmallocPagedCache:
 
     def _on_evict(self, vpages: torch.Tensor) -> None:
         self.counters.evicted_pages += int(vpages.numel())
-        for vp in vpages.tolist():
-            h = self._vpage_to_hash.pop(vp, None)
-            if h is not None and self._hash_to_vpage.get(h) == vp:
-                del self._hash_to_vpage[h]
-
-    def _forget_hashes(self, vpages: list[int]) -> None:
-        for vp in vpages:
-            h = self._vpage_to_hash.pop(vp, None)
-            if h is not None and self._hash_to_vpage.get(h) == vp:
-                del self._hash_to_vpage[h]
+        self.prefix.forget(vpages.tolist())
 
     def _free_slot(self, request_id: str, cache: bool) -> None:
         """Free one request's slot. With ``cache`` its full pages stay cached (their hashes stay indexed: only full
@@ -436,8 +421,8 @@ class UmallocPagedCache:
         if slot is None:
             return
         self._flush()
-        if not cache and self._vpage_to_hash:
-            self._forget_hashes(self.table.pages(slot).tolist())
+        if not cache and self.prefix.vpage_to_hash:
+            self.prefix.forget(self.table.pages(slot).tolist())
         self._free_table_slots([slot], cache=cache)
 
     def step_hook(self) -> None:
@@ -466,12 +451,7 @@ class UmallocPagedCache:
         kept = set(self.table.cached_pages().tolist())
         for slot in self.slots.values():
             kept.update(self.table.pages(slot).tolist())
-        for vp, h in self._vpage_to_hash.items():
-            if vp not in kept or self._hash_to_vpage.get(h) != vp:
-                raise InvariantError(f"hash-index: virtual page {vp} is indexed but neither held nor cached, or its "
-                                     "hash maps elsewhere")
-        if len(self._hash_to_vpage) != len(self._vpage_to_hash):
-            raise InvariantError("hash-index: hash -> page and page -> hash differ in size")
+        self.prefix.check(kept)
         live = sorted(self.slots.values())
         if sorted(self._held) != live:
             raise InvariantError(f"held lengths: kept for slots {sorted(self._held)}, live slots {live}")
@@ -679,8 +659,7 @@ class UmallocPagedCache:
                 cached = self.table.cached_pages()
                 if cached.numel():
                     self.table.evict(int(cached.numel()))
-                self._hash_to_vpage.clear()
-                self._vpage_to_hash.clear()
+                self.prefix.clear()
 
     def reset(self) -> None:
         self.free_all_requests(clear_ledgers=True)
@@ -692,14 +671,7 @@ class UmallocPagedCache:
             return 0
         with self._timer:
             ps = self.page_size
-            matched: list[int] = []
-            parent: int | None = None
-            for b in range((len(prompt_ids) - 1) // ps):
-                parent = _block_hash(parent, list(prompt_ids[b * ps:(b + 1) * ps]))
-                vp = self._hash_to_vpage.get(parent)
-                if vp is None:
-                    break
-                matched.append(vp)
+            matched = self.prefix.match(prompt_ids, ps)
             if not matched or request_id in self.slots:
                 return 0
             self._flush()
@@ -734,32 +706,12 @@ class UmallocPagedCache:
             return
         with self._timer:
             self._flush()
-            tokens = state.initial_tokens + state.generated_tokens
             slot = self.slots[state.request_id]
-            pages = self.table.pages(slot).tolist()
-            ps = self.page_size
-            budget = sum(complete_blocks.values())
-            parent: int | None = None
-            shared = False
-            for i, vp in enumerate(pages):
-                h = self._vpage_to_hash.get(vp)
-                if h is None:
-                    chunk = tokens[i * ps:(i + 1) * ps]
-                    if budget == 0 or len(chunk) < ps:
-                        break
-                    h = _block_hash(parent, chunk)
-                    budget -= 1
-                    indexed = self._hash_to_vpage.get(h)
-                    if indexed is None:
-                        self._hash_to_vpage[h] = vp
-                        self._vpage_to_hash[vp] = h
-                    elif indexed not in pages:
-                        self.table.share_page(slot, i, indexed)
-                        pages[i] = indexed
-                        shared = True
-                        self.counters.deduplicated_pages += 1
-                parent = h
-            if shared:
+            replaced = self.prefix.complete(self.table.pages(slot).tolist(), state.initial_tokens + state.generated_tokens,
+                                            sum(complete_blocks.values()), self.page_size,
+                                            lambda i, vp: self.table.share_page(slot, i, vp))
+            if replaced:
+                self.counters.deduplicated_pages += replaced
                 self._free_bytes_memo = None
                 self._forget_rows([slot], [])
 

@@ -34,6 +34,8 @@ allocator's ``translate``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Protocol
 
 import numpy as np
@@ -63,6 +65,19 @@ class CacheParts(Protocol):
     def held_tokens(self, request_id: str) -> int: ...
 
     def cow_pages(self, request_id: str) -> int: ...
+
+    def hash_index(self) -> tuple[Mapping[int, int], Mapping[int, int]]: ...
+
+
+class LedgerView:
+    """A read-only view of the prefix index with the shape of transformers' block ledger (``hash_to_block``,
+    ``block_to_hash``): content hash -> virtual page and back. The hashes are umalloc's own (chained blake2b of
+    a page's tokens, stable across processes), not transformers'; the pages are the group's block ids. Empty on a
+    sliding group (prefixes are indexed by full-attention pages)."""
+
+    def __init__(self, hash_to_block: Mapping[int, int], block_to_hash: Mapping[int, int]) -> None:
+        self.hash_to_block = MappingProxyType(hash_to_block)
+        self.block_to_hash = MappingProxyType(block_to_hash)
 
 
 class EndGroup:
@@ -107,6 +122,13 @@ class EndGroup:
     #: the row padded lanes read: row 2 of the sink page, never written (Note [Rows] in
     #: :mod:`umalloc.integrations.transformers.cache`)
     read_trash_index = PAD_READ_ROW
+
+    @property
+    def ledger(self) -> LedgerView:
+        """The prefix index as transformers' ledger shape (:class:`LedgerView`, read-only, live)."""
+        if self.sliding_window is not None:
+            return LedgerView({}, {})
+        return LedgerView(*self._cache.hash_index())
 
     @property
     def block_table(self) -> dict[str, list[int]]:
@@ -267,4 +289,4 @@ class EndGroup:
 
 
 __all__ = ["FULL_ATTENTION", "PAD_READ_ROW", "SENTINEL_ROW", "SINK_ROW", "SLIDING_ATTENTION", "CacheParts",
-           "EndGroup"]
+           "EndGroup", "LedgerView"]

@@ -32,7 +32,7 @@ from umalloc.integrations.transformers.options import (
 )
 
 #: transformers versions this integration is tested against (exactly).
-SUPPORTED_TRANSFORMERS_VERSIONS: tuple[str, ...] = ("5.23.0",)
+SUPPORTED_TRANSFORMERS_VERSIONS: tuple[str, ...] = ("5.23.0", "5.25.0")
 
 
 class Installation:

@@ -111,6 +111,10 @@ class CacheCounters:
 def text_config_dims(config: Any, dtype: torch.dtype) -> tuple[int, int, dict[str, list[int]], int | None]:
     """``(num_kv_heads, head_dim, layers by attention type, sliding_window)`` of a text config; refuses what the
     arena cannot hold (Note [Seams] 8)."""
+    if getattr(config, "kv_lora_rank", None) is not None:
+        raise UnsupportedCacheError(f"layer 0 is multi-head latent attention (kv_lora_rank={config.kv_lora_rank}): "
+                                    "transformers 5.25 caches its compressed latents; the umalloc cache holds "
+                                    "per-head K/V of full_attention and sliding_attention layers only")
     utils = importlib.import_module("transformers.generation.continuous_batching.utils")
     num_kv_heads = int(utils.find_num_key_value_heads(config))
     head_dim = int(utils.find_head_dim(config))
