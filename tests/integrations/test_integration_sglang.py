@@ -112,11 +112,33 @@ def test_install_rebinds_the_configurator_names() -> None:
         _restore(stock)
 
 
+def test_uninstall_and_installed_give_sglang_its_names_back() -> None:
+    import sglang.srt.mem_cache.allocator.unified_hybrid_swa as uni
+    import sglang.srt.mem_cache.kv_cache_configurator as conf
+
+    stock = _stock_names()
+    try:
+        um_sglang.uninstall()   # whatever an earlier test left installed
+        before = {name: getattr(conf, name) for name in um_sglang.PATCHED_NAMES}
+        unified = uni.UnifiedSWATokenToKVPoolAllocator
+        with um_sglang.installed() as bound:
+            assert all(getattr(conf, name) is bound[name] for name in um_sglang.PATCHED_NAMES)
+            assert uni.UnifiedSWATokenToKVPoolAllocator is bound["UnifiedSWATokenToKVPoolAllocator"]
+        assert {name: getattr(conf, name) for name in um_sglang.PATCHED_NAMES} == before
+        assert uni.UnifiedSWATokenToKVPoolAllocator is unified
+        um_sglang.uninstall()   # a second time: no-op
+        assert {name: getattr(conf, name) for name in um_sglang.PATCHED_NAMES} == before
+    finally:
+        _restore(stock)
+
+
 def test_untested_version_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(um_sglang, "sglang_version", lambda: "0.5.22")
     with pytest.raises(um_sglang.UnsupportedSGLangVersion, match="SGLang 0.5.22") as info:
         um_sglang.install()
     assert info.value.version == "0.5.22"
+    from umalloc.integrations.versions import EngineVersionError
+    assert isinstance(info.value, EngineVersionError) and info.value.supported == um_sglang.SUPPORTED_VERSIONS
 
 
 def test_installed_version_is_the_tested_one() -> None:
