@@ -119,7 +119,6 @@ from umalloc.requests.refcounts import (
     I_PAGES,
     I_REL,
     I_TOTAL,
-    LRU_NEXT,
     PAGE_CACHED,
     PAGE_HELD,
     PAGE_NOT_MANAGED,
@@ -140,6 +139,7 @@ from umalloc.requests.refcounts import (
     k_fork,
     k_grow_apply,
     k_grow_plan,
+    k_lru_walk,
     k_new,
     k_revive,
     k_unref,
@@ -286,7 +286,7 @@ class RequestTable:
         self._copier = EnvelopeCopier(alloc, (owner, *self.bound_ends))  # Note [Copy-on-write]
         self._device_rows = DeviceRows(self._r2t, device)
         self.req_to_token: torch.Tensor = self._device_rows.table
-        self._room = Room(alloc, owner, self._owner_arg, self.bound_ends, self._pagebuf, self.cached_pages)
+        self._room = Room(alloc, owner, self._owner_arg, self.bound_ends, self._pagebuf, self.cached_pages, self._lru)
         alloc.attach_holder_check(self._check_as_holder)  # the allocator's invariants now see this table's holds
 
     def _check_as_holder(self) -> None:
@@ -723,12 +723,9 @@ class RequestTable:
 
     def cached_pages(self) -> torch.Tensor:
         """``int64`` cached pages in LRU order (the next to be evicted first). O(cached pages)."""
-        out = []
-        vp = int(self._lru[LRU_NEXT, 0])
-        while vp:
-            out.append(vp)
-            vp = int(self._lru[LRU_NEXT, vp])
-        return torch.tensor(out, dtype=torch.int64)
+        out = np.empty(self._lru.shape[1], np.int64)
+        n = int(k_lru_walk(self._lru, out, out.shape[0]))
+        return torch.from_numpy(out[:n].copy())
 
     # ------------------------------------------------------------------------------------------------------
     # capacity and observability
