@@ -20,7 +20,8 @@ same ``num_blocks``, so the same bytes (umalloc's arena is exactly the stock cac
 
 The runs alternate (stock, umalloc, ``--repeats`` times, after one warm-up each); scheduling is deterministic
 (checked: every repeat schedules alike), tokens/s and the memory layer share are medians, the tokens/s ratio is
-the median of the per-pair ratios.
+the median of the per-pair ratios. torch and numba run on ``--threads`` threads (default 1, both caches alike, set
+once and printed); the machine load is printed first and last.
 
 Run (in the peer venv, which has transformers):
 
@@ -38,11 +39,15 @@ import functools
 import json
 import random
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _fair as fair  # noqa: E402
 
 TRACE = Path(__file__).resolve().parent.parent / "umalloc_replay" / "data" / "conversation_trace.jsonl"
 TRACE_BLOCK_TOKENS = 512   # the Mooncake trace's hash block
@@ -203,8 +208,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=3, help="alternated stock / umalloc runs (medians reported)")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--threads", type=int, default=fair.DEFAULT_THREADS,
+                    help="CPU threads for torch and numba, stock and umalloc alike (set once, printed)")
     args = ap.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    print(fair.set_threads(args.threads))
+    print(f"# {fair.load()} (at the start)")
     from transformers.generation.continuous_batching.cache import PagedAttentionCache
 
     from umalloc.integrations.transformers import UmallocPagedCache
@@ -240,6 +248,7 @@ def main() -> None:
     each = ", ".join(f"{u['tok_s'] / s_['tok_s']:.2f}" for s_, u in pairs)
     print(f"ratios umalloc/stock: tokens/s {tok_ratio:.2f}x (median of the per-pair ratios {each}), mean concurrency "
           f"{um['mean_conc'] / stock['mean_conc']:.2f}x; tokens identical: {same}")
+    print(f"# {fair.load()} (at the end)")
     if args.json:
         args.json.write_text(json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "tokens"}
                                          for k, v in (("stock", stock), ("umalloc", um))}, indent=2))
