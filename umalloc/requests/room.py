@@ -22,9 +22,9 @@ changing anything, then makes room on the allocator in the cheapest way that is 
    no ``on_evict`` (F29). How many:
 
    a. *the owner alone is short* (no window page to unbind, no lease active; the common case of a full-attention
-      prefix cache): step 2 is the allocator's own ``alloc_pages`` (itself all or nothing, its compaction ladder
-      included; no trial), and the count is the owner's shortfall without compaction, ``d``, read once from
-      ``shortfall_pages`` before it. A cached page is bound on the owner only and no lease pins it, so freeing it
+      prefix cache): steps 1 and 2 are one call of the allocator's own ``alloc_pages`` (itself all or nothing, its
+      compaction ladder included; no trial), and the count is the owner's shortfall without compaction, ``d``,
+      read from ``shortfall_pages`` after that call refused (which changed nothing). A cached page is bound on the owner only and no lease pins it, so freeing it
       gives the owner exactly one page (a hole, or gap at its band's edge) and takes nothing from a bound end:
       ``d`` evictions make the extend fit and ``d - 1`` do not (without compaction; compaction alone already
       failed). If fewer than ``d`` pages are cached, step 3b decides (compaction may make up the rest). O(d +
@@ -161,19 +161,20 @@ class Room:
         cached pages are evicted (nothing done yet); False if it cannot fit (nothing changed)."""
         if k >= self.pagebuf.shape[0]:   # more than the owner's whole id space: nothing can help
             return False
+        if not any(p.size for p in unbinds) and not self.alloc.leases_active():
+            # steps 1 and 2 are the allocator's own alloc_pages (all or nothing, its compaction ladder included)
+            if k == 0 or self.alloc.alloc_pages(k, out=self.pagebuf[:k], owner=self.owner_arg) is not None:
+                return True
+            d = self.owner_short_only(self.shortfall(k), unbinds)   # unchanged by the refused call
+            if d and self.cached_at_least(d):                 # 3a
+                return d
+            n = self.evictions_needed(k, unbinds)               # 3b: compaction may make up the rest
+            return False if n is None else n
         short = self.shortfall(k)
         if not short or self.fits_after_unbind(k, unbinds):   # steps 1, 1b (the window unbinds only add room)
             if not self.place(k, unbinds):
                 raise InvariantError("extend: the allocator refused pages its planner said fit")
             return True
-        d = self.owner_short_only(short, unbinds)
-        if d:                                                  # step 2 without a trial, then 3a
-            if self.alloc.alloc_pages(k, out=self.pagebuf[:k], owner=self.owner_arg) is not None:
-                return True
-            if self.cached_at_least(d):
-                return d
-            n = self.evictions_needed(k, unbinds)               # 3b: compaction may make up the rest
-            return False if n is None else n
         if self.trial_fits(k, unbinds, self._none, True, True):
             return True
         n = self.evictions_needed(k, unbinds)
