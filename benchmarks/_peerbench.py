@@ -65,14 +65,14 @@ def chosen_modes(a: argparse.Namespace, modes: Sequence[str]) -> list[str]:
 
 def run_peers(ops_path: str, repeats: int, modes: str, *, required: bool) -> list[dict]:
     """peerbench's vLLM adapters (``run_vllm.py --modes modes``) on the same op file, one dict per adapter.
-    ``required``: a failed run raises; otherwise it prints a note and returns ``[]``. The peers inherit this
-    process's environment, so the thread count :func:`_fair.set_threads` set."""
+    ``required``: a failed run raises; otherwise it prints a note and returns ``[]``. The peers run under
+    :func:`_fair.peer_env`: the thread count :func:`_fair.set_threads` set here."""
     out = tempfile.NamedTemporaryFile(suffix=".jsonl", delete=False).name
     exe = sys.executable if os.path.exists(sys.executable) else "python3"
     cmd = [exe, str(PEERBENCH / "run_vllm.py"), "--ops", ops_path, "--modes", modes,
            "--repeats", str(repeats), "--json", out]
     print("#", " ".join(cmd), f"(PEERS_VENV={os.environ.get('PEERS_VENV', '/tmp/peers/venv')})", flush=True)
-    if subprocess.run(cmd, check=required).returncode != 0:
+    if subprocess.run(cmd, check=required, env=fair.peer_env()).returncode != 0:
         print("# the vLLM peers did not run (build their venv: ../shared/peerbench/setup_peers.sh)")
         return []
     with open(out) as f:
