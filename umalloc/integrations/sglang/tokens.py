@@ -17,10 +17,12 @@ twice or never handed out (``DoubleFreeError``); one slot named twice in one cal
 
 Note [Token pool kernels]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
-``k_take(ring, head_count, live, k, out)`` copies ``k`` slots from the ring's head into ``out`` and marks them live;
-``k_give(ring, head_count, live, ids)`` checks every id first (range, live), marking each live one 2 while it
-checks so a repeat is recognised and skipped, restores the marks and returns the first bad index if any; only
-then does it append the ids to the ring's tail and clear their marks. ``head_count`` is int64 ``[head, count]``.
+``k_take(ring, head_count, live, k, out, at)`` copies ``k`` slots from the ring's head into ``out[at:]``, marked live;
+``k_give(ring, head_count, live, stamp, ids)`` frees in one pass: each live id is cleared, stamped with this call's
+epoch and appended at the ring's tail; an id that is not live but carries this call's stamp is a repeat and is
+skipped; any other id is refused, and the slots this call cleared are made live again (the ring's count is only
+raised at the end, so the entries written past the tail are dead). ``head_count`` is int64 ``[head, count,
+epoch]``; ``stamp`` int64 ``(num_slots + 1,)``.
 
 Note [Output buffers]
 ~~~~~~~~~~~~~~~~~~~~~
@@ -41,19 +43,21 @@ import torch
 from umalloc.errors import DoubleFreeError, InvalidIdError, InvariantError, UmallocValueError
 from umalloc.ids import check_id_tensor
 
-_HEAD, _COUNT = 0, 1
+_HEAD, _COUNT, _EPOCH = 0, 1, 2
 #: slots per output buffer (Note [Output buffers]): 512 KiB
 _OUT_SLOTS = 1 << 16
 
 
 @numba.njit(cache=True, nogil=True)
-def k_take(ring: np.ndarray, head_count: np.ndarray, live: np.ndarray, k: int, out: np.ndarray) -> None:  # pragma: no cover - numba
-    """``k`` slots from the ring's head into ``out[:k]``, marked live (the caller checked ``k <= count``)."""
+def k_take(ring: np.ndarray, head_count: np.ndarray, live: np.ndarray, k: int, out: np.ndarray,
+           at: int) -> None:  # pragma: no cover - numba
+    """``k`` slots from the ring's head into ``out[at:at + k]``, marked live (the caller checked ``k <= count`` and
+    the room in ``out``)."""
     cap = ring.shape[0]
     h = head_count[_HEAD]
     for i in range(k):
         s = ring[h]
-        out[i] = s
+        out[at + i] = s
         live[s] = 1
         h += 1
         if h == cap:
@@ -63,45 +67,47 @@ def k_take(ring: np.ndarray, head_count: np.ndarray, live: np.ndarray, k: int, o
 
 
 @numba.njit(cache=True, nogil=True)
-def k_give(ring: np.ndarray, head_count: np.ndarray, live: np.ndarray, ids: np.ndarray) -> int:  # pragma: no cover - numba
+def k_give(ring: np.ndarray, head_count: np.ndarray, live: np.ndarray, stamp: np.ndarray,
+           ids: np.ndarray) -> int:  # pragma: no cover - numba
     """Free ``ids`` (Note [Token pool kernels]). Returns the slots freed (``>= 0``), else ``-1 - (2 * i + code)``
     for the first bad ``ids[i]`` (code 0: out of range or slot 0, code 1: not live) with nothing changed."""
     n = ids.shape[0]
     top = live.shape[0]
+    cap = ring.shape[0]
+    head_count[_EPOCH] += 1
+    epoch = head_count[_EPOCH]
+    t0 = head_count[_HEAD] + head_count[_COUNT]
+    if t0 >= cap:
+        t0 -= cap
+    t = t0
+    c = 0
     bad = -1
     for i in range(n):
         s = ids[i]
         if s < 1 or s >= top:
             bad = 2 * i
             break
-        v = live[s]
-        if v == 1:
-            live[s] = 2
-        elif v != 2:
-            bad = 2 * i + 1
-            break
-    if bad >= 0:
-        for i in range(n):
-            s = ids[i]
-            if 1 <= s < top and live[s] == 2:
-                live[s] = 1
-        return -1 - bad
-    cap = ring.shape[0]
-    t = head_count[_HEAD] + head_count[_COUNT]
-    if t >= cap:
-        t -= cap
-    c = 0
-    for i in range(n):
-        s = ids[i]
-        if live[s] == 2:
+        if live[s] == 1:
             live[s] = 0
+            stamp[s] = epoch
             ring[t] = s
             t += 1
             if t == cap:
                 t = 0
             c += 1
-    head_count[_COUNT] += c
-    return c
+        elif stamp[s] != epoch:
+            bad = 2 * i + 1
+            break
+    if bad < 0:
+        head_count[_COUNT] += c
+        return c
+    t = t0                      # undo: the slots this call freed are live again; the ring's count never moved
+    for _ in range(c):
+        live[ring[t]] = 1
+        t += 1
+        if t == cap:
+            t = 0
+    return -1 - bad
 
 
 def _count(value: object, name: str, lo: int) -> int:
@@ -121,7 +127,7 @@ class TokenSlotPool:
     Raises:
         UmallocValueError: bad ``num_slots``.
 
-    Memory: 9 bytes per slot. Every call is O(its ids) in one numba pass, except :meth:`free_page_ids` and
+    Memory: 17 bytes per slot. Every call is O(its ids) in one numba pass, except :meth:`free_page_ids` and
     :meth:`check_invariants` (O(num_slots)).
 
     >>> pool = TokenSlotPool(5)
@@ -140,7 +146,8 @@ class TokenSlotPool:
         self._on_host = self.device.type == "cpu"
         self._ring = np.empty(self.num_pages, np.int64)
         self._live = np.zeros(self.num_pages + 1, np.int8)
-        self._hc = np.zeros(2, np.int64)
+        self._hc = np.zeros(3, np.int64)
+        self._stamp = np.zeros(self.num_pages + 1, np.int64)
         self._group_open = False
         self._group_n = 0
         self._group_buf = np.empty(1024, np.int64)
@@ -183,7 +190,7 @@ class TokenSlotPool:
             self._new_out(need_size)
             pos = 0
         self._out_pos = pos + need_size
-        k_take(self._ring, self._hc, self._live, need_size, self._out[pos:pos + need_size])
+        k_take(self._ring, self._hc, self._live, need_size, self._out, pos)
         self._free -= need_size
         ids = self._out_t[pos:pos + need_size]
         return ids if self._on_host else ids.to(self.device, non_blocking=True)
@@ -205,7 +212,7 @@ class TokenSlotPool:
         return ids.to("cpu", torch.int64).reshape(-1).numpy()
 
     def _give(self, ids: np.ndarray, name: str) -> None:
-        r = k_give(self._ring, self._hc, self._live, ids)
+        r = k_give(self._ring, self._hc, self._live, self._stamp, ids)
         if r >= 0:
             self._free += r
         else:
@@ -280,7 +287,7 @@ class TokenSlotPool:
         """Every slot free (ring order ``1 .. num_slots`` again), no group open. O(num_slots)."""
         self._ring[:] = np.arange(1, self.num_pages + 1, dtype=np.int64)
         self._live[:] = 0
-        self._hc[:] = (0, self.num_pages)
+        self._hc[:] = (0, self.num_pages, self._hc[_EPOCH])
         self._free = self.num_pages      # the ring's count, mirrored as a Python int for the O(1) queries
         self._group_open = False
 
