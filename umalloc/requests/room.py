@@ -24,8 +24,9 @@ changing anything, then makes room on the allocator in the cheapest way that is 
    a. *the owner alone is short* (no window page to unbind, no lease active; the common case of a full-attention
       prefix cache): steps 1 and 2 are one call of the allocator's own ``alloc_pages`` (itself all or nothing, its
       compaction ladder included; no trial), and the count is the owner's shortfall without compaction, ``d``,
-      read from ``shortfall_pages`` after that call refused (which changed nothing). A cached page is bound on the owner only and no lease pins it, so freeing it
-      gives the owner exactly one page (a hole, or gap at its band's edge) and takes nothing from a bound end:
+      read from ``shortfall_pages`` after that call refused (which changed nothing). A cached page is bound on
+      the owner only and no lease pins it, so freeing it gives the owner exactly one page (a hole, or gap at its
+      band's edge) and takes nothing from a bound end:
       ``d`` evictions make the extend fit and ``d - 1`` do not (without compaction; compaction alone already
       failed). If fewer than ``d`` pages are cached, step 3b decides (compaction may make up the rest). O(d +
       ends): no state is copied, the LRU list is walked ``d`` links;
@@ -84,12 +85,14 @@ class Room:
             need[end] = k
         return self.alloc.shortfall_pages(need)
 
-    def owner_short_only(self, short: dict[str, int], unbinds: list[np.ndarray]) -> int:
-        """Step 3a of Note [Room]: the owner's deficit ``d`` when it alone is short, no window page is to be
-        unbound and no lease is active; 0 otherwise."""
-        if len(short) != 1 or self.owner not in short or any(p.size for p in unbinds) or self.alloc.leases_active():
-            return 0
-        return short[self.owner]
+    def plain(self, unbinds: list[np.ndarray]) -> bool:
+        """No window page to unbind and no lease active: the case of steps 2 and 3a without a trial (Note
+        [Room])."""
+        return not any(p.size for p in unbinds) and not self.alloc.leases_active()
+
+    def owner_deficit(self, short: dict[str, int]) -> int:
+        """Step 3a of Note [Room]: the owner's deficit when it alone is short in ``short``; 0 otherwise."""
+        return short[self.owner] if len(short) == 1 and self.owner in short else 0
 
     def cached_at_least(self, n: int) -> bool:
         """True if ``n`` or more pages are cached. O(n) (the LRU list walked ``n`` links)."""
@@ -161,14 +164,14 @@ class Room:
         cached pages are evicted (nothing done yet); False if it cannot fit (nothing changed)."""
         if k >= self.pagebuf.shape[0]:   # more than the owner's whole id space: nothing can help
             return False
-        if not any(p.size for p in unbinds) and not self.alloc.leases_active():
+        if self.plain(unbinds):
             # steps 1 and 2 are the allocator's own alloc_pages (all or nothing, its compaction ladder included)
             if k == 0 or self.alloc.alloc_pages(k, out=self.pagebuf[:k], owner=self.owner_arg) is not None:
                 return True
-            d = self.owner_short_only(self.shortfall(k), unbinds)   # unchanged by the refused call
-            if d and self.cached_at_least(d):                 # 3a
+            d = self.owner_deficit(self.shortfall(k))   # the refused call changed nothing
+            if d and self.cached_at_least(d):          # 3a
                 return d
-            n = self.evictions_needed(k, unbinds)               # 3b: compaction may make up the rest
+            n = self.evictions_needed(k, unbinds)        # 3b
             return False if n is None else n
         short = self.shortfall(k)
         if not short or self.fits_after_unbind(k, unbinds):   # steps 1, 1b (the window unbinds only add room)
@@ -196,7 +199,7 @@ class Room:
         short = self.shortfall(k)
         if not short or self.fits_after_unbind(k, unbinds):
             return True
-        d = self.owner_short_only(short, unbinds)
+        d = self.owner_deficit(short) if self.plain(unbinds) else 0
         if d and self.cached_at_least(d):   # step 3a: d evictions make it fit
             return True
         if self.trial_fits(k, unbinds, self._none, True, False):

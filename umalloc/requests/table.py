@@ -72,8 +72,8 @@ Note [Cached pages]
 Only *full* pages are cached: a request's partial last page is freed with it. Pages enter the LRU at its tail:
 ``free_requests`` per request in the given order, each request's pages last page first (so a request's tail is
 evicted before its prefix, as vLLM's ``free_blocks(reversed(blocks))``); ``drop_refs`` in the given order. Eviction
-takes pages from the LRU head, as many as the allocator's shortfall names (at least one), and retries until the
-allocation fits or the cache is empty.
+takes pages from the LRU head, once per extend, exactly as many as the extend lacks (Note [Room]); none if even the
+whole cache would not make it fit.
 
 Notes [Room] and [Chunked prefill]: :mod:`umalloc.requests.room`; Note [Handles]: :mod:`umalloc.requests.handles`.
 
@@ -402,7 +402,8 @@ class RequestTable:
             past ``max_tokens_per_request``. Nothing changes.
 
         Complexity: O(B + new tokens + unbound pages), three numba kernels around one ``alloc_pages`` when the
-        pages fit outright; under pressure O(slots) per allocator trial (Note [Room]).
+        pages fit outright; when the owner alone is short, O(pages evicted) more and no allocator trial; otherwise
+        under pressure O(slots) per allocator trial (Note [Room]).
         """
         s = self._rows(id_batch(slots, "slots"), "extend")
         e = id_batch(extend_lens, "extend_lens")
