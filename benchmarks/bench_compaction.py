@@ -18,7 +18,9 @@ For each thread count (set once for torch and numba alike, printed) it prints a 
 apply, best of the rounds, and the median), plan time, moved GB/s over the best pause, torch copy GB/s,
 ``ratio`` = the median over the rounds of (torch copy time / flush pause) in the same round (target >= 0.9;
 ``best`` = best copy / best pause), ``move-only`` = the same against the flush's batched envelope copy alone
-(:func:`copy_moves`), then each round's ratio. The machine load (``os.getloadavg``) is printed first and last.
+(:func:`copy_moves`), ``x rows`` = the median of (torch's own move of the same pages, ``index_select`` +
+``index_copy_``, / the flush's byte move): the like-for-like baseline where the pages are scattered, then each
+round's ratio. The machine load (``os.getloadavg``) is printed first and last.
 """
 
 from __future__ import annotations
@@ -86,9 +88,13 @@ def bench(num_moved: int, layout: str, page_bytes: int, device: str, repeats: in
     plan0 = plan_up(state0.copy(), pins, 1, wm)
     src = arena.data[page_bytes: page_bytes + nbytes]          # baseline: the same bytes, one contiguous copy
     dst = arena.data[arena.arena_bytes - nbytes:]
-    pauses, plans, moves, copies = [], [], [], []
+    env = arena.envelopes("full")
+    src_t = torch.from_numpy(plan0.src_pages).to(dev)
+    dst_t = torch.from_numpy(plan0.dst_pages).to(dev)
+    pauses, plans, moves, copies, rowcopies = [], [], [], [], []
     for _ in range(repeats + 1):  # the first round warms numba / caches
         copies.append(timed(lambda: dst.copy_(src), dev))
+        rowcopies.append(timed(lambda: env.index_copy_(0, dst_t, env.index_select(0, src_t)), dev))
         state, p2v, v2p = state0.copy(), p2v0.copy(), v2p0.copy()
         sync(dev)
         t0 = time.perf_counter()
@@ -101,7 +107,7 @@ def bench(num_moved: int, layout: str, page_bytes: int, device: str, repeats: in
         pauses.append(t2 - t0)
         plans.append(t1 - t0)
         moves.append(timed(lambda: copy_moves(arena, "full", plan0.src_pages, plan0.dst_pages), dev))
-    pauses, plans, moves, copies = pauses[1:], plans[1:], moves[1:], copies[1:]
+    pauses, plans, moves, copies, rowcopies = pauses[1:], plans[1:], moves[1:], copies[1:], rowcopies[1:]
     ratios = [c / p for c, p in zip(copies, pauses, strict=True)]
     move_ratios = [c / m for c, m in zip(copies, moves, strict=True)]
     return {"pages": num_moved, "layout": layout, "pause_ms": min(pauses) * 1e3, "plan_ms": min(plans) * 1e3,
@@ -109,6 +115,7 @@ def bench(num_moved: int, layout: str, page_bytes: int, device: str, repeats: in
             "gbps": nbytes / min(pauses) / 1e9, "copy_gbps": nbytes / min(copies) / 1e9,
             "ratio_best": min(copies) / min(pauses), "ratio": statistics.median(ratios),
             "move_ratio": statistics.median(move_ratios), "move_ratio_best": min(copies) / min(moves),
+            "rows_ratio": statistics.median(r / m for r, m in zip(rowcopies, moves, strict=True)),
             "rounds": ratios}
 
 
@@ -131,7 +138,8 @@ def main() -> None:
         print(f"\n# threads: torch={torch.get_num_threads()} numba={numba.get_num_threads()} (umalloc and the torch "
               f"copy alike)")
         header = (f"{'pages':>7} {'layout':>11} {'MiB':>8} {'pause ms':>9} {'median':>8} {'plan ms':>8} "
-                  f"{'GB/s':>7} {'copy GB/s':>9} {'ratio':>6} {'(best)':>6} {'move-only':>9} {'(best)':>6}")
+                  f"{'GB/s':>7} {'copy GB/s':>9} {'ratio':>6} {'(best)':>6} {'move-only':>9} {'(best)':>6} "
+                  f"{'x rows':>6}")
         print(header)
         print("-" * len(header))
         for size in (int(s) for s in args.sizes.split(",")):
@@ -140,7 +148,8 @@ def main() -> None:
                 mib = size * args.page_bytes / 2**20
                 print(f"{r['pages']:>7} {layout:>11} {mib:>8.1f} {r['pause_ms']:>9.3f} {r['median_pause_ms']:>8.3f} "
                       f"{r['plan_ms']:>8.3f} {r['gbps']:>7.2f} {r['copy_gbps']:>9.2f} {r['ratio']:>6.2f} "
-                      f"{r['ratio_best']:>6.2f} {r['move_ratio']:>9.2f} {r['move_ratio_best']:>6.2f}")
+                      f"{r['ratio_best']:>6.2f} {r['move_ratio']:>9.2f} {r['move_ratio_best']:>6.2f} "
+                      f"{r['rows_ratio']:>6.2f}")
                 print("        rounds (torch copy / flush): " + " ".join(f"{x:.2f}" for x in r["rounds"]))
     print(f"\nload={'/'.join(f'{x:.2f}' for x in os.getloadavg())} (os.getloadavg at the end)")
 
