@@ -397,14 +397,15 @@ def copy_moves(arena: Arena, end: str, src_pages: np.ndarray, dst_pages: np.ndar
 
     Note [Compaction copies and threads]
         The caller's torch thread count is the copy's thread budget: with 1 thread (the replay) the copy stays
-        on the calling thread and no thread pool starts; with more, large copies run on ``min(torch, numba)``
-        threads, and both counts are restored afterwards (tested). Under numba's OpenMP layer, starting the
+        on the calling thread and no thread pool starts; with more, copies from ``PARALLEL_COPY_MIN_BYTES`` run
+        on torch's threads (at most ``MAX_TORCH_RUNS`` runs: torch's ``copy_`` per run, as a plain copy of those
+        bytes) or on ``min(torch, numba)`` numba threads (more runs: byte ranges of about a quarter of a
+        thread's share), and both counts are restored afterwards (tested). Under numba's OpenMP layer, starting the
         thread pool sets the calling thread's OpenMP thread count, which torch shares: a copy that started
         the pool regardless of the caller's budget would raise a 1-thread caller to 2 threads, and its token
         loop runs 3-5x slower on 2 cores (``umalloc replay --compaction eager`` 6x slower than lazy on 30
-        requests). Measured on 2 cores:
-        a 256 MiB flush took 16-17 ms on two threads vs 27 ms on one when the cores were free, while under
-        load one thread was as fast or faster (64 MiB: 24 vs 12 GB/s contiguous).
+        requests). ``benchmarks/bench_compaction.py`` prints the copy against a torch copy of the same bytes
+        at one and two threads in the same run.
     """
     n = int(src_pages.size)
     if n == 0:
