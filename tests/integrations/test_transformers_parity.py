@@ -326,7 +326,7 @@ def test_bad_options_refused(field: str, value: object) -> None:
 
 def test_too_small_arena_names_its_size() -> None:
     cfg = model_for("llama").config
-    with pytest.raises(ut.UnsupportedCacheError, match=r"arena_bytes=1 .*multiple of 16"):
+    with pytest.raises(ut.UnsupportedCacheError, match=r"CacheOptions.arena_bytes=1: allowed a multiple of 16 bytes"):
         ut.UmallocPagedCache(cfg, cb_config(), "cpu", None, torch.float32, options=ut.CacheOptions(arena_bytes=1))
     with pytest.raises(ut.UnsupportedCacheError, match=r"arena_bytes=32 \(CacheOptions.arena_bytes\): allowed >= "):
         ut.UmallocPagedCache(cfg, cb_config(), "cpu", None, torch.float32, options=ut.CacheOptions(arena_bytes=32))

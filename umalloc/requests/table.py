@@ -72,8 +72,8 @@ Note [Cached pages]
 Only *full* pages are cached: a request's partial last page is freed with it. Pages enter the LRU at its tail:
 ``free_requests`` per request in the given order, each request's pages last page first (so a request's tail is
 evicted before its prefix, as vLLM's ``free_blocks(reversed(blocks))``); ``drop_refs`` in the given order. Eviction
-takes pages from the LRU head, as many as the allocator's shortfall names (at least one), and retries until the
-allocation fits or the cache is empty.
+takes pages from the LRU head, once per extend, exactly as many as the extend lacks (Note [Room]); none if even the
+whole cache would not make it fit.
 
 Notes [Room] and [Chunked prefill]: :mod:`umalloc.requests.room`; Note [Handles]: :mod:`umalloc.requests.handles`.
 
@@ -119,7 +119,6 @@ from umalloc.requests.refcounts import (
     I_PAGES,
     I_REL,
     I_TOTAL,
-    LRU_NEXT,
     PAGE_CACHED,
     PAGE_HELD,
     PAGE_NOT_MANAGED,
@@ -140,6 +139,7 @@ from umalloc.requests.refcounts import (
     k_fork,
     k_grow_apply,
     k_grow_plan,
+    k_lru_walk,
     k_new,
     k_revive,
     k_unref,
@@ -286,7 +286,7 @@ class RequestTable:
         self._copier = EnvelopeCopier(alloc, (owner, *self.bound_ends))  # Note [Copy-on-write]
         self._device_rows = DeviceRows(self._r2t, device)
         self.req_to_token: torch.Tensor = self._device_rows.table
-        self._room = Room(alloc, owner, self._owner_arg, self.bound_ends, self._pagebuf, self.cached_pages)
+        self._room = Room(alloc, owner, self._owner_arg, self.bound_ends, self._pagebuf, self.cached_pages, self._lru)
         alloc.attach_holder_check(self._check_as_holder)  # the allocator's invariants now see this table's holds
 
     def _check_as_holder(self) -> None:
@@ -402,7 +402,8 @@ class RequestTable:
             past ``max_tokens_per_request``. Nothing changes.
 
         Complexity: O(B + new tokens + unbound pages), three numba kernels around one ``alloc_pages`` when the
-        pages fit outright; under pressure O(slots) per allocator trial (Note [Room]).
+        pages fit outright; when the owner alone is short, O(pages evicted) more and no allocator trial; otherwise
+        under pressure O(slots) per allocator trial (Note [Room]).
         """
         s = self._rows(id_batch(slots, "slots"), "extend")
         e = id_batch(extend_lens, "extend_lens")
@@ -776,12 +777,9 @@ class RequestTable:
 
     def cached_pages(self) -> torch.Tensor:
         """``int64`` cached pages in LRU order (the next to be evicted first). O(cached pages)."""
-        out = []
-        vp = int(self._lru[LRU_NEXT, 0])
-        while vp:
-            out.append(vp)
-            vp = int(self._lru[LRU_NEXT, vp])
-        return torch.tensor(out, dtype=torch.int64)
+        out = np.empty(self._lru.shape[1], np.int64)
+        n = int(k_lru_walk(self._lru, out, out.shape[0]))
+        return torch.from_numpy(out[:n].copy())
 
     # ------------------------------------------------------------------------------------------------------
     # capacity and observability
