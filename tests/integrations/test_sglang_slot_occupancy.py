@@ -36,7 +36,10 @@ def test_decode_into_a_live_slot_is_refused_naming_slot_and_holder() -> None:
     assert info.value.owner == "request 0 of alloc_extend call 1"
     assert "slot 5 is live" in str(info.value)
     assert state(pool) == before
+    assert pool.slots is not None and pool.slots.holder(5) == "request 0 of alloc_extend call 1"
+    assert pool.slots.holder(10) is None
     assert pool.alloc_decode(t(7), row[-1:]).tolist() == [10]  # the request's own next slot
+    assert pool.slots.holder(10) == "request 0 of alloc_decode call 2"
     pool.check_invariants()
 
 

@@ -32,7 +32,7 @@ from collections.abc import Callable
 import numpy as np
 from numba import njit
 
-from umalloc.errors import DoubleFreeError, InvalidIdError
+from umalloc.errors import DoubleFreeError, InvalidIdError, InvariantError
 
 #: The calls a tag names (its kind field).
 KINDS = ("alloc", "alloc_extend", "alloc_decode")
@@ -213,11 +213,6 @@ class SlotOccupancy:
         _mark_extend(self.tags, base, prefix, seq, slots)
 
     # ---- frees ----------------------------------------------------------------------------------------------
-    def page_live(self, pages: np.ndarray) -> np.ndarray:
-        """Whether each page holds a live slot (bool ``(n,)``)."""
-        ps = self.page_size
-        return (self.tags.reshape(-1, ps)[pages] >= 0).any(axis=1)
-
     def free(self, slots: np.ndarray, pages: np.ndarray, where: str, name: str,
              release: Callable[[np.ndarray], None]) -> None:
         """Free ``slots`` (tokens) and whole ``pages``: ``release(pages)`` is called once with every page left
@@ -279,9 +274,7 @@ class SlotOccupancy:
         Raises:
             AssertionError subclass InvariantError: the first page where they disagree.
         """
-        from umalloc.errors import InvariantError
-
-        ours = (self.tags.reshape(-1, self.page_size) >= 0).any(axis=1)
+        ours = np.asarray((self.tags.reshape(-1, self.page_size) >= 0).any(axis=1))
         wrong = np.flatnonzero(ours != page_live)
         if wrong.shape[0]:
             p = int(wrong[0])
