@@ -4,7 +4,6 @@ from SGLang's id rules (pages 1..num_pages, slot = page * page_size + offset) or
 
 from __future__ import annotations
 
-import os
 import random
 
 import numpy as np
@@ -14,6 +13,7 @@ import torch
 from umalloc.errors import DoubleFreeError, InvalidIdError, NotAllocatedError
 from umalloc.integrations.sglang.occupancy import LiveSlotError
 from umalloc.integrations.sglang.pools import SlotPool
+from umalloc.testing import seed_from_env
 
 
 def t(*xs: int) -> torch.Tensor:
@@ -138,15 +138,11 @@ def test_page_size_one_keeps_no_occupancy() -> None:
     assert pool.alloc_tokens(2).tolist() == [1, 2]
 
 
-SEED = int(os.environ.get("UMALLOC_TEST_SEED", "1234"))
-
-
 @pytest.mark.parametrize("page_size", [2, 4])
 def test_random_requests_match_a_slot_model(page_size: int) -> None:
     """Seeded requests that extend, decode, free some tail tokens and free everything, against a model that keeps
     each request's slot list: a page is live iff some request holds one of its slots."""
-    rng = random.Random(SEED + page_size)
-    print(f"seed={SEED + page_size}")
+    rng = random.Random(seed_from_env(1234) + page_size)
     num_pages = 12
     pool = SlotPool(num_pages, page_size)
     rows: dict[int, list[int]] = {}

@@ -21,8 +21,9 @@ request's partly filled last page, so the pool keeps :class:`SlotOccupancy` next
      free([9])                 -> slot 9 free, page 2 stays (slot 8 live)
      free([8])                 -> page 2 released
 
-Memory: 8 bytes per slot on the host. Complexity: each check or update is O(B + tokens of the call) numpy work.
-Threading: the pool's thread (one scheduler thread).
+Memory: 8 bytes per slot on the host. Complexity: each check or update is one numba pass, O(B + tokens of the
+call) (a free also reads the ``page_size`` tags of each page it touches); whole-page frees add O(pages * page_size)
+numpy work. Threading: the pool's thread (one scheduler thread).
 """
 
 from __future__ import annotations
@@ -229,7 +230,8 @@ class SlotOccupancy:
             live page (freed already, or never handed out). What ``release`` raises: a page of ``pages``, or a
             token's page, that is not live. Nothing changes on any error.
 
-        Complexity: O(n + page_size * (tokens + pages)) numpy work, no sort.
+        Complexity: one numba pass, O(n + page_size * pages touched); whole ``pages`` add O(pages * page_size)
+        numpy work. No sort.
         """
         ps, tags = self.page_size, self.tags
         if pages.shape[0] and slots.shape[0]:
