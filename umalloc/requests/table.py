@@ -574,9 +574,10 @@ class RequestTable:
             self._device_rows.push_ranges(np.array([c], np.int64), np.zeros(1, np.int64), np.array([n], np.int64))
         return c
 
-    def attach_prefix(self, slot: SlotLike, vpages: IdBatch) -> bool:
+    def attach_prefix(self, slot: SlotLike, vpages: IdBatch, *, revive: bool = False) -> bool:
         """Give an empty request the pages ``vpages`` as its first ``len(vpages) * page_size`` tokens (a prefix
-        hit: pages the engine holds, e.g. revived by :meth:`reclaim`); each count + 1. On each bound end the
+        hit: pages the engine holds, e.g. revived by :meth:`reclaim`; with ``revive=True`` cached pages too, which
+        leave the cache, as :meth:`reclaim` then :meth:`drop_refs` would leave them, in one call); each count + 1. On each bound end the
         request holds its window tail (every page without a window); pages of it not bound there are bound
         fresh (``bind_end``: their bytes are not the prefix's, the engine recomputes them).
 
@@ -585,9 +586,12 @@ class RequestTable:
 
         Raises:
             InvalidIdError: bad ids, a page twice, the zero page. NotAllocatedError: a free ``slot``, or a page the
-            table does not hold (count 0 or not its own). UmallocValueError: the request is not empty or the
-            prefix is longer than ``max_tokens_per_request``. Nothing changes on any error.
+            table does not hold (count 0 or not its own; cached without ``revive``). UmallocValueError: the request is
+            not empty, the prefix is longer than ``max_tokens_per_request``, or ``revive`` is not a bool. Nothing
+            changes on any error.
         """
+        if type(revive) is not bool:
+            raise UmallocValueError(f"attach_prefix: revive={revive!r}; allowed True or False")
         s = self._slot(slot, "attach_prefix")
         vp = self._page_ids(vpages, "attach_prefix")
         ps = self.page_size
@@ -599,11 +603,12 @@ class RequestTable:
             raise UmallocValueError(f"attach_prefix: {n} tokens; allowed at most {self.max_tokens_per_request}")
         if np.unique(vp).shape[0] != vp.shape[0]:
             raise InvalidIdError("attach_prefix: a page appears twice; allowed each page once")
-        held = self._pg[PG_STATE, vp] == PAGE_HELD
+        state = self._pg[PG_STATE, vp]
+        held = (state == PAGE_HELD) | ((state == PAGE_CACHED) if revive else False)
         if not held.all():
             bad = int(vp[np.flatnonzero(~held)[0]])
             raise NotAllocatedError(f"attach_prefix: virtual page {bad} is not held (cached pages need reclaim "
-                                    f"first); allowed pages with a holder")
+                                    f"first, or revive=True); allowed pages with a holder")
         fronts = [min(vp.shape[0], max(0, n - int(w)) // ps) if w else 0 for w in self._win]
         bound: list[tuple[str, np.ndarray]] = []
         for b, end in enumerate(self.bound_ends):
@@ -615,6 +620,12 @@ class RequestTable:
                         self.alloc.unbind_pages(end2, pages)
                     return False
                 bound.append((end, missing))
+        cached = vp[state == PAGE_CACHED]
+        if cached.size:   # out of the LRU, held: k_revive adds an engine reference, taken back at once
+            k_revive(self._pg, self._lru, cached)
+            self._pg[PG_ENG, cached] -= 1
+            self._pg[PG_REF, cached] -= 1
+            self._counters["reclaimed"] += int(cached.size)
         self._r2p[s, : vp.shape[0]] = vp
         pos = np.arange(n, dtype=np.int64)
         self._r2t[s, :n] = vp[pos // ps] * ps + pos % ps
