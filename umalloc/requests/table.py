@@ -690,6 +690,12 @@ class RequestTable:
             self._device_rows.push_ranges(np.array([s], np.int64), np.array([j * ps], np.int64),
                                           np.array([(j + 1) * ps], np.int64))
 
+    def holder_counts(self, vpages: IdBatch) -> torch.Tensor:
+        """``int64 (n,)`` holders of each page (requests and engine references, Note [Holders]); 0 for a cached
+        page or one the table does not manage. Raises: InvalidIdError for bad ids. O(n)."""
+        vp = self._page_ids(vpages, "holder_counts")
+        return torch.from_numpy(self._pg[PG_REF, vp].astype(np.int64))
+
     def num_tokens(self, slots: IdBatch) -> torch.Tensor:
         """``int64 (B,)`` lengths of live requests. Raises: as :meth:`extend` for bad slots."""
         s = self._slots(slots, "num_tokens")

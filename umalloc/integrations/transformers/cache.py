@@ -416,14 +416,17 @@ class UmallocPagedCache:
 
     def _free_slot(self, request_id: str, cache: bool) -> None:
         """Free one request's slot. With ``cache`` its full pages stay cached (their hashes stay indexed: only full
-        pages are hashed and only partial pages are freed); without, its pages lose their hashes."""
+        pages are hashed and only partial pages are freed); without, the pages it was the last holder of lose their
+        hashes (pages another request holds keep theirs, as transformers' ledger does)."""
         slot = self.slots.pop(request_id, None)
         if slot is None:
             return
         self._flush()
-        if not cache and self.prefix.vpage_to_hash:
-            self.prefix.forget(self.table.pages(slot).tolist())
+        pages = self.table.pages(slot) if not cache and self.prefix.vpage_to_hash else None
         self._free_table_slots([slot], cache=cache)
+        if pages is not None and pages.numel():   # pages another request still holds keep their hash, as in stock
+            gone = pages[self.table.holder_counts(pages) == 0]
+            self.prefix.forget(gone.tolist())
 
     def step_hook(self) -> None:
         """Once per scheduling step (Note [Seams] 3): optional forced compaction and invariant checks."""
