@@ -14,6 +14,7 @@ import importlib
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -179,6 +180,31 @@ def test_same_step_prefixes_are_shared(num_prompts: int, prefix_tokens: int) -> 
     with pytest.raises(TypeError):
         ledger.hash_to_block[0] = 1  # type: ignore[index]
     print(f"blocks after step 1: stock {stock_blocks[1]}, umalloc {mine_blocks[1]} (naive {naive})")
+
+
+def test_a_no_cache_free_keeps_the_hashes_of_pages_others_hold() -> None:
+    """free_blocks(no_cache=True) (transformers' preemption) unindexes only the pages the request was the last
+    holder of, as stock's ledger releases a hash only at reference count 0: a third request still hits the prefix
+    another live request shares. Stock's own cache, driven the same way, is the oracle."""
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+    from transformers.generation.continuous_batching.requests import RequestState
+
+    g = torch.Generator().manual_seed(SEED)
+    prompt = rnd(g, 33)
+    hits = {}
+    for name, cls in (("stock", PagedAttentionCache), ("umalloc", ut.UmallocPagedCache)):
+        one_rank = SimpleNamespace(tp_size=1)   # the stock cache reads only tp_size when it is 1
+        cache = cls(model_for("llama").config, cb_config(num_blocks=64), "cpu", one_rank, torch.float32)
+        a = RequestState(request_id="a", initial_tokens=prompt, max_new_tokens=4)
+        assert cache.can_store_request_tokens(a, len(prompt))
+        a.position_offset = len(prompt)
+        cache.mark_complete_blocks(a, cache.count_new_complete_blocks(RequestState(request_id="x",
+                                                                                     initial_tokens=[]), 33))
+        got = [cache.search_prefix_match("b", prompt)]
+        cache.free_blocks("a", no_cache=True)
+        got.append(cache.search_prefix_match("c", prompt))
+        hits[name] = got
+    assert hits["umalloc"] == hits["stock"] == [32, 32], hits
 
 
 # ---- a request that can never fit fails alone -------------------------------------------------------------
