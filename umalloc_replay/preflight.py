@@ -125,8 +125,8 @@ def check_distinct_paths(inputs: dict[str, str | Path | None], outputs: dict[str
     for i, (opt, path) in enumerate(outs):
         for other, given in [*((k, v) for k, v in inputs.items() if v is not None), *outs[:i]]:
             if same_file(path, given):  # type: ignore[arg-type]
-                raise UmallocValueError(f"{opt} {str(path)!r} is the file {other} names: allowed a path other "
-                                        f"than {other}'s")
+                raise UmallocValueError(f"{opt} {str(path)!r} and {other} name the same file: allowed an {opt} "
+                                        f"path other than {other}'s")
 
 
 def resolve_plot_path(path: str | Path) -> Path:

@@ -28,6 +28,8 @@ Note [Pattern]
     T_e      = page_words random words from PCG64(seed, e)   (the row offset / slot / K-vs-V dependence)
     key      = splitmix64 chain over (seed, e, r, s, l + 1)   (the request / position / layer dependence)
     token t sits in sequence page s = t // page_size at slot t % page_size.
+    seed: the replay's --seed as 64 bits (umalloc_replay.seed64: itself in [0, 2**64), else hashed), so any int
+    seed gives its own pattern.
 
 Words are 8 bytes when every layer block and the page are multiples of 8 bytes (4, 2 or 1 otherwise).
 
