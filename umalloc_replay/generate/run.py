@@ -10,7 +10,7 @@ Policy:
   the model's context (:data:`~umalloc_replay.generate.models.MAX_CONTEXT_TOKENS`), else the run is refused
   naming the request and the smallest ``token_scale`` (or ``output_scale``) that fits, computed in O(rows) —
   before any process starts. Prompt token ids are seeded per request (:func:`prompt_tokens`), the same in every
-  process; any int seed is accepted (:func:`~umalloc_replay.seed64`).
+  process; any int seed is accepted (the weights' through :func:`~umalloc_replay.seed64`).
 * The reference: per request, in this process, :func:`~umalloc_replay.generate.kv.reference_tokens` (prefill
   forward, a cache built from its K/V, greedy decoding); no umalloc, no transfer.
 * The PD run: the replay's prefill side (:class:`~umalloc_replay.single.prefill.LocalPrefill` for ``local``,
@@ -58,7 +58,6 @@ from umalloc_replay import (
     DEFAULT_GENERATE_OUTPUT_SCALE,
     DEFAULT_GENERATE_REQUESTS,
     DEFAULT_GENERATE_TOKEN_SCALE,
-    seed64,
 )
 from umalloc_replay.report import PhaseTimer
 from umalloc_replay.trace import TraceRequest, check_slice_rows, load_trace, scale_tokens, trace_label
@@ -130,16 +129,18 @@ def load_slice(cfg: GenerateConfig, max_context_tokens: int) -> list[TraceReques
     over = [r for r in out if r.input_tokens + r.output_tokens > max_context_tokens]
     if over:
         r = over[0]
-        if any(t.output_tokens + 1 > max_context_tokens for t in out):
+        long_output = [t for t in out if t.output_tokens + 1 > max_context_tokens]
+        if long_output:
+            r = long_output[0]
             # an output alone leaves no room for a 1-token prompt: ceil(n / k) <= context - 1
             fit = max(-(-t.output_tokens // (max_context_tokens - 1)) for t in trace)
-            hint = f"--output-scale >= {fit}"
+            given, hint = f"--output-scale {cfg.output_scale}", f"--output-scale >= {fit}"
         else:
             # request t fits when ceil(prompt / k) <= context - output, i.e. k >= ceil(prompt / room)
             fit = max(max(1, -(-t.input_tokens // (max_context_tokens - s.output_tokens)))
                       for t, s in zip(trace, out, strict=True))
-            hint = f"--token-scale >= {fit}"
-        raise UmallocValueError(f"--token-scale {cfg.token_scale}: request {r.request_id} has {r.input_tokens} "
+            given, hint = f"--token-scale {cfg.token_scale}", f"--token-scale >= {fit}"
+        raise UmallocValueError(f"{given}: request {r.request_id} has {r.input_tokens} "
                                 f"prompt + {r.output_tokens} output tokens, over the model's context of "
                                 f"{max_context_tokens} ({len(over)} of {len(out)} requests are): allowed {hint}")
     return out
@@ -148,7 +149,7 @@ def load_slice(cfg: GenerateConfig, max_context_tokens: int) -> list[TraceReques
 def prompt_tokens(seed: int, request_id: int, num_tokens: int, vocab_size: int) -> list[int]:
     """Prompt token ids of one request: uniform in ``[3, vocab_size)`` from a generator seeded by 64 bits of the
     blake2b digest of ``(seed, request_id)`` (any ints; ids 0-2 are pad, bos, eos). O(num_tokens)."""
-    key = hashlib.blake2b(f"{seed64(seed)}/{request_id}".encode(), digest_size=8).digest()
+    key = hashlib.blake2b(f"{int(seed)}/{request_id}".encode(), digest_size=8).digest()
     g = torch.Generator().manual_seed(int.from_bytes(key, "little"))
     return torch.randint(3, vocab_size, (num_tokens,), generator=g).tolist()
 
