@@ -173,7 +173,7 @@ def test_config_refuses_what_cannot_run():
         RanksConfig(decode_tp=3).resolved()
     with pytest.raises(UmallocValueError, match="max_prompt_tokens"):
         RanksConfig(max_prompt_tokens=0).resolved()
-    with pytest.raises(UmallocValueError, match="requests=99999"):
+    with pytest.raises(UmallocValueError, match="--requests 99999: .* holds only 12031 requests"):
         MultiRankReplay(RanksConfig(requests=99999))
     with pytest.raises(SpecError, match="arena_bytes"):
         RanksConfig(decode_arena_bytes=4096).resolved()
