@@ -44,3 +44,28 @@ DEFAULT_GENERATE_MODEL = "gemma3"
 DEFAULT_GENERATE_REQUESTS = 8
 DEFAULT_GENERATE_TOKEN_SCALE = 64
 DEFAULT_GENERATE_OUTPUT_SCALE = 16
+#: ``umalloc generate --draft``'s draft tokens proposed per verification.
+DEFAULT_DRAFT_TOKENS = 4
+#: Most tokens per page an arena end accepts (:class:`umalloc.EndSpec`'s ``page_size`` range is 1..this), spelled
+#: out here so that ``--page-size`` is checked with the other arguments, before torch is imported
+#: (``tests/app/test_cli_start_up.py`` checks it against :class:`umalloc.EndSpec`).
+MAX_PAGE_SIZE_TOKENS = 1 << 16
+
+_M64 = (1 << 64) - 1
+
+
+def seed64(seed: int) -> int:
+    """A ``--seed`` (any Python int) as the 64-bit unsigned seed the generators take: a seed in
+    ``[0, 2**64)`` is itself; any other is the first 8 bytes (little-endian) of the blake2b digest of its
+    decimal text, so seeds that differ anywhere give different generators (up to a 2**-64 collision chance).
+    O(digits of ``seed``).
+
+    >>> seed64(7), seed64(2**64) != seed64(0), 0 <= seed64(-1) < 2**64
+    (7, True, True)
+    """
+    import hashlib
+
+    seed = int(seed)
+    if 0 <= seed <= _M64:
+        return seed
+    return int.from_bytes(hashlib.blake2b(str(seed).encode(), digest_size=8).digest(), "little")

@@ -67,6 +67,7 @@ from typer.core import TyperGroup  # noqa: E402
 
 from umalloc import UmallocValueError, __version__  # noqa: E402
 from umalloc_replay import (  # noqa: E402
+    DEFAULT_DRAFT_TOKENS,
     DEFAULT_GENERATE_MODEL,
     DEFAULT_GENERATE_OUTPUT_SCALE,
     DEFAULT_GENERATE_REQUESTS,
@@ -78,6 +79,7 @@ from umalloc_replay import (  # noqa: E402
     DEFAULT_REQUESTS,
     DEFAULT_TOKEN_SCALE,
     GENERATE_MODEL_NAMES,
+    MAX_PAGE_SIZE_TOKENS,
     PRESET_NAMES,
     PRESETS_WITH_DRAFT,
 )
@@ -150,7 +152,8 @@ class UmallocApp(typer.Typer):
 app = UmallocApp(cls=_OneLineErrors, add_completion=False, no_args_is_help=True,
                  context_settings={"max_content_width": 120},
                  help="umalloc: multi-ended KV-cache page allocator. `umalloc replay` runs the main job; `umalloc "
-                 "generate` checks a real model's KV moved between processes.")
+                 "generate` checks that a tiny random-weight transformers model's KV, moved between processes, "
+                 "generates what one process generates.")
 
 
 def _print_version(value: bool) -> None:
@@ -217,8 +220,8 @@ def replay(
         "--draft/--no-draft", rich_help_panel=_MODEL, show_default="--draft where the preset has a drafter",
         help="Include the drafter's pool.")] = None,
     page_size: Annotated[int, typer.Option(
-        "--page-size", min=1, metavar="N", rich_help_panel=_MODEL, help="Tokens per page (decode's when "
-        "multi-rank).")] = 16,
+        "--page-size", min=1, max=MAX_PAGE_SIZE_TOKENS, metavar="N", rich_help_panel=_MODEL,
+        help="Tokens per page (decode's when multi-rank).")] = 16,
     arena_bytes: Annotated[str | None, typer.Option(
         "--arena-bytes", metavar="SIZE[,SIZE]", rich_help_panel=_MODEL,
         show_default="sized from the slice, tight enough to keep the decode arena under pressure",
@@ -256,7 +259,7 @@ def replay(
     decode_dcp: Annotated[int, typer.Option("--decode-dcp", min=1, metavar="N", rich_help_panel=_RANKS,
                                             help="Decode DCP size.")] = 1,
     prefill_page_size: Annotated[int | None, typer.Option(
-        "--prefill-page-size", min=1, metavar="N", rich_help_panel=_RANKS, show_default="--page-size",
+        "--prefill-page-size", min=1, max=MAX_PAGE_SIZE_TOKENS, metavar="N", rich_help_panel=_RANKS, show_default="--page-size",
         help="Prefill tokens per page.")] = None,
     prefill_head_groups: Annotated[int, typer.Option(
         "--prefill-head-groups", min=1, metavar="G", rich_help_panel=_RANKS,
@@ -286,7 +289,13 @@ def replay(
     from rich.markup import escape
 
     from umalloc import BackendError
-    from umalloc_replay.preflight import check_output_file, check_trace_file, is_multi_rank, resolve_plot_path
+    from umalloc_replay.preflight import (
+        check_distinct_paths,
+        check_output_file,
+        check_trace_file,
+        is_multi_rank,
+        resolve_plot_path,
+    )
 
     err = Console(stderr=True)  # errors, warnings, the progress bar, what runs; stdout carries the result only
     rank_error: tuple[type[Exception], ...] = ()
@@ -307,8 +316,7 @@ def replay(
             if report is not None:
                 check_output_file(report, "--report")
             plot_path = resolve_plot_path(plot) if plot is not None else None
-            if plot_path is not None and report is not None and plot_path.resolve() == report.resolve():
-                raise UmallocValueError(f"--report and --plot name the same file {str(report)!r}")
+            check_distinct_paths({"--trace": trace}, {"--report": report, "--plot": plot_path})
             multi = multi_rank or prefill_head_groups > 1 or decode_head_groups > 1 or \
                 is_multi_rank(prefill_tp, decode_tp, prefill_dcp, decode_dcp, prefill_page_size, page_size)
             if multi and (layout != "dynamic" or plot_path is not None):
@@ -382,8 +390,9 @@ def replay(
 def generate(
     model: Annotated[str, typer.Option(
         "--model", metavar="NAME", rich_help_panel=_MODEL,
-        help=f"Random-weight model (seeded, tiny): {', '.join(GENERATE_MODEL_NAMES)} (gemma3 mixes sliding-window "
-        "and full-attention layers).")] = DEFAULT_GENERATE_MODEL,
+        help=f"Tiny random-weight transformers model (seeded; not a trained model): "
+        f"{', '.join(GENERATE_MODEL_NAMES)} (gemma3 mixes sliding-window and full-attention layers).")
+    ] = DEFAULT_GENERATE_MODEL,
     backend: Annotated[BackendName, typer.Option(
         "--backend", rich_help_panel=_BACKEND,
         help="Transfer backend; nixl and mooncake run the prefill side (its own model copy and arena) in a second "
@@ -405,22 +414,23 @@ def generate(
         "of 1024 tokens.")] = DEFAULT_GENERATE_TOKEN_SCALE,
     output_scale: Annotated[int, typer.Option(
         "--output-scale", min=1, metavar="K", rich_help_panel=_TRACE,
-        help="Divide every output length by K (ceiling, at least 1): tokens generated per request.")
-    ] = DEFAULT_GENERATE_OUTPUT_SCALE,
+        help="Divide every output length by K (ceiling, at least 2: the prefill's first token and one decoded "
+        "over the received KV): tokens generated per request.")] = DEFAULT_GENERATE_OUTPUT_SCALE,
     page_size: Annotated[int, typer.Option(
-        "--page-size", min=1, metavar="N", rich_help_panel=_MODEL, help="Tokens per page.")] = 16,
+        "--page-size", min=1, max=MAX_PAGE_SIZE_TOKENS, metavar="N", rich_help_panel=_MODEL,
+        help="Tokens per page.")] = 16,
     max_batch: Annotated[int, typer.Option(
         "--max-batch", min=1, metavar="N", rich_help_panel=_MODEL,
         help="Requests whose KV is in flight at once (the arenas hold this many prompts).")] = 4,
     seed: Annotated[int, typer.Option("--seed", min=0, metavar="N", rich_help_panel=_MODEL,
-                                      help="Seed of the weights and the prompts.")] = 0,
+                                      help="Seed of the weights and the prompts (any size).")] = 0,
     draft: Annotated[bool, typer.Option(
         "--draft/--no-draft", rich_help_panel=_MODEL,
         help="Add a drafter (the target cut to one full-attention layer) whose KV rides the same plan in its own "
         "draft end; the decode side decodes speculatively with greedy verification.")] = False,
-    draft_tokens: Annotated[int, typer.Option(
-        "--draft-tokens", min=1, metavar="K", rich_help_panel=_MODEL,
-        help="Draft tokens proposed per verification (with --draft).")] = 4,
+    draft_tokens: Annotated[int | None, typer.Option(
+        "--draft-tokens", min=1, metavar="K", rich_help_panel=_MODEL, show_default=str(DEFAULT_DRAFT_TOKENS),
+        help="Draft tokens proposed per verification (only with --draft).")] = None,
     output_format: Annotated[OutputFormat, typer.Option(
         "--format", rich_help_panel=_OUT, help="Result on stdout: table or json (the report).")] = OutputFormat.table,
     report: Annotated[Path | None, typer.Option(
@@ -429,13 +439,13 @@ def generate(
     progress: Annotated[bool, typer.Option(
         "--progress/--no-progress", rich_help_panel=_OUT, help="Show the progress bar (on stderr).")] = True,
 ) -> None:
-    """Generate with a random-weight model whose KV a prefill side sends to a decode side on umalloc pages; every
-    request's tokens must equal one process's."""
+    """Generate with a tiny random-weight model whose KV a prefill side sends to a decode side on umalloc pages;
+    every request's tokens must equal one process's."""
     from rich.console import Console
     from rich.markup import escape
 
     from umalloc import BackendError
-    from umalloc_replay.preflight import check_output_file, check_trace_file
+    from umalloc_replay.preflight import check_distinct_paths, check_output_file, check_trace_file
 
     err = Console(stderr=True)
 
@@ -449,6 +459,10 @@ def generate(
                 check_trace_file(trace)
             if report is not None:
                 check_output_file(report, "--report")
+            check_distinct_paths({"--trace": trace}, {"--report": report})
+            if draft_tokens is not None and not draft:
+                raise UmallocValueError(f"--draft-tokens {draft_tokens}: only a run with a drafter proposes draft "
+                                        "tokens; allowed with --draft, or without it")
             from umalloc_replay.generate.run import (
                 GenerateConfig,
                 check_generate_report,
@@ -460,7 +474,8 @@ def generate(
                 model=model, backend=backend.value, trace=None if trace is None else str(trace),
                 trace_format=None if trace_format is TraceFormat.auto else trace_format.value, requests=requests,
                 skip=skip, token_scale=token_scale, output_scale=output_scale, page_size=page_size, seed=seed,
-                max_batch=max_batch, draft=draft, draft_tokens=draft_tokens)
+                max_batch=max_batch, draft=draft,
+                draft_tokens=DEFAULT_DRAFT_TOKENS if draft_tokens is None else draft_tokens)
             with HeldLogs() as held:
                 result = run_generate(cfg, progress=progress, console=err)
             held.flush_to(err)

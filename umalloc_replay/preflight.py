@@ -1,10 +1,13 @@
-"""Checks ``umalloc replay`` runs before anything else: input and output paths, and host memory.
+"""Checks ``umalloc replay`` and ``umalloc generate`` run before anything else: input and output paths, and
+host memory.
 
 Policy:
 
 * Every check raises :class:`~umalloc.errors.UmallocValueError` with one line naming the option, the value and
   what is allowed; nothing is created, written or allocated by a failed check (an output folder's writability
   is probed with a temporary file that is removed at once).
+* An output path (``--report``, ``--plot``) must name neither an input (``--trace``) nor another output, also
+  through a link or another spelling (:func:`check_distinct_paths`): a run never writes over its own trace.
 * A trace must be a readable regular file of text: a directory, a device, or a file whose first
   :data:`SNIFF_BYTES` bytes hold a NUL byte or are not UTF-8 is refused before it is parsed.
 * ``--plot`` names a file: a path without a suffix gets ``.png``; an existing directory gets
@@ -97,6 +100,33 @@ def check_output_file(path: str | Path, option: str) -> Path:
     except OSError as exc:
         raise UmallocValueError(f"{option} {str(p)!r} cannot be written: {exc.strerror}") from None
     return p
+
+
+def same_file(a: str | Path, b: str | Path) -> bool:
+    """True if paths ``a`` and ``b`` name one file: :func:`os.path.samefile` when both exist (a link, a hard link
+    or another spelling of the same file), else equal absolute paths after resolving links. O(1) system calls."""
+    pa, pb = Path(a), Path(b)
+    try:
+        if pa.exists() and pb.exists():
+            return os.path.samefile(pa, pb)
+    except OSError:
+        pass
+    return pa.resolve() == pb.resolve()
+
+
+def check_distinct_paths(inputs: dict[str, str | Path | None], outputs: dict[str, str | Path | None]) -> None:
+    """Refuse an output path that is an input file or another output (``option -> path``; ``None``: not given),
+    so a run never writes over its own trace or writes two outputs into one file (:func:`same_file`).
+
+    Raises:
+        UmallocValueError: naming both options and the path.
+    """
+    outs = [(o, p) for o, p in outputs.items() if p is not None]
+    for i, (opt, path) in enumerate(outs):
+        for other, given in [*((k, v) for k, v in inputs.items() if v is not None), *outs[:i]]:
+            if same_file(path, given):  # type: ignore[arg-type]
+                raise UmallocValueError(f"{opt} {str(path)!r} and {other} name the same file: allowed an {opt} "
+                                        f"path other than {other}'s")
 
 
 def resolve_plot_path(path: str | Path) -> Path:
@@ -224,5 +254,5 @@ def is_multi_rank(prefill_tp: int, decode_tp: int, prefill_dcp: int, decode_dcp:
 
 
 __all__ = ["DEFAULT_PLOT_NAME", "HOST_MEMORY_ENV", "PLOT_SUFFIXES", "SNIFF_BYTES", "available_memory_bytes",
-           "check_host_memory", "check_output_file", "check_trace_file", "is_multi_rank", "parse_arena_bytes",
-           "parse_size_bytes", "resolve_plot_path"]
+           "check_distinct_paths", "check_host_memory", "check_output_file", "check_trace_file", "is_multi_rank",
+           "parse_arena_bytes", "parse_size_bytes", "resolve_plot_path", "same_file"]

@@ -189,11 +189,35 @@ def _check_limit(max_requests: int | None, skip: int) -> None:
         raise UmallocValueError(f"skip={skip!r}: allowed an int >= 0")
 
 
+def trace_label(path: str | Path | None) -> str:
+    """How messages name a trace: ``packaged trace conversation_trace.jsonl`` for ``None`` or the packaged file
+    (:func:`default_trace_path`, wherever the package is installed), else the path as given."""
+    if path is None:
+        return f"packaged trace {DEFAULT_TRACE_NAME}"
+    p = Path(path)
+    if p.name == DEFAULT_TRACE_NAME and p.resolve() == default_trace_path().resolve():
+        return f"packaged trace {DEFAULT_TRACE_NAME}"
+    return str(path)
+
+
+def check_slice_rows(trace: Trace, asked: int | None, skip: int) -> None:
+    """Refuse a slice shorter than the ``--requests`` asked for (``None``: every row, nothing to check).
+
+    Raises:
+        UmallocValueError: naming ``--requests``, the trace (:func:`trace_label`), its rows after ``--skip``
+            and the allowed range.
+    """
+    if asked is not None and len(trace) < asked:
+        after = f" after --skip {skip}" if skip else ""
+        raise UmallocValueError(f"--requests {asked}: {trace_label(trace.path)} holds only {len(trace)} "
+                                f"requests{after}: allowed --requests <= {len(trace)}")
+
+
 def _no_rows(path: Path, skip: int, rows: int) -> TraceFormatError:
     if skip and rows:
-        return TraceFormatError(f"{path}: skip={skip} passes every one of its {rows} requests: allowed skip "
-                                f"<= {rows - 1}")
-    return TraceFormatError(f"{path}: no requests")
+        return TraceFormatError(f"--skip {skip} passes every one of the {rows} requests of {trace_label(path)}: "
+                                f"allowed --skip <= {rows - 1}")
+    return TraceFormatError(f"{trace_label(path)}: no requests")
 
 
 def read_mooncake_jsonl(path: str | Path, *, token_scale: int = 1, max_requests: int | None = None,
@@ -224,13 +248,14 @@ def read_mooncake_jsonl(path: str | Path, *, token_scale: int = 1, max_requests:
     zeros = [0, 0]  # rows of the slice with a 0-token prompt, output
     t0: int | None = None
     row_index = -1
+    label = trace_label(path)
     for lineno, line in _text_lines(path):
         if not line.strip():
             continue
         row_index += 1
         if row_index < skip:
             continue
-        where = f"{path}:{lineno}"
+        where = f"{label}:{lineno}"
         try:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
@@ -270,7 +295,8 @@ def _text_lines(path: Path) -> Iterator[tuple[int, str]]:
             try:
                 yield lineno, raw.decode("utf-8")
             except UnicodeDecodeError as exc:
-                raise TraceFormatError(f"{path}:{lineno}: not UTF-8 text (byte {exc.start} of the line)") from None
+                raise TraceFormatError(f"{trace_label(path)}:{lineno}: not UTF-8 text (byte {exc.start} of the "
+                                       "line)") from None
 
 
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
@@ -302,7 +328,7 @@ def read_azure_csv(path: str | Path, *, token_scale: int = 1, max_requests: int 
     try:
         return _read_azure(path, token_scale, max_requests, skip)
     except UnicodeDecodeError as exc:
-        raise TraceFormatError(f"{path}: not UTF-8 text (byte {exc.start} of a read block)") from None
+        raise TraceFormatError(f"{trace_label(path)}: not UTF-8 text (byte {exc.start} of a read block)") from None
 
 
 def _read_azure(path: Path, token_scale: int, max_requests: int | None, skip: int) -> Trace:
@@ -314,12 +340,16 @@ def _read_azure(path: Path, token_scale: int, max_requests: int | None, skip: in
         try:
             header = next(reader)
         except StopIteration:
-            raise TraceFormatError(f"{path}: empty file, allowed a header {','.join(AZURE_COLUMNS)}") from None
+            raise TraceFormatError(f"{trace_label(path)}: empty file, allowed a header {','.join(AZURE_COLUMNS)}") \
+                from None
         header = [h.strip().lstrip("\ufeff") for h in header]
         missing = [c for c in AZURE_COLUMNS if c not in header]
         if missing:
-            raise TraceFormatError(f"{path}:1: missing column(s) {missing}; header is {header}")
+            raise TraceFormatError(f"{trace_label(path)}:1: missing column(s) {', '.join(missing)}: allowed a header "
+                                   f"{','.join(AZURE_COLUMNS)} (an Azure CSV trace; --trace-format mooncake for "
+                                   "a Mooncake JSONL one)")
         i_ts, i_in, i_out = (header.index(c) for c in AZURE_COLUMNS)
+        label = trace_label(path)
         t0: int | None = None
         for row in reader:
             lineno = reader.line_num
@@ -328,7 +358,7 @@ def _read_azure(path: Path, token_scale: int, max_requests: int | None, skip: in
             row_index += 1
             if row_index < skip:
                 continue
-            where = f"{path}:{lineno}"
+            where = f"{label}:{lineno}"
             if len(row) != len(header):
                 raise TraceFormatError(f"{where}: {len(row)} fields, allowed {len(header)}")
             try:
@@ -399,6 +429,6 @@ def load_trace(path: str | Path | None = None, *, token_scale: int = 1, max_requ
 
 __all__ = [
     "AZURE_COLUMNS", "DEFAULT_TRACE_NAME", "MOONCAKE_HASH_BLOCK_TOKENS", "TRACE_FORMATS", "Trace",
-    "TraceFormatError", "TraceRequest", "default_trace_path", "detect_format", "load_trace",
-    "parse_timestamp_ns", "read_azure_csv", "read_mooncake_jsonl", "scale_tokens",
+    "TraceFormatError", "TraceRequest", "check_slice_rows", "default_trace_path", "detect_format", "load_trace",
+    "parse_timestamp_ns", "read_azure_csv", "read_mooncake_jsonl", "scale_tokens", "trace_label",
 ]

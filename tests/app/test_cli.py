@@ -72,6 +72,18 @@ def test_report_and_plot_paths_are_checked_before_the_run(tmp_path, azure):
             "same file")
 
 
+def test_an_output_that_is_the_input_trace_is_refused_and_the_trace_kept(tmp_path, azure):
+    """``--report`` naming the ``--trace`` file (the same path, another spelling of it, or a link to it) would
+    write the report over the trace: refused before the run, the trace's bytes unchanged."""
+    link = tmp_path / "link.csv"
+    link.symlink_to(azure)
+    spelled = tmp_path / "in" / ".." / "in" / "azure.csv"
+    for trace, out in ((azure, azure), (azure, spelled), (link, azure), (azure, link)):
+        refused(["--trace", str(trace), "--report", str(out), *QUICK], tmp_path, "--report", "and --trace name the "
+                "same file")
+        assert azure.read_text() == AZURE
+
+
 def test_plot_path_without_suffix_or_a_directory_prints_the_file_written(tmp_path, azure):
     base = ["replay", "--trace", str(azure), "--requests", "1", *QUICK]
     res = CliRunner().invoke(app, [*base, "--plot", str(tmp_path / "myplot")])
@@ -137,9 +149,10 @@ def test_skip_starts_the_slice_later_and_the_title_names_it(tmp_path, azure):
     assert rep["config"]["skip"] == 3
     title = " ".join(res.output.split())
     assert "azure.csv rows 3-4, token scale 1, gemma-3-12b-draft, 16-token pages, layout dynamic" in title
-    refused(["--trace", str(azure), "--skip", "6", *QUICK], tmp_path, "skip=6 passes every one of its 6")
+    refused(["--trace", str(azure), "--skip", "6", *QUICK], tmp_path, "--skip 6 passes every one of the 6 requests",
+            "allowed --skip <= 5")
     refused(["--trace", str(azure), "--skip", "4", "--requests", "3", *QUICK], tmp_path,
-            "holds only 2 requests after skip=4")
+            "--requests 3: ", "holds only 2 requests after --skip 4: allowed --requests <= 2")
 
 
 def test_draft_without_a_drafter_is_refused(tmp_path, azure):

@@ -18,7 +18,7 @@ import pytest
 from typer.testing import CliRunner
 
 import umalloc
-from umalloc_replay import DEFAULT_PRESET_NAME, PRESET_NAMES, PRESETS_WITH_DRAFT
+from umalloc_replay import DEFAULT_PRESET_NAME, MAX_PAGE_SIZE_TOKENS, PRESET_NAMES, PRESETS_WITH_DRAFT
 from umalloc_replay.cli import app
 
 #: Modules whose import takes seconds (torch, numba, numpy under them), an engine, or matplotlib.
@@ -60,11 +60,22 @@ def test_the_app_spells_the_library_presets_right() -> None:
     assert PRESETS_WITH_DRAFT == tuple(sorted(n for n, p in umalloc.PRESETS.items() if p.draft is not None))
 
 
+def test_the_app_spells_the_library_page_size_range_right() -> None:
+    """``--page-size`` is range-checked without the geometry: its bound is the one :class:`umalloc.EndSpec`
+    enforces."""
+    layer = (umalloc.LayerSpec.mha(1, 8),)
+    assert umalloc.EndSpec("full", layer, page_size=MAX_PAGE_SIZE_TOKENS).page_size == MAX_PAGE_SIZE_TOKENS
+    with pytest.raises(umalloc.UmallocValueError, match="page_size"):
+        umalloc.EndSpec("full", layer, page_size=MAX_PAGE_SIZE_TOKENS + 1)
+
+
 @pytest.mark.parametrize("args, code", [
     (["--help"], 0), (["--version"], 0), (["replay", "--help"], 0), (["replay", "--page-size", "0"], 2),
     (["replay", "--trace", "/nonexistent/trace.jsonl"], 2), (["replay", "--model", "no-such-model"], 2),
     (["replay", "--arena-bytes", "1.5"], 2), (["replay", "--backend", "rdma"], 2),
-    (["replay", "--plot", "p.gif"], 2), (["replay", "--max-prompt-tokens", "8"], 2)])
+    (["replay", "--plot", "p.gif"], 2), (["replay", "--max-prompt-tokens", "8"], 2),
+    (["replay", "--page-size", "65537"], 2), (["generate", "--page-size", "65537"], 2),
+    (["generate", "--draft-tokens", "3"], 2)])
 def test_help_version_and_argument_errors_import_no_torch_numba_or_engine(args, code) -> None:
     """Issue 26 item 4: none of these imports torch, numba, numpy, an engine or matplotlib."""
     got, heavy, out, err = probe(args)

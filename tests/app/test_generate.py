@@ -26,17 +26,20 @@ import torch  # noqa: E402
 from process_tree import descendant_pids, wait_all_ended  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
+from umalloc import UmallocValueError  # noqa: E402
 from umalloc.testing import require_or_skip, seed_from_env  # noqa: E402
 from umalloc_replay.cli import app  # noqa: E402
 from umalloc_replay.generate.kv import reference_tokens  # noqa: E402
-from umalloc_replay.generate.models import VOCAB_SIZE, build_model, geometry_of  # noqa: E402
+from umalloc_replay.generate.models import VOCAB_SIZE, build_model, geometry_of, weights_digest  # noqa: E402
 from umalloc_replay.generate.run import (  # noqa: E402
     GenerateConfig,
     check_generate_report,
+    generate_table,
     load_slice,
     prompt_tokens,
     run_generate,
 )
+from umalloc_replay.trace import default_trace_path  # noqa: E402
 
 SEED = seed_from_env(0)
 #: a small slice: 4 requests, prompts 36-421 tokens (gemma3's window is 32: every long prompt has an SWA tail)
@@ -111,26 +114,160 @@ def test_a_wrong_kv_that_passes_the_byte_check_fails_the_token_check(model: str,
                                                    for p in problems)
 
 
+def smallest_fitting_token_scale(rows: int, output_scale: int, context: int = 1024) -> int:
+    """By search, from the packaged trace's first ``rows`` rows read here: the smallest K with every
+    ``max(1, ceil(prompt / K)) + max(2, ceil(output / output_scale))`` within ``context``."""
+    import json
+
+    with open(default_trace_path()) as fh:
+        reqs = [json.loads(next(fh)) for _ in range(rows)]
+    outs = [max(2, -(-r["output_length"] // output_scale)) for r in reqs]
+    return next(k for k in range(1, 1 << 20) if all(max(1, -(-r["input_length"] // k)) + o <= context
+                                                    for r, o in zip(reqs, outs, strict=True)))
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--model", "mistral"], "--model 'mistral': allowed one of llama, qwen3, gemma3"),
     (["--backend", "rdma"], "'rdma' is not one of"),
     (["--page-size", "0"], "Invalid value for '--page-size'"),
-    (["--token-scale", "1"], "allowed --token-scale >= 48"),
+    (["--page-size", "65537"], "Invalid value for '--page-size'"),
+    (["--token-scale", "1"], f"allowed --token-scale >= {smallest_fitting_token_scale(8, 16)}"),
+    (["--token-scale", "1", "--output-scale", "1"], f"allowed --token-scale >= {smallest_fitting_token_scale(8, 1)}"),
     (["--trace", "/nonexistent/trace.jsonl"], "/nonexistent/trace.jsonl"),
+    (["--draft-tokens", "2"], "--draft-tokens 2: only a run with a drafter proposes draft tokens; allowed with "
+     "--draft"),
+    (["--no-draft", "--draft-tokens", "2"], "allowed with --draft"),
+    (["--requests", "12032"], "--requests 12032: packaged trace conversation_trace.jsonl holds only 12031 "
+     "requests: allowed --requests <= 12031"),
+    (["--skip", "12031"], "--skip 12031 passes every one of the 12031 requests of packaged trace "
+     "conversation_trace.jsonl: allowed --skip <= 12030"),
+    (["--skip", "12030", "--requests", "2"], "holds only 1 requests after --skip 12030"),
+    (["--trace-format", "azure"], "packaged trace conversation_trace.jsonl:1: missing column(s) TIMESTAMP, "
+     "ContextTokens, GeneratedTokens: allowed a header TIMESTAMP,ContextTokens,GeneratedTokens"),
 ])
 def test_bad_arguments_exit_2_with_one_error_line(args: list[str], needle: str) -> None:
+    """Each refusal: exit 2, one ``error:`` line naming the CLI's options (never a Python keyword such as
+    ``skip=``) and the packaged trace by its name (never its install path, never its first line's text)."""
     res = CliRunner().invoke(app, ["generate", *args], catch_exceptions=False)
     lines = res.stderr.strip().splitlines()
     assert res.exit_code == 2, (res.stdout, res.stderr)
     assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], lines
     assert res.stdout == ""
+    assert str(default_trace_path()) not in lines[0] and '"timestamp"' not in lines[0]
+    assert re.search(r"[a-z_]=", lines[0]) is None, lines[0]  # "skip=4" is a Python keyword, not an option
 
 
-def test_the_command_prints_its_table_and_exits_0() -> None:
-    res = CliRunner().invoke(app, ["generate", "--model", "qwen3", "--requests", "2", "--no-progress"],
-                             catch_exceptions=False)
+def test_the_context_hint_of_a_huge_row_is_computed() -> None:
+    """A row of 1e11 prompt tokens: the refusal names the smallest fitting ``--token-scale`` (worked out here by
+    hand: ``ceil(1e11 / (1024 - 2))``, the 2 output tokens every request generates at least); an output alone
+    over the context names the smallest fitting ``--output-scale`` (``ceil(1e11 / 1023)``). No search over
+    scales: the refusal comes from arithmetic on the row."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        huge = os.path.join(d, "huge.jsonl")
+        with open(huge, "w") as fh:
+            fh.write('{"timestamp": 0, "input_length": 100000000000, "output_length": 5}\n'
+                     '{"timestamp": 1, "input_length": 10, "output_length": 100000000000}\n')
+        with pytest.raises(UmallocValueError, match=rf"allowed --token-scale >= {-(-10**11 // 1022)}$"):
+            load_slice(GenerateConfig(trace=huge, requests=1), 1024)
+        with pytest.raises(UmallocValueError, match=rf"allowed --output-scale >= {-(-10**11 // 1023)}$"):
+            load_slice(GenerateConfig(trace=huge, requests=1, skip=1), 1024)
+        # the hinted scales fit
+        assert load_slice(GenerateConfig(trace=huge, requests=1, token_scale=-(-10**11 // 1022)), 1024)
+        assert load_slice(GenerateConfig(trace=huge, requests=1, skip=1, output_scale=-(-10**11 // 1023)), 1024)
+
+
+def test_an_output_path_equal_to_the_input_trace_is_refused_and_the_trace_kept(tmp_path) -> None:
+    """``--report`` naming the ``--trace`` file (itself, another spelling, a link either way) is refused before
+    anything runs; the trace keeps its bytes."""
+    trace = tmp_path / "t.jsonl"
+    text = '{"timestamp": 0, "input_length": 100, "output_length": 40}\n'
+    trace.write_text(text)
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(trace)
+    for t, out in ((trace, trace), (trace, tmp_path / "." / "t.jsonl"), (link, trace), (trace, link)):
+        res = CliRunner().invoke(app, ["generate", "--trace", str(t), "--report", str(out), "--requests", "1",
+                                       "--no-progress"], catch_exceptions=False)
+        lines = res.stderr.strip().splitlines()
+        assert res.exit_code == 2 and len(lines) == 1, (res.stdout, res.stderr)
+        assert lines[0].startswith("error: --report") and "and --trace name the same file" in lines[0], lines
+        assert trace.read_text() == text and res.stdout == ""
+
+
+def test_any_seed_is_accepted_and_seeds_past_64_bits_stay_distinct() -> None:
+    """``--seed`` takes any size (``seed * 1_000_003`` once overflowed 64 bits from about 1.8e13 on): a seed past
+    64 bits runs, and its prompts and weights are not those of the seed it equals modulo 2**64."""
+    big = 10**25
+    print(f"seed {big}")
+    prompt = prompt_tokens(big, 0, 64, VOCAB_SIZE)
+    assert all(3 <= t < VOCAB_SIZE for t in prompt) and len(prompt) == 64
+    assert prompt != prompt_tokens(big % 2**64, 0, 64, VOCAB_SIZE) and prompt != prompt_tokens(big, 1, 64, VOCAB_SIZE)
+    assert weights_digest(build_model("llama", 2**64 + 1)) != weights_digest(build_model("llama", 1))
+    rep = run_generate(GenerateConfig(model="llama", seed=big, requests=1, token_scale=64, output_scale=64))
+    assert check_generate_report(rep) == [] and rep["config"]["seed"] == big and rep["decoded_tokens"] >= 1
+
+
+def test_the_command_prints_its_table_and_its_report_reproduces_the_run(tmp_path) -> None:
+    """The JSON report names every option of its run (trace, ``--skip``, ``--requests``, ``--max-batch``, ...),
+    the umalloc version and each request's lengths (worked out here from the trace rows); the run its config
+    describes generates the same tokens. Decoded tokens/s divides the decoded tokens (every token after the
+    prefill's first) by the decode forwards' seconds."""
+    import json
+
+    import umalloc
+    from umalloc_replay.generate.run import GENERATE_SCHEMA
+
+    out = tmp_path / "r.json"
+    args = ["--model", "qwen3", "--skip", "3", "--requests", "2", "--max-batch", "1", "--seed", str(SEED),
+            "--report", str(out), "--no-progress"]
+    res = CliRunner().invoke(app, ["generate", *args], catch_exceptions=False)
     assert res.exit_code == 0, (res.stdout, res.stderr)
     assert "identical to one process" in res.stdout and "2 of 2" in res.stdout
+    rep = json.loads(out.read_text())
+    assert rep["schema"] == GENERATE_SCHEMA == "umalloc-generate/2"
+    assert rep["umalloc_version"] == umalloc.__version__
+    assert rep["config"] == {"model": "qwen3", "backend": "local", "trace": None,
+                             "trace_name": "packaged trace conversation_trace.jsonl", "trace_format": None,
+                             "requests": 2, "skip": 3, "token_scale": 64, "output_scale": 16, "page_size": 16,
+                             "max_batch": 1, "seed": SEED, "draft": False, "draft_tokens": None,
+                             "compaction": "lazy"}
+    with open(default_trace_path()) as fh:
+        rows = [json.loads(line) for line in list(fh)[3:5]]
+    assert [(p["request"], p["prompt_tokens"], p["output_tokens"]) for p in rep["per_request"]] == [
+        (3 + i, -(-r["input_length"] // 64), max(2, -(-r["output_length"] // 16))) for i, r in enumerate(rows)]
+    assert [p["decoded"] for p in rep["per_request"]] == [len(rep["tokens"][str(3 + i)]) - 1 for i in range(2)]
+    assert rep["decoded_tokens"] == rep["tokens_generated"] - 2
+    assert rep["decoded_tokens_per_s"] == pytest.approx(rep["decoded_tokens"] / rep["seconds"]["decode_compute"])
+    cfg = {k: v for k, v in rep["config"].items() if k not in ("trace_name", "draft_tokens")}
+    assert run_generate(GenerateConfig(**cfg))["tokens"] == rep["tokens"]
+
+
+def test_every_request_decodes_from_the_received_kv_and_the_summary_counts_it() -> None:
+    """At any ``--output-scale`` every request generates at least 2 tokens: the prefill's first and one decoded
+    over the received KV, so two KV heads swapped in flight show even at ``--output-scale 1000000`` (every
+    request's 1 decoded token is compared; before, every request stopped at the prefill's token and the run
+    said "identical"). The summary line gives the decoded tokens compared and the fewest per request; a request
+    that decoded none is a failed check."""
+    rep = run_generate(GenerateConfig(model="llama", fault="swap_kv_heads", requests=4, token_scale=64,
+                                      output_scale=1_000_000, seed=SEED))
+    assert [(p["output_tokens"], p["decoded"]) for p in rep["per_request"]] == [(2, 1)] * 4
+    assert rep["decoded_tokens"] == 4 and rep["decoded_tokens_min"] == 1
+    assert rep["identical"] < 4 and check_generate_report(rep) != []
+    table = generate_table(rep)
+    rows = dict(zip(table.columns[0]._cells, table.columns[1]._cells, strict=True))
+    assert rows["identical to one process"] == f"{rep['identical']} of 4 (4 decoded tokens compared, at least 1 " \
+        "per request)"
+    good = dict(rep, differing=[], per_request=[dict(rep["per_request"][0], decoded=0), *rep["per_request"][1:]])
+    assert check_generate_report(good) == [f"requests [{rep['per_request'][0]['request']}] decoded no token from "
+                                           "the received KV: their token check cannot see the transferred KV"]
+
+
+def test_help_names_the_model_a_tiny_random_weight_one() -> None:
+    for args in (["--help"], ["generate", "--help"]):
+        res = CliRunner().invoke(app, args, catch_exceptions=False)
+        text = " ".join(res.stdout.split())
+        assert res.exit_code == 0 and "real model" not in text and "random-weight" in text, text
 
 
 def test_help_imports_no_torch() -> None:

@@ -155,6 +155,21 @@ def test_different_inputs_give_different_bytes():
     assert pages[(0, 0)][:half] != pages[(0, 0)][half:]
 
 
+def test_any_seed_gives_its_own_pattern_and_64_bit_seeds_keep_the_formula():
+    """The replay's ``--seed`` takes any int: a seed past 64 bits (or negative) gets a pattern of its own, not the
+    one of the seed it equals modulo 2**64; a seed inside 64 bits keeps the documented formula."""
+    spec = small_spec()
+    page = np.array([0], dtype=np.int64)
+
+    def first_page(seed: int) -> bytes:
+        return KVPattern(spec, seed=seed).expected_pages("full", 0, page).numpy().tobytes()
+
+    assert first_page(2**64 + 5) != first_page(5)
+    assert first_page(-1) != first_page(2**64 - 1)
+    assert first_page(10**40) != first_page(10**40 + 1)
+    assert first_page(2**64 - 1) == brute_page_bytes(spec, 0, 2**64 - 1, 0, 0)
+
+
 def test_bad_input_raises_and_writes_nothing():
     spec = small_spec()
     arena = Arena(spec)

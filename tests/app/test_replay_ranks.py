@@ -75,6 +75,15 @@ def test_expected_block_is_the_note_s_hash():
         assert got.tolist() == want
 
 
+def test_a_seed_past_64_bits_keys_its_own_blocks():
+    """The multi-rank replay's ``--seed`` takes any int: one past 64 bits is not the seed it equals modulo
+    2**64."""
+    from umalloc_replay.multirank.headpattern import block_key
+
+    assert block_key(2**64 + 3, 7, "swa", 2, 1) != block_key(3, 7, "swa", 2, 1)
+    assert block_key(-1, 7, "swa", 2, 1) != block_key(2**64 - 1, 7, "swa", 2, 1)
+
+
 @pytest.mark.parametrize("groups", [1, 2])
 def test_fill_lands_at_hand_computed_bytes_of_either_layout(groups):
     # one FP32 MHA layer, 4 heads per rank (TP rank 1 of 2 of 8 heads: global heads 4..7), 2 dims, 2-token pages
@@ -164,7 +173,7 @@ def test_config_refuses_what_cannot_run():
         RanksConfig(decode_tp=3).resolved()
     with pytest.raises(UmallocValueError, match="max_prompt_tokens"):
         RanksConfig(max_prompt_tokens=0).resolved()
-    with pytest.raises(UmallocValueError, match="requests=99999"):
+    with pytest.raises(UmallocValueError, match="--requests 99999: .* holds only 12031 requests"):
         MultiRankReplay(RanksConfig(requests=99999))
     with pytest.raises(SpecError, match="arena_bytes"):
         RanksConfig(decode_arena_bytes=4096).resolved()

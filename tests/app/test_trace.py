@@ -179,7 +179,7 @@ def test_skip_starts_later_and_keeps_file_rows_as_request_ids(tmp_path):
     rows = [ln for ln in MOONCAKE.splitlines() if ln.strip()]
     t = load_trace(m, skip=len(rows) - 1)
     assert [r.request_id for r in t] == [len(rows) - 1] and t.requests[0].arrival_s == 0.0
-    with pytest.raises(TraceFormatError, match=f"skip={len(rows)} passes every one of its {len(rows)}"):
+    with pytest.raises(TraceFormatError, match=f"--skip {len(rows)} passes every one of the {len(rows)} requests"):
         load_trace(m, skip=len(rows))
     with pytest.raises(UmallocValueError, match="skip"):
         load_trace(m, skip=-1)

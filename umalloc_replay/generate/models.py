@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from umalloc import EndRole, EndSpec, Grow, KVDtype, LayerSpec, UmallocValueError
-from umalloc_replay import GENERATE_MODEL_NAMES
+from umalloc_replay import GENERATE_MODEL_NAMES, seed64
 
 VOCAB_SIZE = 512
 #: Longest sequence (prompt + generated) every model accepts (its ``max_position_embeddings``).
@@ -74,11 +74,12 @@ def _config(name: str) -> tuple[Any, Any]:
 
 
 def build_model(name: str, seed: int) -> Any:
-    """The model ``name`` with weights from ``torch.manual_seed(seed)``, in eval mode, sdpa attention, float32.
+    """The model ``name`` with weights from ``torch.manual_seed(seed64(seed))`` (any int seed,
+    :func:`~umalloc_replay.seed64`), in eval mode, sdpa attention, float32.
     Sets torch to one thread (module docstring). Raises :class:`UmallocValueError` for an unknown name."""
     cfg, cls = _config(name)
     torch.set_num_threads(1)
-    torch.manual_seed(seed)
+    torch.manual_seed(seed64(seed))
     model = cls(cfg).eval()
     model.config._attn_implementation = "sdpa"
     return model

@@ -3,11 +3,14 @@ side to a decode side on umalloc pages, every request's tokens compared with one
 
 Policy:
 
-* The slice: ``requests`` rows of the trace after ``skip``; prompt lengths divided by ``token_scale``, output
-  lengths by ``output_scale`` (ceiling, at least 1, :func:`~umalloc_replay.trace.scale_tokens`). Every request
-  must fit the model's context (:data:`~umalloc_replay.generate.models.MAX_CONTEXT_TOKENS`), else the run is
-  refused naming the request and the smallest ``token_scale`` that fits — before any process starts. Prompt
-  token ids are seeded per request (:func:`prompt_tokens`), the same in every process.
+* The slice: ``requests`` rows of the trace after ``skip`` (a trace with fewer rows is refused); prompt lengths
+  divided by ``token_scale`` (ceiling, at least 1, :func:`~umalloc_replay.trace.scale_tokens`), output lengths
+  by ``output_scale`` (ceiling, at least :data:`MIN_OUTPUT_TOKENS`: the prefill's first token and one token
+  decoded over the received KV, so every request's token check reads the transferred KV). Every request must fit
+  the model's context (:data:`~umalloc_replay.generate.models.MAX_CONTEXT_TOKENS`), else the run is refused
+  naming the request and the smallest ``token_scale`` (or ``output_scale``) that fits, computed in O(rows) —
+  before any process starts. Prompt token ids are seeded per request (:func:`prompt_tokens`), the same in every
+  process; any int seed is accepted (the weights' through :func:`~umalloc_replay.seed64`).
 * The reference: per request, in this process, :func:`~umalloc_replay.generate.kv.reference_tokens` (prefill
   forward, a cache built from its K/V, greedy decoding); no umalloc, no transfer.
 * The PD run: the replay's prefill side (:class:`~umalloc_replay.single.prefill.LocalPrefill` for ``local``,
@@ -18,14 +21,20 @@ Policy:
   writes the KV into its own pages, plans (its lease) and posts; every transfer of the batch is waited for and
   both sides' leases end. Then per request the decode side reads its pages, checks their digest against the
   prefill side's, frees them, builds the cache from the bytes it read only, and continues greedily from the
-  prefill's first token.
+  prefill's first token. "Decoded tokens" are the tokens after that first one: each comes from a forward over
+  the rebuilt cache, so it is what the token check compares the transferred KV by; decoded tokens/s divides
+  them by the decode forwards' seconds alone (the cache rebuild is its own figure).
 * The check (:func:`check_generate_report`): every request's tokens equal the reference's (else its first
-  differing position is listed), every digest matches, both models' weights digest match, and no page or lease
-  is left on either side after ``check_invariants``.
+  differing position is listed), every request decoded at least one token from the received KV, every digest
+  matches, both models' weights digest match, and no page or lease is left on either side after
+  ``check_invariants``.
+* The report (:data:`GENERATE_SCHEMA`) holds what reproduces the run: every option of ``umalloc generate``
+  (``config``), the umalloc version, and per request its prompt, output and decoded token counts.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,7 +51,9 @@ from umalloc import (
     WorkerDied,
     pages_for_tokens,
 )
+from umalloc import __version__ as umalloc_version
 from umalloc_replay import (
+    DEFAULT_DRAFT_TOKENS,
     DEFAULT_GENERATE_MODEL,
     DEFAULT_GENERATE_OUTPUT_SCALE,
     DEFAULT_GENERATE_REQUESTS,
@@ -50,11 +61,13 @@ from umalloc_replay import (
 )
 from umalloc_replay.report import PhaseTimer
 from umalloc_replay.signals import cleanup_shielded
-from umalloc_replay.trace import TraceRequest, load_trace, scale_tokens
+from umalloc_replay.trace import TraceRequest, check_slice_rows, load_trace, scale_tokens, trace_label
 from umalloc_replay.workload import RequestState, pages_held
 
 #: The report's schema version (:func:`check_generate_report` reads this layout).
-GENERATE_SCHEMA = "umalloc-generate/1"
+GENERATE_SCHEMA = "umalloc-generate/2"
+#: Fewest tokens a request generates: the prefill's first token and one decoded over the received KV.
+MIN_OUTPUT_TOKENS = 2
 
 
 @dataclass(frozen=True)
@@ -88,36 +101,57 @@ class GenerateConfig:
     lease_deadline_s: float | None = 600.0
     fault: str | None = None
     draft: bool = False
-    draft_tokens: int = 4
+    draft_tokens: int = DEFAULT_DRAFT_TOKENS
     write_gate: bool = True
 
 
+def scale_output(num_tokens: int, output_scale: int) -> int:
+    """Tokens a request of ``num_tokens`` trace output tokens generates: ``ceil(num_tokens / output_scale)``, at
+    least :data:`MIN_OUTPUT_TOKENS`. O(1).
+
+    >>> scale_output(500, 16), scale_output(3, 16), scale_output(0, 1)
+    (32, 2, 2)
+    """
+    return max(MIN_OUTPUT_TOKENS, scale_tokens(num_tokens, output_scale))
+
+
 def load_slice(cfg: GenerateConfig, max_context_tokens: int) -> list[TraceRequest]:
-    """The scaled trace slice (module docstring). Raises :class:`UmallocValueError` (the trace's own errors, or
-    a request longer than the context, naming it and the scale that fits)."""
+    """The scaled trace slice (module docstring). O(rows of the slice), the hint included.
+
+    Raises:
+        UmallocValueError: the trace's own errors, fewer rows than ``cfg.requests``, or a request longer than
+            the context, naming it and the smallest ``--token-scale`` (``--output-scale`` where an output alone
+            is too long) under which every request of the slice fits.
+    """
     trace = load_trace(cfg.trace, token_scale=1, max_requests=cfg.requests, fmt=cfg.trace_format, skip=cfg.skip)
+    check_slice_rows(trace, cfg.requests, cfg.skip)
     out = [TraceRequest(r.request_id, r.arrival_s, scale_tokens(r.input_tokens, cfg.token_scale),
-                        scale_tokens(r.output_tokens, cfg.output_scale), r.hash_ids) for r in trace]
+                        scale_output(r.output_tokens, cfg.output_scale), r.hash_ids) for r in trace]
     over = [r for r in out if r.input_tokens + r.output_tokens > max_context_tokens]
     if over:
         r = over[0]
-        if any(t.output_tokens + 1 > max_context_tokens for t in out):
-            hint = "a larger --output-scale"
+        long_output = [t for t in out if t.output_tokens + 1 > max_context_tokens]
+        if long_output:
+            r = long_output[0]
+            # an output alone leaves no room for a 1-token prompt: ceil(n / k) <= context - 1
+            fit = max(-(-t.output_tokens // (max_context_tokens - 1)) for t in trace)
+            given, hint = f"--output-scale {cfg.output_scale}", f"--output-scale >= {fit}"
         else:
-            fit = next(k for k in range(cfg.token_scale, 1 << 40)
-                       if all(scale_tokens(t.input_tokens, k) + t.output_tokens <= max_context_tokens
-                              for t in trace.requests))
-            hint = f"--token-scale >= {fit}"
-        raise UmallocValueError(f"--token-scale {cfg.token_scale}: request {r.request_id} has {r.input_tokens} "
+            # request t fits when ceil(prompt / k) <= context - output, i.e. k >= ceil(prompt / room)
+            fit = max(max(1, -(-t.input_tokens // (max_context_tokens - s.output_tokens)))
+                      for t, s in zip(trace, out, strict=True))
+            given, hint = f"--token-scale {cfg.token_scale}", f"--token-scale >= {fit}"
+        raise UmallocValueError(f"{given}: request {r.request_id} has {r.input_tokens} "
                                 f"prompt + {r.output_tokens} output tokens, over the model's context of "
                                 f"{max_context_tokens} ({len(over)} of {len(out)} requests are): allowed {hint}")
     return out
 
 
 def prompt_tokens(seed: int, request_id: int, num_tokens: int, vocab_size: int) -> list[int]:
-    """Prompt token ids of one request: uniform in ``[3, vocab_size)`` from a generator seeded by
-    ``(seed, request_id)`` (ids 0-2 are pad, bos, eos)."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + request_id)
+    """Prompt token ids of one request: uniform in ``[3, vocab_size)`` from a generator seeded by 64 bits of the
+    blake2b digest of ``(seed, request_id)`` (any ints; ids 0-2 are pad, bos, eos). O(num_tokens)."""
+    key = hashlib.blake2b(f"{int(seed)}/{request_id}".encode(), digest_size=8).digest()
+    g = torch.Generator().manual_seed(int.from_bytes(key, "little"))
     return torch.randint(3, vocab_size, (num_tokens,), generator=g).tolist()
 
 
@@ -231,6 +265,8 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
     digest_bad: list[int] = []
     figures: list[Any] = []
     decode_s = 0.0
+    rebuild_s = 0.0
+    per_request: list[dict] = []
     prefill_child_s = 0.0
     weights_ok = True
     spec_fig = {"rounds": 0, "proposed": 0, "accepted": 0}
@@ -285,17 +321,22 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
                     dec.free(vt)
                 t0 = time.perf_counter()
                 cache = cache_from_kv(model, geo, kvs["target"], r.input_tokens)
+                dcache = None if drafter is None else \
+                    cache_from_kv(drafter, geometry_of(drafter), kvs["draft"], r.input_tokens)
+                t1 = time.perf_counter()
                 first = outs[r.request_id]["first_token"]
-                if drafter is None:
+                if dcache is None:
                     toks = greedy_continue(model, cache, first, r.output_tokens)
                 else:
-                    dcache = cache_from_kv(drafter, geometry_of(drafter), kvs["draft"], r.input_tokens)
                     toks, fig = speculative_continue(model, drafter, cache, dcache, first, r.output_tokens,
                                                      cfg.draft_tokens)
                     for key in spec_fig:
                         spec_fig[key] += getattr(fig, key)
-                decode_s += time.perf_counter() - t0
+                rebuild_s += t1 - t0
+                decode_s += time.perf_counter() - t1
                 generated[r.request_id] = toks
+                per_request.append({"request": r.request_id, "prompt_tokens": r.input_tokens,
+                                    "output_tokens": r.output_tokens, "decoded": max(0, len(toks) - 1)})
                 pos = first_difference(toks, reference[r.request_id])
                 if pos is not None:
                     differ.append({"request": r.request_id, "position": pos,
@@ -327,6 +368,7 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
     sec = timer.seconds
     prefill_compute_s = kv_local.prefill_s if kv_local is not None else prefill_child_s
     tokens = sum(len(t) for t in generated.values())
+    decoded = sum(p["decoded"] for p in per_request)
     n = len(reqs)
     bytes_by_vector: dict[str, int] = {}
     for f in figures:
@@ -334,6 +376,12 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
             bytes_by_vector[name] = bytes_by_vector.get(name, 0) + int(b)
     return {
         "schema": GENERATE_SCHEMA,
+        "umalloc_version": umalloc_version,
+        "config": {"model": cfg.model, "backend": cfg.backend, "trace": cfg.trace,
+                   "trace_name": trace_label(cfg.trace), "trace_format": cfg.trace_format, "requests": cfg.requests, "skip": cfg.skip,
+                   "token_scale": cfg.token_scale, "output_scale": cfg.output_scale, "page_size": cfg.page_size,
+                   "max_batch": cfg.max_batch, "seed": cfg.seed, "draft": cfg.draft,
+                   "draft_tokens": cfg.draft_tokens if cfg.draft else None, "compaction": cfg.compaction},
         "model": cfg.model, "backend": cfg.backend, "seed": cfg.seed, "page_size": cfg.page_size,
         "layer_types": list(geo.layer_types), "window_tokens": geo.window_tokens,
         "token_scale": cfg.token_scale, "output_scale": cfg.output_scale, "fault": cfg.fault,
@@ -341,6 +389,9 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
         "requests": n,
         "prompt_tokens": sum(r.input_tokens for r in reqs),
         "tokens_generated": tokens,
+        "decoded_tokens": decoded,
+        "decoded_tokens_min": min((p["decoded"] for p in per_request), default=0),
+        "per_request": per_request,
         "identical": n - len(differ),
         "differing": differ,
         "digest_mismatches": digest_bad,
@@ -353,9 +404,9 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
         "pages_per_request": {e.name: sum(pages_held(spec, e.name, r.input_tokens) for r in reqs) / max(n, 1)
                               for e in ends},
         "seconds": {"total": total_s, "reference": reference_s, "prefill_compute": prefill_compute_s,
-                    "transfer": sec["transfer"], "decode_compute": decode_s,
+                    "transfer": sec["transfer"], "cache_rebuild": rebuild_s, "decode_compute": decode_s,
                     "memory_layer": sec["allocator"] + sec["translate_plan"], "kv_read_verify": sec["verify"]},
-        "decode_tokens_per_s": tokens / decode_s if decode_s > 0 else 0.0,
+        "decoded_tokens_per_s": decoded / decode_s if decode_s > 0 else 0.0,
         "pages_left": pages_left, "leases_left": leases_left,
         "draft": cfg.draft, "draft_tokens": cfg.draft_tokens if cfg.draft else 0, "speculative": spec_fig,
         "write_gate": gate_figs,
@@ -371,6 +422,10 @@ def check_generate_report(report: dict) -> list[str]:
     for d in report["differing"]:
         out.append(f"request {d['request']}: tokens differ from one process at position {d['position']} "
                    f"(got {d['got']}, want {d['want']})")
+    blind = [p["request"] for p in report["per_request"] if p["decoded"] < 1]
+    if blind:
+        out.append(f"requests {blind} decoded no token from the received KV: their token check cannot see the "
+                   "transferred KV")
     if report["digest_mismatches"]:
         out.append(f"received KV digest differs from the prefill side's for requests {report['digest_mismatches']}")
     if not report["weights_match"]:
@@ -394,13 +449,14 @@ def generate_table(report: dict) -> Any:
     n = report["requests"]
     rows = [
         ("requests", f"{n}"),
-        ("identical to one process", f"{report['identical']} of {n}"),
+        ("identical to one process", f"{report['identical']} of {n} ({report['decoded_tokens']:,} decoded tokens "
+         f"compared, at least {report['decoded_tokens_min']} per request)"),
         ("differing (request@position)", ", ".join(f"{d['request']}@{d['position']}" for d in report["differing"])
          or "none"),
         ("KV digest mismatches", f"{len(report['digest_mismatches'])}"),
         ("prompt tokens", f"{report['prompt_tokens']:,}"),
         ("tokens generated", f"{report['tokens_generated']:,}"),
-        ("decode tokens/s", f"{report['decode_tokens_per_s']:,.0f}"),
+        ("decoded tokens/s (decode forwards only)", f"{report['decoded_tokens_per_s']:,.0f}"),
         ("bytes moved", f"{report['bytes_moved']:,}"),
         ("posts deferred by the write gate", "no drafter" if not report["draft"] else
          f"{report['write_gate']['deferred_posts']} (posted before the drafter wrote: "
@@ -413,6 +469,7 @@ def generate_table(report: dict) -> Any:
          f"(per layer and page: {report['per_layer_per_page_descriptors'] / max(n, 1):.1f})"),
         ("prefill compute s", f"{s['prefill_compute']:.3f}"),
         ("transfer s", f"{s['transfer']:.3f}"),
+        ("cache rebuild from received KV s", f"{s['cache_rebuild']:.3f}"),
         ("decode compute s", f"{s['decode_compute']:.3f}"),
         ("memory layer s", f"{s['memory_layer']:.3f}"),
         ("KV read + digest s", f"{s['kv_read_verify']:.3f}"),
@@ -426,5 +483,5 @@ def generate_table(report: dict) -> Any:
     return t
 
 
-__all__ = ["GENERATE_SCHEMA", "GenerateConfig", "arena_bytes_for", "check_generate_report", "generate_table",
-           "load_slice", "prompt_tokens", "run_generate"]
+__all__ = ["GENERATE_SCHEMA", "MIN_OUTPUT_TOKENS", "GenerateConfig", "arena_bytes_for", "check_generate_report",
+           "generate_table", "load_slice", "prompt_tokens", "run_generate", "scale_output"]

@@ -38,6 +38,7 @@ import torch
 from numba import njit, uint64
 
 from umalloc import Arena, ArenaSpec, InvariantError, LayerKind, UmallocValueError, rank_kv_heads
+from umalloc_replay import seed64
 
 _M64 = (1 << 64) - 1
 _P_POS = 0x9E3779B97F4A7C15
@@ -82,7 +83,7 @@ def block_key(seed: int, request_id: int, end: str, layer: int, kv: int) -> int:
     True
     """
     x = 0
-    for part in (seed, request_id, zlib.crc32(end.encode()), layer, kv):
+    for part in (seed64(seed), request_id, zlib.crc32(end.encode()), layer, kv):
         x = _splitmix((x ^ (int(part) & _M64)) & _M64)
     return x
 

@@ -61,7 +61,7 @@ from umalloc_replay import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_RANK_REQUESTS, DEF
 from umalloc_replay.multirank.ranks_report import RANKS_SCHEMA_VERSION, check_ranks_report
 from umalloc_replay.preflight import is_multi_rank
 from umalloc_replay.signals import cleanup_shielded, sigint_ignored
-from umalloc_replay.trace import load_trace
+from umalloc_replay.trace import check_slice_rows, load_trace
 
 if TYPE_CHECKING:
     from umalloc import PeerLayout
@@ -412,10 +412,7 @@ class MultiRankReplay:
         requests, scale = int(cfg.requests or 0), int(cfg.token_scale or 0)  # filled by resolved()
         self.trace = load_trace(cfg.trace, token_scale=scale, max_requests=requests, fmt=cfg.trace_format,
                                 skip=cfg.skip)
-        if len(self.trace) < requests:
-            raise UmallocValueError(f"requests={cfg.requests}: the trace {self.trace.path} holds only "
-                                    f"{len(self.trace)} requests after skip={cfg.skip}: allowed "
-                                    f"1..{len(self.trace)}")
+        check_slice_rows(self.trace, requests, cfg.skip)
         self.lengths = [min(r.input_tokens, cfg.max_prompt_tokens) for r in self.trace]
         self.prefill = rank_ids("prefill", cfg.prefill_tp, cfg.prefill_dcp)
         self.decode = rank_ids("decode", cfg.decode_tp, cfg.decode_dcp)

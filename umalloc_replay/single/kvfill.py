@@ -28,6 +28,8 @@ Note [Pattern]
     T_e      = page_words random words from PCG64(seed, e)   (the row offset / slot / K-vs-V dependence)
     key      = splitmix64 chain over (seed, e, r, s, l + 1)   (the request / position / layer dependence)
     token t sits in sequence page s = t // page_size at slot t % page_size.
+    seed: the replay's --seed as 64 bits (umalloc_replay.seed64: itself in [0, 2**64), else hashed), so any int
+    seed gives its own pattern.
 
 Words are 8 bytes when every layer block and the page are multiples of 8 bytes (4, 2 or 1 otherwise).
 
@@ -51,9 +53,9 @@ import numpy as np
 import torch
 
 from umalloc import Arena, ArenaSpec, InvalidIdError, UmallocValueError, coalesce_runs, host_ids
+from umalloc_replay import seed64
 from umalloc_replay.single import kvfill_kernels as _kernels
 
-_M64 = (1 << 64) - 1
 _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 _NP_WORD_DTYPES = {8: np.int64, 4: np.int32, 2: np.int16, 1: np.uint8}
 #: Bytes one fill/verify chunk covers: small enough that the expected words stay in cache, so a fill is one
@@ -126,13 +128,13 @@ class _EndPattern:
         self.bounds = np.array([a for a, _ in self.blocks_words] + [self.page_words], dtype=np.int64)
         sizes = {b - a for a, b in self.blocks_words}
         self.uniform = len(sizes) == 1 and self.blocks_words[0][0] == 0
-        rng = np.random.Generator(np.random.PCG64([seed & _M64, end_index]))
+        rng = np.random.Generator(np.random.PCG64([seed64(seed), end_index]))
         table = rng.integers(0, 1 << 63, size=self.page_words, dtype=np.int64, endpoint=False)
         if wb != 8:
             table = table.astype(_NP_WORD_DTYPES[wb], casting="unsafe")
         self.table = torch.from_numpy(np.ascontiguousarray(table))
         end_key = int(_mix64(np.array([end_index + 1], dtype=np.uint64))[0])
-        self.base_key = int(_mix64(np.array([(seed & _M64) ^ end_key], dtype=np.uint64))[0])
+        self.base_key = int(_mix64(np.array([seed64(seed) ^ end_key], dtype=np.uint64))[0])
         # Token path. Row-uniform ends (every layer has the same K row and V row width, V equal to K or absent)
         # view their envelopes as (pages, layers, rows, page_size, row_words): one token is [:, :, :, slot, :].
         rows = {(x.k_token_bytes, x.v_token_bytes) for x in end.layers}

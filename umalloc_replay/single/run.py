@@ -91,7 +91,7 @@ from umalloc_replay.single.fit import (
 from umalloc_replay.single.kvfill import KVPattern, VerifyResult
 from umalloc_replay.single.layouts import byte_accounting, padded_ends, parse_layout, static_budget_pages
 from umalloc_replay.single.prefill import LocalPrefill, alloc_sequence, swa_ends, warm_up
-from umalloc_replay.trace import load_trace
+from umalloc_replay.trace import check_slice_rows, load_trace
 from umalloc_replay.workload import (
     DONE,
     RETRACTED,
@@ -124,13 +124,7 @@ class Replay:
         assert token_scale is not None, "ReplayConfig.resolved() fills token_scale"
         self.trace = load_trace(cfg.trace, token_scale=token_scale, max_requests=cfg.requests,
                                 fmt=cfg.trace_format, skip=cfg.skip)
-        if asked is not None and len(self.trace) < asked:
-            if cfg.skip:
-                raise UmallocValueError(f"requests={asked}: the trace {self.trace.path} holds only "
-                                        f"{len(self.trace)} requests after skip={cfg.skip}: allowed "
-                                        f"1..{len(self.trace)}")
-            raise UmallocValueError(f"requests={asked}: the trace {self.trace.path} holds only {len(self.trace)} "
-                                    f"requests: allowed 1..{len(self.trace)}")
+        check_slice_rows(self.trace, asked, cfg.skip)
         self.layout = parse_layout(cfg.layout)
         natural = preset_ends(cfg.model, page_size=cfg.page_size, draft=cfg.draft)
         ends = padded_ends(natural) if self.layout.name == "padded" else natural
