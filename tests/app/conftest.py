@@ -2,7 +2,7 @@
 
 Every test here runs as if the host had :data:`TEST_HOST_MEMORY` bytes available (``$UMALLOC_HOST_MEMORY_BYTES``,
 inherited by the console-script processes the tests start): the replay's host-memory refusal then depends on the
-sizes a test asks for, never on the memory free on the machine that runs the suite (issue 26 item 25)."""
+sizes a test asks for, never on the memory free on the machine that runs the suite."""
 
 from __future__ import annotations
 

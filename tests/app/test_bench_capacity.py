@@ -1,4 +1,4 @@
-"""Issue 26 item 1: ``benchmarks/bench_capacity.py`` ran 17 minutes silently, then died with ``KeyError:
+"""``benchmarks/bench_capacity.py`` ran 17 minutes silently, then died with ``KeyError:
 'decode_arena_bytes'`` when a layout's replay was refused, losing every result. A refused run is a row saying
 why, every run's row and JSON line are written as it completes, progress goes to stderr, and the summary gives
 the spread of each layout's concurrency over disjoint slices."""

@@ -286,7 +286,7 @@ def test_a_killed_second_process_ends_the_replay_with_one_error_line(tmp_path):
 
 
 def test_the_host_memory_refusal_follows_the_injected_figure_not_the_machine(tmp_path, azure, monkeypatch):
-    """Issue 26 item 25: the refusal depends on ``$UMALLOC_HOST_MEMORY_BYTES`` when set (the suite sets it), so
+    """The refusal depends on ``$UMALLOC_HOST_MEMORY_BYTES`` when set (the suite sets it), so
     no test depends on the memory free where it runs; the message says what to pass."""
     base = ["--trace", str(azure), *QUICK, "--arena-bytes", "64MiB"]
     monkeypatch.setenv("UMALLOC_HOST_MEMORY_BYTES", "100MiB")  # two 64 MiB arenas exceed it

@@ -1,5 +1,5 @@
 """`umalloc` before any work starts: help, version and argument errors answer without torch, numba or an
-engine (issue 26 item 4); errors go to stderr and stdout carries the result only (item 2); a bad value is one
+engine; errors go to stderr and stdout carries the result only (item 2); a bad value is one
 `error:` line with exit 2 (item 3); `replay --help` at 80 columns (item 5); the result table in a log and
 `--format json` (item 6); Ctrl-C while the console script starts (item 25).
 
@@ -77,7 +77,7 @@ def test_the_app_spells_the_library_page_size_range_right() -> None:
     (["replay", "--page-size", "65537"], 2), (["generate", "--page-size", "65537"], 2),
     (["generate", "--draft-tokens", "3"], 2)])
 def test_help_version_and_argument_errors_import_no_torch_numba_or_engine(args, code) -> None:
-    """Issue 26 item 4: none of these imports torch, numba, numpy, an engine or matplotlib."""
+    """None of these imports torch, numba, numpy, an engine or matplotlib."""
     got, heavy, out, err = probe(args)
     assert got == code, (out, err)
     assert heavy == [], f"umalloc {' '.join(args)} imported {heavy}"
@@ -86,7 +86,7 @@ def test_help_version_and_argument_errors_import_no_torch_numba_or_engine(args, 
 
 
 def test_errors_go_to_stderr_and_stdout_stays_empty(tmp_path) -> None:
-    """Issue 26 item 2: ``umalloc replay --trace /nonexistent 2>/dev/null`` shows nothing."""
+    """``umalloc replay --trace /nonexistent 2>/dev/null`` shows nothing."""
     missing = tmp_path / "nonexistent.jsonl"
     code, _, out, err = probe(["replay", "--trace", str(missing)])
     assert code == 2 and out == "", out
@@ -99,7 +99,7 @@ def test_errors_go_to_stderr_and_stdout_stays_empty(tmp_path) -> None:
     (["--token-scale", "0"], "--token-scale"), (["--max-batch", "zero"], "--max-batch"),
     (["--backend", "rdma"], "--backend"), (["--no-such-option"], "--no-such-option")])
 def test_a_bad_value_is_one_error_line_with_exit_2(args, option) -> None:
-    """Issue 26 item 3: range, type and choice errors print the one-line ``error:`` form (no boxed usage)."""
+    """Range, type and choice errors print the one-line ``error:`` form (no boxed usage)."""
     res = CliRunner().invoke(app, ["replay", *args])
     assert res.exit_code == 2, res.output
     assert res.stdout == "", res.stdout
@@ -115,7 +115,7 @@ def _replay_help_at(columns: int) -> str:
 
 
 def test_replay_help_at_80_columns_groups_options_and_shows_every_default() -> None:
-    """Issue 26 item 5: every option name whole, five panels, a default for every option that takes a value,
+    """Every option name whole, five panels, a default for every option that takes a value,
     and the plot formats that work."""
     text = _replay_help_at(80)
     assert max(len(line) for line in text.splitlines()) <= 80
@@ -139,7 +139,7 @@ def test_replay_help_at_80_columns_groups_options_and_shows_every_default() -> N
 
 
 def test_the_result_table_stays_one_line_per_figure_in_a_log_and_json_is_the_report(tmp_path) -> None:
-    """Issue 26 item 6: with stdout not a terminal each row is one line; ``--format json`` prints the report."""
+    """With stdout not a terminal each row is one line; ``--format json`` prints the report."""
     trace = tmp_path / "azure.csv"
     trace.write_text(AZURE)
     base = ["replay", "--trace", str(trace), "--requests", "2", "--token-scale", "1", "--no-progress"]
@@ -194,7 +194,7 @@ app()
 
 @pytest.mark.parametrize("point", ["import", "build", "parse"])
 def test_ctrl_c_during_start_up_is_quiet_and_exits_130(point) -> None:
-    """Issue 26 item 25: a SIGINT at each start-up step (delivered at that step, not after a delay) ends the
+    """A SIGINT at each start-up step (delivered at that step, not after a delay) ends the
     process with one ``interrupted`` line and exit 130, no traceback."""
     res = subprocess.run([sys.executable, "-c", CTRL_C_AT, point], capture_output=True, text=True, timeout=120)
     assert res.returncode == 130, (res.stdout, res.stderr)
@@ -209,7 +209,7 @@ def test_the_console_script_entry_point_is_the_app() -> None:
 
 
 def test_zero_token_prompts_are_reported(tmp_path) -> None:
-    """Issue 26 item 14: the replay's report and table count the 0-token rows it ran as 1 token."""
+    """The replay's report and table count the 0-token rows it ran as 1 token."""
     trace = tmp_path / "zero.csv"
     trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.0,0,4\n"
                      "2023-11-16 18:15:47.0,40,0\n2023-11-16 18:15:48.0,0,3\n")

@@ -1,5 +1,5 @@
 """``umalloc generate``: a random-weight model's KV moved from a prefill side to a decode side on umalloc pages,
-every request's tokens equal to one process's (issue 23).
+every request's tokens equal to one process's.
 
 Oracles: the one-process reference (:func:`reference_tokens`) is checked against transformers' stock
 ``model.generate()`` (greedy, its own cache, no umalloc); the PD runs against the reference, on the local backend

@@ -1,4 +1,4 @@
-"""Issue 26 item 7: a successful NIXL replay printed ``lease 3 (tag 'plan-dst:4003') in doubt: released while 1
+"""A successful NIXL replay printed ``lease 3 (tag 'plan-dst:4003') in doubt: released while 1
 engine hold(s) are outstanding``. It was no real in-doubt lease: when the prefill child's arena is short it posts
 nothing, and the replay settled the published receiver half — ``ReceiverHalf.settle`` ends the lease before
 letting go of the publication hold (so that a confirmed end reads ``settled``), and the lease passed through in

@@ -1,4 +1,4 @@
-"""Issue 26 item 10: Ctrl-C on ``--backend nixl`` printed ``interrupted`` but the process lingered 10-25 s: the
+"""Ctrl-C on ``--backend nixl`` printed ``interrupted`` but the process lingered 10-25 s: the
 replay asked its second process to finish its transfers and close its NIXL agent, then the interpreter tore the
 parent's agent down. After Ctrl-C the second process is killed at once (nothing of the run is kept) and the
 console script skips the teardown. The interrupt is injected at a known step, not after a delay."""

@@ -1,4 +1,4 @@
-"""Issue 26 item 12: the replay's plot. Admission waits drew as one solid bar of ticks, a small arena read
+"""The replay's plot. Admission waits drew as one solid bar of ticks, a small arena read
 "0.03 GB", the compaction curve shared an axis with requests done and flattened to 0, restores were not marked.
 The figure is built from a report whose timeline is written here, so every drawn value is known."""
 

@@ -1,4 +1,4 @@
-"""Issue 26 item 11: in every multi-rank run MB moved exceeded MB verified with no word of why. Pages travel
+"""In every multi-rank run MB moved exceeded MB verified with no word of why. Pages travel
 whole: on an end the decode ranks do not split by DCP (the draft) a request's last page carries rows past its
 end, which no rank reads. The table says so per vector, and the figure is checked here against that count made
 from the prompt lengths alone."""

@@ -295,7 +295,7 @@ def test_cli_refuses_bad_arguments(tmp_path):
 
 
 def test_an_arena_below_its_floor_names_the_option_the_side_and_the_bytes_the_slice_needs(tmp_path):
-    """Issue 26 item 9: ``--arena-bytes 1KiB`` named neither the option nor the side (``invalid arena_bytes=1024:
+    """``--arena-bytes 1KiB`` named neither the option nor the side (``invalid arena_bytes=1024:
     allowed >= 11960320``). The size it names is enough: the same slice with that many bytes passes the fit."""
     import re
 

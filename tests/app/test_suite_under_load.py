@@ -1,4 +1,4 @@
-"""Issue 26 item 25: the suite on a busy machine. At load 12-15 on 2 cores two tests failed that pass alone (a
+"""The suite on a busy machine. At load 12-15 on 2 cores two tests failed that pass alone (a
 SIGINT during start-up, a host-memory refusal). This test runs a slice of the suite — those tests and the
 start-up Ctrl-C tests — in a second pytest beside ``2 x nproc`` busy-looping processes, and requires it to pass.
 

@@ -201,7 +201,7 @@ def test_binary_non_utf8_and_directory_traces_are_refused(tmp_path):
 
 
 def test_a_malformed_jsonl_line_names_its_line_and_column_in_full(tmp_path):
-    """Issue 26 item 8: ``…:6: not JSON (Invalid control character at)`` was cut mid-sentence, with no column."""
+    """``…:6: not JSON (Invalid control character at)`` was cut mid-sentence, with no column."""
     good = '{"timestamp": 0, "input_length": 10, "output_length": 2}'
     bad = '{"timestamp": 5, "input_length": "1\t0", "output_length": 2}'  # a raw TAB inside a JSON string
     p = tmp_path / "t.jsonl"
@@ -214,7 +214,7 @@ def test_a_malformed_jsonl_line_names_its_line_and_column_in_full(tmp_path):
 
 
 def test_zero_token_rows_are_counted(tmp_path):
-    """Issue 26 item 14: a 0-token prompt (or output) becomes 1 token; the trace counts such rows of its slice."""
+    """A 0-token prompt (or output) becomes 1 token; the trace counts such rows of its slice."""
     p = tmp_path / "z.csv"
     p.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
                  "2023-11-16 18:15:46.0,0,5\n2023-11-16 18:15:47.0,30,0\n2023-11-16 18:15:48.0,0,0\n"

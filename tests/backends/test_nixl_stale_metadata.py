@@ -1,4 +1,4 @@
-"""Issue 26 item 22 (F30): NIXL refuses stale metadata. After connect -> disconnect -> the receiver deregisters ->
+"""F30: NIXL refuses stale metadata. After connect -> disconnect -> the receiver deregisters ->
 a reconnect with the *old* metadata is refused with RegistrationError (its hello quotes an old registration
 generation), and nothing lands in the deregistered memory; the receiver's current metadata connects and writes.
 A sender still connected when its target drops its registrations writes nothing.
@@ -19,8 +19,8 @@ from umalloc.errors import RegistrationError, TransferError
 from umalloc.transfer import build_plan
 
 
-def test_issue26_item22_nixl_refuses_a_reconnect_with_metadata_older_than_a_deregistration(backend_factory):
-    """Issue 26 item 22: the sequence of the report, in one process; the write that used to land 4,080 of 4,096
+def test_nixl_refuses_a_reconnect_with_metadata_older_than_a_deregistration(backend_factory):
+    """The sequence of the report, in one process; the write that used to land 4,080 of 4,096
     bytes in the deregistered buffer is never posted (connect refuses), and after re-registering the receiver's
     fresh metadata works."""
     src_arena, src_alloc, a, dst_arena, dst_alloc, b = kv_pair(backend_factory, "nixl")
@@ -43,9 +43,9 @@ def test_issue26_item22_nixl_refuses_a_reconnect_with_metadata_older_than_a_dere
     a.disconnect(peer)
 
 
-def test_issue26_item22_nixl_writes_nothing_once_the_target_dropped_its_registrations_since_connect(
+def test_nixl_writes_nothing_once_the_target_dropped_its_registrations_since_connect(
         backend_factory):
-    """Issue 26 item 22, after connect: a sender connected at generation g; the target resets (every
+    """After connect: a sender connected at generation g; the target resets (every
     registration dropped: its generation moves and it says goodbye) while the sender still holds the peer. The
     submit is refused (RegistrationError, stale generation) or its handle fails (TransferError, closed peer):
     either way typed, and not one destination byte changes."""

@@ -1,4 +1,4 @@
-"""Issue 26 item 21: ``publish_half`` refuses what is not a receiver half, and a half whose memory the backend
+"""``publish_half`` refuses what is not a receiver half, and a half whose memory the backend
 never registered, on every backend (local, nixl, mooncake; the engines run for real here, UCX on loopback).
 Nothing is kept on a refusal: ``published_halves()`` stays 0 and the half's lease takes no engine hold."""
 
@@ -19,8 +19,8 @@ ALL = ["local", "nixl", "mooncake"]
 
 
 @pytest.mark.parametrize("name", ALL)
-def test_issue26_item21_publish_half_refuses_non_halves_typed(name, backend_factory) -> None:
-    """Issue 26 item 21: None, a str, a dict and a Lease are refused with UmallocValueError (not AttributeError),
+def test_publish_half_refuses_non_halves_typed(name, backend_factory) -> None:
+    """None, a str, a dict and a Lease are refused with UmallocValueError (not AttributeError),
     and nothing is kept."""
     src_arena, src_alloc, a, dst_arena, dst_alloc, b = kv_pair(backend_factory, name)
     dvt = alloc_request(dst_alloc, L_TOKENS)
@@ -33,8 +33,8 @@ def test_issue26_item21_publish_half_refuses_non_halves_typed(name, backend_fact
 
 
 @pytest.mark.parametrize("name", ALL)
-def test_issue26_item21_publish_half_refuses_memory_the_backend_never_registered(name, backend_factory) -> None:
-    """Issue 26 item 21 (F25): the receiver registers only the first 4 KiB of its arena; a half whose pages lie
+def test_publish_half_refuses_memory_the_backend_never_registered(name, backend_factory) -> None:
+    """F25: the receiver registers only the first 4 KiB of its arena; a half whose pages lie
     above it is refused with RegistrationError before any engine hold (so close() has nothing to settle that
     nothing fenced); a half of registered pages publishes."""
     src_arena, src_alloc, a, dst_arena, dst_alloc, b = kv_pair(

@@ -1,4 +1,4 @@
-"""Issue 26 item 23 (F12): a receiver that only *waits* on its published half learns that the sender died. The
+"""F12: a receiver that only *waits* on its published half learns that the sender died. The
 sender (a worker process) is SIGKILLed right after it submitted; ``wait_half`` (which checks the sender's liveness
 on every poll, Note [Published half liveness]) raises PeerDiedError, the half fails and, the process being gone,
 its lease ends (settled or released: pages free). Every engine runs for real (UCX on loopback, Mooncake over TCP)."""
@@ -23,9 +23,9 @@ from umalloc.transfer import PeerLayout, build_receiver_half
 
 
 @pytest.mark.parametrize("name", ENGINES)
-def test_issue26_item23_a_receiver_that_only_waits_gets_peer_died_when_its_sender_is_killed(
+def test_a_receiver_that_only_waits_gets_peer_died_when_its_sender_is_killed(
         name, backend_workers, backend_factory):
-    """Issue 26 item 23: no fail_half_if_peer_died call anywhere; wait_half alone reports the death."""
+    """No fail_half_if_peer_died call anywhere; wait_half alone reports the death."""
     w = worker(backend_workers, name, "victim")
     w.call("reset_backend")
     dst_arena, dst_alloc = kv_side(kv_spec(), SEED + 1)

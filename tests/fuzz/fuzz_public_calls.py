@@ -1,4 +1,4 @@
-"""A seeded fuzz of umalloc's public calls with hostile arguments (issue 26): allocator, arena, leases, request
+"""A seeded fuzz of umalloc's public calls with hostile arguments: allocator, arena, leases, request
 table, translators, plans, backends (local, nixl, mooncake) and the vLLM integration's entry.
 
 Every call gets, per parameter, either a sane value or a hostile one drawn for that parameter's kind (wrong types,

@@ -1,4 +1,4 @@
-"""Issue 26 item 20: classes of bad input to the arena, the allocator, leases, translators and the plan builders
+"""Classes of bad input to the arena, the allocator, leases, translators and the plan builders
 get a typed :class:`~umalloc.errors.UmallocError` and change nothing (allocator snapshots compared before/after)."""
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ _ARENA_CALLS = {
 
 @pytest.mark.parametrize("name", [["full"], {"full": 1}, None, 3, b"full"])
 @pytest.mark.parametrize("call", sorted(_ARENA_CALLS))
-def test_issue26_item20_every_arena_method_taking_an_end_name_refuses_a_non_name_typed(call, name) -> None:
-    """Issue 26 item 20: a list (unhashable), a dict, None, an int or bytes where an end name is expected."""
+def test_every_arena_method_taking_an_end_name_refuses_a_non_name_typed(call, name) -> None:
+    """A list (unhashable), a dict, None, an int or bytes where an end name is expected."""
     ar = Arena(tiny_spec())
     before = ar.data.clone()
     with pytest.raises(UmallocError):
@@ -38,8 +38,8 @@ def test_issue26_item20_every_arena_method_taking_an_end_name_refuses_a_non_name
     assert torch.equal(before, ar.data)
 
 
-def test_issue26_item20_lease_table_bad_input_is_typed_and_changes_nothing() -> None:
-    """Issue 26 item 20: expire("soon") / expire(nan), a 2**40-page table (refused before allocating pins),
+def test_lease_table_bad_input_is_typed_and_changes_nothing() -> None:
+    """``expire("soon")`` / expire(nan), a 2**40-page table (refused before allocating pins),
     is_pinned out of range (both signs), a clock that returns a string, a list for an end name."""
     table = LeaseTable({"full": 4})
     lease = table.pin({"full": [1]}, deadline_s=None)
@@ -60,8 +60,8 @@ def test_issue26_item20_lease_table_bad_input_is_typed_and_changes_nothing() -> 
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusals of a machine without CUDA")
-def test_issue26_item20_cuda_and_pinned_memory_without_a_gpu_are_refused_typed() -> None:
-    """Issue 26 item 20: Arena(device="cuda"), mirror_device="cuda" / "bogus" / 3, pin_memory=True without a GPU."""
+def test_cuda_and_pinned_memory_without_a_gpu_are_refused_typed() -> None:
+    """Arena(device="cuda"), mirror_device="cuda" / "bogus" / 3, pin_memory=True without a GPU."""
     for call in (lambda: Arena(tiny_spec(), device="cuda"), lambda: Arena(tiny_spec(), pin_memory=True),
                  lambda: Arena(tiny_spec(), pin_memory="yes"),
                  lambda: MultiEndedAllocator(Arena(tiny_spec()), mirror_device="cuda"),
@@ -72,8 +72,8 @@ def test_issue26_item20_cuda_and_pinned_memory_without_a_gpu_are_refused_typed()
 
 
 @pytest.mark.parametrize("impl", ["reference", "cpu"])
-def test_issue26_item20_an_expanded_out_is_refused_and_left_unwritten(impl) -> None:
-    """Issue 26 item 20: a stride-0 (expanded) ``out=`` of the translators: InvalidIdError, nothing written."""
+def test_an_expanded_out_is_refused_and_left_unwritten(impl) -> None:
+    """A stride-0 (expanded) ``out=`` of the translators: InvalidIdError, nothing written."""
     tr = get_translator(impl=impl)
     v2p = torch.tensor([0, 3, 4, 5], dtype=torch.int64)
     base = torch.full((1,), 7, dtype=torch.int64)
@@ -88,8 +88,8 @@ def test_issue26_item20_an_expanded_out_is_refused_and_left_unwritten(impl) -> N
     assert base.tolist() == [7]
 
 
-def test_issue26_item20_plan_builders_refuse_what_is_not_an_allocator_or_an_end_spec() -> None:
-    """Issue 26 item 20: build_plan(object(), ...) and friends, vector_rows(None, ...): typed, no lease held."""
+def test_plan_builders_refuse_what_is_not_an_allocator_or_an_end_spec() -> None:
+    """``build_plan(object(), ...)`` and friends, vector_rows(None, ...): typed, no lease held."""
     alloc = small_allocator()
     vt = alloc.alloc_pages(2) * 2
     before = alloc.snapshot()
@@ -101,8 +101,8 @@ def test_issue26_item20_plan_builders_refuse_what_is_not_an_allocator_or_an_end_
     assert snapshots_equal(before, alloc.snapshot()) and alloc.leases_active() == 0
 
 
-def test_issue26_item20_a_plan_whose_destination_descriptors_overlap_is_refused() -> None:
-    """Issue 26 item 20: a hand-made TransferPlan writing two source pages into one destination page (its pages
+def test_a_plan_whose_destination_descriptors_overlap_is_refused() -> None:
+    """A hand-made TransferPlan writing two source pages into one destination page (its pages
     leased on both sides, inside the regions) is refused with DescriptorBoundsError: no plan, nothing posted."""
     from umalloc.errors import DescriptorBoundsError
     from umalloc.transfer import PeerLayout

@@ -1,4 +1,4 @@
-"""Issue 26 fuzz requirement: the seeded hostile-argument campaign of ``fuzz_public_calls`` over every public call
+"""The fuzz requirement: the seeded hostile-argument campaign of ``fuzz_public_calls`` over every public call
 (allocator, arena, leases, request table, translators, plans, backends local / nixl / mooncake, the vLLM entry)
 gives 0 untyped, 0 silent and 0 state-changed outcomes, and no broken invariant. The seed and the counts are
 printed (``UMALLOC_SEED`` overrides the seed; ``python tests/fuzz/fuzz_public_calls.py`` runs it alone)."""
@@ -16,7 +16,7 @@ _spec.loader.exec_module(fuzz)
 
 
 def test_issue26_fuzz_every_public_call_gives_no_untyped_silent_or_state_changed_outcome() -> None:
-    """Issue 26 fuzz: 20 hostile calls per public call; every backend that runs here takes part."""
+    """The fuzz: 20 hostile calls per public call; every backend that runs here takes part."""
     seed = int(os.environ.get("UMALLOC_SEED", "2026"))
     res = fuzz.run(seed, rounds=20, backends=["local", "nixl", "mooncake"])
     print(fuzz.report(res))

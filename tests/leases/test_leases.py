@@ -284,7 +284,7 @@ TestLeaseMachine.settings = settings(max_examples=60, stateful_step_count=30, de
 
 
 # =============================================================================================================
-# against the allocator (issue 5): leases through MultiEndedAllocator
+# against the allocator: leases through MultiEndedAllocator
 # =============================================================================================================
 def extend(alloc, seq_len: int) -> torch.Tensor | None:
     return alloc.alloc_extend(torch.tensor([0]), torch.tensor([seq_len]), torch.tensor([-1]))

@@ -449,7 +449,7 @@ def test_compaction_and_translators_keep_the_callers_threading(torch_threads: in
 
 
 # =============================================================================================================
-# against the allocator (issue 5): compaction through MultiEndedAllocator
+# against the allocator: compaction through MultiEndedAllocator
 # =============================================================================================================
 
 

@@ -1,4 +1,4 @@
-"""Issue 26 items 15-19: the request table under a refused extend, admission queries, chunked prefill, stale
+"""The request table under a refused extend, admission queries, chunked prefill, stale
 handles and bad arguments. Each test names its item; every refusal is checked against snapshots taken before the
 call (allocator and table: pages, windows, cache and LRU order) and against the on_evict calls it made (F29, F30).
 
@@ -38,8 +38,8 @@ def _same(a: tuple[dict, dict], b: tuple[dict, dict]) -> bool:
 
 
 # ---- item 15 ------------------------------------------------------------------------------------------------------
-def test_issue26_item15_a_shortfall_the_cache_cannot_cover_evicts_nothing_and_calls_no_on_evict() -> None:
-    """Issue 26 item 15. 9 slots; zero page (1 + 1), one cached full page: 6 gap slots left. An 8-token extend
+def test_a_shortfall_the_cache_cannot_cover_evicts_nothing_and_calls_no_on_evict() -> None:
+    """9 slots; zero page (1 + 1), one cached full page: 6 gap slots left. An 8-token extend
     (page_size 2) needs 4 pages on each end = 8 slots: even evicting the cached page leaves 7. The call returns
     None, calls no on_evict, and both snapshots are unchanged (the cache and its LRU order included)."""
     evicted: list[list[int]] = []
@@ -56,8 +56,8 @@ def test_issue26_item15_a_shortfall_the_cache_cannot_cover_evicts_nothing_and_ca
     table.check_invariants()
 
 
-def test_issue26_item15_an_swa_window_release_is_not_made_by_a_refused_extend() -> None:
-    """Issue 26 item 15 (F29). A request of 6 tokens (window 2, page_size 2) holds SWA page indices 1 and 2; its
+def test_an_swa_window_release_is_not_made_by_a_refused_extend() -> None:
+    """F29: A request of 6 tokens (window 2, page_size 2) holds SWA page indices 1 and 2; its
     next extend would first release index 1 (the window tail of 6 tokens is token 4, page index 2). An extend too
     large for the arena returns None with that page still bound and the front unmoved."""
     table = RequestTable(_alloc(2, 12, 2), max_requests=2, max_tokens_per_request=40)
@@ -70,8 +70,8 @@ def test_issue26_item15_an_swa_window_release_is_not_made_by_a_refused_extend() 
     table.check_invariants()
 
 
-def test_issue26_item15_an_eviction_evicts_exactly_the_pages_the_extend_needs() -> None:
-    """Issue 26 item 15. Three cached full pages (LRU 2, 3, 4 by construction); a 6-token extend (3 pages on each
+def test_an_eviction_evicts_exactly_the_pages_the_extend_needs() -> None:
+    """Three cached full pages (LRU 2, 3, 4 by construction); a 6-token extend (3 pages on each
     end, page_size 2) in an arena with 4 gap slots left needs 2 more slots: exactly the two LRU-first pages are
     evicted, in one on_evict call, and the third stays cached. Expected values worked out by hand."""
     evicted: list[list[int]] = []
@@ -94,8 +94,8 @@ def test_issue26_item15_an_eviction_evicts_exactly_the_pages_the_extend_needs() 
     table.check_invariants()
 
 
-def test_issue26_item15_random_refusals_change_nothing_and_evictions_are_minimal() -> None:
-    """Issue 26 item 15, seeded: random extends over random caches; every None leaves both snapshots equal with
+def test_random_refusals_change_nothing_and_evictions_are_minimal() -> None:
+    """Random extends over random caches; every None leaves both snapshots equal with
     no on_evict, and can_extend (asked first, changing nothing) predicts every outcome."""
     seed = seed_from_env(2615)
     rng = random.Random(seed)
@@ -131,8 +131,8 @@ def test_issue26_item15_random_refusals_change_nothing_and_evictions_are_minimal
 
 
 # ---- item 16 ------------------------------------------------------------------------------------------------------
-def test_issue26_item16_capacity_answers_per_end_and_can_extend_agrees_with_extend() -> None:
-    """Issue 26 item 16. After a long request the SWA end holds only its window while the full end holds
+def test_capacity_answers_per_end_and_can_extend_agrees_with_extend() -> None:
+    """After a long request the SWA end holds only its window while the full end holds
     everything: capacity() reports both ends (the fewest available pages bound an extend), and can_extend's
     answer for every length equals what extend then does (probed on the boundary; nothing changes while asking)."""
     table = RequestTable(_alloc(2, 20, 4), max_requests=2, max_tokens_per_request=64)
@@ -158,8 +158,8 @@ def test_issue26_item16_capacity_answers_per_end_and_can_extend_agrees_with_exte
 
 
 # ---- item 17 ------------------------------------------------------------------------------------------------------
-def test_issue26_item17_a_prompt_that_fits_by_decode_fits_by_chunked_prefill() -> None:
-    """Issue 26 item 17 (Note [Chunked prefill]). A 40-token prompt (page_size 2, window 4) in 30 slots: one extend
+def test_a_prompt_that_fits_by_decode_fits_by_chunked_prefill() -> None:
+    """Note [Chunked prefill]: A 40-token prompt (page_size 2, window 4) in 30 slots: one extend
     needs 20 + 20 slots and is refused (nothing changed), decode-by-decode needs 20 + 3; chunks of
     max_extend_tokens() each get through, and the request ends holding 20 full pages and only its window tail on
     the SWA end, as decode would leave it."""
@@ -184,8 +184,8 @@ def test_issue26_item17_a_prompt_that_fits_by_decode_fits_by_chunked_prefill() -
 
 
 # ---- item 18 ------------------------------------------------------------------------------------------------------
-def test_issue26_item18_a_stale_handle_is_refused_and_frees_nothing() -> None:
-    """Issue 26 item 18 (F30). A handle of a freed slot, after the slot is reused by another request, is refused
+def test_a_stale_handle_is_refused_and_frees_nothing() -> None:
+    """F30: A handle of a freed slot, after the slot is reused by another request, is refused
     by every call taking slots with StaleHandleError; the live request is untouched."""
     table = RequestTable(_alloc(2, 12, 4), max_requests=2, max_tokens_per_request=8)
     (h,) = table.new_requests(1, handles=True).tolist()
@@ -208,8 +208,8 @@ def test_issue26_item18_a_stale_handle_is_refused_and_frees_nothing() -> None:
 
 
 # ---- item 19 ------------------------------------------------------------------------------------------------------
-def test_issue26_item19_bad_arguments_raise_typed_and_change_nothing() -> None:
-    """Issue 26 item 19: an overflowing extend length on a request whose window would advance, a float tensor
+def test_bad_arguments_raise_typed_and_change_nothing() -> None:
+    """An overflowing extend length on a request whose window would advance, a float tensor
     slot, slots at and above 2**63, and a huge max_requests: each a typed UmallocValueError, nothing changed (the
     huge table refused before any array is allocated)."""
     table = RequestTable(_alloc(2, 16, 2), max_requests=2, max_tokens_per_request=12)

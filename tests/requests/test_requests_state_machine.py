@@ -124,7 +124,7 @@ class RequestMachine(RuleBasedStateMachine):
         out = table.decode(slots) if decode else table.extend(slots, lens)
         gone = self.take_evictions()
         fresh_before -= gone
-        if out is None:   # Issue 26 item 15 (F29): refused, nothing changed: no window advanced, nothing evicted
+        if out is None:   # (F29) refused, nothing changed: no window advanced, nothing evicted
             assert not gone, f"a refused extend evicted {sorted(gone)}"
             assert snapshots_equal(before[0], self.alloc.snapshot()) and snapshots_equal(before[1], table.snapshot())
             for s in slots:

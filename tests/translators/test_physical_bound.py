@@ -1,4 +1,4 @@
-"""Issue 26 item 20: a v2p table holding a value that is not a physical page id (``2**62`` in a space of a few
+"""A v2p table holding a value that is not a physical page id (``2**62`` in a space of a few
 pages) is refused with a typed error when the caller states the physical space (``num_physical_pages``), in every
 translator implementation that runs here, for both translations, strict or not; nothing is written into ``out``.
 Without the bound an entry looked up must still be a physical page id (below ``MAX_PHYSICAL_PAGES`` = ``2**48``)
