@@ -28,7 +28,6 @@ _EXPORTS: dict[str, str] = {
     "ArenaSpec": "umalloc.geometry.spec",
     "EndSpec": "umalloc.geometry.spec",
     "LayerSpec": "umalloc.geometry.spec",
-    "LayerKind": "umalloc.geometry.spec",
     "KVDtype": "umalloc.geometry.spec",
     "Grow": "umalloc.geometry.spec",
     "EndRole": "umalloc.geometry.spec",
@@ -53,41 +52,16 @@ _EXPORTS: dict[str, str] = {
     "InvalidIdError": "umalloc.errors",
     "DoubleFreeError": "umalloc.errors",
     "NotAllocatedError": "umalloc.errors",
-    "TombstoneError": "umalloc.errors",
     "LeaseError": "umalloc.errors",
     "StaleLeaseError": "umalloc.errors",
     "InvariantError": "umalloc.errors",
-    "ArenaInUseError": "umalloc.errors",
-    "WriteIncompleteError": "umalloc.errors",
     # transfer errors
-    "IncompatiblePeerError": "umalloc.errors",
-    "DescriptorBoundsError": "umalloc.errors",
     "BackendError": "umalloc.errors",
     "BackendUnavailable": "umalloc.errors",
-    "RegistrationError": "umalloc.errors",
     "TransferError": "umalloc.errors",
-    "TransferTimeout": "umalloc.errors",
-    "PeerDiedError": "umalloc.errors",
-    # presets, geometry helpers, row and routing rules, the backends' worker (names the replay application uses)
-    "DEFAULT_PRESET": "umalloc.geometry.presets",
-    "PRESETS": "umalloc.geometry.presets",
-    "preset_ends": "umalloc.geometry.presets",
-    "rank_kv_heads": "umalloc.geometry.presets",
+    # the arena's alignment and the peer-compatibility check a transfer adapter needs
     "ARENA_ALIGN_BYTES": "umalloc.geometry.spec",
-    "pages_for_tokens": "umalloc.geometry.spec",
-    "swa_pages_per_seq": "umalloc.geometry.spec",
-    "swa_tail_start": "umalloc.geometry.spec",
-    "Region": "umalloc.geometry.region",
     "check_compatible": "umalloc.transfer.layout",
-    "is_dcp_sharded": "umalloc.transfer.rows",
-    "owned_count": "umalloc.transfer.rows",
-    "rows_of_checked": "umalloc.transfer.rows",
-    "sends_to": "umalloc.transfer.slices",
-    "coalesce_runs": "umalloc.translators.runs",
-    "host_ids": "umalloc.ids",
-    "BackendWorker": "umalloc.backends.worker",
-    "WorkerDied": "umalloc.backends.worker",
-    "WorkerTimeout": "umalloc.backends.worker",
 }
 
 if TYPE_CHECKING:
@@ -99,43 +73,21 @@ if TYPE_CHECKING:
         RetractedKV,
     )
     from umalloc.backends import get_backend
-    from umalloc.backends.worker import (
-        BackendWorker,
-        WorkerDied,
-        WorkerTimeout,
-    )
     from umalloc.errors import (
-        ArenaInUseError,
         BackendError,
         BackendUnavailable,
-        DescriptorBoundsError,
         DoubleFreeError,
-        IncompatiblePeerError,
         InvalidIdError,
         InvariantError,
         LeaseError,
         NotAllocatedError,
-        PeerDiedError,
-        RegistrationError,
         SpecError,
         StaleLeaseError,
-        TombstoneError,
         TransferError,
-        TransferTimeout,
         UmallocError,
         UmallocValueError,
-        WriteIncompleteError,
     )
     from umalloc.geometry.arena import Arena
-    from umalloc.geometry.presets import (
-        DEFAULT_PRESET,
-        PRESETS,
-        preset_ends,
-        rank_kv_heads,
-    )
-    from umalloc.geometry.region import (
-        Region,
-    )
     from umalloc.geometry.spec import (
         ARENA_ALIGN_BYTES,
         ArenaSpec,
@@ -143,13 +95,8 @@ if TYPE_CHECKING:
         EndSpec,
         Grow,
         KVDtype,
-        LayerKind,
         LayerSpec,
-        pages_for_tokens,
-        swa_pages_per_seq,
-        swa_tail_start,
     )
-    from umalloc.ids import host_ids
     from umalloc.leases.lease import Lease
     from umalloc.pool.compaction import CompactionReport
     from umalloc.pool.pagestate import TOMBSTONE
@@ -171,28 +118,14 @@ if TYPE_CHECKING:
         ReceiverHalf,
         TransferPlan,
     )
-    from umalloc.transfer.rows import (
-        is_dcp_sharded,
-        owned_count,
-        rows_of_checked,
-    )
-    from umalloc.transfer.slices import (
-        sends_to,
-    )
-    from umalloc.translators.runs import coalesce_runs
 
 __all__ = [
-    "ARENA_ALIGN_BYTES", "Arena", "ArenaInUseError", "ArenaSpec", "BackendError", "BackendUnavailable",
-    "BackendWorker", "CompactionReport", "DEFAULT_PRESET", "DescriptorBoundsError", "DoubleFreeError",
-    "EndRole", "EndSpec", "EndStats", "Grow", "IncompatiblePeerError", "InvalidIdError", "InvariantError",
-    "KVDtype", "LayerKind", "LayerSpec", "Lease", "LeaseError", "MultiEndedAllocator", "NotAllocatedError",
-    "PRESETS", "PeerDiedError", "PeerLayout", "ReceiverHalf", "Region", "RegistrationError", "RequestTable",
-    "RequestTableStats", "RetractedKV", "SpecError", "StaleLeaseError", "TOMBSTONE", "TombstoneError", "TransferError",
-    "TransferPlan", "TransferTimeout", "UmallocError", "UmallocValueError", "WorkerDied", "WorkerTimeout",
-    "WriteGate", "WriteIncompleteError",
-    "build_plan", "build_receiver_half", "build_send_plan", "check_compatible", "coalesce_runs", "get_backend",
-    "host_ids", "is_dcp_sharded", "owned_count", "pages_for_tokens", "preset_ends", "rank_kv_heads", "rows_of_checked",
-    "sends_to", "swa_pages_per_seq", "swa_tail_start",
+    "ARENA_ALIGN_BYTES", "Arena", "ArenaSpec", "BackendError", "BackendUnavailable", "CompactionReport",
+    "DoubleFreeError", "EndRole", "EndSpec", "EndStats", "Grow", "InvalidIdError", "InvariantError", "KVDtype",
+    "LayerSpec", "Lease", "LeaseError", "MultiEndedAllocator", "NotAllocatedError", "PeerLayout",
+    "ReceiverHalf", "RequestTable", "RequestTableStats", "RetractedKV", "SpecError", "StaleLeaseError",
+    "TOMBSTONE", "TransferError", "TransferPlan", "UmallocError", "UmallocValueError", "WriteGate",
+    "build_plan", "build_receiver_half", "build_send_plan", "check_compatible", "get_backend",
 ]
 
 

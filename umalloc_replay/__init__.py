@@ -28,9 +28,9 @@ DEFAULT_RANK_REQUESTS = 4
 DEFAULT_RANK_TOKEN_SCALE = 64
 DEFAULT_MAX_PROMPT_TOKENS = 256
 
-#: The model presets of :data:`umalloc.PRESETS` by name, the default one and those with a drafter, spelled out
+#: The model presets of :data:`umalloc.geometry.presets.PRESETS` by name, the default one and those with a drafter, spelled out
 #: here so that ``umalloc --help`` and argument errors import no torch (``tests/app/test_cli_start_up.py``
-#: checks them against :data:`umalloc.PRESETS`).
+#: checks them against :data:`umalloc.geometry.presets.PRESETS`).
 PRESET_NAMES = ("deepseek-v3", "gemma-3-12b", "gemma-3-12b-draft", "gpt-oss-20b", "llama-3-8b-eagle", "llama-3.1-8b",
                 "qwen3-8b", "qwen3-8b-draft")
 DEFAULT_PRESET_NAME = "gemma-3-12b-draft"

@@ -21,16 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from umalloc import (
-    ArenaSpec,
-    EndRole,
-    InvariantError,
-    RetractedKV,
-    UmallocValueError,
-    pages_for_tokens,
-    swa_pages_per_seq,
-    swa_tail_start,
-)
+from umalloc import ArenaSpec, EndRole, InvariantError, RetractedKV, UmallocValueError
+from umalloc.geometry.spec import pages_for_tokens, swa_pages_per_seq, swa_tail_start
 from umalloc_replay.trace import TraceRequest
 
 WAITING = "waiting"

@@ -18,6 +18,7 @@ import pytest
 from typer.testing import CliRunner
 
 import umalloc
+from umalloc.geometry import presets
 from umalloc_replay import DEFAULT_PRESET_NAME, MAX_PAGE_SIZE_TOKENS, PRESET_NAMES, PRESETS_WITH_DRAFT
 from umalloc_replay.cli import app
 
@@ -54,10 +55,10 @@ def probe(args: list[str], env: dict | None = None) -> tuple[int, list[str], str
 
 
 def test_the_app_spells_the_library_presets_right() -> None:
-    """The preset names the CLI offers without importing the geometry (item 4) are the library's own."""
-    assert PRESET_NAMES == tuple(sorted(umalloc.PRESETS))
-    assert DEFAULT_PRESET_NAME == umalloc.DEFAULT_PRESET
-    assert PRESETS_WITH_DRAFT == tuple(sorted(n for n, p in umalloc.PRESETS.items() if p.draft is not None))
+    """The preset names the CLI offers without importing the geometry are the library's own."""
+    assert PRESET_NAMES == tuple(sorted(presets.PRESETS))
+    assert DEFAULT_PRESET_NAME == presets.DEFAULT_PRESET
+    assert PRESETS_WITH_DRAFT == tuple(sorted(n for n, p in presets.PRESETS.items() if p.draft is not None))
 
 
 def test_the_app_spells_the_library_page_size_range_right() -> None:

@@ -305,7 +305,8 @@ def test_a_killed_prefill_process_ends_the_run_with_a_backend_error() -> None:
     import os
     import signal
 
-    from umalloc import BackendError, WorkerDied
+    from umalloc import BackendError
+    from umalloc.backends.worker import WorkerDied
 
     require_or_skip("nixl")
     seen: list = []

@@ -64,7 +64,7 @@ def test_a_nixl_replay_whose_prefill_arena_runs_short_reports_no_in_doubt_lease(
     report = tmp_path / "r.json"
     base = ["replay", "--trace", str(trace), "--token-scale", "1", "--no-progress", "--model", "llama-3.1-8b",
             "--report", str(report)]
-    from umalloc import preset_ends
+    from umalloc.geometry.presets import preset_ends
     from umalloc_replay.single.fit import slice_needs_bytes
     from umalloc_replay.trace import load_trace
 

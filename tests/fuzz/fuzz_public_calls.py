@@ -32,24 +32,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from umalloc import (
-    check_compatible,
-    owned_count,
-    pages_for_tokens,
-    preset_ends,
-    rank_kv_heads,
-    sends_to,
-    swa_pages_per_seq,
-)
+from umalloc import check_compatible
 from umalloc.allocator.facade import MultiEndedAllocator, snapshots_equal
 from umalloc.errors import InvariantError, UmallocError
 from umalloc.geometry.arena import Arena
+from umalloc.geometry.presets import preset_ends, rank_kv_heads
+from umalloc.geometry.spec import pages_for_tokens, swa_pages_per_seq
 from umalloc.leases.table import LeaseTable
 from umalloc.requests.table import RequestTable
 from umalloc.testing import tiny_spec
 from umalloc.transfer import PeerLayout, ReceiverHalf, build_receiver_half, build_send_plan
 from umalloc.transfer.build import build_plan
-from umalloc.transfer.rows import vector_rows
+from umalloc.transfer.rows import owned_count, vector_rows
+from umalloc.transfer.slices import sends_to
 from umalloc.translators import get_translator
 
 

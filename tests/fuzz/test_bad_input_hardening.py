@@ -125,7 +125,7 @@ def test_a_plan_whose_destination_descriptors_overlap_is_refused() -> None:
 @pytest.mark.parametrize("args", [(3, 2**63, 0), (2**63, 1, 0), (3, 2**64, 1), (-1, 1, 0)])
 def test_counts_beyond_int64_are_refused_by_the_dcp_helpers(args) -> None:
     """A count no id call accepts (2**63 and above, negative) is refused, never computed with."""
-    from umalloc import owned_count
+    from umalloc.transfer.rows import owned_count
 
     with pytest.raises(UmallocError, match=r"allowed an int in \[[01], 2\*\*63\)"):
         owned_count(*args)

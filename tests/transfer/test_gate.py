@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from umalloc import UmallocValueError, WriteGate, WriteIncompleteError
+from umalloc import UmallocValueError, WriteGate
+from umalloc.errors import WriteIncompleteError
 
 PRODUCERS = {"target": ("target",), "swa_tail": ("target",), "draft": ("draft",)}
 

@@ -147,6 +147,7 @@ from umalloc.requests.refcounts import (
     raise_for_code,
 )
 from umalloc.requests.room import Room, largest
+from umalloc.requests.sharing import attach_pages, swap_page
 
 _I32_MAX = (1 << 31) - 1
 MAX_REQUESTS, MAX_TABLE_CELLS = 1 << 31, 1 << 36   #: most slots / slots x tokens: more is refused before allocating
@@ -592,50 +593,7 @@ class RequestTable:
         """
         if type(revive) is not bool:
             raise UmallocValueError(f"attach_prefix: revive={revive!r}; allowed True or False")
-        s = self._slot(slot, "attach_prefix")
-        vp = self._page_ids(vpages, "attach_prefix")
-        ps = self.page_size
-        n = vp.shape[0] * ps
-        if self._rq[RQ_LEN, s] != 0:
-            raise UmallocValueError(f"attach_prefix: request {s} holds {int(self._rq[RQ_LEN, s])} tokens; allowed an "
-                                    f"empty request")
-        if n > self.max_tokens_per_request:
-            raise UmallocValueError(f"attach_prefix: {n} tokens; allowed at most {self.max_tokens_per_request}")
-        if np.unique(vp).shape[0] != vp.shape[0]:
-            raise InvalidIdError("attach_prefix: a page appears twice; allowed each page once")
-        state = self._pg[PG_STATE, vp]
-        held = (state == PAGE_HELD) | ((state == PAGE_CACHED) if revive else False)
-        if not held.all():
-            bad = int(vp[np.flatnonzero(~held)[0]])
-            raise NotAllocatedError(f"attach_prefix: virtual page {bad} is not held (cached pages need reclaim "
-                                    f"first, or revive=True); allowed pages with a holder")
-        fronts = [min(vp.shape[0], max(0, n - int(w)) // ps) if w else 0 for w in self._win]
-        bound: list[tuple[str, np.ndarray]] = []
-        for b, end in enumerate(self.bound_ends):
-            mine = vp[fronts[b]:]
-            missing = mine[self.alloc.translate_pages(torch.from_numpy(mine), end, strict=False).numpy() <= 0]
-            if missing.size:
-                if not self.alloc.bind_end(end, torch.from_numpy(missing * ps)):
-                    for end2, pages in bound:
-                        self.alloc.unbind_pages(end2, pages)
-                    return False
-                bound.append((end, missing))
-        cached = vp[state == PAGE_CACHED]
-        if cached.size:   # out of the LRU, held: k_revive adds an engine reference, taken back at once
-            k_revive(self._pg, self._lru, cached)
-            self._pg[PG_ENG, cached] -= 1
-            self._pg[PG_REF, cached] -= 1
-            self._counters["reclaimed"] += int(cached.size)
-        self._r2p[s, : vp.shape[0]] = vp
-        pos = np.arange(n, dtype=np.int64)
-        self._r2t[s, :n] = vp[pos // ps] * ps + pos % ps
-        self._rq[RQ_LEN, s] = n
-        self._pg[PG_REF, vp] += 1
-        for b in range(len(self.bound_ends)):
-            self._rq[RQ_FRONT + b, s] = fronts[b]
-            self._pg[PG_NEED + b, vp[fronts[b]:]] += 1
-        self._device_rows.push_ranges(np.array([s], np.int64), np.zeros(1, np.int64), np.array([n], np.int64))
-        return True
+        return attach_pages(self, self._slot(slot, "attach_prefix"), self._page_ids(vpages, "attach_prefix"), revive)
 
     def share_page(self, slot: SlotLike, page_index: int, vpage: int) -> None:
         """De-duplicate one full page of a request: its page ``page_index`` becomes ``vpage`` (held or cached,
@@ -664,31 +622,8 @@ class RequestTable:
         if self.bound_ends:
             raise UmallocValueError(f"share_page: the table on {self.owner!r} has bound ends {list(self.bound_ends)};"
                                     " allowed a table without bound ends")
-        s = self._slot(slot, "share_page")
-        j = count_arg(page_index, "page_index")
-        ps = self.page_size
-        full = int(self._rq[RQ_LEN, s]) // ps
-        if j >= full:
-            raise UmallocValueError(f"share_page: page_index={j}; allowed a full page of request {s}, in [0, {full})")
-        (vp,) = self._page_ids([vpage], "share_page").tolist()
-        state = int(self._pg[PG_STATE, vp])
-        if state == PAGE_NOT_MANAGED:
-            raise NotAllocatedError(f"share_page: virtual page {vp} is neither held nor cached")
-        if vp in self._r2p[s, : -(-int(self._rq[RQ_LEN, s]) // ps)]:
-            raise InvalidIdError(f"share_page: virtual page {vp} is already a page of request {s}; allowed another")
-        old = int(self._r2p[s, j])
-        one = np.array([vp], np.int64)
-        k_revive(self._pg, self._lru, one)     # + 1 holder (an engine reference, made the request's just below)
-        self._pg[PG_ENG, vp] -= 1
-        if state == PAGE_CACHED:
-            self._counters["reclaimed"] += 1
-        self._r2p[s, j] = vp
-        self._r2t[s, j * ps:(j + 1) * ps] = vp * ps + np.arange(ps)
-        self._pg[PG_ENG, old] += 1            # the request's hold on the old page, dropped as an engine reference
-        self._free_listed(k_unref(self._pg, self._lru, np.array([old], np.int64), False, self._freed))
-        if self._dev is not None:
-            self._device_rows.push_ranges(np.array([s], np.int64), np.array([j * ps], np.int64),
-                                          np.array([(j + 1) * ps], np.int64))
+        swap_page(self, self._slot(slot, "share_page"), count_arg(page_index, "page_index"),
+                  int(self._page_ids([vpage], "share_page")[0]))
 
     def holder_counts(self, vpages: IdBatch) -> torch.Tensor:
         """``int64 (n,)`` holders of each page (requests and engine references, Note [Holders]); 0 for a cached

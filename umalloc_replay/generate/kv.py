@@ -37,7 +37,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from umalloc import Arena, ArenaSpec, MultiEndedAllocator, UmallocValueError, swa_tail_start
+from umalloc import Arena, ArenaSpec, MultiEndedAllocator, UmallocValueError
+from umalloc.geometry.spec import swa_tail_start
 from umalloc_replay.generate.models import ModelGeometry, end_layers
 from umalloc_replay.workload import first_kept_page
 
@@ -75,7 +76,7 @@ def prefill_kv(model: Any, prompt: list[int]) -> PrefillKV:
 
 def tail_start_tokens(geo: ModelGeometry, layer: int, seq_len_tokens: int, page_size: int) -> int:
     """First token of ``layer`` a cache is built from: 0 for a full layer, the SWA window tail's start for a
-    sliding one (umalloc's :func:`~umalloc.swa_tail_start`, the tail the plan sends)."""
+    sliding one (umalloc's :func:`~umalloc.geometry.spec.swa_tail_start`, the tail the plan sends)."""
     if geo.layer_types[layer] != "sliding_attention":
         return 0
     assert geo.window_tokens is not None

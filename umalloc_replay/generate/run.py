@@ -42,16 +42,10 @@ from typing import Any
 
 import torch
 
-from umalloc import (
-    Arena,
-    ArenaSpec,
-    InvariantError,
-    MultiEndedAllocator,
-    UmallocValueError,
-    WorkerDied,
-    pages_for_tokens,
-)
+from umalloc import Arena, ArenaSpec, InvariantError, MultiEndedAllocator, UmallocValueError
 from umalloc import __version__ as umalloc_version
+from umalloc.backends.worker import WorkerDied
+from umalloc.geometry.spec import pages_for_tokens
 from umalloc_replay import (
     DEFAULT_DRAFT_TOKENS,
     DEFAULT_GENERATE_MODEL,

@@ -37,7 +37,9 @@ import numpy as np
 import torch
 from numba import njit, uint64
 
-from umalloc import Arena, ArenaSpec, InvariantError, LayerKind, UmallocValueError, rank_kv_heads
+from umalloc import Arena, ArenaSpec, InvariantError, UmallocValueError
+from umalloc.geometry.presets import rank_kv_heads
+from umalloc.geometry.spec import LayerKind
 from umalloc_replay import seed64
 
 _M64 = (1 << 64) - 1

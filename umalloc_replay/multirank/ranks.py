@@ -47,16 +47,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from umalloc import (
-    ARENA_ALIGN_BYTES,
-    DEFAULT_PRESET,
-    PRESETS,
-    ArenaSpec,
-    BackendError,
-    EndRole,
-    InvariantError,
-    UmallocValueError,
-)
+from umalloc import ARENA_ALIGN_BYTES, ArenaSpec, BackendError, EndRole, InvariantError, UmallocValueError
+from umalloc.geometry.presets import DEFAULT_PRESET, PRESETS
 from umalloc_replay import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_RANK_REQUESTS, DEFAULT_RANK_TOKEN_SCALE
 from umalloc_replay.multirank.ranks_report import RANKS_SCHEMA_VERSION, check_ranks_report
 from umalloc_replay.preflight import is_multi_rank
@@ -158,7 +150,8 @@ class RanksConfig:
             _check_int(name, getattr(self, name), 0)
         if self.compaction not in ("lazy", "eager", "off"):
             raise UmallocValueError(f"compaction={self.compaction!r}: allowed 'lazy', 'eager', 'off'")
-        from umalloc import PeerLayout, Region, check_compatible
+        from umalloc import PeerLayout, check_compatible
+        from umalloc.geometry.region import Region
         from umalloc_replay.multirank.rankside import rank_arena_bytes, rank_ends
 
         d = asdict(self)
@@ -286,7 +279,7 @@ class RankPool:
     """
 
     def __init__(self, backend: str, ranks: list[RankId]) -> None:
-        from umalloc import BackendWorker
+        from umalloc.backends.worker import BackendWorker
 
         self.ranks = list(ranks)
         self.workers: dict[RankId, BackendWorker] = {}
@@ -331,7 +324,7 @@ class RankPool:
         return self._guard(rank, lambda w: w.run(_HERE + fn, *args, timeout_s=timeout_s, progress=self._watch))
 
     def _guard(self, rank: RankId, op: Callable) -> Any:
-        from umalloc import WorkerDied, WorkerTimeout
+        from umalloc.backends.worker import WorkerDied, WorkerTimeout
 
         try:
             return op(self.workers[rank])
@@ -543,7 +536,8 @@ class MultiRankReplay:
             pool.close()
 
     def _setup(self, pool: RankPool) -> None:
-        from umalloc import PeerLayout, sends_to
+        from umalloc import PeerLayout
+        from umalloc.transfer.slices import sends_to
 
         t0 = time.perf_counter()
         c = self.cfg

@@ -50,12 +50,10 @@ from umalloc import (
     TransferPlan,
     build_receiver_half,
     build_send_plan,
-    is_dcp_sharded,
-    owned_count,
-    pages_for_tokens,
-    preset_ends,
-    rows_of_checked,
 )
+from umalloc.geometry.presets import preset_ends
+from umalloc.geometry.spec import pages_for_tokens
+from umalloc.transfer.rows import is_dcp_sharded, owned_count, rows_of_checked
 from umalloc_replay.multirank.headpattern import HeadPattern, RowCheck
 
 #: Arena bytes per rank: this many times what the step's requests hold at once (placement slack for the

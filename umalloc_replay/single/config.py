@@ -8,7 +8,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from umalloc import DEFAULT_PRESET, PRESETS, ArenaSpec, UmallocValueError
+from umalloc import ArenaSpec, UmallocValueError
+from umalloc.geometry.presets import DEFAULT_PRESET, PRESETS
 from umalloc_replay import DEFAULT_REQUESTS, DEFAULT_TOKEN_SCALE
 from umalloc_replay.single.fit import request_peak_bytes, request_prompt_bytes
 from umalloc_replay.single.layouts import parse_layout

@@ -52,7 +52,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from umalloc import Arena, ArenaSpec, InvalidIdError, UmallocValueError, coalesce_runs, host_ids
+from umalloc import Arena, ArenaSpec, InvalidIdError, UmallocValueError
+from umalloc.ids import host_ids
+from umalloc.translators.runs import coalesce_runs
 from umalloc_replay import seed64
 from umalloc_replay.single import kvfill_kernels as _kernels
 

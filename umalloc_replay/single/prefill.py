@@ -38,8 +38,8 @@ from umalloc import (
     UmallocValueError,
     WriteGate,
     build_plan,
-    pages_for_tokens,
 )
+from umalloc.geometry.spec import pages_for_tokens
 from umalloc_replay.report import PhaseTimer
 from umalloc_replay.workload import RequestState, first_kept_page, pages_held
 

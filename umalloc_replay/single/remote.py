@@ -60,7 +60,8 @@ def child_setup(ctx, model: str, page_size: int, draft: bool, arena_bytes: int, 
     """Create the prefill arena (preset ``model``; its ends padded as vLLM pads them when ``padded``,
     :func:`umalloc_replay.single.layouts.padded_ends`), its allocator and the KV pattern; register the arena with the
     child's backend and publish its layout. Returns the child's stats."""
-    from umalloc import Arena, preset_ends
+    from umalloc import Arena
+    from umalloc.geometry.presets import preset_ends
     from umalloc_replay.single.kvfill import KVPattern
     from umalloc_replay.single.layouts import padded_ends
 
@@ -205,7 +206,7 @@ def settle_failed_half(half: ReceiverHalf, exc: BaseException) -> bool:
     Returns:
         True if the half was settled, False if it was kept pending.
     """
-    from umalloc import WorkerTimeout
+    from umalloc.backends.worker import WorkerTimeout
 
     if getattr(exc, "draining", False) or isinstance(exc, WorkerTimeout):
         return False
@@ -237,7 +238,8 @@ class RemotePrefill:
                  model: str, page_size: int, draft: bool, seed: int, compaction: str, padded: bool,
                  transfer_timeout_s: float, lease_deadline_s: float | None,
                  setup: tuple[str, tuple] | None = None) -> None:
-        from umalloc import BackendWorker, get_backend
+        from umalloc import get_backend
+        from umalloc.backends.worker import BackendWorker
 
         self.decode = decode
         self.timer = timer
@@ -361,7 +363,7 @@ class RemotePrefill:
                 self.worker.kill()
             self.worker.close()
             if not self.worker.alive():
-                from umalloc import WorkerDied
+                from umalloc.backends.worker import WorkerDied
 
                 kept, self.kept_halves = self.kept_halves, []
                 for half in kept:

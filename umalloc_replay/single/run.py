@@ -74,9 +74,9 @@ from umalloc import (
     MultiEndedAllocator,
     SpecError,
     UmallocValueError,
-    pages_for_tokens,
-    preset_ends,
 )
+from umalloc.geometry.presets import preset_ends
+from umalloc.geometry.spec import pages_for_tokens
 from umalloc_replay import DEFAULT_REQUESTS, DEFAULT_TOKEN_SCALE
 from umalloc_replay.preflight import check_host_memory
 from umalloc_replay.report import SCHEMA_VERSION, PhaseTimer, Timeline, check_report
