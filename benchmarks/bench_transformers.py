@@ -28,7 +28,8 @@ Run (in the peer venv, which has transformers):
 
 or in a venv with transformers 5.23 (the main one has it):
 
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_transformers.py --num-blocks 40 --max-batch-tokens 512
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_transformers.py [--model gemma3|llama]
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_transformers.py --rss-calls 50   # memory after the work
 """
 
 from __future__ import annotations
@@ -36,8 +37,11 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import random
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -165,7 +169,7 @@ def run_once(model: Any, reqs: list[tuple[list[int], int]], cb_kwargs: dict[str,
                                                        block=True, timeout=30) as manager:
             t0 = time.perf_counter()
             ids = [manager.add_request(p, max_new_tokens=n) for p, n in reqs]
-            done: dict[str, list[int]] = {}
+            done: dict[str, list[int] | None] = {}
             while len(done) < len(ids):
                 res = manager.get_result(timeout=5)
                 if res is None:
@@ -173,38 +177,109 @@ def run_once(model: Any, reqs: list[tuple[list[int], int]], cb_kwargs: dict[str,
                         raise RuntimeError("the generation thread stopped")
                     continue
                 if res.is_finished():
-                    if res.error is not None:
-                        raise RuntimeError(f"request {res.request_id} failed: {res.error}")
-                    done[res.request_id] = list(res.generated_tokens)
+                    done[res.request_id] = None if res.error is not None else list(res.generated_tokens)
             wall = time.perf_counter() - t0
     finally:
         probe.close()
         if inst is not None:
             ut.uninstall()
-    gen = sum(len(v) for v in done.values())
+    gen = sum(len(v) for v in done.values() if v is not None)
     act = probe.active or [0]
     return {"tokens": [done[i] for i in ids], "generated": gen, "wall_s": wall, "tok_s": gen / wall,
+            "failed": sum(v is None for v in done.values()),
             "mean_conc": sum(act) / len(act), "max_conc": max(act), "steps": len(probe.active),
             "refused": probe.refused, "preempted": probe.preempted,
             "mem_share": probe.memory_s / wall}
 
 
+#: per model: the cache capacity and batch size the README's commands use (both caches complete every request)
+MODEL_DEFAULTS = {"gemma3": {"num_blocks": 40, "max_batch_tokens": 512},
+                  "llama": {"num_blocks": 200, "max_batch_tokens": 512}}
+
+
+def rss_bytes() -> int:
+    """This process's resident set size (``/proc/self/statm``; Linux)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def rss_child(model_name: str, umalloc_on: bool, calls: int, seed: int, window: int) -> None:
+    """``calls`` successive ``generate_batch`` calls in this process; prints one JSON line: RSS before the first
+    and after the last call (after a garbage collection) and the caches still alive."""
+    import gc
+
+    import transformers
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    from umalloc.integrations import transformers as ut
+
+    model = build_model(model_name, seed, window)
+    reqs = trace_requests(8, 0, 32, 8, model.config.vocab_size, seed)
+    gcfg = transformers.GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0, max_new_tokens=8)
+    cb = ContinuousBatchingConfig(use_async_batching=False, auto_switch_to_flash=False, page_size=16,
+                                  max_memory_percent=0.9, **MODEL_DEFAULTS[model_name])
+    if umalloc_on:
+        ut.install()
+    model.generate_batch([p for p, _ in reqs[:2]], generation_config=gcfg, continuous_batching_config=cb,
+                         progress_bar=False)   # warm-up: kernels, numba, allocator pools
+    gc.collect()
+    before = rss_bytes()
+    for _ in range(calls):
+        model.generate_batch([p for p, _ in reqs], generation_config=gcfg, continuous_batching_config=cb,
+                             progress_bar=False)
+    gc.collect()
+    alive = sum(type(o).__name__.endswith("PagedAttentionCache") for o in gc.get_objects())
+    print(json.dumps({"rss_before_mb": before / 2**20, "rss_after_mb": rss_bytes() / 2**20, "caches_alive": alive}))
+
+
+def rss_report(args: argparse.Namespace) -> None:
+    """RSS growth over ``--rss-calls`` successive calls, stock and umalloc, each in a fresh process."""
+    rows = {}
+    for name in ("stock", "umalloc"):
+        cmd = [sys.executable, __file__, "--model", args.model, "--rss-child", name, "--rss-calls",
+               str(args.rss_calls), "--seed", str(args.seed), "--window", str(args.window)]
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+        rows[name] = json.loads(out.strip().splitlines()[-1])
+    print(f"# RSS over {args.rss_calls} successive generate_batch calls (--model {args.model}, 8 requests each)")
+    print("| cache | RSS before (MB) | RSS after (MB) | growth (MB) | caches alive |")
+    print("|---|---|---|---|---|")
+    for name, r in rows.items():
+        print(f"| {name} | {r['rss_before_mb']:.0f} | {r['rss_after_mb']:.0f} | "
+              f"{r['rss_after_mb'] - r['rss_before_mb']:.0f} | {r['caches_alive']} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="gemma3")
+    ap.add_argument("--model", default="gemma3", choices=sorted(MODEL_DEFAULTS))
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--start", type=int, default=0, help="first trace line")
     ap.add_argument("--scale", type=int, default=32, help="divide trace lengths by this")
     ap.add_argument("--max-new", type=int, default=24)
     ap.add_argument("--window", type=int, default=64)
     ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--num-blocks", type=int, default=96, help="cache capacity for both (equal bytes)")
-    ap.add_argument("--max-batch-tokens", type=int, default=256)
+    ap.add_argument("--num-blocks", type=int, default=None,
+                    help="cache capacity for both (equal bytes); default per model: "
+                         + ", ".join(f"{m} {d['num_blocks']}" for m, d in MODEL_DEFAULTS.items()))
+    ap.add_argument("--max-batch-tokens", type=int, default=None, help="default per model (512)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--repeats", type=int, default=3, help="alternated stock / umalloc runs (medians reported)")
+    ap.add_argument("--repeats", type=int, default=5, help="alternated stock / umalloc runs (medians reported)")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--rss-calls", type=int, default=0,
+                    help="instead: RSS growth over this many successive generate_batch calls, each cache in a "
+                         "fresh process")
+    ap.add_argument("--rss-child", choices=("stock", "umalloc"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.rss_child:
+        rss_child(args.model, args.rss_child == "umalloc", args.rss_calls, args.seed, args.window)
+        return
+    if args.rss_calls:
+        rss_report(args)
+        return
+    defaults = MODEL_DEFAULTS[args.model]
+    args.num_blocks = defaults["num_blocks"] if args.num_blocks is None else args.num_blocks
+    args.max_batch_tokens = defaults["max_batch_tokens"] if args.max_batch_tokens is None else args.max_batch_tokens
     torch.set_num_threads(max(1, torch.get_num_threads()))
+    print(f"# torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}")
     from transformers.generation.continuous_batching.cache import PagedAttentionCache
 
     from umalloc.integrations.transformers import UmallocPagedCache
@@ -221,7 +296,7 @@ def main() -> None:
     for _ in range(args.repeats):   # alternated, so load drift hits both alike
         pairs.append((run_once(model, reqs, cb_kwargs, False, PagedAttentionCache),
                       run_once(model, reqs, cb_kwargs, True, UmallocPagedCache)))
-    fixed = ("tokens", "mean_conc", "max_conc", "steps", "refused", "preempted")
+    fixed = ("tokens", "mean_conc", "max_conc", "steps", "refused", "preempted", "failed")
     for i in (0, 1):
         if any(p[i][k] != pairs[0][i][k] for p in pairs for k in fixed):
             raise SystemExit("a repeat scheduled differently: the run is not deterministic")
@@ -230,13 +305,13 @@ def main() -> None:
         for k in ("tok_s", "mem_share", "wall_s"):
             r[k] = statistics.median(p[i][k] for p in pairs)
     tok_ratio = statistics.median(u["tok_s"] / s_["tok_s"] for s_, u in pairs)
-    same = stock["tokens"] == um["tokens"]
+    same = all(a == b for a, b in zip(stock["tokens"], um["tokens"], strict=True) if a is not None and b is not None)
     print(f"# medians of {args.repeats} alternated runs")
-    print("| cache | tokens/s | mean conc. | max conc. | steps | refused | preempted | memory layer |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| cache | tokens/s | mean conc. | max conc. | steps | refused | preempted | failed | memory layer |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, r in (("stock", stock), ("umalloc", um)):
         print(f"| {name} | {r['tok_s']:.1f} | {r['mean_conc']:.2f} | {r['max_conc']} | {r['steps']} | "
-              f"{r['refused']} | {r['preempted']} | {100 * r['mem_share']:.2f}% |")
+              f"{r['refused']} | {r['preempted']} | {r['failed']} | {100 * r['mem_share']:.2f}% |")
     each = ", ".join(f"{u['tok_s'] / s_['tok_s']:.2f}" for s_, u in pairs)
     print(f"ratios umalloc/stock: tokens/s {tok_ratio:.2f}x (median of the per-pair ratios {each}), mean concurrency "
           f"{um['mean_conc'] / stock['mean_conc']:.2f}x; tokens identical: {same}")

@@ -15,7 +15,7 @@ from umalloc import build_receiver_half
 from umalloc.allocator.facade import MultiEndedAllocator
 from umalloc.allocator.observe import snapshots_equal
 from umalloc.backends import get_backend
-from umalloc.errors import UmallocError
+from umalloc.errors import InvariantError, UmallocError
 from umalloc.geometry.arena import Arena
 from umalloc.leases.table import LeaseTable
 from umalloc.requests.table import RequestTable
@@ -41,6 +41,8 @@ def case(name: str, fn: Callable[[], object], snap: Callable[[], object] = lambd
     before = snap()
     try:
         fn()
+    except InvariantError as e:  # a broken invariant is a bug, not a refusal
+        RESULTS.append((name, "INVARIANT", type(e).__name__, str(e)[:60]))
     except UmallocError as e:
         RESULTS.append((name, "typed" if _eq(before, snap()) else "STATE-CHANGED", type(e).__name__))
     except Exception as e:  # noqa: BLE001 - the check classifies every exception

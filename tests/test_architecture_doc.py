@@ -69,3 +69,10 @@ def test_docstrings_point_inside_the_repo_and_comments_do_not_narrate_history() 
     hits = [f"{p.relative_to(REPO)}:{i}: {line.strip()}" for p in ROOT.rglob("*.py")
             for i, line in enumerate(p.read_text().splitlines(), 1) if outside.search(line) or history.search(line)]
     assert not hits, "lines pointing outside the repo or narrating history:\n" + "\n".join(hits)
+
+
+def test_the_notes_state_the_module_size_cap_the_layering_test_holds() -> None:
+    from test_layering import MAX_MODULE_LINES
+
+    assert f"at most {MAX_MODULE_LINES} lines (`MAX_MODULE_LINES`" in DOC.read_text(), (
+        f"docs/architecture.md does not state the module-size cap {MAX_MODULE_LINES}")

@@ -5,8 +5,9 @@ Three failure tiers (docs/architecture.md, "Failure tiers"):
 * an expected shortage returns ``None`` (or ``False``) and changes nothing, never a partial allocation;
 * caller misuse raises a :class:`UmallocValueError` subclass (also a :class:`ValueError`) naming the value
   and the allowed range, and changes nothing;
-* a broken internal invariant raises :class:`InvariantError` (an :class:`AssertionError`) naming the
-  invariant.
+* a broken internal invariant raises :class:`InvariantError` naming the invariant. It is a
+  :class:`UmallocError` (one base class catches every umalloc exception) and an :class:`AssertionError`; code
+  that treats a ``UmallocError`` as a refused call catches ``InvariantError`` first and re-raises it.
 
 Transfer-engine failures are :class:`BackendError` subclasses.
 """
@@ -63,8 +64,8 @@ class LeaseError(UmallocValueError):
     """Misuse of a lease: unknown pages, pinning a page that is not live, an already-ended lease, ..."""
 
 
-class InvariantError(AssertionError):
-    """A broken internal invariant; the message names it. Always a bug in umalloc."""
+class InvariantError(UmallocError, AssertionError):
+    """A broken internal invariant; the message names it. Always a bug in umalloc, never a refused call."""
 
 
 class IncompatiblePeerError(UmallocValueError):

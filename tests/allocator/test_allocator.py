@@ -853,9 +853,9 @@ def test_per_call_methods_match_the_class_methods_and_a_subclass_override_wins()
 
 @pytest.mark.parametrize("old", ["release_end", "release_pages"])
 def test_the_deprecated_release_names_warn_and_unbind_as_the_new_ones(old) -> None:
-    """``release_end`` / ``release_pages`` (the README's names before ``unbind_end`` / ``unbind_pages``) still work
-    for one release: the same effect as the new name (swa page 9 of vpage 2 stays bound, vpage 1's swa page
-    goes), after a DeprecationWarning naming the new one."""
+    """``release_end`` / ``release_pages`` (the names before ``unbind_end`` / ``unbind_pages``, listed in
+    CHANGELOG.md) still work for one release: the same effect as the new name (swa page 9 of vpage 2 stays
+    bound, vpage 1's swa page goes), after a DeprecationWarning naming the new one."""
     from umalloc.testing import small_allocator
 
     alloc = small_allocator()

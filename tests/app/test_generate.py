@@ -147,16 +147,12 @@ def test_help_imports_no_torch() -> None:
     assert "--backend" in res.stdout and "gemma3" in res.stdout
 
 
-def test_every_readme_generate_command_parses() -> None:
-    """The README's ``umalloc generate`` commands parse (the command's own parser, no run)."""
-    import re
-    import shlex
-    from pathlib import Path
-
+def test_every_documented_generate_command_parses() -> None:
+    """The ``umalloc generate`` commands of README.md and docs/*.md parse (the command's own parser, no run)."""
+    from doc_blocks import umalloc_commands
     from typer.main import get_command
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    cmds = [shlex.split(line.split("  #", 1)[0]) for line in re.findall(r"^\$ umalloc generate(.*)$", readme, re.M)]
+    cmds = umalloc_commands("generate")
     assert len(cmds) >= 6, cmds
     gen = get_command(app).commands["generate"]  # type: ignore[attr-defined]
     backends = set()

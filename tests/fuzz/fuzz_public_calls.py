@@ -42,7 +42,7 @@ from umalloc import (
     swa_pages_per_seq,
 )
 from umalloc.allocator.facade import MultiEndedAllocator, snapshots_equal
-from umalloc.errors import UmallocError
+from umalloc.errors import InvariantError, UmallocError
 from umalloc.geometry.arena import Arena
 from umalloc.leases.table import LeaseTable
 from umalloc.requests.table import RequestTable
@@ -478,6 +478,9 @@ def run(seed: int, rounds: int = 20, backends: list[str] | None = None) -> Resul
                 try:
                     t.call(ctx, *args)
                     kind = "silent" if any(invalid) else "ok"
+                except InvariantError:   # a broken invariant is a bug, not a refusal
+                    kind = "untyped"
+                    tb = traceback.format_exc(limit=-2)
                 except UmallocError:
                     kind = "typed"
                 except Exception:   # noqa: BLE001 - the campaign classifies every exception

@@ -426,7 +426,7 @@ class SWAScenario(PagedScenario):
     ``free_swa_out_of_window_slots`` rule without prefix sharing: pages wholly before ``seq_len - window``), and
     split frees (``free_full_segment`` for the evicted head, ``free``/``free_segment`` for the rest). A decode is
     issued only where both pools agree on fitting it: SGLang runs both pools' decode and keeps the side that
-    succeeded when the other refuses (README, "SGLang"), umalloc refuses atomically."""
+    succeeded when the other refuses (docs/engines.md, "SGLang"), umalloc refuses atomically."""
 
     kind = "swa"
 

@@ -207,7 +207,7 @@ class UnifiedScenario(PagedScenario):
     def op_flush(self) -> None:
         """umalloc's ``flush_opportunistic`` against SGLang's urgent flush of both sub-pools (the pass its
         ``ensure_capacity`` runs): both pack every live page and return all holes to the gap. SGLang's own
-        non-urgent pass leaves the moved pages' sources as holes until its next flush (README, "SGLang")."""
+        non-urgent pass leaves the moved pages' sources as holes until its next flush (docs/engines.md, "SGLang")."""
         sg, um = self.sides
         if not sg.alloc.full_attn_allocator.moves_blocked():
             sg.alloc.full_attn_allocator.flush_for_allocation()

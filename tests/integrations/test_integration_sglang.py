@@ -125,7 +125,7 @@ def test_installed_version_is_the_tested_one() -> None:
     assert um_sglang.check_version() == sglang.__version__ == "0.5.23"
 
 
-# ---- behavioural differences (each listed in the README's SGLang section) ---------------------------------------
+# ---- behavioural differences (each listed in docs/engines.md, "SGLang") ------------------------------------------
 def _pair(page_size: int, num_pages: int = 4) -> tuple[object, object]:
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 

@@ -167,7 +167,7 @@ def test_tokens_identical_to_stock(name: str, scenario: str) -> None:
     assert len({t for row in want for t in row}) > 2 * len(want), "degenerate model output: the test could not fail"
     opts, cb_kwargs = SCENARIOS[scenario]
     assert stock_tokens(name) == want, "stock generate_batch differs from generate(): the oracle itself disagrees"
-    with ut.installed(replace(opts, check_every_step=True)) as inst:
+    with ut.installed(replace(opts, check_every_step=True), keep_caches=True) as inst:
         got = by_prompt(batch_tokens(model, inputs, gen_config(), cb_config(**cb_kwargs)), len(inputs))
     (cache,) = inst.caches
     c = cache.counters
@@ -197,7 +197,7 @@ def test_forks_identical(name: str) -> None:
     model = model_for(name)
     inputs = prompts()
     want = reference(name)
-    with ut.installed(ut.CacheOptions(compact_every_step=True, check_every_step=True)) as inst:
+    with ut.installed(ut.CacheOptions(compact_every_step=True, check_every_step=True), keep_caches=True) as inst:
         got = batch_tokens(model, inputs, gen_config(2), cb_config())
     stock = batch_tokens(model, inputs, gen_config(2), cb_config())
     for i, row in enumerate(want):
@@ -213,7 +213,7 @@ def test_install_refuses_other_versions(monkeypatch: pytest.MonkeyPatch) -> None
     with pytest.raises(ut.UnsupportedTransformersVersion, match="transformers 4.57.1"):
         ut.check_version("4.57.1")
     ut.check_version(ut.installed_version())
-    monkeypatch.setattr(ut, "installed_version", lambda: "5.22.0")
+    monkeypatch.setattr(transformers, "__version__", "5.22.0")
     with pytest.raises(ut.UnsupportedTransformersVersion, match="5.22.0"):
         ut.install()
     api = pytest.importorskip("transformers.generation.continuous_batching.continuous_api")
@@ -261,15 +261,15 @@ def test_out_of_arena_is_all_or_nothing() -> None:
 
 
 def test_readme_transformers_example_runs(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
-    """The README's runnable transformers example runs as written (its own assert: tokens identical to stock)."""
+    """The docs' runnable transformers example runs as written (its own assert: tokens identical to stock)."""
     import pathlib
     import re
     import runpy
 
-    readme = pathlib.Path(__file__).resolve().parents[2] / "README.md"
-    blocks = [b for b in re.findall(r"```python\n(.*?)```", readme.read_text(), flags=re.S)
-              if "umalloc_tf.installed" in b]
-    assert len(blocks) == 1, "README lost its transformers example"
+    repo = pathlib.Path(__file__).resolve().parents[2]
+    blocks = [b for doc in (repo / "README.md", *sorted((repo / "docs").glob("*.md")))
+              for b in re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.S) if "umalloc_tf.installed" in b]
+    assert len(blocks) == 1, "README.md and docs/*.md should hold the transformers example exactly once"
     script = tmp_path / "readme_transformers.py"
     script.write_text(blocks[0])
     runpy.run_path(str(script), run_name="__main__")
@@ -282,7 +282,7 @@ def test_long_later_prefill_chunk_reads_the_window_before_it() -> None:
     (ring slots ``t % window``, Note [Sliding ring]), and the chunk's own writes keep only its last window."""
     from transformers.generation.continuous_batching.requests import RequestState
 
-    from umalloc.integrations.transformers_groups import SENTINEL_ROW, SINK_ROW
+    from umalloc.integrations.transformers.groups import SENTINEL_ROW, SINK_ROW
 
     cfg = model_for("gemma3").config
     cache = ut.UmallocPagedCache(cfg, cb_config(num_blocks=96), "cpu", None, torch.float32)
@@ -345,7 +345,7 @@ def test_unaligned_windows_identical(window: int, page_size: int, cb_kwargs: dic
     inputs = prompts()
     stock = batch_tokens(model, inputs, gen_config(), ContinuousBatchingConfig(**kw))
     assert len({t for row in stock.values() for t in row}) > 2 * len(stock), "degenerate model output"
-    with ut.installed(ut.CacheOptions(compact_every_step=True, check_every_step=True)) as inst:
+    with ut.installed(ut.CacheOptions(compact_every_step=True, check_every_step=True), keep_caches=True) as inst:
         got = batch_tokens(model, inputs, gen_config(), ContinuousBatchingConfig(**kw))
     (cache,) = inst.caches
     c = cache.counters
@@ -425,10 +425,10 @@ def test_async_batching_and_tiny_pages_are_refused() -> None:
 
 def test_padded_reads_read_zeros() -> None:
     """After a run, the row padded lanes read (row 2 of the sink page, every layer's K and V) is still zero."""
-    from umalloc.integrations.transformers_groups import PAD_READ_ROW
+    from umalloc.integrations.transformers.groups import PAD_READ_ROW
 
     model = model_for("gemma3")
-    with ut.installed(ut.CacheOptions(compact_every_step=True)) as inst:
+    with ut.installed(ut.CacheOptions(compact_every_step=True), keep_caches=True) as inst:
         batch_tokens(model, prompts(), gen_config(), cb_config(max_batch_tokens=20))
     (cache,) = inst.caches
     for grp in cache.cache_allocators.values():
@@ -446,7 +446,7 @@ def test_forks_under_pressure_identical() -> None:
     kw = dict(page_size=4, num_blocks=20, max_batch_tokens=24, use_async_batching=False,
               auto_switch_to_flash=False, max_memory_percent=0.9)
     stock = batch_tokens(model, prompts(), gen_config(2), ContinuousBatchingConfig(**kw))
-    with ut.installed(ut.CacheOptions(compaction="eager", compact_every_step=True, check_every_step=True)) as inst:
+    with ut.installed(ut.CacheOptions(compaction="eager", compact_every_step=True, check_every_step=True), keep_caches=True) as inst:
         got = batch_tokens(model, prompts(), gen_config(2), ContinuousBatchingConfig(**kw))
     c = inst.caches[0].counters
     report("gemma3-w10p4", "fork-pressure", got == stock, f"forks={c.forks} refused={c.refused_allocations}")

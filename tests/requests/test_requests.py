@@ -617,7 +617,7 @@ def test_huge_counts_and_ids_get_typed_errors_and_change_nothing() -> None:
 
 
 def test_the_deprecated_release_warns_and_drops_engine_references_as_drop_refs() -> None:
-    """``RequestTable.release`` (the README's name before ``drop_refs``) still works for one release."""
+    """``RequestTable.release`` (the name before ``drop_refs``, listed in CHANGELOG.md) still works for one release."""
     alloc = _alloc(2, 8)
     table = RequestTable(alloc, max_requests=2, max_tokens_per_request=8)
     (s,) = table.new_requests(1).tolist()

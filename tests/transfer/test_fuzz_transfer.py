@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 from umalloc.allocator.facade import MultiEndedAllocator, snapshots_equal
-from umalloc.errors import UmallocError
+from umalloc.errors import InvariantError, UmallocError
 from umalloc.geometry.arena import Arena
 from umalloc.geometry.region import Region
 from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, LayerSpec
@@ -95,6 +95,8 @@ def _call(world: World, fn) -> None:
     made = []
     try:
         made.append(fn())
+    except InvariantError:
+        raise
     except UmallocError:
         pass
     finally:
@@ -253,5 +255,7 @@ def test_row_arithmetic_refuses_typed(world, a, b, c):
                lambda: vector_rows(end, a, b, dcp_size=1 if c is None else c, dcp_rank=0)):
         try:
             fn()
+        except InvariantError:
+            raise
         except UmallocError:
             pass

@@ -1,6 +1,7 @@
-"""The README's three snippets and a transfer plan through the local backend, written against the public face
-(``import umalloc``) and checked by mypy in strict mode (``scripts/test.sh``): every ``assert_type`` fails the
-check if a name the face exports reaches the type checker as ``Any``. ``test_readme_snippets.py`` runs them."""
+"""The docs' three examples (README.md's, and docs/usage.md's two) and a transfer plan through the local
+backend, written against the public face (``import umalloc``) and checked by mypy in strict mode
+(``scripts/test.sh``): every ``assert_type`` fails the check if a name the face exports reaches the type checker
+as ``Any``. ``test_public_face.py`` runs them."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from umalloc.geometry.presets import preset_arena_spec
 
 
 def token_ids() -> dict[str, tuple[int, int]]:
-    """The README's first snippet: token-level calls, translation, a lease; returns live and peak pages."""
+    """README.md's example: token-level calls, translation, a lease; returns live and peak pages."""
     spec = preset_arena_spec("gemma-3-12b-draft", arena_bytes=256 << 20, page_size=16)
     alloc = MultiEndedAllocator(Arena(spec))
     assert_type(alloc, MultiEndedAllocator)
@@ -53,7 +54,7 @@ def token_ids() -> dict[str, tuple[int, int]]:
 
 
 def page_ids() -> list[list[int]]:
-    """The README's second snippet: page-level calls straight into a numpy block table."""
+    """docs/usage.md's first example: page-level calls straight into a numpy block table."""
     alloc = MultiEndedAllocator(Arena(preset_arena_spec("gemma-3-12b-draft", arena_bytes=256 << 20,
                                                         page_size=16)))
     block_table = np.zeros((4, 8), np.int64)
@@ -66,7 +67,7 @@ def page_ids() -> list[list[int]]:
 
 
 def request_table() -> tuple[list[int], int, int]:
-    """The README's third snippet: the request table (extend, decode, truncate, fork, free with the cache)."""
+    """docs/usage.md's second example: the request table (extend, decode, truncate, fork, free with the cache)."""
     alloc = MultiEndedAllocator(Arena(preset_arena_spec("gemma-3-12b-draft", arena_bytes=256 << 20,
                                                         page_size=16)))
     table = RequestTable(alloc, max_requests=8, max_tokens_per_request=4096)

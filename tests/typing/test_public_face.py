@@ -72,12 +72,13 @@ def test_internals_are_not_exported_but_stay_importable() -> None:
 
 
 def test_the_typed_snippets_run() -> None:
-    # README snippet 1 frees everything it allocated: 0 live pages on every end; at the peak request 0 held
+    # README.md's example frees everything it allocated: 0 live pages on every end; at the peak request 0 held
     # 41 tokens (3 pages of 16) and request 1 8 tokens (1 page) on each of full, swa and draft
     assert readme_snippets.token_ids() == {"full": (0, 4), "swa": (0, 4), "draft": (0, 4)}
-    # snippet 2: pages 1, 2, 3 to slots 0-2 and 4, 5 to slots 8, 9, then slots 8, 9 freed (the table keeps them)
+    # docs/usage.md's page-level example: pages 1, 2, 3 to slots 0-2 and 4, 5 to slots 8, 9, then slots 8, 9
+    # freed (the table keeps them)
     assert readme_snippets.page_ids() == [[1, 2, 3, 0, 0, 0, 0, 0], [4, 5, 0, 0, 0, 0, 0, 0]]
-    # snippet 3: the child holds 16 tokens, request 1 8 tokens
+    # its request-table example: the child holds 16 tokens, request 1 8 tokens
     tokens, held_pages, cached_pages = readme_snippets.request_table()
     assert tokens == [16, 8]
     assert cached_pages == 1
@@ -86,3 +87,18 @@ def test_the_typed_snippets_run() -> None:
     spec = preset_arena_spec("gemma-3-12b-draft", arena_bytes=64 << 20, page_size=16)
     full = next(e for e in spec.ends if e.name == "full")
     assert same and nbytes >= 3 * full.page_bytes  # at least the 3 full-attention pages of 40 tokens moved
+
+
+def test_every_exception_of_umalloc_errors_is_a_umalloc_error() -> None:
+    """One base class catches every umalloc exception, a broken invariant included; ``InvariantError`` stays an
+    ``AssertionError`` too, so a check that expects an assertion still sees one."""
+    import inspect
+
+    from umalloc import errors
+
+    classes = [c for _, c in inspect.getmembers(errors, inspect.isclass)
+               if issubclass(c, BaseException) and c.__module__ == errors.__name__]
+    assert len(classes) > 10, classes
+    assert [c.__name__ for c in classes if not issubclass(c, errors.UmallocError)] == []
+    assert issubclass(errors.InvariantError, AssertionError)
+    assert not issubclass(errors.InvariantError, errors.UmallocValueError)   # a bug, never a refused call

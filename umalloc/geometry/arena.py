@@ -3,7 +3,7 @@
 Policy:
 
 * Physical page ``p`` of end ``e`` occupies bytes ``[p * page_bytes(e), (p + 1) * page_bytes(e))`` of the
-  arena; every end indexes from byte 0 (the README glossary, "arena").
+  arena; every end indexes from byte 0 (docs/architecture.md, "Terms": arena).
 * The lowest ``floor_bytes`` are the reserved floor. Page 0 of every end lies inside it: the *sink* that
   padded lanes may write and nobody reads. Pages below :meth:`ArenaSpec.first_page` are never handed out.
 * One page is one contiguous envelope holding every layer of the end (Note [Page-major envelope] in

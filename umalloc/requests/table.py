@@ -625,6 +625,59 @@ class RequestTable:
         self._device_rows.push_ranges(np.array([s], np.int64), np.zeros(1, np.int64), np.array([n], np.int64))
         return True
 
+    def share_page(self, slot: SlotLike, page_index: int, vpage: int) -> None:
+        """De-duplicate one full page of a request: its page ``page_index`` becomes ``vpage`` (held or cached,
+        holding the same tokens' K/V: the engine found its content hash already indexed), which gains the request
+        as a holder (a cached page leaves the cache); the request's old page loses it and is freed when that was
+        its last holder (never cached: its content duplicates ``vpage``'s). The request's ``req_to_token`` row is
+        rewritten on that page (Note [Holders]).
+
+        Raises:
+            UmallocValueError: the table has bound ends (their holds would follow the page; not supported), or
+            ``page_index`` is not a full page of the request (``[0, length // page_size)``).
+            InvalidIdError: a bad slot or page id, the zero page, or ``vpage`` already a page of the request.
+            NotAllocatedError: a free slot, or ``vpage`` neither held nor cached. Nothing changes on any error.
+
+        Complexity: O(page_size).
+
+        >>> from umalloc import Arena, ArenaSpec, EndSpec, LayerSpec
+        >>> spec = ArenaSpec((EndSpec("full", (LayerSpec.mha(1, 4),), page_size=2),), arena_bytes=320)
+        >>> table = RequestTable(MultiEndedAllocator(Arena(spec)), max_requests=2, max_tokens_per_request=8,
+        ...                      zero_page=False)
+        >>> a, b = table.new_requests(2).tolist(); _ = table.extend([a, b], [2, 2])   # one page each
+        >>> pa = int(table.pages(a)[0]); table.share_page(b, 0, pa)
+        >>> table.pages(b).tolist() == [pa], table.stats().shared_pages, table.stats().held_pages
+        (True, 1, 1)
+        """
+        if self.bound_ends:
+            raise UmallocValueError(f"share_page: the table on {self.owner!r} has bound ends {list(self.bound_ends)};"
+                                    " allowed a table without bound ends")
+        s = self._slot(slot, "share_page")
+        j = count_arg(page_index, "page_index")
+        ps = self.page_size
+        full = int(self._rq[RQ_LEN, s]) // ps
+        if j >= full:
+            raise UmallocValueError(f"share_page: page_index={j}; allowed a full page of request {s}, in [0, {full})")
+        (vp,) = self._page_ids([vpage], "share_page").tolist()
+        state = int(self._pg[PG_STATE, vp])
+        if state == PAGE_NOT_MANAGED:
+            raise NotAllocatedError(f"share_page: virtual page {vp} is neither held nor cached")
+        if vp in self._r2p[s, : -(-int(self._rq[RQ_LEN, s]) // ps)]:
+            raise InvalidIdError(f"share_page: virtual page {vp} is already a page of request {s}; allowed another")
+        old = int(self._r2p[s, j])
+        one = np.array([vp], np.int64)
+        k_revive(self._pg, self._lru, one)     # + 1 holder (an engine reference, made the request's just below)
+        self._pg[PG_ENG, vp] -= 1
+        if state == PAGE_CACHED:
+            self._counters["reclaimed"] += 1
+        self._r2p[s, j] = vp
+        self._r2t[s, j * ps:(j + 1) * ps] = vp * ps + np.arange(ps)
+        self._pg[PG_ENG, old] += 1            # the request's hold on the old page, dropped as an engine reference
+        self._free_listed(k_unref(self._pg, self._lru, np.array([old], np.int64), False, self._freed))
+        if self._dev is not None:
+            self._device_rows.push_ranges(np.array([s], np.int64), np.array([j * ps], np.int64),
+                                          np.array([(j + 1) * ps], np.int64))
+
     def num_tokens(self, slots: IdBatch) -> torch.Tensor:
         """``int64 (B,)`` lengths of live requests. Raises: as :meth:`extend` for bad slots."""
         s = self._slots(slots, "num_tokens")

@@ -19,7 +19,8 @@ Note [Tombstones map to the sink]
     strict mode translating it raises :class:`TombstoneError`. Otherwise it maps to physical page
     :data:`SINK_PAGE` (0), the reserved page padded lanes may hit, keeping the in-page offset: virtual token
     ``t`` becomes physical token ``0 * page_size + t % page_size``. Reads from the sink return garbage that
-    nobody uses; writes land in a page that is never handed out (the README glossary, "reserved floor"; docs/faults.md F05).
+    nobody uses; writes land in a page that is never handed out (docs/architecture.md, "Terms": reserved
+    floor / sink; docs/faults.md F05).
 """
 
 from __future__ import annotations

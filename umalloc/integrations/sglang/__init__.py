@@ -33,7 +33,7 @@ The classes (module attributes, built on first access because they subclass SGLa
   virtual ids, compaction and move gates (:mod:`umalloc.integrations.sglang.unified`).
 
 How they differ from SGLang's own classes (order of ids, misuse that raises) is listed in
-:mod:`umalloc.integrations.sglang.pools` and in the README ("SGLang").
+:mod:`umalloc.integrations.sglang.pools` and in docs/engines.md ("SGLang").
 """
 
 from __future__ import annotations

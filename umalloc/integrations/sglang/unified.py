@@ -21,7 +21,7 @@ Mapping (SGLang 0.5.23 -> umalloc):
 * **Capacity** is priced by SGLang's rules (:mod:`umalloc.integrations.sglang.capacity`) on umalloc's end state;
   the allocation itself is umalloc's (``alloc_pages``/``alloc_extend``/``alloc_decode`` binding both ends).
 
-Differences from SGLang's class (README, "SGLang"): virtual ids are the lowest free ones (SGLang: a FIFO of freed
+Differences from SGLang's class (docs/engines.md): virtual ids are the lowest free ones (SGLang: a FIFO of freed
 ids) and physical pages come out ascending on both ends, so ids match SGLang's up to a relabelling of pages; a
 double free, a free of an unallocated id, or a segment free of a page already unbound raise umalloc's typed
 errors (SGLang: a stale-slot assertion or an invariant log); ``set_full_to_swa_mapping`` with SWA ids of SGLang's

@@ -2,8 +2,8 @@
 
 :func:`install` makes every ``PagedAttentionCache`` that transformers builds afterwards an
 :class:`UmallocPagedCache`: the model's KV lives in one umalloc :class:`~umalloc.geometry.arena.Arena`, its pages
-are handed out by a :class:`~umalloc.core.allocator.MultiEndedAllocator` and owned per request by a
-:class:`~umalloc.core.requests.RequestTable`. transformers' scheduler, request states, logits processing, masks
+are handed out by a :class:`~umalloc.allocator.facade.MultiEndedAllocator` and owned per request by a
+:class:`~umalloc.requests.table.RequestTable`. transformers' scheduler, request states, logits processing, masks
 and attention kernels are unchanged: only the memory layer is replaced.
 
 Policy:
@@ -11,15 +11,15 @@ Policy:
 * **One arena, one end per attention type.** Full-attention layers are the ``full`` end (grows up), sliding-window
   layers the ``swa`` end (grows down); both mint their own virtual pages, each has its own page geometry
   (``page_size`` tokens of every layer it holds, page-major envelope: layer 0 K, layer 0 V, layer 1 K, ...) and
-  its own :class:`~umalloc.core.requests.RequestTable`; the split between them is dynamic (no sectors).
+  its own :class:`~umalloc.requests.table.RequestTable`; the split between them is dynamic (no sectors).
 * **Sliding layers keep a ring** (Note [Sliding ring]): a request holds ``ceil(min(length, window) / page_size)``
   sliding pages, the fewest that hold a window, as transformers' ring buffer does.
 * **Block ids are virtual pages.** A request's pages are its tables' ``req_to_token`` rows; the read / write row
   indices handed to attention are computed every step by translating those virtual tokens to physical ones on the
   layer's end, so compaction may move pages between steps (Note [Rows]).
 * **Sharing is the table's.** Prefix hits, forks and cached pages use the table's reference counts, copy-on-write
-  and cached-free LRU; the integration keeps only a content-hash index (hash -> virtual page), cleaned by
-  ``on_evict``. Cached pages are evicted only when an allocation falls short.
+  and cached-free LRU; the integration keeps only a content-hash index (:mod:`~umalloc.integrations.transformers.prefix`,
+  hash -> virtual page), cleaned by ``on_evict``. Cached pages are evicted only when an allocation falls short.
 * **Padding lanes** write umalloc's sink (physical page 0, row 0) and read row 2 of it, which nothing writes
   (Note [Rows]).
 * **Size**: the arena has exactly the bytes transformers' own cache tensor would have (its sectors plus its two
@@ -30,32 +30,51 @@ Policy:
 
 Note [Seams]
 ~~~~~~~~~~~~
-Where transformers 5.23's interfaces are adapted, all in this module:
+Where transformers 5.23's interfaces are adapted, all in this package:
 
-1. ``continuous_api.PagedAttentionCache`` (the name ``_create_batch_processor`` calls) is replaced by a factory;
-   :func:`uninstall` puts the original back. Nothing else of transformers is patched.
+1. ``continuous_api.PagedAttentionCache`` (the name ``_create_batch_processor`` calls) is replaced by a factory
+   (:mod:`~umalloc.integrations.transformers.install`); :func:`uninstall` puts the original back.
 2. ``cache.cache_allocators`` holds one :class:`EndGroup` per attention type (the attributes the IO builder,
    the offloading manager and ``update`` read: ``index``, ``layer_type``, ``tokens_per_page``, ``get_seqlen_k``,
-   ``read_trash_index`` / ``write_trash_index``, ``needs_new_blocks``, ``block_table``), not a CacheAllocator.
+   ``read_trash_index`` / ``write_trash_index``, ``needs_new_blocks``, ``block_table``; and ``ledger``, a
+   read-only ``hash_to_block`` / ``block_to_hash`` view of the prefix index), not a CacheAllocator.
 3. ``cache.pool.try_to_free_sectors()``, which the scheduler calls once per step before scheduling, is the step
    hook: forced compaction (``compact_every_step``) and the per-step ``check_invariants`` run there, after the
    previous forward and before the next step's indices are built.
 4. The indices the IO builder collects are physical rows computed when it asks for them, after every move of
-   the step (Note [Index time] in :mod:`umalloc.integrations.transformers_groups`); ``read_trash_index`` is a
+   the step (Note [Index time] in :mod:`umalloc.integrations.transformers.groups`); ``read_trash_index`` is a
    property it reads at every batch.
 5. The decode fast path (block tables) is off (``max_blocks_per_request = 0``): block tables would hold physical
    pages that compaction may move; eager / sdpa read through row indices only.
 6. ``evict_cached_blocks`` evicts nothing and returns ``False``: the table evicts LRU pages itself when an
    allocation falls short, and ``compute_free_capacity`` counts cached pages as free.
-7. De-duplication on block completion registers a new content hash only; a page whose content is already indexed
-   stays the request's own (the table has no page swap), so one duplicate may live until its request ends.
-9. sdpa and flash attention test ``isinstance(cache, PagedAttentionCache)``: :func:`install` builds the class the
-   engine instantiates with transformers' class as a second base (after :class:`UmallocPagedCache`), for that
-   check only; it verifies that every method the engine calls resolves to umalloc's.
+7. De-duplication on block completion, as transformers' own allocator does it: after the forward, each page the
+   forward completed gets its chained content hash; a new hash is indexed, and a page whose hash is already
+   indexed is replaced in the request by the indexed page (``RequestTable.share_page``) and freed, so requests
+   prefilled in the same step share their common full pages from the next step on.
 8. Refused at construction (typed errors): tensor parallelism, asynchronous batching (it schedules, so allocates
    and compacts, while a forward reads rows computed before), CPU offloading (``cpu_offload_space > 0``, it copies
    by physical block id), attention types other than full / sliding, and models whose every layer slides (the
    cache sizes, counts and shares prefixes by its full-attention group).
+9. sdpa and flash attention test ``isinstance(cache, PagedAttentionCache)``: :func:`install` builds the class the
+   engine instantiates with transformers' class as a second base (after :class:`UmallocPagedCache`), for that
+   check only; it verifies that every method the engine calls resolves to umalloc's.
+10. ``continuous_api.ContinuousBatchProcessor`` is likewise replaced by transformers' class with one step added
+    after ``__init__`` (:func:`~umalloc.integrations.transformers.install.bind_processor`): its scheduler object's
+    ``schedule_batch`` also fails, alone, the requests the cache found unable to complete (Note [Cannot fit]).
+    transformers' classes and files are not modified; :func:`uninstall` puts both names back.
+
+Note [Cannot fit]
+~~~~~~~~~~~~~~~~~
+With the arena to itself a request can hold at most ``tokens_alone`` tokens: ``full`` grows up from its first
+page, ``swa`` (its ring) down from its top page, and the two must not cross (``max_position_embeddings`` caps
+it too). A request that needs more -- now, for its prompt, or for its prompt plus ``max_new_tokens - 1`` when no
+end-of-sequence token can stop it early -- can never complete. The stock cache cannot tell: it admits such a
+request, the request grows until no request can be scheduled, and transformers fails every outstanding request.
+This cache refuses it and, through the batch processor's scheduler (Note [Seams] 10), fails it alone at its
+first scheduling, with a :class:`RequestCannotFitError` naming what it needs and what one request can hold. A
+request with an end-of-sequence token whose prompt fits is admitted (it may stop early) and failed alone only
+once it needs more than ``tokens_alone``.
 
 Note [Rows]
 ~~~~~~~~~~~
@@ -99,13 +118,9 @@ Threading: the scheduler's thread only (transformers drives the cache from one t
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import importlib
 import math
-from array import array
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+import weakref
 from time import perf_counter
 from typing import Any
 
@@ -113,6 +128,7 @@ import numpy as np
 import torch
 
 from umalloc import (
+    ARENA_ALIGN_BYTES,
     Arena,
     ArenaSpec,
     EndRole,
@@ -122,34 +138,35 @@ from umalloc import (
     LayerSpec,
     MultiEndedAllocator,
     RequestTable,
-    UmallocValueError,
+    SpecError,
 )
-from umalloc.integrations.transformers_groups import (
+from umalloc.integrations.transformers.groups import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
     EndGroup,
 )
-from umalloc.integrations.transformers_options import (
+from umalloc.integrations.transformers.options import (
     END_OF,
     TORCH_TO_KV,
     CacheCounters,
     CacheOptions,
+    RequestCannotFitError,
     UnsupportedCacheError,
-    UnsupportedTransformersVersion,
     text_config_dims,
 )
-
-#: transformers versions this integration is tested against (exactly).
-SUPPORTED_TRANSFORMERS_VERSIONS: tuple[str, ...] = ("5.23.0",)
+from umalloc.integrations.transformers.prefix import PrefixIndex
 
 
-def _block_hash(parent: int | None, tokens: list[int]) -> int:
-    """A chained 64-bit content hash of one full page of tokens (blake2b, stable across processes)."""
-    h = hashlib.blake2b(digest_size=8)
-    if parent is not None:
-        h.update(parent.to_bytes(8, "little", signed=False))
-    h.update(array("i", tokens).tobytes())
-    return int.from_bytes(h.digest(), "little", signed=False)
+def _weak_call(method: Any) -> Any:
+    """A function calling the bound ``method`` while its object lives (a no-op after): a callback that does not
+    keep its object alive (Note [Lifetime])."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> None:
+        m = ref()
+        if m is not None:
+            m(*args)
+    return call
 
 
 class _Timer:
@@ -173,7 +190,7 @@ class _Pool:
     (Note [Seams] 3)."""
 
     def __init__(self, cache: UmallocPagedCache) -> None:
-        self._cache = cache
+        self._cache = weakref.proxy(cache)   # the cache owns its pool: no cycle keeps a dropped cache alive
 
     def try_to_free_sectors(self) -> None:
         self._cache.step_hook()
@@ -237,7 +254,9 @@ class UmallocPagedCache:
         self.stock_cache_bytes = (num_sectors + 2) * bytes_per_sector
         self.bytes_per_sector = bytes_per_sector
         arena_bytes = self.stock_cache_bytes if opts.arena_bytes is None else int(opts.arena_bytes)
-        arena_bytes -= arena_bytes % 16
+        if arena_bytes % ARENA_ALIGN_BYTES:
+            raise UnsupportedCacheError(f"CacheOptions.arena_bytes={arena_bytes}: allowed a multiple of "
+                                        f"{ARENA_ALIGN_BYTES} bytes")
 
         # ---- the arena: full (up) and swa (down), each an id owner with its own request table
         ends = [EndSpec("full", tuple(LayerSpec.mha(num_kv_heads, head_dim, dtype=kv)
@@ -246,15 +265,27 @@ class UmallocPagedCache:
             ends.append(EndSpec("swa", tuple(LayerSpec.mha(num_kv_heads, head_dim, dtype=kv, window_tokens=window)
                                              for _ in groups[SLIDING_ATTENTION]), page_size=ps, grow=Grow.DOWN,
                                 role=EndRole.SWA))
-        self.arena = Arena(ArenaSpec(tuple(ends), arena_bytes=arena_bytes), device=device)
+        try:
+            spec = ArenaSpec(tuple(ends), arena_bytes=arena_bytes)
+        except SpecError as e:
+            source = "CacheOptions.arena_bytes" if opts.arena_bytes is not None else "the stock cache's size"
+            raise UnsupportedCacheError(f"arena_bytes={arena_bytes} ({source}): allowed {e.allowed} for this "
+                                        "model's pages") from e
+        self.arena = Arena(spec, device=device)
         self.alloc = MultiEndedAllocator(self.arena, compaction=opts.compaction)
         owner_pages = self.arena.top_page("full") + 1 - self.arena.first_page("full")
+        #: the most tokens one request can hold with the arena to itself (Note [Cannot fit])
+        self.tokens_alone = self._tokens_alone(window if SLIDING_ATTENTION in groups else None)
         max_pos = int(getattr(config, "max_position_embeddings", owner_pages * ps) or owner_pages * ps)
-        self.max_tokens_per_request = max(ps, min(max_pos, owner_pages * ps))
+        self.max_tokens_per_request = max(ps, min(max_pos, self.tokens_alone))
+        #: whether a batch processor fails the requests this cache finds unable to complete (Note [Cannot fit]);
+        #: without one such a request is refused and waits, as in the stock cache
+        self.fails_alone = False
+        self._doomed: dict[str, tuple[Any, RequestCannotFitError]] = {}
         max_requests = opts.max_requests or max(1, min(owner_pages, 1024))
         self.table = RequestTable(self.alloc, max_requests=max_requests,
                                   max_tokens_per_request=self.max_tokens_per_request, dtype=torch.int64,
-                                  owner="full", zero_page=False, on_evict=self._on_evict)
+                                  owner="full", zero_page=False, on_evict=_weak_call(self._on_evict))
         #: the sliding layers' ring per request (Note [Sliding ring]); None without sliding layers
         self.ring_table: RequestTable | None = None
         self.window = window if SLIDING_ATTENTION in groups else None
@@ -272,15 +303,14 @@ class UmallocPagedCache:
         self._ring_copies: list[tuple[int, int]] = []   # (source ring slot, fork's ring slot) to copy
         self._pending: dict[int, int] = {}   # slot -> tokens granted, not yet in the tables (Note [Deferred growth])
         self._forked: set[int] = set()   # slots that may share a partial page (fork sources and forks)
-        self._hash_to_vpage: dict[int, int] = {}
-        self._vpage_to_hash: dict[int, int] = {}
+        self.prefix = PrefixIndex()
 
         self.cache_allocators: dict[str, EndGroup] = {}
         self.layer_to_allocator: dict[int, EndGroup] = {}
         for index, lt in enumerate(sorted(groups, key=lambda t: t != FULL_ATTENTION)):
             sliding = lt == SLIDING_ATTENTION
             table = self.ring_table if sliding and self.ring_table is not None else self.table
-            grp = EndGroup(self, index, lt, END_OF[lt], table, groups[lt], num_kv_heads, head_dim,
+            grp = EndGroup(weakref.proxy(self), index, lt, END_OF[lt], table, groups[lt], num_kv_heads, head_dim,
                            window if sliding else None)
             self.cache_allocators[lt] = grp
             for layer in groups[lt]:
@@ -293,7 +323,52 @@ class UmallocPagedCache:
         self.read_cache_limit = None
         self.max_tokens_read = max(g.num_blocks * ps for g in self.cache_allocators.values())
 
+    def _tokens_alone(self, window: int | None) -> int:
+        """The most tokens one request holds in this arena when it is the only one (Note [Cannot fit]): ``full``
+        grows up from its first page, ``swa`` down from its top page, and the two must not cross. O(log pages)."""
+        ps, arena = self.page_size, self.arena
+        f0, fpb = arena.first_page("full"), arena.page_bytes("full")
+        f_max = arena.top_page("full") + 1 - f0
+        if window is None:
+            return f_max * ps
+        top, spb = arena.top_page("swa") + 1, arena.page_bytes("swa")
+
+        def fits(full_pages: int) -> bool:
+            ring = -(-min(full_pages * ps, window) // ps)
+            return (f0 + full_pages) * fpb <= (top - ring) * spb
+
+        lo, hi = 0, f_max   # fits(lo) holds (an ArenaSpec holds the floor plus one page of each end)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        return lo * ps
+
+    def _never_completes(self, state: Any, target: int) -> int | None:
+        """The tokens ``state``'s request must hold that exceed what it could hold alone, or None (Note [Cannot
+        fit]): ``target`` now, its prompt, or, when no end-of-sequence token can stop it early, its prompt plus
+        ``max_new_tokens - 1``."""
+        limit = self.max_tokens_per_request
+        prompt = len(state.initial_tokens)
+        if max(target, prompt) > limit:
+            return max(target, prompt)
+        eos = state.eos_token_id
+        can_stop = eos is not None and any(t >= 0 for t in ([eos] if isinstance(eos, int) else eos))
+        new = state.max_new_tokens
+        if new is not None and not can_stop and prompt + new - 1 > limit:
+            return prompt + new - 1
+        return None
+
+    def take_doomed(self) -> list[tuple[Any, RequestCannotFitError]]:
+        """The requests found unable to complete since the last call, with their errors (Note [Cannot fit])."""
+        out = list(self._doomed.values())
+        self._doomed.clear()
+        return out
+
     # ---- bookkeeping ---------------------------------------------------------------------------------------
+    def hash_index(self) -> tuple[dict[int, int], dict[int, int]]:
+        """The prefix index: (content hash -> virtual page, virtual page -> content hash), live; read it only."""
+        return self.prefix.hash_to_vpage, self.prefix.vpage_to_hash
+
     def held_tokens(self, request_id: str) -> int:
         slot = self.slots.get(request_id)
         return 0 if slot is None else self._held.get(slot, 0)
@@ -331,22 +406,13 @@ class UmallocPagedCache:
 
     def _forget_rows(self, slots: list[int], rings: list[int]) -> None:
         """Drop the groups' kept rows of these table slots and ring slots (Note [Row reuse] in
-        :mod:`umalloc.integrations.transformers_groups`)."""
+        :mod:`umalloc.integrations.transformers.groups`)."""
         for grp in self.cache_allocators.values():
             grp.forget_rows(rings if grp.sliding_window is not None else slots)
 
     def _on_evict(self, vpages: torch.Tensor) -> None:
         self.counters.evicted_pages += int(vpages.numel())
-        for vp in vpages.tolist():
-            h = self._vpage_to_hash.pop(vp, None)
-            if h is not None and self._hash_to_vpage.get(h) == vp:
-                del self._hash_to_vpage[h]
-
-    def _forget_hashes(self, vpages: list[int]) -> None:
-        for vp in vpages:
-            h = self._vpage_to_hash.pop(vp, None)
-            if h is not None and self._hash_to_vpage.get(h) == vp:
-                del self._hash_to_vpage[h]
+        self.prefix.forget(vpages.tolist())
 
     def _free_slot(self, request_id: str, cache: bool) -> None:
         """Free one request's slot. With ``cache`` its full pages stay cached (their hashes stay indexed: only full
@@ -355,8 +421,8 @@ class UmallocPagedCache:
         if slot is None:
             return
         self._flush()
-        if not cache and self._vpage_to_hash:
-            self._forget_hashes(self.table.pages(slot).tolist())
+        if not cache and self.prefix.vpage_to_hash:
+            self.prefix.forget(self.table.pages(slot).tolist())
         self._free_table_slots([slot], cache=cache)
 
     def step_hook(self) -> None:
@@ -385,12 +451,7 @@ class UmallocPagedCache:
         kept = set(self.table.cached_pages().tolist())
         for slot in self.slots.values():
             kept.update(self.table.pages(slot).tolist())
-        for vp, h in self._vpage_to_hash.items():
-            if vp not in kept or self._hash_to_vpage.get(h) != vp:
-                raise InvariantError(f"hash-index: virtual page {vp} is indexed but neither held nor cached, or its "
-                                     "hash maps elsewhere")
-        if len(self._hash_to_vpage) != len(self._vpage_to_hash):
-            raise InvariantError("hash-index: hash -> page and page -> hash differ in size")
+        self.prefix.check(kept)
         live = sorted(self.slots.values())
         if sorted(self._held) != live:
             raise InvariantError(f"held lengths: kept for slots {sorted(self._held)}, live slots {live}")
@@ -419,8 +480,16 @@ class UmallocPagedCache:
                 return request_len <= self.max_tokens_per_request and self.alloc.can_alloc(need)
             rid = state.request_id
             target = int(state.current_len()) + int(request_len)   # transformers' contract: past + query
-            if target > self.max_tokens_per_request:
-                return False
+            if target > self.max_tokens_per_request or rid not in self.slots:
+                need_tokens = self._never_completes(state, target)
+                if need_tokens is not None:
+                    if self.fails_alone:
+                        self._doomed[rid] = (state, RequestCannotFitError(
+                            f"request {rid!r} needs {need_tokens} tokens of KV cache; this cache holds at most "
+                            f"{self.max_tokens_per_request} for one request alone ({self.arena.arena_bytes} arena "
+                            f"bytes, max_position_embeddings included): it can never complete, so it fails alone"))
+                    self.counters.refused_allocations += 1
+                    return False
             known = self.slots.get(rid)
             held = 0 if known is None else self._held[known]
             grow = target - held
@@ -590,8 +659,7 @@ class UmallocPagedCache:
                 cached = self.table.cached_pages()
                 if cached.numel():
                     self.table.evict(int(cached.numel()))
-                self._hash_to_vpage.clear()
-                self._vpage_to_hash.clear()
+                self.prefix.clear()
 
     def reset(self) -> None:
         self.free_all_requests(clear_ledgers=True)
@@ -603,14 +671,7 @@ class UmallocPagedCache:
             return 0
         with self._timer:
             ps = self.page_size
-            matched: list[int] = []
-            parent: int | None = None
-            for b in range((len(prompt_ids) - 1) // ps):
-                parent = _block_hash(parent, list(prompt_ids[b * ps:(b + 1) * ps]))
-                vp = self._hash_to_vpage.get(parent)
-                if vp is None:
-                    break
-                matched.append(vp)
+            matched = self.prefix.match(prompt_ids, ps)
             if not matched or request_id in self.slots:
                 return 0
             self._flush()
@@ -639,38 +700,30 @@ class UmallocPagedCache:
         return {FULL_ATTENTION: n} if n else {}
 
     def mark_complete_blocks(self, state: Any, complete_blocks: dict[str, int]) -> None:
-        """Index the content hashes of the pages the last forward completed (Note [Seams] 7)."""
+        """Index the content hashes of the pages the last forward completed; a completed page whose hash is
+        already indexed is replaced by the indexed page and freed (Note [Seams] 7)."""
         if not self.allow_block_sharing or not complete_blocks or state.request_id not in self.slots:
             return
         with self._timer:
             self._flush()
-            tokens = state.initial_tokens + state.generated_tokens
-            pages = self.table.pages(self.slots[state.request_id]).tolist()
-            ps = self.page_size
-            budget = sum(complete_blocks.values())
-            parent: int | None = None
-            for i, vp in enumerate(pages):
-                h = self._vpage_to_hash.get(vp)
-                if h is None:
-                    chunk = tokens[i * ps:(i + 1) * ps]
-                    if budget == 0 or len(chunk) < ps:
-                        break
-                    h = _block_hash(parent, chunk)
-                    budget -= 1
-                    if h not in self._hash_to_vpage:
-                        self._hash_to_vpage[h] = vp
-                        self._vpage_to_hash[vp] = h
-                parent = h
+            slot = self.slots[state.request_id]
+            replaced = self.prefix.complete(self.table.pages(slot).tolist(), state.initial_tokens + state.generated_tokens,
+                                            sum(complete_blocks.values()), self.page_size,
+                                            lambda i, vp: self.table.share_page(slot, i, vp))
+            if replaced:
+                self.counters.deduplicated_pages += replaced
+                self._free_bytes_memo = None
+                self._forget_rows([slot], [])
 
     def extend_read_and_write_indices(self, request_id: str, past_length: int, query_length: int,
                                       read_index: list[list[int]] | None, write_index: list[list[int]]) -> None:
         """Append the request's attention rows per attention type, in ``cache_allocators`` order (Note [Rows];
-        Note [Index time] in :mod:`umalloc.integrations.transformers_groups`)."""
+        Note [Index time] in :mod:`umalloc.integrations.transformers.groups`)."""
         with self._timer:
             self._flush()
             slot = self.slots[request_id]
             ring = self.ring_slots.get(slot, -1)
-            keep = slot not in self._forked   # Note [Row reuse] in transformers_groups
+            keep = slot not in self._forked   # Note [Row reuse] in transformers.groups
             for grp, out in zip(self.cache_allocators.values(), write_index, strict=True):
                 sliding = grp.sliding_window is not None
                 out.extend(grp.write_rows(ring if sliding else slot, past_length, query_length, keep or sliding))
@@ -749,111 +802,4 @@ class UmallocPagedCache:
         return k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
 
 
-# =============================================================================================================
-# install / uninstall
-# =============================================================================================================
-@dataclass
-class Installation:
-    """What :func:`install` did: ``caches`` lists every :class:`UmallocPagedCache` built while it is active."""
-
-    options: CacheOptions
-    original: Any
-    caches: list[UmallocPagedCache] = field(default_factory=list)
-
-
-_active: Installation | None = None
-
-#: every PagedAttentionCache method transformers 5.23's batch processor, scheduler, IO builder, model runner,
-#: offloading manager and attention interfaces call
-_ENGINE_METHODS = (
-    "can_store_request_tokens", "count_storable_requests", "free_blocks", "free_all_requests", "search_prefix_match",
-    "count_new_complete_blocks", "mark_complete_blocks", "evict_cached_blocks", "extend_read_and_write_indices",
-    "update", "reset", "prepare_fork_request", "perform_cache_copy", "compute_free_capacity", "fill_block_table",
-    "__init__",
-)
-
-
-def installed_version() -> str:
-    """The installed transformers distribution's version (package metadata)."""
-    import importlib.metadata
-    return importlib.metadata.version("transformers")
-
-
-def check_version(version: str) -> None:
-    """Raise :class:`UnsupportedTransformersVersion` unless ``version`` is one of
-    :data:`SUPPORTED_TRANSFORMERS_VERSIONS`."""
-    if version not in SUPPORTED_TRANSFORMERS_VERSIONS:
-        raise UnsupportedTransformersVersion(f"transformers {version}: umalloc.integrations.transformers is tested "
-                                             f"with {list(SUPPORTED_TRANSFORMERS_VERSIONS)} only")
-
-
-def install(options: CacheOptions | None = None) -> Installation:
-    """Make every ``PagedAttentionCache`` transformers builds from now on an :class:`UmallocPagedCache`.
-
-    Returns:
-        the :class:`Installation` (its ``caches`` collects the caches built).
-
-    Raises:
-        UnsupportedTransformersVersion: transformers is not one of :data:`SUPPORTED_TRANSFORMERS_VERSIONS`.
-        UmallocValueError: already installed, or ``options`` not a :class:`CacheOptions`. Nothing changes.
-    """
-    global _active
-    check_version(installed_version())
-    opts = CacheOptions() if options is None else options
-    if not isinstance(opts, CacheOptions):
-        raise UmallocValueError(f"options={options!r}: allowed a CacheOptions")
-    if _active is not None:
-        raise UmallocValueError("umalloc is already installed in transformers; call uninstall() first")
-    api: Any = importlib.import_module("transformers.generation.continuous_batching.continuous_api")
-    inst = Installation(options=opts, original=api.PagedAttentionCache)
-    # sdpa / flash attention test isinstance(cache, PagedAttentionCache) (Note [Seams] 9): the cache class the
-    # engine sees names the stock one as a base, for that check only; every method it calls is umalloc's
-    engine_cls = type("UmallocPagedAttentionCache", (UmallocPagedCache, api.PagedAttentionCache), {})
-    missing = [m for m in _ENGINE_METHODS if getattr(engine_cls, m) is not getattr(UmallocPagedCache, m)]
-    if missing:
-        raise InvariantError(f"engine cache class: {missing} would resolve to transformers' own methods")
-
-    def factory(*args: Any, **kwargs: Any) -> UmallocPagedCache:
-        cache: UmallocPagedCache = engine_cls(*args, options=inst.options, **kwargs)
-        inst.caches.append(cache)
-        return cache
-
-    api.PagedAttentionCache = factory
-    _active = inst
-    return inst
-
-
-def uninstall() -> None:
-    """Give transformers its own ``PagedAttentionCache`` back (no-op if not installed)."""
-    global _active
-    if _active is None:
-        return
-    api: Any = importlib.import_module("transformers.generation.continuous_batching.continuous_api")
-    api.PagedAttentionCache = _active.original
-    _active = None
-
-
-@contextlib.contextmanager
-def installed(options: CacheOptions | None = None) -> Iterator[Installation]:
-    """``with installed(opts) as inst:`` -- :func:`install` for the block, :func:`uninstall` after."""
-    inst = install(options)
-    try:
-        yield inst
-    finally:
-        uninstall()
-
-
-__all__ = [
-    "SUPPORTED_TRANSFORMERS_VERSIONS",
-    "CacheCounters",
-    "CacheOptions",
-    "Installation",
-    "UmallocPagedCache",
-    "UnsupportedCacheError",
-    "UnsupportedTransformersVersion",
-    "check_version",
-    "install",
-    "installed",
-    "installed_version",
-    "uninstall",
-]
+__all__ = ["UmallocPagedCache"]

@@ -1,4 +1,4 @@
-"""Options, counters, errors and config reading of :mod:`umalloc.integrations.transformers` (Note [Seams] there).
+"""Options, counters, errors and config reading of :mod:`umalloc.integrations.transformers.cache` (Note [Seams] there).
 
 Nothing here imports transformers at module import; :func:`text_config_dims` imports its utils when called.
 """
@@ -12,10 +12,12 @@ from typing import Any
 import torch
 
 from umalloc import KVDtype, UmallocValueError
-from umalloc.integrations.transformers_groups import FULL_ATTENTION, SLIDING_ATTENTION
+from umalloc.integrations.transformers.groups import FULL_ATTENTION, SLIDING_ATTENTION
 
 #: attention type -> arena end
 END_OF = {FULL_ATTENTION: "full", SLIDING_ATTENTION: "swa"}
+#: the allocator's compaction modes (:class:`~umalloc.allocator.facade.MultiEndedAllocator`)
+COMPACTION_MODES = ("lazy", "eager", "off")
 #: cache dtypes the arena holds
 TORCH_TO_KV = {torch.float32: KVDtype.FP32, torch.float16: KVDtype.FP16, torch.bfloat16: KVDtype.BF16}
 
@@ -26,6 +28,12 @@ class UnsupportedTransformersVersion(UmallocValueError):
 
 class UnsupportedCacheError(UmallocValueError):
     """A model or continuous-batching config the umalloc cache cannot hold (layer and type, or option, named)."""
+
+
+class RequestCannotFitError(UmallocValueError):
+    """A request that could not complete even with the whole cache to itself: its prompt, or its prompt plus
+    ``max_new_tokens`` when no end-of-sequence token can stop it early, exceeds what one request can hold. The
+    request fails alone (its output carries this message); the others run on."""
 
 
 @dataclass(frozen=True)
@@ -41,6 +49,10 @@ class CacheOptions:
             lazy allocator's move budget applied between steps.
         check_every_step: run ``check_invariants`` (table and allocator) at the step hook.
         max_requests: request slots (``None``: ``min(owner pages, 1024)``).
+
+    Raises:
+        UmallocValueError: a field of the wrong type or out of range, naming the field, the value and what is
+            allowed (checked at construction; :func:`dataclasses.replace` checks again).
     """
 
     arena_bytes: int | None = None
@@ -50,6 +62,19 @@ class CacheOptions:
     check_every_step: bool = False
     max_requests: int | None = None
 
+    def __post_init__(self) -> None:
+        for name in ("arena_bytes", "compact_budget_pages", "max_requests"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise UmallocValueError(f"CacheOptions.{name}={v!r}: allowed None or an int >= 1")
+        if self.compaction not in COMPACTION_MODES:
+            raise UmallocValueError(f"CacheOptions.compaction={self.compaction!r}: allowed one of "
+                                    f"{list(COMPACTION_MODES)}")
+        for name in ("compact_every_step", "check_every_step"):
+            v = getattr(self, name)
+            if type(v) is not bool:
+                raise UmallocValueError(f"CacheOptions.{name}={v!r}: allowed True or False")
+
 
 @dataclass
 class CacheCounters:
@@ -58,8 +83,11 @@ class CacheCounters:
     Attributes:
         steps: step hooks seen. compactions / pages_moved: forced compactions and the pages they moved (the
         allocator's own eager / lazy moves are in ``alloc.stats()[end].pages_moved``). prefix_hits /
-        prefix_hit_tokens: prompts that reused cached pages and the tokens reused. evicted_pages: cached pages
-        evicted (``on_evict``). refused_allocations: ``can_store_request_tokens`` answers ``False``.
+        prefix_hit_tokens: prompts that reused cached pages and the tokens reused. deduplicated_pages: completed
+        pages replaced by an indexed page of the same content (Note [Seams] 7). evicted_pages: cached pages
+        evicted (``on_evict``). refused_allocations: ``can_store_request_tokens`` answers ``False``. failed_alone:
+        requests failed because they could never complete, with the children they were to fork into (Note
+        [Cannot fit]).
         max_live_requests: most requests holding pages at once. memory_seconds: wall time inside this layer's
         scheduler-facing calls (allocation, index building and translation, freeing, hooks), measured with
         ``time.perf_counter``.
@@ -70,9 +98,11 @@ class CacheCounters:
     pages_moved: int = 0
     prefix_hits: int = 0
     prefix_hit_tokens: int = 0
+    deduplicated_pages: int = 0
     evicted_pages: int = 0
     refused_allocations: int = 0
     max_live_requests: int = 0
+    failed_alone: int = 0
     forks: int = 0
     memory_seconds: float = 0.0
     live_requests_sum: int = 0
@@ -81,6 +111,10 @@ class CacheCounters:
 def text_config_dims(config: Any, dtype: torch.dtype) -> tuple[int, int, dict[str, list[int]], int | None]:
     """``(num_kv_heads, head_dim, layers by attention type, sliding_window)`` of a text config; refuses what the
     arena cannot hold (Note [Seams] 8)."""
+    if getattr(config, "kv_lora_rank", None) is not None:
+        raise UnsupportedCacheError(f"layer 0 is multi-head latent attention (kv_lora_rank={config.kv_lora_rank}): "
+                                    "transformers 5.25 caches its compressed latents; the umalloc cache holds "
+                                    "per-head K/V of full_attention and sliding_attention layers only")
     utils = importlib.import_module("transformers.generation.continuous_batching.utils")
     num_kv_heads = int(utils.find_num_key_value_heads(config))
     head_dim = int(utils.find_head_dim(config))
@@ -106,5 +140,5 @@ def text_config_dims(config: Any, dtype: torch.dtype) -> tuple[int, int, dict[st
     return num_kv_heads, head_dim, groups, sliding_window if SLIDING_ATTENTION in groups else None
 
 
-__all__ = ["END_OF", "TORCH_TO_KV", "CacheCounters", "CacheOptions", "UnsupportedCacheError",
+__all__ = ["COMPACTION_MODES", "END_OF", "TORCH_TO_KV", "CacheCounters", "CacheOptions", "RequestCannotFitError", "UnsupportedCacheError",
            "UnsupportedTransformersVersion", "text_config_dims"]

@@ -1,6 +1,6 @@
 """One attention type of a transformers model on one end of the umalloc arena: the object transformers'
 continuous-batching IO builder and attention read as a cache allocator (``cache.cache_allocators``; Note [Seams]
-2 in :mod:`umalloc.integrations.transformers`).
+2 in :mod:`umalloc.integrations.transformers.cache`).
 
 * An :class:`EndGroup` holds per-layer K/V row views of the arena (Note [Rows] there) and turns a request's
   virtual tokens into rows through the allocator's v2p table; it owns no pages (the cache's request tables do).
@@ -34,6 +34,8 @@ allocator's ``translate``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Protocol
 
 import numpy as np
@@ -63,6 +65,19 @@ class CacheParts(Protocol):
     def held_tokens(self, request_id: str) -> int: ...
 
     def cow_pages(self, request_id: str) -> int: ...
+
+    def hash_index(self) -> tuple[Mapping[int, int], Mapping[int, int]]: ...
+
+
+class LedgerView:
+    """A read-only view of the prefix index with the shape of transformers' block ledger (``hash_to_block``,
+    ``block_to_hash``): content hash -> virtual page and back. The hashes are umalloc's own (chained blake2b of
+    a page's tokens, stable across processes), not transformers'; the pages are the group's block ids. Empty on a
+    sliding group (prefixes are indexed by full-attention pages)."""
+
+    def __init__(self, hash_to_block: Mapping[int, int], block_to_hash: Mapping[int, int]) -> None:
+        self.hash_to_block = MappingProxyType(hash_to_block)
+        self.block_to_hash = MappingProxyType(block_to_hash)
 
 
 class EndGroup:
@@ -105,8 +120,15 @@ class EndGroup:
 
     # ---- transformers' allocator attributes -----------------------------------------------------------------
     #: the row padded lanes read: row 2 of the sink page, never written (Note [Rows] in
-    #: :mod:`umalloc.integrations.transformers`)
+    #: :mod:`umalloc.integrations.transformers.cache`)
     read_trash_index = PAD_READ_ROW
+
+    @property
+    def ledger(self) -> LedgerView:
+        """The prefix index as transformers' ledger shape (:class:`LedgerView`, read-only, live)."""
+        if self.sliding_window is not None:
+            return LedgerView({}, {})
+        return LedgerView(*self._cache.hash_index())
 
     @property
     def block_table(self) -> dict[str, list[int]]:
@@ -124,7 +146,7 @@ class EndGroup:
     def needs_new_blocks(self, request_id: str, past_length: int, query_length: int) -> int:
         """Pages this end needs for ``query_length`` more tokens (what transformers' offloading manager sizes its
         evictions by): a full group one per page past the held ones (and one for the copy of a shared partial
-        page), a sliding group the pages its ring still lacks (Note [Sliding ring] in :mod:`umalloc.integrations.transformers`)."""
+        page), a sliding group the pages its ring still lacks (Note [Sliding ring] in :mod:`umalloc.integrations.transformers.cache`)."""
         held = self._cache.held_tokens(request_id)
         ps = self.tokens_per_page
         total = past_length + query_length
@@ -267,4 +289,4 @@ class EndGroup:
 
 
 __all__ = ["FULL_ATTENTION", "PAD_READ_ROW", "SENTINEL_ROW", "SINK_ROW", "SLIDING_ATTENTION", "CacheParts",
-           "EndGroup"]
+           "EndGroup", "LedgerView"]
