@@ -2,9 +2,11 @@
 
 * The workload module: ``../shared/peerbench/workload.py`` (the peers' op sequence, reused, not copied), found
   through ``UMALLOC_PEERBENCH`` when the tree is not beside ``shared/``.
-* One argument parser (the workload options plus the modes, repeats, SWA, verification, peers, rounds and JSON
-  options both take), one warm-up workload, one rounds loop (ours, then the peers, per round), the peers' run
-  through ``run_vllm.py`` and the merge of rounds.
+* One argument parser (the workload options plus the modes, repeats, SWA, verification, peers, rounds, JSON and
+  thread options both take), one warm-up workload, one rounds loop (ours, then the peers, per round; the machine
+  load printed at each round's start), the peers' run through ``run_vllm.py`` (under the thread count
+  :mod:`_fair` set: same for umalloc and the peers), each round's ratio to the matched peer with the median, and
+  the merge of rounds.
 """
 
 from __future__ import annotations
@@ -22,13 +24,15 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 PEERBENCH = Path(os.environ.get("UMALLOC_PEERBENCH", HERE.parent.parent / "shared" / "peerbench"))
 sys.path.insert(0, str(PEERBENCH))
+sys.path.insert(0, str(HERE))
+import _fair as fair  # noqa: E402
 import workload as wl  # noqa: E402  (the peers' workload module, reused, not copied)
 
 
 def parser(doc: str, modes: Sequence[str], *, peers_help: str, rounds_help: str) -> argparse.ArgumentParser:
     """The options both benchmarks take: the workload's (``--ops FILE`` or its build options, the peers'
     defaults), ``--modes`` (comma list of ``modes``), ``--repeats``, ``--swa-window``, ``--swa-ratio``,
-    ``--no-verify``, ``--peers``, ``--peer-repeats``, ``--rounds`` and ``--json``."""
+    ``--no-verify``, ``--peers``, ``--peer-repeats``, ``--rounds``, ``--json`` and ``--threads``."""
     ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     wl.add_args(ap)
     ap.add_argument("--modes", default=",".join(modes), help=f"comma list of {tuple(modes)}")
@@ -40,6 +44,8 @@ def parser(doc: str, modes: Sequence[str], *, peers_help: str, rounds_help: str)
     ap.add_argument("--peer-repeats", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=1, help=rounds_help)
     ap.add_argument("--json", default=None, help="append one JSON line per result here")
+    ap.add_argument("--threads", type=int, default=fair.DEFAULT_THREADS,
+                    help="CPU threads for torch and numba, umalloc and the peers alike (set once, printed)")
     return ap
 
 
@@ -59,13 +65,14 @@ def chosen_modes(a: argparse.Namespace, modes: Sequence[str]) -> list[str]:
 
 def run_peers(ops_path: str, repeats: int, modes: str, *, required: bool) -> list[dict]:
     """peerbench's vLLM adapters (``run_vllm.py --modes modes``) on the same op file, one dict per adapter.
-    ``required``: a failed run raises; otherwise it prints a note and returns ``[]``."""
+    ``required``: a failed run raises; otherwise it prints a note and returns ``[]``. The peers run under
+    :func:`_fair.peer_env`: the thread count :func:`_fair.set_threads` set here."""
     out = tempfile.NamedTemporaryFile(suffix=".jsonl", delete=False).name
     exe = sys.executable if os.path.exists(sys.executable) else "python3"
     cmd = [exe, str(PEERBENCH / "run_vllm.py"), "--ops", ops_path, "--modes", modes,
            "--repeats", str(repeats), "--json", out]
     print("#", " ".join(cmd), f"(PEERS_VENV={os.environ.get('PEERS_VENV', '/tmp/peers/venv')})", flush=True)
-    if subprocess.run(cmd, check=required).returncode != 0:
+    if subprocess.run(cmd, check=required, env=fair.peer_env()).returncode != 0:
         print("# the vLLM peers did not run (build their venv: ../shared/peerbench/setup_peers.sh)")
         return []
     with open(out) as f:
@@ -84,6 +91,7 @@ def run_rounds(a: argparse.Namespace, w: wl.Workload, runs: Sequence[tuple[str, 
         wl.save(w, ops_path)
     rounds: list[list[dict]] = []
     for rnd in range(a.rounds):
+        print(f"[round {rnd + 1}/{a.rounds}] {fair.load()}")
         rows = []
         for mode, run in runs:
             res = run(mode, w, argparse.Namespace(**{**vars(a), "no_verify": a.no_verify or rnd > 0}))
@@ -98,6 +106,19 @@ def run_rounds(a: argparse.Namespace, w: wl.Workload, runs: Sequence[tuple[str, 
             rows = found + rows
         rounds.append(rows)
     return rounds
+
+
+def print_round_ratios(rounds: list[list[dict]], peer_of: Callable[[str], str | None]) -> None:
+    """Per umalloc allocator, each round's ratio of its matched peer's median wall time (``peer_of(name)``, None:
+    no peer) to its own in the same round, then the median over the rounds."""
+    print("\npeer wall s / umalloc wall s (medians of the same round) per round:")
+    for name in [r["allocator"] for r in rounds[0] if r["allocator"].startswith("umalloc")]:
+        peer = peer_of(name)
+        if peer is None or not all(any(r["allocator"] == peer for r in rows) for rows in rounds):
+            continue
+        xs = [next(r for r in rows if r["allocator"] == peer)["wall_s_median"]
+              / next(r for r in rows if r["allocator"] == name)["wall_s_median"] for rows in rounds]
+        print(fair.round_ratios(f"{name} vs {peer}", xs))
 
 
 def merge_rounds(rounds: list[list[dict]]) -> list[dict]:

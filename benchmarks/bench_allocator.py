@@ -481,19 +481,6 @@ def run_mode(mode: str, w: wl.Workload, args: argparse.Namespace) -> dict:
     return res
 
 
-def print_round_ratios(rounds: list[list[dict]]) -> None:
-    """Per round, each allocator's median wall time over vLLM BlockPool's median in the same round (pages/s
-    ratio), then the median over the rounds: the ratio least moved by a host whose speed drifts between rounds."""
-    names = [r["allocator"] for r in rounds[0] if r["allocator"] != "vllm-blockpool"]
-    print("\nx BlockPool (median/median) per round:")
-    for name in names:
-        ratios = []
-        for rows in rounds:
-            bp = next(r for r in rows if r["allocator"] == "vllm-blockpool")["wall_s_median"]
-            ratios.append(bp / next(r for r in rows if r["allocator"] == name)["wall_s_median"])
-        print(f"  {name:<18} " + " ".join(f"{x:5.2f}" for x in ratios) + f"   median {statistics.median(ratios):.2f}")
-
-
 def print_table(rows: list[dict], baseline: dict | None, pages_allocated: int) -> None:
     """One row per allocator; ratios of pages allocated per second to the baseline (vLLM BlockPool measured in
     the same run), from the medians and from the fastest repeats (the latter is steadier on a busy machine)."""
@@ -521,7 +508,7 @@ def main(argv: list[str] | None = None) -> int:
                    rounds_help="alternate umalloc's modes and the peers this many times (noisy hosts); the table "
                                "takes the median of the rounds' medians and the minimum of their minima")
     a = ap.parse_args(argv)
-    torch.set_num_threads(2)
+    print(pb.fair.set_threads(a.threads))
     w = wl.from_args(a)
     print(f"# umalloc bench  torch {torch.__version__}  workload {w.fingerprint}: requests={w.meta['requests']} "
           f"steps={w.meta['steps']} ops={w.meta['ops_total']} req_ops={w.meta['req_ops']} "
@@ -535,10 +522,11 @@ def main(argv: list[str] | None = None) -> int:
                            ("wall_s_median", "req_ops_per_s", "api_calls_per_s", "pages_alloc_per_s"))
     rows = pb.merge_rounds(rounds)
     baseline = next((r for r in rows if r["allocator"] == "vllm-blockpool"), None)
-    if baseline is not None and len(rounds) > 1:
-        print_round_ratios(rounds)
+    if baseline is not None:
+        pb.print_round_ratios(rounds, lambda name: "vllm-blockpool")
     print()
     print_table(rows, baseline, w.meta["pages_allocated"])
+    print(f"# {pb.fair.load()} (at the end)")
     pb.append_json(a.json, rows)
     return 0
 

@@ -234,14 +234,9 @@ def print_table(rows: list[dict], pages_allocated: int) -> None:
               f"{ratio('vllm-kvcm-apc', r):>6} {ratio('vllm-blockpool', r):>7}")
 
 
-def print_round_ratios(rounds: list[list[dict]]) -> None:
-    """Per round, each umalloc mode's median wall time over KVCacheManager's (caching off) in the same round,
-    then the median over the rounds: the ratio least moved by a host whose load drifts between rounds."""
-    print("\nx KVCacheManager (median/median) per round:")
-    for name in [r["allocator"] for r in rounds[0] if r["allocator"].startswith("umalloc")]:
-        xs = [next(r for r in rows if r["allocator"] == "vllm-kvcm")["wall_s_median"]
-              / next(r for r in rows if r["allocator"] == name)["wall_s_median"] for rows in rounds]
-        print(f"  {name:<20} " + " ".join(f"{x:6.2f}" for x in xs) + f"   median {statistics.median(xs):.2f}")
+#: the vLLM adapter each mode is compared with per round: the same work (caching off / on)
+PEER_OF = {"umalloc-table": "vllm-kvcm", "umalloc-table-swa": "vllm-kvcm", "umalloc-table-apc": "vllm-kvcm-apc",
+           "umalloc-table-fork": "vllm-kvcm-apc", "umalloc-pages": "vllm-blockpool"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -251,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-pages", action="store_true", help="skip bench_allocator's umalloc-pages beside")
     ap.add_argument("--peer-modes", default="blockpool,kvcm,kvcm-apc")
     a = ap.parse_args(argv)
-    torch.set_num_threads(2)
+    print(pb.fair.set_threads(a.threads))
     w = wl.from_args(a)
     print(f"# umalloc request-table bench  torch {torch.__version__}  workload {w.fingerprint}: "
           f"requests={w.meta['requests']} ops={w.meta['ops_total']} req_ops={w.meta['req_ops']} "
@@ -266,12 +261,13 @@ def main(argv: list[str] | None = None) -> int:
                            ("wall_s_median", "req_ops_per_s", "pages_alloc_per_s"))
     if len(rounds) > 1 and all(len(r) == len(rounds[0]) for r in rounds):
         rows = pb.merge_rounds(rounds)
-        if any(r["allocator"] == "vllm-kvcm" for r in rows):
-            print_round_ratios(rounds)
     else:
         rows = rounds[-1]
+    if a.peers:
+        pb.print_round_ratios(rounds, PEER_OF.get)
     print()
     print_table(rows, w.meta["pages_allocated"])
+    print(f"# {pb.fair.load()} (at the end)")
     pb.append_json(a.json, rows)
     return 0
 

@@ -18,7 +18,9 @@ class also releases pages that left the window (``free_swa_segment``) after ever
 request's evicted head with ``free_full_segment``; so do the unified classes (one ``UnifiedKVPool`` of the peer
 benchmark's geometry: full grows up, SWA down, room for ``--pool-pages`` pages a side), whose lazy variant calls
 ``flush_opportunistic`` after the frees and evictions of a step, as the peer benchmark's adapter does. Timing: a fresh allocator per repeat, the whole replay under
-``time.perf_counter`` (op tensors prepared before, untimed), median of ``--repeats`` (the two sides alternate); torch uses ``--threads`` threads (default 1). The
+``time.perf_counter`` (op tensors prepared before, untimed), median of ``--repeats`` (the two sides alternate, and each
+round's ratio is printed with their median and the machine load); torch and numba use ``--threads`` threads on both
+sides (default 1, set once and printed). The
 harness work (table gathers and scatters) is the same on both sides and inside the timing.
 """
 
@@ -38,6 +40,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _fair as fair  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TRACE = ROOT / "umalloc_replay" / "data" / "conversation_trace.jsonl"
@@ -209,10 +214,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--swa-window", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--classes", default="token,paged,swa,unified-eager,unified-lazy")
-    ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (1: a shared machine oversubscribed by OpenMP spin-waits distorts torch timings)")
+    ap.add_argument("--threads", type=int, default=fair.DEFAULT_THREADS,
+                    help="CPU threads for torch and numba, both sides alike (set once, printed; 1: a shared machine "
+                         "oversubscribed by OpenMP spin-waits distorts torch timings)")
     ap.add_argument("--json", default=None, help="append one JSON line per result here")
     a = ap.parse_args(argv)
-    torch.set_num_threads(a.threads)
+    print(fair.set_threads(a.threads))
     sys.path.insert(0, str(ROOT / "tests" / "peer"))
     import sglang_cpu_shims
 
@@ -261,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         "unified-lazy": (unified(UnifiedSWATokenToKVPoolAllocator, True),
                          unified(ums.UmallocUnifiedSWATokenToKVPoolAllocator, True), ps),
     }
+    round_lines: list[str] = []
     print("| class | SGLang s | umalloc s | SGLang request-ops/s | umalloc request-ops/s | umalloc / SGLang |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for kind in a.classes.split(","):
@@ -270,18 +278,25 @@ def main(argv: list[str] | None = None) -> int:
         samples: dict[str, list[float]] = {side: [] for side in reps}
         for rep in reps.values():
             rep.run()  # warm-up (numba kernels, torch dispatch), untimed
+        loads = [fair.load()]
         for _ in range(a.repeats):  # the two sides alternate, so a shift in machine load hits both
             for side, rep in reps.items():
                 samples[side].append(rep.run())
+        loads.append(fair.load())
         times = {side: statistics.median(v) for side, v in samples.items()}
         ratio = times["sglang"] / times["umalloc"]
+        per_round = [s_ / u for s_, u in zip(samples["sglang"], samples["umalloc"], strict=True)]
+        round_lines.append(fair.round_ratios(kind, per_round) + f"   ({loads[0]} -> {loads[1]})")
         print(f"| {kind} | {times['sglang']:.3f} | {times['umalloc']:.3f} | {w.request_ops / times['sglang']:,.0f} | "
               f"{w.request_ops / times['umalloc']:,.0f} | {ratio:.2f}x |")
         if a.json:
             with open(a.json, "a") as f:
                 f.write(json.dumps({"class": kind, "sglang_s": times["sglang"], "umalloc_s": times["umalloc"],
                                     "request_ops": w.request_ops, "ratio": ratio, "repeats": a.repeats,
-                                    "page_size": kps, "n": a.n}) + "\n")
+                                    "page_size": kps, "n": a.n, "threads": a.threads,
+                                    "rounds": per_round}) + "\n")
+    print("\nSGLang s / umalloc s per round (each round runs both sides back to back), then the median:")
+    print("\n".join(round_lines))
     return 0
 
 

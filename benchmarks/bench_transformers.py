@@ -20,7 +20,8 @@ same ``num_blocks``, so the same bytes (umalloc's arena is exactly the stock cac
 
 The runs alternate (stock, umalloc, ``--repeats`` times, after one warm-up each); scheduling is deterministic
 (checked: every repeat schedules alike), tokens/s and the memory layer share are medians, the tokens/s ratio is
-the median of the per-pair ratios.
+the median of the per-pair ratios. torch and numba run on ``--threads`` threads (default 1, both caches alike, set
+once and printed); the machine load is printed first and last.
 
 Run (in the peer venv, which has transformers):
 
@@ -47,6 +48,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _fair as fair  # noqa: E402
 
 TRACE = Path(__file__).resolve().parent.parent / "umalloc_replay" / "data" / "conversation_trace.jsonl"
 TRACE_BLOCK_TOKENS = 512   # the Mooncake trace's hash block
@@ -264,6 +268,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=5, help="alternated stock / umalloc runs (medians reported)")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--threads", type=int, default=fair.DEFAULT_THREADS,
+                    help="CPU threads for torch and numba, stock and umalloc alike (set once, printed)")
     ap.add_argument("--rss-calls", type=int, default=0,
                     help="instead: RSS growth over this many successive generate_batch calls, each cache in a "
                          "fresh process")
@@ -278,8 +284,8 @@ def main() -> None:
     defaults = MODEL_DEFAULTS[args.model]
     args.num_blocks = defaults["num_blocks"] if args.num_blocks is None else args.num_blocks
     args.max_batch_tokens = defaults["max_batch_tokens"] if args.max_batch_tokens is None else args.max_batch_tokens
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    print(f"# torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}")
+    print(fair.set_threads(args.threads))
+    print(f"# {fair.load()} (at the start)")
     from transformers.generation.continuous_batching.cache import PagedAttentionCache
 
     from umalloc.integrations.transformers import UmallocPagedCache
@@ -315,6 +321,7 @@ def main() -> None:
     each = ", ".join(f"{u['tok_s'] / s_['tok_s']:.2f}" for s_, u in pairs)
     print(f"ratios umalloc/stock: tokens/s {tok_ratio:.2f}x (median of the per-pair ratios {each}), mean concurrency "
           f"{um['mean_conc'] / stock['mean_conc']:.2f}x; tokens identical: {same}")
+    print(f"# {fair.load()} (at the end)")
     if args.json:
         args.json.write_text(json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "tokens"}
                                          for k, v in (("stock", stock), ("umalloc", um))}, indent=2))

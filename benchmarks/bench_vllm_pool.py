@@ -21,7 +21,9 @@ blocks (the ids differ by design: umalloc hands out the lowest free id, vLLM the
 umalloc's pool passes ``check_invariants`` after every run.
 
 Prints one row per mix: the best-of-rounds seconds of each pool, the time ratio umalloc / stock and the speed
-stock / umalloc (> 1: umalloc faster). ``--json PATH`` writes the rows.
+stock / umalloc (> 1: umalloc faster), then per mix each round's speed ratio and their median. torch and numba
+run on ``--threads`` threads (default 1, set once and printed); the machine load is printed first and last.
+``--json PATH`` writes the rows.
 """
 
 from __future__ import annotations
@@ -30,10 +32,16 @@ import argparse
 import collections
 import json
 import random
+import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _fair as fair  # noqa: E402
 
 BLOCK_SIZE = 16
 
@@ -119,7 +127,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--requests", type=int, default=4000, help="requests of the caching mix")
     ap.add_argument("--json", default=None, help="write the rows to this JSON file")
+    ap.add_argument("--threads", type=int, default=fair.DEFAULT_THREADS,
+                    help="CPU threads for torch and numba, both pools alike (set once, printed)")
     a = ap.parse_args()
+    print(fair.set_threads(a.threads))
+    print(f"# {fair.load()} (at the start)")
 
     from vllm.v1.core.block_pool import BlockPool
 
@@ -132,7 +144,9 @@ def main() -> None:
 
     def record(mix: str, times: dict[str, list[float]]) -> None:
         s, u = min(times["stock"]), min(times["umalloc"])
-        rows.append({"mix": mix, "stock_s": s, "umalloc_s": u, "ratio": u / s, "speed": s / u})
+        per_round = [x / y for x, y in zip(times["stock"], times["umalloc"], strict=True)]
+        rows.append({"mix": mix, "stock_s": s, "umalloc_s": u, "ratio": u / s, "speed": s / u,
+                     "speed_rounds": per_round, "speed_median": statistics.median(per_round)})
 
     # ---- the caching mix (one pool per round and per kind; the same requests)
     times: dict[str, dict[str, list[float]]] = {m: {"stock": [], "umalloc": []} for m in ("mix", "new", "free")}
@@ -177,6 +191,10 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['mix']} | {r['stock_s']:.4f} | {r['umalloc_s']:.4f} | {r['ratio']:.2f} | {r['speed']:.2f}x |")
+    print("\nspeed stock s / umalloc s per round (each round runs both pools back to back), then the median:")
+    for r in rows:
+        print(fair.round_ratios(r["mix"][:24], r["speed_rounds"]))
+    print(f"# {fair.load()} (at the end)")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"seed": a.seed, "rounds": a.rounds, "rows": rows}, f, indent=1)

@@ -11,6 +11,18 @@ before anything runs (:mod:`umalloc_replay.preflight`). The exit status is 0 whe
 holds, 1 when one does not, 2 for bad arguments (one ``error:`` line, nothing written), and 130 after Ctrl-C (one
 ``interrupted`` line; the second process of ``nixl``/``mooncake`` is ended).
 
+Exit statuses of every command (``replay``, ``generate``):
+
+* 0: the run passed; 1: an invariant or check failed (``invariant:``/``check:`` lines), a backend or the second
+  process failed (one ``error:`` line: a killed peer, a transfer engine error), or the output could not be written;
+* 2: bad arguments (one ``error:`` line, nothing run, nothing written);
+* 130: Ctrl-C (SIGINT), one ``interrupted`` line; 143: SIGTERM, one ``terminated`` line. Both end every child
+  process first and keep nothing of the run.
+
+Log records of the umalloc library during a run (a lease left in doubt by a peer that died, an expired lease) are
+held until the run ends: printed after a run that returns, dropped when it ends with its ``error:`` line, which
+names the failure they follow from (the report's lease figures carry the counts).
+
 With ``--prefill-tp``, ``--decode-tp``, ``--prefill-dcp``, ``--decode-dcp``, ``--prefill-head-groups`` or
 ``--decode-head-groups`` other than 1, a ``--prefill-page-size`` other than ``--page-size``, or ``--multi-rank``, it runs the multi-rank transfer replay instead
 (:mod:`umalloc_replay.multirank.ranks`): one process per rank on each side, every rank's slice verified. A rank that dies
@@ -29,17 +41,22 @@ import threading
 
 
 def _interrupted_at_start_up(signum: int, frame: object) -> None:
-    sys.stderr.write("interrupted\n")
+    term = signum == signal.SIGTERM
+    sys.stderr.write("terminated\n" if term else "interrupted\n")
     sys.stderr.flush()
-    os._exit(130)
+    os._exit(143 if term else 130)
 
 
 _QUIET_START = threading.current_thread() is threading.main_thread() and \
     signal.getsignal(signal.SIGINT) is signal.default_int_handler
+_QUIET_TERM = _QUIET_START and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
 if _QUIET_START:
     signal.signal(signal.SIGINT, _interrupted_at_start_up)
+if _QUIET_TERM:
+    signal.signal(signal.SIGTERM, _interrupted_at_start_up)
 
 import functools  # noqa: E402
+import logging  # noqa: E402
 from collections.abc import Callable, Sequence  # noqa: E402
 from enum import Enum  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -65,6 +82,11 @@ from umalloc_replay import (  # noqa: E402
     PRESETS_WITH_DRAFT,
 )
 from umalloc_replay.preflight import parse_arena_bytes, parse_size_bytes  # noqa: E402
+from umalloc_replay.signals import Terminated, sigterm_raises  # noqa: E402
+
+#: Exit status and stderr line of an interrupted run: Ctrl-C (SIGINT) and SIGTERM.
+INTERRUPTED, TERMINATED = 130, 143
+_ENDED_LINE = {INTERRUPTED: "interrupted", TERMINATED: "terminated"}
 
 #: typer's usage errors (a bad value, an unknown option) derive from click's ``ClickException``, which typer
 #: vendors or depends on by version; ``typer.BadParameter`` is public in both and names it among its bases.
@@ -79,7 +101,7 @@ def _stderr_line(text: str) -> None:
 class _OneLineErrors(TyperGroup):
     """The ``umalloc`` command group: a usage error (an out-of-range value, an unknown option, a bad choice) is
     one ``error:`` line on stderr and exit 2, as every refusal of the replay; Ctrl-C anywhere is one
-    ``interrupted`` line on stderr and exit 130."""
+    ``interrupted`` line on stderr and exit 130, SIGTERM one ``terminated`` line and exit 143."""
 
     def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,
              complete_var: str | None = None, standalone_mode: bool = True, windows_expand_args: bool = True,
@@ -93,10 +115,10 @@ class _OneLineErrors(TyperGroup):
             code = 2
         except typer.Abort:  # end of input at a prompt
             code = 1
-        except KeyboardInterrupt:
-            code = 130
-        if code == 130:  # typer turns a KeyboardInterrupt into exit 130; the replay does too after its cleanup
-            _stderr_line("interrupted")
+        except KeyboardInterrupt as exc:
+            code = TERMINATED if isinstance(exc, Terminated) else INTERRUPTED
+        if code in _ENDED_LINE:  # typer turns a KeyboardInterrupt into exit 130; the commands do too after cleanup
+            _stderr_line(_ENDED_LINE[code])
         code = 0 if code is None else code
         if standalone_mode:
             sys.exit(code)
@@ -105,20 +127,24 @@ class _OneLineErrors(TyperGroup):
 
 class UmallocApp(typer.Typer):
     """The ``umalloc`` console script: a :class:`typer.Typer` whose Ctrl-C while the command is built is quiet,
-    and whose process ends at once after Ctrl-C: the replay has ended its children by then and keeps nothing, so
-    the interpreter's teardown (an engine's agent and threads: seconds) is skipped."""
+    whose SIGTERM is handled as Ctrl-C (:func:`umalloc_replay.signals.sigterm_raises` while it runs), and whose
+    process ends at once after either: the replay has ended its children by then and keeps nothing, so the
+    interpreter's teardown (an engine's agent and threads: seconds) is skipped."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         try:
-            return super().__call__(*args, **kwargs)
-        except KeyboardInterrupt:
-            _stderr_line("interrupted")
+            with sigterm_raises():
+                return super().__call__(*args, **kwargs)
+        except KeyboardInterrupt as exc:
+            code = TERMINATED if isinstance(exc, Terminated) else INTERRUPTED
+            _stderr_line(_ENDED_LINE[code])
         except SystemExit as exc:
-            if exc.code != 130:
+            if exc.code not in _ENDED_LINE:
                 raise
+            code = int(exc.code)  # type: ignore[arg-type]
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(130)
+        os._exit(code)
 
 
 app = UmallocApp(cls=_OneLineErrors, add_completion=False, no_args_is_help=True,
@@ -309,7 +335,9 @@ def replay(
                     max_prompt_tokens=DEFAULT_MAX_PROMPT_TOKENS if max_prompt_tokens is None else max_prompt_tokens,
                     draft=True if draft is None else draft, seed=seed, max_batch=max_batch,
                     compaction=compaction.value, check_every=check_every)
-                result = run_ranks(rcfg, progress=progress, console=err)
+                with HeldLogs() as held:
+                    result = run_ranks(rcfg, progress=progress, console=err)
+                held.flush_to(err)
                 table_of, check_of = ranks_table, check_ranks_report
             else:
                 from umalloc_replay.report import check_report, report_table
@@ -323,7 +351,9 @@ def replay(
                     draft=True if draft is None else draft, seed=seed, max_batch=max_batch,
                     compaction=compaction.value, check_every=check_every, layout=layout,
                 )
-                result = run_replay(cfg, progress=progress, console=err)
+                with HeldLogs() as held:
+                    result = run_replay(cfg, progress=progress, console=err)
+                held.flush_to(err)
                 table_of, check_of = report_table, check_report
         except UmallocValueError as exc:
             raise fail(str(exc), 2) from None
@@ -339,8 +369,8 @@ def replay(
 
         emit_result(result, output_format, table_of, report, err,
                     then=None if plot_path is None else functools.partial(write_plot, plot_path))
-    except KeyboardInterrupt:
-        raise typer.Exit(130) from None  # the command group prints the one `interrupted` line
+    except KeyboardInterrupt as exc:
+        raise typer.Exit(_ended_code(exc)) from None  # the command group prints the one `interrupted` line
     problems = check_of(result)
     if problems:
         for p in problems:
@@ -431,19 +461,62 @@ def generate(
                 trace_format=None if trace_format is TraceFormat.auto else trace_format.value, requests=requests,
                 skip=skip, token_scale=token_scale, output_scale=output_scale, page_size=page_size, seed=seed,
                 max_batch=max_batch, draft=draft, draft_tokens=draft_tokens)
-            result = run_generate(cfg, progress=progress, console=err)
+            with HeldLogs() as held:
+                result = run_generate(cfg, progress=progress, console=err)
+            held.flush_to(err)
         except UmallocValueError as exc:
             raise fail(str(exc), 2) from None
         except BackendError as exc:  # a transfer engine or the prefill process failed mid-run (e.g. killed)
             raise fail(f"the {backend.value} backend failed: {exc}", 1) from None
         emit_result(result, output_format, generate_table, report, err)
-    except KeyboardInterrupt:
-        raise typer.Exit(130) from None
+    except KeyboardInterrupt as exc:
+        raise typer.Exit(_ended_code(exc)) from None
     problems = check_generate_report(result)
     if problems:
         for p in problems:
             err.print(f"[red]check:[/red] {escape(str(p))}", soft_wrap=True)
         raise typer.Exit(1)
+
+
+def _ended_code(exc: KeyboardInterrupt) -> int:
+    """Exit status of a run ended by Ctrl-C (130) or SIGTERM (143)."""
+    return TERMINATED if isinstance(exc, Terminated) else INTERRUPTED
+
+
+class HeldLogs(logging.Handler):
+    """The umalloc library's log records (logger ``umalloc``) of one run, held instead of printed: :meth:`flush_to`
+    prints them after a run that returned; a run that ends with its ``error:`` line (or an interrupt) drops them
+    (the error names the failure they follow from). Use as a context manager around the run."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+        self._logger = logging.getLogger("umalloc")
+        self._saved: tuple[bool, int] = (True, logging.NOTSET)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def __enter__(self) -> HeldLogs:
+        self._saved = (self._logger.propagate, self._logger.level)
+        self._logger.addHandler(self)
+        self._logger.propagate = False
+        if self._logger.level == logging.NOTSET:
+            self._logger.setLevel(logging.WARNING)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._logger.removeHandler(self)
+        self._logger.propagate, level = self._saved
+        self._logger.setLevel(level)
+
+    def flush_to(self, err: Any) -> None:
+        """Print the held records on ``err`` (the stderr console), one ``warning:`` line each, and forget them."""
+        from rich.markup import escape
+
+        for r in self.records:
+            err.print(f"[yellow]warning:[/yellow] {escape(r.getMessage())}", soft_wrap=True)
+        self.records.clear()
 
 
 def error_exit(err: Any, msg: str, code: int) -> typer.Exit:
@@ -492,6 +565,9 @@ def print_table(table: Any) -> None:
 
 if _QUIET_START:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+if _QUIET_TERM:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # UmallocApp handles SIGTERM while a command runs
 
 
-__all__ = ["UmallocApp", "app", "generate", "parse_arena_bytes", "parse_size_bytes", "print_table"]
+__all__ = ["INTERRUPTED", "TERMINATED", "HeldLogs", "UmallocApp", "app", "generate", "parse_arena_bytes",
+           "parse_size_bytes", "print_table"]

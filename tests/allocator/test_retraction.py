@@ -188,9 +188,31 @@ def test_retract_misuse_raises_and_changes_nothing() -> None:
         retract(alloc, torch.tensor([0, 1], dtype=torch.int64))
     with pytest.raises(InvalidIdError, match="allowed"):
         retract(alloc, torch.tensor([10_000], dtype=torch.int64))
-    with pytest.raises(InvalidIdError, match="int64"):
-        retract(alloc, req.to(torch.int32))
+    with pytest.raises(InvalidIdError, match="dtype"):
+        retract(alloc, req.to(torch.float32))
+    with pytest.raises(InvalidIdError, match="allowed"):
+        retract(alloc, [int(v) for v in req])  # type: ignore[arg-type]
     assert snapshots_equal(snap, alloc.snapshot())
+
+
+@pytest.mark.parametrize("form", ["int32", "int16", "numpy-int32", "numpy-uint16"])
+def test_retract_takes_any_integer_dtype_like_every_id_call(form: str) -> None:
+    """The same request retracted from int64 ids and from another integer dtype frees the same pages and keeps
+    the same bytes (both allocators built alike, the int64 run is the reference)."""
+    got = {}
+    for which in ("int64", form):
+        alloc = three_end_allocator()
+        model, other, req, third = setup_request(alloc)
+        ids: object = {"int64": req, "int32": req.to(torch.int32), "int16": req.to(torch.int16),
+                       "numpy-int32": req.numpy().astype(np.int32),
+                       "numpy-uint16": req.numpy().astype(np.uint16)}[which]
+        kv = retract(alloc, ids)  # type: ignore[arg-type]
+        got[which] = (kv.pages_by_end(), kv.old_vpages.tolist(), {e: r.data.clone() for e, r in kv.ends.items()},
+                      alloc.snapshot())
+    ref, other_form = got["int64"], got[form]
+    assert ref[0] == other_form[0] and ref[1] == other_form[1]
+    assert all(torch.equal(ref[2][e], other_form[2][e]) for e in ref[2])
+    assert snapshots_equal(ref[3], other_form[3])
 
 
 def test_allocator_methods_delegate_to_retraction() -> None:

@@ -274,6 +274,8 @@ def _targets() -> list[Target]:
                group="arena"),
         Target("arena.copy_pages", ("name", "ids", "ids"), R(lambda ar, n, d, s: ar.copy_pages(n, d, s)),
                group="arena"),
+        Target("arena.copy_pages(allocator, overwrite)", ("name", "ids", "ids", "bool"),
+               A(lambda a, n, d, s, o: a.arena.copy_pages(n, d, s, overwrite=o))),
         Target("Arena()", ("name", "bool", "bool"),
                lambda ctx, d, z, p: Arena(tiny_spec(), device="cpu" if d == "full" else d, zero=z, pin_memory=p),
                group="none"),

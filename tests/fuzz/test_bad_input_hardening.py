@@ -120,3 +120,22 @@ def test_issue26_item20_a_plan_whose_destination_descriptors_overlap_is_refused(
     with pytest.raises(DescriptorBoundsError, match="overlapping destination"):
         TransferPlan("bad", [twice], src_layout=sl, dst_layout=dl, src_leased_pages={"full": ps},
                      dst_leased_pages={"full": pd})
+
+
+@pytest.mark.parametrize("args", [(3, 2**63, 0), (2**63, 1, 0), (3, 2**64, 1), (-1, 1, 0)])
+def test_counts_beyond_int64_are_refused_by_the_dcp_helpers(args) -> None:
+    """A count no id call accepts (2**63 and above, negative) is refused, never computed with."""
+    from umalloc import owned_count
+
+    with pytest.raises(UmallocError, match=r"allowed an int in \[[01], 2\*\*63\)"):
+        owned_count(*args)
+    assert owned_count(2**63 - 1, 2**63 - 1, 0) == 1  # the largest counts allowed: one position each
+
+
+@pytest.mark.parametrize("pages", [torch.zeros(2, dtype=torch.int64, device="meta"), torch.tensor([0.5]),
+                                   torch.tensor([[1]]), np.array([True]), "1", [1.5]])
+def test_is_pinned_validates_pages_as_every_id_argument(pages) -> None:
+    table = LeaseTable({"full": 8})
+    with pytest.raises(UmallocError, match="is_pinned: pages"):
+        table.is_pinned("full", pages)
+    assert table.is_pinned("full", torch.tensor([1, 2], dtype=torch.int16)).tolist() == [False, False]

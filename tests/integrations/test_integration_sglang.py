@@ -112,11 +112,33 @@ def test_install_rebinds_the_configurator_names() -> None:
         _restore(stock)
 
 
+def test_uninstall_and_installed_give_sglang_its_names_back() -> None:
+    import sglang.srt.mem_cache.allocator.unified_hybrid_swa as uni
+    import sglang.srt.mem_cache.kv_cache_configurator as conf
+
+    stock = _stock_names()
+    try:
+        um_sglang.uninstall()   # whatever an earlier test left installed
+        before = {name: getattr(conf, name) for name in um_sglang.PATCHED_NAMES}
+        unified = uni.UnifiedSWATokenToKVPoolAllocator
+        with um_sglang.installed() as bound:
+            assert all(getattr(conf, name) is bound[name] for name in um_sglang.PATCHED_NAMES)
+            assert uni.UnifiedSWATokenToKVPoolAllocator is bound["UnifiedSWATokenToKVPoolAllocator"]
+        assert {name: getattr(conf, name) for name in um_sglang.PATCHED_NAMES} == before
+        assert uni.UnifiedSWATokenToKVPoolAllocator is unified
+        um_sglang.uninstall()   # a second time: no-op
+        assert {name: getattr(conf, name) for name in um_sglang.PATCHED_NAMES} == before
+    finally:
+        _restore(stock)
+
+
 def test_untested_version_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(um_sglang, "sglang_version", lambda: "0.5.22")
     with pytest.raises(um_sglang.UnsupportedSGLangVersion, match="SGLang 0.5.22") as info:
         um_sglang.install()
     assert info.value.version == "0.5.22"
+    from umalloc.integrations.versions import EngineVersionError
+    assert isinstance(info.value, EngineVersionError) and info.value.supported == um_sglang.SUPPORTED_VERSIONS
 
 
 def test_installed_version_is_the_tested_one() -> None:
@@ -422,3 +444,63 @@ def test_unified_double_free_is_refused() -> None:
     with pytest.raises(DoubleFreeError):
         um.free(t)
     assert (um.available_size(), um.full_available_size(), um.swa_available_size()) == before
+
+
+def _live_slot_case(alloc: Any, page_size: int) -> None:
+    """Page size 4: a request of 6 tokens; a decode whose last_loc is its token 0 asks for its live token 1."""
+    from umalloc.integrations.sglang.occupancy import LiveSlotError
+
+    z, six = torch.tensor([0]), torch.tensor([6])
+    row = alloc.alloc_extend(z, z, six, six, torch.tensor([-1]), 6)
+    before = alloc.available_size()
+    two = torch.tensor([2])
+    with pytest.raises(LiveSlotError) as info:
+        alloc.alloc_decode(two, two, row[:1])
+    assert info.value.slot == int(row[1]) and info.value.owner == "request 0 of alloc_extend call 1"
+    assert alloc.available_size() == before
+    seven = torch.tensor([7])
+    dec = alloc.alloc_decode(seven, seven, row[-1:])  # the request's own next slot, on its second page
+    assert int(dec[0]) == int(row[-1]) + 1
+    alloc.free(dec)  # rows 4, 5 still live on that page: it stays
+    assert alloc.available_size() == before
+    alloc.free(row[4:])
+    assert alloc.available_size() == before + page_size
+    with pytest.raises(DoubleFreeError):
+        alloc.free(row)  # rows 4, 5 freed already: refused whole
+    alloc.free(row[:4])
+    assert alloc.available_size() == before + 2 * page_size
+    alloc.check_invariants()
+
+
+def test_paged_class_refuses_a_live_slot_and_frees_pages_when_empty() -> None:
+    _, um = _pair(4)
+    _live_slot_case(um, 4)
+
+
+def test_unified_class_refuses_a_live_slot_and_frees_pages_when_empty() -> None:
+    for lazy in (False, True):
+        _, um = _unified_pair(4, lazy=lazy)
+        _live_slot_case(um, 4)
+
+
+def test_swa_class_frees_both_pools_per_slot() -> None:
+    from sglang_differential import fake_swa_kv
+
+    from umalloc.integrations.sglang.occupancy import LiveSlotError
+
+    cls = um_sglang.UmallocSWATokenToKVPoolAllocator
+    um = cls(size=64, size_swa=64, page_size=4, dtype=torch.bfloat16, device="cpu", kvcache=fake_swa_kv(),
+             need_sort=False)
+    z, six = torch.tensor([0]), torch.tensor([6])
+    row = um.alloc_extend(z, z, six, six, torch.tensor([-1]), 6)
+    full, swa = um.full_available_size(), um.swa_available_size()
+    two = torch.tensor([2])
+    with pytest.raises(LiveSlotError):
+        um.alloc_decode(two, two, row[:1])
+    assert (um.full_available_size(), um.swa_available_size()) == (full, swa)
+    um.free(row[5:])  # token 4 keeps the second page on both pools
+    assert (um.full_available_size(), um.swa_available_size()) == (full, swa)
+    um.check_invariants()
+    um.free(row[:5])
+    assert (um.full_available_size(), um.swa_available_size()) == (full + 8, swa + 8)
+    um.check_invariants()

@@ -332,12 +332,35 @@ def test_install_makes_the_kv_cache_manager_build_the_umalloc_pool(vllm_pool, mo
 
 def test_install_refuses_an_untested_vllm(vllm_pool, monkeypatch):
     import vllm
+    from vllm.v1.core import block_pool
+
+    from umalloc.integrations import vllm as umalloc_vllm
+    from umalloc.integrations.versions import EngineVersionError
+
+    monkeypatch.setattr(vllm, "__version__", "0.0.1")
+    stock = block_pool.BlockPool
+    with pytest.raises(umalloc_vllm.UnsupportedVLLMVersion, match=r"vLLM 0.0.1 is untested .*allowed 0.33.0"):
+        umalloc_vllm.install()
+    assert issubclass(umalloc_vllm.UnsupportedVLLMVersion, EngineVersionError)
+    assert issubclass(umalloc_vllm.UnsupportedVLLMVersion, UmallocError)
+    assert block_pool.BlockPool is stock   # refused: nothing rebound
+
+
+def test_uninstall_and_installed_restore_the_stock_pool(vllm_pool, monkeypatch):
+    import vllm.v1.core.kv_cache_coordinator as coordinator
+    from vllm.v1.core import block_pool
 
     from umalloc.integrations import vllm as umalloc_vllm
 
-    monkeypatch.setattr(vllm, "__version__", "0.0.1")
-    with pytest.raises(UmallocError, match="0.33.0"):
-        umalloc_vllm.install()
+    monkeypatch.setattr(block_pool, "BlockPool", block_pool.BlockPool)  # restored after the test
+    monkeypatch.setattr(coordinator, "BlockPool", coordinator.BlockPool)
+    umalloc_vllm.uninstall()   # whatever an earlier test left installed
+    stock = block_pool.BlockPool
+    with umalloc_vllm.installed() as pool:
+        assert pool is vllm_pool and coordinator.BlockPool is vllm_pool and block_pool.BlockPool is vllm_pool
+    assert coordinator.BlockPool is stock and block_pool.BlockPool is stock
+    umalloc_vllm.uninstall()   # a second time: no-op
+    assert block_pool.BlockPool is stock
 
 
 def _bench_hybrid():

@@ -9,6 +9,7 @@ import torch
 from umalloc.errors import DoubleFreeError, InvalidIdError, UmallocValueError
 from umalloc.integrations.sglang import UnsupportedSGLangVersion, check_version
 from umalloc.integrations.sglang.pools import SlotPool
+from umalloc.integrations.sglang.tokens import TokenSlotPool
 
 
 def t(*xs: int) -> torch.Tensor:
@@ -86,3 +87,109 @@ def test_version_check_names_the_untested_version() -> None:
     with pytest.raises(UnsupportedSGLangVersion, match="SGLang 0.6.0 is untested") as info:
         check_version("0.6.0")
     assert info.value.version == "0.6.0"
+
+
+# ---- the page-size-1 pool (index vectors) ----------------------------------------------------------------------
+def test_token_pool_hands_out_slots_in_order_then_freed_slots_oldest_first() -> None:
+    pool = TokenSlotPool(6)
+    assert pool.alloc_tokens(4).tolist() == [1, 2, 3, 4]
+    pool.free_tokens(t(3, 1))
+    assert pool.available_tokens() == 4 and pool.live_pages() == 2
+    assert pool.free_page_ids().tolist() == [1, 3, 5, 6]
+    assert pool.alloc_tokens(3).tolist() == [5, 6, 3]       # the never-used slots, then the freed ones in order
+    assert pool.alloc_tokens(2) is None                       # one free
+    assert pool.alloc_tokens(1).tolist() == [1]
+    assert pool.available_tokens() == 0
+    pool.free_tokens(t(2, 2, 4))                              # slot 2 named twice: freed once
+    assert pool.alloc_tokens(2).tolist() == [2, 4]            # the ring wrapped around
+    pool.check_invariants()
+
+
+def test_token_pool_refuses_misuse_and_changes_nothing() -> None:
+    pool = TokenSlotPool(4)
+    a = pool.alloc_tokens(3)
+    before = (pool.available_tokens(), pool.free_page_ids().tolist())
+    for bad, err in ((t(0), InvalidIdError), (t(5), InvalidIdError), (t(-1), InvalidIdError),
+                     (t(1, 4), DoubleFreeError), (t(2, 9), InvalidIdError)):
+        with pytest.raises(err):
+            pool.free_tokens(bad)
+        assert (pool.available_tokens(), pool.free_page_ids().tolist()) == before
+    pool.free_tokens(a[:1])
+    with pytest.raises(DoubleFreeError):
+        pool.free_pages(t(1))
+    with pytest.raises(UmallocValueError):
+        pool.alloc_tokens(-1)
+    with pytest.raises(InvalidIdError):
+        pool.free_tokens([2])  # type: ignore[arg-type]
+    pool.check_invariants()
+
+
+def test_token_pool_group_defers_and_a_bad_group_changes_nothing() -> None:
+    pool = TokenSlotPool(4)
+    a = pool.alloc_tokens(4)
+    pool.begin_group()
+    pool.free_tokens(a[:2])
+    pool.free_pages(t(1))                                     # named twice in the group: freed once
+    assert pool.available_tokens() == 0
+    pool.end_group()
+    assert pool.available_tokens() == 2 and pool.free_page_ids().tolist() == [1, 2]
+    pool.begin_group()
+    pool.free_tokens(t(3))
+    pool.free_tokens(t(1))                                    # already free: the whole group is refused
+    with pytest.raises(DoubleFreeError):
+        pool.end_group()
+    assert not pool.group_open and pool.available_tokens() == 2 and pool.live_pages() == 2
+    pool.free_tokens(t(3, 4, 4))
+    assert pool.alloc_tokens(4).tolist() == [1, 2, 3, 4]
+    pool.clear()
+    assert pool.alloc_tokens(2).tolist() == [1, 2]
+    pool.check_invariants()
+
+
+def test_token_pool_matches_a_reference_free_list_on_a_seeded_sequence() -> None:
+    """A plain Python deque (alloc from the front, frees appended in order, a repeat within one call once) as the
+    reference: same ids, same refusals, on random alloc / free / group sequences."""
+    import collections
+    import random
+
+    from umalloc.testing import seed_from_env
+
+    seed = seed_from_env(3703)
+    rng = random.Random(seed)
+    n = 40
+    pool, ref = TokenSlotPool(n), collections.deque(range(1, n + 1))
+    live: list[int] = []
+    for _ in range(400):
+        r = rng.random()
+        if r < 0.5:
+            k = rng.randint(0, 12)
+            got = pool.alloc_tokens(k)
+            if k > len(ref):
+                assert got is None, f"seed={seed}"
+                continue
+            want = [ref.popleft() for _ in range(k)]
+            assert got is not None and got.tolist() == want, f"seed={seed}"
+            live += want
+        elif live:
+            pick = rng.sample(live, rng.randint(1, min(6, len(live))))
+            ids = pick + pick[:1] if rng.random() < 0.2 else pick
+            pool.free_tokens(torch.tensor(ids, dtype=torch.int64))
+            for s in dict.fromkeys(ids):
+                live.remove(s)
+                ref.append(s)
+        assert pool.available_tokens() == len(ref), f"seed={seed}"
+    pool.check_invariants()
+
+
+def test_token_pool_ids_handed_out_never_change_across_output_buffers() -> None:
+    """Ids are views of write-once output buffers: after enough allocations to fill several buffers, every
+    earlier result still holds what it held when returned."""
+    pool = TokenSlotPool(50_000)
+    kept: list[tuple[torch.Tensor, list[int]]] = []
+    for i in range(400):
+        got = pool.alloc_tokens(700)
+        assert got is not None
+        kept.append((got, got.tolist()))
+        pool.free_tokens(got[: 700 - i % 3])
+    assert all(ids.tolist() == seen for ids, seen in kept)
+    pool.check_invariants()

@@ -10,6 +10,7 @@ per (model, scenario), for the script's summary.
 
 from __future__ import annotations
 
+import importlib
 import os
 from dataclasses import replace
 
@@ -213,7 +214,7 @@ def test_install_refuses_other_versions(monkeypatch: pytest.MonkeyPatch) -> None
     with pytest.raises(ut.UnsupportedTransformersVersion, match="transformers 4.57.1"):
         ut.check_version("4.57.1")
     ut.check_version(ut.installed_version())
-    monkeypatch.setattr(transformers, "__version__", "5.22.0")
+    monkeypatch.setattr(importlib.import_module("transformers"), "__version__", "5.22.0")
     with pytest.raises(ut.UnsupportedTransformersVersion, match="5.22.0"):
         ut.install()
     api = pytest.importorskip("transformers.generation.continuous_batching.continuous_api")
@@ -390,9 +391,11 @@ def test_refused_growth_of_a_known_request_changes_nothing() -> None:
 
     window, ps = 10, 4
     cache = ut.UmallocPagedCache(_gemma(window).config, cb_config(num_blocks=16), "cpu", None, torch.float32)
-    a = RequestState(request_id="a", initial_tokens=list(range(3, 400)))
+    a = RequestState(request_id="a", initial_tokens=list(range(3, 43)), max_new_tokens=4)   # it could complete alone
     assert cache.can_store_request_tokens(a, ps + 1)   # a ring of 2 pages, 3 once it holds the window
     a.position_offset = ps + 1
+    b = RequestState(request_id="b", initial_tokens=list(range(3, 43)), max_new_tokens=4)
+    assert cache.can_store_request_tokens(b, 40)   # another request holds room: a's growth can fit alone
     full_bytes = cache.cache_allocators["full_attention"].bytes_per_block
     free_full_pages = cache.free_bytes() // full_bytes
     grow = (free_full_pages + 1) * ps   # the ring's page fits, the full pages cannot

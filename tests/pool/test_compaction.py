@@ -24,7 +24,9 @@ from umalloc.errors import InvariantError, UmallocValueError
 from umalloc.geometry.arena import Arena
 from umalloc.geometry.spec import ArenaSpec, EndSpec, Grow, KVDtype, LayerSpec
 from umalloc.pool.compaction import (
+    UP,
     CompactionReport,
+    MovePlan,
     apply_plan,
     copy_moves,
     plan_down,
@@ -334,13 +336,25 @@ def test_order_preserving_pairing_keeps_a_contiguous_block_contiguous() -> None:
     assert pages_to_runs(plan.src_pages, plan.dst_pages).tolist() == [[4, 1, 3]]
 
 
-@pytest.mark.parametrize("parallel", [False, True])
-@pytest.mark.parametrize("num_pages, page_floats", [(6, 4), (300, 64)])
-def test_copy_moves_matches_a_cloned_reference(num_pages: int, page_floats: int, parallel: bool,
+@pytest.mark.parametrize("path", ["serial", "torch-runs", "chunks"])
+@pytest.mark.parametrize("num_pages, page_floats", [(6, 4), (300, 64), (40, 1 << 14)])
+def test_copy_moves_matches_a_cloned_reference(num_pages: int, page_floats: int, path: str,
                                                monkeypatch) -> None:
+    """Every CPU copy path (one thread: memcpy per coalesced run; two threads: torch's copy per run, or byte
+    ranges over numba's threads, 64 KiB pages split across ranges) moves exactly the reference's rows."""
     import umalloc.pool.compaction as compaction
 
-    monkeypatch.setattr(compaction, "PARALLEL_COPY_MIN_BYTES", 0 if parallel else 1 << 62)
+    monkeypatch.setattr(compaction, "PARALLEL_COPY_MIN_BYTES", 1 << 62 if path == "serial" else 0)
+    monkeypatch.setattr(compaction, "MAX_TORCH_RUNS", 1 << 62 if path == "torch-runs" else 0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _copy_moves_against_reference(num_pages, page_floats)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _copy_moves_against_reference(num_pages: int, page_floats: int) -> None:
     end = EndSpec("full", (LayerSpec.mha(1, page_floats // 2, dtype=KVDtype.FP32),), page_size=1)
     arena = Arena(ArenaSpec((end,), arena_bytes=end.page_bytes * (2 * num_pages + 1)))
     arena.data.copy_(torch.randint(0, 256, arena.data.shape, dtype=torch.uint8))
@@ -354,6 +368,42 @@ def test_copy_moves_matches_a_cloned_reference(num_pages: int, page_floats: int,
     for s, d in zip(src.tolist(), dst.tolist(), strict=True):
         expect[d] = before[s]
     assert torch.equal(arena.envelopes("full"), expect)
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_copy_moves_refuses_a_page_outside_the_end_and_copies_nothing(parallel: bool, monkeypatch) -> None:
+    import umalloc.pool.compaction as compaction
+
+    monkeypatch.setattr(compaction, "PARALLEL_COPY_MIN_BYTES", 0 if parallel else 1 << 62)
+    end = EndSpec("full", (LayerSpec.mha(1, 2, dtype=KVDtype.FP32),), page_size=1)
+    arena = Arena(ArenaSpec((end,), arena_bytes=end.page_bytes * 8))
+    arena.data.copy_(torch.randint(0, 256, arena.data.shape, dtype=torch.uint8))
+    before = arena.data.clone()
+    rows = arena.envelopes("full").shape[0]
+    for src, dst in (([1, 2], [3, rows]), ([-1, 2], [3, 4]), ([1, rows + 5], [3, 4])):
+        with pytest.raises(InvariantError, match="outside"):
+            copy_moves(arena, "full", np.array(src, np.int64), np.array(dst, np.int64))
+        assert torch.equal(arena.data, before)
+
+
+def test_apply_plan_refuses_pages_outside_the_tables_and_changes_nothing() -> None:
+    end = EndSpec("full", (LayerSpec.mha(1, 2, dtype=KVDtype.FP32),), page_size=1)
+    arena = Arena(ArenaSpec((end,), arena_bytes=end.page_bytes * 6))
+    state = arr(R, H, L, L, G, G)
+    p2v = np.array([TOMBSTONE, TOMBSTONE, 0, 1, TOMBSTONE, TOMBSTONE], np.int64)
+    v2p = np.array([2, 3], np.int64)
+    good = plan_up(state, no_pins(6), 1, 4)
+    copies = (state.copy(), p2v.copy(), v2p.copy())
+    bad_page = MovePlan(UP, np.array([9], np.int64), np.array([1], np.int64), good.old_lo, good.old_hi,
+                        good.new_lo, good.new_hi, 0)
+    bad_band = MovePlan(UP, good.src_pages, good.dst_pages, good.old_lo, 60, good.new_lo, good.new_hi, 0)
+    p2v_bad = p2v.copy()
+    p2v_bad[3] = 7                                            # a virtual page past v2p
+    for plan, p2v_arg in ((bad_page, p2v), (bad_band, p2v), (good, p2v_bad)):
+        snap = p2v_arg.copy()
+        with pytest.raises(InvariantError):
+            apply_plan(arena, "full", plan, state=state, p2v=p2v_arg, v2p=v2p)
+        assert (state == copies[0]).all() and (p2v_arg == snap).all() and (v2p == copies[2]).all()
 
 
 _THREADS_SCRIPT = r"""

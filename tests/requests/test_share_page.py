@@ -109,3 +109,33 @@ def test_bad_page_index_types_refused() -> None:
         with pytest.raises(UmallocValueError):
             table.share_page(a, bad, 3)  # type: ignore[arg-type]
     assert snapshots_equal(snap, table.snapshot())
+
+
+def test_attach_prefix_revives_cached_pages_in_one_call() -> None:
+    """attach_prefix(revive=True) takes cached pages directly: they leave the LRU, the request holds them, and the
+    table ends exactly as after reclaim + attach_prefix + drop_refs (compared array by array)."""
+    def prepared() -> tuple[RequestTable, list[int], int]:
+        table = one_end_table()
+        (a,) = table.new_requests(1).tolist()
+        table.extend([a], [3 * PS])
+        pages = table.pages(a).tolist()
+        table.free_requests([a], cache=True)
+        (b,) = table.new_requests(1).tolist()
+        return table, pages, b
+
+    one, pages, b = prepared()
+    held_page = pages[:2]
+    snap = one.snapshot()
+    with pytest.raises(NotAllocatedError, match="revive=True"):
+        one.attach_prefix(b, held_page)
+    assert snapshots_equal(snap, one.snapshot())
+    assert one.attach_prefix(b, held_page, revive=True)
+    one.check_invariants()
+    three, pages3, b3 = prepared()
+    three.reclaim(pages3[:2])
+    assert three.attach_prefix(b3, pages3[:2])
+    three.drop_refs(pages3[:2], cache=True)
+    assert snapshots_equal(one.snapshot(), three.snapshot())
+    assert one.cached_pages().tolist() == [pages[2]] and one.stats().pages_reclaimed == 2
+    with pytest.raises(UmallocValueError, match="revive=1"):
+        one.attach_prefix(b, held_page, revive=1)  # type: ignore[arg-type]

@@ -1,7 +1,8 @@
 """Issue 26 item 20: a v2p table holding a value that is not a physical page id (``2**62`` in a space of a few
 pages) is refused with a typed error when the caller states the physical space (``num_physical_pages``), in every
 translator implementation that runs here, for both translations, strict or not; nothing is written into ``out``.
-Without the bound only the id dtype limits an entry (``2**62`` pages fit int64), which is what let it through."""
+Without the bound an entry looked up must still be a physical page id (below ``MAX_PHYSICAL_PAGES`` = ``2**48``)
+whose ids fit the id dtype: ``2**62`` is refused on every path, fast or checked."""
 
 from __future__ import annotations
 
@@ -60,3 +61,25 @@ def test_a_bad_bound_is_refused(m, device, bound):
     ids, v2p = torch.tensor([0], device=device), torch.tensor([1], device=device)
     with pytest.raises(UmallocValueError, match="num_physical_pages"):
         m.virtual_to_physical_pages(ids, v2p, num_physical_pages=bound)
+
+
+@pytest.mark.parametrize(("m", "device"), IMPLS)
+@pytest.mark.parametrize("entry", [2**62, 2**48, 2**63 - 1])
+@pytest.mark.parametrize("strict", [True, False])
+def test_an_entry_looked_up_beyond_any_physical_page_is_refused_without_a_bound(m, device, entry, strict):
+    ids = torch.tensor([0, 3], device=device)
+    v2p = torch.tensor([3, -1, 5, entry], device=device)
+    out = torch.full((2,), -7, dtype=torch.int64, device=device)
+    calls = [lambda: m.virtual_to_physical_pages(ids, v2p, out=out, strict=strict),
+             lambda: m.virtual_to_physical(ids, v2p, 1, out=out, strict=strict)]
+    if device == "cpu":  # numpy ids and tables, and a batch long enough for the parallel path
+        many = np.full(70_000, 3, dtype=np.int64)
+        calls += [lambda: m.virtual_to_physical_pages(ids.numpy(), v2p.numpy(), strict=strict),
+                  lambda: m.virtual_to_physical_pages(many, v2p.numpy(), strict=strict)]
+    for call in calls:
+        with pytest.raises(InvalidIdError, match=rf"v2p entry {entry} is not a physical page id.*<= {2**48 - 1}"):
+            call()
+        assert out.tolist() == [-7, -7]
+    # the largest physical page id translates: 2**48 - 1 pages
+    top = torch.tensor([2**48 - 1], device=device)
+    assert m.virtual_to_physical_pages(torch.tensor([0], device=device), top).tolist() == [2**48 - 1]

@@ -282,6 +282,11 @@ class AllocationService:
 
         Raises: as :meth:`alloc_extend`.
 
+        Pages, not slots: the allocator knows which pages are live, not which slots of a page a request holds,
+        so a ``last_loc`` that is not its request's last token yields a slot that may be live (and :meth:`free`
+        of any token frees its whole page). The SGLang token API (:mod:`umalloc.integrations.sglang.occupancy`)
+        keeps slot occupancy on top of this call and refuses that.
+
         >>> from umalloc.testing import small_allocator
         >>> alloc = small_allocator()            # page_size 2
         >>> alloc.alloc_decode(torch.tensor([1, 1]), torch.tensor([-1, -1])).tolist()   # new pages 1, 2

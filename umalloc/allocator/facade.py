@@ -149,6 +149,7 @@ from umalloc.pool.kernels.layout import (
     V_NEVER,
     V_RESERVED,
 )
+from umalloc.pool.pagestate import PAGE_PENDING
 
 logger = logging.getLogger(__name__)
 
@@ -255,6 +256,7 @@ class MultiEndedAllocator:
         if after_call.debug_checks:
             self.check_invariants()
         claim_arena(arena, self)
+        arena.guard_pages(self.pages_in_use)  # Note [Guarded destinations] in umalloc.geometry.arena
 
     def _bind_delegates(self) -> None:
         """Note [Composed services]: the per-call methods bound straight to their service on this instance."""
@@ -591,6 +593,16 @@ class MultiEndedAllocator:
         <umalloc.allocator.leasing.LeaseService.lease>`. Any thread."""
         return self._leasing.lease(pages, deadline_s=deadline_s, tag=tag)
 
+    def pages_in_use(self, end: str, ppages: np.ndarray) -> np.ndarray:
+        """Which physical pages of ``end`` another party still reads or writes: pinned by a lease, or pending
+        (freed while pinned). ``ppages``: int64 ``(n,)`` in the end's page range. Returns bool ``(n,)``. What
+        :meth:`Arena.copy_pages <umalloc.geometry.arena.Arena.copy_pages>` refuses to overwrite. O(n).
+
+        Raises: UmallocValueError for an unknown end."""
+        e = self._ends.end(end)
+        _, state, _ = self._heap.end_tables(e)
+        return (self._heap.pins[e][ppages] > 0) | (state[ppages] == PAGE_PENDING)
+
     def leases_active(self) -> int:
         """Active leases over all ends (after reclaiming expired ones)."""
         return self._leasing.leases_active()
@@ -604,7 +616,7 @@ class MultiEndedAllocator:
         """The :class:`~umalloc.leases.table.LeaseTable` holding this arena's pins."""
         return self._leasing.table
 
-    def retract(self, vtokens: torch.Tensor, *, owner: str | None = None) -> retraction.RetractedKV:
+    def retract(self, vtokens: torch.Tensor | np.ndarray, *, owner: str | None = None) -> retraction.RetractedKV:
         """Copy a request's pages of every end (owner and every bound end) to host memory, then free them;
         see :func:`umalloc.allocator.retraction.retract` (returns a ``RetractedKV``)."""
         return retraction.retract(self, vtokens, owner=owner)

@@ -133,13 +133,15 @@ def _bound_ends(allocator: MultiEndedAllocator, owner: str) -> list[str]:
     return [owner] + [e.name for e in allocator.spec.ends if e.owner == owner]
 
 
-def retract(allocator: MultiEndedAllocator, vtokens: torch.Tensor, *, owner: str | None = None) -> RetractedKV:
+def retract(allocator: MultiEndedAllocator, vtokens: torch.Tensor | np.ndarray, *,
+            owner: str | None = None) -> RetractedKV:
     """Copy every end's pages of a request to host memory, then free them in the arena.
 
     Args:
         allocator: the allocator holding the request.
-        vtokens: int64 1-D tensor (any device) of the request's virtual token ids; the pages containing them
-            are retracted whole (page granularity, F01). Duplicates are allowed.
+        vtokens: 1-D integer tensor (any integer dtype, any device) or numpy array of the request's virtual
+            token ids, as every other id call takes them; the pages containing them are retracted whole (page
+            granularity, F01). Duplicates are allowed.
         owner: the id-owner end (``None``: the only one).
 
     Returns:
@@ -160,9 +162,7 @@ def retract(allocator: MultiEndedAllocator, vtokens: torch.Tensor, *, owner: str
     ({'full': 2, 'swa': 2}, 0, 0)
     """
     owner = _resolve_owner(allocator, owner)
-    if not isinstance(vtokens, torch.Tensor):
-        raise InvalidIdError(f"vtokens: allowed a 1-D torch.int64 tensor, got {type(vtokens).__name__}")
-    toks = host_ids(vtokens, "vtokens", accept="int64")
+    toks = host_ids(vtokens, "retract: vtokens")  # a torch tensor or numpy array of any integer dtype
     page_size = allocator.spec.end(owner).page_size
     num_vpages = allocator.num_vpages(owner)
     if toks.size and (toks.min() < 0 or toks.max() >= num_vpages * page_size):

@@ -91,11 +91,16 @@ per descriptor (per-page batches), and one-shot lists otherwise (coalesced runs,
 from __future__ import annotations
 
 import base64
+import ctypes
+import functools
+import glob
 import logging
 import os
+import re
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -134,6 +139,50 @@ REGEN = b"umalloc:regen:"   # the target tells its senders its registration gene
 _AGENTS: weakref.WeakValueDictionary[str, NixlBackend] = weakref.WeakValueDictionary()
 #: ``auto`` posts prepared per-page lists when descriptors average at most this many pages.
 PREP_MAX_PAGES_PER_DESC = 1.5
+
+
+# Note [Goodbyes to a gone peer]
+# A goodbye (BYE, FORGET) to a peer whose process already ended fails inside NIXL, which logs the failure
+# (``genNotif ... NIXL_ERR_REMOTE_DISCONNECT``) on stderr before umalloc sees the error it expects and ignores.
+# So a target takes in pending forgets before it says goodbye (a sender that disconnected gets none), and every
+# goodbye is sent with the abseil log level NIXL's library writes with raised to FATAL for that call; where the
+# library or its symbols are not found (another build) nothing is muted.
+@functools.cache
+def _absl_log_level() -> tuple[Callable[[], int], Callable[[int], None]] | None:
+    """``(get, set)`` of the minimum log level of the abseil copy bundled with ``nixl_cu12``, or None."""
+    try:
+        libdir = os.path.join(os.path.dirname(os.path.dirname(_nixl.__file__)), "nixl_cu12.libs")
+        path = sorted(glob.glob(os.path.join(libdir, "libabsl_log_globals-*.so*")))[0]
+        with open(path, "rb") as f:
+            names = f.read()
+        get_name = re.search(rb"_ZN4absl12lts_\d+11MinLogLevelEv", names)
+        set_name = re.search(rb"_ZN4absl12lts_\d+14SetMinLogLevelENS0_18LogSeverityAtLeastE", names)
+        if get_name is None or set_name is None:
+            return None
+        lib = ctypes.CDLL(path)
+        get, put = getattr(lib, get_name[0].decode()), getattr(lib, set_name[0].decode())
+    except (OSError, IndexError, AttributeError, TypeError):
+        return None
+    get.restype, get.argtypes = ctypes.c_int, []
+    put.restype, put.argtypes = None, [ctypes.c_int]
+    return get, put
+
+
+@contextmanager
+def _engine_errors_muted() -> Iterator[None]:
+    """Note [Goodbyes to a gone peer]: NIXL logs nothing below FATAL inside the block (process-wide while it
+    runs: keep the block to one expected-to-fail call)."""
+    calls = _absl_log_level()
+    if calls is None:
+        yield
+        return
+    get, put = calls
+    old = get()
+    put(3)  # absl::LogSeverityAtLeast::kFatal
+    try:
+        yield
+    finally:
+        put(old)
 
 
 def _dev_id(region: Region) -> int:
@@ -322,7 +371,8 @@ class NixlBackend(BackendBase):
         self._acked.discard(peer.name)
         try:
             if peer.name not in self._gone:
-                self._agent.send_notif(peer.name, FORGET)
+                with _engine_errors_muted():  # Note [Goodbyes to a gone peer]
+                    self._agent.send_notif(peer.name, FORGET)
                 self._agent.get_new_notifs()
         except Exception:  # a peer already gone needs no goodbye
             pass
@@ -598,11 +648,19 @@ class NixlBackend(BackendBase):
         del agent  # the agent (and its UCX worker) ends here
 
     def _say_bye(self) -> None:
-        """Tell every sender that said hello that this target is gone (Note [NIXL peer handshake])."""
+        """Tell every sender that said hello that this target is gone (Note [NIXL peer handshake]). Pending
+        notifications are taken in first, for up to :attr:`close_flush_s` while senders remain: a sender that
+        said forget (it disconnected, or closed and exited) gets no goodbye (Note [Goodbyes to a gone peer])."""
+        end = time.monotonic() + self.close_flush_s
+        self._engine_progress()
+        while self._senders and time.monotonic() < end:
+            time.sleep(0.0005)
+            self._engine_progress()
         said = 0
         for sender in sorted(self._senders):
             try:
-                self._agent.send_notif(sender, BYE)
+                with _engine_errors_muted():  # Note [Goodbyes to a gone peer]
+                    self._agent.send_notif(sender, BYE)
                 said += 1
             except Exception:  # a sender already gone needs no goodbye
                 pass

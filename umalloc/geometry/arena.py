@@ -20,13 +20,20 @@ Policy:
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
 from umalloc.errors import ArenaMemoryError, InvalidIdError, UmallocValueError
 from umalloc.geometry.region import DRAM, VRAM, Region, RegionMember
 from umalloc.geometry.spec import ArenaSpec, EndSpec, LayerKind
-from umalloc.ids import check_id_dtype, check_id_tensor
+from umalloc.ids import check_id_tensor, host_ids
+
+#: What :meth:`Arena.guard_pages` installs: ``(end, physical pages int64 (n,)) -> bool (n,)``, True where
+#: :meth:`Arena.copy_pages` must not write without ``overwrite=True``.
+PageGuard = Callable[[str, np.ndarray], np.ndarray]
 
 #: Device types an arena may live on.
 ARENA_DEVICE_TYPES = ("cpu", "cuda")
@@ -74,6 +81,7 @@ class Arena:
         if not isinstance(spec, ArenaSpec):
             raise UmallocValueError(f"spec={spec!r}: allowed an ArenaSpec")
         self.spec = spec
+        self._guard: Callable[[], PageGuard | None] | None = None  # Note [Guarded destinations]
         dev = _arena_device(device)
         if type(pin_memory) is not bool or type(zero) is not bool:
             raise UmallocValueError(f"zero={zero!r}, pin_memory={pin_memory!r}: allowed True or False")
@@ -220,20 +228,42 @@ class Arena:
         return view("k", heads, lspec.head_dim_k), view("v", heads, lspec.head_dim_v)
 
     # ---- moves -----------------------------------------------------------------------------------------
-    def copy_pages(self, end: str, dst_pages: torch.Tensor | np.ndarray, src_pages: torch.Tensor | np.ndarray) -> None:
+    def guard_pages(self, guard: PageGuard | None) -> None:
+        """Install (or with ``None`` remove) the guard :meth:`copy_pages` asks about its destinations: the
+        allocator that owns this arena installs one naming the pages whose bytes are in use elsewhere (Note
+        [Guarded destinations]). Held weakly when it is a bound method (the arena keeps no allocator alive)."""
+        if guard is None:
+            self._guard = None
+        elif hasattr(guard, "__self__") and hasattr(guard, "__func__"):
+            self._guard = weakref.WeakMethod(guard)  # type: ignore[arg-type]
+        else:
+            self._guard = lambda: guard
+
+    # Note [Guarded destinations]
+    # copy_pages overwrites whole envelopes. A destination whose bytes somebody else still uses -- pinned by a
+    # lease (a transfer in flight reads or writes it) or pending (freed while pinned: the transfer has not let
+    # go) -- is refused unless the caller says ``overwrite=True``. Live pages the caller allocated are its own to
+    # write (a fork copying its parent's ring into the pages it just allocated, a caller compacting by hand):
+    # which request a page belongs to is the caller's table's business, not the arena's.
+    def copy_pages(self, end: str, dst_pages: torch.Tensor | np.ndarray, src_pages: torch.Tensor | np.ndarray, *,
+                   overwrite: bool = False) -> None:
         """Copy whole envelopes ``src_pages[i] -> dst_pages[i]`` of ``end`` in one batched gather/scatter.
 
         Args:
             end: an end of the spec.
-            dst_pages, src_pages: integer (int64 or int32) 1-D tensors (any device) or numpy arrays of equal
-                length, every id in ``[first_page(end), top_page(end)]`` (never the sink page 0 or another
-                reserved-floor page); ``dst_pages`` unique. Sources are read before any destination is written,
-                so the sets may overlap. Which pages are live is the allocator's business, not checked here.
+            dst_pages, src_pages: 1-D integer tensors (any integer dtype, any device) or numpy arrays (any
+                integer dtype, values that fit int64) of equal length, validated as every id argument
+                (:func:`umalloc.ids.host_ids`); every id in ``[first_page(end), top_page(end)]`` (never the sink
+                page 0 or another reserved-floor page); ``dst_pages`` unique. Sources are read before any
+                destination is written, so the sets may overlap.
+            overwrite: write even destinations the arena's allocator reports in use -- pinned by a lease or
+                pending (Note [Guarded destinations]); default False refuses them.
 
         Raises:
-            InvalidIdError: a non-integer dtype (floats are never truncated), a meta or sparse tensor, an id
-                outside the allowed range (the message names it), a repeated destination.
-            UmallocValueError: unequal or non-1-D shapes. SpecError: an unknown end.
+            InvalidIdError: a non-integer dtype (floats are never truncated), a meta or sparse tensor, another
+                rank, an id outside the allowed range (the message names it), a repeated destination, a
+                destination in use without ``overwrite=True`` (the message names the page).
+            UmallocValueError: unequal shapes, ``overwrite`` not a bool. SpecError: an unknown end.
             Every check runs before any byte moves.
 
         Complexity: O(n * page_bytes) bytes moved, one gather + one scatter; O(n log n) validation.
@@ -246,6 +276,8 @@ class Arena:
         umalloc.errors.InvalidIdError: copy_pages: src_pages[0] = 0 of end 'full' is out of range: allowed [1, 3]
         """
         lo, hi = self.first_page(end), self.top_page(end)
+        if type(overwrite) is not bool:
+            raise UmallocValueError(f"copy_pages: overwrite={overwrite!r}; allowed True or False")
         dst = _page_ids(dst_pages, "dst_pages")
         src = _page_ids(src_pages, "src_pages")
         if dst.shape != src.shape or dst.dim() != 1:
@@ -265,6 +297,14 @@ class Arena:
             page = int(torch.nonzero(counts > 1)[0, 0]) + lo
             raise InvalidIdError(f"copy_pages: dst_pages names page {page} of end {end!r} more than once: "
                                  "allowed distinct destinations")
+        guard = None if overwrite or self._guard is None else self._guard()
+        if guard is not None:
+            held = guard(end, dst.cpu().numpy())
+            if held.any():
+                i = int(np.argmax(held))
+                raise InvalidIdError(f"copy_pages: dst_pages[{i}] = {int(dst[i])} of end {end!r} is in use (pinned "
+                                     f"by a lease or pending): allowed destinations nobody else reads or writes, "
+                                     f"or overwrite=True")
         env = self.envelopes(end)
         env.index_copy_(0, dst.to(env.device), env.index_select(0, src.to(env.device)))
 
@@ -285,13 +325,15 @@ class Arena:
 
 
 def _page_ids(ids: object, name: str) -> torch.Tensor:
-    """``ids`` as an int64 tensor (numpy wrapped), or raise :class:`InvalidIdError` for a float, bool or other
-    dtype, a meta or sparse tensor."""
+    """``ids`` as a 1-D int64 tensor (on its device), validated as every id argument: numpy through
+    :func:`umalloc.ids.host_ids`, torch any integer dtype; :class:`InvalidIdError` for a float, bool or other
+    dtype, another rank, a meta or sparse tensor, another type."""
     if isinstance(ids, np.ndarray):
-        check_id_dtype(ids.dtype, f"copy_pages: {name}", "int32")
-        ids = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))
+        return torch.from_numpy(np.ascontiguousarray(host_ids(ids, f"copy_pages: {name}")))
     if not isinstance(ids, torch.Tensor):
-        raise InvalidIdError(f"copy_pages: {name} must be an int64/int32 tensor or numpy array, "
-                             f"got {type(ids).__name__}")
-    check_id_tensor(ids, f"copy_pages: {name}", "int32")
+        raise InvalidIdError(f"copy_pages: {name}: got {type(ids).__name__}; allowed a 1-D integer torch tensor "
+                             f"or numpy array")
+    check_id_tensor(ids, f"copy_pages: {name}")
+    if ids.dim() != 1:
+        raise InvalidIdError(f"copy_pages: {name}: shape {tuple(ids.shape)}; allowed 1-D")
     return ids.to(torch.int64)

@@ -5,8 +5,9 @@ Enable it with one call before vLLM builds its KV-cache manager::
     import umalloc.integrations.vllm
     umalloc.integrations.vllm.install()     # vLLM's coordinators now build UmallocBlockPool
 
-Tested with vLLM 0.33.0 (:data:`SUPPORTED_VLLM_VERSIONS`; the ``umalloc[vllm]`` extra pins it); :func:`install`
-refuses other versions because the pool overrides vLLM internals (``free_block_queue``, the reuse watchers).
+Tested with vLLM 0.33.0 (:data:`SUPPORTED_VERSIONS`; the ``umalloc[vllm]`` extra pins it); :func:`install`
+refuses other versions (:class:`UnsupportedVLLMVersion`) because the pool overrides vLLM internals
+(``free_block_queue``, the reuse watchers). :func:`uninstall` and :func:`installed` (a context manager) undo it.
 
 Policy:
 
@@ -49,6 +50,7 @@ Threading: as vLLM's pool, called from the scheduler thread only.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -57,11 +59,21 @@ from typing import Any
 import numpy as np
 
 from umalloc import TOMBSTONE, Arena, ArenaSpec, EndSpec, LayerSpec, MultiEndedAllocator
-from umalloc.errors import InvariantError, UmallocError, UmallocValueError
+from umalloc.errors import InvariantError, UmallocValueError
+from umalloc.integrations.versions import EngineVersionError, check_engine_version
 from umalloc.requests.pagerefs import PAGE_NOT_MANAGED, PageRefs
 
 #: vLLM versions this adapter is tested with (the ``umalloc[vllm]`` extra pins them).
-SUPPORTED_VLLM_VERSIONS: tuple[str, ...] = ("0.33.0",)
+SUPPORTED_VERSIONS: tuple[str, ...] = ("0.33.0",)
+SUPPORTED_VLLM_VERSIONS = SUPPORTED_VERSIONS   #: the same tuple under the name earlier releases used
+
+
+class UnsupportedVLLMVersion(EngineVersionError):
+    """:func:`install` on a vLLM release this adapter was not tested against (nothing is rebound)."""
+
+
+#: module name -> the stock ``BlockPool`` that :func:`install` replaced there (what :func:`uninstall` restores)
+_rebound: dict[str, type] = {}
 
 #: Name of the one end of a pool's id allocator.
 END = "blocks"
@@ -380,30 +392,50 @@ def install() -> type:
     """Make vLLM build :class:`UmallocBlockPool` wherever it builds a ``BlockPool``: rebinds the name in
     ``vllm.v1.core.block_pool`` and in every loaded module of ``vllm.v1.core`` that imported it (the KV-cache
     coordinators). Call it before vLLM builds its scheduler (modules that import ``BlockPool`` later get the
-    new class too). Idempotent. The hisparse host pool (``SharedEventQueueBlockPool``, a subclass of the stock
-    class) stays vLLM's.
+    new class too). Idempotent; :func:`uninstall` undoes it. The hisparse host pool
+    (``SharedEventQueueBlockPool``, a subclass of the stock class) stays vLLM's.
 
     Returns:
         the pool class.
 
     Raises:
-        ImportError: vLLM is not installed. UmallocError: the installed vLLM is not one of
-        :data:`SUPPORTED_VLLM_VERSIONS`.
+        ImportError: vLLM is not installed. UnsupportedVLLMVersion (an
+        :class:`~umalloc.integrations.versions.EngineVersionError`): the installed vLLM is not one of
+        :data:`SUPPORTED_VERSIONS`; nothing is rebound.
     """
     import vllm
 
-    version = getattr(vllm, "__version__", "unknown")
-    if version not in SUPPORTED_VLLM_VERSIONS:
-        raise UmallocError(f"vLLM {version} is untested with umalloc.integrations.vllm; allowed "
-                           f"{', '.join(SUPPORTED_VLLM_VERSIONS)} (pip install 'umalloc[vllm]')")
+    check_engine_version("vLLM", str(getattr(vllm, "__version__", "unknown")), SUPPORTED_VERSIONS, "vllm",
+                         UnsupportedVLLMVersion)
     import vllm.v1.core.kv_cache_coordinator  # noqa: F401 - the module that builds the pool
 
     pool = _pool_class()
     stock = pool.__mro__[1]
     for name, module in list(sys.modules.items()):
         if name.startswith("vllm.v1.core") and getattr(module, "BlockPool", None) is stock:
+            _rebound[name] = stock
             setattr(module, "BlockPool", pool)  # noqa: B010 - rebinding another package's module attribute
     return pool
+
+
+def uninstall() -> None:
+    """Give every module :func:`install` rebound its stock ``BlockPool`` back (no-op if not installed). Pools
+    already built stay umalloc's until vLLM drops them."""
+    for name, stock in list(_rebound.items()):
+        module = sys.modules.get(name)
+        if module is not None:
+            setattr(module, "BlockPool", stock)  # noqa: B010 - restoring another package's module attribute
+        del _rebound[name]
+
+
+@contextlib.contextmanager
+def installed() -> Iterator[type]:
+    """``with installed() as pool_cls:`` -- :func:`install` for the block, :func:`uninstall` after."""
+    pool = install()
+    try:
+        yield pool
+    finally:
+        uninstall()
 
 
 def __getattr__(name: str) -> Any:
@@ -413,4 +445,5 @@ def __getattr__(name: str) -> Any:
 
 
 # UmallocBlockPool is reached as an attribute (module __getattr__: it imports vLLM), so it is not in __all__
-__all__ = ["END", "ID_PAGE_BYTES", "SUPPORTED_VLLM_VERSIONS", "UmallocFreeBlockQueue", "id_allocator", "install"]
+__all__ = ["END", "ID_PAGE_BYTES", "SUPPORTED_VERSIONS", "SUPPORTED_VLLM_VERSIONS", "UmallocFreeBlockQueue",
+           "UnsupportedVLLMVersion", "id_allocator", "install", "installed", "uninstall"]

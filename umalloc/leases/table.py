@@ -296,14 +296,13 @@ class LeaseTable:
         return self.any_pinned(end)
 
     def is_pinned(self, end: str, pages: np.ndarray) -> np.ndarray:
-        """Boolean mask, same shape as ``pages`` (1-D int64 physical pages in ``[0, page_slots)``): pinned or not.
+        """Boolean mask, same shape as ``pages`` (1-D integer physical pages in ``[0, page_slots)``: a torch tensor,
+        numpy array or list of ints, validated as every id argument): pinned or not.
 
-        Raises: LeaseError for an unknown end or a page outside the end's slots."""
+        Raises: LeaseError for an unknown end, bad ids (dtype, rank, a meta or sparse tensor) or a page outside the
+        end's slots."""
         self._check_end(end)
-        p = np.asarray(pages)
-        if p.dtype.kind not in "iu" or p.ndim != 1:
-            raise LeaseError(f"is_pinned: pages of dtype {p.dtype}, shape {p.shape}; allowed 1-D integer physical "
-                             f"pages")
+        p = host_ids(pages, "is_pinned: pages", lists=True, error=LeaseError)  # as every id argument
         n = self._slots[end]
         if p.size and (int(p.min()) < 0 or int(p.max()) >= n):
             raise LeaseError(f"is_pinned: a page outside [0, {n}) of end {end!r}")

@@ -19,7 +19,8 @@ Policy:
 * After the moves the watermark retreats past every trailing unpinned hole, also when the budget allowed no
   move (a free retreat).
 * Applying a plan: copy the bytes ``src -> dst`` in ONE batched envelope copy per flush (:func:`copy_moves`:
-  a numba row copy on the calling thread on CPU, run-wise or gather/scatter on CUDA; it never changes the
+  one ``memcpy`` per coalesced run on CPU, on the calling thread or split over the caller's torch thread count;
+  run-wise or gather/scatter on CUDA; it never changes the
   caller's threading, Note [Compaction copies and threads]), then rewrite ``p2v``/``v2p`` and the states;
   virtual ids never change, only the physical page behind them. Pages between the old and the new watermark
   become gap.
@@ -67,8 +68,9 @@ import numpy as np
 import torch
 
 from umalloc.errors import InvariantError, UmallocValueError
+from umalloc.pool.kernels import raw
 from umalloc.pool.pagestate import PAGE_GAP, PAGE_HOLE, PAGE_LIVE, PAGE_PENDING, TOMBSTONE
-from umalloc.translators.cpu import pages_to_runs
+from umalloc.translators.cpu import pages_to_runs, pages_to_runs_numpy
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -333,42 +335,48 @@ def plan_float(state: np.ndarray, pins: np.ndarray, lo: int, hi: int, *, free_ed
 #: On CUDA, plans with at most this many runs are copied run by run (one memcpy each), else gather/scatter.
 MAX_RUNWISE_COPIES = 32
 #: CPU copies of at least this many bytes may use several threads, if the caller's torch thread count allows
-#: (Note [Compaction copies and threads]); smaller ones always run on the calling thread.
-PARALLEL_COPY_MIN_BYTES = 16 << 20
+#: (Note [Compaction copies and threads]); smaller ones always run on the calling thread. torch's own copy
+#: splits from 32 KiB; a numba parallel region costs tens of microseconds to enter, so 1 MiB.
+PARALLEL_COPY_MIN_BYTES = 1 << 20
+#: A parallel CPU copy of at most this many runs is torch's ``copy_`` per run (its own threads, as a plain copy).
+MAX_TORCH_RUNS = 8
+#: A parallel CPU copy of more runs splits them into byte ranges of at most this size (about four per thread) and at
+#: least ``_MIN_CHUNK_BYTES``, so threads share long and short runs alike.
+_MIN_CHUNK_BYTES = 64 << 10
 
 
-# Explicit element loops: a slice assignment ``buf[d, :] = buf[s, :]`` within one array makes numba copy through
-# a temporary (it cannot rule out overlap) and runs ~5x slower; rows of disjoint page sets never overlap.
-@numba.njit(cache=True, nogil=True)
-def _copy_rows_serial(buf: np.ndarray, src: np.ndarray, dst: np.ndarray) -> None:  # pragma: no cover - numba
-    width = buf.shape[1]
-    for i in range(src.size):
-        s = src[i]
-        d = dst[i]
-        for j in range(width):
-            buf[d, j] = buf[s, j]
-
-
-@numba.njit(cache=True, nogil=True, parallel=True)
-def _copy_rows_parallel(buf: np.ndarray, src: np.ndarray, dst: np.ndarray) -> None:  # pragma: no cover
-    width = buf.shape[1]
-    for i in numba.prange(src.size):
-        s = src[i]
-        d = dst[i]
-        for j in range(width):
-            buf[d, j] = buf[s, j]
-
-
-def _copy_rows(buf: np.ndarray, src: np.ndarray, dst: np.ndarray) -> None:
-    """Row copy on at most the caller's torch thread count, leaving torch's and numba's counts as they were."""
+def _copy_rows_cpu(env: torch.Tensor, src: np.ndarray, dst: np.ndarray) -> None:
+    """Whole-row copies of a contiguous CPU ``uint8 (rows, page_bytes)`` view (Note [Compaction copies and
+    threads]): below ``PARALLEL_COPY_MIN_BYTES`` or with one torch thread, one numba pass on the calling thread
+    that checks every page, coalesces runs and ``memcpy``s each (:func:`umalloc.pool.kernels.raw.copy_pages`);
+    else the runs (:func:`umalloc.translators.cpu.pages_to_runs_numpy`) copied by torch's own ``copy_`` when
+    they are at most ``MAX_TORCH_RUNS``, or split into byte ranges ``memcpy``d on ``min(torch, numba)`` threads.
+    Raises InvariantError for a page outside the rows (nothing copied)."""
+    rows, pb = int(env.shape[0]), int(env.shape[1])
+    base = int(env.data_ptr())
     threads = torch.get_num_threads()
-    if threads < 2 or src.size < 2 or src.size * buf.strides[0] < PARALLEL_COPY_MIN_BYTES:
-        _copy_rows_serial(buf, src, dst)
+    nbytes = int(src.size) * pb
+    if threads < 2 or nbytes < PARALLEL_COPY_MIN_BYTES:
+        r = int(raw.copy_pages(base, src, dst, pb, rows))
+        if r < 0:
+            i = -1 - r
+            raise InvariantError(f"copy_moves: page {int(src[i])} -> {int(dst[i])} outside the end's {rows} page "
+                                 f"slots")
         return
+    if int(min(src.min(), dst.min())) < 0 or int(max(src.max(), dst.max())) >= rows:
+        raise InvariantError(f"copy_moves: a page outside the end's {rows} page slots")
+    runs = pages_to_runs_numpy(src, dst)
+    if runs.shape[0] <= MAX_TORCH_RUNS:
+        for s0, d0, m in runs.tolist():
+            env[d0:d0 + m].copy_(env[s0:s0 + m])
+        return
+    chunk = max(_MIN_CHUNK_BYTES, -(-nbytes // (4 * threads)))
+    chunks = np.empty((runs.shape[0] + nbytes // chunk + 1, 3), np.int64)
+    c = int(raw.split_runs(runs, pb, chunk, chunks))
     numba_threads = numba.get_num_threads()  # starts numba's pool (which may reset torch's count: restored below)
     try:
         numba.set_num_threads(min(threads, numba_threads))
-        _copy_rows_parallel(buf, src, dst)
+        raw.copy_chunks(base, chunks[:c])
     finally:
         numba.set_num_threads(numba_threads)
         if torch.get_num_threads() != threads:
@@ -379,34 +387,34 @@ def copy_moves(arena: Arena, end: str, src_pages: np.ndarray, dst_pages: np.ndar
     """Copy whole envelopes ``src_pages[i] -> dst_pages[i]`` of ``end`` as one batched copy; returns bytes.
 
     The two page sets must be disjoint (a plan's sources are live pages, its destinations holes), so the copy
-    order does not matter. CPU: one numba row-copy pass reading each byte once, on the calling thread, or from
-    ``PARALLEL_COPY_MIN_BYTES`` on at most ``torch.get_num_threads()`` threads (Note [Compaction copies and
-    threads]). CUDA: run-wise ``copy_`` when the plan has at most
+    order does not matter. CPU: the pages coalesced into runs, one ``memcpy`` per run on the calling thread, or
+    from ``PARALLEL_COPY_MIN_BYTES`` on at most ``torch.get_num_threads()`` threads (few runs: torch's ``copy_``
+    per run; many: byte ranges ``memcpy``d by numba; Note [Compaction copies and threads]); every page is checked
+    to lie inside the end's page slots first (InvariantError otherwise, nothing copied). CUDA:
+    run-wise ``copy_`` when the plan has at most
     ``MAX_RUNWISE_COPIES`` runs (:func:`umalloc.translators.cpu.pages_to_runs`, the one run-coalescing
     implementation), else one ``index_select`` + ``index_copy_``. Complexity: O(n * page_bytes).
 
     Note [Compaction copies and threads]
         The caller's torch thread count is the copy's thread budget: with 1 thread (the replay) the copy stays
-        on the calling thread and no thread pool starts; with more, large copies run on ``min(torch, numba)``
-        threads, and both counts are restored afterwards (tested). Under numba's OpenMP layer, starting the
+        on the calling thread and no thread pool starts; with more, copies from ``PARALLEL_COPY_MIN_BYTES`` run
+        on torch's threads (at most ``MAX_TORCH_RUNS`` runs: torch's ``copy_`` per run, as a plain copy of those
+        bytes) or on ``min(torch, numba)`` numba threads (more runs: byte ranges of about a quarter of a
+        thread's share), and both counts are restored afterwards (tested). Under numba's OpenMP layer, starting the
         thread pool sets the calling thread's OpenMP thread count, which torch shares: a copy that started
         the pool regardless of the caller's budget would raise a 1-thread caller to 2 threads, and its token
         loop runs 3-5x slower on 2 cores (``umalloc replay --compaction eager`` 6x slower than lazy on 30
-        requests). Measured on 2 cores:
-        a 256 MiB flush took 16-17 ms on two threads vs 27 ms on one when the cores were free, while under
-        load one thread was as fast or faster (64 MiB: 24 vs 12 GB/s contiguous).
+        requests). ``benchmarks/bench_compaction.py`` prints the copy against a torch copy of the same bytes
+        at one and two threads in the same run.
     """
     n = int(src_pages.size)
     if n == 0:
         return 0
     env = arena.envelopes(end)
     pb = int(env.shape[1])
-    if env.device.type == "cpu":
-        buf = env.numpy()
-        if pb % 8 == 0 and buf.ctypes.data % 8 == 0:
-            buf = buf.view(np.uint64)  # 8-byte words: same bytes, fewer iterations
-        _copy_rows(buf, np.ascontiguousarray(src_pages, dtype=np.int64),
-                   np.ascontiguousarray(dst_pages, dtype=np.int64))
+    if env.device.type == "cpu" and env.is_contiguous():
+        _copy_rows_cpu(env, np.ascontiguousarray(src_pages, dtype=np.int64),
+                       np.ascontiguousarray(dst_pages, dtype=np.int64))
         return n * pb
     runs = pages_to_runs(src_pages, dst_pages)
     if runs.shape[0] <= MAX_RUNWISE_COPIES:
@@ -449,38 +457,79 @@ def apply_plan(arena: Arena, end: str, plan: MovePlan, *, state: np.ndarray, p2v
     src, dst = plan.src_pages, plan.dst_pages
     if src.shape != dst.shape:
         raise InvariantError("plan: src_pages and dst_pages differ in length")
-    if src.size:
-        if not (state[src] == PAGE_LIVE).all():
-            raise InvariantError(f"plan for {end!r}: a source page is not live")
-        if not (state[dst] == PAGE_HOLE).all():
-            raise InvariantError(f"plan for {end!r}: a destination page is not a hole")
-        if pins is not None and ((pins[src] > 0).any() or (pins[dst] > 0).any()):
-            raise InvariantError(f"plan for {end!r}: moves a pinned page (Note [Page moves and pins])")
-    # after the moves, every retreated page must be a hole
-    after = state.copy() if (plan.new_lo != plan.old_lo or plan.new_hi != plan.old_hi) else None
-    if after is not None:
-        after[src] = PAGE_HOLE
-        after[dst] = PAGE_LIVE
-        cut = np.r_[np.arange(plan.old_lo, plan.new_lo), np.arange(plan.new_hi, plan.old_hi)]
-        if cut.size and not (after[cut] == PAGE_HOLE).all():
-            raise InvariantError(f"plan for {end!r}: the band would retreat past an occupied page")
-        if pins is not None and cut.size and (pins[cut] > 0).any():
-            raise InvariantError(f"plan for {end!r}: the band would retreat past a pinned page")
-    moved_bytes = 0
-    if src.size:
-        vp = p2v[src]
-        if (vp == TOMBSTONE).any():
-            raise InvariantError(f"plan for {end!r}: a live source page has no virtual page")
-        moved_bytes = copy_moves(arena, end, src, dst)
-        p2v[dst] = vp
-        p2v[src] = TOMBSTONE
-        v2p[vp] = dst
-        state[dst] = PAGE_LIVE
-        state[src] = PAGE_HOLE
-    if after is not None:
-        state[plan.old_lo:plan.new_lo] = PAGE_GAP
-        state[plan.new_hi:plan.old_hi] = PAGE_GAP
+    src = np.ascontiguousarray(src, dtype=np.int64)
+    dst = np.ascontiguousarray(dst, dtype=np.int64)
+    band = np.array([plan.old_lo, plan.new_lo, plan.new_hi, plan.old_hi], np.int64)
+    fault = int(_plan_fault(state, _EMPTY_PINS if pins is None else pins, pins is not None, p2v, v2p.shape[0], src,
+                            dst, band))
+    if fault:
+        raise InvariantError(f"plan for {end!r}: {_FAULTS[fault]}")
+    moved_bytes = copy_moves(arena, end, src, dst) if src.size else 0
+    _rewrite_tables(state, p2v, v2p, src, dst, band)
     return moved_bytes
+
+
+_EMPTY_PINS = np.zeros(0, np.int32)
+_FAULTS = {1: "a source page is not live", 2: "a destination page is not a hole",
+           3: "moves a pinned page (Note [Page moves and pins])",
+           4: "the band would retreat past an occupied page", 5: "the band would retreat past a pinned page",
+           6: "a live source page has no virtual page", 7: "a page or band edge outside the end's page slots"}
+
+
+@numba.njit(cache=True, nogil=True)
+def _plan_fault(state, pins, has_pins, p2v, num_vpages, src, dst, band):  # pragma: no cover - numba
+    """The first fault of a plan against the tables (a key of ``_FAULTS``), 0 if none; reads only.
+    O(moves + retreated pages)."""
+    slots = state.shape[0]
+    if band[0] < 0 or band[0] > band[1] or band[2] > band[3] or band[3] > slots:
+        return 7
+    for i in range(src.shape[0]):
+        if src[i] < 0 or src[i] >= slots or dst[i] < 0 or dst[i] >= slots:
+            return 7
+    for i in range(src.shape[0]):
+        if state[src[i]] != PAGE_LIVE:
+            return 1
+    for i in range(dst.shape[0]):
+        if state[dst[i]] != PAGE_HOLE:
+            return 2
+    if has_pins:
+        for i in range(src.shape[0]):
+            if pins[src[i]] > 0 or pins[dst[i]] > 0:
+                return 3
+    if band[0] != band[1] or band[2] != band[3]:
+        after = state.copy()
+        for i in range(src.shape[0]):
+            after[src[i]] = PAGE_HOLE
+        for i in range(dst.shape[0]):
+            after[dst[i]] = PAGE_LIVE
+        for lo, hi in ((band[0], band[1]), (band[2], band[3])):
+            for p in range(lo, hi):
+                if after[p] != PAGE_HOLE:
+                    return 4
+                if has_pins and pins[p] > 0:
+                    return 5
+    for i in range(src.shape[0]):
+        if p2v[src[i]] < 0 or p2v[src[i]] >= num_vpages:   # TOMBSTONE included
+            return 6
+    return 0
+
+
+@numba.njit(cache=True, nogil=True)
+def _rewrite_tables(state, p2v, v2p, src, dst, band):  # pragma: no cover - numba
+    """After the bytes moved: ``p2v`` / ``v2p`` / states of the moved pages, and the retreated pages' states."""
+    for i in range(src.shape[0]):
+        vp = p2v[src[i]]
+        p2v[dst[i]] = vp
+        v2p[vp] = dst[i]
+    for i in range(src.shape[0]):
+        p2v[src[i]] = TOMBSTONE
+        state[src[i]] = PAGE_HOLE
+    for i in range(dst.shape[0]):
+        state[dst[i]] = PAGE_LIVE
+    for p in range(band[0], band[1]):
+        state[p] = PAGE_GAP
+    for p in range(band[2], band[3]):
+        state[p] = PAGE_GAP
 
 
 # ---- reporting --------------------------------------------------------------------------------------------

@@ -31,8 +31,10 @@ from umalloc.ids import id_batch
 HANDLE_SHIFT = 32                     # handle = generation << 32 | slot
 SLOT_MASK = (1 << HANDLE_SHIFT) - 1
 
-#: A batch of slots, handles, token counts or virtual pages: an int32/int64 torch tensor, a numpy integer array or a
-#: sequence of ints (validated once, by :func:`umalloc.allocator.ids.id_batch`).
+#: A batch of slots, handles, token counts or virtual pages: a 1-D torch tensor (any device) of any integer dtype
+#: (int64, int32, int16, int8, uint8), a 1-D numpy array of any integer dtype (signed or unsigned, values that fit
+#: int64, native byte order), or a sequence of ints; bools, floats and other ranks are refused. Validated once, by
+#: :func:`umalloc.ids.id_batch`.
 IdBatch: TypeAlias = "torch.Tensor | np.ndarray | Sequence[int]"
 #: One request slot or handle: an int (numpy integers too) or a one-element int32/int64 torch tensor.
 SlotLike: TypeAlias = "int | np.integer[Any] | torch.Tensor"

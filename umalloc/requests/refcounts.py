@@ -391,6 +391,22 @@ def k_evict(pg, lru, n, out):
 
 
 @njit(cache=True)
+def k_lru_walk(lru, out, limit):
+    """The first ``min(limit, cached)`` pages of the LRU list, head first, into ``out`` (``limit`` at most its
+    length; ``out`` may be empty when only the count is wanted, then nothing is written); returns how many.
+    O(pages walked)."""
+    c = 0
+    vp = lru[LRU_NEXT, 0]
+    write = out.shape[0] > 0
+    while vp != 0 and c < limit:
+        if write:
+            out[c] = vp
+        c += 1
+        vp = lru[LRU_NEXT, vp]
+    return c
+
+
+@njit(cache=True)
 def k_unref(pg, lru, vps, cache, freed):
     """Engine references dropped (validated by the caller): pages reaching 0 are cached (in order) or listed
     in ``freed``; returns how many were freed."""

@@ -16,11 +16,23 @@ changing anything, then makes room on the allocator in the cheapest way that is 
    no trial;
 2. else, in an allocator trial (Note [Trials] in :mod:`umalloc.allocator.facade`): unbind the window pages, take
    the pages with the allocator's compaction; kept if they fit, rolled back otherwise;
-3. else, with cached pages: the fewest LRU-first cached pages whose eviction makes step 2 fit, found by rolled
-   back trials (first without compaction, then with it; a binary search, as feasibility only grows with each
-   evicted page). Those pages are evicted (``on_evict`` first, pages still allocated), then the extend is planned
-   again and runs. If even the whole cache does not make it fit, nothing is evicted: an SWA shortfall that freed
-   full pages cannot cover calls no ``on_evict`` (F29).
+3. else, with cached pages: the fewest LRU-first cached pages whose eviction makes the extend fit. Those pages
+   are evicted (``on_evict`` first, pages still allocated), then the extend is planned again and runs. If even the
+   whole cache does not make it fit, nothing is evicted: an SWA shortfall that freed full pages cannot cover calls
+   no ``on_evict`` (F29). How many:
+
+   a. *the owner alone is short* (no window page to unbind, no lease active; the common case of a full-attention
+      prefix cache): steps 1 and 2 are one call of the allocator's own ``alloc_pages`` (itself all or nothing, its
+      compaction ladder included; no trial), and the count is the owner's shortfall without compaction, ``d``,
+      read from ``shortfall_pages`` after that call refused (which changed nothing). A cached page is bound on
+      the owner only and no lease pins it, so freeing it gives the owner exactly one page (a hole, or gap at its
+      band's edge) and takes nothing from a bound end:
+      ``d`` evictions make the extend fit and ``d - 1`` do not (without compaction; compaction alone already
+      failed). If fewer than ``d`` pages are cached, step 3b decides (compaction may make up the rest). O(d +
+      ends): no state is copied, the LRU list is walked ``d`` links;
+   b. otherwise (a bound end short as well, window pages to unbind first, leases): found by rolled back trials
+      (first without compaction, then with it; a binary search, as feasibility only grows with each evicted
+      page). O(slots + virtual pages) per trial, ``O(log cached)`` trials.
 
 Room on every end is needed at once: each fresh page is bound on the owner and on every bound end (the engine
 writes every new token's KV on every end during its forward pass; the window then unbinds what it left at the
@@ -43,6 +55,7 @@ import torch
 
 from umalloc.allocator.facade import MultiEndedAllocator
 from umalloc.errors import InvariantError
+from umalloc.requests.refcounts import k_lru_walk
 
 
 class Room:
@@ -56,10 +69,34 @@ class Room:
     """
 
     def __init__(self, alloc: MultiEndedAllocator, owner: str, owner_arg: str | None, bound_ends: tuple[str, ...],
-                 pagebuf: np.ndarray, cached_pages: Callable[[], torch.Tensor]) -> None:
+                 pagebuf: np.ndarray, cached_pages: Callable[[], torch.Tensor], lru: np.ndarray) -> None:
         self.alloc, self.owner, self.owner_arg, self.bound_ends = alloc, owner, owner_arg, bound_ends
-        self.pagebuf, self.cached_pages = pagebuf, cached_pages
+        self.pagebuf, self.cached_pages, self.lru = pagebuf, cached_pages, lru
         self._none = np.zeros(0, np.int64)
+        self._need_all = {owner: 0, **{b: 0 for b in bound_ends}}
+
+    def shortfall(self, k: int) -> dict[str, int]:
+        """Per end, the pages ``k`` fresh pages on every end would lack now, without unbind, eviction or
+        compaction (``{}``: they fit). O(ends)."""
+        if k == 0:
+            return {}
+        need = self._need_all
+        for end in need:
+            need[end] = k
+        return self.alloc.shortfall_pages(need)
+
+    def plain(self, unbinds: list[np.ndarray]) -> bool:
+        """No window page to unbind and no lease active: the case of steps 2 and 3a without a trial (Note
+        [Room])."""
+        return not any(p.size for p in unbinds) and not self.alloc.leases_active()
+
+    def owner_deficit(self, short: dict[str, int]) -> int:
+        """Step 3a of Note [Room]: the owner's deficit when it alone is short in ``short``; 0 otherwise."""
+        return short[self.owner] if len(short) == 1 and self.owner in short else 0
+
+    def cached_at_least(self, n: int) -> bool:
+        """True if ``n`` or more pages are cached. O(n) (the LRU list walked ``n`` links)."""
+        return int(k_lru_walk(self.lru, self._none, n)) >= n
 
     def place(self, k: int, unbinds: list[np.ndarray]) -> bool:
         """On the allocator only: unbind the window pages ``unbinds`` (per bound end), then take ``k`` fresh pages
@@ -68,13 +105,6 @@ class Room:
             if pages.size:
                 self.alloc.unbind_pages(end, pages)
         return k == 0 or self.alloc.alloc_pages(k, out=self.pagebuf[:k], owner=self.owner_arg) is not None
-
-    def fits_now(self, k: int) -> bool:
-        """True if ``k`` fresh pages fit on every end with no unbind, eviction or compaction (then the window
-        unbinds, which only add room, cannot make them fail). O(ends)."""
-        if k == 0:
-            return True
-        return not self.alloc.shortfall_pages({self.owner: k, **{b: k for b in self.bound_ends}})
 
     def fits_after_unbind(self, k: int, unbinds: list[np.ndarray]) -> bool:
         """True if ``k`` fresh pages fit on every end, without eviction or compaction, once the window pages
@@ -134,7 +164,17 @@ class Room:
         cached pages are evicted (nothing done yet); False if it cannot fit (nothing changed)."""
         if k >= self.pagebuf.shape[0]:   # more than the owner's whole id space: nothing can help
             return False
-        if self.fits_now(k) or self.fits_after_unbind(k, unbinds):
+        if self.plain(unbinds):
+            # steps 1 and 2 are the allocator's own alloc_pages (all or nothing, its compaction ladder included)
+            if k == 0 or self.alloc.alloc_pages(k, out=self.pagebuf[:k], owner=self.owner_arg) is not None:
+                return True
+            d = self.owner_deficit(self.shortfall(k))   # the refused call changed nothing
+            if d and self.cached_at_least(d):          # 3a
+                return d
+            n = self.evictions_needed(k, unbinds)        # 3b
+            return False if n is None else n
+        short = self.shortfall(k)
+        if not short or self.fits_after_unbind(k, unbinds):   # steps 1, 1b (the window unbinds only add room)
             if not self.place(k, unbinds):
                 raise InvariantError("extend: the allocator refused pages its planner said fit")
             return True
@@ -156,8 +196,13 @@ class Room:
         """Whether :meth:`make` would make room (with the evictions it would make); changes nothing."""
         if k >= self.pagebuf.shape[0]:
             return False
-        if self.fits_now(k) or self.fits_after_unbind(k, unbinds) or \
-                self.trial_fits(k, unbinds, self._none, True, False):
+        short = self.shortfall(k)
+        if not short or self.fits_after_unbind(k, unbinds):
+            return True
+        d = self.owner_deficit(short) if self.plain(unbinds) else 0
+        if d and self.cached_at_least(d):   # step 3a: d evictions make it fit
+            return True
+        if self.trial_fits(k, unbinds, self._none, True, False):
             return True
         lru = self.cached_pages().numpy()
         return bool(lru.size) and any(self.trial_fits(k, unbinds, lru, c, False) for c in (False, True))

@@ -72,8 +72,8 @@ Note [Cached pages]
 Only *full* pages are cached: a request's partial last page is freed with it. Pages enter the LRU at its tail:
 ``free_requests`` per request in the given order, each request's pages last page first (so a request's tail is
 evicted before its prefix, as vLLM's ``free_blocks(reversed(blocks))``); ``drop_refs`` in the given order. Eviction
-takes pages from the LRU head, as many as the allocator's shortfall names (at least one), and retries until the
-allocation fits or the cache is empty.
+takes pages from the LRU head, once per extend, exactly as many as the extend lacks (Note [Room]); none if even the
+whole cache would not make it fit.
 
 Notes [Room] and [Chunked prefill]: :mod:`umalloc.requests.room`; Note [Handles]: :mod:`umalloc.requests.handles`.
 
@@ -119,7 +119,6 @@ from umalloc.requests.refcounts import (
     I_PAGES,
     I_REL,
     I_TOTAL,
-    LRU_NEXT,
     PAGE_CACHED,
     PAGE_HELD,
     PAGE_NOT_MANAGED,
@@ -140,6 +139,7 @@ from umalloc.requests.refcounts import (
     k_fork,
     k_grow_apply,
     k_grow_plan,
+    k_lru_walk,
     k_new,
     k_revive,
     k_unref,
@@ -286,7 +286,7 @@ class RequestTable:
         self._copier = EnvelopeCopier(alloc, (owner, *self.bound_ends))  # Note [Copy-on-write]
         self._device_rows = DeviceRows(self._r2t, device)
         self.req_to_token: torch.Tensor = self._device_rows.table
-        self._room = Room(alloc, owner, self._owner_arg, self.bound_ends, self._pagebuf, self.cached_pages)
+        self._room = Room(alloc, owner, self._owner_arg, self.bound_ends, self._pagebuf, self.cached_pages, self._lru)
         alloc.attach_holder_check(self._check_as_holder)  # the allocator's invariants now see this table's holds
 
     def _check_as_holder(self) -> None:
@@ -402,7 +402,8 @@ class RequestTable:
             past ``max_tokens_per_request``. Nothing changes.
 
         Complexity: O(B + new tokens + unbound pages), three numba kernels around one ``alloc_pages`` when the
-        pages fit outright; under pressure O(slots) per allocator trial (Note [Room]).
+        pages fit outright; when the owner alone is short, O(pages evicted) more and no allocator trial; otherwise
+        under pressure O(slots) per allocator trial (Note [Room]).
         """
         s = self._rows(id_batch(slots, "slots"), "extend")
         e = id_batch(extend_lens, "extend_lens")
@@ -573,9 +574,10 @@ class RequestTable:
             self._device_rows.push_ranges(np.array([c], np.int64), np.zeros(1, np.int64), np.array([n], np.int64))
         return c
 
-    def attach_prefix(self, slot: SlotLike, vpages: IdBatch) -> bool:
+    def attach_prefix(self, slot: SlotLike, vpages: IdBatch, *, revive: bool = False) -> bool:
         """Give an empty request the pages ``vpages`` as its first ``len(vpages) * page_size`` tokens (a prefix
-        hit: pages the engine holds, e.g. revived by :meth:`reclaim`); each count + 1. On each bound end the
+        hit: pages the engine holds, e.g. revived by :meth:`reclaim`; with ``revive=True`` cached pages too, which
+        leave the cache, as :meth:`reclaim` then :meth:`drop_refs` would leave them, in one call); each count + 1. On each bound end the
         request holds its window tail (every page without a window); pages of it not bound there are bound
         fresh (``bind_end``: their bytes are not the prefix's, the engine recomputes them).
 
@@ -584,9 +586,12 @@ class RequestTable:
 
         Raises:
             InvalidIdError: bad ids, a page twice, the zero page. NotAllocatedError: a free ``slot``, or a page the
-            table does not hold (count 0 or not its own). UmallocValueError: the request is not empty or the
-            prefix is longer than ``max_tokens_per_request``. Nothing changes on any error.
+            table does not hold (count 0 or not its own; cached without ``revive``). UmallocValueError: the request is
+            not empty, the prefix is longer than ``max_tokens_per_request``, or ``revive`` is not a bool. Nothing
+            changes on any error.
         """
+        if type(revive) is not bool:
+            raise UmallocValueError(f"attach_prefix: revive={revive!r}; allowed True or False")
         s = self._slot(slot, "attach_prefix")
         vp = self._page_ids(vpages, "attach_prefix")
         ps = self.page_size
@@ -598,11 +603,12 @@ class RequestTable:
             raise UmallocValueError(f"attach_prefix: {n} tokens; allowed at most {self.max_tokens_per_request}")
         if np.unique(vp).shape[0] != vp.shape[0]:
             raise InvalidIdError("attach_prefix: a page appears twice; allowed each page once")
-        held = self._pg[PG_STATE, vp] == PAGE_HELD
+        state = self._pg[PG_STATE, vp]
+        held = (state == PAGE_HELD) | ((state == PAGE_CACHED) if revive else False)
         if not held.all():
             bad = int(vp[np.flatnonzero(~held)[0]])
             raise NotAllocatedError(f"attach_prefix: virtual page {bad} is not held (cached pages need reclaim "
-                                    f"first); allowed pages with a holder")
+                                    f"first, or revive=True); allowed pages with a holder")
         fronts = [min(vp.shape[0], max(0, n - int(w)) // ps) if w else 0 for w in self._win]
         bound: list[tuple[str, np.ndarray]] = []
         for b, end in enumerate(self.bound_ends):
@@ -614,6 +620,12 @@ class RequestTable:
                         self.alloc.unbind_pages(end2, pages)
                     return False
                 bound.append((end, missing))
+        cached = vp[state == PAGE_CACHED]
+        if cached.size:   # out of the LRU, held: k_revive adds an engine reference, taken back at once
+            k_revive(self._pg, self._lru, cached)
+            self._pg[PG_ENG, cached] -= 1
+            self._pg[PG_REF, cached] -= 1
+            self._counters["reclaimed"] += int(cached.size)
         self._r2p[s, : vp.shape[0]] = vp
         pos = np.arange(n, dtype=np.int64)
         self._r2t[s, :n] = vp[pos // ps] * ps + pos % ps
@@ -776,12 +788,9 @@ class RequestTable:
 
     def cached_pages(self) -> torch.Tensor:
         """``int64`` cached pages in LRU order (the next to be evicted first). O(cached pages)."""
-        out = []
-        vp = int(self._lru[LRU_NEXT, 0])
-        while vp:
-            out.append(vp)
-            vp = int(self._lru[LRU_NEXT, vp])
-        return torch.tensor(out, dtype=torch.int64)
+        out = np.empty(self._lru.shape[1], np.int64)
+        n = int(k_lru_walk(self._lru, out, out.shape[0]))
+        return torch.from_numpy(out[:n].copy())
 
     # ------------------------------------------------------------------------------------------------------
     # capacity and observability

@@ -75,8 +75,8 @@ def owned_count(num_tokens: int, dcp_size: int = 1, dcp_rank: int = 0) -> int:
     (3, 2, 10)
     """
     check_dcp(dcp_size, dcp_rank)
-    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
-        raise UmallocValueError(f"num_tokens={num_tokens!r}: allowed an int >= 0")
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or not 0 <= num_tokens < 1 << 63:
+        raise UmallocValueError(f"num_tokens={num_tokens!r}: allowed an int in [0, 2**63)")
     return (num_tokens - dcp_rank + dcp_size - 1) // dcp_size
 
 
@@ -155,13 +155,13 @@ def rows_of_checked(end: EndSpec, seq_len_tokens: int, prefix_tokens: int, dcp_s
 
 
 def check_dcp(dcp_size: object, dcp_rank: object) -> None:
-    """Raise :class:`~umalloc.errors.UmallocValueError` unless ``dcp_size`` is an int >= 1 and ``dcp_rank`` an
-    int in ``[0, dcp_size - 1]``. O(1).
+    """Raise :class:`~umalloc.errors.UmallocValueError` unless ``dcp_size`` is an int in ``[1, 2**63)`` and
+    ``dcp_rank`` an int in ``[0, dcp_size - 1]``. O(1).
 
     >>> check_dcp(4, 3)
     """
-    if isinstance(dcp_size, bool) or not isinstance(dcp_size, int) or dcp_size < 1:
-        raise UmallocValueError(f"dcp_size={dcp_size!r}: allowed an int >= 1")
+    if isinstance(dcp_size, bool) or not isinstance(dcp_size, int) or not 1 <= dcp_size < 1 << 63:
+        raise UmallocValueError(f"dcp_size={dcp_size!r}: allowed an int in [1, 2**63)")
     if isinstance(dcp_rank, bool) or not isinstance(dcp_rank, int) or not 0 <= dcp_rank < dcp_size:
         raise UmallocValueError(f"dcp_rank={dcp_rank!r}: allowed an int in [0, {dcp_size - 1}]")
 

@@ -20,7 +20,14 @@ variable ``UMALLOC_TRANSLATOR`` forces one. This package imports nothing from th
 :mod:`umalloc.errors`.
 """
 
-from umalloc.translators._common import SINK_PAGE, STRICT_DEFAULT, TOMBSTONE, IndexLike, RegionsLike
+from umalloc.translators._common import (
+    MAX_PHYSICAL_PAGES,
+    SINK_PAGE,
+    STRICT_DEFAULT,
+    TOMBSTONE,
+    IndexLike,
+    RegionsLike,
+)
 from umalloc.translators._dispatch import (
     ENV_VAR,
     IMPL_NAMES,
@@ -34,6 +41,7 @@ from umalloc.translators.runs import coalesce_runs
 __all__ = [
     "ENV_VAR",
     "IMPL_NAMES",
+    "MAX_PHYSICAL_PAGES",
     "SINK_PAGE",
     "STRICT_DEFAULT",
     "TOMBSTONE",

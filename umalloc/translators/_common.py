@@ -39,6 +39,10 @@ _I32_MAX = (1 << 31) - 1
 #: Largest value each accepted id dtype holds (results must fit the ids' own dtype).
 ID_MAX = {torch.int64: _I64_MAX, torch.int32: _I32_MAX, np.dtype(np.int64): _I64_MAX,
           np.dtype(np.int32): _I32_MAX}
+#: Physical page ids a v2p entry may hold when the caller states no ``num_physical_pages``: below ``2**48``. No
+#: arena has that many pages (``2**48`` pages of even one byte are 256 TiB, beyond every device's address
+#: space), so a larger entry is a corrupt table, never a page: every translation refuses it (the entry checks).
+MAX_PHYSICAL_PAGES = 1 << 48
 _NP_ID_DTYPES = (np.dtype(np.int64), np.dtype(np.int32))
 _TORCH_OF = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
 
@@ -174,9 +178,9 @@ def check_physical_bound(v2p: torch.Tensor | np.ndarray, num_physical_pages: obj
 
 
 def max_entry(page_size: int, id_max: int) -> int:
-    """Largest v2p entry ``p`` whose physical ids ``p * page_size + offset`` (offset < page_size) fit
-    ``id_max``."""
-    return (id_max - (page_size - 1)) // page_size
+    """Largest v2p entry ``p`` that is a physical page id (below :data:`MAX_PHYSICAL_PAGES`) whose physical ids
+    ``p * page_size + offset`` (offset < page_size) fit ``id_max``."""
+    return min((id_max - (page_size - 1)) // page_size, MAX_PHYSICAL_PAGES - 1)
 
 
 def translate_args(
@@ -253,16 +257,20 @@ def raise_tombstone(ids: torch.Tensor, v2p: torch.Tensor, page_size: int, name: 
 
 
 def raise_entry_overflow(ids: torch.Tensor, v2p: torch.Tensor, page_size: int, name: str, id_max: int) -> None:
-    """Raise :class:`InvalidIdError` naming the first id of ``ids`` whose v2p entry is too large for its
-    physical ids to fit ``id_max`` (int64, or int32 for int32 ids): never wrapped, never clamped."""
+    """Raise :class:`InvalidIdError` naming the first id of ``ids`` whose v2p entry is too large: at or above
+    :data:`MAX_PHYSICAL_PAGES`, or its physical ids do not fit ``id_max`` (int64, or int32 for int32 ids): never
+    wrapped, never clamped."""
     flat = ids.reshape(-1).to(torch.int64)
     vpages = torch.div(flat, page_size, rounding_mode="floor")
     limit = max_entry(page_size, id_max)
     i = first_true(v2p[vpages] > limit)
     vpage = int(vpages[i])
+    entry = int(v2p[vpage])
+    why = ("is not a physical page id (at or above MAX_PHYSICAL_PAGES = 2**48)" if entry >= MAX_PHYSICAL_PAGES
+           else f"times page_size={page_size} does not fit {ids.dtype}")
     raise InvalidIdError(
-        f"{name}[{i}] = {int(flat[i])} lies in virtual page {vpage}, whose v2p entry {int(v2p[vpage])} times "
-        f"page_size={page_size} does not fit {ids.dtype}: allowed v2p entries <= {limit}"
+        f"{name}[{i}] = {int(flat[i])} lies in virtual page {vpage}, whose v2p entry {entry} {why}: allowed v2p "
+        f"entries <= {limit}"
     )
 
 

@@ -100,6 +100,7 @@ def _cpu(t: torch.Tensor, name: str) -> torch.Tensor:
 
 _I64 = np.dtype(np.int64)
 _I64_MAX = (1 << 63) - 1
+_PAGE_MAX = c.MAX_PHYSICAL_PAGES - 1  # the largest v2p entry any translation takes (a physical page id)
 _NP_IDS = (_I64, np.dtype(np.int32))
 _TORCH_DTYPE = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
 _CPU = torch.device("cpu")
@@ -197,14 +198,14 @@ def _bounds(n, nchunks, k):
 
 @njit(cache=True, nogil=True)
 def _shift_pmax(ps, id_max):
-    """``(shift, pmax)``: log2(ps) for a power of two (else -1), and the largest v2p entry whose ids
-    ``p * ps + offset`` fit ``id_max`` (:func:`umalloc.translators._common.max_entry`)."""
+    """``(shift, pmax)``: log2(ps) for a power of two (else -1), and the largest v2p entry that is a physical
+    page id whose ids ``p * ps + offset`` fit ``id_max`` (:func:`umalloc.translators._common.max_entry`)."""
     shift = -1
     if ps & (ps - 1) == 0:
         shift = 0
         while (np.int64(1) << shift) < ps:
             shift += 1
-    return shift, (id_max - (ps - 1)) // ps
+    return shift, min((id_max - (ps - 1)) // ps, _PAGE_MAX)
 
 
 @njit(cache=True, nogil=True)

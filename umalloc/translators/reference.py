@@ -68,17 +68,18 @@ def virtual_to_physical(
             itself, or overlap it), or for CPU ids a writeable numpy array of their dtype and shape; returned.
         strict: a bool (``True``/``False`` only, default :data:`STRICT_DEFAULT` = True): raise on a
             tombstoned entry; ``False`` maps it to the sink (Note [Tombstones map to the sink]).
-        num_physical_pages: the size of the physical page space the table's entries index, or ``None`` (no
-            bound beyond the id dtype's): a table holding an entry at or above it is refused, whether or not
-            the ids look it up (``O(len(v2p))`` more).
+        num_physical_pages: the size of the physical page space the table's entries index, or ``None``: a table
+            holding an entry at or above it is refused, whether or not the ids look it up (``O(len(v2p))``
+            more). Without it an entry the ids look up must still be a physical page id, below
+            :data:`~umalloc.translators.MAX_PHYSICAL_PAGES` (``2**48``).
 
     Returns:
         tensor of ``vtokens``' shape, dtype and device: physical token ids (``out`` itself when given).
 
     Raises:
         InvalidIdError: a virtual token outside ``[0, len(v2p) * page_size)`` (never clamped); a v2p entry
-            whose physical ids ``entry * page_size + offset`` would not fit ``vtokens``' dtype (never wrapped;
-            the message names the largest entry allowed); a v2p entry at or above ``num_physical_pages``; a
+            looked up at or above ``2**48``, or whose physical ids ``entry * page_size + offset`` would not fit
+            ``vtokens``' dtype (never wrapped; the message names the largest entry allowed); a v2p entry at or above ``num_physical_pages``; a
             wrong dtype, rank, layout (sparse), a meta tensor, or a wrong ``out`` dtype/shape.
         TombstoneError: ``strict`` and a token falls in a tombstoned page.
         UmallocValueError: ``strict`` not a bool; ``page_size`` outside ``[1, 2**63 - 1]``; a bad
@@ -120,8 +121,8 @@ def virtual_to_physical_pages(
         tensor of ``vpages``' shape and dtype: physical page ids (0 for tombstones when not strict).
 
     Raises:
-        InvalidIdError: a page outside ``[0, len(v2p))``; an entry beyond int32 for int32 ids, or at or above
-            ``num_physical_pages``; wrong dtype,
+        InvalidIdError: a page outside ``[0, len(v2p))``; an entry looked up at or above ``2**48``, beyond
+            int32 for int32 ids, or at or above ``num_physical_pages``; wrong dtype,
             rank, layout, a meta tensor, or a wrong ``out``.
         TombstoneError: ``strict`` and a tombstoned entry.
         UmallocValueError: ``strict`` not a bool; tensors on different devices.

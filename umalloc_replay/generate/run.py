@@ -49,6 +49,7 @@ from umalloc_replay import (
     DEFAULT_GENERATE_TOKEN_SCALE,
 )
 from umalloc_replay.report import PhaseTimer
+from umalloc_replay.signals import cleanup_shielded
 from umalloc_replay.trace import TraceRequest, load_trace, scale_tokens
 from umalloc_replay.workload import RequestState, pages_held
 
@@ -320,7 +321,8 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
     finally:
         if bar is not None:
             bar.stop()
-        prefill.close(interrupted=interrupted)
+        with cleanup_shielded():  # a second Ctrl-C or SIGTERM does not cut the cleanup short
+            prefill.close(interrupted=interrupted)
     total_s = time.perf_counter() - t_start
     sec = timer.seconds
     prefill_compute_s = kv_local.prefill_s if kv_local is not None else prefill_child_s

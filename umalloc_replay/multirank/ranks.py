@@ -60,7 +60,7 @@ from umalloc import (
 from umalloc_replay import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_RANK_REQUESTS, DEFAULT_RANK_TOKEN_SCALE
 from umalloc_replay.multirank.ranks_report import RANKS_SCHEMA_VERSION, check_ranks_report
 from umalloc_replay.preflight import is_multi_rank
-from umalloc_replay.signals import sigint_ignored
+from umalloc_replay.signals import cleanup_shielded, sigint_ignored
 from umalloc_replay.trace import load_trace
 
 if TYPE_CHECKING:
@@ -356,7 +356,7 @@ class RankPool:
 
     def close(self) -> None:
         """End every rank (``exit``, then terminate, then kill), all at once; idempotent."""
-        with sigint_ignored(), ThreadPoolExecutor(max(1, len(self.workers))) as pool:
+        with cleanup_shielded(), ThreadPoolExecutor(max(1, len(self.workers))) as pool:
             list(pool.map(lambda w: w.close(timeout_s=CLOSE_TIMEOUT_S), self.workers.values()))
 
 

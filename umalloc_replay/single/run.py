@@ -80,7 +80,7 @@ from umalloc import (
 from umalloc_replay import DEFAULT_REQUESTS, DEFAULT_TOKEN_SCALE
 from umalloc_replay.preflight import check_host_memory
 from umalloc_replay.report import SCHEMA_VERSION, PhaseTimer, Timeline, check_report
-from umalloc_replay.signals import sigint_ignored
+from umalloc_replay.signals import cleanup_shielded
 from umalloc_replay.single.config import ReplayConfig, default_arena_bytes
 from umalloc_replay.single.fit import (
     check_slice_fits,
@@ -582,7 +582,7 @@ class Replay:
             raise
         finally:
             torch.set_num_threads(threads)
-            with sigint_ignored():  # a second Ctrl-C does not cut the cleanup short (children left behind)
+            with cleanup_shielded():  # a second Ctrl-C or SIGTERM does not cut the cleanup short
                 # after Ctrl-C nothing of the run is kept: the second process is ended at once, not asked to
                 # finish its transfers and close its engine
                 self.prefill.close(interrupted=interrupted)

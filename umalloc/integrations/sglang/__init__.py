@@ -5,7 +5,7 @@ Enable it with one call before SGLang builds its ``ModelRunner``::
     import umalloc.integrations.sglang
     umalloc.integrations.sglang.install()   # SGLang's KV-cache configurator now builds the umalloc classes
 
-Tested with SGLang 0.5.23 (:data:`SUPPORTED_SGLANG_VERSIONS`; the ``umalloc[sglang]`` extra pins it);
+Tested with SGLang 0.5.23 (:data:`SUPPORTED_VERSIONS`; the ``umalloc[sglang]`` extra pins it);
 :func:`install` refuses any other version with :class:`UnsupportedSGLangVersion`, because the classes follow
 that release's allocator interface method by method.
 
@@ -38,14 +38,18 @@ How they differ from SGLang's own classes (order of ids, misuse that raises) is 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 from umalloc.errors import UmallocError
+from umalloc.integrations.versions import EngineVersionError, check_engine_version
 
 #: SGLang versions this integration is tested with (the ``umalloc[sglang]`` extra pins them).
-SUPPORTED_SGLANG_VERSIONS: tuple[str, ...] = ("0.5.23",)
+SUPPORTED_VERSIONS: tuple[str, ...] = ("0.5.23",)
+SUPPORTED_SGLANG_VERSIONS = SUPPORTED_VERSIONS   #: the same tuple under the name earlier releases used
 
 #: ``kv_cache_configurator`` name -> umalloc class name that :func:`install` binds there.
 PATCHED_NAMES: dict[str, str] = {
@@ -67,13 +71,8 @@ PATCHED_UNIFIED_NAMES: dict[str, str] = {
 }
 
 
-class UnsupportedSGLangVersion(UmallocError):
-    """The installed SGLang is not one of :data:`SUPPORTED_SGLANG_VERSIONS`; ``version`` names it."""
-
-    def __init__(self, version: str) -> None:
-        self.version = version
-        super().__init__(f"SGLang {version} is untested with umalloc.integrations.sglang; allowed "
-                         f"{', '.join(SUPPORTED_SGLANG_VERSIONS)} (pip install 'umalloc[sglang]')")
+class UnsupportedSGLangVersion(EngineVersionError):
+    """The installed SGLang is not one of :data:`SUPPORTED_VERSIONS`; ``version`` names it."""
 
 
 class SGLangUnavailable(UmallocError, ImportError):
@@ -96,7 +95,7 @@ def check_version(version: str | None = None) -> str:
     """Refuse an untested SGLang: returns ``version`` (default: the installed one) if supported.
 
     Raises:
-        UnsupportedSGLangVersion: it is not in :data:`SUPPORTED_SGLANG_VERSIONS`. ImportError: no SGLang.
+        UnsupportedSGLangVersion: it is not in :data:`SUPPORTED_VERSIONS`. ImportError: no SGLang.
 
     >>> check_version("0.5.23")
     '0.5.23'
@@ -106,9 +105,7 @@ def check_version(version: str | None = None) -> str:
     umalloc.integrations.sglang.UnsupportedSGLangVersion: SGLang 0.5.24 is untested with umalloc.integrations.sglang; allowed 0.5.23 (pip install 'umalloc[sglang]')
     """
     v = sglang_version() if version is None else version
-    if v not in SUPPORTED_SGLANG_VERSIONS:
-        raise UnsupportedSGLangVersion(v)
-    return v
+    return check_engine_version("SGLang", v, SUPPORTED_VERSIONS, "sglang", UnsupportedSGLangVersion)
 
 
 def _classes() -> dict[str, type]:
@@ -118,16 +115,21 @@ def _classes() -> dict[str, type]:
     return allocator_classes()
 
 
+#: (module name, name) -> SGLang's own object that :func:`install` replaced there (what :func:`uninstall` restores)
+_rebound: dict[tuple[str, str], Any] = {}
+
+
 def install() -> dict[str, type]:
     """Make SGLang's KV-cache configurator build the umalloc classes (see the module docstring for the names it
     rebinds in ``sglang.srt.mem_cache.kv_cache_configurator``). Call it before SGLang builds its model runner.
-    Idempotent.
+    Idempotent; :func:`uninstall` undoes it.
 
     Returns:
         the rebound names -> the umalloc classes now bound to them.
 
     Raises:
-        UnsupportedSGLangVersion: the installed SGLang is not tested. ImportError: SGLang is not installed.
+        UnsupportedSGLangVersion (an :class:`~umalloc.integrations.versions.EngineVersionError`): the installed
+        SGLang is not tested; nothing is rebound. ImportError: SGLang is not installed.
     """
     classes = _classes()
     bound = {}
@@ -135,9 +137,30 @@ def install() -> dict[str, type]:
         __import__(module_name)
         module = sys.modules[module_name]
         for name, ours in names.items():
+            _rebound.setdefault((module_name, name), getattr(module, name))
             setattr(module, name, classes[ours])
             bound[name] = classes[ours]
     return bound
+
+
+def uninstall() -> None:
+    """Give SGLang back every name :func:`install` rebound (no-op if not installed). Allocators already built
+    stay umalloc's until SGLang drops them."""
+    for (module_name, name), original in list(_rebound.items()):
+        module = sys.modules.get(module_name)
+        if module is not None:
+            setattr(module, name, original)
+        del _rebound[(module_name, name)]
+
+
+@contextlib.contextmanager
+def installed() -> Iterator[dict[str, type]]:
+    """``with installed() as bound:`` -- :func:`install` for the block, :func:`uninstall` after."""
+    bound = install()
+    try:
+        yield bound
+    finally:
+        uninstall()
 
 
 def __getattr__(name: str) -> Any:
@@ -150,5 +173,5 @@ def __getattr__(name: str) -> Any:
 
 # the Umalloc*Allocator classes are reached as attributes (module __getattr__: they import SGLang)
 __all__ = ["CONFIGURATOR_MODULE", "PATCHED_NAMES", "PATCHED_UNIFIED_NAMES", "SUPPORTED_SGLANG_VERSIONS",
-           "UNIFIED_MODULE", "SGLangUnavailable", "UnsupportedSGLangVersion",
-           "check_version", "install", "sglang_version"]
+           "SUPPORTED_VERSIONS", "UNIFIED_MODULE", "SGLangUnavailable", "UnsupportedSGLangVersion",
+           "check_version", "install", "installed", "sglang_version", "uninstall"]

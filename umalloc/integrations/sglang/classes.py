@@ -3,7 +3,8 @@
 They subclass SGLang's abstract base (its scheduler hooks -- ``create_prefill_budget``, ``check_decode_capacity``,
 ``evict_to_free_tokens``, ``free_segments``... -- are written against ``available_size`` and ``free``, which these
 classes implement), so the classes are built on first use, when SGLang is importable (:func:`allocator_classes`).
-All pool state lives in :class:`~umalloc.integrations.sglang.pools.SlotPool` objects (composition); the methods
+All pool state lives in :class:`~umalloc.integrations.sglang.pools.SlotPool` objects (at page size 1, in the token
+class, :class:`~umalloc.integrations.sglang.tokens.TokenSlotPool`; composition); the methods
 here translate SGLang's call shapes.
 """
 
@@ -18,6 +19,7 @@ import umalloc.integrations.sglang.hostcopy as hostcopy
 from umalloc.errors import UmallocValueError
 from umalloc.integrations.sglang.pools import SlotPool
 from umalloc.integrations.sglang.swa import build_swa_class
+from umalloc.integrations.sglang.tokens import TokenSlotPool
 from umalloc.integrations.sglang.unified import build_unified_class
 
 
@@ -41,21 +43,25 @@ def allocator_classes() -> dict[str, type]:
     class _PoolBacked(BaseTokenToKVPoolAllocator):  # type: ignore[misc]
         """Shared by the token and paged classes: one :class:`SlotPool` in :attr:`pool`."""
 
-        pool: SlotPool
+        pool: SlotPool | TokenSlotPool
         num_pages: int
         free_group: list[torch.Tensor] | None
+
+        def _new_pool(self) -> SlotPool | TokenSlotPool:
+            return SlotPool(self.num_pages, self.page_size, self.device)
 
         def _make_pool(self) -> None:
             old = getattr(self, "pool", None)
             if old is not None and old.num_pages == self.num_pages:
                 old.clear()
             else:
-                self.pool = SlotPool(self.num_pages, self.page_size, self.device)
+                self.pool = self._new_pool()
             self.free_group = None
 
         @property
         def allocator(self) -> Any:
-            """The umalloc :class:`~umalloc.MultiEndedAllocator` holding the ids."""
+            """The umalloc :class:`~umalloc.MultiEndedAllocator` holding the ids (``None`` for the page-size-1
+            token class, whose :class:`TokenSlotPool` is index vectors only)."""
             return self.pool.allocator
 
         def clear(self) -> None:
@@ -101,11 +107,13 @@ def allocator_classes() -> dict[str, type]:
 
     class UmallocTokenToKVPoolAllocator(_PoolBacked):
         """SGLang's ``TokenToKVPoolAllocator`` (``page_size`` 1): same constructor, ``alloc``/``free`` over
-        umalloc. ``alloc_extend``/``alloc_decode`` raise ``NotImplementedError``, as SGLang's.
+        umalloc's index-vector pool (:class:`~umalloc.integrations.sglang.tokens.TokenSlotPool`: no per-page
+        tables, misuse refused with typed errors). ``alloc_extend``/``alloc_decode`` raise
+        ``NotImplementedError``, as SGLang's.
 
         Args: as SGLang's: ``size`` (tokens, slots ``1 .. size``), ``dtype``, ``device``, ``kvcache`` (used by
-        ``get_cpu_copy``/``load_cpu_copy`` only), ``need_sort`` (accepted; umalloc always hands out the lowest
-        free slot, which is the order ``need_sort`` approximates).
+        ``get_cpu_copy``/``load_cpu_copy`` only), ``need_sort`` (accepted; slots are handed out in SGLang's order
+        without it: ``1 .. size``, then freed slots oldest first).
         """
 
         def __init__(self, size: int, dtype: torch.dtype, device: str, kvcache: Any, need_sort: bool) -> None:
@@ -113,8 +121,11 @@ def allocator_classes() -> dict[str, type]:
             self.num_pages = size
             self.clear()
 
+        def _new_pool(self) -> SlotPool | TokenSlotPool:
+            return TokenSlotPool(self.num_pages, self.device)
+
         def alloc(self, need_size: int) -> torch.Tensor | None:
-            """``need_size`` free slots, lowest first, or ``None`` (nothing changed) if fewer are free."""
+            """``need_size`` free slots, or ``None`` (nothing changed) if fewer are free. O(need_size)."""
             return self.pool.alloc_tokens(need_size)
 
     class UmallocPagedTokenToKVPoolAllocator(_PoolBacked):
@@ -125,6 +136,7 @@ def allocator_classes() -> dict[str, type]:
         """
 
         debug_mode = False  # SGLang's SWA composite reads it on its sub-allocators
+        pool: SlotPool
 
         def __init__(self, size: int, page_size: int, dtype: torch.dtype, device: str, kvcache: Any,
                      need_sort: bool) -> None:

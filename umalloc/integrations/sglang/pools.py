@@ -17,6 +17,13 @@ Policy (what differs from SGLang's own allocators, by design):
   free list silently: freeing a free page (``DoubleFreeError``), a slot never handed out (``NotAllocatedError``),
   slot 0 or an id outside the pool (``InvalidIdError``), an ``alloc_extend``/``alloc_decode`` whose ``last_loc``
   is not live or not at the page offset of its position (``InvalidIdError``/``NotAllocatedError``).
+* **Slot occupancy** (``page_size`` > 1, :mod:`umalloc.integrations.sglang.occupancy`): the pool knows which
+  slots of a partly filled page are live. An ``alloc_extend``/``alloc_decode`` that would hand out a live slot
+  (a ``last_loc`` that is not its request's last token) raises
+  :class:`~umalloc.integrations.sglang.occupancy.LiveSlotError` naming the slot and its holder; a token free
+  frees those slots and releases a page only when none of its slots is live (SGLang releases the page of any
+  token freed); freeing a slot that is not live raises ``DoubleFreeError``. A caller that frees every token of
+  a request, or page-aligned segments, sees SGLang's behaviour exactly.
 
 Threading: one scheduler thread, as SGLang's allocators. Ids are CPU ``int64`` tensors; a pool on another device
 copies its results there (one host-to-device copy per call) and reads its id inputs back to the host.
@@ -30,6 +37,7 @@ import torch
 from umalloc import TOMBSTONE, Arena, ArenaSpec, EndSpec, LayerSpec, MultiEndedAllocator
 from umalloc.errors import InvalidIdError, InvariantError, UmallocValueError
 from umalloc.ids import check_id_tensor
+from umalloc.integrations.sglang.occupancy import SlotOccupancy
 
 #: Name of the one end of a pool's id allocator.
 END = "kv"
@@ -68,7 +76,9 @@ class SlotPool:
     >>> pool = SlotPool(4, 2)
     >>> pool.alloc_tokens(4).tolist(), pool.available_tokens()
     ([2, 3, 4, 5], 4)
-    >>> pool.free_tokens(torch.tensor([3])); pool.alloc_tokens(2).tolist()   # token 3 frees page 1
+    >>> pool.free_tokens(torch.tensor([3])); pool.available_tokens()          # token 2 still holds page 1
+    4
+    >>> pool.free_tokens(torch.tensor([2])); pool.alloc_tokens(2).tolist()   # page 1 empty: released
     [2, 3]
     """
 
@@ -80,6 +90,9 @@ class SlotPool:
         self._token_group: list[torch.Tensor] | None = None
         self._page_group: list[torch.Tensor] = []
         self.allocator = self._new_allocator()
+        #: live slots of partly filled pages (None at page_size 1, where a slot is a page)
+        self.slots = SlotOccupancy((self.num_pages + 1) * self.page_size, self.page_size) \
+            if self.page_size > 1 else None
 
     def _new_allocator(self) -> MultiEndedAllocator:
         end = EndSpec(END, (LayerSpec.mha(1, 4),), page_size=self.page_size)
@@ -123,7 +136,10 @@ class SlotPool:
         if self.page_size == 1:
             return self._dev(pages)
         ps = self.page_size
-        return self._dev((pages[:, None] * ps + torch.arange(ps)).reshape(-1))
+        slots = (pages[:, None] * ps + torch.arange(ps)).reshape(-1)
+        if self.slots is not None:
+            self.slots.mark(slots.numpy(), self.slots.next_tag("alloc"))
+        return self._dev(slots)
 
     def alloc_extend(self, prefix_lens_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor, last_loc: torch.Tensor,
                      extend_num_tokens: int) -> torch.Tensor | None:
@@ -139,6 +155,8 @@ class SlotPool:
             int64 ``(extend_num_tokens,)`` slot ids on ``device``, or ``None`` (nothing changed) if the new pages
             do not fit.
         Raises:
+            LiveSlotError: a slot of a request's tail page that it would fill is live (its ``last_loc`` is not
+            its last token); the error names the slot and its holder.
             InvalidIdError: ``extend_num_tokens`` is not that sum, or the allocator's checks
             (:meth:`~umalloc.MultiEndedAllocator.alloc_extend`) refuse the arguments. Nothing changes.
         """
@@ -148,8 +166,16 @@ class SlotPool:
         if total != extend_num_tokens:
             raise InvalidIdError(f"alloc_extend: extend_num_tokens={extend_num_tokens!r}; allowed "
                                  f"sum(seq_lens - prefix_lens) = {total}")
-        out = self.allocator.alloc_extend(prefix, seq, _host(last_loc, "last_loc"))
-        return None if out is None else self._dev(out)
+        last = _host(last_loc, "last_loc")
+        occ = self.slots
+        if occ is not None:
+            occ.check_extend(prefix.numpy(), seq.numpy(), last.numpy())
+        out = self.allocator.alloc_extend(prefix, seq, last)
+        if out is None:
+            return None
+        if occ is not None:
+            occ.mark_extend(occ.next_tag("alloc_extend"), prefix.numpy(), seq.numpy(), out.numpy())
+        return self._dev(out)
 
     def alloc_decode(self, seq_lens_cpu: torch.Tensor, last_loc: torch.Tensor) -> torch.Tensor | None:
         """One token per request at position ``seq_len - 1`` (SGLang's ``alloc_decode``): a fresh page where that
@@ -158,18 +184,42 @@ class SlotPool:
         Returns:
             int64 ``(B,)`` on ``device``, or ``None`` (nothing changed) if the new pages do not fit.
         Raises:
-            InvalidIdError / NotAllocatedError: as :meth:`~umalloc.MultiEndedAllocator.alloc_decode`.
+            LiveSlotError: ``last_loc + 1`` is live (``last_loc`` is not its request's last token); the error
+            names the slot and its holder. InvalidIdError: two requests ask for the same slot.
+            InvalidIdError / NotAllocatedError: as :meth:`~umalloc.MultiEndedAllocator.alloc_decode`. Nothing
+            changes.
+
+        >>> pool = SlotPool(4, 4)
+        >>> row = pool.alloc_extend(torch.tensor([0]), torch.tensor([6]), torch.tensor([-1]), 6)
+        >>> row.tolist()
+        [4, 5, 6, 7, 8, 9]
+        >>> pool.alloc_decode(torch.tensor([2]), row[:1])
+        Traceback (most recent call last):
+        ...
+        umalloc.integrations.sglang.occupancy.LiveSlotError: alloc_decode: request 0: slot 5 is live, held by request 0 of alloc_extend call 1; allowed a last_loc that is its request's last token (the slot after it free)
         """
-        out = self.allocator.alloc_decode(_host(seq_lens_cpu, "seq_lens_cpu"), _host(last_loc, "last_loc"))
-        return None if out is None else self._dev(out)
+        seq, last = _host(seq_lens_cpu, "seq_lens_cpu"), _host(last_loc, "last_loc")
+        occ = self.slots
+        if occ is not None:
+            occ.check_decode(seq.numpy(), last.numpy())
+        out = self.allocator.alloc_decode(seq, last)
+        if out is None:
+            return None
+        if occ is not None:
+            occ.mark_each(occ.next_tag("alloc_decode"), out.numpy())
+        return self._dev(out)
 
     # ---- free ------------------------------------------------------------------------------------------
     def free_tokens(self, free_index: torch.Tensor) -> None:
-        """Free every page holding one of these slot ids (duplicates merge; deferred inside a group).
+        """Free these slot ids (duplicates merge; deferred inside a group); a page is released when none of its
+        slots is live any more (at ``page_size`` 1: every page named).
 
         Raises:
             InvalidIdError / DoubleFreeError / NotAllocatedError: slot 0 or out of range, a page already free, a
-            page never handed out. Nothing changes. Inside a group the check runs at :meth:`end_group`.
+            page never handed out, a slot that is not live on a live page. Nothing changes. Inside a group the
+            check runs at :meth:`end_group`.
+
+        Complexity: O(n log n + page_size * pages touched) numpy work, one allocator call.
         """
         ids = _host(free_index, "free_index")
         if ids.numel() == 0:
@@ -177,10 +227,16 @@ class SlotPool:
         if self._token_group is not None:
             self._token_group.append(ids.clone())
             return
-        if self.page_size == 1:  # tokens are pages: the page-level hot path (numpy ids)
+        if self.slots is None:  # tokens are pages: the page-level hot path (numpy ids)
             self.allocator.free_pages(ids.numpy())
         else:
-            self.allocator.free(ids)
+            self._free_slots(ids.numpy(), np.empty(0, dtype=np.int64), "free")
+
+    def _free_slots(self, slots: np.ndarray, pages: np.ndarray, where: str) -> None:
+        """Free ``slots`` and whole ``pages`` (page_size > 1): the pages left empty in one allocator call, then
+        the tags (the allocator refuses first: nothing changes on an error)."""
+        assert self.slots is not None
+        self.slots.free(slots, pages, where, "free_index", self.allocator.free_pages)
 
     def free_pages(self, page_ids: torch.Tensor) -> None:
         """Free exactly these pages (SGLang's ``free_page_ids``); deferred inside a group. Raises as
@@ -191,7 +247,10 @@ class SlotPool:
         if self._token_group is not None:
             self._page_group.append(ids.clone())
             return
-        self.allocator.free_pages(ids.numpy())
+        if self.slots is None:
+            self.allocator.free_pages(ids.numpy())
+        else:
+            self._free_slots(np.empty(0, dtype=np.int64), ids.numpy(), "free_page_ids")
 
     def begin_group(self) -> None:
         """Defer frees until :meth:`end_group`. Raises UmallocValueError if a group is open (no nesting)."""
@@ -211,6 +270,11 @@ class SlotPool:
             raise UmallocValueError("free_group_end: no free group is open; allowed after free_group_begin")
         tokens, pages = self._token_group, self._page_group
         self._token_group, self._page_group = None, []
+        if self.slots is not None:
+            if tokens or pages:
+                self._free_slots(torch.cat(tokens).numpy() if tokens else np.empty(0, dtype=np.int64),
+                                 torch.cat(pages).numpy() if pages else np.empty(0, dtype=np.int64), "free_group_end")
+            return
         ids = tokens + [p * self.page_size for p in pages]
         if ids:
             self.allocator.free(torch.cat(ids))
@@ -224,13 +288,16 @@ class SlotPool:
         """Everything free again, no group open (a fresh umalloc allocator on a fresh arena)."""
         self._token_group, self._page_group = None, []
         self.allocator = self._new_allocator()
+        if self.slots is not None:
+            self.slots.clear()
 
     def live_pages(self) -> int:
         """Pages handed out and not freed. O(1)."""
         return self.num_pages - self.available_pages()
 
     def check_invariants(self) -> None:
-        """umalloc's invariants, plus: slot ids are physical (``v2p`` is the identity on live pages).
+        """umalloc's invariants, plus: slot ids are physical (``v2p`` is the identity on live pages), and (page_size
+        > 1) a page is live iff one of its slots is.
 
         Raises:
             InvariantError: the first broken one.
@@ -240,6 +307,8 @@ class SlotPool:
         live = np.flatnonzero(v2p != TOMBSTONE)
         if not np.array_equal(v2p[live], live + 1):
             raise InvariantError(f"{END}: virtual page != physical page for live pages {(live + 1)[v2p[live] != live + 1][:8]}")
+        if self.slots is not None:
+            self.slots.check_pages(np.concatenate([[False], v2p != TOMBSTONE]))
 
 
 __all__ = ["END", "SlotPool"]

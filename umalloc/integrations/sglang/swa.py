@@ -266,15 +266,15 @@ def build_swa_class(base: type, token_cls: type, paged_cls: type) -> type:
             self.free_full(free_index)
 
         def free_swa(self, free_index: torch.Tensor) -> None:
-            """Free the SWA peers of the whole full pages holding ``free_index`` (entries without a peer are
-            skipped) and clear their mapping."""
+            """Free the SWA peers of ``free_index`` (entries without a peer are skipped) and clear their mapping.
+            The SWA pool releases a page when none of its slots is live (as the full pool does)."""
             if free_index.numel() == 0:
                 return
-            full = self._expand_to_full_pages(free_index)
+            full = free_index.to(torch.int64)
             swa = self.full_to_swa_index_mapping[full]
-            self.clear_full_to_swa_mapping(full)
             swa = swa[swa > 0]
             self.swa_attn_allocator.free(swa)
+            self.clear_full_to_swa_mapping(full)
 
         def free_swa_segment(self, free_index: torch.Tensor, *, start_pos: int) -> None:
             """Free the SWA pages of ``kv_row[start_pos : start_pos + n]`` (page-aligned start; every page

@@ -25,7 +25,9 @@ Differences from SGLang's class (docs/engines.md): virtual ids are the lowest fr
 ids) and physical pages come out ascending on both ends, so ids match SGLang's up to a relabelling of pages; a
 double free, a free of an unallocated id, or a segment free of a page already unbound raise umalloc's typed
 errors (SGLang: a stale-slot assertion or an invariant log); ``set_full_to_swa_mapping`` with SWA ids of SGLang's
-own choosing is refused (umalloc picks physical pages).
+own choosing is refused (umalloc picks physical pages). At ``page_size`` > 1 the class keeps slot occupancy of
+its virtual ids (:mod:`umalloc.integrations.sglang.occupancy`): an allocation into a live slot raises
+``LiveSlotError``, and a token free releases a virtual page only when none of its slots is live.
 
 The scheduler's reclaim planning (``reclaim_plan``, ``can_reserve``, ``prealloc_fits``, ``prealloc_ceiling_fits``,
 ``reclaim_for_prealloc``, ``max_new_tokens_for_memory``, ``evict_to_free_tokens``, ``create_prefill_budget``) is
@@ -46,6 +48,7 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
+import numpy as np
 import torch
 
 import umalloc.integrations.sglang.hostcopy as hostcopy
@@ -68,6 +71,7 @@ from umalloc.integrations.sglang.capacity import (
     fits_page_demand,
     joint_available_pages,
 )
+from umalloc.integrations.sglang.occupancy import SlotOccupancy
 
 FULL, SWA = "full", "swa"
 #: SGLang's cap on the pages one non-urgent flush moves (``SGLANG_LAZY_COMPACTION_MAX_MOVES_PER_CALL``).
@@ -238,6 +242,9 @@ def build_unified_class(base: type, sglang_unified_base: type | None) -> type:
                                 list[torch.Tensor]] | None = None
             self.free_group: list[torch.Tensor] | None = None
             self._deferred = [0, 0]  # Note [Deferred boundary pages]: full, swa
+            ps = self.page_size
+            #: live slots of partly filled virtual pages (None at page_size 1)
+            self.slots = SlotOccupancy(self._full_view.v2p.shape[0] * ps, ps) if ps > 1 else None
 
         def _attach(self) -> None:
             """Give the KV pool one translator per end (it translates SWA reads through the SWA one)."""
@@ -529,7 +536,10 @@ def build_unified_class(base: type, sglang_unified_base: type | None) -> type:
                 pages = self.allocator.alloc_pages(need_size // ps)
             if pages is None:
                 raise InvariantError("unified alloc: umalloc refused pages SGLang's capacity rule admits")
-            return (pages[:, None] * ps + torch.arange(ps)).reshape(-1).to(self.device)
+            slots = (pages[:, None] * ps + torch.arange(ps)).reshape(-1)
+            if self.slots is not None:
+                self.slots.mark(slots.numpy(), self.slots.next_tag("alloc"))
+            return slots.to(self.device)
 
         def _new_pages(self, prefix_lens_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor) -> int:
             ps = self.page_size
@@ -540,10 +550,17 @@ def build_unified_class(base: type, sglang_unified_base: type | None) -> type:
                          num_new_pages: int | None = None) -> torch.Tensor | None:
             """SGLang's ``alloc_extend`` in virtual space, both ends bound; ``None`` if it does not fit."""
             del prefix_lens, seq_lens, num_new_pages
+            self._check_extend(prefix_lens_cpu, seq_lens_cpu, last_loc)
             n = self._new_pages(prefix_lens_cpu, seq_lens_cpu)
             if not self.ensure_capacity(n * self.page_size, n * self.page_size):
                 return None
             return self._extend(prefix_lens_cpu, seq_lens_cpu, last_loc, extend_num_tokens, None)
+
+        def _check_extend(self, prefix: torch.Tensor, seq: torch.Tensor, last_loc: torch.Tensor) -> None:
+            """LiveSlotError before anything runs (a flush included) if the extend would fill a live slot."""
+            if self.slots is not None:
+                self.slots.check_extend(self._host(prefix).numpy(), self._host(seq).numpy(),
+                                        self._host(last_loc).numpy())
 
         def _extend(self, prefix: torch.Tensor, seq: torch.Tensor, last_loc: torch.Tensor, total: int,
                     bind: Sequence[str] | None) -> torch.Tensor:
@@ -555,6 +572,8 @@ def build_unified_class(base: type, sglang_unified_base: type | None) -> type:
                 out = self.allocator.alloc_extend(prefix, seq, last_loc.to(torch.int64).cpu(), bind=bind)
             if out is None:
                 raise InvariantError("unified alloc_extend: umalloc refused pages SGLang's capacity rule admits")
+            if self.slots is not None:
+                self.slots.mark_extend(self.slots.next_tag("alloc_extend"), prefix.numpy(), seq.numpy(), out.numpy())
             return out.to(self.device)
 
         def alloc_extend_swa_tail(self, prefix_lens: torch.Tensor, prefix_lens_cpu: torch.Tensor,
@@ -569,6 +588,7 @@ def build_unified_class(base: type, sglang_unified_base: type | None) -> type:
                 raise InvalidIdError(f"alloc_extend_swa_tail: swa_tail_len={swa_tail_len}; allowed "
                                      f"[0, {extend_num_tokens}]")
             ps = self.page_size
+            self._check_extend(prefix_lens_cpu, seq_lens_cpu, last_loc)
             prefix_len, seq_len = int(prefix_lens_cpu[0]), int(seq_lens_cpu[0])
             first_new = -(-prefix_len // ps)
             n_swa = (-(-seq_len // ps) - max(first_new, (seq_len - swa_tail_len) // ps)) if swa_tail_len else 0
@@ -590,13 +610,18 @@ def build_unified_class(base: type, sglang_unified_base: type | None) -> type:
             """One token per request, a new page (both ends) only where the decode wraps; ``None`` if short."""
             del seq_lens
             ps = self.page_size
-            n = int(((seq_lens_cpu - 1) % ps == 0).sum())
+            seq, last = self._host(seq_lens_cpu), self._host(last_loc)
+            if self.slots is not None:
+                self.slots.check_decode(seq.numpy(), last.numpy())
+            n = int(((seq - 1) % ps == 0).sum())
             if not self.ensure_capacity(n * ps, n * ps):
                 return None
             with self._tracked():
-                out = self.allocator.alloc_decode(seq_lens_cpu.to(torch.int64).cpu(), last_loc.to(torch.int64).cpu())
+                out = self.allocator.alloc_decode(seq, last)
             if out is None:
                 raise InvariantError("unified alloc_decode: umalloc refused pages SGLang's capacity rule admits")
+            if self.slots is not None:
+                self.slots.mark_each(self.slots.next_tag("alloc_decode"), out.numpy())
             return out.to(self.device)
 
         # ---- frees -----------------------------------------------------------------------------------------
@@ -619,9 +644,26 @@ def build_unified_class(base: type, sglang_unified_base: type | None) -> type:
             if self._groups is not None:
                 self._groups[0].append(self._host(free_index))
                 return
-            with self._tracked():
-                self.allocator.free(self._host(free_index))
+            self._free_ids(self._host(free_index), None, "free")
             self._after_free()
+
+        def _free_ids(self, tokens: torch.Tensor | None, pages: torch.Tensor | None, where: str) -> None:
+            """Free ``tokens`` (a virtual page when none of its slots stays live) and whole ``pages`` on both
+            ends in one umalloc call; the slot tags change only after umalloc accepted the call."""
+            if self.slots is None:
+                with self._tracked():
+                    if tokens is not None:
+                        self.allocator.free(tokens)
+                    if pages is not None:
+                        self.allocator.free_pages(pages)
+                return
+            empty = np.empty(0, dtype=np.int64)
+            self.slots.free(empty if tokens is None else tokens.numpy(), empty if pages is None else pages.numpy(),
+                            where, "free_index", self._release_pages)
+
+        def _release_pages(self, pages: np.ndarray) -> None:
+            with self._tracked():
+                self.allocator.free_pages(pages)
 
         def free_swa(self, free_index: torch.Tensor) -> None:
             """Unbind the SWA pages of these tokens' virtual pages where bound; full pages and ids stay."""
@@ -651,8 +693,7 @@ def build_unified_class(base: type, sglang_unified_base: type | None) -> type:
             if self._groups is not None:
                 self._groups[1].append(self._host(free_index))
                 return
-            with self._tracked():
-                self.allocator.free(self._host(free_index))
+            self._free_ids(self._host(free_index), None, "free_full")
             self._after_free()
 
         def free_full_segment(self, free_index: torch.Tensor, *, start_pos: int) -> None:
@@ -663,8 +704,7 @@ def build_unified_class(base: type, sglang_unified_base: type | None) -> type:
             if self._groups is not None:
                 self._groups[3].append(pages)
                 return
-            with self._tracked():
-                self.allocator.free_pages(pages)
+            self._free_ids(None, pages, "free_full_segment")
             self._after_free()
 
         def free_segment(self, free_index: torch.Tensor, *, start_pos: int) -> None:
@@ -675,8 +715,7 @@ def build_unified_class(base: type, sglang_unified_base: type | None) -> type:
             if self._groups is not None:
                 self._groups[2].append(pages)
                 return
-            with self._tracked():
-                self.allocator.free_pages(pages)
+            self._free_ids(None, pages, "free_segment")
             self._after_free()
 
         def free_group_begin(self) -> None:
@@ -692,11 +731,16 @@ def build_unified_class(base: type, sglang_unified_base: type | None) -> type:
                 raise UmallocValueError("free_group_end: no free group is open; allowed after free_group_begin")
             tokens, full_tokens, pages, full_pages = self._groups
             self._groups, self.free_group = None, None
-            with self._tracked():
-                if tokens or full_tokens:
-                    self.allocator.free(torch.cat(tokens + full_tokens))
-                if pages or full_pages:
-                    self.allocator.free_pages(torch.cat(pages + full_pages))
+            if self.slots is not None:
+                if tokens or full_tokens or pages or full_pages:
+                    self._free_ids(torch.cat(tokens + full_tokens) if tokens or full_tokens else None,
+                                   torch.cat(pages + full_pages) if pages or full_pages else None, "free_group_end")
+            else:
+                with self._tracked():
+                    if tokens or full_tokens:
+                        self.allocator.free(torch.cat(tokens + full_tokens))
+                    if pages or full_pages:
+                        self.allocator.free_pages(torch.cat(pages + full_pages))
             if tokens or full_tokens or pages or full_pages:
                 self._after_free()
 
@@ -748,6 +792,10 @@ def build_unified_class(base: type, sglang_unified_base: type | None) -> type:
             fv, sv = self._full_view.v2p, self._swa_view.v2p
             if ((sv != TOMBSTONE) & (fv == TOMBSTONE))[1:].any():
                 raise InvariantError("unified: an SWA page bound to a virtual page with no full page")
+            if self.slots is not None:
+                live = fv != TOMBSTONE
+                live[0] = False
+                self.slots.check_pages(live)
 
     if sglang_unified_base is not None:  # an abc.ABC: a virtual subclass, nothing of SGLang's class is inherited
         cast(Any, sglang_unified_base).register(UmallocUnifiedSWATokenToKVPoolAllocator)

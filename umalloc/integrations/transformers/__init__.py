@@ -11,6 +11,7 @@ transformers builds an :class:`UmallocPagedCache` over one umalloc arena. Module
 from umalloc.integrations.transformers.cache import UmallocPagedCache
 from umalloc.integrations.transformers.install import (
     SUPPORTED_TRANSFORMERS_VERSIONS,
+    SUPPORTED_VERSIONS,
     Installation,
     bind_processor,
     check_version,
@@ -29,6 +30,7 @@ from umalloc.integrations.transformers.options import (
 
 __all__ = [
     "SUPPORTED_TRANSFORMERS_VERSIONS",
+    "SUPPORTED_VERSIONS",
     "CacheCounters",
     "CacheOptions",
     "Installation",

@@ -680,9 +680,7 @@ class UmallocPagedCache:
             if got is None:
                 return 0
             slot = int(got[0])
-            self.table.reclaim(matched)
-            ok = self.table.attach_prefix(slot, matched)
-            self.table.drop_refs(matched, cache=True)
+            ok = self.table.attach_prefix(slot, matched, revive=True)
             if not ok:
                 self.table.free_requests([slot])
                 return 0

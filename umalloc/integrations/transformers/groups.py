@@ -34,7 +34,7 @@ allocator's ``translate``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 from typing import Protocol
 
@@ -78,6 +78,26 @@ class LedgerView:
     def __init__(self, hash_to_block: Mapping[int, int], block_to_hash: Mapping[int, int]) -> None:
         self.hash_to_block = MappingProxyType(hash_to_block)
         self.block_to_hash = MappingProxyType(block_to_hash)
+
+
+class BlockTableView(Mapping[str, list[int]]):
+    """request id -> a copy of its virtual pages on one group's end, computed per lookup (O(its pages)): what
+    transformers' offloading manager reads (``block_table.get(request_id, [])``) without a copy of every
+    request's table. Live: it reflects the cache at lookup time."""
+
+    def __init__(self, cache: CacheParts, table: RequestTable, ring: bool) -> None:
+        self._cache, self._table, self._ring = cache, table, ring
+
+    def __getitem__(self, request_id: str) -> list[int]:
+        slot = self._cache.slots[request_id]
+        pages: list[int] = self._table.pages(self._cache.ring_slots[slot] if self._ring else slot).tolist()
+        return pages
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._cache.slots))
+
+    def __len__(self) -> int:
+        return len(self._cache.slots)
 
 
 class EndGroup:
@@ -131,12 +151,10 @@ class EndGroup:
         return LedgerView(*self._cache.hash_index())
 
     @property
-    def block_table(self) -> dict[str, list[int]]:
-        """request id -> its virtual pages on this group's end (a sliding group: its ring's; read-only copy)."""
-        c = self._cache
-        if self.sliding_window is None:
-            return {rid: c.table.pages(slot).tolist() for rid, slot in c.slots.items()}
-        return {rid: self._table.pages(c.ring_slots[slot]).tolist() for rid, slot in c.slots.items()}
+    def block_table(self) -> BlockTableView:
+        """request id -> its virtual pages on this group's end (a sliding group: its ring's), read-only, each
+        request's list computed when asked (:class:`BlockTableView`)."""
+        return BlockTableView(self._cache, self._table, self.sliding_window is not None)
 
     def get_seqlen_k(self, past_length: int, query_length: int) -> int:
         if self.sliding_window is None:
@@ -289,4 +307,4 @@ class EndGroup:
 
 
 __all__ = ["FULL_ATTENTION", "PAD_READ_ROW", "SENTINEL_ROW", "SINK_ROW", "SLIDING_ATTENTION", "CacheParts",
-           "EndGroup", "LedgerView"]
+           "BlockTableView", "EndGroup", "LedgerView"]

@@ -30,9 +30,11 @@ from umalloc.integrations.transformers.options import (
     CacheOptions,
     UnsupportedTransformersVersion,
 )
+from umalloc.integrations.versions import check_engine_version
 
-#: transformers versions this integration is tested against (exactly).
-SUPPORTED_TRANSFORMERS_VERSIONS: tuple[str, ...] = ("5.23.0", "5.25.0")
+#: transformers releases this integration is tested against (exactly; its peer suite runs each).
+SUPPORTED_VERSIONS: tuple[str, ...] = ("5.23.0", "5.25.0")
+SUPPORTED_TRANSFORMERS_VERSIONS = SUPPORTED_VERSIONS   #: the same tuple under the name earlier releases used
 
 
 class Installation:
@@ -103,11 +105,10 @@ def installed_version() -> str:
 
 
 def check_version(version: str) -> None:
-    """Raise :class:`UnsupportedTransformersVersion` unless ``version`` is one of
-    :data:`SUPPORTED_TRANSFORMERS_VERSIONS`."""
-    if version not in SUPPORTED_TRANSFORMERS_VERSIONS:
-        raise UnsupportedTransformersVersion(f"transformers {version}: umalloc.integrations.transformers is tested "
-                                             f"with {list(SUPPORTED_TRANSFORMERS_VERSIONS)} only")
+    """Raise :class:`UnsupportedTransformersVersion` (an
+    :class:`~umalloc.integrations.versions.EngineVersionError`) unless ``version`` is one of
+    :data:`SUPPORTED_VERSIONS`."""
+    check_engine_version("transformers", version, SUPPORTED_VERSIONS, "transformers", UnsupportedTransformersVersion)
 
 
 def install(options: CacheOptions | None = None, *, keep_caches: bool = False) -> Installation:
@@ -122,7 +123,7 @@ def install(options: CacheOptions | None = None, *, keep_caches: bool = False) -
         the :class:`Installation`.
 
     Raises:
-        UnsupportedTransformersVersion: transformers is not one of :data:`SUPPORTED_TRANSFORMERS_VERSIONS`.
+        UnsupportedTransformersVersion: transformers is not one of :data:`SUPPORTED_VERSIONS`.
         UmallocValueError: already installed, or ``options`` not a :class:`CacheOptions`. Nothing changes.
     """
     global _active
@@ -167,7 +168,8 @@ def bind_processor(processor: Any) -> None:
     finds unable to complete (Note [Cannot fit]): its scheduler's ``schedule_batch`` (an attribute of that one
     scheduler object) runs transformers' own, then removes each such request from the scheduler's queues, frees
     its pages and delivers it failed with the cache's error (and each child it was to fork into, so that
-    ``generate_batch`` waits for no output that cannot come); if the step scheduled nothing only because of them,
+    ``generate_batch`` waits for no output that cannot come), and lets waiting requests start again, as transformers
+    does when a request finishes (``block_new_requests``); if the step scheduled nothing only because of them,
     it schedules again. No-op for a stock cache. Holds the scheduler and the cache weakly."""
     cache = processor.cache
     if not isinstance(cache, UmallocPagedCache):
@@ -198,8 +200,10 @@ def bind_processor(processor: Any) -> None:
             for child in children:
                 router.fail_and_deliver(child, error)
             router.fail_and_deliver(state, error)
-        if doomed and result[0] is None:
-            result = schedule(sched, token_budget, cache_budget)
+        if doomed:
+            sched.block_new_requests = False   # as when a request finishes: the waiting ones may start again
+            if result[0] is None:
+                result = schedule(sched, token_budget, cache_budget)
         return result
 
     scheduler.schedule_batch = schedule_batch
@@ -230,5 +234,5 @@ def installed(options: CacheOptions | None = None, *, keep_caches: bool = False)
         uninstall()
 
 
-__all__ = ["SUPPORTED_TRANSFORMERS_VERSIONS", "Installation", "bind_processor", "check_version", "install",
+__all__ = ["SUPPORTED_TRANSFORMERS_VERSIONS", "SUPPORTED_VERSIONS", "Installation", "bind_processor", "check_version", "install",
            "installed", "installed_version", "uninstall"]

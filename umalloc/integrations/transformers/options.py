@@ -13,6 +13,7 @@ import torch
 
 from umalloc import KVDtype, UmallocValueError
 from umalloc.integrations.transformers.groups import FULL_ATTENTION, SLIDING_ATTENTION
+from umalloc.integrations.versions import EngineVersionError
 
 #: attention type -> arena end
 END_OF = {FULL_ATTENTION: "full", SLIDING_ATTENTION: "swa"}
@@ -22,7 +23,7 @@ COMPACTION_MODES = ("lazy", "eager", "off")
 TORCH_TO_KV = {torch.float32: KVDtype.FP32, torch.float16: KVDtype.FP16, torch.bfloat16: KVDtype.BF16}
 
 
-class UnsupportedTransformersVersion(UmallocValueError):
+class UnsupportedTransformersVersion(EngineVersionError):
     """:func:`install` on a transformers version this integration was not tested against."""
 
 

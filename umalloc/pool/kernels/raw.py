@@ -24,6 +24,13 @@ What a caller must guarantee
     against these rules first (:func:`umalloc.pool.kernels.ops.checked_entries`) and a violation raises
     :class:`~umalloc.errors.InvalidIdError` instead of reading memory as the wrong type.
 
+Byte copies of an arena (:func:`copy_pages`, :func:`copy_chunks`)
+    The one other address used here is the base of a CPU arena's byte buffer (``Arena.data``), for compaction's
+    row copies (:func:`umalloc.pool.compaction.copy_moves`). The caller holds the arena for the call and keeps
+    source and destination ranges disjoint; :func:`copy_pages` checks every page against the buffer's rows
+    before it copies, :func:`copy_chunks` takes byte ranges its caller built from checked runs. Both copy with
+    ``memcpy`` (LLVM's intrinsic: the C library's copy at run time).
+
 Note [Heap root]
 ~~~~~~~~~~~~~~~~
 numba's dispatcher unboxes each array argument (about 0.2 us each, more for a tuple of arrays) but an int in
@@ -44,9 +51,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numba
 import numpy as np
 import torch
 from numba import carray, njit, types
+from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from umalloc.errors import InvalidIdError
@@ -97,6 +106,75 @@ def _ids_view_impl(x, n):
     if isinstance(x, types.Array) and x.ndim == 1 and x.dtype == types.int64:
         return lambda x, n: x
     return None
+
+
+@intrinsic
+def _memcpy(typingctx, dst_addr, src_addr, nbytes):  # noqa: ARG001 - numba intrinsic signature
+    """``memcpy(dst, src, nbytes)`` on raw addresses (LLVM's ``llvm.memcpy``: a call to the C library's copy)."""
+    if not all(isinstance(a, types.Integer) for a in (dst_addr, src_addr, nbytes)):
+        return None
+    sig = types.void(dst_addr, src_addr, nbytes)
+
+    def codegen(context, builder, signature, args):  # noqa: ARG001
+        d, s, n = args
+        cgutils.raw_memcpy(builder, builder.inttoptr(d, cgutils.voidptr_t), builder.inttoptr(s, cgutils.voidptr_t),
+                           n, 1)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(cache=True, nogil=True)
+def copy_pages(base, src, dst, row_bytes, rows):  # pragma: no cover - numba
+    """Copy rows ``src[i] -> dst[i]`` (int64 ``(n,)`` each) of the byte buffer at address ``base`` (``rows`` rows
+    of ``row_bytes``) on the calling thread: consecutive pages whose sources and destinations both advance by one
+    are coalesced into one run, one ``memcpy`` per run. Returns ``-1 - i`` (nothing copied) if ``src[i]`` or
+    ``dst[i]`` lies outside ``[0, rows)``, else the number of runs. The caller keeps the buffer alive and the two
+    page sets disjoint (the module docstring). O(n + bytes)."""
+    n = src.shape[0]
+    for i in range(n):
+        if src[i] < 0 or src[i] >= rows or dst[i] < 0 or dst[i] >= rows:
+            return -1 - i
+    runs = 0
+    i = 0
+    while i < n:
+        j = i + 1
+        while j < n and src[j] == src[j - 1] + 1 and dst[j] == dst[j - 1] + 1:
+            j += 1
+        _memcpy(base + dst[i] * row_bytes, base + src[i] * row_bytes, (j - i) * row_bytes)
+        runs += 1
+        i = j
+    return runs
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def copy_chunks(base, chunks):  # pragma: no cover - numba
+    """Copy byte ranges of the buffer at address ``base``: for each ``(src, dst, nbytes)`` row of ``chunks`` (int64
+    ``(C, 3)``, byte offsets), one ``memcpy``; the rows spread over numba's threads. O(bytes)."""
+    for i in numba.prange(chunks.shape[0]):
+        _memcpy(base + chunks[i, 1], base + chunks[i, 0], chunks[i, 2])
+
+
+@njit(cache=True, nogil=True)
+def split_runs(runs, row_bytes, chunk_bytes, out):  # pragma: no cover - numba
+    """The runs ``(src, dst, n)`` (rows of ``row_bytes``) as byte ranges ``(src, dst, nbytes)`` of at most
+    ``chunk_bytes`` each, in order, into ``out`` (int64 ``(C, 3)`` with ``C >= sum(ceil(n * row_bytes /
+    chunk_bytes))``); returns how many. O(runs + chunks)."""
+    c = 0
+    for i in range(runs.shape[0]):
+        s = runs[i, 0] * row_bytes
+        d = runs[i, 1] * row_bytes
+        left = runs[i, 2] * row_bytes
+        while left > 0:
+            m = chunk_bytes if left > chunk_bytes else left
+            out[c, 0] = s
+            out[c, 1] = d
+            out[c, 2] = m
+            s += m
+            d += m
+            left -= m
+            c += 1
+    return c
 
 
 # root vector (Note [Heap root]): addresses and lengths of the host masters
@@ -180,4 +258,5 @@ def forget_lent() -> None:
     _lent.clear()
 
 
-__all__ = ["address", "build_root", "check_lent", "forget_lent", "lend", "root_address"]
+__all__ = ["address", "build_root", "check_lent", "copy_chunks", "copy_pages", "forget_lent", "lend", "root_address",
+           "split_runs"]
