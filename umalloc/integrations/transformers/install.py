@@ -116,8 +116,9 @@ def install(options: CacheOptions | None = None, *, keep_caches: bool = False) -
 
     Args:
         options: how each cache builds its arena (default :class:`CacheOptions()`).
-        keep_caches: hold every cache built until :func:`uninstall` (to inspect it after ``generate_batch``
-            returns); by default a cache dies with transformers' batch processor (Note [Lifetime]).
+        keep_caches: the returned :class:`Installation` holds every cache built (to inspect it after
+            ``generate_batch`` returns) for as long as it lives or until :meth:`Installation.release`; by default a
+            cache dies with transformers' batch processor (Note [Lifetime]).
 
     Returns:
         the :class:`Installation`.
@@ -225,8 +226,8 @@ def uninstall() -> None:
 
 @contextlib.contextmanager
 def installed(options: CacheOptions | None = None, *, keep_caches: bool = False) -> Iterator[Installation]:
-    """``with installed(opts) as inst:`` -- :func:`install` for the block, :func:`uninstall` after (the caches
-    kept with ``keep_caches`` stay readable through ``inst.caches`` inside the block)."""
+    """``with installed(opts) as inst:`` -- :func:`install` for the block, :func:`uninstall` after (caches kept
+    with ``keep_caches`` stay readable through ``inst.caches`` after the block too, while ``inst`` lives)."""
     inst = install(options, keep_caches=keep_caches)
     try:
         yield inst
@@ -234,5 +235,5 @@ def installed(options: CacheOptions | None = None, *, keep_caches: bool = False)
         uninstall()
 
 
-__all__ = ["SUPPORTED_TRANSFORMERS_VERSIONS", "SUPPORTED_VERSIONS", "Installation", "bind_processor", "check_version", "install",
-           "installed", "installed_version", "uninstall"]
+__all__ = ["SUPPORTED_TRANSFORMERS_VERSIONS", "SUPPORTED_VERSIONS", "Installation", "bind_processor",
+           "check_version", "install", "installed", "installed_version", "uninstall"]
