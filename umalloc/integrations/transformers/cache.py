@@ -61,8 +61,11 @@ Where transformers 5.23's interfaces are adapted, all in this package:
    check only; it verifies that every method the engine calls resolves to umalloc's.
 10. ``continuous_api.ContinuousBatchProcessor`` is likewise replaced by transformers' class with one step added
     after ``__init__`` (:func:`~umalloc.integrations.transformers.install.bind_processor`): its scheduler object's
-    ``schedule_batch`` also fails, alone, the requests the cache found unable to complete (Note [Cannot fit]).
-    transformers' classes and files are not modified; :func:`uninstall` puts both names back.
+    ``schedule_batch`` also fails, alone, the requests the cache found unable to complete (Note [Cannot fit]),
+    and the cache can read a request's state (``state_of``). A prefix hit never leaves a fork parent (a request
+    with children) a single token to prefill: transformers prefills such a parent up to its last token and would
+    schedule it with none (an empty batch that fails every request; stock meets it too when its cached blocks
+    survive). transformers' classes and files are not modified; :func:`uninstall` puts both names back.
 
 Note [Cannot fit]
 ~~~~~~~~~~~~~~~~~
@@ -281,6 +284,8 @@ class UmallocPagedCache:
         #: whether a batch processor fails the requests this cache finds unable to complete (Note [Cannot fit]);
         #: without one such a request is refused and waits, as in the stock cache
         self.fails_alone = False
+        #: request id -> its transformers request state, bound with the batch processor (Note [Seams] 10)
+        self.state_of: Any = None
         self._doomed: dict[str, tuple[Any, RequestCannotFitError]] = {}
         max_requests = opts.max_requests or max(1, min(owner_pages, 1024))
         self.table = RequestTable(self.alloc, max_requests=max_requests,
@@ -675,6 +680,9 @@ class UmallocPagedCache:
         with self._timer:
             ps = self.page_size
             matched = self.prefix.match(prompt_ids, ps)
+            state = self.state_of(request_id) if self.state_of is not None else None
+            if matched and state is not None and state.num_children > 0 and len(prompt_ids) - len(matched) * ps < 2:
+                matched.pop()   # a fork parent must keep two tokens to prefill (Note [Seams] 10)
             if not matched or request_id in self.slots:
                 return 0
             self._flush()

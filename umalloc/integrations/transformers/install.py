@@ -207,8 +207,15 @@ def bind_processor(processor: Any) -> None:
                 result = schedule(sched, token_budget, cache_budget)
         return result
 
+    def state_of(request_id: str) -> Any:
+        sched = scheduler_ref()
+        if sched is None:
+            return None
+        return sched.waiting_requests.get(request_id) or sched.active_requests.get(request_id)
+
     scheduler.schedule_batch = schedule_batch
     cache.fails_alone = True
+    cache.state_of = state_of
 
 
 def uninstall() -> None:
