@@ -345,7 +345,9 @@ def test_the_write_gate_keeps_stale_draft_kv_from_the_decode_side() -> None:
     assert gated["digest_mismatches"] == []
     early = run_generate(GenerateConfig(model="gemma3", draft=True, draft_tokens=2, write_gate=False, **SLICE))
     assert early["write_gate"] == {"deferred_posts": 0, "posted_before_draft": 4}
-    assert early["digest_mismatches"] == [0, 1, 2, 3]
+    # posted before the drafter ran: a post the transfer engine carries out before the drafter's write sends the
+    # old bytes; on a loaded machine a late transfer may carry the new ones, so at least one request shows it
+    assert early["digest_mismatches"] and set(early["digest_mismatches"]) <= {0, 1, 2, 3}
     assert early["tokens"] == gated["tokens"]  # verification keeps the tokens: only the bytes show it
 
 

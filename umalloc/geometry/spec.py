@@ -556,7 +556,7 @@ def arena_spec_for_budget(ends: Sequence[EndSpec], budget_bytes: int) -> ArenaSp
 
 __all__ = [
     "ARENA_ALIGN_BYTES", "ArenaSpec", "EndRole", "EndSpec", "Grow", "KVDtype", "LayerKind", "LayerSpec", "PageBlock",
-    "arena_bytes_for_limits", "arena_spec_for_budget", "pages_for_tokens", "swa_pages_per_seq",
+    "arena_bytes_for_limits", "arena_spec_for_budget", "pages_for_tokens", "swa_pages_per_seq", "swa_tail_start",
 ]
 
 

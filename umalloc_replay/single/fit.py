@@ -100,7 +100,7 @@ def slice_needs_bytes(ends: tuple, trace: Trace, side: str) -> int:
     (decode: at its peak; prefill: its prompt) plus the arena's floor and one page per end, rounded up to
     :data:`umalloc.ARENA_ALIGN_BYTES` (the figure :func:`check_slice_fits` names). O(requests x ends).
 
-    >>> from umalloc import preset_ends
+    >>> from umalloc.geometry.presets import preset_ends
     >>> from umalloc_replay.trace import Trace, TraceRequest
     >>> ends = preset_ends("llama-3.1-8b", page_size=16)
     >>> # one 2 MiB page per 16 tokens: a 17-token prompt holds 2 pages, the floor 1, one page per end 1
