@@ -281,10 +281,9 @@ class UmallocPagedCache:
         self.tokens_alone = self._tokens_alone(window if SLIDING_ATTENTION in groups else None)
         max_pos = int(getattr(config, "max_position_embeddings", owner_pages * ps) or owner_pages * ps)
         self.max_tokens_per_request = max(ps, min(max_pos, self.tokens_alone))
-        #: whether a batch processor fails the requests this cache finds unable to complete (Note [Cannot fit]);
-        #: without one such a request is refused and waits, as in the stock cache
-        self.fails_alone = False
-        #: request id -> its transformers request state, bound with the batch processor (Note [Seams] 10)
+        #: request id -> its transformers request state, bound with the batch processor (Note [Seams] 10); while
+        #: it is None no processor fails the requests this cache finds unable to complete (Note [Cannot fit]):
+        #: such a request is refused and waits, as in the stock cache
         self.state_of: Any = None
         self._doomed: dict[str, tuple[Any, RequestCannotFitError]] = {}
         max_requests = opts.max_requests or max(1, min(owner_pages, 1024))
@@ -491,7 +490,7 @@ class UmallocPagedCache:
             if target > self.max_tokens_per_request or rid not in self.slots:
                 need_tokens = self._never_completes(state, target)
                 if need_tokens is not None:
-                    if self.fails_alone:
+                    if self.state_of is not None:
                         self._doomed[rid] = (state, RequestCannotFitError(
                             f"request {rid!r} needs {need_tokens} tokens of KV cache; this cache holds at most "
                             f"{self.max_tokens_per_request} for one request alone ({self.arena.arena_bytes} arena "

@@ -214,7 +214,6 @@ def bind_processor(processor: Any) -> None:
         return sched.waiting_requests.get(request_id) or sched.active_requests.get(request_id)
 
     scheduler.schedule_batch = schedule_batch
-    cache.fails_alone = True
     cache.state_of = state_of
 
 
