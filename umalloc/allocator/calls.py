@@ -14,8 +14,9 @@ Both are built once per allocator; neither holds allocator state of its own beyo
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
 import numpy as np
@@ -64,8 +65,8 @@ class AfterCall:
         check: the allocator's invariant check.
 
     Attributes:
-        mirrors: owner index -> its device ``v2p`` block (empty without mirrors). debug_checks: settable (a trial
-        turns it off while it runs). sync: mirrors or debug checks at construction (fixed).
+        mirrors: owner index -> its device ``v2p`` block (empty without mirrors). debug_checks: off inside
+        :meth:`checks_off` (a trial). sync: mirrors or debug checks at construction (fixed).
     """
 
     __slots__ = ("_check", "_host2d", "_scratch", "debug_checks", "mirrors", "sync")
@@ -90,6 +91,17 @@ class AfterCall:
         """Refresh owner ``o``'s mirror at the virtual pages ``vids`` (nothing without mirrors)."""
         if self.mirrors:
             refresh(self.mirrors[o], self._host2d[o], vids)
+
+    @contextlib.contextmanager
+    def checks_off(self) -> Iterator[None]:
+        """No debug checks inside the ``with`` block (a trial: the caller's tables are mid-change), back to the
+        constructor's setting leaving it. O(1)."""
+        debug = self.debug_checks
+        self.debug_checks = False
+        try:
+            yield
+        finally:
+            self.debug_checks = debug
 
     def checks(self) -> None:
         """The debug checks, if on."""

@@ -71,9 +71,14 @@ drops the lease table calls back and it becomes a hole.
 Note [Trials]
 ~~~~~~~~~~~~~
 :meth:`MultiEndedAllocator.trial` lets a caller that composes several allocator calls (the request table: window
-unbinds, evictions, one allocation) refuse the whole of them with nothing changed (F29). It copies ``meta``,
-``h64`` and ``h8`` (the bind-mask area excepted: masks are append-only and cached by the heap) on entry and
-writes them back on a rollback, then re-copies every device mirror. Pins are not touched by allocation, freeing
+unbinds, evictions, one allocation) refuse the whole of them with nothing changed (F29). The heap saves its
+tables on entry (:meth:`~umalloc.pool.heap.Heap.save`: ``meta``, ``h64`` and ``h8``, the bind-mask area excepted:
+masks are append-only and cached by the heap) and writes them back on a rollback
+(:meth:`~umalloc.pool.heap.Heap.restore`), then every device mirror is re-copied. Each service suspends its own
+policy for the trial through its own context manager: the lease service pauses expiry
+(:meth:`~umalloc.allocator.leasing.LeaseService.pausing`), the space service turns compaction off on request
+(:meth:`~umalloc.allocator.space.SpaceService.compaction_off`), the after-call work skips the debug checks
+(:meth:`~umalloc.allocator.calls.AfterCall.checks_off`). Pins are not touched by allocation, freeing
 or compaction, and lease expiry waits while a trial runs, so the lease table and the restored tables agree.
 Bytes: with ``compaction=False`` no envelope is written; with compaction on, moves write only into holes and gap
 pages, so a rollback is exact except for the bytes of pages the trial itself freed, which ``keep_bytes`` saves.
@@ -444,26 +449,16 @@ class MultiEndedAllocator:
         with leasing.table.lock:
             if leasing.work:
                 leasing.tick()
-            heap = self._heap
-            mb = heap.mask_base
-            saved = (heap.meta.copy(), heap.h64.copy(), heap.h8[:mb].copy())
-            mode, eager, debug = space.compaction_mode, space.eager, after_call.debug_checks
+            saved = self._heap.save()
             handle = AllocatorTrial()
             self._trial_depth = 1
-            leasing.paused = True
-            if not compaction:
-                space.compaction_mode, space.eager = "off", False
-            after_call.debug_checks = False   # a caller's tables are mid-change inside a trial
             try:
-                yield handle
+                with leasing.pausing(), space.compaction_off(not compaction), after_call.checks_off():
+                    yield handle
             finally:
                 self._trial_depth = 0
-                leasing.paused = False
-                space.compaction_mode, space.eager, after_call.debug_checks = mode, eager, debug
                 if not handle.committed:
-                    heap.meta[:] = saved[0]
-                    heap.h64[:] = saved[1]
-                    heap.h8[:mb] = saved[2]
+                    self._heap.restore(saved)
                     for end, p, data in saved_bytes:
                         env = self.arena.envelopes(end)
                         env[torch.from_numpy(p).to(env.device)] = data

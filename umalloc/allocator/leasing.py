@@ -14,8 +14,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -38,7 +39,7 @@ class LeaseService:
     Attributes:
         table: the :class:`~umalloc.leases.table.LeaseTable`. work: its ``work_view`` (truthy while an active
         lease or pages unpinned on another thread wait: O(1)). expired_by_end: leases reclaimed per end index.
-        paused: while True (a trial runs) :meth:`tick` does nothing.
+        paused: while True (inside :meth:`pausing`: a trial runs) :meth:`tick` does nothing.
     """
 
     __slots__ = ("_ends", "_heap", "expired_by_end", "paused", "table", "work")
@@ -55,6 +56,16 @@ class LeaseService:
         self.work: Mapping[int, object] = self.table.work_view
         self.expired_by_end = [0] * len(names)
         self.paused = False
+
+    @contextlib.contextmanager
+    def pausing(self) -> Iterator[None]:
+        """:meth:`tick` does nothing inside the ``with`` block (Note [Trials] in :mod:`umalloc.allocator.facade`).
+        O(1)."""
+        self.paused = True
+        try:
+            yield
+        finally:
+            self.paused = False
 
     def tick(self) -> None:
         """Deliver pages unpinned on other threads, then reclaim leases past their deadline (F12) or put them in

@@ -13,9 +13,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -58,8 +59,8 @@ class SpaceService:
         move_budget_pages: most pages one lazy compaction may move per call (``None``: unbounded).
 
     Attributes:
-        compaction_mode, move_budget_pages: the policy. eager: ``compaction_mode == "eager"`` (a trial turns it
-        off). last_shortfall: end name -> pages lacking in the last allocation that fell short (F20).
+        compaction_mode, move_budget_pages: the policy. eager: ``compaction_mode == "eager"`` (off inside
+        :meth:`compaction_off`). last_shortfall: end name -> pages lacking in the last allocation that fell short (F20).
     """
 
     __slots__ = ("_after_call", "_arena", "_ends", "_entry", "_heap", "_leasing", "_lock", "_spec",
@@ -81,6 +82,18 @@ class SpaceService:
         self.move_budget_pages = move_budget_pages
         self.last_shortfall: dict[str, int] = {}
 
+
+    @contextlib.contextmanager
+    def compaction_off(self, off: bool = True) -> Iterator[None]:
+        """Inside the ``with`` block compaction is off (no byte moves) when ``off``; the policy is back on
+        leaving it (Note [Trials] in :mod:`umalloc.allocator.facade`). O(1)."""
+        mode, eager = self.compaction_mode, self.eager
+        if off:
+            self.compaction_mode, self.eager = "off", False
+        try:
+            yield
+        finally:
+            self.compaction_mode, self.eager = mode, eager
     def _short(self) -> dict[str, int]:
         """The per-end deficits of the last shortfall (F20), kept in :attr:`last_shortfall`."""
         names, err = self._ends.names, self._entry.err

@@ -353,6 +353,45 @@ class Heap:
         """Pending pages of end ``e`` whose last pin dropped become holes (or gap at a band edge). O(pages)."""
         k_unpend(self.meta, self.h64, self.h8, e, np.ascontiguousarray(pages, dtype=np.int64))
 
+    def save(self) -> HeapSave:
+        """A copy of every table the kernels write (``meta``, ``h64``, the page and virtual-page states of
+        ``h8``; not the bind masks, which are a cache keyed by their arguments, nor the pins, which the lease
+        table owns): what :meth:`restore` writes back. O(slots + virtual pages).
+
+        >>> from umalloc.testing import tiny_spec
+        >>> heap = Heap(tiny_spec(), {})
+        >>> saved = heap.save(); heap.set_band(0, 1, 4); heap.band(0)
+        (1, 4)
+        >>> heap.restore(saved); heap.band(0)
+        (1, 1)
+        """
+        mb = self.mask_base
+        return HeapSave(self, self.meta.copy(), self.h64.copy(), self.h8[:mb].copy())
+
+    def restore(self, saved: HeapSave) -> None:
+        """Write ``saved`` (this heap's :meth:`save`) back into the arrays in place (their addresses, which the
+        kernels hold, stay). O(slots + virtual pages).
+
+        Raises:
+            UmallocValueError: ``saved`` is not a save of this heap (nothing changes).
+        """
+        if not isinstance(saved, HeapSave) or saved.heap is not self:
+            raise UmallocValueError(f"Heap.restore: {saved!r} is not a save of this heap; allowed: what this "
+                                    f"heap's save() returned")
+        self.meta[:] = saved.meta
+        self.h64[:] = saved.h64
+        self.h8[: self.mask_base] = saved.h8
+
+
+class HeapSave:
+    """What :meth:`Heap.save` copied: the heap it came from and copies of its ``meta``, ``h64`` and the state
+    part of ``h8`` (read by :meth:`Heap.restore` only)."""
+
+    __slots__ = ("h64", "h8", "heap", "meta")
+
+    def __init__(self, heap: Heap, meta: np.ndarray, h64: np.ndarray, h8: np.ndarray) -> None:
+        self.heap, self.meta, self.h64, self.h8 = heap, meta, h64, h8
+
 
 # one allocator per arena (two would hand out the same pages): id(arena) -> (weakref to the arena, to its allocator)
 _arena_claims: dict[int, tuple[weakref.ref[Arena], weakref.ref[object]]] = {}
@@ -374,4 +413,4 @@ def claim_arena(arena: Arena, alloc: object) -> None:
     _arena_claims[key] = (weakref.ref(arena, drop), weakref.ref(alloc, drop))
 
 
-__all__ = ["Heap", "claim_arena"]
+__all__ = ["Heap", "HeapSave", "claim_arena"]
