@@ -6,6 +6,9 @@ conversion to numpy ``int64``.
   it already is one, else one converted copy. Bools, floats, complex, meta and sparse tensors, non-native byte
   orders, values that do not fit int64 (``uint64`` at or above ``2**63``) and other ranks are refused.
 * :func:`id_batch` is its form for batches of request slots, lengths and pages (lists taken).
+* :func:`count_arg` checks a page or request count (an int in ``[0, 2**63)``), :func:`check_strict` a ``strict``
+  flag (a Python or numpy bool; ``0``, ``"no"``, ``None`` refused): both raise
+  :class:`~umalloc.errors.UmallocValueError`.
 * :func:`check_id_tensor` and :func:`check_id_dtype` are its pieces for callers that keep a tensor (on its
   device, in its dtype): the translators, the arena's page copies.
 * ``accept`` names the dtypes a caller takes: ``"int64"``, ``"int32"`` (int64 or int32: vLLM's and SGLang's block
@@ -24,7 +27,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from umalloc.errors import InvalidIdError, UmallocError
+from umalloc.errors import InvalidIdError, UmallocError, UmallocValueError
 
 #: What ``accept`` may name.
 Accept = Literal["int64", "int32", "int"]
@@ -141,4 +144,24 @@ def id_batch(x: object, name: str) -> np.ndarray:
     return host_ids(x, name, lists=True)
 
 
-__all__ = ["Accept", "check_id_dtype", "check_id_tensor", "host_ids", "id_batch"]
+
+def check_strict(strict: object, where: str) -> bool:
+    """``strict`` as a bool; anything but ``True``/``False`` (numpy bools too) raises UmallocValueError."""
+    if strict is True or strict is False:
+        return strict
+    if isinstance(strict, np.bool_):
+        return bool(strict)
+    raise UmallocValueError(f"{where}: strict={strict!r}; allowed True or False")
+
+
+def count_arg(value: object, name: str) -> int:
+    """A page count given by a caller: an ``int`` or numpy integer in ``[0, 2**63)`` (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise UmallocValueError(f"{name}={value!r}: allowed an int in [0, 2**63)")
+    v = int(value)
+    if not 0 <= v < _I64_END:  # the kernels take an int64: a larger count must not reach them
+        raise UmallocValueError(f"{name}={value!r}: allowed an int in [0, 2**63)")
+    return v
+
+
+__all__ = ["Accept", "check_id_dtype", "check_id_tensor", "check_strict", "count_arg", "host_ids", "id_batch"]

@@ -1,4 +1,4 @@
-"""Bounded batches (Note [Bounded batches] in ``umalloc.backends.descriptors``): descriptor batches cut into engine
+"""Bounded batches (Note [Bounded batches] in ``umalloc.transfer.descriptors``): descriptor batches cut into engine
 submissions of at most ``max_batch_descriptors`` descriptors and ``max_batch_bytes`` bytes.
 
 1. The pure cut (:func:`chunk_descriptors`) against hand-computed chunks, and against a plain-Python greedy
@@ -37,11 +37,11 @@ from backend_helpers import (
 )
 
 from umalloc.backends import get_backend
-from umalloc.backends.descriptors import MAX_BATCH_BYTES, MAX_BATCH_DESCRIPTORS, chunk_descriptors
 from umalloc.errors import TransferError, TransferTimeout, UmallocValueError
 from umalloc.geometry.region import Region
 from umalloc.testing import require_or_skip
 from umalloc.transfer import PeerLayout, build_plan, build_send_plan
+from umalloc.transfer.descriptors import MAX_BATCH_BYTES, MAX_BATCH_DESCRIPTORS, chunk_descriptors
 
 pytestmark = pytest.mark.timeout(600)  # a hang guard: a loaded machine may take minutes
 

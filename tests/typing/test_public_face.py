@@ -20,7 +20,7 @@ INTERNAL = {
     "LeaseTable": "umalloc.leases.table",
     "EndView": "umalloc.pool.views",
     "snapshots_equal": "umalloc.allocator.observe",
-    "ReadOnlyTable": "umalloc.allocator.ids",
+    "ReadOnlyTable": "umalloc.allocator.arguments",
     "HeapCopyError": "umalloc.errors",
     "PAGE_RESERVED": "umalloc.pool.pagestate",
     "PAGE_GAP": "umalloc.pool.pagestate",

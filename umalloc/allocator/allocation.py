@@ -20,14 +20,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from umalloc.allocator.arguments import _I64, _NP_I64, _id_arg, _ids, _out, _out_arg
 from umalloc.allocator.calls import AfterCall, KernelEntry
 from umalloc.allocator.ends import EndIndex
-from umalloc.allocator.ids import _I64, _NP_I64, _id_arg, _ids, _out, _out_arg, count_arg
 from umalloc.allocator.leasing import LeaseService
 from umalloc.allocator.space import SpaceService
 from umalloc.errors import InvalidIdError, UmallocValueError
 from umalloc.geometry.spec import ArenaSpec, Grow
-from umalloc.ids import id_batch
+from umalloc.ids import count_arg, id_batch
 from umalloc.pool.heap import Heap
 from umalloc.pool.kernels import raw
 from umalloc.pool.kernels.codes import OK

@@ -31,13 +31,13 @@ Policy:
 * **Layers** (one concept per module): :mod:`umalloc.pool.heap` owns every array and the root address
   vector; :mod:`umalloc.pool.kernels` is the numba layer (the only pointer intrinsics are in
   :mod:`umalloc.pool.kernels.raw`); :mod:`umalloc.pool.ladder` plans the shortfall ladder (pure);
-  :mod:`umalloc.allocator.ids` validates ids at the boundary; :mod:`umalloc.pool.views` holds the typed, read-only
-  end views and the heap's invariant checks, :mod:`umalloc.allocator.observe` the stats schema and snapshots.
+  :mod:`umalloc.ids` validates ids and counts at the boundary, :mod:`umalloc.allocator.arguments` turns them
+  into kernel arguments; :mod:`umalloc.pool.views` holds the typed, read-only end views and the heap's invariant checks, :mod:`umalloc.allocator.observe` the stats schema and snapshots.
   This module is the facade: it validates the constructor's arguments, builds the services (Note [Composed
   services]) and runs trials and the observability calls.
 * **Tables handed out are read-only**: :meth:`MultiEndedAllocator.v2p` / :meth:`~MultiEndedAllocator.p2v` return
-  :class:`~umalloc.allocator.ids.ReadOnlyTable` views (writes and ``out=`` refused), :class:`EndView` arrays are
-  read-only numpy views, :meth:`~MultiEndedAllocator.snapshot` returns copies.
+  :class:`~umalloc.allocator.arguments.ReadOnlyTable` views (writes and ``out=`` refused), :class:`EndView` arrays
+  are read-only numpy views, :meth:`~MultiEndedAllocator.snapshot` returns copies.
 * **One allocator per arena** (a second one on the same :class:`~umalloc.geometry.arena.Arena` raises
   :class:`~umalloc.errors.ArenaInUseError` while the first is alive).
 * ``strict`` is a ``bool`` everywhere, default ``True`` (a tombstoned or unbound page raises); ``0``, ``"no"``

@@ -15,11 +15,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from umalloc.allocator.arguments import _NP_I64, _hot_index, _id_arg
 from umalloc.allocator.calls import AfterCall, KernelEntry
 from umalloc.allocator.ends import EndIndex
-from umalloc.allocator.ids import _NP_I64, _hot_index, _id_arg, check_strict
 from umalloc.allocator.leasing import LeaseService
 from umalloc.allocator.space import SpaceService
+from umalloc.ids import check_strict
 from umalloc.pool.heap import Heap
 from umalloc.pool.kernels.ops import k_free, k_unbind
 

@@ -23,11 +23,11 @@ import numpy as np
 
 from umalloc.allocator.calls import AfterCall, KernelEntry
 from umalloc.allocator.ends import EndIndex
-from umalloc.allocator.ids import count_arg
 from umalloc.allocator.leasing import LeaseService
 from umalloc.errors import UmallocValueError
 from umalloc.geometry.arena import Arena
 from umalloc.geometry.spec import ArenaSpec
+from umalloc.ids import count_arg
 from umalloc.pool.compaction import CompactionReport, MovePlan, apply_plan
 from umalloc.pool.heap import Heap
 from umalloc.pool.kernels.codes import E_IDS, E_SHORT, OK

@@ -17,7 +17,7 @@
   message; a range or tombstone error keeps the translator's message (which names the position, the value and
   the allowed range) behind ``"<call> on end '<end>': "``; ``out`` is untouched.
 * :meth:`~TranslationService.v2p` / :meth:`~TranslationService.p2v` return read-only zero-copy views
-  (:class:`~umalloc.allocator.ids.ReadOnlyTable`).
+  (:class:`~umalloc.allocator.arguments.ReadOnlyTable`).
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ from typing import Any, NamedTuple, NoReturn
 import numpy as np
 import torch
 
+from umalloc.allocator.arguments import _I64, _NP_I64, _ids, _out, _out_arg, read_only_table
 from umalloc.allocator.calls import KernelEntry
 from umalloc.allocator.ends import EndIndex
-from umalloc.allocator.ids import _I64, _NP_I64, _ids, _out, _out_arg, check_strict, read_only_table
 from umalloc.errors import InvalidIdError, UmallocError
-from umalloc.ids import host_ids
+from umalloc.ids import check_strict, host_ids
 from umalloc.pool.heap import Heap
 from umalloc.translators import coalesce_runs
 from umalloc.translators import cpu as host_translator

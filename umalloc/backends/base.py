@@ -7,14 +7,14 @@ Policy:
   the whole metadata, refuses a peer of another backend and a peer whose layout is incompatible — all before any
   engine call — and records the peer's checked layout: a plan submitted to that peer is matched against it by
   identity (or digest), never checked again.
-* Descriptors (:mod:`umalloc.backends.descriptors`) are checked before anything is sent: a raw batch
+* Descriptors (:mod:`umalloc.transfer.descriptors`) are checked before anything is sent: a raw batch
   (``write_descriptors``) is validated once (shape ``(N, 3)``, non-negative integers, ``nbytes > 0``); a plan's
   batch was validated when the plan was built. Every batch, raw or planned, is located against the regions
   registered *now*: every source range inside one locally registered region, every destination range inside
   one region the peer registered (from its metadata). A bad batch raises
   :class:`~umalloc.errors.DescriptorBoundsError` (or :class:`~umalloc.errors.UmallocValueError`) and changes
   nothing — not even the plan.
-* Bounded batches (Note [Bounded batches] in :mod:`umalloc.backends.descriptors`): a located batch is cut into
+* Bounded batches (Note [Bounded batches] in :mod:`umalloc.transfer.descriptors`): a located batch is cut into
   chunks of at most ``max_batch_descriptors`` descriptors and ``max_batch_bytes`` bytes (defaults 2048 and 1 GiB,
   set per backend at construction), each handed to the engine as its own submission; ``handle.num_parts``
   counts the engine submissions and the ``engine_parts_posted`` stat sums them.
@@ -46,15 +46,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from umalloc.backends.descriptors import (
-    MAX_BATCH_BYTES,
-    MAX_BATCH_DESCRIPTORS,
-    Chunk,
-    as_descriptors,
-    check_batch_limits,
-    chunk_located,
-    locate,
-)
 from umalloc.backends.handle import HandleTable, TransferHandle, check_timeout
 from umalloc.backends.peers import (
     LOOPBACK,
@@ -80,6 +71,15 @@ from umalloc.errors import (
 )
 from umalloc.geometry.region import Region
 from umalloc.transfer import PeerLayout
+from umalloc.transfer.descriptors import (
+    MAX_BATCH_BYTES,
+    MAX_BATCH_DESCRIPTORS,
+    Chunk,
+    as_descriptors,
+    check_batch_limits,
+    chunk_located,
+    locate,
+)
 from umalloc.transfer.plan import ReceiverHalf
 
 
@@ -92,7 +92,7 @@ class BackendBase:
             :meth:`connect`; ``None`` for descriptor-level use.
         host: address the engine binds to (loopback by default).
         max_batch_descriptors: most descriptors in one engine submission (default 2048, Note [Bounded batches]
-            in :mod:`umalloc.backends.descriptors`).
+            in :mod:`umalloc.transfer.descriptors`).
         max_batch_bytes: most bytes in one engine submission (default 1 GiB); a longer descriptor is cut into
             contiguous pieces of this size.
 
@@ -143,7 +143,7 @@ class BackendBase:
     @property
     def max_batch_descriptors(self) -> int:
         """Most descriptors in one engine submission, set at construction (Note [Bounded batches] in
-        :mod:`umalloc.backends.descriptors`)."""
+        :mod:`umalloc.transfer.descriptors`)."""
         return self._max_batch[0]
 
     @property
@@ -437,7 +437,7 @@ class BackendBase:
         """WRITE a raw descriptor batch ``(src_addr, dst_addr, nbytes)`` to ``peer``.
 
         Args:
-            descriptors: ``(N, 3)`` uint64 (see :func:`~umalloc.backends.descriptors.as_descriptors`); sources
+            descriptors: ``(N, 3)`` uint64 (see :func:`~umalloc.transfer.descriptors.as_descriptors`); sources
                 local, destinations the peer's.
             peer: a connected peer name.
             plan: ended with the handle (Note [Plan endings]), or ``None``; it must be a plan (``state``,

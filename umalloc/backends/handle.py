@@ -108,7 +108,7 @@ class TransferHandle:
     """One submitted transfer (one plan or one descriptor batch) to one peer.
 
     A handle may own several engine parts: the chunks of Note [Bounded batches] in
-    :mod:`umalloc.backends.descriptors` (at most ``max_batch_descriptors`` descriptors and ``max_batch_bytes``
+    :mod:`umalloc.transfer.descriptors` (at most ``max_batch_descriptors`` descriptors and ``max_batch_bytes``
     bytes each), and on NIXL one request per chunk and memory-kind group; it is ``done`` only when every part is done, and ``failed`` once a part failed and every part
     has ended, or when ``wait``'s deadline passed or it was forgotten while pending. In the last two cases parts
     already handed to the engine may still be moving bytes: the handle is then ``draining`` and its plan ends

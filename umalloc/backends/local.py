@@ -9,7 +9,7 @@ Policy:
   that the peer is still open and still has every destination range registered (a peer closed or deregistered
   after connect fails the handle, nothing copied).
 * The batch is copied chunk by chunk, one part per chunk of Note [Bounded batches]
-  (:mod:`umalloc.backends.descriptors`), so ``handle.num_parts`` is the same here as on the engines.
+  (:mod:`umalloc.transfer.descriptors`), so ``handle.num_parts`` is the same here as on the engines.
 * Copy strategy per group of descriptors sharing ``(nbytes, source region, destination region)``: when the group
   is large and both offsets are multiples of ``nbytes`` the copy is one numpy gather/scatter over
   ``(n, nbytes)`` row views; otherwise one ``ctypes.memmove`` per descriptor (coalesced runs are few and long).
@@ -25,11 +25,11 @@ import weakref
 import numpy as np
 
 from umalloc.backends.base import BackendBase
-from umalloc.backends.descriptors import MAX_BATCH_BYTES, MAX_BATCH_DESCRIPTORS, Chunk, locate_ranges
 from umalloc.backends.handle import TransferHandle
 from umalloc.backends.peers import PeerInfo
 from umalloc.errors import BackendError, RegistrationError, TransferError
 from umalloc.geometry.region import DRAM, Region
+from umalloc.transfer.descriptors import MAX_BATCH_BYTES, MAX_BATCH_DESCRIPTORS, Chunk, locate_ranges
 
 #: Live local backends of this process by peer id.
 _BY_PEER_ID: weakref.WeakValueDictionary[str, LocalBackend] = weakref.WeakValueDictionary()

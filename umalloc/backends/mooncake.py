@@ -8,7 +8,7 @@ Policy:
 * ``connect`` probes the peer (``send_probe``), so a dead peer is refused at connect; the probe is bounded by
   ``connect_timeout_s`` (a peer process that does not answer holds the engine's probe for about a minute). The
   first transfer to a peer opens its segment, in the peer's sender thread (Note [Mooncake segment open]).
-* Descriptors are posted in the chunks of Note [Bounded batches] (:mod:`umalloc.backends.descriptors`): at most
+* Descriptors are posted in the chunks of Note [Bounded batches] (:mod:`umalloc.transfer.descriptors`): at most
   ``max_batch_descriptors`` (default 2048: the engine's default limit of queued transfers per peer; a larger
   batch, or two batches in flight together, fails) and ``max_batch_bytes`` (default 1 GiB) each — Note
   [Mooncake chunks].
@@ -105,7 +105,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from umalloc.backends.base import BackendBase
-from umalloc.backends.descriptors import MAX_BATCH_BYTES, MAX_BATCH_DESCRIPTORS, Chunk
 from umalloc.backends.handle import TransferHandle
 from umalloc.backends.peers import PeerInfo
 from umalloc.backends.protocol import plan_leases_gone
@@ -117,6 +116,7 @@ from umalloc.errors import (
     UmallocValueError,
 )
 from umalloc.geometry.region import DRAM, Region
+from umalloc.transfer.descriptors import MAX_BATCH_BYTES, MAX_BATCH_DESCRIPTORS, Chunk
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 try:
@@ -341,7 +341,7 @@ class MooncakeBackend(BackendBase):
         max_batch_descriptors: most descriptors per chunk (1..2048 unless the engine's per-peer limits were raised
             through ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` before the engine started).
         max_batch_bytes: most bytes per chunk (default 1 GiB; Note [Bounded batches] in
-            :mod:`umalloc.backends.descriptors`).
+            :mod:`umalloc.transfer.descriptors`).
         close_timeout_s: how long :meth:`close` / ``reset`` wait, in all, for the engine to finish the chunks it
             is working on (Note [Mooncake deadlines]); ``disconnect`` never waits for them.
         connect_timeout_s: bound on :meth:`connect`'s probe of the peer (the engine's own probe of a peer process

@@ -10,7 +10,7 @@ Policy:
   :meth:`progress` (``needs_progress`` is True; the worker harness in :mod:`umalloc.backends.worker` does it).
 * ``UCX_NET_DEVICES`` defaults to ``lo`` (loopback) before the first agent starts, and then ``UCX_MODULES`` to
   ``^ib,rdmacm`` (Note [UCX modules on loopback]); both are left alone when already set.
-* Posting: one request per chunk of Note [Bounded batches] (:mod:`umalloc.backends.descriptors`) and (source
+* Posting: one request per chunk of Note [Bounded batches] (:mod:`umalloc.transfer.descriptors`) and (source
   kind/device, destination kind/device) group, usually one group. Two ways, chosen per request
   by ``mode``: ``"oneshot"`` builds transfer lists from the descriptors (``initialize_xfer``); ``"prepped"``
   prepares per-page lists of both regions once per ``(peer, regions, item_bytes)`` (``prep_xfer_dlist``) and
@@ -105,7 +105,6 @@ from contextlib import contextmanager
 import numpy as np
 
 from umalloc.backends.base import BackendBase
-from umalloc.backends.descriptors import MAX_BATCH_BYTES, MAX_BATCH_DESCRIPTORS, Chunk
 from umalloc.backends.handle import TransferHandle
 from umalloc.backends.peers import PeerInfo
 from umalloc.errors import (
@@ -116,6 +115,7 @@ from umalloc.errors import (
     UmallocValueError,
 )
 from umalloc.geometry.region import Region
+from umalloc.transfer.descriptors import MAX_BATCH_BYTES, MAX_BATCH_DESCRIPTORS, Chunk
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 if os.environ["UCX_NET_DEVICES"] == "lo" and "UCX_MODULES" not in os.environ:
@@ -199,7 +199,7 @@ class NixlBackend(BackendBase):
         agent_name: NIXL agent name (default ``umalloc-<peer id>``; must be unique among connected agents).
         connect_timeout_s: bound on :meth:`connect`'s handshake (seconds).
         max_batch_descriptors, max_batch_bytes: most descriptors and bytes per request (defaults 2048 and 1 GiB;
-            Note [Bounded batches] in :mod:`umalloc.backends.descriptors`).
+            Note [Bounded batches] in :mod:`umalloc.transfer.descriptors`).
 
     Raises:
         UmallocValueError: a bad ``mode`` or batch cap (before the agent starts).

@@ -21,10 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from umalloc.backends.descriptors import region_ranges
 from umalloc.errors import IncompatiblePeerError, UmallocValueError
 from umalloc.geometry.region import Region
 from umalloc.transfer import PeerLayout, check_compatible
+from umalloc.transfer.descriptors import region_ranges
 
 #: Format tag of backend metadata.
 METADATA_FORMAT = "umalloc-backend-md/1"

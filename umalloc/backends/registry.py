@@ -23,9 +23,9 @@ import re
 from collections import Counter
 from collections.abc import Callable, Iterable
 
-from umalloc.backends.descriptors import region_ranges
 from umalloc.errors import InvariantError, RegistrationError
 from umalloc.geometry.region import Region, normalize_regions
+from umalloc.transfer.descriptors import region_ranges
 
 #: Devices whose memory an engine can address.
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
@@ -76,7 +76,7 @@ class Registry:
         counts: each caller region with its outstanding registration count (all > 0).
         engine: engine-registered (normalised) region -> its engine token.
         regions: the engine regions sorted by ``(base_ptr, nbytes)``; ``starts`` / ``ends``: their byte ranges
-            as ``uint64`` arrays (for :func:`~umalloc.backends.descriptors.locate`).
+            as ``uint64`` arrays (for :func:`~umalloc.transfer.descriptors.locate`).
     """
 
     def __init__(self, engine_register: Callable[[Region], object],

@@ -105,9 +105,8 @@ import numpy as np
 import torch
 
 from umalloc.allocator.facade import MultiEndedAllocator
-from umalloc.allocator.ids import count_arg
 from umalloc.errors import InvalidIdError, InvariantError, NotAllocatedError, UmallocValueError
-from umalloc.ids import id_batch
+from umalloc.ids import count_arg, id_batch
 from umalloc.requests.cow import EnvelopeCopier
 from umalloc.requests.device_rows import DeviceRows
 from umalloc.requests.handles import IdBatch, SlotGenerations, SlotLike, slot_of

@@ -5,7 +5,8 @@ Modules, each depending only on those above it:
 * :mod:`~umalloc.transfer.rows`: which local rows of each end travel (SWA tail, DCP sharding); pure.
 * :mod:`~umalloc.transfer.layout`: :class:`PeerLayout` (one side's geometry, regions, wire format) and peer
   compatibility (:func:`check_compatible`, checked once at connect: :func:`compatible_layouts`).
-* :mod:`~umalloc.transfer.descriptors`: coalesced runs to bounds-checked ``(N, 3)`` uint64 descriptors.
+* :mod:`~umalloc.transfer.descriptors`: coalesced runs to bounds-checked ``(N, 3)`` uint64 descriptors, and
+  how a backend locates a batch in the registered regions and cuts it into bounded submissions.
 * :mod:`~umalloc.transfer.plan`: :class:`IndexVector`, :class:`TransferPlan`, :class:`ReceiverHalf`, their
   leases, and :class:`PlanLike` (what backends use of a plan).
 * :mod:`~umalloc.transfer.build`: :func:`build_plan`, :func:`build_receiver_half`, :func:`build_send_plan`.

@@ -1,4 +1,5 @@
-"""Validation of id arguments at the allocator's API boundary, and the read-only tables it returns.
+"""The allocator's argument and result forms at its boundary: ids and ``out=`` buffers as kernel arguments, and
+the read-only tables it returns.
 
 * Ids are 1-D integer tensors (``torch``, any device, dense) or 1-D integer numpy arrays. ``int64`` goes to the
   kernels as is (a contiguous CPU tensor by address, a numpy array as itself: Note [Zero-copy tensor inputs] in
@@ -6,10 +7,10 @@
   unsigned) are converted once to ``int64``, and values that do not fit (``uint64`` at or above ``2**63``) are
   refused. Bools, floats, complex, meta and sparse tensors are refused with
   :class:`~umalloc.errors.InvalidIdError`. The checks and conversions are :mod:`umalloc.ids` (the one id
-  validator); this module adds the hot paths' first tests and the kernel arguments.
+  validator, with the count and ``strict`` arguments); this module adds the hot paths' first tests and the
+  kernel arguments.
 * Outputs (``out=``) are caller-owned ``int64`` buffers; a table the allocator returned
   (:class:`ReadOnlyTable`, or a view of one) is refused as ``out``.
-* ``strict`` is a ``bool`` (Python or numpy); anything else (``0``, ``"no"``, ``None``) is refused.
 
 The first test of each validator is the hot path's (one ``type(...) is`` and a few attribute reads).
 """
@@ -22,14 +23,13 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from umalloc.errors import InvalidIdError, UmallocValueError
+from umalloc.errors import InvalidIdError
 from umalloc.ids import check_id_tensor, host_ids
 from umalloc.pool.kernels.raw import address
 
 _I64 = torch.int64
 _Tensor = torch.Tensor
 _NP_I64 = np.dtype(np.int64)
-_I64_END = 1 << 63  # the first count an int64 kernel argument cannot hold
 
 
 class ReadOnlyTable(torch.Tensor):
@@ -78,15 +78,6 @@ class ReadOnlyTable(torch.Tensor):
 def read_only_table(t: torch.Tensor) -> ReadOnlyTable:
     """``t`` (an allocator master or mirror) as a :class:`ReadOnlyTable` sharing its memory. O(1)."""
     return t.as_subclass(ReadOnlyTable)  # type: ignore[return-value]
-
-
-def check_strict(strict: object, where: str) -> bool:
-    """``strict`` as a bool; anything but ``True``/``False`` (numpy bools too) raises UmallocValueError."""
-    if strict is True or strict is False:
-        return strict
-    if isinstance(strict, np.bool_):
-        return bool(strict)
-    raise UmallocValueError(f"{where}: strict={strict!r}; allowed True or False")
 
 
 def _ids(t: object, name: str) -> torch.Tensor:
@@ -168,14 +159,4 @@ def _out_arg(out: object, n: int | None, addr: Callable[[torch.Tensor], int] = a
     return res, addr(res), res.numel()
 
 
-def count_arg(value: object, name: str) -> int:
-    """A page count given by a caller: an ``int`` or numpy integer in ``[0, 2**63)`` (not a bool)."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise UmallocValueError(f"{name}={value!r}: allowed an int in [0, 2**63)")
-    v = int(value)
-    if not 0 <= v < _I64_END:  # the kernels take an int64: a larger count must not reach them
-        raise UmallocValueError(f"{name}={value!r}: allowed an int in [0, 2**63)")
-    return v
-
-
-__all__ = ["ReadOnlyTable", "check_strict", "count_arg", "read_only_table"]
+__all__ = ["ReadOnlyTable", "read_only_table"]
