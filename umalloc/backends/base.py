@@ -51,13 +51,12 @@ from umalloc.backends.peers import (
     LOOPBACK,
     PeerInfo,
     check_layouts,
-    check_plan_peer,
     encode_metadata,
     layout_pair,
     parse_metadata,
     peer_info,
 )
-from umalloc.backends.protocol import EngineHold, PlanLike, check_plan, plan_item_bytes
+from umalloc.backends.protocol import EngineHold, PlanLike, admit_plan, plan_item_bytes
 from umalloc.backends.published import PublishedHalves, check_half_registered
 from umalloc.backends.registry import Registry, validate_regions
 from umalloc.errors import (
@@ -410,26 +409,18 @@ class BackendBase:
                 layout (:meth:`peer_layout`); its descriptors were validated when it was built.
             peer: a name returned by :meth:`connect`.
 
-        Raises:
-            UmallocValueError: not a plan (or ``descriptors()`` not an ``(N, 3)`` uint64 array), the plan is not
-                pending, or already in flight (pending or draining) on this or any other backend of this process
-                (F11), or unknown peer.
+        Raises (plan admission: Note [Plan admission] in :mod:`umalloc.backends.protocol`):
+            UmallocValueError: unknown peer, not a plan (or ``descriptors()`` not an ``(N, 3)`` uint64 array), the
+                plan is not pending, or already in flight (pending or draining) on this or any other backend of
+                this process (F11).
             IncompatiblePeerError: the plan was built for another layout than the peer's.
             DescriptorBoundsError: a source range not registered here, or a destination range the peer never
                 registered; nothing was sent and the plan is untouched.
             LeaseError: a lease the plan holds already ended or is past its deadline (F11).
         """
         self._check_open()
-        check_plan(plan, "submit", descriptors=True)
         info = self._get_peer(peer)
-        check_plan_peer(plan, info, "submit")
-        self._ht.refuse_in_flight(plan, "submit")
-        d = plan.descriptors()
-        if not (isinstance(d, np.ndarray) and d.dtype == np.uint64 and d.ndim == 2 and d.shape[1] == 3):
-            # its values were validated when the plan was built; only its type is checked here (O(1))
-            raise UmallocValueError(f"submit: plan.descriptors() returned {type(d).__name__} "
-                                    f"{getattr(d, 'dtype', '')} {getattr(d, 'shape', '')}: allowed an (N, 3) "
-                                    "uint64 array")
+        d = admit_plan(plan, "submit", self._ht, peer=info)
         return self._post(d, info, peer, plan, plan_item_bytes(plan))
 
     def write_descriptors(self, descriptors: np.ndarray, peer: str, *, plan: PlanLike | None = None,
@@ -461,8 +452,7 @@ class BackendBase:
                                        or item_bytes <= 0):
             raise UmallocValueError(f"item_bytes={item_bytes!r}: allowed a positive int or None")
         if plan is not None:
-            check_plan(plan, "write_descriptors", descriptors=False)
-            self._ht.refuse_in_flight(plan, "write_descriptors")
+            admit_plan(plan, "write_descriptors", self._ht)
         return self._post(d, info, peer, plan, item_bytes)
 
     def _post(self, d: np.ndarray, info: PeerInfo, peer: str, plan: PlanLike | None,

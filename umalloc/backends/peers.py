@@ -180,20 +180,3 @@ def peer_info(name: str, d: dict, checked_layout: PeerLayout | None) -> PeerInfo
     return PeerInfo(name=name, peer_id=d["peer_id"], pid=d["pid"], backend=d["backend"], regions=d["regions"],
                     starts=starts, ends=ends, layout=d["layout"], engine=d["engine"], checked_layout=checked_layout,
                     host=d["host"])
-
-
-def check_plan_peer(plan: object, info: PeerInfo, what: str) -> None:
-    """Refuse a plan built for another peer layout than the one checked at connect (compared by identity, then
-    by digest; never re-checked). A plan without ``dst_layout``, or a peer without a layout, passes. O(1).
-
-    Raises:
-        IncompatiblePeerError: the plan's destination layout is not the peer's.
-    """
-    mine = getattr(plan, "dst_layout", None)
-    theirs = info.checked_layout
-    if mine is None or theirs is None or mine is theirs:
-        return
-    if getattr(mine, "digest", None) != theirs.digest:
-        raise IncompatiblePeerError([f"{what}: the plan was built for layout {getattr(mine, 'digest', mine)!r} but "
-                                     f"peer {info.name!r} connected with layout {theirs.digest!r}: build it with "
-                                     "backend.peer_layout(peer)"])

@@ -7,25 +7,35 @@ Policy:
 * Backends know plans and regions, not allocators: a plan is anything with the
   :class:`~umalloc.transfer.plan.PlanLike` members (declared once, with the plans it describes, in
   :mod:`umalloc.transfer.plan`, which this layer may import; re-exported here), and its leases have the
-  :class:`~umalloc.transfer.plan.LeaseLike` members. :func:`check_plan` refuses, with a typed error and
-  before anything is copied or posted, an object without them, a plan that is not pending, and a plan whose
-  leases no longer protect its pages (F11).
-* :func:`check_plan` requires only ``state``, ``descriptors()`` and the endings; the other plan members are
+  :class:`~umalloc.transfer.plan.LeaseLike` members. :func:`admit_plan` is plan admission (Note [Plan
+  admission]).
+* :func:`admit_plan` requires only ``state``, ``descriptors()`` and the endings; the other plan members are
   read when present: ``dst_layout`` (the peer layout the plan was built for; compared with the peer's layout
   checked at connect, never re-checked) and ``vectors`` (their region groups' page sizes give the
   ``item_bytes`` hint of :func:`plan_item_bytes`).
+
+Note [Plan admission]
+~~~~~~~~~~~~~~~~~~~~~
+A backend admits a plan in one step, :func:`admit_plan`, before anything is copied or posted: that it is a
+plan, pending, its leases still protect its pages (F11), it was built for the peer's layout checked at connect
+(``submit`` only; never re-checked), it is not in flight on any handle of this process (one plan, one handle:
+a second would outlive the leases, F11), and its descriptors have the ``(N, 3)`` uint64 form (``submit``
+only; their values were bounds-checked when the plan was built). A refused plan is untouched and nothing is
+sent. What admission does not check is each batch's location in the regions registered now, which every batch
+gets, a plan's or a raw one, when it is posted (:func:`umalloc.transfer.descriptors.locate`).
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, overload, runtime_checkable
 
 import numpy as np
 
-from umalloc.backends.handle import TransferHandle
-from umalloc.errors import LeaseError, UmallocValueError
+from umalloc.backends.handle import HandleTable, TransferHandle
+from umalloc.backends.peers import PeerInfo
+from umalloc.errors import IncompatiblePeerError, LeaseError, UmallocValueError
 from umalloc.transfer.plan import LeaseLike, PlanLike
 
 if TYPE_CHECKING:
@@ -64,7 +74,7 @@ class TransferBackend(Protocol):
     def close(self) -> None: ...
 
 
-#: The members :func:`check_plan` requires to be callable (``descriptors`` only for ``submit``).
+#: The members :func:`admit_plan` requires to be callable (``descriptors`` only for ``submit``).
 _PLAN_METHODS = ("complete", "fail", "abort")
 
 
@@ -129,18 +139,36 @@ class EngineHold:
             lease.unhold_engine(generation)
 
 
-def check_plan(plan: object, what: str, *, descriptors: bool) -> None:
-    """Refuse, before anything is copied or posted, an object that is not a plan (UmallocValueError naming the
-    missing member), a plan that is not pending (UmallocValueError), or one whose leases no longer protect its
-    pages (LeaseError, F11). ``descriptors``: ``descriptors()`` is required too (``submit``). O(1).
+@overload
+def admit_plan(plan: object, what: str, handles: HandleTable, *, peer: PeerInfo) -> np.ndarray: ...
+@overload
+def admit_plan(plan: object, what: str, handles: HandleTable, *, peer: None = None) -> None: ...
+def admit_plan(plan: object, what: str, handles: HandleTable, *, peer: PeerInfo | None = None
+               ) -> np.ndarray | None:
+    """Plan admission (Note [Plan admission]): the one step every backend runs on a plan before anything is
+    copied or posted. ``peer`` given (``submit``): the plan's own descriptors are posted to that peer; ``None``
+    (``write_descriptors`` with ``plan=``): the caller's batch is posted and the plan only ends with it.
 
+    Refuses, in this order and with nothing changed: an object that is not a plan (UmallocValueError naming the
+    missing member; ``descriptors()`` is required with ``peer``), a plan that is not pending
+    (UmallocValueError), one whose leases no longer protect its pages (LeaseError, F11), one built for another
+    peer layout than ``peer``'s (IncompatiblePeerError: compared by identity, then digest; a plan without
+    ``dst_layout`` or a peer without a layout passes), one in flight on any handle of this process
+    (UmallocValueError, F11), and with ``peer`` a ``descriptors()`` that is not an ``(N, 3)`` uint64 array
+    (UmallocValueError; its values were checked when the plan was built).
+
+    Returns:
+        with ``peer``, the plan's descriptors; else ``None``. O(1).
+
+    >>> from umalloc.backends.handle import HandleTable
+    >>> handles = HandleTable("local", lambda h: 0, lambda h: None, lambda h: (0, None))
     >>> try:
-    ...     check_plan(object(), "submit", descriptors=True)
+    ...     admit_plan(object(), "write_descriptors", handles)
     ... except UmallocValueError as e:
     ...     print(str(e)[:44])
-    submit: plan=object: allowed a plan (missing
+    write_descriptors: plan=object: allowed a pl
     """
-    need = ("descriptors", *_PLAN_METHODS) if descriptors else _PLAN_METHODS
+    need = ("descriptors", *_PLAN_METHODS) if peer is not None else _PLAN_METHODS
     missing = [m for m in need if not callable(getattr(plan, m, None))]
     state = getattr(plan, "state", None)
     if not isinstance(state, str):
@@ -153,6 +181,29 @@ def check_plan(plan: object, what: str, *, descriptors: bool) -> None:
     gone = plan_leases_gone(plan)
     if gone is not None:
         raise LeaseError(f"{what}: {gone}; its pages may be reused, nothing may be posted (F11)")
+    if peer is not None:
+        _refuse_other_layout(plan, peer, what)
+    handles.refuse_in_flight(plan, what)
+    if peer is None:
+        return None
+    d = plan.descriptors()  # type: ignore[attr-defined]
+    if not (isinstance(d, np.ndarray) and d.dtype == np.uint64 and d.ndim == 2 and d.shape[1] == 3):
+        raise UmallocValueError(f"{what}: plan.descriptors() returned {type(d).__name__} "
+                                f"{getattr(d, 'dtype', '')} {getattr(d, 'shape', '')}: allowed an (N, 3) "
+                                "uint64 array")
+    return d
+
+
+def _refuse_other_layout(plan: object, info: PeerInfo, what: str) -> None:
+    """IncompatiblePeerError for a plan built for another peer layout than the one checked at connect."""
+    mine = getattr(plan, "dst_layout", None)
+    theirs = info.checked_layout
+    if mine is None or theirs is None or mine is theirs:
+        return
+    if getattr(mine, "digest", None) != theirs.digest:
+        raise IncompatiblePeerError([f"{what}: the plan was built for layout {getattr(mine, 'digest', mine)!r} but "
+                                     f"peer {info.name!r} connected with layout {theirs.digest!r}: build it with "
+                                     "backend.peer_layout(peer)"])
 
 
 def plan_item_bytes(plan: object) -> int | None:
@@ -169,5 +220,5 @@ def plan_item_bytes(plan: object) -> int | None:
     return sizes.pop() if len(sizes) == 1 else None
 
 
-__all__ = ["EngineHold", "LeaseLike", "PlanLike", "TransferBackend", "check_plan", "plan_item_bytes",
+__all__ = ["EngineHold", "LeaseLike", "PlanLike", "TransferBackend", "admit_plan", "plan_item_bytes",
            "plan_leases_gone"]
