@@ -19,11 +19,10 @@ from compaction_helpers import (
     three_end_allocator,
 )
 
-from umalloc.allocator.facade import MultiEndedAllocator, snapshots_equal
+from umalloc.allocator.facade import snapshots_equal
 from umalloc.allocator.retraction import RetractedKV, restore, retract
 from umalloc.errors import InvalidIdError, NotAllocatedError, UmallocValueError
-from umalloc.geometry.arena import Arena
-from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, LayerSpec
+from umalloc.geometry.spec import EndRole, EndSpec, Grow, LayerSpec
 from umalloc.pool.pagestate import TOMBSTONE
 
 
@@ -228,38 +227,34 @@ def test_allocator_methods_delegate_to_retraction() -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # restore() of a record that does not fit the allocator: refused before anything is allocated
 # ---------------------------------------------------------------------------------------------------------------
-def _allocator_from(ends, arena_bytes: int = 32 * 24):
-    return MultiEndedAllocator(Arena(ArenaSpec(tuple(ends), arena_bytes=arena_bytes)))
-
-
-def _other_geometry(kind: str):
+def _other_geometry(make_allocator, kind: str):
     """A source allocator whose geometry differs from three_end_allocator() in one way."""
     if kind == "page_bytes":      # full: 32 B/token -> 64 B pages instead of 32 B
         full = EndSpec("full", (LayerSpec.mha(1, 8),), page_size=PAGE_SIZE)
-        return _allocator_from((full, draft_end(), swa_end()), arena_bytes=64 * 24)
+        return make_allocator((full, draft_end(), swa_end()), 64 * 24)
     if kind == "page_size":       # every end 4 tokens a page with the same page_bytes (32/16/16 B)
         full = EndSpec("full", (LayerSpec.mha(1, 2),), page_size=4)
         draft = EndSpec("draft", (LayerSpec.mha(1, 1),), page_size=4, grow=Grow.FLOAT, owner="full",
                         role=EndRole.DRAFT)
         swa = EndSpec("swa", (LayerSpec.mha(1, 1, window_tokens=4),), page_size=4, grow=Grow.DOWN,
                       owner="full", role=EndRole.SWA)
-        return _allocator_from((full, draft, swa))
+        return make_allocator((full, draft, swa), 32 * 24)
     if kind == "layout":          # same 32 B full pages, but 2 KV heads of dim 2 instead of 1 of dim 4
         full = EndSpec("full", (LayerSpec.mha(2, 2),), page_size=PAGE_SIZE)
-        return _allocator_from((full, draft_end(), swa_end()))
+        return make_allocator((full, draft_end(), swa_end()), 32 * 24)
     if kind == "missing_end":     # no draft end: the record lacks a bound end of the target
-        return _allocator_from((full_end(), swa_end()), arena_bytes=32 * 16)
+        return make_allocator((full_end(), swa_end()), 32 * 16)
     if kind == "extra_end":       # a record with an end ('draft2') the target does not have
         draft2 = EndSpec("draft2", (LayerSpec.mha(1, 2),), page_size=PAGE_SIZE, grow=Grow.FLOAT, owner="full",
                          role=EndRole.DRAFT)
-        return _allocator_from((full_end(), draft_end(), draft2, swa_end()), arena_bytes=32 * 32)
+        return make_allocator((full_end(), draft_end(), draft2, swa_end()), 32 * 32)
     if kind == "owner_name":      # the id owner is called 'target'
         target = EndSpec("target", (LayerSpec.mha(1, 4),), page_size=PAGE_SIZE)
         swa = EndSpec("swa", (LayerSpec.mha(1, 2, window_tokens=4),), page_size=PAGE_SIZE, grow=Grow.DOWN,
                       owner="target", role=EndRole.SWA)
         draft = EndSpec("draft", (LayerSpec.mha(1, 2),), page_size=PAGE_SIZE, grow=Grow.FLOAT, owner="target",
                         role=EndRole.DRAFT)
-        return _allocator_from((target, draft, swa))
+        return make_allocator((target, draft, swa), 32 * 24)
     raise AssertionError(kind)
 
 
@@ -280,10 +275,10 @@ GEOMETRY_DIFFERENCES = {  # kind -> a difference the error must name
 
 
 @pytest.mark.parametrize("kind", sorted(GEOMETRY_DIFFERENCES))
-def test_restore_of_a_record_from_another_geometry_is_refused_and_changes_nothing(kind: str) -> None:
+def test_restore_of_a_record_from_another_geometry_is_refused_and_changes_nothing(make_allocator, kind: str) -> None:
     """A record from an allocator of another geometry used to be bound and written half-way (or restored with
     a foreign layout / without its draft): now it is refused before any page is allocated."""
-    record = _record_from(_other_geometry(kind))
+    record = _record_from(_other_geometry(make_allocator, kind))
     alloc = three_end_allocator(arena_bytes=32 * 40, debug_checks=True)  # room for 3 pages on every end
     model, other, req, third = setup_request(alloc)
     assert alloc.can_alloc({"full": 3, "draft": 3, "swa": 3})
@@ -313,9 +308,9 @@ def test_record_restores_into_another_allocator_of_the_same_geometry() -> None:
     check_restored(dst, dst_model, req, new, before)
 
 
-def test_restore_of_a_foreign_record_into_a_full_allocator_raises_rather_than_returning_none() -> None:
+def test_restore_of_a_foreign_record_into_a_full_allocator_raises_rather_than_returning_none(make_allocator) -> None:
     """The record is checked before space: a record that can never fit is misuse, not a shortage."""
-    record = _record_from(_other_geometry("page_bytes"))
+    record = _record_from(_other_geometry(make_allocator, "page_bytes"))
     alloc = three_end_allocator()
     setup_request(alloc)
     assert not alloc.can_alloc({"full": 3, "draft": 3, "swa": 3})

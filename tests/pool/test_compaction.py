@@ -244,13 +244,12 @@ def test_plan_down_is_the_mirror_of_plan_up(case) -> None:
 
 
 # ---- apply_plan on a real arena -------------------------------------------------------------------------------
-def make_arena(num_pages: int = 12) -> Arena:
-    end = EndSpec("full", (LayerSpec.mha(1, 2),), page_size=2)  # 8 B/token (bf16 K+V), 16 B pages
-    return Arena(ArenaSpec((end,), arena_bytes=16 * num_pages))
+#: one end, 8 B/token (bf16 K+V), 16 B pages
+ONE_END = (EndSpec("full", (LayerSpec.mha(1, 2),), page_size=2),)
 
 
-def test_apply_plan_moves_bytes_and_tables_keeps_virtual_ids() -> None:
-    arena = make_arena(10)
+def test_apply_plan_moves_bytes_and_tables_keeps_virtual_ids(make_arena) -> None:
+    arena = make_arena(ONE_END, 16 * 10)
     pb = arena.page_bytes("full")
     #            0  1  2  3  4  5  6  7  8  9
     state = arr(R, L, H, L, H, L, L, G, G, G)
@@ -273,8 +272,8 @@ def test_apply_plan_moves_bytes_and_tables_keeps_virtual_ids() -> None:
     assert report.watermarks == {"full": 5}
 
 
-def test_apply_plan_refuses_a_stale_plan_and_changes_nothing() -> None:
-    arena = make_arena(8)
+def test_apply_plan_refuses_a_stale_plan_and_changes_nothing(make_arena) -> None:
+    arena = make_arena(ONE_END, 16 * 8)
     state = arr(R, L, H, L, G, G, G, G)
     p2v = np.array([-1, 0, -1, 1, -1, -1, -1, -1], np.int64)
     v2p = np.array([1, 3, -1, -1, -1, -1, -1, -1], np.int64)

@@ -27,16 +27,6 @@ from umalloc.requests.table import RequestTable
 from umalloc.testing import small_allocator
 
 
-def _alloc(ps: int, pages: int, window: int | None = None, dtype: KVDtype = KVDtype.BF16,
-           **kw: object) -> MultiEndedAllocator:
-    full = EndSpec("full", (LayerSpec.mha(1, 4, dtype=dtype),), page_size=ps)
-    ends: tuple[EndSpec, ...] = (full,)
-    if window is not None:
-        ends = (full, EndSpec("swa", (LayerSpec.mha(1, 4, dtype=dtype, window_tokens=window),), page_size=ps,
-                              grow=Grow.DOWN, owner="full", role=EndRole.SWA))
-    return MultiEndedAllocator(Arena(ArenaSpec(ends, arena_bytes=full.page_bytes * (pages + 1))), **kw)
-
-
 def _t(*xs: int) -> torch.Tensor:
     return torch.tensor(xs, dtype=torch.int64)
 
@@ -67,14 +57,14 @@ def test_int32_refused_when_the_token_id_space_does_not_fit() -> None:
 
 @pytest.mark.parametrize("kw", [{"max_requests": 0}, {"max_tokens_per_request": True}, {"dtype": torch.int16},
                                 {"owner": "swa"}, {"on_evict": 3}])
-def test_bad_construction_arguments_raise_typed(kw: dict) -> None:
+def test_bad_construction_arguments_raise_typed(kv_allocator, kw: dict) -> None:
     args = {"max_requests": 2, "max_tokens_per_request": 8, **kw}
     with pytest.raises(UmallocValueError):
-        RequestTable(_alloc(2, 8, window=4), **args)
+        RequestTable(kv_allocator(2, 8, window=4), **args)
 
 
-def test_req_to_token_shape_dtype_and_padding() -> None:
-    alloc = _alloc(4, 8)
+def test_req_to_token_shape_dtype_and_padding(kv_allocator) -> None:
+    alloc = kv_allocator(4, 8)
     table = RequestTable(alloc, max_requests=3, max_tokens_per_request=10)
     assert table.req_to_token.shape == (3, 10) and table.req_to_token.dtype == torch.int32
     assert table.zero_vpage == 1 and table.pad_read_vtoken == 4 and table.pad_write_vtoken == 0
@@ -84,10 +74,10 @@ def test_req_to_token_shape_dtype_and_padding() -> None:
 
 
 # ---- exact orders -----------------------------------------------------------------------------------------------
-def test_extend_and_decode_fill_the_partial_page_first_in_batch_order() -> None:
+def test_extend_and_decode_fill_the_partial_page_first_in_batch_order(kv_allocator) -> None:
     """page_size 4, zero page = virtual page 1. Request 0 extends 5 tokens (pages 2, 3), request 1 four (page 4),
     request 2 none; then a decode of requests 1, 0: request 1 starts page 5, request 0 fills page 3."""
-    alloc = _alloc(4, 10)
+    alloc = kv_allocator(4, 10)
     table = RequestTable(alloc, max_requests=4, max_tokens_per_request=12)
     slots = table.new_requests(3)
     assert slots.tolist() == [0, 1, 2]
@@ -105,11 +95,11 @@ def test_extend_and_decode_fill_the_partial_page_first_in_batch_order() -> None:
     table.check_invariants()
 
 
-def test_speculative_lookahead_then_rollback_frees_exactly_the_pages_past_the_kept_length_F09() -> None:
+def test_speculative_lookahead_then_rollback_frees_exactly_the_pages_past_the_kept_length_F09(kv_allocator) -> None:
     """F09: pages for k draft positions are reserved by one extend before drafts write; truncate to the accepted
     length frees exactly the pages past it. page_size 2: length 3 (pages 2, 3), 4 drafts -> length 7 (pages 2, 3,
     4, 5); 1 accepted -> length 4: page 4 and 5 freed, 2 and 3 kept."""
-    alloc = _alloc(2, 10)
+    alloc = kv_allocator(2, 10)
     table = RequestTable(alloc, max_requests=2, max_tokens_per_request=10)
     (s,) = table.new_requests(1).tolist()
     table.extend([s], [3])
@@ -125,12 +115,12 @@ def test_speculative_lookahead_then_rollback_frees_exactly_the_pages_past_the_ke
     table.check_invariants()
 
 
-def test_swa_window_releases_on_decode_and_shared_pages_wait_for_the_last_holder_F28() -> None:
+def test_swa_window_releases_on_decode_and_shared_pages_wait_for_the_last_holder_F28(kv_allocator) -> None:
     """page_size 2, window 4. Before a request of length L grows, its swa pages wholly before
     swa_tail_start(L, 4) = floor2(L - 4) are released: at L = 6 page index 0 goes, at L = 8 index 1. A fork
     at 6 tokens shares pages [2, 3, 4] and holds on swa from tail(6) = token 2 (page index 1): page 2 leaves swa
     when the source releases it, page 3 only when both have."""
-    alloc = _alloc(2, 24, window=4)
+    alloc = kv_allocator(2, 24, window=4)
     table = RequestTable(alloc, max_requests=3, max_tokens_per_request=12)
     (a,) = table.new_requests(1).tolist()
     table.extend([a], [6])                            # pages 2, 3, 4 (window not advanced: L = 0 before)
@@ -179,10 +169,10 @@ def test_decode_on_a_full_arena_takes_the_page_its_window_releases_without_a_tri
     table.check_invariants()
 
 
-def test_fork_shares_every_page_and_copies_a_shared_partial_page_on_first_write_F28() -> None:
+def test_fork_shares_every_page_and_copies_a_shared_partial_page_on_first_write_F28(kv_allocator) -> None:
     """page_size 4: a holds 6 tokens (pages 2, 3; page 3 partial). fork(a, 6) shares both. a's decode finds page 3
     shared: it gets a copy (page 4, bytes copied) and its tokens 4, 5 move there; b then writes page 3 in place."""
-    alloc = _alloc(4, 10)
+    alloc = kv_allocator(4, 10)
     table = RequestTable(alloc, max_requests=3, max_tokens_per_request=12)
     (a,) = table.new_requests(1).tolist()
     toks = table.extend([a], [6])
@@ -203,12 +193,12 @@ def test_fork_shares_every_page_and_copies_a_shared_partial_page_on_first_write_
     table.check_invariants()
 
 
-def test_cached_pages_lru_order_reclaim_and_eviction_with_on_evict() -> None:
+def test_cached_pages_lru_order_reclaim_and_eviction_with_on_evict(kv_allocator) -> None:
     """free_requests(cache=True) caches full pages, each request last page first; a partial last page is freed.
     Allocation evicts only when the allocator returns None, LRU first, telling on_evict before the ids are
     reused; reclaim revives a cached page (content intact) and attach_prefix builds a request on it."""
     evicted: list[list[int]] = []
-    alloc = _alloc(2, 8)                              # 8 usable pages: zero page + 7
+    alloc = kv_allocator(2, 8)                              # 8 usable pages: zero page + 7
     table = RequestTable(alloc, max_requests=4, max_tokens_per_request=12,
                          on_evict=lambda vp: evicted.append(vp.tolist()))
     s = table.new_requests(2)
@@ -232,8 +222,8 @@ def test_cached_pages_lru_order_reclaim_and_eviction_with_on_evict() -> None:
     table.check_invariants()
 
 
-def test_engine_references_hold_pages_after_the_request_and_drop_refs_can_cache() -> None:
-    alloc = _alloc(2, 8)
+def test_engine_references_hold_pages_after_the_request_and_drop_refs_can_cache(kv_allocator) -> None:
+    alloc = kv_allocator(2, 8)
     table = RequestTable(alloc, max_requests=2, max_tokens_per_request=8)
     (s,) = table.new_requests(1).tolist()
     table.extend([s], [4])                            # pages 2, 3
@@ -249,8 +239,8 @@ def test_engine_references_hold_pages_after_the_request_and_drop_refs_can_cache(
 
 
 # ---- misuse: a typed error and nothing changed -------------------------------------------------------------------
-def _misuse_table() -> tuple[RequestTable, int, int]:
-    alloc = _alloc(2, 12, window=4)
+def _misuse_table(kv_allocator) -> tuple[RequestTable, int, int]:
+    alloc = kv_allocator(2, 12, window=4)
     table = RequestTable(alloc, max_requests=3, max_tokens_per_request=8)
     s = table.new_requests(2)
     table.extend(s, _t(5, 2))
@@ -288,8 +278,8 @@ _MISUSE = [
 
 
 @pytest.mark.parametrize("name, call, error", _MISUSE, ids=[f"{m[0]}-{i}" for i, m in enumerate(_MISUSE)])
-def test_misuse_raises_typed_and_changes_nothing(name: str, call, error: type) -> None:
-    table, _, _ = _misuse_table()
+def test_misuse_raises_typed_and_changes_nothing(kv_allocator, name: str, call, error: type) -> None:
+    table, _, _ = _misuse_table(kv_allocator)
     before = table.snapshot()
     with pytest.raises(error):
         call(table)
@@ -297,8 +287,8 @@ def test_misuse_raises_typed_and_changes_nothing(name: str, call, error: type) -
     table.check_invariants()
 
 
-def test_none_on_shortage_hands_out_nothing() -> None:
-    alloc = _alloc(2, 4)
+def test_none_on_shortage_hands_out_nothing(kv_allocator) -> None:
+    alloc = kv_allocator(2, 4)
     table = RequestTable(alloc, max_requests=2, max_tokens_per_request=12)
     s = table.new_requests(2)
     table.extend(s[:1], [4])
@@ -308,24 +298,24 @@ def test_none_on_shortage_hands_out_nothing() -> None:
 
 
 # ---- invariants that see leaks ---------------------------------------------------------------------------------
-def test_check_invariants_reports_pages_freed_behind_the_table_and_pages_allocated_outside_it_F08() -> None:
-    alloc = _alloc(2, 8)
+def test_check_invariants_reports_pages_freed_behind_the_table_and_pages_allocated_outside_it_F08(kv_allocator) -> None:
+    alloc = kv_allocator(2, 8)
     table = RequestTable(alloc, max_requests=2, max_tokens_per_request=8)
     (s,) = table.new_requests(1).tolist()
     table.extend([s], [3])
     alloc.free_pages(_t(3))                           # the engine frees a table page through the allocator
     with pytest.raises(InvariantError, match="owner-live.*freed behind the table"):
         table.check_invariants()
-    alloc2 = _alloc(2, 8)
+    alloc2 = kv_allocator(2, 8)
     table2 = RequestTable(alloc2, max_requests=2, max_tokens_per_request=8)
     alloc2.alloc_pages(1)                             # a page outside the table: held by no one it knows
     with pytest.raises(InvariantError, match="owner-live.*held by no one"):
         table2.check_invariants()
-    RequestTable(_alloc(2, 8), max_requests=1, max_tokens_per_request=2, exclusive=False).check_invariants()
+    RequestTable(kv_allocator(2, 8), max_requests=1, max_tokens_per_request=2, exclusive=False).check_invariants()
 
 
-def test_check_invariants_reports_a_bound_end_released_behind_the_table() -> None:
-    alloc = _alloc(2, 12, window=4)
+def test_check_invariants_reports_a_bound_end_released_behind_the_table(kv_allocator) -> None:
+    alloc = kv_allocator(2, 12, window=4)
     table = RequestTable(alloc, max_requests=2, max_tokens_per_request=8)
     (s,) = table.new_requests(1).tolist()
     table.extend([s], [4])
@@ -335,11 +325,11 @@ def test_check_invariants_reports_a_bound_end_released_behind_the_table() -> Non
         table.check_invariants()
 
 
-def test_on_evict_runs_while_the_pages_are_still_allocated() -> None:
+def test_on_evict_runs_while_the_pages_are_still_allocated(kv_allocator) -> None:
     """The engine hears of an eviction before the ids can be re-minted: inside on_evict the pages are still
     live on the allocator; right after, the allocation that needed them reuses the lowest one."""
     seen: list[tuple[list[int], list[int]]] = []
-    alloc = _alloc(1, 4)                              # page_size 1: every page full
+    alloc = kv_allocator(1, 4)                              # page_size 1: every page full
     table = RequestTable(alloc, max_requests=2, max_tokens_per_request=4, zero_page=False,
                          on_evict=lambda vp: seen.append((vp.tolist(),
                                                           alloc.translate_pages(vp, "full").tolist())))
@@ -358,12 +348,12 @@ def _everything_returned(alloc: MultiEndedAllocator, kept: int = 0) -> None:
     assert st.live_pages == kept, f"{st.live_pages - kept} page(s) still allocated"
 
 
-def test_extent_accounting_two_step_extend_freed_by_partial_ids_leaks_on_the_token_api_F08() -> None:
+def test_extent_accounting_two_step_extend_freed_by_partial_ids_leaks_on_the_token_api_F08(kv_allocator) -> None:
     """sglang #13826 / #31616 (F08). A request extended by 5 then 4 tokens (page_size 4, 8 usable pages) and freed
     with only its first 7 ids: through the token-level API page 3 stays allocated (available 7 of 8) and
     check_invariants() passes -- the leak nothing sees. Through the table the request is freed by its slot:
     everything returns, and the same leak next to an exclusive table is reported."""
-    alloc = _alloc(4, 8)
+    alloc = kv_allocator(4, 8)
     t1 = alloc.alloc_extend(_t(0), _t(5), _t(-1))
     t2 = alloc.alloc_extend(_t(5), _t(9), t1[-1:])
     alloc.free(torch.cat([t1, t2])[:7])
@@ -372,7 +362,7 @@ def test_extent_accounting_two_step_extend_freed_by_partial_ids_leaks_on_the_tok
     with pytest.raises(AssertionError, match="1 page"):
         _everything_returned(alloc)
 
-    alloc = _alloc(4, 8)
+    alloc = kv_allocator(4, 8)
     table = RequestTable(alloc, max_requests=1, max_tokens_per_request=16, zero_page=False)
     (s,) = table.new_requests(1).tolist()
     table.extend([s], [5])
@@ -390,16 +380,16 @@ def test_extent_accounting_two_step_extend_freed_by_partial_ids_leaks_on_the_tok
         table.check_invariants()
 
 
-def test_extent_accounting_split_frees_double_free_on_the_token_api_F08() -> None:
+def test_extent_accounting_split_frees_double_free_on_the_token_api_F08(kv_allocator) -> None:
     """Extending 5 -> 11 and freeing [:8] leaves page 3 allocated; freeing [:6] then [6:11] raises DoubleFreeError
     on the second call and page 3 stays. Truncate and free through the table return exactly what was handed out."""
-    alloc = _alloc(4, 8)
+    alloc = kv_allocator(4, 8)
     toks = torch.cat([alloc.alloc_extend(_t(0), _t(5), _t(-1))])
     toks = torch.cat([toks, alloc.alloc_extend(_t(5), _t(11), toks[-1:])])
     alloc.free(toks[:8])
     with pytest.raises(AssertionError):
         _everything_returned(alloc)
-    alloc = _alloc(4, 8)
+    alloc = kv_allocator(4, 8)
     toks = alloc.alloc_extend(_t(0), _t(5), _t(-1))
     toks = torch.cat([toks, alloc.alloc_extend(_t(5), _t(11), toks[-1:])])
     alloc.free(toks[:6])
@@ -408,7 +398,7 @@ def test_extent_accounting_split_frees_double_free_on_the_token_api_F08() -> Non
     with pytest.raises(AssertionError):
         _everything_returned(alloc)
 
-    alloc = _alloc(4, 8)
+    alloc = kv_allocator(4, 8)
     table = RequestTable(alloc, max_requests=1, max_tokens_per_request=16, zero_page=False)
     (s,) = table.new_requests(1).tolist()
     table.extend([s], [5])
@@ -420,11 +410,11 @@ def test_extent_accounting_split_frees_double_free_on_the_token_api_F08() -> Non
     table.check_invariants()
 
 
-def test_shared_boundary_page_caller_arithmetic_hands_a_slot_out_twice_on_the_token_api_F07() -> None:
+def test_shared_boundary_page_caller_arithmetic_hands_a_slot_out_twice_on_the_token_api_F07(kv_allocator) -> None:
     """F07. Two segments share a partial boundary page. With the caller computing last_loc (token API), both
     decodes are handed the same slot, and freeing both segments frees the page twice. Through the table (fork
     + decode) the slots differ, none is live elsewhere, and each page is freed once, by its last holder."""
-    alloc = _alloc(4, 8)
+    alloc = kv_allocator(4, 8)
     a = alloc.alloc_extend(_t(0), _t(5), _t(-1))      # pages 1, 2 (page 2 partial)
     b = a.clone()                                     # a second segment on the same pages (shared prefix)
     got = torch.cat([alloc.alloc_decode(_t(6), a[-1:]), alloc.alloc_decode(_t(6), b[-1:])])
@@ -433,7 +423,7 @@ def test_shared_boundary_page_caller_arithmetic_hands_a_slot_out_twice_on_the_to
     with pytest.raises(DoubleFreeError):
         alloc.free(torch.cat([b, got[1:]]))
 
-    alloc = _alloc(4, 8)
+    alloc = kv_allocator(4, 8)
     table = RequestTable(alloc, max_requests=2, max_tokens_per_request=12, zero_page=False)
     (ra,) = table.new_requests(1).tolist()
     table.extend([ra], [5])
@@ -448,12 +438,12 @@ def test_shared_boundary_page_caller_arithmetic_hands_a_slot_out_twice_on_the_to
     table.check_invariants()
 
 
-def test_sink_reads_padded_lane_masked_read_is_finite_through_the_table_F05() -> None:
+def test_sink_reads_padded_lane_masked_read_is_finite_through_the_table_F05(kv_allocator) -> None:
     """sglang #36207 / #32477 (F05). A padded lane writes NaN into the sink; a masked read through the same sink
     (k[translate(0)] * 0) is NaN. Through the table padded writes go to pad_write_vtoken (the sink) and padded
     reads to pad_read_vtoken, the zero page no write maps to: the masked read is 0; so is a read of
     req_to_token past a request's length."""
-    alloc = _alloc(2, 8, dtype=KVDtype.FP32)
+    alloc = kv_allocator(2, 8, dtype=KVDtype.FP32)
     k, _ = alloc.arena.kv_views("full", 0)
 
     def at(vtokens: torch.Tensor) -> torch.Tensor:
@@ -497,10 +487,10 @@ def test_one_table_per_owner_end_on_an_allocator_with_two_id_owners() -> None:
     drafts.check_invariants()
 
 
-def test_pages_freed_under_a_lease_stay_pending_and_are_nobody_s_leak() -> None:
+def test_pages_freed_under_a_lease_stay_pending_and_are_nobody_s_leak(kv_allocator) -> None:
     """Every live page is held by a request or an engine reference; a page a lease pins when its request frees
     it is pending (not live, not reusable) until the lease ends, and no check calls it a leak."""
-    alloc = _alloc(2, 8)
+    alloc = kv_allocator(2, 8)
     table = RequestTable(alloc, max_requests=1, max_tokens_per_request=8)
     (s,) = table.new_requests(1).tolist()
     table.extend([s], [4])                            # pages 2, 3
@@ -515,8 +505,8 @@ def test_pages_freed_under_a_lease_stay_pending_and_are_nobody_s_leak() -> None:
 
 
 # ---- compaction, devices ------------------------------------------------------------------------------------------
-def test_compaction_moves_shared_pages_and_req_to_token_stays() -> None:
-    alloc = _alloc(2, 10)
+def test_compaction_moves_shared_pages_and_req_to_token_stays(kv_allocator) -> None:
+    alloc = kv_allocator(2, 10)
     table = RequestTable(alloc, max_requests=3, max_tokens_per_request=8)
     s = table.new_requests(2)
     table.extend(s, _t(2, 4))                         # r0: page 2; r1: pages 3, 4
@@ -616,9 +606,9 @@ def test_huge_counts_and_ids_get_typed_errors_and_change_nothing() -> None:
     table.check_invariants()
 
 
-def test_the_deprecated_release_warns_and_drops_engine_references_as_drop_refs() -> None:
+def test_the_deprecated_release_warns_and_drops_engine_references_as_drop_refs(kv_allocator) -> None:
     """``RequestTable.release`` (the name before ``drop_refs``, listed in CHANGELOG.md) still works for one release."""
-    alloc = _alloc(2, 8)
+    alloc = kv_allocator(2, 8)
     table = RequestTable(alloc, max_requests=2, max_tokens_per_request=8)
     (s,) = table.new_requests(1).tolist()
     table.extend([s], [4])                            # pages 2, 3

@@ -19,24 +19,8 @@ import pytest
 import torch
 
 from umalloc.allocator.facade import MultiEndedAllocator, snapshots_equal
-from umalloc.geometry.arena import Arena
-from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, LayerSpec
 from umalloc.requests.table import RequestTable
 from umalloc.testing import seed_from_env
-
-
-def _full_only(ps: int, pages: int, compaction: str = "lazy") -> MultiEndedAllocator:
-    full = EndSpec("full", (LayerSpec.mha(1, 4),), page_size=ps)
-    return MultiEndedAllocator(Arena(ArenaSpec((full,), arena_bytes=full.page_bytes * (pages + 1))),
-                               compaction=compaction)
-
-
-def _full_swa(ps: int, pages: int, window: int, compaction: str = "lazy") -> MultiEndedAllocator:
-    full = EndSpec("full", (LayerSpec.mha(1, 4),), page_size=ps)
-    swa = EndSpec("swa", (LayerSpec.mha(1, 4, window_tokens=window),), page_size=ps, grow=Grow.DOWN, owner="full",
-                  role=EndRole.SWA)
-    return MultiEndedAllocator(Arena(ArenaSpec((full, swa), arena_bytes=full.page_bytes * (pages + 1))),
-                               compaction=compaction)
 
 
 def _snap(table: RequestTable) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -79,12 +63,12 @@ def _fewest_evictions(table: RequestTable, k: int) -> int | None:
     return None
 
 
-def test_a_shortfall_of_the_owner_evicts_exactly_the_shortfall_without_a_trial() -> None:
+def test_a_shortfall_of_the_owner_evicts_exactly_the_shortfall_without_a_trial(kv_allocator) -> None:
     """One full end, page_size 2, 12 usable pages (the zero page takes one). Six one-page requests freed with
     cache=True (LRU 2..7), 5 pages free; an extend of 9 pages lacks 4: pages 2, 3, 4, 5 are evicted in one
     on_evict call, 6 and 7 stay cached, and no allocator trial runs."""
     evicted: list[list[int]] = []
-    table = RequestTable(_full_only(2, 12), max_requests=8, max_tokens_per_request=24,
+    table = RequestTable(kv_allocator(2, 12), max_requests=8, max_tokens_per_request=24,
                          on_evict=lambda vp: evicted.append(vp.tolist()))
     s = table.new_requests(7).tolist()
     for r in s[:6]:
@@ -102,11 +86,11 @@ def test_a_shortfall_of_the_owner_evicts_exactly_the_shortfall_without_a_trial()
     table.check_invariants()
 
 
-def test_a_refused_extend_evicts_nothing_and_changes_nothing() -> None:
+def test_a_refused_extend_evicts_nothing_and_changes_nothing(kv_allocator) -> None:
     """Same arena: 5 free + 6 cached = 11 pages; an extend of 12 pages is refused: None, no on_evict, both
     snapshots equal (the cache and its LRU order included), and can_extend said so first."""
     evicted: list[list[int]] = []
-    table = RequestTable(_full_only(2, 12), max_requests=8, max_tokens_per_request=24,
+    table = RequestTable(kv_allocator(2, 12), max_requests=8, max_tokens_per_request=24,
                          on_evict=lambda vp: evicted.append(vp.tolist()))
     s = table.new_requests(7).tolist()
     for r in s[:6]:
@@ -122,7 +106,7 @@ def test_a_refused_extend_evicts_nothing_and_changes_nothing() -> None:
 
 
 @pytest.mark.parametrize("shape", ["full", "full+swa"])
-def test_random_shortfalls_evict_the_fewest_pages_and_refusals_change_nothing(shape: str) -> None:
+def test_random_shortfalls_evict_the_fewest_pages_and_refusals_change_nothing(kv_allocator, shape: str) -> None:
     """Seeded random extends and cached frees: every extend that evicts evicts, in one on_evict call, the LRU
     head of the length the allocator alone says is the fewest (when that count fits without compaction); every
     None leaves both snapshots equal with no on_evict; can_extend predicts every outcome."""
@@ -132,7 +116,8 @@ def test_random_shortfalls_evict_the_fewest_pages_and_refusals_change_nothing(sh
     for _ in range(10):
         ps, pages = rng.choice([1, 2, 4]), rng.randint(10, 24)
         comp = rng.choice(["lazy", "off"])
-        alloc = _full_only(ps, pages, comp) if shape == "full" else _full_swa(ps, pages, rng.choice([2, 4, 8]), comp)
+        alloc = (kv_allocator(ps, pages, compaction=comp) if shape == "full"
+                 else kv_allocator(ps, pages, rng.choice([2, 4, 8]), compaction=comp))
         evicted: list[list[int]] = []
         table = RequestTable(alloc, max_requests=5, max_tokens_per_request=8 * ps,
                              on_evict=lambda vp, ev=evicted: ev.append(vp.tolist()))
@@ -172,9 +157,9 @@ def test_random_shortfalls_evict_the_fewest_pages_and_refusals_change_nothing(sh
         assert checked > 50, f"seed={seed}: only {checked} extends compared"
 
 
-def test_cached_pages_walks_the_lru_list_in_order() -> None:
+def test_cached_pages_walks_the_lru_list_in_order(kv_allocator) -> None:
     """cached_pages lists the LRU order (reclaim removes from the middle, a later cached free appends)."""
-    table = RequestTable(_full_only(1, 16), max_requests=4, max_tokens_per_request=8)
+    table = RequestTable(kv_allocator(1, 16), max_requests=4, max_tokens_per_request=8)
     a, b = table.new_requests(2).tolist()
     table.extend([a, b], np.array([3, 2]))               # a: 2, 3, 4; b: 5, 6
     table.free_requests([a], cache=True)                  # last page first: 4, 3, 2

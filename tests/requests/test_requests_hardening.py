@@ -14,19 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from umalloc.allocator.facade import MultiEndedAllocator, snapshots_equal
+from umalloc.allocator.facade import snapshots_equal
 from umalloc.errors import InvalidIdError, StaleHandleError, UmallocError, UmallocValueError
-from umalloc.geometry.arena import Arena
-from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, LayerSpec
 from umalloc.requests.table import RequestTable
 from umalloc.testing import seed_from_env
-
-
-def _alloc(ps: int, pages: int, window: int, **kw: object) -> MultiEndedAllocator:
-    full = EndSpec("full", (LayerSpec.mha(1, 4),), page_size=ps)
-    swa = EndSpec("swa", (LayerSpec.mha(1, 4, window_tokens=window),), page_size=ps, grow=Grow.DOWN, owner="full",
-                  role=EndRole.SWA)
-    return MultiEndedAllocator(Arena(ArenaSpec((full, swa), arena_bytes=full.page_bytes * (pages + 1))), **kw)
 
 
 def _snap(table: RequestTable) -> tuple[dict, dict]:
@@ -38,12 +29,12 @@ def _same(a: tuple[dict, dict], b: tuple[dict, dict]) -> bool:
 
 
 # ---- item 15 ------------------------------------------------------------------------------------------------------
-def test_a_shortfall_the_cache_cannot_cover_evicts_nothing_and_calls_no_on_evict() -> None:
+def test_a_shortfall_the_cache_cannot_cover_evicts_nothing_and_calls_no_on_evict(kv_allocator) -> None:
     """9 slots; zero page (1 + 1), one cached full page: 6 gap slots left. An 8-token extend
     (page_size 2) needs 4 pages on each end = 8 slots: even evicting the cached page leaves 7. The call returns
     None, calls no on_evict, and both snapshots are unchanged (the cache and its LRU order included)."""
     evicted: list[list[int]] = []
-    table = RequestTable(_alloc(2, 9, 4), max_requests=2, max_tokens_per_request=16,
+    table = RequestTable(kv_allocator(2, 9, 4), max_requests=2, max_tokens_per_request=16,
                          on_evict=lambda vp: evicted.append(vp.tolist()))
     a, b = table.new_requests(2).tolist()
     table.extend([a], [2])
@@ -56,11 +47,11 @@ def test_a_shortfall_the_cache_cannot_cover_evicts_nothing_and_calls_no_on_evict
     table.check_invariants()
 
 
-def test_an_swa_window_release_is_not_made_by_a_refused_extend() -> None:
+def test_an_swa_window_release_is_not_made_by_a_refused_extend(kv_allocator) -> None:
     """F29: A request of 6 tokens (window 2, page_size 2) holds SWA page indices 1 and 2; its
     next extend would first release index 1 (the window tail of 6 tokens is token 4, page index 2). An extend too
     large for the arena returns None with that page still bound and the front unmoved."""
-    table = RequestTable(_alloc(2, 12, 2), max_requests=2, max_tokens_per_request=40)
+    table = RequestTable(kv_allocator(2, 12, 2), max_requests=2, max_tokens_per_request=40)
     (s,) = table.new_requests(1).tolist()
     table.extend([s], [4])
     table.extend([s], [2])                               # releases SWA page index 0 (tail of 4 is token 2)
@@ -70,12 +61,12 @@ def test_an_swa_window_release_is_not_made_by_a_refused_extend() -> None:
     table.check_invariants()
 
 
-def test_an_eviction_evicts_exactly_the_pages_the_extend_needs() -> None:
+def test_an_eviction_evicts_exactly_the_pages_the_extend_needs(kv_allocator) -> None:
     """Three cached full pages (LRU 2, 3, 4 by construction); a 6-token extend (3 pages on each
     end, page_size 2) in an arena with 4 gap slots left needs 2 more slots: exactly the two LRU-first pages are
     evicted, in one on_evict call, and the third stays cached. Expected values worked out by hand."""
     evicted: list[list[int]] = []
-    table = RequestTable(_alloc(2, 13, 4), max_requests=4, max_tokens_per_request=16,
+    table = RequestTable(kv_allocator(2, 13, 4), max_requests=4, max_tokens_per_request=16,
                          on_evict=lambda vp: evicted.append(vp.tolist()))
     s = table.new_requests(4).tolist()
     for r in s[:3]:
@@ -94,7 +85,7 @@ def test_an_eviction_evicts_exactly_the_pages_the_extend_needs() -> None:
     table.check_invariants()
 
 
-def test_random_refusals_change_nothing_and_evictions_are_minimal() -> None:
+def test_random_refusals_change_nothing_and_evictions_are_minimal(kv_allocator) -> None:
     """Random extends over random caches; every None leaves both snapshots equal with
     no on_evict, and can_extend (asked first, changing nothing) predicts every outcome."""
     seed = seed_from_env(2615)
@@ -102,7 +93,7 @@ def test_random_refusals_change_nothing_and_evictions_are_minimal() -> None:
     for _ in range(12):
         ps, pages, window = rng.choice([1, 2]), rng.randint(8, 16), rng.choice([2, 3, 4])
         evicted: list[list[int]] = []
-        table = RequestTable(_alloc(ps, pages, window, compaction=rng.choice(["lazy", "off"])), max_requests=4,
+        table = RequestTable(kv_allocator(ps, pages, window, compaction=rng.choice(["lazy", "off"])), max_requests=4,
                              max_tokens_per_request=24, on_evict=lambda vp, ev=evicted: ev.append(vp.tolist()))
         live: list[int] = []
         for _step in range(25):
@@ -131,11 +122,11 @@ def test_random_refusals_change_nothing_and_evictions_are_minimal() -> None:
 
 
 # ---- item 16 ------------------------------------------------------------------------------------------------------
-def test_capacity_answers_per_end_and_can_extend_agrees_with_extend() -> None:
+def test_capacity_answers_per_end_and_can_extend_agrees_with_extend(kv_allocator) -> None:
     """After a long request the SWA end holds only its window while the full end holds
     everything: capacity() reports both ends (the fewest available pages bound an extend), and can_extend's
     answer for every length equals what extend then does (probed on the boundary; nothing changes while asking)."""
-    table = RequestTable(_alloc(2, 20, 4), max_requests=2, max_tokens_per_request=64)
+    table = RequestTable(kv_allocator(2, 20, 4), max_requests=2, max_tokens_per_request=64)
     a, b = table.new_requests(2).tolist()
     for _ in range(3):
         table.extend([a], [4])                           # a: 12 tokens; full 6 pages, swa the window tail only
@@ -158,12 +149,12 @@ def test_capacity_answers_per_end_and_can_extend_agrees_with_extend() -> None:
 
 
 # ---- item 17 ------------------------------------------------------------------------------------------------------
-def test_a_prompt_that_fits_by_decode_fits_by_chunked_prefill() -> None:
+def test_a_prompt_that_fits_by_decode_fits_by_chunked_prefill(kv_allocator) -> None:
     """Note [Chunked prefill]: A 40-token prompt (page_size 2, window 4) in 30 slots: one extend
     needs 20 + 20 slots and is refused (nothing changed), decode-by-decode needs 20 + 3; chunks of
     max_extend_tokens() each get through, and the request ends holding 20 full pages and only its window tail on
     the SWA end, as decode would leave it."""
-    table = RequestTable(_alloc(2, 30, 4), max_requests=2, max_tokens_per_request=64)
+    table = RequestTable(kv_allocator(2, 30, 4), max_requests=2, max_tokens_per_request=64)
     (s,) = table.new_requests(1).tolist()
     before = _snap(table)
     assert table.extend([s], [40]) is None and _same(before, _snap(table))
@@ -184,10 +175,10 @@ def test_a_prompt_that_fits_by_decode_fits_by_chunked_prefill() -> None:
 
 
 # ---- item 18 ------------------------------------------------------------------------------------------------------
-def test_a_stale_handle_is_refused_and_frees_nothing() -> None:
+def test_a_stale_handle_is_refused_and_frees_nothing(kv_allocator) -> None:
     """F30: A handle of a freed slot, after the slot is reused by another request, is refused
     by every call taking slots with StaleHandleError; the live request is untouched."""
-    table = RequestTable(_alloc(2, 12, 4), max_requests=2, max_tokens_per_request=8)
+    table = RequestTable(kv_allocator(2, 12, 4), max_requests=2, max_tokens_per_request=8)
     (h,) = table.new_requests(1, handles=True).tolist()
     assert h >> 32 == 1 and RequestTable.slot_of([h]).tolist() == [0]
     table.extend([h], [3])
@@ -208,11 +199,11 @@ def test_a_stale_handle_is_refused_and_frees_nothing() -> None:
 
 
 # ---- item 19 ------------------------------------------------------------------------------------------------------
-def test_bad_arguments_raise_typed_and_change_nothing() -> None:
+def test_bad_arguments_raise_typed_and_change_nothing(kv_allocator) -> None:
     """An overflowing extend length on a request whose window would advance, a float tensor
     slot, slots at and above 2**63, and a huge max_requests: each a typed UmallocValueError, nothing changed (the
     huge table refused before any array is allocated)."""
-    table = RequestTable(_alloc(2, 16, 2), max_requests=2, max_tokens_per_request=12)
+    table = RequestTable(kv_allocator(2, 16, 2), max_requests=2, max_tokens_per_request=12)
     (s,) = table.new_requests(1).tolist()
     table.extend([s], [6])                               # the next extend would release SWA pages
     before = _snap(table)
@@ -226,8 +217,8 @@ def test_bad_arguments_raise_typed_and_change_nothing() -> None:
         assert _same(before, _snap(table))
     for huge in (2**40, 2**31 + 1):
         with pytest.raises(UmallocValueError, match="max_requests"):
-            RequestTable(_alloc(2, 4, 2), max_requests=huge, max_tokens_per_request=4, exclusive=False)
+            RequestTable(kv_allocator(2, 4, 2), max_requests=huge, max_tokens_per_request=4, exclusive=False)
     with pytest.raises(UmallocValueError, match="max_requests"):
-        RequestTable(_alloc(2, 4, 2), max_requests=2, max_tokens_per_request=2**40, exclusive=False)
+        RequestTable(kv_allocator(2, 4, 2), max_requests=2, max_tokens_per_request=2**40, exclusive=False)
     assert isinstance(InvalidIdError("x"), UmallocError)
     table.check_invariants()

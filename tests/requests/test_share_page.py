@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from umalloc import Arena, ArenaSpec, EndSpec, LayerSpec, MultiEndedAllocator, RequestTable
+from umalloc import ArenaSpec, EndSpec, LayerSpec, RequestTable
 from umalloc.allocator.observe import snapshots_equal
 from umalloc.errors import InvalidIdError, NotAllocatedError, UmallocValueError
 from umalloc.testing import small_allocator
@@ -15,18 +15,16 @@ from umalloc.testing import small_allocator
 PS = 4
 
 
-def one_end_table(max_requests: int = 4) -> RequestTable:
-    spec = ArenaSpec((EndSpec("full", (LayerSpec.mha(1, 4),), page_size=PS),), arena_bytes=64 * 64)
-    return RequestTable(MultiEndedAllocator(Arena(spec)), max_requests=max_requests, max_tokens_per_request=32,
-                        zero_page=False)
+#: one full end, page size PS, 64 pages of 64 B
+ONE_END = ArenaSpec((EndSpec("full", (LayerSpec.mha(1, 4),), page_size=PS),), arena_bytes=64 * 64)
 
 
 def live(table: RequestTable) -> int:
     return table.alloc.stats()["full"].live_pages
 
 
-def test_a_duplicate_page_is_freed_and_the_row_rewritten() -> None:
-    table = one_end_table()
+def test_a_duplicate_page_is_freed_and_the_row_rewritten(make_table) -> None:
+    table = make_table(ONE_END, zero_page=False)
     a, b = table.new_requests(2).tolist()
     table.extend([a, b], [2 * PS + 1, 2 * PS + 3])
     before = live(table)
@@ -45,8 +43,8 @@ def test_a_duplicate_page_is_freed_and_the_row_rewritten() -> None:
     table.check_invariants()
 
 
-def test_a_cached_page_is_revived_and_a_forked_old_page_stays() -> None:
-    table = one_end_table()
+def test_a_cached_page_is_revived_and_a_forked_old_page_stays(make_table) -> None:
+    table = make_table(ONE_END, zero_page=False)
     (a,) = table.new_requests(1).tolist()
     table.extend([a], [2 * PS])
     pa = table.pages(a).tolist()
@@ -68,8 +66,8 @@ def test_a_cached_page_is_revived_and_a_forked_old_page_stays() -> None:
 
 @pytest.mark.parametrize("case", ["partial page", "page past the end", "vpage free", "vpage zero",
                                   "vpage own", "free slot", "bound ends"])
-def test_refusals_change_nothing(case: str) -> None:
-    table = one_end_table()
+def test_refusals_change_nothing(make_table, case: str) -> None:
+    table = make_table(ONE_END, zero_page=False)
     a, b = table.new_requests(2).tolist()
     table.extend([a, b], [2 * PS, PS + 2])
     pa = table.pages(a).tolist()
@@ -100,8 +98,8 @@ def test_refusals_change_nothing(case: str) -> None:
     table.check_invariants()
 
 
-def test_bad_page_index_types_refused() -> None:
-    table = one_end_table()
+def test_bad_page_index_types_refused(make_table) -> None:
+    table = make_table(ONE_END, zero_page=False)
     (a,) = table.new_requests(1).tolist()
     table.extend([a], [2 * PS])
     snap = table.snapshot()
@@ -111,11 +109,11 @@ def test_bad_page_index_types_refused() -> None:
     assert snapshots_equal(snap, table.snapshot())
 
 
-def test_attach_prefix_revives_cached_pages_in_one_call() -> None:
+def test_attach_prefix_revives_cached_pages_in_one_call(make_table) -> None:
     """attach_prefix(revive=True) takes cached pages directly: they leave the LRU, the request holds them, and the
     table ends exactly as after reclaim + attach_prefix + drop_refs (compared array by array)."""
     def prepared() -> tuple[RequestTable, list[int], int]:
-        table = one_end_table()
+        table = make_table(ONE_END, zero_page=False)
         (a,) = table.new_requests(1).tolist()
         table.extend([a], [3 * PS])
         pages = table.pages(a).tolist()

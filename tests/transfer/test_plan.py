@@ -471,13 +471,6 @@ def tiny_spec(draft_layers=DRAFT_LAYERS, *, state: bool = False, draft: bool = T
     return ArenaSpec(tuple(ends), arena_bytes=4096)
 
 
-def make_alloc(spec: ArenaSpec, seed: int) -> MultiEndedAllocator:
-    arena = Arena(spec)
-    g = torch.Generator().manual_seed(seed)
-    arena.data.copy_(torch.randint(0, 256, (spec.arena_bytes,), dtype=torch.uint8, generator=g))
-    return MultiEndedAllocator(arena, debug_checks=True)
-
-
 def extend(alloc, owner: str, seq_len: int, *, prefix: torch.Tensor | None = None, bind=None) -> torch.Tensor:
     """Virtual token ids of a request of ``seq_len`` tokens (continuing ``prefix`` if given)."""
     pre = 0 if prefix is None else prefix.numel()
@@ -526,10 +519,11 @@ def request_bytes_mask(alloc, bound: dict[str, torch.Tensor]) -> torch.Tensor:
 class Pair:
     """A prefill (source) and a decode (destination) allocator holding one request of L tokens."""
 
-    def __init__(self, spec_src, spec_dst=None, *, L=11, P=0, draft_lookahead=0, dst_swa_tail_only=True,
+    def __init__(self, make_allocator, spec_src, spec_dst=None, *, L=11, P=0, draft_lookahead=0, dst_swa_tail_only=True,
                  src_release_swa=True, state=False):
         spec_dst = spec_src if spec_dst is None else spec_dst
-        self.src, self.dst = make_alloc(spec_src, SEED), make_alloc(spec_dst, SEED + 1)
+        self.src = make_allocator(spec_src, fill_seed=SEED, debug_checks=True)
+        self.dst = make_allocator(spec_dst, fill_seed=SEED + 1, debug_checks=True)
         self.L, self.P = L, P
         # other requests first, so ids and pages are not the trivial 1, 2, 3 ... on either side
         extend(self.src, "full", 3)
@@ -580,8 +574,8 @@ class Pair:
         assert torch.equal(self.dst.arena.data[~mask], self.before[~mask])
 
 
-def test_target_draft_swa_copied_byte_for_byte():
-    pr = Pair(tiny_spec())
+def test_target_draft_swa_copied_byte_for_byte(make_allocator):
+    pr = Pair(make_allocator, tiny_spec())
     plan = build_plan("r1", pr.src, pr.vt_src, pr.dst, pr.vt_dst)
     assert list(plan.vectors) == ["target", "draft", "swa_tail"]
     # by hand: target ceil(11/2) = 6 pages x 32 B; draft ceil(11/4) = 3 pages x 64 B; swa tail from
@@ -608,9 +602,9 @@ def test_target_draft_swa_copied_byte_for_byte():
     pr.dst.check_invariants()
 
 
-def test_F23_prefix_sends_only_the_rest_and_clips_mid_page():
+def test_F23_prefix_sends_only_the_rest_and_clips_mid_page(make_allocator):
     """The receiver holds 5 tokens: token 4 sits in page 2 with token 5, so page 2 travels as rows 5 only."""
-    pr = Pair(tiny_spec(), L=11, P=5)
+    pr = Pair(make_allocator, tiny_spec(), L=11, P=5)
     plan = build_plan("r2", pr.src, pr.vt_src, pr.dst, pr.vt_dst, prefix_tokens=5)
     by = {n: s.bytes for n, s in plan.stats_by_vector.items()}
     # target: row 5 (2 layers x K/V x 4 B = 16 B) + whole pages of tokens 6..11 (3 x 32 B)
@@ -628,8 +622,8 @@ def test_F23_prefix_sends_only_the_rest_and_clips_mid_page():
     plan.complete()
 
 
-def test_F23_prefix_inside_the_window_clips_the_swa_tail():
-    pr = Pair(tiny_spec(), L=11, P=9)
+def test_F23_prefix_inside_the_window_clips_the_swa_tail(make_allocator):
+    pr = Pair(make_allocator, tiny_spec(), L=11, P=9)
     plan = build_plan("r3", pr.src, pr.vt_src, pr.dst, pr.vt_dst, prefix_tokens=9)
     # swa tail starts at floor_to_page(max(9, 8)) = 8, and row 8 is valid on the receiver: rows 9, 10 only
     v = plan.vectors["swa_tail"]
@@ -642,8 +636,8 @@ def test_F23_prefix_inside_the_window_clips_the_swa_tail():
     plan.complete()
 
 
-def test_F23_sender_refuses_a_half_that_would_overwrite_valid_tokens():
-    pr = Pair(tiny_spec(), L=11, P=5)
+def test_F23_sender_refuses_a_half_that_would_overwrite_valid_tokens(make_allocator):
+    pr = Pair(make_allocator, tiny_spec(), L=11, P=5)
     half = build_receiver_half("r4", pr.dst, pr.vt_dst, prefix_tokens=5)
     d = half.to_dict()
     d["vectors"]["target"]["row_lo"] = 4  # would resend token 4, which the receiver holds
@@ -654,8 +648,8 @@ def test_F23_sender_refuses_a_half_that_would_overwrite_valid_tokens():
     assert pr.dst.leases_active() == 0
 
 
-def test_split_form_over_json_agrees_with_the_receiver():
-    pr = Pair(tiny_spec(state=True), L=9, P=3, state=True)
+def test_split_form_over_json_agrees_with_the_receiver(make_allocator):
+    pr = Pair(make_allocator, tiny_spec(state=True), L=9, P=3, state=True)
     half = build_receiver_half("r5", pr.dst, pr.vt_dst, prefix_tokens=3, seq_len_tokens=9)
     dst_layout_wire = json.dumps(PeerLayout.from_arena(pr.dst.arena).to_dict())
     half_wire = json.dumps(half.to_dict())
@@ -678,8 +672,8 @@ def test_split_form_over_json_agrees_with_the_receiver():
     assert pr.dst.leases_active() == 0
 
 
-def test_state_travels_even_when_every_token_is_held():
-    pr = Pair(tiny_spec(state=True), L=6, P=6, state=True)
+def test_state_travels_even_when_every_token_is_held(make_allocator):
+    pr = Pair(make_allocator, tiny_spec(state=True), L=6, P=6, state=True)
     plan = build_plan("r6", pr.src, pr.vt_src, pr.dst, pr.vt_dst, prefix_tokens=6, seq_len_tokens=6)
     assert [n for n, v in plan.vectors.items() if not v.empty] == ["state"]
     execute(plan)
@@ -689,8 +683,8 @@ def test_state_travels_even_when_every_token_is_held():
 
 
 @pytest.mark.parametrize("how", ["fail", "context", "abort"])
-def test_leases_released_on_failure_paths(how):
-    pr = Pair(tiny_spec())
+def test_leases_released_on_failure_paths(make_allocator, how):
+    pr = Pair(make_allocator, tiny_spec())
     plan = build_plan("r7", pr.src, pr.vt_src, pr.dst, pr.vt_dst, deadline_s=60.0)
     assert pr.src.leases_active() == 1 and pr.dst.leases_active() == 1
     if how == "fail":
@@ -706,16 +700,16 @@ def test_leases_released_on_failure_paths(how):
     assert pr.src.lease_table.leases_released == 1 and pr.dst.lease_table.leases_released == 1
 
 
-def test_a_failed_build_holds_no_lease():
-    pr = Pair(tiny_spec(), src_release_swa=False)
+def test_a_failed_build_holds_no_lease(make_allocator):
+    pr = Pair(make_allocator, tiny_spec(), src_release_swa=False)
     pr.src.unbind_end("swa", pr.vt_src["full"][8:10])  # the source lost a tail page: strict translation fails
     with pytest.raises(TombstoneError):
         build_plan("r8", pr.src, pr.vt_src, pr.dst, pr.vt_dst)
     assert pr.src.leases_active() == 0 and pr.dst.leases_active() == 0
 
 
-def test_freed_source_pages_stay_pending_while_the_plan_holds_them():
-    pr = Pair(tiny_spec())
+def test_freed_source_pages_stay_pending_while_the_plan_holds_them(make_allocator):
+    pr = Pair(make_allocator, tiny_spec())
     plan = build_plan("r9", pr.src, pr.vt_src, pr.dst, pr.vt_dst)
     pr.src.free(pr.vt_src["full"], owner="full")  # the prefill finished the request while the transfer is in flight
     assert pr.src.stats()["full"].pending_pages == 6
@@ -726,9 +720,9 @@ def test_freed_source_pages_stay_pending_while_the_plan_holds_them():
     pr.src.check_invariants()
 
 
-def test_draft_all_sliding_sends_its_tail_mixed_sends_everything():
+def test_draft_all_sliding_sends_its_tail_mixed_sends_everything(make_allocator):
     sliding = (LayerSpec.mha(1, 4, window_tokens=5),) * 2
-    pr = Pair(tiny_spec(sliding))
+    pr = Pair(make_allocator, tiny_spec(sliding))
     plan = build_plan("s", pr.src, pr.vt_src, pr.dst, pr.vt_dst)
     # every layer slides (window 5): tail from floor_to_page(11 - 5 = 6) with page_size 4 -> token 4: pages 1, 2
     assert plan.vectors["draft"].num_pages == 2
@@ -736,7 +730,7 @@ def test_draft_all_sliding_sends_its_tail_mixed_sends_everything():
     pr.assert_arrived("draft", range(4, 11))
     plan.complete()
     mixed = (LayerSpec.mha(1, 4, window_tokens=5), LayerSpec.mha(1, 4))
-    pr = Pair(tiny_spec(mixed))
+    pr = Pair(make_allocator, tiny_spec(mixed))
     plan = build_plan("m", pr.src, pr.vt_src, pr.dst, pr.vt_dst)
     assert plan.vectors["draft"].num_pages == 3  # a full layer: every token travels
     execute(plan)
@@ -744,9 +738,9 @@ def test_draft_all_sliding_sends_its_tail_mixed_sends_everything():
     plan.complete()
 
 
-def test_incompatible_peers_refused_before_any_lease():
+def test_incompatible_peers_refused_before_any_lease(make_allocator):
     spec_b = tiny_spec((LayerSpec.mha(2, 4),))  # draft with 2 KV heads
-    pr = Pair(tiny_spec(), spec_b)
+    pr = Pair(make_allocator, tiny_spec(), spec_b)
     with pytest.raises(IncompatiblePeerError) as ei:
         build_plan("x", pr.src, pr.vt_src, pr.dst, pr.vt_dst)
     assert set(ei.value.differences) == {  # entry/page bytes derive from the heads (a TP ratio scales them)
@@ -758,10 +752,10 @@ def test_incompatible_peers_refused_before_any_lease():
 # ---- fault classes ------------------------------------------------------------------------------------------
 
 
-def test_F09_lookahead_pages_stay_outside_the_plan():
+def test_F09_lookahead_pages_stay_outside_the_plan(make_allocator):
     """The decode reserved k = 3 draft lookahead slots (tokens 11..13: one more draft page); the plan fills
     tokens [0, 11) only, and a destination index pointing into the reserved-but-unleased page is refused."""
-    pr = Pair(tiny_spec(), draft_lookahead=3)
+    pr = Pair(make_allocator, tiny_spec(), draft_lookahead=3)
     plan = build_plan("f9", pr.src, pr.vt_src, pr.dst, pr.vt_dst, seq_len_tokens=11)
     look = int(pr.dst.translate_pages(torch.div(pr.vt_dst["draft"][12:13], 4, rounding_mode="floor"), "draft")[0])
     assert look not in plan.dst_lease.pages["draft"].tolist()
@@ -779,8 +773,8 @@ def test_F09_lookahead_pages_stay_outside_the_plan():
     half.abort()
 
 
-def test_F10_every_vector_travels_draft_by_its_own_ids():
-    pr = Pair(tiny_spec())
+def test_F10_every_vector_travels_draft_by_its_own_ids(make_allocator):
+    pr = Pair(make_allocator, tiny_spec())
     with pytest.raises(UmallocValueError, match="F10"):
         build_plan("f10", pr.src, {"full": pr.vt_src["full"]}, pr.dst, pr.vt_dst)
     assert pr.src.leases_active() == 0 and pr.dst.leases_active() == 0
@@ -789,14 +783,14 @@ def test_F10_every_vector_travels_draft_by_its_own_ids():
     assert plan.vectors["draft"].dst_pages.tolist() == pr.dst.translate_pages(draft_vpages, "draft").tolist()
     assert set(plan.descriptors_by_vector()) == {"target", "draft", "swa_tail"}
     plan.complete()
-    no_draft = Pair(tiny_spec(), tiny_spec(draft=False))
+    no_draft = Pair(make_allocator, tiny_spec(), tiny_spec(draft=False))
     with pytest.raises(IncompatiblePeerError) as ei:
         build_plan("f10b", no_draft.src, no_draft.vt_src, no_draft.dst, no_draft.vt_dst)
     assert ei.value.differences == ["end 'draft' (role draft): missing on remote"]
 
 
-def test_F13_only_physical_ids_on_the_wire():
-    pr = Pair(tiny_spec())
+def test_F13_only_physical_ids_on_the_wire(make_allocator):
+    pr = Pair(make_allocator, tiny_spec())
     half = build_receiver_half("f13", pr.dst, pr.vt_dst)
     wire = half.to_dict()
     # physical ids read straight from the receiver's v2p tables (independent of the plan)
@@ -817,10 +811,10 @@ def test_F13_only_physical_ids_on_the_wire():
     half.complete()
 
 
-def test_F14_draft_page_size_scales_ids_and_bytes():
+def test_F14_draft_page_size_scales_ids_and_bytes(make_allocator):
     """Target page_size 2, draft page_size 4: the draft vector is derived from the token range on 4-token pages
     (3 pages for 11 tokens, 64 B each), never from the target's 6 page ids."""
-    pr = Pair(tiny_spec(), L=11, P=5)
+    pr = Pair(make_allocator, tiny_spec(), L=11, P=5)
     plan = build_plan("f14", pr.src, pr.vt_src, pr.dst, pr.vt_dst, prefix_tokens=5)
     v = plan.vectors["draft"]
     dp = pr.dst.translate_pages(torch.div(pr.vt_dst["draft"][::4], 4, rounding_mode="floor"), "draft").tolist()
@@ -834,9 +828,9 @@ def test_F14_draft_page_size_scales_ids_and_bytes():
     plan.complete()
 
 
-def test_F19_swa_priced_by_its_window_tail():
+def test_F19_swa_priced_by_its_window_tail(make_allocator):
     for L, P, want_pages in ((11, 0, 2), (8, 0, 2), (3, 0, 2), (2, 0, 1), (13, 0, 2), (12, 11, 1), (12, 9, 2)):
-        pr = Pair(tiny_spec(), L=L, P=P)
+        pr = Pair(make_allocator, tiny_spec(), L=L, P=P)
         plan = build_plan("f19", pr.src, pr.vt_src, pr.dst, pr.vt_dst, prefix_tokens=P)
         # [floor_to_page(max(P, L - 3)), L) on 2-token pages, by hand
         first = (max(P, L - SWA_W, 0) // 2) * 2
@@ -852,8 +846,8 @@ def test_F19_swa_priced_by_its_window_tail():
         plan.complete()
 
 
-def test_F22_geometry_checked_at_connect_and_halves_bound_to_it():
-    pr = Pair(tiny_spec())
+def test_F22_geometry_checked_at_connect_and_halves_bound_to_it(make_allocator):
+    pr = Pair(make_allocator, tiny_spec())
     half = build_receiver_half("f22", pr.dst, pr.vt_dst)
     other = PeerLayout.from_arena(pr.src.arena)  # a layout the half was not built on (other base address)
     with pytest.raises(UmallocValueError, match="reconnect"):
@@ -872,8 +866,8 @@ def test_F22_geometry_checked_at_connect_and_halves_bound_to_it():
                                          f"end 'swa': page_size local 2, remote 3: {why}"}
 
 
-def test_token_ids_that_do_not_fill_pages_in_order_are_refused():
-    pr = Pair(tiny_spec())
+def test_token_ids_that_do_not_fill_pages_in_order_are_refused(make_allocator):
+    pr = Pair(make_allocator, tiny_spec())
     bad = dict(pr.vt_dst)
     bad["full"] = pr.vt_dst["full"].clone()
     bad["full"][3] = pr.vt_dst["full"][7]  # row 3 claims a token of another page
@@ -901,8 +895,8 @@ def _assert_unchanged(before, *allocs):
         assert snapshots_equal(snap_a, snap_b) and leases_a == leases_b == 0
 
 
-def test_build_plan_refuses_a_virtual_page_named_twice():
-    pr = Pair(tiny_spec(), L=8)
+def test_build_plan_refuses_a_virtual_page_named_twice(make_allocator):
+    pr = Pair(make_allocator, tiny_spec(), L=8)
     vt = pr.vt_dst["full"].clone()
     vt[6:8] = vt[2:4]  # local page 3 names local page 1's virtual page: two descriptors would write one page
     before = _state(pr.src, pr.dst)
@@ -916,8 +910,8 @@ def test_build_plan_refuses_a_virtual_page_named_twice():
     _assert_unchanged(before, pr.src, pr.dst)
 
 
-def test_receiver_half_from_dict_refuses_float_and_oversized_page_ids():
-    pr = Pair(tiny_spec(), L=8)
+def test_receiver_half_from_dict_refuses_float_and_oversized_page_ids(make_allocator):
+    pr = Pair(make_allocator, tiny_spec(), L=8)
     half = build_receiver_half("h", pr.dst, pr.vt_dst)
     wire = json.loads(json.dumps(half.to_dict()))
     pages = wire["vectors"]["target"]["pages"]
@@ -934,8 +928,8 @@ def test_receiver_half_from_dict_refuses_float_and_oversized_page_ids():
     half.abort()
 
 
-def test_meta_and_sparse_id_tensors_are_refused_typed():
-    pr = Pair(tiny_spec(), L=8)
+def test_meta_and_sparse_id_tensors_are_refused_typed(make_allocator):
+    pr = Pair(make_allocator, tiny_spec(), L=8)
     before = _state(pr.src, pr.dst)
     meta = torch.empty(8, dtype=torch.int64, device="meta")
     sparse = pr.vt_dst["full"].to_sparse()
@@ -949,8 +943,8 @@ def test_meta_and_sparse_id_tensors_are_refused_typed():
     _assert_unchanged(before, pr.src, pr.dst)
 
 
-def test_int32_id_tensors_are_accepted_like_int64():
-    pr = Pair(tiny_spec(), L=11, P=3)
+def test_int32_id_tensors_are_accepted_like_int64(make_allocator):
+    pr = Pair(make_allocator, tiny_spec(), L=11, P=3)
     want = build_plan("a", pr.src, pr.vt_src, pr.dst, pr.vt_dst, prefix_tokens=3)
     expect = want.descriptors().copy()
     want.abort()
@@ -1015,10 +1009,10 @@ def test_ranges_named_in_messages_are_the_ranges_allowed():
         plan_of(src, dst, vec(src, dst, [p], [3]), [p], [3])
 
 
-def test_checked_layouts_skip_the_recheck_and_must_match():
+def test_checked_layouts_skip_the_recheck_and_must_match(make_allocator):
     from umalloc.transfer import CheckedLayouts, compatible_layouts
 
-    pr = Pair(tiny_spec(), L=9, P=3)
+    pr = Pair(make_allocator, tiny_spec(), L=9, P=3)
     sl, dl = PeerLayout.from_arena(pr.src.arena), PeerLayout.from_arena(pr.dst.arena)
     checked = compatible_layouts(sl, dl)
     assert isinstance(checked, CheckedLayouts) and checked.covers(sl, dl) and not checked.covers(dl, sl)
@@ -1039,10 +1033,10 @@ def test_checked_layouts_skip_the_recheck_and_must_match():
         compatible_layouts(sl, other)
 
 
-def test_transfer_plan_is_plan_like():
+def test_transfer_plan_is_plan_like(make_allocator):
     from umalloc.transfer import PlanLike
 
-    pr = Pair(tiny_spec(), L=8)
+    pr = Pair(make_allocator, tiny_spec(), L=8)
     plan = build_plan("p", pr.src, pr.vt_src, pr.dst, pr.vt_dst)
     assert isinstance(plan, PlanLike)
     members = {"state", "vectors", "num_descriptors", "total_bytes", "src_lease", "dst_lease", "descriptors",

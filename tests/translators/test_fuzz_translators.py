@@ -158,14 +158,11 @@ def test_fuzz_other_translator_calls(module, a, b, c, d, which):
         call_and_check(module.rank_local_positions, [fresh(a), fresh(b), fresh(d)], {})
 
 
-def small_arena(device: object = "cpu") -> Arena:
-    full = EndSpec("full", (LayerSpec.mha(1, 4),), page_size=2)
-    swa = EndSpec("swa", (LayerSpec.mha(1, 2, window_tokens=4),), page_size=2, grow=Grow.DOWN, owner="full",
-                  role=EndRole.SWA)
-    return Arena(ArenaSpec((full, swa), arena_bytes=full.page_bytes * 10), device=device)
-
-
-ARENA = small_arena()
+#: full (up, owner) + swa (down, bound), page size 2, nine full pages past the floor
+FULL_SWA = (EndSpec("full", (LayerSpec.mha(1, 4),), page_size=2),
+            EndSpec("swa", (LayerSpec.mha(1, 2, window_tokens=4),), page_size=2, grow=Grow.DOWN, owner="full",
+                    role=EndRole.SWA))
+ARENA = Arena(ArenaSpec(FULL_SWA, arena_bytes=FULL_SWA[0].page_bytes * 10))  # one for every example: reset by each
 ARENA.data.copy_(torch.randint(0, 256, ARENA.data.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(3)))
 end_arg = st.sampled_from(["full", "swa", "nope", 3, None])
 
@@ -187,6 +184,6 @@ def test_fuzz_arena_calls(end, a, b, which):
         elif which == "kv":
             ARENA.kv_views(end, fresh(a))  # type: ignore[arg-type]
         else:
-            small_arena(device=fresh(a))
+            Arena(ArenaSpec(FULL_SWA, arena_bytes=FULL_SWA[0].page_bytes * 10), device=fresh(a))  # type: ignore[arg-type]
     except UmallocValueError:
         assert torch.equal(ARENA.data, before), f"a refused {which} changed arena bytes"

@@ -16,7 +16,6 @@ import torch
 
 from umalloc.allocator.facade import MultiEndedAllocator
 from umalloc.errors import InvalidIdError, TombstoneError
-from umalloc.geometry.arena import Arena
 from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, LayerSpec
 from umalloc.testing import seed_from_env
 from umalloc.translators import cpu as cpu_impl
@@ -32,11 +31,12 @@ IMPLS = [
 ]
 
 
-def make_allocator(page_size: int) -> MultiEndedAllocator:
+def full_swa_spec(page_size: int) -> ArenaSpec:
+    """full (up, owner) + swa (down, bound, window two pages), 63 full pages' bytes past the floor."""
     full = EndSpec("full", (LayerSpec.mha(1, 4),), page_size=page_size)
     swa = EndSpec("swa", (LayerSpec.mha(1, 2, window_tokens=2 * page_size),), page_size=page_size,
                   grow=Grow.DOWN, owner="full", role=EndRole.SWA)
-    return MultiEndedAllocator(Arena(ArenaSpec((full, swa), arena_bytes=full.page_bytes * 64)))
+    return ArenaSpec((full, swa), arena_bytes=full.page_bytes * 64)
 
 
 def random_history(alloc: MultiEndedAllocator, rng: np.random.Generator) -> None:
@@ -78,11 +78,11 @@ def outcome(fn, *args, **kwargs):
 
 @pytest.mark.parametrize(("impl", "device"), IMPLS)
 @pytest.mark.parametrize("page_size", [2, 3])
-def test_translators_agree_with_the_allocator(impl, device, page_size):
+def test_translators_agree_with_the_allocator(make_allocator, impl, device, page_size):
     seed = seed_from_env(20261201) + page_size
     rng = np.random.default_rng(seed)
     for _ in range(5):
-        alloc = make_allocator(page_size)
+        alloc = make_allocator(full_swa_spec(page_size))
         random_history(alloc, rng)
         nv = alloc.num_vpages()
         for end in ("full", "swa"):
@@ -126,14 +126,14 @@ def test_translators_agree_with_the_allocator(impl, device, page_size):
 
 
 @pytest.mark.parametrize("page_size", [2, 3])
-def test_allocator_translate_into_a_torch_out_agrees_with_brute_force(page_size):
+def test_allocator_translate_into_a_torch_out_agrees_with_brute_force(make_allocator, page_size):
     """The allocator's by-address path (contiguous CPU int64 torch ids and ``out=``): the same answers as a
     brute-force loop over the v2p table and the same error types as the reference translator; a refused call
     writes nothing into ``out``; ``out`` may be the ids themselves."""
     seed = seed_from_env(20261201) + 10 * page_size
     rng = np.random.default_rng(seed)
     for _ in range(5):
-        alloc = make_allocator(page_size)
+        alloc = make_allocator(full_swa_spec(page_size))
         random_history(alloc, rng)
         nv = alloc.num_vpages()
         for end in ("full", "swa"):
