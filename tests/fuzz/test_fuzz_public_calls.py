@@ -15,7 +15,7 @@ fuzz = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(fuzz)
 
 
-def test_issue26_fuzz_every_public_call_gives_no_untyped_silent_or_state_changed_outcome() -> None:
+def test_fuzz_every_public_call_gives_no_untyped_silent_or_state_changed_outcome() -> None:
     """The fuzz: 20 hostile calls per public call; every backend that runs here takes part."""
     seed = int(os.environ.get("UMALLOC_SEED", "2026"))
     res = fuzz.run(seed, rounds=20, backends=["local", "nixl", "mooncake"])

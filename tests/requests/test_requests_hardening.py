@@ -1,8 +1,8 @@
 """The request table under a refused extend, admission queries, chunked prefill, stale
-handles and bad arguments. Each test names its item; every refusal is checked against snapshots taken before the
+handles and bad arguments. Every refusal is checked against snapshots taken before the
 call (allocator and table: pages, windows, cache and LRU order) and against the on_evict calls it made (F29, F30).
 
-Geometry (``_alloc``): ``full`` (up, id owner) and ``swa`` (down, bound, window ``window`` tokens), both 16 B per
+Geometry (the ``kv_allocator`` fixture): ``full`` (up, id owner) and ``swa`` (down, bound, window ``window`` tokens), both 16 B per
 token, sharing ``pages`` usable page slots; the table's zero page takes one slot on each end.
 """
 
@@ -28,7 +28,7 @@ def _same(a: tuple[dict, dict], b: tuple[dict, dict]) -> bool:
     return snapshots_equal(a[0], b[0]) and snapshots_equal(a[1], b[1])
 
 
-# ---- item 15 ------------------------------------------------------------------------------------------------------
+# ---- a refused extend changes nothing -----------------------------------------------------------------------------
 def test_a_shortfall_the_cache_cannot_cover_evicts_nothing_and_calls_no_on_evict(kv_allocator) -> None:
     """9 slots; zero page (1 + 1), one cached full page: 6 gap slots left. An 8-token extend
     (page_size 2) needs 4 pages on each end = 8 slots: even evicting the cached page leaves 7. The call returns
@@ -121,7 +121,7 @@ def test_random_refusals_change_nothing_and_evictions_are_minimal(kv_allocator) 
             table.check_invariants()
 
 
-# ---- item 16 ------------------------------------------------------------------------------------------------------
+# ---- admission queries --------------------------------------------------------------------------------------------
 def test_capacity_answers_per_end_and_can_extend_agrees_with_extend(kv_allocator) -> None:
     """After a long request the SWA end holds only its window while the full end holds
     everything: capacity() reports both ends (the fewest available pages bound an extend), and can_extend's
@@ -148,7 +148,7 @@ def test_capacity_answers_per_end_and_can_extend_agrees_with_extend(kv_allocator
     assert largest == 8
 
 
-# ---- item 17 ------------------------------------------------------------------------------------------------------
+# ---- chunked prefill ----------------------------------------------------------------------------------------------
 def test_a_prompt_that_fits_by_decode_fits_by_chunked_prefill(kv_allocator) -> None:
     """Note [Chunked prefill]: A 40-token prompt (page_size 2, window 4) in 30 slots: one extend
     needs 20 + 20 slots and is refused (nothing changed), decode-by-decode needs 20 + 3; chunks of
@@ -174,7 +174,7 @@ def test_a_prompt_that_fits_by_decode_fits_by_chunked_prefill(kv_allocator) -> N
     assert swa_bound == [False] * 18 + [True] * 3        # window tail of 40 = token 36 -> page index 18
 
 
-# ---- item 18 ------------------------------------------------------------------------------------------------------
+# ---- stale handles ------------------------------------------------------------------------------------------------
 def test_a_stale_handle_is_refused_and_frees_nothing(kv_allocator) -> None:
     """F30: A handle of a freed slot, after the slot is reused by another request, is refused
     by every call taking slots with StaleHandleError; the live request is untouched."""
@@ -198,7 +198,7 @@ def test_a_stale_handle_is_refused_and_frees_nothing(kv_allocator) -> None:
     table.check_invariants()
 
 
-# ---- item 19 ------------------------------------------------------------------------------------------------------
+# ---- bad arguments ------------------------------------------------------------------------------------------------
 def test_bad_arguments_raise_typed_and_change_nothing(kv_allocator) -> None:
     """An overflowing extend length on a request whose window would advance, a float tensor
     slot, slots at and above 2**63, and a huge max_requests: each a typed UmallocValueError, nothing changed (the

@@ -70,7 +70,7 @@ def plan_of(src, dst, v, src_leased, dst_leased, **kw) -> TransferPlan:
 # ---- descriptors ---------------------------------------------------------------------------------------------
 
 
-def test_issue_example_one_descriptor():
+def test_two_adjacent_pages_plan_one_descriptor():
     src, dst = layout(base=1000), layout(base=2000)
     p = plan_of(src, dst, vec(src, dst, [3, 4], [7, 8]), [3, 4], [7, 8])
     assert p.descriptors().tolist() == [[1192, 2448, 128]]

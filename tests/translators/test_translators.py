@@ -385,7 +385,7 @@ def test_pages_to_runs_matches_brute_force(impl, segments):
 # --- runs_to_descriptors ----------------------------------------------------------------------------------------
 
 
-def test_descriptors_issue_example(impl):
+def test_two_adjacent_pages_make_one_descriptor(impl):
     """Pages [3, 4] -> [7, 8], 64-byte items, bases 1000 and 2000: one descriptor (1192, 2448, 128)."""
     runs = impl.m.pages_to_runs(impl.t([3, 4]), impl.t([7, 8]))
     desc = impl.m.runs_to_descriptors(runs, [(1000, 64)], [(2000, 64)])

@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from umalloc import Arena, ArenaSpec, EndSpec, LayerSpec, MultiEndedAllocator
+from umalloc import EndSpec, LayerSpec
 from umalloc.errors import DoubleFreeError, InvalidIdError, InvariantError, UmallocValueError
 from umalloc.integrations.vllm import END, ID_PAGE_BYTES, id_allocator
 from umalloc.requests.pagerefs import PAGE_CACHED, PAGE_HELD, PAGE_NOT_MANAGED, PageRefs
@@ -20,12 +20,11 @@ def _a(*ids: int) -> np.ndarray:
     return np.array(ids, np.int64)
 
 
-def _checked_id_allocator(num_blocks: int) -> MultiEndedAllocator:
-    """:func:`id_allocator` with ``debug_checks=True``: every PageRefs call takes the allocator's public path
-    (Note [Fused kernels]), and the allocator checks every invariant, the holder's too, after each of its calls."""
-    end = EndSpec(END, (LayerSpec.mha(1, 4),), page_size=1)
-    return MultiEndedAllocator(Arena(ArenaSpec((end,), arena_bytes=num_blocks * ID_PAGE_BYTES)), compaction="off",
-                               debug_checks=True)
+#: the geometry of :func:`id_allocator`: one end of one-token pages of ID_PAGE_BYTES
+ID_ENDS = (EndSpec(END, (LayerSpec.mha(1, 4),), page_size=1),)
+#: :func:`id_allocator`'s allocator with ``debug_checks=True``: every PageRefs call takes the allocator's public
+#: path (Note [Fused kernels]), and the allocator checks every invariant, the holder's too, after each of its calls
+CHECKED = {"compaction": "off", "debug_checks": True}
 
 
 # ---- claim_pages ------------------------------------------------------------------------------------------------
@@ -137,10 +136,10 @@ def test_pagerefs_refuses_a_used_or_multi_end_allocator():
         PageRefs(small_allocator())
 
 
-def test_direct_kernel_args_only_where_a_call_is_its_kernel_alone():
+def test_direct_kernel_args_only_where_a_call_is_its_kernel_alone(make_allocator):
     root, owner, mask, lease_work = id_allocator(4).direct_kernel_args()
     assert type(root) is int and root != 0 and (owner, mask) == (0, mask) and not lease_work
-    assert _checked_id_allocator(4).direct_kernel_args() is None
+    assert make_allocator(ID_ENDS, 4 * ID_PAGE_BYTES, **CHECKED).direct_kernel_args() is None
 
 
 def test_keep_flags_decide_cached_or_free_and_take_lists_the_kept_pages_it_hands_out():
@@ -178,10 +177,10 @@ def test_list_ids_refuse_non_ints_and_change_nothing(bad):
     refs.check_invariants()
 
 
-def test_the_public_path_checks_the_holder_only_once_a_call_is_done():
+def test_the_public_path_checks_the_holder_only_once_a_call_is_done(make_allocator):
     # debug_checks: the allocator runs every check, PageRefs' holder check too, after alloc_pages / free_pages;
     # mid-take the allocator has the pages and PageRefs does not yet: that check must wait for the call's end
-    refs = PageRefs(_checked_id_allocator(6))
+    refs = PageRefs(make_allocator(ID_ENDS, 6 * ID_PAGE_BYTES, **CHECKED))
     assert refs.take(3).tolist() == [1, 2, 3]
     refs.keep_flags[1] = 1
     refs.unref([1, 2])
@@ -195,12 +194,12 @@ def test_the_public_path_checks_the_holder_only_once_a_call_is_done():
 
 
 @pytest.mark.parametrize("checked", [False, True], ids=["fused", "public"])
-def test_random_ops_match_a_model_of_the_rules(checked):
+def test_random_ops_match_a_model_of_the_rules(make_allocator, checked):
     seed = 1234
     print(f"seed {seed}")
     rng = random.Random(seed)
     n = 40
-    refs = PageRefs(_checked_id_allocator(n) if checked else id_allocator(n))
+    refs = PageRefs(make_allocator(ID_ENDS, n * ID_PAGE_BYTES, **CHECKED) if checked else id_allocator(n))
     count = [0] * n
     keep = [False] * n                               # the keep flags, as the model sees them
     lru: list[int] = []                              # cached pages, LRU first
