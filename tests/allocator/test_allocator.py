@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from allocator_helpers import T, draft_end, full_end, pages, swa_end
 
 from umalloc.allocator.facade import V_FREED, V_LIVE, MultiEndedAllocator, snapshots_equal
 from umalloc.errors import (
@@ -22,47 +23,14 @@ from umalloc.errors import (
     UmallocValueError,
 )
 from umalloc.geometry.arena import Arena
-from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, LayerSpec
+from umalloc.geometry.spec import Grow
 from umalloc.pool.kernels.layout import M_HBOFF, M_PB, M_VOFF
 from umalloc.pool.pagestate import PAGE_GAP, PAGE_HOLE, PAGE_LIVE, PAGE_PENDING, PAGE_RESERVED, TOMBSTONE
 from umalloc.testing import writable_end_tables as W
 
 
-def T(*xs: int) -> torch.Tensor:
-    return torch.tensor(xs, dtype=torch.int64)
-
-
-def full_end(ps: int = 2, head_dim: int = 4) -> EndSpec:
-    # 1 KV head x head_dim, bf16, K + V: 4 * head_dim bytes per token
-    return EndSpec("full", (LayerSpec.mha(1, head_dim),), page_size=ps)
-
-
-def swa_end(ps: int = 2, head_dim: int = 4, grow: Grow = Grow.DOWN) -> EndSpec:
-    return EndSpec("swa", (LayerSpec.mha(1, head_dim, window_tokens=4),), page_size=ps, grow=grow, owner="full",
-                   role=EndRole.SWA)
-
-
-def draft_end(ps: int = 2, head_dim: int = 2, grow: Grow = Grow.FLOAT, owner: str | None = "full") -> EndSpec:
-    return EndSpec("draft", (LayerSpec.mha(1, head_dim),), page_size=ps, grow=grow, owner=owner,
-                   role=EndRole.DRAFT)
-
-
-def make(ends: tuple[EndSpec, ...], arena_bytes: int, **kw) -> MultiEndedAllocator:
-    kw.setdefault("debug_checks", True)
-    return MultiEndedAllocator(Arena(ArenaSpec(ends, arena_bytes=arena_bytes)), **kw)
-
-
-def full_swa(**kw) -> MultiEndedAllocator:
-    """full (up, owner) + swa (down, bound), page_size 2, 32 B pages each; 320 B arena: floor 32 B, pages 1..9."""
-    return make((full_end(), swa_end()), 320, **kw)
-
-
-def pages(alloc: MultiEndedAllocator, vps: torch.Tensor, end: str) -> list[int]:
-    return alloc.translate_pages(vps, end, strict=False).tolist()
-
-
 # ---- placement orders ------------------------------------------------------------------------------------------
-def test_fresh_pages_are_ascending_runs_on_both_ends() -> None:
+def test_fresh_pages_are_ascending_runs_on_both_ends(full_swa) -> None:
     alloc = full_swa()
     vp = alloc.alloc_pages(3)
     assert vp.tolist() == [1, 2, 3]
@@ -76,7 +44,7 @@ def test_fresh_pages_are_ascending_runs_on_both_ends() -> None:
     assert alloc.num_contiguous_runs(torch.cat([vp, vp2]), "swa") == 2     # 7 8 9 | 6
 
 
-def test_up_end_drains_lowest_holes_down_end_highest_holes() -> None:
+def test_up_end_drains_lowest_holes_down_end_highest_holes(full_swa) -> None:
     alloc = full_swa()
     vp = alloc.alloc_pages(4)                 # full 1 2 3 4, swa 6 7 8 9 (v1 -> 6 ... v4 -> 9)
     assert pages(alloc, vp, "swa") == [6, 7, 8, 9]
@@ -90,7 +58,7 @@ def test_up_end_drains_lowest_holes_down_end_highest_holes() -> None:
     assert v.tolist() == [3] and pages(alloc, v, "full") == [3] and pages(alloc, v, "swa") == [7]
 
 
-def test_holes_first_then_fresh_band_all_ascending() -> None:
+def test_holes_first_then_fresh_band_all_ascending(full_swa) -> None:
     alloc = full_swa()
     alloc.alloc_pages(4)                       # full 1..4, swa 6..9
     alloc.free(T(1 * 2, 3 * 2))                # vpages 1, 3: full holes {1, 3}; swa page 6 is the edge -> trimmed,
@@ -102,7 +70,7 @@ def test_holes_first_then_fresh_band_all_ascending() -> None:
     assert pages(alloc, v, "swa") == [6, 8]                   # fresh page 6 (lo 7 -> 6) then hole 8: ascending
 
 
-def test_freeing_the_frontier_retreats_the_band_over_trailing_holes() -> None:
+def test_freeing_the_frontier_retreats_the_band_over_trailing_holes(full_swa) -> None:
     alloc = full_swa()
     vp = alloc.alloc_pages(4)                 # full 1..4
     alloc.free(T(2 * 2, 3 * 2))               # full holes 2, 3 (page 4 still live)
@@ -116,9 +84,9 @@ def test_freeing_the_frontier_retreats_the_band_over_trailing_holes() -> None:
 
 
 # ---- byte frontiers ---------------------------------------------------------------------------------------------
-def test_byte_frontiers_with_different_page_bytes() -> None:
+def test_byte_frontiers_with_different_page_bytes(checked_allocator) -> None:
     # full: 32 B pages, slots 0..9; swa: 16 B pages, first 2 (floor 32 B), slots 0..19; 320 B arena
-    alloc = make((full_end(), swa_end(head_dim=2)), 320)
+    alloc = checked_allocator((full_end(), swa_end(head_dim=2)), 320)
     assert alloc.num_vpages() == 10 and alloc.ends["swa"].num_page_slots == 20
     vp = alloc.alloc_pages(3)
     assert pages(alloc, vp, "full") == [1, 2, 3]              # bytes [32, 128)
@@ -143,8 +111,8 @@ def test_byte_frontiers_with_different_page_bytes() -> None:
 
 
 # ---- alloc_extend / alloc_decode --------------------------------------------------------------------------------
-def test_alloc_extend_fills_partial_pages_then_fresh_pages() -> None:
-    alloc = make((full_end(ps=4), swa_end(ps=4)), 64 * 20)   # page_size 4 (64 B pages), pages 1..19
+def test_alloc_extend_fills_partial_pages_then_fresh_pages(checked_allocator) -> None:
+    alloc = checked_allocator((full_end(ps=4), swa_end(ps=4)), 64 * 20)   # page_size 4 (64 B pages), pages 1..19
     t = alloc.alloc_extend(T(0, 0, 0), T(5, 4, 1), T(-1, -1, -1))
     # request 0: tokens 0..4 -> vpages 1, 2; request 1: 0..3 -> vpage 3; request 2: token 0 -> vpage 4
     assert t.tolist() == [4, 5, 6, 7, 8, 12, 13, 14, 15, 16]
@@ -159,7 +127,7 @@ def test_alloc_extend_fills_partial_pages_then_fresh_pages() -> None:
     assert alloc.alloc_extend(T(), T(), T()).tolist() == []
 
 
-def test_alloc_extend_out_buffer() -> None:
+def test_alloc_extend_out_buffer(full_swa) -> None:
     alloc = full_swa()
     out = torch.full((3,), -7, dtype=torch.int64)
     res = alloc.alloc_extend(T(0), T(3), T(-1), out=out)
@@ -168,7 +136,7 @@ def test_alloc_extend_out_buffer() -> None:
         alloc.alloc_extend(T(3), T(5), T(4), out=torch.empty(3, dtype=torch.int64))
 
 
-def test_alloc_decode_new_page_only_on_boundaries() -> None:
+def test_alloc_decode_new_page_only_on_boundaries(full_swa) -> None:
     alloc = full_swa()
     assert alloc.alloc_decode(T(1, 1), T(-1, -1)).tolist() == [2, 4]
     assert alloc.alloc_decode(T(2, 2), T(2, 4)).tolist() == [3, 5]
@@ -178,7 +146,7 @@ def test_alloc_decode_new_page_only_on_boundaries() -> None:
     assert alloc.stats()["full"].live_pages == 4 and alloc.stats()["swa"].live_pages == 4
 
 
-def test_decode_and_extend_refuse_bad_last_loc() -> None:
+def test_decode_and_extend_refuse_bad_last_loc(full_swa) -> None:
     alloc = full_swa()
     t = alloc.alloc_extend(T(0), T(3), T(-1))                   # tokens 2 3 4
     with pytest.raises(InvalidIdError, match="page offset"):
@@ -196,7 +164,7 @@ def test_decode_and_extend_refuse_bad_last_loc() -> None:
 
 
 # ---- failures change nothing --------------------------------------------------------------------------------------
-def _populated() -> MultiEndedAllocator:
+def _populated(full_swa) -> MultiEndedAllocator:
     alloc = full_swa()
     alloc.alloc_extend(T(0, 0), T(3, 2), T(-1, -1))            # vpages 1 2 | 3 ; tokens 2 3 4 | 6 7
     alloc.alloc_pages(1, bind=[])                               # vpage 4 on full only
@@ -237,8 +205,8 @@ MISUSE = [
 
 
 @pytest.mark.parametrize("case,call,exc", MISUSE, ids=[m[0] for m in MISUSE])
-def test_misuse_raises_typed_error_and_changes_nothing(case, call, exc) -> None:
-    alloc = _populated()
+def test_misuse_raises_typed_error_and_changes_nothing(full_swa, case, call, exc) -> None:
+    alloc = _populated(full_swa)
     before = alloc.snapshot()
     with pytest.raises(exc):
         call(alloc)
@@ -246,7 +214,7 @@ def test_misuse_raises_typed_error_and_changes_nothing(case, call, exc) -> None:
     alloc.check_invariants()
 
 
-def test_out_of_space_returns_none_and_changes_nothing() -> None:
+def test_out_of_space_returns_none_and_changes_nothing(full_swa) -> None:
     alloc = full_swa()
     alloc.alloc_extend(T(0), T(7), T(-1))                       # 4 pages on each end: 8 of 9 used
     before = alloc.snapshot()
@@ -260,7 +228,7 @@ def test_out_of_space_returns_none_and_changes_nothing() -> None:
 
 
 # ---- unbind_end / bind_end -------------------------------------------------------------------------------------
-def test_unbind_end_tombstones_only_the_bound_end() -> None:
+def test_unbind_end_tombstones_only_the_bound_end(full_swa) -> None:
     alloc = full_swa()
     t = alloc.alloc_extend(T(0), T(6), T(-1))                   # vpages 1 2 3: swa 7 8 9
     alloc.unbind_end("swa", t[:3])                             # tokens 2 3 4: vpages 1, 2
@@ -276,7 +244,7 @@ def test_unbind_end_tombstones_only_the_bound_end() -> None:
     assert alloc.stats()["full"].pages_freed == 3 and alloc.stats()["swa"].pages_freed == 0
 
 
-def test_bind_end_binds_the_window_tail() -> None:
+def test_bind_end_binds_the_window_tail(full_swa) -> None:
     alloc = full_swa()
     t = alloc.alloc_extend(T(0), T(8), T(-1), bind=[])          # vpages 1..4 on full only
     assert alloc.stats()["swa"].live_pages == 0
@@ -288,7 +256,7 @@ def test_bind_end_binds_the_window_tail() -> None:
     assert pages(alloc, T(5), "swa") == [7]
 
 
-def test_bind_end_out_of_space_returns_false() -> None:
+def test_bind_end_out_of_space_returns_false(full_swa) -> None:
     alloc = full_swa()
     alloc.alloc_pages(6, bind=[])                               # full 1..6; swa may use 7..9
     t = (alloc.alloc_pages(1, bind=[]) * 2)                     # full 7: swa 8..9 left
@@ -300,7 +268,7 @@ def test_bind_end_out_of_space_returns_false() -> None:
 
 
 # ---- translation --------------------------------------------------------------------------------------------
-def test_translate_tokens_and_pages_and_padding() -> None:
+def test_translate_tokens_and_pages_and_padding(full_swa) -> None:
     alloc = full_swa()
     t = alloc.alloc_extend(T(0), T(3), T(-1))
     assert alloc.translate(t, "full").tolist() == [2, 3, 4]
@@ -319,7 +287,7 @@ def test_translate_tokens_and_pages_and_padding() -> None:
     assert alloc.num_contiguous_runs(T(), "full") == 0
 
 
-def test_sequence_and_dtype_errors_name_the_allowed_values() -> None:
+def test_sequence_and_dtype_errors_name_the_allowed_values(full_swa) -> None:
     alloc = full_swa()
     with pytest.raises(InvalidIdError, match="integer dtype"):
         alloc.translate(torch.tensor([1.0]), "full")
@@ -327,7 +295,7 @@ def test_sequence_and_dtype_errors_name_the_allowed_values() -> None:
         alloc.available_pages("draft")
 
 
-def test_non_contiguous_inputs_are_accepted() -> None:
+def test_non_contiguous_inputs_are_accepted(full_swa) -> None:
     alloc = full_swa()
     t = alloc.alloc_extend(T(0), T(6), T(-1))
     alloc.free(t[::2])                                          # tokens 2, 4, 6: all three pages
@@ -335,9 +303,9 @@ def test_non_contiguous_inputs_are_accepted() -> None:
 
 
 # ---- two owners ----------------------------------------------------------------------------------------------
-def test_two_id_owners_need_an_explicit_owner() -> None:
+def test_two_id_owners_need_an_explicit_owner(checked_allocator) -> None:
     # draft with page_size 4 is its own id owner (grows down)
-    alloc = make((full_end(), draft_end(ps=4, head_dim=2, grow=Grow.DOWN, owner=None)), 640)
+    alloc = checked_allocator((full_end(), draft_end(ps=4, head_dim=2, grow=Grow.DOWN, owner=None)), 640)
     with pytest.raises(UmallocValueError, match="ambiguous"):
         alloc.alloc_pages(1)
     a = alloc.alloc_pages(2, owner="full")
@@ -352,13 +320,7 @@ def test_two_id_owners_need_an_explicit_owner() -> None:
 
 
 # ---- the float end --------------------------------------------------------------------------------------------
-def float3(**kw) -> MultiEndedAllocator:
-    """full (up, 32 B pages, slots 0..19) / draft (float, 16 B pages, first 2, slots 0..39) / swa (down, 32 B
-    pages, slots 0..19); 640 B arena, floor 32 B; all bound to full."""
-    return make((full_end(), draft_end(), swa_end()), 640, **kw)
-
-
-def test_float_end_is_placed_at_the_split_then_grows_up_then_down() -> None:
+def test_float_end_is_placed_at_the_split_then_grows_up_then_down(float3) -> None:
     alloc = float3()
     vp = alloc.alloc_pages(2)
     # up/down first: full 1, 2 (bytes < 96); swa 18, 19 (bytes >= 576). draft: gap bytes [96, 576), split 0.5
@@ -380,7 +342,7 @@ def test_float_end_is_placed_at_the_split_then_grows_up_then_down() -> None:
     alloc.check_invariants()
 
 
-def test_empty_float_end_is_replaced_by_its_next_allocation() -> None:
+def test_empty_float_end_is_replaced_by_its_next_allocation(float3) -> None:
     alloc = float3()
     vp = alloc.alloc_pages(2)
     alloc.free(vp * 2)
@@ -392,7 +354,7 @@ def test_empty_float_end_is_replaced_by_its_next_allocation() -> None:
     assert pages(alloc, v, "full") == [9] and pages(alloc, v, "draft") == [30]
 
 
-def test_float_split_is_configurable_and_validated() -> None:
+def test_float_split_is_configurable_and_validated(float3) -> None:
     alloc = float3(float_split={"draft": 0.0})
     v = alloc.alloc_pages(1)                                    # full 1, swa 19; gap [64, 608): draft page 4
     assert pages(alloc, v, "draft") == [4]
@@ -419,7 +381,7 @@ def test_default_preset_gemma_with_a_float_draft() -> None:
 
 
 # ---- leases and pending pages -----------------------------------------------------------------------------------
-def test_pinned_freed_pages_stay_pending_until_the_lease_ends() -> None:
+def test_pinned_freed_pages_stay_pending_until_the_lease_ends(full_swa) -> None:
     now = [0.0]
     alloc = full_swa(clock=lambda: now[0])
     vp = alloc.alloc_pages(3)                                   # full 1 2 3, swa 7 8 9
@@ -440,7 +402,7 @@ def test_pinned_freed_pages_stay_pending_until_the_lease_ends() -> None:
     assert lease.end() is False
 
 
-def test_expired_leases_are_reclaimed_on_the_next_call_and_counted() -> None:
+def test_expired_leases_are_reclaimed_on_the_next_call_and_counted(full_swa) -> None:
     now = [0.0]
     alloc = full_swa(clock=lambda: now[0])
     vp = alloc.alloc_pages(2)
@@ -485,7 +447,7 @@ def _reachable_gap_by_hand(snap: dict, name: str, floor: int) -> int:
     return n
 
 
-def test_stats_are_recomputed_from_the_snapshot() -> None:
+def test_stats_are_recomputed_from_the_snapshot(float3) -> None:
     rng = np.random.default_rng(7)
     alloc = float3()
     live: list[int] = []
@@ -517,7 +479,7 @@ def test_stats_are_recomputed_from_the_snapshot() -> None:
         assert snap["owners"]["full"]["live"] == len(live) == int((snap["owners"]["full"]["vstate"] == V_LIVE).sum())
 
 
-def test_stats_schema_is_fixed() -> None:
+def test_stats_schema_is_fixed(full_swa) -> None:
     st = full_swa().stats()
     assert list(st) == ["full", "swa"]
     keys = list(st["full"].to_dict())
@@ -528,7 +490,7 @@ def test_stats_schema_is_fixed() -> None:
         assert k in keys
 
 
-def test_peak_and_counters() -> None:
+def test_peak_and_counters(full_swa) -> None:
     alloc = full_swa()
     v = alloc.alloc_pages(4)
     alloc.free(v[:3] * 2)
@@ -552,7 +514,7 @@ CORRUPTIONS = [
 
 
 @pytest.mark.parametrize("invariant,corrupt", CORRUPTIONS, ids=[f"{c[0]}-{i}" for i, c in enumerate(CORRUPTIONS)])
-def test_check_invariants_names_the_broken_invariant(invariant, corrupt) -> None:
+def test_check_invariants_names_the_broken_invariant(full_swa, invariant, corrupt) -> None:
     alloc = full_swa(debug_checks=False)
     alloc.alloc_pages(3)                                        # full 1 2 3, swa 7 8 9
     alloc.check_invariants()
@@ -561,7 +523,7 @@ def test_check_invariants_names_the_broken_invariant(invariant, corrupt) -> None
         alloc.check_invariants()
 
 
-def test_v2p_mirror_is_refreshed_by_every_call() -> None:
+def test_v2p_mirror_is_refreshed_by_every_call(full_swa) -> None:
     alloc = full_swa(mirror_device="cpu")                      # a CPU mirror exercises the device-refresh path
     t = alloc.alloc_extend(T(0), T(5), T(-1))
     assert alloc.v2p("swa").tolist()[:4] == [0, 7, 8, 9]
@@ -583,7 +545,7 @@ def test_swa_tail_start_validates() -> None:
             f(*bad)
 
 
-def test_vstate_records_freed_ids() -> None:
+def test_vstate_records_freed_ids(full_swa) -> None:
     alloc = full_swa()
     v = alloc.alloc_pages(2)
     alloc.free(v[:1] * 2)
@@ -598,7 +560,7 @@ def test_vstate_records_freed_ids() -> None:
     (2**62,),                           # no wrap: just far more pages than the id space
 ])
 @pytest.mark.parametrize("with_out", [False, True])
-def test_extend_lengths_whose_sums_overflow_fall_short_and_change_nothing(seq, with_out) -> None:
+def test_extend_lengths_whose_sums_overflow_fall_short_and_change_nothing(full_swa, seq, with_out) -> None:
     # Before the fix the wrapped counts passed the plan and the output loop wrote far past its buffer (segfault).
     alloc = full_swa()
     t = alloc.alloc_extend(T(0), T(3), T(-1))                      # some live state to compare against
@@ -611,7 +573,7 @@ def test_extend_lengths_whose_sums_overflow_fall_short_and_change_nothing(seq, w
     assert alloc.translate(t, "full").tolist() == [2, 3, 4]
 
 
-def test_alloc_pages_beyond_any_memory_is_a_shortfall_not_a_crash() -> None:
+def test_alloc_pages_beyond_any_memory_is_a_shortfall_not_a_crash(full_swa) -> None:
     alloc = full_swa()
     before = alloc.snapshot()
     assert alloc.alloc_pages(2**62) is None                        # used to raise numpy's "array is too big"
@@ -619,7 +581,7 @@ def test_alloc_pages_beyond_any_memory_is_a_shortfall_not_a_crash() -> None:
     assert snapshots_equal(before, alloc.snapshot())
 
 
-def test_unhashable_end_and_non_tensor_out_raise_typed_errors() -> None:
+def test_unhashable_end_and_non_tensor_out_raise_typed_errors(full_swa) -> None:
     alloc = full_swa()
     t = alloc.alloc_extend(T(0), T(2), T(-1))
     before = alloc.snapshot()
@@ -632,7 +594,7 @@ def test_unhashable_end_and_non_tensor_out_raise_typed_errors() -> None:
     assert snapshots_equal(before, alloc.snapshot())
 
 
-def test_sink_page_is_refused_as_reserved_not_as_never_allocated() -> None:
+def test_sink_page_is_refused_as_reserved_not_as_never_allocated(full_swa) -> None:
     alloc = full_swa()                                             # page_size 2: tokens 0, 1 lie in vpage 0
     alloc.alloc_pages(1)
     before = alloc.snapshot()
@@ -644,7 +606,7 @@ def test_sink_page_is_refused_as_reserved_not_as_never_allocated() -> None:
     assert snapshots_equal(before, alloc.snapshot())
 
 
-def test_extend_refuses_a_partial_tail_page_twice_in_a_batch_or_unbound_on_a_bind_end() -> None:
+def test_extend_refuses_a_partial_tail_page_twice_in_a_batch_or_unbound_on_a_bind_end(full_swa) -> None:
     alloc = full_swa()
     t = alloc.alloc_extend(T(0), T(3), T(-1))                      # tokens 2 3 | 4 (vpage 2 half full)
     before = alloc.snapshot()
@@ -663,11 +625,11 @@ def test_extend_refuses_a_partial_tail_page_twice_in_a_batch_or_unbound_on_a_bin
 
 # ---- page-level calls (vLLM-style page tables): alloc_pages(out=), free_pages, unbind_pages ---------------------
 @pytest.fixture(params=[False, True], ids=["hot-path", "checked-path"])
-def page_alloc(request) -> MultiEndedAllocator:
+def page_alloc(checked_allocator, request) -> MultiEndedAllocator:
     """full + swa as :func:`full_swa` but 416 B: pages 1..12, room for 6 virtual pages bound on both ends.
     Without debug checks the numpy calls take the page-level hot path (Note [Page-level hot path]), with them
     the general one: every test below must hold on both."""
-    alloc = make((full_end(), swa_end()), 416, debug_checks=request.param)
+    alloc = checked_allocator((full_end(), swa_end()), 416, debug_checks=request.param)
     assert alloc._plain is not request.param
     return alloc
 
@@ -706,9 +668,9 @@ def test_alloc_pages_refuses_a_read_only_numpy_out(page_alloc) -> None:
     assert page_alloc.stats()["full"].live_pages == 0
 
 
-def test_free_pages_equals_free_of_tokens(page_alloc) -> None:
+def test_free_pages_equals_free_of_tokens(checked_allocator, page_alloc) -> None:
     """The same frees by page ids (numpy, strided numpy, torch) and by tokens give identical snapshots."""
-    by_tokens = make((full_end(), swa_end()), 416, debug_checks=False)
+    by_tokens = checked_allocator((full_end(), swa_end()), 416, debug_checks=False)
     alloc = page_alloc
     vp = alloc.alloc_pages(6)
     assert by_tokens.alloc_pages(6).tolist() == vp.tolist() == [1, 2, 3, 4, 5, 6]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_allocator import T, draft_end, float3, full_end, full_swa, make, pages, swa_end
+from allocator_helpers import T, draft_end, full_end, pages, swa_end
 
 from umalloc.allocator.facade import V_RESERVED, MultiEndedAllocator, snapshots_equal
 from umalloc.errors import DoubleFreeError, InvalidIdError, LeaseError, TombstoneError
@@ -28,8 +28,8 @@ def stamp(alloc: MultiEndedAllocator, end: str, vpages: torch.Tensor, values: to
     alloc.arena.envelopes(end)[phys, :8] = values.view(torch.uint8).view(-1, 8)
 
 
-def test_F01_releasing_one_token_retires_its_whole_page() -> None:
-    alloc = make((full_end(ps=4), swa_end(ps=4)), 64 * 10)        # page_size 4
+def test_F01_releasing_one_token_retires_its_whole_page(checked_allocator) -> None:
+    alloc = checked_allocator((full_end(ps=4), swa_end(ps=4)), 64 * 10)        # page_size 4
     t = alloc.alloc_extend(T(0), T(8), T(-1))                     # vpages 1, 2: tokens 4..11
     alloc.free(t[1:2])                                            # one token of vpage 1
     for tok in t[:4].tolist():                                    # every token of the page is retired at once
@@ -47,7 +47,7 @@ def test_F01_releasing_one_token_retires_its_whole_page() -> None:
         (1, 0, 1, 1)
 
 
-def test_F02_reused_virtual_ids_and_pages_start_clean() -> None:
+def test_F02_reused_virtual_ids_and_pages_start_clean(full_swa) -> None:
     alloc = full_swa()
     v = alloc.alloc_pages(2, bind=[])                             # vpages 1, 2 deliberately unbound on swa
     alloc.free(v * 2)
@@ -72,7 +72,7 @@ def test_F02_reused_virtual_ids_and_pages_start_clean() -> None:
     assert alloc.stats()["full"].pending_pages == 0
 
 
-def test_F03_a_deferred_reclaim_keeps_the_page_it_captured() -> None:
+def test_F03_a_deferred_reclaim_keeps_the_page_it_captured(full_swa) -> None:
     alloc = full_swa()
     v = alloc.alloc_pages(2)                                      # full 1, 2
     stamp(alloc, "full", v, T(111, 222))
@@ -88,7 +88,7 @@ def test_F03_a_deferred_reclaim_keeps_the_page_it_captured() -> None:
     assert pages(alloc, w, "full") == [1] and marker(alloc, "full", T(1, 2)).tolist() == [333, 222]
 
 
-def test_F04_the_sink_never_enters_a_release_path() -> None:
+def test_F04_the_sink_never_enters_a_release_path(full_swa) -> None:
     alloc = full_swa()
     t = alloc.alloc_extend(T(0), T(4), T(-1))
     for call in (lambda: alloc.free(T(0)), lambda: alloc.free(T(1)), lambda: alloc.unbind_end("swa", T(1)),
@@ -120,7 +120,7 @@ def test_F04_the_sink_never_enters_a_release_path() -> None:
     assert alloc.available_pages("full") == 9 and alloc.available_pages("swa") == 9
 
 
-def test_F05_padding_lanes_hit_the_sink_which_is_never_handed_out_or_moved() -> None:
+def test_F05_padding_lanes_hit_the_sink_which_is_never_handed_out_or_moved(full_swa) -> None:
     alloc = full_swa(compaction="eager")
     t = alloc.alloc_extend(T(0, 0), T(4, 4), T(-1, -1))           # vpages 1, 2 | 3, 4
     lanes = torch.cat([t, torch.zeros(4, dtype=torch.int64)])     # a padded block-table row
@@ -140,7 +140,7 @@ def test_F05_padding_lanes_hit_the_sink_which_is_never_handed_out_or_moved() -> 
         assert 0 not in pages(alloc, v, "full") + pages(alloc, v, "swa")
 
 
-def test_F06_the_same_page_twice_in_one_batch_is_freed_once() -> None:
+def test_F06_the_same_page_twice_in_one_batch_is_freed_once(full_swa) -> None:
     alloc = full_swa()
     t = alloc.alloc_extend(T(0), T(4), T(-1))                     # vpages 1, 2: tokens 2 3 4 5
     alloc.free(torch.cat([t[:2], t[:2], t[1:2]]))                 # vpage 1 five times
@@ -154,8 +154,8 @@ def test_F06_the_same_page_twice_in_one_batch_is_freed_once() -> None:
     alloc.check_invariants()
 
 
-def test_F07_two_segments_sharing_a_page_free_it_once() -> None:
-    alloc = make((full_end(ps=4), swa_end(ps=4)), 64 * 10)
+def test_F07_two_segments_sharing_a_page_free_it_once(checked_allocator) -> None:
+    alloc = checked_allocator((full_end(ps=4), swa_end(ps=4)), 64 * 10)
     t = alloc.alloc_extend(T(0), T(6), T(-1))                     # positions 0..5: vpage 1 (0-3), vpage 2 (4-5)
     seg1, seg2 = t[:4], t[3:]                                     # both touch vpage 1 (position 3)
     before = alloc.snapshot()
@@ -163,7 +163,7 @@ def test_F07_two_segments_sharing_a_page_free_it_once() -> None:
     with pytest.raises(DoubleFreeError):                          # seg2 still names the shared page: rejected
         alloc.free(seg2)
     assert alloc.stats()["full"].live_pages == 1                  # ... and not half-applied: vpage 2 is live
-    alloc2 = make((full_end(ps=4), swa_end(ps=4)), 64 * 10)
+    alloc2 = checked_allocator((full_end(ps=4), swa_end(ps=4)), 64 * 10)
     t2 = alloc2.alloc_extend(T(0), T(6), T(-1))
     assert torch.equal(t, t2) and snapshots_equal(before, alloc2.snapshot())
     alloc2.free(torch.cat([t2[:4], t2[3:]]))                      # one batch: the shared page once
@@ -174,8 +174,8 @@ def test_F07_two_segments_sharing_a_page_free_it_once() -> None:
         alloc2.alloc_decode(T(6), t3[3:4])                        # claims position 4 is t3[3] (offset 3)
 
 
-def test_F08_freeing_a_request_returns_exactly_what_it_holds() -> None:
-    alloc = make((full_end(), swa_end()), 32 * 30)                # page_size 2, pages 1..29
+def test_F08_freeing_a_request_returns_exactly_what_it_holds(checked_allocator) -> None:
+    alloc = checked_allocator((full_end(), swa_end()), 32 * 30)                # page_size 2, pages 1..29
     lens = [5, 3, 8]
     t = alloc.alloc_extend(T(0, 0, 0), T(*lens), T(-1, -1, -1))
     reqs = list(torch.split(t, lens))
@@ -193,9 +193,9 @@ def test_F08_freeing_a_request_returns_exactly_what_it_holds() -> None:
     assert alloc.stats()["full"].pages_freed == 2 + 3 and alloc.stats()["full"].live_pages == 4
 
 
-def test_F15_bound_tables_are_sized_and_checked_by_the_owner_id_space() -> None:
+def test_F15_bound_tables_are_sized_and_checked_by_the_owner_id_space(checked_allocator) -> None:
     # full: 32 B pages, 10 slots (its virtual id space); swa: 16 B pages, 20 physical slots
-    alloc = make((full_end(), swa_end(head_dim=2)), 320)
+    alloc = checked_allocator((full_end(), swa_end(head_dim=2)), 320)
     assert alloc.num_vpages() == 10
     assert alloc.v2p("swa").numel() == 10 and alloc.p2v("swa").numel() == 20
     v = alloc.alloc_pages(3)
@@ -211,8 +211,8 @@ def test_F15_bound_tables_are_sized_and_checked_by_the_owner_id_space() -> None:
 
 
 @pytest.mark.parametrize("page_size, window", [(2, 4), (4, 3), (8, 3), (1, 5), (4, 4)])
-def test_F18_pages_overlapping_the_window_are_never_released(page_size: int, window: int) -> None:
-    alloc = make((full_end(ps=page_size), swa_end(ps=page_size)), 16 * page_size * 40)
+def test_F18_pages_overlapping_the_window_are_never_released(checked_allocator, page_size: int, window: int) -> None:
+    alloc = checked_allocator((full_end(ps=page_size), swa_end(ps=page_size)), 16 * page_size * 40)
     ps = page_size
     toks = alloc.alloc_extend(T(0), T(1), T(-1))
     released = 0
@@ -230,10 +230,10 @@ def test_F18_pages_overlapping_the_window_are_never_released(page_size: int, win
     assert alloc.stats()["swa"].live_pages == 0
 
 
-def test_F19_swa_is_priced_by_the_window_tail() -> None:
+def test_F19_swa_is_priced_by_the_window_tail(checked_allocator) -> None:
     # full: 32 B pages; swa: 32 B pages; page_size 2; window 4. A 12-token sequence needs 6 full pages and
     # only the tail [floor_to_page(12 - 4), 12) = [8, 12) on swa: 2 pages. Arena: floor + exactly 8 pages.
-    alloc = make((full_end(), swa_end()), 32 * 9)
+    alloc = checked_allocator((full_end(), swa_end()), 32 * 9)
     L, W, ps = 12, 4, 2
     assert not alloc.can_alloc({"full": 6, "swa": 6})            # pricing swa by the whole sequence fails
     tail = alloc.swa_tail_start(L, W, 0, ps)
@@ -248,21 +248,21 @@ def test_F19_swa_is_priced_by_the_window_tail() -> None:
         alloc.translate(t[:tail], "swa")
 
 
-def _f20_setup(**kw) -> tuple[MultiEndedAllocator, torch.Tensor]:
+def _f20_setup(full_swa, **kw) -> tuple[MultiEndedAllocator, torch.Tensor]:
     alloc = full_swa(**kw)
     v = alloc.alloc_pages(7, bind=[])                             # full 1..7
     alloc.free(v[:3] * 2)                                         # holes 1, 2, 3 (4..7 live)
     return alloc, v[3:]
 
 
-def test_F20_each_end_is_reported_and_driven_by_its_own_deficit() -> None:
-    alloc, live = _f20_setup(compaction="off")
+def test_F20_each_end_is_reported_and_driven_by_its_own_deficit(full_swa) -> None:
+    alloc, live = _f20_setup(full_swa, compaction="off")
     assert alloc.shortfall_pages({"swa": 4}) == {"swa": 2}       # swa reaches pages 8, 9 only
     assert alloc.shortfall_pages({"full": 3, "swa": 4}) == {"swa": 2}   # full's holes serve full
     assert not alloc.bind_end("swa", live * 2)
     assert alloc.last_shortfall == {"swa": 2}
     # lazy: the ladder compacts full, the end that bounds swa, by swa's deficit (budget 2 suffices)
-    alloc, live = _f20_setup(compaction="lazy", move_budget_pages=2)
+    alloc, live = _f20_setup(full_swa, compaction="lazy", move_budget_pages=2)
     stamp(alloc, "full", live, live * 7)
     assert alloc.bind_end("swa", live * 2)
     assert alloc.stats()["full"].pages_moved == 2                 # order-preserving: 6 -> 1, 7 -> 2
@@ -271,14 +271,14 @@ def test_F20_each_end_is_reported_and_driven_by_its_own_deficit() -> None:
     assert marker(alloc, "full", live).tolist() == (live * 7).tolist()
 
 
-def test_compaction_that_would_not_help_moves_nothing() -> None:
-    alloc, live = _f20_setup(compaction="lazy", move_budget_pages=1)   # one move frees 1 page, swa needs 2
+def test_compaction_that_would_not_help_moves_nothing(full_swa) -> None:
+    alloc, live = _f20_setup(full_swa, compaction="lazy", move_budget_pages=1)   # one move frees 1 page, swa needs 2
     before = alloc.snapshot()
     assert not alloc.bind_end("swa", live * 2)
     assert snapshots_equal(before, alloc.snapshot())
 
 
-def test_float_slide_lets_the_walled_in_end_grow() -> None:
+def test_float_slide_lets_the_walled_in_end_grow(float3) -> None:
     alloc = float3()
     v = alloc.alloc_pages(2)                                      # full 1 2, draft 21 22, swa 18 19
     stamp(alloc, "draft", v, T(5, 6))
@@ -291,7 +291,7 @@ def test_float_slide_lets_the_walled_in_end_grow() -> None:
     assert alloc.stats()["draft"].pages_moved == 1
 
 
-def test_float_slide_never_moves_a_pinned_page() -> None:
+def test_float_slide_never_moves_a_pinned_page(float3) -> None:
     alloc = float3()
     v = alloc.alloc_pages(2)
     alloc.alloc_pages(7, bind=[])
@@ -304,8 +304,8 @@ def test_float_slide_never_moves_a_pinned_page() -> None:
     assert pages(alloc, v, "draft") == [23, 22]
 
 
-def test_pending_pages_are_walls_for_the_ladder() -> None:
-    alloc, live = _f20_setup(compaction="lazy")
+def test_pending_pages_are_walls_for_the_ladder(full_swa) -> None:
+    alloc, live = _f20_setup(full_swa, compaction="lazy")
     lease = alloc.lease({"full": alloc.translate_pages(live[-1:], "full")})   # pin page 7
     alloc.free(live[-1:] * 2)                                     # page 7 pending: the band cannot retreat
     assert alloc.ends["full"].state[7] == PAGE_PENDING
@@ -314,7 +314,7 @@ def test_pending_pages_are_walls_for_the_ladder() -> None:
     assert alloc.bind_end("swa", live[:3] * 2)
 
 
-def test_draft_end_page_bytes_differ_from_owner() -> None:
-    alloc = make((full_end(), draft_end(grow=Grow.DOWN)), 320)
+def test_draft_end_page_bytes_differ_from_owner(checked_allocator) -> None:
+    alloc = checked_allocator((full_end(), draft_end(grow=Grow.DOWN)), 320)
     v = alloc.alloc_pages(2)
     assert pages(alloc, v, "draft") == [18, 19] and alloc.v2p("draft").numel() == 10
