@@ -1,4 +1,5 @@
-"""Shared helpers for the lease / compaction / retraction tests: tiny arenas, a fake clock and a byte model
+"""Shared helpers for the lease / compaction / retraction tests: tiny geometries (their allocators are the
+``two_end_allocator`` / ``three_end_allocator`` fixtures of ``conftest.py``), a fake clock and a byte model
 that follows every virtual page through moves (data written through a virtual page must read back the same)."""
 
 from __future__ import annotations
@@ -7,8 +8,7 @@ import numpy as np
 import torch
 
 from umalloc.allocator.facade import MultiEndedAllocator
-from umalloc.geometry.arena import Arena
-from umalloc.geometry.spec import ArenaSpec, EndRole, EndSpec, Grow, LayerSpec
+from umalloc.geometry.spec import EndRole, EndSpec, Grow, LayerSpec
 from umalloc.pool.pagestate import PAGE_GAP, PAGE_HOLE, PAGE_LIVE, PAGE_PENDING, PAGE_RESERVED, TOMBSTONE
 from umalloc.testing import FakeClock, seed_from_env  # noqa: F401  (re-exported for the tests)
 
@@ -29,15 +29,14 @@ def draft_end(grow: Grow = Grow.FLOAT) -> EndSpec:
                    role=EndRole.DRAFT)  # 16 B pages
 
 
-def two_end_allocator(arena_bytes: int = 32 * 12, **kw) -> MultiEndedAllocator:
-    """full (up, owner, 32 B pages) + swa (down, bound, 16 B pages)."""
-    return MultiEndedAllocator(Arena(ArenaSpec((full_end(), swa_end()), arena_bytes=arena_bytes)), **kw)
+def two_ends() -> tuple[EndSpec, ...]:
+    """full (up, owner, 32 B pages) + swa (down, bound, 16 B pages): the ``two_end_allocator`` fixture's ends."""
+    return (full_end(), swa_end())
 
 
-def three_end_allocator(arena_bytes: int = 32 * 24, **kw) -> MultiEndedAllocator:
-    """full (up, owner) + draft (float, bound) + swa (down, bound)."""
-    return MultiEndedAllocator(Arena(ArenaSpec((full_end(), draft_end(), swa_end()), arena_bytes=arena_bytes)),
-                               **kw)
+def three_ends() -> tuple[EndSpec, ...]:
+    """full (up, owner) + draft (float, bound) + swa (down, bound): the ``three_end_allocator`` fixture's ends."""
+    return (full_end(), draft_end(), swa_end())
 
 
 class ByteModel:

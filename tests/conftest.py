@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from compaction_helpers import three_ends, two_ends
 
 from umalloc.allocator.facade import MultiEndedAllocator
 from umalloc.geometry.arena import Arena
@@ -88,3 +89,17 @@ def make_table(make_allocator: Callable[..., MultiEndedAllocator]) -> Callable[.
                             max_tokens_per_request=max_tokens_per_request, **kw)
 
     return make
+
+
+@pytest.fixture
+def two_end_allocator(make_allocator: Callable[..., MultiEndedAllocator]) -> Callable[..., MultiEndedAllocator]:
+    """``two_end_allocator(arena_bytes=32 * 12, **allocator_kwargs)``: an allocator of
+    ``compaction_helpers.two_ends()`` (full up / swa down)."""
+    return lambda arena_bytes=32 * 12, **kw: make_allocator(two_ends(), arena_bytes, **kw)
+
+
+@pytest.fixture
+def three_end_allocator(make_allocator: Callable[..., MultiEndedAllocator]) -> Callable[..., MultiEndedAllocator]:
+    """``three_end_allocator(arena_bytes=32 * 24, **allocator_kwargs)``: an allocator of
+    ``compaction_helpers.three_ends()`` (full up / draft float / swa down)."""
+    return lambda arena_bytes=32 * 24, **kw: make_allocator(three_ends(), arena_bytes, **kw)

@@ -16,7 +16,6 @@ from compaction_helpers import (
     full_end,
     seed_from_env,
     swa_end,
-    three_end_allocator,
 )
 
 from umalloc.allocator.facade import snapshots_equal
@@ -78,7 +77,7 @@ def check_restored(alloc, model, req, new_tokens, before) -> None:
     assert_no_ghost_pages(alloc)
 
 
-def test_round_trip_target_swa_draft_bytes_identical() -> None:
+def test_round_trip_target_swa_draft_bytes_identical(three_end_allocator) -> None:
     alloc = three_end_allocator(debug_checks=True)
     model, other, req, third = setup_request(alloc)
     old_vp = vpages_of(req)
@@ -103,7 +102,7 @@ def test_round_trip_target_swa_draft_bytes_identical() -> None:
     check_restored(alloc, model, req, new, before)
 
 
-def test_round_trip_under_compaction() -> None:
+def test_round_trip_under_compaction(three_end_allocator) -> None:
     seed = seed_from_env(5)
     rng = np.random.default_rng(seed)
     alloc = three_end_allocator(arena_bytes=32 * 40, compaction="lazy", move_budget_pages=2, debug_checks=True)
@@ -132,7 +131,7 @@ def test_round_trip_under_compaction() -> None:
     check_restored(alloc, model, req, new, before)
 
 
-def test_copy_runs_under_a_lease_naming_every_end() -> None:
+def test_copy_runs_under_a_lease_naming_every_end(three_end_allocator) -> None:
     alloc = three_end_allocator()
     model, other, req, third = setup_request(alloc)
     old_vp = vpages_of(req)
@@ -163,7 +162,7 @@ def test_copy_runs_under_a_lease_naming_every_end() -> None:
     assert alloc.leases_active() == 0 and not any(alloc.moves_blocked(e) for e in alloc.spec.end_names)
 
 
-def test_restore_out_of_space_returns_none_and_changes_nothing() -> None:
+def test_restore_out_of_space_returns_none_and_changes_nothing(three_end_allocator) -> None:
     alloc = three_end_allocator(debug_checks=True)
     model, other, req, third = setup_request(alloc)
     retracted = retract(alloc, req)
@@ -176,7 +175,7 @@ def test_restore_out_of_space_returns_none_and_changes_nothing() -> None:
     model.check()
 
 
-def test_retract_misuse_raises_and_changes_nothing() -> None:
+def test_retract_misuse_raises_and_changes_nothing(three_end_allocator) -> None:
     alloc = three_end_allocator()
     model, other, req, third = setup_request(alloc)
     alloc.free(third)
@@ -195,7 +194,7 @@ def test_retract_misuse_raises_and_changes_nothing() -> None:
 
 
 @pytest.mark.parametrize("form", ["int32", "int16", "numpy-int32", "numpy-uint16"])
-def test_retract_takes_any_integer_dtype_like_every_id_call(form: str) -> None:
+def test_retract_takes_any_integer_dtype_like_every_id_call(three_end_allocator, form: str) -> None:
     """The same request retracted from int64 ids and from another integer dtype frees the same pages and keeps
     the same bytes (both allocators built alike, the int64 run is the reference)."""
     got = {}
@@ -214,7 +213,7 @@ def test_retract_takes_any_integer_dtype_like_every_id_call(form: str) -> None:
     assert snapshots_equal(ref[3], other_form[3])
 
 
-def test_allocator_methods_delegate_to_retraction() -> None:
+def test_allocator_methods_delegate_to_retraction(three_end_allocator) -> None:
     alloc = three_end_allocator(debug_checks=True)
     model, other, req, third = setup_request(alloc)
     before = expected_bytes(model, vpages_of(req))
@@ -275,7 +274,7 @@ GEOMETRY_DIFFERENCES = {  # kind -> a difference the error must name
 
 
 @pytest.mark.parametrize("kind", sorted(GEOMETRY_DIFFERENCES))
-def test_restore_of_a_record_from_another_geometry_is_refused_and_changes_nothing(make_allocator, kind: str) -> None:
+def test_restore_of_a_record_from_another_geometry_is_refused_and_changes_nothing(three_end_allocator, make_allocator, kind: str) -> None:
     """A record from an allocator of another geometry used to be bound and written half-way (or restored with
     a foreign layout / without its draft): now it is refused before any page is allocated."""
     record = _record_from(_other_geometry(make_allocator, kind))
@@ -294,7 +293,7 @@ def test_restore_of_a_record_from_another_geometry_is_refused_and_changes_nothin
     model.check()
 
 
-def test_record_restores_into_another_allocator_of_the_same_geometry() -> None:
+def test_record_restores_into_another_allocator_of_the_same_geometry(three_end_allocator) -> None:
     """Geometry, not identity, is what restore checks: a record moves to a bigger arena of the same ends."""
     src = three_end_allocator()
     model, other, req, third = setup_request(src)
@@ -308,7 +307,7 @@ def test_record_restores_into_another_allocator_of_the_same_geometry() -> None:
     check_restored(dst, dst_model, req, new, before)
 
 
-def test_restore_of_a_foreign_record_into_a_full_allocator_raises_rather_than_returning_none(make_allocator) -> None:
+def test_restore_of_a_foreign_record_into_a_full_allocator_raises_rather_than_returning_none(three_end_allocator, make_allocator) -> None:
     """The record is checked before space: a record that can never fit is misuse, not a shortage."""
     record = _record_from(_other_geometry(make_allocator, "page_bytes"))
     alloc = three_end_allocator()
@@ -361,7 +360,7 @@ RECORD_DIFFERENCES = {  # field made inconsistent -> a difference the error must
 
 
 @pytest.mark.parametrize("what", sorted(RECORD_DIFFERENCES))
-def test_restore_of_an_inconsistent_record_is_refused_and_changes_nothing(what: str) -> None:
+def test_restore_of_an_inconsistent_record_is_refused_and_changes_nothing(three_end_allocator, what: str) -> None:
     """A record of the right geometry whose fields disagree (as a caller could build one) used to fail in the
     middle of restore, after pages were allocated."""
     record = _tampered(_record_from(three_end_allocator()), what)
@@ -390,7 +389,7 @@ def _same_live_tables(a: dict, b: dict) -> bool:
 
 
 @pytest.mark.parametrize("compaction", ["lazy", "eager"])
-def test_restore_short_on_the_second_end_leaves_nothing_allocated(compaction: str) -> None:
+def test_restore_short_on_the_second_end_leaves_nothing_allocated(three_end_allocator, compaction: str) -> None:
     """The owner (and the fully bound draft) get their pages, then binding the partly bound SWA end comes up
     short (as bind_end reports it: False, nothing changed on that end): restore returns None and every page it
     took is free again."""
@@ -422,7 +421,7 @@ def test_restore_short_on_the_second_end_leaves_nothing_allocated(compaction: st
     check_restored(alloc, model, req, new, before_bytes)
 
 
-def test_restore_failing_while_writing_bytes_frees_what_it_took_and_reraises() -> None:
+def test_restore_failing_while_writing_bytes_frees_what_it_took_and_reraises(three_end_allocator) -> None:
     """A device error while the bytes go back (after every end is bound) is re-raised with every new page
     freed; before the fix the pages stayed allocated."""
     alloc = three_end_allocator(arena_bytes=32 * 40, debug_checks=True)

@@ -8,7 +8,7 @@ import logging
 import numpy as np
 import pytest
 import torch
-from compaction_helpers import PAGE_SIZE, ByteModel, three_end_allocator, two_end_allocator
+from compaction_helpers import PAGE_SIZE, ByteModel
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -310,7 +310,7 @@ def handed_out(alloc, reqs: list[torch.Tensor], end: str) -> set[int]:
     return {p for t in reqs for p in phys_of(alloc, t, end).tolist()}
 
 
-def test_lease_misuse_raises_and_changes_nothing() -> None:
+def test_lease_misuse_raises_and_changes_nothing(two_end_allocator) -> None:
     alloc = two_end_allocator(debug_checks=True)
     t = extend(alloc, 4)
     alloc.free(extend(alloc, 2))
@@ -325,7 +325,7 @@ def test_lease_misuse_raises_and_changes_nothing() -> None:
     assert alloc.lease_table.leases_taken == 0
 
 
-def test_abort_exception_inside_with_releases_and_pages_become_reusable() -> None:
+def test_abort_exception_inside_with_releases_and_pages_become_reusable(two_end_allocator) -> None:
     alloc = two_end_allocator(arena_bytes=32 * 8, debug_checks=True)
     model = ByteModel(alloc)
     t = extend(alloc, 4)
@@ -348,7 +348,7 @@ def test_abort_exception_inside_with_releases_and_pages_become_reusable() -> Non
     alloc.check_invariants()
 
 
-def test_deadline_reclaim_is_counted_logged_and_pages_become_reusable(caplog) -> None:
+def test_deadline_reclaim_is_counted_logged_and_pages_become_reusable(two_end_allocator, caplog) -> None:
     clock = FakeClock()
     alloc = two_end_allocator(arena_bytes=32 * 8, clock=clock, debug_checks=True)
     model = ByteModel(alloc)
@@ -378,7 +378,7 @@ def test_deadline_reclaim_is_counted_logged_and_pages_become_reusable(caplog) ->
     model.check()
 
 
-def test_F11_page_freed_under_a_transfer_is_never_reused_or_moved_until_the_lease_ends() -> None:
+def test_F11_page_freed_under_a_transfer_is_never_reused_or_moved_until_the_lease_ends(three_end_allocator) -> None:
     alloc = three_end_allocator(arena_bytes=32 * 12, compaction="eager", debug_checks=True)
     model = ByteModel(alloc)
     reqs = fill(alloc, model)
@@ -407,7 +407,7 @@ def test_F11_page_freed_under_a_transfer_is_never_reused_or_moved_until_the_leas
     model.check()
 
 
-def test_F12_held_pages_have_a_deadline_a_dead_peer_releases_them_and_they_count_as_held() -> None:
+def test_F12_held_pages_have_a_deadline_a_dead_peer_releases_them_and_they_count_as_held(two_end_allocator) -> None:
     clock = FakeClock()
     alloc = two_end_allocator(arena_bytes=32 * 10, clock=clock, debug_checks=True)
     model = ByteModel(alloc)
@@ -434,7 +434,7 @@ def test_F12_held_pages_have_a_deadline_a_dead_peer_releases_them_and_they_count
     alloc.check_invariants()
 
 
-def test_F16_every_terminal_path_ends_the_hold_on_compaction() -> None:
+def test_F16_every_terminal_path_ends_the_hold_on_compaction(two_end_allocator) -> None:
     clock = FakeClock()
     alloc = two_end_allocator(arena_bytes=32 * 16, clock=clock, debug_checks=True)
     model = ByteModel(alloc)

@@ -12,8 +12,7 @@ from compaction_helpers import (
     FakeClock,
     assert_no_ghost_pages,
     seed_from_env,
-    three_end_allocator,
-    two_end_allocator,
+    three_ends,
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -464,7 +463,7 @@ def live_sets(alloc: MultiEndedAllocator) -> dict[str, list[int]]:
     return {e: np.flatnonzero(alloc.v2p(e).numpy()[1:] != TOMBSTONE).tolist() for e in alloc.spec.end_names}
 
 
-def test_lazy_equals_eager_on_a_random_trace() -> None:
+def test_lazy_equals_eager_on_a_random_trace(three_end_allocator) -> None:
     seed = seed_from_env(11)
     rng = np.random.default_rng(seed)
     allocs = [three_end_allocator(arena_bytes=32 * 20, compaction=mode, debug_checks=True)
@@ -512,7 +511,7 @@ def test_lazy_equals_eager_on_a_random_trace() -> None:
     assert lazy_moved <= eager_moved
 
 
-def test_churn_3000_steps_move_budget_2_ends_with_no_ghost_page() -> None:
+def test_churn_3000_steps_move_budget_2_ends_with_no_ghost_page(three_end_allocator) -> None:
     seed = seed_from_env(3)
     rng = np.random.default_rng(seed)
     clock = FakeClock()
@@ -576,7 +575,7 @@ def test_churn_3000_steps_move_budget_2_ends_with_no_ghost_page() -> None:
     assert alloc.leases_active() == 0
 
 
-def test_in_flight_transfer_pages_stay_put_until_release() -> None:
+def test_in_flight_transfer_pages_stay_put_until_release(two_end_allocator) -> None:
     alloc = two_end_allocator(arena_bytes=32 * 16, compaction="lazy", debug_checks=True)
     model = ByteModel(alloc)
     a, b, c = extend(alloc, 6), extend(alloc, 6), extend(alloc, 4)  # full pages 1-3, 4-6, 7-8
@@ -631,7 +630,7 @@ def test_in_flight_transfer_pages_stay_put_until_release() -> None:
     assert_no_ghost_pages(alloc)
 
 
-def test_F17_a_lease_reaches_every_end_and_every_move_path() -> None:
+def test_F17_a_lease_reaches_every_end_and_every_move_path(three_end_allocator) -> None:
     for mode in ("eager", "lazy"):
         alloc = three_end_allocator(arena_bytes=32 * 24, compaction=mode, debug_checks=True)
         model = ByteModel(alloc)
@@ -694,8 +693,8 @@ class LeaseCompactionMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.clock = FakeClock()
-        self.alloc = three_end_allocator(arena_bytes=32 * 12, compaction="lazy", move_budget_pages=1,
-                                         clock=self.clock)
+        self.alloc = MultiEndedAllocator(Arena(ArenaSpec(three_ends(), arena_bytes=32 * 12)), compaction="lazy",
+                                         move_budget_pages=1, clock=self.clock)  # hypothesis: no fixtures
         self.model = ByteModel(self.alloc)
         self.reqs: list[torch.Tensor] = []
         self.leases: list[tuple[object, dict[str, np.ndarray], dict[str, torch.Tensor]]] = []
