@@ -16,7 +16,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from test_allocator import T, draft_end, full_end, make, pages, swa_end
+from allocator_helpers import T, draft_end, full_end, pages, swa_end
 
 from umalloc.allocator.facade import MultiEndedAllocator, snapshots_equal
 from umalloc.errors import (
@@ -42,17 +42,23 @@ def checked(request) -> bool:
     return request.param
 
 
-def full_swa(arena_bytes: int, checked: bool) -> MultiEndedAllocator:
-    alloc = make((full_end(), swa_end()), arena_bytes, debug_checks=checked)
-    assert alloc._plain is not checked
-    return alloc
+@pytest.fixture
+def sized_full_swa(checked_allocator, checked):
+    """``sized_full_swa(arena_bytes)``: full (up, owner) + swa (down, bound), page_size 2, on the hot path or,
+    with ``checked``, the general one (debug checks)."""
+    def build(arena_bytes: int) -> MultiEndedAllocator:
+        alloc = checked_allocator((full_end(), swa_end()), arena_bytes, debug_checks=checked)
+        assert alloc._plain is not checked
+        return alloc
+
+    return build
 
 
 # ---- memory safety ---------------------------------------------------------------------------------------------
-def test_alloc_index_that_overlaps_the_table_never_writes_outside_it(checked) -> None:
+def test_alloc_index_that_overlaps_the_table_never_writes_outside_it(sized_full_swa, checked) -> None:
     """``index`` is the table itself, or a slice of it: the kernel used to read slot j after writing page j-1,
     which may have overwritten that slot with a page id far past the table -- a write outside the buffer."""
-    alloc = full_swa(4096, checked)
+    alloc = sized_full_swa(4096)
     assert alloc.alloc_pages(5).tolist() == [1, 2, 3, 4, 5]
     big = np.full(12, -9, I64)
     buf = big[:2]
@@ -74,9 +80,9 @@ def test_alloc_index_that_overlaps_the_table_never_writes_outside_it(checked) ->
 
 @pytest.mark.parametrize("num_pages", [2**63, 2**64, np.uint64(2**64 - 1)], ids=["2**63", "2**64", "uint64-max"])
 @pytest.mark.parametrize("with_out", [False, True], ids=["new", "out"])
-def test_alloc_pages_refuses_a_count_an_int64_cannot_hold(checked, num_pages, with_out) -> None:
+def test_alloc_pages_refuses_a_count_an_int64_cannot_hold(sized_full_swa, checked, num_pages, with_out) -> None:
     """Used to leak numba's TypingError / OverflowError from the dispatcher (not a umalloc error)."""
-    alloc = full_swa(416, checked)
+    alloc = sized_full_swa(416)
     alloc.alloc_pages(1)
     snap = alloc.snapshot()
     out = np.full(3, -7, I64) if with_out else None
@@ -94,14 +100,14 @@ def _canonical_int64_lookalikes() -> list[np.ndarray]:
 
 
 @pytest.mark.parametrize("kind", ["unpickled", "longlong"])
-def test_page_calls_take_native_int64_under_another_dtype_object(checked, kind) -> None:
+def test_page_calls_take_native_int64_under_another_dtype_object(sized_full_swa, checked, kind) -> None:
     """Used to be refused with 'numpy dtype int64; allowed int64'."""
     proto = _canonical_int64_lookalikes()[["unpickled", "longlong"].index(kind)]
 
     def arr(*xs: int) -> np.ndarray:
         return np.array(xs, I64).astype(proto.dtype)
 
-    alloc = full_swa(416, checked)
+    alloc = sized_full_swa(416)
     out = arr(-1, -1, -1)
     assert alloc.alloc_pages(3, out=out) is out and out.tolist() == [1, 2, 3]
     table = arr(-1, -1, -1, -1)
@@ -119,9 +125,9 @@ def test_page_calls_take_native_int64_under_another_dtype_object(checked, kind) 
 
 
 @pytest.mark.parametrize("bad", ["meta", "sparse"])
-def test_id_tensors_without_dense_data_are_refused_typed(checked, bad) -> None:
+def test_id_tensors_without_dense_data_are_refused_typed(sized_full_swa, checked, bad) -> None:
     """Used to leak torch's NotImplementedError (meta: 'Cannot copy out of meta tensor') / RuntimeError (sparse)."""
-    alloc = full_swa(416, checked)
+    alloc = sized_full_swa(416)
     vp = alloc.alloc_pages(2)
     snap = alloc.snapshot()
     if bad == "meta":
@@ -138,12 +144,12 @@ def test_id_tensors_without_dense_data_are_refused_typed(checked, bad) -> None:
 
 
 # ---- F11 / F12 on the page-level calls -------------------------------------------------------------------------
-def test_an_expired_lease_is_reclaimed_by_a_numpy_page_call() -> None:
+def test_an_expired_lease_is_reclaimed_by_a_numpy_page_call(checked_allocator) -> None:
     """F12: the hot path skips the lease tick only while no lease is active; a lease past its deadline is still
     active until a call reclaims it, so the first numpy call after the deadline takes the general path and does.
     416 B: full 1 2 and swa 11 12 for vpages 1 2."""
     now = [0.0]
-    alloc = make((full_end(), swa_end()), 416, debug_checks=False, clock=lambda: now[0])
+    alloc = checked_allocator((full_end(), swa_end()), 416, debug_checks=False, clock=lambda: now[0])
     vp = alloc.alloc_pages(2, out=np.zeros(2, I64))
     assert vp.tolist() == [1, 2] and pages(alloc, T(1, 2), "swa") == [11, 12]
     alloc.lease({"full": T(1)}, deadline_s=1.0)
@@ -162,9 +168,9 @@ def test_an_expired_lease_is_reclaimed_by_a_numpy_page_call() -> None:
     alloc.check_invariants()
 
 
-def test_unbind_pages_of_a_leased_swa_page_goes_pending(checked) -> None:
+def test_unbind_pages_of_a_leased_swa_page_goes_pending(sized_full_swa, checked) -> None:
     """F11 on the bound end: 416 B, swa 11 12 for vpages 1 2; the leased swa page 12 is unbound by page id."""
-    alloc = full_swa(416, checked)
+    alloc = sized_full_swa(416)
     alloc.alloc_pages(2)
     with alloc.lease({"swa": T(12)}):
         alloc.unbind_pages("swa", A(2))
@@ -178,9 +184,9 @@ def test_unbind_pages_of_a_leased_swa_page_goes_pending(checked) -> None:
 
 
 # ---- two owners; eager compaction ------------------------------------------------------------------------------
-def test_numpy_page_calls_on_two_owners_need_the_owner() -> None:
+def test_numpy_page_calls_on_two_owners_need_the_owner(checked_allocator) -> None:
     """640 B: full (up, 32 B pages 1..19) and draft (down, its own id owner, 32 B pages, top 19)."""
-    alloc = make((full_end(), draft_end(ps=4, head_dim=2, grow=Grow.DOWN, owner=None)), 640, debug_checks=False)
+    alloc = checked_allocator((full_end(), draft_end(ps=4, head_dim=2, grow=Grow.DOWN, owner=None)), 640, debug_checks=False)
     assert not alloc._plain
     out = np.zeros(2, I64)
     snap = alloc.snapshot()
@@ -203,10 +209,10 @@ def test_numpy_page_calls_on_two_owners_need_the_owner() -> None:
     alloc.check_invariants()
 
 
-def test_free_pages_under_eager_compaction_compacts_like_free() -> None:
+def test_free_pages_under_eager_compaction_compacts_like_free(checked_allocator) -> None:
     """416 B: full 1 2 3 / swa 10 11 12. Freeing vpage 1 leaves full hole 1, which eager compaction fills with
     the far-edge page 3 (vpage 3); swa 10 sat at swa's moving edge and simply retreated."""
-    alloc = make((full_end(), swa_end()), 416, debug_checks=False, compaction="eager")
+    alloc = checked_allocator((full_end(), swa_end()), 416, debug_checks=False, compaction="eager")
     assert not alloc._plain
     alloc.alloc_pages(3, out=np.zeros(3, I64))
     alloc.free_pages(A(1))
@@ -288,7 +294,7 @@ class PageModel:
             self.swa.discard(v)
 
 
-def test_hot_path_general_path_and_mirror_path_agree_with_a_model() -> None:
+def test_hot_path_general_path_and_mirror_path_agree_with_a_model(checked_allocator) -> None:
     """Random page calls (valid and invalid, every id form) on three allocators: the hot path, the general path
     (debug checks) and the general path with a CPU v2p mirror. Each must give the model's pages, errors and table,
     the same snapshot, and the mirror must equal the host table. 1024 B: 31 physical pages, virtual ids 1..31."""
@@ -296,8 +302,9 @@ def test_hot_path_general_path_and_mirror_path_agree_with_a_model() -> None:
     rng = random.Random(seed)
     NS = 12                                                       # block-table slots
     for _ in range(4):
-        allocs = [full_swa(1024, False), full_swa(1024, True), make((full_end(), swa_end()), 1024,
-                                                                    debug_checks=False, mirror_device="cpu")]
+        allocs = [checked_allocator((full_end(), swa_end()), 1024, debug_checks=debug, mirror_device=mirror)
+                  for debug, mirror in ((False, None), (True, None), (False, "cpu"))]
+        assert allocs[0]._plain and not allocs[1]._plain
         tables = [np.full(NS, -1, I64) for _ in allocs]
         model, mtable = PageModel(32, 31), np.full(NS, -1, I64)
         for step in range(80):
