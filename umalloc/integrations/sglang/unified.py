@@ -44,9 +44,8 @@ Threading: one scheduler thread. Complexity: each call is one or two umalloc ker
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -58,9 +57,10 @@ from sglang.srt.mem_cache.allocator.unified_hybrid_swa import (
 )
 
 import umalloc.integrations.sglang.hostcopy as hostcopy
-from umalloc import TOMBSTONE, Arena, Grow, MultiEndedAllocator
+from umalloc import TOMBSTONE, Arena, MultiEndedAllocator
 from umalloc.errors import InvalidIdError, InvariantError, UmallocValueError
 from umalloc.integrations.sglang.capacity import (
+    EndAccounting,
     EndState,
     end_available_pages,
     fits_page_demand,
@@ -111,8 +111,8 @@ class UmallocUnifiedSWATokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):  # ty
         self.host_transfer_move_gate: Callable[[], bool] | None = None
         self.pages_moved = 0
         self._new_allocator()
-        full, swa = self._end_states()
-        self._empty_gap_bytes = self._gap_bytes()
+        full, swa = self.accounting.end_states()
+        self._empty_gap_bytes = self.accounting.gap_bytes()
         if full_max_total_num_tokens is not None:
             self._size_full = int(full_max_total_num_tokens)
             self._size_swa = int(swa_max_total_num_tokens)  # type: ignore[arg-type]
@@ -136,7 +136,8 @@ class UmallocUnifiedSWATokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):  # ty
         self.full_free_group: list[torch.Tensor] | None = None
         self.free_page_reps_group: list[torch.Tensor] | None = None
         self.full_page_reps_group: list[torch.Tensor] | None = None
-        self._deferred = [0, 0]  # Note [Deferred boundary pages]: full, swa
+        #: both ends as SGLang's accounting sees them (Note [Deferred boundary pages] in the capacity module)
+        self.accounting = EndAccounting(self._full_view, self._swa_view, lazy=self.lazy_compaction)
         ps = self.page_size
         #: live slots of partly filled virtual pages (None at page_size 1)
         self.slots = SlotOccupancy(self._full_view.v2p.shape[0] * ps, ps) if ps > 1 else None
@@ -154,54 +155,9 @@ class UmallocUnifiedSWATokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):  # ty
 
     def end_available_size(self, end: str) -> int:
         """Tokens end ``end`` alone can take now, peers not compacted (SGLang's sub-pool view). O(1)."""
-        full, swa = self._end_states()
+        full, swa = self.accounting.end_states()
         state = full if end == FULL else swa
-        return end_available_pages(state, self._gap_bytes(), lazy=self.lazy_compaction) * self.page_size
-
-    @staticmethod
-    def _state_of(view: Any, deferred: int) -> EndState:
-        return EndState(page_bytes=view.page_bytes, capacity_pages=view.top_page - view.first_page + 1,
-                        band_pages=view.hi - view.lo + deferred, live_pages=view.live_pages,
-                        hole_pages=view.hole_pages + deferred)
-
-    def _end_states(self) -> tuple[EndState, EndState]:
-        """Both ends as SGLang's accounting sees them (Note [Deferred boundary pages])."""
-        d = self._deferred
-        return self._state_of(self._full_view, d[0]), self._state_of(self._swa_view, d[1])
-
-    def _gap_bytes(self) -> int:
-        f, s = self._full_view, self._swa_view
-        up, down = (f, s) if f.grow is Grow.UP else (s, f)
-        gap = down.lo * down.page_bytes - up.hi * up.page_bytes
-        return max(0, gap - self._deferred[0] * f.page_bytes - self._deferred[1] * s.page_bytes)
-
-    # Note [Deferred boundary pages]
-    # umalloc retreats a band the moment its frontier page is freed (no page moves); SGLang's lazy pools keep
-    # such pages as holes until their next flush that may move pages. So that every size this class reports
-    # and every refusal is SGLang's, ``_deferred[e]`` counts the pages end ``e`` retreated that SGLang would
-    # still hold as holes: they count as holes inside the band and not as gap. A flush (gate open) absorbs
-    # them, as SGLang's does; an allocation drains SGLang's lowest holes first, so they are used last.
-    def _snapshot(self) -> tuple[tuple[int, int, int], ...]:
-        return tuple((v.hi - v.lo, v.hole_pages, v.live_pages) for v in (self._full_view, self._swa_view))
-
-    @contextlib.contextmanager
-    def _tracked(self) -> Iterator[None]:
-        before = self._snapshot()
-        try:
-            yield
-        finally:
-            self._account(before)
-
-    def _account(self, before: tuple[tuple[int, int, int], ...]) -> None:
-        if not self.lazy_compaction:
-            return
-        for e, view in enumerate((self._full_view, self._swa_view)):
-            band_b, holes_b, live_b = before[e]
-            d = self._deferred[e]
-            taken = max(0, view.live_pages - live_b)
-            if taken:
-                d = min(d, max(0, holes_b + d - taken))
-            self._deferred[e] = d + max(0, band_b - (view.hi - view.lo))
+        return end_available_pages(state, self.accounting.gap_bytes(), lazy=self.lazy_compaction) * self.page_size
 
     # ---- sizes -----------------------------------------------------------------------------------------
     @property
@@ -242,8 +198,8 @@ class UmallocUnifiedSWATokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):  # ty
 
     def available_size(self) -> int:
         """Tokens one ``alloc`` can take now on both ends (SGLang's joint view). O(1)."""
-        full, swa = self._end_states()
-        return joint_available_pages(full, swa, self._gap_bytes(), lazy=self.lazy_compaction) * self.page_size
+        full, swa = self.accounting.end_states()
+        return joint_available_pages(full, swa, self.accounting.gap_bytes(), lazy=self.lazy_compaction) * self.page_size
 
     def conserve_full_available_size(self) -> int:
         return self._size_full - self._full_view.live_pages * self.page_size
@@ -255,13 +211,13 @@ class UmallocUnifiedSWATokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):  # ty
     _conserve_swa_available_size = conserve_swa_available_size
 
     def schedulable_full_available_size(self) -> int:
-        full, swa = self._end_states()
-        return end_available_pages(full, self._gap_bytes(), lazy=self.lazy_compaction,
+        full, swa = self.accounting.end_states()
+        return end_available_pages(full, self.accounting.gap_bytes(), lazy=self.lazy_compaction,
                                    extra_gap_bytes=self._credit(swa)) * self.page_size
 
     def schedulable_swa_available_size(self) -> int:
-        full, swa = self._end_states()
-        return end_available_pages(swa, self._gap_bytes(), lazy=self.lazy_compaction,
+        full, swa = self.accounting.end_states()
+        return end_available_pages(swa, self.accounting.gap_bytes(), lazy=self.lazy_compaction,
                                    extra_gap_bytes=self._credit(full)) * self.page_size
 
     def full_available_size(self) -> int:
@@ -300,9 +256,9 @@ class UmallocUnifiedSWATokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):  # ty
 
         Changes nothing. O(1). SGLang's reclaim planning calls it under its own name ``_fits_page_demand``.
         """
-        full, swa = self._end_states()
+        full, swa = self.accounting.end_states()
         cap = full.capacity_pages
-        return fits_page_demand(full, swa, self._gap_bytes(), num_full_pages, num_swa_pages,
+        return fits_page_demand(full, swa, self.accounting.gap_bytes(), num_full_pages, num_swa_pages,
                                 free_virtual_pages=cap - full.live_pages, virtual_capacity_pages=cap,
                                 empty_gap_bytes=self._empty_gap_bytes, compacted=compacted,
                                 full_reclaim_pages=full_reclaim_pages, swa_reclaim_pages=swa_reclaim_pages,
@@ -346,7 +302,7 @@ class UmallocUnifiedSWATokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):  # ty
                 if kv is not None and hasattr(kv, "move_physical_pages"):
                     kv.move_physical_pages(dst, src, self.page_size)
                 moved += int(src.numel())
-        self._deferred = [0, 0]
+        self.accounting.reset()
         self.pages_moved += moved
         return moved
 
@@ -438,7 +394,7 @@ class UmallocUnifiedSWATokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):  # ty
                                     f"page_size={ps}")
         if not self.ensure_capacity(need_size, need_size):
             return None
-        with self._tracked():
+        with self.accounting.tracked():
             pages = self.allocator.alloc_pages(need_size // ps)
         if pages is None:
             raise InvariantError("unified alloc: umalloc refused pages SGLang's capacity rule admits")
@@ -474,7 +430,7 @@ class UmallocUnifiedSWATokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):  # ty
         if int((seq - prefix).sum()) != total:
             raise InvalidIdError(f"alloc_extend: extend_num_tokens={total}; allowed sum(seq_lens - prefix_lens)"
                                  f" = {int((seq - prefix).sum())}")
-        with self._tracked():
+        with self.accounting.tracked():
             out = self.allocator.alloc_extend(prefix, seq, last_loc.to(torch.int64).cpu(), bind=bind)
         if out is None:
             raise InvariantError("unified alloc_extend: umalloc refused pages SGLang's capacity rule admits")
@@ -505,7 +461,7 @@ class UmallocUnifiedSWATokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):  # ty
         if swa_tail_len:
             new_pages = torch.unique(out[torch.arange(prefix_len, seq_len) >= first_new * ps] // ps)
             tail_pages = new_pages[torch.isin(new_pages, torch.unique(out[-swa_tail_len:] // ps))]
-            with self._tracked():
+            with self.accounting.tracked():
                 bound = not tail_pages.numel() or self.allocator.bind_end(SWA, tail_pages * ps)
             if not bound:
                 raise InvariantError("alloc_extend_swa_tail: umalloc refused SWA pages the rule admits")
@@ -522,7 +478,7 @@ class UmallocUnifiedSWATokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):  # ty
         n = int(((seq - 1) % ps == 0).sum())
         if not self.ensure_capacity(n * ps, n * ps):
             return None
-        with self._tracked():
+        with self.accounting.tracked():
             out = self.allocator.alloc_decode(seq, last)
         if out is None:
             raise InvariantError("unified alloc_decode: umalloc refused pages SGLang's capacity rule admits")
@@ -557,7 +513,7 @@ class UmallocUnifiedSWATokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):  # ty
         """Free ``tokens`` (a virtual page when none of its slots stays live) and whole ``pages`` on both
         ends in one umalloc call; the slot tags change only after umalloc accepted the call."""
         if self.slots is None:
-            with self._tracked():
+            with self.accounting.tracked():
                 if tokens is not None:
                     self.allocator.free(tokens)
                 if pages is not None:
@@ -568,14 +524,14 @@ class UmallocUnifiedSWATokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):  # ty
                         where, "free_index", self._release_pages)
 
     def _release_pages(self, pages: np.ndarray) -> None:
-        with self._tracked():
+        with self.accounting.tracked():
             self.allocator.free_pages(pages)
 
     def free_swa(self, free_index: torch.Tensor) -> None:
         """Unbind the SWA pages of these tokens' virtual pages where bound; full pages and ids stay."""
         if free_index is None or free_index.numel() == 0:
             return
-        with self._tracked():
+        with self.accounting.tracked():
             self.allocator.unbind_end(SWA, self._host(free_index), strict=False)
         self._after_free()
 
@@ -588,7 +544,7 @@ class UmallocUnifiedSWATokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):  # ty
         pages = self._reps(free_index, start_pos)
         # SGLang's tree frees a node's full side first; umalloc unbound the SWA pages with those ids already
         pages = pages[torch.from_numpy(self._full_view.v2p.copy())[pages] != TOMBSTONE]
-        with self._tracked():
+        with self.accounting.tracked():
             self.allocator.unbind_pages(SWA, pages)
         self._after_free()
 
@@ -642,7 +598,7 @@ class UmallocUnifiedSWATokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):  # ty
                 self._free_ids(torch.cat(tokens + full_tokens) if tokens or full_tokens else None,
                                torch.cat(pages + full_pages) if pages or full_pages else None, "free_group_end")
         else:
-            with self._tracked():
+            with self.accounting.tracked():
                 if tokens or full_tokens:
                     self.allocator.free(torch.cat(tokens + full_tokens))
                 if pages or full_pages:
