@@ -7,7 +7,8 @@
 #   2. umalloc from this checkout, and nothing else of it, on the venv's path (a symlink in .peer/path);
 #   3. one pytest process over tests/integrations/test_integration_sglang.py (SGLang's import costs ~20 s of CPU,
 #      paid once): the differential runs print "<class> page_size=<ps>: N sequences identical, 0 differ" and fail
-#      on any difference; then install(), the version check and the behavioural differences.
+#      on any difference; then install(), the version check and the behavioural differences; then the short
+#      soak (tests/integrations/test_sglang_soak.py: "soak <class> page_size=<ps>: ... leaked 0 ...").
 # Idempotent: the venv is rebuilt only when the requirements change.
 # Usage: bash scripts/peer_suite_sglang.sh   (extra arguments go to pytest; UMALLOC_SGLANG_SEQUENCES sets the count)
 set -euo pipefail
@@ -65,10 +66,10 @@ echo "[sglang-peer] set-up done in $((SECONDS - t0)) s"
 t1=$SECONDS
 status=0
 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONPATH="$PEER/path" "$VENV/bin/python" -m pytest -q -s \
-  -p no:cacheprovider -o addopts="" -W ignore tests/integrations/test_integration_sglang.py "$@" \
+  -p no:cacheprovider -o addopts="" -W ignore tests/integrations/test_integration_sglang.py tests/integrations/test_sglang_soak.py "$@" \
   > "$PEER/pytest-sglang.log" 2>&1 || status=1
-grep -E "sequences identical|^seed=" "$PEER/pytest-sglang.log" | sort -u || true
+grep -E "sequences identical|^seed=|^soak " "$PEER/pytest-sglang.log" | sort -u || true
 [ $status -eq 0 ] || tail -n 40 "$PEER/pytest-sglang.log"
-echo "[sglang-peer] tests/integrations/test_integration_sglang.py: $(tail -n 1 "$PEER/pytest-sglang.log") ($((SECONDS - t1)) s)"
+echo "[sglang-peer] test_integration_sglang.py, test_sglang_soak.py: $(tail -n 1 "$PEER/pytest-sglang.log") ($((SECONDS - t1)) s)"
 echo "[sglang-peer] done in $((SECONDS - t0)) s"
 exit $status

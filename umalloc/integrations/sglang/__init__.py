@@ -23,7 +23,8 @@ unified-memory factory ``init_unified_swa_pools`` imports the class from when it
 * ``UnifiedSWATokenToKVPoolAllocator`` -> :class:`UmallocUnifiedSWATokenToKVPoolAllocator` (one umalloc arena for
   the full and SWA sub-pools of a ``UnifiedKVPool``: :mod:`umalloc.integrations.sglang.unified`).
 
-The classes (module attributes, built on first access because they subclass SGLang's allocator base):
+The classes are defined at module level in the modules that import SGLang (:data:`CLASS_MODULES`); this package
+imports without SGLang and reaches them as attributes on first access (after the version check):
 
 * ``UmallocTokenToKVPoolAllocator``, ``UmallocPagedTokenToKVPoolAllocator``: one
   :class:`~umalloc.integrations.sglang.pools.SlotPool` each.
@@ -39,6 +40,7 @@ How they differ from SGLang's own classes (order of ids, misuse that raises) is 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import importlib.metadata
 import sys
 from collections.abc import Iterator
@@ -108,11 +110,18 @@ def check_version(version: str | None = None) -> str:
     return check_engine_version("SGLang", v, SUPPORTED_VERSIONS, "sglang", UnsupportedSGLangVersion)
 
 
+#: umalloc class name -> the module that defines it (each imports SGLang when imported)
+CLASS_MODULES: dict[str, str] = {
+    "UmallocTokenToKVPoolAllocator": "umalloc.integrations.sglang.classes",
+    "UmallocPagedTokenToKVPoolAllocator": "umalloc.integrations.sglang.classes",
+    "UmallocSWATokenToKVPoolAllocator": "umalloc.integrations.sglang.swa",
+    "UmallocUnifiedSWATokenToKVPoolAllocator": "umalloc.integrations.sglang.unified",
+}
+
+
 def _classes() -> dict[str, type]:
     check_version()
-    from umalloc.integrations.sglang.classes import allocator_classes
-
-    return allocator_classes()
+    return {name: getattr(importlib.import_module(module), name) for name, module in CLASS_MODULES.items()}
 
 
 #: (module name, name) -> SGLang's own object that :func:`install` replaced there (what :func:`uninstall` restores)
@@ -164,14 +173,13 @@ def installed() -> Iterator[dict[str, type]]:
 
 
 def __getattr__(name: str) -> Any:
-    if name.startswith("Umalloc") and name.endswith("Allocator"):
-        classes = _classes()
-        if name in classes:
-            return classes[name]
+    if name in CLASS_MODULES:
+        return _classes()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # the Umalloc*Allocator classes are reached as attributes (module __getattr__: they import SGLang)
-__all__ = ["CONFIGURATOR_MODULE", "PATCHED_NAMES", "PATCHED_UNIFIED_NAMES", "SUPPORTED_SGLANG_VERSIONS",
-           "SUPPORTED_VERSIONS", "UNIFIED_MODULE", "SGLangUnavailable", "UnsupportedSGLangVersion",
-           "check_version", "install", "installed", "sglang_version", "uninstall"]
+__all__ = ["CLASS_MODULES", "CONFIGURATOR_MODULE", "PATCHED_NAMES", "PATCHED_UNIFIED_NAMES",
+           "SUPPORTED_SGLANG_VERSIONS", "SUPPORTED_VERSIONS", "UNIFIED_MODULE", "EngineVersionError",
+           "SGLangUnavailable", "UnsupportedSGLangVersion", "check_version", "install", "installed",
+           "sglang_version", "uninstall"]

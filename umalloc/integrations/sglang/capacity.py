@@ -7,6 +7,9 @@ SGLang's class reports and gates on (its ``available_size``, ``full_available_si
 page-demand check of ``ensure_capacity``) from an :class:`EndState` per end, which
 :mod:`umalloc.integrations.sglang.unified` reads from umalloc's :class:`~umalloc.MultiEndedAllocator`.
 
+:class:`EndAccounting` reads that state from umalloc's two end views, counting the pages SGLang would still hold
+as holes (Note [Deferred boundary pages]).
+
 Units: pages unless a name says tokens or bytes. Nothing here imports SGLang or torch; every function is O(1).
 
 Why the numbers agree although umalloc retreats a band when its frontier page is freed and SGLang keeps that page
@@ -17,7 +20,12 @@ gap, so both sums are unchanged (the differential in tests/integrations checks i
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
+
+from umalloc import Grow
 
 
 @dataclass(frozen=True)
@@ -122,4 +130,72 @@ def fits_page_demand(full: EndState, swa: EndState, gap_bytes: int, num_full_pag
     return full_ext * full.page_bytes + swa_ext * swa.page_bytes <= max(0, gap)
 
 
-__all__ = ["EndState", "end_available_pages", "fits_page_demand", "joint_available_pages"]
+class EndAccounting:
+    """The full and SWA ends of a unified arena as SGLang's accounting sees them: umalloc's end views plus the
+    pages each end retreated that SGLang's lazy pools would still hold as holes (Note [Deferred boundary pages]).
+
+    Args:
+        full_view, swa_view: the allocator's end views (``allocator.ends["full"]`` / ``["swa"]``: ``lo``, ``hi``,
+            ``page_bytes``, ``live_pages``, ``hole_pages``, ``grow``...), read live. lazy: SGLang's lazy compaction
+            (in eager mode nothing is deferred).
+
+    Threading: the scheduler thread. Every method O(1).
+    """
+
+    def __init__(self, full_view: Any, swa_view: Any, *, lazy: bool) -> None:
+        self.views = (full_view, swa_view)
+        self.lazy = lazy
+        #: pages per end (full, swa) that SGLang would still count as holes
+        self.deferred = [0, 0]
+
+    @staticmethod
+    def state_of(view: Any, deferred: int) -> EndState:
+        """One end view as an :class:`EndState`, ``deferred`` retreated pages counted as holes in the band."""
+        return EndState(page_bytes=view.page_bytes, capacity_pages=view.top_page - view.first_page + 1,
+                        band_pages=view.hi - view.lo + deferred, live_pages=view.live_pages,
+                        hole_pages=view.hole_pages + deferred)
+
+    def end_states(self) -> tuple[EndState, EndState]:
+        """``(full, swa)`` as SGLang's accounting sees them now."""
+        d = self.deferred
+        return self.state_of(self.views[0], d[0]), self.state_of(self.views[1], d[1])
+
+    def gap_bytes(self) -> int:
+        """Bytes between the two bands, less the deferred pages (which SGLang still holds). >= 0."""
+        f, s = self.views
+        up, down = (f, s) if f.grow is Grow.UP else (s, f)
+        gap = down.lo * down.page_bytes - up.hi * up.page_bytes
+        return max(0, gap - self.deferred[0] * f.page_bytes - self.deferred[1] * s.page_bytes)
+
+    def reset(self) -> None:
+        """After a flush that compacted both ends: nothing is deferred (SGLang's flush absorbs its holes)."""
+        self.deferred = [0, 0]
+
+    # Note [Deferred boundary pages]
+    # umalloc retreats a band the moment its frontier page is freed (no page moves); SGLang's lazy pools keep
+    # such pages as holes until their next flush that may move pages. So that every size the unified class
+    # reports and every refusal is SGLang's, ``deferred[e]`` counts the pages end ``e`` retreated that SGLang
+    # would still hold as holes: they count as holes inside the band and not as gap. A flush (gate open) absorbs
+    # them, as SGLang's does; an allocation drains SGLang's lowest holes first, so they are used last.
+    @contextlib.contextmanager
+    def tracked(self) -> Iterator[None]:
+        """Wrap one umalloc call that allocates or frees: afterwards the deferred counts follow what it did."""
+        before = tuple((v.hi - v.lo, v.hole_pages, v.live_pages) for v in self.views)
+        try:
+            yield
+        finally:
+            self._account(before)
+
+    def _account(self, before: tuple[tuple[int, int, int], ...]) -> None:
+        if not self.lazy:
+            return
+        for e, view in enumerate(self.views):
+            band_b, holes_b, live_b = before[e]
+            d = self.deferred[e]
+            taken = max(0, view.live_pages - live_b)
+            if taken:
+                d = min(d, max(0, holes_b + d - taken))
+            self.deferred[e] = d + max(0, band_b - (view.hi - view.lo))
+
+
+__all__ = ["EndAccounting", "EndState", "end_available_pages", "fits_page_demand", "joint_available_pages"]
