@@ -34,7 +34,7 @@ def install() -> type:
 
     from umalloc.integrations.vllm.pool import UmallocBlockPool
 
-    stock = UmallocBlockPool.__mro__[1]
+    stock: type = UmallocBlockPool.__mro__[1]
     for name, module in list(sys.modules.items()):
         if name.startswith("vllm.v1.core") and getattr(module, "BlockPool", None) is stock:
             _rebound[name] = stock
