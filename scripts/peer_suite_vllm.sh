@@ -1,29 +1,30 @@
 #!/usr/bin/env bash
-# vLLM's own KV-cache-manager tests, run against vLLM's BlockPool and against umalloc's (umalloc.integrations.vllm),
-# each run compared with the committed expectation file tests/peer/vllm_expected.txt.
+# vLLM's own KV-cache-manager and scheduler-level tests, run against vLLM's BlockPool and against umalloc's
+# (umalloc.integrations.vllm), for each supported vLLM release (0.33.0 and 0.34.0), each run compared with that
+# release's committed expectation file (tests/peer/vllm_expected.txt, tests/peer/vllm_expected_0.34.txt).
 #
-#   1. a separate venv in .peer/vllm-venv (never .venv) with CPU torch 2.13.0 and the imports of
-#      tests/peer/vllm-requirements.txt (under constraints.txt), then the vLLM wheel installed --no-deps;
+# For each release:
+#   1. a separate venv (.peer/vllm-venv for 0.33.0, .peer/vllm-0.34.0-venv for 0.34.0; never .venv) with CPU
+#      torch 2.13.0 and the imports of tests/peer/vllm-requirements.txt (under constraints.txt), then the vLLM
+#      wheel installed --no-deps;
 #   2. the vLLM sdist from PyPI (only its tests/ extracted, so its vllm/ sources never shadow the wheel);
 #   3. pytest --noconftest over the KV-manager and the scheduler-level test files of tests/v1/core twice: stock,
 #      and with -p vllm_plugin --umalloc-pool; VLLM_TARGET_DEVICE=cpu, and an offline HF_HOME holding the
 #      config.json of the model the scheduler tests name, written from its published architecture numbers
 #      (tests/peer/vllm_model_snapshot.py; nothing comes from a hub: HF_HUB_OFFLINE=1);
-#   4. each run's outcomes against tests/peer/vllm_expected.txt: any failure not listed, or a listed test that
+#   4. each run's outcomes against the release's expectation file: any failure not listed, or a listed test that
 #      passes, fails this script;
-#   5. umalloc's own tests of the integration (tests/integrations/test_integration_vllm.py) in the same venv, where vLLM is.
-# Idempotent: downloads are cached in .peer/cache, the venv is rebuilt only when the requirements change.
-# Usage: bash scripts/peer_suite_vllm.sh      (extra arguments go to both pytest runs)
+#   5. umalloc's own tests of the integration (tests/integrations/test_integration_vllm.py) in the same venv.
+# Idempotent: downloads are cached in .peer/cache, a venv is rebuilt only when the requirements change.
+# Usage: bash scripts/peer_suite_vllm.sh      (extra arguments go to every pytest run of vLLM's tests)
+#   PEER_VLLM_VERSIONS="0.34.0" limits the releases; PEER_VLLM_SCHEDULER=0 skips the scheduler-level files.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
-VLLM_VERSION=0.33.0
+VERSIONS=(${PEER_VLLM_VERSIONS:-0.33.0 0.34.0})
 PEER=$ROOT/.peer
-VENV=$PEER/vllm-venv
 CACHE=$PEER/cache
-SRC=$PEER/vllm-$VLLM_VERSION
 REQ=tests/peer/vllm-requirements.txt
-EXPECTED=tests/peer/vllm_expected.txt
 FILES=(test_single_type_kv_cache_manager test_prefix_caching test_kv_cache_utils test_kv_sharing
        test_kv_cache_metrics test_mamba_align_chunk_split test_contiguous_kv_packing)
 # the scheduler-level files (the e2e files start a real engine and are not run)
@@ -37,89 +38,109 @@ DESELECT=tests/v1/core/test_kv_cache_planning.py::test_is_kv_cache_spec_uniform
 PY=${PYTHON:-python3}
 t0=$SECONDS
 mkdir -p "$CACHE"
-pip_q() {  # this machine's pip config names local package folders that may be absent: drop those warnings only
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-compile "$@" \
-    2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
-}
-
-# ---- 1. the venv
-stamp=$VENV/.umalloc-peer-installed
-want=$( (echo "$VLLM_VERSION"; cat "$REQ" constraints.txt) | sha256sum | cut -c1-16)
-if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  echo "[vllm-peer] building $VENV (torch pinned by constraints.txt)"
-  rm -rf "$VENV"
-  "$PY" -m venv "$VENV"
-  pip_q -c constraints.txt -r "$REQ"
-  echo "[vllm-peer] requirements installed at $((SECONDS - t0)) s"
-  shopt -s nullglob
-  wheels=("$CACHE"/vllm-"$VLLM_VERSION"-*.whl)
-  if [ ${#wheels[@]} -eq 0 ]; then
-    "$VENV/bin/python" -m pip download -q --disable-pip-version-check --no-deps --only-binary :all: \
-      -d "$CACHE" "vllm==$VLLM_VERSION" 2> >(grep -v "is ignored: it is neither" >&2)
-    wheels=("$CACHE"/vllm-"$VLLM_VERSION"-*.whl)
-  fi
-  shopt -u nullglob
-  pip_q --no-deps "${wheels[0]}"
-  echo "$want" > "$stamp"
-fi
-
-# ---- 2. the sdist's tests (the download builds the sdist's metadata: needs the venv's CPU torch, no isolation)
-sdist=$CACHE/vllm-$VLLM_VERSION.tar.gz
-if [ ! -f "$sdist" ]; then
-  echo "[vllm-peer] downloading the vLLM $VLLM_VERSION sdist"
-  VLLM_VERSION_OVERRIDE=$VLLM_VERSION VLLM_TARGET_DEVICE=empty "$VENV/bin/python" -m pip download -q \
-    --disable-pip-version-check --no-deps --no-binary vllm --no-build-isolation -d "$CACHE" "vllm==$VLLM_VERSION" \
-    2> >(grep -v "is ignored: it is neither" >&2)
-fi
-if [ ! -f "$SRC/.extracted" ]; then
-  rm -rf "$SRC"
-  mkdir -p "$SRC"
-  tar -xzf "$sdist" -C "$SRC" --strip-components=1 "vllm-$VLLM_VERSION/tests"
-  printf '[pytest]\n' > "$SRC/pytest.ini"   # the runs name it (-c): this repo's pyproject.toml must not apply
-  touch "$SRC/.extracted"
-fi
-# umalloc from this checkout, and nothing else of it, on the peer venv's path
+status=0
+# umalloc from this checkout, and nothing else of it, on the peer venvs' path
 mkdir -p "$PEER/path"
 ln -sfn "$ROOT/umalloc" "$PEER/path/umalloc"
-# the model configs the scheduler tests name, in an offline Hugging Face cache of this folder's own
-"$VENV/bin/python" tests/peer/vllm_model_snapshot.py "$PEER/hf"
-echo "[vllm-peer] set-up done in $((SECONDS - t0)) s"
 
-# ---- 3. + 4. the two runs
-tests=()
-for f in "${FILES[@]}" "${SCHED_FILES[@]}"; do tests+=("tests/v1/core/$f.py"); done
-status=0
-run_pytest() {  # one run (stock | umalloc); the two run at once, one per core
-  local run=$1 t1=$SECONDS extra=()
-  shift
-  [ "$run" = umalloc ] && extra=(--umalloc-pool)
-  (cd "$SRC" && HF_HOME="$PEER/hf" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_TARGET_DEVICE=cpu \
-     PYTHONPATH="$PEER/path:$ROOT/tests/peer" \
-     "$VENV/bin/python" -m pytest -c pytest.ini --rootdir . --noconftest -q -p no:cacheprovider -p vllm_plugin \
-     "${extra[@]}" -W ignore::pytest.PytestUnknownMarkWarning --outcomes-json="$PEER/outcomes-$run.json" \
-     "${tests[@]}" --deselect "$DESELECT" "$@" \
-     > "$PEER/pytest-$run.log" 2>&1) || true
-  echo "[vllm-peer] $run: pytest finished in $((SECONDS - t1)) s (log .peer/pytest-$run.log)"
-}
-t1=$SECONDS
-rm -f "$PEER"/outcomes-stock.json "$PEER"/outcomes-umalloc.json
-run_pytest stock "$@" &
-run_pytest umalloc "$@" &
-wait
-echo "[vllm-peer] both runs (${#FILES[@]} KV-manager + ${#SCHED_FILES[@]} scheduler-level files) in $((SECONDS - t1)) s"
-for run in stock umalloc; do
-  if [ ! -s "$PEER/outcomes-$run.json" ]; then
-    tail -n 30 "$PEER/pytest-$run.log"
-    echo "[vllm-peer] $run: pytest wrote no outcomes" >&2
-    status=1
-    continue
+# one release: VLLM_VERSION VENV EXPECTED TAG (TAG names its logs and outcome files under .peer)
+suite() {
+  local VLLM_VERSION=$1 VENV=$2 EXPECTED=$3 TAG=$4 tv=$SECONDS
+  shift 4
+  local SRC=$PEER/vllm-$VLLM_VERSION
+  pip_q() {  # this machine's pip config names local package folders that may be absent: drop those warnings only
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-compile "$@" \
+      2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+  }
+
+  # ---- 1. the venv
+  local stamp=$VENV/.umalloc-peer-installed want
+  want=$( (echo "$VLLM_VERSION"; cat "$REQ" constraints.txt) | sha256sum | cut -c1-16)
+  if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    echo "[vllm-peer $VLLM_VERSION] building $VENV (torch pinned by constraints.txt)"
+    rm -rf "$VENV"
+    "$PY" -m venv "$VENV"
+    pip_q -c constraints.txt -r "$REQ"
+    echo "[vllm-peer $VLLM_VERSION] requirements installed at $((SECONDS - tv)) s"
+    shopt -s nullglob
+    local wheels=("$CACHE"/vllm-"$VLLM_VERSION"-*.whl)
+    if [ ${#wheels[@]} -eq 0 ]; then
+      "$VENV/bin/python" -m pip download -q --disable-pip-version-check --no-deps --only-binary :all: \
+        -d "$CACHE" "vllm==$VLLM_VERSION" 2> >(grep -v "is ignored: it is neither" >&2)
+      wheels=("$CACHE"/vllm-"$VLLM_VERSION"-*.whl)
+    fi
+    shopt -u nullglob
+    pip_q --no-deps "${wheels[0]}"
+    echo "$want" > "$stamp"
   fi
-  "$VENV/bin/python" tests/peer/vllm_expectations.py "$EXPECTED" "$run" "$PEER/outcomes-$run.json" || status=1
+
+  # ---- 2. the sdist's tests (the download builds the sdist's metadata: needs the venv's CPU torch, no isolation)
+  local sdist=$CACHE/vllm-$VLLM_VERSION.tar.gz
+  if [ ! -f "$sdist" ]; then
+    echo "[vllm-peer $VLLM_VERSION] downloading the vLLM $VLLM_VERSION sdist"
+    VLLM_VERSION_OVERRIDE=$VLLM_VERSION VLLM_TARGET_DEVICE=empty "$VENV/bin/python" -m pip download -q \
+      --disable-pip-version-check --no-deps --no-binary vllm --no-build-isolation -d "$CACHE" "vllm==$VLLM_VERSION" \
+      2> >(grep -v "is ignored: it is neither" >&2)
+  fi
+  if [ ! -f "$SRC/.extracted" ]; then
+    rm -rf "$SRC"
+    mkdir -p "$SRC"
+    tar -xzf "$sdist" -C "$SRC" --strip-components=1 "vllm-$VLLM_VERSION/tests"
+    printf '[pytest]\n' > "$SRC/pytest.ini"   # the runs name it (-c): this repo's pyproject.toml must not apply
+    touch "$SRC/.extracted"
+  fi
+  # the model configs the scheduler tests name, in an offline Hugging Face cache of this folder's own
+  "$VENV/bin/python" tests/peer/vllm_model_snapshot.py "$PEER/hf"
+  echo "[vllm-peer $VLLM_VERSION] set-up done in $((SECONDS - tv)) s"
+
+  # ---- 3. + 4. the two runs
+  local tests=() f
+  for f in "${FILES[@]}" "${SCHED_FILES[@]}"; do tests+=("tests/v1/core/$f.py"); done
+  run_pytest() {  # one run (stock | umalloc); the two run at once, one per core
+    local run=$1 t1=$SECONDS extra=()
+    shift
+    [ "$run" = umalloc ] && extra=(--umalloc-pool)
+    (cd "$SRC" && HF_HOME="$PEER/hf" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_TARGET_DEVICE=cpu \
+       PYTHONPATH="$PEER/path:$ROOT/tests/peer" \
+       "$VENV/bin/python" -m pytest -c pytest.ini --rootdir . --noconftest -q -p no:cacheprovider -p vllm_plugin \
+       "${extra[@]}" -W ignore::pytest.PytestUnknownMarkWarning --outcomes-json="$PEER/outcomes-$TAG$run.json" \
+       "${tests[@]}" --deselect "$DESELECT" "$@" \
+       > "$PEER/pytest-$TAG$run.log" 2>&1) || true
+    echo "[vllm-peer $VLLM_VERSION] $run: pytest finished in $((SECONDS - t1)) s (log .peer/pytest-$TAG$run.log)"
+  }
+  local t1=$SECONDS run
+  rm -f "$PEER/outcomes-${TAG}stock.json" "$PEER/outcomes-${TAG}umalloc.json"
+  run_pytest stock "$@" &
+  run_pytest umalloc "$@" &
+  wait
+  echo "[vllm-peer $VLLM_VERSION] both runs (${#FILES[@]} KV-manager + ${#SCHED_FILES[@]} scheduler-level files)" \
+       "in $((SECONDS - t1)) s"
+  for run in stock umalloc; do
+    if [ ! -s "$PEER/outcomes-$TAG$run.json" ]; then
+      tail -n 30 "$PEER/pytest-$TAG$run.log"
+      echo "[vllm-peer $VLLM_VERSION] $run: pytest wrote no outcomes" >&2
+      status=1
+      continue
+    fi
+    "$VENV/bin/python" tests/peer/vllm_expectations.py "$EXPECTED" "$run" "$PEER/outcomes-$TAG$run.json" || status=1
+  done
+
+  # ---- 5. umalloc's own tests of the integration
+  t1=$SECONDS
+  HF_HUB_OFFLINE=1 PYTHONPATH="$PEER/path" "$VENV/bin/python" -m pytest -q -p no:cacheprovider -o addopts="" \
+    -W ignore::pytest.PytestConfigWarning tests/integrations/test_integration_vllm.py \
+    > "$PEER/pytest-${TAG}integration.log" 2>&1 || { tail -n 40 "$PEER/pytest-${TAG}integration.log"; status=1; }
+  echo "[vllm-peer $VLLM_VERSION] tests/integrations/test_integration_vllm.py:" \
+       "$(tail -n 1 "$PEER/pytest-${TAG}integration.log") ($((SECONDS - t1)) s)"
+  echo "[vllm-peer $VLLM_VERSION] done in $((SECONDS - tv)) s"
+}
+
+for v in "${VERSIONS[@]}"; do
+  case $v in
+    0.33.0) suite "$v" "$PEER/vllm-venv" tests/peer/vllm_expected.txt "" "$@" ;;
+    0.34.0) suite "$v" "$PEER/vllm-$v-venv" tests/peer/vllm_expected_0.34.txt "$v-" "$@" ;;
+    *) echo "[vllm-peer] no expectation file for vLLM $v (allowed 0.33.0, 0.34.0)" >&2; exit 2 ;;
+  esac
 done
-t1=$SECONDS
-HF_HUB_OFFLINE=1 PYTHONPATH="$PEER/path" "$VENV/bin/python" -m pytest -q -p no:cacheprovider -o addopts="" \
-  -W ignore::pytest.PytestConfigWarning tests/integrations/test_integration_vllm.py > "$PEER/pytest-integration.log" 2>&1 \
-  || { tail -n 40 "$PEER/pytest-integration.log"; status=1; }
-echo "[vllm-peer] tests/integrations/test_integration_vllm.py: $(tail -n 1 "$PEER/pytest-integration.log") ($((SECONDS - t1)) s)"
 echo "[vllm-peer] done in $((SECONDS - t0)) s"
 exit $status

@@ -42,15 +42,28 @@ def test_id_allocator_hands_out_block_ids_lowest_first():
     assert alloc.translate_pages(alloc.alloc_pages(1), END).tolist() == [5]  # ids are the physical pages
 
 
+def test_supported_versions_are_checked_with_the_shared_version_error():
+    from umalloc.integrations import vllm as umalloc_vllm
+    from umalloc.integrations.versions import EngineVersionError
+
+    assert umalloc_vllm.SUPPORTED_VERSIONS == ("0.33.0", "0.34.0")
+    assert [umalloc_vllm.check_version(v) for v in ("0.33.0", "0.34.0")] == ["0.33.0", "0.34.0"]
+    for bad in ("0.32.1", "0.34.1", "0.35.0", "unknown"):
+        with pytest.raises(EngineVersionError, match=f"vLLM {bad} is untested .*allowed 0.33.0, 0.34.0") as e:
+            umalloc_vllm.check_version(bad)
+        assert type(e.value) is umalloc_vllm.UnsupportedVLLMVersion and e.value.version == bad
+
+
 @pytest.mark.parametrize("bad", [1, 0, -3, 2.0, True, "8"])
 def test_id_allocator_refuses_bad_sizes(bad):
     with pytest.raises(UmallocValueError):
         id_allocator(bad)
 
 
-def test_committed_expectation_file_parses():
+@pytest.mark.parametrize("name", ["vllm_expected.txt", "vllm_expected_0.34.txt"])
+def test_committed_expectation_file_parses(name):
     ex = _expectations()
-    expected = ex.parse((PEER / "vllm_expected.txt").read_text())
+    expected = ex.parse((PEER / name).read_text())
     assert expected, "the expectation file lists no test"
     for e in expected.values():
         assert e.nodeid.startswith("tests/v1/core/") and e.reason
@@ -209,10 +222,12 @@ def test_keep_flags_are_the_block_hashes_and_a_hash_written_behind_them_is_repor
     pool.free_blocks(b)                              # 2 cached (it has a hash), 1 and 3 back to umalloc
     assert pool.refs.cached().tolist() == [2] and _ids(pool.free_block_queue.get_all_free_blocks()) == [1, 3, 4, 5, 2]
     pool.check_invariants()
-    b[0]._block_hash = b[1].block_hash               # a hash written past set_block_hash: umalloc cannot see it
+    from umalloc.integrations.vllm.pool import HASH_SLOT
+
+    setattr(b[0], HASH_SLOT, b[1].block_hash)       # a hash written past set_block_hash: umalloc cannot see it
     with pytest.raises(InvariantError, match="keep-flags: block 1"):
         pool.check_invariants()
-    b[0]._block_hash = None
+    setattr(b[0], HASH_SLOT, None)
     assert _ids(pool.get_new_blocks(5)) == [1, 3, 4, 5, 2]   # 2 evicted last: its hash leaves vLLM's map
     assert pool.get_cached_block(b"two", [0]) is None and pool.refs.keep_flags[2] == 0
     pool.check_invariants()
@@ -285,6 +300,35 @@ def test_random_prefix_caching_matches_vllms_pool(vllm_pool):
             results.append((len(found), len(blocks), pool.get_num_free_blocks()))
         assert results[0] == results[1], f"step {step}"
         pools[1].check_invariants()
+
+
+def test_evict_first_frees_cached_blocks_to_the_eviction_end_as_vllm_does(vllm_pool):
+    """vLLM 0.34's ``free_blocks(blocks, evict_first=True)``: the blocks it caches are evicted before other
+    cached blocks. vLLM's own pool is the oracle: with every block cached, the next allocations evict the same
+    hashes in the same order in both pools."""
+    import inspect
+
+    from vllm.v1.core.block_pool import BlockPool
+
+    if "evict_first" not in inspect.signature(BlockPool.free_blocks).parameters:
+        pytest.skip("this vLLM's free_blocks has no evict_first (0.34 and later)")
+    pools = [BlockPool(6, enable_caching=True, hash_block_size=16),
+             vllm_pool(6, enable_caching=True, hash_block_size=16)]
+    keys = [b"a", b"b", b"c", b"d", b"e"]
+    gone = []
+    for pool in pools:
+        blocks = pool.get_new_blocks(5)
+        for block, key in zip(blocks, keys, strict=True):
+            _hashed(pool, block, key)
+        pool.free_blocks(blocks[:3])                     # a b c: cached, LRU tail in that order
+        pool.free_blocks(blocks[3:], evict_first=True)   # d e: cached, evicted first, d before e
+        order = []
+        for _ in range(5):
+            pool.get_new_blocks(1)
+            order.append(next(k for k in keys if k not in order and pool.get_cached_block(k, [0]) is None))
+        gone.append(order)
+    assert gone[0] == gone[1] == [b"d", b"e", b"a", b"b", b"c"]
+    pools[1].check_invariants()
 
 
 def test_install_makes_the_kv_cache_manager_build_the_umalloc_pool(vllm_pool, monkeypatch):

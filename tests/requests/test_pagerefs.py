@@ -127,6 +127,18 @@ def test_uncache_returns_only_cached_pages():
     refs.check_invariants()
 
 
+def test_cache_first_moves_cached_pages_to_the_lru_head_in_their_order():
+    refs = PageRefs(id_allocator(8))                 # pages 1..7
+    refs.take(7)
+    refs.unref(_a(-1, -2, -3, -4))                   # LRU 1 2 3 4; 5..7 held
+    assert refs.cache_first(_a(3, 5, 4)) == 2        # 5 is held: untouched
+    assert refs.cached().tolist() == [3, 4, 1, 2]
+    assert refs.cache_first([2]) == 1 and refs.cached().tolist() == [2, 3, 4, 1]
+    refs.check_invariants()
+    assert refs.take(3).tolist() == [2, 3, 4] and refs.evicted().tolist() == [2, 3, 4]   # evicted head first
+    refs.check_invariants()
+
+
 def test_pagerefs_refuses_a_used_or_multi_end_allocator():
     alloc = id_allocator(4)
     alloc.alloc_pages(1)

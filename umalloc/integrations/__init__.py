@@ -5,5 +5,6 @@
   makes vLLM build it.
 
 Each adapter imports its engine only when it is used, so ``import umalloc.integrations.<engine>`` works (and
-its doctests collect) where the engine is not installed.
+its doctests collect) where the engine is not installed; a module that imports its engine at the top
+(:mod:`umalloc.integrations.vllm.pool`) is collected only where the engine is (the package's ``conftest.py``).
 """

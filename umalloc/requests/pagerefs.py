@@ -230,6 +230,25 @@ def k_uncache(w, ids):
     return c
 
 
+@njit(cache=True)
+def k_cache_first(w, ids):
+    """The cached pages among ``ids`` move to the LRU head, in ``ids``' order (the first is evicted first);
+    returns how many moved."""
+    state = w[W_STATE]
+    c = 0
+    for i in range(ids.shape[0] - 1, -1, -1):
+        v = ids[i]
+        if 0 < v < state.shape[0] and state[v] == PAGE_CACHED:
+            _lru_unlink(w, v)
+            head = w[LRU_NEXT, 0]
+            w[LRU_PREV, head] = v
+            w[LRU_NEXT, v] = head
+            w[LRU_PREV, v] = 0
+            w[LRU_NEXT, 0] = v
+            c += 1
+    return c
+
+
 class _Entries:
     """Compiled entry points of the hot kernels for the arguments :class:`PageRefs` passes (no per-call typing):
     ids as ``array('q')`` (a list's conversion) or as int64 numpy arrays, indexed by ``type(ids) is array``."""
@@ -469,6 +488,12 @@ class PageRefs:
             self.num_free += c
             self._after_public()
         return c
+
+    def cache_first(self, ids: object) -> int:
+        """The cached pages among ``ids`` (``int64 (n,)`` numpy or a list of ints) move to the LRU head in
+        ``ids``' order, so they are the next evicted, the first entry first; other pages are untouched. Returns
+        how many moved. O(n)."""
+        return int(k_cache_first(self._w, id_batch(ids, "ids")))
 
     def uncache_all(self) -> int:
         """Every cached page back to the allocator (LRU order). Returns how many. O(cached)."""

@@ -1,0 +1,276 @@
+""":class:`UmallocBlockPool`: vLLM's ``BlockPool`` with umalloc's block ids, reference counts and cached-free LRU
+(the policy: :mod:`umalloc.integrations.vllm`). Importing this module imports vLLM and refuses a release outside
+:data:`~umalloc.integrations.vllm.seams.SUPPORTED_VERSIONS`
+(:class:`~umalloc.integrations.vllm.seams.UnsupportedVLLMVersion`); the differences between the supported
+releases are Note [Release seams] in :mod:`umalloc.integrations.vllm.seams`.
+
+Threading: as vLLM's pool, called from the scheduler thread only.
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import vllm
+from vllm.v1.core.block_pool import BlockHashToBlockMap, BlockPool
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+from umalloc import TOMBSTONE
+from umalloc.errors import InvariantError, UmallocValueError
+from umalloc.integrations.vllm.freequeue import UmallocFreeBlockQueue
+from umalloc.integrations.vllm.ids import END, id_allocator
+from umalloc.integrations.vllm.seams import check_version, hash_slots, pool_ref
+from umalloc.requests.pagerefs import PAGE_NOT_MANAGED, PageRefs
+
+VLLM_VERSION = check_version(str(getattr(vllm, "__version__", "unknown")))
+#: the slot holding a block's hash and the one holding its token count (Note [Release seams])
+HASH_SLOT, HASH_TOKENS_SLOT = hash_slots(KVCacheBlock)
+#: whether ``BlockHashToBlockMap`` reads its blocks from the pool's block list (takes it at construction)
+MAP_TAKES_BLOCKS = "blocks" in inspect.signature(BlockHashToBlockMap).parameters
+
+
+def block_class(counts: memoryview, keep: memoryview | None) -> type:
+    """vLLM's ``KVCacheBlock`` whose ``ref_cnt`` is umalloc's count of the block (``counts``: the pool's
+    :attr:`PageRefs.ref_counts`) and whose hash, when set or reset, sets or clears umalloc's keep flag of the
+    block (``keep``: :attr:`PageRefs.keep_flags`; ``None`` with prefix caching off, where a freed block is
+    never kept, as in vLLM). One class per pool: the pool's two buffers are bound as default arguments, so
+    reading ``ref_cnt`` is one index, the cost of vLLM's own slot read plus a call."""
+
+    def get(self: Any, _counts: memoryview = counts) -> int:
+        return _counts[self.block_id]
+
+    def put(self: Any, value: int, _counts: memoryview = counts) -> None:
+        if self.block_id >= 0:   # the chain sentinels have no count
+            _counts[self.block_id] = value
+
+    class UmallocKVCacheBlock(KVCacheBlock):  # type: ignore[misc, valid-type, unused-ignore]
+        __slots__ = ()
+        ref_cnt = property(get, put, doc="umalloc's reference count of this block (PageRefs.ref_counts). O(1).")
+
+        # the hash slots written here, one frame per call (the hash is on vLLM's hot path)
+        if keep is not None and HASH_SLOT == "block_hash":
+            def set_block_hash(self: Any, block_hash: Any, num_tokens: int | None = None) -> None:
+                """vLLM's ``set_block_hash`` (the block must have no hash yet: AssertionError) and umalloc's
+                keep flag of the block set: freed at count 0, it stays cached. O(1)."""
+                assert self.block_hash is None and self.block_hash_num_tokens is None, \
+                    f"block {self.block_id} already has a hash"
+                self.block_hash = block_hash
+                self.block_hash_num_tokens = num_tokens
+                keep[self.block_id] = 1
+
+            def reset_hash(self: Any) -> None:
+                """vLLM's ``reset_hash`` and umalloc's keep flag of the block cleared. O(1)."""
+                self.block_hash = None
+                self.block_hash_num_tokens = None
+                keep[self.block_id] = 0
+        elif keep is not None:
+            def set_block_hash(self: Any, block_hash: Any, num_tokens: int | None = None) -> None:
+                """vLLM's ``set_block_hash`` (the block must have no hash yet: AssertionError) and umalloc's
+                keep flag of the block set: freed at count 0, it stays cached. O(1)."""
+                assert self._block_hash is None and self._block_hash_num_tokens is None, \
+                    f"block {self.block_id} already has a hash"
+                self._block_hash = block_hash
+                self._block_hash_num_tokens = num_tokens
+                keep[self.block_id] = 1
+
+            def reset_hash(self: Any) -> None:
+                """vLLM's ``reset_hash`` and umalloc's keep flag of the block cleared. O(1)."""
+                self._block_hash = None
+                self._block_hash_num_tokens = None
+                keep[self.block_id] = 0
+
+    UmallocKVCacheBlock.__module__ = __name__
+    return UmallocKVCacheBlock
+
+
+class UmallocBlockPool(BlockPool):  # type: ignore[misc, valid-type, unused-ignore]
+    """vLLM ``BlockPool`` whose blocks' ids, reference counts and cached-free LRU are umalloc's (the policy:
+    :mod:`umalloc.integrations.vllm`).
+
+    Same constructor and methods as the installed vLLM's ``BlockPool`` (0.34's ``free_blocks(blocks,
+    evict_first=False)`` included); additionally :attr:`allocator` (the id allocator), :attr:`refs` (its
+    :class:`~umalloc.requests.pagerefs.PageRefs`, the blocks' only owner), :meth:`free_ids`, :meth:`adopt` and
+    :meth:`check_invariants`. ``free_block_queue`` is a read-only
+    :class:`~umalloc.integrations.vllm.freequeue.UmallocFreeBlockQueue`. Complexities: ``get_new_blocks(n)``
+    O(n + evicted) plus at most three umalloc kernel calls; ``free_blocks``/``touch`` O(blocks) plus one or two;
+    ``get_num_free_blocks`` O(1).
+    """
+
+    def __init__(self, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int,
+                 *args: Any, **kwargs: Any) -> None:
+        super().__init__(num_gpu_blocks, enable_caching, hash_block_size, *args, **kwargs)
+        self.allocator = id_allocator(num_gpu_blocks)
+        self.refs = PageRefs(self.allocator)
+        cls = block_class(self.refs.ref_counts, self.refs.keep_flags if enable_caching else None)
+        self._ref = ref = pool_ref(self)   # what this pool's blocks hold as their pool (Note [Release seams])
+        self.blocks = [cls(i, pool=ref) for i in range(num_gpu_blocks)]
+        self.null_block = self.blocks[0]
+        self.null_block.is_null = True
+        if MAP_TAKES_BLOCKS:   # the stock map holds ids into the block list just replaced
+            self.cached_block_hash_to_block = BlockHashToBlockMap(self.blocks)
+        self.free_block_queue = UmallocFreeBlockQueue(self, cls)
+        self._linked: list[Any] = []   # blocks the last free-chain snapshot linked
+
+    def _unlink(self) -> None:
+        for b in self._linked:
+            b.prev_free_block = b.next_free_block = None
+        self._linked = []
+
+    # ---- umalloc side ----------------------------------------------------------------------------------------
+    def free_ids(self) -> np.ndarray:
+        """Block ids free in umalloc, ascending (the order ``get_new_blocks`` hands them out): a new ``int64``
+        numpy array. O(num_gpu_blocks)."""
+        return self.refs.free_ids()
+
+    def adopt(self, block: Any) -> None:
+        """Take exactly ``block``'s id out of umalloc's free ids with one reference (one ``claim_pages`` call).
+
+        Raises:
+            UmallocValueError: ``block`` is the null block or its id is not free in umalloc.
+        """
+        if block.is_null or not 0 < block.block_id < len(self.blocks) \
+                or self.refs.state(block.block_id) != PAGE_NOT_MANAGED:
+            raise UmallocValueError(f"adopt: block {block.block_id} is not free in umalloc; allowed one of "
+                                    f"the {self.refs.num_free} free ids")
+        if self._linked:
+            self._unlink()
+        self.refs.ref([block.block_id])
+
+    # ---- vLLM's BlockPool API --------------------------------------------------------------------------------
+    def get_num_free_blocks(self) -> int:
+        refs = self.refs
+        return refs.num_free + refs.num_cached
+
+    def get_new_blocks(self, num_blocks: int) -> list[Any]:
+        refs = self.refs
+        if self._linked:
+            self._unlink()
+        try:
+            ids = refs.take(num_blocks)
+        except UmallocValueError:   # nothing changed
+            raise UmallocValueError(f"Cannot get {num_blocks} free blocks from the pool: allowed at most "
+                                    f"{refs.num_free + refs.num_cached}") from None
+        blocks = self.blocks
+        ret = [blocks[i] for i in ids]
+        # the blocks handed out with a hash (evicted cached ones, or a hash put on a free block): vLLM's
+        # per-block eviction runs for these only, the others have no hash to drop
+        kept = refs.taken_kept().tolist() if refs.num_taken_kept else ()
+        if self._reuse_watchers:
+            self._notify_reuse(ret)
+        metrics = self.metrics_collector
+        if metrics:
+            for block in ret:
+                if self.enable_caching:
+                    self._maybe_evict_cached_block(block)
+                metrics.on_block_allocated(block)
+        else:
+            for i in kept:
+                self._maybe_evict_cached_block(blocks[i])
+        return ret
+
+    def touch(self, blocks: Sequence[Any]) -> None:
+        if not blocks:
+            return
+        if self._linked:
+            self._unlink()
+        self.refs.ref([b.block_id for b in blocks])   # the null block is id 0: skipped
+        if self.metrics_collector:
+            for block in blocks:
+                if not block.is_null:
+                    self.metrics_collector.on_block_accessed(block)
+
+    def free_blocks(self, ordered_blocks: Iterable[Any], evict_first: bool = False) -> None:
+        """vLLM's ``free_blocks``: one reference less per block (module docstring's Free). ``evict_first``
+        (vLLM 0.34: blocks whose content another tier holds): the blocks this call caches go to the LRU head,
+        in the batch's order, so they are evicted before any other cached block."""
+        blocks = ordered_blocks if type(ordered_blocks) is list else list(ordered_blocks)
+        ref = self._ref
+        ids = [b.block_id for b in blocks if b.pool is ref]   # kept or freed at 0 by the keep flags
+        if len(ids) == len(blocks):
+            if ids:
+                if self._linked:
+                    self._unlink()
+                self.refs.unref(ids)
+                if evict_first and self.enable_caching:
+                    self.refs.cache_first(ids)
+            return
+        other_pools: dict[Any, list[Any]] = {}   # blocks of other pools (deferred frees), or pool-less blocks
+        ids = []
+        for b in blocks:
+            if b.pool is ref:
+                ids.append(b.block_id)
+            elif b.pool is not None:
+                pool = b.pool() if isinstance(b.pool, weakref.ref) else b.pool   # 0.34 holds a weakref
+                if pool is not None:
+                    other_pools.setdefault(pool, []).append(b)
+            elif not b.is_null:
+                b.ref_cnt -= 1   # a bare KVCacheBlock (not one of this pool's): its own count, as vLLM
+        if ids:
+            if self._linked:
+                self._unlink()
+            self.refs.unref(ids)
+            if evict_first and self.enable_caching:
+                self.refs.cache_first(ids)
+        for pool, theirs in other_pools.items():
+            if evict_first:
+                pool.free_blocks(theirs, evict_first=True)
+            else:
+                pool.free_blocks(theirs)
+
+    def unpin_blocks(self, blocks: Iterable[Any], on_reuse: Callable[[Any], None]) -> None:
+        ids: list[int] = []
+        for block in blocks:
+            assert block.ref_cnt > 0 and not block.is_null
+            self._reuse_watchers[block.block_id] = on_reuse
+            ids.append(-block.block_id)   # cached at count 0 whatever its hash: a reader still reads it
+        if ids:
+            if self._linked:
+                self._unlink()
+            self.refs.unref(ids)
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        back: list[int] = []
+        for block_id in block_ids:
+            assert block_id < len(self.blocks), f"Invalid block_id {block_id} >= {len(self.blocks)}"
+            if self._maybe_evict_cached_block(self.blocks[block_id]):
+                back.append(block_id)
+        if back:
+            if self._linked:
+                self._unlink()
+            self.refs.uncache(back)   # the un-hashed cached ones go back to umalloc; held ones stay held
+
+    def reset_prefix_cache(self) -> bool:
+        if not super().reset_prefix_cache():
+            return False
+        if self._linked:
+            self._unlink()
+        self.refs.uncache_all()
+        return True
+
+    # ---- checks ----------------------------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """O(num_gpu_blocks): umalloc's invariants (the allocator's and the block owner's:
+        :meth:`PageRefs.check_invariants` -- a leaked block, a count set behind the pool, a block freed or
+        allocated behind it); ``v2p`` is the identity on live ids; the null block is id 0 and never handed out;
+        a block's keep flag is set iff it has a hash (prefix caching on). Raises
+        :class:`~umalloc.errors.InvariantError`."""
+        self.allocator.check_invariants()
+        v2p = self.allocator.v2p(END).numpy()
+        live = np.flatnonzero(v2p != TOMBSTONE)
+        if not np.array_equal(v2p[live], live):
+            raise InvariantError("identity: v2p differs from the identity on live block ids")
+        if not self.null_block.is_null or self.null_block.block_id != 0 or v2p[0] != 0 \
+                or self.blocks[0] is not self.null_block:
+            raise InvariantError("null-block: block 0 must be the null block on umalloc's reserved page 0")
+        keep = self.refs.keep_flags
+        for b in self.blocks:   # the keep flags are the blocks' hashes (set and reset through the block)
+            if keep[b.block_id] != (self.enable_caching and b.block_hash is not None):
+                raise InvariantError(f"keep-flags: block {b.block_id} has hash {b.block_hash!r} but umalloc's "
+                                     f"keep flag {keep[b.block_id]} (a hash written behind set_block_hash)")
+
+
+__all__ = ["HASH_SLOT", "HASH_TOKENS_SLOT", "VLLM_VERSION", "UmallocBlockPool", "block_class"]
