@@ -157,10 +157,11 @@ class SoakResult:
 
 def soak(reqs: list[Req], model_path: pathlib.Path, *, use_umalloc: bool, prefix_caching: bool, seed: int,
          num_blocks: int = 64, max_num_seqs: int = 24, max_num_batched_tokens: int = 256,
-         minutes: float | None = None, log: Any = None) -> SoakResult:
+         max_outstanding: int = 48, minutes: float | None = None, log: Any = None) -> SoakResult:
     """Run ``reqs`` through one vLLM ``Scheduler`` (umalloc's pool installed, or vLLM's stock one); arrivals in
-    seeded random bursts of 0-4 per step; ``minutes``: stop admitting once that much wall time passed (the rest
-    are not run). Returns the :class:`SoakResult` (with ``use_umalloc``, the leak figures)."""
+    seeded random bursts of 0-4 per step, none while ``max_outstanding`` requests are unfinished (arrivals keep
+    pace with the scheduler for the whole run instead of queueing at once); ``minutes``: stop admitting once
+    that much wall time passed (the rest are not run). Returns the :class:`SoakResult` (with ``use_umalloc``, the leak figures)."""
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -190,7 +191,8 @@ def soak(reqs: list[Req], model_path: pathlib.Path, *, use_umalloc: bool, prefix
     while i < len(reqs) or live:
         if i < len(reqs) and deadline is not None and time.perf_counter() >= deadline:
             reqs = reqs[:i]
-        for r in reqs[i:i + rng.randint(0, 4)]:
+        burst = rng.randint(0, 4)   # drawn every step, admitted or not: the same draws for both pools
+        for r in reqs[i:i + burst] if len(live) < max_outstanding else ():
             params = SamplingParams(max_tokens=r.max_tokens)
             params.update_from_generation_config({}, EOS)
             req = Request(request_id=r.rid, prompt_token_ids=r.prompt, mm_features=None, sampling_params=params,
@@ -279,7 +281,7 @@ def compare(um: SoakResult, stock: SoakResult) -> list[str]:
 
 
 # ---- the short version (peer suite) ---------------------------------------------------------------------------
-SHORT_REQUESTS = 400
+SHORT_REQUESTS = 1000
 
 
 @pytest.mark.soak
