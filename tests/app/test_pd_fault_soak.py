@@ -57,3 +57,23 @@ def test_bad_arguments_are_refused(kwargs: dict) -> None:
     args = dict(num_requests=5, seed=1) | kwargs
     with pytest.raises(UmallocValueError):
         fault_soak(**args)
+
+
+@pytest.mark.backend
+@pytest.mark.soak
+def test_remote_fault_soak_short_nixl() -> None:
+    """A real prefill process (NIXL) SIGKILLed with KV in flight and restarted, decode cancellations: the lost
+    requests are retried, every completed one is identical, nothing is left: no page, lease or process."""
+    from umalloc.testing import require_or_skip
+    from umalloc_replay.faults_remote import remote_fault_soak, remote_summary
+
+    require_or_skip("nixl")
+    seed = seed_from_env(20261205)
+    res = remote_fault_soak("nixl", 40, seed, p_kill=0.2, p_cancel=0.2)
+    print(remote_summary(res))
+    _accounted(res, 40)
+    assert res.injected["prefill_killed"] > 0 and res.injected["decode_cancelled"] > 0
+    assert res.survived == res.injected
+    assert len(res.children) == res.injected["prefill_killed"] + 1
+    assert res.mismatched_pages == 0 and res.bytes_verified > 0
+    assert all(v == 0 for v in res.leaks.values()), res.leaks
