@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
           f"preemptions={um.preemptions} (stock {stock.preemptions}), prefix hit tokens={um.prefix_hit_tokens} "
           f"(stock {stock.prefix_hit_tokens})")
     print(f"  invariants checked after each of {um.steps} steps; free blocks start={um.free_at_start} "
-          f"end={um.free_at_end}; leaks={sum(um.leaks.values())}; results equal stock's: {not problems}")
+          f"end={um.free_at_end}; leaks={sum(um.leaks.values())}; results equal stock's: {not problems}; "
+          f"per-step schedule identical to stock's: {um.schedule == stock.schedule}")
     for prob in problems:
         print(f"error: {prob}")
     return 1 if problems else 0

@@ -274,7 +274,7 @@ def compare(um: SoakResult, stock: SoakResult) -> list[str]:
     if um.reasons != stock.reasons:
         problems.append("finish reasons differ")
     if not um.prefix_caching and um.schedule != stock.schedule:
-        step = next((k for k, (a, b) in enumerate(zip(um.schedule, stock.schedule)) if a != b),
+        step = next((k for k, (a, b) in enumerate(zip(um.schedule, stock.schedule, strict=False)) if a != b),
                     min(len(um.schedule), len(stock.schedule)))
         problems.append(f"schedules differ from step {step} (steps {um.steps} vs {stock.steps})")
     return problems
