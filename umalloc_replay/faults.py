@@ -35,7 +35,17 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from umalloc import Arena, ArenaSpec, EndSpec, Grow, LayerSpec, MultiEndedAllocator, build_plan, get_backend
+from umalloc import (
+    Arena,
+    ArenaSpec,
+    EndSpec,
+    Grow,
+    LayerSpec,
+    MultiEndedAllocator,
+    TransferPlan,
+    build_plan,
+    get_backend,
+)
 from umalloc.errors import UmallocValueError
 from umalloc.geometry.spec import EndRole, pages_for_tokens
 from umalloc_replay.single.kvfill import KVPattern
@@ -96,7 +106,7 @@ class Flight:
     length: int
     dst_vt: torch.Tensor
     src_vt: torch.Tensor
-    plan: object
+    plan: TransferPlan
 
 
 @dataclass

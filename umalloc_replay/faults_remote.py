@@ -27,7 +27,6 @@ import random
 import signal
 import time
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 import torch
 
@@ -38,7 +37,8 @@ from umalloc_replay.report import PhaseTimer
 from umalloc_replay.single.kvfill import KVPattern
 from umalloc_replay.single.prefill import alloc_sequence
 from umalloc_replay.single.remote import RemotePrefill, adopt_prefill_side
-from umalloc_replay.workload import first_kept_page
+from umalloc_replay.trace import TraceRequest
+from umalloc_replay.workload import RequestState, first_kept_page
 
 #: Fault kinds of the two-process soak.
 REMOTE_FAULTS = ("prefill_killed", "decode_cancelled")
@@ -137,7 +137,7 @@ def remote_fault_soak(backend: str, num_requests: int, seed: int, *, p_kill: flo
                 vt = alloc_sequence(dec, n)
                 if vt is None:
                     break
-                ticket = pre.start(SimpleNamespace(rid=rid, req=SimpleNamespace(input_tokens=n)), vt)
+                ticket = pre.start(RequestState(TraceRequest(rid, 0.0, n, 1, ())), vt)
                 if ticket is None:      # the child's arena is short: nothing changed there
                     dec.free(vt)
                     break
