@@ -25,6 +25,7 @@ is the ``soak`` tests here; the long one is ``scripts/soak_vllm.py``. Seeded: ``
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import pathlib
 import random
@@ -35,7 +36,8 @@ from typing import Any
 import pytest
 
 # vLLM's platform detection finds no device on a CPU-only machine unless told; the scheduler never touches one
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+if importlib.util.find_spec("vllm") is not None:
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/peer_suite_vllm.sh runs these tests)")
 
 from umalloc.integrations import vllm as umalloc_vllm  # noqa: E402
@@ -61,7 +63,6 @@ def model_dir(root: pathlib.Path) -> pathlib.Path:
     snap = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(snap)
     root.mkdir(parents=True, exist_ok=True)
-    import json
     (root / "config.json").write_text(json.dumps(snap.MODELS[MODEL]))
     return root
 
