@@ -125,12 +125,14 @@ suite() {
     "$VENV/bin/python" tests/peer/vllm_expectations.py "$EXPECTED" "$run" "$PEER/outcomes-$TAG$run.json" || status=1
   done
 
-  # ---- 5. umalloc's own tests of the integration
+  # ---- 5. umalloc's own tests of the integration (the scheduler soak on 0.33, whose platform layer runs on CPU)
   t1=$SECONDS
+  local own=(tests/integrations/test_integration_vllm.py)
+  [ "$VLLM_VERSION" = 0.33.0 ] && own+=(tests/integrations/test_vllm_soak.py)
   HF_HUB_OFFLINE=1 PYTHONPATH="$PEER/path" "$VENV/bin/python" -m pytest -q -p no:cacheprovider -o addopts="" \
-    -W ignore::pytest.PytestConfigWarning tests/integrations/test_integration_vllm.py \
+    -W ignore::pytest.PytestConfigWarning "${own[@]}" \
     > "$PEER/pytest-${TAG}integration.log" 2>&1 || { tail -n 40 "$PEER/pytest-${TAG}integration.log"; status=1; }
-  echo "[vllm-peer $VLLM_VERSION] tests/integrations/test_integration_vllm.py:" \
+  echo "[vllm-peer $VLLM_VERSION] ${own[*]}:" \
        "$(tail -n 1 "$PEER/pytest-${TAG}integration.log") ($((SECONDS - t1)) s)"
   echo "[vllm-peer $VLLM_VERSION] done in $((SECONDS - tv)) s"
 }

@@ -75,7 +75,7 @@ class TranslationService:
         """``int64`` tensor ``(num_vpages(owner),)`` on the arena's device: physical page of each virtual page
         of ``end``'s owner, TOMBSTONE (-1) where unbound; entry 0 is the sink (0).
 
-        A :class:`~umalloc.allocator.ids.ReadOnlyTable` sharing the table's memory (zero-copy: it follows every later
+        A :class:`~umalloc.allocator.arguments.ReadOnlyTable` sharing the table's memory (zero-copy: it follows every later
         call): writes, in-place ops and passing it as ``out=`` raise InvalidIdError; ``.clone()`` gives a
         writable copy. On CPU it views the host master; on CUDA the device mirror refreshed by every call. O(1).
         """
