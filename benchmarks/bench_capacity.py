@@ -21,6 +21,14 @@ trace and preset, dynamic's mean concurrency against the targets: >= 1.3x static
 default, >= 1.0x the oracle static ratio, >= 1.2x padded, each marked met or MISSED. Every run verifies every
 byte it moved (``ok``). The default run (two traces x three presets, two slices of 64 requests each) prints the
 time it took; lower the token scales or raise ``--requests`` to scale up.
+
+``--drift [--jobs 2] [--markdown FILE]``: the headline of docs/capacity.md. The shipped drifting mix
+(``benchmarks/data/drift_trace.jsonl``, written by ``make_drift_trace.py``: long-context requests, then short
+ones, then long again) on Gemma-3-12B + drafter, gpt-oss-20b and a Llama-4-style chunked geometry, each at its
+token scale; dynamic against the oracle static ratio (the best of 0.8 and ``--ratios``, default
+:data:`DRIFT_RATIOS`, in hindsight), static 0.8 and padded, on one decode arena size per geometry. Each run's
+mean and max admitted requests, admission waits, preemptions and steps, its accounting checked (every request
+completed, every preemption restored), the verdicts against :data:`DRIFT_TARGETS`.
 """
 
 from __future__ import annotations
@@ -316,7 +324,6 @@ def drift_main(args: argparse.Namespace) -> int:
             if "refused" in cap:
                 lines.append(f"| {m} ({sc}) | {lay}{tag} | refused: cannot hold the largest request | | | | | met |")
                 continue
-            assert accounting_closes(cap), (m, lay, cap)
             x = xs.get("oracle") if tag else xs.get(lay)
             lines.append(f"| {m} ({sc}) | {lay}{tag} | {cap['mean_running']:.2f} | {cap['max_running']} | "
                          f"{cap['admission_waits']} | {cap['retractions']} | {cap['steps']} | "
@@ -325,12 +332,14 @@ def drift_main(args: argparse.Namespace) -> int:
     print("\n" + table + "\n")
     for m, against, x, target, verdict in verdicts:
         print(f"{m:24} dynamic vs {against:20} {'-' if x is None else f'{x:.2f}x':>7} target {target:.1f}x  {verdict}")
-    ok = all(c.get("ok", True) for r in res.values() for c in r.values())
+    ran = [c for r in res.values() for c in r.values() if "refused" not in c]
+    ok = all(c["ok"] for c in ran)
+    closed = all(accounting_closes(c) for c in ran)
     print(f"\n{len(jobs)} replays in {time.perf_counter() - t0:.0f} s; every run verified its bytes: {ok}; "
-          "every run's accounting closed: True")
+          f"every run's accounting closed: {closed}")
     if args.markdown is not None:
         args.markdown.write_text(table + "\n")
-    return 0
+    return 0 if ok and closed else 1
 
 
 _HEADER = (f"{'trace':34} {'preset':18} {'layout':11} {'scale':>5} {'slice':>5} {'arena GB':>8} {'conc max':>8} "
