@@ -53,3 +53,4 @@ def test_drift_runs_close_their_accounting_and_dynamic_meets_the_step_bound(tmp_
     line = next(ln for ln in res.stdout.splitlines() if re.search(r"dynamic vs oracle ", ln))
     assert f"oracle {best}" in line and want in line and line.rstrip().endswith("met"), line
     assert f"| {best} (oracle) |" in table.read_text()
+    assert "every run verified its bytes: True; every run's accounting closed: True" in res.stdout
