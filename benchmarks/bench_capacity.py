@@ -21,6 +21,14 @@ trace and preset, dynamic's mean concurrency against the targets: >= 1.3x static
 default, >= 1.0x the oracle static ratio, >= 1.2x padded, each marked met or MISSED. Every run verifies every
 byte it moved (``ok``). The default run (two traces x three presets, two slices of 64 requests each) prints the
 time it took; lower the token scales or raise ``--requests`` to scale up.
+
+``--drift [--jobs 2] [--markdown FILE]``: the headline of docs/capacity.md. The shipped drifting mix
+(``benchmarks/data/drift_trace.jsonl``, written by ``make_drift_trace.py``: long-context requests, then short
+ones, then long again) on Gemma-3-12B + drafter, gpt-oss-20b and a Llama-4-style chunked geometry, each at its
+token scale; dynamic against the oracle static ratio (the best of 0.8 and ``--ratios``, default
+:data:`DRIFT_RATIOS`, in hindsight), static 0.8 and padded, on one decode arena size per geometry. Each run's
+mean and max admitted requests, admission waits, preemptions and steps, its accounting checked (every request
+completed, every preemption restored), the verdicts against :data:`DRIFT_TARGETS`.
 """
 
 from __future__ import annotations
@@ -29,16 +37,17 @@ import argparse
 import json
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from umalloc.errors import UmallocValueError
-from umalloc.geometry.presets import preset_ends
-from umalloc.geometry.spec import EndRole
+from umalloc.geometry.presets import MODELS, PRESETS, ModelGeometry, Preset, preset_ends
+from umalloc.geometry.spec import EndRole, LayerSpec
 from umalloc_replay.single.layouts import SGLANG_SWA_FULL_TOKENS_RATIO
 from umalloc_replay.single.run import Replay, ReplayConfig
 
 ROOT = Path(__file__).resolve().parents[1]
-PRESETS = ("gemma-3-12b-draft", "gpt-oss-20b", "deepseek-v3")
+PRESETS_DEFAULT = ("gemma-3-12b-draft", "gpt-oss-20b", "deepseek-v3")
 KIND = {"gemma-3-12b-draft": "SWA + draft", "gpt-oss-20b": "SWA only", "deepseek-v3": "MLA (+MTP draft)"}
 TARGETS = {"static:0.8": 1.3, "oracle": 1.0, "padded": 1.2}
 #: Defaults: 64 requests per slice (enough for concurrency to matter), two disjoint slices per trace (the spread),
@@ -48,6 +57,34 @@ DEFAULT_SLICES = 2
 DEFAULT_RATIOS = "0.25,0.5,1"
 DEFAULT_CONV_SCALE = 32
 DEFAULT_AZURE_SCALE = 4
+
+
+#: ``--drift``: the shipped drifting mix (``make_drift_trace.py``), its presets with their token scales (chosen so
+#: a long request's prompt spans several windows and a short one fits inside one), the static ratios swept for
+#: the oracle besides SGLang's 0.8.
+DRIFT_TRACE = ROOT / "benchmarks" / "data" / "drift_trace.jsonl"
+LLAMA4_CHUNK_SCALE = 8
+LLAMA4 = f"llama-4-scout-chunk{8192 // LLAMA4_CHUNK_SCALE}"
+DRIFT_PRESETS = {"gemma-3-12b-draft": 8, "gpt-oss-20b": 16, LLAMA4: LLAMA4_CHUNK_SCALE}
+DRIFT_RATIOS = "0.1,0.25,0.5,1,1.5"
+DRIFT_TARGETS = {"oracle": 1.0, "static:0.8": 1.3, "padded": 1.2}
+KIND[LLAMA4] = "chunked + full"
+
+
+def _register_llama4_chunked() -> None:
+    """Llama-4-Scout's KV geometry (HF ``Llama4TextConfig``: 48 layers, 8 KV heads x 128, ``attention_chunk_size``
+    8192, ``no_rope_layer_interval`` 4: layer ``i`` with ``(i + 1) % 4 == 0`` attends globally, the others
+    within their 8,192-token chunk) as a benchmark preset. A chunked layer holds at most the current chunk, so it
+    is an SWA end whose window is the chunk (an upper bound: right after a chunk boundary it holds fewer). Chunk
+    and token counts are both divided by :data:`LLAMA4_CHUNK_SCALE` (the bench replays the trace at that token
+    scale), which keeps every request's full : chunked bytes as at full scale, up to page rounding."""
+    chunk = 8192 // LLAMA4_CHUNK_SCALE
+    layers = tuple(LayerSpec.mha(8, 128, window_tokens=None if (i + 1) % 4 == 0 else chunk) for i in range(48))
+    MODELS.setdefault(LLAMA4, ModelGeometry(LLAMA4, layers, "HF Llama4TextConfig (Scout), chunk / 8"))
+    PRESETS.setdefault(LLAMA4, Preset(LLAMA4, LLAMA4))
+
+
+_register_llama4_chunked()
 
 
 def find_traces_dir() -> Path | None:
@@ -72,6 +109,9 @@ def run_one(path: Path, model: str, layout: str, requests: int, token_scale: int
         return {"refused": str(exc)}
     cap = dict(rep["capacity"])
     cap["ok"] = rep["ok"]
+    cap["requests_total"] = rep["requests"]["total"]
+    cap["completed"] = rep["requests"]["completed"]
+    cap["restores"] = rep["requests"]["restored"]
     cap["decode_arena_bytes"] = rep["config"]["decode_arena_bytes"]
     return cap
 
@@ -114,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=DEFAULT_REQUESTS, help="requests per slice")
     ap.add_argument("--slices", type=int, default=DEFAULT_SLICES,
                     help="disjoint slices per trace (the spread of the figures is over them)")
-    ap.add_argument("--presets", default=",".join(PRESETS))
+    ap.add_argument("--presets", default=",".join(PRESETS_DEFAULT))
     ap.add_argument("--ratios", default=DEFAULT_RATIOS, help="static ratios besides SGLang's default 0.8")
     ap.add_argument("--traces-dir", type=Path, default=None)
     ap.add_argument("--conv-token-scale", type=int, default=DEFAULT_CONV_SCALE,
@@ -126,7 +166,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--results", type=Path, default=None,
                     help="append every run's figures (or its refusal) to this JSONL file as it completes")
     ap.add_argument("--plot", type=Path, default=None, help="write the layout comparison (.png, .pdf, .svg)")
+    ap.add_argument("--drift", action="store_true",
+                    help="the drifting workload (docs/capacity.md): the shipped drift trace, its presets and scales")
+    ap.add_argument("--drift-trace", type=Path, default=DRIFT_TRACE)
+    ap.add_argument("--jobs", type=int, default=1, help="replays run in parallel processes (--drift)")
+    ap.add_argument("--markdown", type=Path, default=None, help="--drift: write the summary table here")
     args = ap.parse_args(argv)
+    if args.drift:
+        return drift_main(args)
     tdir = args.traces_dir or find_traces_dir()
     if tdir is None:
         raise SystemExit("no shared/data/traces found above the checkout: pass --traces-dir")
@@ -190,6 +237,109 @@ def main(argv: list[str] | None = None) -> int:
         plot(rows, args.plot)
         print(f"plot: {args.plot}")
     return 0
+
+
+def _drift_job(job: tuple) -> tuple:
+    path, model, lay, scale, requests, arena = job
+    t = time.perf_counter()
+    return job, run_one(path, model, lay, requests, scale, decode_arena_bytes=arena), time.perf_counter() - t
+
+
+def accounting_closes(cap: dict) -> bool:
+    """Every request of the run finished and every preemption was restored: ``completed == total`` and
+    ``retractions == restores`` (a request is waiting, running, preempted or done; at the end all are done)."""
+    return cap["completed"] == cap["requests_total"] and cap["retractions"] == cap["restores"]
+
+
+def drift_summary(rows: dict[str, dict], ratios_run: list[str]) -> tuple[dict, list[tuple]]:
+    """``rows``: layout label -> figures (or ``{"refused": why}``) of one preset. Returns the oracle (``{"label",
+    "mean_running"}`` of the best static ratio that ran; ``None`` when none did) and, per target of
+    :data:`DRIFT_TARGETS`, ``(against, x or None, target, verdict)``; a refused baseline is met (it cannot run
+    the workload in these bytes, dynamic does).
+
+    >>> r = {"dynamic": {"mean_running": 3.0}, "padded": {"mean_running": 3.0},
+    ...      "static:0.8": {"refused": "x"}, "static:0.1": {"mean_running": 2.0}}
+    >>> o, v = drift_summary(r, ["static:0.8", "static:0.1"])
+    >>> o["label"], [(a, x, verdict) for a, x, _t, verdict in v]
+    ('static:0.1', [('oracle static:0.1', 1.5, 'met'), ('static:0.8', None, 'met: refused'), ('padded', 1.0, 'MISSED')])
+    """
+    ran = [(lay, rows[lay]["mean_running"]) for lay in ratios_run if "refused" not in rows.get(lay, {"refused": 1})]
+    oracle = {"label": max(ran, key=lambda kv: kv[1])[0], "mean_running": max(v for _k, v in ran)} if ran else None
+    out = []
+    dyn = rows.get("dynamic", {})
+    for name, target in DRIFT_TARGETS.items():
+        base = oracle if name == "oracle" else rows.get(name)
+        label = f"oracle {oracle['label']}" if name == "oracle" and oracle else name
+        if "mean_running" not in dyn:
+            out.append((label, None, target, "n/a: dynamic refused"))
+        elif base is None or "mean_running" not in base:
+            out.append((label, None, target, "met: refused"))
+        else:
+            x = dyn["mean_running"] / base["mean_running"]
+            out.append((label, x, target, "met" if x >= target else "MISSED"))
+    return oracle, out
+
+
+def drift_main(args: argparse.Namespace) -> int:
+    """``--drift``: every preset of :data:`DRIFT_PRESETS` (or ``--presets``) x every layout on the drift trace,
+    the same decode arena bytes per preset (sized by ``umalloc replay`` from the trace), one slice of
+    ``--requests`` rows; prints every run, the per-preset summary and the verdicts."""
+    presets = DRIFT_PRESETS if args.presets == ",".join(PRESETS_DEFAULT) else \
+        {m: DRIFT_PRESETS.get(m, args.conv_token_scale) for m in args.presets.split(",")}
+    ratios = args.ratios if args.ratios != DEFAULT_RATIOS else DRIFT_RATIOS
+    if args.requests == DEFAULT_REQUESTS:  # default: the whole drift trace
+        args.requests = sum(1 for line in args.drift_trace.open() if line.strip())
+    statics = [f"static:{SGLANG_SWA_FULL_TOKENS_RATIO:g}"] + \
+        [f"static:{float(r):g}" for r in ratios.split(",") if r and float(r) != SGLANG_SWA_FULL_TOKENS_RATIO]
+    jobs = [(args.drift_trace, m, lay, sc, args.requests, args.decode_arena_bytes)
+            for m, sc in presets.items() for lay in ("dynamic", "padded", *statics)]
+    print(f"drift trace {args.drift_trace.name}, {args.requests} requests, presets {presets} (token scales), "
+          f"static ratios {statics}, {args.jobs} job(s)", flush=True)
+    print_header()
+    t0 = time.perf_counter()
+    res: dict[str, dict[str, dict]] = {m: {} for m in presets}
+    results = args.results.open("a", buffering=1) if args.results is not None else None
+    with ProcessPoolExecutor(max_workers=args.jobs) as ex:
+        for n, (job, cap, dt) in enumerate(ex.map(_drift_job, jobs), 1):
+            path, model, lay, scale, *_ = job
+            res[model][lay] = cap
+            print_row((path.name, model, lay, scale, 0, cap))
+            if results is not None:
+                results.write(json.dumps({"trace": path.name, "model": model, "layout": lay, "token_scale": scale,
+                                          "requests": job[4], **cap}) + "\n")
+            print(f"[{n}/{len(jobs)}] {model} {lay}: {dt:.1f} s ({time.perf_counter() - t0:.0f} s so far)",
+                  file=sys.stderr, flush=True)
+    if results is not None:
+        results.close()
+    lines = ["| preset (token scale) | layout | mean admitted (concurrency) | max | admission waits | "
+             "preemptions | steps | dynamic vs it |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    verdicts = []
+    for m, sc in presets.items():
+        oracle, vs = drift_summary(res[m], statics)
+        verdicts += [(m, *v) for v in vs]
+        xs = {a.split()[0] if a.startswith("oracle") else a: x for a, x, _t, _v in vs}
+        for lay in ("dynamic", "padded", *statics):
+            cap = res[m][lay]
+            tag = " (oracle)" if oracle and lay == oracle["label"] else ""
+            if "refused" in cap:
+                lines.append(f"| {m} ({sc}) | {lay}{tag} | refused: cannot hold the largest request | | | | | met |")
+                continue
+            x = xs.get("oracle") if tag else xs.get(lay)
+            lines.append(f"| {m} ({sc}) | {lay}{tag} | {cap['mean_running']:.2f} | {cap['max_running']} | "
+                         f"{cap['admission_waits']} | {cap['retractions']} | {cap['steps']} | "
+                         f"{'' if x is None or lay == 'dynamic' else f'{x:.2f}x'} |")
+    table = "\n".join(lines)
+    print("\n" + table + "\n")
+    for m, against, x, target, verdict in verdicts:
+        print(f"{m:24} dynamic vs {against:20} {'-' if x is None else f'{x:.2f}x':>7} target {target:.1f}x  {verdict}")
+    ran = [c for r in res.values() for c in r.values() if "refused" not in c]
+    ok = all(c["ok"] for c in ran)
+    closed = all(accounting_closes(c) for c in ran)
+    print(f"\n{len(jobs)} replays in {time.perf_counter() - t0:.0f} s; every run verified its bytes: {ok}; "
+          f"every run's accounting closed: {closed}")
+    if args.markdown is not None:
+        args.markdown.write_text(table + "\n")
+    return 0 if ok and closed else 1
 
 
 _HEADER = (f"{'trace':34} {'preset':18} {'layout':11} {'scale':>5} {'slice':>5} {'arena GB':>8} {'conc max':>8} "
