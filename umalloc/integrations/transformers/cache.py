@@ -54,8 +54,8 @@ Where transformers 5.23's interfaces are adapted, all in this package:
    prefilled in the same step share their common full pages from the next step on.
 8. Refused at construction (typed errors): tensor parallelism, asynchronous batching (it schedules, so allocates
    and compacts, while a forward reads rows computed before), CPU offloading (``cpu_offload_space > 0``, it copies
-   by physical block id), attention types other than full / sliding, and models whose every layer slides (the
-   cache sizes, counts and shares prefixes by its full-attention group).
+   by physical block id), and attention types other than full / sliding (naming the first such layer and its
+   type). A model whose every layer slides is held with rings only (Note [All sliding]).
 9. sdpa and flash attention test ``isinstance(cache, PagedAttentionCache)``: :func:`install` builds the class the
    engine instantiates with transformers' class as a second base (after :class:`UmallocPagedCache`), for that
    check only; it verifies that every method the engine calls resolves to umalloc's.
@@ -106,6 +106,17 @@ sink: attention reads them from this step's own states, never from the cache), a
 ``min(past_length, window - 1)`` tokens before ``past_length``. A growth is one call per table, all or nothing
 (the ring first: its pages are the request's own, so undoing it frees exactly what it took). A fork copies its
 source's ring into fresh pages (``perform_cache_copy``): ring pages are rewritten in place, never shared.
+
+Note [All sliding]
+~~~~~~~~~~~~~~~~~~
+A model whose every layer slides (Mistral-7B-v0.1's geometry, Phi-3-mini-4k, Qwen2 with ``use_sliding_window``
+and ``max_window_layers=0``) has no full-attention end: the arena has one end, ``swa`` (growing up), and
+``table`` is its rings' table (``owner == "swa"``, ``ring_table`` None, a request's ring slot is its own slot):
+it holds ``min(length, window)`` tokens per request, so a request of any length holds one window's pages, and
+only a window that does not fit the arena bounds a request (Note [Cannot fit]). The request's length is kept
+beside the table (``held_tokens``). A fork gets fresh ring pages holding a copy of its source's. No prefix is
+shared (stock shares none on such a model either), and ``read_cache_limit`` is the window, as stock's, so the
+scheduler sizes reads the same way.
 
 Note [Deferred growth]
 ~~~~~~~~~~~~~~~~~~~~~~
@@ -158,6 +169,10 @@ from umalloc.integrations.transformers.options import (
     text_config_dims,
 )
 from umalloc.integrations.transformers.prefix import PrefixIndex
+
+
+#: what :meth:`UmallocPagedCache._tokens_alone` answers for a request no length of which outgrows the arena
+UNBOUNDED_TOKENS = 1 << 62
 
 
 def _weak_call(method: Any) -> Any:
@@ -262,12 +277,19 @@ class UmallocPagedCache:
                                         f"{ARENA_ALIGN_BYTES} bytes")
 
         # ---- the arena: full (up) and swa (down), each an id owner with its own request table
-        ends = [EndSpec("full", tuple(LayerSpec.mha(num_kv_heads, head_dim, dtype=kv)
-                                      for _ in groups[FULL_ATTENTION]), page_size=ps, grow=Grow.UP)]
+        #: whether the model has full-attention layers; without (every layer slides) the arena has one end,
+        #: ``swa``, and ``table`` is the rings' table (Note [All sliding])
+        self.has_full = FULL_ATTENTION in groups
+        ends = []
+        if self.has_full:
+            ends.append(EndSpec("full", tuple(LayerSpec.mha(num_kv_heads, head_dim, dtype=kv)
+                                              for _ in groups[FULL_ATTENTION]), page_size=ps, grow=Grow.UP))
         if SLIDING_ATTENTION in groups:
             ends.append(EndSpec("swa", tuple(LayerSpec.mha(num_kv_heads, head_dim, dtype=kv, window_tokens=window)
-                                             for _ in groups[SLIDING_ATTENTION]), page_size=ps, grow=Grow.DOWN,
-                                role=EndRole.SWA))
+                                             for _ in groups[SLIDING_ATTENTION]), page_size=ps,
+                                grow=Grow.DOWN if self.has_full else Grow.UP, role=EndRole.SWA))
+        #: the end whose request table names the requests (``full``; ``swa`` when every layer slides)
+        self.owner = owner = "full" if self.has_full else "swa"
         try:
             spec = ArenaSpec(tuple(ends), arena_bytes=arena_bytes)
         except SpecError as e:
@@ -276,9 +298,10 @@ class UmallocPagedCache:
                                         "model's pages") from e
         self.arena = Arena(spec, device=device)
         self.alloc = MultiEndedAllocator(self.arena, compaction=opts.compaction)
-        owner_pages = self.arena.top_page("full") + 1 - self.arena.first_page("full")
+        owner_pages = self.arena.top_page(owner) + 1 - self.arena.first_page(owner)
         #: the most tokens one request can hold with the arena to itself (Note [Cannot fit])
         self.tokens_alone = self._tokens_alone(window if SLIDING_ATTENTION in groups else None)
+        self.window = window if SLIDING_ATTENTION in groups else None
         max_pos = int(getattr(config, "max_position_embeddings", owner_pages * ps) or owner_pages * ps)
         self.max_tokens_per_request = max(ps, min(max_pos, self.tokens_alone))
         #: request id -> its transformers request state, bound with the batch processor (Note [Seams] 10); while
@@ -288,12 +311,13 @@ class UmallocPagedCache:
         self._doomed: dict[str, tuple[Any, RequestCannotFitError]] = {}
         max_requests = opts.max_requests or max(1, min(owner_pages, 1024))
         self.table = RequestTable(self.alloc, max_requests=max_requests,
-                                  max_tokens_per_request=self.max_tokens_per_request, dtype=torch.int64,
-                                  owner="full", zero_page=False, on_evict=_weak_call(self._on_evict))
-        #: the sliding layers' ring per request (Note [Sliding ring]); None without sliding layers
+                                  max_tokens_per_request=self.max_tokens_per_request if self.has_full else window,
+                                  dtype=torch.int64, owner=owner, zero_page=False,
+                                  on_evict=_weak_call(self._on_evict))
+        #: the sliding layers' ring per request (Note [Sliding ring]) beside the full-attention table; None without
+        #: sliding layers, and None when every layer slides (``table`` holds the rings, Note [All sliding])
         self.ring_table: RequestTable | None = None
-        self.window = window if SLIDING_ATTENTION in groups else None
-        if self.window is not None:
+        if self.window is not None and self.has_full:
             self.ring_table = RequestTable(self.alloc, max_requests=max_requests,
                                            max_tokens_per_request=self.window, dtype=torch.int64, owner="swa",
                                            zero_page=False)
@@ -321,17 +345,21 @@ class UmallocPagedCache:
                 self.layer_to_allocator[layer] = grp
         self.pool = _Pool(self)
         self.use_prefix_sharing = self.allow_block_sharing and SLIDING_ATTENTION not in groups
+        # stock's scheduler reads at most a window of a request's cache when every layer slides
+        self.read_cache_limit = None if self.has_full else window
         self.num_blocks = (arena_bytes - self.arena.floor_bytes) // model_block_bytes
         self.max_blocks_per_request = 0
         self.max_decode_fast_path_length = 0
-        self.read_cache_limit = None
         self.max_tokens_read = max(g.num_blocks * ps for g in self.cache_allocators.values())
 
     def _tokens_alone(self, window: int | None) -> int:
         """The most tokens one request holds in this arena when it is the only one (Note [Cannot fit]): ``full``
         grows up from its first page, ``swa`` down from its top page, and the two must not cross. O(log pages)."""
         ps, arena = self.page_size, self.arena
-        f0, fpb = arena.first_page("full"), arena.page_bytes("full")
+        if not self.has_full:   # one ring: any length once a window's pages fit (Note [All sliding])
+            assert window is not None
+            ring_tokens = (arena.top_page("swa") + 1 - arena.first_page("swa")) * ps
+            return ring_tokens if ring_tokens < window else UNBOUNDED_TOKENS
         f_max = arena.top_page("full") + 1 - f0
         if window is None:
             return f_max * ps
@@ -384,8 +412,11 @@ class UmallocPagedCache:
             return
         items = list(self._pending.items())
         self._pending.clear()
+        if not self.has_full:   # the table holds the rings (Note [All sliding])
+            items = [(s, self._table_tokens(self._held[s]) - self._table_tokens(self._held[s] - n)) for s, n in items]
+            items = [(s, g) for s, g in items if g]
         slots = np.array([s for s, _ in items], np.int64)
-        if self.table.extend(slots, np.array([n for _, n in items], np.int64)) is None:
+        if items and self.table.extend(slots, np.array([n for _, n in items], np.int64)) is None:
             raise InvariantError(f"deferred growth of slots {slots.tolist()} refused by the table")
         if self.ring_table is None or self.window is None:
             return
@@ -395,6 +426,11 @@ class UmallocPagedCache:
         if rings and self.ring_table.extend(np.array([r for r, _ in rings], np.int64),
                                             np.array([g for _, g in rings], np.int64)) is None:
             raise InvariantError(f"deferred ring growth of rings {[r for r, _ in rings]} refused by the ring table")
+
+    def _table_tokens(self, held: int) -> int:
+        """Tokens ``table`` holds for a request of ``held`` tokens: all of them, or ``min(held, window)`` when the
+        table holds the rings (Note [All sliding])."""
+        return held if self.has_full or self.window is None else min(held, self.window)
 
     def _free_table_slots(self, slots: list[int], cache: bool = False) -> None:
         self._flush()
@@ -462,7 +498,7 @@ class UmallocPagedCache:
         live = sorted(self.slots.values())
         if sorted(self._held) != live:
             raise InvariantError(f"held lengths: kept for slots {sorted(self._held)}, live slots {live}")
-        if live and self.table.num_tokens(live).tolist() != [self._held[s] for s in live]:
+        if live and self.table.num_tokens(live).tolist() != [self._table_tokens(self._held[s]) for s in live]:
             raise InvariantError("held lengths: a kept length differs from the table's")
         if self.ring_table is None or self.window is None:
             return
@@ -483,7 +519,8 @@ class UmallocPagedCache:
         with self._timer:
             if dry_run:
                 full_pages, swa_pages = self._fresh_pages(int(request_len))
-                need = {"full": full_pages, "swa": swa_pages} if self.ring_table is not None else {"full": full_pages}
+                need = {"full": full_pages, "swa": swa_pages} if self.ring_table is not None else \
+                    {self.owner: full_pages if self.has_full else swa_pages}
                 return request_len <= self.max_tokens_per_request and self.alloc.can_alloc(need)
             rid = state.request_id
             target = int(state.current_len()) + int(request_len)   # transformers' contract: past + query
@@ -527,7 +564,7 @@ class UmallocPagedCache:
         pages = -(-num_tokens // ps)
         if self.window is None:
             return pages, 0
-        return pages, -(-min(num_tokens, self.window) // ps)
+        return pages if self.has_full else 0, -(-min(num_tokens, self.window) // ps)
 
     def _free_bytes_now(self) -> int:
         """:meth:`free_bytes`, computed once until the next allocation or free clears the memo."""
@@ -554,7 +591,7 @@ class UmallocPagedCache:
         if known is None:
             return self._fresh_pages(num_tokens)
         ps, end = self.page_size, held + num_tokens
-        full = -(-end // ps) - -(-held // ps) + self._cow_pages(known)
+        full = -(-end // ps) - -(-held // ps) + self._cow_pages(known) if self.has_full else 0
         if self.window is None:
             return full, 0
         w = self.window
@@ -563,7 +600,7 @@ class UmallocPagedCache:
     def _fits_bytes(self, full_pages: int, swa_pages: int) -> bool:
         """Whether that many pages fit in the free bytes (:meth:`free_bytes`, memoized until the next change):
         a necessary condition, whatever the layout; the allocation itself compacts if holes are in the way."""
-        need = full_pages * self.cache_allocators[FULL_ATTENTION].bytes_per_block
+        need = full_pages * self.cache_allocators[FULL_ATTENTION].bytes_per_block if full_pages else 0
         if swa_pages:
             need += swa_pages * self.cache_allocators[SLIDING_ATTENTION].bytes_per_block
         return need <= self._free_bytes_now()
@@ -597,7 +634,8 @@ class UmallocPagedCache:
                 if known is None:
                     self.table.free_requests([slot])
                 return False
-        if self.table.extend(np.array([slot], np.int64), one * num_tokens) is None:
+        table_grow = self._table_tokens(held + num_tokens) - self._table_tokens(held)
+        if table_grow and self.table.extend(np.array([slot], np.int64), one * table_grow) is None:
             if self.ring_table is not None and ring is not None:
                 if new_ring:
                     self.ring_table.free_requests([ring])
@@ -631,9 +669,9 @@ class UmallocPagedCache:
         ends, and the cached full-attention pages (only a model without sliding layers caches pages). O(ends), from
         the allocator's end views."""
         ends = self.alloc.ends
-        full = ends["full"]
+        full = ends[self.owner]   # the up end (``swa`` when every layer slides, Note [All sliding])
         total = sum(v.hole_pages * v.page_bytes for v in ends.values())
-        if "swa" in ends:
+        if self.ring_table is not None:
             swa = ends["swa"]
             total += max(0, swa.lo * swa.page_bytes - full.hi * full.page_bytes)
         else:
@@ -730,7 +768,7 @@ class UmallocPagedCache:
         with self._timer:
             self._flush()
             slot = self.slots[request_id]
-            ring = self.ring_slots.get(slot, -1)
+            ring = self.ring_slots.get(slot, slot)   # the table's own slot when it holds the rings
             keep = slot not in self._forked   # Note [Row reuse] in transformers.groups
             for grp, out in zip(self.cache_allocators.values(), write_index, strict=True):
                 sliding = grp.sliding_window is not None
@@ -754,11 +792,12 @@ class UmallocPagedCache:
             self._free_bytes_memo = None
             src = self.slots[src_state.request_id]
             held = self._held[src]
-            self._forked.add(src)
+            if self.has_full:
+                self._forked.add(src)
             self._forget_rows([src], [])   # its rows are not kept while copy-on-write may rewrite its tokens
             forked = []
             for rid in dst_req_ids:
-                slot = self.table.fork(src)
+                slot = self.table.fork(src) if self.has_full else self._new_ring(src, held)
                 if slot is None:
                     break
                 slot = int(slot)
@@ -774,11 +813,25 @@ class UmallocPagedCache:
                     self._ring_copies.append((self.ring_slots[src], int(got[0])))
                 self.slots[rid] = slot
                 self._held[slot] = held
-                self._forked.add(slot)
+                if self.has_full:
+                    self._forked.add(slot)
                 forked.append(rid)
                 self.counters.forks += 1
             self.counters.max_live_requests = max(self.counters.max_live_requests, len(self.slots))
             return forked
+
+    def _new_ring(self, src: int, held: int) -> int | None:
+        """A fork's slot when the table holds the rings (Note [All sliding]): fresh pages for ``min(held, window)``
+        tokens, queued for the copy of ``src``'s ring; None if the slots or pages fall short (nothing taken)."""
+        assert self.window is not None
+        got = self.table.new_requests(1)
+        if got is None:
+            return None
+        if self.table.extend(got, np.array([min(held, self.window)], np.int64)) is None:
+            self.table.free_requests(got)
+            return None
+        self._ring_copies.append((src, int(got[0])))
+        return int(got[0])
 
     def perform_cache_copy(self, copy_src_and_dst: dict[str, tuple[list[int], list[int]]]) -> None:
         """Copy the rings of the forks :meth:`prepare_fork_request` made (one page copy per fork on the ``swa``
@@ -787,9 +840,9 @@ class UmallocPagedCache:
             self._copy_rings()
 
     def _copy_rings(self) -> None:
-        if not self._ring_copies or self.ring_table is None:
+        if not self._ring_copies:
             return
-        rt = self.ring_table
+        rt = self.ring_table if self.ring_table is not None else self.table
         src = torch.cat([rt.pages(s) for s, _ in self._ring_copies])
         dst = torch.cat([rt.pages(d) for _, d in self._ring_copies])
         self._ring_copies.clear()

@@ -130,9 +130,6 @@ def text_config_dims(config: Any, dtype: torch.dtype) -> tuple[int, int, dict[st
             raise UnsupportedCacheError(f"layer {i} has attention type {lt!r}; the umalloc cache holds "
                                         f"{sorted(END_OF)}")
         groups.setdefault(lt, []).append(i)
-    if FULL_ATTENTION not in groups:
-        raise UnsupportedCacheError(f"every layer of the model is {SLIDING_ATTENTION!r} (layer 0 first); the umalloc "
-                                    "cache needs at least one full_attention layer (it sizes requests and shares prefixes by that group)")
     if SLIDING_ATTENTION in groups and (not isinstance(sliding_window, int) or sliding_window <= 0):
         raise UnsupportedCacheError(f"layer {groups[SLIDING_ATTENTION][0]} is {SLIDING_ATTENTION!r} with "
                                     f"sliding_window={sliding_window!r}; allowed a positive int")
