@@ -132,8 +132,6 @@ Threading: the scheduler's thread only (transformers drives the cache from one t
 
 from __future__ import annotations
 
-import importlib
-import math
 import weakref
 from time import perf_counter
 from typing import Any
@@ -169,10 +167,7 @@ from umalloc.integrations.transformers.options import (
     text_config_dims,
 )
 from umalloc.integrations.transformers.prefix import PrefixIndex
-
-
-#: what :meth:`UmallocPagedCache._tokens_alone` answers for a request no length of which outgrows the arena
-UNBOUNDED_TOKENS = 1 << 62
+from umalloc.integrations.transformers.sizing import stock_sizing, tokens_alone
 
 
 def _weak_call(method: Any) -> Any:
@@ -259,18 +254,11 @@ class UmallocPagedCache:
         kv = TORCH_TO_KV[dtype]
 
         # ---- transformers' own sizing (sectors), for equal bytes
-        cache_mod = importlib.import_module("transformers.generation.continuous_batching.cache")
-        page_bytes = {lt: 2 * num_kv_heads * head_dim * dtype.itemsize * ps * len(ix) for lt, ix in groups.items()}
-        bytes_per_sector = math.lcm(*page_bytes.values(), 128)
-        tokens_per_sector = max(bytes_per_sector // pb * ps for pb in page_bytes.values())
-        model_block_bytes = int(config.num_hidden_layers) * 2 * num_kv_heads * head_dim * dtype.itemsize * ps
-        self.max_batch_tokens, num_sectors = cache_mod.PagedAttentionMemoryHandler(
-            config=config, cb_config=cb, dtype=dtype, bytes_per_sector=bytes_per_sector,
-            tokens_per_sector=tokens_per_sector, bytes_per_block=model_block_bytes, attn_types=list(groups),
-            model_supports_logits_to_keep=model_supports_logits_to_keep,
-        ).infer_max_batch_tokens_and_num_sectors()
-        self.stock_cache_bytes = (num_sectors + 2) * bytes_per_sector
-        self.bytes_per_sector = bytes_per_sector
+        stock = stock_sizing(config, cb, dtype, groups, num_kv_heads, head_dim, model_supports_logits_to_keep)
+        self.max_batch_tokens = stock.max_batch_tokens
+        self.stock_cache_bytes = stock.cache_bytes
+        self.bytes_per_sector = stock.bytes_per_sector
+        model_block_bytes = stock.model_block_bytes
         arena_bytes = self.stock_cache_bytes if opts.arena_bytes is None else int(opts.arena_bytes)
         if arena_bytes % ARENA_ALIGN_BYTES:
             raise UnsupportedCacheError(f"CacheOptions.arena_bytes={arena_bytes}: allowed a multiple of "
@@ -300,7 +288,7 @@ class UmallocPagedCache:
         self.alloc = MultiEndedAllocator(self.arena, compaction=opts.compaction)
         owner_pages = self.arena.top_page(owner) + 1 - self.arena.first_page(owner)
         #: the most tokens one request can hold with the arena to itself (Note [Cannot fit])
-        self.tokens_alone = self._tokens_alone(window if SLIDING_ATTENTION in groups else None)
+        self.tokens_alone = tokens_alone(self.arena, ps, window if SLIDING_ATTENTION in groups else None)
         self.window = window if SLIDING_ATTENTION in groups else None
         max_pos = int(getattr(config, "max_position_embeddings", owner_pages * ps) or owner_pages * ps)
         self.max_tokens_per_request = max(ps, min(max_pos, self.tokens_alone))
@@ -351,29 +339,6 @@ class UmallocPagedCache:
         self.max_blocks_per_request = 0
         self.max_decode_fast_path_length = 0
         self.max_tokens_read = max(g.num_blocks * ps for g in self.cache_allocators.values())
-
-    def _tokens_alone(self, window: int | None) -> int:
-        """The most tokens one request holds in this arena when it is the only one (Note [Cannot fit]): ``full``
-        grows up from its first page, ``swa`` down from its top page, and the two must not cross. O(log pages)."""
-        ps, arena = self.page_size, self.arena
-        if not self.has_full:   # one ring: any length once a window's pages fit (Note [All sliding])
-            assert window is not None
-            ring_tokens = (arena.top_page("swa") + 1 - arena.first_page("swa")) * ps
-            return ring_tokens if ring_tokens < window else UNBOUNDED_TOKENS
-        f_max = arena.top_page("full") + 1 - f0
-        if window is None:
-            return f_max * ps
-        top, spb = arena.top_page("swa") + 1, arena.page_bytes("swa")
-
-        def fits(full_pages: int) -> bool:
-            ring = -(-min(full_pages * ps, window) // ps)
-            return (f0 + full_pages) * fpb <= (top - ring) * spb
-
-        lo, hi = 0, f_max   # fits(lo) holds (an ArenaSpec holds the floor plus one page of each end)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
-        return lo * ps
 
     def _never_completes(self, state: Any, target: int) -> int | None:
         """The tokens ``state``'s request must hold that exceed what it could hold alone, or None (Note [Cannot
