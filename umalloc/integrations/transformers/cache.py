@@ -166,8 +166,8 @@ from umalloc.integrations.transformers.options import (
     UnsupportedCacheError,
     text_config_dims,
 )
-from umalloc.integrations.transformers.prefix import PrefixIndex
-from umalloc.integrations.transformers.sizing import stock_sizing, tokens_alone
+from umalloc.integrations.transformers.prefix import PrefixIndex, ring_donor
+from umalloc.integrations.transformers.sizing import never_completes, stock_sizing, tokens_alone
 
 
 def _weak_call(method: Any) -> Any:
@@ -332,28 +332,17 @@ class UmallocPagedCache:
             for layer in groups[lt]:
                 self.layer_to_allocator[layer] = grp
         self.pool = _Pool(self)
-        self.use_prefix_sharing = self.allow_block_sharing and SLIDING_ATTENTION not in groups
+        #: prefixes are shared where a full-attention group indexes them (rings copied: Note [Sliding prefix] in
+        #: :mod:`~umalloc.integrations.transformers.prefix`)
+        self.use_prefix_sharing = self.allow_block_sharing and self.has_full
+        #: whether freed full-attention pages stay cached: not with sliding layers (no live ring gives their window)
+        self.cache_freed = self.use_prefix_sharing and self.window is None
         # stock's scheduler reads at most a window of a request's cache when every layer slides
         self.read_cache_limit = None if self.has_full else window
         self.num_blocks = (arena_bytes - self.arena.floor_bytes) // model_block_bytes
         self.max_blocks_per_request = 0
         self.max_decode_fast_path_length = 0
         self.max_tokens_read = max(g.num_blocks * ps for g in self.cache_allocators.values())
-
-    def _never_completes(self, state: Any, target: int) -> int | None:
-        """The tokens ``state``'s request must hold that exceed what it could hold alone, or None (Note [Cannot
-        fit]): ``target`` now, its prompt, or, when no end-of-sequence token can stop it early, its prompt plus
-        ``max_new_tokens - 1``."""
-        limit = self.max_tokens_per_request
-        prompt = len(state.initial_tokens)
-        if max(target, prompt) > limit:
-            return max(target, prompt)
-        eos = state.eos_token_id
-        can_stop = eos is not None and any(t >= 0 for t in ([eos] if isinstance(eos, int) else eos))
-        new = state.max_new_tokens
-        if new is not None and not can_stop and prompt + new - 1 > limit:
-            return prompt + new - 1
-        return None
 
     def take_doomed(self) -> list[tuple[Any, RequestCannotFitError]]:
         """The requests found unable to complete since the last call, with their errors (Note [Cannot fit])."""
@@ -490,7 +479,7 @@ class UmallocPagedCache:
             rid = state.request_id
             target = int(state.current_len()) + int(request_len)   # transformers' contract: past + query
             if target > self.max_tokens_per_request or rid not in self.slots:
-                need_tokens = self._never_completes(state, target)
+                need_tokens = never_completes(state, target, self.max_tokens_per_request)
                 if need_tokens is not None:
                     if self.state_of is not None:
                         self._doomed[rid] = (state, RequestCannotFitError(
@@ -641,7 +630,7 @@ class UmallocPagedCache:
             total += max(0, swa.lo * swa.page_bytes - full.hi * full.page_bytes)
         else:
             total += self.arena.arena_bytes - full.hi * full.page_bytes
-        if self.use_prefix_sharing:   # only then are pages cached (free_blocks caches nothing otherwise)
+        if self.cache_freed:   # only then are pages cached (free_blocks caches nothing otherwise)
             total += int(self.table.capacity()["full"]["reclaimable_pages"]) * full.page_bytes
         return total
 
@@ -658,13 +647,13 @@ class UmallocPagedCache:
     def free_blocks(self, request_id: str, no_cache: bool = False) -> None:
         """Free a request's pages; with prefix sharing its full pages stay cached (unless ``no_cache``)."""
         with self._timer:
-            self._free_slot(request_id, cache=self.use_prefix_sharing and not no_cache)
+            self._free_slot(request_id, cache=self.cache_freed and not no_cache)
 
     def free_all_requests(self, clear_ledgers: bool = False) -> None:
         with self._timer:
             self._flush()
             for rid in list(self.slots):
-                self._free_slot(rid, cache=self.use_prefix_sharing and not clear_ledgers)
+                self._free_slot(rid, cache=self.cache_freed and not clear_ledgers)
             if clear_ledgers:
                 cached = self.table.cached_pages()
                 if cached.numel():
@@ -689,11 +678,21 @@ class UmallocPagedCache:
                 return 0
             self._flush()
             self._free_bytes_memo = None
+            donor = -1
+            if self.ring_table is not None and self.window is not None:   # Note [Sliding prefix] (prefix module)
+                self._copy_rings()   # forks' rings hold their source's before they give any
+                donor, k = ring_donor(matched, ((s, self._held[s], self.table.pages(s).tolist())
+                                                for s in self.slots.values()), self.window, ps)
+                del matched[k:]
+                if not matched:
+                    return 0
             got = self.table.new_requests(1)
             if got is None:
                 return 0
             slot = int(got[0])
             ok = self.table.attach_prefix(slot, matched, revive=True)
+            if ok and donor >= 0:
+                ok = self._copy_ring_prefix(slot, donor, len(matched) * ps)
             if not ok:
                 self.table.free_requests([slot])
                 return 0
@@ -702,6 +701,25 @@ class UmallocPagedCache:
             self.counters.prefix_hits += 1
             self.counters.prefix_hit_tokens += len(matched) * ps
             return len(matched) * ps
+
+    def _copy_ring_prefix(self, slot: int, donor: int, tokens: int) -> bool:
+        """Give request ``slot`` a ring of ``min(tokens, window)`` tokens in fresh pages holding a copy of
+        ``donor``'s ring pages (Note [Sliding prefix] in :mod:`~umalloc.integrations.transformers.prefix`); False
+        with nothing taken if the pages fall short."""
+        assert self.ring_table is not None and self.window is not None
+        got = self.ring_table.new_requests(1)
+        if got is None:
+            return False
+        if self.ring_table.extend(got, np.array([min(tokens, self.window)], np.int64)) is None:
+            self.ring_table.free_requests(got)
+            return False
+        ring = int(got[0])
+        self.ring_slots[slot] = ring
+        dst = self.ring_table.pages(ring)
+        src = self.ring_table.pages(self.ring_slots[donor])[: dst.numel()]
+        self.arena.copy_pages("swa", self.alloc.translate_pages(dst, "swa"), self.alloc.translate_pages(src, "swa"))
+        self.counters.ring_pages_copied += int(dst.numel())
+        return True
 
     def count_new_complete_blocks(self, state: Any, request_len: int) -> dict[str, int]:
         if not self.use_prefix_sharing:

@@ -88,7 +88,8 @@ class CacheCounters:
         pages replaced by an indexed page of the same content (Note [Seams] 7). evicted_pages: cached pages
         evicted (``on_evict``). refused_allocations: ``can_store_request_tokens`` answers ``False``. failed_alone:
         requests failed because they could never complete, with the children they were to fork into (Note
-        [Cannot fit]).
+        [Cannot fit]). ring_pages_copied: ring pages a prefix hit copied from its donor (Note [Sliding prefix] in
+        :mod:`~umalloc.integrations.transformers.prefix`).
         max_live_requests: most requests holding pages at once. memory_seconds: wall time inside this layer's
         scheduler-facing calls (allocation, index building and translation, freeing, hooks), measured with
         ``time.perf_counter``.
@@ -105,6 +106,7 @@ class CacheCounters:
     max_live_requests: int = 0
     failed_alone: int = 0
     forks: int = 0
+    ring_pages_copied: int = 0
     memory_seconds: float = 0.0
     live_requests_sum: int = 0
 

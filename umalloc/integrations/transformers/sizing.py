@@ -88,4 +88,19 @@ def tokens_alone(arena: Arena, page_size: int, window: int | None) -> int:
     return lo * ps
 
 
-__all__ = ["UNBOUNDED_TOKENS", "StockSizing", "stock_sizing", "tokens_alone"]
+def never_completes(state: Any, target: int, limit: int) -> int | None:
+    """The tokens a transformers request ``state`` must hold that exceed ``limit`` (what it could hold alone), or
+    None (Note [Cannot fit] in :mod:`umalloc.integrations.transformers.cache`): ``target`` now, its prompt, or, when
+    no end-of-sequence token can stop it early, its prompt plus ``max_new_tokens - 1``. O(eos ids)."""
+    prompt = len(state.initial_tokens)
+    if max(target, prompt) > limit:
+        return max(target, prompt)
+    eos = state.eos_token_id
+    can_stop = eos is not None and any(t >= 0 for t in ([eos] if isinstance(eos, int) else eos))
+    new = state.max_new_tokens
+    if new is not None and not can_stop and prompt + new - 1 > limit:
+        return prompt + new - 1
+    return None
+
+
+__all__ = ["UNBOUNDED_TOKENS", "StockSizing", "never_completes", "stock_sizing", "tokens_alone"]
