@@ -172,8 +172,8 @@ FULL_ONLY = {"llama", "qwen3"}
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 @pytest.mark.parametrize("name", MODELS)
 def test_tokens_identical_to_stock(name: str, scenario: str) -> None:
-    if scenario in ("prefix", "evict") and name not in FULL_ONLY:
-        pytest.skip("transformers shares prefixes only when every layer is full attention (stock and umalloc)")
+    if (scenario == "prefix" and name in ALL_SLIDING) or (scenario == "evict" and name not in FULL_ONLY):
+        pytest.skip("no prefix is shared where every layer slides; with sliding layers freed pages are not cached")
     print(f"seed={SEED}")
     model = model_for(name)
     inputs = prompts()
@@ -198,7 +198,7 @@ def test_tokens_identical_to_stock(name: str, scenario: str) -> None:
         assert moved_alloc > 0, detail
     if scenario == "pressure":
         assert c.refused_allocations > 0, detail
-    if scenario == "prefix":
+    if scenario == "prefix" and name in FULL_ONLY:   # the sliding models' shared prefixes outgrow the window
         assert c.prefix_hits > 0 and c.prefix_hit_tokens > 0, detail
     if scenario == "evict":
         assert c.evicted_pages > 0, detail

@@ -97,3 +97,58 @@ def test_sliding_prefix_shared_tokens_identical(window: int, system_tokens: int)
         assert c.prefix_hits > 0 and c.prefix_hit_tokens >= c.prefix_hits * PAGE_SIZE, detail
         # every hit copied its ring: min(hit, window) tokens in whole pages
         assert c.ring_pages_copied == c.prefix_hit_tokens // PAGE_SIZE, detail
+
+
+def test_a_donor_ring_written_after_the_hit_leaves_the_sharer_unaffected(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At the first hit, right after the request got its copy of the donor's ring, the donor's ring pages are
+    overwritten with noise (standing for any later write into those slots): the donor's own tokens change, the
+    sharer's stay stock's, so the sharer reads no byte of the donor's ring."""
+    print(f"seed={SEED}")
+    model = gemma(48)
+    prompts = chat_prompts(24, 8)
+    stock = tokens(model, prompts)
+    inner = ut.UmallocPagedCache._copy_ring_prefix
+    seen: list[tuple[int, int]] = []
+
+    def copy_then_overwrite(cache: Any, slot: int, donor: int, num_tokens: int) -> bool:
+        ok = inner(cache, slot, donor, num_tokens)
+        if ok and not seen:
+            seen.append((slot, donor))
+            g = torch.Generator().manual_seed(SEED)
+            for vp in cache.ring_table.pages(cache.ring_slots[donor]).tolist():
+                page = cache.arena.envelope("swa", int(cache.alloc.translate_pages(torch.tensor([vp]), "swa")[0]))
+                page.view(torch.float32).copy_(torch.randn(page.numel() // 4, generator=g) * 50)
+        return ok
+
+    monkeypatch.setattr(ut.UmallocPagedCache, "_copy_ring_prefix", copy_then_overwrite)
+    named: list[tuple[str, str]] = []   # (sharer, donor) request ids of the first hit, named when it happens
+    inner_search = ut.UmallocPagedCache.search_prefix_match
+
+    def search(cache: Any, request_id: str, prompt_ids: list[int]) -> int:
+        got = inner_search(cache, request_id, prompt_ids)
+        if seen and not named:
+            by_slot = {s: r for r, s in cache.slots.items()}
+            named.append((by_slot[seen[0][0]], by_slot[seen[0][1]]))
+        return got
+
+    monkeypatch.setattr(ut.UmallocPagedCache, "search_prefix_match", search)
+    with ut.installed(ut.CacheOptions(check_every_step=True), keep_caches=True):
+        got = tokens(model, prompts)
+    assert seen, "no prefix hit: the test could not fail"
+    ((sharer, donor),) = named
+    assert got[donor] != stock[donor], "the overwrite changed nothing the donor reads: the test could not fail"
+    assert got[sharer] == stock[sharer]
+
+
+def test_ring_donor_gives_only_what_its_ring_still_holds() -> None:
+    """The donor rule (Note [Sliding prefix]), against positions computed by hand: window 16, pages of 4; a
+    holder of at most a window gives every matched page it holds; a longer one only its exact prefix."""
+    matched = [7, 8, 9, 10, 11, 12]   # 24 tokens: longer than the window
+    # (slot, held, pages): 12 tokens held, first 3 pages match -> 12 tokens; 16 held, 4 pages -> 16
+    assert ring_donor(matched, [(0, 12, [7, 8, 9]), (1, 16, [7, 8, 9, 10])], 16, 4) == (1, 4)
+    # 17 held: its ring rewrote slot 0 (position 16), so it holds neither 12 nor 16 tokens of the prefix
+    assert ring_donor(matched, [(0, 17, [7, 8, 9, 10, 13])], 16, 4) == (-1, 0)
+    # exactly the 24-token prefix held: its ring holds positions 8..23, the window before token 24
+    assert ring_donor(matched, [(2, 24, matched)], 16, 4) == (2, 6)
+    # a holder whose pages differ at page 1 gives page 0 only
+    assert ring_donor(matched, [(3, 10, [7, 99, 9])], 16, 4) == (3, 1)
