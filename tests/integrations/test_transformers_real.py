@@ -412,12 +412,31 @@ def scenario_window(real: Real, monkeypatch: pytest.MonkeyPatch) -> None:
     compare(real, "window", stock, got, f" window={window} prompt_lengths={[len(p) for p in inputs]}")
 
 
+def scenario_prefix(real: Real, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shared system prompt on Gemma-3 (stock shares no prefix on a model with sliding layers and recomputes
+    it): six requests open with the same 288 tokens (the chats' bodies concatenated), then a distinct chat; one
+    forward fits one whole prompt, so the later ones find the first one's pages indexed. umalloc's hits share the
+    full-attention pages and copy the donor's ring pages (Note [Sliding prefix]); tokens identical to stock."""
+    body: list[int] = []
+    while len(body) < 288:
+        for p in real.prompts:
+            body += p[1:]   # without each chat's bos
+    bos = real.prompts[0][0]
+    inputs = [[bos] + body[:287] + p[1:] for p in real.prompts] + [[bos] + body[:287] + real.prompts[0][1:]]
+    cb = dict(page_size=32, num_blocks=96, max_batch_tokens=384, allow_block_sharing=True)
+    stock = run_batch(real, inputs, gen_config(), cb_config(real, **cb))
+    got = run_batch(real, inputs, gen_config(), cb_config(real, **cb), ut.CacheOptions(check_every_step=True))
+    c = got.cache.counters
+    compare(real, "prefix", stock, got, f" hit_tokens={c.prefix_hit_tokens} ring_pages_copied={c.ring_pages_copied}")
+    assert c.prefix_hits > 0 and c.prefix_hit_tokens >= 288 * c.prefix_hits and c.ring_pages_copied > 0
+
+
 SCENARIOS: dict[str, Callable[[Real, pytest.MonkeyPatch], None]] = {
     "greedy": scenario_greedy, "sampling": scenario_sampling, "pressure": scenario_pressure,
     "few-blocks": scenario_few_blocks, "eos": scenario_eos, "chunked": scenario_chunked, "pause": scenario_pause,
-    "window": scenario_window,
+    "window": scenario_window, "prefix": scenario_prefix,
 }
-CASES = [(name, s) for name in SPECS for s in SCENARIOS if s != "window" or name == "gemma3-270m"]
+CASES = [(name, s) for name in SPECS for s in SCENARIOS if s not in ("window", "prefix") or name == "gemma3-270m"]
 
 
 @pytest.mark.parametrize(("name", "scenario"), CASES)
