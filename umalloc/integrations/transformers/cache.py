@@ -54,8 +54,8 @@ Where transformers 5.23's interfaces are adapted, all in this package:
    prefilled in the same step share their common full pages from the next step on.
 8. Refused at construction (typed errors): tensor parallelism, asynchronous batching (it schedules, so allocates
    and compacts, while a forward reads rows computed before), CPU offloading (``cpu_offload_space > 0``, it copies
-   by physical block id), attention types other than full / sliding, and models whose every layer slides (the
-   cache sizes, counts and shares prefixes by its full-attention group).
+   by physical block id), and attention types other than full / sliding (naming the first such layer and its
+   type). A model whose every layer slides is held with rings only (Note [All sliding]).
 9. sdpa and flash attention test ``isinstance(cache, PagedAttentionCache)``: :func:`install` builds the class the
    engine instantiates with transformers' class as a second base (after :class:`UmallocPagedCache`), for that
    check only; it verifies that every method the engine calls resolves to umalloc's.
@@ -107,6 +107,17 @@ sink: attention reads them from this step's own states, never from the cache), a
 (the ring first: its pages are the request's own, so undoing it frees exactly what it took). A fork copies its
 source's ring into fresh pages (``perform_cache_copy``): ring pages are rewritten in place, never shared.
 
+Note [All sliding]
+~~~~~~~~~~~~~~~~~~
+A model whose every layer slides (Mistral-7B-v0.1's geometry, Phi-3-mini-4k, Qwen2 with ``use_sliding_window``
+and ``max_window_layers=0``) has no full-attention end: the arena has one end, ``swa`` (growing up), and
+``table`` is its rings' table (``owner == "swa"``, ``ring_table`` None, a request's ring slot is its own slot):
+it holds ``min(length, window)`` tokens per request, so a request of any length holds one window's pages, and
+only a window that does not fit the arena bounds a request (Note [Cannot fit]). The request's length is kept
+beside the table (``held_tokens``). A fork gets fresh ring pages holding a copy of its source's. No prefix is
+shared (stock shares none on such a model either), and ``read_cache_limit`` is the window, as stock's, so the
+scheduler sizes reads the same way.
+
 Note [Deferred growth]
 ~~~~~~~~~~~~~~~~~~~~~~
 A decode (one token) into the request's own partial last page needs no page on either table, so it cannot fail:
@@ -121,8 +132,6 @@ Threading: the scheduler's thread only (transformers drives the cache from one t
 
 from __future__ import annotations
 
-import importlib
-import math
 import weakref
 from time import perf_counter
 from typing import Any
@@ -157,7 +166,8 @@ from umalloc.integrations.transformers.options import (
     UnsupportedCacheError,
     text_config_dims,
 )
-from umalloc.integrations.transformers.prefix import PrefixIndex
+from umalloc.integrations.transformers.prefix import PrefixIndex, ring_donor
+from umalloc.integrations.transformers.sizing import never_completes, stock_sizing, tokens_alone
 
 
 def _weak_call(method: Any) -> Any:
@@ -244,30 +254,30 @@ class UmallocPagedCache:
         kv = TORCH_TO_KV[dtype]
 
         # ---- transformers' own sizing (sectors), for equal bytes
-        cache_mod = importlib.import_module("transformers.generation.continuous_batching.cache")
-        page_bytes = {lt: 2 * num_kv_heads * head_dim * dtype.itemsize * ps * len(ix) for lt, ix in groups.items()}
-        bytes_per_sector = math.lcm(*page_bytes.values(), 128)
-        tokens_per_sector = max(bytes_per_sector // pb * ps for pb in page_bytes.values())
-        model_block_bytes = int(config.num_hidden_layers) * 2 * num_kv_heads * head_dim * dtype.itemsize * ps
-        self.max_batch_tokens, num_sectors = cache_mod.PagedAttentionMemoryHandler(
-            config=config, cb_config=cb, dtype=dtype, bytes_per_sector=bytes_per_sector,
-            tokens_per_sector=tokens_per_sector, bytes_per_block=model_block_bytes, attn_types=list(groups),
-            model_supports_logits_to_keep=model_supports_logits_to_keep,
-        ).infer_max_batch_tokens_and_num_sectors()
-        self.stock_cache_bytes = (num_sectors + 2) * bytes_per_sector
-        self.bytes_per_sector = bytes_per_sector
+        stock = stock_sizing(config, cb, dtype, groups, num_kv_heads, head_dim, model_supports_logits_to_keep)
+        self.max_batch_tokens = stock.max_batch_tokens
+        self.stock_cache_bytes = stock.cache_bytes
+        self.bytes_per_sector = stock.bytes_per_sector
+        model_block_bytes = stock.model_block_bytes
         arena_bytes = self.stock_cache_bytes if opts.arena_bytes is None else int(opts.arena_bytes)
         if arena_bytes % ARENA_ALIGN_BYTES:
             raise UnsupportedCacheError(f"CacheOptions.arena_bytes={arena_bytes}: allowed a multiple of "
                                         f"{ARENA_ALIGN_BYTES} bytes")
 
         # ---- the arena: full (up) and swa (down), each an id owner with its own request table
-        ends = [EndSpec("full", tuple(LayerSpec.mha(num_kv_heads, head_dim, dtype=kv)
-                                      for _ in groups[FULL_ATTENTION]), page_size=ps, grow=Grow.UP)]
+        #: whether the model has full-attention layers; without (every layer slides) the arena has one end,
+        #: ``swa``, and ``table`` is the rings' table (Note [All sliding])
+        self.has_full = FULL_ATTENTION in groups
+        ends = []
+        if self.has_full:
+            ends.append(EndSpec("full", tuple(LayerSpec.mha(num_kv_heads, head_dim, dtype=kv)
+                                              for _ in groups[FULL_ATTENTION]), page_size=ps, grow=Grow.UP))
         if SLIDING_ATTENTION in groups:
             ends.append(EndSpec("swa", tuple(LayerSpec.mha(num_kv_heads, head_dim, dtype=kv, window_tokens=window)
-                                             for _ in groups[SLIDING_ATTENTION]), page_size=ps, grow=Grow.DOWN,
-                                role=EndRole.SWA))
+                                             for _ in groups[SLIDING_ATTENTION]), page_size=ps,
+                                grow=Grow.DOWN if self.has_full else Grow.UP, role=EndRole.SWA))
+        #: the end whose request table names the requests (``full``; ``swa`` when every layer slides)
+        self.owner = owner = "full" if self.has_full else "swa"
         try:
             spec = ArenaSpec(tuple(ends), arena_bytes=arena_bytes)
         except SpecError as e:
@@ -276,9 +286,10 @@ class UmallocPagedCache:
                                         "model's pages") from e
         self.arena = Arena(spec, device=device)
         self.alloc = MultiEndedAllocator(self.arena, compaction=opts.compaction)
-        owner_pages = self.arena.top_page("full") + 1 - self.arena.first_page("full")
+        owner_pages = self.arena.top_page(owner) + 1 - self.arena.first_page(owner)
         #: the most tokens one request can hold with the arena to itself (Note [Cannot fit])
-        self.tokens_alone = self._tokens_alone(window if SLIDING_ATTENTION in groups else None)
+        self.tokens_alone = tokens_alone(self.arena, ps, window if SLIDING_ATTENTION in groups else None)
+        self.window = window if SLIDING_ATTENTION in groups else None
         max_pos = int(getattr(config, "max_position_embeddings", owner_pages * ps) or owner_pages * ps)
         self.max_tokens_per_request = max(ps, min(max_pos, self.tokens_alone))
         #: request id -> its transformers request state, bound with the batch processor (Note [Seams] 10); while
@@ -288,12 +299,13 @@ class UmallocPagedCache:
         self._doomed: dict[str, tuple[Any, RequestCannotFitError]] = {}
         max_requests = opts.max_requests or max(1, min(owner_pages, 1024))
         self.table = RequestTable(self.alloc, max_requests=max_requests,
-                                  max_tokens_per_request=self.max_tokens_per_request, dtype=torch.int64,
-                                  owner="full", zero_page=False, on_evict=_weak_call(self._on_evict))
-        #: the sliding layers' ring per request (Note [Sliding ring]); None without sliding layers
+                                  max_tokens_per_request=self.max_tokens_per_request if self.has_full else window,
+                                  dtype=torch.int64, owner=owner, zero_page=False,
+                                  on_evict=_weak_call(self._on_evict))
+        #: the sliding layers' ring per request (Note [Sliding ring]) beside the full-attention table; None without
+        #: sliding layers, and None when every layer slides (``table`` holds the rings, Note [All sliding])
         self.ring_table: RequestTable | None = None
-        self.window = window if SLIDING_ATTENTION in groups else None
-        if self.window is not None:
+        if self.window is not None and self.has_full:
             self.ring_table = RequestTable(self.alloc, max_requests=max_requests,
                                            max_tokens_per_request=self.window, dtype=torch.int64, owner="swa",
                                            zero_page=False)
@@ -320,47 +332,17 @@ class UmallocPagedCache:
             for layer in groups[lt]:
                 self.layer_to_allocator[layer] = grp
         self.pool = _Pool(self)
-        self.use_prefix_sharing = self.allow_block_sharing and SLIDING_ATTENTION not in groups
+        #: prefixes are shared where a full-attention group indexes them (rings copied: Note [Sliding prefix] in
+        #: :mod:`~umalloc.integrations.transformers.prefix`)
+        self.use_prefix_sharing = self.allow_block_sharing and self.has_full
+        #: whether freed full-attention pages stay cached: not with sliding layers (no live ring gives their window)
+        self.cache_freed = self.use_prefix_sharing and self.window is None
+        # stock's scheduler reads at most a window of a request's cache when every layer slides
+        self.read_cache_limit = None if self.has_full else window
         self.num_blocks = (arena_bytes - self.arena.floor_bytes) // model_block_bytes
         self.max_blocks_per_request = 0
         self.max_decode_fast_path_length = 0
-        self.read_cache_limit = None
         self.max_tokens_read = max(g.num_blocks * ps for g in self.cache_allocators.values())
-
-    def _tokens_alone(self, window: int | None) -> int:
-        """The most tokens one request holds in this arena when it is the only one (Note [Cannot fit]): ``full``
-        grows up from its first page, ``swa`` down from its top page, and the two must not cross. O(log pages)."""
-        ps, arena = self.page_size, self.arena
-        f0, fpb = arena.first_page("full"), arena.page_bytes("full")
-        f_max = arena.top_page("full") + 1 - f0
-        if window is None:
-            return f_max * ps
-        top, spb = arena.top_page("swa") + 1, arena.page_bytes("swa")
-
-        def fits(full_pages: int) -> bool:
-            ring = -(-min(full_pages * ps, window) // ps)
-            return (f0 + full_pages) * fpb <= (top - ring) * spb
-
-        lo, hi = 0, f_max   # fits(lo) holds (an ArenaSpec holds the floor plus one page of each end)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
-        return lo * ps
-
-    def _never_completes(self, state: Any, target: int) -> int | None:
-        """The tokens ``state``'s request must hold that exceed what it could hold alone, or None (Note [Cannot
-        fit]): ``target`` now, its prompt, or, when no end-of-sequence token can stop it early, its prompt plus
-        ``max_new_tokens - 1``."""
-        limit = self.max_tokens_per_request
-        prompt = len(state.initial_tokens)
-        if max(target, prompt) > limit:
-            return max(target, prompt)
-        eos = state.eos_token_id
-        can_stop = eos is not None and any(t >= 0 for t in ([eos] if isinstance(eos, int) else eos))
-        new = state.max_new_tokens
-        if new is not None and not can_stop and prompt + new - 1 > limit:
-            return prompt + new - 1
-        return None
 
     def take_doomed(self) -> list[tuple[Any, RequestCannotFitError]]:
         """The requests found unable to complete since the last call, with their errors (Note [Cannot fit])."""
@@ -384,8 +366,11 @@ class UmallocPagedCache:
             return
         items = list(self._pending.items())
         self._pending.clear()
+        if not self.has_full:   # the table holds the rings (Note [All sliding])
+            items = [(s, self._table_tokens(self._held[s]) - self._table_tokens(self._held[s] - n)) for s, n in items]
+            items = [(s, g) for s, g in items if g]
         slots = np.array([s for s, _ in items], np.int64)
-        if self.table.extend(slots, np.array([n for _, n in items], np.int64)) is None:
+        if items and self.table.extend(slots, np.array([n for _, n in items], np.int64)) is None:
             raise InvariantError(f"deferred growth of slots {slots.tolist()} refused by the table")
         if self.ring_table is None or self.window is None:
             return
@@ -395,6 +380,11 @@ class UmallocPagedCache:
         if rings and self.ring_table.extend(np.array([r for r, _ in rings], np.int64),
                                             np.array([g for _, g in rings], np.int64)) is None:
             raise InvariantError(f"deferred ring growth of rings {[r for r, _ in rings]} refused by the ring table")
+
+    def _table_tokens(self, held: int) -> int:
+        """Tokens ``table`` holds for a request of ``held`` tokens: all of them, or ``min(held, window)`` when the
+        table holds the rings (Note [All sliding])."""
+        return held if self.has_full or self.window is None else min(held, self.window)
 
     def _free_table_slots(self, slots: list[int], cache: bool = False) -> None:
         self._flush()
@@ -462,7 +452,7 @@ class UmallocPagedCache:
         live = sorted(self.slots.values())
         if sorted(self._held) != live:
             raise InvariantError(f"held lengths: kept for slots {sorted(self._held)}, live slots {live}")
-        if live and self.table.num_tokens(live).tolist() != [self._held[s] for s in live]:
+        if live and self.table.num_tokens(live).tolist() != [self._table_tokens(self._held[s]) for s in live]:
             raise InvariantError("held lengths: a kept length differs from the table's")
         if self.ring_table is None or self.window is None:
             return
@@ -483,12 +473,13 @@ class UmallocPagedCache:
         with self._timer:
             if dry_run:
                 full_pages, swa_pages = self._fresh_pages(int(request_len))
-                need = {"full": full_pages, "swa": swa_pages} if self.ring_table is not None else {"full": full_pages}
+                need = {"full": full_pages, "swa": swa_pages} if self.ring_table is not None else \
+                    {self.owner: full_pages if self.has_full else swa_pages}
                 return request_len <= self.max_tokens_per_request and self.alloc.can_alloc(need)
             rid = state.request_id
             target = int(state.current_len()) + int(request_len)   # transformers' contract: past + query
             if target > self.max_tokens_per_request or rid not in self.slots:
-                need_tokens = self._never_completes(state, target)
+                need_tokens = never_completes(state, target, self.max_tokens_per_request)
                 if need_tokens is not None:
                     if self.state_of is not None:
                         self._doomed[rid] = (state, RequestCannotFitError(
@@ -527,7 +518,7 @@ class UmallocPagedCache:
         pages = -(-num_tokens // ps)
         if self.window is None:
             return pages, 0
-        return pages, -(-min(num_tokens, self.window) // ps)
+        return pages if self.has_full else 0, -(-min(num_tokens, self.window) // ps)
 
     def _free_bytes_now(self) -> int:
         """:meth:`free_bytes`, computed once until the next allocation or free clears the memo."""
@@ -554,7 +545,7 @@ class UmallocPagedCache:
         if known is None:
             return self._fresh_pages(num_tokens)
         ps, end = self.page_size, held + num_tokens
-        full = -(-end // ps) - -(-held // ps) + self._cow_pages(known)
+        full = -(-end // ps) - -(-held // ps) + self._cow_pages(known) if self.has_full else 0
         if self.window is None:
             return full, 0
         w = self.window
@@ -563,7 +554,7 @@ class UmallocPagedCache:
     def _fits_bytes(self, full_pages: int, swa_pages: int) -> bool:
         """Whether that many pages fit in the free bytes (:meth:`free_bytes`, memoized until the next change):
         a necessary condition, whatever the layout; the allocation itself compacts if holes are in the way."""
-        need = full_pages * self.cache_allocators[FULL_ATTENTION].bytes_per_block
+        need = full_pages * self.cache_allocators[FULL_ATTENTION].bytes_per_block if full_pages else 0
         if swa_pages:
             need += swa_pages * self.cache_allocators[SLIDING_ATTENTION].bytes_per_block
         return need <= self._free_bytes_now()
@@ -597,7 +588,8 @@ class UmallocPagedCache:
                 if known is None:
                     self.table.free_requests([slot])
                 return False
-        if self.table.extend(np.array([slot], np.int64), one * num_tokens) is None:
+        table_grow = self._table_tokens(held + num_tokens) - self._table_tokens(held)
+        if table_grow and self.table.extend(np.array([slot], np.int64), one * table_grow) is None:
             if self.ring_table is not None and ring is not None:
                 if new_ring:
                     self.ring_table.free_requests([ring])
@@ -631,14 +623,14 @@ class UmallocPagedCache:
         ends, and the cached full-attention pages (only a model without sliding layers caches pages). O(ends), from
         the allocator's end views."""
         ends = self.alloc.ends
-        full = ends["full"]
+        full = ends[self.owner]   # the up end (``swa`` when every layer slides, Note [All sliding])
         total = sum(v.hole_pages * v.page_bytes for v in ends.values())
-        if "swa" in ends:
+        if self.ring_table is not None:
             swa = ends["swa"]
             total += max(0, swa.lo * swa.page_bytes - full.hi * full.page_bytes)
         else:
             total += self.arena.arena_bytes - full.hi * full.page_bytes
-        if self.use_prefix_sharing:   # only then are pages cached (free_blocks caches nothing otherwise)
+        if self.cache_freed:   # only then are pages cached (free_blocks caches nothing otherwise)
             total += int(self.table.capacity()["full"]["reclaimable_pages"]) * full.page_bytes
         return total
 
@@ -655,13 +647,13 @@ class UmallocPagedCache:
     def free_blocks(self, request_id: str, no_cache: bool = False) -> None:
         """Free a request's pages; with prefix sharing its full pages stay cached (unless ``no_cache``)."""
         with self._timer:
-            self._free_slot(request_id, cache=self.use_prefix_sharing and not no_cache)
+            self._free_slot(request_id, cache=self.cache_freed and not no_cache)
 
     def free_all_requests(self, clear_ledgers: bool = False) -> None:
         with self._timer:
             self._flush()
             for rid in list(self.slots):
-                self._free_slot(rid, cache=self.use_prefix_sharing and not clear_ledgers)
+                self._free_slot(rid, cache=self.cache_freed and not clear_ledgers)
             if clear_ledgers:
                 cached = self.table.cached_pages()
                 if cached.numel():
@@ -686,11 +678,21 @@ class UmallocPagedCache:
                 return 0
             self._flush()
             self._free_bytes_memo = None
+            donor = -1
+            if self.ring_table is not None and self.window is not None:   # Note [Sliding prefix] (prefix module)
+                self._copy_rings()   # forks' rings hold their source's before they give any
+                donor, k = ring_donor(matched, ((s, self._held[s], self.table.pages(s).tolist())
+                                                for s in self.slots.values()), self.window, ps)
+                del matched[k:]
+                if not matched:
+                    return 0
             got = self.table.new_requests(1)
             if got is None:
                 return 0
             slot = int(got[0])
             ok = self.table.attach_prefix(slot, matched, revive=True)
+            if ok and donor >= 0:
+                ok = self._copy_ring_prefix(slot, donor, len(matched) * ps)
             if not ok:
                 self.table.free_requests([slot])
                 return 0
@@ -699,6 +701,25 @@ class UmallocPagedCache:
             self.counters.prefix_hits += 1
             self.counters.prefix_hit_tokens += len(matched) * ps
             return len(matched) * ps
+
+    def _copy_ring_prefix(self, slot: int, donor: int, tokens: int) -> bool:
+        """Give request ``slot`` a ring of ``min(tokens, window)`` tokens in fresh pages holding a copy of
+        ``donor``'s ring pages (Note [Sliding prefix] in :mod:`~umalloc.integrations.transformers.prefix`); False
+        with nothing taken if the pages fall short."""
+        assert self.ring_table is not None and self.window is not None
+        got = self.ring_table.new_requests(1)
+        if got is None:
+            return False
+        if self.ring_table.extend(got, np.array([min(tokens, self.window)], np.int64)) is None:
+            self.ring_table.free_requests(got)
+            return False
+        ring = int(got[0])
+        self.ring_slots[slot] = ring
+        dst = self.ring_table.pages(ring)
+        src = self.ring_table.pages(self.ring_slots[donor])[: dst.numel()]
+        self.arena.copy_pages("swa", self.alloc.translate_pages(dst, "swa"), self.alloc.translate_pages(src, "swa"))
+        self.counters.ring_pages_copied += int(dst.numel())
+        return True
 
     def count_new_complete_blocks(self, state: Any, request_len: int) -> dict[str, int]:
         if not self.use_prefix_sharing:
@@ -730,7 +751,7 @@ class UmallocPagedCache:
         with self._timer:
             self._flush()
             slot = self.slots[request_id]
-            ring = self.ring_slots.get(slot, -1)
+            ring = self.ring_slots.get(slot, slot)   # the table's own slot when it holds the rings
             keep = slot not in self._forked   # Note [Row reuse] in transformers.groups
             for grp, out in zip(self.cache_allocators.values(), write_index, strict=True):
                 sliding = grp.sliding_window is not None
@@ -754,11 +775,12 @@ class UmallocPagedCache:
             self._free_bytes_memo = None
             src = self.slots[src_state.request_id]
             held = self._held[src]
-            self._forked.add(src)
+            if self.has_full:
+                self._forked.add(src)
             self._forget_rows([src], [])   # its rows are not kept while copy-on-write may rewrite its tokens
             forked = []
             for rid in dst_req_ids:
-                slot = self.table.fork(src)
+                slot = self.table.fork(src) if self.has_full else self._new_ring(src, held)
                 if slot is None:
                     break
                 slot = int(slot)
@@ -774,11 +796,25 @@ class UmallocPagedCache:
                     self._ring_copies.append((self.ring_slots[src], int(got[0])))
                 self.slots[rid] = slot
                 self._held[slot] = held
-                self._forked.add(slot)
+                if self.has_full:
+                    self._forked.add(slot)
                 forked.append(rid)
                 self.counters.forks += 1
             self.counters.max_live_requests = max(self.counters.max_live_requests, len(self.slots))
             return forked
+
+    def _new_ring(self, src: int, held: int) -> int | None:
+        """A fork's slot when the table holds the rings (Note [All sliding]): fresh pages for ``min(held, window)``
+        tokens, queued for the copy of ``src``'s ring; None if the slots or pages fall short (nothing taken)."""
+        assert self.window is not None
+        got = self.table.new_requests(1)
+        if got is None:
+            return None
+        if self.table.extend(got, np.array([min(held, self.window)], np.int64)) is None:
+            self.table.free_requests(got)
+            return None
+        self._ring_copies.append((src, int(got[0])))
+        return int(got[0])
 
     def perform_cache_copy(self, copy_src_and_dst: dict[str, tuple[list[int], list[int]]]) -> None:
         """Copy the rings of the forks :meth:`prepare_fork_request` made (one page copy per fork on the ``swa``
@@ -787,9 +823,9 @@ class UmallocPagedCache:
             self._copy_rings()
 
     def _copy_rings(self) -> None:
-        if not self._ring_copies or self.ring_table is None:
+        if not self._ring_copies:
             return
-        rt = self.ring_table
+        rt = self.ring_table if self.ring_table is not None else self.table
         src = torch.cat([rt.pages(s) for s, _ in self._ring_copies])
         dst = torch.cat([rt.pages(d) for _, d in self._ring_copies])
         self._ring_copies.clear()

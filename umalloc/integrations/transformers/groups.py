@@ -90,7 +90,8 @@ class BlockTableView(Mapping[str, list[int]]):
 
     def __getitem__(self, request_id: str) -> list[int]:
         slot = self._cache.slots[request_id]
-        pages: list[int] = self._table.pages(self._cache.ring_slots[slot] if self._ring else slot).tolist()
+        # a ring's slot: the ring table's, or the request's own where its table holds the rings (every layer slides)
+        pages: list[int] = self._table.pages(self._cache.ring_slots.get(slot, slot) if self._ring else slot).tolist()
         return pages
 
     def __iter__(self) -> Iterator[str]:

@@ -88,7 +88,8 @@ class CacheCounters:
         pages replaced by an indexed page of the same content (Note [Seams] 7). evicted_pages: cached pages
         evicted (``on_evict``). refused_allocations: ``can_store_request_tokens`` answers ``False``. failed_alone:
         requests failed because they could never complete, with the children they were to fork into (Note
-        [Cannot fit]).
+        [Cannot fit]). ring_pages_copied: ring pages a prefix hit copied from its donor (Note [Sliding prefix] in
+        :mod:`~umalloc.integrations.transformers.prefix`).
         max_live_requests: most requests holding pages at once. memory_seconds: wall time inside this layer's
         scheduler-facing calls (allocation, index building and translation, freeing, hooks), measured with
         ``time.perf_counter``.
@@ -105,6 +106,7 @@ class CacheCounters:
     max_live_requests: int = 0
     failed_alone: int = 0
     forks: int = 0
+    ring_pages_copied: int = 0
     memory_seconds: float = 0.0
     live_requests_sum: int = 0
 
@@ -130,9 +132,6 @@ def text_config_dims(config: Any, dtype: torch.dtype) -> tuple[int, int, dict[st
             raise UnsupportedCacheError(f"layer {i} has attention type {lt!r}; the umalloc cache holds "
                                         f"{sorted(END_OF)}")
         groups.setdefault(lt, []).append(i)
-    if FULL_ATTENTION not in groups:
-        raise UnsupportedCacheError(f"every layer of the model is {SLIDING_ATTENTION!r} (layer 0 first); the umalloc "
-                                    "cache needs at least one full_attention layer (it sizes requests and shares prefixes by that group)")
     if SLIDING_ATTENTION in groups and (not isinstance(sliding_window, int) or sliding_window <= 0):
         raise UnsupportedCacheError(f"layer {groups[SLIDING_ATTENTION][0]} is {SLIDING_ATTENTION!r} with "
                                     f"sliding_window={sliding_window!r}; allowed a positive int")

@@ -7,6 +7,20 @@ evicts it (``on_evict``) or when its request is freed without caching. Hashes ar
 across processes.
 
 Threading: the scheduler's thread only, as the cache.
+
+Note [Sliding prefix]
+~~~~~~~~~~~~~~~~~~~~~
+With sliding layers beside full ones, a prefix hit shares the full-attention pages through ``table`` (reference
+counts, as without sliding layers) and gives the request a ring of its own holding a copy of a live request's
+(the donor's) ring pages: ring pages are never shared, so no write into a ring slot ever reaches another
+request's bytes. A hit of ``p`` tokens needs a donor holding the matched pages as its first ones whose ring still
+holds positions ``[max(0, p - window), p)``: one holding at most ``max(window, p)`` tokens (held, so including
+tokens allocated for a forward not yet run; :func:`ring_donor`). The
+match is cut to the longest prefix a donor can give: a prefix longer than the window is given only by a donor
+holding exactly that prefix, else the shorter part within the window. No donor, no hit (the request prefills it
+all). Freed full-attention pages are not cached (no live ring could give their window), so their hashes go with
+their last holder. The hit saves the prefix's forward (every layer) and its full-attention pages; the ring costs
+``ceil(min(p, window) / page_size)`` page copies (``counters.ring_pages_copied``).
 """
 
 from __future__ import annotations
@@ -25,6 +39,30 @@ def block_hash(parent: int | None, tokens: Sequence[int]) -> int:
         h.update(parent.to_bytes(8, "little", signed=False))
     h.update(array("i", tokens).tobytes())
     return int.from_bytes(h.digest(), "little", signed=False)
+
+
+def ring_donor(matched: Sequence[int], holders: Iterable[tuple[int, int, Sequence[int]]], window: int,
+               page_size: int) -> tuple[int, int]:
+    """The live request whose sliding ring still holds the K/V of the longest part of a matched prefix (Note
+    [Sliding prefix]): ``(slot, pages)`` of the best of
+    ``holders`` (``(slot, tokens held, its full-attention pages)``), ``(-1, 0)`` if none.
+
+    A holder of ``held`` tokens whose first ``k`` pages are ``matched[:k]`` can give a prefix of ``p = k *
+    page_size`` tokens when its ring still holds positions ``[max(0, p - window), p)`` unoverwritten, which holds
+    when ``held <= max(window, p)`` (a ring slot ``t % window`` is rewritten only by position ``t + window``).
+    O(holders * matched)."""
+    best, best_pages = -1, 0
+    for slot, held, pages in holders:
+        k = 0
+        for a, b in zip(matched, pages, strict=False):
+            if a != b:
+                break
+            k += 1
+        if held > window:   # only the exact prefix: its ring holds the last window of it
+            k = k if held == k * page_size else 0
+        if k > best_pages:
+            best, best_pages = slot, k
+    return best, best_pages
 
 
 class PrefixIndex:
@@ -100,4 +138,4 @@ class PrefixIndex:
             raise InvariantError("hash-index: hash -> page and page -> hash differ in size")
 
 
-__all__ = ["PrefixIndex", "block_hash"]
+__all__ = ["PrefixIndex", "block_hash", "ring_donor"]
