@@ -431,6 +431,11 @@ def generate(
     draft_tokens: Annotated[int | None, typer.Option(
         "--draft-tokens", min=1, metavar="K", rich_help_panel=_MODEL, show_default=str(DEFAULT_DRAFT_TOKENS),
         help="Draft tokens proposed per verification (only with --draft).")] = None,
+    decode: Annotated[str, typer.Option(
+        "--decode", metavar="MODE", rich_help_panel=_MODEL,
+        help="Decode side: rebuild (the received pages read into a DynamicCache, one request at a time) or cb "
+        "(transformers' continuous batching attends over the received pages in place; full-attention models, "
+        "no --draft).")] = "rebuild",
     output_format: Annotated[OutputFormat, typer.Option(
         "--format", rich_help_panel=_OUT, help="Result on stdout: table or json (the report).")] = OutputFormat.table,
     report: Annotated[Path | None, typer.Option(
@@ -463,6 +468,15 @@ def generate(
             if draft_tokens is not None and not draft:
                 raise UmallocValueError(f"--draft-tokens {draft_tokens}: only a run with a drafter proposes draft "
                                         "tokens; allowed with --draft, or without it")
+            if decode not in ("rebuild", "cb"):
+                raise UmallocValueError(f"--decode {decode!r}: allowed rebuild, cb")
+            if decode == "cb" and draft:
+                raise UmallocValueError("--decode cb --draft: speculative decoding runs with --decode rebuild; "
+                                        "allowed --decode cb without --draft")
+            if decode == "cb" and model == "gemma3":
+                raise UmallocValueError("--decode cb: model 'gemma3' has sliding-window layers, whose ring the "
+                                        "received pages cannot land in one to one; allowed --model llama, qwen3, "
+                                        "or --decode rebuild")
             from umalloc_replay.generate.run import (
                 GenerateConfig,
                 check_generate_report,
@@ -474,7 +488,7 @@ def generate(
                 model=model, backend=backend.value, trace=None if trace is None else str(trace),
                 trace_format=None if trace_format is TraceFormat.auto else trace_format.value, requests=requests,
                 skip=skip, token_scale=token_scale, output_scale=output_scale, page_size=page_size, seed=seed,
-                max_batch=max_batch, draft=draft,
+                max_batch=max_batch, draft=draft, decode=decode,
                 draft_tokens=DEFAULT_DRAFT_TOKENS if draft_tokens is None else draft_tokens)
             with HeldLogs() as held:
                 result = run_generate(cfg, progress=progress, console=err)
