@@ -468,6 +468,10 @@ def generate(
             if draft_tokens is not None and not draft:
                 raise UmallocValueError(f"--draft-tokens {draft_tokens}: only a run with a drafter proposes draft "
                                         "tokens; allowed with --draft, or without it")
+            from umalloc_replay.generate.models import REAL_MODELS, real_model_path
+
+            if model in REAL_MODELS:
+                real_model_path(model)
             if decode not in ("rebuild", "cb"):
                 raise UmallocValueError(f"--decode {decode!r}: allowed rebuild, cb")
             if decode == "cb" and draft:

