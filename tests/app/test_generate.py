@@ -323,13 +323,18 @@ def test_a_killed_prefill_process_ends_the_run_with_a_backend_error() -> None:
     assert isinstance(info.value, BackendError) and not seen[0].alive()
 
 
-def test_a_stale_draft_kv_keeps_the_tokens_and_changes_the_acceptance() -> None:
+def test_a_stale_draft_kv_keeps_the_tokens_and_fails_the_acceptance_length_check() -> None:
     """The drafter's pages sent unwritten (zeros: what they held before the drafter's forward): greedy
-    verification keeps every token equal to the target-only reference, and only the draft acceptance shows it
-    — so the token check alone cannot see a stale draft; the acceptance differs from the true-KV run's."""
+    verification keeps every token equal to the target-only reference, so the token check passes; the
+    acceptance length, compared round by round with the one-process speculative run, fails."""
     good = report_of("gemma3", "local-draft")
+    al = good["acceptance_length"]
+    assert al["differing"] == [] and al["pd"] == al["one_process"] and al["pd"]["rounds"] > 0
     stale = run_generate(GenerateConfig(model="gemma3", draft=True, draft_tokens=2, fault="stale_draft", **SLICE))
-    assert check_generate_report(stale) == []
+    problems = check_generate_report(stale)
+    assert stale["differing"] == [] and stale["identical"] == 4   # the token check passes
+    assert stale["acceptance_length"]["differing"], stale["acceptance_length"]
+    assert len(problems) == 1 and "acceptance lengths differ from the one-process speculative run" in problems[0]
     assert stale["tokens"] == good["tokens"]
     assert stale["speculative"]["accepted"] != good["speculative"]["accepted"], (stale["speculative"],
                                                                                 good["speculative"])

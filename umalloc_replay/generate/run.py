@@ -193,6 +193,7 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
         first_difference,
         greedy_continue,
         read_pages_kv,
+        reference_speculative,
         reference_tokens,
         speculative_continue,
     )
@@ -244,6 +245,10 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
     t0 = time.perf_counter()
     reference = {r.request_id: reference_tokens(model, geo, prompts[r.request_id], r.output_tokens, cfg.page_size)
                  for r in reqs}
+    #: request -> drafts accepted per verification round in the one-process speculative run
+    reference_rounds = {r.request_id: reference_speculative(model, drafter, geo, prompts[r.request_id],
+                                                            r.output_tokens, cfg.draft_tokens, cfg.page_size)[1]
+                        .per_round for r in reqs} if drafter is not None else {}
     reference_s = time.perf_counter() - t0
 
     timer = PhaseTimer()
@@ -286,6 +291,7 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
     spec_fig = {"rounds": 0, "proposed": 0, "accepted": 0}
     gate_figs = {"deferred_posts": 0, "posted_before_draft": 0}
     in_place: Any = None
+    rounds_pd: dict[int, list[int]] = {}
     bar = None
     interrupted = False
     try:
@@ -374,6 +380,7 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
                                                      cfg.draft_tokens)
                     for key in spec_fig:
                         spec_fig[key] += getattr(fig, key)
+                    rounds_pd[r.request_id] = fig.per_round
                 rebuild_s += t1 - t0
                 decode_s += time.perf_counter() - t1
                 generated[r.request_id] = toks
@@ -461,9 +468,26 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
         "draft": cfg.draft, "draft_tokens": cfg.draft_tokens if cfg.draft else 0, "speculative": spec_fig,
         "write_gate": gate_figs,
         "draft_acceptance": spec_fig["accepted"] / spec_fig["proposed"] if spec_fig["proposed"] else None,
+        "acceptance_length": acceptance_lengths(rounds_pd, reference_rounds) if drafter is not None else None,
         "tokens": {str(k): v for k, v in generated.items()},
         "max_prompt_pages": max(pages_for_tokens(r.input_tokens, cfg.page_size) for r in reqs),
     }
+
+
+def acceptance_lengths(pd: dict[int, list[int]], ref: dict[int, list[int]]) -> dict:
+    """Acceptance length (tokens emitted per target verification: drafts accepted + 1) of the PD run and of the
+    one-process speculative run: mean, distribution (AL -> rounds), and the requests whose per-round acceptance
+    differs between the two (a stale or misplaced draft KV; greedy tokens cannot show it)."""
+    def summary(rounds: dict[int, list[int]]) -> dict:
+        als = [a + 1 for rs in rounds.values() for a in rs]
+        dist: dict[str, int] = {}
+        for a in als:
+            dist[str(a)] = dist.get(str(a), 0) + 1
+        return {"mean": sum(als) / len(als) if als else 0.0, "rounds": len(als),
+                "distribution": dict(sorted(dist.items()))}
+
+    return {"pd": summary(pd), "one_process": summary(ref),
+            "differing": sorted(rid for rid in ref if pd.get(rid) != ref[rid])}
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -490,6 +514,11 @@ def check_generate_report(report: dict) -> list[str]:
     for d in report["differing"]:
         out.append(f"request {d['request']}: tokens differ from one process at position {d['position']} "
                    f"(got {d['got']}, want {d['want']})")
+    al = report.get("acceptance_length")
+    if al is not None and al["differing"]:
+        out.append(f"requests {al['differing']}: acceptance lengths differ from the one-process speculative run "
+                   f"(mean {al['pd']['mean']:.3f} against {al['one_process']['mean']:.3f}): the draft KV received is "
+                   "not the drafter's")
     blind = [p["request"] for p in report["per_request"] if p["decoded"] < 1]
     if blind:
         out.append(f"requests {blind} decoded no token from the received KV: their token check cannot see the "
@@ -534,6 +563,9 @@ def generate_table(report: dict) -> Any:
         ("draft acceptance", "no drafter" if not report["draft"] else
          f"{report['speculative']['accepted']} of {report['speculative']['proposed']} proposed "
          f"({report['draft_acceptance'] or 0:.0%}, {report['speculative']['rounds']} target verifications)"),
+        ("acceptance length (PD, one process)", "no drafter" if report.get("acceptance_length") is None else
+         f"{report['acceptance_length']['pd']['mean']:.3f}, {report['acceptance_length']['one_process']['mean']:.3f}"
+         f" (distribution {report['acceptance_length']['pd']['distribution']})"),
         ("bytes by vector", ", ".join(f"{k} {v:,}" for k, v in sorted(report["bytes_by_vector"].items()))),
         ("descriptors per request", f"{report['descriptors_per_request']:.2f} "
          f"(per layer and page: {report['per_layer_per_page_descriptors'] / max(n, 1):.1f})"),
@@ -558,5 +590,6 @@ def generate_table(report: dict) -> Any:
     return t
 
 
-__all__ = ["GENERATE_SCHEMA", "MIN_OUTPUT_TOKENS", "GenerateConfig", "arena_bytes_for", "check_generate_report",
-           "generate_table", "load_slice", "prompt_tokens", "run_generate", "scale_output", "serving_figures"]
+__all__ = ["GENERATE_SCHEMA", "MIN_OUTPUT_TOKENS", "GenerateConfig", "acceptance_lengths", "arena_bytes_for",
+           "check_generate_report", "generate_table", "load_slice", "prompt_tokens", "run_generate", "scale_output",
+           "serving_figures"]
