@@ -231,7 +231,7 @@ def test_the_command_prints_its_table_and_its_report_reproduces_the_run(tmp_path
                              "trace_name": "packaged trace conversation_trace.jsonl", "trace_format": None,
                              "requests": 2, "skip": 3, "token_scale": 64, "output_scale": 16, "page_size": 16,
                              "max_batch": 1, "seed": SEED, "draft": False, "draft_tokens": None,
-                             "compaction": "lazy"}
+                             "compaction": "lazy", "decode": "rebuild"}
     with open(default_trace_path()) as fh:
         rows = [json.loads(line) for line in list(fh)[3:5]]
     assert [(p["request"], p["prompt_tokens"], p["output_tokens"]) for p in rep["per_request"]] == [
