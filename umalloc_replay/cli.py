@@ -432,6 +432,10 @@ def generate(
     draft_tokens: Annotated[int | None, typer.Option(
         "--draft-tokens", min=1, metavar="K", rich_help_panel=_MODEL, show_default=str(DEFAULT_DRAFT_TOKENS),
         help="Draft tokens proposed per verification (only with --draft).")] = None,
+    draft_layers: Annotated[int | None, typer.Option(
+        "--draft-layers", min=1, metavar="K", rich_help_panel=_MODEL, show_default="the first full-attention layer",
+        help="Early-exit drafter of the target's first K layers (only with --draft; full-attention layers).")
+    ] = None,
     decode: Annotated[str, typer.Option(
         "--decode", metavar="MODE", rich_help_panel=_MODEL,
         help="Decode side: rebuild (the received pages read into a DynamicCache, one request at a time) or cb "
@@ -469,6 +473,9 @@ def generate(
             if draft_tokens is not None and not draft:
                 raise UmallocValueError(f"--draft-tokens {draft_tokens}: only a run with a drafter proposes draft "
                                         "tokens; allowed with --draft, or without it")
+            if draft_layers is not None and not draft:
+                raise UmallocValueError(f"--draft-layers {draft_layers}: only a run with a drafter has draft "
+                                        "layers; allowed with --draft, or without it")
             from umalloc_replay.generate.models import REAL_MODELS, real_model_path
 
             if model in REAL_MODELS:
@@ -493,7 +500,7 @@ def generate(
                 model=model, backend=backend.value, trace=None if trace is None else str(trace),
                 trace_format=None if trace_format is TraceFormat.auto else trace_format.value, requests=requests,
                 skip=skip, token_scale=token_scale, output_scale=output_scale, page_size=page_size, seed=seed,
-                max_batch=max_batch, draft=draft, decode=decode,
+                max_batch=max_batch, draft=draft, decode=decode, draft_layers=draft_layers or 0,
                 draft_tokens=DEFAULT_DRAFT_TOKENS if draft_tokens is None else draft_tokens)
             with HeldLogs() as held:
                 result = run_generate(cfg, progress=progress, console=err)

@@ -137,6 +137,10 @@ def smallest_fitting_token_scale(rows: int, output_scale: int, context: int = 10
     (["--draft-tokens", "2"], "--draft-tokens 2: only a run with a drafter proposes draft tokens; allowed with "
      "--draft"),
     (["--no-draft", "--draft-tokens", "2"], "allowed with --draft"),
+    (["--draft-layers", "1"], "--draft-layers 1: only a run with a drafter has draft layers; allowed with --draft"),
+    (["--draft", "--draft-layers", "3", "--model", "llama"], "--draft-layers 3: allowed 1..1 (the target has 2 "
+     "layers)"),
+    (["--draft", "--draft-layers", "1"], "--draft-layers 1: the target's first 1 layers include sliding-window"),
     (["--requests", "12032"], "--requests 12032: packaged trace conversation_trace.jsonl holds only 12031 "
      "requests: allowed --requests <= 12031"),
     (["--skip", "12031"], "--skip 12031 passes every one of the 12031 requests of packaged trace "
@@ -231,7 +235,7 @@ def test_the_command_prints_its_table_and_its_report_reproduces_the_run(tmp_path
                              "trace_name": "packaged trace conversation_trace.jsonl", "trace_format": None,
                              "requests": 2, "skip": 3, "token_scale": 64, "output_scale": 16, "page_size": 16,
                              "max_batch": 1, "seed": SEED, "draft": False, "draft_tokens": None,
-                             "compaction": "lazy", "decode": "rebuild"}
+                             "draft_layers": None, "compaction": "lazy", "decode": "rebuild"}
     with open(default_trace_path()) as fh:
         rows = [json.loads(line) for line in list(fh)[3:5]]
     assert [(p["request"], p["prompt_tokens"], p["output_tokens"]) for p in rep["per_request"]] == [
@@ -415,3 +419,13 @@ def test_a_killed_prefill_process_ends_the_cli_run_with_one_error_line_naming_it
     assert errors == [f"error: the mooncake backend failed: the prefill process (pid {pid}) died (killed by "
                       "signal 9)"], text
     assert "Traceback" not in text, text
+
+
+def test_an_early_exit_drafter_of_k_layers_has_the_one_process_acceptance_length() -> None:
+    """``--draft-layers K``: the drafter is the target's first K layers; its KV rides the plan as the ``draft``
+    vector and its acceptance length equals the one-process speculative run's, round by round."""
+    rep = run_generate(GenerateConfig(model="qwen3", draft=True, draft_layers=1, draft_tokens=3, **SLICE))
+    assert check_generate_report(rep) == [] and rep["identical"] == 4
+    al = rep["acceptance_length"]
+    assert al["differing"] == [] and al["pd"] == al["one_process"] and al["pd"]["rounds"] > 0
+    assert sum(al["pd"]["distribution"].values()) == al["pd"]["rounds"] and "draft" in rep["bytes_by_vector"]

@@ -120,25 +120,40 @@ def build_model(name: str, seed: int) -> Any:
     return model
 
 
-def build_drafter(target: Any, seed: int) -> Any:
-    """The drafter of ``--draft``: the target's architecture cut to one full-attention layer (an early-exit,
-    LayerSkip-style self-speculative drafter): the target's embedding, final norm and output head, and as its
-    only layer a copy of the target's first full-attention layer. Deterministic given the target (``seed`` is
-    unused: the weights come from the target, whose seed made them). Its guesses agree with the target's often
-    enough that drafts are accepted, rejected and partly accepted in one run."""
+def build_drafter(target: Any, seed: int, layers: int = 0) -> Any:
+    """The drafter of ``--draft``: an early-exit (LayerSkip-style) self-speculative drafter sharing the target's
+    embedding, final norm and output head. ``layers`` 0: as its only layer a copy of the target's first
+    full-attention layer; ``layers`` K >= 1 (``--draft-layers K``): the target's first K layers (all
+    full-attention). Deterministic given the target (``seed`` is unused: the weights come from the target).
+
+    Raises:
+        UmallocValueError: K not below the target's layer count, or a sliding layer among the first K.
+    """
     import copy
 
     cfg = copy.deepcopy(target.config)
-    full = geometry_of(target).layers_of(FULL_ATTENTION)[0]
-    cfg.num_hidden_layers = 1
+    geo = geometry_of(target)
+    n = len(geo.layer_types)
+    if layers:
+        if not 1 <= layers < n:
+            raise UmallocValueError(f"--draft-layers {layers}: allowed 1..{n - 1} (the target has {n} layers)")
+        if any(t != FULL_ATTENTION for t in geo.layer_types[:layers]):
+            raise UmallocValueError(f"--draft-layers {layers}: the target's first {layers} layers include "
+                                    "sliding-window ones; allowed a drafter of full-attention layers only")
+        picked = list(range(layers))
+    else:
+        picked = [geo.layers_of(FULL_ATTENTION)[0]]
+    cfg.num_hidden_layers = len(picked)
     if getattr(cfg, "layer_types", None) is not None:
-        cfg.layer_types = [FULL_ATTENTION]
+        cfg.layer_types = [FULL_ATTENTION] * len(picked)
     torch.set_num_threads(1)
-    draft = type(target)(cfg).eval()
-    state = {k: v for k, v in target.state_dict().items() if not k.startswith("model.layers.")}
-    prefix = f"model.layers.{full}."
-    state.update({"model.layers.0." + k[len(prefix):]: v for k, v in target.state_dict().items()
-                  if k.startswith(prefix)})
+    draft = type(target)(cfg).to(target.dtype).eval()
+    full_state = target.state_dict()
+    state = {k: v for k, v in full_state.items() if not k.startswith("model.layers.")}
+    for j, src in enumerate(picked):
+        prefix = f"model.layers.{src}."
+        state.update({f"model.layers.{j}." + k[len(prefix):]: v for k, v in full_state.items()
+                      if k.startswith(prefix)})
     draft.load_state_dict(state, strict=True)
     draft.config._attn_implementation = "sdpa"
     return draft

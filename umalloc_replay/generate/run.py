@@ -101,6 +101,7 @@ class GenerateConfig:
     draft_tokens: int = DEFAULT_DRAFT_TOKENS
     write_gate: bool = True
     decode: str = "rebuild"
+    draft_layers: int = 0
 
 
 def scale_output(num_tokens: int, output_scale: int) -> int:
@@ -234,7 +235,9 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
         raise UmallocValueError(f"--decode cb: model {cfg.model!r} has sliding-window layers, whose ring the "
                                 "received pages cannot land in one to one; allowed a full-attention model "
                                 "(--model llama, qwen3) or --decode rebuild")
-    drafter = build_drafter(model, cfg.seed) if cfg.draft else None
+    if cfg.draft_layers and not cfg.draft:
+        raise UmallocValueError(f"--draft-layers {cfg.draft_layers}: allowed with --draft")
+    drafter = build_drafter(model, cfg.seed, cfg.draft_layers) if cfg.draft else None
     ends = arena_ends(geo, cfg.page_size, None if drafter is None else geometry_of(drafter))
     nbytes = arena_bytes_for(ends, reqs, cfg.max_batch)
     spec = ArenaSpec(ends, arena_bytes=nbytes)
@@ -272,7 +275,7 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
         from umalloc_replay.single.remote import RemotePrefill
 
         setup = (SETUP_TARGET, (cfg.model, cfg.seed, cfg.page_size, nbytes, cfg.compaction, prompts, cfg.fault,
-                                cfg.draft))
+                                cfg.draft, cfg.draft_layers))
         prefill = RemotePrefill(cfg.backend, spec, dec, timer, model=cfg.model, page_size=cfg.page_size,
                                 draft=False, seed=cfg.seed, compaction=cfg.compaction, padded=False,
                                 transfer_timeout_s=cfg.transfer_timeout_s, lease_deadline_s=cfg.lease_deadline_s,
@@ -434,7 +437,8 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
                    "trace_name": trace_label(cfg.trace), "trace_format": cfg.trace_format, "requests": cfg.requests, "skip": cfg.skip,
                    "token_scale": cfg.token_scale, "output_scale": cfg.output_scale, "page_size": cfg.page_size,
                    "max_batch": cfg.max_batch, "seed": cfg.seed, "draft": cfg.draft,
-                   "draft_tokens": cfg.draft_tokens if cfg.draft else None, "compaction": cfg.compaction,
+                   "draft_tokens": cfg.draft_tokens if cfg.draft else None,
+                   "draft_layers": cfg.draft_layers if cfg.draft else None, "compaction": cfg.compaction,
                    "decode": cfg.decode},
         "decode": cfg.decode,
         "serving": None if in_place is None else serving_figures(in_place, decoded),
