@@ -116,7 +116,8 @@ def decode_in_place(engine: Any, prefill: Any, reqs: list[TraceRequest], prompts
     t_run = time.perf_counter()
     last_tok: dict[int, float] = {}
     while waiting or engine.running():
-        tickets, held = [], []
+        tickets: list[Any] = []
+        held: list[tuple[TraceRequest, torch.Tensor]] = []
         while waiting and engine.running() + len(held) < max_batch:
             r = waiting[0]
             vt = engine.reserve(str(r.request_id), r.input_tokens)

@@ -99,6 +99,29 @@ def real_model_path(name: str) -> Any:
     return path
 
 
+def chat_prompts(name: str, count: int) -> list[list[int]]:
+    """Token ids of ``count`` chat prompts for real model ``name``: the conversations of the shipped prompt set
+    (``umalloc_replay/data/chat_prompts.json``: chat and code questions, some sharing a system prompt) in order,
+    cycled, each through the model's own chat template with a generation prompt. O(count) tokenizations."""
+    import json
+    import pathlib
+
+    import transformers
+
+    path = real_model_path(name)
+    tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    data = json.loads((pathlib.Path(__file__).parent.parent / "data" / "chat_prompts.json").read_text())
+    out = []
+    for i in range(count):
+        conv = data["conversations"][i % len(data["conversations"])]
+        messages = [dict(m) for m in conv["messages"]]
+        if conv["system"] is not None:
+            messages.insert(0, {"role": "system", "content": data["system_prompts"][conv["system"]]})
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        out.append(list(ids if isinstance(ids, list) else ids["input_ids"]))
+    return out
+
+
 def build_model(name: str, seed: int) -> Any:
     """The model ``name`` with weights from ``torch.manual_seed(seed64(seed))`` (any int seed,
     :func:`~umalloc_replay.seed64`), in eval mode, sdpa attention, float32.
@@ -109,8 +132,18 @@ def build_model(name: str, seed: int) -> Any:
         path = real_model_path(name)
         torch.set_num_threads(1)
         transformers.utils.logging.disable_progress_bar()   # the GGUF conversion's bars are not the run's output
-        model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                                  dtype=torch.float32).eval()
+        import os
+
+        quiet = os.environ.get("TQDM_DISABLE")
+        os.environ["TQDM_DISABLE"] = "1"
+        try:
+            model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                                      dtype=torch.float32).eval()
+        finally:
+            if quiet is None:
+                del os.environ["TQDM_DISABLE"]
+            else:
+                os.environ["TQDM_DISABLE"] = quiet
         model.config._attn_implementation = "sdpa"
         return model
     cfg, cls = _config(name)
@@ -211,5 +244,5 @@ def weights_digest(model: Any) -> str:
 
 
 __all__ = ["FULL_ATTENTION", "GEMMA3_WINDOW_TOKENS", "INITIALIZER_RANGE", "MAX_CONTEXT_TOKENS", "REAL_MODELS",
-           "SLIDING_ATTENTION", "VOCAB_SIZE", "real_model_path",
+           "SLIDING_ATTENTION", "VOCAB_SIZE", "chat_prompts", "real_model_path",
            "ModelGeometry", "arena_ends", "build_drafter", "build_model", "end_layers", "geometry_of", "weights_digest"]

@@ -205,6 +205,7 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
         arena_ends,
         build_drafter,
         build_model,
+        chat_prompts,
         geometry_of,
         weights_digest,
     )
@@ -241,9 +242,15 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
     ends = arena_ends(geo, cfg.page_size, None if drafter is None else geometry_of(drafter))
     nbytes = arena_bytes_for(ends, reqs, cfg.max_batch)
     spec = ArenaSpec(ends, arena_bytes=nbytes)
-    prompts = {r.request_id: prompt_tokens(cfg.seed, r.request_id, r.input_tokens,
-                                             int(model.config.vocab_size) if cfg.model in REAL_MODELS else VOCAB_SIZE)
-               for r in reqs}
+    if cfg.model in REAL_MODELS:   # the shipped chat prompts; the trace gives the output lengths
+        chats = chat_prompts(cfg.model, len(reqs))
+        reqs = [TraceRequest(r.request_id, r.arrival_s, len(c), r.output_tokens, r.hash_ids)
+                for r, c in zip(reqs, chats, strict=True)]
+        prompts = {r.request_id: c for r, c in zip(reqs, chats, strict=True)}
+        nbytes = arena_bytes_for(ends, reqs, cfg.max_batch)
+        spec = ArenaSpec(ends, arena_bytes=nbytes)
+    else:
+        prompts = {r.request_id: prompt_tokens(cfg.seed, r.request_id, r.input_tokens, VOCAB_SIZE) for r in reqs}
 
     t0 = time.perf_counter()
     reference = {r.request_id: reference_tokens(model, geo, prompts[r.request_id], r.output_tokens, cfg.page_size)
