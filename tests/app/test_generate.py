@@ -137,6 +137,10 @@ def smallest_fitting_token_scale(rows: int, output_scale: int, context: int = 10
     (["--draft-tokens", "2"], "--draft-tokens 2: only a run with a drafter proposes draft tokens; allowed with "
      "--draft"),
     (["--no-draft", "--draft-tokens", "2"], "allowed with --draft"),
+    (["--draft-layers", "1"], "--draft-layers 1: only a run with a drafter has draft layers; allowed with --draft"),
+    (["--draft", "--draft-layers", "3", "--model", "llama"], "--draft-layers 3: allowed 1..1 (the target has 2 "
+     "layers)"),
+    (["--draft", "--draft-layers", "1"], "--draft-layers 1: the target's first 1 layers include sliding-window"),
     (["--requests", "12032"], "--requests 12032: packaged trace conversation_trace.jsonl holds only 12031 "
      "requests: allowed --requests <= 12031"),
     (["--skip", "12031"], "--skip 12031 passes every one of the 12031 requests of packaged trace "
@@ -225,13 +229,13 @@ def test_the_command_prints_its_table_and_its_report_reproduces_the_run(tmp_path
     assert res.exit_code == 0, (res.stdout, res.stderr)
     assert "identical to one process" in res.stdout and "2 of 2" in res.stdout
     rep = json.loads(out.read_text())
-    assert rep["schema"] == GENERATE_SCHEMA == "umalloc-generate/2"
+    assert rep["schema"] == GENERATE_SCHEMA == "umalloc-generate/3"
     assert rep["umalloc_version"] == umalloc.__version__
     assert rep["config"] == {"model": "qwen3", "backend": "local", "trace": None,
                              "trace_name": "packaged trace conversation_trace.jsonl", "trace_format": None,
                              "requests": 2, "skip": 3, "token_scale": 64, "output_scale": 16, "page_size": 16,
                              "max_batch": 1, "seed": SEED, "draft": False, "draft_tokens": None,
-                             "compaction": "lazy"}
+                             "draft_layers": None, "compaction": "lazy", "decode": "rebuild"}
     with open(default_trace_path()) as fh:
         rows = [json.loads(line) for line in list(fh)[3:5]]
     assert [(p["request"], p["prompt_tokens"], p["output_tokens"]) for p in rep["per_request"]] == [
@@ -323,13 +327,18 @@ def test_a_killed_prefill_process_ends_the_run_with_a_backend_error() -> None:
     assert isinstance(info.value, BackendError) and not seen[0].alive()
 
 
-def test_a_stale_draft_kv_keeps_the_tokens_and_changes_the_acceptance() -> None:
+def test_a_stale_draft_kv_keeps_the_tokens_and_fails_the_acceptance_length_check() -> None:
     """The drafter's pages sent unwritten (zeros: what they held before the drafter's forward): greedy
-    verification keeps every token equal to the target-only reference, and only the draft acceptance shows it
-    — so the token check alone cannot see a stale draft; the acceptance differs from the true-KV run's."""
+    verification keeps every token equal to the target-only reference, so the token check passes; the
+    acceptance length, compared round by round with the one-process speculative run, fails."""
     good = report_of("gemma3", "local-draft")
+    al = good["acceptance_length"]
+    assert al["differing"] == [] and al["pd"] == al["one_process"] and al["pd"]["rounds"] > 0
     stale = run_generate(GenerateConfig(model="gemma3", draft=True, draft_tokens=2, fault="stale_draft", **SLICE))
-    assert check_generate_report(stale) == []
+    problems = check_generate_report(stale)
+    assert stale["differing"] == [] and stale["identical"] == 4   # the token check passes
+    assert stale["acceptance_length"]["differing"], stale["acceptance_length"]
+    assert len(problems) == 1 and "acceptance lengths differ from the one-process speculative run" in problems[0]
     assert stale["tokens"] == good["tokens"]
     assert stale["speculative"]["accepted"] != good["speculative"]["accepted"], (stale["speculative"],
                                                                                 good["speculative"])
@@ -410,3 +419,13 @@ def test_a_killed_prefill_process_ends_the_cli_run_with_one_error_line_naming_it
     assert errors == [f"error: the mooncake backend failed: the prefill process (pid {pid}) died (killed by "
                       "signal 9)"], text
     assert "Traceback" not in text, text
+
+
+def test_an_early_exit_drafter_of_k_layers_has_the_one_process_acceptance_length() -> None:
+    """``--draft-layers K``: the drafter is the target's first K layers; its KV rides the plan as the ``draft``
+    vector and its acceptance length equals the one-process speculative run's, round by round."""
+    rep = run_generate(GenerateConfig(model="qwen3", draft=True, draft_layers=1, draft_tokens=3, **SLICE))
+    assert check_generate_report(rep) == [] and rep["identical"] == 4
+    al = rep["acceptance_length"]
+    assert al["differing"] == [] and al["pd"] == al["one_process"] and al["pd"]["rounds"] > 0
+    assert sum(al["pd"]["distribution"].values()) == al["pd"]["rounds"] and "draft" in rep["bytes_by_vector"]

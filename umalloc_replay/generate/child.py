@@ -16,7 +16,8 @@ OUTPUTS_TARGET = "umalloc_replay.generate.child:child_outputs"
 
 
 def child_setup_model(ctx, model_name: str, seed: int, page_size: int, arena_bytes: int, compaction: str,
-                      prompts: dict[int, list[int]], fault: str | None, draft: bool) -> dict:
+                      prompts: dict[int, list[int]], fault: str | None, draft: bool,
+                      draft_layers: int = 0) -> dict:
     """Build the model (and with ``draft`` its drafter), the prefill arena (ends of :func:`~umalloc_replay.generate.models.arena_ends`) and its
     allocator, and adopt them as the child's prefill side; returns the child's stats."""
     from umalloc import Arena, ArenaSpec, MultiEndedAllocator
@@ -32,7 +33,7 @@ def child_setup_model(ctx, model_name: str, seed: int, page_size: int, arena_byt
 
     model = build_model(model_name, seed)
     geo = geometry_of(model)
-    drafter = build_drafter(model, seed) if draft else None
+    drafter = build_drafter(model, seed, draft_layers) if draft else None
     spec = ArenaSpec(arena_ends(geo, page_size, None if drafter is None else geometry_of(drafter)),
                      arena_bytes=arena_bytes)
     alloc = MultiEndedAllocator(Arena(spec, zero=False), compaction=compaction)

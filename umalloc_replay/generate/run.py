@@ -59,7 +59,7 @@ from umalloc_replay.trace import TraceRequest, check_slice_rows, load_trace, sca
 from umalloc_replay.workload import RequestState, pages_held
 
 #: The report's schema version (:func:`check_generate_report` reads this layout).
-GENERATE_SCHEMA = "umalloc-generate/2"
+GENERATE_SCHEMA = "umalloc-generate/3"
 #: Fewest tokens a request generates: the prefill's first token and one decoded over the received KV.
 MIN_OUTPUT_TOKENS = 2
 
@@ -75,6 +75,9 @@ class GenerateConfig:
     planned (the order in which vLLM #35158 sent stale draft pages): the post goes through a
     :class:`~umalloc.WriteGate` (target and SWA-tail vectors by the target, the draft vector by the drafter) and
     waits for the drafter; ``write_gate=False`` (tests only) posts at once, with the draft pages' old bytes.
+    ``decode``: ``rebuild`` (the received pages read into a ``DynamicCache`` per request) or ``cb``
+    (:mod:`~umalloc_replay.generate.inplace`: transformers' continuous batching attends over the received pages in
+    place; full-attention models, no drafter).
     ``fault``: a wrong KV written on the prefill side (:data:`~umalloc_replay.generate.kv.FAULTS`), for the
     tests that show the token check catches it; ``None`` in every real run.
     """
@@ -97,6 +100,8 @@ class GenerateConfig:
     draft: bool = False
     draft_tokens: int = DEFAULT_DRAFT_TOKENS
     write_gate: bool = True
+    decode: str = "rebuild"
+    draft_layers: int = 0
 
 
 def scale_output(num_tokens: int, output_scale: int) -> int:
@@ -189,15 +194,18 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
         first_difference,
         greedy_continue,
         read_pages_kv,
+        reference_speculative,
         reference_tokens,
         speculative_continue,
     )
     from umalloc_replay.generate.models import (
         MAX_CONTEXT_TOKENS,
+        REAL_MODELS,
         VOCAB_SIZE,
         arena_ends,
         build_drafter,
         build_model,
+        chat_prompts,
         geometry_of,
         weights_digest,
     )
@@ -217,19 +225,46 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
         raise UmallocValueError(f"fault swa_tail_start: model {cfg.model!r} has no sliding layer")
     if cfg.draft_tokens < 1:
         raise UmallocValueError(f"--draft-tokens {cfg.draft_tokens}: allowed >= 1")
-    drafter = build_drafter(model, cfg.seed) if cfg.draft else None
+    from umalloc_replay.generate.inplace import DECODE_MODES, decode_in_place, engine_for
+
+    if cfg.decode not in DECODE_MODES:
+        raise UmallocValueError(f"--decode {cfg.decode!r}: allowed one of {', '.join(DECODE_MODES)}")
+    if cfg.decode == "cb" and cfg.draft:
+        raise UmallocValueError("--decode cb --draft: speculative decoding runs with --decode rebuild; allowed "
+                                "--decode cb without --draft")
+    if cfg.decode == "cb" and geo.window_tokens is not None:
+        raise UmallocValueError(f"--decode cb: model {cfg.model!r} has sliding-window layers, whose ring the "
+                                "received pages cannot land in one to one; allowed a full-attention model "
+                                "(--model llama, qwen3) or --decode rebuild")
+    if cfg.draft_layers and not cfg.draft:
+        raise UmallocValueError(f"--draft-layers {cfg.draft_layers}: allowed with --draft")
+    drafter = build_drafter(model, cfg.seed, cfg.draft_layers) if cfg.draft else None
     ends = arena_ends(geo, cfg.page_size, None if drafter is None else geometry_of(drafter))
     nbytes = arena_bytes_for(ends, reqs, cfg.max_batch)
     spec = ArenaSpec(ends, arena_bytes=nbytes)
-    prompts = {r.request_id: prompt_tokens(cfg.seed, r.request_id, r.input_tokens, VOCAB_SIZE) for r in reqs}
+    if cfg.model in REAL_MODELS:   # the shipped chat prompts; the trace gives the output lengths
+        chats = chat_prompts(cfg.model, len(reqs))
+        reqs = [TraceRequest(r.request_id, r.arrival_s, len(c), r.output_tokens, r.hash_ids)
+                for r, c in zip(reqs, chats, strict=True)]
+        prompts = {r.request_id: c for r, c in zip(reqs, chats, strict=True)}
+        nbytes = arena_bytes_for(ends, reqs, cfg.max_batch)
+        spec = ArenaSpec(ends, arena_bytes=nbytes)
+    else:
+        prompts = {r.request_id: prompt_tokens(cfg.seed, r.request_id, r.input_tokens, VOCAB_SIZE) for r in reqs}
 
     t0 = time.perf_counter()
     reference = {r.request_id: reference_tokens(model, geo, prompts[r.request_id], r.output_tokens, cfg.page_size)
                  for r in reqs}
+    #: request -> drafts accepted per verification round in the one-process speculative run
+    reference_rounds = {r.request_id: reference_speculative(model, drafter, geo, prompts[r.request_id],
+                                                            r.output_tokens, cfg.draft_tokens, cfg.page_size)[1]
+                        .per_round for r in reqs} if drafter is not None else {}
     reference_s = time.perf_counter() - t0
 
     timer = PhaseTimer()
-    dec = MultiEndedAllocator(Arena(spec, zero=False), compaction=cfg.compaction)
+    engine = engine_for(model, reqs, cfg.page_size, cfg.max_batch) if cfg.decode == "cb" else None
+    dec = engine.cache.alloc if engine is not None else \
+        MultiEndedAllocator(Arena(spec, zero=False), compaction=cfg.compaction)
     kv_local: ModelKV | None = None
     gate: Any = None
     if cfg.backend == "local":
@@ -247,7 +282,7 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
         from umalloc_replay.single.remote import RemotePrefill
 
         setup = (SETUP_TARGET, (cfg.model, cfg.seed, cfg.page_size, nbytes, cfg.compaction, prompts, cfg.fault,
-                                cfg.draft))
+                                cfg.draft, cfg.draft_layers))
         prefill = RemotePrefill(cfg.backend, spec, dec, timer, model=cfg.model, page_size=cfg.page_size,
                                 draft=False, seed=cfg.seed, compaction=cfg.compaction, padded=False,
                                 transfer_timeout_s=cfg.transfer_timeout_s, lease_deadline_s=cfg.lease_deadline_s,
@@ -265,6 +300,8 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
     weights_ok = True
     spec_fig = {"rounds": 0, "proposed": 0, "accepted": 0}
     gate_figs = {"deferred_posts": 0, "posted_before_draft": 0}
+    in_place: Any = None
+    rounds_pd: dict[int, list[int]] = {}
     bar = None
     interrupted = False
     try:
@@ -274,7 +311,34 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
             bar = Progress(console=console, transient=True)
             bar.start()
             task = bar.add_task(f"generate {cfg.model} over {cfg.backend}", total=len(reqs))
-        for lo in range(0, len(reqs), cfg.max_batch):
+        wd_here = weights_digest(model) + ("" if drafter is None else "/" + weights_digest(drafter))
+
+        def outputs_of(rids: list[int]) -> tuple[dict, str, float]:
+            if kv_local is not None:
+                return kv_local.outputs(rids), wd_here, kv_local.prefill_s
+            from umalloc_replay.generate.child import OUTPUTS_TARGET
+
+            res = prefill.worker.run(OUTPUTS_TARGET, rids, progress=prefill.b.progress,
+                                     timeout_s=cfg.transfer_timeout_s)
+            return res["outputs"], res["weights_digest"], res["prefill_s"]
+
+        if engine is not None:
+            ip = decode_in_place(engine, prefill, reqs, prompts, outputs_of, wd_here, cfg.max_batch,
+                                 on_done=None if bar is None else (lambda _rid: bar.advance(task)))
+            generated, digest_bad, figures, decode_s = ip.generated, ip.digest_bad, ip.figures, ip.decode_s
+            weights_ok, prefill_child_s = ip.weights_ok, ip.prefill_child_s
+            in_place = ip
+            for r in reqs:
+                toks = generated[r.request_id]
+                per_request.append({"request": r.request_id, "prompt_tokens": r.input_tokens,
+                                    "output_tokens": r.output_tokens, "decoded": max(0, len(toks) - 1)})
+                pos = first_difference(toks, reference[r.request_id])
+                if pos is not None:
+                    differ.append({"request": r.request_id, "position": pos,
+                                   "got": toks[pos] if pos < len(toks) else None,
+                                   "want": reference[r.request_id][pos] if pos < len(reference[r.request_id])
+                                   else None})
+        for lo in range(0, len(reqs) if engine is None else 0, cfg.max_batch):
             batch = reqs[lo: lo + cfg.max_batch]
             tickets, held = [], []
             for r in batch:
@@ -326,6 +390,7 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
                                                      cfg.draft_tokens)
                     for key in spec_fig:
                         spec_fig[key] += getattr(fig, key)
+                    rounds_pd[r.request_id] = fig.per_round
                 rebuild_s += t1 - t0
                 decode_s += time.perf_counter() - t1
                 generated[r.request_id] = toks
@@ -343,6 +408,8 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
                 on_batch(lo // cfg.max_batch, prefill)
         prefill.check_invariants()
         dec.check_invariants()
+        if engine is not None:
+            engine.cache.check_invariants()
         pages_left = {"prefill": _live_pages(prefill.stats()), "decode": _live_pages(dec.stats())}
         leases_left = {"prefill": int(prefill.leases_active()), "decode": int(dec.leases_active())}
     except KeyboardInterrupt:
@@ -358,6 +425,8 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
             bar.stop()
         with cleanup_shielded():  # a second Ctrl-C or SIGTERM does not cut the cleanup short
             prefill.close(interrupted=interrupted)
+            if engine is not None:
+                engine.close()
     total_s = time.perf_counter() - t_start
     sec = timer.seconds
     prefill_compute_s = kv_local.prefill_s if kv_local is not None else prefill_child_s
@@ -375,7 +444,11 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
                    "trace_name": trace_label(cfg.trace), "trace_format": cfg.trace_format, "requests": cfg.requests, "skip": cfg.skip,
                    "token_scale": cfg.token_scale, "output_scale": cfg.output_scale, "page_size": cfg.page_size,
                    "max_batch": cfg.max_batch, "seed": cfg.seed, "draft": cfg.draft,
-                   "draft_tokens": cfg.draft_tokens if cfg.draft else None, "compaction": cfg.compaction},
+                   "draft_tokens": cfg.draft_tokens if cfg.draft else None,
+                   "draft_layers": cfg.draft_layers if cfg.draft else None, "compaction": cfg.compaction,
+                   "decode": cfg.decode},
+        "decode": cfg.decode,
+        "serving": None if in_place is None else serving_figures(in_place, decoded),
         "model": cfg.model, "backend": cfg.backend, "seed": cfg.seed, "page_size": cfg.page_size,
         "layer_types": list(geo.layer_types), "window_tokens": geo.window_tokens,
         "token_scale": cfg.token_scale, "output_scale": cfg.output_scale, "fault": cfg.fault,
@@ -399,15 +472,51 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
                               for e in ends},
         "seconds": {"total": total_s, "reference": reference_s, "prefill_compute": prefill_compute_s,
                     "transfer": sec["transfer"], "cache_rebuild": rebuild_s, "decode_compute": decode_s,
-                    "memory_layer": sec["allocator"] + sec["translate_plan"], "kv_read_verify": sec["verify"]},
+                    "memory_layer": sec["allocator"] + sec["translate_plan"]
+                    + (0.0 if in_place is None else in_place.memory_s), "kv_read_verify": sec["verify"]},
         "decoded_tokens_per_s": decoded / decode_s if decode_s > 0 else 0.0,
         "pages_left": pages_left, "leases_left": leases_left,
         "draft": cfg.draft, "draft_tokens": cfg.draft_tokens if cfg.draft else 0, "speculative": spec_fig,
         "write_gate": gate_figs,
         "draft_acceptance": spec_fig["accepted"] / spec_fig["proposed"] if spec_fig["proposed"] else None,
+        "acceptance_length": acceptance_lengths(rounds_pd, reference_rounds) if drafter is not None else None,
         "tokens": {str(k): v for k, v in generated.items()},
         "max_prompt_pages": max(pages_for_tokens(r.input_tokens, cfg.page_size) for r in reqs),
     }
+
+
+def acceptance_lengths(pd: dict[int, list[int]], ref: dict[int, list[int]]) -> dict:
+    """Acceptance length (tokens emitted per target verification: drafts accepted + 1) of the PD run and of the
+    one-process speculative run: mean, distribution (AL -> rounds), and the requests whose per-round acceptance
+    differs between the two (a stale or misplaced draft KV; greedy tokens cannot show it)."""
+    def summary(rounds: dict[int, list[int]]) -> dict:
+        als = [a + 1 for rs in rounds.values() for a in rs]
+        dist: dict[str, int] = {}
+        for a in als:
+            dist[str(a)] = dist.get(str(a), 0) + 1
+        return {"mean": sum(als) / len(als) if als else 0.0, "rounds": len(als),
+                "distribution": dict(sorted(dist.items()))}
+
+    return {"pd": summary(pd), "one_process": summary(ref),
+            "differing": sorted(rid for rid in ref if pd.get(rid) != ref[rid])}
+
+
+def _pct(xs: list[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of ``xs`` by nearest rank; 0.0 for none."""
+    if not xs:
+        return 0.0
+    ys = sorted(xs)
+    return ys[min(len(ys) - 1, max(0, -int(-q * len(ys) // 1) - 1))]
+
+
+def serving_figures(ip: Any, decoded: int) -> dict:
+    """TTFT (run start to the request's admission with its first token), inter-token latency, decoded tokens/s
+    over the engine's steps and the mean requests per step of an in-place decode."""
+    ttft = list(ip.ttft_s.values())
+    return {"ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99), "itl_p50_s": _pct(ip.itl_s, 0.5),
+            "itl_p99_s": _pct(ip.itl_s, 0.99), "steps": len(ip.step_requests),
+            "mean_batch": sum(ip.step_requests) / max(1, len(ip.step_requests)),
+            "decode_tokens_per_s": decoded / ip.decode_s if ip.decode_s > 0 else 0.0}
 
 
 def check_generate_report(report: dict) -> list[str]:
@@ -416,6 +525,11 @@ def check_generate_report(report: dict) -> list[str]:
     for d in report["differing"]:
         out.append(f"request {d['request']}: tokens differ from one process at position {d['position']} "
                    f"(got {d['got']}, want {d['want']})")
+    al = report.get("acceptance_length")
+    if al is not None and al["differing"]:
+        out.append(f"requests {al['differing']}: acceptance lengths differ from the one-process speculative run "
+                   f"(mean {al['pd']['mean']:.3f} against {al['one_process']['mean']:.3f}): the draft KV received is "
+                   "not the drafter's")
     blind = [p["request"] for p in report["per_request"] if p["decoded"] < 1]
     if blind:
         out.append(f"requests {blind} decoded no token from the received KV: their token check cannot see the "
@@ -452,12 +566,17 @@ def generate_table(report: dict) -> Any:
         ("tokens generated", f"{report['tokens_generated']:,}"),
         ("decoded tokens/s (decode forwards only)", f"{report['decoded_tokens_per_s']:,.0f}"),
         ("bytes moved", f"{report['bytes_moved']:,}"),
+        ("decode side", "continuous batching over the received pages in place" if report["decode"] == "cb" else
+         "received pages read into a DynamicCache per request"),
         ("posts deferred by the write gate", "no drafter" if not report["draft"] else
          f"{report['write_gate']['deferred_posts']} (posted before the drafter wrote: "
          f"{report['write_gate']['posted_before_draft']})"),
         ("draft acceptance", "no drafter" if not report["draft"] else
          f"{report['speculative']['accepted']} of {report['speculative']['proposed']} proposed "
          f"({report['draft_acceptance'] or 0:.0%}, {report['speculative']['rounds']} target verifications)"),
+        ("acceptance length (PD, one process)", "no drafter" if report.get("acceptance_length") is None else
+         f"{report['acceptance_length']['pd']['mean']:.3f}, {report['acceptance_length']['one_process']['mean']:.3f}"
+         f" (distribution {report['acceptance_length']['pd']['distribution']})"),
         ("bytes by vector", ", ".join(f"{k} {v:,}" for k, v in sorted(report["bytes_by_vector"].items()))),
         ("descriptors per request", f"{report['descriptors_per_request']:.2f} "
          f"(per layer and page: {report['per_layer_per_page_descriptors'] / max(n, 1):.1f})"),
@@ -472,10 +591,16 @@ def generate_table(report: dict) -> Any:
         ("pages left (prefill, decode)", f"{report['pages_left']['prefill']}, {report['pages_left']['decode']}"),
         ("leases left (prefill, decode)", f"{report['leases_left']['prefill']}, {report['leases_left']['decode']}"),
     ]
+    sv = report.get("serving")
+    if sv is not None:
+        rows.insert(8, ("TTFT p50 / p99 s", f"{sv['ttft_p50_s']:.3f} / {sv['ttft_p99_s']:.3f}"))
+        rows.insert(9, ("ITL p50 / p99 ms", f"{sv['itl_p50_s'] * 1e3:.2f} / {sv['itl_p99_s'] * 1e3:.2f}"))
+        rows.insert(10, ("decode steps, mean requests per step", f"{sv['steps']}, {sv['mean_batch']:.2f}"))
     for k, v in rows:
         t.add_row(k, v)
     return t
 
 
-__all__ = ["GENERATE_SCHEMA", "MIN_OUTPUT_TOKENS", "GenerateConfig", "arena_bytes_for", "check_generate_report",
-           "generate_table", "load_slice", "prompt_tokens", "run_generate", "scale_output"]
+__all__ = ["GENERATE_SCHEMA", "MIN_OUTPUT_TOKENS", "GenerateConfig", "acceptance_lengths", "arena_bytes_for",
+           "check_generate_report", "generate_table", "load_slice", "prompt_tokens", "run_generate", "scale_output",
+           "serving_figures"]

