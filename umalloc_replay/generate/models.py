@@ -117,7 +117,7 @@ def chat_prompts(name: str, count: int) -> list[list[int]]:
         messages = [dict(m) for m in conv["messages"]]
         if conv["system"] is not None:
             messages.insert(0, {"role": "system", "content": data["system_prompts"][conv["system"]]})
-        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids: Any = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         out.append(list(ids if isinstance(ids, list) else ids["input_ids"]))
     return out
 

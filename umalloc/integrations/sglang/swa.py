@@ -200,6 +200,7 @@ class UmallocSWATokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):  # type: ign
             return None
         full = self.full_attn_allocator.alloc(need_size)
         swa = self.swa_attn_allocator.alloc(need_size)
+        assert full is not None and swa is not None, "both sides had need_size free"
         self.set_full_to_swa_mapping(full, swa)
         return full
 

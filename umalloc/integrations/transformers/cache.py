@@ -299,7 +299,7 @@ class UmallocPagedCache:
         self._doomed: dict[str, tuple[Any, RequestCannotFitError]] = {}
         max_requests = opts.max_requests or max(1, min(owner_pages, 1024))
         self.table = RequestTable(self.alloc, max_requests=max_requests,
-                                  max_tokens_per_request=self.max_tokens_per_request if self.has_full else window,
+                                  max_tokens_per_request=self.max_tokens_per_request if self.has_full or window is None else window,
                                   dtype=torch.int64, owner=owner, zero_page=False,
                                   on_evict=_weak_call(self._on_evict))
         #: the sliding layers' ring per request (Note [Sliding ring]) beside the full-attention table; None without
