@@ -122,7 +122,7 @@ def item21() -> None:
             case(f"21 {n}.publish_half({bad!r})", lambda b=b, bad=bad: b.publish_half(bad), bsnap)
         lease = alloc.lease({"full": vp[:1]})
         case(f"21 {n}.publish_half(Lease)", lambda b=b, lease=lease: b.publish_half(lease), bsnap)
-        lease.end()
+        lease.release()
         half = build_receiver_half("h", alloc, seq)
         case(f"21 {n}.publish_half(unregistered memory)", lambda b=b, half=half: b.publish_half(half), bsnap)
         half.abort()

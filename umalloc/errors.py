@@ -61,7 +61,7 @@ class TombstoneError(InvalidIdError):
 
 
 class LeaseError(UmallocValueError):
-    """Misuse of a lease: unknown pages, pinning a page that is not live, an already-ended lease, ..."""
+    """Misuse of a lease: unknown pages, pinning a page that is not live, an already-released lease, ..."""
 
 
 class InvariantError(UmallocError, AssertionError):
@@ -115,7 +115,7 @@ class ArenaInUseError(UmallocValueError):
 
 class StaleLeaseError(LeaseError):
     """An engine report (``unhold_engine``) or ``settle`` carried a lease generation that is no longer live (the
-    lease ended and its pages may belong to a new owner since, F27), or asked for a transition the lease's state
+    lease was released, expired or settled and its pages may belong to a new owner since, F27), or asked for a transition the lease's state
     does not allow."""
 
 

@@ -9,7 +9,7 @@ received and frees the request. Faults (seeded, one at most per step):
 * **prefill killed** -- the prefill side dies with the step's plans built but not posted: its arena, allocator
   and backend are dropped without finishing anything, and a new prefill side is started (a restart: a fresh
   arena, nothing of the old one reused). Decode learns it from the dead peer: each plan is failed
-  (``plan.fail``: both leases end), decode's pages are freed without being read as KV, and the request is
+  (``plan.fail``: both leases are released), decode's pages are freed without being read as KV, and the request is
   retried on the new prefill side.
 * **peer stalled** -- the peer answers only after the leases' deadline (the lease clock is advanced past it):
   every plan of the step reports its deadline passed (``check_deadline``), is failed, and its request retried.
@@ -188,7 +188,7 @@ def fault_soak(num_requests: int, seed: int, *, p_kill: float = 0.04, p_stall: f
     deadline = None if minutes is None else t0 + 60 * minutes
 
     def lose(f: Flight, why: str, exc: BaseException) -> None:
-        """Fail ``f``'s plan (both leases end), count its stale pages, free decode's pages; retry or fail it."""
+        """Fail ``f``'s plan (both leases are released), count its stale pages, free decode's pages; retry or fail it."""
         f.plan.fail(exc)
         bad, _ = _verify(dec, pattern, f)      # read only to count: these pages are never decoded
         res.stale_pages_seen += bad

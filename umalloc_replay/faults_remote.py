@@ -10,7 +10,7 @@ fault:
 * **prefill killed** -- the child gets SIGKILL after posting; ``finish_all`` fails, every receiver half of the
   step is settled once the child is confirmed gone (``RemotePrefill.close``), decode's pages are freed without
   being decoded, a new child is started, the requests are retried on it.
-* **decode cancelled** -- after the step's transfers end, one request is freed on decode without being read
+* **decode cancelled** -- after the step's transfers finish, one request is freed on decode without being read
   (the transfer still landed in its pages: the cancellation came while it was in flight) and reported cancelled.
 
 The stall of :func:`~umalloc_replay.faults.fault_soak` (a settable lease clock) has no equivalent here: the

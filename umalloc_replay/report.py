@@ -333,7 +333,7 @@ def report_table(report: Mapping) -> Table:
                   f"{c['events']:,} compactions that moved pages")
     lz, sf = report["leases"], report["shortfall"]
     t.add_row("leases", f"{lz['taken']:,} taken, {lz['expired']} expired, {lz.get('in_doubt', 0)} in doubt",
-              f"at most {lz['max_active']} at once; in doubt: ended while an engine might still write its pages")
+              f"at most {lz['max_active']} at once; in doubt: released or expired while an engine might still write its pages")
     t.add_row("lease waits", f"{sf['lease_waits']:,}", "allocations that waited for in-flight transfers")
     t.add_row("admission waits", f"{r['admission_waits']:,}", "steps a request waited for memory")
     t.add_row("retractions", f"{r['retracted']:,} ({r['restored']:,} restored)", "requests parked in host memory")

@@ -394,12 +394,12 @@ def test_pinned_freed_pages_stay_pending_until_the_lease_ends(full_swa) -> None:
     assert alloc.ends["full"].state[2] == PAGE_PENDING
     v = alloc.alloc_pages(1)                                    # vpage 2 again, on fresh pages
     assert v.tolist() == [2] and pages(alloc, v, "full") == [4] and pages(alloc, v, "swa") == [6]
-    lease.end()
+    lease.release()
     assert alloc.ends["full"].state[2] == PAGE_HOLE and alloc.ends["swa"].state[8] == PAGE_HOLE
     assert pages(alloc, v, "full") == [4]                       # the re-minted id kept its own page
     w = alloc.alloc_pages(1)
     assert pages(alloc, w, "full") == [2] and pages(alloc, w, "swa") == [8]
-    assert lease.end() is False
+    assert lease.release() is False
 
 
 def test_expired_leases_are_reclaimed_on_the_next_call_and_counted(full_swa) -> None:
@@ -741,7 +741,7 @@ def test_page_level_calls_respect_leases(page_alloc) -> None:
     out = np.zeros(1, np.int64)
     alloc.alloc_pages(1, out=out)
     assert pages(alloc, torch.from_numpy(out), "full") != [1]   # page 1 is pending, not reused
-    lease.end()
+    lease.release()
     assert alloc.stats()["full"].pending_pages == 0
 
 

@@ -150,7 +150,7 @@ def test_heap_owns_the_pins_and_refuses_copies() -> None:
     heap = alloc._heap
     lease = alloc.lease({"full": T(1)})
     assert heap.pins[0][1] == 1 and alloc.lease_table.pin_count("full")[1] == 1   # one array, lent
-    lease.end()
+    lease.release()
     for f in (copy.copy, copy.deepcopy, pickle.dumps):
         with pytest.raises(HeapCopyError):
             f(heap)

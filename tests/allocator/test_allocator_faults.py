@@ -65,7 +65,7 @@ def test_F02_reused_virtual_ids_and_pages_start_clean(full_swa) -> None:
     # a page freed under a lease and reused after it: its pin count starts at 0
     lease = alloc.lease({"full": alloc.translate_pages(y, "full")})
     alloc.free(y * 2)
-    lease.end()
+    lease.release()
     z = alloc.alloc_pages(1)
     assert pages(alloc, z, "full") == [1] and alloc.lease_table.pin_count("full")[1] == 0
     alloc.free(z * 2)                                             # not pending: no stale pin
@@ -81,7 +81,7 @@ def test_F03_a_deferred_reclaim_keeps_the_page_it_captured(full_swa) -> None:
     w = alloc.alloc_pages(1)                                      # vpage 1 re-minted -> full page 3
     assert w.tolist() == [1] and pages(alloc, w, "full") == [3]
     stamp(alloc, "full", w, T(333))
-    lease.end()                                               # the deferred reclaim of page 1 resolves now
+    lease.release()                                               # the deferred reclaim of page 1 resolves now
     assert alloc.ends["full"].state[1] == PAGE_HOLE               # page 1, not vpage 1's current page 3
     assert alloc.ends["full"].state[3] == PAGE_LIVE and pages(alloc, w, "full") == [3]
     assert alloc.compact("full").pages_moved == 1                 # 3 -> 1, bytes follow
@@ -310,7 +310,7 @@ def test_pending_pages_are_walls_for_the_ladder(full_swa) -> None:
     alloc.free(live[-1:] * 2)                                     # page 7 pending: the band cannot retreat
     assert alloc.ends["full"].state[7] == PAGE_PENDING
     assert not alloc.bind_end("swa", live[:3] * 2)                # needs 3 swa pages, only 8, 9 reachable
-    lease.end()
+    lease.release()
     assert alloc.bind_end("swa", live[:3] * 2)
 
 

@@ -168,7 +168,7 @@ def _call(draw, w: _World):
             return got
         return lease
     if op == "lease_release":
-        return lambda: w.leases.pop(draw(st.integers(0, len(w.leases) - 1))).end() if w.leases else None
+        return lambda: w.leases.pop(draw(st.integers(0, len(w.leases) - 1))).release() if w.leases else None
     if op in ("can_alloc", "shortfall"):
         need = {_end_name(draw, w): _count(draw)}
         f = alloc.can_alloc if op == "can_alloc" else alloc.shortfall_pages
@@ -200,5 +200,5 @@ def test_every_call_succeeds_or_raises_typed_and_changes_nothing(shape, data) ->
             assert snapshots_equal(before, w.alloc.snapshot()), f"step {step}: a refused call changed the state"
         w.alloc.check_invariants()
     for lease in w.leases:
-        lease.end()
+        lease.release()
     w.alloc.check_invariants()

@@ -59,10 +59,10 @@ class _Completions(threading.Thread):
                         lease = self.alloc.lease({"full": pages}, tag="t")
                     self.back.put((key, pages, lease))
                 elif kind == "end":
-                    job[1].end()
+                    job[1].release()
                 elif kind == "engine":  # release while an engine holds a part, then the engine's report
                     _, lease, gen = job
-                    lease.end()
+                    lease.release()
                     time.sleep(float(self.rng.random()) * 1e-4)
                     lease.unhold_engine(gen)
                 elif kind == "plan":
@@ -175,7 +175,7 @@ def test_completion_thread_races_alloc_free_compact() -> None:
         owned.extend(in_transit.pop(key).tolist())
         leases[lease.id] = lease
     for lease in leases.values():
-        lease.end()
+        lease.release()
     alloc.free_pages(np.array(sorted(set(owned)), dtype=np.int64))
     alloc.check_invariants()
     st = alloc.stats()["full"]

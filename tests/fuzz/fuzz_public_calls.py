@@ -251,7 +251,7 @@ def _targets() -> list[Target]:
         Target("alloc.num_contiguous_runs", ("ids", "name"), A(lambda a, v, e: a.num_contiguous_runs(v, e))),
         Target("alloc.lease", ("mapping", "seconds", "str"),
                A(lambda a, m, d, t: a.lease({k: v for k, v in m.items()} if isinstance(m, dict) else m,
-                                            deadline_s=d, tag=t).end())),
+                                            deadline_s=d, tag=t).release())),
         Target("alloc.swa_tail_start", ("count", "count", "count", "count"),
                A(lambda a, *x: a.swa_tail_start(*x))),
         Target("alloc.trial", ("bool",), A(lambda a, c: a.trial(compaction=c).__enter__().commit())),
@@ -277,12 +277,12 @@ def _targets() -> list[Target]:
         # ---- leases
         Target("leases.pin", ("mapping", "seconds", "str"),
                L(lambda t, m, d, g: t.pin({k: [1] if v == 1 else v for k, v in m.items()} if isinstance(m, dict)
-                                          else m, deadline_s=d, tag=g).end()), group="leases"),
+                                          else m, deadline_s=d, tag=g).release()), group="leases"),
         Target("leases.expire", ("seconds",), L(lambda t, n: t.expire(n)), group="leases"),
         Target("leases.is_pinned", ("name", "ids"), L(lambda t, e, p: t.is_pinned(e, p)), group="leases"),
         Target("leases.pin_count", ("name",), L(lambda t, e: t.pin_count(e)), group="leases"),
         Target("leases.in_doubt_pages", ("name",), L(lambda t, e: t.in_doubt_pages(e)), group="leases"),
-        Target("leases.end_tagged", ("str",), L(lambda t, g: t.end_tagged(g)), group="leases"),
+        Target("leases.release_tagged", ("str",), L(lambda t, g: t.release_tagged(g)), group="leases"),
         Target("leases.lookup", ("count", "count"), L(lambda t, i, g: t.lookup(i, g)), group="leases"),
         Target("LeaseTable()", ("mapping", "obj"), lambda ctx, m, c: LeaseTable(m, clock=c), group="none"),
         # ---- request table

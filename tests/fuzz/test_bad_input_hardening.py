@@ -50,7 +50,7 @@ def test_lease_table_bad_input_is_typed_and_changes_nothing() -> None:
         with pytest.raises(UmallocError):
             call()
     assert len(table) == 1 and table.is_pinned("full", np.array([1, 2])).tolist() == [True, False]
-    lease.end()
+    lease.release()
     alloc = MultiEndedAllocator(Arena(tiny_spec()), clock=lambda: "noon")
     vp = alloc.alloc_pages(1)
     before = alloc.snapshot()

@@ -37,7 +37,7 @@ def test_a_leased_destination_is_refused_unless_overwrite() -> None:
     assert torch.equal(alloc.arena.data, before)
     alloc.arena.copy_pages("full", pp[1:], pp[:2], overwrite=True)
     assert firsts(env)[1:4] == [1, 1, 2]
-    lease.end()
+    lease.release()
     alloc.arena.copy_pages("full", pp[2:], pp[:1])  # the lease ended: page 3 is the caller's again
     assert firsts(env)[3] == 1
 
@@ -50,7 +50,7 @@ def test_a_pending_destination_is_refused() -> None:
     lease_pages = pp[1:]
     with pytest.raises(InvalidIdError, match="in use"):
         alloc.arena.copy_pages("full", lease_pages, pp[:1])
-    lease.end()  # the page becomes a hole: nobody's bytes
+    lease.release()  # the page becomes a hole: nobody's bytes
     alloc.arena.copy_pages("full", lease_pages, pp[:1])
     assert firsts(env)[2] == 1
 

@@ -31,7 +31,7 @@ def test_deadline_with_an_engine_hold_goes_in_doubt_and_settles_on_the_engine_re
         (lease.id, "in_doubt", [1, 2])]
     assert alloc.alloc_pages(2).tolist() and (alloc.ends["full"].state[[1, 2]] == PAGE_PENDING).all()
     alloc.check_invariants()
-    assert lease.end() is False  # a plain release does not settle an in-doubt lease
+    assert lease.release() is False  # a plain release does not settle an in-doubt lease
     assert lease.unhold_engine(gen) is True  # the engine's terminal report
     st = alloc.stats()["full"]
     assert lease.state == "settled" and (st.in_doubt_pages, st.pending_pages) == (0, 0)
@@ -57,7 +57,7 @@ def test_release_while_an_engine_holds_a_part_defers_the_pages() -> None:
     vp = alloc.alloc_pages(2)
     lease = alloc.lease({"full": np.array([1, 2])})
     hold_a, hold_b = lease.hold_engine(), lease.hold_engine()  # two engine parts
-    assert lease.end() is True and lease.state == "in_doubt"
+    assert lease.release() is True and lease.state == "in_doubt"
     alloc.free_pages(vp.numpy())
     assert alloc.stats()["full"].pending_pages == 2
     assert lease.unhold_engine(hold_a) is False  # one part still in the engine
@@ -75,7 +75,7 @@ def test_settle_is_for_in_doubt_leases_and_checks_the_generation() -> None:
     with pytest.raises(StaleLeaseError, match="active"):
         lease.settle()
     lease.hold_engine()
-    lease.end()
+    lease.release()
     with pytest.raises(StaleLeaseError, match="generation"):
         lease.settle(lease.generation + 1)
     assert lease.settle(lease.generation) is True and lease.settle() is False
@@ -98,14 +98,14 @@ def test_F27_a_stale_release_never_touches_the_new_owner() -> None:
     new = alloc.lease({"full": np.array([1])})
     with pytest.raises(StaleLeaseError):
         alloc.lease_table.lookup(*token)  # a late report quoting the old generation
-    assert old.end() is False
+    assert old.release() is False
     with pytest.raises(StaleLeaseError):
         old.unhold_engine(old.generation)
     assert int(alloc.lease_table.pin_count("full")[1]) == 1 and new.active
     assert alloc.lease_table.lookup(new.id, new.generation) is new
     alloc.free_pages(again.numpy())
     assert alloc.ends["full"].state[1] == PAGE_PENDING  # still protected by the new owner's lease
-    new.end()
+    new.release()
     assert alloc.stats()["full"].pending_pages == 0
     alloc.check_invariants()
 

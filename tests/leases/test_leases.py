@@ -89,13 +89,13 @@ def test_pin_dedups_and_counts_overlapping_leases() -> None:
     assert [lease.id for lease in table.active()] == [a.id, b.id]
     with pytest.raises(ValueError):
         table.pin_count("full")[1] = 0  # read-only view
-    assert a.end() is True
+    assert a.release() is True
     # page 5 is still pinned by b: not reported
     assert calls == [("full", [1, 3]), ("swa", [7])]
     assert table.pin_count("full").tolist() == [0, 0, 0, 0, 0, 1, 1, 0, 0, 0]
-    assert a.end() is False and a.state == "released"
+    assert a.release() is False and a.state == "released"
     assert calls == [("full", [1, 3]), ("swa", [7])]
-    b.end()
+    b.release()
     assert calls[2:] == [("full", [5, 6]), ("draft", [2])]
     assert not any(table.any_pinned(e) for e in table.ends)
     assert (table.leases_taken, table.leases_released, table.leases_expired) == (2, 2, 0)
@@ -131,7 +131,7 @@ def test_deadline_reclaim_counts_logs_and_is_harmless_to_release(caplog) -> None
     assert "peer-a" in caplog.text and "expired" in caplog.text
     assert calls == [("full", [1])]  # page 2 still pinned by `long`
     assert (table.leases_expired, table.pages_expired) == (1, 2)
-    assert short.end() is False  # harmless
+    assert short.release() is False  # harmless
     with short:
         pass
     assert table.leases_released == 0
@@ -157,7 +157,7 @@ def test_release_of_expired_unreclaimed_lease_counts_as_release() -> None:
     lease = table.pin({"full": [1]}, deadline_s=1.0)
     clock.now = 3.0
     assert lease.expired
-    assert lease.end() is True and lease.state == "released" and not lease.expired
+    assert lease.release() is True and lease.state == "released" and not lease.expired
     assert table.expire() == []
     assert (table.leases_released, table.leases_expired) == (1, 0)
     table.check_invariants()
@@ -168,10 +168,10 @@ def test_end_tagged_ends_a_dead_peers_leases() -> None:
     a = table.pin({"full": [1]}, deadline_s=None, tag="peer-x")
     b = table.pin({"swa": [2]}, deadline_s=None, tag="peer-y")
     c = table.pin({"full": [1, 3]}, deadline_s=30.0, tag="peer-x")
-    assert table.end_tagged("peer-x") == 2
+    assert table.release_tagged("peer-x") == 2
     assert a.state == c.state == "released" and b.active
     assert calls == [("full", [1, 3])]
-    assert table.end_tagged("peer-x") == 0
+    assert table.release_tagged("peer-x") == 0
     table.check_invariants()
 
 
@@ -184,7 +184,7 @@ def test_version_changes_with_every_hold_change() -> None:
     clock.now = 2.0
     table.expire()
     assert table.version > v1
-    lease.end()
+    lease.release()
     assert table.version == v1 + 1
 
 
@@ -201,7 +201,7 @@ def test_lease_of_another_table_is_refused() -> None:
     t2, _, _ = make_table()
     lease = t1.pin({"full": [1]}, deadline_s=None)
     with pytest.raises(LeaseError, match="another table"):
-        t2._end(lease, "released")
+        t2._release(lease, "released")
 
 
 # ---- state machine against a brute-force model ---------------------------------------------------------------
@@ -250,14 +250,14 @@ class LeaseMachine(RuleBasedStateMachine):
     def end(self, data) -> None:
         lid = data.draw(st.sampled_from(sorted(self.model)))
         lease = self.model[lid][2]
-        assert lease.end() is True
+        assert lease.release() is True
         self.end_in_model([lid])
 
     @precondition(lambda self: self.ended)
     @rule(data=st.data())
     def end_again(self, data) -> None:
         lease = data.draw(st.sampled_from(self.ended))
-        assert lease.end() is False
+        assert lease.release() is False
         assert self.unpinned == []
 
     @rule(dt=st.sampled_from([0.25, 0.5, 1.0]))
@@ -343,7 +343,7 @@ def test_abort_exception_inside_with_releases_and_pages_become_reusable(two_end_
     assert s["full"].pending_pages == 0 and s["swa"].pending_pages == 0
     reqs = fill(alloc, model)
     assert phys["full"].tolist()[0] in handed_out(alloc, reqs, "full")  # reusable again
-    assert lease.end() is False  # double release harmless
+    assert lease.release() is False  # double release harmless
     model.check()
     alloc.check_invariants()
 
@@ -373,7 +373,7 @@ def test_deadline_reclaim_is_counted_logged_and_pages_become_reusable(two_end_al
     s = alloc.stats()
     assert s["full"].leases_expired == 1 and s["swa"].leases_expired == 1
     assert alloc.lease_table.leases_expired == 1
-    assert lease.end() is False and alloc.lease_table.leases_released == 0  # harmless after expiry
+    assert lease.release() is False and alloc.lease_table.leases_released == 0  # harmless after expiry
     model.write(vpages_of(t))
     model.check()
 
@@ -399,7 +399,7 @@ def test_F11_page_freed_under_a_transfer_is_never_reused_or_moved_until_the_leas
             assert torch.equal(alloc.arena.envelopes(e)[p], data[e]), f"{e}: bytes under the transfer changed"
             assert (alloc.ends[e].state[p.numpy()] == PAGE_PENDING).all()
     model.check()
-    lease.end()
+    lease.release()
     for e in alloc.spec.end_names:
         assert alloc.stats()[e].pending_pages == 0
     reqs += fill(alloc, model)
@@ -428,7 +428,7 @@ def test_F12_held_pages_have_a_deadline_a_dead_peer_releases_them_and_they_count
             == st_.num_page_slots
     clock.now = 3.0
     assert alloc.leases_active() == 1 and la.state == "expired"
-    assert alloc.lease_table.end_tagged("peer-2") == 1 and lb.state == "released"  # the peer died
+    assert alloc.lease_table.release_tagged("peer-2") == 1 and lb.state == "released"  # the peer died
     s = alloc.stats()
     assert all((x.pending_pages, x.pinned_pages, x.live_pages, x.hole_pages) == (0, 0, 0, 0) for x in s.values())
     alloc.check_invariants()
@@ -472,7 +472,7 @@ def test_F16_every_terminal_path_ends_the_hold_on_compaction(two_end_allocator) 
         clock.now += 11.0
 
     def peer_died(lease):
-        alloc.lease_table.end_tagged("x")
+        alloc.lease_table.release_tagged("x")
 
-    for path in (with_block_success, with_block_failure, lambda lease: lease.end(), deadline, peer_died):
+    for path in (with_block_success, with_block_failure, lambda lease: lease.release(), deadline, peer_died):
         scenario(path)

@@ -545,7 +545,7 @@ def test_churn_3000_steps_move_budget_2_ends_with_no_ghost_page(three_end_alloca
                 env = alloc.arena.envelopes(end)
                 leases.append((lease, {end: phys}, {end: env[torch.from_numpy(phys)].clone()}))
         elif op < 0.85 and leases:
-            leases.pop(int(rng.integers(len(leases))))[0].end()
+            leases.pop(int(rng.integers(len(leases))))[0].release()
         elif op < 0.9:
             clock.now += 1.0
         else:
@@ -564,7 +564,7 @@ def test_churn_3000_steps_move_budget_2_ends_with_no_ghost_page(three_end_alloca
     model.check()
     assert nones > 0, "the pool never filled up: the churn lost its point"
     for lease, _, _ in leases:
-        lease.end()
+        lease.release()
     for t in reqs:
         alloc.free(t)
     alloc.compact()
@@ -617,7 +617,7 @@ def test_in_flight_transfer_pages_stay_put_until_release(two_end_allocator) -> N
     alloc.compact()
     c_unchanged()
     model.check()
-    lease.end()  # transfer done: pending pages become holes, compaction proceeds
+    lease.release()  # transfer done: pending pages become holes, compaction proceeds
     for t in fillers[: len(fillers) // 2]:
         alloc.free(t)
         model.forget(vpages_of(t))
@@ -666,7 +666,7 @@ def test_F17_a_lease_reaches_every_end_and_every_move_path(three_end_allocator) 
             alloc.free(refill)
             model.forget(vpages_of(refill))
         avail1 = {e: alloc.available_pages(e) for e in alloc.spec.end_names}
-        lease.end()
+        lease.release()
         # capacity recomputed when holds change: each end gains exactly its pending pages
         avail2 = {e: alloc.available_pages(e) for e in alloc.spec.end_names}
         for e in alloc.spec.end_names:
@@ -676,7 +676,7 @@ def test_F17_a_lease_reaches_every_end_and_every_move_path(three_end_allocator) 
             assert avail2[e] - avail1[e] >= 2, (mode, e, avail0[e], avail1[e], avail2[e])
         if mode == "lazy":  # no compaction on unpin: the up end gains exactly its pending pages
             assert avail2["full"] - avail1["full"] == 2
-        live_lease.end()
+        live_lease.release()
         alloc.compact()
         model.check()
         assert_no_ghost_pages(alloc)
@@ -732,8 +732,8 @@ class LeaseCompactionMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def end_lease(self, data) -> None:
         lease = self.leases.pop(data.draw(st.integers(0, len(self.leases) - 1)))[0]
-        lease.end()
-        lease.end()  # harmless
+        lease.release()
+        lease.release()  # harmless
 
     @rule()
     def advance_clock(self) -> None:

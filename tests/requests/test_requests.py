@@ -499,7 +499,7 @@ def test_pages_freed_under_a_lease_stay_pending_and_are_nobody_s_leak(kv_allocat
     st = alloc.stats()["full"]
     assert (st.live_pages, st.pending_pages) == (1, 2)
     table.check_invariants()
-    lease.end()
+    lease.release()
     assert alloc.stats()["full"].pending_pages == 0 and alloc.available_pages("full") == 7
     table.check_invariants()
 

@@ -25,7 +25,7 @@ Policy:
 * **Bookkeeping lives on the host** (numpy masters driven by numba kernels, one kernel per call); when the arena
   is on CUDA each owner's ``v2p`` rows have a device mirror refreshed by one batched scatter per call.
 * **Leases** (:mod:`umalloc.leases.table`): a physical page freed while pinned becomes *pending* (not reusable, not
-  counted as available) until its last lease ends (F11). Expired leases are reclaimed at the start of every
+  counted as available) until its last lease is released (F11). Expired leases are reclaimed at the start of every
   allocator call (F12). Compaction (:mod:`umalloc.pool.compaction`) never moves a pinned or pending page.
 
 * **Layers** (one concept per module): :mod:`umalloc.pool.heap` owns every array and the root address
@@ -651,7 +651,7 @@ class MultiEndedAllocator:
     def check_invariants(self) -> None:
         """Check every invariant in O(slots + virtual pages) (:func:`umalloc.allocator.observe.check_invariants` lists
         them); raise :class:`~umalloc.errors.InvariantError` naming the first broken one. Call it on the owner
-        thread: it first delivers pages that leases ended on other threads (Note [Lease threading]) and holds
+        thread: it first delivers pages unpinned on other threads (Note [Lease threading]) and holds
         the lease table's lock while it checks.
 
         >>> from umalloc.testing import small_allocator

@@ -3,7 +3,7 @@
 * Pins live in the heap's pin arrays, lent to the :class:`~umalloc.leases.table.LeaseTable` (Note [Leases and
   compaction] there); the table reports pages whose last pin dropped, and :class:`LeaseService` turns the
   pending ones into holes (:meth:`umalloc.pool.heap.Heap.unpend`).
-* Every allocator call first delivers the pages that leases ended on other threads unpinned, then reclaims leases
+* Every allocator call first delivers the pages unpinned on other threads (leases released there), then reclaims leases
   past their deadline or puts them in doubt (:meth:`LeaseService.tick`, F12, F24, F26); the page-level hot path
   skips it only while the table's ``work_view`` (:attr:`LeaseService.work`) is empty (Note [Page-level hot path]
   in :mod:`umalloc.allocator.facade`, Note [Lease threading]).

@@ -196,7 +196,7 @@ def retract(allocator: MultiEndedAllocator, vtokens: torch.Tensor | np.ndarray, 
                 host = rows  # index_select already made a private CPU copy
             datas[end] = host
         if on_cuda:
-            torch.cuda.current_stream(arena.device).synchronize()  # the copy has landed before the lease ends
+            torch.cuda.current_stream(arena.device).synchronize()  # the copy has landed before the lease is released
     if vpages.size:
         allocator.free(torch.from_numpy(vpages * page_size), owner=owner)
     return RetractedKV(owner=owner, page_size=page_size, num_pages=int(vpages.size),

@@ -9,10 +9,10 @@ Policy:
   module on first use, and a missing engine raises :class:`~umalloc.errors.BackendUnavailable`.
 * Transfers are WRITEs pushed by the sender: ``submit(plan, peer)`` posts ``plan.descriptors()`` — an
   ``(N, 3)`` ``uint64`` array of ``(src_addr, dst_addr, nbytes)`` — and returns a :class:`TransferHandle`.
-  A plan's leases end exactly once, in the caller's thread, when its handle reaches a terminal state
+  A plan's leases are released exactly once, in the caller's thread, when its handle reaches a terminal state
   (``plan.complete()`` on success, ``plan.fail(exc)`` on failure or deadline, ``plan.abort()`` when a pending
   handle is forgotten) — and never while the engine may still read or write the plan's pages: a handle failed
-  by a deadline or a ``forget`` while the engine still holds one of its parts is ``draining``, and its plan ends
+  by a deadline or a ``forget`` while the engine still holds one of its parts is ``draining``, and its plan finishes
   when the engine confirms (Note [Deadlines and in-flight parts] in :mod:`umalloc.backends.handle`).
 * Every wait is bounded: ``wait(handle, timeout_s)`` raises :class:`~umalloc.errors.TransferTimeout` at the
   deadline and :class:`~umalloc.errors.TransferError` for a failed or dead peer, never hangs;

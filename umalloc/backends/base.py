@@ -21,17 +21,17 @@ Policy:
 * A plan (``submit`` or ``write_descriptors(plan=...)``) must be a plan
   (:class:`~umalloc.backends.protocol.PlanLike`), pending, with its leases active and not past their deadline,
   and may be in flight on one handle at a time across every backend of the process (pending or draining): a
-  second handle would outlive the leases the first one's ending releases (F11). Every one of these is checked
+  second handle would outlive the leases the first one's finishing releases (F11). Every one of these is checked
   before a byte is copied or a handle is made.
 * Handles (:mod:`umalloc.backends.handle`) belong to the backend that made them: ``poll`` / ``wait`` /
   ``forget`` / ``drain`` refuse another backend's handle, forgotten or not.
 * Engine failures never raise from ``submit``: they fail the handle, and ``poll`` / ``wait`` report them. A
-  handle is terminal (``done`` / ``failed``) only when every engine part of it has ended (F11; a deadline
-  leaves it ``in_doubt``); then, in the caller's thread, its plan ends exactly once (Note [Plan endings]) —
+  handle is terminal (``done`` / ``failed``) only when every engine part of it has finished (F11; a deadline
+  leaves it ``in_doubt``); then, in the caller's thread, its plan finishes exactly once (Note [Plan finishing]) —
   but never while a part the engine was handed may still read or write the plan's pages (Note [Deadlines and
   in-flight parts]).
 
-The plan-ending rules (Note [Plan endings], Note [Deadlines and in-flight parts]) live with the handles'
+The plan-finishing rules (Note [Plan finishing], Note [Deadlines and in-flight parts]) live with the handles'
 lifecycle in :mod:`umalloc.backends.handle`.
 """
 
@@ -311,7 +311,7 @@ class BackendBase:
         :meth:`reset` settle it, if it is still held then, once the engine released every registration — where
         that stops every peer's writes (:attr:`fences_peer_writes`: ``local``, ``mooncake``; not ``nixl``, whose
         shared-memory WRITEs land in deregistered memory), see :mod:`umalloc.backends.published`. Otherwise only
-        the sender's report (``half.complete()`` / ``half.settle()``) or :meth:`fail_half_if_peer_died` ends it.
+        the sender's report (``half.complete()`` / ``half.settle()``) or :meth:`fail_half_if_peer_died` finishes it.
         O(halves held).
 
         ``sender``: the connected peer that writes the half (optional): :meth:`poll_half` and :meth:`wait_half`
@@ -323,7 +323,7 @@ class BackendBase:
             UmallocValueError: ``half`` is not a ReceiverHalf, or ``sender`` not a connected peer.
             RegistrationError: the half's pages lie outside the memory registered here, or this backend has no
                 layout to place them with (:meth:`set_layout`), or the half names another layout (nothing kept).
-            LeaseError, UmallocValueError: the half's lease or the half already ended (nothing kept).
+            LeaseError, UmallocValueError: the half's lease is no longer active or the half already finished (nothing kept).
         """
         self._check_open()
         if not isinstance(half, ReceiverHalf):
@@ -343,7 +343,7 @@ class BackendBase:
         that is not alive fails the half (``"gone"``: it settles, its pages come free; ``"unreachable"``: in
         doubt) and :class:`~umalloc.errors.PeerDiedError` is raised. Progresses the engine first.
 
-        Raises: UmallocValueError: not a ReceiverHalf. PeerDiedError: the sender died (the half has ended).
+        Raises: UmallocValueError: not a ReceiverHalf. PeerDiedError: the sender died (the half has finished).
         Complexity: one :meth:`peer_state` (Mooncake: a probe bounded by 1 s) while the half is pending.
         """
         self._check_open()
@@ -358,7 +358,7 @@ class BackendBase:
         return half.state  # type: ignore[attr-defined, no-any-return]
 
     def wait_half(self, half: object, timeout_s: float) -> str:
-        """Receiver side: block until a half published here ended (the sender's report: ``half.complete()`` /
+        """Receiver side: block until a half published here finished (the sender's report: ``half.complete()`` /
         ``settle()`` from any thread) or ``timeout_s`` passed, checking the sender's liveness on every poll
         (:meth:`poll_half`). Returns the half's terminal state.
 
@@ -416,7 +416,7 @@ class BackendBase:
             IncompatiblePeerError: the plan was built for another layout than the peer's.
             DescriptorBoundsError: a source range not registered here, or a destination range the peer never
                 registered; nothing was sent and the plan is untouched.
-            LeaseError: a lease the plan holds already ended or is past its deadline (F11).
+            LeaseError: a lease the plan holds is no longer active or is past its deadline (F11).
         """
         self._check_open()
         info = self._get_peer(peer)
@@ -431,7 +431,7 @@ class BackendBase:
             descriptors: ``(N, 3)`` uint64 (see :func:`~umalloc.transfer.descriptors.as_descriptors`); sources
                 local, destinations the peer's.
             peer: a connected peer name.
-            plan: ended with the handle (Note [Plan endings]), or ``None``; it must be a plan (``state``,
+            plan: finished with the handle (Note [Plan finishing]), or ``None``; it must be a plan (``state``,
                 ``complete()``, ``fail(exc)``, ``abort()``), pending, its leases active and not past their
                 deadline, and not in flight on another handle.
             item_bytes: page size in bytes the descriptors are made of (a hint engines may use to post
@@ -441,7 +441,7 @@ class BackendBase:
             UmallocValueError / DescriptorBoundsError: bad batch, unknown peer, ``plan`` not a plan or not
                 pending, or ``plan`` already in flight on a handle of any backend of this process (F11); nothing
                 sent, no handle made.
-            LeaseError: a lease of ``plan`` ended or is past its deadline (F11); nothing sent.
+            LeaseError: a lease of ``plan`` is no longer active or is past its deadline (F11); nothing sent.
 
         Complexity: O(N log R) checks plus the engine's post.
         """
@@ -475,11 +475,11 @@ class BackendBase:
             self._ht.finish(h, "done")
             return h
         try:
-            # before any part reaches the engine: a deadline or a plan ending from now on leaves the plan's
+            # before any part reaches the engine: a deadline or a plan finishing from now on leaves the plan's
             # leases in doubt until the engine lets go (Note [Lease states] in umalloc.leases.table, F24)
             h.engine["hold"] = EngineHold(plan)
             self._engine_post(h, chunks, info, item_bytes)
-        except Exception as e:  # engine refused part of it: fail once every posted part has ended
+        except Exception as e:  # engine refused part of it: fail once every posted part has finished
             err = e if isinstance(e, TransferError) else TransferError(f"{self.name}: post to {peer!r} failed: {e}")
             if err is not e:
                 err.__cause__ = e
@@ -490,8 +490,8 @@ class BackendBase:
 
     def poll(self, handle: TransferHandle) -> str:
         """Progress and return the handle's state: ``"pending"``, ``"in_doubt"`` (``wait`` timed out while the
-        engine held a part), ``"done"`` or ``"failed"``. Non-blocking. Ends the plan when the handle becomes
-        terminal (Note [Plan endings]), or, for a ``draining`` handle, once the engine confirms its parts ended
+        engine held a part), ``"done"`` or ``"failed"``. Non-blocking. Finishes the plan when the handle becomes
+        terminal (Note [Plan finishing]), or, for a ``draining`` handle, once the engine confirms its parts finished
         (Note [Deadlines and in-flight parts]).
 
         Raises:
@@ -525,11 +525,11 @@ class BackendBase:
         Raises:
             UmallocValueError: ``timeout_s`` not a positive finite number, or not a handle of this backend.
             TransferTimeout: deadline passed: the outcome is not known (F24). Parts not yet handed to the engine
-                are withdrawn (never posted); parts the engine holds are left to end — no engine here can take
+                are withdrawn (never posted); parts the engine holds are left to finish — no engine here can take
                 back what it was handed, and NIXL's release of a request stalled on its receiver does not stop
                 the bytes. If the engine holds a part the handle is ``in_doubt`` (draining): its plan stays
-                pending with its leases (pages pinned, not reusable) until the engine reports every part ended;
-                then the handle and the plan end as the engine says (``done``: ``plan.complete()``; a failure:
+                pending with its leases (pages pinned, not reusable) until the engine reports every part finished;
+                then the handle and the plan finish as the engine says (``done``: ``plan.complete()``; a failure:
                 ``plan.fail(exc)``), in the caller's thread (:meth:`poll`, :meth:`progress`, :meth:`drain`).
                 Else the handle fails and the plan fails with the timeout (Note [Deadlines and in-flight
                 parts]).
@@ -541,7 +541,7 @@ class BackendBase:
 
     def forget(self, handle: TransferHandle) -> None:
         """Free the handle's engine resources. Idempotent. A pending handle is cancelled first (its plan
-        aborted, Note [Plan endings]); if the engine may still be working on one of its parts, the handle keeps
+        aborted, Note [Plan finishing]); if the engine may still be working on one of its parts, the handle keeps
         draining after ``forget`` and its plan is aborted (and its engine resources freed) when the engine confirms
         (Note [Deadlines and in-flight parts]).
 
@@ -560,7 +560,7 @@ class BackendBase:
         self._ht.forget(h)
 
     def drain(self, handle: TransferHandle, timeout_s: float) -> bool:
-        """Block until a terminal handle is no longer ``draining`` (its plan ended, its leases released) or
+        """Block until a terminal handle is no longer ``draining`` (its plan finished, its leases released) or
         ``timeout_s`` passed. Returns True when drained (also for a handle that never drained), False if the
         engine still holds one of its parts. Never raises for the handle's own failure.
 
@@ -575,7 +575,7 @@ class BackendBase:
 
     def draining_handles(self) -> list[TransferHandle]:
         """Failed handles (forgotten or not) whose engine parts may still read or write memory; their plans
-        end when the engine confirms (Note [Deadlines and in-flight parts])."""
+        finish when the engine confirms (Note [Deadlines and in-flight parts])."""
         return list(self._ht.draining.values())
 
     def open_handles(self) -> list[TransferHandle]:
@@ -584,7 +584,7 @@ class BackendBase:
 
     def progress(self) -> None:
         """Progress every live backend of this kind in this process (NIXL targets need it; no-op elsewhere),
-        then end the plans of this backend's draining handles whose engine parts all ended."""
+        then finish the plans of this backend's draining handles whose engine parts all finished."""
         for b in list(type(self)._live):
             if not b._closed:
                 b._engine_progress()
@@ -595,7 +595,7 @@ class BackendBase:
     def stats(self) -> dict[str, int]:
         """Fixed-schema counters (ints): registered_regions (engine-level), registrations (outstanding
         caller registrations), open_handles, pending_handles, draining_handles (failed or in doubt, engine parts
-        maybe still in flight, plan not ended yet), in_doubt_handles (``wait`` timed out while the engine held a
+        maybe still in flight, plan not finished yet), in_doubt_handles (``wait`` timed out while the engine held a
         part: outcome not known yet, F24), peers, handles_submitted, handles_done, handles_failed,
         handles_drained_late (failed handles whose plan had to wait for the engine), descriptors_posted,
         bytes_posted, bytes_done, engine_parts_posted, connects."""
@@ -626,7 +626,7 @@ class BackendBase:
         self._ht.check_invariants()
         if self._closed and (self._ht.open or self._reg.engine or self._peers):
             raise InvariantError("closed backend still holds handles, regions or peers")
-        # (a closed backend may keep draining handles: their engine parts never ended, so their leases stay)
+        # (a closed backend may keep draining handles: their engine parts never finished, so their leases stay)
 
     # ---- lifecycle -------------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -655,7 +655,7 @@ class BackendBase:
             self.disconnect(p)
         if self._reg.counts or self._reg.engine:
             self._apply(Counter())
-        self._halves.end_all(BackendError(f"{self.name}: backend reset: its registrations were released"),
+        self._halves.forget_all(BackendError(f"{self.name}: backend reset: its registrations were released"),
                              settle=self.fences_peer_writes)
         self._layout = None
         self._layout_obj = None
@@ -702,7 +702,7 @@ class BackendBase:
             self._engine_close()
             if self._ht.draining:
                 self._ht.reap()
-            self._halves.end_all(BackendError(f"{self.name}: backend closed: its engine stopped"),
+            self._halves.forget_all(BackendError(f"{self.name}: backend closed: its engine stopped"),
                                  settle=self.fences_peer_writes and not self._ht.draining)
 
     def __enter__(self):
@@ -763,7 +763,7 @@ class BackendBase:
 
     def _engine_in_flight(self, h: TransferHandle) -> int:
         """Parts of ``h`` the engine may still be reading or writing memory for (after ``_engine_cancel``): a
-        part handed to the engine that it has not reported ended. Conservative default: the parts
+        part handed to the engine that it has not reported finished. Conservative default: the parts
         ``_engine_poll`` still reports pending. Called in the caller's thread."""
         return self._engine_poll(h)[0]
 

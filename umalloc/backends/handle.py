@@ -2,19 +2,19 @@
 
 Policy:
 
-* A :class:`TransferHandle` is ``pending`` until every engine part of its transfer has ended (F11), then ``done``
+* A :class:`TransferHandle` is ``pending`` until every engine part of its transfer has finished (F11), then ``done``
   or ``failed``. A handle whose engine parts may still read or write memory after it stopped being pending is
-  ``draining``: its plan (and the plan's leases) ends only once the engine confirms (Note [Deadlines and
+  ``draining``: its plan (and the plan's leases) finishes only once the engine confirms (Note [Deadlines and
   in-flight parts] below). A deadline is not an outcome: a handle whose ``wait``
   timed out while the engine holds a part is ``in_doubt`` (draining, its plan pending, its pages pinned) until
-  the engine reports every part ended, and then ``done`` or ``failed`` as the engine says (F24).
+  the engine reports every part finished, and then ``done`` or ``failed`` as the engine says (F24).
 * :class:`HandleTable` owns one backend's handles: the open ones (submitted, not forgotten), the draining ones
   (forgotten or not), and a weak set of every handle it made (another backend's handle is refused, also once
-  forgotten). Its transitions (:meth:`HandleTable.finish`, :meth:`HandleTable.reap`) end a handle's plan exactly
-  once (Note [Plan endings] below).
+  forgotten). Its transitions (:meth:`HandleTable.finish`, :meth:`HandleTable.reap`) finish a handle's plan exactly
+  once (Note [Plan finishing] below).
 * :data:`PLANS_IN_FLIGHT` records, across every backend of the process, the handle each plan is in flight on
   (pending or draining). A plan is in flight on one handle at a time: a second handle, on this backend or
-  another, would outlive the leases that the first one's ending releases (F11).
+  another, would outlive the leases that the first one's finishing releases (F11).
 * Not thread-safe: touched only in the callers' thread (engine threads only record results in ``engine`` and
   let go of the plan's engine hold, :class:`~umalloc.backends.protocol.EngineHold`, which is thread-safe).
 
@@ -32,17 +32,17 @@ Policy:
                                                                    ├─ every part done ──> done    plan.complete()
                                                                    └─ a part failed ────> failed  plan.fail(exc)
 
-Note [Plan endings]
+Note [Plan finishing]
 ~~~~~~~~~~~~~~~~~~~
 ``plan.complete()`` when every part is done; ``plan.fail(exc)`` when a part failed or the peer died (F12: a dead
-peer releases the held pages); ``plan.abort()`` when a pending handle is forgotten. ``wait``'s deadline is not an
-ending: while the engine holds a part the handle is ``in_doubt`` and the plan ends with the engine's outcome
+peer releases the held pages); ``plan.abort()`` when a pending handle is forgotten. ``wait``'s deadline is not a
+finish: while the engine holds a part the handle is ``in_doubt`` and the plan finishes with the engine's outcome
 (Note [Deadlines and in-flight parts]); only a handle whose parts were all withdrawn fails with the timeout.
-The plan is ended by ``poll`` / ``wait`` / ``forget`` / ``progress`` / ``drain`` / ``close`` in the caller's
+The plan is finished by ``poll`` / ``wait`` / ``forget`` / ``progress`` / ``drain`` / ``close`` in the caller's
 thread. Before the first part is handed to the engine the backend takes an engine hold on the plan's leases
-(:class:`~umalloc.backends.protocol.EngineHold`), let go when the engine reported every part ended — on the
-caller's thread, or on the engine's own thread where it has one (Mooncake's sender): leases may be ended from any
-thread (Note [Lease threading] in :mod:`umalloc.leases.table`). A lease deadline passing, or the caller ending the
+(:class:`~umalloc.backends.protocol.EngineHold`), let go when the engine reported every part finished — on the
+caller's thread, or on the engine's own thread where it has one (Mooncake's sender): leases may be released from any
+thread (Note [Lease threading] in :mod:`umalloc.leases.table`). A lease deadline passing, or the caller finishing the
 plan (``plan.abort()``/``fail()``) while a hold is outstanding leaves the lease *in doubt*: the plan reports its
 failure at once, the pages stay pinned until the hold is let go (F24).
 
@@ -56,29 +56,29 @@ below the lease deadline would not help either, since an engine timeout does not
 the ordering is made correct by construction on the backend side:
 
 * at the deadline ``wait`` raises :class:`~umalloc.errors.TransferTimeout` on time, never hangs; every part
-  not yet handed to the engine is withdrawn and never posted, and parts the engine holds are left to end (a
+  not yet handed to the engine is withdrawn and never posted, and parts the engine holds are left to finish (a
   timeout is "not known", not "failed", F24: NIXL's release of a request stalled on its receiver returns while
   the bytes still arrive). If the engine holds a part the handle is ``in_doubt``: its plan stays pending with
-  its leases, and once the engine reports every part ended the handle turns ``done`` (``plan.complete()``) or
+  its leases, and once the engine reports every part finished the handle turns ``done`` (``plan.complete()``) or
   ``failed`` (``plan.fail(exc)``, the engine's error) as the engine says;
 * on ``forget`` of a pending handle the handle fails at once, parts not yet handed over are withdrawn and the
   engine is asked to cancel the rest;
 * if the engine may still be working on a part it was handed (``_engine_in_flight``), the handle is
-  ``draining``: its plan stays pending and keeps its leases; ``poll`` / ``progress`` / ``drain`` end the plan
+  ``draining``: its plan stays pending and keeps its leases; ``poll`` / ``progress`` / ``drain`` finish the plan
   (the engine's outcome after a deadline, ``abort`` after a ``forget``) in the caller's thread once the engine
-  reports every such part ended (completed or failed). Registration changes that would drop engine memory wait
+  reports every such part finished (completed or failed). Registration changes that would drop engine memory wait
   for drains too;
 * an engine thread posts a queued part only while the plan's leases are active and not past their deadline.
 
 ::
 
-    submit ── posted ──────────── wait deadline ─────── engine: last part ended
+    submit ── posted ──────────── wait deadline ─────── engine: last part finished
       |  leases held               | handle in_doubt        | handle done / failed as the engine says
       |                            | leases still held      | plan.complete() / plan.fail(exc): pages reusable
 
 Lease deadlines set by the plan's builder (``deadline_s``) are the allocator's F12 backstop for a peer that
 never answers; they are reclaimed by the allocator, not by a backend. Choose them longer than any transfer can
-stay in an engine. A receiver learns the outcome from the sender, which should report it once its plan ended
+stay in an engine. A receiver learns the outcome from the sender, which should report it once its plan finished
 (``drain``), so the receiver's half is not released while bytes may still land in it.
 """
 
@@ -94,12 +94,12 @@ from dataclasses import dataclass, field
 
 from umalloc.errors import InvariantError, TransferTimeout, UmallocValueError
 
-#: Handle states. ``pending`` until every engine part of the transfer has ended (F11); then ``done`` or
+#: Handle states. ``pending`` until every engine part of the transfer has finished (F11); then ``done`` or
 #: ``failed`` (engine error, dead peer, or forgotten while pending). A handle failed by ``forget`` may still be
 #: ``draining``: the engine has not confirmed that its parts stopped touching memory, so its plan (and leases)
-#: has not ended yet (Note [Deadlines and in-flight parts] below). ``in_doubt``: ``wait``'s
+#: has not finished yet (Note [Deadlines and in-flight parts] below). ``in_doubt``: ``wait``'s
 #: deadline passed while the engine held a part — the outcome is not known (F24); the handle drains and turns
-#: ``done`` or ``failed`` when the engine reports every part ended.
+#: ``done`` or ``failed`` when the engine reports every part finished.
 HANDLE_STATES: tuple[str, ...] = ("pending", "in_doubt", "done", "failed")
 
 
@@ -110,9 +110,9 @@ class TransferHandle:
     A handle may own several engine parts: the chunks of Note [Bounded batches] in
     :mod:`umalloc.transfer.descriptors` (at most ``max_batch_descriptors`` descriptors and ``max_batch_bytes``
     bytes each), and on NIXL one request per chunk and memory-kind group; it is ``done`` only when every part is done, and ``failed`` once a part failed and every part
-    has ended, or when ``wait``'s deadline passed or it was forgotten while pending. In the last two cases parts
-    already handed to the engine may still be moving bytes: the handle is then ``draining`` and its plan ends
-    (releasing its leases) only when the engine confirms that every part ended (F11: every handle of a
+    has finished, or when ``wait``'s deadline passed or it was forgotten while pending. In the last two cases parts
+    already handed to the engine may still be moving bytes: the handle is then ``draining`` and its plan finishes
+    (releasing its leases) only when the engine confirms that every part finished (F11: every handle of a
     multi-part transfer; Note [Deadlines and in-flight parts]).
 
     Attributes:
@@ -168,7 +168,7 @@ def check_timeout(timeout_s: object) -> None:
 
 
 class PlansInFlight:
-    """The handle each plan is in flight on (pending, or draining: its plan not ended yet), by ``id(plan)``
+    """The handle each plan is in flight on (pending, or draining: its plan not finished yet), by ``id(plan)``
     (the handle keeps the plan alive, so the id is not reused meanwhile). O(1) per call.
 
     >>> t, plan = PlansInFlight(), object()
@@ -209,7 +209,7 @@ class HandleTable:
         in_flight: ``in_flight(h)`` -> engine parts of ``h`` that may still touch memory (the engine hook).
         free_engine: ``free_engine(h)`` frees the engine resources of a terminal handle (the engine hook).
         outcome: ``outcome(h)`` -> ``(parts pending, first error or None)`` as the engine reports them (the poll
-            hook); read when an ``in_doubt`` handle's parts all ended.
+            hook); read when an ``in_doubt`` handle's parts all finished.
 
     Attributes:
         open: handles submitted and not forgotten, by id.
@@ -270,8 +270,8 @@ class HandleTable:
 
     def finish(self, h: TransferHandle, state: str, error: BaseException | None = None, *,
                abort: bool = False) -> None:
-        """``pending`` -> ``state`` (``"done"`` / ``"failed"``). Ends the plan now, or, when the engine may still
-        touch a part of a failed handle, marks it draining (its plan ends in :meth:`reap`)."""
+        """``pending`` -> ``state`` (``"done"`` / ``"failed"``). Finishes the plan now, or, when the engine may still
+        touch a part of a failed handle, marks it draining (its plan finishes in :meth:`reap`)."""
         if h.state != "pending":
             raise InvariantError(f"handle {h.handle_id} finished twice ({h.state} -> {state})")
         h.state = state
@@ -284,11 +284,11 @@ class HandleTable:
             self.counts["handles_failed"] += 1
         if state != "done" and self._in_flight(h):  # Note [Deadlines and in-flight parts]
             h.draining = True
-            h.engine["ending_abort"] = abort
+            h.engine["finish_abort"] = abort
             self.draining[h.handle_id] = h
             self.counts["handles_drained_late"] += 1
             return
-        self._end_plan(h, abort)
+        self._finish_plan(h, abort)
 
     def time_out(self, h: TransferHandle, exc: BaseException) -> None:
         """``pending`` -> ``in_doubt`` at ``wait``'s deadline while the engine holds a part of ``h`` (the plan
@@ -302,13 +302,13 @@ class HandleTable:
         h.state = "in_doubt"
         h.error = exc
         h.draining = True
-        h.engine["ending_abort"] = False
+        h.engine["finish_abort"] = False
         self.draining[h.handle_id] = h
         self.counts["handles_timed_out"] += 1
         self.counts["handles_drained_late"] += 1
 
     def _settle_in_doubt(self, h: TransferHandle) -> None:
-        """``in_doubt`` -> the engine's outcome, once every part ended: ``done`` when the engine reports no
+        """``in_doubt`` -> the engine's outcome, once every part finished: ``done`` when the engine reports no
         failure, else ``failed`` with the engine's error (the deadline's ``TransferTimeout`` as its context)."""
         _pending, err = self._outcome(h)
         h.finished_at = time.monotonic()
@@ -336,7 +336,7 @@ class HandleTable:
                 exc = TransferTimeout(f"{self.backend}: transfer {h.handle_id} to {h.peer!r} "
                                       f"({h.num_descriptors} descriptors, {h.total_bytes} bytes) not done "
                                       f"after {timeout_s:.3g} s: outcome not known (in doubt until the engine "
-                                      "reports every part ended)")
+                                      "reports every part finished)")
                 if h.state == "pending":
                     try:
                         withdraw(h)
@@ -371,7 +371,7 @@ class HandleTable:
             time.sleep(min(sleep_s, deadline - now))
 
     @staticmethod
-    def _end_plan(h: TransferHandle, abort: bool) -> None:
+    def _finish_plan(h: TransferHandle, abort: bool) -> None:
         plan = h.plan
         if plan is None:
             return
@@ -387,7 +387,7 @@ class HandleTable:
             plan.fail(h.error)
 
     def reap(self) -> None:
-        """End the plans of draining handles whose engine parts all ended (caller's thread)."""
+        """Finish the plans of draining handles whose engine parts all finished (caller's thread)."""
         for hid, h in list(self.draining.items()):
             if self._in_flight(h):
                 continue
@@ -399,7 +399,7 @@ class HandleTable:
                 if h.forgotten:
                     self._free_engine(h)
             finally:
-                self._end_plan(h, bool(h.engine.pop("ending_abort", False)))
+                self._finish_plan(h, bool(h.engine.pop("finish_abort", False)))
 
     def forget(self, h: TransferHandle) -> None:
         """Mark a terminal handle forgotten and drop it from the open table; its engine resources are freed now

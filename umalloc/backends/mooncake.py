@@ -13,20 +13,20 @@ Policy:
   batch, or two batches in flight together, fails) and ``max_batch_bytes`` (default 1 GiB) each — Note
   [Mooncake chunks].
 * Every descriptor is posted as its own transfer id (``transfer_submit_write``) and polled with
-  ``transfer_check_status`` until the engine reports it ended (COMPLETED or FAILED, which free the id) and never
+  ``transfer_check_status`` until the engine reports it finished (COMPLETED or FAILED, which free the id) and never
   after: a second query of a freed id is a use-after-free that crashed the process when tried.
 * Engine threads record results, and the sender thread lets go of the plan's engine hold once the engine
-  reported every chunk of a handle ended (COMPLETED or FAILED, or skipped unposted), so an in-doubt lease settles
-  without a poll (F24, F26); the handle and its plan end in the caller's thread (``poll``/``wait``). The classic
-  engine cannot cancel a posted transfer: only that terminal status, or ``close``, ends a chunk.
+  reported every chunk of a handle finished (COMPLETED or FAILED, or skipped unposted), so an in-doubt lease settles
+  without a poll (F24, F26); the handle and its plan finish in the caller's thread (``poll``/``wait``). The classic
+  engine cannot cancel a posted transfer: only that terminal status, or ``close``, finishes a chunk.
 * A plan's leases outlive every descriptor the engine was handed (Note [Mooncake deadlines]).
 
 Note [Mooncake chunks]
 ~~~~~~~~~~~~~~~~~~~~~~
 The per-peer limit counts every descriptor in flight to that peer, across batches and handles. So each peer gets
-one sender thread that takes chunks in submit order: post a chunk, poll its ids until each ended (the calls
+one sender thread that takes chunks in submit order: post a chunk, poll its ids until each finished (the calls
 release the GIL), record the result, take the next. A chunk of a handle that already failed or was cancelled is
-skipped (never posted), and so is a chunk whose plan's leases ended or passed their deadline while it was queued.
+skipped (never posted), and so is a chunk whose plan's leases are no longer active or passed their deadline while it was queued.
 When a chunk fails and the peer does not answer a probe, every later chunk to it fails without being posted (a
 post to a dead peer costs about a second, so queued handles would otherwise fail one after another) until
 ``connect`` reaches it again. ``disconnect`` stops the peer's sender without waiting for a chunk the engine still
@@ -58,7 +58,7 @@ design (Note [Deadlines and in-flight parts] in :mod:`umalloc.backends.handle`):
   spinning batch call is not used at all;
 * a chunk is *in flight* from the moment the sender thread takes it (under the handle's lock, after checking
   that the handle is not cancelled or failed and that the plan's leases still hold) until every id it posted
-  ended; ``_engine_in_flight`` counts such chunks;
+  finished; ``_engine_in_flight`` counts such chunks;
 * ``wait``'s deadline and ``forget`` mark the handle cancelled (its queued chunks are never posted) and fail
   it at once, but its plan — and so its leases — ends only when no chunk of it is in flight any more. A chunk
   stuck on a peer that never answers keeps its pages leased until the engine gives it up or the lease's own
@@ -68,12 +68,12 @@ Note [Mooncake retries]
 ~~~~~~~~~~~~~~~~~~~~~~~
 The engine reports FAILED (-1) for a descriptor it gave up; on a loaded host that happens to a few descriptors of a
 large chunk while the peer is fine (seen here: 63 of 2,048 descriptors of a multi-rank replay at load ~10, the
-peer answering the probe right after). FAILED ends the descriptor in the engine, and the plan's leases still pin
+peer answering the probe right after). FAILED finishes the descriptor in the engine, and the plan's leases still pin
 both sides' pages, so posting the same descriptor again writes the same source bytes to the same destination:
 whatever part of the failed attempt landed is overwritten with identical bytes. So a chunk's failed descriptors
 are posted again, up to ``max_retries`` times (default 2), only while (a) the peer answers a probe, (b) the handle
 is neither cancelled nor failed, and (c) the plan's leases hold (checked under the handle's lock before each
-retry); the chunk stays in flight throughout. A dead or closed peer, a withdrawn handle or an ended lease fails the
+retry); the chunk stays in flight throughout. A dead or closed peer, a withdrawn handle or a released lease fails the
 chunk at once. :attr:`MooncakeBackend.retried_descriptors` counts the descriptors posted again.
 
 Note [Mooncake status without spinning]
@@ -84,7 +84,7 @@ small host that core is taken from the TCP threads of both ends. ``transfer_subm
 instead. Measured here (two processes on a loaded 2-core host): 64 MiB in a few large descriptors moved about 2.1 GB/s
 polled against 1.0-1.3 GB/s with the spinning batch call; 256 MiB as 2058 runs of 32 pages (4 KiB) moved
 1.1-1.5 GB/s polled against 0.5-1.1 GB/s; page-sized descriptors move about 0.2 GB/s either way. Polling is
-also the only way to learn when each descriptor ended (Note [Mooncake deadlines]), so every chunk is polled.
+also the only way to learn when each descriptor finished (Note [Mooncake deadlines]), so every chunk is polled.
 
 A round checks every id still pending, so the sleep between rounds grows with the time the chunk has been in
 flight (at most 5 % of it, between 1 ms and 50 ms): a transfer that ends soon is seen soon, and a chunk stuck on
@@ -143,10 +143,10 @@ _STOP = object()
 IN_FLIGHT = "in_flight"
 
 
-def _let_go_if_ended(state: dict) -> None:
-    """Once every chunk of a handle ended (none queued or taken), let go of the engine holds on its plan's leases
+def _let_go_if_finished(state: dict) -> None:
+    """Once every chunk of a handle finished (none queued or taken), let go of the engine holds on its plan's leases
     from this sender thread: an in-doubt lease settles now, without waiting for the caller to poll (F24, F26).
-    Chunks of a cancelled or failed handle count as ended once the sender skipped them. Handle lock held."""
+    Chunks of a cancelled or failed handle count as finished once the sender skipped them. Handle lock held."""
     hold = state.get("hold")
     if hold is None or not hold.held:
         return
@@ -230,7 +230,7 @@ class _PeerSender:
             with state["lock"]:  # Note [Mooncake deadlines]: decide and claim under the handle's lock
                 if state["cancelled"] or state["failed"]:
                     state["results"][i] = "skipped"
-                    _let_go_if_ended(state)
+                    _let_go_if_finished(state)
                     continue
                 why = _leases_gone(state)
                 if why is None and self.unreachable is not None:
@@ -239,7 +239,7 @@ class _PeerSender:
                     state["results"][i] = TransferError(f"mooncake: {len(src)} descriptors to {self.peer!r} not "
                                                         f"posted: {why}")
                     state["failed"] = True
-                    _let_go_if_ended(state)
+                    _let_go_if_finished(state)
                     continue
                 state["results"][i] = IN_FLIGHT
             res = self._post(src, dst, lengths, functools.partial(_retry_stopper, state))
@@ -247,7 +247,7 @@ class _PeerSender:
                 state["results"][i] = res
                 if res != "done":
                     state["failed"] = True
-                _let_go_if_ended(state)
+                _let_go_if_finished(state)
 
     def _post(self, src: list[int], dst: list[int], lengths: list[int],
               may_retry: Callable[[], str | None]) -> object:
@@ -272,7 +272,7 @@ class _PeerSender:
 
     def _post_once(self, todo: list[tuple[int, int, int]]) -> tuple[list[tuple[int, int, int]], int]:
         """One transfer id per descriptor, each polled without spinning (sleeps between rounds) until the engine
-        reports it ended, and never after: COMPLETED (1) and FAILED (-1) end an id and free it; TIMEOUT (-2)
+        reports it finished, and never after: COMPLETED (1) and FAILED (-1) finish an id and free it; TIMEOUT (-2)
         does not (the slice is still in flight, Note [Mooncake deadlines]), nor does WAITING (0). Ids already
         posted are always drained, even after a failure, so no part of the chunk is still in flight when this
         returns (F11). Returns the descriptors that failed (a refused post also leaves the rest unposted: they
@@ -481,7 +481,7 @@ class MooncakeBackend(BackendBase):
         return out.get("rc") == 0
 
     def _engine_disconnect(self, peer: PeerInfo) -> None:
-        """Stop the peer's sender without waiting: a chunk the engine still holds (a draining handle) ends in the
+        """Stop the peer's sender without waiting: a chunk the engine still holds (a draining handle) finishes in the
         background, and a later sender to the same peer starts posting only after it (Note [Mooncake chunks])."""
         self._retired = {k: t for k, t in self._retired.items() if t.is_alive()}
         sender = self._senders.pop(peer.name, None)

@@ -67,15 +67,15 @@ Note [NIXL cancel and leases]
 At ``wait``'s deadline nothing is released: a request stalled on a receiver that has not progressed yet is
 released by NIXL without complaint, yet once the receiver progresses the bytes still arrive (seen here: the plan
 reported failed, its pages free, while the WRITE landed). So the handle is ``in_doubt``, its request stays in
-NIXL and is read (``check_xfer_state``) until it reports DONE or ERR; the plan then ends with that outcome.
+NIXL and is read (``check_xfer_state``) until it reports DONE or ERR; the plan then finishes with that outcome.
 On a release, a pending request is released: NIXL checks it once more and, if it is
 still in progress, asks the UCX backend to cancel it; a release that succeeds means NIXL no longer runs the
 request. A release that fails (``NIXL_ERR_REPOST_ACTIVE``: the request is still active) leaves a *zombie*,
 retried on every :meth:`~umalloc.backends.base.BackendBase.progress`; the zombie counts as in flight
-(``_engine_in_flight``), so its handle drains and its plan ends only once the retried release succeeds (Note
+(``_engine_in_flight``), so its handle drains and its plan finishes only once the retried release succeeds (Note
 [Deadlines and in-flight parts] in :mod:`umalloc.backends.handle`). Closing the backend ends the agent and with it
 every zombie. What UCX had already put on the wire before the cancel is beyond any sender's reach; a receiver
-keeps its half leased until the sender reports its plan ended.
+keeps its half leased until the sender reports its plan finished.
 
 Note [NIXL post mode]
 ~~~~~~~~~~~~~~~~~~~~~
@@ -636,7 +636,7 @@ class NixlBackend(BackendBase):
         for part in self._zombies:  # the agent ends below, and every request with it
             part.pop("zombie", None)
         self._zombies.clear()
-        for h in self._ht.draining.values():  # requests of handles in doubt end with the agent too
+        for h in self._ht.draining.values():  # requests of handles in doubt go with the agent too
             for part in h.engine.get("parts", ()):
                 if part["state"] == "pending":
                     part["state"] = "failed"

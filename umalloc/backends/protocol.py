@@ -49,7 +49,7 @@ class TransferBackend(Protocol):
     Lifecycle: ``register`` the arena regions, exchange ``metadata()`` out of band, ``connect`` to the peer's
     metadata, then ``submit`` plans (or ``write_descriptors`` batches) and ``poll`` / ``wait`` / ``forget``
     their handles (``drain`` a failed one whose engine parts may still move bytes); a receiver publishes its
-    halves with ``publish_half``; ``close`` ends everything (and settles the halves still held).
+    halves with ``publish_half``; ``close`` finishes every handle (and settles the halves still held).
     All methods are called from one thread.
     """
 
@@ -93,7 +93,7 @@ def plan_leases_gone(plan: object | None) -> str | None:
         if lease is None:
             continue
         if not lease.active:
-            return f"the plan's {side} ended ({lease.state})"
+            return f"the plan's {side} is {lease.state}"
         if getattr(lease, "expired", False):
             return f"the plan's {side} is past its deadline"
     return None
@@ -102,7 +102,7 @@ def plan_leases_gone(plan: object | None) -> str | None:
 class EngineHold:
     """The engine holds a backend keeps on a plan's leases while an engine may read or write a part of its
     transfer (Note [Lease states] in :mod:`umalloc.leases.table`): taken before the first part is handed to the
-    engine, let go once every part ended (:meth:`drop`). A lease whose deadline passes, or whose plan fails or
+    engine, let go once every part finished (:meth:`drop`). A lease whose deadline passes, or whose plan fails or
     is aborted, while a hold is outstanding goes in doubt instead of freeing its pages (F24), and settles on
     the drop. Leases without ``hold_engine`` (hand-made lease objects) are not held.
 
@@ -131,7 +131,7 @@ class EngineHold:
         return bool(self._held)
 
     def drop(self) -> None:
-        """Let go of every hold (the engine reported every part ended). Idempotent. O(1), or O(pages) for a
+        """Let go of every hold (the engine reported every part finished). Idempotent. O(1), or O(pages) for a
         lease that settles."""
         with self._lock:
             held, self._held = self._held, []
@@ -147,7 +147,7 @@ def admit_plan(plan: object, what: str, handles: HandleTable, *, peer: PeerInfo 
                ) -> np.ndarray | None:
     """Plan admission (Note [Plan admission]): the one step every backend runs on a plan before anything is
     copied or posted. ``peer`` given (``submit``): the plan's own descriptors are posted to that peer; ``None``
-    (``write_descriptors`` with ``plan=``): the caller's batch is posted and the plan only ends with it.
+    (``write_descriptors`` with ``plan=``): the caller's batch is posted and the plan only finishes with it.
 
     Refuses, in this order and with nothing changed: an object that is not a plan (UmallocValueError naming the
     missing member; ``descriptors()`` is required with ``peer``), a plan that is not pending

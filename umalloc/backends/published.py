@@ -4,18 +4,18 @@ Policy:
 
 * A receiver publishes a :class:`~umalloc.transfer.plan.ReceiverHalf` through the backend its senders write
   with (:meth:`umalloc.backends.base.BackendBase.publish_half`): the half takes its publication hold
-  (``half.publish()``), and the backend keeps it until it ended.
+  (``half.publish()``), and the backend keeps it until it finished.
 * Once its engine released every registration — ``close()`` (the engine stopped), ``reset()`` (every region
   deregistered) — a backend whose deregistration stops every peer's writes (``fences_peer_writes``: ``local``
   re-checks the receiver at every copy, Mooncake's receiving engine serves registered buffers only) settles
   every half still held: the pages are reusable (``half.settle(exc)``: a pending half fails with ``exc``, an
   in-doubt lease settles). NIXL does not fence (a UCX WRITE over shared memory lands in deregistered memory),
-  so its halves stay held, and only the sender's report or its confirmed death ends them. Nothing else
+  so its halves stay held, and only the sender's report or its confirmed death finishes them. Nothing else
   settles here: ``disconnect`` forgets a peer, but registered memory may still be written until the peer is
   confirmed gone, and a timeout proves nothing.
-* Held means: the half is pending, or it ended while its publication hold kept its lease in doubt. Halves
-  that ended otherwise (done, or settled) are dropped at the next publication.
-* Threading: owned by the backend's thread (like the backend); a half may end on any thread meanwhile — only
+* Held means: the half is pending, or it finished while its publication hold kept its lease in doubt. Halves
+  that finished otherwise (done, or settled) are dropped at the next publication.
+* Threading: owned by the backend's thread (like the backend); a half may finish on any thread meanwhile — only
   its ``state`` and its lease's ``in_doubt`` are read here.
 """
 
@@ -43,11 +43,11 @@ class PublishedHalves:
         self._senders: dict[int, tuple[Any, str]] = {}   # id(half) -> (half, its sender peer), halves held
 
     def publish(self, half: Any, sender: str | None = None) -> dict:
-        """``half.publish()``, and keep ``half`` (with the peer ``sender`` that writes it, if named) until it ended
-        or :meth:`end_all`. Idempotent per half. O(halves held).
+        """``half.publish()``, and keep ``half`` (with the peer ``sender`` that writes it, if named) until it finished
+        or :meth:`forget_all`. Idempotent per half. O(halves held).
 
         Raises:
-            LeaseError, UmallocValueError: from ``half.publish()`` (its lease ended, or the half ended); nothing
+            LeaseError, UmallocValueError: from ``half.publish()`` (its lease is no longer active, or the half finished); nothing
                 is kept then.
         """
         wire = half.publish()
@@ -68,7 +68,7 @@ class PublishedHalves:
         """How many published halves may still be written. O(halves kept)."""
         return sum(1 for h in self._halves if _held(h))
 
-    def end_all(self, exc: BaseException, *, settle: bool) -> int:
+    def forget_all(self, exc: BaseException, *, settle: bool) -> int:
         """Forget every half; with ``settle`` (no peer can write the memory any more) settle each one still held
         with ``exc`` first. Returns how many were still held. O(halves kept + their leased pages)."""
         halves, self._halves = self._halves, []

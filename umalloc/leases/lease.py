@@ -1,6 +1,6 @@
 """One transfer lease: the handle :meth:`umalloc.leases.table.LeaseTable.pin` returns, and the lease states.
 
-* A :class:`Lease` names its pages and deadline and reports its state; every state change (end, engine
+* A :class:`Lease` names its pages and deadline and reports its state; every state change (release, engine
   holds, settle) is its table's (:class:`~umalloc.leases.table.LeaseTable`, which owns the pin counts and the
   lock), so a lease is a small handle safe to use from any thread (Note [Lease threading] there).
 * States (Note [Lease states] in :mod:`umalloc.leases.table`): :data:`LEASE_ACTIVE` -> :data:`LEASE_RELEASED` |
@@ -27,7 +27,7 @@ class _Table(Protocol):
     the table imports this one)."""
 
     def now(self) -> float: ...
-    def _end(self, lease: Lease, how: str) -> bool: ...
+    def _release(self, lease: Lease, how: str) -> bool: ...
     def _hold(self, lease: Lease) -> int: ...
     def _unhold(self, lease: Lease, generation: int) -> bool: ...
     def _settle(self, lease: Lease, generation: int | None) -> bool: ...
@@ -43,10 +43,10 @@ class Lease:
             settle quoting another one is refused.
         tag: caller's label (request id, peer name, ...).
         pages: ``dict[end, np.ndarray]``; per end a sorted, unique, read-only ``int64`` array of physical pages.
-        deadline: absolute deadline on the table's clock (seconds), or ``None`` (held until ended).
+        deadline: absolute deadline on the table's clock (seconds), or ``None`` (held until released).
 
-    A lease is a context manager: leaving the ``with`` block ends it, also when an exception escapes (F16).
-    :meth:`end` is idempotent and harmless after expiry. Every method may be called from any thread
+    A lease is a context manager: leaving the ``with`` block releases it, also when an exception escapes (F16).
+    :meth:`release` is idempotent and harmless after expiry. Every method may be called from any thread
     (Note [Lease threading]).
 
     >>> from umalloc.leases.table import LeaseTable
@@ -56,7 +56,7 @@ class Lease:
     ([1, 3], 'active', 1)
     >>> lease.state, int(table.pin_count("full")[3])
     ('released', 0)
-    >>> lease.end()  # harmless
+    >>> lease.release()  # harmless
     False
     """
 
@@ -75,8 +75,8 @@ class Lease:
 
     @property
     def state(self) -> str:
-        """``"active"``, ``"released"``, ``"expired"`` (reclaimed at its deadline), ``"in_doubt"`` (ended while an
-        engine may hold a part: pages still pinned) or ``"settled"`` (in doubt, then let go)."""
+        """``"active"``, ``"released"``, ``"expired"`` (reclaimed at its deadline), ``"in_doubt"`` (released or past
+        its deadline while an engine may hold a part: pages still pinned) or ``"settled"`` (in doubt, then let go)."""
         return self._state
 
     @property
@@ -95,7 +95,7 @@ class Lease:
     @property
     def expired(self) -> bool:
         """True once the deadline has passed on the table's clock, even before :meth:`LeaseTable.expire`
-        reclaimed it; always True after reclaim, False after an orderly :meth:`end`."""
+        reclaimed it; always True after reclaim, False after an orderly :meth:`release`."""
         if self._state == LEASE_EXPIRED:
             return True
         if self._state != LEASE_ACTIVE or self.deadline is None:
@@ -107,11 +107,11 @@ class Lease:
         """Pages pinned by this lease, summed over ends."""
         return sum(int(p.size) for p in self.pages.values())
 
-    def end(self) -> bool:
-        """End the lease. Returns True if this call ended it, False if it had already ended (released, expired,
-        in doubt or settled) — calling twice is harmless. With an engine hold outstanding the lease goes
+    def release(self) -> bool:
+        """Release the lease. Returns True if this call released it, False if it was no longer active (released,
+        expired, in doubt or settled) — calling twice is harmless. With an engine hold outstanding the lease goes
         ``in_doubt`` instead of unpinning (F24): its pages stay pinned until the engine lets go. O(pages)."""
-        return self._table._end(self, LEASE_RELEASED)
+        return self._table._release(self, LEASE_RELEASED)
 
     def hold_engine(self) -> int:
         """Record that a part of this lease's transfer was handed to an engine (or its pages published to a
@@ -132,7 +132,7 @@ class Lease:
         return self._table._unhold(self, generation)
 
     def settle(self, generation: int | None = None) -> bool:
-        """Settle an in-doubt lease on a *confirmed* end of every part: the engine confirmed a cancellation, or
+        """Settle an in-doubt lease on a *confirmed* termination of every part: the engine confirmed a cancellation, or
         it released its registrations (backend ``close``/``reset``), or the peer process is gone. Unpins. Returns
         True if this call settled it, False if it had settled already.
 
@@ -147,7 +147,7 @@ class Lease:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        self.end()
+        self.release()
 
     def __repr__(self) -> str:
         ends = {e: int(p.size) for e, p in self.pages.items()}

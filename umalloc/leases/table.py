@@ -18,13 +18,13 @@ Policy:
 * Generations (F27): every lease carries a ``generation`` unique within its table; :meth:`LeaseTable.lookup`,
   :meth:`Lease.unhold_engine` and :meth:`Lease.settle` take it and refuse a stale one with
   :class:`~umalloc.errors.StaleLeaseError`, so a late engine report never touches the pages' new owner.
-* Every terminal path ends a lease: :meth:`Lease.end` (idempotent), leaving a ``with`` block (normally or by
-  an exception), :meth:`LeaseTable.end_tagged` (a dead peer), and the deadline: :meth:`LeaseTable.expire`
+* Every terminal path takes a lease out of ``active``: :meth:`Lease.release` (idempotent), leaving a ``with`` block (normally or by
+  an exception), :meth:`LeaseTable.release_tagged` (a dead peer), and the deadline: :meth:`LeaseTable.expire`
   reclaims (or puts in doubt) every lease past its deadline, counts it and logs it (F12, F16).
 * Validation happens before any state changes: an unknown end, a page outside the handable range, a bad dtype
   or shape, a bad deadline, or a page the allocator's ``validator`` rejects raises :class:`LeaseError` and
   pins nothing.
-* ``version`` increments on every pin, end and expiry, so a holder of cached capacity figures can tell
+* ``version`` increments on every pin, release and expiry, so a holder of cached capacity figures can tell
   that holds changed and recompute them (F17).
 
 Note [Lease threading]
@@ -50,9 +50,9 @@ Note [Lease states]
 ~~~~~~~~~~~~~~~~~~~
 ::
 
-    pin ─> active ─┬─ end(), no engine hold ───────────────────> released
+    pin ─> active ─┬─ release(), no engine hold ───────────────> released
                    ├─ deadline, no engine hold ────────────────> expired    (reclaimed at once, F12)
-                   └─ deadline or end() with an engine hold ─────> in_doubt ─┬─ last engine hold let go ─> settled
+                   └─ deadline or release() with an engine hold ─> in_doubt ─┬─ last engine hold let go ─> settled
                                                                              └─ settle() (confirmed) ────> settled
 
 An *engine hold* is taken by a backend when it hands a part of the lease's transfer to an engine, and let go
@@ -67,7 +67,7 @@ Mooncake's classic engine cannot cancel a posted transfer, so only its per-descr
 Note [Leases and compaction]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 A transfer engine reads or writes pages by *address*. Between the moment the addresses are published to a
-peer and the moment every handle of the transfer has ended, the bytes at those addresses must stay the bytes of
+peer and the moment every handle of the transfer has finished, the bytes at those addresses must stay the bytes of
 that request. So the lease is taken *before* the addresses leave the process, and while it is active (or in
 doubt):
 
@@ -180,8 +180,8 @@ class LeaseTable:
     Args:
         page_slots: per end name, the size of its physical id space (``ArenaSpec.num_page_slots(end)``).
         clock: monotonic clock in seconds (tests pass a fake clock).
-        on_unpinned: called as ``on_unpinned(end, pages)`` once per end per :meth:`Lease.end`,
-            :meth:`expire` or :meth:`end_tagged` call, with the sorted ``int64`` array of that end's pages
+        on_unpinned: called as ``on_unpinned(end, pages)`` once per end per :meth:`Lease.release`,
+            :meth:`expire` or :meth:`release_tagged` call, with the sorted ``int64`` array of that end's pages
             whose pin count dropped to 0 (only ends with at least one such page; ends in ``page_slots`` order).
             Called after every count and counter is updated.
         first_pages: per end, the lowest page a lease may name (``ArenaSpec.first_page``); default 0. Use it to
@@ -351,7 +351,7 @@ class LeaseTable:
         report or a completion thread (F27). O(1).
 
         Raises:
-            StaleLeaseError: no live lease has this id and generation (it ended; its pages may have a new owner).
+            StaleLeaseError: no live lease has this id and generation (it was released, expired or settled; its pages may have a new owner).
         """
         for nm, v in (("lease_id", lease_id), ("generation", generation)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
@@ -360,7 +360,7 @@ class LeaseTable:
             lease = self._active.get(lease_id) or self._doubt.get(lease_id)
         if lease is None or lease.generation != generation:
             raise StaleLeaseError(f"lease {lease_id} generation {generation}: no live lease of this table has it "
-                                  "(it ended; its pages may belong to a new owner)")
+                                  "(released, expired or settled; its pages may belong to a new owner)")
         return lease
 
     @property
@@ -408,7 +408,7 @@ class LeaseTable:
         self._drop_stale_deadlines()
         return self._deadlines[0][0] if self._deadlines else None
 
-    # ---- pin / end / expire ----------------------------------------------------------------------------------
+    # ---- pin / release / expire ------------------------------------------------------------------------------
     def pin(self, pages: Mapping[str, object], *, deadline_s: float | None, tag: str = "") -> Lease:
         """Pin physical pages of any ends; returns the active :class:`Lease`.
 
@@ -417,8 +417,8 @@ class LeaseTable:
                 of physical pages in ``[first_pages[end], page_slots[end])``. Duplicates within one end are
                 pinned once. Ends may be omitted or empty.
             deadline_s: seconds from now (table clock) after which :meth:`expire` reclaims the lease; ``None``
-                holds it until ended. Must be finite and > 0.
-            tag: label (request id, peer name) for logs and :meth:`end_tagged`.
+                holds it until released. Must be finite and > 0.
+            tag: label (request id, peer name) for logs and :meth:`release_tagged`.
 
         Raises:
             LeaseError: unknown end, bad dtype/shape, page out of range, bad deadline or tag, or a page the
@@ -499,7 +499,7 @@ class LeaseTable:
                        "stay pinned until the engine lets go", lease.id, lease.tag, why, lease._holds,
                        lease.num_pages)
 
-    def _end(self, lease: Lease, how: str) -> bool:
+    def _release(self, lease: Lease, how: str) -> bool:
         self._check_mine(lease)
         with self.lock:
             if lease._state != LEASE_ACTIVE:
@@ -576,7 +576,7 @@ class LeaseTable:
         return float(t)
 
     def expire(self, now: float | None = None) -> list[Lease]:
-        """End every active lease whose deadline is ``<= now`` (default: the clock): reclaimed at once (``expired``,
+        """Expire every active lease whose deadline is ``<= now`` (default: the clock): reclaimed at once (``expired``,
         counted in ``leases_expired`` / ``pages_expired``) when no engine holds a part of it, else ``in_doubt``
         (pins kept, F24). Each is logged at WARNING. Returns them (deadline order). O(1) when nothing is due,
         else O(pages of the expired leases + k log leases)."""
@@ -596,7 +596,7 @@ class LeaseTable:
                 _, lease_id = heapq.heappop(heap)
                 lease = self._active.get(lease_id)
                 if lease is None:
-                    continue  # ended earlier
+                    continue  # released earlier
                 if lease._holds:
                     self._to_doubt(lease, f"deadline passed {now - (lease.deadline or now):.3f}s ago")
                     out.append(lease)
@@ -616,15 +616,15 @@ class LeaseTable:
                 self._notify(unpinned)
         return out
 
-    def end_tagged(self, tag: str) -> int:
+    def release_tagged(self, tag: str) -> int:
         """Release every active lease carrying ``tag`` (a peer died, a request was aborted); one with an engine
         hold goes in doubt instead (F24). Returns how many. O(leases + their pages)."""
         if not isinstance(tag, str):
-            raise LeaseError(f"end_tagged: tag={tag!r}; allowed a str")
+            raise LeaseError(f"release_tagged: tag={tag!r}; allowed a str")
         with self.lock:
             victims = [lease for lease in self._active.values() if lease.tag == tag]
             for lease in victims:
-                self._end(lease, LEASE_RELEASED)
+                self._release(lease, LEASE_RELEASED)
         return len(victims)
 
     # ---- invariants ----------------------------------------------------------------------------------------

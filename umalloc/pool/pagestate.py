@@ -7,7 +7,7 @@ on one encoding:
 * ``PAGE_GAP`` (1): outside the end's band (the shared gap between facing ends, or beyond the arena).
 * ``PAGE_HOLE`` (2): free, inside the band; handed out again before the watermark moves.
 * ``PAGE_LIVE`` (3): mapped to a virtual page (``p2v[p] != TOMBSTONE``).
-* ``PAGE_PENDING`` (4): freed while pinned by a lease; unreachable and not reusable until every lease on it ends
+* ``PAGE_PENDING`` (4): freed while pinned by a lease; unreachable and not reusable until no lease pins it
   (then it becomes a hole; F11).
 
 ``TOMBSTONE`` (-1) marks an unmapped ``v2p``/``p2v`` entry; it is :data:`umalloc.translators.TOMBSTONE`,

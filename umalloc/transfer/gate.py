@@ -13,7 +13,7 @@ Policy:
   that completes the set runs it — or, with ``refuse=True``, raises :class:`WriteIncompleteError` naming the
   missing producers per vector and keeps nothing. So a save issued after the target's forward but before the
   drafter's (vLLM #35158) waits for the drafter instead of sending the draft pages' old bytes (F10).
-* :meth:`WriteGate.forget` drops a request's signals once its transfer has ended (refused while a post waits).
+* :meth:`WriteGate.forget` drops a request's signals once its transfer has finished (refused while a post waits).
 
 Threading: one thread (the scheduler's); no locks. Complexity: O(vectors x producers) per call.
 """
@@ -116,7 +116,7 @@ class WriteGate:
         return list(self._waiting)
 
     def forget(self, request_id: str) -> None:
-        """Drop ``request_id``'s signals (its transfer ended). Raises :class:`UmallocValueError` while its post
+        """Drop ``request_id``'s signals (its transfer finished). Raises :class:`UmallocValueError` while its post
         waits (nothing changes)."""
         if request_id in self._waiting:
             raise UmallocValueError(f"WriteGate: request {request_id!r} has a post waiting; signal its producers "

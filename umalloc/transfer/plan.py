@@ -17,12 +17,12 @@ Policy:
   them, idempotently, the first terminal transition winning; the plan is a context manager (an exception fails
   it). A :class:`ReceiverHalf` is the receiver's side in the two-process form (JSON-safe, physical ids only).
 * :class:`PlanLike` is what the backends use of a plan; :class:`TransferPlan` implements it.
-* Ending a plan while an engine may hold a part of it (a backend's engine hold on its leases) marks it failed
+* Finishing a plan while an engine may hold a part of it (a backend's engine hold on its leases) marks it failed
   or aborted at once, and the leases go in doubt: the pages stay pinned until the engine lets go (F24). A
   :class:`ReceiverHalf` whose pages were sent to a peer (:meth:`ReceiverHalf.publish`) is held the same way
-  until the sender's terminal report (:meth:`~ReceiverHalf.complete`) or a confirmed end
+  until the sender's terminal report (:meth:`~ReceiverHalf.complete`) or a confirmed termination
   (:meth:`~ReceiverHalf.settle`).
-* Threading: a plan is built and posted by one thread; its ending (``complete``/``fail``/``abort``/``settle``)
+* Threading: a plan is built and posted by one thread; its finishing (``complete``/``fail``/``abort``/``settle``)
   may come from any thread, once (the first terminal transition wins; leases are thread-safe, Note [Lease
   threading] in :mod:`umalloc.leases.table`).
 """
@@ -58,7 +58,7 @@ PLAN_FAILED = "failed"
 PLAN_ABORTED = "aborted"
 
 _HALF_FORMAT = 1
-_ENDING = threading.Lock()  # the first terminal transition wins, whichever thread it comes from
+_FINISHING = threading.Lock()  # the first terminal transition wins, whichever thread it comes from
 _NO_DESCRIPTORS = np.zeros((0, 3), dtype=np.uint64)
 _NO_DESCRIPTORS.setflags(write=False)
 
@@ -181,7 +181,7 @@ class IndexVector:
 class LeaseLike(Protocol):
     """What a plan, and a backend posting it, need of a lease (:class:`umalloc.leases.table.Lease` is one):
     ``active``, ``state`` and ``expired`` (past its deadline) are read — by engine threads too, before a queued
-    part is posted — and ``end()`` ends it."""
+    part is posted — and ``release()`` releases it."""
 
     @property
     def active(self) -> bool: ...
@@ -192,7 +192,7 @@ class LeaseLike(Protocol):
     @property
     def expired(self) -> bool: ...
 
-    def end(self) -> bool: ...
+    def release(self) -> bool: ...
 
 
 class _LeaseHolder:
@@ -203,27 +203,27 @@ class _LeaseHolder:
     error: BaseException | None
 
     def _finish(self, state: str, exc: BaseException | None = None) -> bool:
-        with _ENDING:
+        with _FINISHING:
             if self.state != PLAN_PENDING:
                 return False  # idempotent: the first terminal transition wins
             self.state = state
             self.error = exc
         for lease in self._leases:
             if lease is not None:
-                lease.end()
+                lease.release()
         return True
 
     def complete(self) -> bool:
-        """Mark done and end every lease this object holds. Returns False (and changes nothing) if it had
-        already ended. O(leased pages)."""
+        """Mark done and release every lease this object holds. Returns False (and changes nothing) if it had
+        already finished. O(leased pages)."""
         return self._finish(PLAN_DONE)
 
     def fail(self, exc: BaseException | None = None) -> bool:
-        """Mark failed (keeping ``exc`` as ``error``) and end every lease. Idempotent like :meth:`complete`."""
+        """Mark failed (keeping ``exc`` as ``error``) and release every lease. Idempotent like :meth:`complete`."""
         return self._finish(PLAN_FAILED, exc)
 
     def abort(self) -> bool:
-        """Mark aborted and end every lease. Idempotent like :meth:`complete`. A lease an engine still holds
+        """Mark aborted and release every lease. Idempotent like :meth:`complete`. A lease an engine still holds
         a part of goes in doubt instead (its pages stay pinned until the engine lets go, F24)."""
         return self._finish(PLAN_ABORTED)
 
@@ -243,8 +243,8 @@ class _LeaseHolder:
                                     "may be posted")
         for lease in self._leases:
             if lease is not None and not lease.active:
-                raise LeaseError(f"a lease of this {type(self).__name__} ended ({lease.state}) before the transfer "
-                                 "was posted; its pages may be reused (F11)")
+                raise LeaseError(f"a lease of this {type(self).__name__} was {lease.state} before the transfer was "
+                                 "posted; its pages may be reused (F11)")
 
 
 # ==== TransferPlan ============================================================================================
@@ -289,7 +289,7 @@ class TransferPlan(_LeaseHolder):
         src_layout, dst_layout: the two sides' layouts (geometry, regions, base addresses).
         src_leased_pages, dst_leased_pages: per end, the physical pages leased on each side for this plan;
             every descriptor must lie inside them.
-        src_lease, dst_lease: lease objects ended when the plan ends (``None``: held elsewhere, e.g. by the
+        src_lease, dst_lease: lease objects released when the plan finishes (``None``: held elsewhere, e.g. by the
             remote receiver's :class:`ReceiverHalf`).
 
     Attributes:
@@ -386,8 +386,8 @@ class TransferPlan(_LeaseHolder):
         return self._leases[1]
 
     def attach_leases(self, src_lease: LeaseLike | None, dst_lease: LeaseLike | None) -> None:
-        """Hand the plan the leases of its pages (the builders lease after the bounds check); they are ended
-        when the plan ends. O(1)."""
+        """Hand the plan the leases of its pages (the builders lease after the bounds check); they are released
+        when the plan finishes. O(1)."""
         self._leases = (src_lease, dst_lease)
 
     def _build_descriptors(self) -> tuple[dict[str, np.ndarray], dict[str, VectorStats]]:
@@ -418,8 +418,8 @@ class TransferPlan(_LeaseHolder):
         ``(src_addr, dst_addr, nbytes)``, bounds-checked at construction.
 
         Raises:
-            UmallocValueError: the plan already ended, or it is submitted per vector (:meth:`split`).
-            LeaseError: a lease the plan holds ended (expired or released elsewhere) before posting.
+            UmallocValueError: the plan already finished, or it is submitted per vector (:meth:`split`).
+            LeaseError: a lease the plan holds is no longer active (expired or released elsewhere) before posting.
         """
         self._check_usable()
         if self._split:
@@ -432,11 +432,11 @@ class TransferPlan(_LeaseHolder):
         """A part of this plan made of the vectors ``names``, to submit on its own (target now, draft after the
         drafter's pass). The plan completes only once every vector arrived (each part done); a part that fails
         or is aborted fails (aborts) the plan; a vector never submitted fails it at its lease deadline
-        (:meth:`check_deadline`). The plan's leases stay with the plan and end with it. O(descriptors of the
+        (:meth:`check_deadline`). The plan's leases stay with the plan and are released with it. O(descriptors of the
         part).
 
         Raises:
-            UmallocValueError: the plan ended, an unknown name, no names, or a vector already split off.
+            UmallocValueError: the plan finished, an unknown name, no names, or a vector already split off.
         """
         if self.state != PLAN_PENDING:
             raise UmallocValueError(f"plan {self.request_id!r} is {self.state}: nothing may be split off")
@@ -466,7 +466,7 @@ class TransferPlan(_LeaseHolder):
                                                  f"never arrived before the lease deadline ({lease.state})"))
         return False
 
-    def _part_ended(self, part: VectorPart, state: str, exc: BaseException | None) -> None:
+    def _part_finished(self, part: VectorPart, state: str, exc: BaseException | None) -> None:
         if state == PLAN_DONE:
             self._arrived.update(part.names)
             if len(self._arrived) == len(self.vectors):
@@ -499,7 +499,7 @@ class TransferPlan(_LeaseHolder):
 class VectorPart(_LeaseHolder):
     """Some vectors of a :class:`TransferPlan`, submitted on their own (:meth:`TransferPlan.split`, F10); a
     :class:`PlanLike` a backend posts like a plan. Its leases are the plan's (a backend's engine hold reaches
-    them), but ending the part does not release them: it reports to the plan, which completes when every
+    them), but finishing the part does not release them: it reports to the plan, which completes when every
     vector arrived and fails or aborts with any part.
 
     Attributes:
@@ -521,7 +521,7 @@ class VectorPart(_LeaseHolder):
         self.total_bytes = sum(plan.stats_by_vector[n].bytes for n in names)
         self.state = PLAN_PENDING
         self.error: BaseException | None = None
-        self._leases = ()  # the plan's leases end with the plan
+        self._leases = ()  # the plan's leases are released with the plan
 
     @property
     def src_lease(self) -> LeaseLike | None:
@@ -533,7 +533,7 @@ class VectorPart(_LeaseHolder):
 
     def descriptors(self) -> np.ndarray:
         """The part's descriptors (its vectors' rows, plan order). Raises UmallocValueError if the part or the
-        plan ended, LeaseError if a lease of the plan ended."""
+        plan finished, LeaseError if a lease of the plan is no longer active."""
         self._check_usable()
         self.plan._check_usable()
         return self._all
@@ -541,7 +541,7 @@ class VectorPart(_LeaseHolder):
     def _finish(self, state: str, exc: BaseException | None = None) -> bool:
         if not super()._finish(state, exc):
             return False
-        self.plan._part_ended(self, state, exc)
+        self.plan._part_finished(self, state, exc)
         return True
 
     def __repr__(self) -> str:
@@ -578,7 +578,7 @@ class ReceiverHalf(_LeaseHolder):
     """What the receiver (decode) publishes for one request: its physical pages per vector (F13), the rows they
     cover, the request length and prefix, and the digest of the :class:`PeerLayout` they refer to.
 
-    Built by :func:`~umalloc.transfer.build.build_receiver_half`, which leases the pages; the receiver ends the lease with
+    Built by :func:`~umalloc.transfer.build.build_receiver_half`, which leases the pages; the receiver releases the lease with
     :meth:`complete` / :meth:`fail` / :meth:`abort` (or a ``with`` block) when every sender has finished.
     :meth:`to_dict` is JSON-safe (physical ids only, never virtual ids); :meth:`from_dict` rebuilds a lease-less
     copy on the sender.
@@ -625,11 +625,11 @@ class ReceiverHalf(_LeaseHolder):
         """:meth:`to_dict` for sending to a peer: from now on the peer's engine may write these pages, so the
         lease takes an engine hold (Note [Lease states] in :mod:`umalloc.leases.table`): its deadline, or
         :meth:`fail` / :meth:`abort`, leaves it in doubt — pages pinned — until the sender's terminal report
-        (:meth:`complete`) or a confirmed end (:meth:`settle`). Idempotent. O(pages).
+        (:meth:`complete`) or a confirmed termination (:meth:`settle`). Idempotent. O(pages).
 
         Raises:
             LeaseError: the half's lease is no longer active (its pages may be reused: do not publish them).
-            UmallocValueError: the half already ended.
+            UmallocValueError: the half already finished.
         """
         self._check_usable()
         lease = self.lease
@@ -638,29 +638,29 @@ class ReceiverHalf(_LeaseHolder):
         return self.to_dict()
 
     def _let_go(self) -> None:
-        with _ENDING:
+        with _FINISHING:
             published, self._published = self._published, None
         if published is not None:
             lease, generation = published
             lease.unhold_engine(generation)
 
     def complete(self) -> bool:
-        """The sender reported the transfer done (its plan ended): mark done and release the lease (also one
-        that went in doubt meanwhile). Returns False if the half had already ended (its lease is still let go
+        """The sender reported the transfer done (its plan finished): mark done and release the lease (also one
+        that went in doubt meanwhile). Returns False if the half had already finished (its lease is still let go
         of if it was in doubt). The publication hold is let go first, so a normal completion never passes
         through in doubt. O(leased pages)."""
         self._let_go()
         return self._finish(PLAN_DONE)
 
     def settle(self, exc: BaseException | None = None) -> bool:
-        """A confirmed end of everything the peer was sent: the sender's terminal report of a failed transfer,
+        """A confirmed termination of everything the peer was sent: the sender's terminal report of a failed transfer,
         the sender process confirmed gone, or this side's backend closed/reset after the engine released its
         registrations. Fails the half if still pending (``exc``), then lets go of the publication hold, so an
-        in-doubt lease settles (state ``settled``: the end was confirmed, not reported done). Returns True if the
+        in-doubt lease settles (state ``settled``: the termination was confirmed, not reported done). Returns True if the
         half was still pending. Any thread. O(leased pages)."""
-        ended = self._finish(PLAN_FAILED, exc)
+        finished = self._finish(PLAN_FAILED, exc)
         self._let_go()
-        return ended
+        return finished
 
     @property
     def lease(self) -> LeaseLike | None:
@@ -727,8 +727,8 @@ class PlanLike(Protocol):
             ``active``, ``state`` and ``expired`` to refuse posting a plan whose pages may be reused (F11).
         num_descriptors, total_bytes: counters (descriptor rows; bytes over every descriptor).
         descriptors(): read-only uint64 ``(N, 3)`` ``(src_addr, dst_addr, nbytes)``, bounds-checked when the plan
-            was built; raises if the plan ended or a lease ended.
-        complete(), fail(exc), abort(): end the plan once (idempotent, first wins), ending its leases.
+            was built; raises if the plan finished or a lease is no longer active.
+        complete(), fail(exc), abort(): finish the plan once (idempotent, first wins), releasing its leases.
     """
 
     state: str

@@ -19,7 +19,7 @@ Policy:
   per batch of up to ``max_batch`` requests the decode side allocates each prompt's pages (full end: every page;
   swa end: the window tail), leases and publishes them (receiver half), the prefill side runs the model forward,
   writes the KV into its own pages, plans (its lease) and posts; every transfer of the batch is waited for and
-  both sides' leases end. Then per request the decode side reads its pages, checks their digest against the
+  both sides' leases are released. Then per request the decode side reads its pages, checks their digest against the
   prefill side's, frees them, builds the cache from the bytes it read only, and continues greedily from the
   prefill's first token. "Decoded tokens" are the tokens after that first one: each comes from a forward over
   the rebuilt cache, so it is what the token check compares the transferred KV by; decoded tokens/s divides

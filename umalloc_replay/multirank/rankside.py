@@ -23,7 +23,7 @@ Note [One half per source rank]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 A decode rank that receives one request from several prefill ranks (TP P2->D1: heads 0-3 from source 0, 4-7
 from source 1) builds one :class:`~umalloc.transfer.ReceiverHalf` per source over the same virtual ids; their
-leases pin the same pages and nest, and each is completed when its own sender reports its plan ended. Each
+leases pin the same pages and nest, and each is completed when its own sender reports its plan finished. Each
 sender builds its plan from its own half, so the halves never share state across processes.
 """
 
@@ -317,7 +317,7 @@ def _fill(st: RankState, rid: int, L: int, vt: dict[str, torch.Tensor]) -> int:
 
 def child_prefill_start(ctx, items: list[tuple[int, int, dict[int, dict]]]) -> dict:
     """Prefill: per ``(request id, L, {decode index: half dict})`` allocate, fill, build one send plan per half
-    and submit it to that decode rank (no wait; an empty plan ends at once). Returns ``{"plans": {rid: {dst:
+    and submit it to that decode rank (no wait; an empty plan finishes at once). Returns ``{"plans": {rid: {dst:
     figures}}, "filled_bytes", "alloc_s", "fill_s", "plan_s"}``."""
     st = _state(ctx)
     b = ctx._b()
@@ -354,7 +354,7 @@ def child_prefill_start(ctx, items: list[tuple[int, int, dict[int, dict]]]) -> d
 
 def child_prefill_finish(ctx, request_ids: list[int], timeout_s: float) -> dict:
     """Prefill: wait for every plan of ``request_ids`` (each bounded by ``timeout_s``) and forget it (its source
-    lease ends with it), then free the requests' rows — every wait before any free. Returns ``{"elapsed_s": {rid:
+    lease is released with it), then free the requests' rows — every wait before any free. Returns ``{"elapsed_s": {rid:
     {dst: seconds from submit to done}}, "wait_s", "alloc_s"}``. The first failure is raised once every handle
     was forgotten and every request freed."""
     st = _state(ctx)
@@ -381,7 +381,7 @@ def child_prefill_finish(ctx, request_ids: list[int], timeout_s: float) -> dict:
 
 
 def child_decode_finish(ctx, request_ids: list[int]) -> dict:
-    """Decode: every sender reported its plan ended: complete each half (its lease ends), verify every row the
+    """Decode: every sender reported its plan finished: complete each half (its lease is released), verify every row the
     rank must have of every vector (:func:`must_have_positions`) against the pattern, free. Returns ``{"verify":
     {rid: {vector: RowCheck fields}}, "verify_s", "alloc_s"}``."""
     st = _state(ctx)

@@ -4,17 +4,17 @@
   embedded default). :class:`umalloc_replay.single.remote.RemotePrefill` is the same side in a second process.
 * Both expose one small interface to the driver: ``start(request, decode vtokens) -> ticket | None`` (allocate,
   fill, plan with leases on both sides, submit; ``None`` when the prefill arena is short and nothing changed),
-  ``finish_all(tickets) -> [PlanFigures]`` (wait for every transfer of the step and end its plan's leases, then
+  ``finish_all(tickets) -> [PlanFigures]`` (wait for every transfer of the step and release its plan's leases, then
   free the prefill pages), and observers (``stats``, ``leases_active``, ``lease_counts``, ``check_invariants``,
   ``bytes_filled``), ``close``.
 
 Note [Finishing a step's transfers]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-A step's transfers all end before any of their prompts is freed. Freed one by one instead (wait, forget,
+A step's transfers all finish before any of their prompts is freed. Freed one by one instead (wait, forget,
 free, next), a prompt is freed while the later transfers of the step still pin prefill pages, and eager
-compaction, which never moves a pinned page, does less — by backend: Mooncake's plans end in ``wait`` (the
+compaction, which never moves a pinned page, does less — by backend: Mooncake's plans finish in ``wait`` (the
 caller's thread), NIXL's and the local backend's earlier (on completion), so with the same input the prefill
-side of a Mooncake replay compacted 0 times where NIXL and local compacted 5-25 times. Ending every plan first
+side of a Mooncake replay compacted 0 times where NIXL and local compacted 5-25 times. Finishing every plan first
 gives every backend the same pins at each free, so the same compactions.
 * :func:`alloc_sequence` and :func:`fill_sequence` are the one way a fresh sequence is allocated and filled,
   on the prefill side and for decode's preallocation (Note [Sequence placement]).
@@ -220,7 +220,7 @@ class LocalPrefill:
         return ticket
 
     def finish_all(self, tickets: list) -> list[PlanFigures]:
-        """Wait for every transfer of ``tickets`` and forget it (its plan's leases end with it), then free every
+        """Wait for every transfer of ``tickets`` and forget it (its plan's leases are released with it), then free every
         prompt (Note [Finishing a step's transfers]); the plans' figures, in order. A failure is raised (the
         first) once every handle was forgotten and every prompt freed."""
         first: BaseException | None = None
@@ -239,7 +239,7 @@ class LocalPrefill:
                         self.src.forget(handle)
         finally:
             # also when a transfer failed: the prompts' pages are freed (still-leased ones go pending until their
-            # plan's leases end, Note [Pending pages]), never leaked
+            # plan's leases are released, Note [Pending pages]), never leaked
             with self.timer.phase("allocator"):
                 for _plan, _handle, vt in tickets:
                     self.alloc.free(vt)

@@ -17,7 +17,7 @@ Policy:
   their plans (source leases), then frees their pages, and the parent completes the halves (destination
   leases) and verifies every page.
 * Every call is bounded (``transfer_timeout_s``, twice that for the wait-and-drain of ``child_finish``, plus a
-  margin); a failed transfer settles the half on the child's report (its lease ends) and raises — except while
+  margin); a failed transfer settles the half on the child's report (its lease is released) and raises — except while
   bytes may still land in the half (the child's drain gave up, or the child did not answer): then the half stays
   held (in doubt once its deadline passes) until the child is confirmed gone, which :meth:`RemotePrefill.close`
   waits for before it settles every half kept so (:func:`settle_failed_half`). The parent progresses its own
@@ -145,7 +145,7 @@ def _wait_drained(b, handle, timeout_s: float) -> None:
 
 
 def child_finish_all(ctx, request_ids: list[int], timeout_s: float) -> dict:
-    """Wait for every posted plan of ``request_ids`` and forget it (its source lease ends with it), then free
+    """Wait for every posted plan of ``request_ids`` and forget it (its source lease is released with it), then free
     every prompt's pages; returns ``{"phases", "stats", "plans": [figures per request, in order]}``.
 
     Every wait comes before any free (Note [Finishing a step's transfers] in :mod:`umalloc_replay.single.prefill`).
@@ -200,7 +200,7 @@ def settle_failed_half(half: ReceiverHalf, exc: BaseException) -> bool:
     the child said its engine still holds a part of the transfer (``exc.draining``, set by :func:`child_finish`
     when its bounded drain gave up) or when the child did not answer in time
     (:class:`~umalloc.backends.worker.WorkerTimeout`: it may still be sending). Otherwise (the child's report of
-    a transfer that ended, or the child process ended) the end is confirmed: the half settles
+    a transfer that finished, or the child process ended) the termination is confirmed: the half settles
     (:meth:`~umalloc.transfer.plan.ReceiverHalf.settle`: failed with ``exc``, its lease released).
 
     Returns:
@@ -301,7 +301,8 @@ class RemotePrefill:
         self._account(res)
         if res["short"]:
             # the child's terminal report: it posted nothing. complete() lets go of the publication hold before
-            # the lease ends, so the lease never passes through in doubt (settle() ends it first, then lets go)
+            # the lease is released, so the lease never passes through in doubt (settle() releases it first, then
+            # lets go)
             half.complete()
             return None
         self.bytes_filled += res["filled"]

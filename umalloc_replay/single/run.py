@@ -11,7 +11,7 @@ Policy (docs/architecture.md, "The main job"; the scheduler is a simplified SGLa
 * **Decode preallocates** the same shape (full + SWA tail + draft) before the transfer. A plan
   (:func:`umalloc.transfer.plan.build_plan`) leases both sides and goes through the backend. Every page of every vector
   (``target``, ``swa_tail``, ``draft``) is then read back through decode's own block table and compared with
-  the pattern; the leases end; prefill frees.
+  the pattern; the leases are released; prefill frees.
 * **Decode step.** Every running request grows one token per step: SWA pages that left the window are
   tombstoned first (``unbind_end``), then one ``alloc_decode`` call covers the whole batch, then the new
   token's rows are written on every end. A request that produced ``output_tokens`` tokens is re-verified
@@ -25,7 +25,7 @@ Policy (docs/architecture.md, "The main job"; the scheduler is a simplified SGLa
   empty arena is refused up front with a clear error.
 * **Transfers overlap the decode step:** a step submits the admitted requests' plans, runs the decode step for
   the running batch while their leases are held, then completes and verifies them. (The ``local`` backend copies
-  inside ``submit``, so its plans end before the decode step; ``nixl`` and ``mooncake`` really overlap.)
+  inside ``submit``, so its plans finish before the decode step; ``nixl`` and ``mooncake`` really overlap.)
 
 Note [Admission reserve]
 ~~~~~~~~~~~~~~~~~~~~~~~~
