@@ -381,7 +381,7 @@ def test_default_preset_gemma_with_a_float_draft() -> None:
 
 
 # ---- leases and pending pages -----------------------------------------------------------------------------------
-def test_pinned_freed_pages_stay_pending_until_the_lease_ends(full_swa) -> None:
+def test_pinned_freed_pages_stay_pending_until_the_lease_is_released(full_swa) -> None:
     now = [0.0]
     alloc = full_swa(clock=lambda: now[0])
     vp = alloc.alloc_pages(3)                                   # full 1 2 3, swa 7 8 9
@@ -731,7 +731,7 @@ def test_unbind_pages_tombstones_only_the_bound_end(page_alloc) -> None:
 
 def test_page_level_calls_respect_leases(page_alloc) -> None:
     """A lease turns the numpy calls onto the general path: a leased page freed by page id goes pending and is
-    not handed out again until the lease ends (F11)."""
+    not handed out again until the lease is released (F11)."""
     alloc = page_alloc
     vp = alloc.alloc_pages(2)                                   # full 1 2
     lease = alloc.lease({"full": alloc.translate_pages(vp[:1], "full")})

@@ -1,4 +1,4 @@
-"""F26: lease release, engine reports, plan endings and leases taken on a completion thread while the scheduler
+"""F26: lease release, engine reports, plan finishing and leases taken on a completion thread while the scheduler
 thread allocates, frees and compacts. ``check_invariants()`` after every step, and every pinned page checked
 unmoved (its virtual page still translates to the physical page that was leased).
 
@@ -28,7 +28,7 @@ STRESS_STEPS = int(os.environ.get("UMALLOC_STRESS_STEPS", "1000"))
 
 
 class _Completions(threading.Thread):
-    """The engine side: takes leases on pages handed to it, reports engine parts terminal, ends leases and plans."""
+    """The engine side: takes leases on pages handed to it, reports engine parts terminal, releases leases and finishes plans."""
 
     def __init__(self, alloc: MultiEndedAllocator, seed: int) -> None:
         super().__init__(name="completions", daemon=True)
@@ -58,7 +58,7 @@ class _Completions(threading.Thread):
                         pages = self.alloc.translate_pages(torch.from_numpy(vpages), "full").numpy()
                         lease = self.alloc.lease({"full": pages}, tag="t")
                     self.back.put((key, pages, lease))
-                elif kind == "end":
+                elif kind == "release":
                     job[1].release()
                 elif kind == "engine":  # release while an engine holds a part, then the engine's report
                     _, lease, gen = job
@@ -132,7 +132,7 @@ def test_completion_thread_races_alloc_free_compact() -> None:
                 lease = leases.pop(lid)
                 held.pop(lid, None)  # pages may come free from now on
                 if rng.random() < 0.5 or not lease.active:  # (an expired lease takes no engine hold)
-                    worker.submit(("end", lease))
+                    worker.submit(("release", lease))
                 else:
                     worker.submit(("engine", lease, lease.hold_engine()))
             elif op == 5:

@@ -1,6 +1,6 @@
 """A successful NIXL replay printed ``lease 3 (tag 'plan-dst:4003') in doubt: released while 1
 engine hold(s) are outstanding``. It was no real in-doubt lease: when the prefill child's arena is short it posts
-nothing, and the replay settled the published receiver half — ``ReceiverHalf.settle`` ends the lease before
+nothing, and the replay settled the published receiver half — ``ReceiverHalf.settle`` releases the lease before
 letting go of the publication hold (so that a confirmed end reads ``settled``), and the lease passed through in
 doubt. The replay ends such a half with ``complete()`` (the sender's report: nothing posted), which lets go of
 the hold first; a real in-doubt lease is counted in the report (``leases.in_doubt``) and its table."""
@@ -27,8 +27,8 @@ def _published_half(clock=None):
     return dst, dvt, half
 
 
-def test_a_published_half_the_sender_posted_nothing_to_ends_without_going_in_doubt(caplog) -> None:
-    """The replay's path when the child is short: the sender's report (nothing posted) ends the half with
+def test_a_published_half_the_sender_posted_nothing_to_finishes_without_going_in_doubt(caplog) -> None:
+    """The replay's path when the child is short: the sender's report (nothing posted) finishes the half with
     ``complete()``, which lets go of the publication hold first."""
     dst, dvt, half = _published_half()
     with caplog.at_level(logging.WARNING, logger="umalloc"):

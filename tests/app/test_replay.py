@@ -345,7 +345,7 @@ AZURE_12 = [(374, 44), (396, 109), (879, 55), (91, 16), (91, 16), (381, 84), (13
 @pytest.mark.backend
 @pytest.mark.parametrize("name", ["nixl", "mooncake"])
 def test_eager_prefill_compaction_is_the_same_on_every_backend(tmp_path, name):
-    # A step's transfers all end before any prompt is freed (Note [Finishing a step's transfers]): Mooncake ends a
+    # A step's transfers all finish before any prompt is freed (Note [Finishing a step's transfers]): Mooncake finishes a
     # plan only in wait(), so freeing prompt by prompt left the step's later transfers pinning prefill pages and
     # its prefill side compacted 0 times where local compacted; the same input now compacts the same pages.
     require_or_skip(name)

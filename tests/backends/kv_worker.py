@@ -68,8 +68,8 @@ def kv_receiver_half(ctx: WorkerContext, request_id: str, vtokens: dict[str, lis
 
 
 def kv_finish_half(ctx: WorkerContext, request_id: str, ok: bool = True) -> int:
-    """The sender's terminal report for a kept receiver half: its plan ended done (``ok``: complete) or failed
-    (settle: a confirmed end, so the published pages come free). Call it only once the sender's plan ended.
+    """The sender's terminal report for a kept receiver half: its plan finished done (``ok``: complete) or failed
+    (settle: a confirmed termination, so the published pages come free). Call it only once the sender's plan finished.
     Returns the allocator's active leases."""
     half = ctx.objects["halves"].pop(request_id)
     half.complete() if ok else half.settle(None)
@@ -81,7 +81,7 @@ def kv_send(ctx: WorkerContext, request_id: str, half: dict, peer: str, vtokens:
     """Build the sender plan from a receiver half and submit it; with ``wait`` wait for it and forget the handle.
 
     A failed wait is followed by a bounded ``drain`` (up to ``timeout_s`` more), so the outcome is reported only
-    once the sender's plan ended and the receiver may release its half (Note [Deadlines and in-flight parts]);
+    once the sender's plan finished and the receiver may release its half (Note [Deadlines and in-flight parts]);
     ``"draining": True`` says the engine still held a part when the drain gave up: keep the receiver's half.
 
     Returns:

@@ -255,10 +255,10 @@ def test_default_caps_post_one_submission_per_2048_descriptors(name, backend_fac
 
 
 @pytest.mark.parametrize("name", BACKEND_PARAMS)
-def test_a_plan_under_tiny_caps_lands_exactly_and_ends_its_leases(name, backend_factory):
+def test_a_plan_under_tiny_caps_lands_exactly_and_releases_its_leases(name, backend_factory):
     """A real plan (target, SWA tail, draft) with one submission per piece of at most 48 bytes: the handle posts
     sum(ceil(nbytes / 48)) submissions over the plan's descriptors, every destination byte matches a brute-force
-    replay, and the plan's leases end once, when the last submission is done."""
+    replay, and the plan's leases are released once, when the last submission is done."""
     src_arena, src_alloc, a, dst_arena, dst_alloc, b = kv_pair(
         lambda n, **kw: backend_factory(n, max_batch_descriptors=1, max_batch_bytes=48, **kw), name)
     src_vt, dst_vt = alloc_request(src_alloc, L_TOKENS), alloc_request(dst_alloc, L_TOKENS)
@@ -362,7 +362,7 @@ def test_multi_chunk_plan_deadline_then_dead_peer(name, backend_workers, backend
         assert plan.state == "failed" and "withdrawn" in str(plan.error)
         assert isinstance(plan.error.__context__, TransferTimeout)
         assert w.run(W + "kv_arena_bytes") == brute_apply(before, base, src_bytes, src_arena.base_ptr, d[:2])
-    else:  # every part NIXL was handed ended DONE: the engine's outcome
+    else:  # every part NIXL was handed finished DONE: the engine's outcome
         assert plan.state == "done" and h.state == "done"
         assert w.run(W + "kv_arena_bytes") == brute_apply(before, base, src_bytes, src_arena.base_ptr, d)
     assert w.run(W + "kv_finish_half", "b-3", plan.state == "done") == 0
@@ -379,7 +379,7 @@ def test_multi_chunk_plan_deadline_then_dead_peer(name, backend_workers, backend
     w.kill()
     with pytest.raises(TransferError) as e:
         a.wait(h, DEADLINE_S)
-    assert not isinstance(e.value, TransferTimeout)  # the dead peer ended it, not the deadline
+    assert not isinstance(e.value, TransferTimeout)  # the dead peer failed it, not the deadline
     a.forget(h)
     assert a.drain(h, DEADLINE_S)
     assert plan.state == "failed" and src_alloc.leases_active() == 0 and _settled(src_alloc) == 0

@@ -537,7 +537,7 @@ def test_peer_closed_before_transfer_fails_the_plan(name, backend_factory):
     h = a.submit(plan, peer)
     with pytest.raises(TransferError, match="closed") as e:
         a.wait(h, DEADLINE_S)
-    assert not isinstance(e.value, TransferTimeout)  # the closed peer ended it, not the deadline
+    assert not isinstance(e.value, TransferTimeout)  # the closed peer failed it, not the deadline
     assert plan.state == "failed" and plan.error is e.value
     assert src_alloc.leases_active() == 0 and dst_alloc.leases_active() == 0
     assert tbytes(dst_arena.data) == before
@@ -556,10 +556,10 @@ def test_F11_wait_deadline_keeps_the_leases_until_the_engine_lets_go(name, backe
     transfer (a paused receiver: neither engine can take back what it was handed), so the handle is ``in_doubt``
     and the plan stays pending with its lease on every page: freed pages stay pending (not reused), compaction
     does not move them, the engine memory stays registered. Once the peer resumes and the engine reports the
-    transfer ended, the handle and the plan end as the engine says and the pages come free; the bytes landed
+    transfer finished, the handle and the plan finish as the engine says and the pages come free; the bytes landed
     *after* the deadline — exactly what the held lease protects. (NIXL used to release the request at the
     deadline and fail the plan, freeing the pages, while the WRITE still landed.) An attempt in which the engine
-    ended the transfer before the deadline anyway is checked for the right bytes and tried again."""
+    finished the transfer before the deadline anyway is checked for the right bytes and tried again."""
     for _ in range(F11_ATTEMPTS):
         w, src_arena, src_alloc, a, peer = sender_to_worker(backend_workers, backend_factory, name)
         src_vt = alloc_request(src_alloc, L_TOKENS)
@@ -590,12 +590,12 @@ def test_F11_wait_deadline_keeps_the_leases_until_the_engine_lets_go(name, backe
         a.forget(h)
         a.disconnect(peer)
     else:
-        pytest.fail(f"{name}: the engine ended the transfer to a paused receiver before a 0.05 s deadline in all "
+        pytest.fail(f"{name}: the engine finished the transfer to a paused receiver before a 0.05 s deadline in all "
                     f"{F11_ATTEMPTS} attempts: the deadline case was never reached")
     try:
         assert h.state == "in_doubt" and h.draining and isinstance(h.error, TransferTimeout)
         assert a.stats()["draining_handles"] == 1 and a.stats()["in_doubt_handles"] == 1
-        # the ordering under test: the deadline did not end the plan
+        # the ordering under test: the deadline did not finish the plan
         assert plan.state == "pending" and src_alloc.leases_active() == 1
         src_alloc.free(src_vt["full"], owner="full")  # the request goes away meanwhile
         src_alloc.free(src_vt["draft"], owner="draft")
@@ -638,7 +638,7 @@ def test_F24_nixl_wait_timeout_on_a_stalled_receiver_is_in_doubt_until_the_write
     WRITE of a fresh connection needs the target) does not know the outcome. The handle is ``in_doubt``, the plan
     pending, its source lease active; a second ``wait`` on the still-paused receiver times out again and changes
     nothing. Once the receiver runs, the request NIXL kept ends DONE: ``wait`` returns, the handle and the plan are
-    done, the lease ends, and the receiver holds exactly the bytes the descriptors name (computed here by
+    done, the lease is released, and the receiver holds exactly the bytes the descriptors name (computed here by
     brute force). (The deadline used to release the request and fail the plan — its pages free for reuse — while
     the WRITE still arrived.)"""
     w, src_arena, src_alloc, a, peer = sender_to_worker(backend_workers, backend_factory, "nixl")
@@ -658,7 +658,7 @@ def test_F24_nixl_wait_timeout_on_a_stalled_receiver_is_in_doubt_until_the_write
             a.check_invariants()
     finally:
         w.resume()
-    a.wait(h, DEADLINE_S)  # the engine's terminal state: the request NIXL kept ended DONE
+    a.wait(h, DEADLINE_S)  # the engine's terminal state: the request NIXL kept finished DONE
     assert (h.state, h.error, plan.state, src_alloc.leases_active()) == ("done", None, "done", 0)
     assert w.run(W + "kv_arena_bytes") == want
     s = a.stats()
@@ -719,7 +719,7 @@ def test_mooncake_queued_chunk_is_never_posted_after_its_lease_deadline(backend_
 
 def _plan_with_a_1s_lease(name, backend_factory, plan_id: str):
     """Two in-process backends of kind ``name`` over two arenas under one manual clock (time 0), connected, and a
-    plan between them whose leases end at t = 1 s; ``(clock, a, b, peer, plan, src_alloc, dst_alloc,
+    plan between them whose leases' deadline is t = 1 s; ``(clock, a, b, peer, plan, src_alloc, dst_alloc,
     dst_arena)``."""
     spec = kv_spec()
     clock = FakeClock()
@@ -756,9 +756,9 @@ def test_failure_paths_with_a_second_process(name, backend_workers, backend_fact
     """One victim worker per engine, as receiver; this process sends real plans (leases on both sides).
 
     1. F11: while the (paused) peer has not finished, the handle is pending and the plan's lease stays;
-       multi-part on Mooncake (chunks of 2), every part must end before the plan does.
+       multi-part on Mooncake (chunks of 2), every part must finish before the plan does.
     2. deadline: a paused peer -> TransferTimeout at the deadline, handle failed; the plan fails and its lease
-       ends once the engine let go of every part (Mooncake: after the peer resumes).
+       is released once the engine let go of every part (Mooncake: after the peer resumes).
     3. forget while pending -> plan aborted (once the engine let go), lease released; forget is idempotent.
     4. peer backend closed (process alive) -> TransferError (not a timeout), plan failed.
     5. F12: peer killed mid-transfer -> TransferError within the deadline, plan failed.
@@ -789,7 +789,7 @@ def test_failure_paths_with_a_second_process(name, backend_workers, backend_fact
         return brute_apply(w.run(W + "kv_arena_bytes"), layout.arena_base_ptr, src_bytes, src_arena.base_ptr,
                            plan.descriptors())
 
-    # 1. pending holds the lease until every part ends
+    # 1. pending holds the lease until every part finishes
     peer = fresh_peer()
     plan = new_plan("f-1")
     submitted = a.stats()["handles_submitted"]
@@ -820,7 +820,7 @@ def test_failure_paths_with_a_second_process(name, backend_workers, backend_fact
     assert w.run(W + "kv_finish_half", "f-1") == 0
 
     # 2. deadline on a stalled peer: wait raises TransferTimeout, the outcome is not known (F24): the handle is in
-    #    doubt and the plan keeps its lease until the engine reports every part ended, then ends as the engine says
+    #    doubt and the plan keeps its lease until the engine reports every part finished, then finishes as the engine says
     #    (Note [Deadlines and in-flight parts])
     peer = fresh_peer()
     plan = new_plan("f-2")
@@ -838,7 +838,7 @@ def test_failure_paths_with_a_second_process(name, backend_workers, backend_fact
         w.resume()
     assert a.drain(h, DEADLINE_S) and not h.draining
     assert h.state in ("done", "failed") and plan.state == h.state and src_alloc.leases_active() == 0
-    assert w.run(W + "kv_finish_half", "f-2", h.state == "done") == 0  # the receiver lets go after the plan ended
+    assert w.run(W + "kv_finish_half", "f-2", h.state == "done") == 0  # the receiver lets go after the plan finished
 
     # 3. forget while pending aborts the plan (once the engine let go of it)
     peer = fresh_peer()
@@ -866,7 +866,7 @@ def test_failure_paths_with_a_second_process(name, backend_workers, backend_fact
     h = a.submit(plan, peer)
     with pytest.raises(TransferError) as e:
         a.wait(h, DEADLINE_S)
-    assert not isinstance(e.value, TransferTimeout)  # the closed peer ended it, not the deadline
+    assert not isinstance(e.value, TransferTimeout)  # the closed peer failed it, not the deadline
     assert plan.state == "failed" and src_alloc.leases_active() == 0
     a.forget(h)
     a.disconnect(peer)
@@ -886,7 +886,7 @@ def test_failure_paths_with_a_second_process(name, backend_workers, backend_fact
     for hh in (h, h2):
         with pytest.raises(TransferError) as e:
             a.wait(hh, DEADLINE_S)
-        assert not isinstance(e.value, TransferTimeout)  # the dead peer ended it, not the deadline
+        assert not isinstance(e.value, TransferTimeout)  # the dead peer failed it, not the deadline
         a.forget(hh)
     assert plan.state == "failed" and src_alloc.leases_active() == 0
     if name == "mooncake":  # the plan's failed chunk found the peer dead: the queued batch is never posted
@@ -997,10 +997,10 @@ def test_mooncake_refused_reset_keeps_its_peers_usable(backend_workers, backend_
 @pytest.mark.parametrize("name", ENGINE_PARAMS)
 def test_plan_in_flight_on_one_backend_is_refused_by_another(name, backend_workers, backend_factory):
     """F11 across backends: a plan pending (or draining) on backend ``a`` must not be submitted on backend ``b``
-    too — whichever handle ended first would end the plan and release its leases while the other engine still
+    too — whichever handle finished first would finish the plan and release its leases while the other engine still
     reads its pages. (Only ``a``'s own handles used to be checked.) Submitted and not yet polled, the plan is
     in flight whatever the engine did meanwhile; the forgotten-while-in-doubt case needs the engine to still
-    hold the transfer at a deadline, and an attempt in which the engine ended it first anyway is checked for
+    hold the transfer at a deadline, and an attempt in which the engine finished it first anyway is checked for
     its outcome and tried again."""
     w = worker(backend_workers, name)
     w.call("reset_backend")
@@ -1038,7 +1038,7 @@ def test_plan_in_flight_on_one_backend_is_refused_by_another(name, backend_worke
         a.disconnect(peer_a)
         b.disconnect(peer_b)
     else:
-        pytest.fail(f"{name}: the engine ended the transfer to a paused receiver before a 0.3 s deadline in all "
+        pytest.fail(f"{name}: the engine finished the transfer to a paused receiver before a 0.3 s deadline in all "
                     f"{F11_ATTEMPTS} attempts: the in-doubt case was never reached")
     try:
         a.forget(h)
@@ -1121,7 +1121,7 @@ def test_replay_child_keeps_the_receiver_half_while_the_engine_holds_a_part(back
         if h.draining:  # the engine still holds the chunk after the child's bounded drain: the report says so
             assert err is not None and getattr(err, "draining", False) is True, err
             assert plan.state == "pending" and src_alloc.leases_active() == 1
-        else:  # the engine ended it within the child's wait and drain (a small chunk can sit in the paused
+        else:  # the engine finished it within the child's wait and drain (a small chunk can sit in the paused
             # peer's socket buffer, seen on a loaded machine): the child reports the engine's outcome
             assert h.state in ("done", "failed") and plan.state == h.state
             assert (err is None) == (h.state == "done") and not getattr(err, "draining", False)
@@ -1151,7 +1151,7 @@ def test_replay_child_keeps_the_receiver_half_while_the_engine_holds_a_part(back
 def test_mooncake_close_while_a_chunk_is_in_the_engine(backend_workers, backend_factory):
     """``close`` with a handle draining on a paused peer returns within about ``close_timeout_s`` and keeps the
     plan's leases (the engine may still read the pages); once the peer resumes, ``drain`` on the closed backend
-    ends the plan and the pages come free; the receiver got every byte."""
+    finishes the plan and the pages come free; the receiver got every byte."""
     name = "mooncake"
     w, src_arena, src_alloc, a, peer = sender_to_worker(backend_workers, backend_factory, name,
                                                         close_timeout_s=0.5)
@@ -1247,9 +1247,9 @@ def test_handles_of_another_backend_are_refused_also_once_forgotten(name, backen
 
 
 @pytest.mark.parametrize("name", BACKEND_PARAMS)
-def test_write_descriptors_with_a_plan_refuses_an_ended_or_expired_plan(name, backend_factory):
+def test_write_descriptors_with_a_plan_refuses_a_finished_or_expired_plan(name, backend_factory):
     """``write_descriptors(..., plan=plan)`` ties the batch to the plan's leases like ``submit`` does: a plan past
-    its lease deadline (LeaseError) or already ended (UmallocValueError) is refused and nothing is sent (local
+    its lease deadline (LeaseError) or already finished (UmallocValueError) is refused and nothing is sent (local
     and NIXL used to copy into pages the lease no longer protected; Mooncake failed the handle instead)."""
     clock, a, b, peer, plan, src_alloc, dst_alloc, dst_arena = _plan_with_a_1s_lease(name, backend_factory, "d-4")
     d = plan.descriptors()
@@ -1415,7 +1415,7 @@ def test_peer_layout_is_checked_once_at_connect(name, backend_factory, monkeypat
 
 @pytest.mark.parametrize("name", BACKEND_PARAMS)
 def test_write_descriptors_refuses_a_plan_that_is_not_a_plan_before_copying(name, backend_factory):
-    """``write_descriptors(d, peer, plan=object())`` used to copy the bytes, then raise AttributeError ending the
+    """``write_descriptors(d, peer, plan=object())`` used to copy the bytes, then raise AttributeError finishing the
     plan and leave the handle open: now a UmallocValueError before any copy, no handle made."""
     a, b, src, dst, peer = connected_pair(backend_factory, name)
     d = np.array([[src.data_ptr(), dst.data_ptr(), 4096]], np.uint64)

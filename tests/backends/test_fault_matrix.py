@@ -212,7 +212,7 @@ def test_F11_same_plan_submitted_twice_is_refused(name, backend_factory):
     h = a.submit(plan, peer)
     t0 = time.monotonic()
     with pytest.raises(UmallocValueError):
-        a.submit(plan, peer)  # in flight, or already ended
+        a.submit(plan, peer)  # in flight, or already finished
     t_err = time.monotonic() - t0
     a.wait(h, DEADLINE_S)
     with pytest.raises(UmallocValueError):
@@ -424,9 +424,9 @@ def test_F24_replay_child_that_does_not_answer_keeps_its_half_until_it_is_confir
     _row("replay child does not answer (receiver half kept)", name, 0, leaked, in_doubt, t_err)
 
 
-@pytest.mark.parametrize("end", ["close", "reset"])
+@pytest.mark.parametrize("stop", ["close", "reset"])
 @pytest.mark.parametrize("name", ALL)
-def test_F24_backend_close_or_reset_settles_the_halves_published_through_it(name, end, backend_factory):
+def test_F24_backend_close_or_reset_settles_the_halves_published_through_it(name, stop, backend_factory):
     """A receiver half published through the receiving backend (``publish_half``) whose sender's report never
     arrives: the transfer lands, the lease deadline passes (in doubt, never reclaimed) and the request's pages
     stay pending after the free; ``disconnect`` proves nothing. ``close()`` / ``reset()`` — the engine released
@@ -465,11 +465,11 @@ def test_F24_backend_close_or_reset_settles_the_halves_published_through_it(name
     a.disconnect(peer)  # the sender forgets the receiver: proves nothing on the receiver's side
     assert lost.lease.state == "in_doubt" and b.published_halves() == 1
     t0 = time.monotonic()
-    b.close() if end == "close" else b.reset()
+    b.close() if stop == "close" else b.reset()
     t_err = time.monotonic() - t0
     assert b.published_halves() == 0 and done.state == "done"
     if b.fences_peer_writes:
-        why = "engine stopped" if end == "close" else "registrations were released"
+        why = "engine stopped" if stop == "close" else "registrations were released"
         assert lost.state == "failed" and isinstance(lost.error, BackendError) and why in str(lost.error)
     else:
         assert name == "nixl" and lost.state == "pending" and lost.lease.state == "in_doubt"
@@ -482,7 +482,7 @@ def test_F24_backend_close_or_reset_settles_the_halves_published_through_it(name
     assert leaked == 0 and dst_alloc.leases_active() == 0
     assert _diff(tbytes(dst_arena.data), wants[1]) == 0  # nothing but the transfers' bytes landed
     dst_alloc.check_invariants()
-    _row(f"receiver backend {end}() with a published half in doubt", name, 0, leaked, in_doubt, t_err)
+    _row(f"receiver backend {stop}() with a published half in doubt", name, 0, leaked, in_doubt, t_err)
 
 
 def _one_process_fault(name, backend_factory, fault: str):
@@ -528,7 +528,7 @@ def _one_process_fault(name, backend_factory, fault: str):
     err = None
     try:
         a.wait(h, DEADLINE_S)
-    except TransferError as e:  # e.g. Mooncake withdrew the queued chunk: its leases ended first (F11)
+    except TransferError as e:  # e.g. Mooncake withdrew the queued chunk: its leases were released first (F11)
         err = e
     assert a.drain(h, DEADLINE_S)
     a.forget(h)
@@ -563,7 +563,7 @@ def test_F12_peer_disconnects_during_wait(name, backend_workers, backend_factory
     of about 14 MiB that the engine holds (NIXL: the target is not progressed, so the first WRITE of the fresh
     connection stalls; Mooncake: the receiver is paused, then resumed right before it closes, with most of the
     bytes still to come): ``wait`` returns within the bound — a TransferError that is not a timeout, or done if
-    the engine finished before the peer went — the source lease ends once the engine let go, no page leaks,
+    the engine finished before the peer went — the source lease is released once the engine let go, no page leaks,
     and every destination byte is either its old value or the transfer's."""
     import threading
 
@@ -631,7 +631,7 @@ def test_F12_peer_disconnects_during_wait(name, backend_workers, backend_factory
 @pytest.mark.parametrize("name", ENGINES)
 def test_F12_receiver_killed_mid_transfer_fails_the_handle_and_settles(name, backend_workers, backend_factory):
     """The receiver (SIGSTOPped, the transfer in the engine) is SIGKILLed: the handle fails with a
-    TransferError within the bound, the source lease settles once the engine reports the part ended, and no
+    TransferError within the bound, the source lease settles once the engine reports the part finished, and no
     page of it was reused meanwhile. Runs last (keep it at the end of the file): it kills the shared worker."""
     clock = FakeClock()
     w, src_arena, src_alloc, a, peer, src_vt, plan, want = _sender(name, backend_workers, backend_factory, clock)

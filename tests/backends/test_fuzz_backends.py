@@ -2,7 +2,7 @@
 
 One world per module: backend ``a`` (the caller under test) with its source arena registered, connected to ``b``
 (the real peer, its destination arena registered) and ``c`` (a peer of the same geometry over another arena), plus
-real plans in every bad state (ended, lease past its deadline, built for another peer) and handles of every kind
+real plans in every bad state (finished, lease past its deadline, built for another peer) and handles of every kind
 (forgotten, another backend's). Each example draws a few calls with at least one bad argument each; every call must
 raise a :mod:`umalloc.errors` type (not AttributeError, KeyError, TypeError, ...), and afterwards nothing may have
 changed: no handle made or left open, no registration, peer, layout or counter changed, no destination byte
@@ -69,8 +69,8 @@ def world():
     def plan(rid: str, **kw):
         return build_plan(rid, allocs["a"], request(allocs["a"]), allocs["b"], request(allocs["b"]), **kw)
 
-    ended = plan("ended")
-    ended.abort()
+    finished = plan("finished")
+    finished.abort()
     expired = plan("expired", deadline_s=1.0)
     for_b = plan("for-b")  # pending and valid for b: submitted only to the wrong peer
     h_a = a.write_descriptors(np.array([[src, dst, 64]], np.uint64), peer_b)
@@ -79,7 +79,7 @@ def world():
     clock.now = 5.0  # ``expired`` is past its deadline from here on (no allocator call is made below)
     good_md = json.loads(b.metadata())
     yield {"a": a, "b": b, "c": c, "peers": [peer_b, peer_c], "peer_b": peer_b, "peer_c": peer_c,
-           "arenas": arenas, "src": src, "dst": dst, "ended": ended, "expired": expired, "for_b": for_b,
+           "arenas": arenas, "src": src, "dst": dst, "finished": finished, "expired": expired, "for_b": for_b,
            "h_a": h_a, "h_b": h_b, "md": good_md, "registered": arenas["a"].regions()[0]}
     for p in (expired, for_b):
         p.abort()
@@ -191,7 +191,7 @@ def bad_peers(w):
 
 
 class DuckPlan:
-    """A plan by its members (PlanLike) whose ``descriptors()`` returns ``junk``; it must never be ended."""
+    """A plan by its members (PlanLike) whose ``descriptors()`` returns ``junk``; it must never be finished."""
 
     state = "pending"
     src_lease = dst_lease = None
@@ -203,7 +203,7 @@ class DuckPlan:
         return self.junk
 
     def complete(self, *exc: object) -> bool:
-        raise AssertionError("a refused plan was ended")
+        raise AssertionError("a refused plan was finished")
 
     fail = abort = complete
 
@@ -212,7 +212,7 @@ def calls(w):
     """``(label, thunk)`` pairs: every thunk must raise a umalloc error and change nothing."""
     a = w["a"]
     good_d = np.array([[w["src"], w["dst"], 64]], np.uint64)
-    bad_plans = st.one_of(st.sampled_from([w["ended"], w["expired"]]), json_junk.filter(lambda v: v is not None),
+    bad_plans = st.one_of(st.sampled_from([w["finished"], w["expired"]]), json_junk.filter(lambda v: v is not None),
                           st.just(object()))
     return st.one_of(
         bad_regions(w).map(lambda r: ("register", lambda: a.register(r))),

@@ -1,7 +1,7 @@
 """F12: a receiver that only *waits* on its published half learns that the sender died. The
 sender (a worker process) is SIGKILLed right after it submitted; ``wait_half`` (which checks the sender's liveness
 on every poll, Note [Published half liveness]) raises PeerDiedError, the half fails and, the process being gone,
-its lease ends (settled or released: pages free). Every engine runs for real (UCX on loopback, Mooncake over TCP)."""
+its lease lets go of its pages (settled or released: pages free). Every engine runs for real (UCX on loopback, Mooncake over TCP)."""
 
 from __future__ import annotations
 

@@ -201,7 +201,7 @@ def _seq_vtokens(ctx: Ctx) -> torch.Tensor:
 
 
 def _fresh_half(ctx: Ctx) -> ReceiverHalf:
-    """A receiver half over the live pages whose lease ends at once (a copy of its dict stays valid input)."""
+    """A receiver half over the live pages whose lease is released at once (a copy of its dict stays valid input)."""
     half = build_receiver_half("h", ctx.halloc, _seq_vtokens(ctx))
     half.abort()
     return half

@@ -38,7 +38,7 @@ def test_a_leased_destination_is_refused_unless_overwrite() -> None:
     alloc.arena.copy_pages("full", pp[1:], pp[:2], overwrite=True)
     assert firsts(env)[1:4] == [1, 1, 2]
     lease.release()
-    alloc.arena.copy_pages("full", pp[2:], pp[:1])  # the lease ended: page 3 is the caller's again
+    alloc.arena.copy_pages("full", pp[2:], pp[:1])  # the lease was released: page 3 is the caller's again
     assert firsts(env)[3] == 1
 
 

@@ -111,7 +111,7 @@ def test_F27_a_stale_release_never_touches_the_new_owner() -> None:
 
 
 def test_plan_abort_with_a_part_in_the_engine_fails_at_once_and_keeps_the_pages() -> None:
-    """The plan reports its ending at once; its leases wait for the engine (F24, priority 2 of the issue)."""
+    """The plan reports its finish at once; its leases wait for the engine (F24, priority 2 of the issue)."""
     import torch
 
     from umalloc.allocator.facade import MultiEndedAllocator
@@ -166,7 +166,7 @@ def test_receiver_half_published_to_a_peer_stays_in_doubt_until_the_sender_repor
     half.settle()  # the sender's terminal report (or its confirmed death) arrived
     assert half.lease.state == "settled" and dst.stats()["full"].pending_pages == 0
     dst.check_invariants()
-    # an unpublished half keeps today's behaviour: ending it releases the pages at once
+    # an unpublished half keeps today's behaviour: finishing it releases the pages at once
     dvt2 = dst.alloc_extend(one(0), one(6), one(-1))
     half2 = build_receiver_half("r2", dst, {"full": dvt2})
     assert half2.lease.deadline is not None  # a finite default deadline

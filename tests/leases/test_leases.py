@@ -163,7 +163,7 @@ def test_release_of_expired_unreclaimed_lease_counts_as_release() -> None:
     table.check_invariants()
 
 
-def test_end_tagged_ends_a_dead_peers_leases() -> None:
+def test_release_tagged_releases_a_dead_peers_leases() -> None:
     table, _, calls = make_table()
     a = table.pin({"full": [1]}, deadline_s=None, tag="peer-x")
     b = table.pin({"swa": [2]}, deadline_s=None, tag="peer-y")
@@ -216,7 +216,7 @@ class LeaseMachine(RuleBasedStateMachine):
         self.table = LeaseTable(SLOTS, clock=self.clock,
                                 on_unpinned=lambda e, p: self.unpinned.append((e, p.tolist())))
         self.model: dict[int, tuple[dict[str, set[int]], float | None, Lease]] = {}
-        self.ended: list[Lease] = []
+        self.inactive: list[Lease] = []
 
     def counts(self) -> dict[str, list[int]]:
         out = {e: [0] * n for e, n in SLOTS.items()}
@@ -226,10 +226,10 @@ class LeaseMachine(RuleBasedStateMachine):
                     out[e][p] += 1
         return out
 
-    def end_in_model(self, lease_ids: list[int]) -> None:
+    def deactivate_in_model(self, lease_ids: list[int]) -> None:
         before = self.counts()
         for lid in lease_ids:
-            self.ended.append(self.model.pop(lid)[2])
+            self.inactive.append(self.model.pop(lid)[2])
         after = self.counts()
         expect = [(e, [p for p in range(SLOTS[e]) if before[e][p] > 0 and after[e][p] == 0]) for e in SLOTS]
         expect = [(e, ps) for e, ps in expect if ps]
@@ -247,16 +247,16 @@ class LeaseMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.model)
     @rule(data=st.data())
-    def end(self, data) -> None:
+    def release(self, data) -> None:
         lid = data.draw(st.sampled_from(sorted(self.model)))
         lease = self.model[lid][2]
         assert lease.release() is True
-        self.end_in_model([lid])
+        self.deactivate_in_model([lid])
 
-    @precondition(lambda self: self.ended)
+    @precondition(lambda self: self.inactive)
     @rule(data=st.data())
-    def end_again(self, data) -> None:
-        lease = data.draw(st.sampled_from(self.ended))
+    def release_again(self, data) -> None:
+        lease = data.draw(st.sampled_from(self.inactive))
         assert lease.release() is False
         assert self.unpinned == []
 
@@ -266,7 +266,7 @@ class LeaseMachine(RuleBasedStateMachine):
         due = sorted((dl, lid) for lid, (_, dl, _) in self.model.items() if dl is not None and dl <= self.clock.now)
         got = self.table.expire()
         assert [lease.id for lease in got] == [lid for _, lid in due]
-        self.end_in_model([lid for _, lid in due])
+        self.deactivate_in_model([lid for _, lid in due])
         assert all(lease.state == "expired" for lease in got)
 
     @invariant()
@@ -378,7 +378,7 @@ def test_deadline_reclaim_is_counted_logged_and_pages_become_reusable(two_end_al
     model.check()
 
 
-def test_F11_page_freed_under_a_transfer_is_never_reused_or_moved_until_the_lease_ends(three_end_allocator) -> None:
+def test_F11_page_freed_under_a_transfer_is_never_reused_or_moved_until_the_lease_is_released(three_end_allocator) -> None:
     alloc = three_end_allocator(arena_bytes=32 * 12, compaction="eager", debug_checks=True)
     model = ByteModel(alloc)
     reqs = fill(alloc, model)
@@ -434,7 +434,7 @@ def test_F12_held_pages_have_a_deadline_a_dead_peer_releases_them_and_they_count
     alloc.check_invariants()
 
 
-def test_F16_every_terminal_path_ends_the_hold_on_compaction(two_end_allocator) -> None:
+def test_F16_every_terminal_path_lifts_the_hold_on_compaction(two_end_allocator) -> None:
     clock = FakeClock()
     alloc = two_end_allocator(arena_bytes=32 * 16, clock=clock, debug_checks=True)
     model = ByteModel(alloc)

@@ -730,7 +730,7 @@ class LeaseCompactionMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.leases)
     @rule(data=st.data())
-    def end_lease(self, data) -> None:
+    def release_lease(self, data) -> None:
         lease = self.leases.pop(data.draw(st.integers(0, len(self.leases) - 1)))[0]
         lease.release()
         lease.release()  # harmless

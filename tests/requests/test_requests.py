@@ -489,7 +489,7 @@ def test_one_table_per_owner_end_on_an_allocator_with_two_id_owners() -> None:
 
 def test_pages_freed_under_a_lease_stay_pending_and_are_nobody_s_leak(kv_allocator) -> None:
     """Every live page is held by a request or an engine reference; a page a lease pins when its request frees
-    it is pending (not live, not reusable) until the lease ends, and no check calls it a leak."""
+    it is pending (not live, not reusable) until the lease is released, and no check calls it a leak."""
     alloc = kv_allocator(2, 8)
     table = RequestTable(alloc, max_requests=1, max_tokens_per_request=8)
     (s,) = table.new_requests(1).tolist()

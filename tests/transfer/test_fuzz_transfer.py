@@ -1,7 +1,7 @@
 """Fuzzing the transfer layer's public calls with bad inputs (hypothesis).
 
 Every call either succeeds or raises a :mod:`umalloc.errors` type; either way both allocators end as they began
-(snapshot equal, no lease left) once any plan or half that was made is ended. One pair of small allocators is
+(snapshot equal, no lease left) once any plan or half that was made is finished. One pair of small allocators is
 shared by every example (set up once); each example mutates one argument of a good call.
 """
 
@@ -79,7 +79,7 @@ class World:
 
     def assert_as(self, before: list) -> None:
         for (snap_a, n_a), (snap_b, n_b) in zip(before, self.state(), strict=True):
-            assert snapshots_equal(snap_a, snap_b), "a failed or ended call changed an allocator"
+            assert snapshots_equal(snap_a, snap_b), "a failed or finished call changed an allocator"
             assert n_a == n_b, "a lease was left behind"
 
 
@@ -90,7 +90,7 @@ def world() -> World:
 
 def _call(world: World, fn) -> None:
     """Run ``fn``; it must succeed or raise a umalloc error, and leave both allocators as they were (pins
-    included: a plan it made is ended first)."""
+    included: a plan it made is finished first)."""
     before = world.state()
     made = []
     try:
