@@ -1,8 +1,8 @@
 """A successful NIXL replay printed ``lease 3 (tag 'plan-dst:4003') in doubt: released while 1
 engine hold(s) are outstanding``. It was no real in-doubt lease: when the prefill child's arena is short it posts
 nothing, and the replay settled the published receiver half — ``ReceiverHalf.settle`` releases the lease before
-letting go of the publication hold (so that a confirmed end reads ``settled``), and the lease passed through in
-doubt. The replay ends such a half with ``complete()`` (the sender's report: nothing posted), which lets go of
+letting go of the publication hold (so that a confirmed termination reads ``settled``), and the lease passed through in
+doubt. The replay finishes such a half with ``complete()`` (the sender's report: nothing posted), which lets go of
 the hold first; a real in-doubt lease is counted in the report (``leases.in_doubt``) and its table."""
 
 from __future__ import annotations

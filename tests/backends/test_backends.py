@@ -637,7 +637,7 @@ def test_F24_nixl_wait_timeout_on_a_stalled_receiver_is_in_doubt_until_the_write
     """Item 24: a NIXL ``wait`` that times out on a receiver that cannot progress (its process paused: the first
     WRITE of a fresh connection needs the target) does not know the outcome. The handle is ``in_doubt``, the plan
     pending, its source lease active; a second ``wait`` on the still-paused receiver times out again and changes
-    nothing. Once the receiver runs, the request NIXL kept ends DONE: ``wait`` returns, the handle and the plan are
+    nothing. Once the receiver runs, the request NIXL kept finishes DONE: ``wait`` returns, the handle and the plan are
     done, the lease is released, and the receiver holds exactly the bytes the descriptors name (computed here by
     brute force). (The deadline used to release the request and fail the plan — its pages free for reuse — while
     the WRITE still arrived.)"""
