@@ -54,7 +54,7 @@ byte landed when the peer resumed. None of this tells when the engine stopped re
 the destination, so an engine timeout shorter than the lease deadline would prove nothing; umalloc takes the other
 design (Note [Deadlines and in-flight parts] in :mod:`umalloc.backends.handle`):
 
-* only COMPLETED (1) and FAILED (-1) end a descriptor; TIMEOUT keeps it in flight and it is polled on; the
+* only COMPLETED (1) and FAILED (-1) finish a descriptor; TIMEOUT keeps it in flight and it is polled on; the
   spinning batch call is not used at all;
 * a chunk is *in flight* from the moment the sender thread takes it (under the handle's lock, after checking
   that the handle is not cancelled or failed and that the plan's leases still hold) until every id it posted
