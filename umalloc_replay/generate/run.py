@@ -244,7 +244,7 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
         raise UmallocValueError(f"--draft-layers {cfg.draft_layers}: allowed with --draft")
     from umalloc_replay.generate.ngram import DRAFT_METHODS, ngram_continue, reference_ngram
 
-    if cfg.draft_method not in DRAFT_METHODS:
+    if cfg.draft and cfg.draft_method not in DRAFT_METHODS:
         raise UmallocValueError(f"--draft-method {cfg.draft_method!r}: allowed one of {', '.join(DRAFT_METHODS)}")
     ngram = cfg.draft and cfg.draft_method == "ngram"
     if ngram and cfg.draft_layers:
