@@ -149,3 +149,22 @@ def test_an_ngram_run_over_nixl_sends_no_draft_kv() -> None:
     assert check_generate_report(rep) == [] and rep["identical"] == 4
     assert set(rep["bytes_by_vector"]) == {"target"}
     assert rep["acceptance_length"]["pd"] == rep["acceptance_length"]["one_process"]
+
+
+def test_the_command_runs_the_ngram_drafter_and_its_report_names_it(tmp_path) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from umalloc_replay.cli import app
+
+    out = tmp_path / "r.json"
+    res = CliRunner().invoke(app, ["generate", "--model", "qwen3", "--requests", "2", "--draft", "--draft-method",
+                                   "ngram", "--draft-tokens", "2", "--seed", str(SEED), "--report", str(out),
+                                   "--no-progress"], catch_exceptions=False)
+    assert res.exit_code == 0, (res.stdout, res.stderr)
+    rep = json.loads(out.read_text())
+    assert rep["schema"] == "umalloc-generate/4"
+    assert (rep["config"]["draft"], rep["config"]["draft_method"], rep["config"]["draft_layers"]) == (True, "ngram", None)
+    assert rep["acceptance_length"]["pd"] == rep["acceptance_length"]["one_process"]
+    assert "one-process speculative vs target only" in res.stdout and "speed-up" in res.stdout

@@ -14,7 +14,7 @@ Policy:
 * The drafter has no model and no KV: with it a run's arenas have no ``draft`` end and the plan no ``draft``
   vector. Its proposals are a function of the tokens alone, so once the speculative run's tokens equal the
   greedy reference, every round's acceptance is fixed too (the longest common prefix of the proposal and the
-  reference's next tokens): :func:`predicted_rounds` computes it from the reference tokens, without the model.
+  reference's next tokens), and the acceptance-length check cannot fail while the token check passes.
 
 Threading: an index belongs to one request on one thread. Units: tokens.
 """
@@ -119,22 +119,5 @@ def reference_ngram(model: Any, geo: Any, prompt: list[int], num_new_tokens: int
                           draft_tokens)
 
 
-def predicted_rounds(prompt: list[int], tokens: list[int], draft_tokens: int) -> list[int]:
-    """Drafts accepted per round of an n-gram speculative run whose output is ``tokens`` (the greedy
-    reference, its first token the prefill's): each round's proposal is accepted as far as it equals the next
-    tokens of ``tokens`` (module docstring). No model. O(len(tokens) * (NGRAM_MAX_N + draft_tokens))."""
-    index = NgramIndex([*prompt, tokens[0]])
-    pos, out = 1, []
-    while pos < len(tokens):
-        props = index.propose(min(draft_tokens, len(tokens) - pos))
-        n_acc = 0
-        while n_acc < len(props) and props[n_acc] == tokens[pos + n_acc]:
-            n_acc += 1
-        out.append(n_acc)
-        index.extend(tokens[pos: pos + n_acc + 1])
-        pos += n_acc + 1
-    return out
-
-
 __all__ = ["DRAFT_METHODS", "NGRAM_MAX_N", "NGRAM_MIN_N", "NgramIndex", "NgramProposer", "ngram_continue",
-           "predicted_rounds", "reference_ngram"]
+           "reference_ngram"]

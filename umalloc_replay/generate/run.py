@@ -466,7 +466,7 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
                    "token_scale": cfg.token_scale, "output_scale": cfg.output_scale, "page_size": cfg.page_size,
                    "max_batch": cfg.max_batch, "seed": cfg.seed, "draft": cfg.draft,
                    "draft_tokens": cfg.draft_tokens if cfg.draft else None,
-                   "draft_layers": cfg.draft_layers if cfg.draft else None,
+                   "draft_layers": cfg.draft_layers if drafter is not None else None,
                    "draft_method": cfg.draft_method if cfg.draft else None, "compaction": cfg.compaction,
                    "decode": cfg.decode},
         "decode": cfg.decode,
