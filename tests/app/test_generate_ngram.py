@@ -125,6 +125,9 @@ def test_an_ngram_run_equals_greedy_and_its_acceptance_length_the_one_process_ru
     console.print(generate_table(rep))
     text = console.export_text()
     assert "ngram: " in text and "no draft KV (n-gram drafter)" in text
+    broken = dict(rep, acceptance_length=dict(al, differing=[rep["per_request"][0]["request"]]))
+    assert any("the target KV received changed the target's verification" in p
+               for p in check_generate_report(broken))
 
 
 def test_a_target_kv_with_two_heads_swapped_is_caught_by_the_token_check() -> None:

@@ -1,5 +1,6 @@
-"""The driver of ``umalloc generate``: a trace slice through a random-weight model, its KV moved from a prefill
-side to a decode side on umalloc pages, every request's tokens compared with one process.
+"""The driver of ``umalloc generate``: a trace slice through a transformers model (a tiny random-weight one, or
+SmolLM2-135M's real weights), its KV moved from a prefill side to a decode side on umalloc pages, every request's
+tokens compared with one process.
 
 Policy:
 
