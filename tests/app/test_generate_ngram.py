@@ -53,7 +53,7 @@ def brute_rounds(context: list[int], tokens: list[int], draft_tokens: int) -> li
     return out
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300, deadline=None, derandomize=True)  # the same examples every run
 @given(tokens=st.lists(st.integers(0, 3), max_size=40), chunks=st.lists(st.integers(1, 5), max_size=12),
        k=st.integers(0, 6), sizes=st.sampled_from([(3, 1), (2, 1), (1, 1), (4, 2), (3, 3)]))
 def test_the_proposer_equals_a_brute_force_scan_as_the_context_grows(tokens: list[int], chunks: list[int], k: int,
