@@ -2,33 +2,35 @@
 
 At page size 1 every token is a page, so a pool that kept umalloc's per-page tables (states, ``v2p``/``p2v``,
 bitmaps, band counters: :class:`~umalloc.integrations.sglang.pools.SlotPool`) would do that bookkeeping for
-every token. :class:`TokenSlotPool` keeps two vectors instead:
+every token. :class:`TokenSlotPool` keeps three vectors instead:
 
-* ``ring``: int64 ``(num_slots,)``, the free slots in the order they are handed out (a ring buffer: ``alloc``
-  takes from its head, ``free`` appends at its tail), the order of SGLang's ``TokenToKVPoolAllocator`` without
-  ``need_sort``: slots ``1 .. num_slots`` first, then freed slots oldest first;
-* ``live``: int8 ``(num_slots + 1,)``, 1 for a slot handed out and not freed (slot 0, SGLang's padded dummy
-  slot, is never live and never handed out).
+* ``log``: int64, an append-only log of free slots. Position ``base + j`` of the log (a global position, counted
+  from the pool's creation) is ``log[j]``; the free slots are the positions ``[head, tail)``, in the order they
+  are handed out: ``alloc`` moves ``head`` forward and returns the slots it passed as a view of the log, ``free``
+  appends at ``tail``. That is the order of SGLang's ``TokenToKVPoolAllocator`` without ``need_sort``: slots
+  ``1 .. num_slots`` first, then freed slots oldest first.
+* ``pos``: int64 ``(num_slots + 1,)``, the global position slot ``s`` was last appended at. Slot ``s`` is free iff
+  ``pos[s] >= head`` and live (handed out, not freed) iff ``pos[s] < head``: the liveness check of every free
+  reads one entry, and ``alloc`` writes none.
+* ``stamp``: int64 ``(num_slots + 1,)``, the epoch of the last free call that named the slot (a repeat within one
+  call is recognised by it).
 
-One numba pass per call (Note [Token pool kernels]); the misuse :class:`SlotPool` refuses is refused the same way
-(typed errors, nothing changed): a slot out of ``[1, num_slots]`` or slot 0 (``InvalidIdError``), a slot freed
-twice or never handed out (``DoubleFreeError``); one slot named twice in one call is freed once, as
-:class:`SlotPool` does.
-
-Note [Token pool kernels]
+An ``alloc`` is O(1): no numba call, no per-slot write. A ``free`` is one numba pass (Note [Token pool kernels]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
-``k_take(ring, head_count, live, k, out, at)`` copies ``k`` slots from the ring's head into ``out[at:]``, marked live;
-``k_give(ring, head_count, live, stamp, ids)`` frees in one pass: each live id is cleared, stamped with this call's
-epoch and appended at the ring's tail; an id that is not live but carries this call's stamp is a repeat and is
-skipped; any other id is refused, and the slots this call cleared are made live again (the ring's count is only
-raised at the end, so the entries written past the tail are dead). ``head_count`` is int64 ``[head, count,
-epoch]``; ``stamp`` int64 ``(num_slots + 1,)``.
+``k_give(log, base, tail, pos, stamp, ids, head, epoch)`` frees in two passes. The check pass, per id: out of
+range is refused; a slot already stamped with this call's ``epoch`` is a repeat and skipped; a slot that is not
+live (``pos >= head``) is refused; else it is stamped. Nothing but stamps is written before the check pass ends,
+and a stamp of a refused call is never read again (every call has a new epoch), so a refused call changes
+nothing. The append pass writes each stamped live slot at global position ``tail + c`` (``log[tail - base + c]``)
+and sets its ``pos`` to that position, so a repeat, no longer live, is skipped again.
 
-Note [Output buffers]
+Note [Write-once log]
 ~~~~~~~~~~~~~~~~~~~~~
-``alloc_tokens`` writes its ids into the next unused stretch of an output buffer and returns a tensor view of it;
-a buffer is only ever written once per position, and a full one is replaced by a fresh one (the old one lives as
-long as some returned ids view it). So returned ids never change, and a call costs one slice, not an allocation.
+A log position is written once: ``tail`` only moves forward in a buffer. When a free would run past the buffer's
+end, the free positions ``[head, tail)`` are copied to the start of a fresh buffer (``base`` becomes ``head``;
+positions stay global, so ``pos`` is unchanged); the old buffer lives as long as some returned ids view it. So
+returned ids never change, and an ``alloc`` costs one slice. A buffer holds ``2 * num_slots`` positions (at least
+4,096), so a copy of at most ``num_slots`` entries comes at most once per ``num_slots`` appended: O(1) amortised.
 Deferred frees of a group are copied into one growing buffer and freed from it in one pass at the group's end.
 
 Threading: one scheduler thread, as SGLang's allocators.
@@ -43,71 +45,37 @@ import torch
 from umalloc.errors import DoubleFreeError, InvalidIdError, InvariantError, UmallocValueError
 from umalloc.ids import check_id_tensor
 
-_HEAD, _COUNT, _EPOCH = 0, 1, 2
-#: slots per output buffer (Note [Output buffers]): 512 KiB
-_OUT_SLOTS = 1 << 16
+#: the least log buffer (Note [Write-once log]), in positions
+_MIN_LOG = 4096
 
 
 @numba.njit(cache=True, nogil=True)
-def k_take(ring: np.ndarray, head_count: np.ndarray, live: np.ndarray, k: int, out: np.ndarray,
-           at: int) -> None:  # pragma: no cover - numba
-    """``k`` slots from the ring's head into ``out[at:at + k]``, marked live (the caller checked ``k <= count`` and
-    the room in ``out``)."""
-    cap = ring.shape[0]
-    h = head_count[_HEAD]
-    for i in range(k):
-        s = ring[h]
-        out[at + i] = s
-        live[s] = 1
-        h += 1
-        if h == cap:
-            h = 0
-    head_count[_HEAD] = h
-    head_count[_COUNT] -= k
-
-
-@numba.njit(cache=True, nogil=True)
-def k_give(ring: np.ndarray, head_count: np.ndarray, live: np.ndarray, stamp: np.ndarray,
-           ids: np.ndarray) -> int:  # pragma: no cover - numba
-    """Free ``ids`` (Note [Token pool kernels]). Returns the slots freed (``>= 0``), else ``-1 - (2 * i + code)``
-    for the first bad ``ids[i]`` (code 0: out of range or slot 0, code 1: not live) with nothing changed."""
+def k_give(log: np.ndarray, base: int, tail: int, pos: np.ndarray, stamp: np.ndarray, ids: np.ndarray,
+           head: int, epoch: int) -> int:  # pragma: no cover - numba
+    """Free ``ids`` (Note [Token pool kernels]); the caller made room for ``ids.shape[0]`` appends. Returns the
+    slots freed (``>= 0``), else ``-1 - (2 * i + code)`` for the first bad ``ids[i]`` (code 0: out of range or
+    slot 0, code 1: not live) with nothing changed."""
     n = ids.shape[0]
-    top = live.shape[0]
-    cap = ring.shape[0]
-    head_count[_EPOCH] += 1
-    epoch = head_count[_EPOCH]
-    t0 = head_count[_HEAD] + head_count[_COUNT]
-    if t0 >= cap:
-        t0 -= cap
-    t = t0
-    c = 0
-    bad = -1
+    top = pos.shape[0]
     for i in range(n):
         s = ids[i]
         if s < 1 or s >= top:
-            bad = 2 * i
-            break
-        if live[s] == 1:
-            live[s] = 0
-            stamp[s] = epoch
-            ring[t] = s
-            t += 1
-            if t == cap:
-                t = 0
-            c += 1
-        elif stamp[s] != epoch:
-            bad = 2 * i + 1
-            break
-    if bad < 0:
-        head_count[_COUNT] += c
-        return c
-    t = t0                      # undo: the slots this call freed are live again; the ring's count never moved
-    for _ in range(c):
-        live[ring[t]] = 1
-        t += 1
-        if t == cap:
-            t = 0
-    return -1 - bad
+            return -1 - 2 * i
+        if stamp[s] == epoch:
+            continue
+        if pos[s] >= head:
+            return -2 - 2 * i
+        stamp[s] = epoch
+    j = tail - base
+    g = tail
+    for i in range(n):
+        s = ids[i]
+        if pos[s] < head:
+            log[j] = s
+            pos[s] = g
+            j += 1
+            g += 1
+    return g - tail
 
 
 def _count(value: object, name: str, lo: int) -> int:
@@ -127,8 +95,10 @@ class TokenSlotPool:
     Raises:
         UmallocValueError: bad ``num_slots``.
 
-    Memory: 17 bytes per slot. Every call is O(its ids) in one numba pass, except :meth:`free_page_ids` and
-    :meth:`check_invariants` (O(num_slots)).
+    Memory: 32 bytes per slot on the host (a log of ``2 * num_slots`` positions, ``pos``, ``stamp``), plus the
+    log buffers that returned ids still view. :meth:`alloc_tokens` is O(1); a free is O(its ids) in one numba
+    pass (O(num_slots) when it starts a fresh log buffer, at most once per ``num_slots`` frees);
+    :meth:`free_page_ids`, :meth:`clear` and :meth:`check_invariants` are O(num_slots).
 
     >>> pool = TokenSlotPool(5)
     >>> pool.alloc_tokens(3).tolist(), pool.available_tokens()
@@ -144,17 +114,13 @@ class TokenSlotPool:
         self.num_pages = _count(num_slots, "num_slots", 1)
         self.device = torch.device(device)
         self._on_host = self.device.type == "cpu"
-        self._ring = np.empty(self.num_pages, np.int64)
-        self._live = np.zeros(self.num_pages + 1, np.int8)
-        self._hc = np.zeros(3, np.int64)
+        self._log_len = max(2 * self.num_pages, _MIN_LOG)
+        self._pos = np.empty(self.num_pages + 1, np.int64)
         self._stamp = np.zeros(self.num_pages + 1, np.int64)
+        self._epoch = 0            # the last free call's epoch (never reused, so stamps of earlier calls are stale)
         self._group_open = False
         self._group_n = 0
         self._group_buf = np.empty(1024, np.int64)
-        self._out_pos = 0
-        self._out = np.empty(0, np.int64)
-        self._out_t = torch.from_numpy(self._out)
-        self._new_out(0)
         self.clear()
 
     # ---- capacity --------------------------------------------------------------------------------------
@@ -166,7 +132,7 @@ class TokenSlotPool:
 
     def free_page_ids(self) -> torch.Tensor:
         """Free slots, ascending: a new CPU int64 tensor. O(num_slots)."""
-        return torch.from_numpy(np.flatnonzero(self._live[1:] == 0) + 1)
+        return torch.from_numpy(np.flatnonzero(self._pos[1:] >= self._head) + 1)
 
     def live_pages(self) -> int:
         """Slots handed out and not freed. O(1)."""
@@ -174,10 +140,11 @@ class TokenSlotPool:
 
     # ---- allocation ------------------------------------------------------------------------------------
     def alloc_tokens(self, need_size: int) -> torch.Tensor | None:
-        """``need_size`` free slots in ring order (module docstring).
+        """``need_size`` free slots in log order (module docstring).
 
         Returns:
-            int64 ``(need_size,)`` on ``device`` (a new tensor), or ``None`` (nothing changed) if fewer are free.
+            int64 ``(need_size,)`` on ``device``, or ``None`` (nothing changed) if fewer are free. On the CPU a view
+            of the write-once log (Note [Write-once log]): it never changes. O(1).
         Raises:
             UmallocValueError: ``need_size`` not an int >= 0.
         """
@@ -185,21 +152,19 @@ class TokenSlotPool:
             _count(need_size, "need_size", 0)
         if need_size > self._free:
             return None
-        pos = self._out_pos
-        if pos + need_size > self._out.shape[0]:
-            self._new_out(need_size)
-            pos = 0
-        self._out_pos = pos + need_size
-        k_take(self._ring, self._hc, self._live, need_size, self._out, pos)
+        j = self._head - self._base
+        self._head += need_size
         self._free -= need_size
-        ids = self._out_t[pos:pos + need_size]
+        ids = self._log_t[j:j + need_size]
         return ids if self._on_host else ids.to(self.device, non_blocking=True)
 
-    def _new_out(self, at_least: int) -> None:
-        """A fresh output buffer (Note [Output buffers]); the old one lives on in the ids handed out of it."""
-        self._out = np.empty(max(_OUT_SLOTS, at_least), np.int64)
-        self._out_t = torch.from_numpy(self._out)
-        self._out_pos = 0
+    def _new_log(self, room: int) -> None:
+        """Move the free positions ``[head, tail)`` to the start of a fresh buffer with ``room`` more after them
+        (Note [Write-once log]); the old buffer lives on in the ids that view it."""
+        count = self._tail - self._head
+        log = np.empty(max(self._log_len, count + room), np.int64)
+        log[:count] = self._log[self._head - self._base:self._tail - self._base]
+        self._log, self._log_t, self._base = log, torch.from_numpy(log), self._head
 
     # ---- free ------------------------------------------------------------------------------------------
     @staticmethod
@@ -212,16 +177,21 @@ class TokenSlotPool:
         return ids.to("cpu", torch.int64).reshape(-1).numpy()
 
     def _give(self, ids: np.ndarray, name: str) -> None:
-        r = k_give(self._ring, self._hc, self._live, self._stamp, ids)
+        n = ids.shape[0]
+        if self._tail - self._base + n > self._log.shape[0]:
+            self._new_log(n)
+        self._epoch += 1
+        r = k_give(self._log, self._base, self._tail, self._pos, self._stamp, ids, self._head, self._epoch)
         if r >= 0:
+            self._tail += r
             self._free += r
-        else:
-            i, code = divmod(-1 - r, 2)
-            if code == 0:
-                raise InvalidIdError(f"{name}[{i}]={int(ids[i])}: allowed a slot in [1, {self.num_pages}]; nothing "
-                                     f"changed")
-            raise DoubleFreeError(f"{name}[{i}]={int(ids[i])}: the slot is not allocated (freed already or never "
-                                  f"handed out); nothing changed")
+            return
+        i, code = divmod(-1 - r, 2)
+        if code == 0:
+            raise InvalidIdError(f"{name}[{i}]={int(ids[i])}: allowed a slot in [1, {self.num_pages}]; nothing "
+                                 f"changed")
+        raise DoubleFreeError(f"{name}[{i}]={int(ids[i])}: the slot is not allocated (freed already or never "
+                              f"handed out); nothing changed")
 
     def free_tokens(self, free_index: torch.Tensor) -> None:
         """Free these slots (a slot named twice is freed once; deferred inside a group).
@@ -284,31 +254,39 @@ class TokenSlotPool:
         return self._group_open
 
     def clear(self) -> None:
-        """Every slot free (ring order ``1 .. num_slots`` again), no group open. O(num_slots)."""
-        self._ring[:] = np.arange(1, self.num_pages + 1, dtype=np.int64)
-        self._live[:] = 0
-        self._hc[:] = (0, self.num_pages, self._hc[_EPOCH])
-        self._free = self.num_pages      # the ring's count, mirrored as a Python int for the O(1) queries
+        """Every slot free (log order ``1 .. num_slots`` again, in a fresh log buffer), no group open.
+        O(num_slots)."""
+        n = self.num_pages
+        self._log = np.empty(self._log_len, np.int64)
+        self._log[:n] = np.arange(1, n + 1, dtype=np.int64)
+        self._log_t = torch.from_numpy(self._log)
+        self._base = self._head = 0
+        self._tail = n
+        self._pos[1:] = np.arange(n, dtype=np.int64)     # slot s at position s - 1
+        self._pos[0] = 1 << 62                           # slot 0: never live (its position is never reached)
+        self._free = n
         self._group_open = False
 
     def check_invariants(self) -> None:
-        """The free slots in the ring and the live slots partition ``1 .. num_slots``; slot 0 is never live.
+        """The free positions ``[head, tail)`` of the log hold each free slot once, at the position ``pos`` names;
+        every other slot is live (``pos < head``); slot 0 is never live.
 
         Raises:
             InvariantError: the first broken one. O(num_slots).
         """
-        h, c = int(self._hc[_HEAD]), int(self._hc[_COUNT])
-        if c != self._free:
-            raise InvariantError(f"token pool: the ring holds {c} free slots, the count says {self._free}")
-        free = np.roll(self._ring, -h)[:c]
-        seen = np.zeros(self.num_pages + 1, np.int8)
-        if c and (int(free.min()) < 1 or int(free.max()) > self.num_pages):
+        h, t, b = self._head, self._tail, self._base
+        if not b <= h <= t <= b + self._log.shape[0] or t - h != self._free:
+            raise InvariantError(f"token pool: base {b}, head {h}, tail {t}, buffer {self._log.shape[0]}, "
+                                 f"free count {self._free}")
+        free = self._log[h - b:t - b]
+        if free.shape[0] and (int(free.min()) < 1 or int(free.max()) > self.num_pages):
             raise InvariantError("token pool: a free slot outside [1, num_slots]")
-        np.add.at(seen, free, 1)
-        if self._live[0] != 0 or (seen[1:] > 1).any():
-            raise InvariantError("token pool: slot 0 live, or a slot free twice")
-        if ((seen[1:] == 1) == (self._live[1:] == 1)).any() or not np.isin(self._live, (0, 1)).all():
-            raise InvariantError("token pool: a slot is neither free nor live, or both")
+        if (self._pos[free] != np.arange(h, t)).any():
+            raise InvariantError("token pool: a free slot's pos is not its log position (or it is free twice)")
+        if int((self._pos[1:] >= h).sum()) != self._free or int(self._pos[1:].max(initial=-1)) >= t:
+            raise InvariantError("token pool: a slot is free outside the log's free positions")
+        if self._pos[0] < h:
+            raise InvariantError("token pool: slot 0 is live")
 
 
 __all__ = ["TokenSlotPool"]
