@@ -2,7 +2,7 @@
 
 At page size 1 every token is a page, so a pool that kept umalloc's per-page tables (states, ``v2p``/``p2v``,
 bitmaps, band counters: :class:`~umalloc.integrations.sglang.pools.SlotPool`) would do that bookkeeping for
-every token. :class:`TokenSlotPool` keeps three vectors instead:
+every token. :class:`TokenSlotPool` keeps two vectors instead:
 
 * ``log``: int64, an append-only log of free slots. Position ``base + j`` of the log (a global position, counted
   from the pool's creation) is ``log[j]``; the free slots are the positions ``[head, tail)``, in the order they
@@ -12,17 +12,20 @@ every token. :class:`TokenSlotPool` keeps three vectors instead:
 * ``pos``: int64 ``(num_slots + 1,)``, the global position slot ``s`` was last appended at. Slot ``s`` is free iff
   ``pos[s] >= head`` and live (handed out, not freed) iff ``pos[s] < head``: the liveness check of every free
   reads one entry, and ``alloc`` writes none.
-* ``stamp``: int64 ``(num_slots + 1,)``, the epoch of the last free call that named the slot (a repeat within one
-  call is recognised by it).
 
-An ``alloc`` is O(1): no numba call, no per-slot write. A ``free`` is one numba pass (Note [Token pool kernels]
+An ``alloc`` is O(1): no numba call, no per-slot write. A ``free`` is one numba pass (Note [Token pool kernels]).
+The misuse :class:`SlotPool` refuses is refused the same way (typed errors, nothing changed): a slot out of
+``[1, num_slots]`` or slot 0 (``InvalidIdError``), a slot freed twice or never handed out (``DoubleFreeError``);
+one slot named twice in one call is freed once, as :class:`SlotPool` does.
+
+Note [Token pool kernels]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
-``k_give(log, base, tail, pos, stamp, ids, head, epoch)`` frees in two passes. The check pass, per id: out of
-range is refused; a slot already stamped with this call's ``epoch`` is a repeat and skipped; a slot that is not
-live (``pos >= head``) is refused; else it is stamped. Nothing but stamps is written before the check pass ends,
-and a stamp of a refused call is never read again (every call has a new epoch), so a refused call changes
-nothing. The append pass writes each stamped live slot at global position ``tail + c`` (``log[tail - base + c]``)
-and sets its ``pos`` to that position, so a repeat, no longer live, is skipped again.
+``k_give(log, base, tail, pos, ids, head)`` frees in one pass, per id: out of range is refused; a live slot
+(``pos < head``) is appended at global position ``tail + c`` (``log[tail - base + c]``) and its ``pos`` set to
+it; a slot at a position in ``[tail, tail + c)`` was appended by this call (a repeat) and is skipped; any other
+slot (``head <= pos < tail``: free before the call) is refused. A refused call undoes its appends: the ``pos`` of
+each slot it appended goes back below ``head`` (live); the log positions past ``tail`` it wrote are dead (``tail``
+never moved), so nothing changed.
 
 Note [Write-once log]
 ~~~~~~~~~~~~~~~~~~~~~
@@ -50,32 +53,36 @@ _MIN_LOG = 4096
 
 
 @numba.njit(cache=True, nogil=True)
-def k_give(log: np.ndarray, base: int, tail: int, pos: np.ndarray, stamp: np.ndarray, ids: np.ndarray,
-           head: int, epoch: int) -> int:  # pragma: no cover - numba
+def k_give(log: np.ndarray, base: int, tail: int, pos: np.ndarray, ids: np.ndarray,
+           head: int) -> int:  # pragma: no cover - numba
     """Free ``ids`` (Note [Token pool kernels]); the caller made room for ``ids.shape[0]`` appends. Returns the
     slots freed (``>= 0``), else ``-1 - (2 * i + code)`` for the first bad ``ids[i]`` (code 0: out of range or
     slot 0, code 1: not live) with nothing changed."""
     n = ids.shape[0]
     top = pos.shape[0]
+    j = tail - base
+    g = tail
+    bad = -1
     for i in range(n):
         s = ids[i]
         if s < 1 or s >= top:
-            return -1 - 2 * i
-        if stamp[s] == epoch:
-            continue
-        if pos[s] >= head:
-            return -2 - 2 * i
-        stamp[s] = epoch
-    j = tail - base
-    g = tail
-    for i in range(n):
-        s = ids[i]
-        if pos[s] < head:
+            bad = 2 * i
+            break
+        p = pos[s]
+        if p < head:                # live: append
             log[j] = s
             pos[s] = g
             j += 1
             g += 1
-    return g - tail
+        elif p < tail:              # free before this call
+            bad = 2 * i + 1
+            break
+        # else: appended earlier in this call (a repeat)
+    if bad < 0:
+        return g - tail
+    for k in range(tail - base, j):  # undo: the slots this call appended are live again
+        pos[log[k]] = head - 1
+    return -1 - bad
 
 
 def _count(value: object, name: str, lo: int) -> int:
@@ -95,7 +102,7 @@ class TokenSlotPool:
     Raises:
         UmallocValueError: bad ``num_slots``.
 
-    Memory: 32 bytes per slot on the host (a log of ``2 * num_slots`` positions, ``pos``, ``stamp``), plus the
+    Memory: 24 bytes per slot on the host (a log of ``2 * num_slots`` positions and ``pos``), plus the
     log buffers that returned ids still view. :meth:`alloc_tokens` is O(1); a free is O(its ids) in one numba
     pass (O(num_slots) when it starts a fresh log buffer, at most once per ``num_slots`` frees);
     :meth:`free_page_ids`, :meth:`clear` and :meth:`check_invariants` are O(num_slots).
@@ -116,8 +123,6 @@ class TokenSlotPool:
         self._on_host = self.device.type == "cpu"
         self._log_len = max(2 * self.num_pages, _MIN_LOG)
         self._pos = np.empty(self.num_pages + 1, np.int64)
-        self._stamp = np.zeros(self.num_pages + 1, np.int64)
-        self._epoch = 0            # the last free call's epoch (never reused, so stamps of earlier calls are stale)
         self._group_open = False
         self._group_n = 0
         self._group_buf = np.empty(1024, np.int64)
@@ -180,8 +185,7 @@ class TokenSlotPool:
         n = ids.shape[0]
         if self._tail - self._base + n > self._log.shape[0]:
             self._new_log(n)
-        self._epoch += 1
-        r = k_give(self._log, self._base, self._tail, self._pos, self._stamp, ids, self._head, self._epoch)
+        r = k_give(self._log, self._base, self._tail, self._pos, ids, self._head)
         if r >= 0:
             self._tail += r
             self._free += r
