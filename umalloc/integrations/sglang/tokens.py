@@ -7,34 +7,35 @@ every token. :class:`TokenSlotPool` keeps two vectors instead:
 * ``log``: int64, an append-only log of free slots. Position ``base + j`` of the log (a global position, counted
   from the pool's creation) is ``log[j]``; the free slots are the positions ``[head, tail)``, in the order they
   are handed out: ``alloc`` moves ``head`` forward and returns the slots it passed as a view of the log, ``free``
-  appends at ``tail``. That is the order of SGLang's ``TokenToKVPoolAllocator`` without ``need_sort``: slots
+  appends at ``tail``. Inside a free group the frees are appended past ``tail`` (positions ``[tail, end)``:
+  staged, neither live nor free) and ``tail`` moves to ``end`` when the group ends. That is the order of SGLang's ``TokenToKVPoolAllocator`` without ``need_sort``: slots
   ``1 .. num_slots`` first, then freed slots oldest first.
 * ``pos``: int64 ``(num_slots + 1,)``, the global position slot ``s`` was last appended at. Slot ``s`` is free iff
-  ``pos[s] >= head`` and live (handed out, not freed) iff ``pos[s] < head``: the liveness check of every free
-  reads one entry, and ``alloc`` writes none.
+  ``head <= pos[s] < tail``, live (handed out, not freed) iff ``pos[s] < head``, and staged by the open group iff
+  ``pos[s] >= tail``: the liveness check of every free reads one entry, and ``alloc`` writes none.
 
-An ``alloc`` is O(1): no numba call, no per-slot write. A ``free`` is one numba pass (Note [Token pool kernels]).
-The misuse :class:`SlotPool` refuses is refused the same way (typed errors, nothing changed): a slot out of
-``[1, num_slots]`` or slot 0 (``InvalidIdError``), a slot freed twice or never handed out (``DoubleFreeError``);
-one slot named twice in one call is freed once, as :class:`SlotPool` does.
-
-Note [Token pool kernels]
+An ``alloc`` is O(1): no numba call, no per-slot write. A ``free`` is one numba pass (Note [Token pool kernels]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
-``k_give(log, base, tail, pos, ids, head)`` frees in one pass, per id: out of range is refused; a live slot
-(``pos < head``) is appended at global position ``tail + c`` (``log[tail - base + c]``) and its ``pos`` set to
-it; a slot at a position in ``[tail, tail + c)`` was appended by this call (a repeat) and is skipped; any other
-slot (``head <= pos < tail``: free before the call) is refused. A refused call undoes its appends: the ``pos`` of
-each slot it appended goes back below ``head`` (live); the log positions past ``tail`` it wrote are dead (``tail``
-never moved), so nothing changed.
+``k_give(log, base, tail, end, pos, ids, head)`` stages ``ids`` in one pass, per id: out of range is refused; a
+live slot (``pos < head``) is appended at global position ``end + c`` (``log[end - base + c]``) and its ``pos``
+set to it; a slot at or past ``tail`` is staged already (by this call or an earlier one of the open group: a
+repeat) and is skipped; any other slot (``head <= pos < tail``: free) is refused. A refused call unstages
+everything staged since ``tail`` -- this call's appends and the open group's -- by putting each slot's ``pos``
+back below ``head`` (live). The caller commits by moving ``tail`` to ``end + c`` (at once outside a group, at the
+group's end inside one). Log positions past ``tail`` are never handed out, so writing them again after a refused
+call breaks no returned ids (Note [Write-once log]).
+
+A group refused at one of its frees is marked refused: its later frees are dropped unchecked and ``end_group``
+raises the first refusal, so a refused group changes nothing, and the error still comes at ``end_group``.
 
 Note [Write-once log]
 ~~~~~~~~~~~~~~~~~~~~~
-A log position is written once: ``tail`` only moves forward in a buffer. When a free would run past the buffer's
-end, the free positions ``[head, tail)`` are copied to the start of a fresh buffer (``base`` becomes ``head``;
-positions stay global, so ``pos`` is unchanged); the old buffer lives as long as some returned ids view it. So
-returned ids never change, and an ``alloc`` costs one slice. A buffer holds ``2 * num_slots`` positions (at least
-4,096), so a copy of at most ``num_slots`` entries comes at most once per ``num_slots`` appended: O(1) amortised.
-Deferred frees of a group are copied into one growing buffer and freed from it in one pass at the group's end.
+A log position is handed out once: ``head`` and ``tail`` only move forward in a buffer. When a free would run past
+the buffer's end, the positions ``[head, end)`` (free and staged) are copied to the start of a fresh buffer
+(``base`` becomes ``head``; positions stay global, so ``pos`` is unchanged); the old buffer lives as long as some
+returned ids view it. So returned ids never change, and an ``alloc`` costs one slice. A buffer holds
+``2 * num_slots`` positions (at least 4,096), so a copy of at most ``num_slots`` entries comes at most once per
+``num_slots`` appended: O(1) amortised.
 
 Threading: one scheduler thread, as SGLang's allocators.
 """
@@ -53,15 +54,15 @@ _MIN_LOG = 4096
 
 
 @numba.njit(cache=True, nogil=True)
-def k_give(log: np.ndarray, base: int, tail: int, pos: np.ndarray, ids: np.ndarray,
+def k_give(log: np.ndarray, base: int, tail: int, end: int, pos: np.ndarray, ids: np.ndarray,
            head: int) -> int:  # pragma: no cover - numba
-    """Free ``ids`` (Note [Token pool kernels]); the caller made room for ``ids.shape[0]`` appends. Returns the
-    slots freed (``>= 0``), else ``-1 - (2 * i + code)`` for the first bad ``ids[i]`` (code 0: out of range or
-    slot 0, code 1: not live) with nothing changed."""
+    """Stage ``ids`` at ``end`` (Note [Token pool kernels]); the caller made room for ``ids.shape[0]`` appends.
+    Returns the slots staged (``>= 0``), else ``-1 - (2 * i + code)`` for the first bad ``ids[i]`` (code 0: out of
+    range or slot 0, code 1: not live) with everything staged since ``tail`` unstaged."""
     n = ids.shape[0]
     top = pos.shape[0]
-    j = tail - base
-    g = tail
+    j = end - base
+    g = end
     bad = -1
     for i in range(n):
         s = ids[i]
@@ -74,13 +75,13 @@ def k_give(log: np.ndarray, base: int, tail: int, pos: np.ndarray, ids: np.ndarr
             pos[s] = g
             j += 1
             g += 1
-        elif p < tail:              # free before this call
+        elif p < tail:              # free
             bad = 2 * i + 1
             break
-        # else: appended earlier in this call (a repeat)
+        # else: staged already (a repeat)
     if bad < 0:
-        return g - tail
-    for k in range(tail - base, j):  # undo: the slots this call appended are live again
+        return g - end
+    for k in range(tail - base, j):  # unstage: live again
         pos[log[k]] = head - 1
     return -1 - bad
 
@@ -102,10 +103,11 @@ class TokenSlotPool:
     Raises:
         UmallocValueError: bad ``num_slots``.
 
-    Memory: 24 bytes per slot on the host (a log of ``2 * num_slots`` positions and ``pos``), plus the
-    log buffers that returned ids still view. :meth:`alloc_tokens` is O(1); a free is O(its ids) in one numba
-    pass (O(num_slots) when it starts a fresh log buffer, at most once per ``num_slots`` frees);
-    :meth:`free_page_ids`, :meth:`clear` and :meth:`check_invariants` are O(num_slots).
+    Memory: 24 bytes per slot on the host (a log of ``2 * num_slots`` positions and ``pos``), plus the log
+    buffers that returned ids still view. :meth:`alloc_tokens`, :meth:`begin_group` and :meth:`end_group` are
+    O(1) (a refused group: O(its ids)); a free is O(its ids) in one numba pass (O(num_slots) when it starts a
+    fresh log buffer, at most once per ``num_slots`` frees); :meth:`free_page_ids`, :meth:`clear` and
+    :meth:`check_invariants` are O(num_slots).
 
     >>> pool = TokenSlotPool(5)
     >>> pool.alloc_tokens(3).tolist(), pool.available_tokens()
@@ -123,24 +125,28 @@ class TokenSlotPool:
         self._on_host = self.device.type == "cpu"
         self._log_len = max(2 * self.num_pages, _MIN_LOG)
         self._pos = np.empty(self.num_pages + 1, np.int64)
+        self._log = np.empty(0, np.int64)
+        self._log_t = torch.from_numpy(self._log)
+        self._base = self._head = self._tail = self._end = self._free = 0
         self._group_open = False
         self._group_n = 0
-        self._group_buf = np.empty(1024, np.int64)
+        self._group_error: InvalidIdError | None = None
         self.clear()
 
     # ---- capacity --------------------------------------------------------------------------------------
     def available_pages(self) -> int:
-        """Free slots (deferred frees of an open group not counted). O(1)."""
+        """Free slots (frees of an open group not counted). O(1)."""
         return self._free
 
     available_tokens = available_pages
 
     def free_page_ids(self) -> torch.Tensor:
-        """Free slots, ascending: a new CPU int64 tensor. O(num_slots)."""
-        return torch.from_numpy(np.flatnonzero(self._pos[1:] >= self._head) + 1)
+        """Free slots, ascending (frees of an open group not counted): a new CPU int64 tensor. O(num_slots)."""
+        p = self._pos[1:]
+        return torch.from_numpy(np.flatnonzero((p >= self._head) & (p < self._tail)) + 1)
 
     def live_pages(self) -> int:
-        """Slots handed out and not freed. O(1)."""
+        """Slots handed out and not freed (frees of an open group not counted). O(1)."""
         return self.num_pages - self._free
 
     # ---- allocation ------------------------------------------------------------------------------------
@@ -164,14 +170,35 @@ class TokenSlotPool:
         return ids if self._on_host else ids.to(self.device, non_blocking=True)
 
     def _new_log(self, room: int) -> None:
-        """Move the free positions ``[head, tail)`` to the start of a fresh buffer with ``room`` more after them
+        """Move the positions ``[head, end)`` to the start of a fresh buffer with ``room`` more after them
         (Note [Write-once log]); the old buffer lives on in the ids that view it."""
-        count = self._tail - self._head
+        b, count = self._base, self._end - self._head
         log = np.empty(max(self._log_len, count + room), np.int64)
-        log[:count] = self._log[self._head - self._base:self._tail - self._base]
+        log[:count] = self._log[self._head - b:self._end - b]
         self._log, self._log_t, self._base = log, torch.from_numpy(log), self._head
 
     # ---- free ------------------------------------------------------------------------------------------
+    def free_tokens(self, free_index: torch.Tensor) -> None:
+        """Free these slots (a slot named twice is freed once; inside a group they become free at its end).
+
+        Raises:
+            InvalidIdError / DoubleFreeError: slot 0 or out of range, a slot not allocated. Nothing changes. Inside a
+            group the error is raised at :meth:`end_group`.
+        """
+        if (type(free_index) is torch.Tensor and free_index.dtype is torch.int64 and free_index.is_cpu
+                and free_index.dim() == 1):
+            ids = free_index.numpy()
+        else:
+            ids = self._host(free_index, "free_index")
+        if ids.shape[0]:
+            self._give(ids, "free_index")
+
+    def free_pages(self, page_ids: torch.Tensor) -> None:
+        """:meth:`free_tokens` (pages are slots at page size 1)."""
+        ids = self._host(page_ids, "page_ids")
+        if ids.shape[0]:
+            self._give(ids, "page_ids")
+
     @staticmethod
     def _host(ids: torch.Tensor, name: str) -> np.ndarray:
         if type(ids) is torch.Tensor and ids.dtype is torch.int64 and ids.is_cpu and ids.dim() == 1:
@@ -182,75 +209,58 @@ class TokenSlotPool:
         return ids.to("cpu", torch.int64).reshape(-1).numpy()
 
     def _give(self, ids: np.ndarray, name: str) -> None:
+        """Stage ``ids`` (Note [Token pool kernels]); outside a group commit them, else count them for the
+        group's errors. A refusal raises at once outside a group and marks the group refused inside one."""
+        if self._group_error is not None:
+            return
         n = ids.shape[0]
-        if self._tail - self._base + n > self._log.shape[0]:
+        if self._end - self._base + n > self._log.shape[0]:
             self._new_log(n)
-        r = k_give(self._log, self._base, self._tail, self._pos, ids, self._head)
+        r = k_give(self._log, self._base, self._tail, self._end, self._pos, ids, self._head)
         if r >= 0:
-            self._tail += r
-            self._free += r
+            self._end += r
+            if not self._group_open:
+                self._tail = self._end
+                self._free += r
+            else:
+                self._group_n += n
             return
+        self._end = self._tail
         i, code = divmod(-1 - r, 2)
+        where, at = (name, i) if not self._group_open else ("free_group", self._group_n + i)
         if code == 0:
-            raise InvalidIdError(f"{name}[{i}]={int(ids[i])}: allowed a slot in [1, {self.num_pages}]; nothing "
-                                 f"changed")
-        raise DoubleFreeError(f"{name}[{i}]={int(ids[i])}: the slot is not allocated (freed already or never "
-                              f"handed out); nothing changed")
-
-    def free_tokens(self, free_index: torch.Tensor) -> None:
-        """Free these slots (a slot named twice is freed once; deferred inside a group).
-
-        Raises:
-            InvalidIdError / DoubleFreeError: slot 0 or out of range, a slot not allocated. Nothing changes. Inside a
-            group the check runs at :meth:`end_group`.
-        """
-        ids = self._host(free_index, "free_index")
-        if ids.shape[0] == 0:
-            return
-        if self._group_open:
-            self._defer(ids)
-            return
-        self._give(ids, "free_index")
-
-    def free_pages(self, page_ids: torch.Tensor) -> None:
-        """:meth:`free_tokens` (pages are slots at page size 1)."""
-        ids = self._host(page_ids, "page_ids")
-        if ids.shape[0] == 0:
-            return
-        if self._group_open:
-            self._defer(ids)
-            return
-        self._give(ids, "page_ids")
-
-    def _defer(self, ids: np.ndarray) -> None:
-        """Copy ``ids`` into the open group's buffer (doubled when full)."""
-        n, m = self._group_n, ids.shape[0]
-        if n + m > self._group_buf.shape[0]:
-            grown = np.empty(max(2 * self._group_buf.shape[0], n + m), np.int64)
-            grown[:n] = self._group_buf[:n]
-            self._group_buf = grown
-        self._group_buf[n:n + m] = ids
-        self._group_n = n + m
+            err: InvalidIdError = InvalidIdError(
+                f"{where}[{at}]={int(ids[i])}: allowed a slot in [1, {self.num_pages}]; nothing changed")
+        else:
+            err = DoubleFreeError(f"{where}[{at}]={int(ids[i])}: the slot is not allocated (freed already or "
+                                  f"never handed out); nothing changed")
+        if not self._group_open:
+            raise err
+        self._group_error = err
 
     def begin_group(self) -> None:
-        """Defer frees until :meth:`end_group`. Raises UmallocValueError if a group is open (no nesting)."""
+        """Free later frees together at :meth:`end_group`. Raises UmallocValueError if a group is open (no
+        nesting)."""
         if self._group_open:
             raise UmallocValueError("free_group_begin: a free group is already open; allowed: no nesting")
         self._group_open = True
         self._group_n = 0
 
     def end_group(self) -> None:
-        """Free everything deferred since :meth:`begin_group` in one pass (a slot named twice is freed once).
+        """The group's frees become free, in the order they were made (a slot named twice is freed once). O(1).
 
         Raises:
-            UmallocValueError: no group is open. The errors of :meth:`free_tokens`: the group is closed, its frees
-            are dropped and nothing changed.
+            UmallocValueError: no group is open. The first error of the group's frees (:meth:`free_tokens`): the
+            group is closed, its frees are dropped and nothing changed.
         """
         if not self._group_open:
             raise UmallocValueError("free_group_end: no free group is open; allowed after free_group_begin")
         self._group_open = False
-        if self._group_n:
-            self._give(self._group_buf[:self._group_n], "free_group")
+        err, self._group_error = self._group_error, None
+        if err is not None:
+            raise err
+        self._free += self._end - self._tail
+        self._tail = self._end
 
     @property
     def group_open(self) -> bool:
@@ -265,29 +275,32 @@ class TokenSlotPool:
         self._log[:n] = np.arange(1, n + 1, dtype=np.int64)
         self._log_t = torch.from_numpy(self._log)
         self._base = self._head = 0
-        self._tail = n
+        self._tail = self._end = n
         self._pos[1:] = np.arange(n, dtype=np.int64)     # slot s at position s - 1
         self._pos[0] = 1 << 62                           # slot 0: never live (its position is never reached)
         self._free = n
         self._group_open = False
+        self._group_n = 0
+        self._group_error = None
 
     def check_invariants(self) -> None:
-        """The free positions ``[head, tail)`` of the log hold each free slot once, at the position ``pos`` names;
-        every other slot is live (``pos < head``); slot 0 is never live.
+        """The positions ``[head, end)`` of the log hold each free or staged slot once, at the position ``pos``
+        names; every other slot is live (``pos < head``); slot 0 is never live; nothing is staged outside a group.
 
         Raises:
             InvariantError: the first broken one. O(num_slots).
         """
-        h, t, b = self._head, self._tail, self._base
-        if not b <= h <= t <= b + self._log.shape[0] or t - h != self._free:
-            raise InvariantError(f"token pool: base {b}, head {h}, tail {t}, buffer {self._log.shape[0]}, "
-                                 f"free count {self._free}")
-        free = self._log[h - b:t - b]
-        if free.shape[0] and (int(free.min()) < 1 or int(free.max()) > self.num_pages):
+        h, t, e, b = self._head, self._tail, self._end, self._base
+        if (not b <= h <= t <= e <= b + self._log.shape[0] or t - h != self._free
+                or (e != t and not self._group_open)):
+            raise InvariantError(f"token pool: base {b}, head {h}, tail {t}, end {e}, buffer {self._log.shape[0]}, "
+                                 f"free count {self._free}, group open {self._group_open}")
+        held = self._log[h - b:e - b]
+        if held.shape[0] and (int(held.min()) < 1 or int(held.max()) > self.num_pages):
             raise InvariantError("token pool: a free slot outside [1, num_slots]")
-        if (self._pos[free] != np.arange(h, t)).any():
+        if (self._pos[held] != np.arange(h, e)).any():
             raise InvariantError("token pool: a free slot's pos is not its log position (or it is free twice)")
-        if int((self._pos[1:] >= h).sum()) != self._free or int(self._pos[1:].max(initial=-1)) >= t:
+        if int((self._pos[1:] >= h).sum()) != e - h or int(self._pos[1:].max(initial=-1)) >= e:
             raise InvariantError("token pool: a slot is free outside the log's free positions")
         if self._pos[0] < h:
             raise InvariantError("token pool: slot 0 is live")
