@@ -147,8 +147,9 @@ def test_token_pool_group_defers_and_a_bad_group_changes_nothing() -> None:
 
 
 def test_token_pool_matches_a_reference_free_list_on_a_seeded_sequence() -> None:
-    """A plain Python deque (alloc from the front, frees appended in order, a repeat within one call once) as the
-    reference: same ids, same refusals, on random alloc / free / group sequences."""
+    """A plain Python deque (alloc from the front, frees appended in order, a repeat within one call or group
+    once, a group's frees appended at its end, a group with a bad free dropped whole) as the reference: same ids,
+    same refusals, same free set, on random alloc / free / group sequences."""
     import collections
     import random
 
@@ -159,9 +160,11 @@ def test_token_pool_matches_a_reference_free_list_on_a_seeded_sequence() -> None
     n = 40
     pool, ref = TokenSlotPool(n), collections.deque(range(1, n + 1))
     live: list[int] = []
-    for _ in range(400):
+    group: list[int] | None = None     # the open group's frees, in order (None: no group open)
+    group_bad = False
+    for _ in range(4000):   # over 5,000 frees: past the end of the first log buffer (4,096 positions)
         r = rng.random()
-        if r < 0.5:
+        if r < 0.4:
             k = rng.randint(0, 12)
             got = pool.alloc_tokens(k)
             if k > len(ref):
@@ -170,20 +173,41 @@ def test_token_pool_matches_a_reference_free_list_on_a_seeded_sequence() -> None
             want = [ref.popleft() for _ in range(k)]
             assert got is not None and got.tolist() == want, f"seed={seed}"
             live += want
+        elif r < 0.5:
+            if group is None:
+                pool.begin_group()
+                group, group_bad = [], False
+                continue
+            if group_bad:
+                with pytest.raises(DoubleFreeError):
+                    pool.end_group()
+            else:
+                pool.end_group()
+                for s in dict.fromkeys(group):
+                    live.remove(s)
+                    ref.append(s)
+            group = None
+        elif r < 0.52 and ref and group is not None:
+            pool.free_tokens(torch.tensor([ref[0]]))   # a free slot: the whole group is refused at its end
+            group_bad = True
         elif live:
-            pick = rng.sample(live, rng.randint(1, min(6, len(live))))
+            pick = rng.sample(live, rng.randint(1, min(6, len(live))))   # in a group: maybe freed in it already
             ids = pick + pick[:1] if rng.random() < 0.2 else pick
             pool.free_tokens(torch.tensor(ids, dtype=torch.int64))
-            for s in dict.fromkeys(ids):
-                live.remove(s)
-                ref.append(s)
+            if group is not None:
+                group += ids
+            else:
+                for s in dict.fromkeys(ids):
+                    live.remove(s)
+                    ref.append(s)
         assert pool.available_tokens() == len(ref), f"seed={seed}"
-    pool.check_invariants()
+        assert pool.free_page_ids().tolist() == sorted(ref), f"seed={seed}"
+        pool.check_invariants()
 
 
-def test_token_pool_ids_handed_out_never_change_across_output_buffers() -> None:
-    """Ids are views of write-once output buffers: after enough allocations to fill several buffers, every
-    earlier result still holds what it held when returned."""
+def test_token_pool_ids_handed_out_never_change_across_log_buffers() -> None:
+    """Ids are views of the write-once log: after enough frees to fill several log buffers, every earlier result
+    still holds what it held when returned."""
     pool = TokenSlotPool(50_000)
     kept: list[tuple[torch.Tensor, list[int]]] = []
     for i in range(400):

@@ -111,8 +111,16 @@ class UmallocTokenToKVPoolAllocator(_PoolBacked):
     def _new_pool(self) -> SlotPool | TokenSlotPool:
         return TokenSlotPool(self.num_pages, self.device)
 
+    def _make_pool(self) -> None:
+        """:meth:`_PoolBacked._make_pool`, then ``alloc`` and ``free`` bound to the pool's own methods on this
+        instance (the per-request paths: one call frame, not two; same arguments, results and errors)."""
+        super()._make_pool()
+        self.alloc = self.pool.alloc_tokens  # type: ignore[method-assign]
+        self.free = self.pool.free_tokens    # type: ignore[method-assign]
+
     def alloc(self, need_size: int) -> torch.Tensor | None:
-        """``need_size`` free slots, or ``None`` (nothing changed) if fewer are free. O(need_size)."""
+        """``need_size`` free slots, or ``None`` (nothing changed) if fewer are free. O(1): a view of the pool's
+        write-once log (:class:`TokenSlotPool`)."""
         return self.pool.alloc_tokens(need_size)
 
 class UmallocPagedTokenToKVPoolAllocator(_PoolBacked):

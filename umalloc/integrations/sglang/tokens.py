@@ -4,32 +4,38 @@ At page size 1 every token is a page, so a pool that kept umalloc's per-page tab
 bitmaps, band counters: :class:`~umalloc.integrations.sglang.pools.SlotPool`) would do that bookkeeping for
 every token. :class:`TokenSlotPool` keeps two vectors instead:
 
-* ``ring``: int64 ``(num_slots,)``, the free slots in the order they are handed out (a ring buffer: ``alloc``
-  takes from its head, ``free`` appends at its tail), the order of SGLang's ``TokenToKVPoolAllocator`` without
-  ``need_sort``: slots ``1 .. num_slots`` first, then freed slots oldest first;
-* ``live``: int8 ``(num_slots + 1,)``, 1 for a slot handed out and not freed (slot 0, SGLang's padded dummy
-  slot, is never live and never handed out).
+* ``log``: int64, an append-only log of free slots. Position ``base + j`` of the log (a global position, counted
+  from the pool's creation) is ``log[j]``; the free slots are the positions ``[head, tail)``, in the order they
+  are handed out: ``alloc`` moves ``head`` forward and returns the slots it passed as a view of the log, ``free``
+  appends at ``tail``. Inside a free group the frees are appended past ``tail`` (positions ``[tail, end)``:
+  staged, neither live nor free) and ``tail`` moves to ``end`` when the group ends. That is the order of SGLang's ``TokenToKVPoolAllocator`` without ``need_sort``: slots
+  ``1 .. num_slots`` first, then freed slots oldest first.
+* ``pos``: int64 ``(num_slots + 1,)``, the global position slot ``s`` was last appended at. Slot ``s`` is free iff
+  ``head <= pos[s] < tail``, live (handed out, not freed) iff ``pos[s] < head``, and staged by the open group iff
+  ``pos[s] >= tail``: the liveness check of every free reads one entry, and ``alloc`` writes none.
 
-One numba pass per call (Note [Token pool kernels]); the misuse :class:`SlotPool` refuses is refused the same way
-(typed errors, nothing changed): a slot out of ``[1, num_slots]`` or slot 0 (``InvalidIdError``), a slot freed
-twice or never handed out (``DoubleFreeError``); one slot named twice in one call is freed once, as
-:class:`SlotPool` does.
-
-Note [Token pool kernels]
+An ``alloc`` is O(1): no numba call, no per-slot write. A ``free`` is one numba pass (Note [Token pool kernels]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
-``k_take(ring, head_count, live, k, out, at)`` copies ``k`` slots from the ring's head into ``out[at:]``, marked live;
-``k_give(ring, head_count, live, stamp, ids)`` frees in one pass: each live id is cleared, stamped with this call's
-epoch and appended at the ring's tail; an id that is not live but carries this call's stamp is a repeat and is
-skipped; any other id is refused, and the slots this call cleared are made live again (the ring's count is only
-raised at the end, so the entries written past the tail are dead). ``head_count`` is int64 ``[head, count,
-epoch]``; ``stamp`` int64 ``(num_slots + 1,)``.
+``k_give(log, base, tail, end, pos, ids, head)`` stages ``ids`` in one pass, per id: out of range is refused; a
+live slot (``pos < head``) is appended at global position ``end + c`` (``log[end - base + c]``) and its ``pos``
+set to it; a slot at or past ``tail`` is staged already (by this call or an earlier one of the open group: a
+repeat) and is skipped; any other slot (``head <= pos < tail``: free) is refused. A refused call unstages
+everything staged since ``tail`` -- this call's appends and the open group's -- by putting each slot's ``pos``
+back below ``head`` (live). The caller commits by moving ``tail`` to ``end + c`` (at once outside a group, at the
+group's end inside one). Log positions past ``tail`` are never handed out, so writing them again after a refused
+call breaks no returned ids (Note [Write-once log]).
 
-Note [Output buffers]
+A group refused at one of its frees is marked refused: its later frees are dropped unchecked and ``end_group``
+raises the first refusal, so a refused group changes nothing, and the error still comes at ``end_group``.
+
+Note [Write-once log]
 ~~~~~~~~~~~~~~~~~~~~~
-``alloc_tokens`` writes its ids into the next unused stretch of an output buffer and returns a tensor view of it;
-a buffer is only ever written once per position, and a full one is replaced by a fresh one (the old one lives as
-long as some returned ids view it). So returned ids never change, and a call costs one slice, not an allocation.
-Deferred frees of a group are copied into one growing buffer and freed from it in one pass at the group's end.
+A log position is handed out once: ``head`` and ``tail`` only move forward in a buffer. When a free would run past
+the buffer's end, the positions ``[head, end)`` (free and staged) are copied to the start of a fresh buffer
+(``base`` becomes ``head``; positions stay global, so ``pos`` is unchanged); the old buffer lives as long as some
+returned ids view it. So returned ids never change, and an ``alloc`` costs one slice. A buffer holds
+``2 * num_slots`` positions (at least 4,096), so a copy of at most ``num_slots`` entries comes at most once per
+``num_slots`` appended: O(1) amortised.
 
 Threading: one scheduler thread, as SGLang's allocators.
 """
@@ -43,70 +49,40 @@ import torch
 from umalloc.errors import DoubleFreeError, InvalidIdError, InvariantError, UmallocValueError
 from umalloc.ids import check_id_tensor
 
-_HEAD, _COUNT, _EPOCH = 0, 1, 2
-#: slots per output buffer (Note [Output buffers]): 512 KiB
-_OUT_SLOTS = 1 << 16
+#: the least log buffer (Note [Write-once log]), in positions
+_MIN_LOG = 4096
 
 
 @numba.njit(cache=True, nogil=True)
-def k_take(ring: np.ndarray, head_count: np.ndarray, live: np.ndarray, k: int, out: np.ndarray,
-           at: int) -> None:  # pragma: no cover - numba
-    """``k`` slots from the ring's head into ``out[at:at + k]``, marked live (the caller checked ``k <= count`` and
-    the room in ``out``)."""
-    cap = ring.shape[0]
-    h = head_count[_HEAD]
-    for i in range(k):
-        s = ring[h]
-        out[at + i] = s
-        live[s] = 1
-        h += 1
-        if h == cap:
-            h = 0
-    head_count[_HEAD] = h
-    head_count[_COUNT] -= k
-
-
-@numba.njit(cache=True, nogil=True)
-def k_give(ring: np.ndarray, head_count: np.ndarray, live: np.ndarray, stamp: np.ndarray,
-           ids: np.ndarray) -> int:  # pragma: no cover - numba
-    """Free ``ids`` (Note [Token pool kernels]). Returns the slots freed (``>= 0``), else ``-1 - (2 * i + code)``
-    for the first bad ``ids[i]`` (code 0: out of range or slot 0, code 1: not live) with nothing changed."""
+def k_give(log: np.ndarray, base: int, tail: int, end: int, pos: np.ndarray, ids: np.ndarray,
+           head: int) -> int:  # pragma: no cover - numba
+    """Stage ``ids`` at ``end`` (Note [Token pool kernels]); the caller made room for ``ids.shape[0]`` appends.
+    Returns the slots staged (``>= 0``), else ``-1 - (2 * i + code)`` for the first bad ``ids[i]`` (code 0: out of
+    range or slot 0, code 1: not live) with everything staged since ``tail`` unstaged."""
     n = ids.shape[0]
-    top = live.shape[0]
-    cap = ring.shape[0]
-    head_count[_EPOCH] += 1
-    epoch = head_count[_EPOCH]
-    t0 = head_count[_HEAD] + head_count[_COUNT]
-    if t0 >= cap:
-        t0 -= cap
-    t = t0
-    c = 0
+    top = pos.shape[0]
+    j = end - base
+    g = end
     bad = -1
     for i in range(n):
         s = ids[i]
         if s < 1 or s >= top:
             bad = 2 * i
             break
-        if live[s] == 1:
-            live[s] = 0
-            stamp[s] = epoch
-            ring[t] = s
-            t += 1
-            if t == cap:
-                t = 0
-            c += 1
-        elif stamp[s] != epoch:
+        p = pos[s]
+        if p < head:                # live: append
+            log[j] = s
+            pos[s] = g
+            j += 1
+            g += 1
+        elif p < tail:              # free
             bad = 2 * i + 1
             break
+        # else: staged already (a repeat)
     if bad < 0:
-        head_count[_COUNT] += c
-        return c
-    t = t0                      # undo: the slots this call freed are live again; the ring's count never moved
-    for _ in range(c):
-        live[ring[t]] = 1
-        t += 1
-        if t == cap:
-            t = 0
+        return g - end
+    for k in range(tail - base, j):  # unstage: live again
+        pos[log[k]] = head - 1
     return -1 - bad
 
 
@@ -127,8 +103,11 @@ class TokenSlotPool:
     Raises:
         UmallocValueError: bad ``num_slots``.
 
-    Memory: 17 bytes per slot. Every call is O(its ids) in one numba pass, except :meth:`free_page_ids` and
-    :meth:`check_invariants` (O(num_slots)).
+    Memory: 24 bytes per slot on the host (a log of ``2 * num_slots`` positions and ``pos``), plus the log
+    buffers that returned ids still view. :meth:`alloc_tokens`, :meth:`begin_group` and :meth:`end_group` are
+    O(1) (a refused group: O(its ids)); a free is O(its ids) in one numba pass (O(num_slots) when it starts a
+    fresh log buffer, at most once per ``num_slots`` frees); :meth:`free_page_ids`, :meth:`clear` and
+    :meth:`check_invariants` are O(num_slots).
 
     >>> pool = TokenSlotPool(5)
     >>> pool.alloc_tokens(3).tolist(), pool.available_tokens()
@@ -144,40 +123,39 @@ class TokenSlotPool:
         self.num_pages = _count(num_slots, "num_slots", 1)
         self.device = torch.device(device)
         self._on_host = self.device.type == "cpu"
-        self._ring = np.empty(self.num_pages, np.int64)
-        self._live = np.zeros(self.num_pages + 1, np.int8)
-        self._hc = np.zeros(3, np.int64)
-        self._stamp = np.zeros(self.num_pages + 1, np.int64)
+        self._log_len = max(2 * self.num_pages, _MIN_LOG)
+        self._pos = np.empty(self.num_pages + 1, np.int64)
+        self._log = np.empty(0, np.int64)
+        self._log_t = torch.from_numpy(self._log)
+        self._base = self._head = self._tail = self._end = self._free = 0
         self._group_open = False
         self._group_n = 0
-        self._group_buf = np.empty(1024, np.int64)
-        self._out_pos = 0
-        self._out = np.empty(0, np.int64)
-        self._out_t = torch.from_numpy(self._out)
-        self._new_out(0)
+        self._group_error: InvalidIdError | None = None
         self.clear()
 
     # ---- capacity --------------------------------------------------------------------------------------
     def available_pages(self) -> int:
-        """Free slots (deferred frees of an open group not counted). O(1)."""
+        """Free slots (frees of an open group not counted). O(1)."""
         return self._free
 
     available_tokens = available_pages
 
     def free_page_ids(self) -> torch.Tensor:
-        """Free slots, ascending: a new CPU int64 tensor. O(num_slots)."""
-        return torch.from_numpy(np.flatnonzero(self._live[1:] == 0) + 1)
+        """Free slots, ascending (frees of an open group not counted): a new CPU int64 tensor. O(num_slots)."""
+        p = self._pos[1:]
+        return torch.from_numpy(np.flatnonzero((p >= self._head) & (p < self._tail)) + 1)
 
     def live_pages(self) -> int:
-        """Slots handed out and not freed. O(1)."""
+        """Slots handed out and not freed (frees of an open group not counted). O(1)."""
         return self.num_pages - self._free
 
     # ---- allocation ------------------------------------------------------------------------------------
     def alloc_tokens(self, need_size: int) -> torch.Tensor | None:
-        """``need_size`` free slots in ring order (module docstring).
+        """``need_size`` free slots in log order (module docstring).
 
         Returns:
-            int64 ``(need_size,)`` on ``device`` (a new tensor), or ``None`` (nothing changed) if fewer are free.
+            int64 ``(need_size,)`` on ``device``, or ``None`` (nothing changed) if fewer are free. On the CPU a view
+            of the write-once log (Note [Write-once log]): it never changes. O(1).
         Raises:
             UmallocValueError: ``need_size`` not an int >= 0.
         """
@@ -185,23 +163,42 @@ class TokenSlotPool:
             _count(need_size, "need_size", 0)
         if need_size > self._free:
             return None
-        pos = self._out_pos
-        if pos + need_size > self._out.shape[0]:
-            self._new_out(need_size)
-            pos = 0
-        self._out_pos = pos + need_size
-        k_take(self._ring, self._hc, self._live, need_size, self._out, pos)
+        j = self._head - self._base
+        self._head += need_size
         self._free -= need_size
-        ids = self._out_t[pos:pos + need_size]
+        ids = self._log_t[j:j + need_size]
         return ids if self._on_host else ids.to(self.device, non_blocking=True)
 
-    def _new_out(self, at_least: int) -> None:
-        """A fresh output buffer (Note [Output buffers]); the old one lives on in the ids handed out of it."""
-        self._out = np.empty(max(_OUT_SLOTS, at_least), np.int64)
-        self._out_t = torch.from_numpy(self._out)
-        self._out_pos = 0
+    def _new_log(self, room: int) -> None:
+        """Move the positions ``[head, end)`` to the start of a fresh buffer with ``room`` more after them
+        (Note [Write-once log]); the old buffer lives on in the ids that view it."""
+        b, count = self._base, self._end - self._head
+        log = np.empty(max(self._log_len, count + room), np.int64)
+        log[:count] = self._log[self._head - b:self._end - b]
+        self._log, self._log_t, self._base = log, torch.from_numpy(log), self._head
 
     # ---- free ------------------------------------------------------------------------------------------
+    def free_tokens(self, free_index: torch.Tensor) -> None:
+        """Free these slots (a slot named twice is freed once; inside a group they become free at its end).
+
+        Raises:
+            InvalidIdError / DoubleFreeError: slot 0 or out of range, a slot not allocated. Nothing changes. Inside a
+            group the error is raised at :meth:`end_group`.
+        """
+        if (type(free_index) is torch.Tensor and free_index.dtype is torch.int64 and free_index.is_cpu
+                and free_index.dim() == 1):
+            ids = free_index.numpy()
+        else:
+            ids = self._host(free_index, "free_index")
+        if ids.shape[0]:
+            self._give(ids, "free_index")
+
+    def free_pages(self, page_ids: torch.Tensor) -> None:
+        """:meth:`free_tokens` (pages are slots at page size 1)."""
+        ids = self._host(page_ids, "page_ids")
+        if ids.shape[0]:
+            self._give(ids, "page_ids")
+
     @staticmethod
     def _host(ids: torch.Tensor, name: str) -> np.ndarray:
         if type(ids) is torch.Tensor and ids.dtype is torch.int64 and ids.is_cpu and ids.dim() == 1:
@@ -212,71 +209,58 @@ class TokenSlotPool:
         return ids.to("cpu", torch.int64).reshape(-1).numpy()
 
     def _give(self, ids: np.ndarray, name: str) -> None:
-        r = k_give(self._ring, self._hc, self._live, self._stamp, ids)
+        """Stage ``ids`` (Note [Token pool kernels]); outside a group commit them, else count them for the
+        group's errors. A refusal raises at once outside a group and marks the group refused inside one."""
+        if self._group_error is not None:
+            return
+        n = ids.shape[0]
+        if self._end - self._base + n > self._log.shape[0]:
+            self._new_log(n)
+        r = k_give(self._log, self._base, self._tail, self._end, self._pos, ids, self._head)
         if r >= 0:
-            self._free += r
+            self._end += r
+            if not self._group_open:
+                self._tail = self._end
+                self._free += r
+            else:
+                self._group_n += n
+            return
+        self._end = self._tail
+        i, code = divmod(-1 - r, 2)
+        where, at = (name, i) if not self._group_open else ("free_group", self._group_n + i)
+        if code == 0:
+            err: InvalidIdError = InvalidIdError(
+                f"{where}[{at}]={int(ids[i])}: allowed a slot in [1, {self.num_pages}]; nothing changed")
         else:
-            i, code = divmod(-1 - r, 2)
-            if code == 0:
-                raise InvalidIdError(f"{name}[{i}]={int(ids[i])}: allowed a slot in [1, {self.num_pages}]; nothing "
-                                     f"changed")
-            raise DoubleFreeError(f"{name}[{i}]={int(ids[i])}: the slot is not allocated (freed already or never "
-                                  f"handed out); nothing changed")
-
-    def free_tokens(self, free_index: torch.Tensor) -> None:
-        """Free these slots (a slot named twice is freed once; deferred inside a group).
-
-        Raises:
-            InvalidIdError / DoubleFreeError: slot 0 or out of range, a slot not allocated. Nothing changes. Inside a
-            group the check runs at :meth:`end_group`.
-        """
-        ids = self._host(free_index, "free_index")
-        if ids.shape[0] == 0:
-            return
-        if self._group_open:
-            self._defer(ids)
-            return
-        self._give(ids, "free_index")
-
-    def free_pages(self, page_ids: torch.Tensor) -> None:
-        """:meth:`free_tokens` (pages are slots at page size 1)."""
-        ids = self._host(page_ids, "page_ids")
-        if ids.shape[0] == 0:
-            return
-        if self._group_open:
-            self._defer(ids)
-            return
-        self._give(ids, "page_ids")
-
-    def _defer(self, ids: np.ndarray) -> None:
-        """Copy ``ids`` into the open group's buffer (doubled when full)."""
-        n, m = self._group_n, ids.shape[0]
-        if n + m > self._group_buf.shape[0]:
-            grown = np.empty(max(2 * self._group_buf.shape[0], n + m), np.int64)
-            grown[:n] = self._group_buf[:n]
-            self._group_buf = grown
-        self._group_buf[n:n + m] = ids
-        self._group_n = n + m
+            err = DoubleFreeError(f"{where}[{at}]={int(ids[i])}: the slot is not allocated (freed already or "
+                                  f"never handed out); nothing changed")
+        if not self._group_open:
+            raise err
+        self._group_error = err
 
     def begin_group(self) -> None:
-        """Defer frees until :meth:`end_group`. Raises UmallocValueError if a group is open (no nesting)."""
+        """Free later frees together at :meth:`end_group`. Raises UmallocValueError if a group is open (no
+        nesting)."""
         if self._group_open:
             raise UmallocValueError("free_group_begin: a free group is already open; allowed: no nesting")
         self._group_open = True
         self._group_n = 0
 
     def end_group(self) -> None:
-        """Free everything deferred since :meth:`begin_group` in one pass (a slot named twice is freed once).
+        """The group's frees become free, in the order they were made (a slot named twice is freed once). O(1).
 
         Raises:
-            UmallocValueError: no group is open. The errors of :meth:`free_tokens`: the group is closed, its frees
-            are dropped and nothing changed.
+            UmallocValueError: no group is open. The first error of the group's frees (:meth:`free_tokens`): the
+            group is closed, its frees are dropped and nothing changed.
         """
         if not self._group_open:
             raise UmallocValueError("free_group_end: no free group is open; allowed after free_group_begin")
         self._group_open = False
-        if self._group_n:
-            self._give(self._group_buf[:self._group_n], "free_group")
+        err, self._group_error = self._group_error, None
+        if err is not None:
+            raise err
+        self._free += self._end - self._tail
+        self._tail = self._end
 
     @property
     def group_open(self) -> bool:
@@ -284,31 +268,42 @@ class TokenSlotPool:
         return self._group_open
 
     def clear(self) -> None:
-        """Every slot free (ring order ``1 .. num_slots`` again), no group open. O(num_slots)."""
-        self._ring[:] = np.arange(1, self.num_pages + 1, dtype=np.int64)
-        self._live[:] = 0
-        self._hc[:] = (0, self.num_pages, self._hc[_EPOCH])
-        self._free = self.num_pages      # the ring's count, mirrored as a Python int for the O(1) queries
+        """Every slot free (log order ``1 .. num_slots`` again, in a fresh log buffer), no group open.
+        O(num_slots)."""
+        n = self.num_pages
+        self._log = np.empty(self._log_len, np.int64)
+        self._log[:n] = np.arange(1, n + 1, dtype=np.int64)
+        self._log_t = torch.from_numpy(self._log)
+        self._base = self._head = 0
+        self._tail = self._end = n
+        self._pos[1:] = np.arange(n, dtype=np.int64)     # slot s at position s - 1
+        self._pos[0] = 1 << 62                           # slot 0: never live (its position is never reached)
+        self._free = n
         self._group_open = False
+        self._group_n = 0
+        self._group_error = None
 
     def check_invariants(self) -> None:
-        """The free slots in the ring and the live slots partition ``1 .. num_slots``; slot 0 is never live.
+        """The positions ``[head, end)`` of the log hold each free or staged slot once, at the position ``pos``
+        names; every other slot is live (``pos < head``); slot 0 is never live; nothing is staged outside a group.
 
         Raises:
             InvariantError: the first broken one. O(num_slots).
         """
-        h, c = int(self._hc[_HEAD]), int(self._hc[_COUNT])
-        if c != self._free:
-            raise InvariantError(f"token pool: the ring holds {c} free slots, the count says {self._free}")
-        free = np.roll(self._ring, -h)[:c]
-        seen = np.zeros(self.num_pages + 1, np.int8)
-        if c and (int(free.min()) < 1 or int(free.max()) > self.num_pages):
+        h, t, e, b = self._head, self._tail, self._end, self._base
+        if (not b <= h <= t <= e <= b + self._log.shape[0] or t - h != self._free
+                or (e != t and not self._group_open)):
+            raise InvariantError(f"token pool: base {b}, head {h}, tail {t}, end {e}, buffer {self._log.shape[0]}, "
+                                 f"free count {self._free}, group open {self._group_open}")
+        held = self._log[h - b:e - b]
+        if held.shape[0] and (int(held.min()) < 1 or int(held.max()) > self.num_pages):
             raise InvariantError("token pool: a free slot outside [1, num_slots]")
-        np.add.at(seen, free, 1)
-        if self._live[0] != 0 or (seen[1:] > 1).any():
-            raise InvariantError("token pool: slot 0 live, or a slot free twice")
-        if ((seen[1:] == 1) == (self._live[1:] == 1)).any() or not np.isin(self._live, (0, 1)).all():
-            raise InvariantError("token pool: a slot is neither free nor live, or both")
+        if (self._pos[held] != np.arange(h, e)).any():
+            raise InvariantError("token pool: a free slot's pos is not its log position (or it is free twice)")
+        if int((self._pos[1:] >= h).sum()) != e - h or int(self._pos[1:].max(initial=-1)) >= e:
+            raise InvariantError("token pool: a slot is free outside the log's free positions")
+        if self._pos[0] < h:
+            raise InvariantError("token pool: slot 0 is live")
 
 
 __all__ = ["TokenSlotPool"]
