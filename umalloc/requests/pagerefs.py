@@ -34,6 +34,15 @@ more than their kernel (a device mirror, ``debug_checks``, eager compaction, lea
 allocation to retry), the call takes them instead: the holder check the allocator runs from inside them waits
 until the bookkeeping is done (:meth:`PageRefs.check_invariants` runs after the call under ``debug_checks``).
 
+Note [One-page calls]
+~~~~~~~~~~~~~~~~~~~~~
+An engine's decode step and a sliding window's step move one page at a time, where a kernel call's fixed cost
+(argument unboxing, ~0.25 us) is most of the work. A call on one page that touches only this object's rows runs
+in Python on ``memoryview`` s of them instead, with the kernel's exact effect: ``take(1)`` with no free id (the
+LRU head), ``unref`` of one id whose count stays above 0 or that is cached at 0 (keep flag set), ``ref`` of one
+held or cached id. Anything that reaches the allocator (a free id to take or to claim, a page freed to it), lease
+work due, ``debug_checks``, a bad entry or a negative entry takes the kernel path.
+
 Not thread-safe: call from the thread that owns the allocator.
 """
 
@@ -329,6 +338,9 @@ class PageRefs:
         self._unref_a, self._unref_q = hot.unref_direct
         self.ref_counts: memoryview = self._ref.data
         self.keep_flags: memoryview = self._keep.data
+        # Note [One-page calls]: the rows as memoryviews (a Python int per read, no numpy scalar)
+        self._prev, self._next, self._state_mv = w[LRU_PREV].data, w[LRU_NEXT].data, w[W_STATE].data
+        self._out_mv, self._nv = w[W_OUT].data, nv
         self.num_free = alloc.available_pages(self.end)
         self.num_cached = 0
         # Note [Fused kernels]: one kernel call per take / unref, the allocator's kernel inside ours; root 0:
@@ -348,6 +360,8 @@ class PageRefs:
         if type(n) is not int:
             raise UmallocValueError(f"take: {n!r} pages; allowed an int >= 0")
         free = self.num_free
+        if n == 1 and not free and self.num_cached and not self._lease_work:   # Note [One-page calls]
+            return self._take_lru_head()
         c = R_ALLOC_REFUSED
         if not self._lease_work:
             c = self._take_k(self._root, self._owner, self._mask, self._w, n, free, self.num_cached)
@@ -360,6 +374,27 @@ class PageRefs:
         self.num_cached -= n - m
         self.num_taken_kept = c
         return self._out[:n]
+
+    def _take_lru_head(self) -> memoryview:
+        """``take(1)`` of the LRU head with no free id left (Note [One-page calls]): :func:`k_hold`'s effect."""
+        prev, nxt = self._prev, self._next
+        v = nxt[0]
+        p, q = prev[v], nxt[v]
+        nxt[p] = q
+        prev[q] = p
+        prev[v] = nxt[v] = 0
+        self.ref_counts[v] = 1
+        self._state_mv[v] = PAGE_HELD
+        self._out_mv[0] = v
+        if self.keep_flags[v]:
+            self._kept[0] = v
+            self.num_taken_kept = 1
+        else:
+            self.num_taken_kept = 0
+        self._m = 0
+        self._n = 1
+        self.num_cached -= 1
+        return self._out[:1]
 
     def _take_public(self, n: int, c: int) -> memoryview:
         """:meth:`take` through the allocator's public ``alloc_pages`` (its checks, lease ticks, retries)."""
@@ -398,6 +433,23 @@ class PageRefs:
         cached pages leave the LRU, free pages are claimed by id from the allocator. Returns the pages revived
         from the cache. Raises InvalidIdError for an id out of range or not an int (nothing changes). O(n)."""
         if type(ids) is list:
+            if len(ids) == 1:   # Note [One-page calls]: a held or cached page
+                v = ids[0]
+                if type(v) is int and 0 < v < self._nv:
+                    st = self._state_mv[v]
+                    if st == PAGE_HELD:
+                        self.ref_counts[v] += 1
+                        return 0
+                    if st == PAGE_CACHED:
+                        prev, nxt = self._prev, self._next
+                        p, q1 = prev[v], nxt[v]
+                        nxt[p] = q1
+                        prev[q1] = p
+                        prev[v] = nxt[v] = 0
+                        self._state_mv[v] = PAGE_HELD
+                        self.ref_counts[v] += 1
+                        self.num_cached -= 1
+                        return 1
             try:
                 q: np.ndarray | array[int] = array("q", ids)
             except (TypeError, OverflowError) as e:
@@ -432,6 +484,25 @@ class PageRefs:
         allocator otherwise. Raises DoubleFreeError (a count would drop below 0) or InvalidIdError (out of
         range, not an int); nothing changes on any. O(n) in one kernel call (Note [Fused kernels])."""
         if type(ids) is list:
+            if len(ids) == 1 and not self._lease_work:   # Note [One-page calls]: stays held, or cached at 0
+                v = ids[0]
+                if type(v) is int and 0 < v < self._nv:
+                    counts = self.ref_counts
+                    c = counts[v]
+                    if c > 1:
+                        counts[v] = c - 1
+                        return
+                    if c == 1 and self.keep_flags[v] and self._state_mv[v] == PAGE_HELD:
+                        counts[v] = 0
+                        self._state_mv[v] = PAGE_CACHED
+                        prev, nxt = self._prev, self._next
+                        tail = prev[0]
+                        nxt[tail] = v
+                        prev[v] = tail
+                        nxt[v] = 0
+                        prev[0] = v
+                        self.num_cached += 1
+                        return
             try:
                 q: np.ndarray | array[int] = array("q", ids)
             except (TypeError, OverflowError) as e:
