@@ -2,28 +2,29 @@
 
 Run it in the vLLM peer venv (``scripts/peer_suite_vllm.sh`` builds it)::
 
-    PYTHONPATH=.peer/path .peer/vllm-venv/bin/python benchmarks/bench_vllm_pool.py [--rounds 7] [--seed 0]
+    PYTHONPATH=.peer/path .peer/vllm-venv/bin/python benchmarks/bench_vllm_pool.py [--rounds 5] [--seed 0]
 
-Op mixes (every one is a fixed, seeded op sequence; each round runs it on a fresh stock pool, then on a fresh
-umalloc pool, alternating, so both see the same machine load):
+Each round runs a mix on a fresh stock pool, then on a fresh umalloc pool, so both see the same machine load;
+every figure is a ratio within one round (speed = stock seconds / umalloc seconds, > 1: umalloc faster), and
+the median of the rounds' ratios is the headline.
 
-* ``caching``: the prefix-caching mix on a 4,096-block pool with prefix caching on: per request
-  ``get_cached_block`` over its block hashes until the first miss, ``touch`` of the hits, ``get_new_blocks`` for
-  the rest, ``cache_full_blocks`` of every full block, and, once 24 requests are live, ``free_blocks`` of the
-  oldest request's blocks last first (as vLLM's KV-cache manager frees). Requests share prefixes from 32
-  families (so hits, misses and LRU evictions all happen). Timed whole, and per op (``get_new_blocks`` alone,
-  ``free_blocks`` alone: the time spent in those calls within the mix).
-* ``k=10 / 100 / 1000``: ``get_new_blocks(k)`` + ``free_blocks`` on a 100,000-block pool: 64 allocations of
-  ``k`` blocks stay live, each new one frees the oldest, so free lists are fragmented.
+* Engine mixes (:func:`mixes`), prefix caching on, the calls vLLM's KV-cache managers make (:func:`run_mix`):
+  one full-attention group, one sliding-window group, and a hybrid (full + sliding window groups on one pool, as
+  vLLM's hybrid coordinator), at 4,096 and 65,536 blocks; requests share prefixes from a few families (hits,
+  misses and LRU evictions all happen) and decode block by block, a sliding window freeing the block that leaves
+  it each step. Timed whole and per op: ``lookup`` (``get_cached_block``, the stock code in both pools),
+  ``touch``, ``get_new_blocks``, ``cache_full_blocks`` and ``free_blocks``.
+* ``get_new_blocks(k) + free_blocks``, k = 1, 10, 100, 1000 on a 100,000-block pool: 64 allocations of ``k``
+  blocks stay live, each new one frees the oldest, so free lists are fragmented.
 
-Checked, outside timing: both pools give the same prefix hits per request and hand out the same number of
-blocks (the ids differ by design: umalloc hands out the lowest free id, vLLM the most recently freed);
-umalloc's pool passes ``check_invariants`` after every run.
+Checked, outside timing: both pools give the same prefix hits and the same new-block counts per request (the ids
+differ by design: umalloc hands out the lowest free id, vLLM the most recently freed); umalloc's pool passes
+``check_invariants`` after every run.
 
-Prints one row per mix: the best-of-rounds seconds of each pool, the time ratio umalloc / stock and the speed
-stock / umalloc (> 1: umalloc faster), then per mix each round's speed ratio and their median. torch and numba
-run on ``--threads`` threads (default 1, set once and printed); the machine load is printed first and last.
-``--json PATH`` writes the rows.
+Prints a table of the median speed ratio per op and mix, then every round's ratio and the median seconds. torch and
+numba run on ``--threads`` threads (default 1, set once and printed, the same for both pools); the machine load is
+printed at the start, after each mix and at the end. ``--only TEXT`` runs the mixes whose name contains it,
+``--scale`` multiplies the request counts, ``--json PATH`` writes the rows.
 """
 
 from __future__ import annotations

@@ -37,11 +37,12 @@ until the bookkeeping is done (:meth:`PageRefs.check_invariants` runs after the 
 Note [One-page calls]
 ~~~~~~~~~~~~~~~~~~~~~
 An engine's decode step and a sliding window's step move one page at a time, where a kernel call's fixed cost
-(argument unboxing, ~0.25 us) is most of the work. A call on one page that touches only this object's rows runs
-in Python on ``memoryview`` s of them instead, with the kernel's exact effect: ``take(1)`` with no free id (the
-LRU head), ``unref`` of one id whose count stays above 0 or that is cached at 0 (keep flag set), ``ref`` of one
-held or cached id. Anything that reaches the allocator (a free id to take or to claim, a page freed to it), lease
-work due, ``debug_checks``, a bad entry or a negative entry takes the kernel path.
+(argument unboxing, ~0.25 us) is most of the work. A call that touches only this object's rows runs in Python on
+``memoryview`` s of them instead, with the kernel's exact effect: ``take(1)`` with no free id (the LRU head),
+``unref`` of one id whose count stays above 0 or that is cached at 0 (keep flag set), ``ref`` of a list of at
+most :data:`SMALL_REF` held or cached ids (0 skipped: a prefix hit). Anything that reaches the allocator (a free
+id to take or to claim, a page freed to it), lease work due, ``debug_checks`` (take and unref), a bad entry or a
+negative entry takes the kernel path.
 
 Not thread-safe: call from the thread that owns the allocator.
 """
@@ -74,6 +75,8 @@ from umalloc.requests.refcounts import (
 #: reference counts, page states, keep flags, take's output, take's kept pages, pages to free, pages to claim
 W_REF, W_STATE, W_KEEP, W_OUT, W_KEPT, W_FREED, W_CLAIM = range(2, 9)
 W_ROWS = 9
+#: the longest list :meth:`PageRefs.ref` handles in Python (Note [One-page calls])
+SMALL_REF = 8
 #: kernel results: the allocator refused (take: retry on the public path; unref: pages freed behind this object)
 R_ALLOC_REFUSED = -1
 #: :func:`k_take_direct`: ``n`` outside ``[0, free + cached]``
@@ -341,6 +344,7 @@ class PageRefs:
         # Note [One-page calls]: the rows as memoryviews (a Python int per read, no numpy scalar)
         self._prev, self._next, self._state_mv = w[LRU_PREV].data, w[LRU_NEXT].data, w[W_STATE].data
         self._out_mv, self._nv = w[W_OUT].data, nv
+        self._revived = 0                         # what the last short ref revived
         self.num_free = alloc.available_pages(self.end)
         self.num_cached = 0
         # Note [Fused kernels]: one kernel call per take / unref, the allocator's kernel inside ours; root 0:
@@ -433,23 +437,8 @@ class PageRefs:
         cached pages leave the LRU, free pages are claimed by id from the allocator. Returns the pages revived
         from the cache. Raises InvalidIdError for an id out of range or not an int (nothing changes). O(n)."""
         if type(ids) is list:
-            if len(ids) == 1:   # Note [One-page calls]: a held or cached page
-                v = ids[0]
-                if type(v) is int and 0 < v < self._nv:
-                    st = self._state_mv[v]
-                    if st == PAGE_HELD:
-                        self.ref_counts[v] += 1
-                        return 0
-                    if st == PAGE_CACHED:
-                        prev, nxt = self._prev, self._next
-                        p, q1 = prev[v], nxt[v]
-                        nxt[p] = q1
-                        prev[q1] = p
-                        prev[v] = nxt[v] = 0
-                        self._state_mv[v] = PAGE_HELD
-                        self.ref_counts[v] += 1
-                        self.num_cached -= 1
-                        return 1
+            if len(ids) <= SMALL_REF and self._ref_small(ids):   # Note [One-page calls]
+                return self._revived
             try:
                 q: np.ndarray | array[int] = array("q", ids)
             except (TypeError, OverflowError) as e:
@@ -477,6 +466,31 @@ class PageRefs:
         self.num_cached -= r
         self._after_public()
         return r
+
+    def _ref_small(self, ids: list[int]) -> bool:
+        """:meth:`ref` of a short list of held or cached pages (id 0 skipped) in Python (Note [One-page calls]):
+        ``False`` (nothing changed) if an entry is not one, else ``True`` with the revived count in
+        ``_revived``."""
+        state, nv = self._state_mv, self._nv
+        for v in ids:
+            if type(v) is not int or not 0 <= v < nv or (v and state[v] == PAGE_NOT_MANAGED):
+                return False
+        counts, prev, nxt = self.ref_counts, self._prev, self._next
+        revived = 0
+        for v in ids:
+            if not v:
+                continue
+            if state[v] == PAGE_CACHED:
+                p, q = prev[v], nxt[v]
+                nxt[p] = q
+                prev[q] = p
+                prev[v] = nxt[v] = 0
+                state[v] = PAGE_HELD
+                revived += 1
+            counts[v] += 1
+        self.num_cached -= revived
+        self._revived = revived
+        return True
 
     def unref(self, ids: np.ndarray | list[int]) -> None:
         """One reference less per entry of ``ids`` (``int64 (n,)`` numpy or a list of ints; 0 skipped): a page
