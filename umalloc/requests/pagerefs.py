@@ -40,7 +40,7 @@ An engine's decode step and a sliding window's step move one page at a time, whe
 (argument unboxing, ~0.25 us) is most of the work. A call that touches only this object's rows runs in Python on
 ``memoryview`` s of them instead, with the kernel's exact effect: ``take(1)`` with no free id (the LRU head),
 ``unref`` of one id whose count stays above 0 or that is cached at 0 (keep flag set), ``ref`` of a list of at
-most :data:`SMALL_REF` held or cached ids (0 skipped: a prefix hit). Anything that reaches the allocator (a free
+most :data:`SMALL_REF` held or cached ids (0 skipped). Anything that reaches the allocator (a free
 id to take or to claim, a page freed to it), lease work due, ``debug_checks`` (take and unref), a bad entry or a
 negative entry takes the kernel path.
 
@@ -75,8 +75,8 @@ from umalloc.requests.refcounts import (
 #: reference counts, page states, keep flags, take's output, take's kept pages, pages to free, pages to claim
 W_REF, W_STATE, W_KEEP, W_OUT, W_KEPT, W_FREED, W_CLAIM = range(2, 9)
 W_ROWS = 9
-#: the longest list :meth:`PageRefs.ref` handles in Python (Note [One-page calls])
-SMALL_REF = 8
+#: the longest list :meth:`PageRefs.ref` handles in Python (Note [One-page calls]; at 4 the kernel is faster)
+SMALL_REF = 1
 #: kernel results: the allocator refused (take: retry on the public path; unref: pages freed behind this object)
 R_ALLOC_REFUSED = -1
 #: :func:`k_take_direct`: ``n`` outside ``[0, free + cached]``

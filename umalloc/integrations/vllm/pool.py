@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import vllm
 from vllm.v1.core.block_pool import BlockHashToBlockMap, BlockPool
-from vllm.v1.core.kv_cache_utils import KVCacheBlock, make_block_hash_with_group_id
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 from umalloc import TOMBSTONE
 from umalloc.errors import InvariantError, UmallocValueError
@@ -208,22 +208,6 @@ class UmallocBlockPool(BlockPool):  # type: ignore[misc, valid-type, unused-igno
                 for i in kept:
                     self._maybe_evict_cached_block(blocks[i])
         return ret
-
-    def get_cached_block(self, block_hash: Any, kv_cache_group_ids: list[int]) -> list[Any] | None:
-        """vLLM's ``get_cached_block``: the first cached block under ``block_hash`` for each group, ``None`` at
-        the first group that misses. Where :data:`INLINE_EVICT` (the map's ``_cache`` holds blocks, or dicts of
-        them), one dict read per group in this frame; else the stock method. O(groups)."""
-        cache_map = self.cached_block_hash_to_block
-        if not INLINE_EVICT or type(cache_map) is not BlockHashToBlockMap:
-            return super().get_cached_block(block_hash, kv_cache_group_ids)
-        get = cache_map._cache.get
-        found = []
-        for group_id in kv_cache_group_ids:
-            block = get(make_block_hash_with_group_id(block_hash, group_id))
-            if block is None:
-                return None
-            found.append(next(iter(block.values())) if type(block) is dict else block)
-        return found
 
     def touch(self, blocks: Sequence[Any]) -> None:
         if not blocks:
