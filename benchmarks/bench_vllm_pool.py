@@ -2,28 +2,29 @@
 
 Run it in the vLLM peer venv (``scripts/peer_suite_vllm.sh`` builds it)::
 
-    PYTHONPATH=.peer/path .peer/vllm-venv/bin/python benchmarks/bench_vllm_pool.py [--rounds 7] [--seed 0]
+    PYTHONPATH=.peer/path .peer/vllm-venv/bin/python benchmarks/bench_vllm_pool.py [--rounds 5] [--seed 0]
 
-Op mixes (every one is a fixed, seeded op sequence; each round runs it on a fresh stock pool, then on a fresh
-umalloc pool, alternating, so both see the same machine load):
+Each round runs a mix on a fresh stock pool, then on a fresh umalloc pool, so both see the same machine load;
+every figure is a ratio within one round (speed = stock seconds / umalloc seconds, > 1: umalloc faster), and
+the median of the rounds' ratios is the headline.
 
-* ``caching``: the prefix-caching mix on a 4,096-block pool with prefix caching on: per request
-  ``get_cached_block`` over its block hashes until the first miss, ``touch`` of the hits, ``get_new_blocks`` for
-  the rest, ``cache_full_blocks`` of every full block, and, once 24 requests are live, ``free_blocks`` of the
-  oldest request's blocks last first (as vLLM's KV-cache manager frees). Requests share prefixes from 32
-  families (so hits, misses and LRU evictions all happen). Timed whole, and per op (``get_new_blocks`` alone,
-  ``free_blocks`` alone: the time spent in those calls within the mix).
-* ``k=10 / 100 / 1000``: ``get_new_blocks(k)`` + ``free_blocks`` on a 100,000-block pool: 64 allocations of
-  ``k`` blocks stay live, each new one frees the oldest, so free lists are fragmented.
+* Engine mixes (:func:`mixes`), prefix caching on, the calls vLLM's KV-cache managers make (:func:`run_mix`):
+  one full-attention group, one sliding-window group, and a hybrid (full + sliding window groups on one pool, as
+  vLLM's hybrid coordinator), at 4,096 and 65,536 blocks; requests share prefixes from a few families (hits,
+  misses and LRU evictions all happen) and decode block by block, a sliding window freeing the block that leaves
+  it each step. Timed whole and per op: ``lookup`` (``get_cached_block``, the stock code in both pools),
+  ``touch``, ``get_new_blocks``, ``cache_full_blocks`` and ``free_blocks``.
+* ``get_new_blocks(k) + free_blocks``, k = 1, 10, 100, 1000 on a 100,000-block pool: 64 allocations of ``k``
+  blocks stay live, each new one frees the oldest, so free lists are fragmented.
 
-Checked, outside timing: both pools give the same prefix hits per request and hand out the same number of
-blocks (the ids differ by design: umalloc hands out the lowest free id, vLLM the most recently freed);
-umalloc's pool passes ``check_invariants`` after every run.
+Checked, outside timing: both pools give the same prefix hits and the same new-block counts per request (the ids
+differ by design: umalloc hands out the lowest free id, vLLM the most recently freed); umalloc's pool passes
+``check_invariants`` after every run.
 
-Prints one row per mix: the best-of-rounds seconds of each pool, the time ratio umalloc / stock and the speed
-stock / umalloc (> 1: umalloc faster), then per mix each round's speed ratio and their median. torch and numba
-run on ``--threads`` threads (default 1, set once and printed); the machine load is printed first and last.
-``--json PATH`` writes the rows.
+Prints a table of the median speed ratio per op and mix, then every round's ratio and the median seconds. torch and
+numba run on ``--threads`` threads (default 1, set once and printed, the same for both pools); the machine load is
+printed at the start, after each mix and at the end. ``--only TEXT`` runs the mixes whose name contains it,
+``--scale`` multiplies the request counts, ``--json PATH`` writes the rows.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -46,60 +48,178 @@ import _fair as fair  # noqa: E402
 BLOCK_SIZE = 16
 
 
-def caching_ops(seed: int, n_requests: int, families: int = 32) -> list[list[bytes]]:
-    """Each request's block hashes: a shared prefix of 1-24 blocks from one of ``families`` (some prefixes are
-    longer than others, so hits stop at different depths) and 1-12 blocks of its own."""
+#: the timed pool operations of the engine mixes, in the order a request meets them
+OPS = ("lookup", "touch", "get_new_blocks", "cache_full_blocks", "free_blocks")
+
+
+@dataclass(frozen=True)
+class Mix:
+    """One engine mix: the KV-cache groups sharing the pool (``"full"`` or ``"swa"``, vLLM's
+    ``FullAttentionManager`` / ``SlidingWindowManager``), the pool size, the request shapes and how many requests run
+    at once."""
+
+    name: str
+    num_blocks: int
+    groups: tuple[str, ...]
+    window: int           # sliding window in blocks (the swa groups)
+    requests: int
+    live: int             # requests running at once
+    families: int         # shared-prefix families
+    shared_max: int       # a request's shared prefix: 1..shared_max blocks of its family
+    own_max: int          # then 1..own_max blocks of its own
+    decode_max: int       # then 0..decode_max decoded blocks (one per step, all live requests in turn)
+
+
+def mixes(scale: float) -> list[Mix]:
+    """The engine mixes; ``scale`` multiplies the request counts."""
+    n = lambda k: max(8, int(k * scale))  # noqa: E731
+    return [
+        Mix("full, prefill only, 4k", 4096, ("full",), 0, n(4000), 24, 32, 24, 12, 0),
+        Mix("full + decode, 4k", 4096, ("full",), 0, n(2000), 24, 32, 24, 12, 24),
+        Mix("swa, 4k", 4096, ("swa",), 8, n(2000), 24, 32, 24, 12, 24),
+        Mix("hybrid full+swa, 4k", 4096, ("full", "swa"), 8, n(2000), 24, 32, 24, 12, 24),
+        Mix("full + decode, 64k", 65536, ("full",), 0, n(1200), 96, 64, 256, 64, 48),
+        Mix("swa, 64k", 65536, ("swa",), 32, n(1200), 96, 64, 256, 64, 48),
+        Mix("hybrid full+swa, 64k", 65536, ("full", "swa"), 32, n(1200), 96, 64, 256, 64, 48),
+    ]
+
+
+def mix_requests(mix: Mix, seed: int) -> list[tuple[int, list[bytes]]]:
+    """Each request's (prompt blocks, block hashes of prompt + decode): a shared prefix of its family (some
+    prefixes longer than others, so hits stop at different depths), then blocks of its own."""
     rng = random.Random(seed)
-    fam = [[f"f{f}-{j}".encode().ljust(32, b".") for j in range(24)] for f in range(families)]
+    fam = [[f"f{f}-{j}".encode().ljust(32, b".") for j in range(mix.shared_max)] for f in range(mix.families)]
     out = []
-    for r in range(n_requests):
-        f = rng.randrange(families)
-        shared = fam[f][: rng.randint(1, 24)]
-        own = [f"r{r}-{j}".encode().ljust(32, b".") for j in range(rng.randint(1, 12))]
-        out.append(shared + own)
+    for r in range(mix.requests):
+        shared = fam[rng.randrange(mix.families)][: rng.randint(1, mix.shared_max)]
+        own = rng.randint(1, mix.own_max)
+        dec = rng.randint(0, mix.decode_max)
+        out.append((len(shared) + own, shared + [f"r{r}-{j}".encode().ljust(32, b".") for j in range(own + dec)]))
     return out
 
 
-def run_caching(pool: Any, requests: list[list[bytes]], live: int = 24) -> tuple[float, float, float, list[int]]:
-    """The prefix-caching mix on ``pool``: returns (total seconds, seconds in get_new_blocks, seconds in
-    free_blocks, hits per request)."""
+def run_mix(pool: Any, mix: Mix, requests: list[tuple[int, list[bytes]]]) -> tuple[float, dict[str, float], list]:
+    """``mix`` on ``pool`` the way vLLM's KV-cache managers call a ``BlockPool``: returns (total seconds, seconds
+    per op, outcome per request: its prefix-hit blocks per group and the ids' count handed out).
+
+    Per request, per group: ``get_cached_block`` over the block hashes (a full group: from the first until a miss;
+    a swa group: from the last back, until ``window`` contiguous hits, as ``SlidingWindowManager``; with a full
+    group too the swa group searches only the full group's hit, and the hit is the shorter), ``touch`` of the hits
+    (null blocks where a swa group skips), ``get_new_blocks`` for the prompt's rest (a swa group: only the last
+    ``window`` blocks; the earlier ones are the null block), ``cache_full_blocks``. Then each step every live
+    request decodes one block per group (``get_new_blocks(1)``, ``cache_full_blocks`` of it; a swa group frees the
+    block leaving its window, replaced by the null block, as ``remove_skipped_blocks``); a request done decoding
+    frees every group's blocks last first, group by group, and the next request is admitted."""
     from vllm.v1.core.kv_cache_utils import BlockHash
 
     clock = time.perf_counter
-    held: collections.deque[list[Any]] = collections.deque()
-    hits: list[int] = []
-    t_new = t_free = 0.0
-    prepared = [(SimpleNamespace(block_hashes=[BlockHash(h) for h in hs]), len(hs)) for hs in requests]
+    t = dict.fromkeys(OPS, 0.0)
     get_cached, touch, get_new = pool.get_cached_block, pool.touch, pool.get_new_blocks
-    cache_full, free = pool.cache_full_blocks, pool.free_blocks
-    group = [0]
+    cache_full, free, null = pool.cache_full_blocks, pool.free_blocks, pool.null_block
+    groups = list(enumerate(mix.groups))
+    gids = [[g] for g, _ in groups]
+    window = mix.window
+    outcome: list[tuple[int, ...]] = []
+    pending = collections.deque((SimpleNamespace(block_hashes=[BlockHash(h) for h in hs]), p, len(hs))
+                                for p, hs in requests)
+    live: list[list[Any]] = []   # [request, blocks per group, blocks so far, blocks at the end]
     t0 = clock()
-    for req, n in prepared:
-        if len(held) == live:
-            blocks = held.popleft()
-            a = clock()
+
+    def admit() -> None:
+        req, prompt, total = pending.popleft()
+        hashes = req.block_hashes
+        a = clock()
+        hit = prompt - 1   # vLLM leaves the last prompt block to compute
+        found: list[list[Any]] = []
+        for g, kind in groups:
+            if kind == "full":
+                got: list[Any] = []
+                for h in hashes[:hit]:
+                    c = get_cached(h, gids[g])
+                    if c is None:
+                        break
+                    got.append(c[0])
+                hit = len(got)
+            else:
+                got = [null] * hit
+                run = 0
+                match = False
+                for i in range(hit - 1, -1, -1):
+                    c = get_cached(hashes[i], gids[g])
+                    if c is None:
+                        run = 0
+                        continue
+                    got[i] = c[0]
+                    run += 1
+                    if run >= window:
+                        del got[i + run:]
+                        match = True
+                        break
+                if not match:
+                    del got[run:]
+                hit = len(got)
+            found.append(got)
+        b = clock()
+        t["lookup"] += b - a
+        for g, _ in groups:
+            del found[g][hit:]
+            touch(found[g])
+        c = clock()
+        t["touch"] += c - b
+        per_group = []
+        for g, kind in groups:
+            blocks = found[g]
+            if kind == "swa" and prompt - window > hit:
+                blocks.extend([null] * (prompt - window - hit))
+                blocks.extend(get_new(window))
+            else:
+                blocks.extend(get_new(prompt - hit))
+            per_group.append(blocks)
+        d = clock()
+        t["get_new_blocks"] += d - c
+        for g, _ in groups:
+            cache_full(req, per_group[g], hit, prompt, BLOCK_SIZE, g)
+        t["cache_full_blocks"] += clock() - d
+        outcome.append((hit, prompt - hit))
+        live.append([req, per_group, prompt, total])
+
+    def finish(entry: list[Any]) -> None:
+        a = clock()
+        for blocks in entry[1]:
             free(reversed(blocks))
-            t_free += clock() - a
-        found: list[Any] = []
-        for h in req.block_hashes:
-            got = get_cached(h, group)
-            if got is None:
-                break
-            found.append(got[0])
-        touch(found)
-        a = clock()
-        new = get_new(n - len(found))
-        t_new += clock() - a
-        blocks = found + new
-        cache_full(req, blocks, len(found), n, BLOCK_SIZE, 0)
-        held.append(blocks)
-        hits.append(len(found))
-    while held:
-        blocks = held.popleft()
-        a = clock()
-        free(reversed(blocks))
-        t_free += clock() - a
-    return clock() - t0, t_new, t_free, hits
+        t["free_blocks"] += clock() - a
+
+    while pending or live:
+        while pending and len(live) < mix.live:
+            admit()
+        still: list[list[Any]] = []
+        for entry in live:
+            req, per_group, n, total = entry
+            if n == total:
+                finish(entry)
+                continue
+            a = clock()
+            for blocks in per_group:
+                blocks.extend(get_new(1))
+            b = clock()
+            t["get_new_blocks"] += b - a
+            for g, _ in groups:
+                cache_full(req, per_group[g], n, n + 1, BLOCK_SIZE, g)
+            c = clock()
+            t["cache_full_blocks"] += c - b
+            if window and n >= window:
+                for g, kind in groups:
+                    if kind == "swa":
+                        blocks = per_group[g]
+                        gone = blocks[n - window]
+                        if gone is not null:
+                            blocks[n - window] = null
+                            free([gone])
+            t["free_blocks"] += clock() - c
+            entry[2] = n + 1
+            still.append(entry)
+        live[:] = still
+    return clock() - t0, t, outcome
 
 
 def run_k(pool: Any, k: int, steps: int, live: int = 64) -> tuple[float, int]:
@@ -123,9 +243,10 @@ def run_k(pool: Any, k: int, steps: int, live: int = 64) -> tuple[float, int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=7, help="stock/umalloc alternations per mix (best is kept)")
+    ap.add_argument("--rounds", type=int, default=5, help="stock/umalloc alternations per mix")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--requests", type=int, default=4000, help="requests of the caching mix")
+    ap.add_argument("--scale", type=float, default=1.0, help="multiplies every engine mix's request count")
+    ap.add_argument("--only", default=None, help="run only the mixes whose name contains this text")
     ap.add_argument("--json", default=None, help="write the rows to this JSON file")
     ap.add_argument("--threads", type=int, default=fair.DEFAULT_THREADS,
                     help="CPU threads for torch and numba, both pools alike (set once, printed)")
@@ -136,68 +257,81 @@ def main() -> None:
     from vllm.v1.core.block_pool import BlockPool
 
     from umalloc.integrations.vllm import UmallocBlockPool
+    from umalloc.integrations.vllm.pool import VLLM_VERSION
 
-    print(f"seed {a.seed}, {a.rounds} rounds, best of rounds per pool")
+    print(f"vLLM {VLLM_VERSION}, seed {a.seed}, {a.rounds} rounds (stock then umalloc in each, fresh pools)")
     pools: dict[str, Callable[..., Any]] = {"stock": BlockPool, "umalloc": UmallocBlockPool}
-    requests = caching_ops(a.seed, a.requests)
     rows: list[dict[str, Any]] = []
 
-    def record(mix: str, times: dict[str, list[float]]) -> None:
-        s, u = min(times["stock"]), min(times["umalloc"])
-        per_round = [x / y for x, y in zip(times["stock"], times["umalloc"], strict=True)]
-        rows.append({"mix": mix, "stock_s": s, "umalloc_s": u, "ratio": u / s, "speed": s / u,
-                     "speed_rounds": per_round, "speed_median": statistics.median(per_round)})
+    def record(mix: str, op: str, times: dict[str, list[float]]) -> None:
+        per_round = [x / y if y else 1.0 for x, y in zip(times["stock"], times["umalloc"], strict=True)]
+        rows.append({"mix": mix, "op": op, "stock_s": statistics.median(times["stock"]),
+                     "umalloc_s": statistics.median(times["umalloc"]), "speed_rounds": per_round,
+                     "speed_median": statistics.median(per_round)})
 
-    # ---- the caching mix (one pool per round and per kind; the same requests)
-    times: dict[str, dict[str, list[float]]] = {m: {"stock": [], "umalloc": []} for m in ("mix", "new", "free")}
-    hits: dict[str, list[int]] = {}
-    for _ in range(a.rounds):
-        for name, cls in pools.items():
-            pool = cls(4096, enable_caching=True, hash_block_size=BLOCK_SIZE)
-            total, t_new, t_free, h = run_caching(pool, requests)
-            times["mix"][name].append(total)
-            times["new"][name].append(t_new)
-            times["free"][name].append(t_free)
-            if name == "umalloc":
-                pool.check_invariants()
-            if hits.setdefault(name, h) != h:
-                raise SystemExit(f"{name}: prefix hits differ between rounds")
-    if hits["stock"] != hits["umalloc"]:
-        diff = next(i for i, (x, y) in enumerate(zip(hits["stock"], hits["umalloc"], strict=True)) if x != y)
-        raise SystemExit(f"prefix hits differ at request {diff}: stock {hits['stock'][diff]}, umalloc "
-                         f"{hits['umalloc'][diff]}")
-    print(f"caching mix: {len(requests)} requests, {sum(hits['stock'])} prefix-hit blocks (equal in both pools)")
-    record("prefix-caching mix, 4,096 blocks", times["mix"])
-    record("... get_new_blocks alone", times["new"])
-    record("... free_blocks alone", times["free"])
-
-    # ---- get_new_blocks(k) + free_blocks on a 100k-block pool
-    for k, steps in ((10, 20_000), (100, 4_000), (1000, 600)):
-        kt: dict[str, list[float]] = {"stock": [], "umalloc": []}
-        handed: dict[str, int] = {}
+    # ---- the engine mixes (one pool per round and per kind; the same requests)
+    for mix in mixes(a.scale):
+        if a.only and a.only not in mix.name:
+            continue
+        requests = mix_requests(mix, a.seed)
+        times: dict[str, dict[str, list[float]]] = {o: {"stock": [], "umalloc": []} for o in ("total", *OPS)}
+        outcomes: dict[str, list[Any]] = {}
         for _ in range(a.rounds):
             for name, cls in pools.items():
-                pool = cls(100_000, enable_caching=True, hash_block_size=BLOCK_SIZE)
-                t, n = run_k(pool, k, steps)
-                kt[name].append(t)
-                handed[name] = n
+                pool = cls(mix.num_blocks, enable_caching=True, hash_block_size=BLOCK_SIZE)
+                total, per_op, outcome = run_mix(pool, mix, requests)
+                times["total"][name].append(total)
+                for o in OPS:
+                    times[o][name].append(per_op[o])
                 if name == "umalloc":
                     pool.check_invariants()
-        if handed["stock"] != handed["umalloc"]:
-            raise SystemExit(f"k={k}: blocks handed out differ: {handed}")
-        record(f"get_new_blocks({k}) + free_blocks, 100k blocks", kt)
+                if outcomes.setdefault(name, outcome) != outcome:
+                    raise SystemExit(f"{mix.name}: {name}: prefix hits differ between rounds")
+        if outcomes["stock"] != outcomes["umalloc"]:
+            i = next(i for i, (x, y) in enumerate(zip(outcomes["stock"], outcomes["umalloc"], strict=True)) if x != y)
+            raise SystemExit(f"{mix.name}: prefix hits differ at request {i}: stock {outcomes['stock'][i]}, "
+                             f"umalloc {outcomes['umalloc'][i]}")
+        hits = sum(h for h, _ in outcomes["stock"])
+        print(f"{mix.name}: {mix.num_blocks} blocks, groups {'+'.join(mix.groups)}"
+              f"{f', window {mix.window} blocks' if mix.window else ''}, {len(requests)} requests ({mix.live} at "
+              f"once), {hits} prefix-hit blocks per group (equal in both pools)   # {fair.load()}")
+        for o in ("total", *OPS):
+            record(mix.name, o, times[o])
 
-    print("\n| op mix | stock s | umalloc s | time ratio umalloc/stock | speed stock/umalloc |")
-    print("|---|---|---|---|---|")
+    # ---- get_new_blocks(k) + free_blocks on a 100k-block pool
+    if not a.only or "k=" in a.only:
+        for k, steps in ((1, 40_000), (10, 20_000), (100, 4_000), (1000, 600)):
+            kt: dict[str, list[float]] = {"stock": [], "umalloc": []}
+            handed: dict[str, int] = {}
+            for _ in range(a.rounds):
+                for name, cls in pools.items():
+                    pool = cls(100_000, enable_caching=True, hash_block_size=BLOCK_SIZE)
+                    t, n = run_k(pool, k, steps)
+                    kt[name].append(t)
+                    handed[name] = n
+                    if name == "umalloc":
+                        pool.check_invariants()
+            if handed["stock"] != handed["umalloc"]:
+                raise SystemExit(f"k={k}: blocks handed out differ: {handed}")
+            record(f"get_new_blocks({k}) + free_blocks, 100k", "total", kt)
+
+    print("\nspeed stock s / umalloc s (> 1: umalloc faster), the median of the rounds' ratios, per op and mix:")
+    by_mix: dict[str, dict[str, float]] = {}
     for r in rows:
-        print(f"| {r['mix']} | {r['stock_s']:.4f} | {r['umalloc_s']:.4f} | {r['ratio']:.2f} | {r['speed']:.2f}x |")
-    print("\nspeed stock s / umalloc s per round (each round runs both pools back to back), then the median:")
+        by_mix.setdefault(r["mix"], {})[r["op"]] = r["speed_median"]
+    cols = ("total", *OPS)
+    print("| mix | " + " | ".join(cols) + " |")
+    print("|---" * (len(cols) + 1) + "|")
+    for m, ops in by_mix.items():
+        print(f"| {m} | " + " | ".join(f"{ops[c]:.2f}x" if c in ops else "" for c in cols) + " |")
+    print("\neach round's speed ratio, then the median (stock s, umalloc s: medians of the rounds):")
     for r in rows:
-        print(fair.round_ratios(r["mix"][:24], r["speed_rounds"]))
+        print(fair.round_ratios(f"{r['mix'][:22]} {r['op'][:17]}", r["speed_rounds"])
+              + f"   ({r['stock_s']:.4f} s / {r['umalloc_s']:.4f} s)")
     print(f"# {fair.load()} (at the end)")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"seed": a.seed, "rounds": a.rounds, "rows": rows}, f, indent=1)
+            json.dump({"seed": a.seed, "rounds": a.rounds, "vllm": VLLM_VERSION, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -302,6 +302,42 @@ def test_random_prefix_caching_matches_vllms_pool(vllm_pool):
         pools[1].check_invariants()
 
 
+def test_evicting_shared_and_extra_hashes_leaves_the_map_as_vllms_pool_does(vllm_pool):
+    """Blocks evicted by get_new_blocks drop exactly their own map entries, as vLLM's pool: two blocks under one
+    hash (the map's dict case), a block with an extra hash (``cached_block_hashes_by_block``), a plain one; one
+    block at a time (the one-page take) and in a batch. vLLM's own pool is the oracle (positions, not ids)."""
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
+
+    def key(name: str):
+        return make_block_hash_with_group_id(BlockHash(name.encode()), 0)
+
+    def entries(pool, held):
+        pos = {b.block_id: i for i, b in enumerate(held)}
+        out = {}
+        for k, v in pool.cached_block_hash_to_block._cache.items():
+            out[k] = sorted(pos[i] for i in (v if isinstance(v, dict) else {v.block_id: v}))
+        return out, sorted(pos[i] for i in pool.cached_block_hashes_by_block), \
+            [(b.block_hash, b.block_hash_num_tokens) for b in held]
+
+    seen = []
+    for cls in (BlockPool, vllm_pool):
+        pool = cls(8, enable_caching=True, hash_block_size=16)
+        held = pool.get_new_blocks(7)
+        for i, name in ((0, "shared"), (1, "shared"), (2, "extra"), (3, "plain"), (4, "plain2")):
+            pool._insert_block_hash(key(name), held[i], num_tokens=16)
+        pool._insert_block_hash(key("extra-partial"), held[2], num_tokens=8)
+        pool.free_blocks(held)      # cached in this order (the hashed ones), the others free
+        steps = [entries(pool, held)]
+        for n in (1, 1, 1, 1, 2):   # held[5], held[6] free first, then the LRU: held[0], held[1], ...
+            pool.get_new_blocks(n)
+            steps.append(entries(pool, held))
+        if cls is vllm_pool:
+            pool.check_invariants()
+        seen.append(steps)
+    assert seen[0] == seen[1]
+
+
 def test_evict_first_frees_cached_blocks_to_the_eviction_end_as_vllm_does(vllm_pool):
     """vLLM 0.34's ``free_blocks(blocks, evict_first=True)``: the blocks it caches are evicted before other
     cached blocks. vLLM's own pool is the oracle: with every block cached, the next allocations evict the same

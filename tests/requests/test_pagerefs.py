@@ -205,8 +205,12 @@ def test_the_public_path_checks_the_holder_only_once_a_call_is_done(make_allocat
         refs.unref([5])
 
 
+@pytest.mark.parametrize("one_page", [False, True], ids=["batches", "one-page"])
 @pytest.mark.parametrize("checked", [False, True], ids=["fused", "public"])
-def test_random_ops_match_a_model_of_the_rules(make_allocator, checked):
+def test_random_ops_match_a_model_of_the_rules(make_allocator, checked, one_page):
+    # one_page: every take, ref and unref moves at most one page and takes outrun frees, so the free ids run out
+    # and the one-page paths (Note [One-page calls]) run: take(1) off the LRU head, unref to the LRU, ref of a
+    # held or cached page
     seed = 1234
     print(f"seed {seed}")
     rng = random.Random(seed)
@@ -215,11 +219,12 @@ def test_random_ops_match_a_model_of_the_rules(make_allocator, checked):
     count = [0] * n
     keep = [False] * n                               # the keep flags, as the model sees them
     lru: list[int] = []                              # cached pages, LRU first
-    for _step in range(600):
+    bounds = (0.45, 0.7, 0.85) if one_page else (0.35, 0.65, 0.8)
+    for _step in range(1500 if one_page else 600):
         free = [i for i in range(1, n) if count[i] == 0 and i not in lru]
         op = rng.random()
-        if op < 0.35:
-            k = rng.randint(0, len(free) + len(lru))
+        if op < bounds[0]:
+            k = rng.randint(0, min(1, len(free) + len(lru)) if one_page else len(free) + len(lru))
             want = free[:k] + lru[: max(0, k - len(free))]
             del lru[: max(0, k - len(free))]
             got = refs.take(k).tolist()
@@ -227,11 +232,11 @@ def test_random_ops_match_a_model_of_the_rules(make_allocator, checked):
             assert refs.taken_kept().tolist() == [i for i in want if keep[i]]
             for i in got:
                 count[i] = 1
-        elif op < 0.65:
+        elif op < bounds[1]:
             held = [i for i in range(1, n) if count[i] > 0]
             if not held:
                 continue
-            pick = rng.sample(held, rng.randint(1, len(held)))
+            pick = rng.sample(held, 1 if one_page else rng.randint(1, len(held)))
             once = {i: rng.random() < 0.3 for i in pick}  # -i: cached this once whatever the flag
             entries = [-i if once[i] else i for i in pick]
             refs.unref(entries if rng.random() < 0.5 else np.array(entries, np.int64))
@@ -239,12 +244,12 @@ def test_random_ops_match_a_model_of_the_rules(make_allocator, checked):
                 count[i] -= 1
                 if count[i] == 0 and (once[i] or keep[i]):
                     lru.append(i)
-        elif op < 0.8:
+        elif op < bounds[2]:
             i = rng.randrange(1, n)
             keep[i] = not keep[i]
             refs.keep_flags[i] = int(keep[i])
         else:
-            pick = [rng.randrange(1, n) for _ in range(rng.randint(1, 4))]
+            pick = [rng.randrange(1, n) for _ in range(1 if one_page else rng.randint(1, 4))]
             refs.ref(pick if rng.random() < 0.5 else np.array(pick, np.int64))
             for i in pick:
                 if i in lru:

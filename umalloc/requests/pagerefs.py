@@ -34,6 +34,16 @@ more than their kernel (a device mirror, ``debug_checks``, eager compaction, lea
 allocation to retry), the call takes them instead: the holder check the allocator runs from inside them waits
 until the bookkeeping is done (:meth:`PageRefs.check_invariants` runs after the call under ``debug_checks``).
 
+Note [One-page calls]
+~~~~~~~~~~~~~~~~~~~~~
+An engine's decode step and a sliding window's step move one page at a time, where a kernel call's fixed cost
+(argument unboxing, ~0.25 us) is most of the work. A call that touches only this object's rows runs in Python on
+``memoryview`` s of them instead, with the kernel's exact effect: ``take(1)`` with no free id (the LRU head),
+``unref`` of one id whose count stays above 0 or that is cached at 0 (keep flag set), ``ref`` of a list of at
+most :data:`SMALL_REF` held or cached ids (0 skipped). Anything that reaches the allocator (a free
+id to take or to claim, a page freed to it), lease work due, ``debug_checks`` (take and unref), a bad entry or a
+negative entry takes the kernel path.
+
 Not thread-safe: call from the thread that owns the allocator.
 """
 
@@ -65,6 +75,8 @@ from umalloc.requests.refcounts import (
 #: reference counts, page states, keep flags, take's output, take's kept pages, pages to free, pages to claim
 W_REF, W_STATE, W_KEEP, W_OUT, W_KEPT, W_FREED, W_CLAIM = range(2, 9)
 W_ROWS = 9
+#: the longest list :meth:`PageRefs.ref` handles in Python (Note [One-page calls]; at 4 the kernel is faster)
+SMALL_REF = 1
 #: kernel results: the allocator refused (take: retry on the public path; unref: pages freed behind this object)
 R_ALLOC_REFUSED = -1
 #: :func:`k_take_direct`: ``n`` outside ``[0, free + cached]``
@@ -329,6 +341,10 @@ class PageRefs:
         self._unref_a, self._unref_q = hot.unref_direct
         self.ref_counts: memoryview = self._ref.data
         self.keep_flags: memoryview = self._keep.data
+        # Note [One-page calls]: the rows as memoryviews (a Python int per read, no numpy scalar)
+        self._prev, self._next, self._state_mv = w[LRU_PREV].data, w[LRU_NEXT].data, w[W_STATE].data
+        self._out_mv, self._nv = w[W_OUT].data, nv
+        self._revived = 0                         # what the last short ref revived
         self.num_free = alloc.available_pages(self.end)
         self.num_cached = 0
         # Note [Fused kernels]: one kernel call per take / unref, the allocator's kernel inside ours; root 0:
@@ -348,6 +364,8 @@ class PageRefs:
         if type(n) is not int:
             raise UmallocValueError(f"take: {n!r} pages; allowed an int >= 0")
         free = self.num_free
+        if n == 1 and not free and self.num_cached and not self._lease_work:   # Note [One-page calls]
+            return self._take_lru_head()
         c = R_ALLOC_REFUSED
         if not self._lease_work:
             c = self._take_k(self._root, self._owner, self._mask, self._w, n, free, self.num_cached)
@@ -360,6 +378,27 @@ class PageRefs:
         self.num_cached -= n - m
         self.num_taken_kept = c
         return self._out[:n]
+
+    def _take_lru_head(self) -> memoryview:
+        """``take(1)`` of the LRU head with no free id left (Note [One-page calls]): :func:`k_hold`'s effect."""
+        prev, nxt = self._prev, self._next
+        v = nxt[0]
+        p, q = prev[v], nxt[v]
+        nxt[p] = q
+        prev[q] = p
+        prev[v] = nxt[v] = 0
+        self.ref_counts[v] = 1
+        self._state_mv[v] = PAGE_HELD
+        self._out_mv[0] = v
+        if self.keep_flags[v]:
+            self._kept[0] = v
+            self.num_taken_kept = 1
+        else:
+            self.num_taken_kept = 0
+        self._m = 0
+        self._n = 1
+        self.num_cached -= 1
+        return self._out[:1]
 
     def _take_public(self, n: int, c: int) -> memoryview:
         """:meth:`take` through the allocator's public ``alloc_pages`` (its checks, lease ticks, retries)."""
@@ -398,6 +437,8 @@ class PageRefs:
         cached pages leave the LRU, free pages are claimed by id from the allocator. Returns the pages revived
         from the cache. Raises InvalidIdError for an id out of range or not an int (nothing changes). O(n)."""
         if type(ids) is list:
+            if len(ids) <= SMALL_REF and self._ref_small(ids):   # Note [One-page calls]
+                return self._revived
             try:
                 q: np.ndarray | array[int] = array("q", ids)
             except (TypeError, OverflowError) as e:
@@ -426,12 +467,56 @@ class PageRefs:
         self._after_public()
         return r
 
+    def _ref_small(self, ids: list[int]) -> bool:
+        """:meth:`ref` of a short list of held or cached pages (id 0 skipped) in Python (Note [One-page calls]):
+        ``False`` (nothing changed) if an entry is not one, else ``True`` with the revived count in
+        ``_revived``."""
+        state, nv = self._state_mv, self._nv
+        for v in ids:
+            if type(v) is not int or not 0 <= v < nv or (v and state[v] == PAGE_NOT_MANAGED):
+                return False
+        counts, prev, nxt = self.ref_counts, self._prev, self._next
+        revived = 0
+        for v in ids:
+            if not v:
+                continue
+            if state[v] == PAGE_CACHED:
+                p, q = prev[v], nxt[v]
+                nxt[p] = q
+                prev[q] = p
+                prev[v] = nxt[v] = 0
+                state[v] = PAGE_HELD
+                revived += 1
+            counts[v] += 1
+        self.num_cached -= revived
+        self._revived = revived
+        return True
+
     def unref(self, ids: np.ndarray | list[int]) -> None:
         """One reference less per entry of ``ids`` (``int64 (n,)`` numpy or a list of ints; 0 skipped): a page
         reaching 0 is cached (LRU tail) if its keep flag is set or its entry is ``-v``, and goes back to the
         allocator otherwise. Raises DoubleFreeError (a count would drop below 0) or InvalidIdError (out of
         range, not an int); nothing changes on any. O(n) in one kernel call (Note [Fused kernels])."""
         if type(ids) is list:
+            if len(ids) == 1 and not self._lease_work:   # Note [One-page calls]: stays held, or cached at 0
+                v = ids[0]
+                if type(v) is int and 0 < v < self._nv:
+                    counts = self.ref_counts
+                    c = counts[v]
+                    if c > 1:
+                        counts[v] = c - 1
+                        return
+                    if c == 1 and self.keep_flags[v] and self._state_mv[v] == PAGE_HELD:
+                        counts[v] = 0
+                        self._state_mv[v] = PAGE_CACHED
+                        prev, nxt = self._prev, self._next
+                        tail = prev[0]
+                        nxt[tail] = v
+                        prev[v] = tail
+                        nxt[v] = 0
+                        prev[0] = v
+                        self.num_cached += 1
+                        return
             try:
                 q: np.ndarray | array[int] = array("q", ids)
             except (TypeError, OverflowError) as e:

@@ -31,6 +31,10 @@ VLLM_VERSION = check_version(str(getattr(vllm, "__version__", "unknown")))
 HASH_SLOT, HASH_TOKENS_SLOT = hash_slots(KVCacheBlock)
 #: whether ``BlockHashToBlockMap`` reads its blocks from the pool's block list (takes it at construction)
 MAP_TAKES_BLOCKS = "blocks" in inspect.signature(BlockHashToBlockMap).parameters
+#: whether :func:`drop_hashes` reproduces the stock eviction (the map holds blocks in ``_cache``, the hash is in
+#: the underscored slots: 0.33's layout, Note [Release seams]); elsewhere the stock per-block eviction runs
+INLINE_EVICT = not MAP_TAKES_BLOCKS and HASH_SLOT == "_block_hash" \
+    and "_cache" in vars(BlockHashToBlockMap())
 
 
 def block_class(counts: memoryview, keep: memoryview | None) -> type:
@@ -85,6 +89,35 @@ def block_class(counts: memoryview, keep: memoryview | None) -> type:
 
     UmallocKVCacheBlock.__module__ = __name__
     return UmallocKVCacheBlock
+
+
+def drop_hashes(pool: Any, ids: list[int]) -> None:
+    """vLLM's ``_maybe_evict_cached_block`` for each of ``pool``'s blocks ``ids`` (blocks handed out with a hash,
+    kv-cache events and metrics off), in one loop: each hash leaves the prefix-cache map (the entry of that block
+    only: another block under the same hash stays), the block's hash slots and umalloc's keep flag are cleared. A
+    block with extra (partial-prefix) hashes takes the stock path. Only where :data:`INLINE_EVICT`. O(len(ids))."""
+    cache = pool.cached_block_hash_to_block._cache
+    extra = pool.cached_block_hashes_by_block
+    blocks, keep = pool.blocks, pool.refs.keep_flags
+    for i in ids:
+        b = blocks[i]
+        if extra and i in extra:
+            pool._maybe_evict_cached_block(b)
+            continue
+        h = b._block_hash
+        if h is None:   # no hash to drop (the stock eviction leaves the block as it is)
+            continue
+        got = cache.pop(h, None)
+        if got is not None:
+            if type(got) is dict:             # several blocks under the hash: only this one leaves
+                got.pop(i, None)
+                if got:
+                    cache[h] = got
+            elif got.block_id != i:           # another block under the hash: it stays
+                cache[h] = got
+        b._block_hash = None
+        b._block_hash_num_tokens = None
+        keep[i] = 0
 
 
 class UmallocBlockPool(BlockPool):  # type: ignore[misc, valid-type, unused-ignore]
@@ -155,7 +188,7 @@ class UmallocBlockPool(BlockPool):  # type: ignore[misc, valid-type, unused-igno
             raise UmallocValueError(f"Cannot get {num_blocks} free blocks from the pool: allowed at most "
                                     f"{refs.num_free + refs.num_cached}") from None
         blocks = self.blocks
-        ret = [blocks[i] for i in ids]
+        ret = [blocks[ids[0]]] if num_blocks == 1 else list(map(blocks.__getitem__, ids))
         # the blocks handed out with a hash (evicted cached ones, or a hash put on a free block): vLLM's
         # per-block eviction runs for these only, the others have no hash to drop
         kept = refs.taken_kept().tolist() if refs.num_taken_kept else ()
@@ -167,9 +200,13 @@ class UmallocBlockPool(BlockPool):  # type: ignore[misc, valid-type, unused-igno
                 if self.enable_caching:
                     self._maybe_evict_cached_block(block)
                 metrics.on_block_allocated(block)
-        else:
-            for i in kept:
-                self._maybe_evict_cached_block(blocks[i])
+        elif kept:
+            if INLINE_EVICT and not self.enable_kv_cache_events \
+                    and type(self.cached_block_hash_to_block) is BlockHashToBlockMap:
+                drop_hashes(self, kept)
+            else:
+                for i in kept:
+                    self._maybe_evict_cached_block(blocks[i])
         return ret
 
     def touch(self, blocks: Sequence[Any]) -> None:
@@ -189,7 +226,10 @@ class UmallocBlockPool(BlockPool):  # type: ignore[misc, valid-type, unused-igno
         in the batch's order, so they are evicted before any other cached block."""
         blocks = ordered_blocks if type(ordered_blocks) is list else list(ordered_blocks)
         ref = self._ref
-        ids = [b.block_id for b in blocks if b.pool is ref]   # kept or freed at 0 by the keep flags
+        if len(blocks) == 1:   # one block (a sliding window's step): no comprehension frame
+            ids = [blocks[0].block_id] if blocks[0].pool is ref else []
+        else:
+            ids = [b.block_id for b in blocks if b.pool is ref]   # kept or freed at 0 by the keep flags
         if len(ids) == len(blocks):
             if ids:
                 if self._linked:
@@ -273,4 +313,5 @@ class UmallocBlockPool(BlockPool):  # type: ignore[misc, valid-type, unused-igno
                                      f"keep flag {keep[b.block_id]} (a hash written behind set_block_hash)")
 
 
-__all__ = ["HASH_SLOT", "HASH_TOKENS_SLOT", "VLLM_VERSION", "UmallocBlockPool", "block_class"]
+__all__ = ["HASH_SLOT", "HASH_TOKENS_SLOT", "INLINE_EVICT", "VLLM_VERSION", "UmallocBlockPool", "block_class",
+           "drop_hashes"]
