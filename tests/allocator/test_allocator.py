@@ -813,19 +813,11 @@ def test_per_call_methods_match_the_class_methods_and_a_subclass_override_wins()
     assert freed == [[1, 2]] and alloc.stats()["full"].live_pages == 0
 
 
-@pytest.mark.parametrize("old", ["release_end", "release_pages"])
-def test_the_deprecated_release_names_warn_and_unbind_as_the_new_ones(old) -> None:
-    """``release_end`` / ``release_pages`` (the names before ``unbind_end`` / ``unbind_pages``, listed in
-    CHANGELOG.md) still work for one release: the same effect as the new name (swa page 9 of vpage 2 stays
-    bound, vpage 1's swa page goes), after a DeprecationWarning naming the new one."""
+def test_the_renamed_unbind_calls_have_no_old_names() -> None:
+    """``unbind_end`` / ``unbind_pages`` are the only names (``release`` is a lease's verb); the names before them
+    (listed in CHANGELOG.md) are gone, not aliased."""
     from umalloc.testing import small_allocator
 
     alloc = small_allocator()
-    vp = alloc.alloc_pages(2)
-    new = {"release_end": "unbind_end", "release_pages": "unbind_pages"}[old]
-    ids = vp[:1] * alloc.spec.end("full").page_size if old == "release_end" else vp[:1]
-    with pytest.warns(DeprecationWarning, match=f"MultiEndedAllocator.{old} is deprecated: use {new}"):
-        getattr(alloc, old)("swa", ids)
-    assert alloc.translate_pages(vp, "swa", strict=False).tolist() == [0, 9]
-    assert alloc.translate_pages(vp, "full").tolist() == [1, 2]
-    alloc.check_invariants()
+    assert hasattr(alloc, "unbind_end") and hasattr(alloc, "unbind_pages")
+    assert not hasattr(alloc, "release_end") and not hasattr(alloc, "release_pages")

@@ -606,15 +606,8 @@ def test_huge_counts_and_ids_get_typed_errors_and_change_nothing() -> None:
     table.check_invariants()
 
 
-def test_the_deprecated_release_warns_and_drops_engine_references_as_drop_refs(kv_allocator) -> None:
-    """``RequestTable.release`` (the name before ``drop_refs``, listed in CHANGELOG.md) still works for one release."""
-    alloc = kv_allocator(2, 8)
-    table = RequestTable(alloc, max_requests=2, max_tokens_per_request=8)
-    (s,) = table.new_requests(1).tolist()
-    table.extend([s], [4])                            # pages 2, 3
-    table.retain(_t(2, 3))
-    table.free_requests([s])                          # the engine's references alone hold 2 and 3
-    with pytest.warns(DeprecationWarning, match="RequestTable.release is deprecated: use drop_refs"):
-        table.release(_t(3, 2), cache=True)
-    assert table.cached_pages().tolist() == [3, 2] and table.stats().engine_refs == 0
-    table.check_invariants()
+def test_drop_refs_has_no_old_name(kv_allocator) -> None:
+    """``drop_refs`` is the only name for dropping engine references (the name before it, listed in CHANGELOG.md, is
+    gone, not aliased)."""
+    table = RequestTable(kv_allocator(2, 8), max_requests=2, max_tokens_per_request=8)
+    assert hasattr(table, "drop_refs") and not hasattr(table, "release")

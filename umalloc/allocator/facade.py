@@ -113,7 +113,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import MappingProxyType
@@ -530,19 +529,6 @@ class MultiEndedAllocator:
         """:meth:`unbind_end` for virtual page ids: :meth:`FreeingService.unbind_pages
         <umalloc.allocator.freeing.FreeingService.unbind_pages>`."""
         self._freeing.unbind_pages(end, vpages, strict=strict, index=index)
-
-    def release_end(self, end: str, vtokens: torch.Tensor | np.ndarray, *, strict: bool = True) -> None:
-        """Deprecated alias of :meth:`unbind_end` (DeprecationWarning; removed in the next release)."""
-        warnings.warn("MultiEndedAllocator.release_end is deprecated: use unbind_end", DeprecationWarning,
-                      stacklevel=2)
-        self.unbind_end(end, vtokens, strict=strict)
-
-    def release_pages(self, end: str, vpages: torch.Tensor | np.ndarray, *, strict: bool = True,
-                      index: torch.Tensor | np.ndarray | None = None) -> None:
-        """Deprecated alias of :meth:`unbind_pages` (DeprecationWarning; removed in the next release)."""
-        warnings.warn("MultiEndedAllocator.release_pages is deprecated: use unbind_pages", DeprecationWarning,
-                      stacklevel=2)
-        self.unbind_pages(end, vpages, strict=strict, index=index)
 
     def available_pages(self, end: str) -> int:
         """Pages ``end`` can allocate now: :meth:`SpaceService.available_pages

@@ -97,7 +97,6 @@ pages are its own and outside every check here.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -703,11 +702,6 @@ class RequestTable:
         if cache:
             self._counters["cached"] += int(np.count_nonzero(self._pg[PG_STATE, u] == PAGE_CACHED))
         self._free_listed(nf)
-
-    def release(self, vpages: IdBatch, cache: bool = False) -> None:
-        """Deprecated alias of :meth:`drop_refs` (DeprecationWarning; removed in the next release)."""
-        warnings.warn("RequestTable.release is deprecated: use drop_refs", DeprecationWarning, stacklevel=2)
-        self.drop_refs(vpages, cache)
 
     def evict(self, num_pages: int) -> int:
         """Evict up to ``num_pages`` cached pages, LRU first: ``on_evict(vpages)`` is called, then they are
