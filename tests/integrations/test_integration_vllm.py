@@ -315,8 +315,12 @@ def test_evicting_shared_and_extra_hashes_leaves_the_map_as_vllms_pool_does(vllm
     def entries(pool, held):
         pos = {b.block_id: i for i, b in enumerate(held)}
         out = {}
-        for k, v in pool.cached_block_hash_to_block._cache.items():
-            out[k] = sorted(pos[i] for i in (v if isinstance(v, dict) else {v.block_id: v}))
+        table = pool.cached_block_hash_to_block
+        dup_ids = getattr(table, "_dup_ids", {})     # 0.34: ids of keys cached by several blocks, kept apart
+        for k, v in table._cache.items():
+            # 0.33 maps a key to a block or a dict {block id: block}; 0.34 to a block id
+            ids = dup_ids[k] if k in dup_ids else v if isinstance(v, dict) else [v if isinstance(v, int) else v.block_id]
+            out[k] = sorted(pos[i] for i in ids)
         return out, sorted(pos[i] for i in pool.cached_block_hashes_by_block), \
             [(b.block_hash, b.block_hash_num_tokens) for b in held]
 
