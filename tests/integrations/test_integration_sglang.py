@@ -504,3 +504,20 @@ def test_swa_class_frees_both_pools_per_slot() -> None:
     um.free(row[:5])
     assert (um.full_available_size(), um.swa_available_size()) == (full + 8, swa + 8)
     um.check_invariants()
+
+
+def test_token_class_resize_sizes_the_pool_as_sglang_does() -> None:
+    # SGLang's post-capture sizing calls allocator.resize(config): at page size 1 it sets size only, then clear()
+    import types
+
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+
+    args = (8, torch.bfloat16, "cpu", None, False)
+    sg, um = TokenToKVPoolAllocator(*args), um_sglang.UmallocTokenToKVPoolAllocator(*args)
+    for n in (16, 5):
+        config = types.SimpleNamespace(max_total_num_tokens=n)
+        sg.resize(config)
+        um.resize(config)
+        assert um.available_size() == sg.available_size() == n
+        assert um.alloc(n).tolist() == sg.alloc(n).tolist() == list(range(1, n + 1))
+        um.check_invariants()

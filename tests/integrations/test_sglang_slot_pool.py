@@ -3,6 +3,7 @@ values worked out by hand from SGLang's rules (pages 1..num_pages, token = page 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -216,4 +217,15 @@ def test_token_pool_ids_handed_out_never_change_across_log_buffers() -> None:
         kept.append((got, got.tolist()))
         pool.free_tokens(got[: 700 - i % 3])
     assert all(ids.tolist() == seen for ids, seen in kept)
+    pool.check_invariants()
+
+
+def test_token_pool_takes_numpy_integer_counts_and_stays_on_python_ints() -> None:
+    pool = TokenSlotPool(8)
+    assert pool.alloc_tokens(np.int64(2)).tolist() == [1, 2]
+    assert pool.alloc_tokens(np.uint64(1)).tolist() == [3]   # np.int64 + np.uint64 is a float64 in numpy 2
+    assert pool.alloc_tokens(np.int32(2)).tolist() == [4, 5]
+    assert type(pool.available_tokens()) is int and pool.available_tokens() == 3
+    pool.free_tokens(t(1))
+    assert pool.alloc_tokens(4).tolist() == [6, 7, 8, 1]
     pool.check_invariants()

@@ -113,7 +113,9 @@ class UmallocTokenToKVPoolAllocator(_PoolBacked):
 
     def _make_pool(self) -> None:
         """:meth:`_PoolBacked._make_pool`, then ``alloc`` and ``free`` bound to the pool's own methods on this
-        instance (the per-request paths: one call frame, not two; same arguments, results and errors)."""
+        instance (the per-request paths: one call frame, not two; same arguments, results and errors). The pool
+        has ``size`` slots: SGLang's ``resize`` sets ``size`` only at page size 1, then calls ``clear``."""
+        self.num_pages = self.size
         super()._make_pool()
         self.alloc = self.pool.alloc_tokens  # type: ignore[method-assign]
         self.free = self.pool.free_tokens    # type: ignore[method-assign]

@@ -160,7 +160,7 @@ class TokenSlotPool:
             UmallocValueError: ``need_size`` not an int >= 0.
         """
         if type(need_size) is not int or need_size < 0:
-            _count(need_size, "need_size", 0)
+            need_size = _count(need_size, "need_size", 0)   # a numpy integer as a Python int: head stays an int
         if need_size > self._free:
             return None
         j = self._head - self._base
