@@ -180,6 +180,19 @@ def _prefill_died(worker: Any) -> WorkerDied:
     return WorkerDied(f"the prefill process (pid {worker.pid}) died ({how})")
 
 
+def compare_request(r: TraceRequest, toks: list[int], want: list[int], per_request: list[dict],
+                    differ: list[dict]) -> None:
+    """Record request ``r``'s row (prompt, output and decoded token counts) in ``per_request`` and, when its
+    tokens ``toks`` differ from the one-process ``want``, the first difference in ``differ``. O(len(toks))."""
+    from umalloc_replay.generate.kv import first_difference  # kv imports torch: not at the CLI's start-up
+    per_request.append({"request": r.request_id, "prompt_tokens": r.input_tokens,
+                        "output_tokens": r.output_tokens, "decoded": max(0, len(toks) - 1)})
+    pos = first_difference(toks, want)
+    if pos is not None:
+        differ.append({"request": r.request_id, "position": pos, "got": toks[pos] if pos < len(toks) else None,
+                       "want": want[pos] if pos < len(want) else None})
+
+
 def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = None,
                  on_batch: Callable[[int, Any], None] | None = None) -> dict:
     """Run ``cfg`` (module docstring); returns the JSON-ready report. ``on_batch(batch_index, prefill_side)``
@@ -196,7 +209,6 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
         FAULTS,
         ModelKV,
         cache_from_kv,
-        first_difference,
         greedy_continue,
         read_pages_kv,
         reference_speculative,
@@ -350,14 +362,7 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
             in_place = ip
             for r in reqs:
                 toks = generated[r.request_id]
-                per_request.append({"request": r.request_id, "prompt_tokens": r.input_tokens,
-                                    "output_tokens": r.output_tokens, "decoded": max(0, len(toks) - 1)})
-                pos = first_difference(toks, reference[r.request_id])
-                if pos is not None:
-                    differ.append({"request": r.request_id, "position": pos,
-                                   "got": toks[pos] if pos < len(toks) else None,
-                                   "want": reference[r.request_id][pos] if pos < len(reference[r.request_id])
-                                   else None})
+                compare_request(r, toks, reference[r.request_id], per_request, differ)
         for lo in range(0, len(reqs) if engine is None else 0, cfg.max_batch):
             batch = reqs[lo: lo + cfg.max_batch]
             tickets, held = [], []
@@ -416,14 +421,7 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
                 rebuild_s += t1 - t0
                 decode_s += time.perf_counter() - t1
                 generated[r.request_id] = toks
-                per_request.append({"request": r.request_id, "prompt_tokens": r.input_tokens,
-                                    "output_tokens": r.output_tokens, "decoded": max(0, len(toks) - 1)})
-                pos = first_difference(toks, reference[r.request_id])
-                if pos is not None:
-                    differ.append({"request": r.request_id, "position": pos,
-                                   "got": toks[pos] if pos < len(toks) else None,
-                                   "want": reference[r.request_id][pos] if pos < len(reference[r.request_id])
-                                   else None})
+                compare_request(r, toks, reference[r.request_id], per_request, differ)
                 if bar is not None:
                     bar.advance(task)
             if on_batch is not None:
