@@ -89,14 +89,17 @@ def test_sliding_prefix_shared_tokens_identical(window: int, system_tokens: int)
     (cache,) = inst.caches
     c = cache.counters
     assert cache.use_prefix_sharing and not cache.cache_freed
-    detail = (f"prefix_hits={c.prefix_hits} hit_tokens={c.prefix_hit_tokens} ring_pages_copied={c.ring_pages_copied}"
+    detail = (f"prefix_hits={c.prefix_hits} hit_tokens={c.prefix_hit_tokens} ring_pages_shared="
+              f"{c.ring_pages_shared} ring_pages_copied={c.ring_pages_copied} ring_cow_copies={c.ring_cow_copies}"
               f" dedup={c.deduplicated_pages}")
     report(f"gemma3-w{window}", f"prefix-sys{system_tokens}", got == stock, detail)
     assert got == stock, detail
     if system_tokens <= window:
         assert c.prefix_hits > 0 and c.prefix_hit_tokens >= c.prefix_hits * PAGE_SIZE, detail
-        # every hit copied its ring: min(hit, window) tokens in whole pages
-        assert c.ring_pages_copied == c.prefix_hit_tokens // PAGE_SIZE, detail
+        # every hit shared its ring (window in whole pages) or copied it: min(hit, window) tokens in whole pages
+        given = c.ring_pages_shared if window % PAGE_SIZE == 0 else c.ring_pages_copied
+        assert given == c.prefix_hit_tokens // PAGE_SIZE, detail
+        assert (c.ring_pages_copied if window % PAGE_SIZE == 0 else c.ring_pages_shared) == 0, detail
 
 
 def test_a_donor_ring_written_after_the_hit_leaves_the_sharer_unaffected(monkeypatch: pytest.MonkeyPatch) -> None:

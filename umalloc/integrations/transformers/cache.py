@@ -167,6 +167,7 @@ from umalloc.integrations.transformers.options import (
     text_config_dims,
 )
 from umalloc.integrations.transformers.prefix import PrefixIndex, ring_donor
+from umalloc.integrations.transformers.rings import RingPages
 from umalloc.integrations.transformers.sizing import never_completes, stock_sizing, tokens_alone
 
 
@@ -306,7 +307,7 @@ class UmallocPagedCache:
         #: sliding layers, and None when every layer slides (``table`` holds the rings, Note [All sliding])
         self.ring_table: RequestTable | None = None
         if self.window is not None and self.has_full:
-            self.ring_table = RequestTable(self.alloc, max_requests=max_requests,
+            self.ring_table = RequestTable(self.alloc, max_requests=max_requests + 1,   # + 1: Note [Shared rings]
                                            max_tokens_per_request=self.window, dtype=torch.int64, owner="swa",
                                            zero_page=False)
         self.options = opts
@@ -316,10 +317,13 @@ class UmallocPagedCache:
         self._held: dict[int, int] = {}   # slot -> tokens it holds (the table's lengths, kept here: no table call)
         self.ring_slots: dict[int, int] = {}   # slot -> its ring's slot in ring_table (Note [Sliding ring])
         self._free_bytes_memo: int | None = None   # free_bytes() until the next allocation or free
-        self._ring_copies: list[tuple[int, int]] = []   # (source ring slot, fork's ring slot) to copy
         self._pending: dict[int, int] = {}   # slot -> tokens granted, not yet in the tables (Note [Deferred growth])
         self._forked: set[int] = set()   # slots that may share a partial page (fork sources and forks)
         self.prefix = PrefixIndex()
+        #: the rings' shared, copied-on-write and fork-copied pages (:mod:`~umalloc.integrations.transformers.rings`)
+        self.rings = None if self.window is None else RingPages(
+            self.ring_table if self.ring_table is not None else self.table, self.arena, self.alloc, self.window, ps,
+            self.counters)
 
         self.cache_allocators: dict[str, EndGroup] = {}
         self.layer_to_allocator: dict[int, EndGroup] = {}
@@ -393,6 +397,7 @@ class UmallocPagedCache:
         rings = [self.ring_slots.pop(s) for s in slots if s in self.ring_slots]
         if rings and self.ring_table is not None:
             self.ring_table.free_requests(rings)
+            self.rings.forget(rings)   # type: ignore[union-attr]
         self._forget_rows(slots, rings)
         for s in slots:
             self._held.pop(s, None)
@@ -427,7 +432,8 @@ class UmallocPagedCache:
         with self._timer:
             self._free_bytes_memo = None
             self._flush()
-            self._copy_rings()   # a caller that skipped perform_cache_copy still reads the forks' rings
+            if self.rings is not None:   # a caller that skipped perform_cache_copy still reads the forks' rings
+                self.rings.copy_forks()
             c = self.counters
             c.steps += 1
             c.live_requests_sum += len(self.slots)
@@ -499,10 +505,18 @@ class UmallocPagedCache:
                 self._held[known] = target
                 return True
             self._flush()
-            if not self._fits_bytes(*self._new_pages(known, held, grow)):   # refused before anything is touched
+            ring = self.ring_slots.get(known, -1) if known is not None else -1
+            cow = self.rings.plan_copies(ring, target - int(request_len), target) if ring >= 0 and self.rings else []
+            full_pages, swa_pages = self._new_pages(known, held, grow)
+            if not self._fits_bytes(full_pages, swa_pages + len(cow)):   # refused before anything is touched
                 self.counters.refused_allocations += 1
                 return False
-            ok = self._grow(rid, known, held, grow)
+            done = self.rings.copy_on_write(ring, cow) if cow and self.rings else []   # Note [Shared rings]
+            ok = done is not None and self._grow(rid, known, held, grow)
+            if done and not ok:
+                self.rings.undo(ring, done)   # type: ignore[union-attr]
+            if cow:
+                self._forget_rows([], [ring])
             self._free_bytes_memo = None   # the growth (or its undoing) may have changed the free bytes
             if not ok:
                 self.counters.refused_allocations += 1
@@ -678,9 +692,9 @@ class UmallocPagedCache:
                 return 0
             self._flush()
             self._free_bytes_memo = None
-            donor = -1
-            if self.ring_table is not None and self.window is not None:   # Note [Sliding prefix] (prefix module)
-                self._copy_rings()   # forks' rings hold their source's before they give any
+            donor, rings = -1, self.rings
+            if self.ring_table is not None and self.window is not None and rings:   # Note [Sliding prefix] (prefix)
+                rings.copy_forks()   # forks' rings hold their source's before they give any
                 donor, k = ring_donor(matched, ((s, self._held[s], self.table.pages(s).tolist())
                                                 for s in self.slots.values()), self.window, ps)
                 del matched[k:]
@@ -691,8 +705,11 @@ class UmallocPagedCache:
                 return 0
             slot = int(got[0])
             ok = self.table.attach_prefix(slot, matched, revive=True)
-            if ok and donor >= 0:
-                ok = self._copy_ring_prefix(slot, donor, len(matched) * ps)
+            if ok and donor >= 0 and rings:
+                ring = rings.give(self.ring_slots[donor], len(matched) * ps)
+                ok = ring is not None
+                if ring is not None:
+                    self.ring_slots[slot] = ring
             if not ok:
                 self.table.free_requests([slot])
                 return 0
@@ -701,25 +718,6 @@ class UmallocPagedCache:
             self.counters.prefix_hits += 1
             self.counters.prefix_hit_tokens += len(matched) * ps
             return len(matched) * ps
-
-    def _copy_ring_prefix(self, slot: int, donor: int, tokens: int) -> bool:
-        """Give request ``slot`` a ring of ``min(tokens, window)`` tokens in fresh pages holding a copy of
-        ``donor``'s ring pages (Note [Sliding prefix] in :mod:`~umalloc.integrations.transformers.prefix`); False
-        with nothing taken if the pages fall short."""
-        assert self.ring_table is not None and self.window is not None
-        got = self.ring_table.new_requests(1)
-        if got is None:
-            return False
-        if self.ring_table.extend(got, np.array([min(tokens, self.window)], np.int64)) is None:
-            self.ring_table.free_requests(got)
-            return False
-        ring = int(got[0])
-        self.ring_slots[slot] = ring
-        dst = self.ring_table.pages(ring)
-        src = self.ring_table.pages(self.ring_slots[donor])[: dst.numel()]
-        self.arena.copy_pages("swa", self.alloc.translate_pages(dst, "swa"), self.alloc.translate_pages(src, "swa"))
-        self.counters.ring_pages_copied += int(dst.numel())
-        return True
 
     def count_new_complete_blocks(self, state: Any, request_len: int) -> dict[str, int]:
         if not self.use_prefix_sharing:
@@ -793,7 +791,7 @@ class UmallocPagedCache:
                         self.table.free_requests([slot])
                         break
                     self.ring_slots[slot] = int(got[0])
-                    self._ring_copies.append((self.ring_slots[src], int(got[0])))
+                    self.rings.queue_fork_copy(self.ring_slots[src], int(got[0]))   # type: ignore[union-attr]
                 self.slots[rid] = slot
                 self._held[slot] = held
                 if self.has_full:
@@ -813,23 +811,15 @@ class UmallocPagedCache:
         if self.table.extend(got, np.array([min(held, self.window)], np.int64)) is None:
             self.table.free_requests(got)
             return None
-        self._ring_copies.append((src, int(got[0])))
+        self.rings.queue_fork_copy(src, int(got[0]))   # type: ignore[union-attr]
         return int(got[0])
 
     def perform_cache_copy(self, copy_src_and_dst: dict[str, tuple[list[int], list[int]]]) -> None:
         """Copy the rings of the forks :meth:`prepare_fork_request` made (one page copy per fork on the ``swa``
         end); the full-attention pages are shared, the table copies them on write."""
         with self._timer:
-            self._copy_rings()
-
-    def _copy_rings(self) -> None:
-        if not self._ring_copies:
-            return
-        rt = self.ring_table if self.ring_table is not None else self.table
-        src = torch.cat([rt.pages(s) for s, _ in self._ring_copies])
-        dst = torch.cat([rt.pages(d) for _, d in self._ring_copies])
-        self._ring_copies.clear()
-        self.arena.copy_pages("swa", self.alloc.translate_pages(dst, "swa"), self.alloc.translate_pages(src, "swa"))
+            if self.rings is not None:
+                self.rings.copy_forks()
 
     @torch.compiler.disable  # type: ignore[untyped-decorator]
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,

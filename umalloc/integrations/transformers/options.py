@@ -88,8 +88,9 @@ class CacheCounters:
         pages replaced by an indexed page of the same content (Note [Seams] 7). evicted_pages: cached pages
         evicted (``on_evict``). refused_allocations: ``can_store_request_tokens`` answers ``False``. failed_alone:
         requests failed because they could never complete, with the children they were to fork into (Note
-        [Cannot fit]). ring_pages_copied: ring pages a prefix hit copied from its donor (Note [Sliding prefix] in
-        :mod:`~umalloc.integrations.transformers.prefix`).
+        [Cannot fit]). ring_pages_shared / ring_pages_copied: ring pages a prefix hit shared with its donor, or
+        copied from it when the window is not whole pages; ring_cow_copies: shared ring pages copied at a ring's
+        first write into them (Note [Shared rings] in :mod:`~umalloc.integrations.transformers.rings`).
         max_live_requests: most requests holding pages at once. memory_seconds: wall time inside this layer's
         scheduler-facing calls (allocation, index building and translation, freeing, hooks), measured with
         ``time.perf_counter``.
@@ -107,6 +108,8 @@ class CacheCounters:
     failed_alone: int = 0
     forks: int = 0
     ring_pages_copied: int = 0
+    ring_pages_shared: int = 0
+    ring_cow_copies: int = 0
     memory_seconds: float = 0.0
     live_requests_sum: int = 0
 

@@ -11,16 +11,17 @@ Threading: the scheduler's thread only, as the cache.
 Note [Sliding prefix]
 ~~~~~~~~~~~~~~~~~~~~~
 With sliding layers beside full ones, a prefix hit shares the full-attention pages through ``table`` (reference
-counts, as without sliding layers) and gives the request a ring of its own holding a copy of a live request's
-(the donor's) ring pages: ring pages are never shared, so no write into a ring slot ever reaches another
-request's bytes. A hit of ``p`` tokens needs a donor holding the matched pages as its first ones whose ring still
-holds positions ``[max(0, p - window), p)``: one holding at most ``max(window, p)`` tokens (held, so including
-tokens allocated for a forward not yet run; :func:`ring_donor`). The
-match is cut to the longest prefix a donor can give: a prefix longer than the window is given only by a donor
-holding exactly that prefix, else the shorter part within the window. No donor, no hit (the request prefills it
-all). Freed full-attention pages are not cached (no live ring could give their window), so their hashes go with
-their last holder. The hit saves the prefix's forward (every layer) and its full-attention pages; the ring costs
-``ceil(min(p, window) / page_size)`` page copies (``counters.ring_pages_copied``).
+counts, as without sliding layers) and gives the request a ring holding a live request's (the donor's) ring pages
+of the prefix: shared copy-on-write, or copied when the window is not whole pages (Note [Shared rings] in
+:mod:`~umalloc.integrations.transformers.rings`), so no write into a ring slot ever reaches another request's
+bytes. A hit of ``p`` tokens needs a donor holding the matched pages as its first ones whose ring still holds
+positions ``[max(0, p - window), p)``: one holding at most ``max(window, p)`` tokens (held, so including tokens
+allocated for a forward not yet run; :func:`ring_donor`). The match is cut to the longest prefix a donor can give:
+a prefix longer than the window is given only by a donor holding exactly that prefix, else the shorter part within
+the window. No donor, no hit (the request prefills it all). Freed full-attention pages are not cached (no live ring
+could give their window), so their hashes go with their last holder. The hit saves the prefix's forward (every
+layer), its full-attention pages and, shared, its ``ceil(min(p, window) / page_size)`` ring pages
+(``counters.ring_pages_shared``) until a ring's first write into them copies them (``counters.ring_cow_copies``).
 """
 
 from __future__ import annotations
