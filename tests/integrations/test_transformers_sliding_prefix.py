@@ -1,7 +1,9 @@
 """Prefix sharing on models with sliding-window layers (Note [Sliding prefix] in
 ``umalloc.integrations.transformers.prefix``): stock transformers shares no prefix there and recomputes it, so stock
 ``generate_batch`` on the same model, prompts and config is the oracle; umalloc must give identical tokens while
-its hits skip the prefix's forward, share its full-attention pages and copy the donor's ring pages.
+its hits skip the prefix's forward, share its full-attention pages and share the donor's ring pages copy-on-write
+(Note [Shared rings] in ``umalloc.integrations.transformers.rings``), or copy them when the window is not whole
+pages.
 
 Runs where transformers is installed (the peer venv of ``scripts/peer_suite_transformers.sh``); the model is a
 seeded random-weight Gemma-3-style config built in code (no hub). Each result is also appended to
@@ -20,6 +22,7 @@ transformers = pytest.importorskip("transformers")
 
 from umalloc.integrations import transformers as ut  # noqa: E402
 from umalloc.integrations.transformers.prefix import ring_donor  # noqa: E402
+from umalloc.integrations.transformers.rings import RingPages  # noqa: E402
 
 SEED = int(os.environ.get("UMALLOC_TF_SEED", "2468"))
 VOCAB = 512
@@ -60,8 +63,8 @@ def gen(max_new_tokens: int = 8) -> Any:
                                          pad_token_id=0)
 
 
-def tokens(model: Any, prompts: list[list[int]], **cb: Any) -> dict[str, list[int]]:
-    out = model.generate_batch(prompts, generation_config=gen(), continuous_batching_config=cb_config(**cb),
+def tokens(model: Any, prompts: list[list[int]], max_new_tokens: int = 8, **cb: Any) -> dict[str, list[int]]:
+    out = model.generate_batch(prompts, generation_config=gen(max_new_tokens), continuous_batching_config=cb_config(**cb),
                                progress_bar=False)
     return {rid: list(o.generated_tokens) for rid, o in out.items()}
 
@@ -102,45 +105,97 @@ def test_sliding_prefix_shared_tokens_identical(window: int, system_tokens: int)
         assert (c.ring_pages_copied if window % PAGE_SIZE == 0 else c.ring_pages_shared) == 0, detail
 
 
-def test_a_donor_ring_written_after_the_hit_leaves_the_sharer_unaffected(monkeypatch: pytest.MonkeyPatch) -> None:
-    """At the first hit, right after the request got its copy of the donor's ring, the donor's ring pages are
-    overwritten with noise (standing for any later write into those slots): the donor's own tokens change, the
-    sharer's stay stock's, so the sharer reads no byte of the donor's ring."""
+WRAP_WINDOW = 32   # 4 pages; the prompts (16 + 3..12 tokens) fit in it, their generations of 40 tokens pass it
+
+
+def wrap_run(monkeypatch: pytest.MonkeyPatch, on_copy: Any = None) -> tuple[Any, dict[str, list[int]],
+                                                                           dict[str, list[int]], list[Any]]:
+    """Stock and umalloc on a shared 16-token system prompt whose requests generate past the window: returns
+    ``(cache, stock tokens, umalloc tokens, copies)``, ``copies`` one record per copy-on-write (request id, ring,
+    past, end, page indices, their pages before, their holder counts before). ``on_copy(cache, ring, indices)``
+    runs right after each copy."""
+    model = gemma(WRAP_WINDOW)
+    prompts = chat_prompts(16, 8)
+    stock = tokens(model, prompts, max_new_tokens=40)
+    assert len({tuple(row) for row in stock.values()}) > len(stock) // 2, "degenerate model output"
+    current: list[Any] = [None, None]   # (the cache, the request id) of the growth being decided
+    copies: list[Any] = []
+    inner_store = ut.UmallocPagedCache.can_store_request_tokens
+    inner_plan, inner_copy = RingPages.plan_copies, RingPages.copy_on_write
+
+    def store(cache: Any, state: Any, request_len: int, dry_run: bool = False) -> bool:
+        current[:] = [cache, state.request_id]
+        return inner_store(cache, state, request_len, dry_run)
+
+    def plan(rings: Any, ring: int, past: int, end: int) -> list[int]:
+        out = inner_plan(rings, ring, past, end)
+        if out:
+            pages = rings.table.pages(ring)[out]
+            copies.append((current[1], ring, past, end, out, pages.tolist(), rings.table.holder_counts(pages).tolist()))
+        return out
+
+    def copy(rings: Any, ring: int, indices: list[int]) -> Any:
+        done = inner_copy(rings, ring, indices)
+        if done and on_copy is not None:
+            on_copy(current[0], ring, indices)
+        return done
+
+    monkeypatch.setattr(ut.UmallocPagedCache, "can_store_request_tokens", store)
+    monkeypatch.setattr(RingPages, "plan_copies", plan)
+    monkeypatch.setattr(RingPages, "copy_on_write", copy)
+    with ut.installed(ut.CacheOptions(check_every_step=True), keep_caches=True) as inst:
+        got = tokens(model, prompts, max_new_tokens=40)
+    (cache,) = inst.caches
+    return cache, stock, got, copies
+
+
+def test_shared_ring_pages_copied_at_the_first_write_past_the_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hits share the donor's ring pages (none copied); a ring gets a private copy of a shared page exactly when
+    its sequence wraps onto it: every copied page index is the page of a slot ``t % window`` written at a position
+    ``t >= window``, and was held by another ring then; tokens identical to stock; nothing held after the work."""
     print(f"seed={SEED}")
-    model = gemma(48)
-    prompts = chat_prompts(24, 8)
-    stock = tokens(model, prompts)
-    inner = ut.UmallocPagedCache._copy_ring_prefix
-    seen: list[tuple[int, int]] = []
+    cache, stock, got, copies = wrap_run(monkeypatch)
+    c = cache.counters
+    detail = (f"hits={c.prefix_hits} shared={c.ring_pages_shared} copied={c.ring_pages_copied} "
+              f"cow={c.ring_cow_copies}")
+    report(f"gemma3-w{WRAP_WINDOW}", "ring-cow-wrap", got == stock, detail)
+    assert got == stock, detail
+    assert c.prefix_hits > 0 and c.ring_pages_shared > 0 and c.ring_pages_copied == 0, detail
+    assert copies and c.ring_cow_copies == sum(len(rec[4]) for rec in copies), detail
+    w = WRAP_WINDOW
+    for _, _, past, end, indices, _, counts in copies:
+        wrapped = {(t % w) // PAGE_SIZE for t in range(max(past, end - w), end) if t >= w}
+        assert set(indices) <= wrapped, (past, end, indices)
+        assert all(n > 1 for n in counts), counts
+    # the work is over: every ring and full-attention page was given back
+    assert cache.ring_table.stats().held_pages == 0 and cache.ring_table.stats().live_requests == 0
+    assert cache.table.stats().held_pages == 0 and not cache.slots and not cache.rings.shared
 
-    def copy_then_overwrite(cache: Any, slot: int, donor: int, num_tokens: int) -> bool:
-        ok = inner(cache, slot, donor, num_tokens)
-        if ok and not seen:
-            seen.append((slot, donor))
-            g = torch.Generator().manual_seed(SEED)
-            for vp in cache.ring_table.pages(cache.ring_slots[donor]).tolist():
-                page = cache.arena.envelope("swa", int(cache.alloc.translate_pages(torch.tensor([vp]), "swa")[0]))
-                page.view(torch.float32).copy_(torch.randn(page.numel() // 4, generator=g) * 50)
-        return ok
 
-    monkeypatch.setattr(ut.UmallocPagedCache, "_copy_ring_prefix", copy_then_overwrite)
-    named: list[tuple[str, str]] = []   # (sharer, donor) request ids of the first hit, named when it happens
-    inner_search = ut.UmallocPagedCache.search_prefix_match
+def test_a_write_into_a_copied_ring_page_never_reaches_the_other_sharers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At the first copy-on-write, the writer's private copies are overwritten with noise (standing for any write
+    into them): the writer's tokens change, every other request's (those still holding the shared pages included)
+    stay stock's, so no other ring reads the writer's copy."""
+    print(f"seed={SEED}")
+    noised: list[tuple[int, list[int]]] = []
 
-    def search(cache: Any, request_id: str, prompt_ids: list[int]) -> int:
-        got = inner_search(cache, request_id, prompt_ids)
-        if seen and not named:
-            by_slot = {s: r for r, s in cache.slots.items()}
-            named.append((by_slot[seen[0][0]], by_slot[seen[0][1]]))
-        return got
+    def noise(cache: Any, ring: int, indices: list[int]) -> None:
+        if noised:
+            return
+        vps = cache.ring_table.pages(ring)[indices]
+        noised.append((ring, vps.tolist()))
+        g = torch.Generator().manual_seed(SEED)
+        for vp in vps.tolist():
+            assert int(cache.ring_table.holder_counts([vp])[0]) == 1   # the copy is the writer's alone
+            page = cache.arena.envelope("swa", int(cache.alloc.translate_pages(torch.tensor([vp]), "swa")[0]))
+            page.view(torch.float32).copy_(torch.randn(page.numel() // 4, generator=g) * 50)
 
-    monkeypatch.setattr(ut.UmallocPagedCache, "search_prefix_match", search)
-    with ut.installed(ut.CacheOptions(check_every_step=True), keep_caches=True):
-        got = tokens(model, prompts)
-    assert seen, "no prefix hit: the test could not fail"
-    ((sharer, donor),) = named
-    assert got[donor] != stock[donor], "the overwrite changed nothing the donor reads: the test could not fail"
-    assert got[sharer] == stock[sharer]
+    cache, stock, got, copies = wrap_run(monkeypatch, noise)
+    assert noised, "no copy-on-write: the test could not fail"
+    writer, _, _, _, _, old_pages, counts = copies[0]
+    assert all(n > 1 for n in counts), "the copied pages had no other holder: the test could not fail"
+    assert got[writer] != stock[writer], "the noise changed nothing the writer reads: the test could not fail"
+    assert {r: t for r, t in got.items() if r != writer} == {r: t for r, t in stock.items() if r != writer}
 
 
 def test_ring_donor_gives_only_what_its_ring_still_holds() -> None:
