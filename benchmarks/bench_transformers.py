@@ -8,7 +8,9 @@ tiny model's context, prompts built from the trace's
 same ``num_blocks``, so the same bytes (umalloc's arena is exactly the stock cache tensor's size). Per run:
 
 * tokens/s: generated tokens / wall seconds of the generation loop;
-* mean / max concurrent requests: ``len(active_requests)`` of the scheduler at each step;
+* mean / max concurrent requests: ``len(active_requests)`` of the scheduler at each step, averaged over the steps
+  (per step: deterministic, and the ratio the tables report) and over wall time (each step's count weighted by the
+  seconds until the next step: a long prefill step counts for its length; not deterministic, a median);
 * refused: ``can_store_request_tokens`` answers ``False`` (requests left waiting); preempted: requests whose
   cache transformers' offloading manager freed to make room (``free_blocks(no_cache=True)``);
 * memory layer share: wall time inside the cache's scheduler-facing methods (allocation, freeing, prefix match,
@@ -54,6 +56,7 @@ import _fair as fair  # noqa: E402
 
 TRACE = Path(__file__).resolve().parent.parent / "umalloc_replay" / "data" / "conversation_trace.jsonl"
 TRACE_BLOCK_TOKENS = 512   # the Mooncake trace's hash block
+RING_COUNTERS = ("prefix_hits", "prefix_hit_tokens", "ring_pages_shared", "ring_pages_copied", "ring_cow_copies")
 MEMORY_METHODS = ("can_store_request_tokens", "free_blocks", "search_prefix_match", "mark_complete_blocks",
                   "compute_free_capacity", "count_storable_requests",
                   "extend_read_and_write_indices", "prepare_fork_request", "perform_cache_copy", "evict_cached_blocks")
@@ -138,6 +141,7 @@ class Probe:
     def __init__(self, cache_cls: type, step: tuple[type, str]) -> None:
         from transformers.generation.continuous_batching import scheduler as sched
         self.active: list[int] = []
+        self.times: list[float] = []   # perf_counter at each scheduling step
         self.refused = 0
         self.preempted = 0
         self.forward_tokens = 0   # query tokens of every forward (extend_read_and_write_indices' query_length)
@@ -161,6 +165,7 @@ class Probe:
         def wrapper(sched: Any, *a: Any, **k: Any) -> Any:
             out = orig(sched, *a, **k)
             probe.active.append(len(sched.active_requests))
+            probe.times.append(time.perf_counter())
             return out
         return wrapper
 
@@ -204,7 +209,7 @@ def run_once(model: Any, reqs: list[tuple[list[int], int]], cb_kwargs: dict[str,
     gcfg = transformers.GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0,
                                          max_new_tokens=max(n for _, n in reqs))
     cb = ContinuousBatchingConfig(use_async_batching=False, auto_switch_to_flash=False, **cb_kwargs)
-    inst = ut.install() if umalloc_on else None
+    inst = ut.install(keep_caches=True) if umalloc_on else None
     from transformers.generation.continuous_batching.cache_allocators.cache_pool import CachePool
     probe = Probe(cache_cls, (cache_cls, "step_hook") if umalloc_on else (CachePool, "try_to_free_sectors"))
     try:
@@ -225,22 +230,28 @@ def run_once(model: Any, reqs: list[tuple[list[int], int]], cb_kwargs: dict[str,
                 if res.is_finished():
                     done[res.request_id] = None if res.error is not None else list(res.generated_tokens)
             wall = time.perf_counter() - t0
+        rings = {k: sum(getattr(c.counters, k) for c in inst.caches) for k in RING_COUNTERS} if inst else {}
     finally:
         probe.close()
         if inst is not None:
             ut.uninstall()
+            inst.release()
     gen = sum(len(v) for v in done.values() if v is not None)
     act = probe.active or [0]
+    # time-weighted: each step's count holds until the next step (the last one until the loop's end)
+    stamps = probe.times + [t0 + wall]
+    spans = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    conc_t = sum(a * d for a, d in zip(probe.active, spans, strict=False)) / max(sum(spans), 1e-9)
     ttft = sorted(first.values()) or [float("nan")]
     finished = sum(v is not None for v in done.values())
     return {"tokens": [done[i] for i in ids], "generated": gen, "wall_s": wall, "tok_s": gen / wall,
             "failed": sum(v is None for v in done.values()),
-            "mean_conc": sum(act) / len(act), "max_conc": max(act), "steps": len(probe.active),
+            "mean_conc": sum(act) / len(act), "mean_conc_t": conc_t, "max_conc": max(act), "steps": len(probe.active),
             "refused": probe.refused, "preempted": probe.preempted,
             "mem_share": probe.memory_s / wall,
             # prefill tokens computed: every forward token but the decodes (one per generated token after the first)
             "prefill_tokens": probe.forward_tokens - (gen - finished),
-            "ttft_p50": ttft[len(ttft) // 2], "ttft_p99": ttft[min(len(ttft) - 1, (99 * len(ttft)) // 100)]}
+            "rings": rings, "ttft_p50": ttft[len(ttft) // 2], "ttft_p99": ttft[min(len(ttft) - 1, (99 * len(ttft)) // 100)]}
 
 
 #: per model: the cache capacity and batch size the README's commands use (both caches complete every request)
@@ -371,21 +382,24 @@ def main() -> None:
             raise SystemExit("a repeat scheduled differently: the run is not deterministic")
     stock, um = (dict(pairs[0][i]) for i in (0, 1))
     for r, i in ((stock, 0), (um, 1)):
-        for k in ("tok_s", "mem_share", "wall_s", "ttft_p50", "ttft_p99"):
+        for k in ("tok_s", "mem_share", "wall_s", "ttft_p50", "ttft_p99", "mean_conc_t"):
             r[k] = statistics.median(p[i][k] for p in pairs)
     tok_ratio = statistics.median(u["tok_s"] / s_["tok_s"] for s_, u in pairs)
     same = all(a == b for a, b in zip(stock["tokens"], um["tokens"], strict=True) if a is not None and b is not None)
     print(f"# medians of {args.repeats} alternated runs")
-    print("| cache | tokens/s | mean conc. | max conc. | prefill tokens | TTFT p50 / p99 s | steps | refused | "
-          "preempted | failed | memory layer |")
+    print("| cache | tokens/s | mean conc. (per step / over time) | max conc. | prefill tokens | TTFT p50 / p99 s | "
+          "steps | refused | preempted | failed | memory layer |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, r in (("stock", stock), ("umalloc", um)):
-        print(f"| {name} | {r['tok_s']:.1f} | {r['mean_conc']:.2f} | {r['max_conc']} | {r['prefill_tokens']} | "
+        print(f"| {name} | {r['tok_s']:.1f} | {r['mean_conc']:.2f} / {r['mean_conc_t']:.2f} | {r['max_conc']} | "
+              f"{r['prefill_tokens']} | "
               f"{r['ttft_p50']:.2f} / {r['ttft_p99']:.2f} | {r['steps']} | {r['refused']} | {r['preempted']} | "
               f"{r['failed']} | {100 * r['mem_share']:.2f}% |")
     each = ", ".join(f"{u['tok_s'] / s_['tok_s']:.2f}" for s_, u in pairs)
     print(f"ratios umalloc/stock: tokens/s {tok_ratio:.2f}x (median of the per-pair ratios {each}), mean concurrency "
-          f"{um['mean_conc'] / stock['mean_conc']:.2f}x; tokens identical: {same}")
+          f"{um['mean_conc'] / stock['mean_conc']:.2f}x per step, {um['mean_conc_t'] / stock['mean_conc_t']:.2f}x over "
+          f"time; tokens identical: {same}")
+    print(f"# umalloc counters: {um['rings']}")
     print(f"# {fair.load()} (at the end)")
     if args.json:
         args.json.write_text(json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "tokens"}
