@@ -369,7 +369,7 @@ def main() -> None:
     cb_kwargs = dict(page_size=args.page_size, num_blocks=args.num_blocks, max_batch_tokens=args.max_batch_tokens,
                      max_memory_percent=0.9)
     print(f"# model={args.real or args.model_path or args.model} workload={args.workload} requests={len(reqs)} prompt tokens={sum(len(p) for p, _ in reqs)} "
-          f"max_new<= {args.max_new} page_size={args.page_size} num_blocks={args.num_blocks} seed={args.seed}")
+          f"new tokens {'<= ' + str(args.max_new) if args.workload == 'trace' else args.new_tokens} page_size={args.page_size} num_blocks={args.num_blocks} seed={args.seed}")
     run_once(model, reqs[:2], cb_kwargs, False, PagedAttentionCache)     # warm-up (kernels, numba)
     run_once(model, reqs[:2], cb_kwargs, True, UmallocPagedCache)
     pairs = []
