@@ -70,7 +70,7 @@ def _build(name: str):  # type: ignore[no-untyped-def]
 
 
 MODELS = ("llama", "qwen3", "gemma3", "gpt_oss", "mistral", "phi3", "qwen2-sw")
-#: models whose every layer slides (Note [All sliding] in umalloc.integrations.transformers.cache)
+#: models whose every layer slides (Note [All sliding] in umalloc.integrations.transformers.rings)
 ALL_SLIDING = {"mistral", "phi3", "qwen2-sw"}
 _cache: dict[str, object] = {}
 

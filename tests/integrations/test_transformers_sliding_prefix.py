@@ -125,11 +125,14 @@ def wrap_run(monkeypatch: pytest.MonkeyPatch, on_copy: Any = None) -> tuple[Any,
 
     def store(cache: Any, state: Any, request_len: int, dry_run: bool = False) -> bool:
         current[:] = [cache, state.request_id]
-        return inner_store(cache, state, request_len, dry_run)
+        try:
+            return inner_store(cache, state, request_len, dry_run)
+        finally:
+            current[:] = [None, None]
 
     def plan(rings: Any, ring: int, past: int, end: int) -> list[int]:
         out = inner_plan(rings, ring, past, end)
-        if out:
+        if out and current[1] is not None:   # the growth's plan, not the offloading manager's sizing
             pages = rings.table.pages(ring)[out]
             copies.append((current[1], ring, past, end, out, pages.tolist(), rings.table.holder_counts(pages).tolist()))
         return out

@@ -95,28 +95,8 @@ least 4 (transformers' own bound, checked at construction), row 2 of every layer
 see zeros, as from transformers' never-written read trash, and no page is spent on them (the tables mint no zero
 page).
 
-Note [Sliding ring]
-~~~~~~~~~~~~~~~~~~~
-A sliding layer reads at most the ``window - 1`` tokens before this step's, before it writes. So, as in
-transformers' ring buffer, the token at position ``t`` lives in ring slot ``t % window``: a request's row in the
-``swa`` table (``ring_table``) holds ``min(length, window)`` tokens, grows with the request until it holds a
-window, and never again; a write of position ``t`` overwrites the token that just left the window. A step of
-``query_length`` tokens writes only its last ``min(query_length, window)`` tokens (the earlier ones go to the
-sink: attention reads them from this step's own states, never from the cache), and reads the ring slots of the
-``min(past_length, window - 1)`` tokens before ``past_length``. A growth is one call per table, all or nothing
-(the ring first: its pages are the request's own, so undoing it frees exactly what it took). A fork copies its
-source's ring into fresh pages (``perform_cache_copy``): ring pages are rewritten in place, never shared.
-
-Note [All sliding]
-~~~~~~~~~~~~~~~~~~
-A model whose every layer slides (Mistral-7B-v0.1's geometry, Phi-3-mini-4k, Qwen2 with ``use_sliding_window``
-and ``max_window_layers=0``) has no full-attention end: the arena has one end, ``swa`` (growing up), and
-``table`` is its rings' table (``owner == "swa"``, ``ring_table`` None, a request's ring slot is its own slot):
-it holds ``min(length, window)`` tokens per request, so a request of any length holds one window's pages, and
-only a window that does not fit the arena bounds a request (Note [Cannot fit]). The request's length is kept
-beside the table (``held_tokens``). A fork gets fresh ring pages holding a copy of its source's. No prefix is
-shared (stock shares none on such a model either), and ``read_cache_limit`` is the window, as stock's, so the
-scheduler sizes reads the same way.
+Note [Sliding ring] and Note [All sliding] are in :mod:`~umalloc.integrations.transformers.rings`, with the
+rings' shared and copied pages.
 
 Note [Deferred growth]
 ~~~~~~~~~~~~~~~~~~~~~~
@@ -550,6 +530,15 @@ class UmallocPagedCache:
         full-attention group, so transformers' offloading manager sizes a growth as this cache refuses it."""
         slot = self.slots.get(request_id)
         return 0 if slot is None else self._cow_pages(slot)
+
+    def ring_cow_pages(self, request_id: str, past_length: int, query_length: int) -> int:
+        """Shared ring pages a forward of ``query_length`` tokens after ``past_length`` would copy first (Note
+        [Shared rings] in :mod:`~umalloc.integrations.transformers.rings`): what ``needs_new_blocks`` adds on the
+        sliding group. 0 for an unknown request."""
+        ring = self.ring_slots.get(self.slots.get(request_id, -1), -1)
+        if ring < 0 or self.rings is None:
+            return 0
+        return len(self.rings.plan_copies(ring, past_length, past_length + query_length))
 
     def _new_pages(self, known: int | None, held: int, num_tokens: int) -> tuple[int, int]:
         """(full pages, ring pages) a growth of request ``known`` (None: new) from ``held`` by ``num_tokens``

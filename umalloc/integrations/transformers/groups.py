@@ -5,7 +5,7 @@ continuous-batching IO builder and attention read as a cache allocator (``cache.
 * An :class:`EndGroup` holds per-layer K/V row views of the arena (Note [Rows] there) and turns a request's
   virtual tokens into rows through the allocator's v2p table; it owns no pages (the cache's request tables do).
 * A sliding group's tokens are ring slots of the request's row in the cache's ``ring_table`` (Note [Sliding
-  ring] there); a full group's are the request's row in the cache's ``table``.
+  ring] in :mod:`umalloc.integrations.transformers.rings`); a full group's are the request's row in the cache's ``table``.
 * ``SINK_ROW`` (0) is where padded lanes and dropped tokens write; ``SENTINEL_ROW`` (1) marks, in a sliding read
   index, where this step's new states go; ``PAD_READ_ROW`` (2) is where padded lanes read. All three lie in the
   sink page, physical page 0 of every end (Note [Rows]).
@@ -65,6 +65,8 @@ class CacheParts(Protocol):
     def held_tokens(self, request_id: str) -> int: ...
 
     def cow_pages(self, request_id: str) -> int: ...
+
+    def ring_cow_pages(self, request_id: str, past_length: int, query_length: int) -> int: ...
 
     def hash_index(self) -> tuple[Mapping[int, int], Mapping[int, int]]: ...
 
@@ -165,15 +167,17 @@ class EndGroup:
     def needs_new_blocks(self, request_id: str, past_length: int, query_length: int) -> int:
         """Pages this end needs for ``query_length`` more tokens (what transformers' offloading manager sizes its
         evictions by): a full group one per page past the held ones (and one for the copy of a shared partial
-        page), a sliding group the pages its ring still lacks (Note [Sliding ring] in :mod:`umalloc.integrations.transformers.cache`)."""
+        page), a sliding group the pages its ring still lacks (Note [Sliding ring] in :mod:`umalloc.integrations.transformers.rings`)
+        and the copies of shared ring pages it would write."""
         held = self._cache.held_tokens(request_id)
         ps = self.tokens_per_page
         total = past_length + query_length
         w = self.sliding_window
         if w is None:   # plus the copy of a shared partial last page, as the cache counts its refusals
             return max(0, -(-total // ps) - -(-held // ps)) + (total > held and self._cache.cow_pages(request_id))
+        cow = self._cache.ring_cow_pages(request_id, past_length, query_length)   # shared pages it would write
         total, held = min(total, w), min(held, w)
-        return max(0, -(-total // ps) - -(-held // ps))
+        return max(0, -(-total // ps) - -(-held // ps)) + cow
 
     # ---- rows -------------------------------------------------------------------------------------------
     def to_rows(self, vtokens: torch.Tensor | np.ndarray) -> torch.Tensor:

@@ -1,6 +1,31 @@
 """The sliding rings' shared and copied pages of :class:`~umalloc.integrations.transformers.cache.UmallocPagedCache`:
 a prefix hit's ring (shared copy-on-write with its donor's, or copied), the copy of a shared ring page at the first
-write into it, and the copies that fill a fork's ring (Note [Sliding ring] in the cache module).
+write into it, and the copies that fill a fork's ring (Note [Sliding ring]).
+
+Note [Sliding ring]
+~~~~~~~~~~~~~~~~~~~
+A sliding layer reads at most the ``window - 1`` tokens before this step's, before it writes. So, as in
+transformers' ring buffer, the token at position ``t`` lives in ring slot ``t % window``: a request's row in the
+``swa`` table (``ring_table``) holds ``min(length, window)`` tokens, grows with the request until it holds a
+window, and never again; a write of position ``t`` overwrites the token that just left the window. A step of
+``query_length`` tokens writes only its last ``min(query_length, window)`` tokens (the earlier ones go to the
+sink: attention reads them from this step's own states, never from the cache), and reads the ring slots of the
+``min(past_length, window - 1)`` tokens before ``past_length``. A growth is one call per table, all or nothing
+(the ring first: its pages are the request's own, so undoing it frees exactly what it took). A fork copies its
+source's ring into fresh pages (``perform_cache_copy``). Ring pages are rewritten in place; a prefix hit's ring
+shares its donor's pages copy-on-write (Note [Shared rings]):
+a growth that would write into a shared page first gives the writer a private copy.
+
+Note [All sliding]
+~~~~~~~~~~~~~~~~~~
+A model whose every layer slides (Mistral-7B-v0.1's geometry, Phi-3-mini-4k, Qwen2 with ``use_sliding_window``
+and ``max_window_layers=0``) has no full-attention end: the arena has one end, ``swa`` (growing up), and
+``table`` is its rings' table (``owner == "swa"``, ``ring_table`` None, a request's ring slot is its own slot):
+it holds ``min(length, window)`` tokens per request, so a request of any length holds one window's pages, and
+only a window that does not fit the arena bounds a request (Note [Cannot fit] in the cache module). The request's length is kept
+beside the table (``held_tokens``). A fork gets fresh ring pages holding a copy of its source's. No prefix is
+shared (stock shares none on such a model either), and ``read_cache_limit`` is the window, as stock's, so the
+scheduler sizes reads the same way.
 
 Note [Shared rings]
 ~~~~~~~~~~~~~~~~~~~
