@@ -280,7 +280,8 @@ def test_spare_ids_keep_the_lowest_free_id_order_through_every_call():
             k = min(k, len(free) + len(lru))
             want = free[:k] + lru[: max(0, k - len(free))]
             del lru[: max(0, k - len(free))]
-            assert refs.take(k).tolist() == want
+            one = k == 1 and rng.random() < 0.5
+            assert ([refs.take_one()] if one else refs.take(k).tolist()) == want
             for i in want:
                 count[i] = 1
         elif op < 0.8:

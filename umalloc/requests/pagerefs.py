@@ -417,7 +417,8 @@ class PageRefs:
                 if self._mint_spares():
                     return self._take_spares(1)
             elif self.num_cached:   # Note [One-page calls]
-                return self._take_lru_head()
+                self._take_lru_head()
+                return self._out[:1]
         c = R_ALLOC_REFUSED
         s = len(sp) if n > 0 else 0
         if not self._lease_work:
@@ -440,6 +441,32 @@ class PageRefs:
         self.num_cached -= n - m
         self.num_taken_kept = c
         return self._out[:n]
+
+    def take_one(self) -> int:
+        """:meth:`take` of one page, its id as an int: the same effect (:meth:`taken_kept`, :meth:`evicted`) and
+        the same error (UmallocValueError, nothing changed, with no page to take). O(1) in Python but for one
+        kernel call per :data:`SPARE_BATCH` takes (Note [Spare ids], Note [One-page calls])."""
+        if not self._lease_work:
+            if self._spares:
+                return self._take_spare()
+            if not self.num_free and self.num_cached:
+                return self._take_lru_head()
+        return self.take(1)[0]
+
+    def _take_spare(self) -> int:
+        """``take(1)`` of the lowest spare (Note [Spare ids]): its id."""
+        v = heappop(self._spares)
+        self.ref_counts[v] = 1
+        self._state_mv[v] = PAGE_HELD
+        self._out_mv[0] = v
+        if self.keep_flags[v]:
+            self._kept[0] = v
+            self.num_taken_kept = 1
+        else:
+            self.num_taken_kept = 0
+        self._m = self._n = 1
+        self.num_free -= 1
+        return v
 
     def _mint_spares(self) -> bool:
         """Mint up to :data:`SPARE_BATCH` of the allocator's lowest free ids as spares (Note [Spare ids]);
@@ -483,8 +510,9 @@ class PageRefs:
         finally:
             self._busy = False
 
-    def _take_lru_head(self) -> memoryview:
-        """``take(1)`` of the LRU head with no free id left (Note [One-page calls]): :func:`k_hold`'s effect."""
+    def _take_lru_head(self) -> int:
+        """``take(1)`` of the LRU head with no free id left (Note [One-page calls]): :func:`k_hold`'s effect;
+        its id."""
         prev, nxt = self._prev, self._next
         v = nxt[0]
         p, q = prev[v], nxt[v]
@@ -502,7 +530,7 @@ class PageRefs:
         self._m = 0
         self._n = 1
         self.num_cached -= 1
-        return self._out[:1]
+        return v
 
     def _take_public(self, n: int, c: int) -> memoryview:
         """:meth:`take` through the allocator's public ``alloc_pages`` (its checks, lease ticks, retries)."""

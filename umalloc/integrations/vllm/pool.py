@@ -182,13 +182,20 @@ class UmallocBlockPool(BlockPool):  # type: ignore[misc, valid-type, unused-igno
         refs = self.refs
         if self._linked:
             self._unlink()
+        blocks = self.blocks
         try:
-            ids = refs.take(num_blocks)
+            if num_blocks == 1:   # a decode or window step: no buffer, no map (PageRefs.take_one)
+                ret = [blocks[refs.take_one()]]
+                if not refs.num_taken_kept and not self._reuse_watchers and not self.metrics_collector:
+                    return ret
+                ids = None
+            else:
+                ids = refs.take(num_blocks)
         except UmallocValueError:   # nothing changed
             raise UmallocValueError(f"Cannot get {num_blocks} free blocks from the pool: allowed at most "
                                     f"{refs.num_free + refs.num_cached}") from None
-        blocks = self.blocks
-        ret = [blocks[ids[0]]] if num_blocks == 1 else list(map(blocks.__getitem__, ids))
+        if ids is not None:
+            ret = list(map(blocks.__getitem__, ids))
         # the blocks handed out with a hash (evicted cached ones, or a hash put on a free block): vLLM's
         # per-block eviction runs for these only, the others have no hash to drop
         kept = refs.taken_kept().tolist() if refs.num_taken_kept else ()
