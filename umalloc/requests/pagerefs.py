@@ -513,12 +513,12 @@ class PageRefs:
     def _take_lru_head(self) -> int:
         """``take(1)`` of the LRU head with no free id left (Note [One-page calls]): :func:`k_hold`'s effect;
         its id."""
-        prev, nxt = self._prev, self._next
+        nxt = self._next
         v = nxt[0]
-        p, q = prev[v], nxt[v]
-        nxt[p] = q
-        prev[q] = p
-        prev[v] = nxt[v] = 0
+        q = nxt[v]   # the head's predecessor is the sentinel 0
+        nxt[0] = q
+        self._prev[q] = 0
+        nxt[v] = 0
         self.ref_counts[v] = 1
         self._state_mv[v] = PAGE_HELD
         self._out_mv[0] = v

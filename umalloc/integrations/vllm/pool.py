@@ -185,8 +185,15 @@ class UmallocBlockPool(BlockPool):  # type: ignore[misc, valid-type, unused-igno
         blocks = self.blocks
         try:
             if num_blocks == 1:   # a decode or window step: no buffer, no map (PageRefs.take_one)
-                ret = [blocks[refs.take_one()]]
-                if not refs.num_taken_kept and not self._reuse_watchers and not self.metrics_collector:
+                v = refs.take_one()
+                ret = [blocks[v]]
+                if not self._reuse_watchers and not self.metrics_collector:
+                    if refs.num_taken_kept:   # an evicted block: its hash leaves the map
+                        if INLINE_EVICT and not self.enable_kv_cache_events \
+                                and type(self.cached_block_hash_to_block) is BlockHashToBlockMap:
+                            drop_hashes(self, [v])
+                        else:
+                            self._maybe_evict_cached_block(ret[0])
                     return ret
                 ids = None
             else:
