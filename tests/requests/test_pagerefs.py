@@ -291,7 +291,10 @@ def test_spare_ids_keep_the_lowest_free_id_order_through_every_call():
             pick = rng.sample(held, 1 if rng.random() < 0.6 else rng.randint(1, len(held)))
             for i in pick:
                 refs.keep_flags[i] = int(rng.random() < 0.2)
-            refs.unref(pick)
+            if len(pick) == 1 and rng.random() < 0.5:
+                refs.unref_one(pick[0])
+            else:
+                refs.unref(pick)
             for i in pick:
                 count[i] -= 1
                 if count[i] == 0 and refs.keep_flags[i]:

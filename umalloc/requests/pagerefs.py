@@ -632,32 +632,8 @@ class PageRefs:
         allocator otherwise. Raises DoubleFreeError (a count would drop below 0) or InvalidIdError (out of
         range, not an int); nothing changes on any. O(n) in one kernel call (Note [Fused kernels])."""
         if type(ids) is list:
-            if len(ids) == 1 and not self._lease_work:   # Note [One-page calls]: stays held, or cached at 0
-                v = ids[0]
-                if type(v) is int and 0 < v < self._nv:
-                    counts = self.ref_counts
-                    c = counts[v]
-                    if c > 1:
-                        counts[v] = c - 1
-                        return
-                    if c == 1 and self._state_mv[v] == PAGE_HELD and not self.keep_flags[v] \
-                            and v < self._floor:   # Note [Spare ids]: freed below the floor, a spare
-                        counts[v] = 0
-                        self._state_mv[v] = PAGE_NOT_MANAGED
-                        heappush(self._spares, v)
-                        self.num_free += 1
-                        return
-                    if c == 1 and self.keep_flags[v] and self._state_mv[v] == PAGE_HELD:
-                        counts[v] = 0
-                        self._state_mv[v] = PAGE_CACHED
-                        prev, nxt = self._prev, self._next
-                        tail = prev[0]
-                        nxt[tail] = v
-                        prev[v] = tail
-                        nxt[v] = 0
-                        prev[0] = v
-                        self.num_cached += 1
-                        return
+            if len(ids) == 1 and self._unref_one_here(ids[0]):   # Note [One-page calls]
+                return
             try:
                 q: np.ndarray | array[int] = array("q", ids)
             except (TypeError, OverflowError) as e:
@@ -687,6 +663,47 @@ class PageRefs:
                 raise DoubleFreeError(f"unref: ids[{i}]: page {abs(int(q[i]))} has no reference left (a double "
                                       f"free); nothing changed")
             raise InvalidIdError(f"unref: ids[{i}]={int(q[i])}; allowed |id| < {self._ref.shape[0]}")
+
+    def unref_one(self, v: int) -> None:
+        """``unref([v])``: the same effect and errors; in Python when page ``v`` stays held, is cached at 0 or
+        joins the spares (Note [One-page calls], Note [Spare ids]). O(1)."""
+        if not self._unref_one_here(v):
+            self.unref([v])
+
+    def _unref_one_here(self, v: object) -> bool:
+        """``unref([v])`` in Python where it touches only this object's rows: ``False`` (nothing changed) where
+        the kernel path must run (a page back to the allocator at or above ``_floor``, lease work due, a bad
+        entry, a double free)."""
+        if self._lease_work or type(v) is not int or not 0 <= v < self._nv:
+            return False
+        if not v:   # the reserved page: skipped
+            return True
+        counts = self.ref_counts
+        c = counts[v]
+        if c > 1:
+            counts[v] = c - 1
+            return True
+        state = self._state_mv
+        if c != 1 or state[v] != PAGE_HELD:
+            return False
+        if self.keep_flags[v]:   # cached at 0: the LRU tail
+            counts[v] = 0
+            state[v] = PAGE_CACHED
+            prev, nxt = self._prev, self._next
+            tail = prev[0]
+            nxt[tail] = v
+            prev[v] = tail
+            nxt[v] = 0
+            prev[0] = v
+            self.num_cached += 1
+            return True
+        if v < self._floor:   # Note [Spare ids]: freed below the floor, a spare
+            counts[v] = 0
+            state[v] = PAGE_NOT_MANAGED
+            heappush(self._spares, v)
+            self.num_free += 1
+            return True
+        return False
 
     def _unref_public(self, q: np.ndarray | array[int], n: int) -> int:
         """:meth:`unref` with the allocator's public ``free_pages``; the kernel's result (negative: nothing

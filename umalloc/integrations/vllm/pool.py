@@ -240,10 +240,15 @@ class UmallocBlockPool(BlockPool):  # type: ignore[misc, valid-type, unused-igno
         in the batch's order, so they are evicted before any other cached block."""
         blocks = ordered_blocks if type(ordered_blocks) is list else list(ordered_blocks)
         ref = self._ref
-        if len(blocks) == 1:   # one block (a sliding window's step): no comprehension frame
-            ids = [blocks[0].block_id] if blocks[0].pool is ref else []
-        else:
-            ids = [b.block_id for b in blocks if b.pool is ref]   # kept or freed at 0 by the keep flags
+        if len(blocks) == 1 and blocks[0].pool is ref:   # one block (a window's step): PageRefs.unref_one
+            if self._linked:
+                self._unlink()
+            v = blocks[0].block_id
+            self.refs.unref_one(v)
+            if evict_first and self.enable_caching:
+                self.refs.cache_first([v])
+            return
+        ids = [b.block_id for b in blocks if b.pool is ref]   # kept or freed at 0 by the keep flags
         if len(ids) == len(blocks):
             if ids:
                 if self._linked:
