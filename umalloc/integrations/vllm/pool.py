@@ -10,6 +10,7 @@ Threading: as vLLM's pool, called from the scheduler thread only.
 from __future__ import annotations
 
 import inspect
+import operator
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -120,6 +121,23 @@ def drop_hashes(pool: Any, ids: list[int]) -> None:
         keep[i] = 0
 
 
+#: a block's id (``map`` over a block list runs it in C)
+BLOCK_ID = operator.attrgetter("block_id")
+
+
+def nonzero(ids: list[int]) -> list[int]:
+    """``ids`` without its 0 entries (the null block's id), in order. O(len(ids)); C loops where the zeros lead
+    (a sliding window's blocks) or trail (the same freed last first)."""
+    z = ids.count(0)
+    if z == len(ids):
+        return []
+    if not any(ids[:z]):
+        return ids[z:]
+    if not any(ids[len(ids) - z:]):
+        return ids[: len(ids) - z]
+    return [i for i in ids if i]
+
+
 class UmallocBlockPool(BlockPool):  # type: ignore[misc, valid-type, unused-ignore]
     """vLLM ``BlockPool`` whose blocks' ids, reference counts and cached-free LRU are umalloc's (the policy:
     :mod:`umalloc.integrations.vllm`).
@@ -226,9 +244,14 @@ class UmallocBlockPool(BlockPool):  # type: ignore[misc, valid-type, unused-igno
     def touch(self, blocks: Sequence[Any]) -> None:
         if not blocks:
             return
+        ids = list(map(BLOCK_ID, blocks))
+        if not ids[0]:   # a sliding window's hit starts with null blocks (id 0): only the others count
+            ids = nonzero(ids)
+            if not ids:
+                return
         if self._linked:
             self._unlink()
-        self.refs.ref([b.block_id for b in blocks])   # the null block is id 0: skipped
+        self.refs.ref(ids)
         if self.metrics_collector:
             for block in blocks:
                 if not block.is_null:
@@ -250,6 +273,8 @@ class UmallocBlockPool(BlockPool):  # type: ignore[misc, valid-type, unused-igno
             return
         ids = [b.block_id for b in blocks if b.pool is ref]   # kept or freed at 0 by the keep flags
         if len(ids) == len(blocks):
+            if 0 in ids:   # null blocks (a sliding window's request): only the others count
+                ids = nonzero(ids)
             if ids:
                 if self._linked:
                     self._unlink()
