@@ -259,3 +259,59 @@ def test_random_ops_match_a_model_of_the_rules(make_allocator, checked, one_page
         assert refs.cached().tolist() == lru
         assert refs.num_free == sum(1 for i in range(1, n) if count[i] == 0 and i not in lru)
         refs.check_invariants()
+
+
+def test_spare_ids_keep_the_lowest_free_id_order_through_every_call():
+    # Note [Spare ids]: take(1) mints spares; takes longer than the spares, frees below and above the floor, a
+    # claim of a spare (ref of a free page) and an uncache all keep take's order: the lowest free ids first
+    seed = 4321
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    n = 200
+    refs = PageRefs(id_allocator(n))
+    count = [0] * n
+    lru: list[int] = []
+    spare_steps = 0                                  # steps with spares: free here, live in the allocator
+    for _step in range(3000):
+        free = [i for i in range(1, n) if count[i] == 0 and i not in lru]
+        op = rng.random()
+        if op < 0.45:
+            k = 1 if rng.random() < 0.7 else rng.randint(0, len(free) + len(lru))
+            k = min(k, len(free) + len(lru))
+            want = free[:k] + lru[: max(0, k - len(free))]
+            del lru[: max(0, k - len(free))]
+            one = k == 1 and rng.random() < 0.5
+            assert ([refs.take_one()] if one else refs.take(k).tolist()) == want
+            for i in want:
+                count[i] = 1
+        elif op < 0.8:
+            held = [i for i in range(1, n) if count[i] > 0]
+            if not held:
+                continue
+            pick = rng.sample(held, 1 if rng.random() < 0.6 else rng.randint(1, len(held)))
+            for i in pick:
+                refs.keep_flags[i] = int(rng.random() < 0.2)
+            if len(pick) == 1 and rng.random() < 0.5:
+                refs.unref_one(pick[0])
+            else:
+                refs.unref(pick)
+            for i in pick:
+                count[i] -= 1
+                if count[i] == 0 and refs.keep_flags[i]:
+                    lru.append(i)
+        elif op < 0.95:
+            i = rng.randrange(1, n)   # often a spare: claimed by id
+            times = rng.randint(1, 2)
+            refs.ref([i] * times)
+            if i in lru:
+                lru.remove(i)
+            count[i] += times
+        else:
+            assert refs.uncache_all() == len(lru)
+            lru.clear()
+        assert [refs.ref_counts[i] for i in range(1, n)] == count[1:]
+        assert refs.cached().tolist() == lru
+        assert refs.free_ids().tolist() == [i for i in range(1, n) if count[i] == 0 and i not in lru]
+        spare_steps += refs.alloc.available_pages(END) < refs.num_free
+        refs.check_invariants()
+    assert spare_steps > 100

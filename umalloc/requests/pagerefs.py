@@ -44,12 +44,25 @@ most :data:`SMALL_REF` held or cached ids (0 skipped). Anything that reaches the
 id to take or to claim, a page freed to it), lease work due, ``debug_checks`` (take and unref), a bad entry or a
 negative entry takes the kernel path.
 
+Note [Spare ids]
+~~~~~~~~~~~~~~~~
+A ``take(1)`` that reaches the allocator mints :data:`SPARE_BATCH` of its lowest free ids in one kernel call and
+keeps them as *spares*: live in the allocator, free here (state ``PAGE_NOT_MANAGED``, counted in ``num_free``), in
+a min-heap (a Python list). Takes pop the lowest spares in Python; a longer take puts every spare first and mints
+the rest in its kernel call. ``_floor`` bounds every id free in the allocator from below, and every spare is below
+it, so the spares are the lowest free ids and the order of ``take`` is unchanged: a page freed below ``_floor``
+joins the spares (in Python, or listed by :func:`k_unref_direct` in ``w[W_SPARED]``), one at or above it goes
+back to the allocator. Every call that runs the allocator's public methods (a claim, an uncache, lease work due)
+first returns the spares to the allocator and resets ``_floor`` to 0. :meth:`PageRefs.check_invariants` checks
+the spares (``spares``: live there, free here, below ``_floor`` and below every id free in the allocator).
+
 Not thread-safe: call from the thread that owns the allocator.
 """
 
 from __future__ import annotations
 
 from array import array
+from heapq import heappop, heappush
 
 import numpy as np
 from numba import njit, typeof, types
@@ -73,8 +86,10 @@ from umalloc.requests.refcounts import (
 # ---- the state: one int64 block ``w`` [W_ROWS, num_vpages], one call argument (Note [Fused kernels]) ----------
 #: rows of ``w``: the LRU links (rows LRU_PREV, LRU_NEXT: :mod:`umalloc.requests.refcounts`' layout), then the
 #: reference counts, page states, keep flags, take's output, take's kept pages, pages to free, pages to claim
-W_REF, W_STATE, W_KEEP, W_OUT, W_KEPT, W_FREED, W_CLAIM = range(2, 9)
-W_ROWS = 9
+W_REF, W_STATE, W_KEEP, W_OUT, W_KEPT, W_FREED, W_CLAIM, W_SPARED = range(2, 10)
+W_ROWS = 10
+#: ids one ``take(1)`` mints from the allocator as spares (Note [Spare ids])
+SPARE_BATCH = 32
 #: the longest list :meth:`PageRefs.ref` handles in Python (Note [One-page calls]; at 4 the kernel is faster)
 SMALL_REF = 1
 #: kernel results: the allocator refused (take: retry on the public path; unref: pages freed behind this object)
@@ -111,17 +126,28 @@ def k_hold(w, m, n):
 
 
 @njit(cache=True)
-def k_take_direct(root, owner, mask, w, n, free, cached):
-    """:func:`k_hold` after minting ``min(n, free)`` pages into ``w[W_OUT]`` with the allocator's own kernel
-    (one call for the whole take). :data:`R_TAKE_RANGE` for ``n`` outside ``[0, free + cached]``,
-    :data:`R_ALLOC_REFUSED` if the allocator refuses (no physical page): nothing changed on either."""
-    if n < 0 or n > free + cached:
+def k_take_direct(root, owner, mask, w, n, free, cached, s):
+    """:func:`k_hold` after minting ``min(n, free) - s`` pages into ``w[W_OUT, s:]`` with the allocator's own
+    kernel (one call for the whole take; ``w[W_OUT, :s]``: the spares, Note [Spare ids], counted in ``free``).
+    :data:`R_TAKE_RANGE` for ``n`` outside ``[s, free + cached]``, :data:`R_ALLOC_REFUSED` if the allocator
+    refuses (no physical page): nothing changed on either."""
+    if n < s or n > free + cached:
         return R_TAKE_RANGE
     m = n if n <= free else free
     out = w[W_OUT]
-    if m and k_alloc_pages(root, owner, mask, m, out, m, out[:0], -1) != OK:
+    if m > s and k_alloc_pages(root, owner, mask, m - s, out[s:], m - s, out[:0], -1) != OK:
         return R_ALLOC_REFUSED
     return k_hold(w, m, n)
+
+
+@njit(cache=True)
+def k_mint(root, owner, mask, w, k):
+    """``k`` pages minted into ``w[W_CLAIM, :k]`` with the allocator's own kernel (the spares, Note [Spare
+    ids]); :data:`R_ALLOC_REFUSED` if it refuses (nothing changed), else 0."""
+    out = w[W_CLAIM]
+    if k_alloc_pages(root, owner, mask, k, out, k, out[:0], -1) != OK:
+        return R_ALLOC_REFUSED
+    return 0
 
 
 @njit(cache=True)
@@ -213,15 +239,29 @@ def k_unref(w, ids, n):
 
 
 @njit(cache=True)
-def k_unref_direct(root, owner, w, ids, n):
-    """:func:`k_unref`, then the freed pages back to the allocator with its own kernel (one call for the whole
-    free); :data:`R_ALLOC_REFUSED` if the allocator refuses them (an owner-live invariant broken behind this
-    object)."""
+def k_unref_direct(root, owner, w, ids, n, floor):
+    """:func:`k_unref`, then the freed pages at or above ``floor`` back to the allocator with its own kernel
+    (one call for the whole free) and those below it listed as spares in ``w[W_SPARED, 1:]``, their number in
+    ``w[W_SPARED, 0]`` (Note [Spare ids]); :data:`R_ALLOC_REFUSED` if the allocator refuses them (an owner-live
+    invariant broken behind this object)."""
     r = k_unref(w, ids, n)
     nf = r & 0xFFFFFFFF
+    spared = w[W_SPARED]
+    spared[0] = 0
     if r > 0 and nf:
         freed = w[W_FREED]
-        if k_free(root, owner, freed[:nf], nf, True, freed[:0], -1) < 0:   # an array's length is its count
+        k = 0
+        s = 0
+        for i in range(nf):
+            v = freed[i]
+            if v < floor:
+                s += 1
+                spared[s] = v
+            else:
+                freed[k] = v
+                k += 1
+        spared[0] = s
+        if k and k_free(root, owner, freed[:k], k, True, freed[:0], -1) < 0:   # an array's length is its count
             return R_ALLOC_REFUSED
     return r
 
@@ -269,10 +309,11 @@ class _Entries:
         i, w = types.int64, types.Array(types.int64, 2, "C")
         kinds = (types.Array(types.int64, 1, "A"), typeof(array("q")))
         self.hold = k_hold.compile((w, i, i))
-        self.take_direct = k_take_direct.compile((i, i, i, w, i, i, i))
+        self.take_direct = k_take_direct.compile((i, i, i, w, i, i, i, i))
+        self.mint = k_mint.compile((i, i, i, w, i))
         self.ref = tuple(k_ref.compile((w, t, i)) for t in kinds)
         self.unref = tuple(k_unref.compile((w, t, i)) for t in kinds)
-        self.unref_direct = tuple(k_unref_direct.compile((i, i, w, t, i)) for t in kinds)
+        self.unref_direct = tuple(k_unref_direct.compile((i, i, w, t, i, i)) for t in kinds)
 
 
 _compiled: list[_Entries] = []
@@ -345,6 +386,10 @@ class PageRefs:
         self._prev, self._next, self._state_mv = w[LRU_PREV].data, w[LRU_NEXT].data, w[W_STATE].data
         self._out_mv, self._nv = w[W_OUT].data, nv
         self._revived = 0                         # what the last short ref revived
+        self._spares: list[int] = []              # Note [Spare ids]: a min-heap of ids live in the allocator
+        self._floor = 0                           # every id free in the allocator is >= this, every spare below
+        self._spared = w[W_SPARED].data
+        self._mint = hot.mint
         self.num_free = alloc.available_pages(self.end)
         self.num_cached = 0
         # Note [Fused kernels]: one kernel call per take / unref, the allocator's kernel inside ours; root 0:
@@ -363,12 +408,30 @@ class PageRefs:
         ``[0, num_free + num_cached]`` (nothing changes). O(n) in one kernel call (Note [Fused kernels])."""
         if type(n) is not int:
             raise UmallocValueError(f"take: {n!r} pages; allowed an int >= 0")
+        sp = self._spares
+        if sp and 0 < n <= len(sp) and not self._lease_work:   # Note [Spare ids]
+            return self._take_spares(n)
         free = self.num_free
-        if n == 1 and not free and self.num_cached and not self._lease_work:   # Note [One-page calls]
-            return self._take_lru_head()
+        if n == 1 and not self._lease_work:
+            if free:
+                if self._mint_spares():
+                    return self._take_spares(1)
+            elif self.num_cached:   # Note [One-page calls]
+                self._take_lru_head()
+                return self._out[:1]
         c = R_ALLOC_REFUSED
+        s = len(sp) if n > 0 else 0
         if not self._lease_work:
-            c = self._take_k(self._root, self._owner, self._mask, self._w, n, free, self.num_cached)
+            if s:   # n > s here
+                if n > free + self.num_cached:
+                    raise UmallocValueError(f"take: {n} pages; allowed an int in [0, {free + self.num_cached}] "
+                                            f"(free {free} + cached {self.num_cached})")
+                out = self._out_mv
+                for i in range(s):   # the heap popped: ascending
+                    out[i] = heappop(sp)
+            c = self._take_k(self._root, self._owner, self._mask, self._w, n, free, self.num_cached, s)
+            if c < 0 and s:   # nothing changed: the spares back, then the public path returns them
+                self._spares = list(self._w[W_OUT, :s].tolist())
         if c < 0:
             return self._take_public(n, c)
         m = n if n <= free else free
@@ -379,14 +442,83 @@ class PageRefs:
         self.num_taken_kept = c
         return self._out[:n]
 
-    def _take_lru_head(self) -> memoryview:
-        """``take(1)`` of the LRU head with no free id left (Note [One-page calls]): :func:`k_hold`'s effect."""
-        prev, nxt = self._prev, self._next
+    def take_one(self) -> int:
+        """:meth:`take` of one page, its id as an int: the same effect (:meth:`taken_kept`, :meth:`evicted`) and
+        the same error (UmallocValueError, nothing changed, with no page to take). O(1) in Python but for one
+        kernel call per :data:`SPARE_BATCH` takes (Note [Spare ids], Note [One-page calls])."""
+        if not self._lease_work:
+            if self._spares:
+                return self._take_spare()
+            if not self.num_free and self.num_cached:
+                return self._take_lru_head()
+        return self.take(1)[0]
+
+    def _take_spare(self) -> int:
+        """``take(1)`` of the lowest spare (Note [Spare ids]): its id."""
+        v = heappop(self._spares)
+        self.ref_counts[v] = 1
+        self._state_mv[v] = PAGE_HELD
+        self._out_mv[0] = v
+        if self.keep_flags[v]:
+            self._kept[0] = v
+            self.num_taken_kept = 1
+        else:
+            self.num_taken_kept = 0
+        self._m = self._n = 1
+        self.num_free -= 1
+        return v
+
+    def _mint_spares(self) -> bool:
+        """Mint up to :data:`SPARE_BATCH` of the allocator's lowest free ids as spares (Note [Spare ids]);
+        ``False`` if the allocator refuses (nothing changed)."""
+        k = min(SPARE_BATCH, self.num_free)
+        if self._mint(self._root, self._owner, self._mask, self._w, k) < 0:
+            return False
+        sp = self._spares = self._w[W_CLAIM, :k].tolist()   # ascending: a min-heap
+        self._floor = max(self._floor, sp[-1] + 1)
+        return True
+
+    def _take_spares(self, n: int) -> memoryview:
+        """``take(n)`` of the ``n`` lowest spares (Note [Spare ids]): :func:`k_hold`'s effect in Python."""
+        sp, out, counts, state, keep, kept = \
+            self._spares, self._out_mv, self.ref_counts, self._state_mv, self.keep_flags, self._kept
+        c = 0
+        for i in range(n):
+            v = heappop(sp)
+            out[i] = v
+            counts[v] = 1
+            state[v] = PAGE_HELD
+            if keep[v]:
+                kept[c] = v
+                c += 1
+        self.num_taken_kept = c
+        self._m = self._n = n
+        self.num_free -= n
+        return self._out[:n]
+
+    def _return_spares(self) -> None:
+        """Every spare back to the allocator through its public ``free_pages``; ``_floor`` reset (Note [Spare
+        ids]). Before any call that runs the allocator's public methods."""
+        self._floor = 0
+        if not self._spares:
+            return
+        q = np.array(self._spares, np.int64)
+        self._spares = []
+        self._busy = True
+        try:
+            self.alloc.free_pages(q)
+        finally:
+            self._busy = False
+
+    def _take_lru_head(self) -> int:
+        """``take(1)`` of the LRU head with no free id left (Note [One-page calls]): :func:`k_hold`'s effect;
+        its id."""
+        nxt = self._next
         v = nxt[0]
-        p, q = prev[v], nxt[v]
-        nxt[p] = q
-        prev[q] = p
-        prev[v] = nxt[v] = 0
+        q = nxt[v]   # the head's predecessor is the sentinel 0
+        nxt[0] = q
+        self._prev[q] = 0
+        nxt[v] = 0
         self.ref_counts[v] = 1
         self._state_mv[v] = PAGE_HELD
         self._out_mv[0] = v
@@ -398,7 +530,7 @@ class PageRefs:
         self._m = 0
         self._n = 1
         self.num_cached -= 1
-        return self._out[:1]
+        return v
 
     def _take_public(self, n: int, c: int) -> memoryview:
         """:meth:`take` through the allocator's public ``alloc_pages`` (its checks, lease ticks, retries)."""
@@ -406,6 +538,7 @@ class PageRefs:
         if c == R_TAKE_RANGE or n < 0 or n > free + self.num_cached:
             raise UmallocValueError(f"take: {n} pages; allowed an int in [0, {free + self.num_cached}] (free "
                                     f"{free} + cached {self.num_cached})")
+        self._return_spares()
         m = n if n <= free else free
         self._busy = True
         try:
@@ -455,6 +588,7 @@ class PageRefs:
             i = r + (1 << 62)
             raise InvalidIdError(f"ref: ids[{i}]={int(q[i])}; allowed [0, {self._ref.shape[0]})")
         claim = self._w[W_CLAIM, :-r].copy()
+        self._return_spares()   # a claimed page may be a spare
         self._busy = True
         try:
             self.alloc.claim_pages(claim)
@@ -498,25 +632,8 @@ class PageRefs:
         allocator otherwise. Raises DoubleFreeError (a count would drop below 0) or InvalidIdError (out of
         range, not an int); nothing changes on any. O(n) in one kernel call (Note [Fused kernels])."""
         if type(ids) is list:
-            if len(ids) == 1 and not self._lease_work:   # Note [One-page calls]: stays held, or cached at 0
-                v = ids[0]
-                if type(v) is int and 0 < v < self._nv:
-                    counts = self.ref_counts
-                    c = counts[v]
-                    if c > 1:
-                        counts[v] = c - 1
-                        return
-                    if c == 1 and self.keep_flags[v] and self._state_mv[v] == PAGE_HELD:
-                        counts[v] = 0
-                        self._state_mv[v] = PAGE_CACHED
-                        prev, nxt = self._prev, self._next
-                        tail = prev[0]
-                        nxt[tail] = v
-                        prev[v] = tail
-                        nxt[v] = 0
-                        prev[0] = v
-                        self.num_cached += 1
-                        return
+            if len(ids) == 1 and self._unref_one_here(ids[0]):   # Note [One-page calls]
+                return
             try:
                 q: np.ndarray | array[int] = array("q", ids)
             except (TypeError, OverflowError) as e:
@@ -528,10 +645,15 @@ class PageRefs:
         if self._lease_work:
             r = self._unref_public(q, n)
         else:
-            r = k(self._root, self._owner, self._w, q, n)
+            r = k(self._root, self._owner, self._w, q, n, self._floor)
             if r >= 0:
                 self.num_free += r & 0xFFFFFFFF
                 self.num_cached += r >> 32
+                spared = self._spared
+                if spared[0]:
+                    sp = self._spares
+                    for i in range(1, spared[0] + 1):
+                        heappush(sp, spared[i])
                 return
         if r == R_ALLOC_REFUSED:
             raise InvariantError("owner-live: the allocator refused pages held here (freed behind this object)")
@@ -542,12 +664,54 @@ class PageRefs:
                                       f"free); nothing changed")
             raise InvalidIdError(f"unref: ids[{i}]={int(q[i])}; allowed |id| < {self._ref.shape[0]}")
 
+    def unref_one(self, v: int) -> None:
+        """``unref([v])``: the same effect and errors; in Python when page ``v`` stays held, is cached at 0 or
+        joins the spares (Note [One-page calls], Note [Spare ids]). O(1)."""
+        if not self._unref_one_here(v):
+            self.unref([v])
+
+    def _unref_one_here(self, v: object) -> bool:
+        """``unref([v])`` in Python where it touches only this object's rows: ``False`` (nothing changed) where
+        the kernel path must run (a page back to the allocator at or above ``_floor``, lease work due, a bad
+        entry, a double free)."""
+        if self._lease_work or type(v) is not int or not 0 <= v < self._nv:
+            return False
+        if not v:   # the reserved page: skipped
+            return True
+        counts = self.ref_counts
+        c = counts[v]
+        if c > 1:
+            counts[v] = c - 1
+            return True
+        state = self._state_mv
+        if c != 1 or state[v] != PAGE_HELD:
+            return False
+        if self.keep_flags[v]:   # cached at 0: the LRU tail
+            counts[v] = 0
+            state[v] = PAGE_CACHED
+            prev, nxt = self._prev, self._next
+            tail = prev[0]
+            nxt[tail] = v
+            prev[v] = tail
+            nxt[v] = 0
+            prev[0] = v
+            self.num_cached += 1
+            return True
+        if v < self._floor:   # Note [Spare ids]: freed below the floor, a spare
+            counts[v] = 0
+            state[v] = PAGE_NOT_MANAGED
+            heappush(self._spares, v)
+            self.num_free += 1
+            return True
+        return False
+
     def _unref_public(self, q: np.ndarray | array[int], n: int) -> int:
         """:meth:`unref` with the allocator's public ``free_pages``; the kernel's result (negative: nothing
         changed)."""
         r = int(self._hot.unref[type(q) is array](self._w, q, n))
         if r < 0:
             return r
+        self._return_spares()
         if (nf := r & 0xFFFFFFFF):
             self._busy = True
             try:
@@ -564,6 +728,7 @@ class PageRefs:
         Returns how many. O(n)."""
         c = int(k_uncache(self._w, id_batch(ids, "ids")))
         if c:
+            self._return_spares()
             self._busy = True
             try:
                 self.alloc.free_pages(self._w[W_FREED, :c])
@@ -627,7 +792,7 @@ class PageRefs:
         with count 0 is a leak, a count on a cached or free page was raised behind this object), ``cached`` (the
         LRU links are the cached pages exactly), ``owner-live`` (a page is live in the allocator iff it is held
         or cached: a free page live there was allocated behind this object, a held one freed behind it),
-        ``counts`` (``num_free`` / ``num_cached`` equal the states). O(pages)."""
+        ``spares`` (Note [Spare ids]), ``counts`` (``num_free`` / ``num_cached`` equal the states). O(pages)."""
         if allocator:
             self.alloc.check_invariants()   # runs this check too (attach_holder_check)
             return
@@ -651,6 +816,16 @@ class PageRefs:
                                  f"{cached[:8].tolist()}")
         live = self.alloc.v2p(self.end).numpy() != TOMBSTONE
         live[0] = False
+        sp = np.array(self._spares, np.int64)
+        lowest_free = np.flatnonzero(~live[1:] & (st[1:] == PAGE_NOT_MANAGED))
+        if sp.size or self._floor:   # Note [Spare ids]: live in the allocator, free here, the lowest free ids
+            if np.unique(sp).size != sp.size or not live[sp].all() or (st[sp] != PAGE_NOT_MANAGED).any() \
+                    or (sp.size and int(sp.max()) >= self._floor) \
+                    or (lowest_free.size and lowest_free[0] + 1 < self._floor):
+                raise InvariantError(f"[spares] page refs: spares {sorted(self._spares)[:8]} (floor {self._floor})"
+                                     f" must be distinct, live in the allocator, free here, below the floor, and "
+                                     f"the floor at or below every id free in the allocator")
+            live[sp] = False
         managed = st != PAGE_NOT_MANAGED
         wrong = np.flatnonzero(live != managed)
         if wrong.size:
@@ -660,7 +835,7 @@ class PageRefs:
                                  f"({'allocated behind this object' if live[v] else 'freed behind it'})")
         n_free = int(np.count_nonzero(~managed[1:]))
         if self.num_free != n_free or self.num_cached != cached.size \
-                or self.alloc.available_pages(self.end) != n_free:
+                or self.alloc.available_pages(self.end) + sp.size != n_free:
             raise InvariantError(f"[counts] page refs: num_free {self.num_free} / num_cached {self.num_cached}; "
                                  f"the states say {n_free} / {cached.size}, the allocator "
                                  f"{self.alloc.available_pages(self.end)} free")

@@ -29,7 +29,9 @@ Policy:
 * **null_block** is block 0 = umalloc's reserved virtual page 0 (mapped to the sink page, never handed out).
 * **Allocation** (``get_new_blocks(n)``): when umalloc has fewer than ``n`` free ids, the least recently used
   cached blocks go back to it first, exactly as many as missing (their hashes leave vLLM's map); all in one
-  ``PageRefs.take(n)`` kernel call (Note [Fused kernels] in :mod:`umalloc.requests.pagerefs`). The blocks a call returns are umalloc's ``n`` lowest free ids, ascending, and cached
+  ``PageRefs.take(n)`` kernel call (Note [Fused kernels] in :mod:`umalloc.requests.pagerefs`), or for one block
+  (a decode or window step) ``PageRefs.take_one`` in Python, on ids minted a batch at a time (Note [Spare ids]
+  there). The blocks a call returns are umalloc's ``n`` lowest free ids, ascending, and cached
   blocks are evicted only when no uncached free block is left, oldest first -- vLLM's eviction rule.
 * **By design, not vLLM's order**: vLLM reuses the most recently freed block first (LIFO) to keep the GPU
   cache warm; umalloc hands out the lowest free id, so fresh blocks form ascending contiguous runs

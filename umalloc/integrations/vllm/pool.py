@@ -10,6 +10,7 @@ Threading: as vLLM's pool, called from the scheduler thread only.
 from __future__ import annotations
 
 import inspect
+import operator
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -120,6 +121,23 @@ def drop_hashes(pool: Any, ids: list[int]) -> None:
         keep[i] = 0
 
 
+#: a block's id (``map`` over a block list runs it in C)
+BLOCK_ID = operator.attrgetter("block_id")
+
+
+def nonzero(ids: list[int]) -> list[int]:
+    """``ids`` without its 0 entries (the null block's id), in order. O(len(ids)); C loops where the zeros lead
+    (a sliding window's blocks) or trail (the same freed last first)."""
+    z = ids.count(0)
+    if z == len(ids):
+        return []
+    if not any(ids[:z]):
+        return ids[z:]
+    if not any(ids[len(ids) - z:]):
+        return ids[: len(ids) - z]
+    return [i for i in ids if i]
+
+
 class UmallocBlockPool(BlockPool):  # type: ignore[misc, valid-type, unused-ignore]
     """vLLM ``BlockPool`` whose blocks' ids, reference counts and cached-free LRU are umalloc's (the policy:
     :mod:`umalloc.integrations.vllm`).
@@ -182,13 +200,27 @@ class UmallocBlockPool(BlockPool):  # type: ignore[misc, valid-type, unused-igno
         refs = self.refs
         if self._linked:
             self._unlink()
+        blocks = self.blocks
         try:
-            ids = refs.take(num_blocks)
+            if num_blocks == 1:   # a decode or window step: no buffer, no map (PageRefs.take_one)
+                v = refs.take_one()
+                ret = [blocks[v]]
+                if not self._reuse_watchers and not self.metrics_collector:
+                    if refs.num_taken_kept:   # an evicted block: its hash leaves the map
+                        if INLINE_EVICT and not self.enable_kv_cache_events \
+                                and type(self.cached_block_hash_to_block) is BlockHashToBlockMap:
+                            drop_hashes(self, [v])
+                        else:
+                            self._maybe_evict_cached_block(ret[0])
+                    return ret
+                ids = None
+            else:
+                ids = refs.take(num_blocks)
         except UmallocValueError:   # nothing changed
             raise UmallocValueError(f"Cannot get {num_blocks} free blocks from the pool: allowed at most "
                                     f"{refs.num_free + refs.num_cached}") from None
-        blocks = self.blocks
-        ret = [blocks[ids[0]]] if num_blocks == 1 else list(map(blocks.__getitem__, ids))
+        if ids is not None:
+            ret = list(map(blocks.__getitem__, ids))
         # the blocks handed out with a hash (evicted cached ones, or a hash put on a free block): vLLM's
         # per-block eviction runs for these only, the others have no hash to drop
         kept = refs.taken_kept().tolist() if refs.num_taken_kept else ()
@@ -212,9 +244,14 @@ class UmallocBlockPool(BlockPool):  # type: ignore[misc, valid-type, unused-igno
     def touch(self, blocks: Sequence[Any]) -> None:
         if not blocks:
             return
+        ids = list(map(BLOCK_ID, blocks))
+        if not ids[0]:   # a sliding window's hit starts with null blocks (id 0): only the others count
+            ids = nonzero(ids)
+            if not ids:
+                return
         if self._linked:
             self._unlink()
-        self.refs.ref([b.block_id for b in blocks])   # the null block is id 0: skipped
+        self.refs.ref(ids)
         if self.metrics_collector:
             for block in blocks:
                 if not block.is_null:
@@ -226,11 +263,18 @@ class UmallocBlockPool(BlockPool):  # type: ignore[misc, valid-type, unused-igno
         in the batch's order, so they are evicted before any other cached block."""
         blocks = ordered_blocks if type(ordered_blocks) is list else list(ordered_blocks)
         ref = self._ref
-        if len(blocks) == 1:   # one block (a sliding window's step): no comprehension frame
-            ids = [blocks[0].block_id] if blocks[0].pool is ref else []
-        else:
-            ids = [b.block_id for b in blocks if b.pool is ref]   # kept or freed at 0 by the keep flags
+        if len(blocks) == 1 and blocks[0].pool is ref:   # one block (a window's step): PageRefs.unref_one
+            if self._linked:
+                self._unlink()
+            v = blocks[0].block_id
+            self.refs.unref_one(v)
+            if evict_first and self.enable_caching:
+                self.refs.cache_first([v])
+            return
+        ids = [b.block_id for b in blocks if b.pool is ref]   # kept or freed at 0 by the keep flags
         if len(ids) == len(blocks):
+            if 0 in ids:   # null blocks (a sliding window's request): only the others count
+                ids = nonzero(ids)
             if ids:
                 if self._linked:
                     self._unlink()
