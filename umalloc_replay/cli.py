@@ -499,10 +499,6 @@ def generate(
             if decode == "cb" and draft:
                 raise UmallocValueError("--decode cb --draft: speculative decoding runs with --decode rebuild; "
                                         "allowed --decode cb without --draft")
-            if decode == "cb" and model == "gemma3":
-                raise UmallocValueError("--decode cb: model 'gemma3' has sliding-window layers, whose ring the "
-                                        "received pages cannot land in one to one; allowed --model llama, qwen3, "
-                                        "or --decode rebuild")
             from umalloc_replay.generate.run import (
                 GenerateConfig,
                 check_generate_report,

@@ -249,10 +249,6 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
     if cfg.decode == "cb" and cfg.draft:
         raise UmallocValueError("--decode cb --draft: speculative decoding runs with --decode rebuild; allowed "
                                 "--decode cb without --draft")
-    if cfg.decode == "cb" and geo.window_tokens is not None:
-        raise UmallocValueError(f"--decode cb: model {cfg.model!r} has sliding-window layers, whose ring the "
-                                "received pages cannot land in one to one; allowed a full-attention model "
-                                "(--model llama, qwen3) or --decode rebuild")
     if cfg.draft_layers and not cfg.draft:
         raise UmallocValueError(f"--draft-layers {cfg.draft_layers}: allowed with --draft")
     from umalloc_replay.generate.ngram import DRAFT_METHODS, ngram_continue, reference_ngram
@@ -279,6 +275,13 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
     else:
         prompts = {r.request_id: prompt_tokens(cfg.seed, r.request_id, r.input_tokens, VOCAB_SIZE) for r in reqs}
 
+    if cfg.decode == "cb" and geo.window_tokens is not None:   # before any reference or second process
+        from umalloc.integrations.transformers.admit import ring_landing_refusal
+
+        for r in reqs:
+            why = ring_landing_refusal(geo.window_tokens, cfg.page_size, r.input_tokens)
+            if why is not None:
+                raise UmallocValueError(f"--decode cb --page-size {cfg.page_size}: request {r.request_id}: {why}")
     t0 = time.perf_counter()
     reference = {r.request_id: reference_tokens(model, geo, prompts[r.request_id], r.output_tokens, cfg.page_size)
                  for r in reqs}
