@@ -157,7 +157,7 @@ def smallest_fitting_token_scale(rows: int, output_scale: int, context: int = 10
 def test_bad_arguments_exit_2_with_one_error_line(args: list[str], needle: str) -> None:
     """Each refusal: exit 2, one ``error:`` line naming the CLI's options (never a Python keyword such as
     ``skip=``) and the packaged trace by its name (never its install path, never its first line's text)."""
-    res = CliRunner().invoke(app, ["generate", *args], catch_exceptions=False)
+    res = CliRunner().invoke(app, ["generate", "--model", "gemma3", *args], catch_exceptions=False)
     lines = res.stderr.strip().splitlines()
     assert res.exit_code == 2, (res.stdout, res.stderr)
     assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], lines
@@ -241,7 +241,7 @@ def test_the_command_prints_its_table_and_its_report_reproduces_the_run(tmp_path
                              "requests": 2, "skip": 3, "token_scale": 64, "output_scale": 16, "page_size": 16,
                              "max_batch": 1, "seed": SEED, "draft": False, "draft_tokens": None,
                              "draft_layers": None, "draft_method": None, "compaction": "lazy",
-                             "decode": "rebuild"}
+                             "decode": "cb"}
     with open(default_trace_path()) as fh:
         rows = [json.loads(line) for line in list(fh)[3:5]]
     assert [(p["request"], p["prompt_tokens"], p["output_tokens"]) for p in rep["per_request"]] == [

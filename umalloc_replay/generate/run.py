@@ -35,6 +35,7 @@ Policy:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 from collections.abc import Callable
@@ -79,9 +80,9 @@ class GenerateConfig:
     ``draft_method``: ``early-exit`` (the drafter above) or ``ngram``
     (:mod:`~umalloc_replay.generate.ngram`: prompt lookup over the request's own tokens; no model, no KV, so no
     ``draft`` end, no ``draft`` vector, no write gate); ``draft_layers`` only with ``early-exit``.
-    ``decode``: ``rebuild`` (the received pages read into a ``DynamicCache`` per request) or ``cb``
-    (:mod:`~umalloc_replay.generate.inplace`: transformers' continuous batching attends over the received pages in
-    place; full-attention models, no drafter).
+    ``decode``: ``cb`` (:mod:`~umalloc_replay.generate.inplace`: transformers' continuous batching attends over
+    the received pages in place; no drafter) or ``rebuild`` (the received pages read into a ``DynamicCache`` per
+    request: the speculative path); ``None``: ``cb``, or ``rebuild`` with a drafter.
     ``fault``: a wrong KV written on the prefill side (:data:`~umalloc_replay.generate.kv.FAULTS`), for the
     tests that show the token check catches it; ``None`` in every real run.
     """
@@ -104,7 +105,7 @@ class GenerateConfig:
     draft: bool = False
     draft_tokens: int = DEFAULT_DRAFT_TOKENS
     write_gate: bool = True
-    decode: str = "rebuild"
+    decode: str | None = None
     draft_layers: int = 0
     draft_method: str = "early-exit"
 
@@ -228,6 +229,8 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
     )
     from umalloc_replay.single.prefill import LocalPrefill, alloc_sequence
 
+    if cfg.decode is None:
+        cfg = dataclasses.replace(cfg, decode="rebuild" if cfg.draft else "cb")
     if cfg.fault is not None and cfg.fault not in FAULTS:
         raise UmallocValueError(f"fault {cfg.fault!r}: allowed None or one of {FAULTS}")
     if cfg.backend not in ("local", "nixl", "mooncake"):
