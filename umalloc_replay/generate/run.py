@@ -1,5 +1,5 @@
-"""The driver of ``umalloc generate``: a trace slice through a transformers model (a tiny random-weight one, or
-SmolLM2-135M's real weights), its KV moved from a prefill side to a decode side on umalloc pages, every request's
+"""The driver of ``umalloc generate``: a trace slice through a transformers model (Gemma-3-270M's or
+SmolLM2-135M's real weights, or a tiny random-weight one), its KV moved from a prefill side to a decode side on umalloc pages, every request's
 tokens compared with one process.
 
 Policy:
