@@ -328,7 +328,8 @@ def test_a_killed_prefill_process_ends_the_run_with_a_backend_error() -> None:
         while prefill.worker.alive():  # the kernel ends it: wait on its state, not on a clock
             os.sched_yield()
 
-    cfg = GenerateConfig(model="llama", backend="nixl", requests=4, token_scale=64, output_scale=32, max_batch=2)
+    cfg = GenerateConfig(model="llama", backend="nixl", requests=4, token_scale=64, output_scale=32, max_batch=2,
+                         decode="rebuild")   # batches: on_batch runs between them
     with pytest.raises(WorkerDied) as info:
         run_generate(cfg, on_batch=kill_after_first)
     assert isinstance(info.value, BackendError) and not seen[0].alive()
@@ -370,7 +371,7 @@ def test_the_write_gate_keeps_stale_draft_kv_from_the_decode_side() -> None:
 # ---- the CLI ended from outside: Ctrl-C, a killed prefill process ---------------------------------------------
 
 #: Eight batches of one request: the run has batches left to do when the prefill process's marker line appears.
-CLI_LONG = ["--requests", "8", "--max-batch", "1", "--no-progress"]
+CLI_LONG = ["--model", "gemma3", "--decode", "rebuild", "--requests", "8", "--max-batch", "1", "--no-progress"]
 
 
 def _start_until_prefill(backend: str) -> tuple[subprocess.Popen, int, set[int], list[str]]:
