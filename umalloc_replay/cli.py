@@ -492,10 +492,6 @@ def generate(
             if draft_method == "ngram" and draft_layers is not None:
                 raise UmallocValueError(f"--draft-layers {draft_layers}: the n-gram drafter has no layers; allowed "
                                         "with --draft-method early-exit, or --draft-method ngram without it")
-            from umalloc_replay.generate.models import REAL_MODELS, real_model_path
-
-            if model in REAL_MODELS:
-                real_model_path(model, assemble=False)
             if decode is None:
                 decode = "rebuild" if draft else "cb"
             if decode not in ("rebuild", "cb"):
@@ -503,6 +499,10 @@ def generate(
             if decode == "cb" and draft:
                 raise UmallocValueError("--decode cb --draft: speculative decoding runs with --decode rebuild; "
                                         "allowed --decode cb without --draft")
+            from umalloc_replay.generate.models import REAL_MODELS, real_model_path
+
+            if model in REAL_MODELS:
+                real_model_path(model, assemble=False)
             from umalloc_replay.generate.run import (
                 GenerateConfig,
                 check_generate_report,
