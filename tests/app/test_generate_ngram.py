@@ -87,7 +87,8 @@ def _ngram_report(**kw: Any) -> dict:
     from umalloc_replay.generate.run import GenerateConfig, run_generate
 
     print(f"seed {SEED}: {kw}")
-    return run_generate(GenerateConfig(draft=True, draft_method="ngram", draft_tokens=3, **SLICE, **kw))
+    cfg = {"model": "gemma3", **SLICE, **kw}
+    return run_generate(GenerateConfig(draft=True, draft_method="ngram", draft_tokens=3, **cfg))
 
 
 _cache: dict[str, dict] = {}

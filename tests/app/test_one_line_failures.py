@@ -41,7 +41,7 @@ def test_a_passing_nixl_replay_prints_no_engine_line() -> None:
 def test_a_passing_nixl_generate_prints_no_engine_line() -> None:
     pytest.importorskip("transformers")
     require_or_skip("nixl")
-    res = subprocess.run([*CLI, "generate", "--backend", "nixl", "--requests", "3", "--no-progress", "--format",
+    res = subprocess.run([*CLI, "generate", "--model", "gemma3", "--backend", "nixl", "--requests", "3", "--no-progress", "--format",
                           "json"], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr
     lines = res.stderr.strip().splitlines()
@@ -54,8 +54,8 @@ def run_and_end(act: Callable[[subprocess.Popen, int], None]) -> tuple[int, list
     the run outlives it. Returns the exit status, every output line and the prefill pid."""
     pytest.importorskip("transformers")
     require_or_skip("nixl")
-    proc = subprocess.Popen([*CLI, "generate", "--backend", "nixl", "--requests", "8", "--max-batch", "1",
-                             "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen([*CLI, "generate", "--model", "gemma3", "--decode", "rebuild", "--backend", "nixl",
+                             "--requests", "8", "--max-batch", "1", "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
     lines: list[str] = []
     pid, kids = -1, set()

@@ -184,9 +184,151 @@ def test_bad_calls_are_refused_with_typed_errors() -> None:
     eng.close()
 
 
-def test_a_model_with_sliding_layers_is_refused_at_reserve() -> None:
+def test_a_model_with_sliding_layers_needs_reserve_ends() -> None:
     eng = engine(build("gemma3"))
-    with pytest.raises(UnsupportedCacheError, match="sliding layers"):
+    with pytest.raises(UnsupportedCacheError, match="allowed reserve_ends"):
         eng.reserve("x", 4)
     assert eng.cache.slots == {}
     eng.close()
+
+
+# ---- sliding layers: the window tail lands in the ring (Note [Ring landing]) ------------------------------------
+
+
+def prefill_all(model, prompt: list[int]):  # type: ignore[no-untyped-def]
+    """:func:`prefill` with every prompt token of the sliding layers too (their past recorded)."""
+    cache = transformers.DynamicCache(config=model.config)
+    for la in cache.layers:
+        if la.is_sliding:
+            la.activate_past_recording()
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True)
+    return int(out.logits[0, -1].argmax()), [(la.keys[0], la.values[0]) for la in cache.layers]
+
+
+def land_tail(eng: DecodeEngine, vts: dict, kv, layer_types: list[str], window: int,  # type: ignore[no-untyped-def]
+              shift_swa: bool = False) -> None:
+    """Write what a transfer plan writes: per end, whole sequence pages (``full``: all; ``swa``: from the page
+    holding token ``L - window``) onto the page of ``vts[end]``'s id at each page's first position, tokens past
+    ``L`` zero. ``shift_swa`` writes each swa page with the previous sequence page's tokens (a wrong tail)."""
+    c = eng.cache
+    ps = c.page_size
+    for end, vt in vts.items():
+        n = int(vt.numel())
+        lo = 0 if end == "full" else max(0, n - window) // ps
+        seq = list(range(lo, -(-n // ps)))
+        vpages = [int(vt[j * ps]) // ps for j in seq]
+        assert len(set(vpages)) == len(vpages)   # a plan names no destination page twice
+        pp = c.alloc.translate_pages(torch.tensor(vpages, dtype=torch.int64), end)
+        layers = [i for i, t in enumerate(layer_types) if (t == "sliding_attention") == (end == "swa")]
+        for idx, layer in enumerate(layers):
+            kview, vview = c.arena.kv_views(end, idx)
+            for x, view in zip(kv[layer], (kview, vview), strict=True):
+                for d, j in zip(pp.tolist(), seq, strict=True):
+                    a = (j - 1 if shift_swa and end == "swa" else j) * ps
+                    page = torch.zeros(ps, x.shape[0], x.shape[2])
+                    got = x[:, max(a, 0): min(a + ps, n)].transpose(0, 1)
+                    page[max(0, -a): max(0, -a) + got.shape[0]] = got
+                    view[d] = page
+
+
+def gemma(window: int):  # type: ignore[no-untyped-def]
+    model = build("gemma3")
+    model.config.sliding_window = window
+    for layer in model.model.layers:
+        if layer.self_attn.is_sliding:
+            layer.self_attn.sliding_window = window
+    return model
+
+
+def run_ring(model, eng: DecodeEngine, ps: list[list[int]], shift_swa: bool = False) -> dict[int, list[int]]:  # type: ignore[no-untyped-def]
+    types, w = list(model.config.layer_types), int(model.config.sliding_window)
+    out = {}
+    for i, p in enumerate(ps):
+        vts = eng.reserve_ends(str(i), len(p))
+        assert vts is not None and set(vts) == {"full", "swa"}
+        first, kv = prefill_all(model, p)
+        land_tail(eng, vts, kv, types, w, shift_swa)
+        eng.admit(str(i), p, first, NEW)
+        eng.step()
+    while eng.step():
+        pass
+    for rid, st in eng.finished():
+        assert st.error is None
+        out[int(rid)] = list(st.generated_tokens)
+    return out
+
+
+def test_sliding_window_tails_land_in_the_ring_and_decode_as_generate_does() -> None:
+    """Window 8, page size 4 (two ring pages): prompts of 3 and 5 tokens (inside the window), 16 (past it, a
+    whole number of pages), 9, 21 and 30 (past it, the last page partial: the tail's first and last sequence
+    pages share a ring page, Note [Ring landing])."""
+    print(f"seed {SEED}")
+    model = gemma(8)
+    ps = prompts()
+    want = {i: stock(model, p) for i, p in enumerate(ps)}
+    eng = engine(model)
+    assert run_ring(model, eng, ps) == want
+    assert max(eng.step_requests) > 1
+    assert eng.cache.slots == {} and eng.cache.staged_rings == set()
+    eng.close()
+
+
+def test_a_tail_that_shares_a_ring_page_takes_one_staging_page_until_admitted() -> None:
+    model = gemma(8)
+    eng = engine(model)
+    c = eng.cache
+    assert c.ring_table is not None
+    vts = eng.reserve_ends("a", 21)   # 21 = 5 pages + 1 token: tail pages 3, 4, 5 on 2 ring pages
+    assert vts is not None and len(c.staged_rings) == 1
+    assert c.ring_table.stats().live_requests == 2
+    c.check_invariants()
+    eng.release("a")
+    assert c.staged_rings == set() and c.ring_table.stats().live_requests == 0 and c.slots == {}
+    vts = eng.reserve_ends("b", 16)   # whole pages: no staging
+    assert vts is not None and c.staged_rings == set()
+    eng.close()
+
+
+def test_a_tail_landed_one_page_early_changes_the_tokens() -> None:
+    """Mutation: each swa page written with the previous sequence page's tokens: the prompts past the window
+    decode otherwise (the engine reads the ring, not a recomputed prompt)."""
+    model = gemma(8)
+    ps = prompts()
+    want = {i: stock(model, p) for i, p in enumerate(ps)}
+    got = run_ring(model, engine(model), ps, shift_swa=True)
+    past = [i for i, p in enumerate(ps) if len(p) > 8]
+    assert sum(got[i][1:] != want[i][1:] for i in past) >= len(past) - 1
+
+
+def test_a_window_not_a_multiple_of_the_page_size_takes_only_prompts_inside_it() -> None:
+    """Window 6, page size 4: a prompt of up to 6 tokens lands (ring slot = position); a longer one is refused
+    with a typed error naming why, nothing taken."""
+    model = gemma(6)
+    eng = engine(model)
+    free = eng.cache.free_bytes()
+    with pytest.raises(UnsupportedCacheError, match="not a multiple of page_size 4"):
+        eng.reserve_ends("x", 9)
+    assert eng.cache.slots == {} and eng.cache.free_bytes() == free
+    eng.close()
+    p = prompts()[4]   # 5 tokens
+    eng = engine(model)
+    assert run_ring(model, eng, [p]) == {0: stock(model, p)}
+    eng.close()
+
+
+def test_without_the_staging_copy_the_prompts_with_a_shared_ring_page_decode_otherwise(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Mutation: the staging page's rows never copied onto the ring page its tail shares (Note [Ring landing]):
+    the prompts of 9, 21 and 30 tokens (past the window of 8 with a partial last page) read the ring's stale
+    rows, so they decode otherwise; the others keep ``generate()``'s tokens."""
+    from umalloc.integrations.transformers.groups import EndGroup
+
+    model = gemma(8)
+    ps = prompts()
+    want = {i: stock(model, p) for i, p in enumerate(ps)}
+    monkeypatch.setattr(EndGroup, "copy_rows", lambda self, src, dst: None)
+    got = run_ring(model, engine(model), ps)
+    staged = [i for i, p in enumerate(ps) if len(p) > 8 and len(p) % PAGE_SIZE]
+    assert staged == [1, 3, 5]
+    assert all(got[i] == want[i] for i in want if i not in staged)
+    assert sum(got[i][1:] != want[i][1:] for i in staged) >= len(staged) - 1

@@ -6,7 +6,8 @@ Policy:
 * The decode engine is :class:`~umalloc.integrations.transformers.admit.DecodeEngine` over its own copy of the
   model (the engine switches the copy to paged attention); its cache's allocator is the transfer's receiving
   side, so the prefill side's plan writes each prompt's KV straight into the pages the engine's attention reads
-  (Note [Admission seam] of :mod:`umalloc.integrations.transformers.admit`).
+  (Note [Admission seam] of :mod:`umalloc.integrations.transformers.admit`); a model with sliding layers gets
+  its window tail into its rings (Note [Ring landing] there: destination ids per end from ``reserve_ends``).
 * Admission: while requests wait and fewer than ``max_batch`` requests are in the batch, the next request's
   pages are reserved in the cache (a request that finds no room waits for a running one to finish: its KV is not
   sent before its pages exist), the prefill side computes, plans and posts; once the transfers of the round are
@@ -47,7 +48,7 @@ def engine_for(model: Any, reqs: list[TraceRequest], page_size: int, max_batch: 
     stop, no prefix sharing (a finished request frees its pages). ``check``: invariants after every step.
 
     Raises:
-        UmallocValueError: a model with sliding layers (the admission seam refuses them).
+        UmallocValueError: the cache refuses the model (the integration's typed error, reworded).
     """
     import transformers
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
@@ -55,11 +56,6 @@ def engine_for(model: Any, reqs: list[TraceRequest], page_size: int, max_batch: 
     from umalloc.integrations.transformers import CacheOptions, UnsupportedCacheError
     from umalloc.integrations.transformers.admit import DecodeEngine
 
-    if getattr(model.config, "sliding_window", None) and "sliding_attention" in (
-            getattr(model.config, "layer_types", None) or ()):
-        raise UmallocValueError("--decode cb: the model has sliding-window layers, whose ring the received pages "
-                                "cannot land in one to one; allowed a full-attention model (--model llama, qwen3) "
-                                "or --decode rebuild")
     big = sorted(reqs, key=lambda r: r.input_tokens + r.output_tokens, reverse=True)[:max_batch]
     blocks = 2 * sum(-(-(r.input_tokens + r.output_tokens) // page_size) + 1 for r in big)
     gcfg = transformers.GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0,
@@ -76,6 +72,23 @@ def engine_for(model: Any, reqs: list[TraceRequest], page_size: int, max_batch: 
         raise UmallocValueError(f"--decode cb: {exc}") from exc
     finally:
         cb_log.setLevel(level)
+
+
+def received_digests(cache: Any, vtokens: dict[str, torch.Tensor], prompt_tokens: int) -> dict[str, str]:
+    """Per end, the blake2b digest of the pages a plan wrote for a ``prompt_tokens``-token prompt into
+    ``vtokens`` (:meth:`~umalloc.integrations.transformers.admit.DecodeEngine.reserve_ends`), in sequence-page
+    order (``full``: every page; ``swa``: the window tail's, ring and staging pages): what the prefill side's
+    :class:`~umalloc_replay.generate.kv.ModelKV` digested of what it wrote. Read in place. O(pages)."""
+    from umalloc.geometry.spec import swa_tail_start
+    from umalloc_replay.generate.kv import digest_pages
+
+    ps = cache.page_size
+    out = {}
+    for end, vt in vtokens.items():
+        lo = 0 if end == "full" else swa_tail_start(prompt_tokens, cache.window, 0, ps)
+        vpages = torch.div(vt[lo:prompt_tokens:ps], ps, rounding_mode="floor")
+        out[end] = digest_pages(cache.arena, end, cache.alloc.translate_pages(vpages, end))
+    return out
 
 
 @dataclass
@@ -107,20 +120,17 @@ def decode_in_place(engine: Any, prefill: Any, reqs: list[TraceRequest], prompts
         InvariantError: the decode arena cannot hold one request with no other running, a request failed in the
             engine, or a prefill arena was short.
     """
-    from umalloc_replay.generate.kv import _digest
-
     res = InPlaceResult()
     cache = engine.cache
-    ps = cache.page_size
     waiting = deque(reqs)
     t_run = time.perf_counter()
     last_tok: dict[int, float] = {}
     while waiting or engine.running():
         tickets: list[Any] = []
-        held: list[tuple[TraceRequest, torch.Tensor]] = []
+        held: list[tuple[TraceRequest, dict[str, torch.Tensor]]] = []
         while waiting and engine.running() + len(held) < max_batch:
             r = waiting[0]
-            vt = engine.reserve(str(r.request_id), r.input_tokens)
+            vt = engine.reserve_ends(str(r.request_id), r.input_tokens)
             if vt is None:
                 break
             waiting.popleft()
@@ -137,9 +147,7 @@ def decode_in_place(engine: Any, prefill: Any, reqs: list[TraceRequest], prompts
             res.weights_ok = res.weights_ok and wd == weights
             now = time.perf_counter()
             for r, vt in held:
-                vpages = torch.div(vt[::ps], ps, rounding_mode="floor")
-                pp = cache.alloc.translate_pages(vpages, "full")
-                if _digest(cache.arena, "full", pp) != outs[r.request_id]["digests"].get("full"):
+                if received_digests(cache, vt, r.input_tokens) != outs[r.request_id]["digests"]:
                     res.digest_bad.append(r.request_id)
                 engine.admit(str(r.request_id), prompts[r.request_id], outs[r.request_id]["first_token"],
                              r.output_tokens)
@@ -172,4 +180,4 @@ def decode_in_place(engine: Any, prefill: Any, reqs: list[TraceRequest], prompts
     return res
 
 
-__all__ = ["DECODE_MODES", "InPlaceResult", "decode_in_place", "engine_for"]
+__all__ = ["DECODE_MODES", "InPlaceResult", "decode_in_place", "engine_for", "received_digests"]

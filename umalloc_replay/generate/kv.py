@@ -162,8 +162,10 @@ def _pages_of(x: torch.Tensor, lo_token: int, num_pages: int, page_size: int) ->
     return out.view(num_pages, page_size, h, d)
 
 
-def _digest(arena: Arena, end: str, ppages: torch.Tensor) -> str:
+def digest_pages(arena: Arena, end: str, ppages: torch.Tensor) -> str:
+    """blake2b (32 hex digits) of physical pages ``ppages``' envelopes on ``end``, in the order given. O(bytes)."""
     return hashlib.blake2b(arena.envelopes(end)[ppages].numpy().tobytes(), digest_size=16).hexdigest()
+
 
 
 class ModelKV:
@@ -244,7 +246,7 @@ class ModelKV:
             kview[pp] = _pages_of(k, lo, n, ps)
             assert vview is not None
             vview[pp] = _pages_of(v, lo, n, ps)
-        return self._wrote(request_id, end, n * arena.page_bytes(end), digest=_digest(arena, end, pp))
+        return self._wrote(request_id, end, n * arena.page_bytes(end), digest=digest_pages(arena, end, pp))
 
     def _wrote(self, request_id: int, end: str, nbytes: int, digest: str | None) -> int:
         """Record ``end`` of ``request_id`` as handled (``digest``: of what was written; ``None``: left to a
@@ -280,7 +282,7 @@ class ModelKV:
             assert vview is not None
             kview[pp] = _pages_of(k, lo, int(sp.numel()), ps)
             vview[pp] = _pages_of(v, lo, int(sp.numel()), ps)
-        self.digests[request_id]["draft"] = _digest(arena, "draft", pp)
+        self.digests[request_id]["draft"] = digest_pages(arena, "draft", pp)
         return [] if self.gate is None else self.gate.signal(str(request_id), "draft")
 
     def outputs(self, request_ids: list[int]) -> dict[int, dict]:
@@ -319,7 +321,7 @@ def read_pages_kv(alloc: MultiEndedAllocator, geo: ModelGeometry, vtokens: torch
         vpages = torch.div(vtokens[sp * ps], ps, rounding_mode="floor")
         pp = alloc.translate_pages(vpages, end)
         assert isinstance(pp, torch.Tensor)
-        digests[end] = _digest(arena, end, pp)
+        digests[end] = digest_pages(arena, end, pp)
         n_tok = seq_len_tokens - first * ps
         for i, layer in enumerate(layers):
             kview, vview = arena.kv_views(end, i)

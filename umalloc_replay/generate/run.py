@@ -1,5 +1,5 @@
-"""The driver of ``umalloc generate``: a trace slice through a transformers model (a tiny random-weight one, or
-SmolLM2-135M's real weights), its KV moved from a prefill side to a decode side on umalloc pages, every request's
+"""The driver of ``umalloc generate``: a trace slice through a transformers model (Gemma-3-270M's or
+SmolLM2-135M's real weights, or a tiny random-weight one), its KV moved from a prefill side to a decode side on umalloc pages, every request's
 tokens compared with one process.
 
 Policy:
@@ -35,6 +35,7 @@ Policy:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 from collections.abc import Callable
@@ -79,9 +80,9 @@ class GenerateConfig:
     ``draft_method``: ``early-exit`` (the drafter above) or ``ngram``
     (:mod:`~umalloc_replay.generate.ngram`: prompt lookup over the request's own tokens; no model, no KV, so no
     ``draft`` end, no ``draft`` vector, no write gate); ``draft_layers`` only with ``early-exit``.
-    ``decode``: ``rebuild`` (the received pages read into a ``DynamicCache`` per request) or ``cb``
-    (:mod:`~umalloc_replay.generate.inplace`: transformers' continuous batching attends over the received pages in
-    place; full-attention models, no drafter).
+    ``decode``: ``cb`` (:mod:`~umalloc_replay.generate.inplace`: transformers' continuous batching attends over
+    the received pages in place; no drafter) or ``rebuild`` (the received pages read into a ``DynamicCache`` per
+    request: the speculative path); ``None``: ``cb``, or ``rebuild`` with a drafter.
     ``fault``: a wrong KV written on the prefill side (:data:`~umalloc_replay.generate.kv.FAULTS`), for the
     tests that show the token check catches it; ``None`` in every real run.
     """
@@ -104,7 +105,7 @@ class GenerateConfig:
     draft: bool = False
     draft_tokens: int = DEFAULT_DRAFT_TOKENS
     write_gate: bool = True
-    decode: str = "rebuild"
+    decode: str | None = None
     draft_layers: int = 0
     draft_method: str = "early-exit"
 
@@ -228,6 +229,8 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
     )
     from umalloc_replay.single.prefill import LocalPrefill, alloc_sequence
 
+    if cfg.decode is None:
+        cfg = dataclasses.replace(cfg, decode="rebuild" if cfg.draft else "cb")
     if cfg.fault is not None and cfg.fault not in FAULTS:
         raise UmallocValueError(f"fault {cfg.fault!r}: allowed None or one of {FAULTS}")
     if cfg.backend not in ("local", "nixl", "mooncake"):
@@ -249,10 +252,6 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
     if cfg.decode == "cb" and cfg.draft:
         raise UmallocValueError("--decode cb --draft: speculative decoding runs with --decode rebuild; allowed "
                                 "--decode cb without --draft")
-    if cfg.decode == "cb" and geo.window_tokens is not None:
-        raise UmallocValueError(f"--decode cb: model {cfg.model!r} has sliding-window layers, whose ring the "
-                                "received pages cannot land in one to one; allowed a full-attention model "
-                                "(--model llama, qwen3) or --decode rebuild")
     if cfg.draft_layers and not cfg.draft:
         raise UmallocValueError(f"--draft-layers {cfg.draft_layers}: allowed with --draft")
     from umalloc_replay.generate.ngram import DRAFT_METHODS, ngram_continue, reference_ngram
@@ -279,6 +278,13 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
     else:
         prompts = {r.request_id: prompt_tokens(cfg.seed, r.request_id, r.input_tokens, VOCAB_SIZE) for r in reqs}
 
+    if cfg.decode == "cb" and geo.window_tokens is not None:   # before any reference or second process
+        from umalloc.integrations.transformers.admit import ring_landing_refusal
+
+        for r in reqs:
+            why = ring_landing_refusal(geo.window_tokens, cfg.page_size, r.input_tokens)
+            if why is not None:
+                raise UmallocValueError(f"--decode cb --page-size {cfg.page_size}: request {r.request_id}: {why}")
     t0 = time.perf_counter()
     reference = {r.request_id: reference_tokens(model, geo, prompts[r.request_id], r.output_tokens, cfg.page_size)
                  for r in reqs}

@@ -5,9 +5,11 @@ the cache's pages (disaggregated prefill / decode).
 runner) over an :class:`~umalloc.integrations.transformers.cache.UmallocPagedCache` and steps it from the
 caller's thread. A request joins in two calls:
 
-1. :meth:`DecodeEngine.reserve` gives the request its pages in the cache (its row of the cache's request table,
-   the whole prompt) and returns their virtual token ids on the ``full`` end: the destination a transfer plan
-   writes the prompt's KV into (``build_plan(..., decode_alloc=engine.cache.alloc, dst_vtokens=...)``);
+1. :meth:`DecodeEngine.reserve_ends` gives the request its pages in the cache (its row of the cache's request
+   table, the whole prompt, and for a model with sliding layers its ring, Note [Ring landing]) and returns their
+   virtual token ids per id-owner end: the destination a transfer plan writes the prompt's KV into
+   (``build_plan(..., engine.cache.alloc, dst_vtokens=...)``); :meth:`DecodeEngine.reserve` is its
+   ``full``-end tensor for a full-attention model;
 2. once the KV is there, :meth:`DecodeEngine.admit` puts a request state into the running batch as a request
    whose prompt was computed and whose first token (the prefill side's) is its last generated token: its next
    step is a one-token decode that reads the prompt's KV from those pages.
@@ -29,9 +31,34 @@ considered and not used: it copies a request's blocks from a CPU swap pool by ph
 refused by this cache, Note [Seams] 8 in :mod:`~umalloc.integrations.transformers.cache`). transformers' files
 are not modified.
 
-The cache's sliding layers keep a ring (token ``t`` in ring slot ``t % window``), which does not map sequence
-pages to ring pages one to one once a prompt is longer than the window; :meth:`DecodeEngine.reserve` refuses a
-model with sliding layers (:class:`~umalloc.integrations.transformers.options.UnsupportedCacheError`).
+Note [Ring landing]
+~~~~~~~~~~~~~~~~~~~
+A model with sliding layers has two ends in the cache: ``full`` (the full-attention layers, the request's row of
+``cache.table``) and ``swa``, whose pages are the request's ring (``cache.ring_table``): token ``t`` in ring
+slot ``t % W`` (window ``W``), slot ``s`` at offset ``s % page_size`` of the ring's page ``s // page_size``
+(Note [Sliding ring] in :mod:`~umalloc.integrations.transformers.cache`). The engine's first step after admission
+reads the ring slots of the last ``min(L, W - 1)`` prompt tokens (``L`` the prompt length) and writes token ``L``
+into slot ``L % W``. A transfer plan sends the sliding layers' *window tail*: whole sequence pages ``j`` from
+``swa_tail_start(L, W, 0, page_size) // page_size`` (the page holding token ``L - W``, or page 0) to the last,
+token ``t`` at offset ``t % page_size`` of sequence page ``t // page_size``, into the destination's virtual token
+ids per position. :meth:`DecodeEngine.reserve_ends` gives the ``swa`` owner, per tail position ``t``, the ring
+slot ``t % W``'s id, so each sequence page lands on the ring page its attention reads:
+
+* ``L <= W``: slot ``t`` = position ``t``; sequence page ``j`` is ring page ``j`` (any window).
+* ``L > W``, ``page_size`` divides ``W`` (``n = W / page_size`` ring pages): sequence page ``j`` lands on ring
+  page ``j mod n``, offsets kept. With ``L`` a multiple of ``page_size`` the tail is ``n`` pages, each on its own
+  ring page. Otherwise (``L = q * page_size + r``, ``0 < r``) the tail is ``n + 1`` pages and its first (``q -
+  n``) and last (``q``) share ring page ``c = q mod n``: the ring needs the last page's offsets ``[0, r)`` (the
+  prompt's last ``r`` tokens) and the first page's offsets ``(r, page_size)`` (tokens ``L - W + 1 ..``; offset
+  ``r`` is slot ``L % W``, which the first step writes). A plan sends whole pages there (a page is one copy per
+  layer block), so the last sequence page lands on a *staging* page of the ring table (one page, held by the
+  engine, ``cache.staged_rings``) and the first on ring page ``c``; :meth:`DecodeEngine.admit` copies the staging
+  page's rows ``[0, r)`` of every sliding layer onto ring page ``c`` (an in-arena copy of fewer than
+  ``page_size`` tokens per sliding layer, nothing leaves the arena) and frees the staging page.
+* ``L > W`` with ``W`` not a multiple of ``page_size``: ring slots do not keep a token's page offset, so no
+  page-to-page plan lands the tail: refused (:func:`ring_landing_refusal`, :class:`UnsupportedCacheError`).
+
+Positions before the tail's first page carry no ids a plan reads (zeros).
 
 Threading: one thread drives the engine (the cache's rule). The engine switches the model it is given to paged
 attention for its lifetime (:meth:`DecodeEngine.close` switches it back): give it a model no other code runs.
@@ -46,6 +73,7 @@ import numpy as np
 import torch
 
 from umalloc import UmallocValueError
+from umalloc.geometry.spec import swa_tail_start
 from umalloc.integrations.transformers.cache import UmallocPagedCache
 from umalloc.integrations.transformers.install import installed
 from umalloc.integrations.transformers.options import CacheOptions, UnsupportedCacheError
@@ -85,50 +113,110 @@ class DecodeEngine:
         self.model = model
         self.states: dict[str, Any] = {}
         self._reserved: dict[str, int] = {}
+        #: request id -> (staging ring slot, ring vtokens to fill, staging vtokens to copy) (Note [Ring landing])
+        self._staged: dict[str, tuple[int, torch.Tensor, torch.Tensor]] = {}
         self.steps = 0
         self.step_requests: list[int] = []
         self._closed = False
 
     # ---- admission ----------------------------------------------------------------------------------------
     def reserve(self, request_id: str, prompt_tokens: int) -> torch.Tensor | None:
-        """Give request ``request_id`` the cache pages of a ``prompt_tokens``-token prompt (its row in the cache's
-        table). Returns int64 ``(prompt_tokens,)`` virtual token ids on the ``full`` end (token ``i`` at offset
-        ``i % page_size`` of its page), or ``None`` when the arena has no room now (nothing changed).
-        O(pages).
+        """:meth:`reserve_ends` of a full-attention model: its int64 ``(prompt_tokens,)`` ``full``-end ids (token
+        ``i`` at offset ``i % page_size`` of its page), or ``None`` when the arena has no room now.
 
         Raises:
-            UnsupportedCacheError: a model with sliding layers (Note [Admission seam]).
+            UnsupportedCacheError: a model with sliding layers (its ring needs :meth:`reserve_ends`).
+            UmallocValueError: as :meth:`reserve_ends`.
+        """
+        if self.cache.window is not None:
+            raise UnsupportedCacheError("reserve: the model has sliding layers; their ring needs destination ids "
+                                        "of its own: allowed reserve_ends (Note [Ring landing])")
+        ends = self.reserve_ends(request_id, prompt_tokens)
+        return None if ends is None else ends["full"]
+
+    def reserve_ends(self, request_id: str, prompt_tokens: int) -> dict[str, torch.Tensor] | None:
+        """Give request ``request_id`` the cache pages of a ``prompt_tokens``-token prompt: its row in the cache's
+        table and, with sliding layers, its ring (and a staging page where Note [Ring landing] needs one).
+        Returns ``{id-owner end: int64 (prompt_tokens,) destination virtual token ids}``: ``full`` (every
+        token, token ``i`` at offset ``i % page_size`` of its page) for a model with full-attention layers,
+        ``swa`` (the window tail's positions on their ring slots) for one with sliding layers; ``None`` when the
+        arena has no room now (nothing changed). O(pages).
+
+        Raises:
+            UnsupportedCacheError: a prompt the ring cannot receive page to page (:func:`ring_landing_refusal`).
             UmallocValueError: an id already reserved or admitted, or ``prompt_tokens`` < 1 or over what one
                 request can hold.
         """
         c = self.cache
-        if c.ring_table is not None:
-            raise UnsupportedCacheError("reserve: the model has sliding layers; its ring (token t in slot t % window) "
-                                        "does not map received sequence pages one to one (Note [Admission seam])")
         n = int(prompt_tokens)
         if request_id in c.slots or request_id in self.states:
             raise UmallocValueError(f"reserve: request {request_id!r} already holds pages")
         if not 1 <= n <= c.max_tokens_per_request:
             raise UmallocValueError(f"reserve: prompt_tokens={n}: allowed 1..{c.max_tokens_per_request}")
+        ps, w = c.page_size, c.window
+        why = None if w is None else ring_landing_refusal(w, ps, n)
+        if why is not None:
+            raise UnsupportedCacheError(f"reserve: request {request_id!r}: {why}")
+        staged = w is not None and n > w and n % ps != 0
+        rt = c.ring_table if c.ring_table is not None else c.table
         with c._timer:
             c._flush()
-            if not c._fits_bytes(*c._new_pages(None, 0, n)):
+            full_pages, swa_pages = c._new_pages(None, 0, n)
+            if not c._fits_bytes(full_pages, swa_pages + int(staged)):
                 return None
+            stage = None
+            if staged:
+                got = rt.new_requests(1)
+                if got is None or rt.extend(got, np.array([ps], np.int64)) is None:
+                    if got is not None:
+                        rt.free_requests(got)
+                    c._free_bytes_memo = None
+                    return None
+                stage = int(got[0])
             ok = c._grow(request_id, None, 0, n)
             c._free_bytes_memo = None
             if not ok:
+                if stage is not None:
+                    rt.free_requests([stage])
                 return None
             c.counters.max_live_requests = max(c.counters.max_live_requests, len(c.slots))
             slot = c.slots[request_id]
-            ps = c.page_size
-            pages = c.table.pages(slot).to(torch.int64)
+            out: dict[str, torch.Tensor] = {}
+            if c.has_full:
+                out["full"] = _page_ids(c.table.pages(slot), ps, n)
+            if w is not None:
+                ring = _page_ids(rt.pages(c.ring_slots.get(slot, slot)), ps, min(n, w))
+                out["swa"] = vt = torch.zeros(n, dtype=torch.int64)
+                lo = swa_tail_start(n, w, 0, ps)
+                pos = torch.arange(lo, n, dtype=torch.int64)
+                vt[lo:] = ring[pos % w]
+                if stage is not None:
+                    q, r = divmod(n, ps)
+                    sv = _page_ids(rt.pages(stage), ps, ps)
+                    vt[q * ps:] = sv[:r]
+                    c.staged_rings.add(stage)
+                    self._staged[request_id] = (stage, ring[(q * ps + torch.arange(r)) % w], sv[:r])
         self._reserved[request_id] = n
-        return (pages[:, None] * ps + torch.arange(ps, dtype=torch.int64)[None, :]).reshape(-1)[:n].clone()
+        return out
 
     def release(self, request_id: str) -> None:
         """Free a reservation that will not be admitted (its transfer failed). No-op for an unknown id."""
         if self._reserved.pop(request_id, None) is not None:
+            self._unstage(request_id)
             self.cache.free_blocks(request_id, no_cache=True)
+
+    def _unstage(self, request_id: str) -> None:
+        """Free request ``request_id``'s staging page, if it has one (Note [Ring landing])."""
+        got = self._staged.pop(request_id, None)
+        if got is None:
+            return
+        c = self.cache
+        rt = c.ring_table if c.ring_table is not None else c.table
+        c.staged_rings.discard(got[0])
+        with c._timer:
+            rt.free_requests([got[0]])
+            c._forget_rows([], [got[0]])
+            c._free_bytes_memo = None
 
     def admit(self, request_id: str, prompt: list[int], first_token: int, max_new_tokens: int,
               eos_token_id: int | list[int] | None = None) -> Any:
@@ -150,6 +238,13 @@ class DecodeEngine:
         if int(max_new_tokens) < 2:
             raise UmallocValueError(f"admit: max_new_tokens={max_new_tokens}: allowed >= 2 (the first token is "
                                     "the prefill's)")
+        staged = self._staged.get(request_id)
+        if staged is not None:   # the prompt's last tokens onto the ring page they share (Note [Ring landing])
+            from umalloc.integrations.transformers.groups import SLIDING_ATTENTION
+
+            with self.cache._timer:
+                self.cache.cache_allocators[SLIDING_ATTENTION].copy_rows(staged[2], staged[1])
+            self._unstage(request_id)
         del self._reserved[request_id]
         state = RequestState(request_id=request_id, initial_tokens=list(prompt), max_new_tokens=int(max_new_tokens),
                              eos_token_id=-1 if eos_token_id is None else eos_token_id, record_timestamps=True)
@@ -203,9 +298,32 @@ class DecodeEngine:
         self.manager.batch_processor = None
 
 
+def _page_ids(vpages: torch.Tensor, page_size: int, num_tokens: int) -> torch.Tensor:
+    """int64 ``(num_tokens,)`` virtual token ids of a row's pages ``vpages``, token ``i`` at offset ``i %
+    page_size`` of page ``i // page_size``."""
+    p = vpages.to(torch.int64)
+    return (p[:, None] * page_size + torch.arange(page_size, dtype=torch.int64)[None, :]).reshape(-1)[:num_tokens]
+
+
+def ring_landing_refusal(window: int, page_size: int, prompt_tokens: int) -> str | None:
+    """Why a ``prompt_tokens``-token prompt's window tail cannot land page to page in a ring of ``window`` slots
+    of ``page_size``-token pages (Note [Ring landing]), or ``None`` when it can. O(1).
+
+    >>> ring_landing_refusal(32, 16, 100) is None, ring_landing_refusal(24, 16, 20) is None
+    (True, True)
+    >>> ring_landing_refusal(24, 16, 30)[:40]
+    'sliding window 24 is not a multiple of p'
+    """
+    if prompt_tokens <= window or window % page_size == 0:
+        return None
+    return (f"sliding window {window} is not a multiple of page_size {page_size}, so a prompt of {prompt_tokens} "
+            f"tokens (over the window) puts tokens in ring slots at another page offset than in the plan's "
+            f"sequence pages; allowed a page_size dividing {window}, or prompts of at most {window} tokens")
+
+
 def reserved_pages(vtokens: torch.Tensor, page_size: int) -> np.ndarray:
     """The virtual pages of a reservation's ``vtokens`` (one per ``page_size`` tokens), int64. O(tokens)."""
     return (vtokens[::page_size] // page_size).numpy().astype(np.int64)
 
 
-__all__ = ["DecodeEngine", "reserved_pages"]
+__all__ = ["DecodeEngine", "reserved_pages", "ring_landing_refusal"]

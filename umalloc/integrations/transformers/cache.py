@@ -299,6 +299,9 @@ class UmallocPagedCache:
         self._free_bytes_memo: int | None = None   # free_bytes() until the next allocation or free
         self._pending: dict[int, int] = {}   # slot -> tokens granted, not yet in the tables (Note [Deferred growth])
         self._forked: set[int] = set()   # slots that may share a partial page (fork sources and forks)
+        #: ring-table slots held outside any request: a receiver's staging pages (Note [Ring landing] in
+        #: :mod:`~umalloc.integrations.transformers.admit`), counted by :meth:`check_invariants`
+        self.staged_rings: set[int] = set()
         self.prefix = PrefixIndex()
         #: the rings' shared, copied-on-write and fork-copied pages (:mod:`~umalloc.integrations.transformers.rings`)
         self.rings = None if self.window is None else RingPages(
@@ -445,7 +448,7 @@ class UmallocPagedCache:
         self.ring_table.check_invariants()
         if sorted(self.ring_slots) != live:
             raise InvariantError(f"rings: kept for slots {sorted(self.ring_slots)}, live slots {live}")
-        if self.ring_table.stats().live_requests != len(live):
+        if self.ring_table.stats().live_requests != len(live) + len(self.staged_rings):
             raise InvariantError("rings: the ring table has requests no live slot names")
         if live and self.ring_table.num_tokens([self.ring_slots[s] for s in live]).tolist() != \
                 [min(self._held[s], self.window) for s in live]:

@@ -287,6 +287,14 @@ class EndGroup:
         rows = ring[lo: lo + kept] if lo + kept <= w else ring[lo:w] + ring[: lo + kept - w]
         return [SINK_ROW] * (query_length - kept) + rows
 
+    def copy_rows(self, src_vtokens: torch.Tensor, dst_vtokens: torch.Tensor) -> None:
+        """Copy every layer's K and V rows of virtual tokens ``src_vtokens`` onto those of ``dst_vtokens`` (int64
+        ``(n,)`` each, this group's end, distinct from the sources). O(n * layers)."""
+        src, dst = self.to_rows(src_vtokens), self.to_rows(dst_vtokens)
+        for k_rows, v_rows in self._views.values():
+            k_rows.index_copy_(0, dst, k_rows.index_select(0, src))
+            v_rows.index_copy_(0, dst, v_rows.index_select(0, src))
+
     # ---- attention update ---------------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                read_index: torch.Tensor, write_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
