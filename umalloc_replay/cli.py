@@ -445,8 +445,8 @@ def generate(
     decode: Annotated[str, typer.Option(
         "--decode", metavar="MODE", rich_help_panel=_MODEL,
         help="Decode side: rebuild (the received pages read into a DynamicCache, one request at a time) or cb "
-        "(transformers' continuous batching attends over the received pages in place; full-attention models, "
-        "no --draft).")] = "rebuild",
+        "(transformers' continuous batching attends over the received pages in place, speculative rounds with "
+        "--draft; full-attention models).")] = "rebuild",
     output_format: Annotated[OutputFormat, typer.Option(
         "--format", rich_help_panel=_OUT, help="Result on stdout: table or json (the report).")] = OutputFormat.table,
     report: Annotated[Path | None, typer.Option(
@@ -496,9 +496,6 @@ def generate(
                 real_model_path(model)
             if decode not in ("rebuild", "cb"):
                 raise UmallocValueError(f"--decode {decode!r}: allowed rebuild, cb")
-            if decode == "cb" and draft:
-                raise UmallocValueError("--decode cb --draft: speculative decoding runs with --decode rebuild; "
-                                        "allowed --decode cb without --draft")
             if decode == "cb" and model == "gemma3":
                 raise UmallocValueError("--decode cb: model 'gemma3' has sliding-window layers, whose ring the "
                                         "received pages cannot land in one to one; allowed --model llama, qwen3, "

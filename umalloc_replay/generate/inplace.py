@@ -41,10 +41,13 @@ from umalloc_replay.workload import RequestState
 DECODE_MODES = ("rebuild", "cb")
 
 
-def engine_for(model: Any, reqs: list[TraceRequest], page_size: int, max_batch: int, check: bool = False) -> Any:
+def engine_for(model: Any, reqs: list[TraceRequest], page_size: int, max_batch: int, check: bool = False,
+               draft_layers: int = 0) -> Any:
     """A :class:`~umalloc.integrations.transformers.admit.DecodeEngine` over a copy of ``model`` whose cache
     holds the ``max_batch`` longest requests (prompt and output) at once, twice over; greedy, no end-of-sequence
     stop, no prefix sharing (a finished request frees its pages). ``check``: invariants after every step.
+    ``draft_layers``: the cache's arena has a ``draft`` end of that many layers (an early-exit drafter's KV,
+    Note [Draft end] of :mod:`umalloc.integrations.transformers.speculate`).
 
     Raises:
         UmallocValueError: a model with sliding layers (the admission seam refuses them).
@@ -71,7 +74,8 @@ def engine_for(model: Any, reqs: list[TraceRequest], page_size: int, max_batch: 
     level = cb_log.level
     cb_log.setLevel(logging.CRITICAL)  # its CPU-memory notes (psutil) do not concern a cache sized in blocks
     try:
-        return DecodeEngine(copy.deepcopy(model), gcfg, cbcfg, CacheOptions(check_every_step=check))
+        return DecodeEngine(copy.deepcopy(model), gcfg, cbcfg, CacheOptions(check_every_step=check,
+                                                                          draft_layers=draft_layers))
     except UnsupportedCacheError as exc:
         raise UmallocValueError(f"--decode cb: {exc}") from exc
     finally:
@@ -97,11 +101,15 @@ class InPlaceResult:
 
 def decode_in_place(engine: Any, prefill: Any, reqs: list[TraceRequest], prompts: dict[int, list[int]],
                     outputs: Callable[[list[int]], tuple[dict, str, float]], weights: str, max_batch: int,
-                    on_done: Callable[[int], None] | None = None) -> InPlaceResult:
+                    on_done: Callable[[int], None] | None = None, stepper: Any = None,
+                    on_started: Callable[[int, Any], None] | None = None) -> InPlaceResult:
     """Run every request of ``reqs`` through ``prefill`` into ``engine`` and decode them in one continuous batch
     (module docstring). ``outputs(rids)`` returns the prefill side's ``({rid: {"first_token", "digests"}},
     weights digest, prefill seconds)``; ``weights`` is this side's weights digest. ``on_done(rid)`` runs when a
-    request finished.
+    request finished. ``stepper``: an object whose ``step()`` replaces the engine's (a
+    :class:`~umalloc.integrations.transformers.speculate.SpeculativeDecoder`); ``on_started(rid, ticket)`` runs
+    after the prefill side started a request (the late drafter's forward). The digest of every end the prefill
+    side wrote (``full``, and ``draft`` with an early-exit drafter) is compared, read in place.
 
     Raises:
         InvariantError: the decode arena cannot hold one request with no other running, a request failed in the
@@ -128,6 +136,8 @@ def decode_in_place(engine: Any, prefill: Any, reqs: list[TraceRequest], prompts
             if ticket is None:
                 engine.release(str(r.request_id))
                 raise InvariantError(f"prefill arena short for request {r.request_id} ({r.input_tokens} tokens)")
+            if on_started is not None:
+                on_started(r.request_id, ticket)
             tickets.append(ticket)
             held.append((r, vt))
         if held:
@@ -138,8 +148,9 @@ def decode_in_place(engine: Any, prefill: Any, reqs: list[TraceRequest], prompts
             now = time.perf_counter()
             for r, vt in held:
                 vpages = torch.div(vt[::ps], ps, rounding_mode="floor")
-                pp = cache.alloc.translate_pages(vpages, "full")
-                if _digest(cache.arena, "full", pp) != outs[r.request_id]["digests"].get("full"):
+                sent = outs[r.request_id]["digests"]
+                if any(_digest(cache.arena, end, cache.alloc.translate_pages(vpages, end)) != sent.get(end)
+                       for end in sent.keys() | {"full"}):
                     res.digest_bad.append(r.request_id)
                 engine.admit(str(r.request_id), prompts[r.request_id], outs[r.request_id]["first_token"],
                              r.output_tokens)
@@ -150,7 +161,7 @@ def decode_in_place(engine: Any, prefill: Any, reqs: list[TraceRequest], prompts
             raise InvariantError(f"decode cache of {cache.arena.arena_bytes:,} bytes cannot hold request "
                                  f"{r.request_id} ({r.input_tokens} prompt tokens) with no other request running")
         t0 = time.perf_counter()
-        ran = engine.step()
+        ran = engine.step() if stepper is None else stepper.step()
         t1 = time.perf_counter()
         res.decode_s += t1 - t0
         if ran:
