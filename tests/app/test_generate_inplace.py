@@ -72,7 +72,6 @@ def test_a_wrong_kv_received_in_place_fails_the_token_check() -> None:
 
 @pytest.mark.parametrize("args, needle", [
     (["--decode", "cb"], "--decode cb: model 'gemma3' has sliding-window layers"),
-    (["--decode", "cb", "--model", "llama", "--draft"], "--decode cb --draft"),
     (["--decode", "paged"], "--decode 'paged': allowed rebuild, cb"),
 ])
 def test_bad_decode_arguments_exit_2_with_one_error_line(args: list[str], needle: str) -> None:
