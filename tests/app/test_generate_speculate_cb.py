@@ -86,3 +86,38 @@ def test_the_speculative_in_place_decode_never_reads_the_received_pages_into_a_c
     rep = run_generate(GenerateConfig(model="llama", **SLICE))
     assert check_generate_report(rep) == [] and rep["identical"] == 4
     assert calls["cache_from_kv"] == 4 + 2 * 4   # the references only: greedy, and speculative (target, drafter)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--draft", "medusa"], "unexpected argument 'medusa': allowed after --draft, one of early-exit"),
+    (["--draft", "early-exit:0"], "unexpected argument 'early-exit:0'"),
+    (["--draft", "ngram:2"], "unexpected argument 'ngram:2'"),
+    (["ngram"], "unexpected argument 'ngram': allowed after --draft"),
+    (["--draft", "ngram", "--draft-method", "early-exit"], "--draft ngram with --draft-method early-exit"),
+    (["--draft", "early-exit:1", "--draft-layers", "2"], "--draft early-exit:1 with --draft-layers 2"),
+])
+def test_bad_draft_forms_exit_2_with_one_error_line(args: list[str], needle: str) -> None:
+    from typer.testing import CliRunner
+
+    from umalloc_replay.cli import app
+
+    res = CliRunner().invoke(app, ["generate", "--model", "llama", *args], catch_exceptions=False)
+    lines = res.stderr.strip().splitlines()
+    assert res.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], lines
+
+
+def test_the_short_draft_form_is_the_long_one() -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from umalloc_replay.cli import app
+
+    base = ["generate", "--model", "llama", "--decode", "cb", "--requests", "2", "--no-progress", "--format", "json"]
+    short = CliRunner().invoke(app, [*base, "--draft", "early-exit:1"], catch_exceptions=False)
+    long = CliRunner().invoke(app, [*base, "--draft", "--draft-method", "early-exit", "--draft-layers", "1"],
+                              catch_exceptions=False)
+    assert short.exit_code == long.exit_code == 0, short.stderr
+    a, b = json.loads(short.stdout), json.loads(long.stdout)
+    assert a["config"] == b["config"] and a["config"]["draft_layers"] == 1 and a["tokens"] == b["tokens"]
+    assert a["acceptance_length"]["differing"] == []
