@@ -457,7 +457,7 @@ def generate(
         "length must equal a one-process speculative run's. --draft early-exit:K is --draft --draft-method "
         "early-exit --draft-layers K; --draft ngram is --draft --draft-method ngram.")] = False,
     draft_form: Annotated[list[str] | None, typer.Argument(
-        hidden=True, metavar="[DRAFTER]", show_default=False, help="The drafter after --draft: early-exit[:K] or ngram.")
+        hidden=True, metavar="DRAFTER", show_default=False, help="The drafter after --draft: early-exit[:K] or ngram.")
     ] = None,
     draft_method: Annotated[str | None, typer.Option(
         "--draft-method", metavar="METHOD", rich_help_panel=_MODEL, show_default="early-exit",
