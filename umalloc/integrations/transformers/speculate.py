@@ -6,7 +6,8 @@ and an early-exit drafter whose KV lives in the cache's ``draft`` end.
 
 1. every request's row in the cache's table grows by ``k + 1`` tokens (``k = min(draft_tokens, tokens still to
    emit)``), through the cache's own ``can_store_request_tokens`` (the pages of the ``draft`` end follow: it is
-   bound to ``full``);
+   bound to ``full``); a request the arena has no room for sits the round out (it waits, as a starved request
+   waits in transformers' scheduler), and a round that no request can grow raises;
 2. the proposer gives up to ``k`` draft tokens per request: the early-exit drafter (:class:`EarlyExitDrafter`,
    ``k`` batched forwards of the drafter model, each one token per request, reading and writing the drafter's
    K/V in the ``draft`` end's pages of the request), or a :class:`TokenProposer` without KV (n-gram);
