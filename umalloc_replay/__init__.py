@@ -40,6 +40,8 @@ PRESETS_WITH_DRAFT = ("deepseek-v3", "gemma-3-12b-draft", "llama-3-8b-eagle", "q
 #: the first DEFAULT_GENERATE_REQUESTS rows, prompts divided by DEFAULT_GENERATE_TOKEN_SCALE, outputs by
 #: DEFAULT_GENERATE_OUTPUT_SCALE (seconds on a 2-core machine).
 GENERATE_MODEL_NAMES = ("llama", "qwen3", "gemma3", "smollm2-135m", "gemma3-270m")
+#: The generate models with sliding-window layers (no speculative rounds in place: a ring cannot roll back).
+SLIDING_GENERATE_MODELS = ("gemma3", "gemma3-270m")
 DEFAULT_GENERATE_MODEL = "gemma3-270m"
 DEFAULT_GENERATE_REQUESTS = 8
 DEFAULT_GENERATE_TOKEN_SCALE = 64

@@ -79,6 +79,7 @@ from umalloc_replay import (  # noqa: E402
     DEFAULT_REQUESTS,
     DEFAULT_TOKEN_SCALE,
     GENERATE_MODEL_NAMES,
+    SLIDING_GENERATE_MODELS,
     MAX_PAGE_SIZE_TOKENS,
     PRESET_NAMES,
     PRESETS_WITH_DRAFT,
@@ -386,6 +387,32 @@ def replay(
         raise typer.Exit(1)
 
 
+def parse_draft(draft: bool, form: list[str], method: str | None, layers: int | None) -> tuple[str | None, int | None]:
+    """``(draft method, draft layers)`` from ``--draft``, the word after it (``form``: ``early-exit``,
+    ``early-exit:K`` or ``ngram``, or none), ``--draft-method`` and ``--draft-layers``. O(1).
+
+    Raises:
+        UmallocValueError: a word without ``--draft``, more than one, an unknown form, a layer count that is not an
+            int >= 1, or a form that contradicts ``--draft-method`` / ``--draft-layers``.
+
+    >>> parse_draft(True, ["early-exit:13"], None, None), parse_draft(True, ["ngram"], None, None)
+    (('early-exit', 13), ('ngram', None))
+    """
+    if not form:
+        return method, layers
+    spec = " ".join(form)
+    name, sep, k = spec.partition(":")
+    if not draft or len(form) != 1 or name not in ("early-exit", "ngram") or \
+            (sep and (name != "early-exit" or not k.isdigit() or int(k) < 1)):
+        raise UmallocValueError(f"unexpected argument {spec!r}: allowed after --draft, one of early-exit, "
+                                "early-exit:K (K >= 1), ngram")
+    if method is not None and method != name:
+        raise UmallocValueError(f"--draft {spec} with --draft-method {method}: allowed one drafter")
+    if sep and layers is not None and layers != int(k):
+        raise UmallocValueError(f"--draft {spec} with --draft-layers {layers}: allowed one layer count")
+    return name, int(k) if sep else layers
+
+
 @app.command()
 def generate(
     model: Annotated[str, typer.Option(
@@ -428,8 +455,12 @@ def generate(
                                       help="Seed of the weights and the prompts (any size).")] = 0,
     draft: Annotated[bool, typer.Option(
         "--draft/--no-draft", rich_help_panel=_MODEL,
-        help="Add a drafter (--draft-method); the decode side decodes speculatively with greedy verification, and "
-        "its acceptance length must equal a one-process speculative run's.")] = False,
+        help="Add a drafter; the decode side decodes speculatively with greedy verification, and its acceptance "
+        "length must equal a one-process speculative run's. --draft early-exit:K is --draft --draft-method "
+        "early-exit --draft-layers K; --draft ngram is --draft --draft-method ngram.")] = False,
+    draft_form: Annotated[list[str] | None, typer.Argument(
+        hidden=True, metavar="DRAFTER", show_default=False, help="The drafter after --draft: early-exit[:K] or ngram.")
+    ] = None,
     draft_method: Annotated[str | None, typer.Option(
         "--draft-method", metavar="METHOD", rich_help_panel=_MODEL, show_default="early-exit",
         help="Drafter (only with --draft): early-exit (the target's first full-attention layer, or its first "
@@ -444,10 +475,11 @@ def generate(
         "full-attention layers).")
     ] = None,
     decode: Annotated[str | None, typer.Option(
-        "--decode", metavar="MODE", rich_help_panel=_MODEL, show_default="cb; rebuild with --draft",
+        "--decode", metavar="MODE", rich_help_panel=_MODEL,
+        show_default="cb; rebuild with --draft on a sliding-window model",
         help="Decode side: cb (transformers' continuous batching attends over the received pages in place, "
-        "sliding-window rings included; no --draft) or rebuild (the received pages read into a DynamicCache, one "
-        "request at a time: the speculative path).")] = None,
+        "sliding-window rings included; speculative rounds with --draft on full-attention models) or rebuild (the "
+        "received pages read into a DynamicCache, one request at a time).")] = None,
     output_format: Annotated[OutputFormat, typer.Option(
         "--format", rich_help_panel=_OUT, help="Result on stdout: table or json (the report).")] = OutputFormat.table,
     report: Annotated[Path | None, typer.Option(
@@ -478,6 +510,7 @@ def generate(
             if report is not None:
                 check_output_file(report, "--report")
             check_distinct_paths({"--trace": trace}, {"--report": report})
+            draft_method, draft_layers = parse_draft(draft, draft_form or [], draft_method, draft_layers)
             if draft_tokens is not None and not draft:
                 raise UmallocValueError(f"--draft-tokens {draft_tokens}: only a run with a drafter proposes draft "
                                         "tokens; allowed with --draft, or without it")
@@ -493,12 +526,13 @@ def generate(
                 raise UmallocValueError(f"--draft-layers {draft_layers}: the n-gram drafter has no layers; allowed "
                                         "with --draft-method early-exit, or --draft-method ngram without it")
             if decode is None:
-                decode = "rebuild" if draft else "cb"
+                decode = "rebuild" if draft and model in SLIDING_GENERATE_MODELS else "cb"
             if decode not in ("rebuild", "cb"):
                 raise UmallocValueError(f"--decode {decode!r}: allowed rebuild, cb")
-            if decode == "cb" and draft:
-                raise UmallocValueError("--decode cb --draft: speculative decoding runs with --decode rebuild; "
-                                        "allowed --decode cb without --draft")
+            if decode == "cb" and draft and model in SLIDING_GENERATE_MODELS:
+                raise UmallocValueError(f"--decode cb --draft: model {model!r} has sliding-window layers, whose "
+                                        "ring a rejected draft cannot roll back; allowed a full-attention model "
+                                        "(--model llama, qwen3, smollm2-135m) or --decode rebuild")
             from umalloc_replay.generate.models import REAL_MODELS, real_model_path
 
             if model in REAL_MODELS:

@@ -104,7 +104,7 @@ def test_a_wrong_kv_received_in_place_fails_the_token_check() -> None:
 @pytest.mark.parametrize("args, needle", [
     (["--decode", "cb", "--model", "gemma3", "--page-size", "12"],
      "--decode cb --page-size 12: request 0: sliding window 32 is not a multiple of page_size 12"),
-    (["--decode", "cb", "--model", "llama", "--draft"], "--decode cb --draft"),
+    (["--decode", "cb", "--model", "gemma3", "--draft"], "--decode cb --draft: model 'gemma3' has sliding-window"),
     (["--decode", "paged"], "--decode 'paged': allowed rebuild, cb"),
 ])
 def test_bad_decode_arguments_exit_2_with_one_error_line(args: list[str], needle: str) -> None:

@@ -42,10 +42,13 @@ from umalloc_replay.workload import RequestState
 DECODE_MODES = ("rebuild", "cb")
 
 
-def engine_for(model: Any, reqs: list[TraceRequest], page_size: int, max_batch: int, check: bool = False) -> Any:
+def engine_for(model: Any, reqs: list[TraceRequest], page_size: int, max_batch: int, check: bool = False,
+               draft_layers: int = 0) -> Any:
     """A :class:`~umalloc.integrations.transformers.admit.DecodeEngine` over a copy of ``model`` whose cache
     holds the ``max_batch`` longest requests (prompt and output) at once, twice over; greedy, no end-of-sequence
     stop, no prefix sharing (a finished request frees its pages). ``check``: invariants after every step.
+    ``draft_layers``: the cache's arena has a ``draft`` end of that many layers (an early-exit drafter's KV,
+    Note [Draft end] of :mod:`umalloc.integrations.transformers.speculate`).
 
     Raises:
         UmallocValueError: the cache refuses the model (the integration's typed error, reworded).
@@ -67,7 +70,8 @@ def engine_for(model: Any, reqs: list[TraceRequest], page_size: int, max_batch: 
     level = cb_log.level
     cb_log.setLevel(logging.CRITICAL)  # its CPU-memory notes (psutil) do not concern a cache sized in blocks
     try:
-        return DecodeEngine(copy.deepcopy(model), gcfg, cbcfg, CacheOptions(check_every_step=check))
+        return DecodeEngine(copy.deepcopy(model), gcfg, cbcfg, CacheOptions(check_every_step=check,
+                                                                          draft_layers=draft_layers))
     except UnsupportedCacheError as exc:
         raise UmallocValueError(f"--decode cb: {exc}") from exc
     finally:
@@ -77,15 +81,16 @@ def engine_for(model: Any, reqs: list[TraceRequest], page_size: int, max_batch: 
 def received_digests(cache: Any, vtokens: dict[str, torch.Tensor], prompt_tokens: int) -> dict[str, str]:
     """Per end, the blake2b digest of the pages a plan wrote for a ``prompt_tokens``-token prompt into
     ``vtokens`` (:meth:`~umalloc.integrations.transformers.admit.DecodeEngine.reserve_ends`), in sequence-page
-    order (``full``: every page; ``swa``: the window tail's, ring and staging pages): what the prefill side's
+    order (``full`` and ``draft``: every page; ``swa``: the window tail's, ring and staging pages): what the prefill side's
     :class:`~umalloc_replay.generate.kv.ModelKV` digested of what it wrote. Read in place. O(pages)."""
     from umalloc.geometry.spec import swa_tail_start
     from umalloc_replay.generate.kv import digest_pages
 
     ps = cache.page_size
     out = {}
-    for end, vt in vtokens.items():
-        lo = 0 if end == "full" else swa_tail_start(prompt_tokens, cache.window, 0, ps)
+    for end in cache.alloc.spec.end_names():
+        vt = vtokens[cache.alloc.owner_of(end)] if end not in vtokens else vtokens[end]
+        lo = swa_tail_start(prompt_tokens, cache.window, 0, ps) if end == "swa" else 0
         vpages = torch.div(vt[lo:prompt_tokens:ps], ps, rounding_mode="floor")
         out[end] = digest_pages(cache.arena, end, cache.alloc.translate_pages(vpages, end))
     return out
@@ -110,11 +115,15 @@ class InPlaceResult:
 
 def decode_in_place(engine: Any, prefill: Any, reqs: list[TraceRequest], prompts: dict[int, list[int]],
                     outputs: Callable[[list[int]], tuple[dict, str, float]], weights: str, max_batch: int,
-                    on_done: Callable[[int], None] | None = None) -> InPlaceResult:
+                    on_done: Callable[[int], None] | None = None, stepper: Any = None,
+                    on_started: Callable[[int, Any], None] | None = None) -> InPlaceResult:
     """Run every request of ``reqs`` through ``prefill`` into ``engine`` and decode them in one continuous batch
     (module docstring). ``outputs(rids)`` returns the prefill side's ``({rid: {"first_token", "digests"}},
     weights digest, prefill seconds)``; ``weights`` is this side's weights digest. ``on_done(rid)`` runs when a
-    request finished.
+    request finished. ``stepper``: an object whose ``step()`` replaces the engine's (a
+    :class:`~umalloc.integrations.transformers.speculate.SpeculativeDecoder`); ``on_started(rid, ticket)`` runs
+    after the prefill side started a request (the late drafter's forward). The digest of every end the prefill
+    side wrote (``full``, and ``draft`` with an early-exit drafter) is compared, read in place.
 
     Raises:
         InvariantError: the decode arena cannot hold one request with no other running, a request failed in the
@@ -138,6 +147,8 @@ def decode_in_place(engine: Any, prefill: Any, reqs: list[TraceRequest], prompts
             if ticket is None:
                 engine.release(str(r.request_id))
                 raise InvariantError(f"prefill arena short for request {r.request_id} ({r.input_tokens} tokens)")
+            if on_started is not None:
+                on_started(r.request_id, ticket)
             tickets.append(ticket)
             held.append((r, vt))
         if held:
@@ -158,7 +169,7 @@ def decode_in_place(engine: Any, prefill: Any, reqs: list[TraceRequest], prompts
             raise InvariantError(f"decode cache of {cache.arena.arena_bytes:,} bytes cannot hold request "
                                  f"{r.request_id} ({r.input_tokens} prompt tokens) with no other request running")
         t0 = time.perf_counter()
-        ran = engine.step()
+        ran = engine.step() if stepper is None else stepper.step()
         t1 = time.perf_counter()
         res.decode_s += t1 - t0
         if ran:

@@ -229,8 +229,6 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
     )
     from umalloc_replay.single.prefill import LocalPrefill, alloc_sequence
 
-    if cfg.decode is None:
-        cfg = dataclasses.replace(cfg, decode="rebuild" if cfg.draft else "cb")
     if cfg.fault is not None and cfg.fault not in FAULTS:
         raise UmallocValueError(f"fault {cfg.fault!r}: allowed None or one of {FAULTS}")
     if cfg.backend not in ("local", "nixl", "mooncake"):
@@ -239,6 +237,8 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
     t_start = time.perf_counter()
     model = build_model(cfg.model, cfg.seed)
     geo = geometry_of(model)
+    if cfg.decode is None:   # in place, or the DynamicCache rebuild where a ring would have to roll back a draft
+        cfg = dataclasses.replace(cfg, decode="rebuild" if cfg.draft and geo.window_tokens is not None else "cb")
     if cfg.fault == "stale_draft" and not cfg.draft:
         raise UmallocValueError("fault stale_draft: allowed with draft=True")
     if cfg.fault == "swa_tail_start" and geo.window_tokens is None:
@@ -249,9 +249,10 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
 
     if cfg.decode not in DECODE_MODES:
         raise UmallocValueError(f"--decode {cfg.decode!r}: allowed one of {', '.join(DECODE_MODES)}")
-    if cfg.decode == "cb" and cfg.draft:
-        raise UmallocValueError("--decode cb --draft: speculative decoding runs with --decode rebuild; allowed "
-                                "--decode cb without --draft")
+    if cfg.decode == "cb" and cfg.draft and geo.window_tokens is not None:
+        raise UmallocValueError(f"--decode cb --draft: model {cfg.model!r} has sliding-window layers, whose ring "
+                                "a rejected draft cannot roll back; allowed a full-attention model (--model llama, "
+                                "qwen3, smollm2-135m) or --decode rebuild")
     if cfg.draft_layers and not cfg.draft:
         raise UmallocValueError(f"--draft-layers {cfg.draft_layers}: allowed with --draft")
     from umalloc_replay.generate.ngram import DRAFT_METHODS, ngram_continue, reference_ngram
@@ -300,7 +301,8 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
     reference_s = time.perf_counter() - t0
 
     timer = PhaseTimer()
-    engine = engine_for(model, reqs, cfg.page_size, cfg.max_batch) if cfg.decode == "cb" else None
+    engine = engine_for(model, reqs, cfg.page_size, cfg.max_batch, draft_layers=0 if drafter is None else int(
+        drafter.config.num_hidden_layers)) if cfg.decode == "cb" else None
     dec = engine.cache.alloc if engine is not None else \
         MultiEndedAllocator(Arena(spec, zero=False), compaction=cfg.compaction)
     kv_local: ModelKV | None = None
@@ -361,8 +363,26 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
             return res["outputs"], res["weights_digest"], res["prefill_s"]
 
         if engine is not None:
+            stepper = None
+            if cfg.draft:
+                from umalloc_replay.generate.speculate_cb import speculative_stepper
+
+                stepper = speculative_stepper(engine, cfg.draft_tokens, drafter, prompts)
+
+            def late_draft(rid: int, ticket: Any) -> None:   # the drafter's forward, after the target's plan
+                if kv_local is not None and kv_local.late_draft:
+                    deferred = gate is not None and ticket[1] is None
+                    kv_local.write_late_draft(rid)
+                    gate_figs["deferred_posts"] += int(deferred)
+                    gate_figs["posted_before_draft"] += int(not deferred)
+
             ip = decode_in_place(engine, prefill, reqs, prompts, outputs_of, wd_here, cfg.max_batch,
-                                 on_done=None if bar is None else (lambda _rid: bar.advance(task)))
+                                 on_done=None if bar is None else (lambda _rid: bar.advance(task)),
+                                 stepper=stepper, on_started=late_draft)
+            if stepper is not None:
+                rounds_pd = {int(rid): rs for rid, rs in stepper.figures.per_round.items()}
+                spec_fig = {"rounds": stepper.figures.rounds, "proposed": stepper.figures.proposed,
+                            "accepted": stepper.figures.accepted}
             generated, digest_bad, figures, decode_s = ip.generated, ip.digest_bad, ip.figures, ip.decode_s
             weights_ok, prefill_child_s = ip.weights_ok, ip.prefill_child_s
             in_place = ip

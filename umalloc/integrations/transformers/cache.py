@@ -257,6 +257,11 @@ class UmallocPagedCache:
             ends.append(EndSpec("swa", tuple(LayerSpec.mha(num_kv_heads, head_dim, dtype=kv, window_tokens=window)
                                              for _ in groups[SLIDING_ATTENTION]), page_size=ps,
                                 grow=Grow.DOWN if self.has_full else Grow.UP, role=EndRole.SWA))
+        if opts.draft_layers:   # an early-exit drafter's KV, bound to full (Note [Draft end] in speculate)
+            if not self.has_full or SLIDING_ATTENTION in groups:
+                raise UnsupportedCacheError("CacheOptions.draft_layers: allowed for a full-attention model only")
+            ends.append(EndSpec("draft", tuple(LayerSpec.mha(num_kv_heads, head_dim, dtype=kv) for _ in range(
+                opts.draft_layers)), page_size=ps, grow=Grow.DOWN, owner="full", role=EndRole.DRAFT))
         #: the end whose request table names the requests (``full``; ``swa`` when every layer slides)
         self.owner = owner = "full" if self.has_full else "swa"
         try:
@@ -319,6 +324,8 @@ class UmallocPagedCache:
             for layer in groups[lt]:
                 self.layer_to_allocator[layer] = grp
         self.pool = _Pool(self)
+        #: bytes one full-attention page takes, its bound draft page included
+        self.full_page_bytes = sum(self.arena.page_bytes(e.name) for e in spec.ends if e.name in ("full", "draft"))
         #: prefixes are shared where a full-attention group indexes them (rings copied: Note [Sliding prefix] in
         #: :mod:`~umalloc.integrations.transformers.prefix`)
         self.use_prefix_sharing = self.allow_block_sharing and self.has_full
@@ -560,7 +567,7 @@ class UmallocPagedCache:
     def _fits_bytes(self, full_pages: int, swa_pages: int) -> bool:
         """Whether that many pages fit in the free bytes (:meth:`free_bytes`, memoized until the next change):
         a necessary condition, whatever the layout; the allocation itself compacts if holes are in the way."""
-        need = full_pages * self.cache_allocators[FULL_ATTENTION].bytes_per_block if full_pages else 0
+        need = full_pages * self.full_page_bytes if full_pages else 0
         if swa_pages:
             need += swa_pages * self.cache_allocators[SLIDING_ATTENTION].bytes_per_block
         return need <= self._free_bytes_now()
@@ -631,9 +638,9 @@ class UmallocPagedCache:
         ends = self.alloc.ends
         full = ends[self.owner]   # the up end (``swa`` when every layer slides, Note [All sliding])
         total = sum(v.hole_pages * v.page_bytes for v in ends.values())
-        if self.ring_table is not None:
-            swa = ends["swa"]
-            total += max(0, swa.lo * swa.page_bytes - full.hi * full.page_bytes)
+        if self.ring_table is not None or "draft" in ends:   # the gap up to the end growing down
+            down = ends["swa" if self.ring_table is not None else "draft"]
+            total += max(0, down.lo * down.page_bytes - full.hi * full.page_bytes)
         else:
             total += self.arena.arena_bytes - full.hi * full.page_bytes
         if self.cache_freed:   # only then are pages cached (free_blocks caches nothing otherwise)

@@ -50,6 +50,9 @@ class CacheOptions:
             lazy allocator's move budget applied between steps.
         check_every_step: run ``check_invariants`` (table and allocator) at the step hook.
         max_requests: request slots (``None``: ``min(owner pages, 1024)``).
+        draft_layers: layers of an early-exit drafter whose KV the arena holds in a ``draft`` end bound to
+            ``full`` (every page of a request on ``full`` has its page there; same heads and head dim as the
+            model's); 0: no ``draft`` end. Full-attention models only.
 
     Raises:
         UmallocValueError: a field of the wrong type or out of range, naming the field, the value and what is
@@ -62,12 +65,15 @@ class CacheOptions:
     compact_budget_pages: int | None = None
     check_every_step: bool = False
     max_requests: int | None = None
+    draft_layers: int = 0
 
     def __post_init__(self) -> None:
         for name in ("arena_bytes", "compact_budget_pages", "max_requests"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise UmallocValueError(f"CacheOptions.{name}={v!r}: allowed None or an int >= 1")
+        if isinstance(self.draft_layers, bool) or not isinstance(self.draft_layers, int) or self.draft_layers < 0:
+            raise UmallocValueError(f"CacheOptions.draft_layers={self.draft_layers!r}: allowed an int >= 0")
         if self.compaction not in COMPACTION_MODES:
             raise UmallocValueError(f"CacheOptions.compaction={self.compaction!r}: allowed one of "
                                     f"{list(COMPACTION_MODES)}")

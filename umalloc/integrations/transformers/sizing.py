@@ -61,8 +61,8 @@ def stock_sizing(config: Any, cb: Any, dtype: torch.dtype, groups: dict[str, lis
 
 def tokens_alone(arena: Arena, page_size: int, window: int | None) -> int:
     """The most tokens one request holds in ``arena`` when it is the only one (Note [Cannot fit]): ``full`` grows up
-    from its first page, ``swa`` (its ring of ``window`` tokens) down from its top page, and the two must not
-    cross. An arena without a ``full`` end (every layer slides): a request of any length holds one window, so
+    from its first page, ``swa`` (its ring of ``window`` tokens) or ``draft`` (a drafter's end bound to ``full``:
+    one page per full page) down from its top page, and the two must not cross. An arena without a ``full`` end (every layer slides): a request of any length holds one window, so
     :data:`UNBOUNDED_TOKENS` once a window's pages fit, else the ring's tokens. O(log pages)."""
     ps = page_size
     names = {e.name for e in arena.spec.ends}
@@ -73,12 +73,13 @@ def tokens_alone(arena: Arena, page_size: int, window: int | None) -> int:
         return ring_tokens if ring_tokens < window else UNBOUNDED_TOKENS
     f0, fpb = arena.first_page("full"), arena.page_bytes("full")
     f_max = arena.top_page("full") + 1 - f0
-    if window is None:
+    if window is None and "draft" not in names:
         return f_max * ps
-    top, spb = arena.top_page("swa") + 1, arena.page_bytes("swa")
+    down = "swa" if window is not None else "draft"   # a drafter's end: one page per full page
+    top, spb = arena.top_page(down) + 1, arena.page_bytes(down)
 
     def fits(full_pages: int) -> bool:
-        ring = -(-min(full_pages * ps, window) // ps)
+        ring = full_pages if window is None else -(-min(full_pages * ps, window) // ps)
         return (f0 + full_pages) * fpb <= (top - ring) * spb
 
     lo, hi = 0, f_max   # fits(lo) holds (an ArenaSpec holds the floor plus one page of each end)

