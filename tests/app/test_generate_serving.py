@@ -24,9 +24,10 @@ from umalloc_replay.generate.timeline import PHASES  # noqa: E402
 
 SEED = seed_from_env(0)
 SLICE: dict[str, Any] = dict(requests=4, token_scale=64, output_scale=32, seed=SEED, decode="cb", max_batch=3)
-#: 8 requests, 4 in the batch, a cache of 40 pages: the lifetimes of 4 of them (34 to 64 pages) do not all fit
+#: 8 requests, 4 in the batch, a cache of 34 pages (the 8 lifetimes need 101, the longest 29); a round's transfers
+#: stay in flight for 3 decode steps
 PRESSURE: dict[str, Any] = dict(requests=8, token_scale=64, output_scale=16, seed=SEED, decode="cb", max_batch=4,
-                                decode_blocks=40)
+                                decode_blocks=34, steps_in_flight=3)
 
 
 def test_serving_targets_are_measured_against_a_one_process_cb_run() -> None:
@@ -59,13 +60,14 @@ def test_a_corrupt_baseline_fails_the_check() -> None:
 def test_a_decode_cache_under_pressure_waits_compacts_and_equals_one_process(backend: str) -> None:
     if backend != "local":
         require_or_skip(backend)
-    print(f"seed {SEED}: llama over {backend}, --decode cb --decode-blocks 40")
+    print(f"seed {SEED}: llama over {backend}, --decode cb --decode-blocks 34")
     rep = run_generate(GenerateConfig(model="llama", backend=backend, **PRESSURE))
     assert check_generate_report(rep) == [] and rep["identical"] == 8
     sv = rep["serving"]
     assert sv["waits_for_room"] > 0                       # arrivals waited: their KV was not sent before room
     assert sv["steps_with_transfers_in_flight"] > 0       # the batch stepped while transfers were in flight
     assert sv["pages_moved_with_transfers_in_flight"] > 0  # and compaction moved pages in those steps
+    assert rep["seconds"]["decode_compute"] > 0 and rep["digest_mismatches"] == []
     assert rep["pages_left"] == {"prefill": 0, "decode": 0} and rep["leases_left"] == {"prefill": 0, "decode": 0}
 
 
@@ -84,6 +86,8 @@ def test_plot_writes_the_timeline(tmp_path: Path) -> None:
     (["--plot", "x.png"], "--plot: only the continuous-batching decode"),
     (["--decode-blocks", "8"], "--decode-blocks 8: only the continuous-batching decode"),
     (["--decode", "cb", "--model", "llama", "--plot", "{p}", "--report", "{p}"], "name the same file"),
+    (["--decode", "cb", "--model", "llama", "--decode-blocks", "2"], "--decode-blocks 2: the longest request needs"),
+    (["--decode", "cb", "--model", "llama", "--plot", "{p}.gif"], "--plot"),
 ])
 def test_serving_options_refused_exit_2_with_one_error_line(args: list[str], needle: str, tmp_path: Path) -> None:
     args = [a.replace("{p}", str(tmp_path / "o.png")) for a in args]

@@ -107,13 +107,16 @@ class InPlaceResult:
 
 def decode_in_place(engine: Any, prefill: Any, reqs: list[TraceRequest], prompts: dict[int, list[int]],
                     outputs: Callable[[list[int]], tuple[dict, str, float]], weights: str, max_batch: int,
-                    on_done: Callable[[int], None] | None = None, budget_pages: int | None = None) -> InPlaceResult:
+                    on_done: Callable[[int], None] | None = None, budget_pages: int | None = None,
+                    steps_in_flight: int = 1) -> InPlaceResult:
     """Run every request of ``reqs`` through ``prefill`` into ``engine`` and decode them in one continuous batch
     (module docstring). ``outputs(rids)`` returns the prefill side's ``({rid: {"first_token", "digests"}},
     weights digest, prefill seconds)``; ``weights`` is this side's weights digest. ``on_done(rid)`` runs when a
     request finished. ``budget_pages``: the cache's pages when it is smaller than the load; a request is then
     reserved only when the lifetimes (prompt and output pages) of the requests in the engine and its own fit
     them, so a running request never starves for a page.
+    ``steps_in_flight``: steps the running batch takes while a round's transfers are in flight (posted, their
+    pages leased), before they are waited for.
 
     Raises:
         InvariantError: the decode arena cannot hold one request with no other running, a request failed in the
@@ -170,12 +173,13 @@ def decode_in_place(engine: Any, prefill: Any, reqs: list[TraceRequest], prompts
             stamp(r.request_id, "sent")
             tickets.append(ticket)
             held.append((r, vt))
-        if held and engine.running():
-            # the round's transfers are in flight (their pages leased): the running batch takes a step meanwhile
+        for _ in range(steps_in_flight if held else 0):
+            # the round's transfers are in flight (their pages leased): the running batch steps meanwhile
             moved = engine.cache.counters.pages_moved
-            if run_step():
-                res.steps_in_flight += 1
-                res.pages_moved_in_flight += engine.cache.counters.pages_moved - moved
+            if not engine.running() or not run_step():
+                break
+            res.steps_in_flight += 1
+            res.pages_moved_in_flight += engine.cache.counters.pages_moved - moved
             collect(res, engine, last_tok, stamp, on_done, committed)
         if held:
             res.figures += prefill.finish_all(tickets)

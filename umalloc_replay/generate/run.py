@@ -82,7 +82,9 @@ class GenerateConfig:
     ``decode``: ``rebuild`` (the received pages read into a ``DynamicCache`` per request) or ``cb``
     (:mod:`~umalloc_replay.generate.inplace`: transformers' continuous batching attends over the received pages in
     place; full-attention models, no drafter). ``decode_blocks``: with ``cb``, the decode cache's pages (an arena
-    smaller than the load: arrivals wait for room, the cache compacts at every step).
+    smaller than the load: arrivals wait for room, the cache compacts at every step). ``steps_in_flight``: with
+    ``cb``, decode steps the running batch takes while a round's transfers are in flight (tests: a transfer that
+    lasts several steps).
     ``fault``: a wrong KV written on the prefill side (:data:`~umalloc_replay.generate.kv.FAULTS`), for the
     tests that show the token check catches it; ``None`` in every real run.
     """
@@ -109,6 +111,7 @@ class GenerateConfig:
     draft_layers: int = 0
     draft_method: str = "early-exit"
     decode_blocks: int | None = None
+    steps_in_flight: int = 1
 
 
 def scale_output(num_tokens: int, output_scale: int) -> int:
@@ -298,6 +301,8 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
     timer = PhaseTimer()
     if cfg.decode_blocks is not None and (cfg.decode != "cb" or cfg.decode_blocks < 1):
         raise UmallocValueError(f"--decode-blocks {cfg.decode_blocks}: allowed >= 1 with --decode cb")
+    if cfg.steps_in_flight < 1:
+        raise UmallocValueError(f"steps_in_flight={cfg.steps_in_flight}: allowed >= 1")
     if cfg.decode_blocks is not None:
         need = max(-(-(r.input_tokens + r.output_tokens) // cfg.page_size) for r in reqs)
         if cfg.decode_blocks < need:
@@ -368,7 +373,7 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
         if engine is not None:
             ip = decode_in_place(engine, prefill, reqs, prompts, outputs_of, wd_here, cfg.max_batch,
                                  on_done=None if bar is None else (lambda _rid: bar.advance(task)),
-                                 budget_pages=cfg.decode_blocks)
+                                 budget_pages=cfg.decode_blocks, steps_in_flight=cfg.steps_in_flight)
             generated, digest_bad, figures, decode_s = ip.generated, ip.digest_bad, ip.figures, ip.decode_s
             weights_ok, prefill_child_s = ip.weights_ok, ip.prefill_child_s
             in_place = ip
@@ -482,7 +487,8 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
                    "draft_tokens": cfg.draft_tokens if cfg.draft else None,
                    "draft_layers": cfg.draft_layers if drafter is not None else None,
                    "draft_method": cfg.draft_method if cfg.draft else None, "compaction": cfg.compaction,
-                   "decode": cfg.decode, "decode_blocks": cfg.decode_blocks},
+                   "decode": cfg.decode, "decode_blocks": cfg.decode_blocks,
+                   "steps_in_flight": cfg.steps_in_flight},
         "decode": cfg.decode,
         "serving": None if in_place is None else serving_figures(in_place, decoded, baseline, reference),
         "timeline": None if in_place is None else [{"request": r.request_id, "stamps": in_place.stamps[r.request_id]}
