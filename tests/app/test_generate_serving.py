@@ -8,6 +8,7 @@ Oracle: the one-process reference tokens (checked against transformers' ``model.
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import Any
 
@@ -94,3 +95,29 @@ def test_serving_options_refused_exit_2_with_one_error_line(args: list[str], nee
     res = CliRunner().invoke(app, ["generate", *args], catch_exceptions=False)
     lines = res.stderr.strip().splitlines()
     assert res.exit_code == 2 and len(lines) == 1 and needle in lines[0], res.stderr
+
+
+def test_the_table_has_a_start_up_row_inside_the_total() -> None:
+    from rich.console import Console
+
+    from umalloc_replay.generate.run import generate_table
+
+    rep = run_generate(GenerateConfig(model="llama", requests=2, token_scale=64, output_scale=64, seed=SEED))
+    s = rep["seconds"]
+    assert 0 < s["startup"] and s["startup"] + s["reference"] < s["total"] and s["one_process_cb"] == 0.0
+    out = Console(width=200, record=True, file=io.StringIO())
+    out.print(generate_table(rep))
+    assert "start-up s (models, arenas, second process)" in out.export_text()
+
+
+@pytest.mark.backend
+def test_a_remote_start_is_announced_before_its_pid() -> None:
+    from rich.console import Console
+
+    require_or_skip("nixl")
+    buf = io.StringIO()
+    rep = run_generate(GenerateConfig(model="llama", backend="nixl", requests=2, token_scale=64, output_scale=64,
+                                      seed=SEED), progress=True, console=Console(file=buf, width=200))
+    assert check_generate_report(rep) == []
+    lines = [ln for ln in buf.getvalue().splitlines() if ln.strip()]
+    assert lines[0] == "starting the prefill process (nixl) ..." and lines[1].startswith("prefill process: pid ")

@@ -328,6 +328,8 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
         from umalloc_replay.generate.child import SETUP_TARGET
         from umalloc_replay.single.remote import RemotePrefill
 
+        if progress and console is not None:  # the second process's start (engine, model) takes seconds
+            console.print(f"starting the prefill process ({cfg.backend}) ...", soft_wrap=True)
         setup = (SETUP_TARGET, (cfg.model, cfg.seed, cfg.page_size, nbytes, cfg.compaction, prompts, cfg.fault,
                                 drafter is not None, cfg.draft_layers))
         prefill = RemotePrefill(cfg.backend, spec, dec, timer, model=cfg.model, page_size=cfg.page_size,
@@ -352,6 +354,8 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
     rounds_pd: dict[int, list[int]] = {}
     bar = None
     interrupted = False
+    startup_s = time.perf_counter() - t_start - reference_s
+    baseline_s = 0.0
     try:
         if progress and console is not None:
             from rich.progress import Progress
@@ -379,7 +383,9 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
             in_place = ip
             from umalloc_replay.generate.timeline import one_process_cb
 
+            t_base = time.perf_counter()
             baseline = one_process_cb(model, reqs, prompts, cfg.page_size, cfg.max_batch)
+            baseline_s = time.perf_counter() - t_base
             for r in reqs:
                 toks = generated[r.request_id]
                 compare_request(r, toks, reference[r.request_id], per_request, differ)
@@ -514,7 +520,7 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
         "per_layer_per_page_descriptors": sum(int(f.per_layer_per_page) for f in figures),
         "pages_per_request": {e.name: sum(pages_held(spec, e.name, r.input_tokens) for r in reqs) / max(n, 1)
                               for e in ends},
-        "seconds": {"total": total_s, "reference": reference_s, "reference_greedy": greedy_s,
+        "seconds": {"total": total_s, "startup": startup_s, "one_process_cb": baseline_s, "reference": reference_s, "reference_greedy": greedy_s,
                     "reference_speculative": reference_s - greedy_s, "prefill_compute": prefill_compute_s,
                     "transfer": sec["transfer"], "cache_rebuild": rebuild_s, "decode_compute": decode_s,
                     "memory_layer": sec["allocator"] + sec["translate_plan"]
@@ -653,6 +659,7 @@ def generate_table(report: dict) -> Any:
         ("bytes by vector", ", ".join(f"{k} {v:,}" for k, v in sorted(report["bytes_by_vector"].items()))),
         ("descriptors per request", f"{report['descriptors_per_request']:.2f} "
          f"(per layer and page: {report['per_layer_per_page_descriptors'] / max(n, 1):.1f})"),
+        ("start-up s (models, arenas, second process)", f"{s['startup']:.3f}"),
         ("prefill compute s", f"{s['prefill_compute']:.3f}"),
         ("transfer s", f"{s['transfer']:.3f}"),
         ("cache rebuild from received KV s", f"{s['cache_rebuild']:.3f}"),
@@ -660,6 +667,7 @@ def generate_table(report: dict) -> Any:
         ("memory layer s", f"{s['memory_layer']:.3f}"),
         ("KV read + digest s", f"{s['kv_read_verify']:.3f}"),
         ("one-process reference s", f"{s['reference']:.3f}"),
+        ("one-process continuous batching s", f"{s['one_process_cb']:.3f}" if report["decode"] == "cb" else "not run"),
         ("total s", f"{s['total']:.3f}"),
         ("pages left (prefill, decode)", f"{report['pages_left']['prefill']}, {report['pages_left']['decode']}"),
         ("leases left (prefill, decode)", f"{report['leases_left']['prefill']}, {report['leases_left']['decode']}"),
