@@ -469,7 +469,12 @@ def generate(
     from rich.markup import escape
 
     from umalloc import BackendError
-    from umalloc_replay.preflight import check_distinct_paths, check_output_file, check_trace_file, resolve_plot_path
+    from umalloc_replay.preflight import (
+        check_distinct_paths,
+        check_output_file,
+        check_trace_file,
+        resolve_plot_path,
+    )
 
     err = Console(stderr=True)
 
