@@ -234,7 +234,7 @@ def test_the_command_prints_its_table_and_its_report_reproduces_the_run(tmp_path
     assert res.exit_code == 0, (res.stdout, res.stderr)
     assert "identical to one process" in res.stdout and "2 of 2" in res.stdout
     rep = json.loads(out.read_text())
-    assert rep["schema"] == GENERATE_SCHEMA == "umalloc-generate/4"
+    assert rep["schema"] == GENERATE_SCHEMA == "umalloc-generate/5"
     assert rep["umalloc_version"] == umalloc.__version__
     assert rep["config"] == {"model": "qwen3", "backend": "local", "trace": None,
                              "trace_name": "packaged trace conversation_trace.jsonl", "trace_format": None,
