@@ -121,3 +121,25 @@ def test_a_remote_start_is_announced_before_its_pid() -> None:
     assert check_generate_report(rep) == []
     lines = [ln for ln in buf.getvalue().splitlines() if ln.strip()]
     assert lines[0] == "starting the prefill process (nixl) ..." and lines[1].startswith("prefill process: pid ")
+
+
+def test_submit_refuses_a_duplicate_id_and_an_empty_prompt_and_changes_nothing() -> None:
+    from umalloc import UmallocValueError
+    from umalloc_replay.generate.inplace import engine_for
+    from umalloc_replay.generate.models import build_model
+    from umalloc_replay.trace import TraceRequest
+
+    engine = engine_for(build_model("llama", SEED), [TraceRequest(0, 0.0, 8, 4, ())], 16, 2)
+    try:
+        engine.submit("a", [5, 6, 7], 3)
+        with pytest.raises(UmallocValueError, match="already in the engine"):
+            engine.submit("a", [5, 6, 7], 3)
+        with pytest.raises(UmallocValueError, match="allowed >= 1 each"):
+            engine.submit("b", [], 3)
+        assert engine.running() == 1 and list(engine.states) == ["a"]
+        while engine.running():
+            engine.step()
+        (rid, state), = engine.finished()
+        assert rid == "a" and state.error is None and len(state.generated_tokens) == 3
+    finally:
+        engine.close()
