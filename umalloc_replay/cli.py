@@ -79,10 +79,10 @@ from umalloc_replay import (  # noqa: E402
     DEFAULT_REQUESTS,
     DEFAULT_TOKEN_SCALE,
     GENERATE_MODEL_NAMES,
-    SLIDING_GENERATE_MODELS,
     MAX_PAGE_SIZE_TOKENS,
     PRESET_NAMES,
     PRESETS_WITH_DRAFT,
+    SLIDING_GENERATE_MODELS,
 )
 from umalloc_replay.preflight import parse_arena_bytes, parse_size_bytes  # noqa: E402
 from umalloc_replay.signals import Terminated, sigterm_raises  # noqa: E402
@@ -480,11 +480,19 @@ def generate(
         help="Decode side: cb (transformers' continuous batching attends over the received pages in place, "
         "sliding-window rings included; speculative rounds with --draft on full-attention models) or rebuild (the "
         "received pages read into a DynamicCache, one request at a time).")] = None,
+    decode_blocks: Annotated[int | None, typer.Option(
+        "--decode-blocks", min=1, metavar="N", rich_help_panel=_MODEL, show_default="room for --max-batch requests",
+        help="Pages of the decode cache (only with --decode cb): a cache smaller than the load makes arrivals "
+        "wait for room and compacts it at every decode step.")] = None,
     output_format: Annotated[OutputFormat, typer.Option(
         "--format", rich_help_panel=_OUT, help="Result on stdout: table or json (the report).")] = OutputFormat.table,
     report: Annotated[Path | None, typer.Option(
         "--report", metavar="FILE", rich_help_panel=_OUT, show_default="none", help="Write the JSON report "
         "here.")] = None,
+    plot: Annotated[Path | None, typer.Option(
+        "--plot", metavar="FILE", rich_help_panel=_OUT, show_default="none",
+        help="Write the timeline of requests (queued, prefill, transfer, admission, decode; only with --decode cb) "
+        "here: .png, .pdf or .svg by the suffix (.png added when there is none).")] = None,
     progress: Annotated[bool, typer.Option(
         "--progress/--no-progress", rich_help_panel=_OUT, help="Show the progress bar (on stderr).")] = True,
 ) -> None:
@@ -495,21 +503,28 @@ def generate(
     from rich.markup import escape
 
     from umalloc import BackendError
-    from umalloc_replay.preflight import check_distinct_paths, check_output_file, check_trace_file
+    from umalloc_replay.preflight import (
+        check_distinct_paths,
+        check_output_file,
+        check_trace_file,
+        resolve_plot_path,
+    )
 
     err = Console(stderr=True)
 
     fail = functools.partial(error_exit, err)
+    plot_path: Path | None = None
 
     try:
         try:
+            plot_path = resolve_plot_path(plot) if plot is not None else None
             if model not in GENERATE_MODEL_NAMES:
                 raise UmallocValueError(f"--model {model!r}: allowed one of {', '.join(GENERATE_MODEL_NAMES)}")
             if trace is not None:
                 check_trace_file(trace)
             if report is not None:
                 check_output_file(report, "--report")
-            check_distinct_paths({"--trace": trace}, {"--report": report})
+            check_distinct_paths({"--trace": trace}, {"--report": report, "--plot": plot_path})
             draft_method, draft_layers = parse_draft(draft, draft_form or [], draft_method, draft_layers)
             if draft_tokens is not None and not draft:
                 raise UmallocValueError(f"--draft-tokens {draft_tokens}: only a run with a drafter proposes draft "
@@ -529,6 +544,10 @@ def generate(
                 decode = "rebuild" if draft and model in SLIDING_GENERATE_MODELS else "cb"
             if decode not in ("rebuild", "cb"):
                 raise UmallocValueError(f"--decode {decode!r}: allowed rebuild, cb")
+            if (plot is not None or decode_blocks is not None) and decode != "cb":
+                given = "--plot" if plot is not None else f"--decode-blocks {decode_blocks}"
+                raise UmallocValueError(f"{given}: only the continuous-batching decode has a timeline and a decode "
+                                        "cache; allowed with --decode cb, or without it")
             if decode == "cb" and draft and model in SLIDING_GENERATE_MODELS:
                 raise UmallocValueError(f"--decode cb --draft: model {model!r} has sliding-window layers, whose "
                                         "ring a rejected draft cannot roll back; allowed a full-attention model "
@@ -549,7 +568,7 @@ def generate(
                 trace_format=None if trace_format is TraceFormat.auto else trace_format.value, requests=requests,
                 skip=skip, token_scale=token_scale, output_scale=output_scale, page_size=page_size, seed=seed,
                 max_batch=max_batch, draft=draft, decode=decode, draft_layers=draft_layers or 0,
-                draft_method=draft_method or "early-exit",
+                draft_method=draft_method or "early-exit", decode_blocks=decode_blocks,
                 draft_tokens=DEFAULT_DRAFT_TOKENS if draft_tokens is None else draft_tokens)
             with HeldLogs() as held:
                 result = run_generate(cfg, progress=progress, console=err)
@@ -558,7 +577,13 @@ def generate(
             raise fail(str(exc), 2) from None
         except BackendError as exc:  # a transfer engine or the prefill process failed mid-run (e.g. killed)
             raise fail(f"the {backend.value} backend failed: {exc}", 1) from None
-        emit_result(result, output_format, generate_table, report, err)
+        def write_plot(path: Path) -> None:
+            from umalloc_replay.generate.timeline import plot_timeline
+
+            err.print(f"plot: {plot_timeline(result, path)}", soft_wrap=True)
+
+        emit_result(result, output_format, generate_table, report, err,
+                    then=None if plot_path is None else functools.partial(write_plot, plot_path))
     except KeyboardInterrupt as exc:
         raise typer.Exit(_ended_code(exc)) from None
     problems = check_generate_report(result)

@@ -234,14 +234,14 @@ def test_the_command_prints_its_table_and_its_report_reproduces_the_run(tmp_path
     assert res.exit_code == 0, (res.stdout, res.stderr)
     assert "identical to one process" in res.stdout and "2 of 2" in res.stdout
     rep = json.loads(out.read_text())
-    assert rep["schema"] == GENERATE_SCHEMA == "umalloc-generate/4"
+    assert rep["schema"] == GENERATE_SCHEMA == "umalloc-generate/5"
     assert rep["umalloc_version"] == umalloc.__version__
     assert rep["config"] == {"model": "qwen3", "backend": "local", "trace": None,
                              "trace_name": "packaged trace conversation_trace.jsonl", "trace_format": None,
                              "requests": 2, "skip": 3, "token_scale": 64, "output_scale": 16, "page_size": 16,
                              "max_batch": 1, "seed": SEED, "draft": False, "draft_tokens": None,
                              "draft_layers": None, "draft_method": None, "compaction": "lazy",
-                             "decode": "cb"}
+                             "decode": "cb", "decode_blocks": None, "steps_in_flight": 1}
     with open(default_trace_path()) as fh:
         rows = [json.loads(line) for line in list(fh)[3:5]]
     assert [(p["request"], p["prompt_tokens"], p["output_tokens"]) for p in rep["per_request"]] == [

@@ -43,12 +43,13 @@ DECODE_MODES = ("rebuild", "cb")
 
 
 def engine_for(model: Any, reqs: list[TraceRequest], page_size: int, max_batch: int, check: bool = False,
-               draft_layers: int = 0) -> Any:
+               draft_layers: int = 0, num_blocks: int | None = None) -> Any:
     """A :class:`~umalloc.integrations.transformers.admit.DecodeEngine` over a copy of ``model`` whose cache
     holds the ``max_batch`` longest requests (prompt and output) at once, twice over; greedy, no end-of-sequence
     stop, no prefix sharing (a finished request frees its pages). ``check``: invariants after every step.
     ``draft_layers``: the cache's arena has a ``draft`` end of that many layers (an early-exit drafter's KV,
-    Note [Draft end] of :mod:`umalloc.integrations.transformers.speculate`).
+    Note [Draft end] of :mod:`umalloc.integrations.transformers.speculate`). ``num_blocks``: the cache's pages
+    instead (a decode arena under pressure: the cache compacts at every step).
 
     Raises:
         UmallocValueError: the cache refuses the model (the integration's typed error, reworded).
@@ -60,7 +61,7 @@ def engine_for(model: Any, reqs: list[TraceRequest], page_size: int, max_batch: 
     from umalloc.integrations.transformers.admit import DecodeEngine
 
     big = sorted(reqs, key=lambda r: r.input_tokens + r.output_tokens, reverse=True)[:max_batch]
-    blocks = 2 * sum(-(-(r.input_tokens + r.output_tokens) // page_size) + 1 for r in big)
+    blocks = num_blocks or 2 * sum(-(-(r.input_tokens + r.output_tokens) // page_size) + 1 for r in big)
     gcfg = transformers.GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0,
                                          max_new_tokens=max(r.output_tokens for r in reqs))
     cbcfg = ContinuousBatchingConfig(page_size=page_size, num_blocks=blocks, max_batch_tokens=max(64, max_batch),
@@ -70,8 +71,9 @@ def engine_for(model: Any, reqs: list[TraceRequest], page_size: int, max_batch: 
     level = cb_log.level
     cb_log.setLevel(logging.CRITICAL)  # its CPU-memory notes (psutil) do not concern a cache sized in blocks
     try:
-        return DecodeEngine(copy.deepcopy(model), gcfg, cbcfg, CacheOptions(check_every_step=check,
-                                                                          draft_layers=draft_layers))
+        return DecodeEngine(copy.deepcopy(model), gcfg, cbcfg,
+                            CacheOptions(check_every_step=check, draft_layers=draft_layers,
+                                         compact_every_step=num_blocks is not None))
     except UnsupportedCacheError as exc:
         raise UmallocValueError(f"--decode cb: {exc}") from exc
     finally:
@@ -111,19 +113,31 @@ class InPlaceResult:
     step_requests: list[int] = field(default_factory=list)
     ttft_s: dict[int, float] = field(default_factory=dict)
     itl_s: list[float] = field(default_factory=list)
+    stamps: dict[int, dict[str, float]] = field(default_factory=dict)
+    step_s: list[float] = field(default_factory=list)
+    stalls_s: list[float] = field(default_factory=list)
+    steps_in_flight: int = 0
+    pages_moved_in_flight: int = 0
+    waits_for_room: int = 0
+    pages_moved: int = 0
 
 
 def decode_in_place(engine: Any, prefill: Any, reqs: list[TraceRequest], prompts: dict[int, list[int]],
                     outputs: Callable[[list[int]], tuple[dict, str, float]], weights: str, max_batch: int,
                     on_done: Callable[[int], None] | None = None, stepper: Any = None,
-                    on_started: Callable[[int, Any], None] | None = None) -> InPlaceResult:
+                    on_started: Callable[[int, Any], None] | None = None, budget_pages: int | None = None,
+                    steps_in_flight: int = 1) -> InPlaceResult:
     """Run every request of ``reqs`` through ``prefill`` into ``engine`` and decode them in one continuous batch
     (module docstring). ``outputs(rids)`` returns the prefill side's ``({rid: {"first_token", "digests"}},
     weights digest, prefill seconds)``; ``weights`` is this side's weights digest. ``on_done(rid)`` runs when a
     request finished. ``stepper``: an object whose ``step()`` replaces the engine's (a
     :class:`~umalloc.integrations.transformers.speculate.SpeculativeDecoder`); ``on_started(rid, ticket)`` runs
     after the prefill side started a request (the late drafter's forward). The digest of every end the prefill
-    side wrote (``full``, and ``draft`` with an early-exit drafter) is compared, read in place.
+    side wrote (``full``, ``swa``, and ``draft`` with an early-exit drafter) is compared, read in place.
+    ``budget_pages``: the cache's pages when it is smaller than the load; a request is then reserved only when
+    the lifetimes (prompt and output pages) of the requests in the engine and its own fit them, so a running
+    request never starves for a page. ``steps_in_flight``: steps the running batch takes while a round's
+    transfers are in flight (posted, their pages leased), before they are waited for.
 
     Raises:
         InvariantError: the decode arena cannot hold one request with no other running, a request failed in the
@@ -131,28 +145,67 @@ def decode_in_place(engine: Any, prefill: Any, reqs: list[TraceRequest], prompts
     """
     res = InPlaceResult()
     cache = engine.cache
+    ps = cache.page_size
     waiting = deque(reqs)
     t_run = time.perf_counter()
     last_tok: dict[int, float] = {}
+    t_step_end: float | None = None
+    committed: dict[int, int] = {}   # request -> pages of its prompt and output (with budget_pages)
+
+    def lifetime(r: TraceRequest) -> int:
+        return -(-(r.input_tokens + r.output_tokens) // ps)
+
+    def stamp(rid: int, what: str) -> None:
+        res.stamps.setdefault(rid, {"queued": 0.0})[what] = time.perf_counter() - t_run
+
+    def run_step() -> bool:
+        nonlocal t_step_end
+        t0 = time.perf_counter()
+        if t_step_end is not None and engine.running():
+            res.stalls_s.append(t0 - t_step_end)   # the running batch waited this long since its last step
+        ran = engine.step() if stepper is None else stepper.step()
+        t1 = time.perf_counter()
+        res.decode_s += t1 - t0
+        if ran:
+            res.step_s.append(t1 - t0)
+            res.step_requests.append(engine.step_requests[-1])
+        t_step_end = t1 if ran else None
+        return ran
+
     while waiting or engine.running():
         tickets: list[Any] = []
         held: list[tuple[TraceRequest, dict[str, torch.Tensor]]] = []
         while waiting and engine.running() + len(held) < max_batch:
             r = waiting[0]
-            vt = engine.reserve_ends(str(r.request_id), r.input_tokens)
+            fits = budget_pages is None or sum(committed.values()) + lifetime(r) <= budget_pages
+            vt = engine.reserve_ends(str(r.request_id), r.input_tokens) if fits else None
             if vt is None:
+                res.waits_for_room += 1
                 break
             waiting.popleft()
+            committed[r.request_id] = lifetime(r)
+            stamp(r.request_id, "reserved")
             ticket = prefill.start(RequestState(r), vt)
             if ticket is None:
                 engine.release(str(r.request_id))
                 raise InvariantError(f"prefill arena short for request {r.request_id} ({r.input_tokens} tokens)")
             if on_started is not None:
                 on_started(r.request_id, ticket)
+            stamp(r.request_id, "sent")
             tickets.append(ticket)
             held.append((r, vt))
+        for _ in range(steps_in_flight if held else 0):
+            # the round's transfers are in flight (their pages leased): the running batch steps meanwhile
+            moved = engine.cache.counters.pages_moved
+            if not engine.running() or not run_step():
+                break
+            res.steps_in_flight += 1
+            res.pages_moved_in_flight += engine.cache.counters.pages_moved - moved
+            collect(res, engine, last_tok, stamp, on_done, committed)
         if held:
             res.figures += prefill.finish_all(tickets)
+            for r, _ in held:
+                stamp(r.request_id, "received")
             outs, wd, child_s = outputs([r.request_id for r, _ in held])
             res.prefill_child_s = child_s
             res.weights_ok = res.weights_ok and wd == weights
@@ -164,31 +217,40 @@ def decode_in_place(engine: Any, prefill: Any, reqs: list[TraceRequest], prompts
                              r.output_tokens)
                 res.ttft_s[r.request_id] = now - t_run
                 last_tok[r.request_id] = now
+                stamp(r.request_id, "admitted")
         elif not engine.running():
             r = waiting[0]
             raise InvariantError(f"decode cache of {cache.arena.arena_bytes:,} bytes cannot hold request "
                                  f"{r.request_id} ({r.input_tokens} prompt tokens) with no other request running")
-        t0 = time.perf_counter()
-        ran = engine.step() if stepper is None else stepper.step()
-        t1 = time.perf_counter()
-        res.decode_s += t1 - t0
-        if ran:
-            res.step_requests.append(engine.step_requests[-1])
-        for rid, state in engine.finished():
-            i = int(rid)
-            if state.error is not None or state.generated_len() < 1:
-                raise InvariantError(f"request {i} failed in the decode engine: {state.error}")
-            res.generated[i] = list(state.generated_tokens)
-            stamps = state.timestamps or []
-            prev = last_tok.pop(i, None)
-            for s in stamps:
-                if prev is not None:
-                    res.itl_s.append(s - prev)
-                prev = s
-            if on_done is not None:
-                on_done(i)
+        run_step()
+        collect(res, engine, last_tok, stamp, on_done, committed)
     res.memory_s = cache.counters.memory_seconds
+    res.pages_moved = cache.counters.pages_moved
     return res
 
 
-__all__ = ["DECODE_MODES", "InPlaceResult", "decode_in_place", "engine_for", "received_digests"]
+def collect(res: InPlaceResult, engine: Any, last_tok: dict[int, float], stamp: Callable[[int, str], None],
+            on_done: Callable[[int], None] | None, committed: dict[int, int]) -> None:
+    """Record every request the engine finished: its tokens, inter-token gaps and ``done`` stamp; forget its
+    pages in ``committed``.
+
+    Raises:
+        InvariantError: a request failed in the engine.
+    """
+    for rid, state in engine.finished():
+        i = int(rid)
+        if state.error is not None or state.generated_len() < 1:
+            raise InvariantError(f"request {i} failed in the decode engine: {state.error}")
+        res.generated[i] = list(state.generated_tokens)
+        prev = last_tok.pop(i, None)
+        for s in state.timestamps or []:
+            if prev is not None:
+                res.itl_s.append(s - prev)
+            prev = s
+        stamp(i, "done")
+        committed.pop(i, None)
+        if on_done is not None:
+            on_done(i)
+
+
+__all__ = ["DECODE_MODES", "InPlaceResult", "collect", "decode_in_place", "engine_for", "received_digests"]

@@ -61,7 +61,7 @@ from umalloc_replay.trace import TraceRequest, check_slice_rows, load_trace, sca
 from umalloc_replay.workload import RequestState, pages_held
 
 #: The report's schema version (:func:`check_generate_report` reads this layout).
-GENERATE_SCHEMA = "umalloc-generate/4"
+GENERATE_SCHEMA = "umalloc-generate/5"
 #: Fewest tokens a request generates: the prefill's first token and one decoded over the received KV.
 MIN_OUTPUT_TOKENS = 2
 
@@ -81,8 +81,12 @@ class GenerateConfig:
     (:mod:`~umalloc_replay.generate.ngram`: prompt lookup over the request's own tokens; no model, no KV, so no
     ``draft`` end, no ``draft`` vector, no write gate); ``draft_layers`` only with ``early-exit``.
     ``decode``: ``cb`` (:mod:`~umalloc_replay.generate.inplace`: transformers' continuous batching attends over
-    the received pages in place; no drafter) or ``rebuild`` (the received pages read into a ``DynamicCache`` per
-    request: the speculative path); ``None``: ``cb``, or ``rebuild`` with a drafter.
+    the received pages in place; speculative rounds with a drafter on a full-attention model) or ``rebuild`` (the
+    received pages read into a ``DynamicCache`` per request); ``None``: ``cb``, or ``rebuild`` with a drafter on a
+    model with sliding layers. ``decode_blocks``: with ``cb``, the decode cache's pages (an arena smaller than the
+    load: arrivals wait for room, the cache compacts at every step). ``steps_in_flight``: with ``cb``, decode
+    steps the running batch takes while a round's transfers are in flight (tests: a transfer that lasts several
+    steps).
     ``fault``: a wrong KV written on the prefill side (:data:`~umalloc_replay.generate.kv.FAULTS`), for the
     tests that show the token check catches it; ``None`` in every real run.
     """
@@ -108,6 +112,8 @@ class GenerateConfig:
     decode: str | None = None
     draft_layers: int = 0
     draft_method: str = "early-exit"
+    decode_blocks: int | None = None
+    steps_in_flight: int = 1
 
 
 def scale_output(num_tokens: int, output_scale: int) -> int:
@@ -301,8 +307,17 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
     reference_s = time.perf_counter() - t0
 
     timer = PhaseTimer()
+    if cfg.decode_blocks is not None and (cfg.decode != "cb" or cfg.decode_blocks < 1):
+        raise UmallocValueError(f"--decode-blocks {cfg.decode_blocks}: allowed >= 1 with --decode cb")
+    if cfg.steps_in_flight < 1:
+        raise UmallocValueError(f"steps_in_flight={cfg.steps_in_flight}: allowed >= 1")
+    if cfg.decode_blocks is not None:
+        need = max(-(-(r.input_tokens + r.output_tokens) // cfg.page_size) for r in reqs)
+        if cfg.decode_blocks < need:
+            raise UmallocValueError(f"--decode-blocks {cfg.decode_blocks}: the longest request needs {need} pages "
+                                    f"of {cfg.page_size} tokens; allowed >= {need}")
     engine = engine_for(model, reqs, cfg.page_size, cfg.max_batch, draft_layers=0 if drafter is None else int(
-        drafter.config.num_hidden_layers)) if cfg.decode == "cb" else None
+        drafter.config.num_hidden_layers), num_blocks=cfg.decode_blocks) if cfg.decode == "cb" else None
     dec = engine.cache.alloc if engine is not None else \
         MultiEndedAllocator(Arena(spec, zero=False), compaction=cfg.compaction)
     kv_local: ModelKV | None = None
@@ -321,6 +336,8 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
         from umalloc_replay.generate.child import SETUP_TARGET
         from umalloc_replay.single.remote import RemotePrefill
 
+        if progress and console is not None:  # the second process's start (engine, model) takes seconds
+            console.print(f"starting the prefill process ({cfg.backend}) ...", soft_wrap=True)
         setup = (SETUP_TARGET, (cfg.model, cfg.seed, cfg.page_size, nbytes, cfg.compaction, prompts, cfg.fault,
                                 drafter is not None, cfg.draft_layers))
         prefill = RemotePrefill(cfg.backend, spec, dec, timer, model=cfg.model, page_size=cfg.page_size,
@@ -341,9 +358,12 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
     spec_fig = {"rounds": 0, "proposed": 0, "accepted": 0}
     gate_figs = {"deferred_posts": 0, "posted_before_draft": 0}
     in_place: Any = None
+    baseline: dict = {}
     rounds_pd: dict[int, list[int]] = {}
     bar = None
     interrupted = False
+    startup_s = time.perf_counter() - t_start - reference_s
+    baseline_s = 0.0
     try:
         if progress and console is not None:
             from rich.progress import Progress
@@ -378,7 +398,8 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
 
             ip = decode_in_place(engine, prefill, reqs, prompts, outputs_of, wd_here, cfg.max_batch,
                                  on_done=None if bar is None else (lambda _rid: bar.advance(task)),
-                                 stepper=stepper, on_started=late_draft)
+                                 stepper=stepper, on_started=late_draft,
+                                 budget_pages=cfg.decode_blocks, steps_in_flight=cfg.steps_in_flight)
             if stepper is not None:
                 rounds_pd = {int(rid): rs for rid, rs in stepper.figures.per_round.items()}
                 spec_fig = {"rounds": stepper.figures.rounds, "proposed": stepper.figures.proposed,
@@ -386,6 +407,11 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
             generated, digest_bad, figures, decode_s = ip.generated, ip.digest_bad, ip.figures, ip.decode_s
             weights_ok, prefill_child_s = ip.weights_ok, ip.prefill_child_s
             in_place = ip
+            from umalloc_replay.generate.timeline import one_process_cb
+
+            t_base = time.perf_counter()
+            baseline = one_process_cb(model, reqs, prompts, cfg.page_size, cfg.max_batch)
+            baseline_s = time.perf_counter() - t_base
             for r in reqs:
                 toks = generated[r.request_id]
                 compare_request(r, toks, reference[r.request_id], per_request, differ)
@@ -493,9 +519,12 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
                    "draft_tokens": cfg.draft_tokens if cfg.draft else None,
                    "draft_layers": cfg.draft_layers if drafter is not None else None,
                    "draft_method": cfg.draft_method if cfg.draft else None, "compaction": cfg.compaction,
-                   "decode": cfg.decode},
+                   "decode": cfg.decode, "decode_blocks": cfg.decode_blocks,
+                   "steps_in_flight": cfg.steps_in_flight},
         "decode": cfg.decode,
-        "serving": None if in_place is None else serving_figures(in_place, decoded),
+        "serving": None if in_place is None else serving_figures(in_place, decoded, baseline, reference),
+        "timeline": None if in_place is None else [{"request": r.request_id, "stamps": in_place.stamps[r.request_id]}
+                                                   for r in reqs],
         "model": cfg.model, "backend": cfg.backend, "seed": cfg.seed, "page_size": cfg.page_size,
         "layer_types": list(geo.layer_types), "window_tokens": geo.window_tokens,
         "token_scale": cfg.token_scale, "output_scale": cfg.output_scale, "fault": cfg.fault,
@@ -517,7 +546,7 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
         "per_layer_per_page_descriptors": sum(int(f.per_layer_per_page) for f in figures),
         "pages_per_request": {e.name: sum(pages_held(spec, e.name, r.input_tokens) for r in reqs) / max(n, 1)
                               for e in ends},
-        "seconds": {"total": total_s, "reference": reference_s, "reference_greedy": greedy_s,
+        "seconds": {"total": total_s, "startup": startup_s, "one_process_cb": baseline_s, "reference": reference_s, "reference_greedy": greedy_s,
                     "reference_speculative": reference_s - greedy_s, "prefill_compute": prefill_compute_s,
                     "transfer": sec["transfer"], "cache_rebuild": rebuild_s, "decode_compute": decode_s,
                     "memory_layer": sec["allocator"] + sec["translate_plan"]
@@ -557,14 +586,31 @@ def _pct(xs: list[float], q: float) -> float:
     return ys[min(len(ys) - 1, max(0, -int(-q * len(ys) // 1) - 1))]
 
 
-def serving_figures(ip: Any, decoded: int) -> dict:
+def serving_figures(ip: Any, decoded: int, baseline: dict, reference: dict[int, list[int]]) -> dict:
     """TTFT (run start to the request's admission with its first token), inter-token latency, decoded tokens/s
-    over the engine's steps and the mean requests per step of an in-place decode."""
+    over the engine's steps and the mean requests per step of an in-place decode, and the targets against the
+    one-process baseline (:func:`~umalloc_replay.generate.timeline.serving_targets`)."""
+    from umalloc_replay.generate.timeline import serving_targets
+
     ttft = list(ip.ttft_s.values())
-    return {"ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99), "itl_p50_s": _pct(ip.itl_s, 0.5),
+    return {**serving_targets(ip, decoded, baseline, reference), "ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99), "itl_p50_s": _pct(ip.itl_s, 0.5),
             "itl_p99_s": _pct(ip.itl_s, 0.99), "steps": len(ip.step_requests),
             "mean_batch": sum(ip.step_requests) / max(1, len(ip.step_requests)),
             "decode_tokens_per_s": decoded / ip.decode_s if ip.decode_s > 0 else 0.0}
+
+
+def serving_rows(sv: dict) -> list[tuple[str, str]]:
+    """The table rows of the serving targets (:func:`~umalloc_replay.generate.timeline.serving_targets`)."""
+    return [
+        ("PD / one-process CB decode tokens/s", f"{sv['speed_ratio']:.2f}x ({sv['pd_decode_tokens_per_s']:,.0f} "
+         f"against {sv['one_process_cb_tokens_per_s']:,.0f}; target >= {sv['speed_target']}x)"),
+        ("longest stall of the running batch", f"{sv['longest_stall_s'] * 1e3:.2f} ms = "
+         f"{sv['longest_stall_steps']:.2f} median steps ({sv['median_step_s'] * 1e3:.2f} ms)"),
+        ("memory layer / decode step time", f"{sv['memory_layer_share']:.2%} (target <= "
+         f"{sv['memory_share_target']:.0%})"),
+        ("steps with transfers in flight, pages moved", f"{sv['steps_with_transfers_in_flight']}, "
+         f"{sv['pages_moved_with_transfers_in_flight']} (admissions waiting for room: {sv['waits_for_room']})"),
+    ]
 
 
 def check_generate_report(report: dict) -> list[str]:
@@ -580,6 +626,10 @@ def check_generate_report(report: dict) -> list[str]:
                    + ("the target KV received changed the target's verification"
                       if (report.get("config") or {}).get("draft_method") == "ngram"
                       else "the draft KV received is not the drafter's"))
+    sv = report.get("serving")
+    if sv is not None and sv["one_process_cb_identical"] != report["requests"]:
+        out.append(f"the one-process continuous-batching baseline equals the reference for "
+                   f"{sv['one_process_cb_identical']} of {report['requests']} requests")
     blind = [p["request"] for p in report["per_request"] if p["decoded"] < 1]
     if blind:
         out.append(f"requests {blind} decoded no token from the received KV: their token check cannot see the "
@@ -635,6 +685,7 @@ def generate_table(report: dict) -> Any:
         ("bytes by vector", ", ".join(f"{k} {v:,}" for k, v in sorted(report["bytes_by_vector"].items()))),
         ("descriptors per request", f"{report['descriptors_per_request']:.2f} "
          f"(per layer and page: {report['per_layer_per_page_descriptors'] / max(n, 1):.1f})"),
+        ("start-up s (models, arenas, second process)", f"{s['startup']:.3f}"),
         ("prefill compute s", f"{s['prefill_compute']:.3f}"),
         ("transfer s", f"{s['transfer']:.3f}"),
         ("cache rebuild from received KV s", f"{s['cache_rebuild']:.3f}"),
@@ -642,6 +693,7 @@ def generate_table(report: dict) -> Any:
         ("memory layer s", f"{s['memory_layer']:.3f}"),
         ("KV read + digest s", f"{s['kv_read_verify']:.3f}"),
         ("one-process reference s", f"{s['reference']:.3f}"),
+        ("one-process continuous batching s", f"{s['one_process_cb']:.3f}" if report["decode"] == "cb" else "not run"),
         ("total s", f"{s['total']:.3f}"),
         ("pages left (prefill, decode)", f"{report['pages_left']['prefill']}, {report['pages_left']['decode']}"),
         ("leases left (prefill, decode)", f"{report['leases_left']['prefill']}, {report['leases_left']['decode']}"),
@@ -651,6 +703,7 @@ def generate_table(report: dict) -> Any:
         rows.insert(8, ("TTFT p50 / p99 s", f"{sv['ttft_p50_s']:.3f} / {sv['ttft_p99_s']:.3f}"))
         rows.insert(9, ("ITL p50 / p99 ms", f"{sv['itl_p50_s'] * 1e3:.2f} / {sv['itl_p99_s'] * 1e3:.2f}"))
         rows.insert(10, ("decode steps, mean requests per step", f"{sv['steps']}, {sv['mean_batch']:.2f}"))
+        rows[11:11] = serving_rows(sv)
     for k, v in rows:
         t.add_row(k, v)
     return t
@@ -658,4 +711,4 @@ def generate_table(report: dict) -> Any:
 
 __all__ = ["GENERATE_SCHEMA", "MIN_OUTPUT_TOKENS", "GenerateConfig", "acceptance_lengths", "arena_bytes_for",
            "check_generate_report", "generate_table", "load_slice", "prompt_tokens", "run_generate", "scale_output",
-           "serving_figures"]
+           "serving_figures", "serving_rows"]

@@ -257,6 +257,34 @@ class DecodeEngine:
         self.states[request_id] = state
         return state
 
+    def submit(self, request_id: str, prompt: list[int], max_new_tokens: int,
+               eos_token_id: int | list[int] | None = None) -> Any:
+        """Queue request ``request_id`` the stock way: transformers' scheduler prefills ``prompt`` on this side
+        (a one-process continuous-batching run, the baseline of a disaggregated one). Returns its
+        ``RequestState``; :meth:`finished` yields it like an admitted request.
+
+        Raises:
+            UmallocValueError: an id already reserved, admitted or submitted, an empty prompt, or
+                ``max_new_tokens`` < 1.
+        """
+        from transformers.generation.continuous_batching.requests import RequestState
+
+        if request_id in self.states or request_id in self._reserved:
+            raise UmallocValueError(f"submit: request {request_id!r} already in the engine")
+        if not prompt or int(max_new_tokens) < 1:
+            raise UmallocValueError(f"submit: a prompt of {len(prompt)} tokens and max_new_tokens="
+                                    f"{max_new_tokens}: allowed >= 1 each")
+        state = RequestState(request_id=request_id, initial_tokens=list(prompt), max_new_tokens=int(max_new_tokens),
+                             eos_token_id=-1 if eos_token_id is None else eos_token_id, record_timestamps=True)
+        self.processor.scheduler.add_waiting_request(state)
+        self.states[request_id] = state
+        return state
+
+    def running(self) -> int:
+        """Requests in the batch (admitted or submitted, not finished)."""
+        s = self.processor.scheduler
+        return len(s.active_requests) + len(s.waiting_requests)
+
     # ---- running ------------------------------------------------------------------------------------------
     def step(self) -> bool:
         """One step of transformers' loop: schedule, forward, update. ``False`` when no request ran. A request
@@ -271,10 +299,6 @@ class DecodeEngine:
         p.update_batch()
         self.steps += 1
         return True
-
-    def running(self) -> int:
-        """Requests in the batch (admitted, not finished)."""
-        return len(self.processor.scheduler.active_requests)
 
     def finished(self) -> Iterator[tuple[str, Any]]:
         """(request id, state) of every admitted request that finished or failed, forgotten once yielded."""
