@@ -84,8 +84,8 @@ def test_plot_writes_the_timeline(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--plot", "x.png"], "--plot: only the continuous-batching decode"),
-    (["--decode-blocks", "8"], "--decode-blocks 8: only the continuous-batching decode"),
+    (["--decode", "rebuild", "--plot", "x.png"], "--plot: only the continuous-batching decode"),
+    (["--decode", "rebuild", "--decode-blocks", "8"], "--decode-blocks 8: only the continuous-batching decode"),
     (["--decode", "cb", "--model", "llama", "--plot", "{p}", "--report", "{p}"], "name the same file"),
     (["--decode", "cb", "--model", "llama", "--decode-blocks", "2"], "--decode-blocks 2: the longest request needs"),
     (["--decode", "cb", "--model", "llama", "--plot", "{p}.gif"], "--plot"),
@@ -102,7 +102,8 @@ def test_the_table_has_a_start_up_row_inside_the_total() -> None:
 
     from umalloc_replay.generate.run import generate_table
 
-    rep = run_generate(GenerateConfig(model="llama", requests=2, token_scale=64, output_scale=64, seed=SEED))
+    rep = run_generate(GenerateConfig(model="llama", requests=2, token_scale=64, output_scale=64, seed=SEED,
+                                    decode="rebuild"))
     s = rep["seconds"]
     assert 0 < s["startup"] and s["startup"] + s["reference"] < s["total"] and s["one_process_cb"] == 0.0
     out = Console(width=200, record=True, file=io.StringIO())

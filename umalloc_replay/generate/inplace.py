@@ -90,7 +90,7 @@ def received_digests(cache: Any, vtokens: dict[str, torch.Tensor], prompt_tokens
 
     ps = cache.page_size
     out = {}
-    for end in cache.alloc.spec.end_names():
+    for end in cache.alloc.spec.end_names:
         vt = vtokens[cache.alloc.owner_of(end)] if end not in vtokens else vtokens[end]
         lo = swa_tail_start(prompt_tokens, cache.window, 0, ps) if end == "swa" else 0
         vpages = torch.div(vt[lo:prompt_tokens:ps], ps, rounding_mode="floor")
