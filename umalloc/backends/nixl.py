@@ -142,10 +142,11 @@ PREP_MAX_PAGES_PER_DESC = 1.5
 
 
 # Note [Goodbyes to a gone peer]
-# A goodbye (BYE, FORGET) to a peer whose process already ended fails inside NIXL, which logs the failure
+# A goodbye (BYE, FORGET), or a target's answer to a sender (ACK, STALE, REGEN), to a peer whose process already
+# ended (a prefill process killed right after its hello) fails inside NIXL, which logs the failure
 # (``genNotif ... NIXL_ERR_REMOTE_DISCONNECT``) on stderr before umalloc sees the error it expects and ignores.
 # So a target takes in pending forgets before it says goodbye (a sender that disconnected gets none), and every
-# goodbye is sent with the abseil log level NIXL's library writes with raised to FATAL for that call; where the
+# such message is sent with the abseil log level NIXL's library writes with raised to FATAL for that call; where the
 # library or its symbols are not found (another build) nothing is muted.
 @functools.cache
 def _absl_log_level() -> tuple[Callable[[], int], Callable[[int], None]] | None:
@@ -268,7 +269,8 @@ class NixlBackend(BackendBase):
         self._reg_gen += 1   # metadata taken before now names memory that may be gone
         for sender in sorted(self._senders):
             try:
-                self._agent.send_notif(sender, REGEN + str(self._reg_gen).encode())
+                with _engine_errors_muted():  # Note [Goodbyes to a gone peer]
+                    self._agent.send_notif(sender, REGEN + str(self._reg_gen).encode())
             except Exception:  # pragma: no cover - a sender already gone needs no notice
                 pass
 
@@ -587,7 +589,8 @@ class NixlBackend(BackendBase):
                     if sender not in self._peers and sender not in self._loaded_stale:
                         self._agent.add_remote_agent(agent_md)
                         self._loaded_stale.add(sender)
-                    self._agent.send_notif(sender, STALE + str(self._reg_gen).encode())
+                    with _engine_errors_muted():  # Note [Goodbyes to a gone peer]
+                        self._agent.send_notif(sender, STALE + str(self._reg_gen).encode())
                 except Exception:  # a sender we cannot answer times out in its connect
                     pass
                 return
@@ -598,7 +601,8 @@ class NixlBackend(BackendBase):
                         self._loaded_stale.discard(sender)
                     self._agent.add_remote_agent(agent_md)
                 self._senders.add(sender)
-                self._agent.send_notif(sender, ACK)
+                with _engine_errors_muted():  # Note [Goodbyes to a gone peer]
+                    self._agent.send_notif(sender, ACK)
             except Exception:  # a sender we cannot answer times out in its connect
                 self._senders.discard(sender)
         elif msg == ACK:
