@@ -472,7 +472,7 @@ def generate(
     draft_layers: Annotated[int | None, typer.Option(
         "--draft-layers", min=1, metavar="K", rich_help_panel=_MODEL, show_default="the first full-attention layer",
         help="Early-exit drafter of the target's first K layers (only with --draft and the early-exit method; "
-        "full-attention layers).")
+        "sliding-window layers among them keep their window).")
     ] = None,
     decode: Annotated[str | None, typer.Option(
         "--decode", metavar="MODE", rich_help_panel=_MODEL,

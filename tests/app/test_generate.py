@@ -437,3 +437,23 @@ def test_an_early_exit_drafter_of_k_layers_has_the_one_process_acceptance_length
     al = rep["acceptance_length"]
     assert al["differing"] == [] and al["pd"] == al["one_process"] and al["pd"]["rounds"] > 0
     assert sum(al["pd"]["distribution"].values()) == al["pd"]["rounds"] and "draft" in rep["bytes_by_vector"]
+
+
+def test_an_early_exit_drafter_with_sliding_layers_has_the_one_process_acceptance_length() -> None:
+    """tiny gemma3's first two layers (one sliding, window 32) as the drafter, prompts past the window: the
+    ``draft`` end carries every token of both layers, the decode side's drafter cache keeps the window and rolls
+    back rejected proposals like the one-process drafter's, so the acceptance length equals it round by round;
+    the same run with the draft pages unwritten keeps the tokens and fails that check."""
+    from umalloc_replay.generate.models import GEMMA3_WINDOW_TOKENS, build_drafter, build_model, geometry_of
+
+    drafter = build_drafter(build_model("gemma3", SEED), SEED, 2)
+    assert "sliding_attention" in geometry_of(drafter).layer_types
+    past = dict(SLICE, token_scale=192, page_size=4)
+    rep = run_generate(GenerateConfig(model="gemma3", draft=True, draft_layers=2, draft_tokens=3, **past))
+    assert check_generate_report(rep) == [] and rep["identical"] == 4
+    assert max(p["prompt_tokens"] for p in rep["per_request"]) > GEMMA3_WINDOW_TOKENS
+    al = rep["acceptance_length"]
+    assert al["differing"] == [] and al["pd"] == al["one_process"] and rep["speculative"]["accepted"] > 0
+    stale = run_generate(GenerateConfig(model="gemma3", draft=True, draft_layers=2, draft_tokens=3,
+                                        fault="stale_draft", **past))
+    assert stale["tokens"] == rep["tokens"] and stale["acceptance_length"]["differing"]

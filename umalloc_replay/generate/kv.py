@@ -417,8 +417,12 @@ def speculative_decode(model: Any, cache: Any, first_token: int, num_new_tokens:
 def speculative_continue(model: Any, drafter: Any, cache: Any, draft_cache: Any, first_token: int,
                          num_new_tokens: int, draft_tokens: int) -> tuple[list[int], SpecFigures]:
     """:func:`speculative_decode` with an early-exit drafter model over ``draft_cache``
-    (:class:`ModelProposer`): ``draft_tokens`` proposals every round. O(rounds) target forwards, O(tokens)
-    drafter forwards."""
+    (:class:`ModelProposer`): ``draft_tokens`` proposals every round; ``draft_cache``'s sliding layers record
+    their past, as ``cache``'s do, so a rejected proposal's rows can be cropped. O(rounds) target forwards,
+    O(tokens) drafter forwards."""
+    for layer in draft_cache.layers:
+        if getattr(layer, "is_sliding", False):
+            layer.activate_past_recording()
     return speculative_decode(model, cache, first_token, num_new_tokens, draft_tokens,
                               ModelProposer(drafter, draft_cache))
 

@@ -211,11 +211,12 @@ def build_model(name: str, seed: int) -> Any:
 def build_drafter(target: Any, seed: int, layers: int = 0) -> Any:
     """The drafter of ``--draft``: an early-exit (LayerSkip-style) self-speculative drafter sharing the target's
     embedding, final norm and output head. ``layers`` 0: as its only layer a copy of the target's first
-    full-attention layer; ``layers`` K >= 1 (``--draft-layers K``): the target's first K layers (all
-    full-attention). Deterministic given the target (``seed`` is unused: the weights come from the target).
+    full-attention layer; ``layers`` K >= 1 (``--draft-layers K``): the target's first K layers, each of its
+    type (a sliding layer keeps the target's window). Deterministic given the target (``seed`` is unused: the
+    weights come from the target).
 
     Raises:
-        UmallocValueError: K not below the target's layer count, or a sliding layer among the first K.
+        UmallocValueError: K not below the target's layer count.
     """
     import copy
 
@@ -225,15 +226,12 @@ def build_drafter(target: Any, seed: int, layers: int = 0) -> Any:
     if layers:
         if not 1 <= layers < n:
             raise UmallocValueError(f"--draft-layers {layers}: allowed 1..{n - 1} (the target has {n} layers)")
-        if any(t != FULL_ATTENTION for t in geo.layer_types[:layers]):
-            raise UmallocValueError(f"--draft-layers {layers}: the target's first {layers} layers include "
-                                    "sliding-window ones; allowed a drafter of full-attention layers only")
         picked = list(range(layers))
     else:
         picked = [geo.layers_of(FULL_ATTENTION)[0]]
     cfg.num_hidden_layers = len(picked)
     if getattr(cfg, "layer_types", None) is not None:
-        cfg.layer_types = [FULL_ATTENTION] * len(picked)
+        cfg.layer_types = [geo.layer_types[i] for i in picked]
     torch.set_num_threads(1)
     draft = type(target)(cfg).to(target.dtype).eval()
     full_state = target.state_dict()
@@ -259,8 +257,9 @@ def geometry_of(model: Any) -> ModelGeometry:
 
 def arena_ends(geo: ModelGeometry, page_size: int, draft: ModelGeometry | None = None) -> tuple[EndSpec, ...]:
     """The arena ends holding a model's KV (module docstring); float32 K and V rows of every layer. With
-    ``draft`` (a full-attention drafter's geometry) a ``draft`` end too (bound to ``full``, every token; it
-    floats between ``full`` and ``swa``, or grows down without ``swa``)."""
+    ``draft`` (the drafter's geometry) a ``draft`` end too (bound to ``full``, every token of every drafter layer,
+    a sliding one's included: the decode side rebuilds the drafter's cache from them; it floats between ``full``
+    and ``swa``, or grows down without ``swa``)."""
     full = tuple(LayerSpec.mha(geo.num_kv_heads, geo.head_dim, dtype=KVDtype.FP32)
                  for _ in geo.layers_of(FULL_ATTENTION))
     ends = [EndSpec("full", full, page_size=page_size, grow=Grow.UP)]
@@ -270,8 +269,6 @@ def arena_ends(geo: ModelGeometry, page_size: int, draft: ModelGeometry | None =
                                      window_tokens=geo.window_tokens) for _ in sliding)
         ends.append(EndSpec("swa", layers, page_size=page_size, grow=Grow.DOWN, owner="full", role=EndRole.SWA))
     if draft is not None:
-        if draft.window_tokens is not None:
-            raise UmallocValueError("the drafter has sliding layers; allowed a full-attention drafter")
         dl = tuple(LayerSpec.mha(draft.num_kv_heads, draft.head_dim, dtype=KVDtype.FP32)
                    for _ in draft.layer_types)
         ends.append(EndSpec("draft", dl, page_size=page_size, grow=Grow.FLOAT if sliding else Grow.DOWN,
