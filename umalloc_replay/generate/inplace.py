@@ -52,7 +52,9 @@ def engine_for(model: Any, reqs: list[TraceRequest], page_size: int, max_batch: 
     instead (a decode arena under pressure: the cache compacts at every step).
 
     Raises:
-        UmallocValueError: the cache refuses the model (the integration's typed error, reworded).
+        UmallocValueError: the cache refuses the model (the integration's typed error, reworded), or its
+            ``num_blocks`` pages need more bytes than transformers finds available (its ``MemoryError``,
+            reworded naming ``--decode-blocks``).
     """
     import transformers
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
@@ -76,6 +78,10 @@ def engine_for(model: Any, reqs: list[TraceRequest], page_size: int, max_batch: 
                                          compact_every_step=num_blocks is not None))
     except UnsupportedCacheError as exc:
         raise UmallocValueError(f"--decode cb: {exc}") from exc
+    except MemoryError as exc:
+        given = f"--decode-blocks {num_blocks}" if num_blocks is not None else "--decode cb"
+        raise UmallocValueError(f"{given}: a decode cache of {blocks} pages of {page_size} tokens does not fit "
+                                f"in this machine's memory ({exc}); allowed fewer pages") from exc
     finally:
         cb_log.setLevel(level)
 
