@@ -88,6 +88,8 @@ def test_plot_writes_the_timeline(tmp_path: Path) -> None:
     (["--decode", "rebuild", "--decode-blocks", "8"], "--decode-blocks 8: only the continuous-batching decode"),
     (["--decode", "cb", "--model", "llama", "--plot", "{p}", "--report", "{p}"], "name the same file"),
     (["--decode", "cb", "--model", "llama", "--decode-blocks", "2"], "--decode-blocks 2: the longest request needs"),
+    # transformers' continuous batching refuses pages under 4 tokens when it builds its cache
+    (["--decode", "cb", "--model", "llama", "--page-size", "2"], "--decode cb --page-size 2: transformers'"),
     # 10**8 pages of 16 tokens of a 2-layer model: about 2 TB, more than any test machine holds
     (["--decode", "cb", "--model", "llama", "--decode-blocks", "100000000"], "--decode-blocks 100000000: a decode cache"),
     (["--decode", "cb", "--model", "llama", "--plot", "{p}.gif"], "--plot"),

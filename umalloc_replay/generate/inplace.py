@@ -42,6 +42,16 @@ from umalloc_replay.workload import RequestState
 DECODE_MODES = ("rebuild", "cb")
 
 
+def cb_min_page_size() -> int:
+    """The smallest page (tokens) transformers' continuous batching accepts (its ``page_size`` bound, checked when
+    it builds its cache), 1 where the installed release has none. O(1)."""
+    try:
+        from transformers.generation.continuous_batching.initialization import BOUNDS
+    except ImportError:
+        return 1
+    return int(BOUNDS.get("page_size", (1,))[0])
+
+
 def engine_for(model: Any, reqs: list[TraceRequest], page_size: int, max_batch: int, check: bool = False,
                draft_layers: int = 0, num_blocks: int | None = None) -> Any:
     """A :class:`~umalloc.integrations.transformers.admit.DecodeEngine` over a copy of ``model`` whose cache
@@ -259,4 +269,4 @@ def collect(res: InPlaceResult, engine: Any, last_tok: dict[int, float], stamp: 
             on_done(i)
 
 
-__all__ = ["DECODE_MODES", "InPlaceResult", "collect", "decode_in_place", "engine_for", "received_digests"]
+__all__ = ["DECODE_MODES", "InPlaceResult", "cb_min_page_size", "collect", "decode_in_place", "engine_for", "received_digests"]

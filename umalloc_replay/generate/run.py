@@ -285,7 +285,14 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
     else:
         prompts = {r.request_id: prompt_tokens(cfg.seed, r.request_id, r.input_tokens, VOCAB_SIZE) for r in reqs}
 
-    if cfg.decode == "cb" and geo.window_tokens is not None:   # before any reference or second process
+    if cfg.decode == "cb":   # before any reference or second process
+        from umalloc_replay.generate.inplace import cb_min_page_size
+
+        if cfg.page_size < cb_min_page_size():
+            raise UmallocValueError(f"--decode cb --page-size {cfg.page_size}: transformers' continuous batching "
+                                    f"takes pages of at least {cb_min_page_size()} tokens; allowed --page-size >= "
+                                    f"{cb_min_page_size()}, or --decode rebuild")
+    if cfg.decode == "cb" and geo.window_tokens is not None:
         from umalloc.integrations.transformers.admit import ring_landing_refusal
 
         for r in reqs:
