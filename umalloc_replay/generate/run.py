@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -325,6 +326,19 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
                                     f"of {cfg.page_size} tokens; allowed >= {need}")
     engine = engine_for(model, reqs, cfg.page_size, cfg.max_batch, draft_layers=0 if drafter is None else int(
         drafter.config.num_hidden_layers), num_blocks=cfg.decode_blocks) if cfg.decode == "cb" else None
+    budget_pages = cfg.decode_blocks
+    if engine is not None and cfg.decode_blocks is not None and drafter is not None:
+        # --decode-blocks sizes the cache in target pages; the drafter's end takes one page per target page from
+        # the same bytes, so the cache holds fewer target pages (each with its draft page) than it was given
+        budget_pages = min(cfg.decode_blocks, engine.cache.tokens_alone // cfg.page_size)
+        if budget_pages < need:
+            per = engine.cache.full_page_bytes / engine.cache.arena.page_bytes("full")
+            enough = cfg.decode_blocks + math.ceil((need - budget_pages) * per)
+            engine.close()
+            raise UmallocValueError(
+                f"--decode-blocks {cfg.decode_blocks}: the cache holds {budget_pages} pages of {cfg.page_size} "
+                f"tokens once each has its drafter's page beside it ({per:.2f} target pages' bytes a page), and the "
+                f"longest request needs {need}; allowed a larger --decode-blocks ({enough} holds it)")
     dec = engine.cache.alloc if engine is not None else \
         MultiEndedAllocator(Arena(spec, zero=False), compaction=cfg.compaction)
     kv_local: ModelKV | None = None
@@ -406,7 +420,7 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
             ip = decode_in_place(engine, prefill, reqs, prompts, outputs_of, wd_here, cfg.max_batch,
                                  on_done=None if bar is None else (lambda _rid: bar.advance(task)),
                                  stepper=stepper, on_started=late_draft,
-                                 budget_pages=cfg.decode_blocks, steps_in_flight=cfg.steps_in_flight)
+                                 budget_pages=budget_pages, steps_in_flight=cfg.steps_in_flight)
             if stepper is not None:
                 rounds_pd = {int(rid): rs for rid, rs in stepper.figures.per_round.items()}
                 spec_fig = {"rounds": stepper.figures.rounds, "proposed": stepper.figures.proposed,
