@@ -300,21 +300,6 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
             why = ring_landing_refusal(geo.window_tokens, cfg.page_size, r.input_tokens)
             if why is not None:
                 raise UmallocValueError(f"--decode cb --page-size {cfg.page_size}: request {r.request_id}: {why}")
-    t0 = time.perf_counter()
-    reference = {r.request_id: reference_tokens(model, geo, prompts[r.request_id], r.output_tokens, cfg.page_size)
-                 for r in reqs}
-    greedy_s = time.perf_counter() - t0
-    #: request -> drafts accepted per verification round in the one-process speculative run
-    reference_rounds = {r.request_id: reference_speculative(model, drafter, geo, prompts[r.request_id],
-                                                            r.output_tokens, cfg.draft_tokens, cfg.page_size)[1]
-                        .per_round for r in reqs} if drafter is not None else {}
-    if ngram:
-        reference_rounds = {r.request_id: reference_ngram(model, geo, prompts[r.request_id], r.output_tokens,
-                                                          cfg.draft_tokens, cfg.page_size)[1].per_round
-                            for r in reqs}
-    reference_s = time.perf_counter() - t0
-
-    timer = PhaseTimer()
     if cfg.decode_blocks is not None and (cfg.decode != "cb" or cfg.decode_blocks < 1):
         raise UmallocValueError(f"--decode-blocks {cfg.decode_blocks}: allowed >= 1 with --decode cb")
     if cfg.steps_in_flight < 1:
@@ -339,6 +324,21 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
                 f"--decode-blocks {cfg.decode_blocks}: the cache holds {budget_pages} pages of {cfg.page_size} "
                 f"tokens once each has its drafter's page beside it ({per:.2f} target pages' bytes a page), and the "
                 f"longest request needs {need}; allowed a larger --decode-blocks ({enough} holds it)")
+    t0 = time.perf_counter()
+    reference = {r.request_id: reference_tokens(model, geo, prompts[r.request_id], r.output_tokens, cfg.page_size)
+                 for r in reqs}
+    greedy_s = time.perf_counter() - t0
+    #: request -> drafts accepted per verification round in the one-process speculative run
+    reference_rounds = {r.request_id: reference_speculative(model, drafter, geo, prompts[r.request_id],
+                                                            r.output_tokens, cfg.draft_tokens, cfg.page_size)[1]
+                        .per_round for r in reqs} if drafter is not None else {}
+    if ngram:
+        reference_rounds = {r.request_id: reference_ngram(model, geo, prompts[r.request_id], r.output_tokens,
+                                                          cfg.draft_tokens, cfg.page_size)[1].per_round
+                            for r in reqs}
+    reference_s = time.perf_counter() - t0
+
+    timer = PhaseTimer()
     dec = engine.cache.alloc if engine is not None else \
         MultiEndedAllocator(Arena(spec, zero=False), compaction=cfg.compaction)
     kv_local: ModelKV | None = None
