@@ -165,3 +165,13 @@ def test_a_decode_cache_under_pressure_holds_the_drafters_pages_beside_the_targe
                                       decode="cb", max_batch=3, decode_blocks=22, draft=True, draft_layers=1))
     assert check_generate_report(rep) == [], check_generate_report(rep)
     assert rep["identical"] == 4
+
+
+def test_a_max_batch_above_the_requests_runs_them_all_at_once() -> None:
+    """``--max-batch`` bounds the requests in the engine at once, so one above ``--requests`` is the same run as
+    ``--max-batch`` = ``--requests``: 3 requests, ``max_batch`` 100000, every request identical, nothing left."""
+    print(f"seed {SEED}: llama, --max-batch 100000 --requests 3")
+    rep = run_generate(GenerateConfig(model="llama", requests=3, token_scale=64, output_scale=32, seed=SEED,
+                                      decode="cb", max_batch=100_000))
+    assert check_generate_report(rep) == [], check_generate_report(rep)
+    assert rep["identical"] == 3 and rep["serving"]["one_process_cb_identical"] == 3

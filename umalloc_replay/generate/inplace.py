@@ -55,7 +55,7 @@ def cb_min_page_size() -> int:
 def engine_for(model: Any, reqs: list[TraceRequest], page_size: int, max_batch: int, check: bool = False,
                draft_layers: int = 0, num_blocks: int | None = None) -> Any:
     """A :class:`~umalloc.integrations.transformers.admit.DecodeEngine` over a copy of ``model`` whose cache
-    holds the ``max_batch`` longest requests (prompt and output) at once, twice over; greedy, no end-of-sequence
+    holds the ``max_batch`` (at most ``len(reqs)``) longest requests (prompt and output) at once, twice over; greedy, no end-of-sequence
     stop, no prefix sharing (a finished request frees its pages). ``check``: invariants after every step.
     ``draft_layers``: the cache's arena has a ``draft`` end of that many layers (an early-exit drafter's KV,
     Note [Draft end] of :mod:`umalloc.integrations.transformers.speculate`). ``num_blocks``: the cache's pages
@@ -72,6 +72,7 @@ def engine_for(model: Any, reqs: list[TraceRequest], page_size: int, max_batch: 
     from umalloc.integrations.transformers import CacheOptions, UnsupportedCacheError
     from umalloc.integrations.transformers.admit import DecodeEngine
 
+    max_batch = min(max_batch, len(reqs))   # never more requests in the engine at once than there are
     big = sorted(reqs, key=lambda r: r.input_tokens + r.output_tokens, reverse=True)[:max_batch]
     blocks = num_blocks or 2 * sum(-(-(r.input_tokens + r.output_tokens) // page_size) + 1 for r in big)
     gcfg = transformers.GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0,
@@ -89,9 +90,10 @@ def engine_for(model: Any, reqs: list[TraceRequest], page_size: int, max_batch: 
     except UnsupportedCacheError as exc:
         raise UmallocValueError(f"--decode cb: {exc}") from exc
     except MemoryError as exc:
-        given = f"--decode-blocks {num_blocks}" if num_blocks is not None else "--decode cb"
-        raise UmallocValueError(f"{given}: a decode cache of {blocks} pages of {page_size} tokens does not fit "
-                                f"in this machine's memory ({exc}); allowed fewer pages") from exc
+        given = f"--decode-blocks {num_blocks}" if num_blocks is not None else f"--max-batch {max_batch}"
+        raise UmallocValueError(f"{given}: a decode cache of {blocks} pages of {page_size} tokens with batches of "
+                                f"up to {cbcfg.max_batch_tokens} tokens does not fit in this machine's memory "
+                                f"({exc}); allowed fewer --decode-blocks or a smaller --max-batch") from exc
     finally:
         cb_log.setLevel(level)
 
