@@ -686,3 +686,7 @@ if _QUIET_TERM:
 
 __all__ = ["INTERRUPTED", "TERMINATED", "HeldLogs", "UmallocApp", "app", "generate", "parse_arena_bytes",
            "parse_size_bytes", "print_table"]
+
+
+if __name__ == "__main__":   # python -m umalloc_replay.cli: the same as the umalloc console script
+    app()
