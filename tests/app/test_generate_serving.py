@@ -97,6 +97,8 @@ def test_plot_writes_the_timeline(tmp_path: Path) -> None:
     # 10**8 pages of 16 tokens of a 2-layer model: about 2 TB, more than any test machine holds
     (["--decode", "cb", "--model", "llama", "--decode-blocks", "100000000"], "--decode-blocks 100000000: a decode cache"),
     (["--decode", "cb", "--model", "llama", "--plot", "{p}.gif"], "--plot"),
+    # no --decode given: --draft on a sliding model decodes with rebuild, so the refusal names the drafter
+    (["--model", "gemma3", "--draft", "--plot", "{p}"], "--plot: --draft on model 'gemma3'"),
 ])
 def test_serving_options_refused_exit_2_with_one_error_line(args: list[str], needle: str, tmp_path: Path) -> None:
     args = [a.replace("{p}", str(tmp_path / "o.png")) for a in args]
