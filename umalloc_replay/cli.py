@@ -540,12 +540,18 @@ def generate(
             if draft_method == "ngram" and draft_layers is not None:
                 raise UmallocValueError(f"--draft-layers {draft_layers}: the n-gram drafter has no layers; allowed "
                                         "with --draft-method early-exit, or --draft-method ngram without it")
+            defaulted = decode is None
             if decode is None:
                 decode = "rebuild" if draft and model in SLIDING_GENERATE_MODELS else "cb"
             if decode not in ("rebuild", "cb"):
                 raise UmallocValueError(f"--decode {decode!r}: allowed rebuild, cb")
             if (plot is not None or decode_blocks is not None) and decode != "cb":
                 given = "--plot" if plot is not None else f"--decode-blocks {decode_blocks}"
+                if defaulted:   # --draft on a sliding model: the default decode is rebuild, and cb refuses it
+                    raise UmallocValueError(f"{given}: --draft on model {model!r} (sliding-window layers) decodes "
+                                            "with --decode rebuild, which has no timeline and no decode cache; "
+                                            "allowed without --draft, or on a full-attention model (--model "
+                                            "llama, qwen3, smollm2-135m)")
                 raise UmallocValueError(f"{given}: only the continuous-batching decode has a timeline and a decode "
                                         "cache; allowed with --decode cb, or without it")
             if decode == "cb" and draft and model in SLIDING_GENERATE_MODELS:
@@ -686,3 +692,7 @@ if _QUIET_TERM:
 
 __all__ = ["INTERRUPTED", "TERMINATED", "HeldLogs", "UmallocApp", "app", "generate", "parse_arena_bytes",
            "parse_size_bytes", "print_table"]
+
+
+if __name__ == "__main__":   # python -m umalloc_replay.cli: the same as the umalloc console script
+    app()

@@ -297,3 +297,13 @@ def test_the_host_memory_refusal_follows_the_injected_figure_not_the_machine(tmp
     assert res.exit_code == 0, res.output
     monkeypatch.setenv("UMALLOC_HOST_MEMORY_BYTES", "lots")
     refused(base, tmp_path, "$UMALLOC_HOST_MEMORY_BYTES: size 'lots'")
+
+
+def test_python_m_cli_runs_the_app_as_the_console_script_does() -> None:
+    """``python -m umalloc_replay.cli ARGS`` is the ``umalloc`` console script (``pyproject.toml``: ``umalloc =
+    umalloc_replay.cli:app``): a bad ``--model`` gives its one ``error:`` line and exit 2."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    res = subprocess.run([sys.executable, "-m", "umalloc_replay.cli", "generate", "--model", "nope"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: --model 'nope'"), res.stderr

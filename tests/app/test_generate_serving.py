@@ -88,7 +88,17 @@ def test_plot_writes_the_timeline(tmp_path: Path) -> None:
     (["--decode", "rebuild", "--decode-blocks", "8"], "--decode-blocks 8: only the continuous-batching decode"),
     (["--decode", "cb", "--model", "llama", "--plot", "{p}", "--report", "{p}"], "name the same file"),
     (["--decode", "cb", "--model", "llama", "--decode-blocks", "2"], "--decode-blocks 2: the longest request needs"),
+    # the longest request needs 29 target pages of 16 tokens and as many early-exit draft pages (1 of llama's 2
+    # layers: half a target page each), 43.5 target pages' bytes in all: 29 blocks hold it only without the drafter
+    (["--decode", "cb", "--model", "llama", "--draft", "early-exit:1", "--decode-blocks", "29"],
+     "--decode-blocks 29: the cache"),
+    # transformers' continuous batching refuses pages under 4 tokens when it builds its cache
+    (["--decode", "cb", "--model", "llama", "--page-size", "2"], "--decode cb --page-size 2: transformers'"),
+    # 10**8 pages of 16 tokens of a 2-layer model: about 2 TB, more than any test machine holds
+    (["--decode", "cb", "--model", "llama", "--decode-blocks", "100000000"], "--decode-blocks 100000000: a decode cache"),
     (["--decode", "cb", "--model", "llama", "--plot", "{p}.gif"], "--plot"),
+    # no --decode given: --draft on a sliding model decodes with rebuild, so the refusal names the drafter
+    (["--model", "gemma3", "--draft", "--plot", "{p}"], "--plot: --draft on model 'gemma3'"),
 ])
 def test_serving_options_refused_exit_2_with_one_error_line(args: list[str], needle: str, tmp_path: Path) -> None:
     args = [a.replace("{p}", str(tmp_path / "o.png")) for a in args]
@@ -144,3 +154,26 @@ def test_submit_refuses_a_duplicate_id_and_an_empty_prompt_and_changes_nothing()
         assert rid == "a" and state.error is None and len(state.generated_tokens) == 3
     finally:
         engine.close()
+
+
+def test_a_decode_cache_under_pressure_holds_the_drafters_pages_beside_the_targets() -> None:
+    """``--decode-blocks`` counts the target's pages; an early-exit drafter's pages (half a target page each for
+    llama's 1 of 2 layers) share the cache. 4 requests whose lifetimes are 9, 10, 11 and 4 target pages of 16
+    tokens (prompts 106, 115, 114, 36; outputs 32, 31, 50, 20), 3 in the batch, 22 blocks: 22 target pages
+    would hold the first two at once, but with their draft pages they need 28.5 blocks' bytes, so the cache
+    holds only about 22 / 1.5 pages of each; arrivals wait for room and every request completes identical."""
+    print(f"seed {SEED}: llama, --draft early-exit:1 --decode-blocks 22")
+    rep = run_generate(GenerateConfig(model="llama", requests=4, token_scale=64, output_scale=16, seed=SEED,
+                                      decode="cb", max_batch=3, decode_blocks=22, draft=True, draft_layers=1))
+    assert check_generate_report(rep) == [], check_generate_report(rep)
+    assert rep["identical"] == 4
+
+
+def test_a_max_batch_above_the_requests_runs_them_all_at_once() -> None:
+    """``--max-batch`` bounds the requests in the engine at once, so one above ``--requests`` is the same run as
+    ``--max-batch`` = ``--requests``: 3 requests, ``max_batch`` 100000, every request identical, nothing left."""
+    print(f"seed {SEED}: llama, --max-batch 100000 --requests 3")
+    rep = run_generate(GenerateConfig(model="llama", requests=3, token_scale=64, output_scale=32, seed=SEED,
+                                      decode="cb", max_batch=100_000))
+    assert check_generate_report(rep) == [], check_generate_report(rep)
+    assert rep["identical"] == 3 and rep["serving"]["one_process_cb_identical"] == 3

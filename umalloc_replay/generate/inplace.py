@@ -42,17 +42,29 @@ from umalloc_replay.workload import RequestState
 DECODE_MODES = ("rebuild", "cb")
 
 
+def cb_min_page_size() -> int:
+    """The smallest page (tokens) transformers' continuous batching accepts (its ``page_size`` bound, checked when
+    it builds its cache), 1 where the installed release has none. O(1)."""
+    try:
+        from transformers.generation.continuous_batching.initialization import BOUNDS
+    except ImportError:
+        return 1
+    return int(BOUNDS.get("page_size", (1,))[0])
+
+
 def engine_for(model: Any, reqs: list[TraceRequest], page_size: int, max_batch: int, check: bool = False,
                draft_layers: int = 0, num_blocks: int | None = None) -> Any:
     """A :class:`~umalloc.integrations.transformers.admit.DecodeEngine` over a copy of ``model`` whose cache
-    holds the ``max_batch`` longest requests (prompt and output) at once, twice over; greedy, no end-of-sequence
+    holds the ``max_batch`` (at most ``len(reqs)``) longest requests (prompt and output) at once, twice over; greedy, no end-of-sequence
     stop, no prefix sharing (a finished request frees its pages). ``check``: invariants after every step.
     ``draft_layers``: the cache's arena has a ``draft`` end of that many layers (an early-exit drafter's KV,
     Note [Draft end] of :mod:`umalloc.integrations.transformers.speculate`). ``num_blocks``: the cache's pages
     instead (a decode arena under pressure: the cache compacts at every step).
 
     Raises:
-        UmallocValueError: the cache refuses the model (the integration's typed error, reworded).
+        UmallocValueError: the cache refuses the model (the integration's typed error, reworded), or its
+            ``num_blocks`` pages need more bytes than transformers finds available (its ``MemoryError``,
+            reworded naming ``--decode-blocks``).
     """
     import transformers
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
@@ -60,6 +72,7 @@ def engine_for(model: Any, reqs: list[TraceRequest], page_size: int, max_batch: 
     from umalloc.integrations.transformers import CacheOptions, UnsupportedCacheError
     from umalloc.integrations.transformers.admit import DecodeEngine
 
+    max_batch = min(max_batch, len(reqs))   # never more requests in the engine at once than there are
     big = sorted(reqs, key=lambda r: r.input_tokens + r.output_tokens, reverse=True)[:max_batch]
     blocks = num_blocks or 2 * sum(-(-(r.input_tokens + r.output_tokens) // page_size) + 1 for r in big)
     gcfg = transformers.GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0,
@@ -76,6 +89,11 @@ def engine_for(model: Any, reqs: list[TraceRequest], page_size: int, max_batch: 
                                          compact_every_step=num_blocks is not None))
     except UnsupportedCacheError as exc:
         raise UmallocValueError(f"--decode cb: {exc}") from exc
+    except MemoryError as exc:
+        given = f"--decode-blocks {num_blocks}" if num_blocks is not None else f"--max-batch {max_batch}"
+        raise UmallocValueError(f"{given}: a decode cache of {blocks} pages of {page_size} tokens with batches of "
+                                f"up to {cbcfg.max_batch_tokens} tokens does not fit in this machine's memory "
+                                f"({exc}); allowed fewer --decode-blocks or a smaller --max-batch") from exc
     finally:
         cb_log.setLevel(level)
 
@@ -253,4 +271,4 @@ def collect(res: InPlaceResult, engine: Any, last_tok: dict[int, float], stamp: 
             on_done(i)
 
 
-__all__ = ["DECODE_MODES", "InPlaceResult", "collect", "decode_in_place", "engine_for", "received_digests"]
+__all__ = ["DECODE_MODES", "InPlaceResult", "cb_min_page_size", "collect", "decode_in_place", "engine_for", "received_digests"]

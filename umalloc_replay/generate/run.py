@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -285,13 +286,44 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
     else:
         prompts = {r.request_id: prompt_tokens(cfg.seed, r.request_id, r.input_tokens, VOCAB_SIZE) for r in reqs}
 
-    if cfg.decode == "cb" and geo.window_tokens is not None:   # before any reference or second process
+    if cfg.decode == "cb":   # before any reference or second process
+        from umalloc_replay.generate.inplace import cb_min_page_size
+
+        if cfg.page_size < cb_min_page_size():
+            raise UmallocValueError(f"--decode cb --page-size {cfg.page_size}: transformers' continuous batching "
+                                    f"takes pages of at least {cb_min_page_size()} tokens; allowed --page-size >= "
+                                    f"{cb_min_page_size()}, or --decode rebuild")
+    if cfg.decode == "cb" and geo.window_tokens is not None:
         from umalloc.integrations.transformers.admit import ring_landing_refusal
 
         for r in reqs:
             why = ring_landing_refusal(geo.window_tokens, cfg.page_size, r.input_tokens)
             if why is not None:
                 raise UmallocValueError(f"--decode cb --page-size {cfg.page_size}: request {r.request_id}: {why}")
+    if cfg.decode_blocks is not None and (cfg.decode != "cb" or cfg.decode_blocks < 1):
+        raise UmallocValueError(f"--decode-blocks {cfg.decode_blocks}: allowed >= 1 with --decode cb")
+    if cfg.steps_in_flight < 1:
+        raise UmallocValueError(f"steps_in_flight={cfg.steps_in_flight}: allowed >= 1")
+    if cfg.decode_blocks is not None:
+        need = max(-(-(r.input_tokens + r.output_tokens) // cfg.page_size) for r in reqs)
+        if cfg.decode_blocks < need:
+            raise UmallocValueError(f"--decode-blocks {cfg.decode_blocks}: the longest request needs {need} pages "
+                                    f"of {cfg.page_size} tokens; allowed >= {need}")
+    engine = engine_for(model, reqs, cfg.page_size, cfg.max_batch, draft_layers=0 if drafter is None else int(
+        drafter.config.num_hidden_layers), num_blocks=cfg.decode_blocks) if cfg.decode == "cb" else None
+    budget_pages = cfg.decode_blocks
+    if engine is not None and cfg.decode_blocks is not None and drafter is not None:
+        # --decode-blocks sizes the cache in target pages; the drafter's end takes one page per target page from
+        # the same bytes, so the cache holds fewer target pages (each with its draft page) than it was given
+        budget_pages = min(cfg.decode_blocks, engine.cache.tokens_alone // cfg.page_size)
+        if budget_pages < need:
+            per = engine.cache.full_page_bytes / engine.cache.arena.page_bytes("full")
+            enough = cfg.decode_blocks + math.ceil((need - budget_pages) * per)
+            engine.close()
+            raise UmallocValueError(
+                f"--decode-blocks {cfg.decode_blocks}: the cache holds {budget_pages} pages of {cfg.page_size} "
+                f"tokens once each has its drafter's page beside it ({per:.2f} target pages' bytes a page), and the "
+                f"longest request needs {need}; allowed a larger --decode-blocks ({enough} holds it)")
     t0 = time.perf_counter()
     reference = {r.request_id: reference_tokens(model, geo, prompts[r.request_id], r.output_tokens, cfg.page_size)
                  for r in reqs}
@@ -307,17 +339,6 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
     reference_s = time.perf_counter() - t0
 
     timer = PhaseTimer()
-    if cfg.decode_blocks is not None and (cfg.decode != "cb" or cfg.decode_blocks < 1):
-        raise UmallocValueError(f"--decode-blocks {cfg.decode_blocks}: allowed >= 1 with --decode cb")
-    if cfg.steps_in_flight < 1:
-        raise UmallocValueError(f"steps_in_flight={cfg.steps_in_flight}: allowed >= 1")
-    if cfg.decode_blocks is not None:
-        need = max(-(-(r.input_tokens + r.output_tokens) // cfg.page_size) for r in reqs)
-        if cfg.decode_blocks < need:
-            raise UmallocValueError(f"--decode-blocks {cfg.decode_blocks}: the longest request needs {need} pages "
-                                    f"of {cfg.page_size} tokens; allowed >= {need}")
-    engine = engine_for(model, reqs, cfg.page_size, cfg.max_batch, draft_layers=0 if drafter is None else int(
-        drafter.config.num_hidden_layers), num_blocks=cfg.decode_blocks) if cfg.decode == "cb" else None
     dec = engine.cache.alloc if engine is not None else \
         MultiEndedAllocator(Arena(spec, zero=False), compaction=cfg.compaction)
     kv_local: ModelKV | None = None
@@ -399,7 +420,7 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
             ip = decode_in_place(engine, prefill, reqs, prompts, outputs_of, wd_here, cfg.max_batch,
                                  on_done=None if bar is None else (lambda _rid: bar.advance(task)),
                                  stepper=stepper, on_started=late_draft,
-                                 budget_pages=cfg.decode_blocks, steps_in_flight=cfg.steps_in_flight)
+                                 budget_pages=budget_pages, steps_in_flight=cfg.steps_in_flight)
             if stepper is not None:
                 rounds_pd = {int(rid): rs for rid, rs in stepper.figures.per_round.items()}
                 spec_fig = {"rounds": stepper.figures.rounds, "proposed": stepper.figures.proposed,
