@@ -145,7 +145,7 @@ def smallest_fitting_token_scale(rows: int, output_scale: int, context: int = 10
     (["--draft", "--draft-method", "medusa"], "--draft-method 'medusa': allowed early-exit, ngram"),
     (["--draft", "--draft-method", "ngram", "--draft-layers", "1"], "--draft-layers 1: the n-gram drafter has no "
      "layers; allowed with --draft-method early-exit"),
-    (["--draft", "--draft-layers", "1"], "--draft-layers 1: the target's first 1 layers include sliding-window"),
+    (["--draft", "--draft-layers", "3"], "--draft-layers 3: allowed 1..2 (the target has 3 layers)"),
     (["--requests", "12032"], "--requests 12032: packaged trace conversation_trace.jsonl holds only 12031 "
      "requests: allowed --requests <= 12031"),
     (["--skip", "12031"], "--skip 12031 passes every one of the 12031 requests of packaged trace "
