@@ -517,7 +517,7 @@ def generate(
 
     try:
         try:
-            plot_path = resolve_plot_path(plot) if plot is not None else None
+            plot_path = resolve_plot_path(plot, "umalloc-generate.png") if plot is not None else None
             if model not in GENERATE_MODEL_NAMES:
                 raise UmallocValueError(f"--model {model!r}: allowed one of {', '.join(GENERATE_MODEL_NAMES)}")
             if trace is not None:

@@ -129,20 +129,24 @@ def check_distinct_paths(inputs: dict[str, str | Path | None], outputs: dict[str
                                         f"path other than {other}'s")
 
 
-def resolve_plot_path(path: str | Path) -> Path:
+def resolve_plot_path(path: str | Path, default_name: str = DEFAULT_PLOT_NAME) -> Path:
     """The file ``--plot PATH`` writes: ``PATH`` itself with a suffix of :data:`PLOT_SUFFIXES`, ``PATH.png``
-    without a suffix, ``PATH/`` :data:`DEFAULT_PLOT_NAME` for an existing directory; checked writable
+    without a suffix, ``PATH/default_name`` for an existing directory; checked writable
     (:func:`check_output_file`) and matplotlib importable.
 
     Raises:
-        UmallocValueError: another suffix, an unwritable path, or no matplotlib.
+        UmallocValueError: an empty path or a file name ending in a dot, another suffix, an unwritable path, or no
+            matplotlib.
 
     >>> resolve_plot_path("/tmp/occupancy").name, resolve_plot_path("/tmp").name
     ('occupancy.png', 'umalloc-replay.png')
     """
     p = Path(path)
+    if str(path).strip() == "" or (str(path).endswith(".") and not p.is_dir()):
+        raise UmallocValueError(f"--plot {str(path)!r}: allowed a file name (a .png, .pdf or .svg suffix, or none: "
+                                ".png is added) or a folder")
     if p.is_dir():
-        p = p / DEFAULT_PLOT_NAME
+        p = p / default_name
     elif p.suffix == "":
         p = p.with_name(p.name + ".png")
     elif p.suffix.lower() not in PLOT_SUFFIXES:

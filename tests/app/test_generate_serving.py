@@ -72,6 +72,12 @@ def test_a_decode_cache_under_pressure_waits_compacts_and_equals_one_process(bac
     assert rep["pages_left"] == {"prefill": 0, "decode": 0} and rep["leases_left"] == {"prefill": 0, "decode": 0}
 
 
+def test_plot_into_a_folder_names_the_generate_job() -> None:
+    from umalloc_replay.preflight import resolve_plot_path
+
+    assert resolve_plot_path(Path("/tmp"), "umalloc-generate.png") == Path("/tmp/umalloc-generate.png")
+
+
 def test_plot_writes_the_timeline(tmp_path: Path) -> None:
     out = tmp_path / "timeline"
     res = CliRunner().invoke(app, ["generate", "--model", "llama", "--decode", "cb", "--requests", "3",
@@ -97,6 +103,7 @@ def test_plot_writes_the_timeline(tmp_path: Path) -> None:
     # 10**8 pages of 16 tokens of a 2-layer model: about 2 TB, more than any test machine holds
     (["--decode", "cb", "--model", "llama", "--decode-blocks", "100000000"], "--decode-blocks 100000000: a decode cache"),
     (["--decode", "cb", "--model", "llama", "--plot", "{p}.gif"], "--plot"),
+    (["--decode", "cb", "--model", "llama", "--plot", "{p}."], "o.png.': allowed a file name"),
     # no --decode given: --draft on a sliding model decodes with rebuild, so the refusal names the drafter
     (["--model", "gemma3", "--draft", "--plot", "{p}"], "--plot: --draft on model 'gemma3'"),
 ])
