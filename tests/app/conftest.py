@@ -18,3 +18,27 @@ TEST_HOST_MEMORY = 256 << 30
 @pytest.fixture(autouse=True)
 def _fixed_host_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(HOST_MEMORY_ENV, str(TEST_HOST_MEMORY))
+
+
+@pytest.fixture
+def rebuild_spy(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """A spy on ``umalloc generate``'s rebuild path: ``read_pages_kv`` (the copy of received pages out of the
+    arena) fails the test if it runs; the returned dict counts the ``cache_from_kv`` calls (the one-process
+    references build their caches with it)."""
+    from typing import Any
+
+    from umalloc_replay.generate import kv as kv_module
+
+    calls = {"cache_from_kv": 0}
+    real = kv_module.cache_from_kv
+
+    def counted(*a: Any, **k: Any) -> Any:
+        calls["cache_from_kv"] += 1
+        return real(*a, **k)
+
+    def refused(*a: Any, **k: Any) -> Any:
+        raise AssertionError("the in-place decode read the received pages out of the arena")
+
+    monkeypatch.setattr(kv_module, "cache_from_kv", counted)
+    monkeypatch.setattr(kv_module, "read_pages_kv", refused)
+    return calls

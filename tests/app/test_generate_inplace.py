@@ -19,7 +19,6 @@ from typer.testing import CliRunner  # noqa: E402
 
 from umalloc.testing import require_or_skip, seed_from_env  # noqa: E402
 from umalloc_replay.cli import app  # noqa: E402
-from umalloc_replay.generate import kv as kv_module  # noqa: E402
 from umalloc_replay.generate.run import GenerateConfig, check_generate_report, run_generate  # noqa: E402
 
 SEED = seed_from_env(0)
@@ -74,21 +73,10 @@ def test_a_sliding_tail_sent_one_page_early_fails_the_token_check_in_place() -> 
     assert len(bad) >= rep["requests"] - 2 and all(d["position"] >= 1 for d in rep["differing"]), bad
 
 
-def test_the_in_place_decode_never_reads_the_received_pages_into_a_cache(monkeypatch) -> None:
+def test_the_in_place_decode_never_reads_the_received_pages_into_a_cache(rebuild_spy: dict[str, int]) -> None:
     """A spy on the rebuild path: ``read_pages_kv`` (the copy out of the arena) never runs, and ``cache_from_kv``
     runs only for the one-process reference (once per request)."""
-    calls = {"cache_from_kv": 0}
-    real = kv_module.cache_from_kv
-
-    def counted(*a: Any, **k: Any) -> Any:
-        calls["cache_from_kv"] += 1
-        return real(*a, **k)
-
-    def refused(*a: Any, **k: Any) -> Any:
-        raise AssertionError("the in-place decode read the received pages out of the arena")
-
-    monkeypatch.setattr(kv_module, "cache_from_kv", counted)
-    monkeypatch.setattr(kv_module, "read_pages_kv", refused)
+    calls = rebuild_spy
     rep = run_generate(GenerateConfig(model="qwen3", **SLICE))
     assert check_generate_report(rep) == [] and rep["identical"] == 4
     assert calls["cache_from_kv"] == 4

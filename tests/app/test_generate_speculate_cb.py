@@ -18,7 +18,6 @@ import pytest
 pytest.importorskip("transformers")
 
 from umalloc.testing import require_or_skip, seed_from_env  # noqa: E402
-from umalloc_replay.generate import kv as kv_module  # noqa: E402
 from umalloc_replay.generate.run import GenerateConfig, check_generate_report, run_generate  # noqa: E402
 
 SEED = seed_from_env(0)
@@ -70,19 +69,8 @@ def test_without_the_write_gate_the_draft_kv_posted_early_shows_in_the_acceptanc
     assert early["digest_mismatches"] and early["acceptance_length"]["differing"]
 
 
-def test_the_speculative_in_place_decode_never_reads_the_received_pages_into_a_cache(monkeypatch) -> None:
-    calls = {"cache_from_kv": 0}
-    real = kv_module.cache_from_kv
-
-    def counted(*a: Any, **k: Any) -> Any:
-        calls["cache_from_kv"] += 1
-        return real(*a, **k)
-
-    def refused(*a: Any, **k: Any) -> Any:
-        raise AssertionError("the in-place decode read the received pages out of the arena")
-
-    monkeypatch.setattr(kv_module, "cache_from_kv", counted)
-    monkeypatch.setattr(kv_module, "read_pages_kv", refused)
+def test_the_speculative_in_place_decode_never_reads_the_received_pages_into_a_cache(rebuild_spy: dict[str, int]) -> None:
+    calls = rebuild_spy
     rep = run_generate(GenerateConfig(model="llama", **SLICE))
     assert check_generate_report(rep) == [] and rep["identical"] == 4
     assert calls["cache_from_kv"] == 4 + 2 * 4   # the references only: greedy, and speculative (target, drafter)
