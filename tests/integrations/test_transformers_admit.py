@@ -30,6 +30,18 @@ PAGE_SIZE = 4
 NEW = 8
 
 
+def drained(eng: DecodeEngine) -> dict[int, list[int]]:
+    """Step ``eng`` until nothing runs; every finished request's generated tokens by request id (a request that
+    failed in the engine fails the test)."""
+    while eng.step():
+        pass
+    out = {}
+    for rid, st in eng.finished():
+        assert st.error is None
+        out[int(rid)] = list(st.generated_tokens)
+    return out
+
+
 def build(name: str = "llama"):  # type: ignore[no-untyped-def]
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, max_position_embeddings=512, pad_token_id=0, bos_token_id=1,
@@ -96,7 +108,6 @@ def land(eng: DecodeEngine, vtokens: torch.Tensor, kv, heads_swapped: bool = Fal
 def run(model, eng: DecodeEngine, ps: list[list[int]], join_every: int = 1,  # type: ignore[no-untyped-def]
         heads_swapped: bool = False) -> dict[int, list[int]]:
     """Admit the prompts one at a time, ``join_every`` steps apart, into the running batch; decode all."""
-    out = {}
     for i, p in enumerate(ps):
         vt = eng.reserve(str(i), len(p))
         assert vt is not None
@@ -105,12 +116,7 @@ def run(model, eng: DecodeEngine, ps: list[list[int]], join_every: int = 1,  # t
         eng.admit(str(i), p, first, NEW)
         for _ in range(join_every):
             eng.step()
-    while eng.step():
-        pass
-    for rid, st in eng.finished():
-        assert st.error is None
-        out[int(rid)] = list(st.generated_tokens)
-    return out
+    return drained(eng)
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
@@ -243,7 +249,6 @@ def gemma(window: int):  # type: ignore[no-untyped-def]
 
 def run_ring(model, eng: DecodeEngine, ps: list[list[int]], shift_swa: bool = False) -> dict[int, list[int]]:  # type: ignore[no-untyped-def]
     types, w = list(model.config.layer_types), int(model.config.sliding_window)
-    out = {}
     for i, p in enumerate(ps):
         vts = eng.reserve_ends(str(i), len(p))
         assert vts is not None and set(vts) == {"full", "swa"}
@@ -251,12 +256,7 @@ def run_ring(model, eng: DecodeEngine, ps: list[list[int]], shift_swa: bool = Fa
         land_tail(eng, vts, kv, types, w, shift_swa)
         eng.admit(str(i), p, first, NEW)
         eng.step()
-    while eng.step():
-        pass
-    for rid, st in eng.finished():
-        assert st.error is None
-        out[int(rid)] = list(st.generated_tokens)
-    return out
+    return drained(eng)
 
 
 def test_sliding_window_tails_land_in_the_ring_and_decode_as_generate_does() -> None:
