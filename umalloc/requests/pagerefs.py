@@ -400,9 +400,27 @@ class PageRefs:
         reaching 0 is cached (LRU tail) if its keep flag is set or its entry is ``-v``, and goes back to the
         allocator otherwise. Raises DoubleFreeError (a count would drop below 0) or InvalidIdError (out of
         range, not an int); nothing changes on any. O(n) in one kernel call (Note [Fused kernels])."""
+        if type(ids) is not list or self._lease_work:
+            self._unref_kernel(ids)
+            return
+        if len(ids) == 1:   # Note [One-page calls]
+            self.unref_one(ids[0])
+            return
+        try:
+            q = array("q", ids)
+        except (TypeError, OverflowError) as e:
+            raise InvalidIdError(f"unref: {e}; allowed a list of int64 ints") from None
+        r = self._unref_q(self._root, self._owner, self._w, q, len(q), self._floor)
+        if r < 0:
+            self._unref_refused(r, q)
+        self.num_free += r & 0xFFFFFFFF
+        self.num_cached += r >> 32
+        if self._spared[0]:
+            self._push_spared()
+
+    def _unref_kernel(self, ids: np.ndarray | list[int]) -> None:
+        """:meth:`unref` in one kernel call (or the allocator's public path with lease work due)."""
         if type(ids) is list:
-            if len(ids) == 1 and self._unref_one_here(ids[0]):   # Note [One-page calls]
-                return
             try:
                 q: np.ndarray | array[int] = array("q", ids)
             except (TypeError, OverflowError) as e:
@@ -418,61 +436,60 @@ class PageRefs:
             if r >= 0:
                 self.num_free += r & 0xFFFFFFFF
                 self.num_cached += r >> 32
-                spared = self._spared
-                if spared[0]:
-                    sp = self._spares
-                    for i in range(1, spared[0] + 1):
-                        heappush(sp, spared[i])
+                if self._spared[0]:
+                    self._push_spared()
                 return
+        if r < 0:
+            self._unref_refused(r, q)
+
+    def _push_spared(self) -> None:
+        """The pages the last kernel unref listed as spares (``w[W_SPARED]``) join them (Note [Spare ids])."""
+        spared, sp = self._spared, self._spares
+        for i in range(1, spared[0] + 1):
+            heappush(sp, spared[i])
+
+    def _unref_refused(self, r: int, q: np.ndarray | array[int]) -> None:
+        """Raise the error of a refused kernel unref (``r`` < 0: nothing changed)."""
         if r == R_ALLOC_REFUSED:
             raise InvariantError("owner-live: the allocator refused pages held here (freed behind this object)")
-        if r < 0:
-            code, i = (-r - 4) % 4, (-r - 4) // 4
-            if code == 2:
-                raise DoubleFreeError(f"unref: ids[{i}]: page {abs(int(q[i]))} has no reference left (a double "
-                                      f"free); nothing changed")
-            raise InvalidIdError(f"unref: ids[{i}]={int(q[i])}; allowed |id| < {self._ref.shape[0]}")
+        code, i = (-r - 4) % 4, (-r - 4) // 4
+        if code == 2:
+            raise DoubleFreeError(f"unref: ids[{i}]: page {abs(int(q[i]))} has no reference left (a double "
+                                  f"free); nothing changed")
+        raise InvalidIdError(f"unref: ids[{i}]={int(q[i])}; allowed |id| < {self._ref.shape[0]}")
 
     def unref_one(self, v: int) -> None:
-        """``unref([v])``: the same effect and errors; in Python when page ``v`` stays held, is cached at 0 or
-        joins the spares (Note [One-page calls], Note [Spare ids]). O(1)."""
-        if not self._unref_one_here(v):
-            self.unref([v])
-
-    def _unref_one_here(self, v: object) -> bool:
-        """``unref([v])`` in Python where it touches only this object's rows: ``False`` (nothing changed) where
-        the kernel path must run (a page back to the allocator at or above ``_floor``, lease work due, a bad
-        entry, a double free)."""
-        if self._lease_work or type(v) is not int or not 0 <= v < self._nv:
-            return False
-        if not v:   # the reserved page: skipped
-            return True
-        counts = self.ref_counts
-        c = counts[v]
-        if c > 1:
-            counts[v] = c - 1
-            return True
-        state = self._state_mv
-        if c != 1 or state[v] != PAGE_HELD:
-            return False
-        if self.keep_flags[v]:   # cached at 0: the LRU tail
-            counts[v] = 0
-            state[v] = PAGE_CACHED
-            prev, nxt = self._prev, self._next
-            tail = prev[0]
-            nxt[tail] = v
-            prev[v] = tail
-            nxt[v] = 0
-            prev[0] = v
-            self.num_cached += 1
-            return True
-        if v < self._floor:   # Note [Spare ids]: freed below the floor, a spare
-            counts[v] = 0
-            state[v] = PAGE_NOT_MANAGED
-            heappush(self._spares, v)
-            self.num_free += 1
-            return True
-        return False
+        """``unref([v])``: the same effect and errors. In Python (Note [One-page calls], Note [Spare ids]) when
+        page ``v`` stays held, is cached at 0 or joins the spares; else one kernel call. A held page's count is
+        positive (the ``held`` invariant), so a count above 1 is lowered with no state read. O(1)."""
+        if type(v) is int and 0 < v < self._nv and not self._lease_work:
+            counts = self.ref_counts
+            c = counts[v]
+            if c > 1:
+                counts[v] = c - 1
+                return
+            state = self._state_mv
+            if c == 1 and state[v] == PAGE_HELD:
+                if self.keep_flags[v]:   # cached at 0: the LRU tail
+                    counts[v] = 0
+                    state[v] = PAGE_CACHED
+                    prev, nxt = self._prev, self._next
+                    tail = prev[0]
+                    nxt[tail] = v
+                    prev[v] = tail
+                    nxt[v] = 0
+                    prev[0] = v
+                    self.num_cached += 1
+                    return
+                if v < self._floor:   # Note [Spare ids]: freed below the floor, a spare
+                    counts[v] = 0
+                    state[v] = PAGE_NOT_MANAGED
+                    heappush(self._spares, v)
+                    self.num_free += 1
+                    return
+        elif v == 0 and type(v) is int and not self._lease_work:   # the reserved page: skipped
+            return
+        self._unref_kernel([v])
 
     def _unref_public(self, q: np.ndarray | array[int], n: int) -> int:
         """:meth:`unref` with the allocator's public ``free_pages``; the kernel's result (negative: nothing
