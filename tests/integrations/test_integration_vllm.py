@@ -359,6 +359,26 @@ def test_touch_and_free_paths_end_as_the_kernel_path_does(vllm_pool):
     assert {("touch", False, False), ("touch", False, True), ("touch", True, True), ("free1",)} <= kinds
 
 
+def test_a_refused_touch_changes_nothing(vllm_pool):
+    """A touch naming an id outside the pool raises (InvalidIdError) after held blocks before it were counted on
+    the Python path (Note [Touch and free paths]): their counts go back, nothing changed."""
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    from umalloc.errors import InvalidIdError
+
+    pool = vllm_pool(8, enable_caching=True, hash_block_size=16)
+    b = pool.get_new_blocks(3)
+    _hashed(pool, b[2], b"two")
+    pool.free_blocks([b[2]])                         # cached
+    before = (pool.refs.ref_counts.tolist(), pool.refs.cached().tolist(), pool.refs.free_ids().tolist())
+    for blocks in ([pool.null_block, b[0], b[1], KVCacheBlock(block_id=99)],
+                   [b[0], b[2], KVCacheBlock(block_id=99)]):
+        with pytest.raises(InvalidIdError):
+            pool.touch(blocks)
+        assert (pool.refs.ref_counts.tolist(), pool.refs.cached().tolist(), pool.refs.free_ids().tolist()) == before
+        pool.check_invariants()
+
+
 def test_evicting_shared_and_extra_hashes_leaves_the_map_as_vllms_pool_does(vllm_pool):
     """Blocks evicted by get_new_blocks drop exactly their own map entries, as vLLM's pool: two blocks under one
     hash (the map's dict case), a block with an extra hash (``cached_block_hashes_by_block``), a plain one; one

@@ -33,7 +33,7 @@ from vllm.v1.core.block_pool import BlockHashToBlockMap, BlockPool
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 from umalloc import TOMBSTONE
-from umalloc.errors import InvariantError, UmallocValueError
+from umalloc.errors import InvariantError, UmallocError, UmallocValueError
 from umalloc.integrations.vllm.freequeue import UmallocFreeBlockQueue
 from umalloc.integrations.vllm.ids import END, id_allocator
 from umalloc.integrations.vllm.seams import check_version, hash_slots, pool_ref
@@ -246,11 +246,11 @@ class UmallocBlockPool(BlockPool):  # type: ignore[misc, valid-type, unused-igno
 
     def touch(self, blocks: Sequence[Any]) -> None:
         """vLLM's ``touch``: one reference more per block, null blocks skipped (Note [Touch and free paths])."""
+        if type(blocks) is not list:
+            blocks = list(blocks)
         n = len(blocks)
         if not n:
             return
-        if self._linked:
-            self._unlink()
         s = 0
         if blocks[0].is_null:   # a sliding window's hit starts with null blocks: only the others count
             for b in blocks:
@@ -259,18 +259,32 @@ class UmallocBlockPool(BlockPool):  # type: ignore[misc, valid-type, unused-igno
                 s += 1
             if s == n:
                 return
+        if self._linked:
+            self._unlink()
+        lead = s
+        counts = self._counts
         if n - s <= TOUCH_IN_PYTHON:   # held blocks: their count raised here, as PageRefs allows
-            counts = self._counts
-            for b in blocks[s:] if s else blocks:
-                v = b.block_id
-                if v:
-                    c = counts[v]
-                    if not c:   # cached or free: this block and the rest in one PageRefs.ref
+            try:
+                for b in blocks[s:] if s else blocks:
+                    v = b.block_id
+                    if v > 0:
+                        c = counts[v]
+                        if not c:   # cached or free: this block and the rest in one PageRefs.ref
+                            break
+                        counts[v] = c + 1
+                    elif v:   # not an id: PageRefs.ref refuses it
                         break
-                    counts[v] = c + 1
-                s += 1
+                    s += 1
+            except (IndexError, TypeError):   # an id past the pool or not an int: PageRefs.ref refuses it
+                pass
         if s < n:
-            self.refs.ref([b.block_id for b in blocks[s:]])   # 0 entries (null blocks) skipped there
+            try:
+                self.refs.ref([b.block_id for b in blocks[s:]])   # 0 entries (null blocks) skipped there
+            except UmallocError:   # refused, nothing changed there: the counts raised here go back too
+                for b in blocks[lead:s]:
+                    if b.block_id:
+                        counts[b.block_id] -= 1
+                raise
         if self.metrics_collector:
             for block in blocks:
                 if not block.is_null:
