@@ -8,14 +8,15 @@ Note [Touch and free paths]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~
 vLLM's own ``touch`` / ``free_blocks`` are Python loops over block objects (a slot read per null block, a few
 per real one); here a call that reaches a umalloc kernel pays ~0.3 us of argument unboxing plus its id list, and
-a count read or written through a ``memoryview`` costs about two slot reads. So each call takes the cheapest exact
-path: null blocks leading a sliding window's hit (or trailing its list freed last first) are skipped by a slot
-read each, as vLLM skips them; ``touch`` of at most :data:`TOUCH_IN_PYTHON` other blocks raises the counts of
-the held ones in place (``PageRefs.ref_counts``: an engine may raise a held page's count) and hands the rest,
-from the first block with count 0 (cached or free), to one ``PageRefs.ref``; a longer ``touch`` and any
-``free_blocks`` of several blocks are one ``PageRefs.ref`` / ``unref`` of the ids (0 entries skipped there);
-``free_blocks`` of one block is ``PageRefs.unref_one`` (Python unless the block leaves umalloc at or above the
-spares' floor). Every path ends in the same counts, states and LRU order as the kernel path.
+a count read or written through a ``memoryview`` costs about two slot reads. So each call takes the cheapest
+exact path. ``touch``: the null blocks leading a sliding window's hit are skipped by a slot read each, as vLLM
+skips them; of at most :data:`TOUCH_IN_PYTHON` other blocks, the held ones get their count raised in place
+(``PageRefs.ref_counts``: an engine may raise a held page's count) up to the first block with count 0 (cached or
+free), and the rest is one ``PageRefs.ref`` (a refused one puts the raised counts back); a longer list is one
+``PageRefs.ref``. ``free_blocks`` of several blocks is one ``PageRefs.unref`` of their ids, null blocks as 0
+entries its kernel skips; of one block, ``PageRefs.unref_one`` (Python unless the block goes back to the
+allocator at or above the spares' floor). Every path ends in the same counts, states and LRU order as the kernel
+path.
 
 Threading: as vLLM's pool, called from the scheduler thread only.
 """
@@ -305,14 +306,9 @@ class UmallocBlockPool(BlockPool):  # type: ignore[misc, valid-type, unused-igno
                 return
         blocks = ordered_blocks if type(ordered_blocks) is list else list(ordered_blocks)
         ref = self._ref
-        e = len(blocks)
-        if e and blocks[-1].is_null:   # a sliding window's list freed last first ends with null blocks
-            while e and blocks[e - 1].is_null:
-                e -= 1
-            blocks = blocks[:e]
         ids = [b.block_id for b in blocks if b.pool is ref]   # kept or freed at 0 by the keep flags
-        if len(ids) == e:
-            if ids:   # 0 entries (null blocks) are skipped in PageRefs.unref
+        if len(ids) == len(blocks):
+            if any(ids):   # 0 entries (null blocks: a sliding window's) are skipped in PageRefs.unref's kernel
                 if self._linked:
                     self._unlink()
                 self.refs.unref(ids)
