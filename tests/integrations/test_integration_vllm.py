@@ -302,6 +302,83 @@ def test_random_prefix_caching_matches_vllms_pool(vllm_pool):
         pools[1].check_invariants()
 
 
+def test_touch_and_free_paths_end_as_the_kernel_path_does(vllm_pool):
+    """Note [Touch and free paths]: ``touch`` / ``free_blocks`` (null blocks leading or trailing, held and cached
+    blocks, lists on both sides of ``TOUCH_IN_PYTHON``, one-block frees, a touch of a never-allocated id) leave
+    the same counts, cached LRU order and free ids as a twin pool fed the same calls as int64 numpy ids, which
+    always take ``PageRefs``' kernels."""
+    from umalloc.integrations.vllm.pool import TOUCH_IN_PYTHON
+
+    seed = 2029
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    pools = [vllm_pool(48, enable_caching=True, hash_block_size=16) for _ in range(2)]
+    fast, twin = pools
+    live: list[list[int]] = []                        # each allocation's ids (the same in both pools)
+    kinds = set()
+    for step in range(1500):
+        held = [i for i in range(1, 48) if fast.refs.ref_counts[i] > 0]
+        cached = fast.refs.cached().tolist()
+        op = rng.random()
+        if op < 0.3:
+            k = min(rng.randint(1, 4), fast.get_num_free_blocks())
+            got = [_ids(p.get_new_blocks(k)) for p in pools]
+            assert got[0] == got[1]
+            for i in got[0]:
+                if rng.random() < 0.7:
+                    for p in pools:
+                        _hashed(p, p.blocks[i], f"s{step}-{i}".encode())
+            live.append(got[0])
+        elif op < 0.6:
+            picks = rng.sample(held + cached, min(len(held + cached), rng.randint(0, 2 * TOUCH_IN_PYTHON)))
+            if rng.random() < 0.1:
+                picks.append(rng.choice([i for i in range(1, 48) if i not in held and i not in cached] or [0]))
+            ids = [0] * rng.choice([0, 0, 3]) + picks
+            if ids and rng.random() < 0.1:
+                ids.insert(rng.randrange(len(ids)), 0)
+            kinds.add(("touch", len(picks) > TOUCH_IN_PYTHON, any(i in cached for i in picks)))
+            fast.touch([fast.blocks[i] for i in ids])
+            twin.refs.ref(np.array(ids, np.int64))
+            live.append([i for i in ids if i])
+        elif live:
+            ids = live.pop(rng.randrange(len(live)))
+            if len(ids) > 1 or rng.random() < 0.5:
+                ids = ids + [0] * rng.choice([0, 2])
+                fast.free_blocks(reversed([fast.blocks[i] for i in ids]))
+                kinds.add(("free", len(ids)))
+            else:
+                fast.free_blocks([fast.blocks[i] for i in ids])
+                kinds.add(("free1",))
+            twin.refs.unref(np.array(ids[::-1], np.int64))
+        for p in pools:
+            p.check_invariants()
+        assert fast.refs.ref_counts.tolist() == twin.refs.ref_counts.tolist(), f"step {step}"
+        assert fast.refs.cached().tolist() == twin.refs.cached().tolist(), f"step {step}"
+        assert fast.refs.free_ids().tolist() == twin.refs.free_ids().tolist(), f"step {step}"
+        assert (fast.refs.num_free, fast.refs.num_cached) == (twin.refs.num_free, twin.refs.num_cached)
+    assert {("touch", False, False), ("touch", False, True), ("touch", True, True), ("free1",)} <= kinds
+
+
+def test_a_refused_touch_changes_nothing(vllm_pool):
+    """A touch naming an id outside the pool raises (InvalidIdError) after held blocks before it were counted on
+    the Python path (Note [Touch and free paths]): their counts go back, nothing changed."""
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    from umalloc.errors import InvalidIdError
+
+    pool = vllm_pool(8, enable_caching=True, hash_block_size=16)
+    b = pool.get_new_blocks(3)
+    _hashed(pool, b[2], b"two")
+    pool.free_blocks([b[2]])                         # cached
+    before = (pool.refs.ref_counts.tolist(), pool.refs.cached().tolist(), pool.refs.free_ids().tolist())
+    for blocks in ([pool.null_block, b[0], b[1], KVCacheBlock(block_id=99)],
+                   [b[0], b[2], KVCacheBlock(block_id=99)]):
+        with pytest.raises(InvalidIdError):
+            pool.touch(blocks)
+        assert (pool.refs.ref_counts.tolist(), pool.refs.cached().tolist(), pool.refs.free_ids().tolist()) == before
+        pool.check_invariants()
+
+
 def test_evicting_shared_and_extra_hashes_leaves_the_map_as_vllms_pool_does(vllm_pool):
     """Blocks evicted by get_new_blocks drop exactly their own map entries, as vLLM's pool: two blocks under one
     hash (the map's dict case), a block with an extra hash (``cached_block_hashes_by_block``), a plain one; one

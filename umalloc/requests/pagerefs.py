@@ -51,7 +51,7 @@ keeps them as *spares*: live in the allocator, free here (state ``PAGE_NOT_MANAG
 a min-heap (a Python list). Takes pop the lowest spares in Python; a longer take puts every spare first and mints
 the rest in its kernel call. ``_floor`` bounds every id free in the allocator from below, and every spare is below
 it, so the spares are the lowest free ids and the order of ``take`` is unchanged: a page freed below ``_floor``
-joins the spares (in Python, or listed by :func:`k_unref_direct` in ``w[W_SPARED]``), one at or above it goes
+joins the spares (in Python, or listed by :func:`~umalloc.requests.pagekernels.k_unref_direct` in ``w[W_SPARED]``), one at or above it goes
 back to the allocator. Every call that runs the allocator's public methods (a claim, an uncache, lease work due)
 first returns the spares to the allocator and resets ``_floor`` to 0. :meth:`PageRefs.check_invariants` checks
 the spares (``spares``: live there, free here, below ``_floor`` and below every id free in the allocator).
@@ -65,264 +65,33 @@ from array import array
 from heapq import heappop, heappush
 
 import numpy as np
-from numba import njit, typeof, types
 
 from umalloc.allocator.facade import MultiEndedAllocator
 from umalloc.errors import DoubleFreeError, InvalidIdError, InvariantError, UmallocValueError
 from umalloc.ids import id_batch
-from umalloc.pool.kernels.codes import OK
-from umalloc.pool.kernels.ops import k_alloc_pages, k_free
 from umalloc.pool.pagestate import TOMBSTONE
-from umalloc.requests.refcounts import (
-    LRU_NEXT,
-    LRU_PREV,
-    PAGE_CACHED,
-    PAGE_HELD,
-    PAGE_NOT_MANAGED,
-    _lru_push,
-    _lru_unlink,
+from umalloc.requests.pagekernels import (
+    R_ALLOC_REFUSED,
+    R_TAKE_RANGE,
+    W_CLAIM,
+    W_FREED,
+    W_KEEP,
+    W_KEPT,
+    W_OUT,
+    W_REF,
+    W_ROWS,
+    W_SPARED,
+    W_STATE,
+    entries,
+    k_cache_first,
+    k_uncache,
 )
+from umalloc.requests.refcounts import LRU_NEXT, LRU_PREV, PAGE_CACHED, PAGE_HELD, PAGE_NOT_MANAGED
 
-# ---- the state: one int64 block ``w`` [W_ROWS, num_vpages], one call argument (Note [Fused kernels]) ----------
-#: rows of ``w``: the LRU links (rows LRU_PREV, LRU_NEXT: :mod:`umalloc.requests.refcounts`' layout), then the
-#: reference counts, page states, keep flags, take's output, take's kept pages, pages to free, pages to claim
-W_REF, W_STATE, W_KEEP, W_OUT, W_KEPT, W_FREED, W_CLAIM, W_SPARED = range(2, 10)
-W_ROWS = 10
 #: ids one ``take(1)`` mints from the allocator as spares (Note [Spare ids])
 SPARE_BATCH = 32
 #: the longest list :meth:`PageRefs.ref` handles in Python (Note [One-page calls]; at 4 the kernel is faster)
 SMALL_REF = 1
-#: kernel results: the allocator refused (take: retry on the public path; unref: pages freed behind this object)
-R_ALLOC_REFUSED = -1
-#: :func:`k_take_direct`: ``n`` outside ``[0, free + cached]``
-R_TAKE_RANGE = -2
-
-
-# ---- kernels (numba; every one validates its whole batch before it writes). ``ids`` arguments are 1-D int64
-# numpy arrays or ``array('q')`` buffers (indexed only, never sliced), ``n`` of them read ----------------------------
-@njit(cache=True)
-def k_hold(w, m, n):
-    """Hold ``w[W_OUT, :m]`` (fresh from the allocator) once each, then take ``n - m`` pages off the LRU head
-    into ``w[W_OUT, m:n]`` held once each (the caller checked there are enough). The pages handed out whose keep
-    flag is set go to ``w[W_KEPT]`` in order; returns how many."""
-    ref, state, keep, out, kept = w[W_REF], w[W_STATE], w[W_KEEP], w[W_OUT], w[W_KEPT]
-    for i in range(m):
-        v = out[i]
-        ref[v] = 1
-        state[v] = PAGE_HELD
-    for i in range(m, n):
-        v = w[LRU_NEXT, 0]
-        _lru_unlink(w, v)
-        ref[v] = 1
-        state[v] = PAGE_HELD
-        out[i] = v
-    c = 0
-    for i in range(n):
-        v = out[i]
-        if keep[v]:
-            kept[c] = v
-            c += 1
-    return c
-
-
-@njit(cache=True)
-def k_take_direct(root, owner, mask, w, n, free, cached, s):
-    """:func:`k_hold` after minting ``min(n, free) - s`` pages into ``w[W_OUT, s:]`` with the allocator's own
-    kernel (one call for the whole take; ``w[W_OUT, :s]``: the spares, Note [Spare ids], counted in ``free``).
-    :data:`R_TAKE_RANGE` for ``n`` outside ``[s, free + cached]``, :data:`R_ALLOC_REFUSED` if the allocator
-    refuses (no physical page): nothing changed on either."""
-    if n < s or n > free + cached:
-        return R_TAKE_RANGE
-    m = n if n <= free else free
-    out = w[W_OUT]
-    if m > s and k_alloc_pages(root, owner, mask, m - s, out[s:], m - s, out[:0], -1) != OK:
-        return R_ALLOC_REFUSED
-    return k_hold(w, m, n)
-
-
-@njit(cache=True)
-def k_mint(root, owner, mask, w, k):
-    """``k`` pages minted into ``w[W_CLAIM, :k]`` with the allocator's own kernel (the spares, Note [Spare
-    ids]); :data:`R_ALLOC_REFUSED` if it refuses (nothing changed), else 0."""
-    out = w[W_CLAIM]
-    if k_alloc_pages(root, owner, mask, k, out, k, out[:0], -1) != OK:
-        return R_ALLOC_REFUSED
-    return 0
-
-
-@njit(cache=True)
-def k_ref(w, ids, n):
-    """One reference more per nonzero entry of ``ids[:n]``. If an entry is a free page, nothing changes: the
-    free pages (distinct, in first-seen order) go to ``w[W_CLAIM]`` and minus their number is returned. Else the
-    number of pages revived from the cache; -2**62 + i if entry ``i`` is out of range."""
-    ref, state, claim = w[W_REF], w[W_STATE], w[W_CLAIM]
-    nv = ref.shape[0]
-    m = 0
-    for i in range(n):
-        v = ids[i]
-        if v == 0:
-            continue
-        if v < 0 or v >= nv:
-            for j in range(m):
-                state[claim[j]] = PAGE_NOT_MANAGED
-            return -(1 << 62) + i
-        if state[v] == PAGE_NOT_MANAGED:
-            state[v] = 3   # marked while listing: a repeat is listed once
-            claim[m] = v
-            m += 1
-    if m:
-        for j in range(m):
-            state[claim[j]] = PAGE_NOT_MANAGED
-        return -m
-    revived = 0
-    for i in range(n):
-        v = ids[i]
-        if v == 0:
-            continue
-        if state[v] == PAGE_CACHED:
-            _lru_unlink(w, v)
-            state[v] = PAGE_HELD
-            revived += 1
-        ref[v] += 1
-    return revived
-
-
-@njit(cache=True)
-def k_unref(w, ids, n):
-    """One reference less per nonzero entry of ``ids[:n]`` (``-v``: page ``v``, cached at 0 whatever its keep
-    flag). All or nothing: on an entry out of range or a count that would drop below 0 nothing changes and
-    ``-(code + 4 * position)`` is returned (code 1: range, 2: double free). Else ``freed_count + cached_count *
-    2**32``: a page reaching 0 joins the LRU tail if its entry is negative or its keep flag is set, and is listed
-    in ``w[W_FREED]`` otherwise."""
-    ref, state, keep, freed = w[W_REF], w[W_STATE], w[W_KEEP], w[W_FREED]
-    nv = ref.shape[0]
-    bad = -1
-    code = 0
-    for i in range(n):
-        v = ids[i]
-        if v < 0:
-            v = -v
-        if v == 0:
-            continue
-        if v >= nv:
-            bad, code = i, 1
-            break
-        ref[v] -= 1
-        if ref[v] < 0:
-            bad, code = i, 2
-            ref[v] += 1
-            break
-    if bad >= 0:
-        for i in range(bad):
-            v = abs(ids[i])
-            if v:
-                ref[v] += 1
-        return -(code + 4 * bad) - 4   # below R_ALLOC_REFUSED and R_TAKE_RANGE
-    nf = 0
-    nc = 0
-    for i in range(n):
-        v = ids[i]
-        cache = v < 0
-        if cache:
-            v = -v
-        if v == 0 or ref[v] != 0 or state[v] != PAGE_HELD:
-            continue
-        if cache or keep[v]:
-            state[v] = PAGE_CACHED
-            _lru_push(w, v)
-            nc += 1
-        else:
-            state[v] = PAGE_NOT_MANAGED
-            freed[nf] = v
-            nf += 1
-    return nf + (nc << 32)
-
-
-@njit(cache=True)
-def k_unref_direct(root, owner, w, ids, n, floor):
-    """:func:`k_unref`, then the freed pages at or above ``floor`` back to the allocator with its own kernel
-    (one call for the whole free) and those below it listed as spares in ``w[W_SPARED, 1:]``, their number in
-    ``w[W_SPARED, 0]`` (Note [Spare ids]); :data:`R_ALLOC_REFUSED` if the allocator refuses them (an owner-live
-    invariant broken behind this object)."""
-    r = k_unref(w, ids, n)
-    nf = r & 0xFFFFFFFF
-    spared = w[W_SPARED]
-    spared[0] = 0
-    if r > 0 and nf:
-        freed = w[W_FREED]
-        k = 0
-        s = 0
-        for i in range(nf):
-            v = freed[i]
-            if v < floor:
-                s += 1
-                spared[s] = v
-            else:
-                freed[k] = v
-                k += 1
-        spared[0] = s
-        if k and k_free(root, owner, freed[:k], k, True, freed[:0], -1) < 0:   # an array's length is its count
-            return R_ALLOC_REFUSED
-    return r
-
-
-@njit(cache=True)
-def k_uncache(w, ids):
-    """The cached pages among ``ids`` leave the LRU and are listed in ``w[W_FREED]`` (state -> free); returns
-    how many."""
-    state, freed = w[W_STATE], w[W_FREED]
-    c = 0
-    for i in range(ids.shape[0]):
-        v = ids[i]
-        if 0 < v < state.shape[0] and state[v] == PAGE_CACHED:
-            _lru_unlink(w, v)
-            state[v] = PAGE_NOT_MANAGED
-            freed[c] = v
-            c += 1
-    return c
-
-
-@njit(cache=True)
-def k_cache_first(w, ids):
-    """The cached pages among ``ids`` move to the LRU head, in ``ids``' order (the first is evicted first);
-    returns how many moved."""
-    state = w[W_STATE]
-    c = 0
-    for i in range(ids.shape[0] - 1, -1, -1):
-        v = ids[i]
-        if 0 < v < state.shape[0] and state[v] == PAGE_CACHED:
-            _lru_unlink(w, v)
-            head = w[LRU_NEXT, 0]
-            w[LRU_PREV, head] = v
-            w[LRU_NEXT, v] = head
-            w[LRU_PREV, v] = 0
-            w[LRU_NEXT, 0] = v
-            c += 1
-    return c
-
-
-class _Entries:
-    """Compiled entry points of the hot kernels for the arguments :class:`PageRefs` passes (no per-call typing):
-    ids as ``array('q')`` (a list's conversion) or as int64 numpy arrays, indexed by ``type(ids) is array``."""
-
-    def __init__(self) -> None:
-        i, w = types.int64, types.Array(types.int64, 2, "C")
-        kinds = (types.Array(types.int64, 1, "A"), typeof(array("q")))
-        self.hold = k_hold.compile((w, i, i))
-        self.take_direct = k_take_direct.compile((i, i, i, w, i, i, i, i))
-        self.mint = k_mint.compile((i, i, i, w, i))
-        self.ref = tuple(k_ref.compile((w, t, i)) for t in kinds)
-        self.unref = tuple(k_unref.compile((w, t, i)) for t in kinds)
-        self.unref_direct = tuple(k_unref_direct.compile((i, i, w, t, i, i)) for t in kinds)
-
-
-_compiled: list[_Entries] = []
-
-
-def _entries() -> _Entries:
-    if not _compiled:
-        _compiled.append(_Entries())
-    return _compiled[0]
 
 
 # ---- the owner -------------------------------------------------------------------------------------------------
@@ -376,7 +145,7 @@ class PageRefs:
         self._out, self._kept = w[W_OUT].data, w[W_KEPT].data   # take's results, read as memoryviews
         self._m = self._n = 0                     # the last take: pages fresh from the allocator, all pages
         self.num_taken_kept = 0
-        hot = self._hot = _entries()
+        hot = self._hot = entries()
         self._take_k = hot.take_direct
         self._ref_a, self._ref_q = hot.ref
         self._unref_a, self._unref_q = hot.unref_direct
@@ -479,7 +248,7 @@ class PageRefs:
         return True
 
     def _take_spares(self, n: int) -> memoryview:
-        """``take(n)`` of the ``n`` lowest spares (Note [Spare ids]): :func:`k_hold`'s effect in Python."""
+        """``take(n)`` of the ``n`` lowest spares (Note [Spare ids]): :func:`~umalloc.requests.pagekernels.k_hold`'s effect in Python."""
         sp, out, counts, state, keep, kept = \
             self._spares, self._out_mv, self.ref_counts, self._state_mv, self.keep_flags, self._kept
         c = 0
@@ -511,7 +280,7 @@ class PageRefs:
             self._busy = False
 
     def _take_lru_head(self) -> int:
-        """``take(1)`` of the LRU head with no free id left (Note [One-page calls]): :func:`k_hold`'s effect;
+        """``take(1)`` of the LRU head with no free id left (Note [One-page calls]): :func:`~umalloc.requests.pagekernels.k_hold`'s effect;
         its id."""
         nxt = self._next
         v = nxt[0]
@@ -631,9 +400,27 @@ class PageRefs:
         reaching 0 is cached (LRU tail) if its keep flag is set or its entry is ``-v``, and goes back to the
         allocator otherwise. Raises DoubleFreeError (a count would drop below 0) or InvalidIdError (out of
         range, not an int); nothing changes on any. O(n) in one kernel call (Note [Fused kernels])."""
+        if type(ids) is not list or self._lease_work:
+            self._unref_kernel(ids)
+            return
+        if len(ids) == 1:   # Note [One-page calls]
+            self.unref_one(ids[0])
+            return
+        try:
+            q = array("q", ids)
+        except (TypeError, OverflowError) as e:
+            raise InvalidIdError(f"unref: {e}; allowed a list of int64 ints") from None
+        r = self._unref_q(self._root, self._owner, self._w, q, len(q), self._floor)
+        if r < 0:
+            self._unref_refused(r, q)
+        self.num_free += r & 0xFFFFFFFF
+        self.num_cached += r >> 32
+        if self._spared[0]:
+            self._push_spared()
+
+    def _unref_kernel(self, ids: np.ndarray | list[int]) -> None:
+        """:meth:`unref` in one kernel call (or the allocator's public path with lease work due)."""
         if type(ids) is list:
-            if len(ids) == 1 and self._unref_one_here(ids[0]):   # Note [One-page calls]
-                return
             try:
                 q: np.ndarray | array[int] = array("q", ids)
             except (TypeError, OverflowError) as e:
@@ -649,61 +436,60 @@ class PageRefs:
             if r >= 0:
                 self.num_free += r & 0xFFFFFFFF
                 self.num_cached += r >> 32
-                spared = self._spared
-                if spared[0]:
-                    sp = self._spares
-                    for i in range(1, spared[0] + 1):
-                        heappush(sp, spared[i])
+                if self._spared[0]:
+                    self._push_spared()
                 return
+        if r < 0:
+            self._unref_refused(r, q)
+
+    def _push_spared(self) -> None:
+        """The pages the last kernel unref listed as spares (``w[W_SPARED]``) join them (Note [Spare ids])."""
+        spared, sp = self._spared, self._spares
+        for i in range(1, spared[0] + 1):
+            heappush(sp, spared[i])
+
+    def _unref_refused(self, r: int, q: np.ndarray | array[int]) -> None:
+        """Raise the error of a refused kernel unref (``r`` < 0: nothing changed)."""
         if r == R_ALLOC_REFUSED:
             raise InvariantError("owner-live: the allocator refused pages held here (freed behind this object)")
-        if r < 0:
-            code, i = (-r - 4) % 4, (-r - 4) // 4
-            if code == 2:
-                raise DoubleFreeError(f"unref: ids[{i}]: page {abs(int(q[i]))} has no reference left (a double "
-                                      f"free); nothing changed")
-            raise InvalidIdError(f"unref: ids[{i}]={int(q[i])}; allowed |id| < {self._ref.shape[0]}")
+        code, i = (-r - 4) % 4, (-r - 4) // 4
+        if code == 2:
+            raise DoubleFreeError(f"unref: ids[{i}]: page {abs(int(q[i]))} has no reference left (a double "
+                                  f"free); nothing changed")
+        raise InvalidIdError(f"unref: ids[{i}]={int(q[i])}; allowed |id| < {self._ref.shape[0]}")
 
     def unref_one(self, v: int) -> None:
-        """``unref([v])``: the same effect and errors; in Python when page ``v`` stays held, is cached at 0 or
-        joins the spares (Note [One-page calls], Note [Spare ids]). O(1)."""
-        if not self._unref_one_here(v):
-            self.unref([v])
-
-    def _unref_one_here(self, v: object) -> bool:
-        """``unref([v])`` in Python where it touches only this object's rows: ``False`` (nothing changed) where
-        the kernel path must run (a page back to the allocator at or above ``_floor``, lease work due, a bad
-        entry, a double free)."""
-        if self._lease_work or type(v) is not int or not 0 <= v < self._nv:
-            return False
-        if not v:   # the reserved page: skipped
-            return True
-        counts = self.ref_counts
-        c = counts[v]
-        if c > 1:
-            counts[v] = c - 1
-            return True
-        state = self._state_mv
-        if c != 1 or state[v] != PAGE_HELD:
-            return False
-        if self.keep_flags[v]:   # cached at 0: the LRU tail
-            counts[v] = 0
-            state[v] = PAGE_CACHED
-            prev, nxt = self._prev, self._next
-            tail = prev[0]
-            nxt[tail] = v
-            prev[v] = tail
-            nxt[v] = 0
-            prev[0] = v
-            self.num_cached += 1
-            return True
-        if v < self._floor:   # Note [Spare ids]: freed below the floor, a spare
-            counts[v] = 0
-            state[v] = PAGE_NOT_MANAGED
-            heappush(self._spares, v)
-            self.num_free += 1
-            return True
-        return False
+        """``unref([v])``: the same effect and errors. In Python (Note [One-page calls], Note [Spare ids]) when
+        page ``v`` stays held, is cached at 0 or joins the spares; else one kernel call. A held page's count is
+        positive (the ``held`` invariant), so a count above 1 is lowered with no state read. O(1)."""
+        if type(v) is int and 0 < v < self._nv and not self._lease_work:
+            counts = self.ref_counts
+            c = counts[v]
+            if c > 1:
+                counts[v] = c - 1
+                return
+            state = self._state_mv
+            if c == 1 and state[v] == PAGE_HELD:
+                if self.keep_flags[v]:   # cached at 0: the LRU tail
+                    counts[v] = 0
+                    state[v] = PAGE_CACHED
+                    prev, nxt = self._prev, self._next
+                    tail = prev[0]
+                    nxt[tail] = v
+                    prev[v] = tail
+                    nxt[v] = 0
+                    prev[0] = v
+                    self.num_cached += 1
+                    return
+                if v < self._floor:   # Note [Spare ids]: freed below the floor, a spare
+                    counts[v] = 0
+                    state[v] = PAGE_NOT_MANAGED
+                    heappush(self._spares, v)
+                    self.num_free += 1
+                    return
+        elif v == 0 and type(v) is int and not self._lease_work:   # the reserved page: skipped
+            return
+        self._unref_kernel([v])
 
     def _unref_public(self, q: np.ndarray | array[int], n: int) -> int:
         """:meth:`unref` with the allocator's public ``free_pages``; the kernel's result (negative: nothing

@@ -4,13 +4,26 @@
 (:class:`~umalloc.integrations.vllm.seams.UnsupportedVLLMVersion`); the differences between the supported
 releases are Note [Release seams] in :mod:`umalloc.integrations.vllm.seams`.
 
+Note [Touch and free paths]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~
+vLLM's own ``touch`` / ``free_blocks`` are Python loops over block objects (a slot read per null block, a few
+per real one); here a call that reaches a umalloc kernel pays ~0.3 us of argument unboxing plus its id list, and
+a count read or written through a ``memoryview`` costs about two slot reads. So each call takes the cheapest
+exact path. ``touch``: the null blocks leading a sliding window's hit are skipped by a slot read each, as vLLM
+skips them; of at most :data:`TOUCH_IN_PYTHON` other blocks, the held ones get their count raised in place
+(``PageRefs.ref_counts``: an engine may raise a held page's count) up to the first block with count 0 (cached or
+free), and the rest is one ``PageRefs.ref`` (a refused one puts the raised counts back); a longer list is one
+``PageRefs.ref``. ``free_blocks`` of several blocks is one ``PageRefs.unref`` of their ids, null blocks as 0
+entries its kernel skips; of one block, ``PageRefs.unref_one`` (Python unless the block goes back to the
+allocator at or above the spares' floor). Every path ends in the same counts, states and LRU order as the kernel
+path.
+
 Threading: as vLLM's pool, called from the scheduler thread only.
 """
 
 from __future__ import annotations
 
 import inspect
-import operator
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -21,7 +34,7 @@ from vllm.v1.core.block_pool import BlockHashToBlockMap, BlockPool
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 from umalloc import TOMBSTONE
-from umalloc.errors import InvariantError, UmallocValueError
+from umalloc.errors import InvariantError, UmallocError, UmallocValueError
 from umalloc.integrations.vllm.freequeue import UmallocFreeBlockQueue
 from umalloc.integrations.vllm.ids import END, id_allocator
 from umalloc.integrations.vllm.seams import check_version, hash_slots, pool_ref
@@ -121,21 +134,10 @@ def drop_hashes(pool: Any, ids: list[int]) -> None:
         keep[i] = 0
 
 
-#: a block's id (``map`` over a block list runs it in C)
-BLOCK_ID = operator.attrgetter("block_id")
-
-
-def nonzero(ids: list[int]) -> list[int]:
-    """``ids`` without its 0 entries (the null block's id), in order. O(len(ids)); C loops where the zeros lead
-    (a sliding window's blocks) or trail (the same freed last first)."""
-    z = ids.count(0)
-    if z == len(ids):
-        return []
-    if not any(ids[:z]):
-        return ids[z:]
-    if not any(ids[len(ids) - z:]):
-        return ids[: len(ids) - z]
-    return [i for i in ids if i]
+#: the longest block list (null blocks leading it not counted) ``touch`` walks in Python, raising held blocks'
+#: counts in place (Note [Touch and free paths]); a longer one, or the rest from its first block with count 0,
+#: is one ``PageRefs.ref``
+TOUCH_IN_PYTHON = 8
 
 
 class UmallocBlockPool(BlockPool):  # type: ignore[misc, valid-type, unused-ignore]
@@ -165,6 +167,8 @@ class UmallocBlockPool(BlockPool):  # type: ignore[misc, valid-type, unused-igno
             self.cached_block_hash_to_block = BlockHashToBlockMap(self.blocks)
         self.free_block_queue = UmallocFreeBlockQueue(self, cls)
         self._linked: list[Any] = []   # blocks the last free-chain snapshot linked
+        self._unref_one = self.refs.unref_one
+        self._counts = self.refs.ref_counts
 
     def _unlink(self) -> None:
         for b in self._linked:
@@ -242,16 +246,46 @@ class UmallocBlockPool(BlockPool):  # type: ignore[misc, valid-type, unused-igno
         return ret
 
     def touch(self, blocks: Sequence[Any]) -> None:
-        if not blocks:
+        """vLLM's ``touch``: one reference more per block, null blocks skipped (Note [Touch and free paths])."""
+        if type(blocks) is not list:
+            blocks = list(blocks)
+        n = len(blocks)
+        if not n:
             return
-        ids = list(map(BLOCK_ID, blocks))
-        if not ids[0]:   # a sliding window's hit starts with null blocks (id 0): only the others count
-            ids = nonzero(ids)
-            if not ids:
+        s = 0
+        if blocks[0].is_null:   # a sliding window's hit starts with null blocks: only the others count
+            for b in blocks:
+                if not b.is_null:
+                    break
+                s += 1
+            if s == n:
                 return
         if self._linked:
             self._unlink()
-        self.refs.ref(ids)
+        lead = s
+        counts = self._counts
+        if n - s <= TOUCH_IN_PYTHON:   # held blocks: their count raised here, as PageRefs allows
+            try:
+                for b in blocks[s:] if s else blocks:
+                    v = b.block_id
+                    if v > 0:
+                        c = counts[v]
+                        if not c:   # cached or free: this block and the rest in one PageRefs.ref
+                            break
+                        counts[v] = c + 1
+                    elif v:   # not an id: PageRefs.ref refuses it
+                        break
+                    s += 1
+            except (IndexError, TypeError):   # an id past the pool or not an int: PageRefs.ref refuses it
+                pass
+        if s < n:
+            try:
+                self.refs.ref([b.block_id for b in blocks[s:]])   # 0 entries (null blocks) skipped there
+            except UmallocError:   # refused, nothing changed there: the counts raised here go back too
+                for b in blocks[lead:s]:
+                    if b.block_id:
+                        counts[b.block_id] -= 1
+                raise
         if self.metrics_collector:
             for block in blocks:
                 if not block.is_null:
@@ -261,21 +295,20 @@ class UmallocBlockPool(BlockPool):  # type: ignore[misc, valid-type, unused-igno
         """vLLM's ``free_blocks``: one reference less per block (module docstring's Free). ``evict_first``
         (vLLM 0.34: blocks whose content another tier holds): the blocks this call caches go to the LRU head,
         in the batch's order, so they are evicted before any other cached block."""
+        if type(ordered_blocks) is list and len(ordered_blocks) == 1:   # one block (a window's step)
+            b = ordered_blocks[0]
+            if b.pool is self._ref:
+                if self._linked:
+                    self._unlink()
+                self._unref_one(b.block_id)   # PageRefs.unref_one: in Python unless the block leaves umalloc
+                if evict_first and self.enable_caching:
+                    self.refs.cache_first([b.block_id])
+                return
         blocks = ordered_blocks if type(ordered_blocks) is list else list(ordered_blocks)
         ref = self._ref
-        if len(blocks) == 1 and blocks[0].pool is ref:   # one block (a window's step): PageRefs.unref_one
-            if self._linked:
-                self._unlink()
-            v = blocks[0].block_id
-            self.refs.unref_one(v)
-            if evict_first and self.enable_caching:
-                self.refs.cache_first([v])
-            return
         ids = [b.block_id for b in blocks if b.pool is ref]   # kept or freed at 0 by the keep flags
         if len(ids) == len(blocks):
-            if 0 in ids:   # null blocks (a sliding window's request): only the others count
-                ids = nonzero(ids)
-            if ids:
+            if any(ids):   # 0 entries (null blocks: a sliding window's) are skipped in PageRefs.unref's kernel
                 if self._linked:
                     self._unlink()
                 self.refs.unref(ids)
@@ -357,5 +390,5 @@ class UmallocBlockPool(BlockPool):  # type: ignore[misc, valid-type, unused-igno
                                      f"keep flag {keep[b.block_id]} (a hash written behind set_block_hash)")
 
 
-__all__ = ["HASH_SLOT", "HASH_TOKENS_SLOT", "INLINE_EVICT", "VLLM_VERSION", "UmallocBlockPool", "block_class",
-           "drop_hashes"]
+__all__ = ["HASH_SLOT", "HASH_TOKENS_SLOT", "INLINE_EVICT", "TOUCH_IN_PYTHON", "VLLM_VERSION", "UmallocBlockPool",
+           "block_class", "drop_hashes"]
