@@ -46,6 +46,7 @@ keys them across the target and the drafter; a type's padding layers join the la
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 
@@ -54,7 +55,11 @@ from umalloc import ArenaSpec, EndRole, EndSpec, LayerSpec, UmallocValueError
 #: SGLang's default ``--swa-full-tokens-ratio`` (``server_args.py``, Note [SGLang's static SWA split]).
 SGLANG_SWA_FULL_TOKENS_RATIO = 0.8
 
-LAYOUTS = ("dynamic", "static", "padded")
+#: SGLang's ``SGLANG_SWA_EVICTION_INTERVAL`` (``srt/environ.py``): a decoding request's SWA tokens are freed only
+#: once ``seqlen - 1 - window`` has moved this many tokens past what was freed last (Note [SGLang's SWA eviction]).
+SGLANG_SWA_EVICTION_INTERVAL = 128
+
+LAYOUTS = ("dynamic", "static", "padded", "vllm")
 
 
 @dataclass(frozen=True)
@@ -71,7 +76,8 @@ class Layout:
 
 
 def parse_layout(text: str) -> Layout:
-    """``"dynamic"``, ``"padded"``, ``"static"`` or ``"static:RATIO"`` (RATIO a finite number > 0).
+    """``"dynamic"``, ``"padded"``, ``"vllm"``, ``"static"`` or ``"static:RATIO"`` (RATIO in ``(0, 1]``, the range
+    SGLang's ``kv_cache_hook`` accepts for ``--swa-full-tokens-ratio``).
 
     Raises:
         UmallocValueError: anything else.
@@ -80,9 +86,9 @@ def parse_layout(text: str) -> Layout:
     ('static:0.8', 'static:0.25', 'padded')
     """
     if not isinstance(text, str):
-        raise UmallocValueError(f"layout={text!r}: allowed 'dynamic', 'static[:RATIO]' or 'padded'")
+        raise UmallocValueError(f"layout={text!r}: allowed 'dynamic', 'static[:RATIO]', 'padded' or 'vllm'")
     name, _, arg = text.strip().partition(":")
-    if name in ("dynamic", "padded") and not arg:
+    if name in ("dynamic", "padded", "vllm") and not arg:
         return Layout(name)
     if name == "static":
         if not arg:
@@ -91,19 +97,21 @@ def parse_layout(text: str) -> Layout:
             ratio = float(arg)
         except ValueError:
             ratio = float("nan")
-        if not (math.isfinite(ratio) and ratio > 0):
-            raise UmallocValueError(f"layout={text!r}: RATIO {arg!r}, allowed a finite number > 0 (SGLang's "
-                                    "--swa-full-tokens-ratio, SWA tokens / full tokens)")
+        if not (math.isfinite(ratio) and 0 < ratio <= 1):
+            raise UmallocValueError(f"layout={text!r}: RATIO {arg!r}, allowed a number in (0, 1] (SGLang's "
+                                    "--swa-full-tokens-ratio, SWA tokens / full tokens; SGLang refuses others)")
         return Layout("static", ratio)
-    raise UmallocValueError(f"layout={text!r}: allowed 'dynamic', 'static[:RATIO]' or 'padded'")
+    raise UmallocValueError(f"layout={text!r}: allowed 'dynamic', 'static[:RATIO]', 'padded' or 'vllm'")
 
 
 def static_budget_pages(spec: ArenaSpec, ratio: float) -> dict[str, int]:
     """Pages each end of ``spec`` may hold under SGLang's static split (Note [SGLang's static SWA split]).
 
     Returns:
-        ``{end: pages}``: ``floor(full_tokens / page_size)`` for target and draft ends,
-        ``floor(ratio * full_tokens / page_size)`` for SWA ends, where ``full_tokens`` solves the byte equation.
+        ``{end: pages}``: ``full_tokens // page_size`` for target and draft ends and ``int(ratio * full_tokens) //
+        page_size`` for SWA ends, where ``full_tokens`` is ``int(usable_bytes // per_full_token)`` rounded down to
+        whole pages (SGLang's ``HybridSWAPoolConfigurator``: ``int(available // cell_size)``, then
+        ``align_page_size`` of it and of ``int(full_tokens * ratio)``).
 
     >>> from umalloc.geometry.presets import preset_arena_spec
     >>> page = 16 * 24576                  # gpt-oss-20b: both ends 24,576 B per token
@@ -114,12 +122,47 @@ def static_budget_pages(spec: ArenaSpec, ratio: float) -> dict[str, int]:
     if not (isinstance(ratio, (int, float)) and math.isfinite(ratio) and ratio > 0):
         raise UmallocValueError(f"ratio={ratio!r}: allowed a finite number > 0")
     per_full_token = sum(e.entry_bytes * (ratio if e.role is EndRole.SWA else 1.0) for e in spec.ends)
-    full_tokens = spec.usable_bytes() / per_full_token
-    out = {}
-    for e in spec.ends:
-        tokens = ratio * full_tokens if e.role is EndRole.SWA else full_tokens
-        out[e.name] = int(tokens // e.page_size)
-    return out
+    page = spec.ends[0].page_size
+    full_tokens = int(spec.usable_bytes() // per_full_token) // page * page
+    swa_tokens = int(full_tokens * ratio)
+    return {e.name: (swa_tokens if e.role is EndRole.SWA else full_tokens) // e.page_size for e in spec.ends}
+
+
+def sglang_swa_evicted_to(seq_len: int, evicted: int, window: int, page_size: int, *, decoded: int,
+                          interval: int = SGLANG_SWA_EVICTION_INTERVAL) -> int:
+    """First SWA token SGLang keeps after the eviction check of a decode step that computes token ``seq_len - 1``
+    (Note [SGLang's SWA eviction]); ``evicted``: the first token kept before it; ``decoded``: decode steps the
+    request ran before this one (SGLang skips its first decode batch). O(1).
+
+    >>> sglang_swa_evicted_to(1200, 0, 1024, 16, decoded=5)          # 1199 - 1024 = 175 >= 0 + 128: evict
+    160
+    >>> sglang_swa_evicted_to(1200, 64, 1024, 16, decoded=5)         # 175 < 64 + 128: not yet
+    64
+    """
+    pre_len = seq_len - 1
+    if decoded < 1 or pre_len - window < evicted + interval:
+        return evicted
+    return max(evicted, (pre_len - window) // page_size * page_size)
+
+
+@functools.lru_cache(maxsize=4096)
+def sglang_swa_peak_pages(input_tokens: int, output_tokens: int, window: int, page_size: int, *,
+                          interval: int = SGLANG_SWA_EVICTION_INTERVAL) -> int:
+    """Most SWA pages one request holds on SGLang's decode side (Note [SGLang's SWA eviction]): the prompt's
+    window tail from ``floor_to_page(input_tokens - window)`` (``_swa_tail_len``), then one token per decode step,
+    freed only by :func:`sglang_swa_evicted_to`. O(output_tokens).
+
+    >>> # 7 pages; 64 tail pages (125 - 976 // 16), 8 more before the first eviction at decode step 128
+    >>> sglang_swa_peak_pages(100, 10, 1024, 16), sglang_swa_peak_pages(2000, 400, 1024, 16)
+    (7, 72)
+    """
+    evicted = max(0, input_tokens - window) // page_size * page_size
+    peak = -(-input_tokens // page_size) - evicted // page_size
+    for k in range(output_tokens):
+        n = input_tokens + k + 1
+        evicted = sglang_swa_evicted_to(n, evicted, window, page_size, decoded=k, interval=interval)
+        peak = max(peak, -(-n // page_size) - evicted // page_size)
+    return peak
 
 
 @dataclass(frozen=True)
@@ -197,6 +240,77 @@ def padded_ends(ends: tuple[EndSpec, ...]) -> tuple[EndSpec, ...]:
     return tuple(out)
 
 
+@dataclass(frozen=True)
+class VllmGroup:
+    """One layer type of vLLM's hybrid KV cache manager (Note [vLLM's block accounting]).
+
+    Attributes:
+        block_tokens: tokens per block (``block_size`` after ``unify_kv_cache_spec_page_size``'s growth).
+        window_tokens: the sliding window (``None``: full attention, nothing is freed before the request ends).
+        groups: KV cache groups of this type, ``cdiv(layers, G)``; each holds its own blocks per request.
+    """
+
+    block_tokens: int
+    window_tokens: int | None
+    groups: int
+
+    def held(self, tokens: int) -> int:
+        """Blocks one group holds for a request with ``tokens`` token slots (its KV plus the token being
+        computed): ``cdiv(tokens, B)`` less, for a sliding group, the ``(tokens - W) // B`` whole blocks
+        ``SlidingWindowManager.remove_skipped_blocks`` freed (``get_num_skipped_tokens(tokens - 1)`` skips
+        ``tokens - W`` tokens). O(1).
+
+        >>> VllmGroup(16, 128, 1).held(300), VllmGroup(16, None, 1).held(300)   # 19 - 172 // 16 = 19 - 10
+        (9, 19)
+        """
+        n = -(-tokens // self.block_tokens)
+        if self.window_tokens is None:
+            return n
+        return n - max(0, tokens - self.window_tokens) // self.block_tokens
+
+
+@dataclass(frozen=True)
+class VllmBlocks:
+    """vLLM's block pool over ``usable_bytes`` (Note [vLLM's block accounting]): ``num_blocks`` blocks of
+    ``block_bytes``, one of them the null block, shared by every group of ``types``."""
+
+    block_bytes: int
+    num_blocks: int
+    types: tuple[VllmGroup, ...]
+
+    @property
+    def free_at_start(self) -> int:
+        """Blocks a request may take: all but ``BlockPool``'s null block."""
+        return self.num_blocks - 1
+
+    def held(self, tokens: int) -> int:
+        """Blocks one request holds with ``tokens`` token slots, over every group. O(types)."""
+        return sum(t.groups * t.held(tokens) for t in self.types)
+
+    @functools.lru_cache(maxsize=4096)  # noqa: B019 (frozen, hashable, a handful per run)
+    def peak(self, input_tokens: int, output_tokens: int) -> int:
+        """Most blocks one request holds from its admission (``input_tokens`` slots) to its last decode step
+        (``input_tokens + output_tokens``). O(output_tokens x types), cached."""
+        return max(self.held(n) for n in range(input_tokens, input_tokens + output_tokens + 1))
+
+
+def vllm_blocks(ends: tuple[EndSpec, ...], usable_bytes: int) -> VllmBlocks:
+    """vLLM's block pool for ``ends`` (natural, unpadded) over ``usable_bytes`` (Note [vLLM's block accounting]).
+
+    Raises:
+        UmallocValueError: see :func:`vllm_unified_page`.
+
+    >>> from umalloc.geometry.presets import preset_ends
+    >>> v = vllm_blocks(preset_ends("gemma-3-12b-draft", page_size=16), 100 * 524288)
+    >>> v.block_bytes, v.num_blocks, [(t.block_tokens, t.window_tokens, t.groups) for t in v.types]
+    (524288, 100, [(16, None, 2), (16, 1024, 10), (128, 512, 6), (128, None, 1)])
+    """
+    u = vllm_unified_page(ends)
+    types = tuple(VllmGroup(u.page_bytes // key[0], key[1], -(-n // u.group_size))
+                  for key, (n, _pad) in u.types.items())
+    return VllmBlocks(u.block_bytes, usable_bytes // u.block_bytes, types)
+
+
 def byte_accounting(spec: ArenaSpec, stats: dict, natural_page_bytes: dict[str, int]) -> dict[str, int]:
     """Where every byte of a decode arena is, from one :meth:`MultiEndedAllocator.stats` snapshot.
 
@@ -222,5 +336,7 @@ def byte_accounting(spec: ArenaSpec, stats: dict, natural_page_bytes: dict[str, 
     return out
 
 
-__all__ = ["LAYOUTS", "SGLANG_SWA_FULL_TOKENS_RATIO", "Layout", "UnifiedPage", "byte_accounting", "padded_ends",
-           "parse_layout", "static_budget_pages", "vllm_unified_page"]
+__all__ = ["LAYOUTS", "SGLANG_SWA_EVICTION_INTERVAL", "SGLANG_SWA_FULL_TOKENS_RATIO", "Layout", "UnifiedPage",
+           "VllmBlocks", "VllmGroup", "byte_accounting", "padded_ends", "parse_layout", "sglang_swa_evicted_to",
+           "sglang_swa_peak_pages",
+           "static_budget_pages", "vllm_blocks", "vllm_unified_page"]
