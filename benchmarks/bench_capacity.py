@@ -66,13 +66,20 @@ DEFAULT_AZURE_SCALE = 4
 DRIFT_TRACE = ROOT / "benchmarks" / "data" / "drift_trace.jsonl"
 LLAMA4_CHUNK_SCALE = 8
 LLAMA4 = f"llama-4-scout-chunk{8192 // LLAMA4_CHUNK_SCALE}"
-DRIFT_PRESETS = {"gemma-3-12b-draft": 8, "gpt-oss-20b": 16, LLAMA4: LLAMA4_CHUNK_SCALE}
+GEMMA3_27B = "gemma-3-27b"
+#: The headline geometries, then two labelled extra runs: Gemma-3-12B without its drafter (what the drafter adds
+#: to the comparison with vLLM) and Gemma-3-27B (10 full + 52 sliding layers: vLLM's grouping pads the sliding
+#: type to 60 layers).
+DRIFT_PRESETS = {"gemma-3-12b-draft": 8, "gpt-oss-20b": 16, LLAMA4: LLAMA4_CHUNK_SCALE, "gemma-3-12b": 8,
+                 GEMMA3_27B: 8}
 DRIFT_RATIOS = "0.1,0.25,0.5,1"
 #: The padded-page target is taken against ``vllm`` (vLLM's block accounting, the faithful model of its hybrid
 #: manager); ``padded`` (the physical padding layers alone) is printed beside it.
 DRIFT_TARGETS = {"oracle": 1.0, "static:0.8": 1.3, "vllm": 1.2}
 DRIFT_LAYOUTS = ("dynamic", "vllm", "padded")
 KIND[LLAMA4] = "chunked + full"
+KIND["gemma-3-12b"] = "SWA, no drafter (extra)"
+KIND[GEMMA3_27B] = "SWA, vLLM pads 8 layers (extra)"
 
 
 def _register_llama4_chunked() -> None:
@@ -89,6 +96,19 @@ def _register_llama4_chunked() -> None:
 
 
 _register_llama4_chunked()
+
+
+def _register_gemma3_27b() -> None:
+    """Gemma-3-27B's KV geometry as a benchmark preset (shared/data/models.md, google-deepmind/gemma
+    ``Gemma3_27B``: 62 layers of 16 KV heads x 128, the ``(LOCAL x 5, GLOBAL)`` pattern tiled and truncated, so
+    10 global and 52 sliding layers, window 1,024). vLLM's grouping takes the group size 10 (52 >= 1.5 x 10)
+    and pads the sliding type with 8 layers."""
+    layers = tuple(LayerSpec.mha(16, 128, window_tokens=None if i % 6 == 5 else 1024) for i in range(62))
+    MODELS.setdefault(GEMMA3_27B, ModelGeometry(GEMMA3_27B, layers, "GEMMA Gemma3_27B (shared/data/models.md)"))
+    PRESETS.setdefault(GEMMA3_27B, Preset(GEMMA3_27B, GEMMA3_27B))
+
+
+_register_gemma3_27b()
 
 
 def find_traces_dir() -> Path | None:

@@ -56,8 +56,9 @@ def vllm_types(ends) -> list[tuple[int, int | None, int]]:
     return [(b, w, n) for (b, w), n in count.items()]
 
 
-def llama4_chunked_ends():
-    """The bench's Llama-4-Scout chunked geometry (48 layers, every fourth global, chunk 1,024 as a window)."""
+def bench_preset_ends(which: str):
+    """The ends of a preset ``benchmarks/bench_capacity.py`` registers (``LLAMA4``: Llama-4-Scout chunked, 48
+    layers, every fourth global, chunk 1,024 as a window; ``GEMMA3_27B``: 10 full + 52 sliding layers)."""
     import importlib.util
     import pathlib
 
@@ -65,16 +66,16 @@ def llama4_chunked_ends():
     spec = importlib.util.spec_from_file_location("bench_capacity_for_vllm_test", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return preset_ends(mod.LLAMA4)
+    return preset_ends(getattr(mod, which))
 
 
 def _key(t: tuple[int, int | None, int]) -> tuple[int, int, int]:
     return (t[0], -1 if t[1] is None else t[1], t[2])
 
 
-@pytest.mark.parametrize("name", ["gemma-3-12b-draft", "gpt-oss-20b", "llama-4"])
+@pytest.mark.parametrize("name", ["gemma-3-12b-draft", "gpt-oss-20b", "LLAMA4", "GEMMA3_27B"])
 def test_groups_and_block_sizes_match_vllm(name):
-    ends = llama4_chunked_ends() if name == "llama-4" else preset_ends(name, page_size=16)
+    ends = bench_preset_ends(name) if name.isupper() else preset_ends(name, page_size=16)
     model = vllm_blocks(ends, 1 << 30)
     ours = sorted(((t.block_tokens, t.window_tokens, t.groups) for t in model.types), key=_key)
     assert ours == sorted(vllm_types(ends), key=_key)
