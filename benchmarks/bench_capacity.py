@@ -9,7 +9,7 @@ For every trace in ``--traces-dir`` (default: ``shared/data/traces`` next to the
 (SWA + draft, SWA only, MLA), the same slice runs through ``umalloc replay``'s scheduler once per layout on the
 same arena bytes (``umalloc_replay.single.layouts``): ``dynamic``; ``static`` at SGLang's default
 ``--swa-full-tokens-ratio`` (0.8) and at every ``--ratios`` value (the best in hindsight is the *oracle*);
-``padded`` (vLLM's unified page). The arenas are sized as ``umalloc replay`` sizes them (the decode arena holds
+``vllm`` (vLLM's block pool) and ``padded`` (vLLM's unified page). The arenas are sized as ``umalloc replay`` sizes them (the decode arena holds
 about six average requests at their peak), so the slice runs under memory pressure.
 
 Every run prints its row as it completes (a refused run: the reason, on its line), a progress line on stderr,
@@ -18,14 +18,14 @@ retractions, scheduler steps to finish the slice
 (a server's throughput; not wall time), peak and mean bytes held, mean bytes lost to padding and to the wrong
 pool; the mean concurrency of each layout over the ``--slices`` disjoint slices as mean (min-max). Then, per
 trace and preset, dynamic's mean concurrency against the targets: >= 1.3x static at SGLang's
-default, >= 1.0x the oracle static ratio, >= 1.2x padded, each marked met or MISSED. Every run verifies every
+default, >= 1.0x the oracle static ratio, >= 1.2x vLLM's block pool, each marked met or MISSED. Every run verifies every
 byte it moved (``ok``). The default run (two traces x three presets, two slices of 64 requests each) prints the
 time it took; lower the token scales or raise ``--requests`` to scale up.
 
 ``--drift [--jobs 2] [--markdown FILE]``: the headline of docs/capacity.md. The shipped drifting mix
 (``benchmarks/data/drift_trace.jsonl``, written by ``make_drift_trace.py``: long-context requests, then short
-ones, then long again) on Gemma-3-12B + drafter, gpt-oss-20b and a Llama-4-style chunked geometry, each at its
-token scale; dynamic against the oracle static ratio (the best of 0.8 and ``--ratios``, default
+ones, then long again) on Gemma-3-12B + drafter, gpt-oss-20b and a Llama-4-style chunked geometry (and two
+labelled extra runs, Gemma-3-12B alone and Gemma-3-27B), each at its token scale; dynamic against the oracle static ratio (the best of 0.8 and ``--ratios``, default
 :data:`DRIFT_RATIOS`, in hindsight), static 0.8, vLLM's block pool (``vllm``) and padded pages, on one decode
 arena size per geometry. Each run's
 mean and max admitted requests, admission waits, preemptions and steps, its accounting checked (every request
@@ -50,7 +50,7 @@ from umalloc_replay.single.run import Replay, ReplayConfig
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS_DEFAULT = ("gemma-3-12b-draft", "gpt-oss-20b", "deepseek-v3")
 KIND = {"gemma-3-12b-draft": "SWA + draft", "gpt-oss-20b": "SWA only", "deepseek-v3": "MLA (+MTP draft)"}
-TARGETS = {"static:0.8": 1.3, "oracle": 1.0, "padded": 1.2}
+TARGETS = {"static:0.8": 1.3, "oracle": 1.0, "vllm": 1.2}
 #: Defaults: 64 requests per slice (enough for concurrency to matter), two disjoint slices per trace (the spread),
 #: static ratios 0.25, 0.5, 1 besides SGLang's 0.8, token scales that keep every run short.
 DEFAULT_REQUESTS = 64
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         scale = args.azure_token_scale if path.suffix == ".csv" else args.conv_token_scale
         for model in models:
             has_swa = any(e.role is EndRole.SWA for e in preset_ends(model))
-            layouts = ["dynamic", "padded", f"static:{SGLANG_SWA_FULL_TOKENS_RATIO:g}"]
+            layouts = ["dynamic", "vllm", "padded", f"static:{SGLANG_SWA_FULL_TOKENS_RATIO:g}"]
             if has_swa:
                 layouts += [f"static:{r:g}" for r in ratios if r != SGLANG_SWA_FULL_TOKENS_RATIO]
             plan += [(path, model, lay, scale, k) for k in range(args.slices) for lay in layouts]
@@ -323,7 +323,8 @@ def drift_main(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     res: dict[str, dict[str, dict]] = {m: {} for m in presets}
     results = args.results.open("a", buffering=1) if args.results is not None else None
-    with ProcessPoolExecutor(max_workers=args.jobs) as ex:
+    # one process per replay: each replay's arenas are returned to the system when it ends
+    with ProcessPoolExecutor(max_workers=args.jobs, max_tasks_per_child=1) as ex:
         for n, (job, cap, dt) in enumerate(ex.map(_drift_job, jobs), 1):
             path, model, lay, scale, *_ = job
             res[model][lay] = cap
