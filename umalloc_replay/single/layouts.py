@@ -7,6 +7,8 @@
   and the verification are the same; only what may be held per end changes). ``RATIO`` is SGLang's
   ``--swa-full-tokens-ratio`` (SWA-layer tokens / full-layer tokens); omitted, SGLang's default
   :data:`SGLANG_SWA_FULL_TOKENS_RATIO`.
+* ``vllm``: vLLM's block pool as a count (Note [vLLM's block accounting]): each request holds, per KV cache group,
+  the blocks vLLM's managers hold, the drafter's sliding groups freeing out-of-window blocks too.
 * ``padded``: every layer's page unified to one size as vLLM's hybrid KV cache manager does
   (:func:`vllm_unified_page`), built as a padded :class:`ArenaSpec` (:func:`padded_ends`) for both arenas (the two
   sides of a transfer share one geometry). Padding layers are real layers of the envelope: they are filled,
@@ -26,6 +28,37 @@ the same two equations are solved in bytes of the usable arena, with the draft p
 count (a request holds as many draft tokens as full tokens)::
 
     full_tokens * (full_entry + ratio * swa_entry + draft_entry) = usable_bytes
+
+Note [SGLang's SWA eviction]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+SGLang's decode side (``srt/disaggregation/decode.py``, ``_swa_tail_len``) preallocates a transferred prompt's
+SWA tokens from ``floor_to_page(seq_len - window)``, as every layout here does. During decode,
+``ScheduleBatch.maybe_evict_swa`` (``srt/managers/schedule_batch.py``) frees a request's out-of-window SWA
+tokens only from its second decode batch on and only once ``seqlen - 1 - window`` is
+:data:`SGLANG_SWA_EVICTION_INTERVAL` tokens past the first token still held, then up to
+``floor_to_page(seqlen - 1 - window)`` (``srt/mem_cache/common.py``, ``free_swa_out_of_window_slots``, no
+prefix sharing). The ``static`` layout unbinds its SWA pages by this rule (:func:`sglang_swa_evicted_to`); the
+other layouts unbind at the window (:func:`umalloc.geometry.spec.swa_tail_start`).
+
+Note [vLLM's block accounting]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The ``vllm`` layout counts what vLLM's hybrid KV cache manager holds, over the same usable bytes:
+
+1. Groups as in Note [vLLM's unified page]: per layer type, ``cdiv(layers, G)`` KV cache groups of block size
+   ``P / token_bytes`` tokens (the grown block size); a block is ``G * P`` bytes
+   (``kv_cache_planning.get_kv_cache_config_from_groups``: ``num_blocks = available_memory //
+   bytes_per_block``), one of them ``BlockPool``'s null block, and every group draws from that one pool.
+2. Per request and group (``single_type_kv_cache_manager.py``, prefix caching off): a full-attention group holds
+   ``cdiv(slots, B)`` blocks; a sliding group frees, before each allocation, the whole blocks before the
+   ``computed - W + 1`` tokens ``SlidingWindowManager.get_num_skipped_tokens`` skips (``remove_skipped_blocks``;
+   a new request gets null blocks there), so with ``n`` slots and ``n - 1`` tokens computed it holds
+   ``cdiv(n, B) - (n - W) // B`` (:meth:`VllmGroup.held`).
+
+The count is enforced as a budget at admission (Note [Admission reserve] in blocks), restore and each decode
+step; the bytes live in a carrier arena of the natural ends with four times the bytes
+(``umalloc_replay.single.run.VLLM_CARRIER_FACTOR``; at twice, the floating draft band left the Gemma-3 +
+drafter carrier unable to place an admission 9 times on the drift trace), so the carrier never binds before
+the count (``tests/integrations/test_vllm_capacity_model.py`` checks 1 and 2 against vLLM's code).
 
 Note [vLLM's unified page]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~

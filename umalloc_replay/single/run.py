@@ -111,6 +111,10 @@ from umalloc_replay.workload import (
     pages_held,
 )
 
+#: vllm layout: the carrier arena's bytes over the decode bytes vLLM's count is taken on (large enough that the
+#: carrier never binds before the count: Note [vLLM's block accounting] in umalloc_replay.single.layouts).
+VLLM_CARRIER_FACTOR = 4
+
 #: Note [Admission reserve]: initial, minimum, per-step decay and per-retraction rise of the reserve ratio.
 RATIO_INIT = 0.5
 RATIO_MIN = 0.1
@@ -151,7 +155,7 @@ class Replay:
         #: never binds first; None for the other layouts.
         self.vllm = (vllm_blocks(natural, self._arena_spec(ends, "decode", self.decode_arena_bytes).usable_bytes())
                      if self.layout.name == "vllm" else None)
-        carrier = 2 * self.decode_arena_bytes if self.vllm is not None else self.decode_arena_bytes
+        carrier = VLLM_CARRIER_FACTOR * self.decode_arena_bytes if self.vllm is not None else self.decode_arena_bytes
         self.dec_spec = self._arena_spec(ends, "decode", carrier)
         #: Static layout: pages each end may hold (Note [SGLang's static SWA split]); None: no budget.
         self.budget = (static_budget_pages(self.dec_spec, self.layout.swa_full_tokens_ratio)  # type: ignore[arg-type]
@@ -311,8 +315,8 @@ class Replay:
             reserve = self._reserve_pages()
             need = {e: n + reserve[e] for e, n in kv.pages_by_end().items()}
             with self.timer.phase("allocator"):
-                ok = self.dec.can_alloc(need) and self._within_budget(need) and \
-                    self._vllm_fits(self._vllm_reserve() + (self.vllm.held(rs.seq_len) if self.vllm else 0))
+                ok = self._vllm_fits(self._vllm_reserve() + (self.vllm.held(rs.seq_len) if self.vllm else 0)) and \
+                    self.dec.can_alloc(need) and self._within_budget(need)
                 new_vt = self.dec.restore(kv) if ok else None
             if new_vt is None:
                 self._admission_wait(need)
@@ -331,8 +335,8 @@ class Replay:
             reserve = self._reserve_pages()
             need = {e.name: pages_held(self.dec_spec, e.name, L) + reserve[e.name] for e in self.dec_spec.ends}
             with self.timer.phase("allocator"):
-                ok = self.dec.can_alloc(need) and self._within_budget(need) and \
-                    self._vllm_fits(self._vllm_reserve() + (self.vllm.held(L) if self.vllm else 0))
+                ok = self._vllm_fits(self._vllm_reserve() + (self.vllm.held(L) if self.vllm else 0)) and \
+                    self.dec.can_alloc(need) and self._within_budget(need)
                 vt = alloc_sequence(self.dec, L) if ok else None
             if vt is None:
                 self._admission_wait(need)
