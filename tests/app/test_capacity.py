@@ -157,8 +157,18 @@ def test_padded_layout_counts_the_padding_layers(tmp_path):
 
 
 def test_static_split_too_small_for_a_request_is_refused_up_front(tmp_path):
-    # static:0.1 gives the SWA pool 10% of the full pool's tokens: 64 pages -> 58 full, 5 SWA (< 9 needed)
-    with pytest.raises(UmallocValueError, match=r"static pools of --layout static:0.1.*'swa': 5"):
+    # 64 pages of 24,576 B x 16 tokens; static:0.2: full_tokens = int(25,165,824 // (24,576 x 1.2)) = 853 -> 848
+    # (53 pages), SWA int(848 x 0.2) = 169 -> 160 tokens (10 pages, above SGLang's floor of 128 + 16). Each
+    # request's SWA grows from its 9-page tail to 12 pages (no eviction within 40 steps): more than the pool.
+    with pytest.raises(UmallocValueError, match=r"static pools of --layout static:0.2.*'swa': 10"):
+        Replay(ReplayConfig(trace=str(two_requests(tmp_path)), model="gpt-oss-20b", token_scale=1,
+                            decode_arena_bytes=65 * O_PAGE, layout="static:0.2"))
+
+
+def test_static_pool_below_sglangs_floor_is_refused(tmp_path):
+    # static:0.1: full 58 pages -> 928 tokens, SWA int(92.8) = 92 -> 80 tokens <= window 128 + page 16: SGLang's
+    # validate_swa_pool_size refuses to start, and so does the replay
+    with pytest.raises(UmallocValueError, match=r"SWA pool of 80 tokens .* SGLang refuses to start"):
         Replay(ReplayConfig(trace=str(two_requests(tmp_path)), model="gpt-oss-20b", token_scale=1,
                             decode_arena_bytes=65 * O_PAGE, layout="static:0.1"))
 

@@ -140,6 +140,10 @@ def parse_layout(text: str) -> Layout:
 def static_budget_pages(spec: ArenaSpec, ratio: float) -> dict[str, int]:
     """Pages each end of ``spec`` may hold under SGLang's static split (Note [SGLang's static SWA split]).
 
+    Raises:
+        UmallocValueError: ``ratio`` not a finite number > 0; an SWA pool of at most ``window + page_size``
+            tokens, which SGLang refuses (``validate_swa_pool_size``).
+
     Returns:
         ``{end: pages}``: ``full_tokens // page_size`` for target and draft ends and ``int(ratio * full_tokens) //
         page_size`` for SWA ends, where ``full_tokens`` is ``int(usable_bytes // per_full_token)`` rounded down to
@@ -157,7 +161,13 @@ def static_budget_pages(spec: ArenaSpec, ratio: float) -> dict[str, int]:
     per_full_token = sum(e.entry_bytes * (ratio if e.role is EndRole.SWA else 1.0) for e in spec.ends)
     page = spec.ends[0].page_size
     full_tokens = int(spec.usable_bytes() // per_full_token) // page * page
-    swa_tokens = int(full_tokens * ratio)
+    swa_tokens = int(full_tokens * ratio) // page * page
+    for e in spec.ends:
+        if e.role is EndRole.SWA and e.window_tokens is not None and e.window_tokens + page >= swa_tokens:
+            raise UmallocValueError(
+                f"static:{ratio:g}: the SWA pool of {swa_tokens} tokens cannot hold one request's window of "
+                f"{e.window_tokens} plus a page ({page}); SGLang refuses to start with it "
+                "(HybridSWAPoolConfigurator.validate_swa_pool_size): allowed a larger RATIO or more bytes")
     return {e.name: (swa_tokens if e.role is EndRole.SWA else full_tokens) // e.page_size for e in spec.ends}
 
 
