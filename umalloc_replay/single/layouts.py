@@ -1,4 +1,4 @@
-"""The three decode-arena layouts ``umalloc replay --layout`` compares: same scheduler, admission, retraction, bytes.
+"""The four decode-arena layouts ``umalloc replay --layout`` compares: same scheduler, admission, retraction, bytes.
 
 * ``dynamic`` (the default): one multi-ended arena; the split between the ends follows the requests served.
 * ``static[:RATIO]``: each end gets a fixed share of the same arena, sized once as SGLang sizes its hybrid SWA
