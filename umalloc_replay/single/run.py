@@ -151,8 +151,8 @@ class Replay:
         self.decode_arena_bytes = dec_b // ARENA_ALIGN_BYTES * ARENA_ALIGN_BYTES
         self.pre_spec = self._arena_spec(ends, "prefill", self.prefill_arena_bytes)
         #: vllm layout: vLLM's block pool over the decode bytes (Note [vLLM's block accounting] in
-        #: umalloc_replay.single.layouts), enforced as a block budget over a carrier arena of twice the bytes that
-        #: never binds first; None for the other layouts.
+        #: umalloc_replay.single.layouts), enforced as a block budget over a carrier arena of
+        #: VLLM_CARRIER_FACTOR times the bytes, which never binds first; None for the other layouts.
         self.vllm = (vllm_blocks(natural, self._arena_spec(ends, "decode", self.decode_arena_bytes).usable_bytes())
                      if self.layout.name == "vllm" else None)
         carrier = VLLM_CARRIER_FACTOR * self.decode_arena_bytes if self.vllm is not None else self.decode_arena_bytes
