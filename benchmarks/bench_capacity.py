@@ -9,7 +9,7 @@ For every trace in ``--traces-dir`` (default: ``shared/data/traces`` next to the
 (SWA + draft, SWA only, MLA), the same slice runs through ``umalloc replay``'s scheduler once per layout on the
 same arena bytes (``umalloc_replay.single.layouts``): ``dynamic``; ``static`` at SGLang's default
 ``--swa-full-tokens-ratio`` (0.8) and at every ``--ratios`` value (the best in hindsight is the *oracle*);
-``padded`` (vLLM's unified page). The arenas are sized as ``umalloc replay`` sizes them (the decode arena holds
+``vllm`` (vLLM's block pool) and ``padded`` (vLLM's unified page). The arenas are sized as ``umalloc replay`` sizes them (the decode arena holds
 about six average requests at their peak), so the slice runs under memory pressure.
 
 Every run prints its row as it completes (a refused run: the reason, on its line), a progress line on stderr,
@@ -18,15 +18,16 @@ retractions, scheduler steps to finish the slice
 (a server's throughput; not wall time), peak and mean bytes held, mean bytes lost to padding and to the wrong
 pool; the mean concurrency of each layout over the ``--slices`` disjoint slices as mean (min-max). Then, per
 trace and preset, dynamic's mean concurrency against the targets: >= 1.3x static at SGLang's
-default, >= 1.0x the oracle static ratio, >= 1.2x padded, each marked met or MISSED. Every run verifies every
+default, >= 1.0x the oracle static ratio, >= 1.2x vLLM's block pool, each marked met or MISSED. Every run verifies every
 byte it moved (``ok``). The default run (two traces x three presets, two slices of 64 requests each) prints the
 time it took; lower the token scales or raise ``--requests`` to scale up.
 
 ``--drift [--jobs 2] [--markdown FILE]``: the headline of docs/capacity.md. The shipped drifting mix
 (``benchmarks/data/drift_trace.jsonl``, written by ``make_drift_trace.py``: long-context requests, then short
-ones, then long again) on Gemma-3-12B + drafter, gpt-oss-20b and a Llama-4-style chunked geometry, each at its
-token scale; dynamic against the oracle static ratio (the best of 0.8 and ``--ratios``, default
-:data:`DRIFT_RATIOS`, in hindsight), static 0.8 and padded, on one decode arena size per geometry. Each run's
+ones, then long again) on Gemma-3-12B + drafter, gpt-oss-20b and a Llama-4-style chunked geometry (and two
+labelled extra runs, Gemma-3-12B alone and Gemma-3-27B), each at its token scale; dynamic against the oracle static ratio (the best of 0.8 and ``--ratios``, default
+:data:`DRIFT_RATIOS`, in hindsight), static 0.8, vLLM's block pool (``vllm``) and padded pages, on one decode
+arena size per geometry. Each run's
 mean and max admitted requests, admission waits, preemptions and steps, its accounting checked (every request
 completed, every preemption restored), the verdicts against :data:`DRIFT_TARGETS`.
 """
@@ -49,7 +50,7 @@ from umalloc_replay.single.run import Replay, ReplayConfig
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS_DEFAULT = ("gemma-3-12b-draft", "gpt-oss-20b", "deepseek-v3")
 KIND = {"gemma-3-12b-draft": "SWA + draft", "gpt-oss-20b": "SWA only", "deepseek-v3": "MLA (+MTP draft)"}
-TARGETS = {"static:0.8": 1.3, "oracle": 1.0, "padded": 1.2}
+TARGETS = {"static:0.8": 1.3, "oracle": 1.0, "vllm": 1.2}
 #: Defaults: 64 requests per slice (enough for concurrency to matter), two disjoint slices per trace (the spread),
 #: static ratios 0.25, 0.5, 1 besides SGLang's 0.8, token scales that keep every run short.
 DEFAULT_REQUESTS = 64
@@ -65,10 +66,20 @@ DEFAULT_AZURE_SCALE = 4
 DRIFT_TRACE = ROOT / "benchmarks" / "data" / "drift_trace.jsonl"
 LLAMA4_CHUNK_SCALE = 8
 LLAMA4 = f"llama-4-scout-chunk{8192 // LLAMA4_CHUNK_SCALE}"
-DRIFT_PRESETS = {"gemma-3-12b-draft": 8, "gpt-oss-20b": 16, LLAMA4: LLAMA4_CHUNK_SCALE}
-DRIFT_RATIOS = "0.1,0.25,0.5,1,1.5"
-DRIFT_TARGETS = {"oracle": 1.0, "static:0.8": 1.3, "padded": 1.2}
+GEMMA3_27B = "gemma-3-27b"
+#: The headline geometries, then two labelled extra runs: Gemma-3-12B without its drafter (what the drafter adds
+#: to the comparison with vLLM) and Gemma-3-27B (10 full + 52 sliding layers: vLLM's grouping pads the sliding
+#: type to 60 layers).
+DRIFT_PRESETS = {"gemma-3-12b-draft": 8, "gpt-oss-20b": 16, LLAMA4: LLAMA4_CHUNK_SCALE, "gemma-3-12b": 8,
+                 GEMMA3_27B: 8}
+DRIFT_RATIOS = "0.1,0.25,0.5,1"
+#: The padded-page target is taken against ``vllm`` (vLLM's block accounting, the faithful model of its hybrid
+#: manager); ``padded`` (the physical padding layers alone) is printed beside it.
+DRIFT_TARGETS = {"oracle": 1.0, "static:0.8": 1.3, "vllm": 1.2}
+DRIFT_LAYOUTS = ("dynamic", "vllm", "padded")
 KIND[LLAMA4] = "chunked + full"
+KIND["gemma-3-12b"] = "SWA, no drafter (extra)"
+KIND[GEMMA3_27B] = "SWA, vLLM pads 8 layers (extra)"
 
 
 def _register_llama4_chunked() -> None:
@@ -85,6 +96,19 @@ def _register_llama4_chunked() -> None:
 
 
 _register_llama4_chunked()
+
+
+def _register_gemma3_27b() -> None:
+    """Gemma-3-27B's KV geometry as a benchmark preset (shared/data/models.md, google-deepmind/gemma
+    ``Gemma3_27B``: 62 layers of 16 KV heads x 128, the ``(LOCAL x 5, GLOBAL)`` pattern tiled and truncated, so
+    10 global and 52 sliding layers, window 1,024). vLLM's grouping takes the group size 10 (52 >= 1.5 x 10)
+    and pads the sliding type with 8 layers."""
+    layers = tuple(LayerSpec.mha(16, 128, window_tokens=None if i % 6 == 5 else 1024) for i in range(62))
+    MODELS.setdefault(GEMMA3_27B, ModelGeometry(GEMMA3_27B, layers, "GEMMA Gemma3_27B (shared/data/models.md)"))
+    PRESETS.setdefault(GEMMA3_27B, Preset(GEMMA3_27B, GEMMA3_27B))
+
+
+_register_gemma3_27b()
 
 
 def find_traces_dir() -> Path | None:
@@ -185,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         scale = args.azure_token_scale if path.suffix == ".csv" else args.conv_token_scale
         for model in models:
             has_swa = any(e.role is EndRole.SWA for e in preset_ends(model))
-            layouts = ["dynamic", "padded", f"static:{SGLANG_SWA_FULL_TOKENS_RATIO:g}"]
+            layouts = ["dynamic", "vllm", "padded", f"static:{SGLANG_SWA_FULL_TOKENS_RATIO:g}"]
             if has_swa:
                 layouts += [f"static:{r:g}" for r in ratios if r != SGLANG_SWA_FULL_TOKENS_RATIO]
             plan += [(path, model, lay, scale, k) for k in range(args.slices) for lay in layouts]
@@ -257,11 +281,11 @@ def drift_summary(rows: dict[str, dict], ratios_run: list[str]) -> tuple[dict, l
     :data:`DRIFT_TARGETS`, ``(against, x or None, target, verdict)``; a refused baseline is met (it cannot run
     the workload in these bytes, dynamic does).
 
-    >>> r = {"dynamic": {"mean_running": 3.0}, "padded": {"mean_running": 3.0},
+    >>> r = {"dynamic": {"mean_running": 3.0}, "vllm": {"mean_running": 3.0},
     ...      "static:0.8": {"refused": "x"}, "static:0.1": {"mean_running": 2.0}}
     >>> o, v = drift_summary(r, ["static:0.8", "static:0.1"])
     >>> o["label"], [(a, x, verdict) for a, x, _t, verdict in v]
-    ('static:0.1', [('oracle static:0.1', 1.5, 'met'), ('static:0.8', None, 'met: refused'), ('padded', 1.0, 'MISSED')])
+    ('static:0.1', [('oracle static:0.1', 1.5, 'met'), ('static:0.8', None, 'met: refused'), ('vllm', 1.0, 'MISSED')])
     """
     ran = [(lay, rows[lay]["mean_running"]) for lay in ratios_run if "refused" not in rows.get(lay, {"refused": 1})]
     oracle = {"label": max(ran, key=lambda kv: kv[1])[0], "mean_running": max(v for _k, v in ran)} if ran else None
@@ -292,14 +316,15 @@ def drift_main(args: argparse.Namespace) -> int:
     statics = [f"static:{SGLANG_SWA_FULL_TOKENS_RATIO:g}"] + \
         [f"static:{float(r):g}" for r in ratios.split(",") if r and float(r) != SGLANG_SWA_FULL_TOKENS_RATIO]
     jobs = [(args.drift_trace, m, lay, sc, args.requests, args.decode_arena_bytes)
-            for m, sc in presets.items() for lay in ("dynamic", "padded", *statics)]
+            for m, sc in presets.items() for lay in (*DRIFT_LAYOUTS, *statics)]
     print(f"drift trace {args.drift_trace.name}, {args.requests} requests, presets {presets} (token scales), "
           f"static ratios {statics}, {args.jobs} job(s)", flush=True)
     print_header()
     t0 = time.perf_counter()
     res: dict[str, dict[str, dict]] = {m: {} for m in presets}
     results = args.results.open("a", buffering=1) if args.results is not None else None
-    with ProcessPoolExecutor(max_workers=args.jobs) as ex:
+    # one process per replay: each replay's arenas are returned to the system when it ends
+    with ProcessPoolExecutor(max_workers=args.jobs, max_tasks_per_child=1) as ex:
         for n, (job, cap, dt) in enumerate(ex.map(_drift_job, jobs), 1):
             path, model, lay, scale, *_ = job
             res[model][lay] = cap
@@ -317,14 +342,14 @@ def drift_main(args: argparse.Namespace) -> int:
     for m, sc in presets.items():
         oracle, vs = drift_summary(res[m], statics)
         verdicts += [(m, *v) for v in vs]
-        xs = {a.split()[0] if a.startswith("oracle") else a: x for a, x, _t, _v in vs}
-        for lay in ("dynamic", "padded", *statics):
+        dyn = res[m]["dynamic"].get("mean_running")
+        for lay in (*DRIFT_LAYOUTS, *statics):
             cap = res[m][lay]
             tag = " (oracle)" if oracle and lay == oracle["label"] else ""
             if "refused" in cap:
                 lines.append(f"| {m} ({sc}) | {lay}{tag} | refused: cannot hold the largest request | | | | | met |")
                 continue
-            x = xs.get("oracle") if tag else xs.get(lay)
+            x = dyn / cap["mean_running"] if dyn else None
             lines.append(f"| {m} ({sc}) | {lay}{tag} | {cap['mean_running']:.2f} | {cap['max_running']} | "
                          f"{cap['admission_waits']} | {cap['retractions']} | {cap['steps']} | "
                          f"{'' if x is None or lay == 'dynamic' else f'{x:.2f}x'} |")

@@ -57,16 +57,18 @@ assert md.version("sglang") == "0.5.23", md.version("sglang")
 PY
   echo "$want" > "$stamp"
 fi
-# ---- 2. umalloc from this checkout, and nothing else of it, on the peer venv's path
+# ---- 2. umalloc (and umalloc_replay, for the capacity model's tests) from this checkout on the peer venv's path
 mkdir -p "$PEER/path"
 ln -sfn "$ROOT/umalloc" "$PEER/path/umalloc"
+ln -sfn "$ROOT/umalloc_replay" "$PEER/path/umalloc_replay"  # the capacity model its tests check against the engine
 echo "[sglang-peer] set-up done in $((SECONDS - t0)) s"
 
 # ---- 3. the tests
 t1=$SECONDS
 status=0
 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONPATH="$PEER/path" "$VENV/bin/python" -m pytest -q -s \
-  -p no:cacheprovider -o addopts="" -W ignore tests/integrations/test_integration_sglang.py tests/integrations/test_sglang_soak.py "$@" \
+  -p no:cacheprovider -o addopts="" -W ignore tests/integrations/test_integration_sglang.py tests/integrations/test_sglang_soak.py \
+  tests/integrations/test_sglang_capacity_model.py "$@" \
   > "$PEER/pytest-sglang.log" 2>&1 || status=1
 grep -E "sequences identical|^seed=|^soak " "$PEER/pytest-sglang.log" | sort -u || true
 [ $status -eq 0 ] || tail -n 40 "$PEER/pytest-sglang.log"

@@ -39,9 +39,10 @@ PY=${PYTHON:-python3}
 t0=$SECONDS
 mkdir -p "$CACHE"
 status=0
-# umalloc from this checkout, and nothing else of it, on the peer venvs' path
+# umalloc (and umalloc_replay, for the capacity model's tests) from this checkout on the peer venvs' path
 mkdir -p "$PEER/path"
 ln -sfn "$ROOT/umalloc" "$PEER/path/umalloc"
+ln -sfn "$ROOT/umalloc_replay" "$PEER/path/umalloc_replay"  # the capacity model its tests check against the engine
 
 # one release: VLLM_VERSION VENV EXPECTED TAG (TAG names its logs and outcome files under .peer)
 suite() {
@@ -127,7 +128,7 @@ suite() {
 
   # ---- 5. umalloc's own tests of the integration (the scheduler soak on 0.33, whose platform layer runs on CPU)
   t1=$SECONDS
-  local own=(tests/integrations/test_integration_vllm.py)
+  local own=(tests/integrations/test_integration_vllm.py tests/integrations/test_vllm_capacity_model.py)
   [ "$VLLM_VERSION" = 0.33.0 ] && own+=(tests/integrations/test_vllm_soak.py)
   HF_HUB_OFFLINE=1 PYTHONPATH="$PEER/path" "$VENV/bin/python" -m pytest -q -p no:cacheprovider -o addopts="" \
     -W ignore::pytest.PytestConfigWarning "${own[@]}" \

@@ -231,8 +231,9 @@ def replay(
     layout: Annotated[str, typer.Option(
         "--layout", metavar="LAYOUT", rich_help_panel=_MODEL,
         help="Decode arena layout: dynamic (one multi-ended arena); static[:RATIO] (a fixed region per end, "
-        "RATIO = SWA tokens / full tokens as SGLang's --swa-full-tokens-ratio); padded (every end padded as "
-        "vLLM's hybrid allocator unifies page sizes).")] = "dynamic",
+        "RATIO in (0, 1] = SWA tokens / full tokens as SGLang's --swa-full-tokens-ratio); padded (every end "
+        "padded as vLLM's hybrid allocator unifies page sizes); vllm (vLLM's block pool as a block budget).")] = \
+        "dynamic",
     max_batch: Annotated[int, typer.Option(
         "--max-batch", min=1, metavar="N", rich_help_panel=_MODEL,
         help="Most requests decoding at once (multi-rank: requests in flight per step).")] = 64,

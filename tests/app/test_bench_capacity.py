@@ -32,11 +32,11 @@ def test_every_run_is_written_as_it_completes_with_progress_and_the_spread(tmp_p
     res = _bench(tmp_path, "--results", str(results))
     assert res.returncode == 0, res.stdout + res.stderr
     runs = [json.loads(line) for line in results.read_text().splitlines()]
-    layouts = ["dynamic", "padded", "static:0.8", "static:0.5"]
+    layouts = ["dynamic", "vllm", "padded", "static:0.8", "static:0.5"]
     assert sorted((r["layout"], r["slice"]) for r in runs) == sorted((lay, k) for lay in layouts for k in (0, 1))
     assert {r["skip"] for r in runs} == {0, 4}  # two disjoint slices of 4 rows
-    progress = [ln for ln in res.stderr.splitlines() if re.match(r"\[\d+/8\] tiny\.csv gpt-oss-20b ", ln)]
-    assert len(progress) == 8, res.stderr
+    progress = [ln for ln in res.stderr.splitlines() if re.match(r"\[\d+/10\] tiny\.csv gpt-oss-20b ", ln)]
+    assert len(progress) == 10, res.stderr
     # the summary's spread, recomputed here from the JSON lines
     for lay in layouts:
         vals = [r["mean_running"] for r in runs if r["layout"] == lay and "refused" not in r]
@@ -54,9 +54,9 @@ def test_a_refused_layout_is_a_row_saying_why_and_nothing_is_lost(tmp_path) -> N
     assert res.returncode == 0, res.stdout + res.stderr
     assert "Traceback" not in res.stderr and "KeyError" not in res.stderr
     rows = [ln for ln in res.stdout.splitlines() if "refused: " in ln and "n/a:" not in ln]
-    assert len(rows) == 8, res.stdout
+    assert len(rows) == 10, res.stdout
     for ln in rows:
         assert "--arena-bytes" in ln.split("refused: ", 1)[1], ln  # the replay's own reason, whole
     runs = [json.loads(line) for line in results.read_text().splitlines()]
-    assert len(runs) == 8 and all("--arena-bytes" in r["refused"] for r in runs)
+    assert len(runs) == 10 and all("--arena-bytes" in r["refused"] for r in runs)
     assert "n/a: dynamic refused" in res.stdout

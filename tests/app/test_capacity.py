@@ -18,6 +18,7 @@ from umalloc_replay.single.layouts import (
     padded_ends,
     parse_layout,
     static_budget_pages,
+    vllm_blocks,
     vllm_unified_page,
 )
 from umalloc_replay.single.run import Replay, ReplayConfig
@@ -34,12 +35,13 @@ def test_sglang_default_ratio_and_static_split_by_hand():
     assert SGLANG_SWA_FULL_TOKENS_RATIO == 0.8  # sglang/srt/server_args.py: swa_full_tokens_ratio: float = 0.8
     assert parse_layout("static").swa_full_tokens_ratio == 0.8
     # Gemma-3-12B + 1B drafter, bytes per token: full 65,536, swa 327,680, draft 26,624. Usable bytes U:
-    # full_tokens = U / (65,536 + r * 327,680 + 26,624); swa_tokens = r * full_tokens; draft = full_tokens.
+    # full_tokens = int(U // (65,536 + r * 327,680 + 26,624)) rounded down to whole pages; swa_tokens =
+    # int(r * full_tokens) (SGLang's HybridSWAPoolConfigurator._solve_pool_sizes); draft = full_tokens.
     spec = ArenaSpec(preset_ends("gemma-3-12b-draft"), arena_bytes=(16 << 20) * 200)
     usable = spec.usable_bytes()
     for r in (0.8, 0.25):
-        f = usable / (65536 + r * 327680 + 26624)
-        want = {"full": int(f // 16), "swa": int(r * f // 16), "draft": int(f // 16)}
+        f = int(usable // (65536 + r * 327680 + 26624)) // 16 * 16
+        want = {"full": f // 16, "swa": int(r * f) // 16, "draft": f // 16}
         got = static_budget_pages(spec, r)
         assert got == want
         # the pools never exceed the arena
@@ -78,7 +80,10 @@ def test_vllm_unified_page_rule_by_hand():
 
 def test_layout_parsing_refuses_bad_values():
     assert parse_layout("static:0.25").label == "static:0.25" and parse_layout("padded").label == "padded"
-    for bad in ("static:0", "static:-1", "static:x", "static:inf", "fixed", "dynamic:2", ""):
+    assert parse_layout("vllm").label == "vllm" and parse_layout("static:1").label == "static:1"
+    # SGLang refuses --swa-full-tokens-ratio outside (0, 1] (kv_cache_hook)
+    for bad in ("static:0", "static:-1", "static:x", "static:inf", "static:1.5", "fixed", "dynamic:2", "vllm:1",
+                ""):
         with pytest.raises(UmallocValueError):
             parse_layout(bad)
 
@@ -114,7 +119,8 @@ def test_three_layouts_on_a_small_slice(tmp_path, layout, max_running, steps):
     # gpt-oss-20b (window 128): each request, 300 prompt + 40 output tokens, peaks at ceil(340 / 16) = 22 full
     # pages and 9 SWA pages (the window tail: cdiv(128, 16) + 1). The decode arena has 64 pages of 393,216 B above
     # its one-page floor: dynamic holds both requests at once (2 x 31 = 62 pages): both admitted at step 1, decode
-    # steps 2..41. static:1 splits it 32 full / 32 SWA pages: the second request's 19 prompt pages plus the
+    # steps 2..41 (dynamic and padded hold at most the 9-page window tail on the SWA end, cdiv(128, 16) + 1).
+    # static:1 splits it 32 full / 32 SWA pages: the second request's 19 prompt pages plus the
     # first's reserve do not fit the 13 full pages left, so it waits until step 41 frees the first, is admitted at
     # step 42 and decodes steps 43..82. padded: vLLM's rule pads nothing for gpt-oss (groups of 12): as dynamic.
     r = Accounted(ReplayConfig(trace=str(two_requests(tmp_path)), model="gpt-oss-20b", token_scale=1,
@@ -129,9 +135,10 @@ def test_three_layouts_on_a_small_slice(tmp_path, layout, max_running, steps):
         assert cap["budget_pages"] == {"full": 32, "swa": 32}
         # it waits at steps 1..41 (the first request is freed at the end of step 41, after admission)
         assert cap["admission_waits"] == 41 and cap["wrong_pool_waits"] == cap["admission_waits"]
-        # at each of those waits the SWA pool had 32 - 9 = 23 pages free (24 in a step whose window boundary had
-        # just released a page) that the full pool could not use
-        assert 23 * O_PAGE <= cap["mean_wrong_pool_bytes"] <= 24 * O_PAGE
+        # at each of those waits the SWA pool had 32 - 9 = 23 down to 32 - 12 = 20 pages free that the full pool
+        # could not use: SGLang frees SWA tokens only once the window moved 128 tokens past the last eviction, so
+        # the first request's SWA pages grow from its 9-page tail (tokens 160..299) to cdiv(340, 16) - 10 = 12
+        assert 20 * O_PAGE <= cap["mean_wrong_pool_bytes"] <= 23 * O_PAGE
     else:
         assert cap["budget_pages"] == {} and cap["admission_waits"] == 0
     # the same bytes moved and verified in every layout: 2 x (19 full + 9 SWA tail pages)
@@ -150,7 +157,46 @@ def test_padded_layout_counts_the_padding_layers(tmp_path):
 
 
 def test_static_split_too_small_for_a_request_is_refused_up_front(tmp_path):
-    # static:0.1 gives the SWA pool 10% of the full pool's tokens: 64 pages -> 58 full, 5 SWA (< 9 needed)
-    with pytest.raises(UmallocValueError, match=r"static pools of --layout static:0.1.*'swa': 5"):
+    # 64 pages of 24,576 B x 16 tokens; static:0.2: full_tokens = int(25,165,824 // (24,576 x 1.2)) = 853 -> 848
+    # (53 pages), SWA int(848 x 0.2) = 169 -> 160 tokens (10 pages, above SGLang's floor of 128 + 16). Each
+    # request's SWA grows from its 9-page tail to 12 pages (no eviction within 40 steps): more than the pool.
+    with pytest.raises(UmallocValueError, match=r"static pools of --layout static:0.2.*'swa': 10"):
+        Replay(ReplayConfig(trace=str(two_requests(tmp_path)), model="gpt-oss-20b", token_scale=1,
+                            decode_arena_bytes=65 * O_PAGE, layout="static:0.2"))
+
+
+def test_static_pool_below_sglangs_floor_is_refused(tmp_path):
+    # static:0.1: full 58 pages -> 928 tokens, SWA int(92.8) = 92 -> 80 tokens <= window 128 + page 16: SGLang's
+    # validate_swa_pool_size refuses to start, and so does the replay
+    with pytest.raises(UmallocValueError, match=r"SWA pool of 80 tokens .* SGLang refuses to start"):
         Replay(ReplayConfig(trace=str(two_requests(tmp_path)), model="gpt-oss-20b", token_scale=1,
                             decode_arena_bytes=65 * O_PAGE, layout="static:0.1"))
+
+
+def test_vllm_layout_blocks_by_hand(tmp_path):
+    # gpt-oss-20b under vLLM's block pool: 12 + 12 layers, group size 12, block 12 x 16 x 2,048 B = 393,216 B (one
+    # page of each end). 64 usable pages -> 64 blocks, one of them the null block. A request of 300 + 40 tokens
+    # holds cdiv(n, 16) full blocks and, sliding, cdiv(n, 16) - (n - 128) // 16: 19 + 9 = 28 at admission, at
+    # most 22 + 9 = 31. The second admission needs 28 + 28 + ceil(0.5 x (31 - 28)) = 58 <= 63 blocks: both run
+    # from step 1, as under dynamic; held at the last step: 2 x 31 blocks.
+    rep = Replay(ReplayConfig(trace=str(two_requests(tmp_path)), model="gpt-oss-20b", token_scale=1,
+                              decode_arena_bytes=65 * O_PAGE, layout="vllm", check_every=1)).run()
+    assert rep["ok"] and check_report(rep) == []
+    cap = rep["capacity"]
+    assert (cap["max_running"], cap["steps"], cap["admission_waits"]) == (2, 41, 0)
+    assert cap["peak_held_bytes"] == 62 * O_PAGE and cap["mean_padding_bytes"] == 0
+    assert rep["bytes"]["moved"] == rep["bytes"]["verified"] == 2 * (19 + 9) * O_PAGE
+    # 31 usable pages: 31 blocks, 30 free, below one request's peak of 31: refused up front
+    with pytest.raises(UmallocValueError, match=r"needs 31 vLLM blocks .* holds 30 \(--layout vllm\)"):
+        Replay(ReplayConfig(trace=str(two_requests(tmp_path)), model="gpt-oss-20b", token_scale=1,
+                            decode_arena_bytes=32 * O_PAGE, layout="vllm"))
+
+
+def test_vllm_blocks_hold_the_drafter_window_only():
+    # Gemma-3-12B + 1B drafter: 2 full + 10 sliding-1024 groups at 16-token blocks, 1 full + 6 sliding-512 groups
+    # at 128-token blocks (the drafter's 16 KiB page grown to the 128 KiB unified page). At 4,096 slots: full
+    # 2 x 256, sliding 10 x (256 - 3,072 // 16 = 64), drafter full 1 x 32, drafter sliding 6 x (32 - 3,584 // 128
+    # = 4) = 512 + 640 + 32 + 24 = 1,208 blocks of 524,288 B
+    v = vllm_blocks(preset_ends("gemma-3-12b-draft", page_size=PS), 1 << 30)
+    assert v.held(4096) == 1208
+    assert v.peak(4096, 1) == max(v.held(4096), v.held(4097))

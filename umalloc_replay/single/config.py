@@ -39,7 +39,7 @@ class ReplayConfig:
             trace; token_scale: divide token counts by K (``None``: :data:`DEFAULT_TOKEN_SCALE`).
         seed: KV pattern seed; max_batch: most requests decoding at once; compaction: allocator mode.
         check_every: ``check_invariants()`` every N steps on both sides (0: at the end only).
-        layout: the decode arena's layout, ``"dynamic"``, ``"static[:RATIO]"`` or ``"padded"``
+        layout: the decode arena's layout, ``"dynamic"``, ``"static[:RATIO]"``, ``"padded"`` or ``"vllm"``
             (:mod:`umalloc_replay.single.layouts`; the arena bytes are the same for every layout).
         verify_final: re-verify every live page of a request when it finishes.
         transfer_timeout_s: bound of each transfer wait; lease_deadline_s: deadline of plan leases.

@@ -13,10 +13,21 @@ runs, with one message naming the largest such request and what to change.
 
 from __future__ import annotations
 
-from umalloc import ARENA_ALIGN_BYTES, Arena, ArenaSpec, MultiEndedAllocator, UmallocValueError
+from umalloc import ARENA_ALIGN_BYTES, Arena, ArenaSpec, EndRole, MultiEndedAllocator, UmallocValueError
+from umalloc_replay.single.layouts import sglang_swa_peak_pages
 from umalloc_replay.single.prefill import alloc_sequence
 from umalloc_replay.trace import Trace, TraceRequest
 from umalloc_replay.workload import pages_held, peak_pages
+
+
+def decode_peak_pages(spec: ArenaSpec, end: str, input_tokens: int, output_tokens: int, *, sglang: bool) -> int:
+    """Most pages of ``end`` one request holds on the decode side: :func:`~umalloc_replay.workload.peak_pages`, or
+    with ``sglang`` (the static layout) SGLang's batched SWA eviction on an SWA end
+    (:func:`~umalloc_replay.single.layouts.sglang_swa_peak_pages`). O(1), O(output_tokens) for that case."""
+    e = spec.end(end)
+    if sglang and e.role is EndRole.SWA and e.window_tokens is not None:
+        return sglang_swa_peak_pages(input_tokens, output_tokens, e.window_tokens, e.page_size)
+    return peak_pages(spec, end, input_tokens, output_tokens)
 
 
 def request_peak_bytes(spec: ArenaSpec, input_tokens: int, output_tokens: int) -> int:
@@ -50,8 +61,9 @@ def check_slice_fits(trace: Trace, dec_spec: ArenaSpec, pre_spec: ArenaSpec, *, 
         for side, spec in (("decode", dec_spec), ("prefill", pre_spec)):
             probe = probes[side]
             if side == "decode":
-                need = {e.name: peak_pages(spec, e.name, r.input_tokens, r.output_tokens) for e in spec.ends}
-                nbytes = request_peak_bytes(spec, r.input_tokens, r.output_tokens)
+                need = {e.name: decode_peak_pages(spec, e.name, r.input_tokens, r.output_tokens,
+                                                  sglang=budget is not None) for e in spec.ends}
+                nbytes = sum(n * spec.end(e).page_bytes for e, n in need.items())
                 pooled = budget is None or all(n <= budget[e] for e, n in need.items())
             else:
                 need = {e.name: pages_held(spec, e.name, r.input_tokens) for e in spec.ends}
@@ -122,4 +134,4 @@ def _places_lazily(spec: ArenaSpec, r: TraceRequest) -> bool:
     return alloc_sequence(probe, r.input_tokens) is not None
 
 
-__all__ = ["check_slice_fits", "request_peak_bytes", "request_prompt_bytes", "slice_needs_bytes"]
+__all__ = ["check_slice_fits", "decode_peak_pages", "request_peak_bytes", "request_prompt_bytes", "slice_needs_bytes"]

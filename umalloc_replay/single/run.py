@@ -84,12 +84,20 @@ from umalloc_replay.signals import cleanup_shielded
 from umalloc_replay.single.config import ReplayConfig, default_arena_bytes
 from umalloc_replay.single.fit import (
     check_slice_fits,
+    decode_peak_pages,
     request_peak_bytes,
     request_prompt_bytes,
     slice_needs_bytes,
 )
 from umalloc_replay.single.kvfill import KVPattern, VerifyResult
-from umalloc_replay.single.layouts import byte_accounting, padded_ends, parse_layout, static_budget_pages
+from umalloc_replay.single.layouts import (
+    byte_accounting,
+    padded_ends,
+    parse_layout,
+    sglang_swa_evicted_to,
+    static_budget_pages,
+    vllm_blocks,
+)
 from umalloc_replay.single.prefill import LocalPrefill, alloc_sequence, swa_ends, warm_up
 from umalloc_replay.trace import check_slice_rows, load_trace
 from umalloc_replay.workload import (
@@ -101,8 +109,11 @@ from umalloc_replay.workload import (
     RequestState,
     first_kept_page,
     pages_held,
-    peak_pages,
 )
+
+#: vllm layout: the carrier arena's bytes over the decode bytes vLLM's count is taken on (large enough that the
+#: carrier never binds before the count: Note [vLLM's block accounting] in umalloc_replay.single.layouts).
+VLLM_CARRIER_FACTOR = 4
 
 #: Note [Admission reserve]: initial, minimum, per-step decay and per-retraction rise of the reserve ratio.
 RATIO_INIT = 0.5
@@ -139,13 +150,20 @@ class Replay:
         self.prefill_arena_bytes = pre_b // ARENA_ALIGN_BYTES * ARENA_ALIGN_BYTES
         self.decode_arena_bytes = dec_b // ARENA_ALIGN_BYTES * ARENA_ALIGN_BYTES
         self.pre_spec = self._arena_spec(ends, "prefill", self.prefill_arena_bytes)
-        self.dec_spec = self._arena_spec(ends, "decode", self.decode_arena_bytes)
+        #: vllm layout: vLLM's block pool over the decode bytes (Note [vLLM's block accounting] in
+        #: umalloc_replay.single.layouts), enforced as a block budget over a carrier arena of
+        #: VLLM_CARRIER_FACTOR times the bytes, which never binds first; None for the other layouts.
+        self.vllm = (vllm_blocks(natural, self._arena_spec(ends, "decode", self.decode_arena_bytes).usable_bytes())
+                     if self.layout.name == "vllm" else None)
+        carrier = VLLM_CARRIER_FACTOR * self.decode_arena_bytes if self.vllm is not None else self.decode_arena_bytes
+        self.dec_spec = self._arena_spec(ends, "decode", carrier)
         #: Static layout: pages each end may hold (Note [SGLang's static SWA split]); None: no budget.
         self.budget = (static_budget_pages(self.dec_spec, self.layout.swa_full_tokens_ratio)  # type: ignore[arg-type]
                        if self.layout.name == "static" else None)
         max_tokens = max(r.input_tokens + r.output_tokens for r in self.trace)
         # at most max_batch requests, and never more than the slice, hold a row of the block table
         self.table_rows = min(cfg.max_batch, len(self.trace))
+        self._check_vllm_fits(token_scale)
         self._check_memory(max_tokens)
         self.on_progress = on_progress
         self.timer = PhaseTimer()
@@ -221,7 +239,10 @@ class Replay:
         big = max(self.trace, key=lambda r: r.input_tokens + r.output_tokens)
         hint = ("smaller --arena-bytes, a larger --token-scale, fewer --requests, or a slice without request "
                 f"{big.request_id} ({big.input_tokens} prompt + {big.output_tokens} output tokens, the longest)")
-        check_host_memory({"prefill arena": self.prefill_arena_bytes, "decode arena": self.decode_arena_bytes,
+        # the vllm layout's carrier is allocated unzeroed (pages the OS commits on first write) and its bands
+        # write about the bytes vLLM's count admits: it is counted at twice the decode bytes, not its whole span
+        decode = min(self.dec_spec.arena_bytes, 2 * self.decode_arena_bytes)
+        check_host_memory({"prefill arena": self.prefill_arena_bytes, "decode arena": decode,
                            "block table": self.table_rows * max_tokens * 8}, hint)
 
     # ---- scheduler pieces ----------------------------------------------------------------------------------
@@ -240,13 +261,46 @@ class Replay:
             self._short_ends = short
         return not short
 
+    def _vllm_fits(self, extra_blocks: int, tokens: dict[int, int] | None = None) -> bool:
+        """vllm layout: whether the requests holding decode memory (running and in flight, at ``tokens[rid]``
+        slots or their ``seq_len``) plus ``extra_blocks`` fit vLLM's pool (always true for the other layouts)."""
+        if self.vllm is None:
+            return True
+        tokens = tokens or {}
+        held = sum(self.vllm.held(tokens.get(rs.rid, rs.seq_len))
+                   for rs in [*self.running, *(r for r, _ in self.inflight)])
+        return held + extra_blocks <= self.vllm.free_at_start
+
+    def _vllm_reserve(self) -> int:
+        """vllm layout: Note [Admission reserve] in vLLM blocks: ``ratio x`` the blocks every admitted request
+        may still add up to its peak."""
+        if self.vllm is None:
+            return 0
+        return sum(math.ceil(self.new_token_ratio * max(0, self.vllm.peak(rs.req.input_tokens, rs.req.output_tokens)
+                                                        - self.vllm.held(rs.seq_len)))
+                   for rs in [*self.running, *(r for r, _ in self.inflight)])
+
+    def _check_vllm_fits(self, token_scale: int) -> None:
+        """vllm layout: refuse a slice with a request whose peak blocks exceed vLLM's whole pool."""
+        if self.vllm is None:
+            return
+        big = max(self.trace, key=lambda r: self.vllm.peak(r.input_tokens, r.output_tokens))  # type: ignore[union-attr]
+        need = self.vllm.peak(big.input_tokens, big.output_tokens)
+        if need > self.vllm.free_at_start:
+            raise UmallocValueError(
+                f"request {big.request_id} ({big.input_tokens} prompt + {big.output_tokens} output tokens after "
+                f"token scale {token_scale}) needs {need} vLLM blocks of {self.vllm.block_bytes:,} B at its peak; "
+                f"the decode arena of {self.decode_arena_bytes:,} bytes holds {self.vllm.free_at_start} (--layout "
+                "vllm): allowed a larger decode --arena-bytes or a larger --token-scale")
+
     def _reserve_pages(self) -> dict[str, int]:
         """Pages per end held back for the growth of admitted requests (Note [Admission reserve])."""
         out = dict.fromkeys(self.dec_spec.end_names, 0)
         ratio = self.new_token_ratio
         for rs in [*self.running, *(r for r, _ in self.inflight)]:
             for e in self.dec_spec.ends:
-                grow = peak_pages(self.dec_spec, e.name, rs.req.input_tokens, rs.req.output_tokens) - \
+                grow = decode_peak_pages(self.dec_spec, e.name, rs.req.input_tokens, rs.req.output_tokens,
+                                         sglang=self.budget is not None) - \
                     pages_held(self.dec_spec, e.name, rs.seq_len)
                 out[e.name] += math.ceil(ratio * max(0, grow))
         return out
@@ -264,7 +318,8 @@ class Replay:
             reserve = self._reserve_pages()
             need = {e: n + reserve[e] for e, n in kv.pages_by_end().items()}
             with self.timer.phase("allocator"):
-                ok = self.dec.can_alloc(need) and self._within_budget(need)
+                ok = self._vllm_fits(self._vllm_reserve() + (self.vllm.held(rs.seq_len) if self.vllm else 0)) and \
+                    self.dec.can_alloc(need) and self._within_budget(need)
                 new_vt = self.dec.restore(kv) if ok else None
             if new_vt is None:
                 self._admission_wait(need)
@@ -283,7 +338,8 @@ class Replay:
             reserve = self._reserve_pages()
             need = {e.name: pages_held(self.dec_spec, e.name, L) + reserve[e.name] for e in self.dec_spec.ends}
             with self.timer.phase("allocator"):
-                ok = self.dec.can_alloc(need) and self._within_budget(need)
+                ok = self._vllm_fits(self._vllm_reserve() + (self.vllm.held(L) if self.vllm else 0)) and \
+                    self.dec.can_alloc(need) and self._within_budget(need)
                 vt = alloc_sequence(self.dec, L) if ok else None
             if vt is None:
                 self._admission_wait(need)
@@ -381,7 +437,10 @@ class Replay:
             ps, w = e.page_size, e.window_tokens
             toks = []
             for rs, n in zip(batch, new_lens.tolist(), strict=True):
-                lo = self.dec.swa_tail_start(n, w, 0, ps) // ps  # type: ignore[arg-type]
+                if self.budget is not None:  # SGLang's pools free out-of-window tokens in batches of 128
+                    lo = sglang_swa_evicted_to(n, rs.swa_lo_page * ps, w, ps, decoded=rs.generated) // ps  # type: ignore[arg-type]
+                else:
+                    lo = self.dec.swa_tail_start(n, w, 0, ps) // ps  # type: ignore[arg-type]
                 if lo > rs.swa_lo_page:
                     toks.append(self.table.table[rs.slot, rs.swa_lo_page * ps: lo * ps: ps])
                     rs.swa_lo_page = lo
@@ -434,8 +493,9 @@ class Replay:
             last = self.table.gather(slots, seq - 1)
             step_need = self._step_need(seq)
             with self.timer.phase("allocator"):
-                out = self.dec.alloc_decode(torch.from_numpy(seq + 1), last) if self._within_budget(step_need) \
-                    else None
+                fits = self._within_budget(step_need) and \
+                    self._vllm_fits(0, {r.rid: n + 1 for r, n in zip(batch, seq.tolist(), strict=True)})
+                out = self.dec.alloc_decode(torch.from_numpy(seq + 1), last) if fits else None
             if out is not None:
                 break
             self.c["alloc_retries"] += 1
@@ -523,6 +583,9 @@ class Replay:
         self.timeline.add_scheduler_events(self.step, self._step_waits, self._step_retractions, self._step_restores)
         self._step_waits = self._step_retractions = self._step_restores = 0
         acc = byte_accounting(self.dec_spec, ds, self.natural_page_bytes)
+        if self.vllm is not None:  # what vLLM's pool holds, not the carrier
+            acc["held_bytes"] = self.vllm.block_bytes * sum(
+                self.vllm.held(rs.seq_len) for rs in [*self.running, *(r for r, _ in self.inflight)])
         cap = self.cap
         cap["steps"] += 1
         cap["running_sum"] += len(self.running)
