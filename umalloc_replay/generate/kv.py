@@ -203,20 +203,30 @@ class ModelKV:
         self._kv: dict[int, dict[str, PrefillKV]] = {}
         self.prefill_s = 0.0
 
-    def _prefill(self, request_id: int) -> dict[str, PrefillKV]:
+    def forward(self, request_id: int) -> tuple[dict[str, PrefillKV], float]:
+        """The prefill forwards of ``request_id`` (the target's; the drafter's too unless ``late_draft``) and their
+        seconds, changing nothing here: any thread may run it while another uses the arena (the models' weights
+        are only read). :meth:`adopt` records the result. Raises :class:`UmallocValueError`: no prompt."""
         import time
 
+        if request_id not in self.prompts:
+            raise UmallocValueError(f"request {request_id}: no prompt")
+        t0 = time.perf_counter()
+        pre = {"target": prefill_kv(self.model, self.prompts[request_id])}
+        if self.drafter is not None and not self.late_draft:
+            pre["draft"] = prefill_kv(self.drafter, self.prompts[request_id])
+        return pre, time.perf_counter() - t0
+
+    def adopt(self, request_id: int, pre: dict[str, PrefillKV], seconds: float) -> None:
+        """Record :meth:`forward`'s result for ``request_id``: :meth:`fill_pages` writes it without a forward."""
+        self.prefill_s += seconds
+        self._kv[request_id] = pre
+        self.first_tokens[request_id] = pre["target"].first_token
+        self.digests[request_id] = {}
+
+    def _prefill(self, request_id: int) -> dict[str, PrefillKV]:
         if request_id not in self._kv:
-            if request_id not in self.prompts:
-                raise UmallocValueError(f"request {request_id}: no prompt")
-            t0 = time.perf_counter()
-            pre = {"target": prefill_kv(self.model, self.prompts[request_id])}
-            if self.drafter is not None and not self.late_draft:
-                pre["draft"] = prefill_kv(self.drafter, self.prompts[request_id])
-            self.prefill_s += time.perf_counter() - t0
-            self._kv[request_id] = pre
-            self.first_tokens[request_id] = pre["target"].first_token
-            self.digests[request_id] = {}
+            self.adopt(request_id, *self.forward(request_id))
         return self._kv[request_id]
 
     def fill_pages(self, arena: Arena, end: str, request_id: int, seq_pages: torch.Tensor | np.ndarray,

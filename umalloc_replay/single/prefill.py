@@ -149,6 +149,17 @@ class PlanFigures:
     per_layer_per_page: int
 
 
+@dataclass
+class Arrival:
+    """A request whose asynchronous start finished (its transfer done, both sides' leases of it released):
+    ``figures`` of its plan (``None``: the prefill arena was short, nothing was sent and nothing changed) and
+    ``extra``, what the prefill side attached (``umalloc generate``: the prefill's first token and digests)."""
+
+    request_id: int
+    figures: PlanFigures | None
+    extra: object = None
+
+
 class LocalPrefill:
     """The prefill side in this process: its arena, allocator, pattern, and a local backend pair.
 
@@ -274,4 +285,4 @@ class LocalPrefill:
 
 
 
-__all__ = ["LocalPrefill", "PagePattern", "PlanFigures", "alloc_sequence", "fill_sequence", "swa_ends", "warm_up"]
+__all__ = ["Arrival", "LocalPrefill", "PagePattern", "PlanFigures", "alloc_sequence", "fill_sequence", "swa_ends", "warm_up"]
