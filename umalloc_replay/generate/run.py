@@ -204,7 +204,7 @@ def compare_request(r: TraceRequest, toks: list[int], want: list[int], per_reque
 def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = None,
                  on_batch: Callable[[int, Any], None] | None = None) -> dict:
     """Run ``cfg`` (module docstring); returns the JSON-ready report. ``on_batch(batch_index, prefill_side)``
-    runs after each batch's requests decoded (tests end the second process or raise ``KeyboardInterrupt``
+    runs after each batch's requests decoded (``cb``: after each request finished, its index among them) (tests end the second process or raise ``KeyboardInterrupt``
     there, at a point of their choosing). With ``--backend nixl|mooncake`` and a ``console`` (rich), prints
     ``prefill process: pid N (BACKEND)`` on it once the second process is up with its model, before any batch.
 
@@ -411,9 +411,18 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
 
             from umalloc_replay.generate.feed import LocalFeed
 
+            finished = [0]
+
+            def finished_one(_rid: int) -> None:
+                if bar is not None:
+                    bar.advance(task)
+                if on_batch is not None:   # tests: end the second process at a point of their choosing
+                    on_batch(finished[0], prefill)
+                finished[0] += 1
+
             feed = prefill if kv_local is None else LocalFeed(prefill, kv_local, wd_here, on_started=late_draft)
             ip = decode_in_place(engine, feed, reqs, prompts, wd_here, cfg.max_batch,
-                                 on_done=None if bar is None else (lambda _rid: bar.advance(task)),
+                                 on_done=finished_one,
                                  stepper=stepper, budget_pages=budget_pages, steps_in_flight=cfg.steps_in_flight)
             if stepper is not None:
                 rounds_pd = {int(rid): rs for rid, rs in stepper.figures.per_round.items()}
@@ -422,7 +431,7 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
             generated, digest_bad, figures, decode_s = ip.generated, ip.digest_bad, ip.figures, ip.decode_s
             weights_ok, prefill_child_s = ip.weights_ok, ip.prefill_child_s
             in_place = ip
-            from umalloc_replay.generate.timeline import one_process_cb
+            from umalloc_replay.generate.timeline import one_process_cb, timeline_rows
 
             t_base = time.perf_counter()
             baseline = one_process_cb(model, reqs, prompts, cfg.page_size, cfg.max_batch)
@@ -540,8 +549,7 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
                    "steps_in_flight": cfg.steps_in_flight},
         "decode": cfg.decode,
         "serving": None if in_place is None else serving_figures(in_place, decoded, baseline, reference),
-        "timeline": None if in_place is None else [{"request": r.request_id, "stamps": in_place.stamps[r.request_id]}
-                                                   for r in reqs],
+        "timeline": None if in_place is None else timeline_rows(in_place, reqs),
         "model": cfg.model, "backend": cfg.backend, "seed": cfg.seed, "page_size": cfg.page_size,
         "layer_types": list(geo.layer_types), "window_tokens": geo.window_tokens,
         "token_scale": cfg.token_scale, "output_scale": cfg.output_scale, "fault": cfg.fault,
