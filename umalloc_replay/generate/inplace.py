@@ -163,7 +163,7 @@ def decode_in_place(engine: Any, feed: Any, reqs: list[TraceRequest], prompts: d
     then reserved only when the lifetimes (prompt and output pages) of the requests in the engine and its own
     fit them, so a running request never starves for a page. ``steps_in_flight``: the fewest steps the running
     batch takes between a request's submission and its admission (its transfer is collected only then); with
-    nothing running, the first request in flight is waited for and admitted alone.
+    nothing running, the first request in flight is waited for.
 
     Raises:
         InvariantError: the decode arena cannot hold one request with no other running, a request failed in the
@@ -239,8 +239,8 @@ def decode_in_place(engine: Any, feed: Any, reqs: list[TraceRequest], prompts: d
             sent_at[r.request_id] = steps
         running = engine.running() > 0
         # each request joins as soon as its own transfer finished, after steps_in_flight steps of a running batch;
-        # with none running, the first one in flight alone (the others then spend their steps in flight too)
-        allowed = [rid for rid in held if steps - sent_at[rid] >= steps_in_flight] if running else list(held)[:1]
+        # with none running, the first one in flight is waited for, and every one finished by then joins with it
+        allowed = [rid for rid in held if not running or steps - sent_at[rid] >= steps_in_flight]
         for a in feed.arrived(allowed, wait_s=0.0 if running else ARRIVAL_WAIT_S):
             admit(a)
         if not engine.running():

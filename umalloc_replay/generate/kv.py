@@ -69,7 +69,10 @@ def prefill_kv(model: Any, prompt: list[int]) -> PrefillKV:
         if layer.is_sliding:
             layer.activate_past_recording()
     with torch.no_grad():
-        out = model(input_ids=torch.tensor([prompt], dtype=torch.long), past_key_values=cache, use_cache=True)
+        # the logits of the last position only, as transformers' generate() asks for them (the prompt's other
+        # positions' logits are most of a small model's prefill: its vocabulary projection)
+        out = model(input_ids=torch.tensor([prompt], dtype=torch.long), past_key_values=cache, use_cache=True,
+                    logits_to_keep=1)
     first = int(out.logits[0, -1].argmax())
     return PrefillKV(first, [la.keys[0].clone() for la in layers], [la.values[0].clone() for la in layers])
 
