@@ -94,13 +94,15 @@ class LocalFeed:
         """Submitted requests not reported yet, in submission order."""
         return [e.rs.rid for e in self._q]
 
-    def _advance(self) -> None:
-        """Plan and submit every request whose forward is done (the worker runs them in order)."""
+    def _advance(self, most: int | None) -> None:
+        """Plan and submit the requests whose forward is done (the worker runs them in order), at most ``most``
+        (``None``: all)."""
         for e in self._q:
             if e.started:
                 continue
-            if not e.future.done():
+            if not e.future.done() or most == 0:
                 break
+            most = None if most is None else most - 1
             self.kv.adopt(e.rs.rid, *e.future.result())   # the forward's error, if any, is raised here
             e.ticket = self.prefill.start(e.rs, e.vt)
             e.started = True
@@ -109,11 +111,13 @@ class LocalFeed:
 
     def arrived(self, allowed: Collection[int] | None = None, wait_s: float = 0.0) -> list[Arrival]:
         """Requests whose transfer finished, in submission order, up to the first outside ``allowed`` (``None``:
-        any); waits up to ``wait_s`` seconds for the first one's forward. A request short of prefill room comes
-        back with ``figures`` None (nothing sent). Raises the forward's or the transfer's error."""
+        any); waits up to ``wait_s`` seconds for the first one's forward. With ``wait_s`` 0 (a batch is running)
+        one finished forward is planned and posted per call (the gap between two steps holds one); otherwise
+        every finished one. A request short of prefill room comes back with ``figures`` None (nothing sent).
+        Raises the forward's or the transfer's error."""
         if wait_s > 0 and self._q and not self._q[0].started:
             cf.wait([self._q[0].future], timeout=wait_s)
-        self._advance()
+        self._advance(None if wait_s > 0 else 1)
         out: list[Arrival] = []
         while self._q and self._q[0].started and (allowed is None or self._q[0].rs.rid in allowed):
             e = self._q.popleft()

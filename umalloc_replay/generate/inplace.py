@@ -223,7 +223,10 @@ def decode_in_place(engine: Any, feed: Any, reqs: list[TraceRequest], prompts: d
         stamp(r.request_id, "admitted")
 
     while waiting or engine.running() or held:
-        while waiting and engine.running() + len(held) < max_batch:
+        handed = 0
+        # while a batch runs, one hand-over and one admission per gap between two steps (each costs about a small
+        # model's step); with none running, as many as there is room for
+        while waiting and engine.running() + len(held) < max_batch and not (engine.running() and handed):
             r = waiting[0]
             fits = budget_pages is None or sum(committed.values()) + lifetime(r) <= budget_pages
             vt = engine.reserve_ends(str(r.request_id), r.input_tokens) if fits else None
@@ -237,10 +240,11 @@ def decode_in_place(engine: Any, feed: Any, reqs: list[TraceRequest], prompts: d
             stamp(r.request_id, "sent")
             held[r.request_id] = (r, vt)
             sent_at[r.request_id] = steps
+            handed += 1
         running = engine.running() > 0
         # each request joins as soon as its own transfer finished, after steps_in_flight steps of a running batch;
         # with none running, the first one in flight is waited for, and every one finished by then joins with it
-        allowed = [rid for rid in held if not running or steps - sent_at[rid] >= steps_in_flight]
+        allowed = [rid for rid in held if not running or steps - sent_at[rid] >= steps_in_flight][:1 if running else None]
         for a in feed.arrived(allowed, wait_s=0.0 if running else ARRIVAL_WAIT_S):
             admit(a)
         if not engine.running():
