@@ -48,7 +48,7 @@ from umalloc_replay.workload import RequestState
 class PrefillFeed(Protocol):
     """An asynchronous prefill side (module docstring)."""
 
-    def submit(self, rs: RequestState, dst_vtokens: torch.Tensor) -> None: ...
+    def submit(self, rs: RequestState, dst_vtokens: torch.Tensor | dict[str, torch.Tensor]) -> None: ...
 
     def in_flight(self) -> list[int]: ...
 
@@ -64,7 +64,7 @@ def arrival_extra(outputs: dict[int, dict], weights_digest: str, prefill_s: floa
 @dataclass
 class _Entry:
     rs: RequestState
-    vt: torch.Tensor
+    vt: torch.Tensor | dict[str, torch.Tensor]
     future: cf.Future
     started: bool = False
     ticket: Any = None
@@ -86,7 +86,7 @@ class LocalFeed:
         self.pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="umalloc-prefill")
         self._q: deque[_Entry] = deque()
 
-    def submit(self, rs: RequestState, dst_vtokens: torch.Tensor) -> None:
+    def submit(self, rs: RequestState, dst_vtokens: torch.Tensor | dict[str, torch.Tensor]) -> None:
         """Queue ``rs``'s prefill forward on the worker thread; returns at once. O(1)."""
         self._q.append(_Entry(rs, dst_vtokens, self.pool.submit(self.kv.forward, rs.rid)))
 

@@ -177,7 +177,7 @@ def decode_in_place(engine: Any, feed: Any, reqs: list[TraceRequest], prompts: d
     last_tok: dict[int, float] = {}
     t_step_end: float | None = None
     committed: dict[int, int] = {}   # request -> pages of its prompt and output (with budget_pages)
-    held: dict[int, tuple[TraceRequest, torch.Tensor]] = {}   # submitted, not admitted yet
+    held: dict[int, tuple[TraceRequest, dict[str, torch.Tensor]]] = {}   # submitted, not admitted yet
     sent_at: dict[int, int] = {}   # request -> steps taken when it was submitted
     steps = 0
 

@@ -195,8 +195,8 @@ class LocalPrefill:
         self.step_leases = 0  # the same since the driver last reset it
         self.gate = gate
 
-    def start(self, rs: RequestState, dst_vtokens: torch.Tensor) -> object | None:
-        """Prefill ``rs`` and submit its plan; ``None`` if the prefill arena is short (nothing changed)."""
+    def start(self, rs: RequestState, dst_vtokens: torch.Tensor | dict[str, torch.Tensor]) -> object | None:
+        """Prefill ``rs`` and submit its plan (``dst_vtokens``: decode's virtual token ids, per end where they differ); ``None`` if the prefill arena is short (nothing changed)."""
         L = rs.req.input_tokens
         with self.timer.phase("allocator"):
             vt = alloc_sequence(self.alloc, L)

@@ -392,7 +392,7 @@ class RemotePrefill:
                             f["per_layer_per_page"]) for f in res["plans"]]
 
     # ---- asynchronous start -------------------------------------------------------------------------------
-    def submit(self, rs: RequestState, dst_vtokens: torch.Tensor) -> None:
+    def submit(self, rs: RequestState, dst_vtokens: torch.Tensor | dict[str, torch.Tensor]) -> None:
         """Asynchronous :meth:`start`: lease and publish the receiver half here, submit :func:`child_prefill_send`
         and return at once (module docstring); :meth:`arrived` reports the request once its transfer finished.
 
