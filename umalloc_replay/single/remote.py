@@ -499,10 +499,15 @@ class RemotePrefill:
         self.b.check_invariants()  # type: ignore[union-attr]
 
     def close(self, *, interrupted: bool = False) -> None:
-        """End the child, settle every half it might still have written once it is confirmed gone (its engine
-        can write no more), and close the receiving backend (idempotent). ``interrupted`` (Ctrl-C): the child is
-        killed at once instead of being asked to finish and close its engine (which waits for its transfers)."""
+        """End the child, settle every half it might still have written (kept ones, and submitted requests not
+        reported yet) once it is confirmed gone (its engine can write no more), and close the receiving backend
+        (idempotent). ``interrupted`` (Ctrl-C): the child is killed at once instead of being asked to finish and
+        close its engine (which waits for its transfers)."""
         try:
+            for sub in self._submitted:   # still in flight: the child may write them until it is gone
+                self.worker.discard(sub.seq)
+                self.kept_halves.append(sub.half)
+            self._submitted.clear()
             if interrupted:
                 self.worker.kill()
             self.worker.close()
