@@ -49,8 +49,8 @@ def test_submitted_requests_arrive_in_order_with_the_synchronous_paths_figures(n
     rp, dec = _prefill(name)
     try:
         vts = [alloc_sequence(dec, n) for n in SIZES]
-        sync = rp.finish_all([rp.start(_request(i, n), vt) for i, (n, vt) in enumerate(zip(SIZES, vts))])
-        for i, (n, vt) in enumerate(zip(SIZES, vts)):
+        sync = rp.finish_all([rp.start(_request(i, n), vt) for i, (n, vt) in enumerate(zip(SIZES, vts, strict=True))])
+        for i, (n, vt) in enumerate(zip(SIZES, vts, strict=True)):
             rp.submit(_request(10 + i, n), vt)
         assert rp.in_flight() == [10, 11, 12] and dec.leases_active() == 3   # each half leased until it arrives
         got = []
