@@ -43,7 +43,7 @@ def _request(rid: int, tokens: int):  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize("name", REMOTE)
-def test_submitted_requests_arrive_in_order_with_the_synchronous_paths_figures(name: str) -> None:
+def test_submitted_requests_arrive_in_order_with_the_synchronous_paths_figures_as_allowed(name: str) -> None:
     from umalloc_replay.single.prefill import alloc_sequence
 
     rp, dec = _prefill(name)
@@ -59,29 +59,19 @@ def test_submitted_requests_arrive_in_order_with_the_synchronous_paths_figures(n
         assert [a.request_id for a in got] == [10, 11, 12]
         assert [a.figures for a in got] == sync and all(a.extra is None for a in got)
         assert dec.leases_active() == 0 and rp.leases_active() == 0
+        # a request outside ``allowed`` stays in flight and leased, and so does every one behind it
+        for i, (n, vt) in enumerate(zip(SIZES[:2], vts, strict=False)):
+            rp.submit(_request(20 + i, n), vt)
+        assert rp.arrived(allowed=[21], wait_s=1.0) == []
+        assert rp.in_flight() == [20, 21] and dec.leases_active() == 2
+        while rp.in_flight():
+            got += rp.arrived(allowed=[20, 21], wait_s=1.0)
+        assert [a.request_id for a in got[3:]] == [20, 21] and dec.leases_active() == 0
         rp.check_invariants()
         dec.check_invariants()
     finally:
         rp.close()
     assert rp.kept_halves == []
-
-
-@pytest.mark.parametrize("name", REMOTE)
-def test_a_request_outside_allowed_stays_in_flight_and_leased(name: str) -> None:
-    from umalloc_replay.single.prefill import alloc_sequence
-
-    rp, dec = _prefill(name)
-    try:
-        for i, n in enumerate(SIZES[:2]):
-            rp.submit(_request(i, n), alloc_sequence(dec, n))
-        assert rp.arrived(allowed=[1], wait_s=1.0) == []   # the first in order is not allowed: nothing reported
-        assert rp.in_flight() == [0, 1] and dec.leases_active() == 2
-        got = []
-        while rp.in_flight():
-            got += rp.arrived(allowed=[0, 1], wait_s=1.0)
-        assert [a.request_id for a in got] == [0, 1] and dec.leases_active() == 0
-    finally:
-        rp.close()
 
 
 @pytest.mark.parametrize("name", REMOTE)
