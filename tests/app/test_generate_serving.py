@@ -25,8 +25,8 @@ from umalloc_replay.generate.timeline import PHASES  # noqa: E402
 
 SEED = seed_from_env(0)
 SLICE: dict[str, Any] = dict(requests=4, token_scale=64, output_scale=32, seed=SEED, decode="cb", max_batch=3)
-#: 8 requests, 4 in the batch, a cache of 34 pages (the 8 lifetimes need 101, the longest 29); a round's transfers
-#: stay in flight for 3 decode steps
+#: 8 requests, 4 in the batch, a cache of 34 pages (the 8 lifetimes need 101, the longest 29); a request handed
+#: over while the batch runs is admitted after 3 decode steps at the earliest
 PRESSURE: dict[str, Any] = dict(requests=8, token_scale=64, output_scale=16, seed=SEED, decode="cb", max_batch=4,
                                 decode_blocks=34, steps_in_flight=3)
 
@@ -67,7 +67,12 @@ def test_a_decode_cache_under_pressure_waits_compacts_and_equals_one_process(bac
     sv = rep["serving"]
     assert sv["waits_for_room"] > 0                       # arrivals waited: their KV was not sent before room
     assert sv["steps_with_transfers_in_flight"] > 0       # the batch stepped while transfers were in flight
-    assert sv["pages_moved_with_transfers_in_flight"] > 0  # and compaction moved pages in those steps
+    assert sv["pages_moved"] > 0                          # compaction moved pages between steps
+    if backend == "local":
+        # the local prefill plans (leases) a request once its forward is done, so the first step after its hand-over
+        # compacts the pages reserved for it; over NIXL and Mooncake they are leased from the hand-over (the
+        # published half) and move once the request is admitted
+        assert sv["pages_moved_with_transfers_in_flight"] > 0
     assert rep["seconds"]["decode_compute"] > 0 and rep["digest_mismatches"] == []
     assert rep["pages_left"] == {"prefill": 0, "decode": 0} and rep["leases_left"] == {"prefill": 0, "decode": 0}
 

@@ -118,3 +118,21 @@ def kv_leases_active(ctx: WorkerContext) -> int:
 def kv_translate_pages(ctx: WorkerContext, vpages: list[int], end: str) -> list[int]:
     """Physical pages of ``end`` for virtual pages ``vpages`` (strict)."""
     return ctx.objects["alloc"].translate_pages(torch.tensor(vpages, dtype=torch.int64), end).tolist()
+
+
+def echo_when(ctx: WorkerContext, path: str, value: object) -> object:
+    """Return ``value`` once ``path`` exists (the test creates it): a submitted request that cannot answer before
+    the test lets it, whatever the machine's speed."""
+    import os
+    import time
+
+    while not os.path.exists(path):
+        time.sleep(0.001)
+    return value
+
+
+def refuse(ctx: WorkerContext, message: str) -> None:
+    """Raise :class:`umalloc.UmallocValueError` with ``message`` (an error that travels back typed)."""
+    from umalloc import UmallocValueError
+
+    raise UmallocValueError(message)

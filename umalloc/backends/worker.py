@@ -18,6 +18,16 @@ Policy:
 
 Commands (``call(name, ...)``) are the ``cmd_*`` methods of :class:`WorkerContext`; :meth:`BackendWorker.run` calls
 any importable ``"module:function"`` as ``function(ctx, *args, **kw)`` inside the child.
+
+Note [Submitted requests]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+:meth:`BackendWorker.submit` sends a ``run`` request and returns its sequence number at once; the child answers
+requests one at a time, in the order sent. :meth:`BackendWorker.poll` reads every reply that has arrived without
+blocking (or up to a bound) and keeps the replies to submitted requests until :meth:`BackendWorker.result` takes
+them, so a blocking :meth:`BackendWorker.call` made while submitted requests are outstanding (it is answered after
+them) never drops their replies; a reply to a request nobody waits for (a call that timed out, a submitted request
+given up with :meth:`BackendWorker.discard`) is dropped. The caller bounds a submitted request itself (the worker
+cannot know how long the requests queued before it take).
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ import pickle
 import signal
 import time
 import traceback
+from collections.abc import Callable
 
 from umalloc.backends import get_backend
 from umalloc.errors import BackendError
@@ -333,6 +344,8 @@ class BackendWorker:
         self._seq = itertools.count(1)
         self._ready = False
         self._closed = False
+        self._awaited: set[int] = set()  # submitted requests whose reply is wanted (Note [Submitted requests])
+        self._replies: dict[int, tuple[str, object]] = {}  # their replies, until result() takes them
 
     @property
     def pid(self) -> int:
@@ -376,7 +389,9 @@ class BackendWorker:
             except (EOFError, OSError) as e:
                 raise WorkerDied(f"{self.backend} worker (pid {self.pid}) died: {e}") from e
             if got_seq != seq:
-                continue  # a late reply to a call that timed out
+                if got_seq in self._awaited:  # a submitted request's: kept for result()
+                    self._replies[got_seq] = (status, payload)
+                continue  # otherwise a late reply to a call that timed out
             if status == "err":
                 raise _rebuild(payload)
             return payload
@@ -404,6 +419,81 @@ class BackendWorker:
     def run(self, target: str, *args: object, timeout_s: float = 60.0, progress=None, **kw: object) -> object:
         """Call importable ``"module:function"`` as ``function(ctx, *args, **kw)`` in the child."""
         return self.call("run", target, *args, timeout_s=timeout_s, progress=progress, **kw)
+
+    def submit(self, target: str, *args: object, **kw: object) -> int:
+        """Send ``run(target, *args, **kw)`` to the child and return at once (Note [Submitted requests]).
+
+        Returns:
+            The request's sequence number, for :meth:`poll`, :meth:`result` and :meth:`discard`.
+
+        Raises:
+            BackendError: the worker is closed. WorkerDied: the child cannot take requests. Nothing is sent then.
+        """
+        if self._closed:
+            raise BackendError(f"{self.backend} worker is closed")
+        self.wait_ready()
+        seq = next(self._seq)
+        try:
+            self._conn.send((seq, "run", (target, *args), kw))
+        except (OSError, ValueError) as e:
+            raise WorkerDied(f"{self.backend} worker (pid {self.pid}) cannot take requests: {e}") from e
+        self._awaited.add(seq)
+        return seq
+
+    def poll(self, seq: int, timeout_s: float = 0.0, progress: Callable[[], object] | None = None) -> bool:
+        """True once the reply to submitted request ``seq`` has arrived (kept for :meth:`result`). Reads every
+        reply already in the pipe; with ``timeout_s`` 0 it never blocks, otherwise it waits up to ``timeout_s``
+        seconds, calling ``progress`` between polls of the pipe.
+
+        Raises:
+            WorkerDied: the child ended (or its pipe closed) without answering ``seq``.
+            BackendError: ``seq`` is not a submitted request awaiting its result.
+        """
+        if seq in self._replies:
+            return True
+        if seq not in self._awaited:
+            raise BackendError(f"{self.backend} worker: request {seq} is not a submitted request awaiting a result")
+        deadline = time.monotonic() + timeout_s
+        step = IDLE_POLL_S if progress is not None else 0.02
+        while True:
+            try:
+                ready = self._conn.poll(max(0.0, min(step, deadline - time.monotonic())))
+                if ready:
+                    got_seq, status, payload = self._conn.recv()
+            except (EOFError, OSError) as e:
+                raise WorkerDied(f"{self.backend} worker (pid {self.pid}) died: {e}") from e
+            if ready:
+                if got_seq in self._awaited:
+                    self._replies[got_seq] = (status, payload)
+                if seq in self._replies:
+                    return True
+                continue
+            if not self.process.is_alive() and not self._conn.poll(0):
+                raise WorkerDied(f"{self.backend} worker (pid {self.pid}) exited with code {self.process.exitcode}")
+            if time.monotonic() >= deadline:
+                return False
+            if progress is not None:
+                progress()
+
+    def result(self, seq: int) -> object:
+        """Take the reply to submitted request ``seq`` (after :meth:`poll` returned True): its return value.
+
+        Raises:
+            The child's exception (same umalloc type, as :meth:`call`). BackendError: no reply to ``seq`` has
+            arrived (nothing is taken then).
+        """
+        if seq not in self._replies:
+            raise BackendError(f"{self.backend} worker: no reply to request {seq} yet")
+        self._awaited.discard(seq)
+        status, payload = self._replies.pop(seq)
+        if status == "err":
+            raise _rebuild(payload)  # type: ignore[arg-type]
+        return payload
+
+    def discard(self, seq: int) -> None:
+        """Give up submitted request ``seq``: its reply, kept or still to come, is dropped. Idempotent."""
+        self._awaited.discard(seq)
+        self._replies.pop(seq, None)
 
     # ---- failure injection -----------------------------------------------------------------------------
     def pause(self, timeout_s: float = 10.0) -> None:

@@ -8,13 +8,15 @@ Policy:
   side, so the prefill side's plan writes each prompt's KV straight into the pages the engine's attention reads
   (Note [Admission seam] of :mod:`umalloc.integrations.transformers.admit`); a model with sliding layers gets
   its window tail into its rings (Note [Ring landing] there: destination ids per end from ``reserve_ends``).
-* Admission: while requests wait and fewer than ``max_batch`` requests are in the batch, the next request's
-  pages are reserved in the cache (a request that finds no room waits for a running one to finish: its KV is not
-  sent before its pages exist), the prefill side computes, plans and posts; once the transfers of the round are
-  done, each received request's pages are digested (read in place, compared with the prefill side's digest) and
-  the request is admitted into the running batch with its prompt computed and the prefill's first token. Then
-  the engine runs one step (one forward over every running request), so requests join a batch that keeps
-  decoding.
+* Admission: while requests wait and fewer than ``max_batch`` requests are in the batch or in flight, the next
+  request's pages are reserved in the cache (a request that finds no room waits for a running one to finish: its
+  KV is not sent before its pages exist) and it is handed to the prefill side without waiting
+  (:mod:`umalloc_replay.generate.feed`: the prefill side computes, plans and posts while this side decodes).
+  Between two engine steps the loop asks which requests' transfers finished (never blocking while requests
+  run); each such request's pages are digested (read in place, compared with the prefill side's digest) and it
+  is admitted into the running batch with its prompt computed and the prefill's first token — each as soon as
+  its own transfer finished, no round waited for. Then the engine runs one step (one forward over every running
+  request). With nothing running, the loop waits for the next arrival.
 * Decoded tokens are every token after the prefill's first; "decode compute" is the seconds of the engine's
   steps, its memory-layer share the cache's own counter.
 
@@ -119,7 +121,9 @@ def received_digests(cache: Any, vtokens: dict[str, torch.Tensor], prompt_tokens
 @dataclass
 class InPlaceResult:
     """What the in-place decode produced: tokens per request, figures per request, digests that differed, the
-    transfers' figures, decode seconds and the cache's memory-layer seconds, requests per step."""
+    transfers' figures, decode seconds and the cache's memory-layer seconds, requests per step. ``step_log``: per
+    engine step, the requests in the engine and the requests submitted and not admitted then (transfers in
+    flight); ``admitted_at``: request -> steps taken before its admission."""
 
     generated: dict[int, list[int]] = field(default_factory=dict)
     digest_bad: list[int] = field(default_factory=list)
@@ -138,24 +142,28 @@ class InPlaceResult:
     pages_moved_in_flight: int = 0
     waits_for_room: int = 0
     pages_moved: int = 0
+    step_log: list[tuple[frozenset[int], int]] = field(default_factory=list)
+    admitted_at: dict[int, int] = field(default_factory=dict)
 
 
-def decode_in_place(engine: Any, prefill: Any, reqs: list[TraceRequest], prompts: dict[int, list[int]],
-                    outputs: Callable[[list[int]], tuple[dict, str, float]], weights: str, max_batch: int,
-                    on_done: Callable[[int], None] | None = None, stepper: Any = None,
-                    on_started: Callable[[int, Any], None] | None = None, budget_pages: int | None = None,
-                    steps_in_flight: int = 1) -> InPlaceResult:
-    """Run every request of ``reqs`` through ``prefill`` into ``engine`` and decode them in one continuous batch
-    (module docstring). ``outputs(rids)`` returns the prefill side's ``({rid: {"first_token", "digests"}},
-    weights digest, prefill seconds)``; ``weights`` is this side's weights digest. ``on_done(rid)`` runs when a
-    request finished. ``stepper``: an object whose ``step()`` replaces the engine's (a
-    :class:`~umalloc.integrations.transformers.speculate.SpeculativeDecoder`); ``on_started(rid, ticket)`` runs
-    after the prefill side started a request (the late drafter's forward). The digest of every end the prefill
-    side wrote (``full``, ``swa``, and ``draft`` with an early-exit drafter) is compared, read in place.
-    ``budget_pages``: the cache's pages when it is smaller than the load; a request is then reserved only when
-    the lifetimes (prompt and output pages) of the requests in the engine and its own fit them, so a running
-    request never starves for a page. ``steps_in_flight``: steps the running batch takes while a round's
-    transfers are in flight (posted, their pages leased), before they are waited for.
+#: Seconds one wait for an arrival lasts while nothing runs (the loop then checks again).
+ARRIVAL_WAIT_S = 0.05
+
+
+def decode_in_place(engine: Any, feed: Any, reqs: list[TraceRequest], prompts: dict[int, list[int]], weights: str,
+                    max_batch: int, on_done: Callable[[int], None] | None = None, stepper: Any = None,
+                    budget_pages: int | None = None, steps_in_flight: int = 1) -> InPlaceResult:
+    """Run every request of ``reqs`` through ``feed`` into ``engine`` and decode them in one continuous batch
+    (module docstring). ``feed``: the asynchronous prefill side (:class:`~umalloc_replay.generate.feed.PrefillFeed`;
+    each arrival's ``extra`` is :func:`~umalloc_replay.generate.feed.arrival_extra`'s dict); ``weights`` is this
+    side's weights digest. ``on_done(rid)`` runs when a request finished. ``stepper``: an object whose ``step()``
+    replaces the engine's (a :class:`~umalloc.integrations.transformers.speculate.SpeculativeDecoder`). The digest
+    of every end the prefill side wrote (``full``, ``swa``, and ``draft`` with an early-exit drafter) is
+    compared, read in place. ``budget_pages``: the cache's pages when it is smaller than the load; a request is
+    then reserved only when the lifetimes (prompt and output pages) of the requests in the engine and its own
+    fit them, so a running request never starves for a page. ``steps_in_flight``: the fewest steps the running
+    batch takes between a request's submission and its admission (its transfer is collected only then); with
+    nothing running, the first request in flight is waited for.
 
     Raises:
         InvariantError: the decode arena cannot hold one request with no other running, a request failed in the
@@ -169,6 +177,9 @@ def decode_in_place(engine: Any, prefill: Any, reqs: list[TraceRequest], prompts
     last_tok: dict[int, float] = {}
     t_step_end: float | None = None
     committed: dict[int, int] = {}   # request -> pages of its prompt and output (with budget_pages)
+    held: dict[int, tuple[TraceRequest, dict[str, torch.Tensor]]] = {}   # submitted, not admitted yet
+    sent_at: dict[int, int] = {}   # request -> steps taken when it was submitted
+    steps = 0
 
     def lifetime(r: TraceRequest) -> int:
         return -(-(r.input_tokens + r.output_tokens) // ps)
@@ -181,19 +192,41 @@ def decode_in_place(engine: Any, prefill: Any, reqs: list[TraceRequest], prompts
         t0 = time.perf_counter()
         if t_step_end is not None and engine.running():
             res.stalls_s.append(t0 - t_step_end)   # the running batch waited this long since its last step
+        in_engine = frozenset(int(k) for k in engine.states)
         ran = engine.step() if stepper is None else stepper.step()
         t1 = time.perf_counter()
         res.decode_s += t1 - t0
         if ran:
+            res.step_log.append((in_engine, len(held)))
             res.step_s.append(t1 - t0)
             res.step_requests.append(engine.step_requests[-1])
         t_step_end = t1 if ran else None
         return ran
 
-    while waiting or engine.running():
-        tickets: list[Any] = []
-        held: list[tuple[TraceRequest, dict[str, torch.Tensor]]] = []
-        while waiting and engine.running() + len(held) < max_batch:
+    def admit(a: Any) -> None:
+        r, vt = held.pop(a.request_id)
+        if a.figures is None:
+            engine.release(str(r.request_id))
+            raise InvariantError(f"prefill arena short for request {r.request_id} ({r.input_tokens} tokens)")
+        stamp(r.request_id, "received")
+        res.figures.append(a.figures)
+        out = a.extra["outputs"][r.request_id]
+        res.prefill_child_s = a.extra["prefill_s"]
+        res.weights_ok = res.weights_ok and a.extra["weights_digest"] == weights
+        if received_digests(cache, vt, r.input_tokens) != out["digests"]:
+            res.digest_bad.append(r.request_id)
+        engine.admit(str(r.request_id), prompts[r.request_id], out["first_token"], r.output_tokens)
+        now = time.perf_counter()
+        res.ttft_s[r.request_id] = now - t_run
+        last_tok[r.request_id] = now
+        res.admitted_at[r.request_id] = steps
+        stamp(r.request_id, "admitted")
+
+    while waiting or engine.running() or held:
+        handed = 0
+        # while a batch runs, one hand-over and one admission per gap between two steps (each costs about a small
+        # model's step); with none running, as many as there is room for
+        while waiting and engine.running() + len(held) < max_batch and not (engine.running() and handed):
             r = waiting[0]
             fits = budget_pages is None or sum(committed.values()) + lifetime(r) <= budget_pages
             vt = engine.reserve_ends(str(r.request_id), r.input_tokens) if fits else None
@@ -203,44 +236,32 @@ def decode_in_place(engine: Any, prefill: Any, reqs: list[TraceRequest], prompts
             waiting.popleft()
             committed[r.request_id] = lifetime(r)
             stamp(r.request_id, "reserved")
-            ticket = prefill.start(RequestState(r), vt)
-            if ticket is None:
-                engine.release(str(r.request_id))
-                raise InvariantError(f"prefill arena short for request {r.request_id} ({r.input_tokens} tokens)")
-            if on_started is not None:
-                on_started(r.request_id, ticket)
+            feed.submit(RequestState(r), vt)
             stamp(r.request_id, "sent")
-            tickets.append(ticket)
-            held.append((r, vt))
-        for _ in range(steps_in_flight if held else 0):
-            # the round's transfers are in flight (their pages leased): the running batch steps meanwhile
-            moved = engine.cache.counters.pages_moved
-            if not engine.running() or not run_step():
-                break
-            res.steps_in_flight += 1
-            res.pages_moved_in_flight += engine.cache.counters.pages_moved - moved
-            collect(res, engine, last_tok, stamp, on_done, committed)
-        if held:
-            res.figures += prefill.finish_all(tickets)
-            for r, _ in held:
-                stamp(r.request_id, "received")
-            outs, wd, child_s = outputs([r.request_id for r, _ in held])
-            res.prefill_child_s = child_s
-            res.weights_ok = res.weights_ok and wd == weights
-            now = time.perf_counter()
-            for r, vt in held:
-                if received_digests(cache, vt, r.input_tokens) != outs[r.request_id]["digests"]:
-                    res.digest_bad.append(r.request_id)
-                engine.admit(str(r.request_id), prompts[r.request_id], outs[r.request_id]["first_token"],
-                             r.output_tokens)
-                res.ttft_s[r.request_id] = now - t_run
-                last_tok[r.request_id] = now
-                stamp(r.request_id, "admitted")
-        elif not engine.running():
-            r = waiting[0]
-            raise InvariantError(f"decode cache of {cache.arena.arena_bytes:,} bytes cannot hold request "
-                                 f"{r.request_id} ({r.input_tokens} prompt tokens) with no other request running")
-        run_step()
+            held[r.request_id] = (r, vt)
+            sent_at[r.request_id] = steps
+            handed += 1
+        running = engine.running() > 0
+        # each request joins as soon as its own transfer finished, after steps_in_flight steps of a running batch;
+        # with none running, the first one in flight is waited for, and every one finished by then joins with it
+        allowed = [rid for rid in held if not running or steps - sent_at[rid] >= steps_in_flight][:1 if running else None]
+        for a in feed.arrived(allowed, wait_s=0.0 if running else ARRIVAL_WAIT_S):
+            admit(a)
+        if not engine.running():
+            if held:
+                continue   # nothing to step: wait for the next arrival
+            if waiting:
+                r = waiting[0]
+                raise InvariantError(f"decode cache of {cache.arena.arena_bytes:,} bytes cannot hold request "
+                                     f"{r.request_id} ({r.input_tokens} prompt tokens) with no other request "
+                                     "running")
+            break
+        moved = cache.counters.pages_moved
+        if run_step():
+            steps += 1
+            if held:   # transfers in flight (their pages leased) while the batch stepped
+                res.steps_in_flight += 1
+                res.pages_moved_in_flight += cache.counters.pages_moved - moved
         collect(res, engine, last_tok, stamp, on_done, committed)
     res.memory_s = cache.counters.memory_seconds
     res.pages_moved = cache.counters.pages_moved
@@ -271,4 +292,4 @@ def collect(res: InPlaceResult, engine: Any, last_tok: dict[int, float], stamp: 
             on_done(i)
 
 
-__all__ = ["DECODE_MODES", "InPlaceResult", "cb_min_page_size", "collect", "decode_in_place", "engine_for", "received_digests"]
+__all__ = ["ARRIVAL_WAIT_S", "DECODE_MODES", "InPlaceResult", "cb_min_page_size", "collect", "decode_in_place", "engine_for", "received_digests"]

@@ -69,7 +69,10 @@ def prefill_kv(model: Any, prompt: list[int]) -> PrefillKV:
         if layer.is_sliding:
             layer.activate_past_recording()
     with torch.no_grad():
-        out = model(input_ids=torch.tensor([prompt], dtype=torch.long), past_key_values=cache, use_cache=True)
+        # the logits of the last position only, as transformers' generate() asks for them (the prompt's other
+        # positions' logits are most of a small model's prefill: its vocabulary projection)
+        out = model(input_ids=torch.tensor([prompt], dtype=torch.long), past_key_values=cache, use_cache=True,
+                    logits_to_keep=1)
     first = int(out.logits[0, -1].argmax())
     return PrefillKV(first, [la.keys[0].clone() for la in layers], [la.values[0].clone() for la in layers])
 
@@ -203,20 +206,30 @@ class ModelKV:
         self._kv: dict[int, dict[str, PrefillKV]] = {}
         self.prefill_s = 0.0
 
-    def _prefill(self, request_id: int) -> dict[str, PrefillKV]:
+    def forward(self, request_id: int) -> tuple[dict[str, PrefillKV], float]:
+        """The prefill forwards of ``request_id`` (the target's; the drafter's too unless ``late_draft``) and their
+        seconds, changing nothing here: any thread may run it while another uses the arena (the models' weights
+        are only read). :meth:`adopt` records the result. Raises :class:`UmallocValueError`: no prompt."""
         import time
 
+        if request_id not in self.prompts:
+            raise UmallocValueError(f"request {request_id}: no prompt")
+        t0 = time.perf_counter()
+        pre = {"target": prefill_kv(self.model, self.prompts[request_id])}
+        if self.drafter is not None and not self.late_draft:
+            pre["draft"] = prefill_kv(self.drafter, self.prompts[request_id])
+        return pre, time.perf_counter() - t0
+
+    def adopt(self, request_id: int, pre: dict[str, PrefillKV], seconds: float) -> None:
+        """Record :meth:`forward`'s result for ``request_id``: :meth:`fill_pages` writes it without a forward."""
+        self.prefill_s += seconds
+        self._kv[request_id] = pre
+        self.first_tokens[request_id] = pre["target"].first_token
+        self.digests[request_id] = {}
+
+    def _prefill(self, request_id: int) -> dict[str, PrefillKV]:
         if request_id not in self._kv:
-            if request_id not in self.prompts:
-                raise UmallocValueError(f"request {request_id}: no prompt")
-            t0 = time.perf_counter()
-            pre = {"target": prefill_kv(self.model, self.prompts[request_id])}
-            if self.drafter is not None and not self.late_draft:
-                pre["draft"] = prefill_kv(self.drafter, self.prompts[request_id])
-            self.prefill_s += time.perf_counter() - t0
-            self._kv[request_id] = pre
-            self.first_tokens[request_id] = pre["target"].first_token
-            self.digests[request_id] = {}
+            self.adopt(request_id, *self.forward(request_id))
         return self._kv[request_id]
 
     def fill_pages(self, arena: Arena, end: str, request_id: int, seq_pages: torch.Tensor | np.ndarray,

@@ -85,9 +85,9 @@ class GenerateConfig:
     the received pages in place; speculative rounds with a drafter on a full-attention model) or ``rebuild`` (the
     received pages read into a ``DynamicCache`` per request); ``None``: ``cb``, or ``rebuild`` with a drafter on a
     model with sliding layers. ``decode_blocks``: with ``cb``, the decode cache's pages (an arena smaller than the
-    load: arrivals wait for room, the cache compacts at every step). ``steps_in_flight``: with ``cb``, decode
-    steps the running batch takes while a round's transfers are in flight (tests: a transfer that lasts several
-    steps).
+    load: arrivals wait for room, the cache compacts at every step). ``steps_in_flight``: with ``cb``, the fewest
+    decode steps the running batch takes between a request's hand-over and its admission (tests: a transfer
+    that lasts several steps).
     ``fault``: a wrong KV written on the prefill side (:data:`~umalloc_replay.generate.kv.FAULTS`), for the
     tests that show the token check catches it; ``None`` in every real run.
     """
@@ -204,7 +204,7 @@ def compare_request(r: TraceRequest, toks: list[int], want: list[int], per_reque
 def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = None,
                  on_batch: Callable[[int, Any], None] | None = None) -> dict:
     """Run ``cfg`` (module docstring); returns the JSON-ready report. ``on_batch(batch_index, prefill_side)``
-    runs after each batch's requests decoded (tests end the second process or raise ``KeyboardInterrupt``
+    runs after each batch's requests decoded (``cb``: after each request finished, its index among them) (tests end the second process or raise ``KeyboardInterrupt``
     there, at a point of their choosing). With ``--backend nixl|mooncake`` and a ``console`` (rich), prints
     ``prefill process: pid N (BACKEND)`` on it once the second process is up with its model, before any batch.
 
@@ -354,7 +354,7 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
                                     transfer_timeout_s=cfg.transfer_timeout_s, lease_deadline_s=cfg.lease_deadline_s,
                                     gate=gate)
     else:
-        from umalloc_replay.generate.child import SETUP_TARGET
+        from umalloc_replay.generate.child import OUTPUTS_TARGET, SETUP_TARGET
         from umalloc_replay.single.remote import RemotePrefill
 
         if progress and console is not None:  # the second process's start (engine, model) takes seconds
@@ -364,7 +364,7 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
         prefill = RemotePrefill(cfg.backend, spec, dec, timer, model=cfg.model, page_size=cfg.page_size,
                                 draft=False, seed=cfg.seed, compaction=cfg.compaction, padded=False,
                                 transfer_timeout_s=cfg.transfer_timeout_s, lease_deadline_s=cfg.lease_deadline_s,
-                                setup=setup)
+                                setup=setup, after=OUTPUTS_TARGET)
         if console is not None:  # the second process is up, its model built: the run's batches come next
             console.print(f"prefill process: pid {prefill.worker.pid} ({cfg.backend})", soft_wrap=True)
     generated: dict[int, list[int]] = {}
@@ -379,6 +379,7 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
     spec_fig = {"rounds": 0, "proposed": 0, "accepted": 0}
     gate_figs = {"deferred_posts": 0, "posted_before_draft": 0}
     in_place: Any = None
+    feed: Any = None
     baseline: dict = {}
     rounds_pd: dict[int, list[int]] = {}
     bar = None
@@ -394,15 +395,6 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
             task = bar.add_task(f"generate {cfg.model} over {cfg.backend}", total=len(reqs))
         wd_here = weights_digest(model) + ("" if drafter is None else "/" + weights_digest(drafter))
 
-        def outputs_of(rids: list[int]) -> tuple[dict, str, float]:
-            if kv_local is not None:
-                return kv_local.outputs(rids), wd_here, kv_local.prefill_s
-            from umalloc_replay.generate.child import OUTPUTS_TARGET
-
-            res = prefill.worker.run(OUTPUTS_TARGET, rids, progress=prefill.b.progress,
-                                     timeout_s=cfg.transfer_timeout_s)
-            return res["outputs"], res["weights_digest"], res["prefill_s"]
-
         if engine is not None:
             stepper = None
             if cfg.draft:
@@ -417,10 +409,21 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
                     gate_figs["deferred_posts"] += int(deferred)
                     gate_figs["posted_before_draft"] += int(not deferred)
 
-            ip = decode_in_place(engine, prefill, reqs, prompts, outputs_of, wd_here, cfg.max_batch,
-                                 on_done=None if bar is None else (lambda _rid: bar.advance(task)),
-                                 stepper=stepper, on_started=late_draft,
-                                 budget_pages=budget_pages, steps_in_flight=cfg.steps_in_flight)
+            from umalloc_replay.generate.feed import LocalFeed
+
+            finished = [0]
+
+            def finished_one(_rid: int) -> None:
+                if bar is not None:
+                    bar.advance(task)
+                if on_batch is not None:   # tests: end the second process at a point of their choosing
+                    on_batch(finished[0], prefill)
+                finished[0] += 1
+
+            feed = prefill if kv_local is None else LocalFeed(prefill, kv_local, wd_here, on_started=late_draft)
+            ip = decode_in_place(engine, feed, reqs, prompts, wd_here, cfg.max_batch,
+                                 on_done=finished_one,
+                                 stepper=stepper, budget_pages=budget_pages, steps_in_flight=cfg.steps_in_flight)
             if stepper is not None:
                 rounds_pd = {int(rid): rs for rid, rs in stepper.figures.per_round.items()}
                 spec_fig = {"rounds": stepper.figures.rounds, "proposed": stepper.figures.proposed,
@@ -428,7 +431,7 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
             generated, digest_bad, figures, decode_s = ip.generated, ip.digest_bad, ip.figures, ip.decode_s
             weights_ok, prefill_child_s = ip.weights_ok, ip.prefill_child_s
             in_place = ip
-            from umalloc_replay.generate.timeline import one_process_cb
+            from umalloc_replay.generate.timeline import one_process_cb, timeline_rows
 
             t_base = time.perf_counter()
             baseline = one_process_cb(model, reqs, prompts, cfg.page_size, cfg.max_batch)
@@ -517,6 +520,8 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
         if bar is not None:
             bar.stop()
         with cleanup_shielded():  # a second Ctrl-C or SIGTERM does not cut the cleanup short
+            if feed is not None and feed is not prefill:
+                feed.close()   # the local prefill's worker thread
             prefill.close(interrupted=interrupted)
             if engine is not None:
                 engine.close()
@@ -544,8 +549,7 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
                    "steps_in_flight": cfg.steps_in_flight},
         "decode": cfg.decode,
         "serving": None if in_place is None else serving_figures(in_place, decoded, baseline, reference),
-        "timeline": None if in_place is None else [{"request": r.request_id, "stamps": in_place.stamps[r.request_id]}
-                                                   for r in reqs],
+        "timeline": None if in_place is None else timeline_rows(in_place, reqs),
         "model": cfg.model, "backend": cfg.backend, "seed": cfg.seed, "page_size": cfg.page_size,
         "layer_types": list(geo.layer_types), "window_tokens": geo.window_tokens,
         "token_scale": cfg.token_scale, "output_scale": cfg.output_scale, "fault": cfg.fault,

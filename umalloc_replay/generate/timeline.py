@@ -10,13 +10,16 @@ Policy:
 * Decode tokens/s, both runs: tokens after each request's first (the prefill's) over the seconds of the engine's
   steps. The PD run's steps are decode steps only; the baseline's include its prefill forwards, which the PD run
   does on the prefill side: that is the trade the target ``pd / baseline >= 0.9`` measures.
-* Stall: the seconds between the end of one engine step and the start of the next while requests were running
-  (the round of reservations, prefills, sends and admissions the batch waited for); the longest is printed as
-  seconds and as multiples of the median step.
 * Memory-layer share: the decode cache's own seconds (reservations, growth, index building, compaction) over the
   decode steps' seconds.
 * The timeline: one row per request, from the run's start: queued (waiting for pages), prefill (pages reserved to
-  the KV sent), transfer (sent to received), waiting for admission, decode (admitted to its last token).
+  the request handed to the prefill side), transfer (handed over to its transfer found finished: the prefill
+  forward, plan and post run in there, asynchronously), waiting for admission, decode (admitted to its last
+  token); with the engine steps it was admitted after and ran in.
+* Stall: the seconds between the end of one engine step and the start of the next while requests were running
+  (reservations, hand-overs, polls for finished transfers and admissions between them; with ``local``, the
+  prefill's plan and post too, its forward runs on a thread: Note [Local prefill on a thread] of
+  :mod:`umalloc_replay.generate.feed`); the longest is printed as seconds and as multiples of the median step.
 
 Threading: the caller's thread only.
 """
@@ -96,6 +99,20 @@ def serving_targets(ip: Any, decoded: int, baseline: dict, reference: dict[int, 
             "pages_moved_with_transfers_in_flight": ip.pages_moved_in_flight, "pages_moved": ip.pages_moved, "waits_for_room": ip.waits_for_room}
 
 
+def timeline_rows(ip: Any, reqs: list) -> list[dict]:
+    """The report's ``timeline``: per request of ``reqs`` (in order), its ``stamps`` (seconds from the run's start,
+    :data:`PHASES`), ``admitted_after_steps`` (engine steps taken before its admission) and ``engine_steps``
+    (``[first, last]`` index of the engine steps it ran in, ``None`` if none), from ``ip``'s
+    (:class:`~umalloc_replay.generate.inplace.InPlaceResult`) step log. O(steps x batch)."""
+    ran: dict[int, list[int]] = {}
+    for i, (in_engine, _in_flight) in enumerate(ip.step_log):
+        for rid in in_engine:
+            ran.setdefault(rid, [i, i])[1] = i
+    return [{"request": r.request_id, "stamps": ip.stamps[r.request_id],
+             "admitted_after_steps": ip.admitted_at.get(r.request_id),
+             "engine_steps": ran.get(r.request_id)} for r in reqs]
+
+
 def build_timeline_figure(report: Mapping) -> Any:
     """The matplotlib ``Figure`` of a ``--decode cb`` report's ``timeline`` (module docstring); the caller saves
     and closes it.
@@ -145,4 +162,4 @@ def plot_timeline(report: Mapping, path: Path) -> Path:
 
 
 __all__ = ["PHASES", "TARGET_MEMORY_SHARE", "TARGET_SPEED_RATIO", "build_timeline_figure", "one_process_cb",
-           "plot_timeline", "serving_targets"]
+           "plot_timeline", "serving_targets", "timeline_rows"]

@@ -149,6 +149,17 @@ class PlanFigures:
     per_layer_per_page: int
 
 
+@dataclass
+class Arrival:
+    """A request whose asynchronous start finished (its transfer done, both sides' leases of it released):
+    ``figures`` of its plan (``None``: the prefill arena was short, nothing was sent and nothing changed) and
+    ``extra``, what the prefill side attached (``umalloc generate``: the prefill's first token and digests)."""
+
+    request_id: int
+    figures: PlanFigures | None
+    extra: object = None
+
+
 class LocalPrefill:
     """The prefill side in this process: its arena, allocator, pattern, and a local backend pair.
 
@@ -184,8 +195,8 @@ class LocalPrefill:
         self.step_leases = 0  # the same since the driver last reset it
         self.gate = gate
 
-    def start(self, rs: RequestState, dst_vtokens: torch.Tensor) -> object | None:
-        """Prefill ``rs`` and submit its plan; ``None`` if the prefill arena is short (nothing changed)."""
+    def start(self, rs: RequestState, dst_vtokens: torch.Tensor | dict[str, torch.Tensor]) -> object | None:
+        """Prefill ``rs`` and submit its plan (``dst_vtokens``: decode's virtual token ids, per end where they differ); ``None`` if the prefill arena is short (nothing changed)."""
         L = rs.req.input_tokens
         with self.timer.phase("allocator"):
             vt = alloc_sequence(self.alloc, L)
@@ -274,4 +285,4 @@ class LocalPrefill:
 
 
 
-__all__ = ["LocalPrefill", "PagePattern", "PlanFigures", "alloc_sequence", "fill_sequence", "swa_ends", "warm_up"]
+__all__ = ["Arrival", "LocalPrefill", "PagePattern", "PlanFigures", "alloc_sequence", "fill_sequence", "swa_ends", "warm_up"]

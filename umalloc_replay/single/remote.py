@@ -22,6 +22,15 @@ Policy:
   held (in doubt once its deadline passes) until the child is confirmed gone, which :meth:`RemotePrefill.close`
   waits for before it settles every half kept so (:func:`settle_failed_half`). The parent progresses its own
   backend while it waits for the child (a NIXL target).
+* Asynchronous start (:meth:`RemotePrefill.submit` / :meth:`RemotePrefill.arrived`, ``umalloc generate``): the
+  parent leases, publishes the receiver half and submits :func:`child_prefill_send` without waiting
+  (Note [Submitted requests] of :mod:`umalloc.backends.worker`); the child prefills, plans, posts, waits for that
+  one transfer and frees its prompt, then replies. The parent polls between its decode steps and completes each
+  half when its reply arrives (in submission order: the child answers one request at a time). Per-request
+  finishing frees a prompt while the child's later transfers are not yet posted, so Note [Finishing a step's
+  transfers] (equal compactions across backends) is the synchronous path's, not this one's. Failures keep the
+  synchronous path's rules: the failed request's half is settled or kept as :func:`settle_failed_half` says,
+  and every request behind it is kept held (the child may still be writing it) until the child is gone.
 * Time: each call is measured in the parent as ``transfer``; the child reports its own split (allocator, fill,
   translate+plan) which is moved to those phases, so the report's split means the same for every backend.
 """
@@ -29,6 +38,9 @@ Policy:
 from __future__ import annotations
 
 import time
+from collections import deque
+from collections.abc import Collection
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import cast
 
@@ -37,7 +49,7 @@ import torch
 from umalloc import ArenaSpec, MultiEndedAllocator, PeerLayout, ReceiverHalf, build_receiver_half
 from umalloc_replay.report import PhaseTimer
 from umalloc_replay.signals import sigint_ignored
-from umalloc_replay.single.prefill import PlanFigures, warm_up
+from umalloc_replay.single.prefill import Arrival, PlanFigures, warm_up
 from umalloc_replay.workload import RequestState
 
 _HERE = "umalloc_replay.single.remote:"
@@ -183,6 +195,30 @@ def child_finish(ctx, request_id: int, timeout_s: float) -> dict:
     return {"phases": res["phases"], "stats": res["stats"], **res["plans"][0]}
 
 
+def child_prefill_send(ctx, request_id: int, num_tokens: int, half: dict, peer: str, deadline_s: float | None,
+                       timeout_s: float, after: str | None) -> dict:
+    """One submitted request of :meth:`RemotePrefill.submit`: :func:`child_start`, then (unless the arena was short)
+    :func:`child_finish_all` of this request alone (its transfer waited for, its plan ended, its prompt freed),
+    then ``after(ctx, [request_id])`` when ``after`` (``"module:function"``) is given. Returns
+    :func:`child_start`'s dict with both calls' ``phases`` summed, ``plan`` (the plan's figures, ``None`` when
+    short) and ``extra`` (``after``'s result, ``None`` without one). Takes at most about ``2 * timeout_s`` plus
+    the prefill's own time. Raises what :func:`child_start` or :func:`child_finish_all` raise."""
+    import importlib
+
+    res = child_start(ctx, request_id, num_tokens, half, peer, deadline_s)
+    if res["short"]:
+        return {**res, "plan": None, "extra": None}
+    fin = child_finish_all(ctx, [request_id], timeout_s)
+    phases = dict(res["phases"])
+    for k, v in fin["phases"].items():
+        phases[k] = phases.get(k, 0.0) + v
+    extra = None
+    if after is not None:
+        mod, fn = after.split(":", 1)
+        extra = getattr(importlib.import_module(mod), fn)(ctx, [request_id])
+    return {**res, "phases": phases, "stats": fin["stats"], "plan": fin["plans"][0], "extra": extra}
+
+
 def child_check(ctx) -> dict:
     """``check_invariants`` of the child's allocator and backend; returns its stats."""
     ctx.objects["replay_alloc"].check_invariants()
@@ -191,6 +227,20 @@ def child_check(ctx) -> dict:
 
 
 # ==== in the parent =============================================================================================
+
+
+@dataclass
+class _Submitted:
+    request_id: int
+    half: ReceiverHalf
+    seq: int
+
+
+def _child_gone(exc: BaseException) -> bool:
+    from umalloc.backends.worker import WorkerDied
+
+    return isinstance(exc, WorkerDied)
+
 
 
 def settle_failed_half(half: ReceiverHalf, exc: BaseException) -> bool:
@@ -227,6 +277,10 @@ class RemotePrefill:
         setup: ``("module:function", args)`` that the child runs as ``function(ctx, *args)`` instead of
             :func:`child_setup` (then ``model`` ... ``padded`` are unused): it builds the child's allocator and
             pattern and ends with :func:`adopt_prefill_side` (``umalloc generate``: a model's KV as the pattern).
+        after: ``"module:function"`` the child runs as ``function(ctx, [request_id])`` once a submitted
+            request's transfer finished (:meth:`submit`); its result rides the request's :class:`Arrival`.
+
+    Threading: the caller's thread only.
 
     Raises:
         BackendUnavailable: the engine cannot start here (in either process).
@@ -237,7 +291,7 @@ class RemotePrefill:
     def __init__(self, backend: str, pre_spec: ArenaSpec, decode: MultiEndedAllocator, timer: PhaseTimer, *,
                  model: str, page_size: int, draft: bool, seed: int, compaction: str, padded: bool,
                  transfer_timeout_s: float, lease_deadline_s: float | None,
-                 setup: tuple[str, tuple] | None = None) -> None:
+                 setup: tuple[str, tuple] | None = None, after: str | None = None) -> None:
         from umalloc import get_backend
         from umalloc.backends.worker import BackendWorker
 
@@ -247,6 +301,9 @@ class RemotePrefill:
         self.deadline_s = lease_deadline_s
         self.dst_layout = PeerLayout.from_arena(decode.arena)
         self.kept_halves: list[ReceiverHalf] = []  # halves the child may still write: settled once it is confirmed gone
+        self.after = after
+        self._submitted: deque[_Submitted] = deque()  # submitted requests, in the order the child answers them
+        self._head_since = 0.0  # when the child could start on the head of _submitted (monotonic)
         with sigint_ignored():  # the child inherits SIGINT ignored: Ctrl-C is the parent's (umalloc_replay.signals)
             self.worker = BackendWorker(backend)
         self.b = None
@@ -334,6 +391,92 @@ class RemotePrefill:
         return [PlanFigures(f["bytes_total"], f["bytes_by_vector"], f["descriptors"], f["runs"],
                             f["per_layer_per_page"]) for f in res["plans"]]
 
+    # ---- asynchronous start -------------------------------------------------------------------------------
+    def submit(self, rs: RequestState, dst_vtokens: torch.Tensor | dict[str, torch.Tensor]) -> None:
+        """Asynchronous :meth:`start`: lease and publish the receiver half here, submit :func:`child_prefill_send`
+        and return at once (module docstring); :meth:`arrived` reports the request once its transfer finished.
+
+        Raises:
+            BackendError: publishing or sending failed (the half is settled, or kept held when the child may
+                have the request: :func:`settle_failed_half`).
+        """
+        with self.timer.phase("translate_plan"):
+            half = build_receiver_half(str(rs.rid), self.decode, dst_vtokens, layout=self.dst_layout,
+                                       deadline_s=self.deadline_s)
+        try:
+            with self.timer.phase("transfer"):
+                wire = self.b.publish_half(half)  # type: ignore[union-attr]
+                seq = self.worker.submit(_HERE + "child_prefill_send", rs.rid, rs.req.input_tokens, wire, self.peer,
+                                         self.deadline_s, self.timeout_s, self.after)
+        except BaseException as exc:
+            self._settle_or_keep(half, exc)
+            raise
+        if not self._submitted:
+            self._head_since = time.monotonic()
+        self._submitted.append(_Submitted(rs.rid, half, seq))
+
+    def in_flight(self) -> list[int]:
+        """The submitted requests not reported by :meth:`arrived` yet, in submission order."""
+        return [s.request_id for s in self._submitted]
+
+    def arrived(self, allowed: Collection[int] | None = None, wait_s: float = 0.0) -> list[Arrival]:
+        """The submitted requests whose replies arrived, in submission order, each half completed (its lease
+        released) — up to the first request not in ``allowed`` (``None``: any): a request outside it stays in
+        flight, leased. Never blocks with ``wait_s`` 0; otherwise waits up to ``wait_s`` seconds for the first.
+        A request short of prefill room comes back with ``figures`` None (its half completed, nothing sent).
+
+        Raises:
+            WorkerTimeout: the child did not answer the first request within its bound (two transfer timeouts
+                plus :data:`CALL_MARGIN_S` from when the child could start on it). WorkerDied, or the child's
+                error for the first request. On any of them the first request's half is settled or kept as
+                :func:`settle_failed_half` says, and every later one is kept held (settled once the child is
+                gone, :meth:`close`); none of them is in flight any more.
+        """
+        out: list[Arrival] = []
+        while self._submitted and (allowed is None or self._submitted[0].request_id in allowed):
+            head = self._submitted[0]
+            try:
+                with self.timer.phase("transfer"):
+                    self.b.progress()  # type: ignore[union-attr]
+                    got = self.worker.poll(head.seq, 0.0 if out else wait_s, progress=self.b.progress)  # type: ignore[union-attr]
+                    if not got:
+                        bound = 2 * self.timeout_s + CALL_MARGIN_S
+                        if time.monotonic() - self._head_since > bound:
+                            from umalloc.backends.worker import WorkerTimeout
+
+                            raise WorkerTimeout(f"prefill child (pid {self.worker.pid}): no reply for request "
+                                                f"{head.request_id} within {bound:.3g} s")
+                        break
+                    res = cast(dict, self.worker.result(head.seq))
+            except BaseException as exc:
+                self._submitted.popleft()
+                self._settle_or_keep(head.half, exc)
+                for rest in self._submitted:   # the child may still write them: held until it is gone
+                    self.worker.discard(rest.seq)
+                    if _child_gone(exc):
+                        self._settle_or_keep(rest.half, exc)
+                    else:
+                        self.kept_halves.append(rest.half)
+                self._submitted.clear()
+                self.worker.discard(head.seq)
+                raise
+            self._submitted.popleft()
+            self._head_since = time.monotonic()
+            for phase, secs in res["phases"].items():   # the child's own split, measured there
+                self.timer.seconds[phase] += secs
+            self._stats = res["stats"]
+            head.half.complete()
+            if res["short"]:
+                out.append(Arrival(head.request_id, None, res["extra"]))
+                continue
+            self.bytes_filled += res["filled"]
+            held = res["leases_at_post"] + self.decode.leases_active() + 1
+            self.max_leases = max(self.max_leases, held)
+            f = res["plan"]
+            out.append(Arrival(head.request_id, PlanFigures(f["bytes_total"], f["bytes_by_vector"], f["descriptors"],
+                                                            f["runs"], f["per_layer_per_page"]), res["extra"]))
+        return out
+
     def _settle_or_keep(self, half: ReceiverHalf, exc: BaseException) -> None:
         if not settle_failed_half(half, exc):
             self.kept_halves.append(half)
@@ -356,10 +499,15 @@ class RemotePrefill:
         self.b.check_invariants()  # type: ignore[union-attr]
 
     def close(self, *, interrupted: bool = False) -> None:
-        """End the child, settle every half it might still have written once it is confirmed gone (its engine
-        can write no more), and close the receiving backend (idempotent). ``interrupted`` (Ctrl-C): the child is
-        killed at once instead of being asked to finish and close its engine (which waits for its transfers)."""
+        """End the child, settle every half it might still have written (kept ones, and submitted requests not
+        reported yet) once it is confirmed gone (its engine can write no more), and close the receiving backend
+        (idempotent). ``interrupted`` (Ctrl-C): the child is killed at once instead of being asked to finish and
+        close its engine (which waits for its transfers)."""
         try:
+            for sub in self._submitted:   # still in flight: the child may write them until it is gone
+                self.worker.discard(sub.seq)
+                self.kept_halves.append(sub.half)
+            self._submitted.clear()
             if interrupted:
                 self.worker.kill()
             self.worker.close()
@@ -375,4 +523,4 @@ class RemotePrefill:
 
 
 __all__ = ["CALL_MARGIN_S", "RemotePrefill", "adopt_prefill_side", "child_check", "child_finish",
-           "child_finish_all", "child_setup", "child_start", "settle_failed_half"]
+           "child_finish_all", "child_prefill_send", "child_setup", "child_start", "settle_failed_half"]
