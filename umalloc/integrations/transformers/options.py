@@ -51,8 +51,14 @@ class CacheOptions:
         check_every_step: run ``check_invariants`` (table and allocator) at the step hook.
         max_requests: request slots (``None``: ``min(owner pages, 1024)``).
         draft_layers: layers of an early-exit drafter whose KV the arena holds in a ``draft`` end bound to
-            ``full`` (every page of a request on ``full`` has its page there; same heads and head dim as the
-            model's); 0: no ``draft`` end. Full-attention models only.
+            ``full`` (every page of a request on ``full`` has its page there, every token of every drafter layer,
+            a sliding one's included; same heads and head dim as the model's); 0: no ``draft`` end. Models with
+            full-attention layers only (the end is bound to ``full``).
+        speculative_tokens: draft tokens ``k`` a speculative round verifies (what
+            :class:`~umalloc.integrations.transformers.speculate.SpeculativeDecoder` needs): each sliding ring then
+            has ``ring_tokens(window, page_size, k)`` slots, enough that a rejected draft never overwrites a
+            position still inside the window after the round is rolled back (Note [Sliding ring] in
+            :mod:`~umalloc.integrations.transformers.rings`); 0: rings of ``window`` slots, as transformers' own.
 
     Raises:
         UmallocValueError: a field of the wrong type or out of range, naming the field, the value and what is
@@ -66,14 +72,17 @@ class CacheOptions:
     check_every_step: bool = False
     max_requests: int | None = None
     draft_layers: int = 0
+    speculative_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("arena_bytes", "compact_budget_pages", "max_requests"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise UmallocValueError(f"CacheOptions.{name}={v!r}: allowed None or an int >= 1")
-        if isinstance(self.draft_layers, bool) or not isinstance(self.draft_layers, int) or self.draft_layers < 0:
-            raise UmallocValueError(f"CacheOptions.draft_layers={self.draft_layers!r}: allowed an int >= 0")
+        for name in ("draft_layers", "speculative_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise UmallocValueError(f"CacheOptions.{name}={v!r}: allowed an int >= 0")
         if self.compaction not in COMPACTION_MODES:
             raise UmallocValueError(f"CacheOptions.compaction={self.compaction!r}: allowed one of "
                                     f"{list(COMPACTION_MODES)}")
