@@ -1,5 +1,5 @@
-"""The decode side of ``umalloc generate --decode cb``: transformers' continuous batching on the umalloc
-integration, attending over the received KV in place.
+"""The decode side of ``umalloc generate``: transformers' continuous batching on the umalloc integration,
+attending over the received KV in place.
 
 Policy:
 
@@ -37,10 +37,6 @@ from umalloc import InvariantError, UmallocValueError
 from umalloc_replay.trace import TraceRequest
 from umalloc_replay.workload import RequestState
 
-#: The decode modes of ``umalloc generate``: ``rebuild`` (read the received pages into a transformers
-#: ``DynamicCache``, one request at a time) and ``cb`` (continuous batching over the received pages in place).
-DECODE_MODES = ("rebuild", "cb")
-
 
 def cb_min_page_size() -> int:
     """The smallest page (tokens) transformers' continuous batching accepts (its ``page_size`` bound, checked when
@@ -53,13 +49,15 @@ def cb_min_page_size() -> int:
 
 
 def engine_for(model: Any, reqs: list[TraceRequest], page_size: int, max_batch: int, check: bool = False,
-               draft_layers: int = 0, num_blocks: int | None = None) -> Any:
+               draft_layers: int = 0, num_blocks: int | None = None, speculative_tokens: int = 0) -> Any:
     """A :class:`~umalloc.integrations.transformers.admit.DecodeEngine` over a copy of ``model`` whose cache
     holds the ``max_batch`` (at most ``len(reqs)``) longest requests (prompt and output) at once, twice over; greedy, no end-of-sequence
     stop, no prefix sharing (a finished request frees its pages). ``check``: invariants after every step.
     ``draft_layers``: the cache's arena has a ``draft`` end of that many layers (an early-exit drafter's KV,
     Note [Draft end] of :mod:`umalloc.integrations.transformers.speculate`). ``num_blocks``: the cache's pages
-    instead (a decode arena under pressure: the cache compacts at every step).
+    instead (a decode arena under pressure: the cache compacts at every step). ``speculative_tokens``: the
+    draft tokens of the speculative rounds the engine will run (its sliding rings are built to roll them back,
+    Note [Sliding ring] of :mod:`umalloc.integrations.transformers.rings`); 0: none.
 
     Raises:
         UmallocValueError: the cache refuses the model (the integration's typed error, reworded), or its
@@ -86,9 +84,10 @@ def engine_for(model: Any, reqs: list[TraceRequest], page_size: int, max_batch: 
     try:
         return DecodeEngine(copy.deepcopy(model), gcfg, cbcfg,
                             CacheOptions(check_every_step=check, draft_layers=draft_layers,
-                                         compact_every_step=num_blocks is not None))
+                                         compact_every_step=num_blocks is not None,
+                                         speculative_tokens=speculative_tokens))
     except UnsupportedCacheError as exc:
-        raise UmallocValueError(f"--decode cb: {exc}") from exc
+        raise UmallocValueError(f"the decode side: {exc}") from exc
     except MemoryError as exc:
         given = f"--decode-blocks {num_blocks}" if num_blocks is not None else f"--max-batch {max_batch}"
         raise UmallocValueError(f"{given}: a decode cache of {blocks} pages of {page_size} tokens with batches of "
@@ -271,4 +270,4 @@ def collect(res: InPlaceResult, engine: Any, last_tok: dict[int, float], stamp: 
             on_done(i)
 
 
-__all__ = ["DECODE_MODES", "InPlaceResult", "cb_min_page_size", "collect", "decode_in_place", "engine_for", "received_digests"]
+__all__ = ["InPlaceResult", "cb_min_page_size", "collect", "decode_in_place", "engine_for", "received_digests"]

@@ -155,10 +155,11 @@ def draft_view(cache: Any, drafter_config: Any) -> DraftPagedView:
     if window is not None and window != cache.window:   # its sliding reads use the masks of the target's
         raise UnsupportedCacheError(f"the drafter's sliding window {window} differs from the model's "
                                     f"{cache.window}; allowed the target's own layers")
-    types = [FULL_ATTENTION] * n
+    types = [FULL_ATTENTION] * n   # per drafter layer (a config may list types past its layers: unused)
     for lt, layers in groups.items():
         for i in layers:
-            types[i] = lt
+            if i < n:
+                types[i] = lt
     cls = type("UmallocDraftPagedView", (DraftPagedView, cb_cache.PagedAttentionCache), {})
     view: DraftPagedView = cls(cache, types, heads, dim, window)
     return view
