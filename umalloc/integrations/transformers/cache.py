@@ -113,7 +113,6 @@ Threading: the scheduler's thread only (transformers drives the cache from one t
 from __future__ import annotations
 
 import weakref
-from time import perf_counter
 from typing import Any
 
 import numpy as np
@@ -142,6 +141,7 @@ from umalloc.integrations.transformers.options import (
     TORCH_TO_KV,
     CacheCounters,
     CacheOptions,
+    MemoryTimer,
     RequestCannotFitError,
     UnsupportedCacheError,
     text_config_dims,
@@ -161,22 +161,6 @@ def _weak_call(method: Any) -> Any:
         if m is not None:
             m(*args)
     return call
-
-
-class _Timer:
-    """Adds the wall time of a ``with`` block to ``counters.memory_seconds``."""
-
-    __slots__ = ("counters", "t0")
-
-    def __init__(self, counters: CacheCounters) -> None:
-        self.counters = counters
-        self.t0 = 0.0
-
-    def __enter__(self) -> None:
-        self.t0 = perf_counter()
-
-    def __exit__(self, *exc: object) -> None:
-        self.counters.memory_seconds += perf_counter() - self.t0
 
 
 class _Pool:
@@ -301,7 +285,7 @@ class UmallocPagedCache:
                                            zero_page=False)
         self.options = opts
         self.counters = CacheCounters()
-        self._timer = _Timer(self.counters)
+        self._timer = MemoryTimer(self.counters)
         self.slots: dict[str, int] = {}
         self._held: dict[int, int] = {}   # slot -> tokens it holds (the table's lengths, kept here: no table call)
         self.ring_slots: dict[int, int] = {}   # slot -> its ring's slot in ring_table (Note [Sliding ring])
@@ -454,16 +438,8 @@ class UmallocPagedCache:
             raise InvariantError(f"held lengths: kept for slots {sorted(self._held)}, live slots {live}")
         if live and self.table.num_tokens(live).tolist() != [self._table_tokens(self._held[s]) for s in live]:
             raise InvariantError("held lengths: a kept length differs from the table's")
-        if self.ring_table is None or self.ring_tokens is None:
-            return
-        self.ring_table.check_invariants()
-        if sorted(self.ring_slots) != live:
-            raise InvariantError(f"rings: kept for slots {sorted(self.ring_slots)}, live slots {live}")
-        if self.ring_table.stats().live_requests != len(live) + len(self.staged_rings):
-            raise InvariantError("rings: the ring table has requests no live slot names")
-        if live and self.ring_table.num_tokens([self.ring_slots[s] for s in live]).tolist() != \
-                [min(self._held[s], self.ring_tokens) for s in live]:
-            raise InvariantError("rings: a ring does not hold min(length, ring_tokens) tokens")
+        if self.ring_table is not None and self.rings is not None:
+            self.rings.check(self.ring_slots, self._held, len(self.staged_rings))
 
     # ---- scheduler-facing API (transformers' PagedAttentionCache) --------------------------------------------
     def can_store_request_tokens(self, state: Any, request_len: int, dry_run: bool = False) -> bool:

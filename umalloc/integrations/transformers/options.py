@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from time import perf_counter
 from typing import Any
 
 import torch
@@ -129,6 +130,22 @@ class CacheCounters:
     live_requests_sum: int = 0
 
 
+class MemoryTimer:
+    """Adds the wall time of a ``with`` block to ``counters.memory_seconds`` (``time.perf_counter``)."""
+
+    __slots__ = ("counters", "t0")
+
+    def __init__(self, counters: CacheCounters) -> None:
+        self.counters = counters
+        self.t0 = 0.0
+
+    def __enter__(self) -> None:
+        self.t0 = perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        self.counters.memory_seconds += perf_counter() - self.t0
+
+
 def text_config_dims(config: Any, dtype: torch.dtype) -> tuple[int, int, dict[str, list[int]], int | None]:
     """``(num_kv_heads, head_dim, layers by attention type, sliding_window)`` of a text config; refuses what the
     arena cannot hold (Note [Seams] 8)."""
@@ -158,5 +175,5 @@ def text_config_dims(config: Any, dtype: torch.dtype) -> tuple[int, int, dict[st
     return num_kv_heads, head_dim, groups, sliding_window if SLIDING_ATTENTION in groups else None
 
 
-__all__ = ["COMPACTION_MODES", "END_OF", "TORCH_TO_KV", "CacheCounters", "CacheOptions", "RequestCannotFitError", "UnsupportedCacheError",
+__all__ = ["COMPACTION_MODES", "END_OF", "TORCH_TO_KV", "CacheCounters", "CacheOptions", "MemoryTimer", "RequestCannotFitError", "UnsupportedCacheError",
            "UnsupportedTransformersVersion", "text_config_dims"]

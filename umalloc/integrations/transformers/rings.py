@@ -71,7 +71,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from umalloc import Arena, MultiEndedAllocator, RequestTable
+from umalloc import Arena, InvariantError, MultiEndedAllocator, RequestTable
 from umalloc.integrations.transformers.options import CacheCounters
 
 
@@ -185,6 +185,22 @@ class RingPages:
     def forget(self, rings: list[int]) -> None:
         """These rings are freed."""
         self.shared.difference_update(rings)
+
+    # ---- invariants ----------------------------------------------------------------------------------------------
+    def check(self, ring_slots: dict[int, int], held: dict[int, int], staged: int) -> None:
+        """Raise :class:`~umalloc.errors.InvariantError` unless the ring table holds exactly one ring per live
+        request (``ring_slots``: request slot -> ring slot; ``held``: request slot -> its tokens) plus ``staged``
+        staging rings, each request's ring holding ``min(length, ring)`` tokens (Note [Sliding ring]), and the
+        table's own invariants hold. O(pages)."""
+        self.table.check_invariants()
+        live = sorted(held)
+        if sorted(ring_slots) != live:
+            raise InvariantError(f"rings: kept for slots {sorted(ring_slots)}, live slots {live}")
+        if self.table.stats().live_requests != len(live) + staged:
+            raise InvariantError("rings: the ring table has requests no live slot names")
+        if live and self.table.num_tokens([ring_slots[s] for s in live]).tolist() != \
+                [min(held[s], self.ring) for s in live]:
+            raise InvariantError("rings: a ring does not hold min(length, ring_tokens) tokens")
 
     # ---- forks ------------------------------------------------------------------------------------------------
     def queue_fork_copy(self, src: int, dst: int) -> None:
