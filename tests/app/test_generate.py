@@ -241,7 +241,7 @@ def test_the_command_prints_its_table_and_its_report_reproduces_the_run(tmp_path
                              "requests": 2, "skip": 3, "token_scale": 64, "output_scale": 16, "page_size": 16,
                              "max_batch": 1, "seed": SEED, "draft": False, "draft_tokens": None,
                              "draft_layers": None, "draft_method": None, "compaction": "lazy",
-                             "decode": "cb", "decode_blocks": None, "steps_in_flight": 1}
+                             "decode_blocks": None, "steps_in_flight": 1}
     with open(default_trace_path()) as fh:
         rows = [json.loads(line) for line in list(fh)[3:5]]
     assert [(p["request"], p["prompt_tokens"], p["output_tokens"]) for p in rep["per_request"]] == [

@@ -174,7 +174,9 @@ def test_early_exit_on_a_sliding_model_equals_stock_tokens_and_rounds(types, dra
 
 
 @pytest.mark.parametrize("types, window, page_size, k", [
-    ([S, F], 8, 4, 3), ([S, F], 7, 4, 2), ([S, S], 8, 4, 3), ([S, S], 6, 4, 9), ([F, S, S], 5, 16, 4)])
+    ([S, F], 8, 4, 3), ([S, F], 7, 4, 2), ([S, S], 8, 4, 3), ([S, S], 6, 4, 9), ([F, S, S], 5, 16, 4),
+    ([S, F], 6, 4, 2),   # a ring of 8: the 17-token prompt's tail spans 3 pages, its first and last staged
+    ([S, F], 3, 32, 1)])
 def test_rejected_drafts_never_overwrite_a_position_inside_the_window(types, window, page_size, k) -> None:  # type: ignore[no-untyped-def]
     """Scripted rounds (drafts spoiled at chosen places, all accepted in some rounds): after every round the
     ring's bytes of every position inside the window equal a stock forward's, and the tokens equal stock's."""
@@ -243,3 +245,18 @@ def test_speculation_on_sliding_layers_needs_rings_built_for_its_rounds() -> Non
         CacheOptions(speculative_tokens=-1)
     with pytest.raises(UnsupportedCacheError, match="draft_layers"):
         engine(model_of([S, S], 8), 4, 2, draft_layers=1)
+
+
+def test_a_tail_one_page_past_a_speculative_ring_takes_a_staging_page() -> None:
+    """Window 6, page size 4, rounds of 2: a ring of 8 slots (2 pages); a 17-token prompt's tail spans sequence
+    pages 2 to 4, and pages 2 and 4 share ring page 0 (Note [Ring landing]); the 12-token one's fits."""
+    eng = engine(model_of([S, F], 6), 4, 2)
+    c = eng.cache
+    assert c.ring_tokens == 8
+    assert eng.reserve_ends("a", 17) is not None and len(c.staged_rings) == 1
+    assert eng.reserve_ends("b", 12) is not None and len(c.staged_rings) == 1
+    c.check_invariants()
+    eng.release("a")
+    eng.release("b")
+    assert c.staged_rings == set() and c.slots == {}
+    eng.close()
