@@ -176,7 +176,8 @@ def test_early_exit_on_a_sliding_model_equals_stock_tokens_and_rounds(types, dra
 @pytest.mark.parametrize("types, window, page_size, k", [
     ([S, F], 8, 4, 3), ([S, F], 7, 4, 2), ([S, S], 8, 4, 3), ([S, S], 6, 4, 9), ([F, S, S], 5, 16, 4),
     ([S, F], 6, 4, 2),   # a ring of 8: the 17-token prompt's tail spans 3 pages, its first and last staged
-    ([S, F], 3, 32, 1)])
+    ([S, F], 3, 32, 1),
+    ([S, F], 8, 4, 20)])   # 5 requests' rounds of 14 tokens: more than one forward's 64, some sit a round out
 def test_rejected_drafts_never_overwrite_a_position_inside_the_window(types, window, page_size, k) -> None:  # type: ignore[no-untyped-def]
     """Scripted rounds (drafts spoiled at chosen places, all accepted in some rounds): after every round the
     ring's bytes of every position inside the window equal a stock forward's, and the tokens equal stock's."""

@@ -57,7 +57,8 @@ def engine_for(model: Any, reqs: list[TraceRequest], page_size: int, max_batch: 
     Note [Draft end] of :mod:`umalloc.integrations.transformers.speculate`). ``num_blocks``: the cache's pages
     instead (a decode arena under pressure: the cache compacts at every step). ``speculative_tokens``: the
     draft tokens of the speculative rounds the engine will run (its sliding rings are built to roll them back,
-    Note [Sliding ring] of :mod:`umalloc.integrations.transformers.rings`); 0: none.
+    Note [Sliding ring] of :mod:`umalloc.integrations.transformers.rings`, and one forward holds a round of
+    every request in the batch); 0: none.
 
     Raises:
         UmallocValueError: the cache refuses the model (the integration's typed error, reworded), or its
@@ -75,7 +76,7 @@ def engine_for(model: Any, reqs: list[TraceRequest], page_size: int, max_batch: 
     blocks = num_blocks or 2 * sum(-(-(r.input_tokens + r.output_tokens) // page_size) + 1 for r in big)
     gcfg = transformers.GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0,
                                          max_new_tokens=max(r.output_tokens for r in reqs))
-    cbcfg = ContinuousBatchingConfig(page_size=page_size, num_blocks=blocks, max_batch_tokens=max(64, max_batch),
+    cbcfg = ContinuousBatchingConfig(page_size=page_size, num_blocks=blocks, max_batch_tokens=max(64, max_batch * (speculative_tokens + 1)),
                                      use_async_batching=False, auto_switch_to_flash=False, allow_block_sharing=False,
                                      max_memory_percent=0.9)
     cb_log = logging.getLogger("ContinuousBatchingLogger")

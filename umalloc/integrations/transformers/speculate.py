@@ -5,9 +5,10 @@ and an early-exit drafter whose KV lives in the cache's ``draft`` end.
 :class:`SpeculativeDecoder` replaces the engine's one-token step with one *round* over every running request:
 
 1. every request's row in the cache's table grows by ``k + 1`` tokens (``k = min(draft_tokens, tokens still to
-   emit)``), through the cache's own ``can_store_request_tokens`` (the pages of the ``draft`` end follow: it is
-   bound to ``full``); a request the arena has no room for sits the round out (it waits, as a starved request
-   waits in transformers' scheduler), and a round that no request can grow raises;
+   emit)``, and below the tokens one forward holds, ``cache.max_batch_tokens``), through the cache's own
+   ``can_store_request_tokens`` (the pages of the ``draft`` end follow: it is bound to ``full``); a request the
+   arena has no room for, or past the tokens or requests one forward holds, sits the round out (it waits, as a
+   starved request waits in transformers' scheduler), and a round that no request can grow raises;
 2. the proposer gives up to ``k`` draft tokens per request: the early-exit drafter (:class:`EarlyExitDrafter`,
    ``k`` batched forwards of the drafter model, each one token per request, reading and writing the drafter's
    K/V in the ``draft`` end's pages of the request), or a :class:`TokenProposer` without KV (n-gram);
@@ -313,9 +314,15 @@ class SpeculativeDecoder:
             return False
         cache.pool.try_to_free_sectors()   # the cache's step hook, as the scheduler runs it every step
         items = []
+        # one forward holds at most the IO builder's tokens and requests: the requests past them sit the round out
+        room = int(cache.max_batch_tokens)
+        seats = int(getattr(e.processor.inputs_and_outputs, "max_requests_per_batch", room) or room)
         for s in states:
-            k = min(self.draft_tokens, s.max_new_tokens - s.generated_len())
+            k = min(self.draft_tokens, s.max_new_tokens - s.generated_len(), int(cache.max_batch_tokens) - 1)
+            if k + 1 > room or len(items) == seats:
+                continue
             if cache.can_store_request_tokens(s, k + 1):
+                room -= k + 1
                 items.append(_Item(s, s.request_id, cache.slots[s.request_id], s.position_offset,
                                    s.generated_tokens[-1], k))
         if not items:
