@@ -61,7 +61,7 @@ def test_a_corrupt_baseline_fails_the_check() -> None:
 def test_a_decode_cache_under_pressure_waits_compacts_and_equals_one_process(backend: str) -> None:
     if backend != "local":
         require_or_skip(backend)
-    print(f"seed {SEED}: llama over {backend}, --decode cb --decode-blocks 34")
+    print(f"seed {SEED}: llama over {backend}, --decode-blocks 34")
     rep = run_generate(GenerateConfig(model="llama", backend=backend, **PRESSURE))
     assert check_generate_report(rep) == [] and rep["identical"] == 8
     sv = rep["serving"]

@@ -153,14 +153,15 @@ def draft_view(cache: Any, drafter_config: Any) -> DraftPagedView:
     if d is None or len(d.layers) != n or d.layers[0].num_kv_heads != heads or d.layers[0].head_dim_k != dim:
         raise UnsupportedCacheError(f"the cache has no draft end of {n} layers x {heads} KV heads x {dim} dims "
                                     "(CacheOptions.draft_layers)")
-    if window is not None and window != cache.window:   # its sliding reads use the masks of the target's
-        raise UnsupportedCacheError(f"the drafter's sliding window {window} differs from the model's "
-                                    f"{cache.window}; allowed the target's own layers")
     types = [FULL_ATTENTION] * n   # per drafter layer (a config may list types past its layers: unused)
     for lt, layers in groups.items():
         for i in layers:
             if i < n:
                 types[i] = lt
+    window = window if SLIDING_ATTENTION in types else None
+    if window is not None and window != cache.window:   # its sliding reads use the masks of the target's
+        raise UnsupportedCacheError(f"the drafter's sliding window {window} differs from the model's "
+                                    f"{cache.window}; allowed the target's own layers")
     cls = type("UmallocDraftPagedView", (DraftPagedView, cb_cache.PagedAttentionCache), {})
     view: DraftPagedView = cls(cache, types, heads, dim, window)
     return view
