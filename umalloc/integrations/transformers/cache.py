@@ -263,6 +263,7 @@ class UmallocPagedCache:
         self.window = window if SLIDING_ATTENTION in groups else None
         #: a ring's slots (Note [Sliding ring]); None without sliding layers
         self.ring_tokens = None if self.window is None else ring_tokens(self.window, ps, opts.speculative_tokens)
+        ring = self.ring_tokens or 0
         self.tokens_alone = tokens_alone(self.arena, ps, self.ring_tokens)
         max_pos = int(getattr(config, "max_position_embeddings", owner_pages * ps) or owner_pages * ps)
         self.max_tokens_per_request = max(ps, min(max_pos, self.tokens_alone))
@@ -273,7 +274,7 @@ class UmallocPagedCache:
         self._doomed: dict[str, tuple[Any, RequestCannotFitError]] = {}
         max_requests = opts.max_requests or max(1, min(owner_pages, 1024))
         self.table = RequestTable(self.alloc, max_requests=max_requests,
-                                  max_tokens_per_request=self.max_tokens_per_request if self.has_full or window is None else self.ring_tokens,
+                                  max_tokens_per_request=self.max_tokens_per_request if self.has_full or window is None else ring,
                                   dtype=torch.int64, owner=owner, zero_page=False,
                                   on_evict=_weak_call(self._on_evict))
         #: the sliding layers' ring per request (Note [Sliding ring]) beside the full-attention table; None without
@@ -281,7 +282,7 @@ class UmallocPagedCache:
         self.ring_table: RequestTable | None = None
         if self.window is not None and self.has_full:
             self.ring_table = RequestTable(self.alloc, max_requests=max_requests + 1,   # + 1: Note [Shared rings]
-                                           max_tokens_per_request=self.ring_tokens, dtype=torch.int64, owner="swa",
+                                           max_tokens_per_request=ring, dtype=torch.int64, owner="swa",
                                            zero_page=False)
         self.options = opts
         self.counters = CacheCounters()

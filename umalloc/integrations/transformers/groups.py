@@ -120,8 +120,8 @@ class EndGroup:
         self.layer_indices = list(layer_indices)
         self.tokens_per_page = cache.page_size
         self.sliding_window = sliding_window
-        #: a sliding group's ring slots (Note [Sliding ring]): ``ring_tokens``, or the window
-        self.ring_tokens = sliding_window if ring_tokens is None else ring_tokens
+        #: a sliding group's ring slots (Note [Sliding ring]): ``ring_tokens``, or the window; 0 for a full group
+        self.ring_tokens: int = ring_tokens if ring_tokens is not None else (sliding_window or 0)
         self.use_block_sharing = layer_type == FULL_ATTENTION and cache.allow_block_sharing
         self.rows_per_page = 2 * cache.page_size * len(layer_indices)
         self.write_trash_index = SINK_ROW

@@ -314,7 +314,7 @@ class SpeculativeDecoder:
         if not states:
             return False
         cache.pool.try_to_free_sectors()   # the cache's step hook, as the scheduler runs it every step
-        items = []
+        items: list[_Item] = []
         # one forward holds at most the IO builder's tokens and requests: the requests past them sit the round out
         room = int(cache.max_batch_tokens)
         seats = int(getattr(e.processor.inputs_and_outputs, "max_requests_per_batch", room) or room)
