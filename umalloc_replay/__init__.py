@@ -14,8 +14,9 @@ DCP rank on each side, ``--prefill-tp`` / ``--decode-tp`` / ``--prefill-dcp`` / 
 each rank runs), :mod:`~umalloc_replay.multirank.headpattern` (the pattern by global head and logical position),
 :mod:`~umalloc_replay.multirank.ranks_report` (its report and table). ``umalloc generate`` (a random-weight model's KV
 from a prefill side to a decode side, tokens compared with one process): :mod:`~umalloc_replay.generate.models`
-(the tiny models and their arena ends), :mod:`~umalloc_replay.generate.kv` (prefill KV, pages, cache rebuild,
-greedy and speculative decoding), :mod:`~umalloc_replay.generate.child` (the prefill process),
+(the tiny models and their arena ends), :mod:`~umalloc_replay.generate.kv` (prefill KV on pages, the one-process
+reference's greedy and speculative decoding), :mod:`~umalloc_replay.generate.inplace` (the decode side:
+continuous batching over the received pages in place), :mod:`~umalloc_replay.generate.child` (the prefill process),
 :mod:`~umalloc_replay.generate.run` (the driver, report and table). The console script is :mod:`umalloc_replay.cli`.
 """
 
@@ -40,8 +41,6 @@ PRESETS_WITH_DRAFT = ("deepseek-v3", "gemma-3-12b-draft", "llama-3-8b-eagle", "q
 #: the first DEFAULT_GENERATE_REQUESTS rows, prompts divided by DEFAULT_GENERATE_TOKEN_SCALE, outputs by
 #: DEFAULT_GENERATE_OUTPUT_SCALE (seconds on a 2-core machine).
 GENERATE_MODEL_NAMES = ("llama", "qwen3", "gemma3", "smollm2-135m", "gemma3-270m")
-#: The generate models with sliding-window layers (no speculative rounds in place: a ring cannot roll back).
-SLIDING_GENERATE_MODELS = ("gemma3", "gemma3-270m")
 DEFAULT_GENERATE_MODEL = "gemma3-270m"
 DEFAULT_GENERATE_REQUESTS = 8
 DEFAULT_GENERATE_TOKEN_SCALE = 64

@@ -82,7 +82,6 @@ from umalloc_replay import (  # noqa: E402
     MAX_PAGE_SIZE_TOKENS,
     PRESET_NAMES,
     PRESETS_WITH_DRAFT,
-    SLIDING_GENERATE_MODELS,
 )
 from umalloc_replay.preflight import parse_arena_bytes, parse_size_bytes  # noqa: E402
 from umalloc_replay.signals import Terminated, sigterm_raises  # noqa: E402
@@ -475,15 +474,9 @@ def generate(
         help="Early-exit drafter of the target's first K layers (only with --draft and the early-exit method; "
         "sliding-window layers among them keep their window).")
     ] = None,
-    decode: Annotated[str | None, typer.Option(
-        "--decode", metavar="MODE", rich_help_panel=_MODEL,
-        show_default="cb; rebuild with --draft on a sliding-window model",
-        help="Decode side: cb (transformers' continuous batching attends over the received pages in place, "
-        "sliding-window rings included; speculative rounds with --draft on full-attention models) or rebuild (the "
-        "received pages read into a DynamicCache, one request at a time).")] = None,
     decode_blocks: Annotated[int | None, typer.Option(
         "--decode-blocks", min=1, metavar="N", rich_help_panel=_MODEL, show_default="room for --max-batch requests",
-        help="Pages of the decode cache (only with --decode cb): a cache smaller than the load makes arrivals "
+        help="Pages of the decode cache: a cache smaller than the load makes arrivals "
         "wait for room and compacts it at every decode step.")] = None,
     output_format: Annotated[OutputFormat, typer.Option(
         "--format", rich_help_panel=_OUT, help="Result on stdout: table or json (the report).")] = OutputFormat.table,
@@ -492,7 +485,7 @@ def generate(
         "here.")] = None,
     plot: Annotated[Path | None, typer.Option(
         "--plot", metavar="FILE", rich_help_panel=_OUT, show_default="none",
-        help="Write the timeline of requests (queued, prefill, transfer, admission, decode; only with --decode cb) "
+        help="Write the timeline of requests (queued, prefill, transfer, admission, decode) "
         "here: .png, .pdf or .svg by the suffix (.png added when there is none).")] = None,
     progress: Annotated[bool, typer.Option(
         "--progress/--no-progress", rich_help_panel=_OUT, help="Show the progress bar (on stderr).")] = True,
@@ -541,24 +534,6 @@ def generate(
             if draft_method == "ngram" and draft_layers is not None:
                 raise UmallocValueError(f"--draft-layers {draft_layers}: the n-gram drafter has no layers; allowed "
                                         "with --draft-method early-exit, or --draft-method ngram without it")
-            defaulted = decode is None
-            if decode is None:
-                decode = "rebuild" if draft and model in SLIDING_GENERATE_MODELS else "cb"
-            if decode not in ("rebuild", "cb"):
-                raise UmallocValueError(f"--decode {decode!r}: allowed rebuild, cb")
-            if (plot is not None or decode_blocks is not None) and decode != "cb":
-                given = "--plot" if plot is not None else f"--decode-blocks {decode_blocks}"
-                if defaulted:   # --draft on a sliding model: the default decode is rebuild, and cb refuses it
-                    raise UmallocValueError(f"{given}: --draft on model {model!r} (sliding-window layers) decodes "
-                                            "with --decode rebuild, which has no timeline and no decode cache; "
-                                            "allowed without --draft, or on a full-attention model (--model "
-                                            "llama, qwen3, smollm2-135m)")
-                raise UmallocValueError(f"{given}: only the continuous-batching decode has a timeline and a decode "
-                                        "cache; allowed with --decode cb, or without it")
-            if decode == "cb" and draft and model in SLIDING_GENERATE_MODELS:
-                raise UmallocValueError(f"--decode cb --draft: model {model!r} has sliding-window layers, whose "
-                                        "ring a rejected draft cannot roll back; allowed a full-attention model "
-                                        "(--model llama, qwen3, smollm2-135m) or --decode rebuild")
             from umalloc_replay.generate.models import REAL_MODELS, real_model_path
 
             if model in REAL_MODELS:
@@ -574,7 +549,7 @@ def generate(
                 model=model, backend=backend.value, trace=None if trace is None else str(trace),
                 trace_format=None if trace_format is TraceFormat.auto else trace_format.value, requests=requests,
                 skip=skip, token_scale=token_scale, output_scale=output_scale, page_size=page_size, seed=seed,
-                max_batch=max_batch, draft=draft, decode=decode, draft_layers=draft_layers or 0,
+                max_batch=max_batch, draft=draft, draft_layers=draft_layers or 0,
                 draft_method=draft_method or "early-exit", decode_blocks=decode_blocks,
                 draft_tokens=DEFAULT_DRAFT_TOKENS if draft_tokens is None else draft_tokens)
             with HeldLogs() as held:

@@ -234,14 +234,14 @@ def test_the_command_prints_its_table_and_its_report_reproduces_the_run(tmp_path
     assert res.exit_code == 0, (res.stdout, res.stderr)
     assert "identical to one process" in res.stdout and "2 of 2" in res.stdout
     rep = json.loads(out.read_text())
-    assert rep["schema"] == GENERATE_SCHEMA == "umalloc-generate/5"
+    assert rep["schema"] == GENERATE_SCHEMA == "umalloc-generate/6"
     assert rep["umalloc_version"] == umalloc.__version__
     assert rep["config"] == {"model": "qwen3", "backend": "local", "trace": None,
                              "trace_name": "packaged trace conversation_trace.jsonl", "trace_format": None,
                              "requests": 2, "skip": 3, "token_scale": 64, "output_scale": 16, "page_size": 16,
                              "max_batch": 1, "seed": SEED, "draft": False, "draft_tokens": None,
                              "draft_layers": None, "draft_method": None, "compaction": "lazy",
-                             "decode": "cb", "decode_blocks": None, "steps_in_flight": 1}
+                             "decode_blocks": None, "steps_in_flight": 1}
     with open(default_trace_path()) as fh:
         rows = [json.loads(line) for line in list(fh)[3:5]]
     assert [(p["request"], p["prompt_tokens"], p["output_tokens"]) for p in rep["per_request"]] == [
@@ -311,8 +311,9 @@ def test_every_documented_generate_command_parses() -> None:
 
 @pytest.mark.backend
 def test_a_killed_prefill_process_ends_the_run_with_a_backend_error() -> None:
-    """The prefill process killed (SIGKILL, from outside) between two batches: the next batch's call raises
-    ``WorkerDied``, a ``BackendError``, which the CLI turns into its one ``error:`` line and exit 1."""
+    """The prefill process killed (SIGKILL, from outside) once the first request finished, two still waiting:
+    the next admission's call raises ``WorkerDied``, a ``BackendError``, which the CLI turns into its one
+    ``error:`` line and exit 1."""
     import os
     import signal
 
@@ -322,16 +323,17 @@ def test_a_killed_prefill_process_ends_the_run_with_a_backend_error() -> None:
     require_or_skip("nixl")
     seen: list = []
 
-    def kill_after_first(batch: int, prefill) -> None:  # type: ignore[no-untyped-def]
+    def kill_after_first(index: int, prefill) -> None:  # type: ignore[no-untyped-def]
+        if index:
+            return
         seen.append(prefill.worker)
         os.kill(prefill.worker.pid, signal.SIGKILL)  # as from outside: the worker does not know
         while prefill.worker.alive():  # the kernel ends it: wait on its state, not on a clock
             os.sched_yield()
 
-    cfg = GenerateConfig(model="llama", backend="nixl", requests=4, token_scale=64, output_scale=32, max_batch=2,
-                         decode="rebuild")   # batches: on_batch runs between them
+    cfg = GenerateConfig(model="llama", backend="nixl", requests=4, token_scale=64, output_scale=32, max_batch=2)
     with pytest.raises(WorkerDied) as info:
-        run_generate(cfg, on_batch=kill_after_first)
+        run_generate(cfg, on_finished=kill_after_first)
     assert isinstance(info.value, BackendError) and not seen[0].alive()
 
 
@@ -370,8 +372,9 @@ def test_the_write_gate_keeps_stale_draft_kv_from_the_decode_side() -> None:
 
 # ---- the CLI ended from outside: Ctrl-C, a killed prefill process ---------------------------------------------
 
-#: Eight batches of one request: the run has batches left to do when the prefill process's marker line appears.
-CLI_LONG = ["--model", "gemma3", "--decode", "rebuild", "--requests", "8", "--max-batch", "1", "--no-progress"]
+#: Eight requests, one in the batch at a time: the run has requests left to do when the prefill process's marker
+#: line appears.
+CLI_LONG = ["--model", "gemma3", "--requests", "8", "--max-batch", "1", "--no-progress"]
 
 
 def _start_until_prefill(backend: str) -> tuple[subprocess.Popen, int, set[int], list[str]]:

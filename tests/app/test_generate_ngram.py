@@ -168,7 +168,7 @@ def test_the_command_runs_the_ngram_drafter_and_its_report_names_it(tmp_path) ->
                                    "--no-progress"], catch_exceptions=False)
     assert res.exit_code == 0, (res.stdout, res.stderr)
     rep = json.loads(out.read_text())
-    assert rep["schema"] == "umalloc-generate/5"
+    assert rep["schema"] == "umalloc-generate/6"
     assert (rep["config"]["draft"], rep["config"]["draft_method"], rep["config"]["draft_layers"]) == (True, "ngram", None)
     assert rep["acceptance_length"]["pd"] == rep["acceptance_length"]["one_process"]
     assert "one-process speculative vs target only" in res.stdout and "speed-up" in res.stdout

@@ -1,4 +1,4 @@
-"""``umalloc generate --decode cb``: the serving targets against a one-process continuous-batching run of the same
+"""``umalloc generate``: the serving targets against a one-process continuous-batching run of the same
 requests, the ``--plot`` timeline, and a decode cache smaller than the load (:mod:`umalloc_replay.generate.timeline`).
 
 Oracle: the one-process reference tokens (checked against transformers' ``model.generate()`` in
@@ -24,17 +24,17 @@ from umalloc_replay.generate.run import GenerateConfig, check_generate_report, r
 from umalloc_replay.generate.timeline import PHASES  # noqa: E402
 
 SEED = seed_from_env(0)
-SLICE: dict[str, Any] = dict(requests=4, token_scale=64, output_scale=32, seed=SEED, decode="cb", max_batch=3)
+SLICE: dict[str, Any] = dict(requests=4, token_scale=64, output_scale=32, seed=SEED, max_batch=3)
 #: 8 requests, 4 in the batch, a cache of 34 pages (the 8 lifetimes need 101, the longest 29); a request handed
 #: over while the batch runs is admitted after 3 decode steps at the earliest
-PRESSURE: dict[str, Any] = dict(requests=8, token_scale=64, output_scale=16, seed=SEED, decode="cb", max_batch=4,
+PRESSURE: dict[str, Any] = dict(requests=8, token_scale=64, output_scale=16, seed=SEED, max_batch=4,
                                 decode_blocks=34, steps_in_flight=3)
 
 
 def test_serving_targets_are_measured_against_a_one_process_cb_run() -> None:
-    print(f"seed {SEED}: qwen3, --decode cb")
+    print(f"seed {SEED}: qwen3, decoded in place")
     rep = run_generate(GenerateConfig(model="qwen3", **SLICE))
-    assert check_generate_report(rep) == [] and rep["schema"] == "umalloc-generate/5"
+    assert check_generate_report(rep) == [] and rep["schema"] == "umalloc-generate/6"
     sv = rep["serving"]
     assert sv["one_process_cb_identical"] == rep["requests"] == 4
     assert sv["one_process_cb_steps"] > 0 and sv["pd_decode_tokens_per_s"] > 0
@@ -61,7 +61,7 @@ def test_a_corrupt_baseline_fails_the_check() -> None:
 def test_a_decode_cache_under_pressure_waits_compacts_and_equals_one_process(backend: str) -> None:
     if backend != "local":
         require_or_skip(backend)
-    print(f"seed {SEED}: llama over {backend}, --decode cb --decode-blocks 34")
+    print(f"seed {SEED}: llama over {backend}, --decode-blocks 34")
     rep = run_generate(GenerateConfig(model="llama", backend=backend, **PRESSURE))
     assert check_generate_report(rep) == [] and rep["identical"] == 8
     sv = rep["serving"]
@@ -85,7 +85,7 @@ def test_plot_into_a_folder_names_the_generate_job() -> None:
 
 def test_plot_writes_the_timeline(tmp_path: Path) -> None:
     out = tmp_path / "timeline"
-    res = CliRunner().invoke(app, ["generate", "--model", "llama", "--decode", "cb", "--requests", "3",
+    res = CliRunner().invoke(app, ["generate", "--model", "llama", "--requests", "3",
                                    "--token-scale", "64", "--output-scale", "64", "--plot", str(out),
                                    "--no-progress"], catch_exceptions=False)
     assert res.exit_code == 0, res.stderr
@@ -95,22 +95,18 @@ def test_plot_writes_the_timeline(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--decode", "rebuild", "--plot", "x.png"], "--plot: only the continuous-batching decode"),
-    (["--decode", "rebuild", "--decode-blocks", "8"], "--decode-blocks 8: only the continuous-batching decode"),
-    (["--decode", "cb", "--model", "llama", "--plot", "{p}", "--report", "{p}"], "name the same file"),
-    (["--decode", "cb", "--model", "llama", "--decode-blocks", "2"], "--decode-blocks 2: the longest request needs"),
+    (["--model", "llama", "--plot", "{p}", "--report", "{p}"], "name the same file"),
+    (["--model", "llama", "--decode-blocks", "2"], "--decode-blocks 2: the longest request needs"),
     # the longest request needs 29 target pages of 16 tokens and as many early-exit draft pages (1 of llama's 2
     # layers: half a target page each), 43.5 target pages' bytes in all: 29 blocks hold it only without the drafter
-    (["--decode", "cb", "--model", "llama", "--draft", "early-exit:1", "--decode-blocks", "29"],
+    (["--model", "llama", "--draft", "early-exit:1", "--decode-blocks", "29"],
      "--decode-blocks 29: the cache"),
     # transformers' continuous batching refuses pages under 4 tokens when it builds its cache
-    (["--decode", "cb", "--model", "llama", "--page-size", "2"], "--decode cb --page-size 2: transformers'"),
+    (["--model", "llama", "--page-size", "2"], "--page-size 2: transformers'"),
     # 10**8 pages of 16 tokens of a 2-layer model: about 2 TB, more than any test machine holds
-    (["--decode", "cb", "--model", "llama", "--decode-blocks", "100000000"], "--decode-blocks 100000000: a decode cache"),
-    (["--decode", "cb", "--model", "llama", "--plot", "{p}.gif"], "--plot"),
-    (["--decode", "cb", "--model", "llama", "--plot", "{p}."], "o.png.': allowed a file name"),
-    # no --decode given: --draft on a sliding model decodes with rebuild, so the refusal names the drafter
-    (["--model", "gemma3", "--draft", "--plot", "{p}"], "--plot: --draft on model 'gemma3'"),
+    (["--model", "llama", "--decode-blocks", "100000000"], "--decode-blocks 100000000: a decode cache"),
+    (["--model", "llama", "--plot", "{p}.gif"], "--plot"),
+    (["--model", "llama", "--plot", "{p}."], "o.png.': allowed a file name"),
 ])
 def test_serving_options_refused_exit_2_with_one_error_line(args: list[str], needle: str, tmp_path: Path) -> None:
     args = [a.replace("{p}", str(tmp_path / "o.png")) for a in args]
@@ -124,10 +120,9 @@ def test_the_table_has_a_start_up_row_inside_the_total() -> None:
 
     from umalloc_replay.generate.run import generate_table
 
-    rep = run_generate(GenerateConfig(model="llama", requests=2, token_scale=64, output_scale=64, seed=SEED,
-                                    decode="rebuild"))
+    rep = run_generate(GenerateConfig(model="llama", requests=2, token_scale=64, output_scale=64, seed=SEED))
     s = rep["seconds"]
-    assert 0 < s["startup"] and s["startup"] + s["reference"] < s["total"] and s["one_process_cb"] == 0.0
+    assert 0 < s["startup"] and s["startup"] + s["reference"] + s["one_process_cb"] < s["total"]
     out = Console(width=200, record=True, file=io.StringIO())
     out.print(generate_table(rep))
     assert "start-up s (models, arenas, second process)" in out.export_text()
@@ -176,7 +171,7 @@ def test_a_decode_cache_under_pressure_holds_the_drafters_pages_beside_the_targe
     holds only about 22 / 1.5 pages of each; arrivals wait for room and every request completes identical."""
     print(f"seed {SEED}: llama, --draft early-exit:1 --decode-blocks 22")
     rep = run_generate(GenerateConfig(model="llama", requests=4, token_scale=64, output_scale=16, seed=SEED,
-                                      decode="cb", max_batch=3, decode_blocks=22, draft=True, draft_layers=1))
+                                      max_batch=3, decode_blocks=22, draft=True, draft_layers=1))
     assert check_generate_report(rep) == [], check_generate_report(rep)
     assert rep["identical"] == 4
 
@@ -186,6 +181,6 @@ def test_a_max_batch_above_the_requests_runs_them_all_at_once() -> None:
     ``--max-batch`` = ``--requests``: 3 requests, ``max_batch`` 100000, every request identical, nothing left."""
     print(f"seed {SEED}: llama, --max-batch 100000 --requests 3")
     rep = run_generate(GenerateConfig(model="llama", requests=3, token_scale=64, output_scale=32, seed=SEED,
-                                      decode="cb", max_batch=100_000))
+                                      max_batch=100_000))
     assert check_generate_report(rep) == [], check_generate_report(rep)
     assert rep["identical"] == 3 and rep["serving"]["one_process_cb_identical"] == 3

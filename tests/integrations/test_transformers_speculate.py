@@ -192,6 +192,8 @@ def test_bad_speculative_configurations_are_refused() -> None:
     eng.close()
     with pytest.raises(UmallocValueError, match="draft_layers"):
         CacheOptions(draft_layers=-1)
-    with pytest.raises(UnsupportedCacheError, match="draft_layers"):
-        engine(build("gemma3"), draft_layers=1)
+    eng = engine(build("gemma3"), draft_layers=1)   # rings of a window: no speculative rounds
+    with pytest.raises(UnsupportedCacheError, match="speculative_tokens >= 2"):
+        SpeculativeDecoder(eng, 2, drafter=early_exit(build("gemma3")))
+    eng.close()
     assert NEW >= 2

@@ -1,5 +1,5 @@
-"""The decode side of ``umalloc generate --decode cb``: transformers' continuous batching on the umalloc
-integration, attending over the received KV in place.
+"""The decode side of ``umalloc generate``: transformers' continuous batching on the umalloc integration,
+attending over the received KV in place.
 
 Policy:
 
@@ -39,10 +39,6 @@ from umalloc import InvariantError, UmallocValueError
 from umalloc_replay.trace import TraceRequest
 from umalloc_replay.workload import RequestState
 
-#: The decode modes of ``umalloc generate``: ``rebuild`` (read the received pages into a transformers
-#: ``DynamicCache``, one request at a time) and ``cb`` (continuous batching over the received pages in place).
-DECODE_MODES = ("rebuild", "cb")
-
 
 def cb_min_page_size() -> int:
     """The smallest page (tokens) transformers' continuous batching accepts (its ``page_size`` bound, checked when
@@ -55,13 +51,16 @@ def cb_min_page_size() -> int:
 
 
 def engine_for(model: Any, reqs: list[TraceRequest], page_size: int, max_batch: int, check: bool = False,
-               draft_layers: int = 0, num_blocks: int | None = None) -> Any:
+               draft_layers: int = 0, num_blocks: int | None = None, speculative_tokens: int = 0) -> Any:
     """A :class:`~umalloc.integrations.transformers.admit.DecodeEngine` over a copy of ``model`` whose cache
     holds the ``max_batch`` (at most ``len(reqs)``) longest requests (prompt and output) at once, twice over; greedy, no end-of-sequence
     stop, no prefix sharing (a finished request frees its pages). ``check``: invariants after every step.
     ``draft_layers``: the cache's arena has a ``draft`` end of that many layers (an early-exit drafter's KV,
     Note [Draft end] of :mod:`umalloc.integrations.transformers.speculate`). ``num_blocks``: the cache's pages
-    instead (a decode arena under pressure: the cache compacts at every step).
+    instead (a decode arena under pressure: the cache compacts at every step). ``speculative_tokens``: the
+    draft tokens of the speculative rounds the engine will run (its sliding rings are built to roll them back,
+    Note [Sliding ring] of :mod:`umalloc.integrations.transformers.rings`, and one forward holds a round of
+    every request in the batch); 0: none.
 
     Raises:
         UmallocValueError: the cache refuses the model (the integration's typed error, reworded), or its
@@ -79,7 +78,7 @@ def engine_for(model: Any, reqs: list[TraceRequest], page_size: int, max_batch: 
     blocks = num_blocks or 2 * sum(-(-(r.input_tokens + r.output_tokens) // page_size) + 1 for r in big)
     gcfg = transformers.GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0,
                                          max_new_tokens=max(r.output_tokens for r in reqs))
-    cbcfg = ContinuousBatchingConfig(page_size=page_size, num_blocks=blocks, max_batch_tokens=max(64, max_batch),
+    cbcfg = ContinuousBatchingConfig(page_size=page_size, num_blocks=blocks, max_batch_tokens=max(64, max_batch * (speculative_tokens + 1)),
                                      use_async_batching=False, auto_switch_to_flash=False, allow_block_sharing=False,
                                      max_memory_percent=0.9)
     cb_log = logging.getLogger("ContinuousBatchingLogger")
@@ -88,9 +87,10 @@ def engine_for(model: Any, reqs: list[TraceRequest], page_size: int, max_batch: 
     try:
         return DecodeEngine(copy.deepcopy(model), gcfg, cbcfg,
                             CacheOptions(check_every_step=check, draft_layers=draft_layers,
-                                         compact_every_step=num_blocks is not None))
+                                         compact_every_step=num_blocks is not None,
+                                         speculative_tokens=speculative_tokens))
     except UnsupportedCacheError as exc:
-        raise UmallocValueError(f"--decode cb: {exc}") from exc
+        raise UmallocValueError(f"the decode side: {exc}") from exc
     except MemoryError as exc:
         given = f"--decode-blocks {num_blocks}" if num_blocks is not None else f"--max-batch {max_batch}"
         raise UmallocValueError(f"{given}: a decode cache of {blocks} pages of {page_size} tokens with batches of "
@@ -292,4 +292,4 @@ def collect(res: InPlaceResult, engine: Any, last_tok: dict[int, float], stamp: 
             on_done(i)
 
 
-__all__ = ["ARRIVAL_WAIT_S", "DECODE_MODES", "InPlaceResult", "cb_min_page_size", "collect", "decode_in_place", "engine_for", "received_digests"]
+__all__ = ["ARRIVAL_WAIT_S", "InPlaceResult", "cb_min_page_size", "collect", "decode_in_place", "engine_for", "received_digests"]

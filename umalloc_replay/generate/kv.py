@@ -1,5 +1,5 @@
-"""A model's real KV on umalloc pages: computed by a prefill forward, written into and read back from arena
-pages, rebuilt into a transformers cache, and continued greedily.
+"""A model's real KV on umalloc pages, computed by a prefill forward and written into arena pages (the prefill
+side), and the one-process reference: the same KV in a transformers cache, continued greedily or speculatively.
 
 Policy:
 
@@ -12,12 +12,11 @@ Policy:
   ``swa_tail_start(L, W, 0, page_size)`` (the pages the transfer plan sends).
 * :class:`ModelKV` is the prefill side's pattern (the ``fill_pages`` interface of
   :class:`~umalloc_replay.single.kvfill.KVPattern`, so the replay's prefill plumbing carries it) and records
-  a blake2b digest of the envelopes it wrote per end; :func:`read_pages_kv` reads the receiving side's pages
-  back with the same digest.
-* :func:`cache_from_kv` is the one way a cache is built from K/V — for the one-process reference and for the
-  decode side alike — so the decode side generates what the reference generates exactly when it received the
-  reference's KV: a full layer gets all ``L`` tokens, a sliding layer its tail (the layer keeps the last
-  ``W - 1``) with ``L`` tokens seen.
+  a blake2b digest of the envelopes it wrote per end (:func:`digest_pages`; the decode side digests the pages it
+  received in place, :func:`~umalloc_replay.generate.inplace.received_digests`).
+* :func:`cache_from_kv` builds the one-process reference's cache from a prefill's K/V (a full layer gets all
+  ``L`` tokens, a sliding layer its window tail with ``L`` tokens seen): the oracle the decode side's tokens and
+  acceptance are compared with. The decode side never builds one: it attends over the received pages in place.
 * Faults (:data:`FAULTS`, tests only): ``swap_kv_heads`` writes KV heads 0 and 1 of the first full layer
   swapped; ``swa_tail_start`` writes the sliding tail one page early (sequence page ``j`` gets page ``j - 1``'s
   tokens); ``stale_draft`` leaves the drafter's KV unwritten (zeros: the pages' bytes before the drafter's
@@ -37,10 +36,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from umalloc import Arena, ArenaSpec, InvariantError, MultiEndedAllocator, UmallocValueError
+from umalloc import Arena, ArenaSpec, InvariantError, UmallocValueError
 from umalloc.geometry.spec import swa_tail_start
 from umalloc_replay.generate.models import ModelGeometry, end_layers
-from umalloc_replay.workload import first_kept_page
 
 #: The faults :class:`ModelKV` can write (module docstring).
 FAULTS = ("swap_kv_heads", "swa_tail_start", "stale_draft")
@@ -315,37 +313,6 @@ def ends_of(geo: ModelGeometry, drafter: Any = None) -> dict[str, tuple[str, lis
 KV = dict[int, tuple[torch.Tensor, torch.Tensor]]
 
 
-def read_pages_kv(alloc: MultiEndedAllocator, geo: ModelGeometry, vtokens: torch.Tensor, seq_len_tokens: int,
-                  drafter: Any = None) -> tuple[dict[str, KV], dict[str, str]]:
-    """Read a received request back from ``alloc``'s arena: per model (``"target"``, and ``"draft"`` with a
-    ``drafter``) the K/V of every layer (``[kv_heads, T, head_dim]`` from :func:`tail_start_tokens`, copies)
-    for :func:`cache_from_kv`, and the digest of each end's envelopes (the pages the plan wrote, in sequence
-    order). ``vtokens``: the request's int64 virtual token ids on the owner end."""
-    spec = alloc.spec
-    arena = alloc.arena
-    kvs: dict[str, KV] = {"target": {}, "draft": {}} if drafter is not None else {"target": {}}
-    digests: dict[str, str] = {}
-    for end, (source, layers) in ends_of(geo, drafter).items():
-        kv = kvs[source]
-        ps = spec.end(end).page_size
-        first = first_kept_page(spec, end, seq_len_tokens)
-        num_pages = -(-seq_len_tokens // ps) - first
-        sp = torch.arange(first, first + num_pages, dtype=torch.int64)
-        vpages = torch.div(vtokens[sp * ps], ps, rounding_mode="floor")
-        pp = alloc.translate_pages(vpages, end)
-        assert isinstance(pp, torch.Tensor)
-        digests[end] = digest_pages(arena, end, pp)
-        n_tok = seq_len_tokens - first * ps
-        for i, layer in enumerate(layers):
-            kview, vview = arena.kv_views(end, i)
-            assert vview is not None
-            h, d = kview.shape[2], kview.shape[3]
-            k = kview[pp].reshape(num_pages * ps, h, d)[:n_tok].transpose(0, 1).contiguous()
-            v = vview[pp].reshape(num_pages * ps, h, d)[:n_tok].transpose(0, 1).contiguous()
-            kv[layer] = (k, v)
-    return kvs, digests
-
-
 @dataclass
 class SpecFigures:
     """Speculative decoding counts of one request: verification rounds, draft tokens proposed and accepted."""
@@ -450,5 +417,5 @@ def first_difference(got: list[int], want: list[int]) -> int | None:
 
 
 __all__ = ["FAULTS", "KV", "ModelKV", "ModelProposer", "PrefillKV", "SpecFigures", "cache_from_kv", "ends_of",
-           "first_difference", "greedy_continue", "prefill_kv", "read_pages_kv", "reference_speculative",
+           "first_difference", "greedy_continue", "prefill_kv", "reference_speculative",
            "reference_tokens", "speculative_continue", "speculative_decode", "tail_start_tokens"]

@@ -258,7 +258,7 @@ def geometry_of(model: Any) -> ModelGeometry:
 def arena_ends(geo: ModelGeometry, page_size: int, draft: ModelGeometry | None = None) -> tuple[EndSpec, ...]:
     """The arena ends holding a model's KV (module docstring); float32 K and V rows of every layer. With
     ``draft`` (the drafter's geometry) a ``draft`` end too (bound to ``full``, every token of every drafter layer,
-    a sliding one's included: the decode side rebuilds the drafter's cache from them; it floats between ``full``
+    a sliding one's included: the decode side's drafter reads its window of them in place; it floats between ``full``
     and ``swa``, or grows down without ``swa``)."""
     full = tuple(LayerSpec.mha(geo.num_kv_heads, geo.head_dim, dtype=KVDtype.FP32)
                  for _ in geo.layers_of(FULL_ATTENTION))

@@ -17,14 +17,17 @@ Policy:
 * The PD run: the replay's prefill side (:class:`~umalloc_replay.single.prefill.LocalPrefill` for ``local``,
   :class:`~umalloc_replay.single.remote.RemotePrefill` for ``nixl`` / ``mooncake``, which runs the prefill side
   in a second process over the real engine) with a :class:`~umalloc_replay.generate.kv.ModelKV` as its pattern:
-  per batch of up to ``max_batch`` requests the decode side allocates each prompt's pages (full end: every page;
-  swa end: the window tail), leases and publishes them (receiver half), the prefill side runs the model forward,
-  writes the KV into its own pages, plans (its lease) and posts; every transfer of the batch is waited for and
-  both sides' leases are released. Then per request the decode side reads its pages, checks their digest against the
-  prefill side's, frees them, builds the cache from the bytes it read only, and continues greedily from the
-  prefill's first token. "Decoded tokens" are the tokens after that first one: each comes from a forward over
-  the rebuilt cache, so it is what the token check compares the transferred KV by; decoded tokens/s divides
-  them by the decode forwards' seconds alone (the cache rebuild is its own figure).
+  the decode side is transformers' continuous batching on the umalloc integration
+  (:func:`~umalloc_replay.generate.inplace.decode_in_place`): each request's pages are reserved in the decode
+  cache (full end: every page; swa end: the window tail, on its ring; draft end: every page), leased and
+  published (receiver half), the prefill side runs the model forward, writes the KV into its own pages, plans
+  (its lease) and posts; once received, the pages' digest is checked in place against the prefill side's and
+  the request joins the running batch, its attention reading the received pages where they landed (no copy out
+  of the arena, no cache rebuilt). With a drafter every step is a speculative round in place
+  (:mod:`~umalloc_replay.generate.speculate_cb`; a model with sliding layers gets rings built for its rounds).
+  "Decoded tokens" are the tokens after the prefill's first one: each comes from a forward over the received
+  KV, so it is what the token check compares the transferred KV by; decoded tokens/s divides them by the
+  decode steps' seconds alone.
 * The check (:func:`check_generate_report`): every request's tokens equal the reference's (else its first
   differing position is listed), every request decoded at least one token from the received KV, every digest
   matches, both models' weights digest match, and no page or lease is left on either side after
@@ -35,7 +38,6 @@ Policy:
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import math
 import time
@@ -45,7 +47,7 @@ from typing import Any
 
 import torch
 
-from umalloc import Arena, ArenaSpec, InvariantError, MultiEndedAllocator, UmallocValueError
+from umalloc import ArenaSpec, UmallocValueError
 from umalloc import __version__ as umalloc_version
 from umalloc.backends.worker import WorkerDied
 from umalloc.geometry.spec import pages_for_tokens
@@ -59,10 +61,10 @@ from umalloc_replay import (
 from umalloc_replay.report import PhaseTimer
 from umalloc_replay.signals import cleanup_shielded
 from umalloc_replay.trace import TraceRequest, check_slice_rows, load_trace, scale_tokens, trace_label
-from umalloc_replay.workload import RequestState, pages_held
+from umalloc_replay.workload import pages_held
 
 #: The report's schema version (:func:`check_generate_report` reads this layout).
-GENERATE_SCHEMA = "umalloc-generate/5"
+GENERATE_SCHEMA = "umalloc-generate/6"
 #: Fewest tokens a request generates: the prefill's first token and one decoded over the received KV.
 MIN_OUTPUT_TOKENS = 2
 
@@ -72,22 +74,18 @@ class GenerateConfig:
     """One ``umalloc generate`` run (the CLI options; see ``umalloc generate --help``).
 
     ``draft``: a drafter (:func:`~umalloc_replay.generate.models.build_drafter`) whose KV rides the same plan
-    (its own ``draft`` end and index vector); the decode side decodes speculatively
-    (:func:`~umalloc_replay.generate.kv.speculative_continue`, ``draft_tokens`` per round) and must still equal
-    the target-only reference. On the local backend the drafter's forward runs after the target's pages are
+    (its own ``draft`` end and index vector); the decode side decodes in speculative rounds in place
+    (:func:`~umalloc_replay.generate.speculate_cb.speculative_stepper`, ``draft_tokens`` per round) and must
+    still equal the target-only reference, its acceptance per round the one-process speculative run's. On the local backend the drafter's forward runs after the target's pages are
     planned (the order in which vLLM #35158 sent stale draft pages): the post goes through a
     :class:`~umalloc.WriteGate` (target and SWA-tail vectors by the target, the draft vector by the drafter) and
     waits for the drafter; ``write_gate=False`` (tests only) posts at once, with the draft pages' old bytes.
     ``draft_method``: ``early-exit`` (the drafter above) or ``ngram``
     (:mod:`~umalloc_replay.generate.ngram`: prompt lookup over the request's own tokens; no model, no KV, so no
     ``draft`` end, no ``draft`` vector, no write gate); ``draft_layers`` only with ``early-exit``.
-    ``decode``: ``cb`` (:mod:`~umalloc_replay.generate.inplace`: transformers' continuous batching attends over
-    the received pages in place; speculative rounds with a drafter on a full-attention model) or ``rebuild`` (the
-    received pages read into a ``DynamicCache`` per request); ``None``: ``cb``, or ``rebuild`` with a drafter on a
-    model with sliding layers. ``decode_blocks``: with ``cb``, the decode cache's pages (an arena smaller than the
-    load: arrivals wait for room, the cache compacts at every step). ``steps_in_flight``: with ``cb``, the fewest
-    decode steps the running batch takes between a request's hand-over and its admission (tests: a transfer
-    that lasts several steps).
+    ``decode_blocks``: the decode cache's pages (an arena smaller than the load: arrivals wait for room, the
+    cache compacts at every step). ``steps_in_flight``: the fewest decode steps the running batch takes between a
+    request's hand-over and its admission (tests: a transfer that lasts several steps).
     ``fault``: a wrong KV written on the prefill side (:data:`~umalloc_replay.generate.kv.FAULTS`), for the
     tests that show the token check catches it; ``None`` in every real run.
     """
@@ -110,7 +108,6 @@ class GenerateConfig:
     draft: bool = False
     draft_tokens: int = DEFAULT_DRAFT_TOKENS
     write_gate: bool = True
-    decode: str | None = None
     draft_layers: int = 0
     draft_method: str = "early-exit"
     decode_blocks: int | None = None
@@ -202,10 +199,10 @@ def compare_request(r: TraceRequest, toks: list[int], want: list[int], per_reque
 
 
 def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = None,
-                 on_batch: Callable[[int, Any], None] | None = None) -> dict:
-    """Run ``cfg`` (module docstring); returns the JSON-ready report. ``on_batch(batch_index, prefill_side)``
-    runs after each batch's requests decoded (``cb``: after each request finished, its index among them) (tests end the second process or raise ``KeyboardInterrupt``
-    there, at a point of their choosing). With ``--backend nixl|mooncake`` and a ``console`` (rich), prints
+                 on_finished: Callable[[int, Any], None] | None = None) -> dict:
+    """Run ``cfg`` (module docstring); returns the JSON-ready report. ``on_finished(index, prefill_side)`` runs
+    each time a request finished decoding (``index``: 0 for the first to finish, then 1, ...; tests end the
+    second process or raise ``KeyboardInterrupt`` there, at a point of their choosing). With ``--backend nixl|mooncake`` and a ``console`` (rich), prints
     ``prefill process: pid N (BACKEND)`` on it once the second process is up with its model, before any batch.
 
     Raises:
@@ -216,12 +213,8 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
     from umalloc_replay.generate.kv import (
         FAULTS,
         ModelKV,
-        cache_from_kv,
-        greedy_continue,
-        read_pages_kv,
         reference_speculative,
         reference_tokens,
-        speculative_continue,
     )
     from umalloc_replay.generate.models import (
         MAX_CONTEXT_TOKENS,
@@ -234,7 +227,7 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
         geometry_of,
         weights_digest,
     )
-    from umalloc_replay.single.prefill import LocalPrefill, alloc_sequence
+    from umalloc_replay.single.prefill import LocalPrefill
 
     if cfg.fault is not None and cfg.fault not in FAULTS:
         raise UmallocValueError(f"fault {cfg.fault!r}: allowed None or one of {FAULTS}")
@@ -244,25 +237,16 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
     t_start = time.perf_counter()
     model = build_model(cfg.model, cfg.seed)
     geo = geometry_of(model)
-    if cfg.decode is None:   # in place, or the DynamicCache rebuild where a ring would have to roll back a draft
-        cfg = dataclasses.replace(cfg, decode="rebuild" if cfg.draft and geo.window_tokens is not None else "cb")
     if cfg.fault == "stale_draft" and not cfg.draft:
         raise UmallocValueError("fault stale_draft: allowed with draft=True")
     if cfg.fault == "swa_tail_start" and geo.window_tokens is None:
         raise UmallocValueError(f"fault swa_tail_start: model {cfg.model!r} has no sliding layer")
     if cfg.draft_tokens < 1:
         raise UmallocValueError(f"--draft-tokens {cfg.draft_tokens}: allowed >= 1")
-    from umalloc_replay.generate.inplace import DECODE_MODES, decode_in_place, engine_for
-
-    if cfg.decode not in DECODE_MODES:
-        raise UmallocValueError(f"--decode {cfg.decode!r}: allowed one of {', '.join(DECODE_MODES)}")
-    if cfg.decode == "cb" and cfg.draft and geo.window_tokens is not None:
-        raise UmallocValueError(f"--decode cb --draft: model {cfg.model!r} has sliding-window layers, whose ring "
-                                "a rejected draft cannot roll back; allowed a full-attention model (--model llama, "
-                                "qwen3, smollm2-135m) or --decode rebuild")
+    from umalloc_replay.generate.inplace import decode_in_place, engine_for
     if cfg.draft_layers and not cfg.draft:
         raise UmallocValueError(f"--draft-layers {cfg.draft_layers}: allowed with --draft")
-    from umalloc_replay.generate.ngram import DRAFT_METHODS, ngram_continue, reference_ngram
+    from umalloc_replay.generate.ngram import DRAFT_METHODS, reference_ngram
 
     if cfg.draft and cfg.draft_method not in DRAFT_METHODS:
         raise UmallocValueError(f"--draft-method {cfg.draft_method!r}: allowed one of {', '.join(DRAFT_METHODS)}")
@@ -286,22 +270,25 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
     else:
         prompts = {r.request_id: prompt_tokens(cfg.seed, r.request_id, r.input_tokens, VOCAB_SIZE) for r in reqs}
 
-    if cfg.decode == "cb":   # before any reference or second process
-        from umalloc_replay.generate.inplace import cb_min_page_size
+    from umalloc_replay.generate.inplace import cb_min_page_size  # before any reference or second process
 
-        if cfg.page_size < cb_min_page_size():
-            raise UmallocValueError(f"--decode cb --page-size {cfg.page_size}: transformers' continuous batching "
-                                    f"takes pages of at least {cb_min_page_size()} tokens; allowed --page-size >= "
-                                    f"{cb_min_page_size()}, or --decode rebuild")
-    if cfg.decode == "cb" and geo.window_tokens is not None:
+    if cfg.page_size < cb_min_page_size():
+        raise UmallocValueError(f"--page-size {cfg.page_size}: transformers' continuous batching (the decode side) "
+                                f"takes pages of at least {cb_min_page_size()} tokens; allowed --page-size >= "
+                                f"{cb_min_page_size()}")
+    #: draft tokens the decode cache's sliding rings are built to roll back (Note [Sliding ring] of the integration)
+    speculative_tokens = cfg.draft_tokens if cfg.draft else 0
+    if geo.window_tokens is not None:
         from umalloc.integrations.transformers.admit import ring_landing_refusal
+        from umalloc.integrations.transformers.rings import ring_tokens
 
+        ring = ring_tokens(geo.window_tokens, cfg.page_size, speculative_tokens)
         for r in reqs:
-            why = ring_landing_refusal(geo.window_tokens, cfg.page_size, r.input_tokens)
+            why = ring_landing_refusal(geo.window_tokens, cfg.page_size, r.input_tokens, ring)
             if why is not None:
-                raise UmallocValueError(f"--decode cb --page-size {cfg.page_size}: request {r.request_id}: {why}")
-    if cfg.decode_blocks is not None and (cfg.decode != "cb" or cfg.decode_blocks < 1):
-        raise UmallocValueError(f"--decode-blocks {cfg.decode_blocks}: allowed >= 1 with --decode cb")
+                raise UmallocValueError(f"--page-size {cfg.page_size}: request {r.request_id}: {why}")
+    if cfg.decode_blocks is not None and cfg.decode_blocks < 1:
+        raise UmallocValueError(f"--decode-blocks {cfg.decode_blocks}: allowed >= 1")
     if cfg.steps_in_flight < 1:
         raise UmallocValueError(f"steps_in_flight={cfg.steps_in_flight}: allowed >= 1")
     if cfg.decode_blocks is not None:
@@ -310,9 +297,9 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
             raise UmallocValueError(f"--decode-blocks {cfg.decode_blocks}: the longest request needs {need} pages "
                                     f"of {cfg.page_size} tokens; allowed >= {need}")
     engine = engine_for(model, reqs, cfg.page_size, cfg.max_batch, draft_layers=0 if drafter is None else int(
-        drafter.config.num_hidden_layers), num_blocks=cfg.decode_blocks) if cfg.decode == "cb" else None
+        drafter.config.num_hidden_layers), num_blocks=cfg.decode_blocks, speculative_tokens=speculative_tokens)
     budget_pages = cfg.decode_blocks
-    if engine is not None and cfg.decode_blocks is not None and drafter is not None:
+    if cfg.decode_blocks is not None and drafter is not None:
         # --decode-blocks sizes the cache in target pages; the drafter's end takes one page per target page from
         # the same bytes, so the cache holds fewer target pages (each with its draft page) than it was given
         budget_pages = min(cfg.decode_blocks, engine.cache.tokens_alone // cfg.page_size)
@@ -339,8 +326,7 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
     reference_s = time.perf_counter() - t0
 
     timer = PhaseTimer()
-    dec = engine.cache.alloc if engine is not None else \
-        MultiEndedAllocator(Arena(spec, zero=False), compaction=cfg.compaction)
+    dec = engine.cache.alloc
     kv_local: ModelKV | None = None
     gate: Any = None
     if cfg.backend == "local":
@@ -372,7 +358,6 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
     digest_bad: list[int] = []
     figures: list[Any] = []
     decode_s = 0.0
-    rebuild_s = 0.0
     per_request: list[dict] = []
     prefill_child_s = 0.0
     weights_ok = True
@@ -395,117 +380,52 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
             task = bar.add_task(f"generate {cfg.model} over {cfg.backend}", total=len(reqs))
         wd_here = weights_digest(model) + ("" if drafter is None else "/" + weights_digest(drafter))
 
-        if engine is not None:
-            stepper = None
-            if cfg.draft:
-                from umalloc_replay.generate.speculate_cb import speculative_stepper
+        stepper = None
+        if cfg.draft:
+            from umalloc_replay.generate.speculate_cb import speculative_stepper
 
-                stepper = speculative_stepper(engine, cfg.draft_tokens, drafter, prompts)
+            stepper = speculative_stepper(engine, cfg.draft_tokens, drafter, prompts)
 
-            def late_draft(rid: int, ticket: Any) -> None:   # the drafter's forward, after the target's plan
-                if kv_local is not None and kv_local.late_draft:
-                    deferred = gate is not None and ticket[1] is None
-                    kv_local.write_late_draft(rid)
-                    gate_figs["deferred_posts"] += int(deferred)
-                    gate_figs["posted_before_draft"] += int(not deferred)
+        def late_draft(rid: int, ticket: Any) -> None:   # the drafter's forward, after the target's plan
+            if kv_local is not None and kv_local.late_draft:
+                deferred = gate is not None and ticket[1] is None
+                kv_local.write_late_draft(rid)
+                gate_figs["deferred_posts"] += int(deferred)
+                gate_figs["posted_before_draft"] += int(not deferred)
 
-            from umalloc_replay.generate.feed import LocalFeed
+        from umalloc_replay.generate.feed import LocalFeed
 
-            finished = [0]
+        finished = 0
 
-            def finished_one(_rid: int) -> None:
-                if bar is not None:
-                    bar.advance(task)
-                if on_batch is not None:   # tests: end the second process at a point of their choosing
-                    on_batch(finished[0], prefill)
-                finished[0] += 1
+        def done(_rid: int) -> None:   # a request finished decoding
+            nonlocal finished
+            if bar is not None:
+                bar.advance(task)
+            if on_finished is not None:
+                on_finished(finished, prefill)
+            finished += 1
 
-            feed = prefill if kv_local is None else LocalFeed(prefill, kv_local, wd_here, on_started=late_draft)
-            ip = decode_in_place(engine, feed, reqs, prompts, wd_here, cfg.max_batch,
-                                 on_done=finished_one,
-                                 stepper=stepper, budget_pages=budget_pages, steps_in_flight=cfg.steps_in_flight)
-            if stepper is not None:
-                rounds_pd = {int(rid): rs for rid, rs in stepper.figures.per_round.items()}
-                spec_fig = {"rounds": stepper.figures.rounds, "proposed": stepper.figures.proposed,
-                            "accepted": stepper.figures.accepted}
-            generated, digest_bad, figures, decode_s = ip.generated, ip.digest_bad, ip.figures, ip.decode_s
-            weights_ok, prefill_child_s = ip.weights_ok, ip.prefill_child_s
-            in_place = ip
-            from umalloc_replay.generate.timeline import one_process_cb, timeline_rows
+        feed = prefill if kv_local is None else LocalFeed(prefill, kv_local, wd_here, on_started=late_draft)
+        ip = decode_in_place(engine, feed, reqs, prompts, wd_here, cfg.max_batch, on_done=done,
+                             stepper=stepper, budget_pages=budget_pages, steps_in_flight=cfg.steps_in_flight)
+        if stepper is not None:
+            rounds_pd = {int(rid): rs for rid, rs in stepper.figures.per_round.items()}
+            spec_fig = {"rounds": stepper.figures.rounds, "proposed": stepper.figures.proposed,
+                        "accepted": stepper.figures.accepted}
+        generated, digest_bad, figures, decode_s = ip.generated, ip.digest_bad, ip.figures, ip.decode_s
+        weights_ok, prefill_child_s = ip.weights_ok, ip.prefill_child_s
+        in_place = ip
+        from umalloc_replay.generate.timeline import one_process_cb, timeline_rows
 
-            t_base = time.perf_counter()
-            baseline = one_process_cb(model, reqs, prompts, cfg.page_size, cfg.max_batch)
-            baseline_s = time.perf_counter() - t_base
-            for r in reqs:
-                toks = generated[r.request_id]
-                compare_request(r, toks, reference[r.request_id], per_request, differ)
-        for lo in range(0, len(reqs) if engine is None else 0, cfg.max_batch):
-            batch = reqs[lo: lo + cfg.max_batch]
-            tickets, held = [], []
-            for r in batch:
-                with timer.phase("allocator"):
-                    vt = alloc_sequence(dec, r.input_tokens)
-                if vt is None:
-                    raise InvariantError(f"decode arena of {nbytes:,} bytes short for request {r.request_id} "
-                                         f"({r.input_tokens} tokens) although sized for {cfg.max_batch} prompts")
-                ticket = prefill.start(RequestState(r), vt)
-                if ticket is None:
-                    raise InvariantError(f"prefill arena of {nbytes:,} bytes short for request {r.request_id}")
-                if kv_local is not None and kv_local.late_draft:
-                    deferred = gate is not None and ticket[1] is None
-                    kv_local.write_late_draft(r.request_id)  # the drafter's forward, after the target's plan
-                    gate_figs["deferred_posts"] += int(deferred)
-                    gate_figs["posted_before_draft"] += int(not deferred)
-                tickets.append(ticket)
-                held.append((r, vt))
-            figures += prefill.finish_all(tickets)
-            rids = [r.request_id for r in batch]
-            if kv_local is not None:
-                outs = kv_local.outputs(rids)
-                wd = weights_digest(model) + ("" if drafter is None else "/" + weights_digest(drafter))
-            else:
-                from umalloc_replay.generate.child import OUTPUTS_TARGET
-
-                res = prefill.worker.run(OUTPUTS_TARGET, rids, progress=prefill.b.progress,
-                                         timeout_s=cfg.transfer_timeout_s)
-                outs, wd, prefill_child_s = res["outputs"], res["weights_digest"], res["prefill_s"]
-            weights_ok = weights_ok and wd == weights_digest(model) + ("" if drafter is None else
-                                                                       "/" + weights_digest(drafter))
-            for r, vt in held:
-                with timer.phase("verify"):
-                    kvs, digests = read_pages_kv(dec, geo, vt, r.input_tokens, drafter)
-                if digests != outs[r.request_id]["digests"]:
-                    digest_bad.append(r.request_id)
-                with timer.phase("allocator"):
-                    dec.free(vt)
-                t0 = time.perf_counter()
-                cache = cache_from_kv(model, geo, kvs["target"], r.input_tokens)
-                dcache = None if drafter is None else \
-                    cache_from_kv(drafter, geometry_of(drafter), kvs["draft"], r.input_tokens)
-                t1 = time.perf_counter()
-                first = outs[r.request_id]["first_token"]
-                if not cfg.draft:
-                    toks = greedy_continue(model, cache, first, r.output_tokens)
-                else:
-                    toks, fig = ngram_continue(model, cache, prompts[r.request_id], first, r.output_tokens,
-                                               cfg.draft_tokens) if ngram else \
-                        speculative_continue(model, drafter, cache, dcache, first, r.output_tokens,
-                                             cfg.draft_tokens)
-                    for key in spec_fig:
-                        spec_fig[key] += getattr(fig, key)
-                    rounds_pd[r.request_id] = fig.per_round
-                rebuild_s += t1 - t0
-                decode_s += time.perf_counter() - t1
-                generated[r.request_id] = toks
-                compare_request(r, toks, reference[r.request_id], per_request, differ)
-                if bar is not None:
-                    bar.advance(task)
-            if on_batch is not None:
-                on_batch(lo // cfg.max_batch, prefill)
+        t_base = time.perf_counter()
+        baseline = one_process_cb(model, reqs, prompts, cfg.page_size, cfg.max_batch)
+        baseline_s = time.perf_counter() - t_base
+        for r in reqs:
+            toks = generated[r.request_id]
+            compare_request(r, toks, reference[r.request_id], per_request, differ)
         prefill.check_invariants()
         dec.check_invariants()
-        if engine is not None:
-            engine.cache.check_invariants()
+        engine.cache.check_invariants()
         pages_left = {"prefill": _live_pages(prefill.stats()), "decode": _live_pages(dec.stats())}
         leases_left = {"prefill": int(prefill.leases_active()), "decode": int(dec.leases_active())}
     except KeyboardInterrupt:
@@ -523,8 +443,7 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
             if feed is not None and feed is not prefill:
                 feed.close()   # the local prefill's worker thread
             prefill.close(interrupted=interrupted)
-            if engine is not None:
-                engine.close()
+            engine.close()
     total_s = time.perf_counter() - t_start
     sec = timer.seconds
     prefill_compute_s = kv_local.prefill_s if kv_local is not None else prefill_child_s
@@ -545,11 +464,9 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
                    "draft_tokens": cfg.draft_tokens if cfg.draft else None,
                    "draft_layers": cfg.draft_layers if drafter is not None else None,
                    "draft_method": cfg.draft_method if cfg.draft else None, "compaction": cfg.compaction,
-                   "decode": cfg.decode, "decode_blocks": cfg.decode_blocks,
-                   "steps_in_flight": cfg.steps_in_flight},
-        "decode": cfg.decode,
-        "serving": None if in_place is None else serving_figures(in_place, decoded, baseline, reference),
-        "timeline": None if in_place is None else timeline_rows(in_place, reqs),
+                   "decode_blocks": cfg.decode_blocks, "steps_in_flight": cfg.steps_in_flight},
+        "serving": serving_figures(in_place, decoded, baseline, reference),
+        "timeline": timeline_rows(in_place, reqs),
         "model": cfg.model, "backend": cfg.backend, "seed": cfg.seed, "page_size": cfg.page_size,
         "layer_types": list(geo.layer_types), "window_tokens": geo.window_tokens,
         "token_scale": cfg.token_scale, "output_scale": cfg.output_scale, "fault": cfg.fault,
@@ -573,9 +490,9 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
                               for e in ends},
         "seconds": {"total": total_s, "startup": startup_s, "one_process_cb": baseline_s, "reference": reference_s, "reference_greedy": greedy_s,
                     "reference_speculative": reference_s - greedy_s, "prefill_compute": prefill_compute_s,
-                    "transfer": sec["transfer"], "cache_rebuild": rebuild_s, "decode_compute": decode_s,
+                    "transfer": sec["transfer"], "decode_compute": decode_s,
                     "memory_layer": sec["allocator"] + sec["translate_plan"]
-                    + (0.0 if in_place is None else in_place.memory_s), "kv_read_verify": sec["verify"]},
+                    + in_place.memory_s, "kv_read_verify": sec["verify"]},
         "decoded_tokens_per_s": decoded / decode_s if decode_s > 0 else 0.0,
         "pages_left": pages_left, "leases_left": leases_left,
         "draft": cfg.draft, "draft_tokens": cfg.draft_tokens if cfg.draft else 0, "speculative": spec_fig,
@@ -691,8 +608,6 @@ def generate_table(report: dict) -> Any:
         ("tokens generated", f"{report['tokens_generated']:,}"),
         ("decoded tokens/s (decode forwards only)", f"{report['decoded_tokens_per_s']:,.0f}"),
         ("bytes moved", f"{report['bytes_moved']:,}"),
-        ("decode side", "continuous batching over the received pages in place" if report["decode"] == "cb" else
-         "received pages read into a DynamicCache per request"),
         ("posts deferred by the write gate", "no drafter" if not report["draft"] else
          "no draft KV (n-gram drafter)" if report["config"]["draft_method"] == "ngram" else
          f"{report['write_gate']['deferred_posts']} (posted before the drafter wrote: "
@@ -713,12 +628,11 @@ def generate_table(report: dict) -> Any:
         ("start-up s (models, arenas, second process)", f"{s['startup']:.3f}"),
         ("prefill compute s", f"{s['prefill_compute']:.3f}"),
         ("transfer s", f"{s['transfer']:.3f}"),
-        ("cache rebuild from received KV s", f"{s['cache_rebuild']:.3f}"),
         ("decode compute s", f"{s['decode_compute']:.3f}"),
         ("memory layer s", f"{s['memory_layer']:.3f}"),
         ("KV read + digest s", f"{s['kv_read_verify']:.3f}"),
         ("one-process reference s", f"{s['reference']:.3f}"),
-        ("one-process continuous batching s", f"{s['one_process_cb']:.3f}" if report["decode"] == "cb" else "not run"),
+        ("one-process continuous batching s", f"{s['one_process_cb']:.3f}"),
         ("total s", f"{s['total']:.3f}"),
         ("pages left (prefill, decode)", f"{report['pages_left']['prefill']}, {report['pages_left']['decode']}"),
         ("leases left (prefill, decode)", f"{report['leases_left']['prefill']}, {report['leases_left']['decode']}"),

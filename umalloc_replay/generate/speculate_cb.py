@@ -1,4 +1,4 @@
-"""The speculative decode side of ``umalloc generate --decode cb --draft``: the integration's
+"""The speculative decode side of ``umalloc generate --draft``: the integration's
 :class:`~umalloc.integrations.transformers.speculate.SpeculativeDecoder` over the in-place decode engine, with
 the early-exit drafter (its KV received into the decode arena's ``draft`` end) or the n-gram drafter (no KV).
 

@@ -1,4 +1,4 @@
-"""Serving figures of ``umalloc generate --decode cb``: the one-process continuous-batching baseline, the serving
+"""Serving figures of ``umalloc generate``: the one-process continuous-batching baseline, the serving
 targets measured against it in the same run, and the ``--plot`` timeline of requests.
 
 Policy:
@@ -114,11 +114,11 @@ def timeline_rows(ip: Any, reqs: list) -> list[dict]:
 
 
 def build_timeline_figure(report: Mapping) -> Any:
-    """The matplotlib ``Figure`` of a ``--decode cb`` report's ``timeline`` (module docstring); the caller saves
+    """The matplotlib ``Figure`` of a report's ``timeline`` (module docstring); the caller saves
     and closes it.
 
     Raises:
-        KeyError: a report without a timeline (``--decode rebuild``).
+        KeyError: a report without a timeline.
     """
     import matplotlib
 

@@ -35,28 +35,30 @@ Note [Ring landing]
 ~~~~~~~~~~~~~~~~~~~
 A model with sliding layers has two ends in the cache: ``full`` (the full-attention layers, the request's row of
 ``cache.table``) and ``swa``, whose pages are the request's ring (``cache.ring_table``): token ``t`` in ring
-slot ``t % W`` (window ``W``), slot ``s`` at offset ``s % page_size`` of the ring's page ``s // page_size``
-(Note [Sliding ring] in :mod:`~umalloc.integrations.transformers.cache`). The engine's first step after admission
-reads the ring slots of the last ``min(L, W - 1)`` prompt tokens (``L`` the prompt length) and writes token ``L``
-into slot ``L % W``. A transfer plan sends the sliding layers' *window tail*: whole sequence pages ``j`` from
-``swa_tail_start(L, W, 0, page_size) // page_size`` (the page holding token ``L - W``, or page 0) to the last,
-token ``t`` at offset ``t % page_size`` of sequence page ``t // page_size``, into the destination's virtual token
-ids per position. :meth:`DecodeEngine.reserve_ends` gives the ``swa`` owner, per tail position ``t``, the ring
-slot ``t % W``'s id, so each sequence page lands on the ring page its attention reads:
+slot ``t % R`` (``R = cache.ring_tokens``: the window ``W``, or more for a cache built for speculative rounds),
+slot ``s`` at offset ``s % page_size`` of the ring's page ``s // page_size`` (Note [Sliding ring] in
+:mod:`~umalloc.integrations.transformers.rings`). The engine's first step after admission reads the ring slots of
+the last ``min(L, W - 1)`` prompt tokens (``L`` the prompt length) and writes token ``L`` into slot ``L % R``. A
+transfer plan sends the sliding layers' *window tail*: whole sequence pages ``j`` from ``f = swa_tail_start(L, W,
+0, page_size) // page_size`` (the page holding token ``L - W``, or page 0) to the last, ``l = (L - 1) //
+page_size``, token ``t`` at offset ``t % page_size`` of sequence page ``t // page_size``, into the destination's
+virtual token ids per position. :meth:`DecodeEngine.reserve_ends` gives the ``swa`` owner, per tail position
+``t``, the ring slot ``t % R``'s id, so each sequence page lands on the ring page its attention reads:
 
-* ``L <= W``: slot ``t`` = position ``t``; sequence page ``j`` is ring page ``j`` (any window).
-* ``L > W``, ``page_size`` divides ``W`` (``n = W / page_size`` ring pages): sequence page ``j`` lands on ring
-  page ``j mod n``, offsets kept. With ``L`` a multiple of ``page_size`` the tail is ``n`` pages, each on its own
-  ring page. Otherwise (``L = q * page_size + r``, ``0 < r``) the tail is ``n + 1`` pages and its first (``q -
-  n``) and last (``q``) share ring page ``c = q mod n``: the ring needs the last page's offsets ``[0, r)`` (the
-  prompt's last ``r`` tokens) and the first page's offsets ``(r, page_size)`` (tokens ``L - W + 1 ..``; offset
-  ``r`` is slot ``L % W``, which the first step writes). A plan sends whole pages there (a page is one copy per
-  layer block), so the last sequence page lands on a *staging* page of the ring table (one page, held by the
-  engine, ``cache.staged_rings``) and the first on ring page ``c``; :meth:`DecodeEngine.admit` copies the staging
-  page's rows ``[0, r)`` of every sliding layer onto ring page ``c`` (an in-arena copy of fewer than
-  ``page_size`` tokens per sliding layer, nothing leaves the arena) and frees the staging page.
-* ``L > W`` with ``W`` not a multiple of ``page_size``: ring slots do not keep a token's page offset, so no
-  page-to-page plan lands the tail: refused (:func:`ring_landing_refusal`, :class:`UnsupportedCacheError`).
+* ``L <= R``: slot ``t`` = position ``t``; sequence page ``j`` is ring page ``j`` (any window).
+* ``L > R``, ``page_size`` divides ``R`` (``n = R / page_size`` ring pages): sequence page ``j`` lands on ring
+  page ``j mod n``, offsets kept. When ``l - f < n`` every tail page has its own ring page. Otherwise (``l = f +
+  n``, at most one more page than the ring has: ``R >= W``) the tail's first and last pages share ring page ``f mod
+  n``: the ring needs the last page's offsets ``[0, r)`` (``r = L - l * page_size``, the prompt's last ``r``
+  tokens) and the first page's offsets from ``L - W + 1 - f * page_size`` on, which lie above ``r - 1`` (``R > W -
+  2``; offset ``r`` is slot ``L % R``, which the first step writes). A plan sends whole pages there (a page is one
+  copy per layer block), so the last sequence page lands on a *staging* page of the ring table (one page, held by
+  the engine, ``cache.staged_rings``) and the first on the shared ring page; :meth:`DecodeEngine.admit` copies the
+  staging page's rows ``[0, r)`` of every sliding layer onto it (an in-arena copy of at most ``page_size`` tokens
+  per sliding layer, nothing leaves the arena) and frees the staging page.
+* ``L > R`` with ``R`` not a multiple of ``page_size`` (no speculation, a window that is not whole pages): ring
+  slots do not keep a token's page offset, so no page-to-page plan lands the tail: refused
+  (:func:`ring_landing_refusal`, :class:`UnsupportedCacheError`).
 
 Positions before the tail's first page carry no ids a plan reads (zeros).
 
@@ -153,11 +155,12 @@ class DecodeEngine:
             raise UmallocValueError(f"reserve: request {request_id!r} already holds pages")
         if not 1 <= n <= c.max_tokens_per_request:
             raise UmallocValueError(f"reserve: prompt_tokens={n}: allowed 1..{c.max_tokens_per_request}")
-        ps, w = c.page_size, c.window
-        why = None if w is None else ring_landing_refusal(w, ps, n)
+        ps, w, rt_tokens = c.page_size, c.window, c.ring_tokens
+        why = None if w is None else ring_landing_refusal(w, ps, n, rt_tokens)
         if why is not None:
             raise UnsupportedCacheError(f"reserve: request {request_id!r}: {why}")
-        staged = w is not None and n > w and n % ps != 0
+        first, last = (0 if w is None else swa_tail_start(n, w, 0, ps) // ps), (n - 1) // ps
+        staged = rt_tokens is not None and n > rt_tokens and last - first >= rt_tokens // ps
         rt = c.ring_table if c.ring_table is not None else c.table
         with c._timer:
             c._flush()
@@ -184,18 +187,18 @@ class DecodeEngine:
             out: dict[str, torch.Tensor] = {}
             if c.has_full:
                 out["full"] = _page_ids(c.table.pages(slot), ps, n)
-            if w is not None:
-                ring = _page_ids(rt.pages(c.ring_slots.get(slot, slot)), ps, min(n, w))
+            if w is not None and rt_tokens is not None:
+                ring = _page_ids(rt.pages(c.ring_slots.get(slot, slot)), ps, min(n, rt_tokens))
                 out["swa"] = vt = torch.zeros(n, dtype=torch.int64)
-                lo = swa_tail_start(n, w, 0, ps)
+                lo = first * ps
                 pos = torch.arange(lo, n, dtype=torch.int64)
-                vt[lo:] = ring[pos % w]
+                vt[lo:] = ring[pos % rt_tokens]
                 if stage is not None:
-                    q, r = divmod(n, ps)
+                    r = n - last * ps
                     sv = _page_ids(rt.pages(stage), ps, ps)
-                    vt[q * ps:] = sv[:r]
+                    vt[last * ps:] = sv[:r]
                     c.staged_rings.add(stage)
-                    self._staged[request_id] = (stage, ring[(q * ps + torch.arange(r)) % w], sv[:r])
+                    self._staged[request_id] = (stage, ring[(last * ps + torch.arange(r)) % rt_tokens], sv[:r])
         self._reserved[request_id] = n
         return out
 
@@ -329,16 +332,18 @@ def _page_ids(vpages: torch.Tensor, page_size: int, num_tokens: int) -> torch.Te
     return (p[:, None] * page_size + torch.arange(page_size, dtype=torch.int64)[None, :]).reshape(-1)[:num_tokens]
 
 
-def ring_landing_refusal(window: int, page_size: int, prompt_tokens: int) -> str | None:
-    """Why a ``prompt_tokens``-token prompt's window tail cannot land page to page in a ring of ``window`` slots
-    of ``page_size``-token pages (Note [Ring landing]), or ``None`` when it can. O(1).
+def ring_landing_refusal(window: int, page_size: int, prompt_tokens: int, ring: int | None = None) -> str | None:
+    """Why a ``prompt_tokens``-token prompt's window tail cannot land page to page in a ring of ``ring`` slots
+    (None: ``window``, no speculation) of ``page_size``-token pages (Note [Ring landing]), or ``None`` when it
+    can. O(1).
 
     >>> ring_landing_refusal(32, 16, 100) is None, ring_landing_refusal(24, 16, 20) is None
     (True, True)
-    >>> ring_landing_refusal(24, 16, 30)[:40]
-    'sliding window 24 is not a multiple of p'
+    >>> ring_landing_refusal(24, 16, 30)[:40], ring_landing_refusal(24, 16, 30, ring=32) is None
+    ('sliding window 24 is not a multiple of p', True)
     """
-    if prompt_tokens <= window or window % page_size == 0:
+    r = window if ring is None else ring
+    if prompt_tokens <= r or r % page_size == 0:
         return None
     return (f"sliding window {window} is not a multiple of page_size {page_size}, so a prompt of {prompt_tokens} "
             f"tokens (over the window) puts tokens in ring slots at another page offset than in the plan's "

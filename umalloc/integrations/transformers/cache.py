@@ -12,8 +12,8 @@ Policy:
   layers the ``swa`` end (grows down); both mint their own virtual pages, each has its own page geometry
   (``page_size`` tokens of every layer it holds, page-major envelope: layer 0 K, layer 0 V, layer 1 K, ...) and
   its own :class:`~umalloc.requests.table.RequestTable`; the split between them is dynamic (no sectors).
-* **Sliding layers keep a ring** (Note [Sliding ring]): a request holds ``ceil(min(length, window) / page_size)``
-  sliding pages, the fewest that hold a window, as transformers' ring buffer does.
+* **Sliding layers keep a ring** (Note [Sliding ring]): a request holds ``ceil(min(length, R) / page_size)``
+  sliding pages, ``R`` the window as in transformers' ring buffer, or a window plus a speculative round's drafts.
 * **Block ids are virtual pages.** A request's pages are its tables' ``req_to_token`` rows; the read / write row
   indices handed to attention are computed every step by translating those virtual tokens to physical ones on the
   layer's end, so compaction may move pages between steps (Note [Rows]).
@@ -113,7 +113,6 @@ Threading: the scheduler's thread only (transformers drives the cache from one t
 from __future__ import annotations
 
 import weakref
-from time import perf_counter
 from typing import Any
 
 import numpy as np
@@ -142,12 +141,13 @@ from umalloc.integrations.transformers.options import (
     TORCH_TO_KV,
     CacheCounters,
     CacheOptions,
+    MemoryTimer,
     RequestCannotFitError,
     UnsupportedCacheError,
     text_config_dims,
 )
 from umalloc.integrations.transformers.prefix import PrefixIndex, ring_donor
-from umalloc.integrations.transformers.rings import RingPages
+from umalloc.integrations.transformers.rings import RingPages, ring_tokens
 from umalloc.integrations.transformers.sizing import never_completes, stock_sizing, tokens_alone
 
 
@@ -161,22 +161,6 @@ def _weak_call(method: Any) -> Any:
         if m is not None:
             m(*args)
     return call
-
-
-class _Timer:
-    """Adds the wall time of a ``with`` block to ``counters.memory_seconds``."""
-
-    __slots__ = ("counters", "t0")
-
-    def __init__(self, counters: CacheCounters) -> None:
-        self.counters = counters
-        self.t0 = 0.0
-
-    def __enter__(self) -> None:
-        self.t0 = perf_counter()
-
-    def __exit__(self, *exc: object) -> None:
-        self.counters.memory_seconds += perf_counter() - self.t0
 
 
 class _Pool:
@@ -258,10 +242,12 @@ class UmallocPagedCache:
                                              for _ in groups[SLIDING_ATTENTION]), page_size=ps,
                                 grow=Grow.DOWN if self.has_full else Grow.UP, role=EndRole.SWA))
         if opts.draft_layers:   # an early-exit drafter's KV, bound to full (Note [Draft end] in speculate)
-            if not self.has_full or SLIDING_ATTENTION in groups:
-                raise UnsupportedCacheError("CacheOptions.draft_layers: allowed for a full-attention model only")
+            if not self.has_full:
+                raise UnsupportedCacheError("CacheOptions.draft_layers: the draft end is bound to the full-attention "
+                                            "end; allowed for a model with full-attention layers")
             ends.append(EndSpec("draft", tuple(LayerSpec.mha(num_kv_heads, head_dim, dtype=kv) for _ in range(
-                opts.draft_layers)), page_size=ps, grow=Grow.DOWN, owner="full", role=EndRole.DRAFT))
+                opts.draft_layers)), page_size=ps, grow=Grow.FLOAT if SLIDING_ATTENTION in groups else Grow.DOWN,
+                owner="full", role=EndRole.DRAFT))
         #: the end whose request table names the requests (``full``; ``swa`` when every layer slides)
         self.owner = owner = "full" if self.has_full else "swa"
         try:
@@ -274,8 +260,11 @@ class UmallocPagedCache:
         self.alloc = MultiEndedAllocator(self.arena, compaction=opts.compaction)
         owner_pages = self.arena.top_page(owner) + 1 - self.arena.first_page(owner)
         #: the most tokens one request can hold with the arena to itself (Note [Cannot fit])
-        self.tokens_alone = tokens_alone(self.arena, ps, window if SLIDING_ATTENTION in groups else None)
         self.window = window if SLIDING_ATTENTION in groups else None
+        #: a ring's slots (Note [Sliding ring]); None without sliding layers
+        self.ring_tokens = None if self.window is None else ring_tokens(self.window, ps, opts.speculative_tokens)
+        ring = self.ring_tokens or 0
+        self.tokens_alone = tokens_alone(self.arena, ps, self.ring_tokens)
         max_pos = int(getattr(config, "max_position_embeddings", owner_pages * ps) or owner_pages * ps)
         self.max_tokens_per_request = max(ps, min(max_pos, self.tokens_alone))
         #: request id -> its transformers request state, bound with the batch processor (Note [Seams] 10); while
@@ -285,7 +274,7 @@ class UmallocPagedCache:
         self._doomed: dict[str, tuple[Any, RequestCannotFitError]] = {}
         max_requests = opts.max_requests or max(1, min(owner_pages, 1024))
         self.table = RequestTable(self.alloc, max_requests=max_requests,
-                                  max_tokens_per_request=self.max_tokens_per_request if self.has_full or window is None else window,
+                                  max_tokens_per_request=self.max_tokens_per_request if self.has_full or window is None else ring,
                                   dtype=torch.int64, owner=owner, zero_page=False,
                                   on_evict=_weak_call(self._on_evict))
         #: the sliding layers' ring per request (Note [Sliding ring]) beside the full-attention table; None without
@@ -293,11 +282,11 @@ class UmallocPagedCache:
         self.ring_table: RequestTable | None = None
         if self.window is not None and self.has_full:
             self.ring_table = RequestTable(self.alloc, max_requests=max_requests + 1,   # + 1: Note [Shared rings]
-                                           max_tokens_per_request=self.window, dtype=torch.int64, owner="swa",
+                                           max_tokens_per_request=ring, dtype=torch.int64, owner="swa",
                                            zero_page=False)
         self.options = opts
         self.counters = CacheCounters()
-        self._timer = _Timer(self.counters)
+        self._timer = MemoryTimer(self.counters)
         self.slots: dict[str, int] = {}
         self._held: dict[int, int] = {}   # slot -> tokens it holds (the table's lengths, kept here: no table call)
         self.ring_slots: dict[int, int] = {}   # slot -> its ring's slot in ring_table (Note [Sliding ring])
@@ -311,7 +300,7 @@ class UmallocPagedCache:
         #: the rings' shared, copied-on-write and fork-copied pages (:mod:`~umalloc.integrations.transformers.rings`)
         self.rings = None if self.window is None else RingPages(
             self.ring_table if self.ring_table is not None else self.table, self.arena, self.alloc, self.window, ps,
-            self.counters)
+            self.counters, self.ring_tokens)
 
         self.cache_allocators: dict[str, EndGroup] = {}
         self.layer_to_allocator: dict[int, EndGroup] = {}
@@ -319,7 +308,7 @@ class UmallocPagedCache:
             sliding = lt == SLIDING_ATTENTION
             table = self.ring_table if sliding and self.ring_table is not None else self.table
             grp = EndGroup(weakref.proxy(self), index, lt, END_OF[lt], table, groups[lt], num_kv_heads, head_dim,
-                           window if sliding else None)
+                           window if sliding else None, self.ring_tokens if sliding else None)
             self.cache_allocators[lt] = grp
             for layer in groups[lt]:
                 self.layer_to_allocator[layer] = grp
@@ -366,9 +355,9 @@ class UmallocPagedCache:
         slots = np.array([s for s, _ in items], np.int64)
         if items and self.table.extend(slots, np.array([n for _, n in items], np.int64)) is None:
             raise InvariantError(f"deferred growth of slots {slots.tolist()} refused by the table")
-        if self.ring_table is None or self.window is None:
+        if self.ring_table is None or self.ring_tokens is None:
             return
-        w = self.window
+        w = self.ring_tokens
         rings = [(self.ring_slots[s], min(self._held[s], w) - min(self._held[s] - n, w)) for s, n in items]
         rings = [(r, g) for r, g in rings if g]
         if rings and self.ring_table.extend(np.array([r for r, _ in rings], np.int64),
@@ -376,9 +365,9 @@ class UmallocPagedCache:
             raise InvariantError(f"deferred ring growth of rings {[r for r, _ in rings]} refused by the ring table")
 
     def _table_tokens(self, held: int) -> int:
-        """Tokens ``table`` holds for a request of ``held`` tokens: all of them, or ``min(held, window)`` when the
-        table holds the rings (Note [All sliding])."""
-        return held if self.has_full or self.window is None else min(held, self.window)
+        """Tokens ``table`` holds for a request of ``held`` tokens: all of them, or ``min(held, ring_tokens)`` when
+        the table holds the rings (Note [All sliding])."""
+        return held if self.has_full or self.ring_tokens is None else min(held, self.ring_tokens)
 
     def _free_table_slots(self, slots: list[int], cache: bool = False) -> None:
         self._flush()
@@ -437,7 +426,7 @@ class UmallocPagedCache:
     def check_invariants(self) -> None:
         """The tables' and the allocator's invariants, plus: every indexed page is held by a request or cached,
         the hash index is one-to-one, the kept lengths are the table's, and every request's ring holds
-        ``min(length, window)`` tokens (Note [Sliding ring]). Puts deferred growths into the tables first (Note
+        ``min(length, ring_tokens)`` tokens (Note [Sliding ring]). Puts deferred growths into the tables first (Note
         [Deferred growth]). O(pages)."""
         self._flush()
         self.table.check_invariants()
@@ -450,16 +439,8 @@ class UmallocPagedCache:
             raise InvariantError(f"held lengths: kept for slots {sorted(self._held)}, live slots {live}")
         if live and self.table.num_tokens(live).tolist() != [self._table_tokens(self._held[s]) for s in live]:
             raise InvariantError("held lengths: a kept length differs from the table's")
-        if self.ring_table is None or self.window is None:
-            return
-        self.ring_table.check_invariants()
-        if sorted(self.ring_slots) != live:
-            raise InvariantError(f"rings: kept for slots {sorted(self.ring_slots)}, live slots {live}")
-        if self.ring_table.stats().live_requests != len(live) + len(self.staged_rings):
-            raise InvariantError("rings: the ring table has requests no live slot names")
-        if live and self.ring_table.num_tokens([self.ring_slots[s] for s in live]).tolist() != \
-                [min(self._held[s], self.window) for s in live]:
-            raise InvariantError("rings: a ring does not hold min(length, window) tokens")
+        if self.ring_table is not None and self.rings is not None:
+            self.rings.check(self.ring_slots, self._held, len(self.staged_rings))
 
     # ---- scheduler-facing API (transformers' PagedAttentionCache) --------------------------------------------
     def can_store_request_tokens(self, state: Any, request_len: int, dry_run: bool = False) -> bool:
@@ -520,9 +501,9 @@ class UmallocPagedCache:
         ring])."""
         ps = self.page_size
         pages = -(-num_tokens // ps)
-        if self.window is None:
+        if self.ring_tokens is None:
             return pages, 0
-        return pages if self.has_full else 0, -(-min(num_tokens, self.window) // ps)
+        return pages if self.has_full else 0, -(-min(num_tokens, self.ring_tokens) // ps)
 
     def _free_bytes_now(self) -> int:
         """:meth:`free_bytes`, computed once until the next allocation or free clears the memo."""
@@ -559,9 +540,9 @@ class UmallocPagedCache:
             return self._fresh_pages(num_tokens)
         ps, end = self.page_size, held + num_tokens
         full = -(-end // ps) - -(-held // ps) + self._cow_pages(known) if self.has_full else 0
-        if self.window is None:
+        if self.ring_tokens is None:
             return full, 0
-        w = self.window
+        w = self.ring_tokens
         return full, -(-min(end, w) // ps) - -(-min(held, w) // ps)
 
     def _fits_bytes(self, full_pages: int, swa_pages: int) -> bool:
@@ -585,10 +566,10 @@ class UmallocPagedCache:
         ring = self.ring_slots.get(slot)
         new_ring = ring is None
         ring_grow = 0
-        if self.ring_table is not None and self.window is not None:
+        if self.ring_table is not None and self.ring_tokens is not None:
             if ring is None and known is not None:
                 raise InvariantError(f"request {request_id!r} holds tokens but no ring (Note [Sliding ring])")
-            ring_grow = min(held + num_tokens, self.window) - min(held, self.window)
+            ring_grow = min(held + num_tokens, self.ring_tokens) - min(held, self.ring_tokens)
             if ring is None:
                 got = self.ring_table.new_requests(1)
                 if got is None:
@@ -607,7 +588,7 @@ class UmallocPagedCache:
                 if new_ring:
                     self.ring_table.free_requests([ring])
                 elif ring_grow:
-                    self.ring_table.truncate(np.array([ring], np.int64), one * min(held, self.window or 0))
+                    self.ring_table.truncate(np.array([ring], np.int64), one * min(held, self.ring_tokens or 0))
                     self._forget_rows([], [ring])
             if known is None:
                 self.table.free_requests([slot])
@@ -638,11 +619,16 @@ class UmallocPagedCache:
         ends = self.alloc.ends
         full = ends[self.owner]   # the up end (``swa`` when every layer slides, Note [All sliding])
         total = sum(v.hole_pages * v.page_bytes for v in ends.values())
+        edge = full.hi * full.page_bytes   # the gaps up to a draft end floating between full and swa, and past it
+        if self.ring_table is not None and "draft" in ends:
+            mid = ends["draft"]
+            total += max(0, mid.lo * mid.page_bytes - edge)
+            edge = max(edge, mid.hi * mid.page_bytes)
         if self.ring_table is not None or "draft" in ends:   # the gap up to the end growing down
             down = ends["swa" if self.ring_table is not None else "draft"]
-            total += max(0, down.lo * down.page_bytes - full.hi * full.page_bytes)
+            total += max(0, down.lo * down.page_bytes - edge)
         else:
-            total += self.arena.arena_bytes - full.hi * full.page_bytes
+            total += self.arena.arena_bytes - edge
         if self.cache_freed:   # only then are pages cached (free_blocks caches nothing otherwise)
             total += int(self.table.capacity()["full"]["reclaimable_pages"]) * full.page_bytes
         return total
@@ -695,7 +681,8 @@ class UmallocPagedCache:
             if self.ring_table is not None and self.window is not None and rings:   # Note [Sliding prefix] (prefix)
                 rings.copy_forks()   # forks' rings hold their source's before they give any
                 donor, k = ring_donor(matched, ((s, self._held[s], self.table.pages(s).tolist())
-                                                for s in self.slots.values()), self.window, ps)
+                                                for s in self.slots.values()), self.window, ps,
+                                               self.ring_tokens)
                 del matched[k:]
                 if not matched:
                     return 0
@@ -783,7 +770,7 @@ class UmallocPagedCache:
                 slot = int(slot)
                 if self.ring_table is not None and self.window is not None:
                     got = self.ring_table.new_requests(1)
-                    ring_len = np.array([min(held, self.window)], np.int64)
+                    ring_len = np.array([min(held, self.ring_tokens or 0)], np.int64)
                     if got is None or self.ring_table.extend(got, ring_len) is None:
                         if got is not None:
                             self.ring_table.free_requests(got)
@@ -801,13 +788,13 @@ class UmallocPagedCache:
             return forked
 
     def _new_ring(self, src: int, held: int) -> int | None:
-        """A fork's slot when the table holds the rings (Note [All sliding]): fresh pages for ``min(held, window)``
+        """A fork's slot when the table holds the rings (Note [All sliding]): fresh pages for ``min(held, ring)``
         tokens, queued for the copy of ``src``'s ring; None if the slots or pages fall short (nothing taken)."""
-        assert self.window is not None
+        assert self.ring_tokens is not None
         got = self.table.new_requests(1)
         if got is None:
             return None
-        if self.table.extend(got, np.array([min(held, self.window)], np.int64)) is None:
+        if self.table.extend(got, np.array([min(held, self.ring_tokens)], np.int64)) is None:
             self.table.free_requests(got)
             return None
         self.rings.queue_fork_copy(src, int(got[0]))   # type: ignore[union-attr]

@@ -110,7 +110,8 @@ class EndGroup:
     supports_block_table = False
 
     def __init__(self, cache: CacheParts, index: int, layer_type: str, end: str, table: RequestTable,
-                 layer_indices: list[int], num_kv_heads: int, head_dim: int, sliding_window: int | None) -> None:
+                 layer_indices: list[int], num_kv_heads: int, head_dim: int, sliding_window: int | None,
+                 ring_tokens: int | None = None) -> None:
         self._cache = cache
         self._table = table   # the request table of this group's end (the ring table for a sliding group)
         self.index = index
@@ -119,6 +120,8 @@ class EndGroup:
         self.layer_indices = list(layer_indices)
         self.tokens_per_page = cache.page_size
         self.sliding_window = sliding_window
+        #: a sliding group's ring slots (Note [Sliding ring]): ``ring_tokens``, or the window; 0 for a full group
+        self.ring_tokens: int = ring_tokens if ring_tokens is not None else (sliding_window or 0)
         self.use_block_sharing = layer_type == FULL_ATTENTION and cache.allow_block_sharing
         self.rows_per_page = 2 * cache.page_size * len(layer_indices)
         self.write_trash_index = SINK_ROW
@@ -176,7 +179,8 @@ class EndGroup:
         if w is None:   # plus the copy of a shared partial last page, as the cache counts its refusals
             return max(0, -(-total // ps) - -(-held // ps)) + (total > held and self._cache.cow_pages(request_id))
         cow = self._cache.ring_cow_pages(request_id, past_length, query_length)   # shared pages it would write
-        total, held = min(total, w), min(held, w)
+        r = self.ring_tokens
+        total, held = min(total, r), min(held, r)
         return max(0, -(-total // ps) - -(-held // ps)) + cow
 
     # ---- rows -------------------------------------------------------------------------------------------
@@ -260,31 +264,35 @@ class EndGroup:
 
     def read_rows(self, slot: int, past_length: int, query_length: int, keep: bool = True) -> list[int]:
         """Rows this step reads for request ``slot`` of this group's table (Note [Index time]); sliding: the ring
-        slots of the ``min(past_length, window - 1)`` tokens before ``past_length`` (oldest first), then one
-        ``SENTINEL_ROW`` per new token. ``keep``: as :meth:`_rows_of`."""
+        slots (``position % ring_tokens``) of the ``min(past_length, window - 1)`` tokens before ``past_length``
+        (oldest first), then one ``SENTINEL_ROW`` per new token. ``keep``: as :meth:`_rows_of`."""
         w = self.sliding_window
         if w is None:
             return self._rows_of(slot, past_length + query_length, keep)[: past_length + query_length]
-        if past_length < w:
-            rows = self._rows_of(slot, past_length, keep)[:past_length]
-        else:   # the ring is full: slots (past + 1) % w, ... wrapping, w - 1 of them
-            ring = self._rows_of(slot, w, keep)
-            start = (past_length + 1) % w
-            rows = ring[start:w] + ring[:start - 1] if start else ring[:w - 1]
+        r, m = self.ring_tokens, min(past_length, w - 1)
+        if past_length <= r:   # the ring has not wrapped below past_length: slot = position
+            rows = self._rows_of(slot, past_length, keep)[past_length - m: past_length]
+        elif m == 0:
+            rows = []
+        else:   # the ring is full: slots (past - m) % r, ... wrapping, m of them
+            ring = self._rows_of(slot, r, keep)
+            lo, hi = (past_length - m) % r, past_length % r
+            rows = ring[lo:hi] if lo < hi else ring[lo:] + ring[:hi]
         return rows + [SENTINEL_ROW] * query_length
 
     def write_rows(self, slot: int, past_length: int, query_length: int, keep: bool = True) -> list[int]:
         """Rows this step writes for request ``slot`` of this group's table (Note [Index time]); sliding: the last
-        ``min(query_length, window)`` tokens to their ring slots (``position % window``), the earlier ones to the
-        sink. ``keep``: as :meth:`_rows_of`."""
+        ``min(query_length, ring_tokens)`` tokens to their ring slots (``position % ring_tokens``), the earlier
+        ones to the sink. ``keep``: as :meth:`_rows_of`."""
         w = self.sliding_window
         end = past_length + query_length
         if w is None:
             return self._rows_of(slot, end, keep)[past_length:end]
-        kept = min(query_length, w)
-        ring = self._rows_of(slot, min(end, w), keep)
-        lo = (end - kept) % w
-        rows = ring[lo: lo + kept] if lo + kept <= w else ring[lo:w] + ring[: lo + kept - w]
+        r = self.ring_tokens
+        kept = min(query_length, r)
+        ring = self._rows_of(slot, min(end, r), keep)
+        lo = (end - kept) % r
+        rows = ring[lo: lo + kept] if lo + kept <= r else ring[lo:r] + ring[: lo + kept - r]
         return [SINK_ROW] * (query_length - kept) + rows
 
     def copy_rows(self, src_vtokens: torch.Tensor, dst_vtokens: torch.Tensor) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from time import perf_counter
 from typing import Any
 
 import torch
@@ -51,8 +52,14 @@ class CacheOptions:
         check_every_step: run ``check_invariants`` (table and allocator) at the step hook.
         max_requests: request slots (``None``: ``min(owner pages, 1024)``).
         draft_layers: layers of an early-exit drafter whose KV the arena holds in a ``draft`` end bound to
-            ``full`` (every page of a request on ``full`` has its page there; same heads and head dim as the
-            model's); 0: no ``draft`` end. Full-attention models only.
+            ``full`` (every page of a request on ``full`` has its page there, every token of every drafter layer,
+            a sliding one's included; same heads and head dim as the model's); 0: no ``draft`` end. Models with
+            full-attention layers only (the end is bound to ``full``).
+        speculative_tokens: draft tokens ``k`` a speculative round verifies (what
+            :class:`~umalloc.integrations.transformers.speculate.SpeculativeDecoder` needs): each sliding ring then
+            has ``ring_tokens(window, page_size, k)`` slots, enough that a rejected draft never overwrites a
+            position still inside the window after the round is rolled back (Note [Sliding ring] in
+            :mod:`~umalloc.integrations.transformers.rings`); 0: rings of ``window`` slots, as transformers' own.
 
     Raises:
         UmallocValueError: a field of the wrong type or out of range, naming the field, the value and what is
@@ -66,14 +73,17 @@ class CacheOptions:
     check_every_step: bool = False
     max_requests: int | None = None
     draft_layers: int = 0
+    speculative_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("arena_bytes", "compact_budget_pages", "max_requests"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise UmallocValueError(f"CacheOptions.{name}={v!r}: allowed None or an int >= 1")
-        if isinstance(self.draft_layers, bool) or not isinstance(self.draft_layers, int) or self.draft_layers < 0:
-            raise UmallocValueError(f"CacheOptions.draft_layers={self.draft_layers!r}: allowed an int >= 0")
+        for name in ("draft_layers", "speculative_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise UmallocValueError(f"CacheOptions.{name}={v!r}: allowed an int >= 0")
         if self.compaction not in COMPACTION_MODES:
             raise UmallocValueError(f"CacheOptions.compaction={self.compaction!r}: allowed one of "
                                     f"{list(COMPACTION_MODES)}")
@@ -120,6 +130,22 @@ class CacheCounters:
     live_requests_sum: int = 0
 
 
+class MemoryTimer:
+    """Adds the wall time of a ``with`` block to ``counters.memory_seconds`` (``time.perf_counter``)."""
+
+    __slots__ = ("counters", "t0")
+
+    def __init__(self, counters: CacheCounters) -> None:
+        self.counters = counters
+        self.t0 = 0.0
+
+    def __enter__(self) -> None:
+        self.t0 = perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        self.counters.memory_seconds += perf_counter() - self.t0
+
+
 def text_config_dims(config: Any, dtype: torch.dtype) -> tuple[int, int, dict[str, list[int]], int | None]:
     """``(num_kv_heads, head_dim, layers by attention type, sliding_window)`` of a text config; refuses what the
     arena cannot hold (Note [Seams] 8)."""
@@ -149,5 +175,5 @@ def text_config_dims(config: Any, dtype: torch.dtype) -> tuple[int, int, dict[st
     return num_kv_heads, head_dim, groups, sliding_window if SLIDING_ATTENTION in groups else None
 
 
-__all__ = ["COMPACTION_MODES", "END_OF", "TORCH_TO_KV", "CacheCounters", "CacheOptions", "RequestCannotFitError", "UnsupportedCacheError",
+__all__ = ["COMPACTION_MODES", "END_OF", "TORCH_TO_KV", "CacheCounters", "CacheOptions", "MemoryTimer", "RequestCannotFitError", "UnsupportedCacheError",
            "UnsupportedTransformersVersion", "text_config_dims"]

@@ -12,15 +12,16 @@ Note [Sliding prefix]
 ~~~~~~~~~~~~~~~~~~~~~
 With sliding layers beside full ones, a prefix hit shares the full-attention pages through ``table`` (reference
 counts, as without sliding layers) and gives the request a ring holding a live request's (the donor's) ring pages
-of the prefix: shared copy-on-write, or copied when the window is not whole pages (Note [Shared rings] in
+of the prefix: shared copy-on-write, or copied when the ring is not whole pages (Note [Shared rings] in
 :mod:`~umalloc.integrations.transformers.rings`), so no write into a ring slot ever reaches another request's
 bytes. A hit of ``p`` tokens needs a donor holding the matched pages as its first ones whose ring still holds
-positions ``[max(0, p - window), p)``: one holding at most ``max(window, p)`` tokens (held, so including tokens
+positions ``[max(0, p - window), p)``: one holding at most ``R + max(0, p - window)`` tokens (``R`` its ring's
+slots, Note [Sliding ring] in :mod:`~umalloc.integrations.transformers.rings`) (held, so including tokens
 allocated for a forward not yet run; :func:`ring_donor`). The match is cut to the longest prefix a donor can give:
-a prefix longer than the window is given only by a donor holding exactly that prefix, else the shorter part within
-the window. No donor, no hit (the request prefills it all). Freed full-attention pages are not cached (no live ring
+without speculation (``R`` = window) a prefix longer than the window is given only by a donor holding exactly that
+prefix. No donor, no hit (the request prefills it all). Freed full-attention pages are not cached (no live ring
 could give their window), so their hashes go with their last holder. The hit saves the prefix's forward (every
-layer), its full-attention pages and, shared, its ``ceil(min(p, window) / page_size)`` ring pages
+layer), its full-attention pages and, shared, its ``ceil(min(p, R) / page_size)`` ring pages
 (``counters.ring_pages_shared``) until a ring's first write into them copies them (``counters.ring_cow_copies``).
 """
 
@@ -43,15 +44,17 @@ def block_hash(parent: int | None, tokens: Sequence[int]) -> int:
 
 
 def ring_donor(matched: Sequence[int], holders: Iterable[tuple[int, int, Sequence[int]]], window: int,
-               page_size: int) -> tuple[int, int]:
+               page_size: int, ring: int | None = None) -> tuple[int, int]:
     """The live request whose sliding ring still holds the K/V of the longest part of a matched prefix (Note
     [Sliding prefix]): ``(slot, pages)`` of the best of
     ``holders`` (``(slot, tokens held, its full-attention pages)``), ``(-1, 0)`` if none.
 
     A holder of ``held`` tokens whose first ``k`` pages are ``matched[:k]`` can give a prefix of ``p = k *
-    page_size`` tokens when its ring still holds positions ``[max(0, p - window), p)`` unoverwritten, which holds
-    when ``held <= max(window, p)`` (a ring slot ``t % window`` is rewritten only by position ``t + window``).
-    O(holders * matched)."""
+    page_size`` tokens when its ring (``ring`` slots, None: ``window``) still holds positions ``[max(0, p -
+    window), p)`` unoverwritten, which holds when ``held <= ring + max(0, p - window)`` (a ring slot ``t % ring``
+    is rewritten only by position ``t + ring``); a shorter part only lowers that bound, so the holder gives its
+    whole match or nothing. O(holders * matched)."""
+    r = window if ring is None else ring
     best, best_pages = -1, 0
     for slot, held, pages in holders:
         k = 0
@@ -59,8 +62,8 @@ def ring_donor(matched: Sequence[int], holders: Iterable[tuple[int, int, Sequenc
             if a != b:
                 break
             k += 1
-        if held > window:   # only the exact prefix: its ring holds the last window of it
-            k = k if held == k * page_size else 0
+        if held > r + max(0, k * page_size - window):   # its ring rewrote part of the prefix's window
+            k = 0
         if k > best_pages:
             best, best_pages = slot, k
     return best, best_pages

@@ -61,9 +61,10 @@ def stock_sizing(config: Any, cb: Any, dtype: torch.dtype, groups: dict[str, lis
 
 def tokens_alone(arena: Arena, page_size: int, window: int | None) -> int:
     """The most tokens one request holds in ``arena`` when it is the only one (Note [Cannot fit]): ``full`` grows up
-    from its first page, ``swa`` (its ring of ``window`` tokens) or ``draft`` (a drafter's end bound to ``full``:
-    one page per full page) down from its top page, and the two must not cross. An arena without a ``full`` end (every layer slides): a request of any length holds one window, so
-    :data:`UNBOUNDED_TOKENS` once a window's pages fit, else the ring's tokens. O(log pages)."""
+    from its first page, ``swa`` (its ring of ``window`` tokens: the ring's slots) or ``draft`` (a drafter's end
+    bound to ``full``: one page per full page) down from its top page, and the two must not cross; with both, the
+    ``draft`` pages lie between them. An arena without a ``full`` end (every layer slides): a request of any length
+    holds one ring, so :data:`UNBOUNDED_TOKENS` once a ring's pages fit, else the ring's tokens. O(log pages)."""
     ps = page_size
     names = {e.name for e in arena.spec.ends}
     if "full" not in names:
@@ -77,10 +78,14 @@ def tokens_alone(arena: Arena, page_size: int, window: int | None) -> int:
         return f_max * ps
     down = "swa" if window is not None else "draft"   # a drafter's end: one page per full page
     top, spb = arena.top_page(down) + 1, arena.page_bytes(down)
+    dpb = arena.page_bytes("draft") if window is not None and "draft" in names else 0   # a draft end between
 
     def fits(full_pages: int) -> bool:
         ring = full_pages if window is None else -(-min(full_pages * ps, window) // ps)
-        return (f0 + full_pages) * fpb <= (top - ring) * spb
+        edge = (f0 + full_pages) * fpb
+        if dpb:
+            edge = (-(-edge // dpb) + full_pages) * dpb
+        return edge <= (top - ring) * spb
 
     lo, hi = 0, f_max   # fits(lo) holds (an ArenaSpec holds the floor plus one page of each end)
     while lo < hi:

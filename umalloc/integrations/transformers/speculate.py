@@ -5,9 +5,10 @@ and an early-exit drafter whose KV lives in the cache's ``draft`` end.
 :class:`SpeculativeDecoder` replaces the engine's one-token step with one *round* over every running request:
 
 1. every request's row in the cache's table grows by ``k + 1`` tokens (``k = min(draft_tokens, tokens still to
-   emit)``), through the cache's own ``can_store_request_tokens`` (the pages of the ``draft`` end follow: it is
-   bound to ``full``); a request the arena has no room for sits the round out (it waits, as a starved request
-   waits in transformers' scheduler), and a round that no request can grow raises;
+   emit)``, and below the tokens one forward holds, ``cache.max_batch_tokens``), through the cache's own
+   ``can_store_request_tokens`` (the pages of the ``draft`` end follow: it is bound to ``full``); a request the
+   arena has no room for, or past the tokens or requests one forward holds, sits the round out (it waits, as a
+   starved request waits in transformers' scheduler), and a round that no request can grow raises;
 2. the proposer gives up to ``k`` draft tokens per request: the early-exit drafter (:class:`EarlyExitDrafter`,
    ``k`` batched forwards of the drafter model, each one token per request, reading and writing the drafter's
    K/V in the ``draft`` end's pages of the request), or a :class:`TokenProposer` without KV (n-gram);
@@ -16,8 +17,15 @@ and an early-exit drafter whose KV lives in the cache's ``draft`` end.
    target's token after it (acceptance length ``accepted + 1``);
 4. with every draft accepted the drafter runs once more on the last draft (it never ran on it); then every
    request's row is truncated to ``past + 1 + accepted`` tokens (the table frees the rejected tokens' pages on
-   both ends), and the request state takes the emitted tokens; a request with ``max_new_tokens`` tokens finishes
-   and frees its pages as the scheduler finishes one.
+   both ends; a sliding ring is cut to ``min(past + 1 + accepted, R)`` tokens), and the request state takes the
+   emitted tokens; a request with ``max_new_tokens`` tokens finishes and frees its pages as the scheduler
+   finishes one.
+
+On a model with sliding layers the cache must be built for rounds of at least ``draft_tokens`` drafts
+(``CacheOptions(speculative_tokens=k)``): its rings have ``R >= window + k`` slots, so the rejected drafts a round
+wrote into the rings overwrote only positions outside every later step's window, and the truncation is the whole
+rollback (Note [Sliding ring] in :mod:`~umalloc.integrations.transformers.rings`). A model whose every layer
+slides runs with a :class:`TokenProposer` (the ``draft`` end is bound to a full-attention end).
 
 Several requests verify in one forward (a block-diagonal mask, as transformers builds it for a prefill batch).
 The tokens equal the engine's one-token steps whenever the target's multi-token forward ranks tokens as its
@@ -41,12 +49,17 @@ decode of the same requests would duplicate their tokens); transformers' files a
 Note [Draft end]
 ~~~~~~~~~~~~~~~~
 ``CacheOptions(draft_layers=K)`` gives the cache's arena a ``draft`` end bound to ``full`` (K layers of the
-model's KV heads and head dim, growing down): a request's virtual page on ``full`` has its page on ``draft``
-for as long as the request holds it, so a transfer plan's ``draft`` vector writes the prompt's draft KV where the
-drafter reads it, a growth of the request grows both, and a truncation frees both. The drafter's row of token
-``t`` is ``v2p_draft[t // page_size] * rows_per_page + t % page_size`` (its own page geometry).
+model's KV heads and head dim; growing down, or floating between ``full`` and ``swa`` on a model with sliding
+layers): a request's virtual page on ``full`` has its page on ``draft`` for as long as the request holds it, so a
+transfer plan's ``draft`` vector writes the prompt's draft KV where the drafter reads it, a growth of the request
+grows both, and a truncation frees both. The drafter's row of token ``t`` is ``v2p_draft[t // page_size] *
+rows_per_page + t % page_size`` (its own page geometry). The end holds every token of every drafter layer, a
+sliding one's included (no ring: the draft KV rolls back with the table); a sliding drafter layer reads the rows of
+the ``min(past, window - 1)`` tokens before its step's, oldest first, then its step's own states: the rows and
+order the target's sliding layers read from their rings, so the masks transformers' IO builder made for the
+target's sliding layers fit (:meth:`DraftPagedView.rows`).
 
-Threading: the engine's thread. Full-attention models only (a sliding layer's ring cannot be rolled back).
+Threading: the engine's thread.
 """
 
 from __future__ import annotations
@@ -59,7 +72,7 @@ import numpy as np
 import torch
 
 from umalloc import InvariantError, UmallocValueError
-from umalloc.integrations.transformers.groups import FULL_ATTENTION, EndGroup
+from umalloc.integrations.transformers.groups import FULL_ATTENTION, SENTINEL_ROW, SLIDING_ATTENTION, EndGroup
 from umalloc.integrations.transformers.options import UnsupportedCacheError
 
 
@@ -78,27 +91,48 @@ class TokenProposer(Protocol):
 class DraftPagedView:
     """The paged cache the drafter's attention reads and writes: K/V rows of the cache's ``draft`` end (Note
     [Draft end]). Built by :func:`draft_view` with transformers' ``PagedAttentionCache`` as a second base, for
-    sdpa's ``isinstance`` test only (as the cache itself, Note [Seams] 9 of the cache module)."""
+    sdpa's ``isinstance`` test only (as the cache itself, Note [Seams] 9 of the cache module).
 
-    def __init__(self, cache: Any, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
-        self.group = EndGroup(cache, 0, FULL_ATTENTION, "draft", cache.table, list(range(num_layers)), num_kv_heads,
-                              head_dim, None)
+    Args:
+        cache: the umalloc cache. layer_types: the drafter's attention type per layer (its ``draft`` end layers,
+            in order). num_kv_heads, head_dim: its KV geometry. window: the sliding window (tokens) of its sliding
+            layers, None without.
+    """
 
-    def rows(self, slot: int, past_length: int, query_length: int) -> tuple[list[int], list[int]]:
-        """(read rows, write rows) of request ``slot`` on the ``draft`` end: tokens ``[0, past + query)`` read,
-        ``[past, past + query)`` written. Computed from the tables every call (nothing kept)."""
-        return (self.group.read_rows(slot, past_length, query_length, keep=False),
-                self.group.write_rows(slot, past_length, query_length, keep=False))
+    def __init__(self, cache: Any, layer_types: list[str], num_kv_heads: int, head_dim: int,
+                 window: int | None = None) -> None:
+        layers = list(range(len(layer_types)))
+        self.layer_types = list(layer_types)
+        self.window = window
+        # one row view of the end per attention type: the same rows, a full or a sliding update (Note [Draft end])
+        self.groups = {FULL_ATTENTION: EndGroup(cache, 0, FULL_ATTENTION, "draft", cache.table, layers,
+                                                num_kv_heads, head_dim, None)}
+        if window is not None:
+            self.groups[SLIDING_ATTENTION] = EndGroup(cache, 1, SLIDING_ATTENTION, "draft", cache.table, layers,
+                                                      num_kv_heads, head_dim, window)
+        self.group = self.groups[FULL_ATTENTION]
+
+    def rows(self, slot: int, past_length: int, query_length: int) -> tuple[list[int], list[int], list[int]]:
+        """(full read rows, sliding read rows, write rows) of request ``slot`` on the ``draft`` end: a full layer
+        reads tokens ``[0, past + query)``, a sliding one the ``min(past, window - 1)`` tokens before ``past`` then
+        one ``SENTINEL_ROW`` per new token; both write ``[past, past + query)``. Computed from the tables every
+        call (nothing kept)."""
+        full = self.group.read_rows(slot, past_length, query_length, keep=False)
+        m = past_length if self.window is None else min(past_length, self.window - 1)
+        sliding = full[past_length - m: past_length] + [SENTINEL_ROW] * query_length
+        return full, sliding, full[past_length: past_length + query_length]
 
     @torch.compiler.disable  # type: ignore[untyped-decorator]
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """transformers' per-layer cache call (``[1, kv_heads, q, head_dim]`` in, ``[1, kv_heads, read,
-        head_dim]`` out), on the drafter's rows."""
-        kwargs["cu_seq_lens_k"] = kwargs["cu_seq_lens_k"][FULL_ATTENTION].to(torch.int32)
-        kwargs["max_length_k"] = kwargs["max_length_k"][FULL_ATTENTION]
+        head_dim]`` out), on the drafter's rows of the layer's attention type."""
+        lt = self.layer_types[layer_idx]
+        grp = self.groups[lt]
+        kwargs["cu_seq_lens_k"] = kwargs["cu_seq_lens_k"][lt].to(torch.int32)
+        kwargs["max_length_k"] = kwargs["max_length_k"][lt]
         k, v = (x.squeeze(0).transpose(0, 1) for x in (key_states, value_states))
-        k, v = self.group.update(k, v, layer_idx, kwargs["read_index"][0], kwargs["write_index"][0])
+        k, v = grp.update(k, v, layer_idx, kwargs["read_index"][grp.index], kwargs["write_index"][grp.index])
         return k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
 
 
@@ -114,13 +148,22 @@ def draft_view(cache: Any, drafter_config: Any) -> DraftPagedView:
 
     ends = {e.name: e for e in cache.arena.spec.ends}
     n = int(drafter_config.num_hidden_layers)
-    heads, dim, _groups, _w = text_config_dims(drafter_config, cache.dtype)
+    heads, dim, groups, window = text_config_dims(drafter_config, cache.dtype)
     d = ends.get("draft")
     if d is None or len(d.layers) != n or d.layers[0].num_kv_heads != heads or d.layers[0].head_dim_k != dim:
         raise UnsupportedCacheError(f"the cache has no draft end of {n} layers x {heads} KV heads x {dim} dims "
                                     "(CacheOptions.draft_layers)")
+    types = [FULL_ATTENTION] * n   # per drafter layer (a config may list types past its layers: unused)
+    for lt, layers in groups.items():
+        for i in layers:
+            if i < n:
+                types[i] = lt
+    window = window if SLIDING_ATTENTION in types else None
+    if window is not None and window != cache.window:   # its sliding reads use the masks of the target's
+        raise UnsupportedCacheError(f"the drafter's sliding window {window} differs from the model's "
+                                    f"{cache.window}; allowed the target's own layers")
     cls = type("UmallocDraftPagedView", (DraftPagedView, cb_cache.PagedAttentionCache), {})
-    view: DraftPagedView = cls(cache, n, heads, dim)
+    view: DraftPagedView = cls(cache, types, heads, dim, window)
     return view
 
 
@@ -157,16 +200,18 @@ def _forward(engine: Any, model: Any, entries: list[tuple[str, int, list[int]]],
                              use_padding=False)
     kw = io.get_model_kwargs(use_padding=False)
     if view is not None:
-        read: list[int] = []
+        full: list[int] = []
+        sliding: list[int] = []
         write: list[int] = []
         c = engine.cache
         for rid, past, toks in entries:
-            r, w = view.rows(c.slots[rid], past, len(toks))
-            read += r
+            f, s, w = view.rows(c.slots[rid], past, len(toks))
+            full += f
+            sliding += s
             write += w
         dev = c.arena.device
-        kw["read_index"] = [torch.tensor(read, dtype=torch.int64, device=dev)]
-        kw["write_index"] = [torch.tensor(write, dtype=torch.int64, device=dev)]
+        kw["read_index"] = [torch.tensor(x, dtype=torch.int64, device=dev) for x in (full, sliding)]
+        kw["write_index"] = [torch.tensor(write, dtype=torch.int64, device=dev)] * 2
         kw["cache"] = view
     kw.pop("logits_to_keep", None)
     logits = model(**kw).logits[0, :q]
@@ -232,7 +277,9 @@ class SpeculativeDecoder:
 
     Raises:
         UmallocValueError: ``draft_tokens`` < 1, or not exactly one of ``drafter`` / ``proposer``.
-        UnsupportedCacheError: a model with sliding layers, or a cache whose ``draft`` end does not fit the drafter.
+        UnsupportedCacheError: a model with sliding layers whose cache was built for rounds of fewer than
+            ``draft_tokens`` drafts (``CacheOptions.speculative_tokens``), or a cache whose ``draft`` end does not
+            fit the drafter.
     """
 
     def __init__(self, engine: Any, draft_tokens: int, *, drafter: Any = None,
@@ -241,9 +288,13 @@ class SpeculativeDecoder:
             raise UmallocValueError(f"draft_tokens={draft_tokens!r}: allowed an int >= 1")
         if (drafter is None) == (proposer is None):
             raise UmallocValueError("SpeculativeDecoder: allowed exactly one of drafter (a model) and proposer")
-        if engine.cache.ring_table is not None or not engine.cache.has_full:
-            raise UnsupportedCacheError("speculative decoding in place: the model has sliding layers, whose ring "
-                                        "a rejected draft cannot be rolled back from; allowed full attention only")
+        c = engine.cache
+        if c.window is not None and c.options.speculative_tokens < draft_tokens:
+            raise UnsupportedCacheError(
+                f"speculative decoding in place: the model has sliding layers and the cache's rings were built for "
+                f"rounds of {c.options.speculative_tokens} drafts (ring of {c.ring_tokens} slots, window "
+                f"{c.window}): a rejected draft of {draft_tokens} would overwrite a position still in the window; "
+                f"allowed CacheOptions(speculative_tokens >= {draft_tokens}) (Note [Sliding ring])")
         self.engine, self.draft_tokens, self.proposer = engine, draft_tokens, proposer
         self.early_exit = EarlyExitDrafter(engine, drafter) if drafter is not None else None
         self.figures = RoundFigures()
@@ -263,10 +314,16 @@ class SpeculativeDecoder:
         if not states:
             return False
         cache.pool.try_to_free_sectors()   # the cache's step hook, as the scheduler runs it every step
-        items = []
+        items: list[_Item] = []
+        # one forward holds at most the IO builder's tokens and requests: the requests past them sit the round out
+        room = int(cache.max_batch_tokens)
+        seats = int(getattr(e.processor.inputs_and_outputs, "max_requests_per_batch", room) or room)
         for s in states:
-            k = min(self.draft_tokens, s.max_new_tokens - s.generated_len())
+            k = min(self.draft_tokens, s.max_new_tokens - s.generated_len(), int(cache.max_batch_tokens) - 1)
+            if k + 1 > room or len(items) == seats:
+                continue
             if cache.can_store_request_tokens(s, k + 1):
+                room -= k + 1
                 items.append(_Item(s, s.request_id, cache.slots[s.request_id], s.position_offset,
                                    s.generated_tokens[-1], k))
         if not items:
@@ -316,8 +373,9 @@ class SpeculativeDecoder:
 
 def truncate_requests(cache: Any, request_ids: list[str], num_tokens: list[int]) -> None:
     """Roll requests back to ``num_tokens`` tokens each in ``cache``'s table (pages past them freed on every end,
-    :meth:`~umalloc.requests.table.RequestTable.truncate`); a request holding no more is left as is. One table
-    call. O(requests + dropped tokens).
+    :meth:`~umalloc.requests.table.RequestTable.truncate`) and their sliding rings to ``min(num_tokens, R)``
+    tokens (Note [Sliding ring] in :mod:`~umalloc.integrations.transformers.rings`); a request holding no more
+    is left as is. One call per table. O(requests + dropped tokens).
 
     Raises:
         UmallocValueError: an id holding no pages.
@@ -334,11 +392,21 @@ def truncate_requests(cache: Any, request_ids: list[str], num_tokens: list[int])
                 keep.append(n)
         if not slots:
             return
-        cache.table.truncate(np.array(slots, np.int64), np.array(keep, np.int64))
+        r = cache.ring_tokens
+        cut = [(s, cache._table_tokens(n)) for s, n in zip(slots, keep, strict=True)
+               if cache._table_tokens(n) < cache._table_tokens(cache._held[s])]
+        if cut:
+            cache.table.truncate(np.array([s for s, _ in cut], np.int64), np.array([n for _, n in cut], np.int64))
+        rings = []
+        if cache.ring_table is not None and r is not None:
+            rings = [(cache.ring_slots[s], n) for s, n in zip(slots, keep, strict=True) if n < min(cache._held[s], r)]
+            if rings:
+                cache.ring_table.truncate(np.array([g for g, _ in rings], np.int64),
+                                          np.array([n for _, n in rings], np.int64))
         for s, n in zip(slots, keep, strict=True):
             cache._held[s] = n
         cache._free_bytes_memo = None
-        cache._forget_rows(slots, [])
+        cache._forget_rows(slots, [g for g, _ in rings] + ([s for s, _ in cut] if not cache.has_full else []))
 
 
 __all__ = ["DraftPagedView", "EarlyExitDrafter", "RoundFigures", "SpeculativeDecoder", "TokenProposer",
