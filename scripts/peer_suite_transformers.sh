@@ -4,7 +4,8 @@
 # SmolLM2-135M-Instruct and Gemma-3-270M from PyPI GGUF packages) -- per model and scenario, umalloc
 # generate_batch tokens identical to stock generate_batch and to per-prompt generate(), and
 # test_transformers_admit.py (requests admitted with their KV already in the pages) and test_transformers_speculate.py
-# (speculative rounds in the decode engine against stock generate()) -- run in a
+# and test_transformers_speculate_sliding.py (speculative rounds in the decode engine against stock generate(), rings
+# that roll back a rejected round on sliding-window models) -- run in a
 # separate venv where transformers is installed.
 #
 #   1. a venv in .peer/transformers-venv (never .venv) with CPU torch 2.13.0 (constraints.txt), transformers
@@ -70,7 +71,7 @@ UMALLOC_TF_REPORT=$report UMALLOC_TF_REQUIRE_REAL=1 UMALLOC_TF_MODEL_DIR=$PEER/m
   -W ignore::pytest.PytestConfigWarning tests/integrations/test_transformers_cb.py \
   tests/integrations/test_transformers_parity.py tests/integrations/test_transformers_sliding_prefix.py \
   tests/integrations/test_transformers_real.py tests/integrations/test_transformers_admit.py \
-  tests/integrations/test_transformers_speculate.py \
+  tests/integrations/test_transformers_speculate.py tests/integrations/test_transformers_speculate_sliding.py \
   tests/integrations/test_transformers_soak.py "$@" > "$PEER/pytest-transformers.log" 2>&1 || status=1
 sort "$report" | sed 's/^/[transformers-peer] /'
 same=$(grep -c " identical " "$report" || true)

@@ -130,6 +130,7 @@ class InPlaceResult:
     figures: list[Any] = field(default_factory=list)
     decode_s: float = 0.0
     memory_s: float = 0.0
+    digest_s: float = 0.0   # reading the received pages in place and digesting them (the transfer check)
     weights_ok: bool = True
     prefill_child_s: float = 0.0
     step_requests: list[int] = field(default_factory=list)
@@ -213,8 +214,10 @@ def decode_in_place(engine: Any, feed: Any, reqs: list[TraceRequest], prompts: d
         out = a.extra["outputs"][r.request_id]
         res.prefill_child_s = a.extra["prefill_s"]
         res.weights_ok = res.weights_ok and a.extra["weights_digest"] == weights
+        t_digest = time.perf_counter()
         if received_digests(cache, vt, r.input_tokens) != out["digests"]:
             res.digest_bad.append(r.request_id)
+        res.digest_s += time.perf_counter() - t_digest
         engine.admit(str(r.request_id), prompts[r.request_id], out["first_token"], r.output_tokens)
         now = time.perf_counter()
         res.ttft_s[r.request_id] = now - t_run

@@ -492,7 +492,7 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
                     "reference_speculative": reference_s - greedy_s, "prefill_compute": prefill_compute_s,
                     "transfer": sec["transfer"], "decode_compute": decode_s,
                     "memory_layer": sec["allocator"] + sec["translate_plan"]
-                    + in_place.memory_s, "kv_read_verify": sec["verify"]},
+                    + in_place.memory_s, "kv_read_verify": in_place.digest_s},
         "decoded_tokens_per_s": decoded / decode_s if decode_s > 0 else 0.0,
         "pages_left": pages_left, "leases_left": leases_left,
         "draft": cfg.draft, "draft_tokens": cfg.draft_tokens if cfg.draft else 0, "speculative": spec_fig,
