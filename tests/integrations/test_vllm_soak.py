@@ -35,9 +35,6 @@ from typing import Any
 
 import pytest
 
-# vLLM's platform detection finds no device on a CPU-only machine unless told; the scheduler never touches one
-if importlib.util.find_spec("vllm") is not None:
-    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/peer_suite_vllm.sh runs these tests)")
 
 from umalloc.integrations import vllm as umalloc_vllm  # noqa: E402
