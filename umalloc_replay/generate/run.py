@@ -293,7 +293,8 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
         raise UmallocValueError(f"steps_in_flight={cfg.steps_in_flight}: allowed >= 1")
     if cfg.decode_blocks is not None:
         need = max(-(-(r.input_tokens + r.output_tokens) // cfg.page_size) for r in reqs)
-        if cfg.decode_blocks < need:
+        # with a drafter's KV the floor is higher: the refusal below names it once the engine knows its page bytes
+        if drafter is None and cfg.decode_blocks < need:
             raise UmallocValueError(f"--decode-blocks {cfg.decode_blocks}: the longest request needs {need} pages "
                                     f"of {cfg.page_size} tokens; allowed >= {need}")
     engine = engine_for(model, reqs, cfg.page_size, cfg.max_batch, draft_layers=0 if drafter is None else int(
