@@ -82,8 +82,9 @@ def test_layout_parsing_refuses_bad_values():
     assert parse_layout("static:0.25").label == "static:0.25" and parse_layout("padded").label == "padded"
     assert parse_layout("vllm").label == "vllm" and parse_layout("static:1").label == "static:1"
     # SGLang refuses --swa-full-tokens-ratio outside (0, 1] (kv_cache_hook)
+    # a colon with nothing after it names no RATIO: refused, not read as the bare name
     for bad in ("static:0", "static:-1", "static:x", "static:inf", "static:1.5", "fixed", "dynamic:2", "vllm:1",
-                ""):
+                "", "static:", "dynamic:", "vllm:", "padded:"):
         with pytest.raises(UmallocValueError):
             parse_layout(bad)
 

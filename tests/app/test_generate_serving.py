@@ -9,6 +9,7 @@ Oracle: the one-process reference tokens (checked against transformers' ``model.
 from __future__ import annotations
 
 import io
+import re
 from pathlib import Path
 from typing import Any
 
@@ -184,3 +185,17 @@ def test_a_max_batch_above_the_requests_runs_them_all_at_once() -> None:
                                       max_batch=100_000))
     assert check_generate_report(rep) == [], check_generate_report(rep)
     assert rep["identical"] == 3 and rep["serving"]["one_process_cb_identical"] == 3
+
+
+def test_a_decode_blocks_refusal_with_a_drafter_names_a_value_that_runs() -> None:
+    # the value a refusal names must itself be accepted: the early-exit drafter's pages share the cache's bytes,
+    # so the target-only page count (the longest request's pages) is not enough and must not be the one named
+    base = ["generate", "--model", "llama", "--draft", "early-exit:1", "--requests", "2", "--token-scale", "64",
+            "--output-scale", "64", "--no-progress"]
+    res = CliRunner().invoke(app, [*base, "--decode-blocks", "1"], catch_exceptions=False)
+    lines = res.stderr.strip().splitlines()
+    assert res.exit_code == 2 and len(lines) == 1, res.stderr
+    named = re.search(r"\((\d+) holds it\)", lines[0])
+    assert named is not None, lines[0]
+    ok = CliRunner().invoke(app, [*base, "--decode-blocks", named.group(1)], catch_exceptions=False)
+    assert ok.exit_code == 0, ok.stderr

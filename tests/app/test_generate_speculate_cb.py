@@ -187,3 +187,13 @@ def test_gemma3_270m_early_exit_in_place_equals_one_process_round_by_round() -> 
     assert check_generate_report(rep) == [] and rep["identical"] == 2 and rep["decoded_tokens_min"] >= 1
     al = rep["acceptance_length"]
     assert al["differing"] == [] and al["pd"] == al["one_process"] and al["pd"]["rounds"] > 0
+
+
+def test_the_acceptance_length_distribution_is_in_increasing_acceptance_length() -> None:
+    from umalloc_replay.generate.run import acceptance_lengths
+
+    # drafts accepted per round 0, 29, 3, 0, 9: acceptance lengths 1, 30, 4, 1, 10 (two digits sort after one
+    # digit only as numbers, not as strings)
+    rounds = {0: [0, 29, 3], 1: [0, 9]}
+    dist = acceptance_lengths(rounds, rounds)["pd"]["distribution"]
+    assert list(dist.items()) == [("1", 2), ("4", 1), ("10", 1), ("30", 1)]

@@ -259,6 +259,23 @@ def test_ref_cnt_is_umallocs_count_and_a_double_free_changes_nothing(vllm_pool):
     pool.check_invariants()
 
 
+def test_a_refused_free_of_mixed_blocks_leaves_a_bare_blocks_count(vllm_pool):
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    pool = vllm_pool(6, enable_caching=True, hash_block_size=16)
+    b = pool.get_new_blocks(2)                       # 1 2
+    pool.free_blocks([b[1]])                         # block 2 back to umalloc
+    bare = KVCacheBlock(99)                          # not one of this pool's blocks: it keeps its own count
+    bare.ref_cnt = 1
+    with pytest.raises(DoubleFreeError):
+        pool.free_blocks([b[0], bare, b[1]])         # block 2 is already free: the whole call is refused
+    assert bare.ref_cnt == 1 and b[0].ref_cnt == 1 and pool.get_num_free_blocks() == 4
+    pool.check_invariants()
+    pool.free_blocks([b[0], bare])
+    assert bare.ref_cnt == 0 and pool.get_num_free_blocks() == 5
+    pool.check_invariants()
+
+
 def test_random_prefix_caching_matches_vllms_pool(vllm_pool):
     """vLLM's own pool is the oracle: the same requests (shared prefixes, evictions) give the same prefix
     hits and free counts at every step (block ids differ by design)."""

@@ -293,7 +293,8 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
         raise UmallocValueError(f"steps_in_flight={cfg.steps_in_flight}: allowed >= 1")
     if cfg.decode_blocks is not None:
         need = max(-(-(r.input_tokens + r.output_tokens) // cfg.page_size) for r in reqs)
-        if cfg.decode_blocks < need:
+        # with a drafter's KV the floor is higher: the refusal below names it once the engine knows its page bytes
+        if drafter is None and cfg.decode_blocks < need:
             raise UmallocValueError(f"--decode-blocks {cfg.decode_blocks}: the longest request needs {need} pages "
                                     f"of {cfg.page_size} tokens; allowed >= {need}")
     engine = engine_for(model, reqs, cfg.page_size, cfg.max_batch, draft_layers=0 if drafter is None else int(
@@ -506,7 +507,7 @@ def run_generate(cfg: GenerateConfig, *, progress: bool = False, console: Any = 
 
 def acceptance_lengths(pd: dict[int, list[int]], ref: dict[int, list[int]]) -> dict:
     """Acceptance length (tokens emitted per target verification: drafts accepted + 1) of the PD run and of the
-    one-process speculative run: mean, distribution (AL -> rounds), and the requests whose per-round acceptance
+    one-process speculative run: mean, distribution (AL -> rounds, in increasing AL), and the requests whose per-round acceptance
     differs between the two (a stale or misplaced draft KV; greedy tokens cannot show it)."""
     def summary(rounds: dict[int, list[int]]) -> dict:
         als = [a + 1 for rs in rounds.values() for a in rs]
@@ -514,7 +515,7 @@ def acceptance_lengths(pd: dict[int, list[int]], ref: dict[int, list[int]]) -> d
         for a in als:
             dist[str(a)] = dist.get(str(a), 0) + 1
         return {"mean": sum(als) / len(als) if als else 0.0, "rounds": len(als),
-                "distribution": dict(sorted(dist.items()))}
+                "distribution": dict(sorted(dist.items(), key=lambda kv: int(kv[0])))}
 
     return {"pd": summary(pd), "one_process": summary(ref),
             "differing": sorted(rid for rid in ref if pd.get(rid) != ref[rid])}

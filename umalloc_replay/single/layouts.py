@@ -120,11 +120,11 @@ def parse_layout(text: str) -> Layout:
     """
     if not isinstance(text, str):
         raise UmallocValueError(f"layout={text!r}: allowed 'dynamic', 'static[:RATIO]', 'padded' or 'vllm'")
-    name, _, arg = text.strip().partition(":")
-    if name in ("dynamic", "padded", "vllm") and not arg:
+    name, colon, arg = text.strip().partition(":")
+    if name in ("dynamic", "padded", "vllm") and not colon:
         return Layout(name)
     if name == "static":
-        if not arg:
+        if not colon:
             return Layout("static", SGLANG_SWA_FULL_TOKENS_RATIO)
         try:
             ratio = float(arg)

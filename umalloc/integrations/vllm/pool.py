@@ -317,6 +317,7 @@ class UmallocBlockPool(BlockPool):  # type: ignore[misc, valid-type, unused-igno
             return
         other_pools: dict[Any, list[Any]] = {}   # blocks of other pools (deferred frees), or pool-less blocks
         ids = []
+        bare = []
         for b in blocks:
             if b.pool is ref:
                 ids.append(b.block_id)
@@ -325,13 +326,15 @@ class UmallocBlockPool(BlockPool):  # type: ignore[misc, valid-type, unused-igno
                 if pool is not None:
                     other_pools.setdefault(pool, []).append(b)
             elif not b.is_null:
-                b.ref_cnt -= 1   # a bare KVCacheBlock (not one of this pool's): its own count, as vLLM
+                bare.append(b)
         if ids:
             if self._linked:
                 self._unlink()
-            self.refs.unref(ids)
+            self.refs.unref(ids)   # a refused one changes nothing, and nothing below runs
             if evict_first and self.enable_caching:
                 self.refs.cache_first(ids)
+        for b in bare:
+            b.ref_cnt -= 1   # a bare KVCacheBlock (not one of this pool's): its own count, as vLLM
         for pool, theirs in other_pools.items():
             if evict_first:
                 pool.free_blocks(theirs, evict_first=True)
