@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from test_transformers_admit import SEED, VOCAB, drained, land_tail, prefill_all  # noqa: E402
-from test_transformers_speculate import Scripted, greedy  # noqa: E402
+from test_transformers_speculate import Scripted, expected_rounds, greedy  # noqa: E402
 from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: E402
 
 from umalloc import UmallocValueError  # noqa: E402
@@ -99,20 +99,6 @@ def admit_all(eng: DecodeEngine, model, ps: list[list[int]], drafter=None) -> No
         eng.admit(str(i), p, first, TOTAL)
 
 
-def expected_rounds(model, drafter, prompt: list[int], k: int) -> tuple[list[int], list[int]]:  # type: ignore[no-untyped-def]
-    want = greedy(model, prompt, TOTAL)
-    rounds, j = [], 1
-    while j < TOTAL:
-        kk = min(k, TOTAL - j)
-        props = greedy(drafter, prompt + want[:j], kk)
-        n = 0
-        while n < kk and props[n] == want[j + n]:
-            n += 1
-        rounds.append(n)
-        j += n + 1
-    return want, rounds
-
-
 def window_matches_stock(eng: DecodeEngine, model, ps: list[list[int]]) -> int:  # type: ignore[no-untyped-def]
     """Compare, for every running request, the K and V of every position inside the window (the ``window - 1``
     before its next token) in its ring's bytes with a stock forward over its context; returns the positions
@@ -159,7 +145,7 @@ def test_early_exit_on_a_sliding_model_equals_stock_tokens_and_rounds(types, dra
     model = model_of(types, window)
     drafter = early_exit(model, drafter_layers)
     ps = prompts(window)
-    want = {i: expected_rounds(model, drafter, p, k) for i, p in enumerate(ps)}
+    want = {i: expected_rounds(model, drafter, p, TOTAL, k) for i, p in enumerate(ps)}
     eng = engine(model, page_size, k, draft_layers=drafter_layers, compact_every_step=True)
     assert eng.cache.ring_tokens == ring_tokens(window, page_size, k) >= window + k
     admit_all(eng, model, ps, drafter)
