@@ -39,10 +39,10 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import cast
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -264,6 +264,9 @@ def settle_failed_half(half: ReceiverHalf, exc: BaseException) -> bool:
     return True
 
 
+_T = TypeVar("_T")
+
+
 class RemotePrefill:
     """The prefill side in a spawned child; same interface as :class:`umalloc_replay.single.prefill.LocalPrefill`.
 
@@ -342,19 +345,27 @@ class RemotePrefill:
             self.timer.reassign("transfer", phase, secs)
         self._stats = res["stats"]
 
-    def start(self, rs: RequestState, dst_vtokens: torch.Tensor) -> object | None:
-        """Receiver half (decode lease, published to the child) here, then the child's prefill + send plan + post.
-        ``None`` if the child's arena is short (it posted nothing: the half settles, nothing changed)."""
+    def _hand_over(self, rs: RequestState, dst_vtokens: torch.Tensor | dict[str, torch.Tensor],
+                   send: Callable[[Any], _T]) -> tuple[ReceiverHalf, _T]:
+        """Lease ``rs``'s receiver half on ``dst_vtokens``, publish it, and ``send(wire)`` it to the child; the half
+        and what ``send`` returned. On a failure the half is settled, or kept held when the child may have the
+        request (:meth:`_settle_or_keep`), and the error raised."""
         with self.timer.phase("translate_plan"):
             half = build_receiver_half(str(rs.rid), self.decode, dst_vtokens, layout=self.dst_layout,
                                        deadline_s=self.deadline_s)
         try:
             with self.timer.phase("transfer"):
                 wire = self.b.publish_half(half)  # type: ignore[union-attr]
-                res = self._call("child_start", rs.rid, rs.req.input_tokens, wire, self.peer, self.deadline_s)
+                return half, send(wire)
         except BaseException as exc:
             self._settle_or_keep(half, exc)  # a child that did not answer may have posted: keep the half then
             raise
+
+    def start(self, rs: RequestState, dst_vtokens: torch.Tensor) -> object | None:
+        """Receiver half (decode lease, published to the child) here, then the child's prefill + send plan + post.
+        ``None`` if the child's arena is short (it posted nothing: the half settles, nothing changed)."""
+        half, res = self._hand_over(rs, dst_vtokens, lambda wire: self._call(
+            "child_start", rs.rid, rs.req.input_tokens, wire, self.peer, self.deadline_s))
         self._account(res)
         if res["short"]:
             # the child's terminal report: it posted nothing. complete() lets go of the publication hold before
@@ -400,17 +411,9 @@ class RemotePrefill:
             BackendError: publishing or sending failed (the half is settled, or kept held when the child may
                 have the request: :func:`settle_failed_half`).
         """
-        with self.timer.phase("translate_plan"):
-            half = build_receiver_half(str(rs.rid), self.decode, dst_vtokens, layout=self.dst_layout,
-                                       deadline_s=self.deadline_s)
-        try:
-            with self.timer.phase("transfer"):
-                wire = self.b.publish_half(half)  # type: ignore[union-attr]
-                seq = self.worker.submit(_HERE + "child_prefill_send", rs.rid, rs.req.input_tokens, wire, self.peer,
-                                         self.deadline_s, self.timeout_s, self.after)
-        except BaseException as exc:
-            self._settle_or_keep(half, exc)
-            raise
+        half, seq = self._hand_over(rs, dst_vtokens, lambda wire: self.worker.submit(
+            _HERE + "child_prefill_send", rs.rid, rs.req.input_tokens, wire, self.peer, self.deadline_s,
+            self.timeout_s, self.after))
         if not self._submitted:
             self._head_since = time.monotonic()
         self._submitted.append(_Submitted(rs.rid, half, seq))
