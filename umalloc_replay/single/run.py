@@ -354,7 +354,7 @@ class Replay:
             rs.slot = self.table.acquire()
             self.table.write(rs.slot, 0, vt)
             rs.seq_len = L
-            rs.swa_lo_page = min((first_kept_page(self.dec_spec, e, L) for e in self.swa), default=0)
+            rs.swa_lo_page = {e: first_kept_page(self.dec_spec, e, L) for e in self.swa}
             rs.state = TRANSFERRING
             rs.admitted_step = self.step
             self.inflight.append((rs, ticket))
@@ -416,7 +416,7 @@ class Replay:
         with self.timer.phase("verify"):
             for e in self.dec_spec.ends:
                 ps = e.page_size
-                lo = rs.swa_lo_page if e.name in self.swa else 0
+                lo = rs.swa_lo_page.get(e.name, 0)
                 whole_hi = max(pages_for_tokens(L, ps), n // ps)
                 if whole_hi > lo:
                     vp = self.table.vpages(rs.slot, ps, lo, whole_hi)
@@ -431,19 +431,21 @@ class Replay:
         return total
 
     def _unbind_swa(self, batch: list[RequestState], new_lens: np.ndarray) -> None:
-        """Tombstone the SWA pages that leave the window at the new lengths (before allocating: F18)."""
+        """Tombstone the pages of every SWA end that leave its window at the new lengths (before allocating: F18);
+        each end has its own window and its own first bound page per request."""
         for end in self.swa:
             e = self.dec_spec.end(end)
             ps, w = e.page_size, e.window_tokens
             toks = []
             for rs, n in zip(batch, new_lens.tolist(), strict=True):
+                was = rs.swa_lo_page[end]
                 if self.budget is not None:  # SGLang's pools free out-of-window tokens in batches of 128
-                    lo = sglang_swa_evicted_to(n, rs.swa_lo_page * ps, w, ps, decoded=rs.generated) // ps  # type: ignore[arg-type]
+                    lo = sglang_swa_evicted_to(n, was * ps, w, ps, decoded=rs.generated) // ps  # type: ignore[arg-type]
                 else:
                     lo = self.dec.swa_tail_start(n, w, 0, ps) // ps  # type: ignore[arg-type]
-                if lo > rs.swa_lo_page:
-                    toks.append(self.table.table[rs.slot, rs.swa_lo_page * ps: lo * ps: ps])
-                    rs.swa_lo_page = lo
+                if lo > was:
+                    toks.append(self.table.table[rs.slot, was * ps: lo * ps: ps])
+                    rs.swa_lo_page[end] = lo
             if toks:
                 with self.timer.phase("allocator"):
                     self.dec.unbind_end(end, torch.cat(toks))
