@@ -137,7 +137,7 @@ class Replay:
                                 fmt=cfg.trace_format, skip=cfg.skip)
         check_slice_rows(self.trace, asked, cfg.skip)
         self.layout = parse_layout(cfg.layout)
-        natural = preset_ends(cfg.model, page_size=cfg.page_size, draft=cfg.draft)
+        natural = preset_ends(cfg.model, page_size=cfg.page_size, draft=cfg.draft, draft_sliding=cfg.draft_sliding)
         ends = padded_ends(natural) if self.layout.name == "padded" else natural
         self.natural_page_bytes = {e.name: e.page_bytes for e in natural}
         owners = [e.name for e in ends if e.is_owner]
@@ -230,7 +230,7 @@ class Replay:
 
         return RemotePrefill(cfg.backend, self.pre_spec, self.dec, self.timer, model=cfg.model,  # type: ignore
                              page_size=cfg.page_size, draft=cfg.draft, seed=cfg.seed, compaction=cfg.compaction,
-                             padded=self.layout.name == "padded",
+                             padded=self.layout.name == "padded", draft_sliding=cfg.draft_sliding,
                              transfer_timeout_s=cfg.transfer_timeout_s, lease_deadline_s=cfg.lease_deadline_s)
 
     def _check_memory(self, max_tokens: int) -> None:
