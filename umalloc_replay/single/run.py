@@ -37,10 +37,10 @@ retraction, so admission becomes cautious after memory ran short and bold again 
 
 Note [Stranded space]
 ~~~~~~~~~~~~~~~~~~~~~
-The draft end floats between the full end (growing up) and the SWA end (growing down). Its band sits where it
-was placed, so free bytes on one side of it cannot serve the end on the other side: a lone request whose SWA end
-runs into the draft band is short although the arena has room (seen with Gemma-3-12B, whose SWA pages are 5x
-the full end's). Unless the allocator's ladder relocates the band, the replay re-places the request: retract it
+A float end (the SWA end between the full end growing up and the draft end growing down, or the draft end
+under an SWA end at the top) sits where its band was placed, so free bytes on one side of it cannot serve the
+end on the other side: a lone request whose end runs into the float band is short although the arena has room
+(seen with Gemma-3-12B, whose SWA pages are 5x the full end's). Unless the allocator's ladder relocates the band, the replay re-places the request: retract it
 (host copy, free) and restore it into the emptied arena, where every end is placed afresh (``replacements``).
 
 Note [Shortfall in the replay]
