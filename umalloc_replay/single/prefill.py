@@ -35,7 +35,6 @@ from umalloc import (
     InvariantError,
     MultiEndedAllocator,
     PeerLayout,
-    UmallocValueError,
     WriteGate,
     build_plan,
 )
