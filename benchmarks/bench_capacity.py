@@ -42,7 +42,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from umalloc.errors import UmallocValueError
-from umalloc.geometry.presets import MODELS, PRESETS, ModelGeometry, Preset, preset_ends
+from umalloc.geometry.presets import DRAFT_SLIDING, MODELS, PRESETS, ModelGeometry, Preset, preset_ends
 from umalloc.geometry.spec import EndRole, LayerSpec
 from umalloc_replay.single.layouts import SGLANG_SWA_FULL_TOKENS_RATIO
 from umalloc_replay.single.run import Replay, ReplayConfig
@@ -121,12 +121,14 @@ def find_traces_dir() -> Path | None:
 
 
 def run_one(path: Path, model: str, layout: str, requests: int, token_scale: int, skip: int = 0,
-            decode_arena_bytes: int | None = None) -> dict:
+            decode_arena_bytes: int | None = None, draft_sliding: str = "swa") -> dict:
     """The capacity figures of one replay (arenas sized from the slice, the same bytes for every layout, or
-    ``decode_arena_bytes`` for the decode arena), or ``{"refused": why}`` when the replay refuses the slice (a
+    ``decode_arena_bytes`` for the decode arena; ``draft_sliding``: where a drafter's sliding layers go,
+    :func:`umalloc.geometry.presets.preset_ends`), or ``{"refused": why}`` when the replay refuses the slice (a
     static split or padded pages that cannot hold one request, an arena too small)."""
     cfg = ReplayConfig(trace=str(path), model=model, requests=requests, token_scale=token_scale, layout=layout,
-                       verify_final=False, skip=skip, decode_arena_bytes=decode_arena_bytes)
+                       verify_final=False, skip=skip, decode_arena_bytes=decode_arena_bytes,
+                       draft_sliding=draft_sliding)
     try:
         rep = Replay(cfg).run()
     except UmallocValueError as exc:
@@ -195,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--drift-trace", type=Path, default=DRIFT_TRACE)
     ap.add_argument("--jobs", type=int, default=1, help="replays run in parallel processes (--drift)")
     ap.add_argument("--markdown", type=Path, default=None, help="--drift: write the summary table here")
+    ap.add_argument("--draft-sliding", choices=DRAFT_SLIDING, default="swa",
+                    help="--drift: where a drafter's sliding layers go (umalloc.geometry.presets.preset_ends)")
     args = ap.parse_args(argv)
     if args.drift:
         return drift_main(args)
@@ -264,9 +268,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _drift_job(job: tuple) -> tuple:
-    path, model, lay, scale, requests, arena = job
+    path, model, lay, scale, requests, arena, draft_sliding = job
     t = time.perf_counter()
-    return job, run_one(path, model, lay, requests, scale, decode_arena_bytes=arena), time.perf_counter() - t
+    return job, run_one(path, model, lay, requests, scale, decode_arena_bytes=arena,
+                        draft_sliding=draft_sliding), time.perf_counter() - t
 
 
 def accounting_closes(cap: dict) -> bool:
@@ -315,7 +320,7 @@ def drift_main(args: argparse.Namespace) -> int:
         args.requests = sum(1 for line in args.drift_trace.open() if line.strip())
     statics = [f"static:{SGLANG_SWA_FULL_TOKENS_RATIO:g}"] + \
         [f"static:{float(r):g}" for r in ratios.split(",") if r and float(r) != SGLANG_SWA_FULL_TOKENS_RATIO]
-    jobs = [(args.drift_trace, m, lay, sc, args.requests, args.decode_arena_bytes)
+    jobs = [(args.drift_trace, m, lay, sc, args.requests, args.decode_arena_bytes, args.draft_sliding)
             for m, sc in presets.items() for lay in (*DRIFT_LAYOUTS, *statics)]
     print(f"drift trace {args.drift_trace.name}, {args.requests} requests, presets {presets} (token scales), "
           f"static ratios {statics}, {args.jobs} job(s)", flush=True)

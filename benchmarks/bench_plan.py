@@ -116,7 +116,8 @@ def main() -> None:
                     help="also the table of plans between different TP and page sizes")
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
-    ends = preset_ends("gemma-3-12b-draft", page_size=16, draft_page_size=32)
+    # the drafter whole in its own end (its own page size, its own ids): the shape the figures were taken on
+    ends = preset_ends("gemma-3-12b-draft", page_size=16, draft_page_size=32, draft_sliding="draft")
     spec = ArenaSpec(ends, arena_bytes=arena_bytes_for_limits(ends, max_seq_len_tokens=max(lengths) + 512,
                                                                max_batch=1))
     print(f"preset gemma-3-12b-draft, arena {spec.arena_bytes / 2**20:.0f} MiB per side (untouched), "
@@ -183,7 +184,8 @@ def rank_spec(tp: int, page_size: int, head_groups: int, max_len: int) -> ArenaS
     one KV head stays page-major)."""
     ends = tuple(dataclasses.replace(e, head_groups=head_groups)
                  if all(x.num_kv_heads % head_groups == 0 for x in e.layers) else e
-                 for e in preset_ends("gemma-3-12b-draft", page_size=page_size, draft_page_size=8, tp_size=tp))
+                 for e in preset_ends("gemma-3-12b-draft", page_size=page_size, draft_page_size=8, tp_size=tp,
+                                      draft_sliding="draft"))
     return ArenaSpec(ends, arena_bytes=arena_bytes_for_limits(ends, max_seq_len_tokens=max_len, max_batch=1))
 
 

@@ -16,7 +16,7 @@ Policy:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -74,7 +74,7 @@ class RequestState:
         slot: row of the :class:`BlockTable` while the request holds decode pages, else -1.
         seq_len: tokens in the decode KV (``input_tokens`` after the transfer, +1 per decode step).
         generated: decode steps done.
-        swa_lo_page: first sequence page still bound on the SWA end (pages below it were unbound).
+        swa_lo_page: per SWA end, the first sequence page still bound there (pages below it were unbound).
         retracted: the host copy while retracted.
         admitted_step: scheduler step of the (last) admission; retraction picks the newest.
     """
@@ -84,7 +84,7 @@ class RequestState:
     slot: int = -1
     seq_len: int = 0
     generated: int = 0
-    swa_lo_page: int = 0
+    swa_lo_page: dict[str, int] = field(default_factory=dict)
     retracted: RetractedKV | None = None
     admitted_step: int = -1
 

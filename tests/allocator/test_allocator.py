@@ -364,13 +364,17 @@ def test_float_split_is_configurable_and_validated(float3) -> None:
         float3(float_split=1.5)
 
 
-def test_default_preset_gemma_with_a_float_draft() -> None:
+@pytest.mark.parametrize("draft_sliding", ["swa", "draft"])
+def test_default_preset_gemma_with_a_float_end(draft_sliding: str) -> None:
     from umalloc.geometry.presets import DEFAULT_PRESET, preset_arena_spec
 
-    # 1 MiB full pages, 5 MiB swa pages, 416 KiB draft pages at page_size 16; 64 MiB arena
-    spec = preset_arena_spec(DEFAULT_PRESET, 64 << 20)
+    # page_size 16, 64 MiB arena. "swa": 1 MiB full, 5.3 MiB swa (floating), 64 KiB draft pages (down);
+    # "draft": 1 MiB full, 5 MiB swa (down), 416 KiB draft pages (floating)
+    spec = preset_arena_spec(DEFAULT_PRESET, 64 << 20, draft_sliding=draft_sliding)
     alloc = MultiEndedAllocator(Arena(spec), debug_checks=True)
-    assert {e.name: e.grow for e in spec.ends} == {"full": Grow.UP, "swa": Grow.DOWN, "draft": Grow.FLOAT}
+    floating = "swa" if draft_sliding == "swa" else "draft"
+    assert {e.name: e.grow for e in spec.ends} == {"full": Grow.UP, "swa": Grow.DOWN, "draft": Grow.DOWN,
+                                                    floating: Grow.FLOAT}
     t = alloc.alloc_extend(T(0, 0), T(40, 17), T(-1, -1))
     assert t is not None and t.numel() == 57
     for end in ("full", "swa", "draft"):

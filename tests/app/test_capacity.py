@@ -34,13 +34,15 @@ O_PAGE = PS * O_TOKEN       # 393,216 B
 def test_sglang_default_ratio_and_static_split_by_hand():
     assert SGLANG_SWA_FULL_TOKENS_RATIO == 0.8  # sglang/srt/server_args.py: swa_full_tokens_ratio: float = 0.8
     assert parse_layout("static").swa_full_tokens_ratio == 0.8
-    # Gemma-3-12B + 1B drafter, bytes per token: full 65,536, swa 327,680, draft 26,624. Usable bytes U:
-    # full_tokens = int(U // (65,536 + r * 327,680 + 26,624)) rounded down to whole pages; swa_tokens =
-    # int(r * full_tokens) (SGLang's HybridSWAPoolConfigurator._solve_pool_sizes); draft = full_tokens.
+    # Gemma-3-12B + 1B drafter, bytes per token: full 65,536, swa 327,680 + 22 drafter layers x 1,024, draft
+    # 4 x 1,024. SGLang counts the drafter's sliding layers in the SWA pool and its full layers in the full one
+    # (pool_configurator.py: _cell_size = full + draft full + r x (swa + draft swa)). Usable bytes U:
+    # full_tokens = int(U // (65,536 + 4,096 + r * (327,680 + 22,528))) rounded down to whole pages; swa_tokens =
+    # int(r * full_tokens) (HybridSWAPoolConfigurator._solve_pool_sizes); draft = full_tokens.
     spec = ArenaSpec(preset_ends("gemma-3-12b-draft"), arena_bytes=(16 << 20) * 200)
     usable = spec.usable_bytes()
     for r in (0.8, 0.25):
-        f = int(usable // (65536 + r * 327680 + 26624)) // 16 * 16
+        f = int(usable // (65536 + 4096 + r * (327680 + 22528))) // 16 * 16
         want = {"full": f // 16, "swa": int(r * f) // 16, "draft": f // 16}
         got = static_budget_pages(spec, r)
         assert got == want
@@ -58,8 +60,11 @@ def test_vllm_unified_page_rule_by_hand():
     assert u.types == {(8192, None, "mha"): (8, 0), (8192, 1024, "mha"): (40, 0), (1024, 512, "mha"): (22, 2),
                        (1024, None, "mha"): (4, 0)}
     padded = {e.name: e for e in padded_ends(preset_ends("gemma-3-12b-draft", page_size=PS))}
-    assert padded["draft"].entry_bytes == 26624 + 2 * 1024 and padded["swa"].entry_bytes == 40 * 8192
+    # the drafter's sliding layers (and their 2 padding layers) sit in the swa end beside the target's
+    assert padded["draft"].entry_bytes == 4 * 1024 and padded["swa"].entry_bytes == 40 * 8192 + 24 * 1024
     assert padded["swa"].window_tokens == 1024 and padded["draft"].window_tokens is None
+    whole = {e.name: e for e in padded_ends(preset_ends("gemma-3-12b-draft", page_size=PS, draft_sliding="draft"))}
+    assert whole["draft"].entry_bytes == 26624 + 2 * 1024 and whole["swa"].entry_bytes == 40 * 8192
     # gpt-oss-20b: 12 sliding + 12 full of one size: one group size (12), no padding
     u = vllm_unified_page(preset_ends("gpt-oss-20b", page_size=PS))
     assert (u.page_bytes, u.group_size, u.block_bytes) == (32768, 12, 393216)
@@ -110,7 +115,8 @@ class Accounted(Replay):
             acc["floor_bytes"]
         assert total == self.decode_arena_bytes, (self.step, acc)
         # recomputed from the page counts and the natural geometry of the preset
-        natural = {e.name: e.page_bytes for e in preset_ends(self.cfg.model, page_size=PS)}
+        natural = {e.name: e.page_bytes for e in preset_ends(self.cfg.model, page_size=PS,
+                                                             draft_sliding=self.cfg.draft_sliding)}
         assert acc["live_bytes"] == sum(s.live_pages * natural[n] for n, s in st.items())
         self.accounted = getattr(self, "accounted", 0) + 1
 
@@ -147,14 +153,16 @@ def test_three_layouts_on_a_small_slice(tmp_path, layout, max_running, steps):
 
 
 def test_padded_layout_counts_the_padding_layers(tmp_path):
-    # Gemma-3-12B + drafter: vLLM's rule adds 2 drafter layers of 1,024 B per token: 32,768 B per draft page.
-    # One request of 40 prompt + 3 output tokens holds 3 draft pages from its admission to its end.
+    # Gemma-3-12B + drafter: vLLM's rule adds 2 drafter sliding layers of 1,024 B per token, in the swa end
+    # beside the drafter's other sliding layers: 32,768 B per swa page. One request of 40 prompt + 3 output
+    # tokens (inside the window) holds 3 swa pages from its admission to its end.
     p = tmp_path / "t.jsonl"
     p.write_text('{"timestamp": 0, "input_length": 40, "output_length": 3}\n')
     r = Accounted(ReplayConfig(trace=str(p), token_scale=1, layout="padded", check_every=1))
     rep = r.run()
     assert rep["ok"] and rep["capacity"]["peak_padding_bytes"] == 3 * 32768
-    assert rep["bytes"]["moved_by_vector"]["draft"] == 3 * PS * (26624 + 2048)
+    assert rep["bytes"]["moved_by_vector"]["draft"] == 3 * PS * 4096
+    assert rep["bytes"]["moved_by_vector"]["swa_tail"] == 3 * PS * (327680 + 22528 + 2048)
 
 
 def test_static_split_too_small_for_a_request_is_refused_up_front(tmp_path):

@@ -22,14 +22,15 @@ from umalloc_replay.trace import default_trace_path, load_trace
 MIB = 1 << 20
 
 # Gemma-3-12B (48 layers, every 6th global, 8 KV heads x 256, bf16, window 1024) + Gemma-3-1B drafter
-# (26 layers, 1 KV head x 256): bytes per token = layers x heads x (256 + 256) x 2.
-G_FULL_TOKEN = 8 * 8 * 512 * 2       # 65,536
-G_SWA_TOKEN = 40 * 8 * 512 * 2       # 327,680
-G_DRAFT_TOKEN = 26 * 1 * 512 * 2     # 26,624
+# (26 layers, every 6th global, 1 KV head x 256, window 512): bytes per token = layers x heads x (256 + 256) x 2.
+# The drafter's 22 sliding layers sit in the swa end (held for its 1,024-token window), its 4 global ones in draft.
+G_FULL_TOKEN = 8 * 8 * 512 * 2                         # 65,536
+G_SWA_TOKEN = 40 * 8 * 512 * 2 + 22 * 1 * 512 * 2      # 327,680 + 22,528
+G_DRAFT_TOKEN = 4 * 1 * 512 * 2                        # 4,096
 PS = 16
 G_WINDOW = 1024
 # per-layer-per-page descriptors (K and V per layer per page)
-G_PER_LAYER = {"target": 8 * 2, "swa_tail": 40 * 2, "draft": 26 * 2}
+G_PER_LAYER = {"target": 8 * 2, "swa_tail": (40 + 22) * 2, "draft": 4 * 2}
 
 # gpt-oss-20b: 24 layers alternating sliding (even, window 128) / full (odd), 8 KV heads x 64, bf16
 O_TOKEN = 12 * 8 * 128 * 2           # 24,576 per end

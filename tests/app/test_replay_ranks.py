@@ -138,9 +138,13 @@ def test_rank_heads_follow_vllm_split_and_replication():
 
 
 def test_preset_ends_per_rank_heads_and_head_groups():
-    g = preset_ends("gemma-3-12b-draft", tp_size=2, head_groups=2)
+    g = preset_ends("gemma-3-12b-draft", tp_size=2, head_groups=2, draft_sliding="draft")
     assert [(e.name, e.layers[0].num_kv_heads, e.head_groups) for e in g] == [("full", 4, 2), ("swa", 4, 2),
                                                                             ("draft", 1, 1)]
+    # the drafter's one-head sliding layers in the swa end keep it page-major
+    g = preset_ends("gemma-3-12b-draft", tp_size=2, head_groups=2)
+    assert [(e.name, e.layers[-1].num_kv_heads, e.head_groups) for e in g] == [("full", 4, 2), ("swa", 1, 1),
+                                                                             ("draft", 1, 1)]
     assert preset_ends("gemma-3-12b-draft", tp_size=2)[0].entry_bytes * 2 == preset_ends("gemma-3-12b-draft")[0].entry_bytes
     assert preset_ends("deepseek-v3", tp_size=4)[0].layers == preset_ends("deepseek-v3")[0].layers  # MLA replicated
     with pytest.raises(SpecError, match="tp_size"):
@@ -206,7 +210,9 @@ CASES = {
 
 def brute_expected_bytes(cfg: RanksConfig, lengths: list[int], tp_rank: int, dcp_rank: int) -> dict[str, int]:
     """Bytes one decode rank must hold per vector, by counting positions one by one."""
-    ends = preset_ends(cfg.model, page_size=cfg.page_size, draft=cfg.draft, tp_size=cfg.decode_tp)
+    # multi-rank runs keep the drafter whole in its draft end (rank_ends: under DCP it keeps logical rows)
+    ends = preset_ends(cfg.model, page_size=cfg.page_size, draft=cfg.draft, tp_size=cfg.decode_tp,
+                       draft_sliding="draft")
     names = {"full": "target", "swa": "swa_tail", "draft": "draft"}
     out = dict.fromkeys((names[e.name] for e in ends), 0)
     for L in lengths:

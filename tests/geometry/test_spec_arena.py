@@ -183,8 +183,9 @@ KIB = 1024
         ("qwen3-8b-draft", {"full": 144 * KIB, "draft": 112 * KIB}),
         # Gemma-3-12B: 8 global x 8 x (256+256) x 2 = 8 x 8 KiB = 64 KiB; 40 local x 8 KiB = 320 KiB
         ("gemma-3-12b", {"full": 64 * KIB, "swa": 320 * KIB}),
-        # + Gemma-3-1B drafter: 26 layers x 1 head x 512 x 2 B = 26 KiB
-        ("gemma-3-12b-draft", {"full": 64 * KIB, "swa": 320 * KIB, "draft": 26 * KIB}),
+        # + Gemma-3-1B drafter: 26 layers x 1 head x 512 x 2 B = 1 KiB each: its 22 local layers join swa
+        # (320 + 22 KiB), its 4 global layers stay in draft (4 KiB)
+        ("gemma-3-12b-draft", {"full": 64 * KIB, "swa": 342 * KIB, "draft": 4 * KIB}),
         # gpt-oss-20b: 12 full x 8 x (64+64) x 2 = 12 x 2 KiB = 24 KiB, same for 12 sliding
         ("gpt-oss-20b", {"full": 24 * KIB, "swa": 24 * KIB}),
         # DeepSeek-V3: 61 x (512+64) x 2 = 61 x 1152 = 70272 B; MTP layer 1152 B
@@ -202,11 +203,23 @@ def test_preset_bytes_per_token(preset, expected):
 def test_preset_structure():
     ends = {e.name: e for e in preset_ends("gemma-3-12b-draft")}
     assert ends["full"].grow is Grow.UP and ends["full"].is_owner
-    assert ends["swa"].grow is Grow.DOWN and ends["swa"].owner == "full" and ends["swa"].window_tokens == 1024
-    assert ends["draft"].grow is Grow.FLOAT and ends["draft"].owner == "full"
-    # Gemma-3-1B mixes 4 global + 22 local layers: any full layer -> the draft keeps every token
-    assert ends["draft"].window_tokens is None
-    assert sum(1 for x in ends["draft"].layers if x.is_sliding) == 22
+    # the drafter's 22 local layers (window 512) join the target's 40 (window 1024): held for the larger window
+    assert ends["swa"].grow is Grow.FLOAT and ends["swa"].owner == "full" and ends["swa"].window_tokens == 1024
+    assert sorted({x.window_tokens for x in ends["swa"].layers}) == [512, 1024] and len(ends["swa"].layers) == 62
+    assert ends["draft"].grow is Grow.DOWN and ends["draft"].owner == "full"
+    assert ends["draft"].window_tokens is None and not any(x.is_sliding for x in ends["draft"].layers)
+    assert len(ends["draft"].layers) == 4
+    # the drafter's own end for its sliding layers, at its own window
+    own = {e.name: e for e in preset_ends("gemma-3-12b-draft", draft_sliding="own")}
+    assert (own["draft_swa"].window_tokens, own["draft_swa"].owner, len(own["draft_swa"].layers)) == (512, "full", 22)
+    assert own["draft_swa"].role is EndRole.SWA and own["swa"].window_tokens == 1024
+    # the whole drafter in one end: Gemma-3-1B mixes 4 global + 22 local layers -> the draft keeps every token
+    old = {e.name: e for e in preset_ends("gemma-3-12b-draft", draft_sliding="draft")}
+    assert old["swa"].grow is Grow.DOWN and old["draft"].grow is Grow.FLOAT
+    assert old["draft"].window_tokens is None
+    assert sum(1 for x in old["draft"].layers if x.is_sliding) == 22
+    with pytest.raises(SpecError, match="draft_sliding"):
+        preset_ends("gemma-3-12b-draft", draft_sliding="target")
     # gpt-oss: even layers slide with window 128
     oss = {e.name: e for e in preset_ends("gpt-oss-20b")}
     assert oss["swa"].window_tokens == 128 and len(oss["swa"].layers) == 12

@@ -68,3 +68,33 @@ def test_static_pools_match_sglangs_sizing(model, ratio, pages):
         return
     ours = static_budget_pages(spec, ratio)
     assert (ours["full"] * PS, ours["swa"] * PS) == theirs
+
+
+@pytest.mark.parametrize("ratio", [0.25, 0.5, 0.8, 1.0])
+@pytest.mark.parametrize("pages", [2001, 12345])
+def test_drafter_sliding_layers_priced_in_the_swa_pool(ratio, pages):
+    # SGLang prices an EAGLE / standalone drafter's layers at the target's per-layer bytes: its full layers on the
+    # full side (_draft_full_layers_num), its sliding layers at RATIO on the SWA side (_draft_swa_layers_num). A
+    # Gemma-3-style target with a drafter of the target's head geometry (4 full + 22 sliding layers, window 512),
+    # laid out as preset_ends lays out a drafter: sliding layers in the swa end, full layers in the draft end.
+    from umalloc.geometry.spec import ArenaSpec, EndSpec, Grow, LayerSpec
+
+    full_l, swa_l = LayerSpec.mha(8, 256), LayerSpec.mha(8, 256, window_tokens=1024)
+    d_swa = LayerSpec.mha(8, 256, window_tokens=512)
+    ends = (EndSpec("full", (full_l,) * 8, PS),
+            EndSpec("swa", (swa_l,) * 40 + (d_swa,) * 22, PS, Grow.FLOAT, "full", EndRole.SWA),
+            EndSpec("draft", (full_l,) * 4, PS, Grow.DOWN, "full", EndRole.DRAFT))
+    spec = ArenaSpec(ends, arena_bytes=pages * ends[0].page_bytes)
+    c = object.__new__(HybridSWAPoolConfigurator)
+    c._full_layers_num, c._swa_layers_num = 8, 40
+    c._full_per_token = c._swa_per_token = full_l.token_bytes
+    c._swa_full_tokens_ratio = ratio
+    c._sliding_window_size, c._page_size, c._enable_unified_memory = 1024, PS, False
+    c._draft_full_layers_num, c._draft_swa_layers_num, c._draft_swa_full_layers_num = 4, 22, 0
+    c._draft_cell_size, c._fused_full_entry, c._fused_swa_entry = 0, None, None
+    c.kv_cache_dtype_str = "auto"
+    c._recompute_cell_size()
+    cfg = c.calculate_pool_sizes(spec.usable_bytes(), PS)
+    ours = static_budget_pages(spec, ratio)
+    assert (ours["full"] * PS, ours["swa"] * PS) == (cfg.full_max_total_num_tokens, cfg.swa_max_total_num_tokens)
+    assert ours["draft"] == ours["full"]

@@ -3,10 +3,26 @@
 Each preset yields ends:
 
 * ``full`` — the target's full-attention (or MLA) layers; grows ``up``; the id owner.
-* ``swa`` — the target's sliding-window layers, where the model slides; grows ``down``; bound to ``full``.
-* ``draft`` — the speculative drafter's layers, where the preset has one; grows ``down`` (or ``float``s in
-  the middle when an ``swa`` end holds the top); bound to ``full`` when it shares its page size, else its own
-  id owner (a draft with its own page size keeps its own block table).
+* ``swa`` — the target's sliding-window layers, where the model slides; grows ``down`` (``float``s between
+  ``full`` and ``draft`` when the preset has a drafter, Note [Draft end placement]); bound to ``full``.
+  By default it also holds the drafter's sliding layers (``draft_sliding="swa"``), kept for the end's window
+  (the largest of its layers' windows: Gemma-3-1B's 22 layers of window 512 held for the target's 1,024).
+* ``draft`` — the speculative drafter's layers, where the preset has one (its full-attention layers only when
+  its sliding layers go elsewhere); grows ``down`` (``float``s under a ``swa`` end at the top with
+  ``draft_sliding="draft"``); bound to ``full`` when it shares its page size, else its own id owner (a draft with its own page size
+  keeps its own block table).
+* ``draft_swa`` — with ``draft_sliding="own"``: the drafter's sliding layers as an SWA end of the drafter's
+  own window, ``float``ing next to ``swa`` and bound to the id owner ``draft`` uses.
+
+Note [Draft end placement]
+~~~~~~~~~~~~~~~~~~~~~~~~~~
+A ``float`` end's band sits between the ends growing up and down and can wall in the end growing toward it
+(compaction packs a band, a float slide moves it only into free gap). On the drifting capacity trace
+(``benchmarks/bench_capacity.py --drift``, Gemma-3-12B + Gemma-3-1B) a floating ``draft`` end, which grows with
+every request's sequence, cost about a fifth of the mean concurrency against the same ends with the draft at the
+top and the ``swa`` end (one window per request) floating: 2.80 vs 3.46 requests. So with a drafter the ``draft``
+end grows ``down`` and ``swa`` floats; ``draft_sliding="draft"`` keeps the earlier shape (``swa`` down,
+``draft`` floating).
 
 Sources: Llama-3.1-8B / Qwen3-8B / Qwen3-0.6B / gpt-oss-20b / DeepSeek-V3 from the HF
 ``config.json`` copies in ai-dynamo/aiconfigurator; Gemma 3 from google-deepmind/gemma ``_gemma.py``
@@ -140,8 +156,13 @@ def _per_rank(layers: tuple[LayerSpec, ...], tp_size: int) -> tuple[LayerSpec, .
                            x.latent_dim, x.window_tokens, x.dtype) for x in layers)
 
 
+#: Where :func:`preset_ends` puts a drafter's sliding-window layers.
+DRAFT_SLIDING = ("swa", "own", "draft")
+
+
 def preset_ends(name: str, *, page_size: int = 16, draft: bool = True, draft_page_size: int | None = None,
-                dtype: KVDtype | None = None, tp_size: int = 1, head_groups: int = 1) -> tuple[EndSpec, ...]:
+                dtype: KVDtype | None = None, tp_size: int = 1, head_groups: int = 1,
+                draft_sliding: str = "swa") -> tuple[EndSpec, ...]:
     """The ends of preset ``name``, as one TP rank of ``tp_size`` holds them.
 
     Args:
@@ -156,18 +177,33 @@ def preset_ends(name: str, *, page_size: int = 16, draft: bool = True, draft_pag
         head_groups: ``G > 1`` lays out every end whose layers are all MHA with per-rank heads dividing by ``G``
             in the head-group-outer envelope (``EndSpec.head_groups``, Note [Head-group-outer envelope]); an end
             that cannot (an MLA layer, or fewer heads: a drafter of one head per rank) keeps the page-major one.
+        draft_sliding: where a drafter's sliding-window layers go (:data:`DRAFT_SLIDING`): ``"swa"`` (default)
+            the target's ``swa`` end, held for its window (the larger of the two: an upper bound for the
+            drafter's); ``"own"`` a ``draft_swa`` end of the drafter's window (when it has full layers too and
+            one window); ``"draft"`` the ``draft`` end, held for the whole sequence. ``"swa"`` needs the target
+            to slide and the page sizes to match, else the drafter keeps its own ends as with ``"own"``.
+            No effect on a drafter whose layers all attend fully.
 
     Raises:
-        SpecError: unknown preset, an invalid page size, a ``tp_size`` the heads do not split by, or a
-            ``head_groups`` that is not an int >= 1 or that no end can take.
+        SpecError: unknown preset, an invalid page size, a ``tp_size`` the heads do not split by, a
+            ``head_groups`` that is not an int >= 1 or that no end can take, or ``draft_sliding`` not one of
+            :data:`DRAFT_SLIDING`.
 
     >>> [(e.name, e.grow.value, e.owner, e.entry_bytes) for e in preset_ends("gpt-oss-20b")]
     [('full', 'up', None, 24576), ('swa', 'down', 'full', 24576)]
     >>> [(e.name, e.layers[0].num_kv_heads) for e in preset_ends("gemma-3-12b-draft", tp_size=2)]
     [('full', 4), ('swa', 4), ('draft', 1)]
     >>> [(e.name, e.head_groups) for e in preset_ends("gemma-3-12b-draft", tp_size=2, head_groups=2)]
-    [('full', 2), ('swa', 2), ('draft', 1)]
+    [('full', 2), ('swa', 1), ('draft', 1)]
+    >>> [(e.name, len(e.layers), e.window_tokens) for e in preset_ends("gemma-3-12b-draft")]
+    [('full', 8, None), ('swa', 62, 1024), ('draft', 4, None)]
+    >>> [(e.name, len(e.layers), e.window_tokens) for e in preset_ends("gemma-3-12b-draft", draft_sliding="own")]
+    [('full', 8, None), ('swa', 40, 1024), ('draft', 4, None), ('draft_swa', 22, 512)]
+    >>> [(e.name, len(e.layers)) for e in preset_ends("gemma-3-12b-draft", draft_sliding="draft")]
+    [('full', 8), ('swa', 40), ('draft', 26)]
     """
+    if draft_sliding not in DRAFT_SLIDING:
+        raise SpecError("draft_sliding", draft_sliding, f"one of {list(DRAFT_SLIDING)}")
     try:
         preset = PRESETS[name]
     except (KeyError, TypeError):  # a list or dict name is no key either
@@ -178,14 +214,29 @@ def preset_ends(name: str, *, page_size: int = 16, draft: bool = True, draft_pag
         return _per_rank(_with_dtype(xs, dtype), tp_size)
 
     ends: list[EndSpec] = [EndSpec("full", layers(target.full_layers), page_size, Grow.UP, None, EndRole.TARGET)]
+    dmodel = MODELS[preset.draft] if draft and preset.draft is not None else None
+    dps = page_size if draft_page_size is None else draft_page_size
+    dfull, dslide = (dmodel.full_layers, dmodel.sliding_layers) if dmodel is not None else ((), ())
+    where = "draft" if not dslide or not dfull else draft_sliding
+    if where == "swa" and (not target.sliding_layers or dps != page_size):
+        where = "own"
+    if where == "own" and len({x.window_tokens for x in dslide}) != 1:
+        where = "draft"
+    # Note [Draft end placement]: with a drafter next to sliding target layers, the draft end (which grows with
+    # the sequence, as the full end does) takes the top and the swa end (a window per request) floats between;
+    # draft_sliding="draft" keeps the draft end floating under a swa end at the top.
+    swa_floats = dmodel is not None and where != "draft"
     if target.sliding_layers:
-        ends.append(EndSpec("swa", layers(target.sliding_layers), page_size, Grow.DOWN, "full", EndRole.SWA))
-    if draft and preset.draft is not None:
-        dmodel = MODELS[preset.draft]
-        dps = page_size if draft_page_size is None else draft_page_size
-        grow = Grow.FLOAT if target.sliding_layers else Grow.DOWN
-        ends.append(EndSpec("draft", layers(dmodel.layers), dps, grow,
-                            "full" if dps == page_size else None, EndRole.DRAFT))
+        joined = target.sliding_layers + (dslide if where == "swa" else ())
+        ends.append(EndSpec("swa", layers(joined), page_size, Grow.FLOAT if swa_floats else Grow.DOWN, "full",
+                            EndRole.SWA))
+    if dmodel is not None:
+        grow = Grow.FLOAT if target.sliding_layers and not swa_floats else Grow.DOWN
+        owner = "full" if dps == page_size else None
+        ends.append(EndSpec("draft", layers(dmodel.layers if where == "draft" else dfull), dps, grow, owner,
+                            EndRole.DRAFT))
+        if where == "own":
+            ends.append(EndSpec("draft_swa", layers(dslide), dps, Grow.FLOAT, owner or "draft", EndRole.SWA))
     return _grouped(tuple(ends), head_groups)
 
 
@@ -210,5 +261,5 @@ def preset_arena_spec(name: str, arena_bytes: int, **kwargs: object) -> ArenaSpe
 
 
 
-__all__ = ["DEFAULT_PRESET", "MODELS", "PRESETS", "ModelGeometry", "Preset", "preset_arena_spec", "preset_ends",
+__all__ = ["DEFAULT_PRESET", "DRAFT_SLIDING", "MODELS", "PRESETS", "ModelGeometry", "Preset", "preset_arena_spec", "preset_ends",
            "rank_kv_heads"]

@@ -278,7 +278,7 @@ class EndSpec:
             raise SpecError(f"{self.name}.owner", self.owner, "None or the name of another end")
         if self.role is EndRole.SWA and self.window_tokens is None:
             raise SpecError(f"{self.name}.layers", "mixed/full layers",
-                            "an SWA end holds only sliding layers of one window")
+                            "an SWA end holds only sliding layers")
         _check_int(f"{self.name}.head_groups", self.head_groups, 1, 1 << 12)
         for i, layer in enumerate(self.layers):
             if self.head_groups > 1 and (layer.kind is LayerKind.MLA or layer.num_kv_heads % self.head_groups):
@@ -308,15 +308,15 @@ class EndSpec:
 
     @property
     def window_tokens(self) -> int | None:
-        """The sliding window if *every* layer slides with the same window, else ``None``.
+        """The sliding window the end keeps if *every* layer slides: the largest of their windows (a layer with
+        a smaller one is held for the largest, a superset of its own window); else ``None``.
 
         An end with any full-attention layer keeps (and sends) every token, even if some layers slide.
         """
-        windows = {layer.window_tokens for layer in self.layers}
-        if len(windows) == 1:
-            (w,) = windows
-            return w
-        return None
+        windows = [layer.window_tokens for layer in self.layers]
+        if any(w is None for w in windows):
+            return None
+        return max(windows)  # type: ignore[type-var]
 
     @property
     def blocks(self) -> tuple[PageBlock, ...]:

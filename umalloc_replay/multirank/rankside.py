@@ -71,7 +71,8 @@ def rank_ends(model: str, *, page_size: int, draft: bool, tp_size: int, dcp_size
     >>> [(e.name, e.owner) for e in rank_ends("gemma-3-12b-draft", page_size=16, draft=True, tp_size=1, dcp_size=2)]
     [('full', None), ('swa', 'full'), ('draft', None)]
     """
-    ends = preset_ends(model, page_size=page_size, draft=draft, tp_size=tp_size, head_groups=head_groups)
+    ends = preset_ends(model, page_size=page_size, draft=draft, tp_size=tp_size, head_groups=head_groups,
+                       draft_sliding="draft")
     if dcp_size == 1:
         return ends
     return tuple(replace(e, owner=None) if e.role is EndRole.DRAFT else e for e in ends)
@@ -79,7 +80,8 @@ def rank_ends(model: str, *, page_size: int, draft: bool, tp_size: int, dcp_size
 
 def total_kv_heads(model: str, draft: bool) -> dict[str, tuple[int, ...]]:
     """``{end: (global KV heads of each layer)}`` of preset ``model`` (TP 1)."""
-    return {e.name: tuple(x.num_kv_heads for x in e.layers) for e in preset_ends(model, draft=draft)}
+    return {e.name: tuple(x.num_kv_heads for x in e.layers) for e in preset_ends(model, draft=draft,
+                                                                                   draft_sliding="draft")}
 
 
 def _end_rows(end: EndSpec, L: int, dcp_size: int, dcp_rank: int) -> tuple[int, int]:

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from umalloc import ArenaSpec, UmallocValueError
-from umalloc.geometry.presets import DEFAULT_PRESET, PRESETS
+from umalloc.geometry.presets import DEFAULT_PRESET, DRAFT_SLIDING, PRESETS
 from umalloc_replay import DEFAULT_REQUESTS, DEFAULT_TOKEN_SCALE
 from umalloc_replay.single.fit import request_peak_bytes, request_prompt_bytes
 from umalloc_replay.single.layouts import parse_layout
@@ -31,7 +31,8 @@ class ReplayConfig:
         trace: trace file (``None``: the packaged Mooncake conversation trace); trace_format: ``"mooncake"``,
             ``"azure"`` or ``None`` (detect).
         model: preset name (:data:`umalloc.geometry.presets.PRESETS`); page_size: tokens per page; draft: include the
-            drafter's end.
+            drafter's end; draft_sliding: where the drafter's sliding layers go, ``"swa"``, ``"own"`` or
+            ``"draft"`` (:func:`umalloc.geometry.presets.preset_ends`).
         prefill_arena_bytes, decode_arena_bytes: arena sizes (``None``: sized from the slice, see
             :func:`default_arena_bytes`).
         backend: ``"local"``, ``"nixl"`` or ``"mooncake"``.
@@ -56,6 +57,7 @@ class ReplayConfig:
     skip: int = 0
     token_scale: int | None = None
     draft: bool = True
+    draft_sliding: str = "swa"
     seed: int = 0
     max_batch: int = 64
     compaction: str = "lazy"
@@ -87,6 +89,8 @@ class ReplayConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise UmallocValueError(f"{name}={v!r}: allowed an int >= 0")
+        if self.draft_sliding not in DRAFT_SLIDING:
+            raise UmallocValueError(f"draft_sliding={self.draft_sliding!r}: allowed one of {list(DRAFT_SLIDING)}")
         parse_layout(self.layout)
         d = asdict(self)
         d["requests"] = DEFAULT_REQUESTS if self.requests is None else self.requests

@@ -264,7 +264,9 @@ def padded_ends(ends: tuple[EndSpec, ...]) -> tuple[EndSpec, ...]:
         UmallocValueError: see :func:`vllm_unified_page`.
 
     >>> from umalloc.geometry.presets import preset_ends
-    >>> [(e.name, len(e.layers)) for e in padded_ends(preset_ends("gemma-3-12b-draft"))]
+    >>> [(e.name, len(e.layers)) for e in padded_ends(preset_ends("gemma-3-12b-draft"))]   # 40 + 22 + 2 in swa
+    [('full', 8), ('swa', 64), ('draft', 4)]
+    >>> [(e.name, len(e.layers)) for e in padded_ends(preset_ends("gemma-3-12b-draft", draft_sliding="draft"))]
     [('full', 8), ('swa', 40), ('draft', 28)]
     """
     u = vllm_unified_page(ends)

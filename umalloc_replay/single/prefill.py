@@ -35,7 +35,6 @@ from umalloc import (
     InvariantError,
     MultiEndedAllocator,
     PeerLayout,
-    UmallocValueError,
     WriteGate,
     build_plan,
 )
@@ -61,12 +60,15 @@ def swa_ends(spec: ArenaSpec) -> list[str]:
 
 def alloc_sequence(alloc: MultiEndedAllocator, num_tokens: int) -> torch.Tensor | None:
     """Allocate a fresh sequence of ``num_tokens`` tokens: every end of the owner for the whole sequence, except
-    SWA ends, which get only the window tail. ``None`` (nothing changed) if an arena is short.
+    SWA ends, which get only their own window tail. ``None`` (nothing changed) if an arena is short.
 
     Placement (Note [Sequence placement]): one ``alloc_extend`` binding every end when the whole sequence is
-    inside the window; otherwise the tail first (``alloc_pages`` binding every end), then the head
-    (``alloc_pages(bind=...)`` without the SWA ends). Each call is one joint placement over every end it binds,
-    so an empty ``float`` end (the draft) is placed knowing what the SWA end needs.
+    inside every window; otherwise the sequence is cut at each SWA end's first kept page (``f_1 < f_2 < ...``,
+    several when SWA ends have different windows, e.g. the target's and the drafter's) and allocated from the
+    tail: ``alloc_pages`` binding every end for ``[f_k, n)``, then each segment ``[f_{i-1}, f_i)`` binding the
+    ends that keep it (``bind=`` without the SWA ends whose tail starts later), the head ``[0, f_1)`` without
+    any SWA end. Each call is one joint placement over every end it binds, so an empty ``float`` end (the draft)
+    is placed knowing what the SWA ends need. O(ends + pages).
 
     Returns: int64 ``(num_tokens,)`` virtual token ids (token ``i`` at offset ``i % page_size`` of its page).
     """
@@ -77,22 +79,28 @@ def alloc_sequence(alloc: MultiEndedAllocator, num_tokens: int) -> torch.Tensor 
         return None
     owner = spec.end(spec.owner_of(spec.ends[0].name))
     ps = owner.page_size
-    head_pages = min((first_kept_page(spec, e, num_tokens) for e in swa), default=0)
-    if head_pages == 0:
+    first = {e: first_kept_page(spec, e, num_tokens) for e in swa}
+    if max(first.values(), default=0) == 0:
         z = torch.zeros(1, dtype=torch.int64)
         vt = alloc.alloc_extend(z, torch.tensor([num_tokens], dtype=torch.int64), torch.tensor([-1]))
         return None if vt is None else vt.clone()
-    if any(first_kept_page(spec, e, num_tokens) != head_pages for e in swa):
-        raise UmallocValueError(f"SWA ends {swa} with different windows: the replay binds one window tail")
     n_pages = pages_for_tokens(num_tokens, ps)
-    tail = alloc.alloc_pages(n_pages - head_pages)
-    if tail is None:
-        return None
-    head = alloc.alloc_pages(head_pages, bind=[e.name for e in spec.ends if not e.is_owner and e.name not in swa])
-    if head is None:
-        alloc.free(tail * ps)
-        return None
-    vpages = torch.cat([head, tail])
+    cuts = sorted({0, *first.values()})             # segment starts, head first
+    bounds = [*cuts, n_pages]
+    others = [e.name for e in spec.ends if not e.is_owner and e.name not in swa]
+    parts: list[torch.Tensor] = []
+    for k in range(len(cuts) - 1, -1, -1):           # the tail (every end bound) first
+        lo, hi = bounds[k], bounds[k + 1]
+        if hi <= lo:
+            continue
+        bind = None if k == len(cuts) - 1 else others + [e for e in swa if first[e] <= lo]
+        got = alloc.alloc_pages(hi - lo) if bind is None else alloc.alloc_pages(hi - lo, bind=bind)
+        if got is None:
+            for p in parts:
+                alloc.free(p * ps)
+            return None
+        parts.append(got)
+    vpages = torch.cat(parts[::-1])
     return (vpages[:, None] * ps + torch.arange(ps, dtype=torch.int64)[None, :]).reshape(-1)[:num_tokens].clone()
 
 

@@ -68,8 +68,9 @@ def _child_stats(ctx) -> dict:
 
 
 def child_setup(ctx, model: str, page_size: int, draft: bool, arena_bytes: int, seed: int, compaction: str,
-                padded: bool) -> dict:
-    """Create the prefill arena (preset ``model``; its ends padded as vLLM pads them when ``padded``,
+                padded: bool, draft_sliding: str = "swa") -> dict:
+    """Create the prefill arena (preset ``model`` with the drafter's sliding layers where ``draft_sliding``
+    puts them, :func:`umalloc.geometry.presets.preset_ends`; its ends padded as vLLM pads them when ``padded``,
     :func:`umalloc_replay.single.layouts.padded_ends`), its allocator and the KV pattern; register the arena with the
     child's backend and publish its layout. Returns the child's stats."""
     from umalloc import Arena
@@ -77,7 +78,7 @@ def child_setup(ctx, model: str, page_size: int, draft: bool, arena_bytes: int, 
     from umalloc_replay.single.kvfill import KVPattern
     from umalloc_replay.single.layouts import padded_ends
 
-    ends = preset_ends(model, page_size=page_size, draft=draft)
+    ends = preset_ends(model, page_size=page_size, draft=draft, draft_sliding=draft_sliding)
     spec = ArenaSpec(padded_ends(ends) if padded else ends, arena_bytes=arena_bytes)
     arena = Arena(spec, zero=False)
     alloc = MultiEndedAllocator(arena, compaction=compaction)
@@ -275,7 +276,8 @@ class RemotePrefill:
         pre_spec: the prefill arena spec (its ``arena_bytes`` is what the child allocates).
         decode: the decode allocator (this process).
         timer: the replay's phase timer.
-        model, page_size, draft, seed, compaction, padded: what the child rebuilds its arena and pattern from.
+        model, page_size, draft, seed, compaction, padded, draft_sliding: what the child rebuilds its arena and
+            pattern from.
         transfer_timeout_s, lease_deadline_s: bound of each transfer wait; deadline of both sides' leases.
         setup: ``("module:function", args)`` that the child runs as ``function(ctx, *args)`` instead of
             :func:`child_setup` (then ``model`` ... ``padded`` are unused): it builds the child's allocator and
@@ -294,7 +296,8 @@ class RemotePrefill:
     def __init__(self, backend: str, pre_spec: ArenaSpec, decode: MultiEndedAllocator, timer: PhaseTimer, *,
                  model: str, page_size: int, draft: bool, seed: int, compaction: str, padded: bool,
                  transfer_timeout_s: float, lease_deadline_s: float | None,
-                 setup: tuple[str, tuple] | None = None, after: str | None = None) -> None:
+                 setup: tuple[str, tuple] | None = None, after: str | None = None,
+                 draft_sliding: str = "swa") -> None:
         from umalloc import get_backend
         from umalloc.backends.worker import BackendWorker
 
@@ -316,7 +319,7 @@ class RemotePrefill:
             self.worker.wait_ready(timeout_s=CALL_MARGIN_S)
             if setup is None:
                 self._stats = self._call("child_setup", model, page_size, draft, pre_spec.arena_bytes, seed,
-                                         compaction, padded)
+                                         compaction, padded, draft_sliding)
             else:
                 target, args = setup
                 got = self.worker.run(target, *args, progress=self.b.progress,

@@ -37,10 +37,10 @@ retraction, so admission becomes cautious after memory ran short and bold again 
 
 Note [Stranded space]
 ~~~~~~~~~~~~~~~~~~~~~
-The draft end floats between the full end (growing up) and the SWA end (growing down). Its band sits where it
-was placed, so free bytes on one side of it cannot serve the end on the other side: a lone request whose SWA end
-runs into the draft band is short although the arena has room (seen with Gemma-3-12B, whose SWA pages are 5x
-the full end's). Unless the allocator's ladder relocates the band, the replay re-places the request: retract it
+A float end (the SWA end between the full end growing up and the draft end growing down, or the draft end
+under an SWA end at the top) sits where its band was placed, so free bytes on one side of it cannot serve the
+end on the other side: a lone request whose end runs into the float band is short although the arena has room
+(seen with Gemma-3-12B, whose SWA pages are 5x the full end's). Unless the allocator's ladder relocates the band, the replay re-places the request: retract it
 (host copy, free) and restore it into the emptied arena, where every end is placed afresh (``replacements``).
 
 Note [Shortfall in the replay]
@@ -137,7 +137,7 @@ class Replay:
                                 fmt=cfg.trace_format, skip=cfg.skip)
         check_slice_rows(self.trace, asked, cfg.skip)
         self.layout = parse_layout(cfg.layout)
-        natural = preset_ends(cfg.model, page_size=cfg.page_size, draft=cfg.draft)
+        natural = preset_ends(cfg.model, page_size=cfg.page_size, draft=cfg.draft, draft_sliding=cfg.draft_sliding)
         ends = padded_ends(natural) if self.layout.name == "padded" else natural
         self.natural_page_bytes = {e.name: e.page_bytes for e in natural}
         owners = [e.name for e in ends if e.is_owner]
@@ -230,7 +230,7 @@ class Replay:
 
         return RemotePrefill(cfg.backend, self.pre_spec, self.dec, self.timer, model=cfg.model,  # type: ignore
                              page_size=cfg.page_size, draft=cfg.draft, seed=cfg.seed, compaction=cfg.compaction,
-                             padded=self.layout.name == "padded",
+                             padded=self.layout.name == "padded", draft_sliding=cfg.draft_sliding,
                              transfer_timeout_s=cfg.transfer_timeout_s, lease_deadline_s=cfg.lease_deadline_s)
 
     def _check_memory(self, max_tokens: int) -> None:
@@ -354,7 +354,7 @@ class Replay:
             rs.slot = self.table.acquire()
             self.table.write(rs.slot, 0, vt)
             rs.seq_len = L
-            rs.swa_lo_page = min((first_kept_page(self.dec_spec, e, L) for e in self.swa), default=0)
+            rs.swa_lo_page = {e: first_kept_page(self.dec_spec, e, L) for e in self.swa}
             rs.state = TRANSFERRING
             rs.admitted_step = self.step
             self.inflight.append((rs, ticket))
@@ -416,7 +416,7 @@ class Replay:
         with self.timer.phase("verify"):
             for e in self.dec_spec.ends:
                 ps = e.page_size
-                lo = rs.swa_lo_page if e.name in self.swa else 0
+                lo = rs.swa_lo_page.get(e.name, 0)
                 whole_hi = max(pages_for_tokens(L, ps), n // ps)
                 if whole_hi > lo:
                     vp = self.table.vpages(rs.slot, ps, lo, whole_hi)
@@ -431,19 +431,21 @@ class Replay:
         return total
 
     def _unbind_swa(self, batch: list[RequestState], new_lens: np.ndarray) -> None:
-        """Tombstone the SWA pages that leave the window at the new lengths (before allocating: F18)."""
+        """Tombstone the pages of every SWA end that leave its window at the new lengths (before allocating: F18);
+        each end has its own window and its own first bound page per request."""
         for end in self.swa:
             e = self.dec_spec.end(end)
             ps, w = e.page_size, e.window_tokens
             toks = []
             for rs, n in zip(batch, new_lens.tolist(), strict=True):
+                was = rs.swa_lo_page[end]
                 if self.budget is not None:  # SGLang's pools free out-of-window tokens in batches of 128
-                    lo = sglang_swa_evicted_to(n, rs.swa_lo_page * ps, w, ps, decoded=rs.generated) // ps  # type: ignore[arg-type]
+                    lo = sglang_swa_evicted_to(n, was * ps, w, ps, decoded=rs.generated) // ps  # type: ignore[arg-type]
                 else:
                     lo = self.dec.swa_tail_start(n, w, 0, ps) // ps  # type: ignore[arg-type]
-                if lo > rs.swa_lo_page:
-                    toks.append(self.table.table[rs.slot, rs.swa_lo_page * ps: lo * ps: ps])
-                    rs.swa_lo_page = lo
+                if lo > was:
+                    toks.append(self.table.table[rs.slot, was * ps: lo * ps: ps])
+                    rs.swa_lo_page[end] = lo
             if toks:
                 with self.timer.phase("allocator"):
                     self.dec.unbind_end(end, torch.cat(toks))
