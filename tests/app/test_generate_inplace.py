@@ -9,6 +9,7 @@ decode side's sources show it has no path that reads the pages back into a cache
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -27,11 +28,12 @@ SLICE: dict[str, Any] = dict(requests=4, token_scale=64, output_scale=32, seed=S
 
 @pytest.mark.parametrize("backend", ["local", pytest.param("nixl", marks=pytest.mark.backend),
                                      pytest.param("mooncake", marks=pytest.mark.backend)])
-def test_in_place_decode_equals_one_process(backend: str) -> None:
+def test_in_place_decode_equals_one_process(backend: str, shared_generate: Callable[[Any], dict[str, Any]]) -> None:
+    """The run is test_generate_async.py's (the same config: one report, ``shared_generate``)."""
     if backend != "local":
         require_or_skip(backend)
     print(f"seed {SEED}: llama over {backend}, decoded in place")
-    rep = run_generate(GenerateConfig(model="llama", backend=backend, **SLICE))
+    rep = shared_generate(GenerateConfig(model="llama", backend=backend, **SLICE))
     assert check_generate_report(rep) == []
     assert rep["identical"] == rep["requests"] == 4 and rep["decoded_tokens_min"] >= 1
     assert "decode" not in rep["config"] and rep["bytes_by_vector"].keys() == {"target"}
