@@ -2,7 +2,8 @@
 attending over the received pages in place (:mod:`umalloc_replay.generate.inplace`).
 
 Oracle: the one-process reference (checked against transformers' ``model.generate()`` in ``test_generate.py``).
-The PD runs go over the local backend and over real NIXL and Mooncake (the prefill side in a second process). A
+The PD runs go over the local backend and over real NIXL and Mooncake (the prefill side in a second process; the
+sliding model's rings over NIXL here, over Mooncake in ``test_generate.py``). A
 mutation (two KV heads swapped on the prefill side) shows the token check sees the received pages; a spy and the
 decode side's sources show it has no path that reads the pages back into a cache. Seeded (``UMALLOC_SEED``, printed).
 """
@@ -49,8 +50,8 @@ def test_in_place_decode_equals_one_process(backend: str, shared_generate: Calla
 RING: dict[str, Any] = dict(SLICE, requests=6, token_scale=192, page_size=4)
 
 
-@pytest.mark.parametrize("backend", ["local", pytest.param("nixl", marks=pytest.mark.backend),
-                                     pytest.param("mooncake", marks=pytest.mark.backend)])
+#: over NIXL here; a window tail received into the rings over Mooncake is test_generate.py's gemma3-mooncake run
+@pytest.mark.parametrize("backend", ["local", pytest.param("nixl", marks=pytest.mark.backend)])
 def test_sliding_window_tails_received_into_the_ring_equal_one_process(backend: str) -> None:
     if backend != "local":
         require_or_skip(backend)
