@@ -6,6 +6,10 @@ sizes a test asks for, never on the memory free on the machine that runs the sui
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 
 from umalloc_replay.preflight import HOST_MEMORY_ENV
@@ -24,8 +28,6 @@ def _fixed_host_memory(monkeypatch: pytest.MonkeyPatch) -> None:
 def cache_builds(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """Counts the calls of ``cache_from_kv`` (the only function that puts K/V into a transformers cache; the
     one-process references build theirs with it): the returned dict's ``cache_from_kv``."""
-    from typing import Any
-
     from umalloc_replay.generate import kv as kv_module
 
     calls = {"cache_from_kv": 0}
@@ -37,3 +39,20 @@ def cache_builds(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
 
     monkeypatch.setattr(kv_module, "cache_from_kv", counted)
     return calls
+
+
+_generate_reports: dict[Any, dict[str, Any]] = {}
+
+
+@pytest.fixture(scope="session")
+def shared_generate() -> Callable[[Any], dict[str, Any]]:
+    """``run_generate`` once per :class:`~umalloc_replay.generate.run.GenerateConfig` in the session: tests that
+    assert different things about the same run read one report, each its own deep copy (a test may change its
+    copy). For runs whose report depends only on the config (no fault injected, no patched module)."""
+    from umalloc_replay.generate.run import run_generate
+
+    def run(cfg: Any) -> dict[str, Any]:
+        if cfg not in _generate_reports:
+            _generate_reports[cfg] = run_generate(cfg)
+        return copy.deepcopy(_generate_reports[cfg])
+    return run

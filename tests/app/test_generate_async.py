@@ -14,6 +14,7 @@ import re
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -47,11 +48,13 @@ def admitted_mid_batch(report: dict) -> list[tuple[int, int]]:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_request_joins_the_running_batch_once_its_own_transfer_landed(backend: str) -> None:
+def test_a_request_joins_the_running_batch_once_its_own_transfer_landed(
+        backend: str, shared_generate: Callable[[Any], dict[str, Any]]) -> None:
+    """The run is test_generate_inplace.py's (the same config: one report, ``shared_generate``)."""
     if backend != "local":
         require_or_skip(backend)
     print(f"seed {SEED}: llama over {backend}, --decode cb")
-    rep = run_generate(GenerateConfig(model="llama", backend=backend, **ASYNC))
+    rep = shared_generate(GenerateConfig(model="llama", backend=backend, **ASYNC))
     assert check_generate_report(rep) == [] and rep["identical"] == rep["requests"] == 4
     assert rep["pages_left"] == {"prefill": 0, "decode": 0} and rep["leases_left"] == {"prefill": 0, "decode": 0}
     rows = rep["timeline"]

@@ -2,13 +2,15 @@
 attending over the received pages in place (:mod:`umalloc_replay.generate.inplace`).
 
 Oracle: the one-process reference (checked against transformers' ``model.generate()`` in ``test_generate.py``).
-The PD runs go over the local backend and over real NIXL and Mooncake (the prefill side in a second process). A
+The PD runs go over the local backend and over real NIXL and Mooncake (the prefill side in a second process; the
+sliding model's rings over NIXL here, over Mooncake in ``test_generate.py``). A
 mutation (two KV heads swapped on the prefill side) shows the token check sees the received pages; a spy and the
 decode side's sources show it has no path that reads the pages back into a cache. Seeded (``UMALLOC_SEED``, printed).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -27,11 +29,12 @@ SLICE: dict[str, Any] = dict(requests=4, token_scale=64, output_scale=32, seed=S
 
 @pytest.mark.parametrize("backend", ["local", pytest.param("nixl", marks=pytest.mark.backend),
                                      pytest.param("mooncake", marks=pytest.mark.backend)])
-def test_in_place_decode_equals_one_process(backend: str) -> None:
+def test_in_place_decode_equals_one_process(backend: str, shared_generate: Callable[[Any], dict[str, Any]]) -> None:
+    """The run is test_generate_async.py's (the same config: one report, ``shared_generate``)."""
     if backend != "local":
         require_or_skip(backend)
     print(f"seed {SEED}: llama over {backend}, decoded in place")
-    rep = run_generate(GenerateConfig(model="llama", backend=backend, **SLICE))
+    rep = shared_generate(GenerateConfig(model="llama", backend=backend, **SLICE))
     assert check_generate_report(rep) == []
     assert rep["identical"] == rep["requests"] == 4 and rep["decoded_tokens_min"] >= 1
     assert "decode" not in rep["config"] and rep["bytes_by_vector"].keys() == {"target"}
@@ -47,8 +50,8 @@ def test_in_place_decode_equals_one_process(backend: str) -> None:
 RING: dict[str, Any] = dict(SLICE, requests=6, token_scale=192, page_size=4)
 
 
-@pytest.mark.parametrize("backend", ["local", pytest.param("nixl", marks=pytest.mark.backend),
-                                     pytest.param("mooncake", marks=pytest.mark.backend)])
+#: over NIXL here; a window tail received into the rings over Mooncake is test_generate.py's gemma3-mooncake run
+@pytest.mark.parametrize("backend", ["local", pytest.param("nixl", marks=pytest.mark.backend)])
 def test_sliding_window_tails_received_into_the_ring_equal_one_process(backend: str) -> None:
     if backend != "local":
         require_or_skip(backend)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,8 +52,8 @@ def test_serving_targets_are_measured_against_a_one_process_cb_run() -> None:
         assert [st[k] for k in order] == sorted(st[k] for k in order)
 
 
-def test_a_corrupt_baseline_fails_the_check() -> None:
-    rep = run_generate(GenerateConfig(model="llama", **SLICE))
+def test_a_corrupt_baseline_fails_the_check(shared_generate: Callable[[Any], dict[str, Any]]) -> None:
+    rep = shared_generate(GenerateConfig(model="llama", **SLICE))   # a copy of the in-place run: changed below
     rep["serving"]["one_process_cb_identical"] -= 1
     assert any("one-process continuous-batching baseline" in p for p in check_generate_report(rep))
 

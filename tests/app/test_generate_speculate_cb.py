@@ -7,12 +7,14 @@ Oracles: the one-process reference (greedy tokens, checked against transformers'
 ``test_generate.py``) and the one-process speculative run over ``DynamicCache`` (its acceptance per round). A
 stale draft KV (sent unwritten, or posted before the drafter wrote) keeps every token and fails the acceptance
 length check, on either kind of model; a spy shows the decode side never reads the received pages out of the
-arena. Seeded
+arena. The remote runs: a full-attention model over Mooncake and a sliding one over NIXL here, the other pairs in
+``test_generate.py`` (whose llama-nixl and gemma3-mooncake runs carry a drafter and decode in place too). Seeded
 (``UMALLOC_SEED``, printed).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -27,13 +29,14 @@ SLICE: dict[str, Any] = dict(requests=4, token_scale=64, output_scale=32, seed=S
                              draft=True, draft_tokens=3)
 
 
-@pytest.mark.parametrize("backend", ["local", pytest.param("nixl", marks=pytest.mark.backend),
-                                     pytest.param("mooncake", marks=pytest.mark.backend)])
-def test_early_exit_in_place_equals_one_process_round_by_round(backend: str) -> None:
+#: a full-attention model's draft KV over Mooncake here; over NIXL in test_generate.py (llama-nixl carries a drafter)
+@pytest.mark.parametrize("backend", ["local", pytest.param("mooncake", marks=pytest.mark.backend)])
+def test_early_exit_in_place_equals_one_process_round_by_round(
+        backend: str, shared_generate: Callable[[Any], dict[str, Any]]) -> None:
     if backend != "local":
         require_or_skip(backend)
     print(f"seed {SEED}: llama over {backend}, --draft early-exit in place")
-    rep = run_generate(GenerateConfig(model="llama", backend=backend, **SLICE))
+    rep = shared_generate(GenerateConfig(model="llama", backend=backend, **SLICE))
     assert check_generate_report(rep) == [], check_generate_report(rep)
     assert rep["identical"] == rep["requests"] == 4 and rep["digest_mismatches"] == []
     al = rep["acceptance_length"]
@@ -52,8 +55,9 @@ def test_ngram_in_place_equals_one_process_round_by_round() -> None:
     assert rep["bytes_by_vector"].keys() == {"target"}
 
 
-def test_a_stale_draft_kv_in_place_keeps_the_tokens_and_fails_the_acceptance_length_check() -> None:
-    good = run_generate(GenerateConfig(model="llama", **SLICE))
+def test_a_stale_draft_kv_in_place_keeps_the_tokens_and_fails_the_acceptance_length_check(
+        shared_generate: Callable[[Any], dict[str, Any]]) -> None:
+    good = shared_generate(GenerateConfig(model="llama", **SLICE))   # the local run of the test above
     stale = run_generate(GenerateConfig(model="llama", fault="stale_draft", **SLICE))
     problems = check_generate_report(stale)
     assert stale["differing"] == [] and stale["identical"] == 4 and stale["tokens"] == good["tokens"]
@@ -86,13 +90,14 @@ def test_the_speculative_in_place_decode_never_reads_the_received_pages_into_a_c
 RING: dict[str, Any] = dict(SLICE, requests=6, token_scale=192, page_size=4, draft_layers=2)
 
 
-@pytest.mark.parametrize("backend", ["local", pytest.param("nixl", marks=pytest.mark.backend),
-                                     pytest.param("mooncake", marks=pytest.mark.backend)])
-def test_early_exit_in_place_on_a_sliding_model_equals_one_process_round_by_round(backend: str) -> None:
+#: a sliding model's draft KV over NIXL here; over Mooncake in test_generate.py (gemma3-mooncake carries a drafter)
+@pytest.mark.parametrize("backend", ["local", pytest.param("nixl", marks=pytest.mark.backend)])
+def test_early_exit_in_place_on_a_sliding_model_equals_one_process_round_by_round(
+        backend: str, shared_generate: Callable[[Any], dict[str, Any]]) -> None:
     if backend != "local":
         require_or_skip(backend)
     print(f"seed {SEED}: gemma3 over {backend}, --draft early-exit:2 in place, page size 4")
-    rep = run_generate(GenerateConfig(model="gemma3", backend=backend, **RING))
+    rep = shared_generate(GenerateConfig(model="gemma3", backend=backend, **RING))
     assert check_generate_report(rep) == [], check_generate_report(rep)
     assert rep["identical"] == rep["requests"] == 6 and rep["digest_mismatches"] == []
     assert sum(p["prompt_tokens"] > rep["window_tokens"] for p in rep["per_request"]) >= 3
@@ -116,8 +121,9 @@ def test_sliding_models_in_place_in_every_shape_equal_one_process_round_by_round
     assert rep["acceptance_length"]["pd"]["rounds"] > 0
 
 
-def test_a_stale_draft_kv_on_a_sliding_model_keeps_the_tokens_and_fails_the_acceptance_length_check() -> None:
-    good = run_generate(GenerateConfig(model="gemma3", **RING))
+def test_a_stale_draft_kv_on_a_sliding_model_keeps_the_tokens_and_fails_the_acceptance_length_check(
+        shared_generate: Callable[[Any], dict[str, Any]]) -> None:
+    good = shared_generate(GenerateConfig(model="gemma3", **RING))   # the local run of the sliding test above
     stale = run_generate(GenerateConfig(model="gemma3", fault="stale_draft", **RING))
     problems = check_generate_report(stale)
     assert stale["differing"] == [] and stale["tokens"] == good["tokens"]

@@ -5,7 +5,8 @@
 * Per-rank geometry (vLLM's head split and replication) against hand values and the transfer layer's own
   arithmetic.
 * The matrix (TP 1->2, 2->1, 2->2; DCP P1->D2, P2->D2; page size 16->32; head-group-outer pages; an SWA window
-  tail; MLA) on both engines: every decode rank verified exactly the bytes the test counts for it by brute force.
+  tail; MLA) over NIXL, one case per kind of transfer over Mooncake too (``MOONCAKE_CASES``): every decode rank
+  verified exactly the bytes the test counts for it by brute force.
 * Ctrl-C and a SIGKILLed rank on the console script: every process ends, the exit status and the one line say
   what happened.
 """
@@ -232,9 +233,18 @@ def run_case(backend: str, case: dict) -> tuple[RanksConfig, dict]:
     return cfg, MultiRankReplay(cfg).run()
 
 
+#: the cases also run over Mooncake: one per kind of transfer the matrix makes (strided head slices of
+#: head-group-outer pages; interleaved DCP tokens between two ranks on each side; a page size that differs across
+#: the sides; a window tail that starts mid-page). The rest of the matrix is geometry (which heads and tokens each
+#: rank holds), computed above the transfer engine, and runs over NIXL; each engine's own transfers across
+#: processes (descriptor batches, plans with target, draft and SWA vectors) are the conformance suite's
+#: (tests/backends/test_backends.py).
+MOONCAKE_CASES = ("tp1-2-groups", "dcp2-2", "page16-32", "swa-tail")
+MATRIX = [(name, "nixl") for name in CASES] + [(name, "mooncake") for name in MOONCAKE_CASES]
+
+
 @pytest.mark.backend
-@pytest.mark.parametrize("backend", ["nixl", "mooncake"])
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize(("name", "backend"), MATRIX, ids=[f"{n}-{b}" for n, b in MATRIX])
 def test_every_rank_receives_and_verifies_its_slice(backend, name):
     cfg, rep = run_case(backend, CASES[name])
     assert check_ranks_report(rep) == [] and rep["ok"], check_ranks_report(rep)

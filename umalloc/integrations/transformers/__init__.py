@@ -3,6 +3,7 @@
 ``with installed(CacheOptions(...)):`` (or :func:`install` / :func:`uninstall`) makes every ``PagedAttentionCache``
 transformers builds an :class:`UmallocPagedCache` over one umalloc arena. Modules, one concept each:
 :mod:`~umalloc.integrations.transformers.cache` (the cache and its Notes: seams, rows, sliding ring, cannot fit),
+:mod:`~umalloc.integrations.transformers.growth` (the tokens each request holds and the growth of its pages),
 :mod:`~umalloc.integrations.transformers.groups` (one attention type on one end of the arena),
 :mod:`~umalloc.integrations.transformers.options` (options, counters, errors, config reading),
 :mod:`~umalloc.integrations.transformers.sizing` (stock's cache bytes, the most tokens one request holds) and

@@ -163,9 +163,9 @@ class DecodeEngine:
         staged = rt_tokens is not None and n > rt_tokens and last - first >= rt_tokens // ps
         rt = c.ring_table if c.ring_table is not None else c.table
         with c._timer:
-            c._flush()
-            full_pages, swa_pages = c._new_pages(None, 0, n)
-            if not c._fits_bytes(full_pages, swa_pages + int(staged)):
+            c.growth.flush()
+            full_pages, swa_pages = c.growth.new_pages(None, 0, n)
+            if not c.growth.fits_bytes(full_pages, swa_pages + int(staged)):
                 return None
             stage = None
             if staged:
@@ -173,11 +173,11 @@ class DecodeEngine:
                 if got is None or rt.extend(got, np.array([ps], np.int64)) is None:
                     if got is not None:
                         rt.free_requests(got)
-                    c._free_bytes_memo = None
+                    c.growth.free_bytes_memo = None
                     return None
                 stage = int(got[0])
-            ok = c._grow(request_id, None, 0, n)
-            c._free_bytes_memo = None
+            ok = c.growth.grow(request_id, None, 0, n)
+            c.growth.free_bytes_memo = None
             if not ok:
                 if stage is not None:
                     rt.free_requests([stage])
@@ -219,7 +219,7 @@ class DecodeEngine:
         with c._timer:
             rt.free_requests([got[0]])
             c._forget_rows([], [got[0]])
-            c._free_bytes_memo = None
+            c.growth.free_bytes_memo = None
 
     def admit(self, request_id: str, prompt: list[int], first_token: int, max_new_tokens: int,
               eos_token_id: int | list[int] | None = None) -> Any:

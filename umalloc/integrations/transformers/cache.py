@@ -98,14 +98,8 @@ page).
 Note [Sliding ring] and Note [All sliding] are in :mod:`~umalloc.integrations.transformers.rings`, with the
 rings' shared and copied pages.
 
-Note [Deferred growth]
-~~~~~~~~~~~~~~~~~~~~~~
-A decode (one token) into the request's own partial last page needs no page on either table, so it cannot fail:
-``can_store_request_tokens`` answers ``True`` at once and records the token; the next call that reads or changes
-the tables (the IO builder asking for indices, any other growth, a free, a fork, the step hook, the invariant
-check) first puts every recorded token into the tables with one ``extend`` per table. A page that may be shared
-is never grown this way: a fork's source and its forks (their partial last page is shared, copied on the first
-write) always go through the tables.
+Note [Deferred growth] is in :mod:`~umalloc.integrations.transformers.growth`, with the tokens each request holds
+and the growth of its tables.
 
 Threading: the scheduler's thread only (transformers drives the cache from one thread).
 """
@@ -136,6 +130,7 @@ from umalloc.integrations.transformers.groups import (
     SLIDING_ATTENTION,
     EndGroup,
 )
+from umalloc.integrations.transformers.growth import Growth
 from umalloc.integrations.transformers.options import (
     END_OF,
     TORCH_TO_KV,
@@ -288,11 +283,7 @@ class UmallocPagedCache:
         self.counters = CacheCounters()
         self._timer = MemoryTimer(self.counters)
         self.slots: dict[str, int] = {}
-        self._held: dict[int, int] = {}   # slot -> tokens it holds (the table's lengths, kept here: no table call)
         self.ring_slots: dict[int, int] = {}   # slot -> its ring's slot in ring_table (Note [Sliding ring])
-        self._free_bytes_memo: int | None = None   # free_bytes() until the next allocation or free
-        self._pending: dict[int, int] = {}   # slot -> tokens granted, not yet in the tables (Note [Deferred growth])
-        self._forked: set[int] = set()   # slots that may share a partial page (fork sources and forks)
         #: ring-table slots held outside any request: a receiver's staging pages (Note [Ring landing] in
         #: :mod:`~umalloc.integrations.transformers.admit`), counted by :meth:`check_invariants`
         self.staged_rings: set[int] = set()
@@ -320,6 +311,10 @@ class UmallocPagedCache:
         self.use_prefix_sharing = self.allow_block_sharing and self.has_full
         #: whether freed full-attention pages stay cached: not with sliding layers (no live ring gives their window)
         self.cache_freed = self.use_prefix_sharing and self.window is None
+        #: the tokens each request holds and the growth of the tables (:mod:`~umalloc.integrations.transformers.growth`)
+        self.growth = Growth(self.table, self.ring_table, self.alloc, self.arena, owner, ps, self.ring_tokens,
+                             self.full_page_bytes, self.arena.page_bytes("swa") if SLIDING_ATTENTION in groups else 0,
+                             self.cache_freed, self.slots, self.ring_slots, _weak_call(self._forget_rows))
         # stock's scheduler reads at most a window of a request's cache when every layer slides
         self.read_cache_limit = None if self.has_full else window
         self.num_blocks = (arena_bytes - self.arena.floor_bytes) // model_block_bytes
@@ -340,38 +335,11 @@ class UmallocPagedCache:
 
     def held_tokens(self, request_id: str) -> int:
         slot = self.slots.get(request_id)
-        return 0 if slot is None else self._held.get(slot, 0)
-
-    def _flush(self) -> None:
-        """Put the deferred growths into the tables: one ``extend`` per table for all of them (Note [Deferred
-        growth]). Raises InvariantError if a table refuses one (they need no page, so that is a bug)."""
-        if not self._pending:
-            return
-        items = list(self._pending.items())
-        self._pending.clear()
-        if not self.has_full:   # the table holds the rings (Note [All sliding])
-            items = [(s, self._table_tokens(self._held[s]) - self._table_tokens(self._held[s] - n)) for s, n in items]
-            items = [(s, g) for s, g in items if g]
-        slots = np.array([s for s, _ in items], np.int64)
-        if items and self.table.extend(slots, np.array([n for _, n in items], np.int64)) is None:
-            raise InvariantError(f"deferred growth of slots {slots.tolist()} refused by the table")
-        if self.ring_table is None or self.ring_tokens is None:
-            return
-        w = self.ring_tokens
-        rings = [(self.ring_slots[s], min(self._held[s], w) - min(self._held[s] - n, w)) for s, n in items]
-        rings = [(r, g) for r, g in rings if g]
-        if rings and self.ring_table.extend(np.array([r for r, _ in rings], np.int64),
-                                            np.array([g for _, g in rings], np.int64)) is None:
-            raise InvariantError(f"deferred ring growth of rings {[r for r, _ in rings]} refused by the ring table")
-
-    def _table_tokens(self, held: int) -> int:
-        """Tokens ``table`` holds for a request of ``held`` tokens: all of them, or ``min(held, ring_tokens)`` when
-        the table holds the rings (Note [All sliding])."""
-        return held if self.has_full or self.ring_tokens is None else min(held, self.ring_tokens)
+        return 0 if slot is None else self.growth.held.get(slot, 0)
 
     def _free_table_slots(self, slots: list[int], cache: bool = False) -> None:
-        self._flush()
-        self._free_bytes_memo = None
+        self.growth.flush()
+        self.growth.free_bytes_memo = None
         self.table.free_requests(slots, cache=cache)
         rings = [self.ring_slots.pop(s) for s in slots if s in self.ring_slots]
         if rings and self.ring_table is not None:
@@ -379,8 +347,8 @@ class UmallocPagedCache:
             self.rings.forget(rings)   # type: ignore[union-attr]
         self._forget_rows(slots, rings)
         for s in slots:
-            self._held.pop(s, None)
-            self._forked.discard(s)
+            self.growth.held.pop(s, None)
+            self.growth.forked.discard(s)
 
     def _forget_rows(self, slots: list[int], rings: list[int]) -> None:
         """Drop the groups' kept rows of these table slots and ring slots (Note [Row reuse] in
@@ -399,7 +367,7 @@ class UmallocPagedCache:
         slot = self.slots.pop(request_id, None)
         if slot is None:
             return
-        self._flush()
+        self.growth.flush()
         pages = self.table.pages(slot) if not cache and self.prefix.vpage_to_hash else None
         self._free_table_slots([slot], cache=cache)
         if pages is not None and pages.numel():   # pages another request still holds keep their hash, as in stock
@@ -409,8 +377,8 @@ class UmallocPagedCache:
     def step_hook(self) -> None:
         """Once per scheduling step (Note [Seams] 3): optional forced compaction and invariant checks."""
         with self._timer:
-            self._free_bytes_memo = None
-            self._flush()
+            self.growth.free_bytes_memo = None
+            self.growth.flush()
             if self.rings is not None:   # a caller that skipped perform_cache_copy still reads the forks' rings
                 self.rings.copy_forks()
             c = self.counters
@@ -428,19 +396,20 @@ class UmallocPagedCache:
         the hash index is one-to-one, the kept lengths are the table's, and every request's ring holds
         ``min(length, ring_tokens)`` tokens (Note [Sliding ring]). Puts deferred growths into the tables first (Note
         [Deferred growth]). O(pages)."""
-        self._flush()
+        self.growth.flush()
         self.table.check_invariants()
         kept = set(self.table.cached_pages().tolist())
         for slot in self.slots.values():
             kept.update(self.table.pages(slot).tolist())
         self.prefix.check(kept)
         live = sorted(self.slots.values())
-        if sorted(self._held) != live:
-            raise InvariantError(f"held lengths: kept for slots {sorted(self._held)}, live slots {live}")
-        if live and self.table.num_tokens(live).tolist() != [self._table_tokens(self._held[s]) for s in live]:
+        if sorted(self.growth.held) != live:
+            raise InvariantError(f"held lengths: kept for slots {sorted(self.growth.held)}, live slots {live}")
+        held = self.growth.held
+        if live and self.table.num_tokens(live).tolist() != [self.growth.table_tokens(held[s]) for s in live]:
             raise InvariantError("held lengths: a kept length differs from the table's")
         if self.ring_table is not None and self.rings is not None:
-            self.rings.check(self.ring_slots, self._held, len(self.staged_rings))
+            self.rings.check(self.ring_slots, self.growth.held, len(self.staged_rings))
 
     # ---- scheduler-facing API (transformers' PagedAttentionCache) --------------------------------------------
     def can_store_request_tokens(self, state: Any, request_len: int, dry_run: bool = False) -> bool:
@@ -449,7 +418,7 @@ class UmallocPagedCache:
         ``request_len`` tokens of a new request now."""
         with self._timer:
             if dry_run:
-                full_pages, swa_pages = self._fresh_pages(int(request_len))
+                full_pages, swa_pages = self.growth.fresh_pages(int(request_len))
                 need = {"full": full_pages, "swa": swa_pages} if self.ring_table is not None else \
                     {self.owner: full_pages if self.has_full else swa_pages}
                 return request_len <= self.max_tokens_per_request and self.alloc.can_alloc(need)
@@ -466,29 +435,26 @@ class UmallocPagedCache:
                     self.counters.refused_allocations += 1
                     return False
             known = self.slots.get(rid)
-            held = 0 if known is None else self._held[known]
+            held = 0 if known is None else self.growth.held[known]
             grow = target - held
             if grow <= 0:
                 return True
-            if grow == 1 and known is not None and held % self.page_size and known not in self._forked:
-                # into the request's own partial last page (and ring page): no page needed, cannot fail
-                self._pending[known] = self._pending.get(known, 0) + 1
-                self._held[known] = target
+            if known is not None and self.growth.defer(known, target):   # Note [Deferred growth]
                 return True
-            self._flush()
+            self.growth.flush()
             ring = self.ring_slots.get(known, -1) if known is not None else -1
             cow = self.rings.plan_copies(ring, target - int(request_len), target) if ring >= 0 and self.rings else []
-            full_pages, swa_pages = self._new_pages(known, held, grow)
-            if not self._fits_bytes(full_pages, swa_pages + len(cow)):   # refused before anything is touched
+            full_pages, swa_pages = self.growth.new_pages(known, held, grow)
+            if not self.growth.fits_bytes(full_pages, swa_pages + len(cow)):   # refused before anything is touched
                 self.counters.refused_allocations += 1
                 return False
             done = self.rings.copy_on_write(ring, cow) if cow and self.rings else []   # Note [Shared rings]
-            ok = done is not None and self._grow(rid, known, held, grow)
+            ok = done is not None and self.growth.grow(rid, known, held, grow)
             if done and not ok:
                 self.rings.undo(ring, done)   # type: ignore[union-attr]
             if cow:
                 self._forget_rows([], [ring])
-            self._free_bytes_memo = None   # the growth (or its undoing) may have changed the free bytes
+            self.growth.free_bytes_memo = None   # the growth (or its undoing) may have changed the free bytes
             if not ok:
                 self.counters.refused_allocations += 1
                 return False
@@ -496,31 +462,12 @@ class UmallocPagedCache:
                 self.counters.max_live_requests = max(self.counters.max_live_requests, len(self.slots))
             return True
 
-    def _fresh_pages(self, num_tokens: int) -> tuple[int, int]:
-        """(full pages, ring pages) a request holding nothing takes to grow by ``num_tokens`` (Note [Sliding
-        ring])."""
-        ps = self.page_size
-        pages = -(-num_tokens // ps)
-        if self.ring_tokens is None:
-            return pages, 0
-        return pages if self.has_full else 0, -(-min(num_tokens, self.ring_tokens) // ps)
-
-    def _free_bytes_now(self) -> int:
-        """:meth:`free_bytes`, computed once until the next allocation or free clears the memo."""
-        if self._free_bytes_memo is None:
-            self._free_bytes_memo = self.free_bytes()
-        return self._free_bytes_memo
-
-    def _cow_pages(self, slot: int) -> int:
-        """1 if request ``slot``'s partial last page may be shared (a fork's source or a fork that has not grown
-        through the table since), so its next growth may copy it first; else 0."""
-        return int(slot in self._forked and self._held.get(slot, 0) % self.page_size != 0)
-
     def cow_pages(self, request_id: str) -> int:
-        """:meth:`_cow_pages` of a request id (0 for an unknown one): what ``needs_new_blocks`` adds on the
-        full-attention group, so transformers' offloading manager sizes a growth as this cache refuses it."""
+        """:meth:`~umalloc.integrations.transformers.growth.Growth.cow_pages` of a request id (0 for an unknown
+        one): what ``needs_new_blocks`` adds on the full-attention group, so transformers' offloading manager sizes
+        a growth as this cache refuses it."""
         slot = self.slots.get(request_id)
-        return 0 if slot is None else self._cow_pages(slot)
+        return 0 if slot is None else self.growth.cow_pages(slot)
 
     def ring_cow_pages(self, request_id: str, past_length: int, query_length: int) -> int:
         """Shared ring pages a forward of ``query_length`` tokens after ``past_length`` would copy first (Note
@@ -530,76 +477,6 @@ class UmallocPagedCache:
         if ring < 0 or self.rings is None:
             return 0
         return len(self.rings.plan_copies(ring, past_length, past_length + query_length))
-
-    def _new_pages(self, known: int | None, held: int, num_tokens: int) -> tuple[int, int]:
-        """(full pages, ring pages) a growth of request ``known`` (None: new) from ``held`` by ``num_tokens``
-        allocates, counting the copy of a shared partial last page (a fork's). Their bytes fitting in
-        :meth:`free_bytes` is what the growth needs: the allocator's compaction turns holes into gap, and a byte
-        frontier of each end moves in its own page size (Note [Sliding ring])."""
-        if known is None:
-            return self._fresh_pages(num_tokens)
-        ps, end = self.page_size, held + num_tokens
-        full = -(-end // ps) - -(-held // ps) + self._cow_pages(known) if self.has_full else 0
-        if self.ring_tokens is None:
-            return full, 0
-        w = self.ring_tokens
-        return full, -(-min(end, w) // ps) - -(-min(held, w) // ps)
-
-    def _fits_bytes(self, full_pages: int, swa_pages: int) -> bool:
-        """Whether that many pages fit in the free bytes (:meth:`free_bytes`, memoized until the next change):
-        a necessary condition, whatever the layout; the allocation itself compacts if holes are in the way."""
-        need = full_pages * self.full_page_bytes if full_pages else 0
-        if swa_pages:
-            need += swa_pages * self.cache_allocators[SLIDING_ATTENTION].bytes_per_block
-        return need <= self._free_bytes_now()
-
-    def _grow(self, request_id: str, known: int | None, held: int, num_tokens: int) -> bool:
-        """Grow request ``known`` (None: a new request) from ``held`` by ``num_tokens`` tokens: its ring first, then
-        its full-attention row, one table call each; all or nothing (Note [Sliding ring])."""
-        one = np.ones(1, np.int64)
-        slot = known
-        if slot is None:
-            got = self.table.new_requests(1)
-            if got is None:
-                return False
-            slot = int(got[0])
-        ring = self.ring_slots.get(slot)
-        new_ring = ring is None
-        ring_grow = 0
-        if self.ring_table is not None and self.ring_tokens is not None:
-            if ring is None and known is not None:
-                raise InvariantError(f"request {request_id!r} holds tokens but no ring (Note [Sliding ring])")
-            ring_grow = min(held + num_tokens, self.ring_tokens) - min(held, self.ring_tokens)
-            if ring is None:
-                got = self.ring_table.new_requests(1)
-                if got is None:
-                    self.table.free_requests([slot])
-                    return False
-                ring = int(got[0])
-            if ring_grow and self.ring_table.extend(np.array([ring], np.int64), one * ring_grow) is None:
-                if new_ring:
-                    self.ring_table.free_requests([ring])
-                if known is None:
-                    self.table.free_requests([slot])
-                return False
-        table_grow = self._table_tokens(held + num_tokens) - self._table_tokens(held)
-        if table_grow and self.table.extend(np.array([slot], np.int64), one * table_grow) is None:
-            if self.ring_table is not None and ring is not None:
-                if new_ring:
-                    self.ring_table.free_requests([ring])
-                elif ring_grow:
-                    self.ring_table.truncate(np.array([ring], np.int64), one * min(held, self.ring_tokens or 0))
-                    self._forget_rows([], [ring])
-            if known is None:
-                self.table.free_requests([slot])
-            return False
-        self._forked.discard(slot)   # its last page is its own now: copied on write, or a fresh page
-        self._held[slot] = held + num_tokens
-        if known is None:
-            self.slots[request_id] = slot
-        if ring is not None:
-            self.ring_slots[slot] = ring
-        return True
 
     def count_storable_requests(self, list_blocks_needed: list[dict[str, int]]) -> int:
         """How many of the requests, in order, the free bytes (free pages, gap, cached pages; memoized) could
@@ -613,30 +490,15 @@ class UmallocPagedCache:
         return len(list_blocks_needed)
 
     def free_bytes(self) -> int:
-        """Bytes allocatable now or after evicting every cached page: holes of every end, the gap between the
-        ends, and the cached full-attention pages (only a model without sliding layers caches pages). O(ends), from
-        the allocator's end views."""
-        ends = self.alloc.ends
-        full = ends[self.owner]   # the up end (``swa`` when every layer slides, Note [All sliding])
-        total = sum(v.hole_pages * v.page_bytes for v in ends.values())
-        edge = full.hi * full.page_bytes   # the gaps up to a draft end floating between full and swa, and past it
-        if self.ring_table is not None and "draft" in ends:
-            mid = ends["draft"]
-            total += max(0, mid.lo * mid.page_bytes - edge)
-            edge = max(edge, mid.hi * mid.page_bytes)
-        if self.ring_table is not None or "draft" in ends:   # the gap up to the end growing down
-            down = ends["swa" if self.ring_table is not None else "draft"]
-            total += max(0, down.lo * down.page_bytes - edge)
-        else:
-            total += self.arena.arena_bytes - edge
-        if self.cache_freed:   # only then are pages cached (free_blocks caches nothing otherwise)
-            total += int(self.table.capacity()["full"]["reclaimable_pages"]) * full.page_bytes
-        return total
+        """Bytes allocatable now or after evicting every cached page (:meth:`~umalloc.integrations.transformers.
+        growth.Growth.free_bytes`: holes of every end, the gap between the ends, cached full-attention pages).
+        O(ends)."""
+        return self.growth.free_bytes()
 
     def compute_free_capacity(self, relative: bool = True) -> int | float:
         """Free bytes (:meth:`free_bytes`, memoized until the next allocation or free), or their share of the
         usable arena."""
-        free = self._free_bytes_now()
+        free = self.growth.free_bytes_now()
         return free / (self.arena.arena_bytes - self.arena.floor_bytes) if relative else free
 
     def evict_cached_blocks(self) -> bool:
@@ -650,7 +512,7 @@ class UmallocPagedCache:
 
     def free_all_requests(self, clear_ledgers: bool = False) -> None:
         with self._timer:
-            self._flush()
+            self.growth.flush()
             for rid in list(self.slots):
                 self._free_slot(rid, cache=self.cache_freed and not clear_ledgers)
             if clear_ledgers:
@@ -675,12 +537,12 @@ class UmallocPagedCache:
                 matched.pop()   # a fork parent must keep two tokens to prefill (Note [Seams] 10)
             if not matched or request_id in self.slots:
                 return 0
-            self._flush()
-            self._free_bytes_memo = None
+            self.growth.flush()
+            self.growth.free_bytes_memo = None
             donor, rings = -1, self.rings
             if self.ring_table is not None and self.window is not None and rings:   # Note [Sliding prefix] (prefix)
                 rings.copy_forks()   # forks' rings hold their source's before they give any
-                donor, k = ring_donor(matched, ((s, self._held[s], self.table.pages(s).tolist())
+                donor, k = ring_donor(matched, ((s, self.growth.held[s], self.table.pages(s).tolist())
                                                 for s in self.slots.values()), self.window, ps,
                                                self.ring_tokens)
                 del matched[k:]
@@ -700,7 +562,7 @@ class UmallocPagedCache:
                 self.table.free_requests([slot])
                 return 0
             self.slots[request_id] = slot
-            self._held[slot] = len(matched) * ps
+            self.growth.held[slot] = len(matched) * ps
             self.counters.prefix_hits += 1
             self.counters.prefix_hit_tokens += len(matched) * ps
             return len(matched) * ps
@@ -718,14 +580,14 @@ class UmallocPagedCache:
         if not self.allow_block_sharing or not complete_blocks or state.request_id not in self.slots:
             return
         with self._timer:
-            self._flush()
+            self.growth.flush()
             slot = self.slots[state.request_id]
             replaced = self.prefix.complete(self.table.pages(slot).tolist(), state.initial_tokens + state.generated_tokens,
                                             sum(complete_blocks.values()), self.page_size,
                                             lambda i, vp: self.table.share_page(slot, i, vp))
             if replaced:
                 self.counters.deduplicated_pages += replaced
-                self._free_bytes_memo = None
+                self.growth.free_bytes_memo = None
                 self._forget_rows([slot], [])
 
     def extend_read_and_write_indices(self, request_id: str, past_length: int, query_length: int,
@@ -733,10 +595,10 @@ class UmallocPagedCache:
         """Append the request's attention rows per attention type, in ``cache_allocators`` order (Note [Rows];
         Note [Index time] in :mod:`umalloc.integrations.transformers.groups`)."""
         with self._timer:
-            self._flush()
+            self.growth.flush()
             slot = self.slots[request_id]
             ring = self.ring_slots.get(slot, slot)   # the table's own slot when it holds the rings
-            keep = slot not in self._forked   # Note [Row reuse] in transformers.groups
+            keep = slot not in self.growth.forked   # Note [Row reuse] in transformers.groups
             for grp, out in zip(self.cache_allocators.values(), write_index, strict=True):
                 sliding = grp.sliding_window is not None
                 out.extend(grp.write_rows(ring if sliding else slot, past_length, query_length, keep or sliding))
@@ -755,12 +617,12 @@ class UmallocPagedCache:
         ring into fresh pages that :meth:`perform_cache_copy` fills (Note [Sliding ring]); returns the ids forked
         (those the slots and pages sufficed for, in order)."""
         with self._timer:
-            self._flush()
-            self._free_bytes_memo = None
+            self.growth.flush()
+            self.growth.free_bytes_memo = None
             src = self.slots[src_state.request_id]
-            held = self._held[src]
+            held = self.growth.held[src]
             if self.has_full:
-                self._forked.add(src)
+                self.growth.forked.add(src)
             self._forget_rows([src], [])   # its rows are not kept while copy-on-write may rewrite its tokens
             forked = []
             for rid in dst_req_ids:
@@ -779,9 +641,9 @@ class UmallocPagedCache:
                     self.ring_slots[slot] = int(got[0])
                     self.rings.queue_fork_copy(self.ring_slots[src], int(got[0]))   # type: ignore[union-attr]
                 self.slots[rid] = slot
-                self._held[slot] = held
+                self.growth.held[slot] = held
                 if self.has_full:
-                    self._forked.add(slot)
+                    self.growth.forked.add(slot)
                 forked.append(rid)
                 self.counters.forks += 1
             self.counters.max_live_requests = max(self.counters.max_live_requests, len(self.slots))

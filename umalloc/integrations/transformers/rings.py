@@ -59,9 +59,9 @@ its own later writes. The copies are taken before the growth and undone (the sha
 growth is refused, so a refusal changes nothing.
 
 The ring being whole pages also makes the first write into a ring page after the wrap a write at a page boundary
-of the sequence, which never takes the cache's deferred single-token path (Note [Deferred growth] in the cache
-module); with a ring that is not whole pages (a window that is not, without speculation), a hit copies the donor's
-ring pages into fresh ones instead (``counters.ring_pages_copied``).
+of the sequence, which never takes the cache's deferred single-token path (Note [Deferred growth] in
+:mod:`~umalloc.integrations.transformers.growth`); with a ring that is not whole pages (a window that is not,
+without speculation), a hit copies the donor's ring pages into fresh ones instead (``counters.ring_pages_copied``).
 
 Threading: the scheduler's thread only, as the cache.
 """

@@ -381,31 +381,32 @@ def truncate_requests(cache: Any, request_ids: list[str], num_tokens: list[int])
         UmallocValueError: an id holding no pages.
     """
     with cache._timer:
-        cache._flush()
+        cache.growth.flush()
         slots, keep = [], []
         for rid, n in zip(request_ids, num_tokens, strict=True):
             slot = cache.slots.get(rid)
             if slot is None:
                 raise UmallocValueError(f"truncate: request {rid!r} holds no pages")
-            if cache._held[slot] > n:
+            if cache.growth.held[slot] > n:
                 slots.append(slot)
                 keep.append(n)
         if not slots:
             return
         r = cache.ring_tokens
-        cut = [(s, cache._table_tokens(n)) for s, n in zip(slots, keep, strict=True)
-               if cache._table_tokens(n) < cache._table_tokens(cache._held[s])]
+        cut = [(s, cache.growth.table_tokens(n)) for s, n in zip(slots, keep, strict=True)
+               if cache.growth.table_tokens(n) < cache.growth.table_tokens(cache.growth.held[s])]
         if cut:
             cache.table.truncate(np.array([s for s, _ in cut], np.int64), np.array([n for _, n in cut], np.int64))
         rings = []
         if cache.ring_table is not None and r is not None:
-            rings = [(cache.ring_slots[s], n) for s, n in zip(slots, keep, strict=True) if n < min(cache._held[s], r)]
+            rings = [(cache.ring_slots[s], n) for s, n in zip(slots, keep, strict=True)
+                     if n < min(cache.growth.held[s], r)]
             if rings:
                 cache.ring_table.truncate(np.array([g for g, _ in rings], np.int64),
                                           np.array([n for _, n in rings], np.int64))
         for s, n in zip(slots, keep, strict=True):
-            cache._held[s] = n
-        cache._free_bytes_memo = None
+            cache.growth.held[s] = n
+        cache.growth.free_bytes_memo = None
         cache._forget_rows(slots, [g for g, _ in rings] + ([s for s, _ in cut] if not cache.has_full else []))
 
 
