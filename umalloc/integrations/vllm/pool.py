@@ -36,6 +36,7 @@ from __future__ import annotations
 import inspect
 import weakref
 from collections.abc import Callable, Iterable, Sequence
+from itertools import islice
 from typing import Any
 
 import numpy as np
@@ -245,12 +246,12 @@ class UmallocBlockPool(BlockPool):  # type: ignore[misc, valid-type, unused-igno
         return ret
 
     def touch(self, blocks: Sequence[Any]) -> None:
-        """vLLM's ``touch``: one reference more per block, null blocks skipped; a block at count 0 (cached, or free
-        in umalloc) is held by umalloc again (Note [Touch and free paths]). Raises InvalidIdError (a block id
-        outside the pool), nothing changed."""
-        if type(blocks) is not list:
-            blocks = list(blocks)
-        zeros = []
+        """vLLM's ``touch``: one reference more per block of the sequence ``blocks``, null blocks skipped; a block
+        at count 0 (cached, or free in umalloc) is held by umalloc again (Note [Touch and free paths]). Raises
+        InvalidIdError (a block id outside the pool), nothing changed."""
+        if not blocks:   # a request with no prefix hit
+            return
+        zeros = b = None
         try:
             for b in blocks:   # vLLM's own loop: counts in the blocks' slots
                 if b.is_null:
@@ -258,13 +259,16 @@ class UmallocBlockPool(BlockPool):  # type: ignore[misc, valid-type, unused-igno
                 c = b.ref_cnt
                 if c:
                     b.ref_cnt = c + 1
+                elif zeros is None:
+                    b.ref_cnt = 1
+                    zeros = [b.block_id]
                 else:
                     b.ref_cnt = 1
                     zeros.append(b.block_id)
         except Exception:   # not a block (the first such entry): the counts raised before it go back
-            self._undo_touch(blocks, next(i for i, x in enumerate(blocks) if x is b))
+            self._undo_touch(blocks, next((i for i, x in enumerate(blocks) if x is b), 0) if b is not None else 0)
             raise
-        if zeros:   # 0 -> 1: umalloc holds them again (one PageRefs.ref)
+        if zeros is not None:   # 0 -> 1: umalloc holds them again (one PageRefs.ref)
             if self._linked:
                 self._unlink()
             try:
@@ -278,9 +282,9 @@ class UmallocBlockPool(BlockPool):  # type: ignore[misc, valid-type, unused-igno
                     self.metrics_collector.on_block_accessed(block)
 
     @staticmethod
-    def _undo_touch(blocks: list[Any], n: int) -> None:
+    def _undo_touch(blocks: Sequence[Any], n: int) -> None:
         """The counts ``touch`` raised on ``blocks[:n]`` go back (each non-null entry was raised by one)."""
-        for b in blocks[:n]:
+        for b in islice(blocks, n):
             if not b.is_null:
                 b.ref_cnt -= 1
 
