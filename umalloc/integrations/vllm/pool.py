@@ -316,14 +316,15 @@ class UmallocBlockPool(BlockPool):  # type: ignore[misc, valid-type, unused-igno
         zeros: list[int] = []
         others: list[Any] = []
         bad: list[Any] = []
+        reached = zeros.append
         for b in blocks:   # vLLM's own loop: counts in the blocks' slots
             if b.pool is ref:
                 c = b.ref_cnt
-                if c > 1:
-                    b.ref_cnt = c - 1
-                elif c == 1:
+                if c == 1:
                     b.ref_cnt = 0
-                    zeros.append(b.block_id)
+                    reached(b.block_id)
+                elif c > 1:
+                    b.ref_cnt = c - 1
                 elif not b.is_null:
                     bad.append(b)
             else:
