@@ -18,16 +18,14 @@ Policy:
 
 * **Who owns what.** Block ``i`` of the pool is virtual page ``i`` of a one-end umalloc id allocator with
   ``num_gpu_blocks`` page slots (one 16-byte id page per block: the allocator hands out ids, vLLM keeps its own
-  KV tensors). A block's reference count is vLLM's own ``KVCacheBlock.ref_cnt`` slot; one
-  :class:`~umalloc.requests.pagerefs.PageRefs` over the allocator holds each block once while that count is
-  positive and owns everything else: whether a block with count 0 is *cached* (content kept, in umalloc's LRU:
-  the page states and links the request table uses) or free in the allocator, and whether a block's content is
-  worth keeping (its keep flag: "has a hash"); the pool hands it only the 0 <-> 1 transitions (Note [Touch and
-  free paths] in :mod:`umalloc.integrations.vllm.pool`). vLLM keeps what only it knows: the prefix-cache hash
-  map, the hashes on the blocks, the KV events and metrics. umalloc's invariants
-  (:meth:`UmallocBlockPool.check_invariants`) report a leaked block (held with ``ref_cnt`` 0, or live in the
-  allocator with no holder) and a ``ref_cnt`` raised on a cached or free block; a double free raises
-  :class:`~umalloc.errors.DoubleFreeError`, nothing changed.
+  KV tensors). One :class:`~umalloc.requests.pagerefs.PageRefs` over it holds every block's holders: its reference
+  count (``KVCacheBlock.ref_cnt`` of this pool's blocks reads and writes umalloc's count; there is no second
+  copy) and whether a block with count 0 is *cached* (content kept, in umalloc's LRU: the page states and links
+  the request table uses) or free in the allocator, and whether a block's content is worth keeping (its keep
+  flag: "has a hash"). vLLM keeps what only it knows: the prefix-cache hash map,
+  the hashes on the blocks, the KV events and metrics. umalloc's invariants
+  (:meth:`UmallocBlockPool.check_invariants`) report a leaked block (held with count 0, or live in the
+  allocator with no holder); a double free raises :class:`~umalloc.errors.DoubleFreeError`, nothing changed.
 * **null_block** is block 0 = umalloc's reserved virtual page 0 (mapped to the sink page, never handed out).
 * **Allocation** (``get_new_blocks(n)``): when umalloc has fewer than ``n`` free ids, the least recently used
   cached blocks go back to it first, exactly as many as missing (their hashes leave vLLM's map); all in one
@@ -39,10 +37,9 @@ Policy:
   cache warm; umalloc hands out the lowest free id, so fresh blocks form ascending contiguous runs
   (fewer transfer descriptors, a compact high end). Tests that pin vLLM's exact reuse order see the
   difference; nothing else does.
-* **Free** (``free_blocks``): one ``unref`` of the ids of the blocks reaching count 0, in the order they reach it
-  (vLLM's order): each goes back to umalloc, or joins the LRU tail if umalloc's keep flag of it is set -- the
-  block's ``set_block_hash`` / ``reset_hash`` set and clear it, so the flag is "has a hash" (vLLM's rule) and
-  the free path reads nothing but counts and ids. A bare
+* **Free** (``free_blocks``): one ``unref`` of the batch's ids: a block reaching count 0 goes back to umalloc,
+  or joins the LRU tail if umalloc's keep flag of it is set -- the block's ``set_block_hash`` / ``reset_hash``
+  set and clear it, so the flag is "has a hash" (vLLM's rule) and the free path reads nothing but ids. A bare
   ``KVCacheBlock`` that is not one of the pool's blocks (``pool=None``, as some of vLLM's tests build) only has
   its own ``ref_cnt`` lowered, as vLLM does. ``unpin_blocks`` puts released blocks at the LRU tail (last
   resort), as vLLM does. ``evict_blocks`` and a successful ``reset_prefix_cache`` return the cached blocks they

@@ -6,27 +6,22 @@ releases are Note [Release seams] in :mod:`umalloc.integrations.vllm.seams`.
 
 Note [Touch and free paths]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~
-A block's reference count is vLLM's own ``ref_cnt`` slot; umalloc's :class:`PageRefs` holds each block with
-count 1 while its ``ref_cnt`` is positive, 0 otherwise, and owns the rest: the held / cached / free states, the
-LRU, the free ids, the keep flags. So a reference above the first is slot arithmetic, as in vLLM's own loops
-(a slot read costs ~10 ns; a count through a ``memoryview`` ~40 ns, a kernel call ~0.3 us of argument
-unboxing), and umalloc sees only the 0 <-> 1 transitions:
-
-* ``get_new_blocks``: ``PageRefs.take`` / ``take_one``, then ``ref_cnt = 1`` on each block handed out.
-* ``touch``: vLLM's loop (null blocks skipped, ``ref_cnt`` raised); the blocks found at 0 (cached, or free in
-  umalloc) are one ``PageRefs.ref`` of their ids after the loop (their ``ref_cnt`` is set to 1 in the loop,
-  so a block listed twice is one umalloc reference). A refused one (an id outside the pool: InvalidIdError)
-  lowers every count the loop raised.
-* ``free_blocks``: vLLM's loop (``ref_cnt`` lowered); the blocks reaching 0 are one ``PageRefs.unref`` of their
-  ids in the order they reached 0 (the order vLLM appends them to its free queue), or for a one-block call
-  ``PageRefs.unref_one`` (Python unless the block goes back to the allocator at or above the spares' floor). A
-  block of this pool already at 0 (a double free) refuses the call: every count the loop lowered goes back.
-* ``unpin_blocks``: ``ref_cnt`` lowered; the blocks reaching 0 are one ``PageRefs.unref`` of ``-id`` (cached).
-
-:meth:`UmallocBlockPool.check_invariants` checks the two views agree (``held``): umalloc's count is 1 iff
-``ref_cnt`` is positive, so a ``ref_cnt`` written behind the pool to 0 on a held block (a leak) or above 0
-on a cached or free one is reported. Every path ends in the same counts, states, LRU order and free ids as
-``PageRefs``' kernels fed the full id lists.
+vLLM's own ``touch`` / ``free_blocks`` are Python loops over block objects (a slot read per null block, a few
+per real one); here a call that reaches a umalloc kernel pays ~0.3 us of argument unboxing plus its id list, and
+a count read or written through a ``memoryview`` costs about two slot reads. So each call takes the cheapest
+exact path. ``touch`` (the most frequent call: a request with no hit touches an empty list, which returns at
+once): a list of at most :data:`TOUCH_IN_PYTHON` blocks is vLLM's loop, null blocks skipped by a slot read each
+and held blocks' counts raised in place (``PageRefs.ref_counts``: an engine may raise a held page's count); the
+blocks found at count 0 (cached or free) are one ``PageRefs.ref`` after the loop (a refused one puts the raised
+counts back); a longer list is one ``PageRefs.ref`` of every id. ``free_blocks`` of several blocks is one
+``PageRefs.unref`` of their ids, null blocks as 0 entries its kernel skips; of one block, ``PageRefs.unref_one`` (Python unless the block goes back to the
+allocator at or above the spares' floor). Every path ends in the same counts, states and LRU order as the kernel
+path. What bounds ``touch`` below vLLM's speed on short hits: reviving a cached block takes it out of PageRefs'
+LRU, a ``PageRefs.ref`` of ~0.3 us for one id (memoryview links) or ~0.5 us for a few (the kernel call and its
+id list), where vLLM unlinks a block from its free list in ~0.15 us of slot writes; and a held block's count is
+two memoryview accesses where vLLM's is two slot accesses. Counts in the blocks' own ``ref_cnt`` slots (umalloc
+holding each block once while it is positive) make ``touch`` ~15-35% faster but ``free_blocks`` (the count
+arithmetic moves from the kernel into a Python loop) and ``get_new_blocks`` slower, a net loss on every mix.
 
 Threading: as vLLM's pool, called from the scheduler thread only.
 """
@@ -36,7 +31,6 @@ from __future__ import annotations
 import inspect
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from itertools import islice
 from typing import Any
 
 import numpy as np
@@ -45,7 +39,7 @@ from vllm.v1.core.block_pool import BlockHashToBlockMap, BlockPool
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 from umalloc import TOMBSTONE
-from umalloc.errors import DoubleFreeError, InvariantError, UmallocError, UmallocValueError
+from umalloc.errors import InvariantError, UmallocError, UmallocValueError
 from umalloc.integrations.vllm.freequeue import UmallocFreeBlockQueue
 from umalloc.integrations.vllm.ids import END, id_allocator
 from umalloc.integrations.vllm.seams import check_version, hash_slots, pool_ref
@@ -62,14 +56,23 @@ INLINE_EVICT = not MAP_TAKES_BLOCKS and HASH_SLOT == "_block_hash" \
     and "_cache" in vars(BlockHashToBlockMap())
 
 
-def block_class(keep: memoryview | None) -> type:
-    """vLLM's ``KVCacheBlock`` whose hash, when set or reset, sets or clears umalloc's keep flag of the block
-    (``keep``: the pool's :attr:`PageRefs.keep_flags`; ``None`` with prefix caching off, where a freed block is
-    never kept, as in vLLM). ``ref_cnt`` is vLLM's own slot (Note [Touch and free paths]). One class per pool:
-    the flags are bound in the class's methods."""
+def block_class(counts: memoryview, keep: memoryview | None) -> type:
+    """vLLM's ``KVCacheBlock`` whose ``ref_cnt`` is umalloc's count of the block (``counts``: the pool's
+    :attr:`PageRefs.ref_counts`) and whose hash, when set or reset, sets or clears umalloc's keep flag of the
+    block (``keep``: :attr:`PageRefs.keep_flags`; ``None`` with prefix caching off, where a freed block is
+    never kept, as in vLLM). One class per pool: the pool's two buffers are bound as default arguments, so
+    reading ``ref_cnt`` is one index, the cost of vLLM's own slot read plus a call."""
+
+    def get(self: Any, _counts: memoryview = counts) -> int:
+        return _counts[self.block_id]
+
+    def put(self: Any, value: int, _counts: memoryview = counts) -> None:
+        if self.block_id >= 0:   # the chain sentinels have no count
+            _counts[self.block_id] = value
 
     class UmallocKVCacheBlock(KVCacheBlock):  # type: ignore[misc, valid-type, unused-ignore]
         __slots__ = ()
+        ref_cnt = property(get, put, doc="umalloc's reference count of this block (PageRefs.ref_counts). O(1).")
 
         # the hash slots written here, one frame per call (the hash is on vLLM's hot path)
         if keep is not None and HASH_SLOT == "block_hash":
@@ -136,6 +139,11 @@ def drop_hashes(pool: Any, ids: list[int]) -> None:
         keep[i] = 0
 
 
+#: the longest block list ``touch`` walks in Python, raising held blocks' counts in place (Note [Touch and free
+#: paths]); a longer one is one ``PageRefs.ref``
+TOUCH_IN_PYTHON = 8
+
+
 class UmallocBlockPool(BlockPool):  # type: ignore[misc, valid-type, unused-ignore]
     """vLLM ``BlockPool`` whose blocks' ids, reference counts and cached-free LRU are umalloc's (the policy:
     :mod:`umalloc.integrations.vllm`).
@@ -154,7 +162,7 @@ class UmallocBlockPool(BlockPool):  # type: ignore[misc, valid-type, unused-igno
         super().__init__(num_gpu_blocks, enable_caching, hash_block_size, *args, **kwargs)
         self.allocator = id_allocator(num_gpu_blocks)
         self.refs = PageRefs(self.allocator)
-        cls = block_class(self.refs.keep_flags if enable_caching else None)
+        cls = block_class(self.refs.ref_counts, self.refs.keep_flags if enable_caching else None)
         self._ref = ref = pool_ref(self)   # what this pool's blocks hold as their pool (Note [Release seams])
         self.blocks = [cls(i, pool=ref) for i in range(num_gpu_blocks)]
         self.null_block = self.blocks[0]
@@ -164,6 +172,7 @@ class UmallocBlockPool(BlockPool):  # type: ignore[misc, valid-type, unused-igno
         self.free_block_queue = UmallocFreeBlockQueue(self, cls)
         self._linked: list[Any] = []   # blocks the last free-chain snapshot linked
         self._unref_one = self.refs.unref_one
+        self._counts = self.refs.ref_counts
 
     def _unlink(self) -> None:
         for b in self._linked:
@@ -189,7 +198,6 @@ class UmallocBlockPool(BlockPool):  # type: ignore[misc, valid-type, unused-igno
         if self._linked:
             self._unlink()
         self.refs.ref([block.block_id])
-        self.blocks[block.block_id].ref_cnt = 1
 
     # ---- vLLM's BlockPool API --------------------------------------------------------------------------------
     def get_num_free_blocks(self) -> int:
@@ -204,9 +212,7 @@ class UmallocBlockPool(BlockPool):  # type: ignore[misc, valid-type, unused-igno
         try:
             if num_blocks == 1:   # a decode or window step: no buffer, no map (PageRefs.take_one)
                 v = refs.take_one()
-                b = blocks[v]
-                b.ref_cnt = 1
-                ret = [b]
+                ret = [blocks[v]]
                 if not self._reuse_watchers and not self.metrics_collector:
                     if refs.num_taken_kept:   # an evicted block: its hash leaves the map
                         if INLINE_EVICT and not self.enable_kv_cache_events \
@@ -223,8 +229,6 @@ class UmallocBlockPool(BlockPool):  # type: ignore[misc, valid-type, unused-igno
                                     f"{refs.num_free + refs.num_cached}") from None
         if ids is not None:
             ret = list(map(blocks.__getitem__, ids))
-            for b in ret:
-                b.ref_cnt = 1
         # the blocks handed out with a hash (evicted cached ones, or a hash put on a free block): vLLM's
         # per-block eviction runs for these only, the others have no hash to drop
         kept = refs.taken_kept().tolist() if refs.num_taken_kept else ()
@@ -246,128 +250,106 @@ class UmallocBlockPool(BlockPool):  # type: ignore[misc, valid-type, unused-igno
         return ret
 
     def touch(self, blocks: Sequence[Any]) -> None:
-        """vLLM's ``touch``: one reference more per block of the sequence ``blocks``, null blocks skipped; a block
-        at count 0 (cached, or free in umalloc) is held by umalloc again (Note [Touch and free paths]). Raises
-        InvalidIdError (a block id outside the pool), nothing changed."""
+        """vLLM's ``touch``: one reference more per block, null blocks skipped (Note [Touch and free paths])."""
         if not blocks:   # a request with no prefix hit
             return
-        zeros = b = None
-        try:
-            for b in blocks:   # vLLM's own loop: counts in the blocks' slots
-                if b.is_null:
-                    continue
-                c = b.ref_cnt
-                if c:
-                    b.ref_cnt = c + 1
-                elif zeros is None:
-                    b.ref_cnt = 1
-                    zeros = [b.block_id]
-                else:
-                    b.ref_cnt = 1
-                    zeros.append(b.block_id)
-        except Exception:   # not a block (the first such entry): the counts raised before it go back
-            self._undo_touch(blocks, next((i for i, x in enumerate(blocks) if x is b), 0) if b is not None else 0)
-            raise
-        if zeros is not None:   # 0 -> 1: umalloc holds them again (one PageRefs.ref)
+        if len(blocks) > TOUCH_IN_PYTHON:   # one PageRefs.ref; null blocks are 0 entries its kernel skips
             if self._linked:
                 self._unlink()
-            try:
-                self.refs.ref(zeros)
-            except UmallocError:   # refused, nothing changed there: nor here
-                self._undo_touch(blocks, len(blocks))
-                raise
+            self.refs.ref([b.block_id for b in blocks])
+        else:
+            self._touch_short(blocks)
         if self.metrics_collector:
             for block in blocks:
                 if not block.is_null:
                     self.metrics_collector.on_block_accessed(block)
 
-    @staticmethod
-    def _undo_touch(blocks: Sequence[Any], n: int) -> None:
-        """The counts ``touch`` raised on ``blocks[:n]`` go back (each non-null entry was raised by one)."""
-        for b in islice(blocks, n):
-            if not b.is_null:
-                b.ref_cnt -= 1
-
-    def free_blocks(self, ordered_blocks: Iterable[Any], evict_first: bool = False) -> None:
-        """vLLM's ``free_blocks``: one reference less per block (Note [Touch and free paths]); a block of this pool
-        reaching count 0 is freed or cached by umalloc. ``evict_first`` (vLLM 0.34: blocks whose content another
-        tier holds): the blocks this call caches go to the LRU head, in the batch's order, so they are evicted
-        before any other cached block. Raises DoubleFreeError (a block of this pool at count 0), nothing
-        changed."""
-        ref = self._ref
-        if type(ordered_blocks) is list and len(ordered_blocks) == 1:   # one block (a window's step)
-            b = ordered_blocks[0]
-            if b.pool is ref:
-                c = b.ref_cnt
-                if c > 1:
-                    b.ref_cnt = c - 1
-                    return
-                if c == 1:
-                    if self._linked:
-                        self._unlink()
-                    self._unref_one(b.block_id)   # PageRefs.unref_one: in Python unless it leaves umalloc
-                    b.ref_cnt = 0
-                    if evict_first and self.enable_caching:
-                        self.refs.cache_first([b.block_id])
-                    return
+    def _touch_short(self, blocks: Sequence[Any]) -> None:
+        """``touch`` of at most :data:`TOUCH_IN_PYTHON` blocks: vLLM's loop, held blocks' counts raised in place
+        (as PageRefs allows), the blocks at count 0 (cached or free) one ``PageRefs.ref`` after it (a block
+        listed twice is counted there once per entry). A refused call puts the raised counts back."""
+        counts = self._counts
+        zeros = None
+        try:
+            for b in blocks:
                 if b.is_null:
-                    return
-        blocks = ordered_blocks if type(ordered_blocks) is list else list(ordered_blocks)
-        zeros: list[int] = []
-        others: list[Any] = []
-        bad: list[Any] = []
-        reached = zeros.append
-        for b in blocks:   # vLLM's own loop: counts in the blocks' slots
-            if b.pool is ref:
-                c = b.ref_cnt
-                if c == 1:
-                    b.ref_cnt = 0
-                    reached(b.block_id)
-                elif c > 1:
-                    b.ref_cnt = c - 1
-                elif not b.is_null:
-                    bad.append(b)
-            else:
-                others.append(b)
-        if bad:
-            self._undo_free(blocks, bad)
-            raise DoubleFreeError(f"free_blocks: block {bad[0].block_id} has no reference left (a double free); "
-                                  f"nothing changed")
-        if zeros:   # 1 -> 0: one PageRefs.unref, in the order they reached 0
+                    continue
+                v = b.block_id
+                c = counts[v] if v > 0 else 0
+                if c:
+                    counts[v] = c + 1
+                elif zeros is None:
+                    zeros = [v]
+                else:
+                    zeros.append(v)
+        except Exception as e:   # an id past the pool, not an int, or not a block: nothing stays raised
+            self._undo_touch(blocks, b, zeros)
+            if isinstance(e, (IndexError, TypeError)):
+                self.refs.ref([b.block_id])   # PageRefs' own refusal (InvalidIdError)
+            raise
+        if zeros is not None:
             if self._linked:
                 self._unlink()
             try:
-                self.refs.unref(zeros)
-            except UmallocError:
-                self._undo_free(blocks, bad)
+                self.refs.ref(zeros)
+            except UmallocError:   # refused, nothing changed there: nor here
+                self._undo_touch(blocks, None, zeros)
                 raise
-            if evict_first and self.enable_caching:
-                self.refs.cache_first(zeros)
-        if others:
-            self._free_others(others, evict_first)
 
-    def _undo_free(self, blocks: list[Any], bad: list[Any]) -> None:
-        """The counts ``free_blocks`` lowered on this pool's blocks go back: every non-null one of ``blocks`` was
-        lowered by one but the entries in ``bad`` (refused: left as they were)."""
+    def _undo_touch(self, blocks: Sequence[Any], stop: Any, zeros: list[int] | None) -> None:
+        """The counts :meth:`_touch_short` raised go back: every non-null entry of ``blocks`` before ``stop``
+        (all, for ``None``) whose id is not in ``zeros`` (those were not raised)."""
+        counts, skip = self._counts, set(zeros or ())
+        for b in blocks:
+            if b is stop:
+                return
+            if not b.is_null and b.block_id not in skip:
+                counts[b.block_id] -= 1
+
+    def free_blocks(self, ordered_blocks: Iterable[Any], evict_first: bool = False) -> None:
+        """vLLM's ``free_blocks``: one reference less per block (module docstring's Free). ``evict_first``
+        (vLLM 0.34: blocks whose content another tier holds): the blocks this call caches go to the LRU head,
+        in the batch's order, so they are evicted before any other cached block."""
+        if type(ordered_blocks) is list and len(ordered_blocks) == 1:   # one block (a window's step)
+            b = ordered_blocks[0]
+            if b.pool is self._ref:
+                if self._linked:
+                    self._unlink()
+                self._unref_one(b.block_id)   # PageRefs.unref_one: in Python unless the block leaves umalloc
+                if evict_first and self.enable_caching:
+                    self.refs.cache_first([b.block_id])
+                return
+        blocks = ordered_blocks if type(ordered_blocks) is list else list(ordered_blocks)
         ref = self._ref
+        ids = [b.block_id for b in blocks if b.pool is ref]   # kept or freed at 0 by the keep flags
+        if len(ids) == len(blocks):
+            if any(ids):   # 0 entries (null blocks: a sliding window's) are skipped in PageRefs.unref's kernel
+                if self._linked:
+                    self._unlink()
+                self.refs.unref(ids)
+                if evict_first and self.enable_caching:
+                    self.refs.cache_first(ids)
+            return
+        other_pools: dict[Any, list[Any]] = {}   # blocks of other pools (deferred frees), or pool-less blocks
+        ids = []
+        bare = []
         for b in blocks:
-            if b.pool is ref and not b.is_null:
-                b.ref_cnt += 1
-        for b in bad:
-            b.ref_cnt -= 1
-
-    @staticmethod
-    def _free_others(blocks: list[Any], evict_first: bool) -> None:
-        """``free_blocks`` of blocks that are not this pool's: those of other pools (deferred frees) go to their
-        pool, a bare ``KVCacheBlock`` (no pool, not null) has its own count lowered, as vLLM does."""
-        other_pools: dict[Any, list[Any]] = {}
-        for b in blocks:
-            if b.pool is not None:
+            if b.pool is ref:
+                ids.append(b.block_id)
+            elif b.pool is not None:
                 pool = b.pool() if isinstance(b.pool, weakref.ref) else b.pool   # 0.34 holds a weakref
                 if pool is not None:
                     other_pools.setdefault(pool, []).append(b)
             elif not b.is_null:
-                b.ref_cnt -= 1
+                bare.append(b)
+        if ids:
+            if self._linked:
+                self._unlink()
+            self.refs.unref(ids)   # a refused one changes nothing, and nothing below runs
+            if evict_first and self.enable_caching:
+                self.refs.cache_first(ids)
+        for b in bare:
+            b.ref_cnt -= 1   # a bare KVCacheBlock (not one of this pool's): its own count, as vLLM
         for pool, theirs in other_pools.items():
             if evict_first:
                 pool.free_blocks(theirs, evict_first=True)
@@ -378,10 +360,8 @@ class UmallocBlockPool(BlockPool):  # type: ignore[misc, valid-type, unused-igno
         ids: list[int] = []
         for block in blocks:
             assert block.ref_cnt > 0 and not block.is_null
-            block.ref_cnt -= 1
             self._reuse_watchers[block.block_id] = on_reuse
-            if block.ref_cnt == 0:
-                ids.append(-block.block_id)   # cached at count 0 whatever its hash: a reader still reads it
+            ids.append(-block.block_id)   # cached at count 0 whatever its hash: a reader still reads it
         if ids:
             if self._linked:
                 self._unlink()
@@ -409,10 +389,8 @@ class UmallocBlockPool(BlockPool):  # type: ignore[misc, valid-type, unused-igno
     # ---- checks ----------------------------------------------------------------------------------------------
     def check_invariants(self) -> None:
         """O(num_gpu_blocks): umalloc's invariants (the allocator's and the block owner's:
-        :meth:`PageRefs.check_invariants` -- a block freed or allocated behind the pool); ``v2p`` is the identity
-        on live ids; the null block is id 0 and never handed out; ``held``: umalloc holds a block (count 1 in
-        :attr:`refs`) iff its ``ref_cnt`` is positive, the null block's ``ref_cnt`` is 0 (a count set behind the
-        pool: a leak, or a block held by no one);
+        :meth:`PageRefs.check_invariants` -- a leaked block, a count set behind the pool, a block freed or
+        allocated behind it); ``v2p`` is the identity on live ids; the null block is id 0 and never handed out;
         a block's keep flag is set iff it has a hash (prefix caching on). Raises
         :class:`~umalloc.errors.InvariantError`."""
         self.allocator.check_invariants()
@@ -423,14 +401,6 @@ class UmallocBlockPool(BlockPool):  # type: ignore[misc, valid-type, unused-igno
         if not self.null_block.is_null or self.null_block.block_id != 0 or v2p[0] != 0 \
                 or self.blocks[0] is not self.null_block:
             raise InvariantError("null-block: block 0 must be the null block on umalloc's reserved page 0")
-        slots = np.fromiter((b.ref_cnt for b in self.blocks), np.int64, len(self.blocks))
-        held = np.asarray(self.refs.ref_counts)
-        bad = np.flatnonzero((slots < 0) | (held > 1) | ((slots > 0) != (held > 0)))
-        if bad.size or slots[0]:
-            v = int(bad[0]) if bad.size else 0
-            raise InvariantError(f"[held] block counts: block {v} has ref_cnt {int(slots[v])} but umalloc's count "
-                                 f"{int(held[v])} (umalloc holds a block once iff its ref_cnt is positive, the null "
-                                 f"block's is 0: a count written behind the pool)")
         keep = self.refs.keep_flags
         for b in self.blocks:   # the keep flags are the blocks' hashes (set and reset through the block)
             if keep[b.block_id] != (self.enable_caching and b.block_hash is not None):
@@ -438,5 +408,5 @@ class UmallocBlockPool(BlockPool):  # type: ignore[misc, valid-type, unused-igno
                                      f"keep flag {keep[b.block_id]} (a hash written behind set_block_hash)")
 
 
-__all__ = ["HASH_SLOT", "HASH_TOKENS_SLOT", "INLINE_EVICT", "VLLM_VERSION", "UmallocBlockPool",
+__all__ = ["HASH_SLOT", "HASH_TOKENS_SLOT", "INLINE_EVICT", "TOUCH_IN_PYTHON", "VLLM_VERSION", "UmallocBlockPool",
            "block_class", "drop_hashes"]
