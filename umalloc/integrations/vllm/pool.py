@@ -10,12 +10,13 @@ vLLM's own ``touch`` / ``free_blocks`` are Python loops over block objects (a sl
 per real one); here a call that reaches a umalloc kernel pays ~0.3 us of argument unboxing plus its id list, and
 a count read or written through a ``memoryview`` costs about two slot reads. So each call takes the cheapest
 exact path. ``touch`` (the most frequent call: a request with no hit touches an empty list, which returns at
-once): a list of at most :data:`TOUCH_IN_PYTHON` blocks is vLLM's loop, null blocks skipped by a slot read each
-and held blocks' counts raised in place (``PageRefs.ref_counts``: an engine may raise a held page's count); the
-blocks found at count 0 (cached or free) are one ``PageRefs.ref`` after the loop (a refused one puts the raised
-counts back); a longer list is one ``PageRefs.ref`` of every id. ``free_blocks`` of several blocks is one
-``PageRefs.unref`` of their ids, null blocks as 0 entries its kernel skips; of one block, ``PageRefs.unref_one`` (Python unless the block goes back to the
-allocator at or above the spares' floor). Every path ends in the same counts, states and LRU order as the kernel
+once) skips the null blocks leading a sliding window's hit by a slot read each, as vLLM does; a rest of at most
+:data:`TOUCH_IN_PYTHON` blocks is vLLM's loop, null blocks skipped by a slot read each and held blocks' counts
+raised in place (``PageRefs.ref_counts``: an engine may raise a held page's count); the blocks found at count 0
+(cached or free) are one ``PageRefs.ref`` after the loop (a refused one puts the raised counts back); a longer
+rest is one ``PageRefs.ref`` of its ids. ``free_blocks`` of several blocks is one ``PageRefs.unref`` of their
+ids, null blocks as 0 entries its kernel skips; of one block, ``PageRefs.unref_one`` (Python unless the block
+goes back to the allocator at or above the spares' floor). Every path ends in the same counts, states and LRU order as the kernel
 path. What bounds ``touch`` below vLLM's speed on short hits: reviving a cached block takes it out of PageRefs'
 LRU, a ``PageRefs.ref`` of ~0.3 us for one id (memoryview links) or ~0.5 us for a few (the kernel call and its
 id list), where vLLM unlinks a block from its free list in ~0.15 us of slot writes; and a held block's count is
@@ -139,8 +140,8 @@ def drop_hashes(pool: Any, ids: list[int]) -> None:
         keep[i] = 0
 
 
-#: the longest block list ``touch`` walks in Python, raising held blocks' counts in place (Note [Touch and free
-#: paths]); a longer one is one ``PageRefs.ref``
+#: the longest block list (null blocks leading it not counted) ``touch`` walks in Python, raising held blocks'
+#: counts in place (Note [Touch and free paths]); a longer one is one ``PageRefs.ref``
 TOUCH_IN_PYTHON = 8
 
 
@@ -253,12 +254,22 @@ class UmallocBlockPool(BlockPool):  # type: ignore[misc, valid-type, unused-igno
         """vLLM's ``touch``: one reference more per block, null blocks skipped (Note [Touch and free paths])."""
         if not blocks:   # a request with no prefix hit
             return
-        if len(blocks) > TOUCH_IN_PYTHON:   # one PageRefs.ref; null blocks are 0 entries its kernel skips
+        if type(blocks) is not list:
+            blocks = list(blocks)
+        rest = blocks
+        if blocks[0].is_null:   # a sliding window's hit starts with null blocks: a slot read each, as vLLM
+            s = 1
+            for b in blocks[1:]:
+                if not b.is_null:
+                    break
+                s += 1
+            rest = blocks[s:]
+        if len(rest) > TOUCH_IN_PYTHON:   # one PageRefs.ref; null blocks are 0 entries its kernel skips
             if self._linked:
                 self._unlink()
-            self.refs.ref([b.block_id for b in blocks])
-        else:
-            self._touch_short(blocks)
+            self.refs.ref([b.block_id for b in rest])
+        elif rest:
+            self._touch_short(rest)
         if self.metrics_collector:
             for block in blocks:
                 if not block.is_null:
