@@ -348,12 +348,15 @@ def test_touch_and_free_paths_end_as_the_kernel_path_does(vllm_pool):
             live.append(got[0])
         elif op < 0.6:
             picks = rng.sample(held + cached, min(len(held + cached), rng.randint(0, 2 * TOUCH_IN_PYTHON)))
+            if picks and rng.random() < 0.3:
+                picks.insert(rng.randrange(len(picks)), rng.choice(picks[:2]))   # listed twice
             if rng.random() < 0.1:
                 picks.append(rng.choice([i for i in range(1, 48) if i not in held and i not in cached] or [0]))
             ids = [0] * rng.choice([0, 0, 3]) + picks
             if ids and rng.random() < 0.1:
                 ids.insert(rng.randrange(len(ids)), 0)
-            kinds.add(("touch", len(picks) > TOUCH_IN_PYTHON, any(i in cached for i in picks)))
+            kinds.add(("touch", len(ids) > TOUCH_IN_PYTHON, any(i in cached for i in picks),
+                       len(set(picks)) < len(picks)))
             fast.touch([fast.blocks[i] for i in ids])
             twin.refs.ref(np.array(ids, np.int64))
             live.append([i for i in ids if i])
@@ -373,12 +376,29 @@ def test_touch_and_free_paths_end_as_the_kernel_path_does(vllm_pool):
         assert fast.refs.cached().tolist() == twin.refs.cached().tolist(), f"step {step}"
         assert fast.refs.free_ids().tolist() == twin.refs.free_ids().tolist(), f"step {step}"
         assert (fast.refs.num_free, fast.refs.num_cached) == (twin.refs.num_free, twin.refs.num_cached)
-    assert {("touch", False, False), ("touch", False, True), ("touch", True, True), ("free1",)} <= kinds
+    assert {("touch", False, False, False), ("touch", False, True, False), ("touch", True, True, False),
+            ("touch", True, True, True), ("free1",)} <= kinds, kinds
+
+
+def test_a_short_touch_listing_a_cached_block_twice_revives_it_once_with_two_references(vllm_pool):
+    pool = vllm_pool(8, enable_caching=True, hash_block_size=16)
+    b = pool.get_new_blocks(3)                       # 1 2 3
+    _hashed(pool, b[0], b"one")
+    _hashed(pool, b[1], b"two")
+    pool.free_blocks([b[0], b[1]])                   # cached, LRU: 1 then 2
+    pool.touch([pool.null_block, b[1], b[2], b[1]])  # 2 revived with two references, 3 raised to 2
+    assert [x.ref_cnt for x in b] == [0, 2, 2] and pool.refs.cached().tolist() == [1]
+    assert pool.get_num_free_blocks() == 5
+    pool.check_invariants()
+    pool.free_blocks([b[1], b[1], b[2]])
+    assert [x.ref_cnt for x in b] == [0, 0, 1] and pool.refs.cached().tolist() == [1, 2]
+    pool.check_invariants()
 
 
 def test_a_refused_touch_changes_nothing(vllm_pool):
     """A touch naming an id outside the pool raises (InvalidIdError) after held blocks before it were counted on
-    the Python path (Note [Touch and free paths]): their counts go back, nothing changed."""
+    the Python path (Note [Touch and free paths]), and one of something that is not a block fails in the loop:
+    their counts go back, nothing changed."""
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
     from umalloc.errors import InvalidIdError
@@ -388,9 +408,11 @@ def test_a_refused_touch_changes_nothing(vllm_pool):
     _hashed(pool, b[2], b"two")
     pool.free_blocks([b[2]])                         # cached
     before = (pool.refs.ref_counts.tolist(), pool.refs.cached().tolist(), pool.refs.free_ids().tolist())
-    for blocks in ([pool.null_block, b[0], b[1], KVCacheBlock(block_id=99)],
-                   [b[0], b[2], KVCacheBlock(block_id=99)]):
-        with pytest.raises(InvalidIdError):
+    for blocks, error in (([pool.null_block, b[0], b[1], KVCacheBlock(block_id=99)], InvalidIdError),
+                          ([b[0], b[2], KVCacheBlock(block_id=99)], InvalidIdError),
+                          ([b[0], b[2], b[0], b[2], KVCacheBlock(block_id=-3)], InvalidIdError),
+                          ([b[1], b[0], object(), b[2]], AttributeError)):
+        with pytest.raises(error):
             pool.touch(blocks)
         assert (pool.refs.ref_counts.tolist(), pool.refs.cached().tolist(), pool.refs.free_ids().tolist()) == before
         pool.check_invariants()

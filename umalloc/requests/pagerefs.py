@@ -339,7 +339,23 @@ class PageRefs:
         cached pages leave the LRU, free pages are claimed by id from the allocator. Returns the pages revived
         from the cache. Raises InvalidIdError for an id out of range or not an int (nothing changes). O(n)."""
         if type(ids) is list:
-            if len(ids) <= SMALL_REF and self._ref_small(ids):   # Note [One-page calls]
+            if len(ids) == 1 and type(v := ids[0]) is int and 0 < v < self._nv:   # Note [One-page calls]
+                state = self._state_mv
+                s = state[v]
+                if s == PAGE_CACHED:
+                    prev, nxt = self._prev, self._next
+                    p, q = prev[v], nxt[v]
+                    nxt[p] = q
+                    prev[q] = p
+                    prev[v] = nxt[v] = 0
+                    state[v] = PAGE_HELD
+                    self.ref_counts[v] += 1
+                    self.num_cached -= 1
+                    return 1
+                if s == PAGE_HELD:
+                    self.ref_counts[v] += 1
+                    return 0
+            elif len(ids) <= SMALL_REF and self._ref_small(ids):
                 return self._revived
             try:
                 q: np.ndarray | array[int] = array("q", ids)

@@ -9,14 +9,20 @@ Note [Touch and free paths]
 vLLM's own ``touch`` / ``free_blocks`` are Python loops over block objects (a slot read per null block, a few
 per real one); here a call that reaches a umalloc kernel pays ~0.3 us of argument unboxing plus its id list, and
 a count read or written through a ``memoryview`` costs about two slot reads. So each call takes the cheapest
-exact path. ``touch``: the null blocks leading a sliding window's hit are skipped by a slot read each, as vLLM
-skips them; of at most :data:`TOUCH_IN_PYTHON` other blocks, the held ones get their count raised in place
-(``PageRefs.ref_counts``: an engine may raise a held page's count) up to the first block with count 0 (cached or
-free), and the rest is one ``PageRefs.ref`` (a refused one puts the raised counts back); a longer list is one
-``PageRefs.ref``. ``free_blocks`` of several blocks is one ``PageRefs.unref`` of their ids, null blocks as 0
-entries its kernel skips; of one block, ``PageRefs.unref_one`` (Python unless the block goes back to the
-allocator at or above the spares' floor). Every path ends in the same counts, states and LRU order as the kernel
-path.
+exact path. ``touch`` (the most frequent call: a request with no hit touches an empty list, which returns at
+once) skips the null blocks leading a sliding window's hit by a slot read each, as vLLM does; a rest of at most
+:data:`TOUCH_IN_PYTHON` blocks is vLLM's loop, null blocks skipped by a slot read each and held blocks' counts
+raised in place (``PageRefs.ref_counts``: an engine may raise a held page's count); the blocks found at count 0
+(cached or free) are one ``PageRefs.ref`` after the loop (a refused one puts the raised counts back); a longer
+rest is one ``PageRefs.ref`` of its ids. ``free_blocks`` of several blocks is one ``PageRefs.unref`` of their
+ids, null blocks as 0 entries its kernel skips; of one block, ``PageRefs.unref_one`` (Python unless the block
+goes back to the allocator at or above the spares' floor). Every path ends in the same counts, states and LRU order as the kernel
+path. What bounds ``touch`` below vLLM's speed on short hits: reviving a cached block takes it out of PageRefs'
+LRU, a ``PageRefs.ref`` of ~0.3 us for one id (memoryview links) or ~0.5 us for a few (the kernel call and its
+id list), where vLLM unlinks a block from its free list in ~0.15 us of slot writes; and a held block's count is
+two memoryview accesses where vLLM's is two slot accesses. Counts in the blocks' own ``ref_cnt`` slots (umalloc
+holding each block once while it is positive) make ``touch`` ~15-35% faster but ``free_blocks`` (the count
+arithmetic moves from the kernel into a Python loop) and ``get_new_blocks`` slower, a net loss on every mix.
 
 Threading: as vLLM's pool, called from the scheduler thread only.
 """
@@ -135,8 +141,7 @@ def drop_hashes(pool: Any, ids: list[int]) -> None:
 
 
 #: the longest block list (null blocks leading it not counted) ``touch`` walks in Python, raising held blocks'
-#: counts in place (Note [Touch and free paths]); a longer one, or the rest from its first block with count 0,
-#: is one ``PageRefs.ref``
+#: counts in place (Note [Touch and free paths]); a longer one is one ``PageRefs.ref``
 TOUCH_IN_PYTHON = 8
 
 
@@ -247,49 +252,70 @@ class UmallocBlockPool(BlockPool):  # type: ignore[misc, valid-type, unused-igno
 
     def touch(self, blocks: Sequence[Any]) -> None:
         """vLLM's ``touch``: one reference more per block, null blocks skipped (Note [Touch and free paths])."""
+        if not blocks:   # a request with no prefix hit
+            return
         if type(blocks) is not list:
             blocks = list(blocks)
-        n = len(blocks)
-        if not n:
-            return
-        s = 0
-        if blocks[0].is_null:   # a sliding window's hit starts with null blocks: only the others count
-            for b in blocks:
+        rest = blocks
+        if blocks[0].is_null:   # a sliding window's hit starts with null blocks: a slot read each, as vLLM
+            s = 1
+            for b in blocks[1:]:
                 if not b.is_null:
                     break
                 s += 1
-            if s == n:
-                return
-        if self._linked:
-            self._unlink()
-        lead = s
-        counts = self._counts
-        if n - s <= TOUCH_IN_PYTHON:   # held blocks: their count raised here, as PageRefs allows
-            try:
-                for b in blocks[s:] if s else blocks:
-                    v = b.block_id
-                    if v > 0:
-                        c = counts[v]
-                        if not c:   # cached or free: this block and the rest in one PageRefs.ref
-                            break
-                        counts[v] = c + 1
-                    elif v:   # not an id: PageRefs.ref refuses it
-                        break
-                    s += 1
-            except (IndexError, TypeError):   # an id past the pool or not an int: PageRefs.ref refuses it
-                pass
-        if s < n:
-            try:
-                self.refs.ref([b.block_id for b in blocks[s:]])   # 0 entries (null blocks) skipped there
-            except UmallocError:   # refused, nothing changed there: the counts raised here go back too
-                for b in blocks[lead:s]:
-                    if b.block_id:
-                        counts[b.block_id] -= 1
-                raise
+            rest = blocks[s:]
+        if len(rest) > TOUCH_IN_PYTHON:   # one PageRefs.ref; null blocks are 0 entries its kernel skips
+            if self._linked:
+                self._unlink()
+            self.refs.ref([b.block_id for b in rest])
+        elif rest:
+            self._touch_short(rest)
         if self.metrics_collector:
             for block in blocks:
                 if not block.is_null:
                     self.metrics_collector.on_block_accessed(block)
+
+    def _touch_short(self, blocks: Sequence[Any]) -> None:
+        """``touch`` of at most :data:`TOUCH_IN_PYTHON` blocks: vLLM's loop, held blocks' counts raised in place
+        (as PageRefs allows), the blocks at count 0 (cached or free) one ``PageRefs.ref`` after it (a block
+        listed twice is counted there once per entry). A refused call puts the raised counts back."""
+        counts = self._counts
+        zeros = None
+        try:
+            for b in blocks:
+                if b.is_null:
+                    continue
+                v = b.block_id
+                c = counts[v] if v > 0 else 0
+                if c:
+                    counts[v] = c + 1
+                elif zeros is None:
+                    zeros = [v]
+                else:
+                    zeros.append(v)
+        except Exception as e:   # an id past the pool, not an int, or not a block: nothing stays raised
+            self._undo_touch(blocks, b, zeros)
+            if isinstance(e, (IndexError, TypeError)):
+                self.refs.ref([b.block_id])   # PageRefs' own refusal (InvalidIdError)
+            raise
+        if zeros is not None:
+            if self._linked:
+                self._unlink()
+            try:
+                self.refs.ref(zeros)
+            except UmallocError:   # refused, nothing changed there: nor here
+                self._undo_touch(blocks, None, zeros)
+                raise
+
+    def _undo_touch(self, blocks: Sequence[Any], stop: Any, zeros: list[int] | None) -> None:
+        """The counts :meth:`_touch_short` raised go back: every non-null entry of ``blocks`` before ``stop``
+        (all, for ``None``) whose id is not in ``zeros`` (those were not raised)."""
+        counts, skip = self._counts, set(zeros or ())
+        for b in blocks:
+            if b is stop:
+                return
+            if not b.is_null and b.block_id not in skip:
+                counts[b.block_id] -= 1
 
     def free_blocks(self, ordered_blocks: Iterable[Any], evict_first: bool = False) -> None:
         """vLLM's ``free_blocks``: one reference less per block (module docstring's Free). ``evict_first``
