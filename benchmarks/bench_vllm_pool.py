@@ -25,6 +25,12 @@ Prints a table of the median speed ratio per op and mix, then every round's rati
 numba run on ``--threads`` threads (default 1, set once and printed, the same for both pools); the machine load is
 printed at the start, after each mix and at the end. ``--only TEXT`` runs the mixes whose name contains it,
 ``--scale`` multiplies the request counts, ``--json PATH`` writes the rows.
+
+``--lockstep`` times the engine mixes another way, for a loaded machine (:class:`Lockstep`): every pool call of a
+mix is made on a stock pool and on a umalloc pool back to back, the order alternating call by call, and each
+call is timed on its own; per op, each call's fastest of the rounds is kept (a preempted call loses to its other
+rounds) and summed. Load then falls on both sides of each call alike: ``lookup``, the stock code in both pools,
+reads 1.00x within a few percent where the default mode's rounds spread 0.5-1.5x.
 """
 
 from __future__ import annotations
@@ -241,6 +247,78 @@ def run_k(pool: Any, k: int, steps: int, live: int = 64) -> tuple[float, int]:
     return clock() - t0, handed
 
 
+class Lockstep:
+    """Two pools driven as one by :func:`run_mix`: each call goes to a stock ``BlockPool`` and a
+    ``UmallocBlockPool`` back to back (which goes first alternates call by call), each side timed alone; blocks are
+    (stock block, umalloc block) pairs. :attr:`calls` holds every call's seconds per op and side, in call order.
+    Raises ``SystemExit`` where the two pools' prefix hits differ."""
+
+    def __init__(self, stock: Any, umalloc: Any) -> None:
+        self.pools = (stock, umalloc)
+        self.null_block = (stock.null_block, umalloc.null_block)
+        self.calls: dict[str, tuple[list[float], list[float]]] = {o: ([], []) for o in OPS}
+        self.flip = 0
+
+    def _call(self, op: str, f: Callable[..., Any], *args: tuple[Any, ...]) -> list[Any]:
+        clock = time.perf_counter
+        self.flip ^= 1
+        out: list[Any] = [None, None]
+        for side in ((0, 1) if self.flip else (1, 0)):
+            a = clock()
+            out[side] = f(self.pools[side], *args[side])
+            self.calls[op][side].append(clock() - a)
+        return out
+
+    def get_cached_block(self, block_hash: Any, group_ids: list[int]) -> list[Any] | None:
+        got = self._call("lookup", lambda p, h, g: p.get_cached_block(h, g), (block_hash, group_ids),
+                         (block_hash, group_ids))
+        if (got[0] is None) != (got[1] is None):
+            raise SystemExit("lockstep: prefix hits differ between the pools")
+        return None if got[0] is None else list(zip(got[0], got[1], strict=True))
+
+    def touch(self, blocks: list[Any]) -> None:
+        self._call("touch", lambda p, x: p.touch(x), ([b[0] for b in blocks],), ([b[1] for b in blocks],))
+
+    def get_new_blocks(self, n: int) -> list[Any]:
+        got = self._call("get_new_blocks", lambda p, k: p.get_new_blocks(k), (n,), (n,))
+        return list(zip(got[0], got[1], strict=True))
+
+    def cache_full_blocks(self, request: Any, blocks: list[Any], *rest: Any) -> None:
+        self._call("cache_full_blocks", lambda p, x: p.cache_full_blocks(request, x, *rest),
+                   ([b[0] for b in blocks],), ([b[1] for b in blocks],))
+
+    def free_blocks(self, blocks: Any) -> None:
+        pairs = list(blocks)
+        # run_mix passes reversed(list) (an iterator) or [block]: each pool gets the same shape
+        self._call("free_blocks", lambda p, x: p.free_blocks(x if len(x) == 1 else reversed(x[::-1])),
+                   ([b[0] for b in pairs],), ([b[1] for b in pairs],))
+
+
+def lockstep_mix(mix: Mix, requests: list[tuple[int, list[bytes]]], rounds: int) -> dict[str, tuple[float, float]]:
+    """``mix`` through :class:`Lockstep` ``rounds`` times (fresh pools each): per op, (stock s, umalloc s), each the
+    sum over calls of the call's fastest round. umalloc's pool passes ``check_invariants`` after every round."""
+    import gc
+
+    from vllm.v1.core.block_pool import BlockPool
+
+    from umalloc.integrations.vllm import UmallocBlockPool
+
+    runs = []
+    for _ in range(rounds):
+        pair = Lockstep(BlockPool(mix.num_blocks, enable_caching=True, hash_block_size=BLOCK_SIZE),
+                        UmallocBlockPool(mix.num_blocks, enable_caching=True, hash_block_size=BLOCK_SIZE))
+        gc.collect()
+        gc.disable()
+        try:
+            run_mix(pair, mix, requests)
+        finally:
+            gc.enable()
+        pair.pools[1].check_invariants()
+        runs.append(pair.calls)
+    return {o: (sum(map(min, zip(*(r[o][0] for r in runs), strict=True))),
+                sum(map(min, zip(*(r[o][1] for r in runs), strict=True)))) for o in OPS}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=5, help="stock/umalloc alternations per mix")
@@ -250,6 +328,8 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write the rows to this JSON file")
     ap.add_argument("--threads", type=int, default=fair.DEFAULT_THREADS,
                     help="CPU threads for torch and numba, both pools alike (set once, printed)")
+    ap.add_argument("--lockstep", action="store_true",
+                    help="engine mixes only, each call on both pools back to back (module docstring)")
     a = ap.parse_args()
     print(fair.set_threads(a.threads))
     print(f"# {fair.load()} (at the start)")
@@ -259,9 +339,30 @@ def main() -> None:
     from umalloc.integrations.vllm import UmallocBlockPool
     from umalloc.integrations.vllm.pool import VLLM_VERSION
 
-    print(f"vLLM {VLLM_VERSION}, seed {a.seed}, {a.rounds} rounds (stock then umalloc in each, fresh pools)")
+    print(f"vLLM {VLLM_VERSION}, seed {a.seed}, {a.rounds} rounds "
+          + ("(fresh pools each, every call on both back to back)" if a.lockstep
+             else "(stock then umalloc in each, fresh pools)"))
     pools: dict[str, Callable[..., Any]] = {"stock": BlockPool, "umalloc": UmallocBlockPool}
     rows: list[dict[str, Any]] = []
+    if a.lockstep:
+        print("lockstep: per op, stock s / umalloc s of each call's fastest round, summed (> 1: umalloc faster); "
+              "pool ops = touch + get_new_blocks + free_blocks")
+        cols = ("touch", "get_new_blocks", "free_blocks", "lookup", "cache_full_blocks")
+        print("| mix | " + " | ".join(cols) + " | pool ops |")
+        print("|---" * (len(cols) + 2) + "|")
+        for mix in mixes(a.scale):
+            if a.only and a.only not in mix.name:
+                continue
+            secs = lockstep_mix(mix, mix_requests(mix, a.seed), a.rounds)
+            ops = ("touch", "get_new_blocks", "free_blocks")
+            pool_ops = sum(secs[o][0] for o in ops) / sum(secs[o][1] for o in ops)
+            print(f"| {mix.name} | " + " | ".join(f"{secs[c][0] / secs[c][1]:.2f}x" for c in cols)
+                  + f" | {pool_ops:.2f}x |   # {fair.load()}", flush=True)
+            rows.append({"mix": mix.name, "seconds": {o: list(secs[o]) for o in OPS}})
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"seed": a.seed, "rounds": a.rounds, "vllm": VLLM_VERSION, "lockstep": rows}, f, indent=1)
+        return
 
     def record(mix: str, op: str, times: dict[str, list[float]]) -> None:
         per_round = [x / y if y else 1.0 for x, y in zip(times["stock"], times["umalloc"], strict=True)]
