@@ -36,6 +36,9 @@ PRESET_NAMES = ("deepseek-v3", "gemma-3-12b", "gemma-3-12b-draft", "gpt-oss-20b"
                 "qwen3-8b", "qwen3-8b-draft")
 DEFAULT_PRESET_NAME = "gemma-3-12b-draft"
 PRESETS_WITH_DRAFT = ("deepseek-v3", "gemma-3-12b-draft", "llama-3-8b-eagle", "qwen3-8b-draft")
+#: Where a drafter's sliding-window layers may live (:data:`umalloc.geometry.presets.DRAFT_SLIDING`, spelled out
+#: for the same reason), the first the default.
+DRAFT_SLIDING = ("swa", "own", "draft")
 
 #: ``umalloc generate``'s model names (:mod:`umalloc_replay.generate.models`), its default slice and scales:
 #: the first DEFAULT_GENERATE_REQUESTS rows, prompts divided by DEFAULT_GENERATE_TOKEN_SCALE, outputs by

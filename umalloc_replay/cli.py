@@ -78,6 +78,7 @@ from umalloc_replay import (  # noqa: E402
     DEFAULT_RANK_TOKEN_SCALE,
     DEFAULT_REQUESTS,
     DEFAULT_TOKEN_SCALE,
+    DRAFT_SLIDING,
     GENERATE_MODEL_NAMES,
     MAX_PAGE_SIZE_TOKENS,
     PRESET_NAMES,
@@ -219,6 +220,11 @@ def replay(
     draft: Annotated[bool | None, typer.Option(
         "--draft/--no-draft", rich_help_panel=_MODEL, show_default="--draft where the preset has a drafter",
         help="Include the drafter's pool.")] = None,
+    draft_sliding: Annotated[str | None, typer.Option(
+        "--draft-sliding", metavar="WHERE", rich_help_panel=_MODEL, show_default=DRAFT_SLIDING[0],
+        help="Where the drafter's sliding-window layers live (a drafter with such layers, single-rank): swa (the "
+        "target's sliding end, held for its window), own (an end of their own, held for the drafter's window) or "
+        "draft (the draft end, held for the whole sequence).")] = None,
     page_size: Annotated[int, typer.Option(
         "--page-size", min=1, max=MAX_PAGE_SIZE_TOKENS, metavar="N", rich_help_panel=_MODEL,
         help="Tokens per page (decode's when multi-rank).")] = 16,
@@ -314,12 +320,21 @@ def replay(
             if draft and model not in PRESETS_WITH_DRAFT:
                 raise UmallocValueError(f"--draft: preset {model!r} has no drafter: allowed --no-draft, or a preset "
                                         f"with one ({', '.join(PRESETS_WITH_DRAFT)})")
+            if draft_sliding is not None and draft_sliding not in DRAFT_SLIDING:
+                raise UmallocValueError(f"--draft-sliding {draft_sliding!r}: allowed one of "
+                                        f"{', '.join(DRAFT_SLIDING)}")
+            if draft_sliding is not None and (draft is False or model not in PRESETS_WITH_DRAFT):
+                raise UmallocValueError(f"--draft-sliding {draft_sliding}: only with a drafter: allowed a preset "
+                                        f"with one ({', '.join(PRESETS_WITH_DRAFT)}) and --draft, or without it")
             if report is not None:
                 check_output_file(report, "--report")
             plot_path = resolve_plot_path(plot) if plot is not None else None
             check_distinct_paths({"--trace": trace}, {"--report": report, "--plot": plot_path})
             multi = multi_rank or prefill_head_groups > 1 or decode_head_groups > 1 or \
                 is_multi_rank(prefill_tp, decode_tp, prefill_dcp, decode_dcp, prefill_page_size, page_size)
+            if multi and draft_sliding is not None:
+                raise UmallocValueError(f"--draft-sliding {draft_sliding}: the multi-rank replay keeps the drafter "
+                                        "whole in its draft end; allowed without it")
             if multi and (layout != "dynamic" or plot_path is not None):
                 raise UmallocValueError(f"{'--plot' if plot_path is not None else '--layout ' + layout}: the "
                                         "multi-rank replay runs the dynamic layout and draws no plot; allowed "
@@ -359,6 +374,7 @@ def replay(
                     backend=backend.value, requests=requests, skip=skip, token_scale=token_scale,
                     draft=True if draft is None else draft, seed=seed, max_batch=max_batch,
                     compaction=compaction.value, check_every=check_every, layout=layout,
+                    draft_sliding=DRAFT_SLIDING[0] if draft_sliding is None else draft_sliding,
                 )
                 with HeldLogs() as held:
                     result = run_replay(cfg, progress=progress, console=err)

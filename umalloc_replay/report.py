@@ -25,7 +25,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-SCHEMA_VERSION = "umalloc.replay.report/2"
+SCHEMA_VERSION = "umalloc.replay.report/3"
 
 #: Phases of :class:`PhaseTimer`, in report order.
 PHASES = ("allocator", "translate_plan", "transfer", "verify", "fill", "other")
@@ -46,7 +46,7 @@ REPORT_SCHEMA: dict = {
     "config": {
         "trace": str, "trace_format": str, "model": str, "page_size": int, "prefill_arena_bytes": int,
         "decode_arena_bytes": int, "backend": str, "requests": int, "token_scale": int, "draft": bool,
-        "seed": int, "max_batch": int, "compaction": str, "skip": int, "layout": str,
+        "seed": int, "max_batch": int, "compaction": str, "skip": int, "layout": str, "draft_sliding": str,
         "ends": list,
     },
     "requests": {"total": int, "completed": int, "retracted": int, "restored": int, "admission_waits": int,

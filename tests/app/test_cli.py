@@ -180,6 +180,29 @@ def test_layout_is_validated(tmp_path, azure):
     refused(["--trace", str(azure), "--layout", "fixed", *QUICK], tmp_path, "dynamic", "padded")
 
 
+def test_draft_sliding_places_the_drafters_sliding_layers_and_is_validated(tmp_path, azure):
+    refused(["--trace", str(azure), "--draft-sliding", "ring", *QUICK], tmp_path, "--draft-sliding 'ring'",
+            "swa, own, draft")
+    refused(["--trace", str(azure), "--draft-sliding", "own", "--no-draft", *QUICK], tmp_path, "only with a drafter")
+    refused(["--trace", str(azure), "--model", "gpt-oss-20b", "--draft-sliding", "own", *QUICK], tmp_path,
+            "only with a drafter")
+    refused(["--trace", str(azure), "--draft-sliding", "own", "--decode-tp", "2", *QUICK], tmp_path,
+            "multi-rank replay keeps the drafter whole")
+    res = CliRunner().invoke(app, ["replay", "--trace", str(azure), "--requests", "2", "--draft-sliding", "own",
+                                   "--format", "json", *QUICK])
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.stdout)
+    assert rep["ok"] and rep["config"]["draft_sliding"] == "own"
+    ends = {e["name"]: e for e in rep["config"]["ends"]}
+    # Gemma-3-1B: 26 layers, every sixth global (5 local : 1 global), the local ones sliding over 512 tokens
+    assert (ends["draft_swa"]["layers"], ends["draft_swa"]["window_tokens"]) == (22, 512)
+    assert (ends["draft"]["layers"], ends["draft"]["window_tokens"]) == (4, None)
+    assert rep["mismatches"] == {"pages": 0, "bytes": 0}
+    for side in ("prefill", "decode"):
+        assert rep["end_state"][side]["leases_active"] == 0
+        assert all(e["live_pages"] == 0 for e in rep["end_state"][side]["ends"].values())
+
+
 # ---- Ctrl-C -------------------------------------------------------------------------------------------------
 
 

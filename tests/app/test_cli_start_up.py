@@ -19,7 +19,13 @@ from typer.testing import CliRunner
 
 import umalloc
 from umalloc.geometry import presets
-from umalloc_replay import DEFAULT_PRESET_NAME, MAX_PAGE_SIZE_TOKENS, PRESET_NAMES, PRESETS_WITH_DRAFT
+from umalloc_replay import (
+    DEFAULT_PRESET_NAME,
+    DRAFT_SLIDING,
+    MAX_PAGE_SIZE_TOKENS,
+    PRESET_NAMES,
+    PRESETS_WITH_DRAFT,
+)
 from umalloc_replay.cli import app
 
 #: Modules whose import takes seconds (torch, numba, numpy under them), an engine, or matplotlib.
@@ -59,6 +65,7 @@ def test_the_app_spells_the_library_presets_right() -> None:
     assert PRESET_NAMES == tuple(sorted(presets.PRESETS))
     assert DEFAULT_PRESET_NAME == presets.DEFAULT_PRESET
     assert PRESETS_WITH_DRAFT == tuple(sorted(n for n, p in presets.PRESETS.items() if p.draft is not None))
+    assert DRAFT_SLIDING == presets.DRAFT_SLIDING
 
 
 def test_the_app_spells_the_library_page_size_range_right() -> None:

@@ -698,7 +698,7 @@ class Replay:
                 "decode_arena_bytes": self.decode_arena_bytes, "backend": cfg.backend,
                 "requests": len(self.trace), "token_scale": cfg.token_scale, "draft": cfg.draft, "seed": cfg.seed,
                 "max_batch": cfg.max_batch, "compaction": cfg.compaction, "skip": cfg.skip,
-                "layout": self.layout.label,
+                "layout": self.layout.label, "draft_sliding": cfg.draft_sliding,
                 "ends": [{"name": e.name, "role": e.role.value, "grow": e.grow.value, "owner": e.owner,
                           "layers": len(e.layers), "page_size": e.page_size, "entry_bytes": e.entry_bytes,
                           "page_bytes": e.page_bytes, "window_tokens": e.window_tokens} for e in self.dec_spec.ends],
