@@ -6,17 +6,17 @@ releases are Note [Release seams] in :mod:`umalloc.integrations.vllm.seams`.
 
 Note [Touch and free paths]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~
-vLLM's own ``touch`` / ``free_blocks`` are Python loops over block objects (a slot read per null block, a few
-per real one); here a call that reaches a umalloc kernel pays ~0.3 us of argument unboxing plus its id list, and
-a count read or written through a ``memoryview`` costs about two slot reads. So each call takes the cheapest
-exact path. ``touch``: the null blocks leading a sliding window's hit are skipped by a slot read each, as vLLM
-skips them; of at most :data:`TOUCH_IN_PYTHON` other blocks, the held ones get their count raised in place
-(``PageRefs.ref_counts``: an engine may raise a held page's count) up to the first block with count 0 (cached or
-free), and the rest is one ``PageRefs.ref`` (a refused one puts the raised counts back); a longer list is one
-``PageRefs.ref``. ``free_blocks`` of several blocks is one ``PageRefs.unref`` of their ids, null blocks as 0
-entries its kernel skips; of one block, ``PageRefs.unref_one`` (Python unless the block goes back to the
-allocator at or above the spares' floor). Every path ends in the same counts, states and LRU order as the kernel
-path.
+vLLM's own ``touch`` / ``free_blocks`` are Python loops over block objects (a slot read per null block, a few per
+real one); here a call that reaches a umalloc kernel pays ~0.3 us of argument unboxing plus its id list, and a
+count read or written through a ``memoryview`` costs about two slot reads. So each call takes the cheapest exact
+path. A block of another pool goes to its own pool's ``touch`` / ``free_blocks``. ``touch``: the null blocks
+leading a sliding window's hit are skipped by a slot read each, as vLLM skips them; of at most
+:data:`TOUCH_IN_PYTHON` other blocks, the held ones get their count raised in place (``PageRefs.ref_counts``: an
+engine may raise a held page's count) up to the first block with count 0 (cached or free), and the rest is one
+``PageRefs.ref`` (a refused one puts the raised counts back); a longer list is one ``PageRefs.ref``.
+``free_blocks`` of several blocks is one ``PageRefs.unref`` of their ids, null blocks as 0 entries its kernel
+skips; of one block, ``PageRefs.unref_one`` (Python unless the block goes back to the allocator at or above the
+spares' floor). Every path ends in the same counts, states and LRU order as the kernel path.
 
 Threading: as vLLM's pool, called from the scheduler thread only.
 """
@@ -264,11 +264,14 @@ class UmallocBlockPool(BlockPool):  # type: ignore[misc, valid-type, unused-igno
             self._unlink()
         lead = s
         counts = self._counts
+        ref = self._ref
         if n - s <= TOUCH_IN_PYTHON:   # held blocks: their count raised here, as PageRefs allows
             try:
                 for b in blocks[s:] if s else blocks:
                     v = b.block_id
                     if v > 0:
+                        if b.pool is not ref:   # another pool's block (or a bare one): sorted out below
+                            break
                         c = counts[v]
                         if not c:   # cached or free: this block and the rest in one PageRefs.ref
                             break
@@ -278,17 +281,33 @@ class UmallocBlockPool(BlockPool):  # type: ignore[misc, valid-type, unused-igno
                     s += 1
             except (IndexError, TypeError):   # an id past the pool or not an int: PageRefs.ref refuses it
                 pass
+        theirs: dict[Any, list[Any]] = {}
         if s < n:
+            rest = blocks[s:]
+            ids = [b.block_id for b in rest if b.pool is ref]
+            if len(ids) != len(rest):   # blocks of other pools go to their own pool, as free_blocks does
+                ids = []
+                for b in rest:
+                    pool = b.pool
+                    if pool is ref or pool is None or b.is_null:
+                        ids.append(b.block_id)
+                    else:
+                        pool = pool() if isinstance(pool, weakref.ref) else pool   # 0.34 holds a weakref
+                        if pool is not None:
+                            theirs.setdefault(pool, []).append(b)
             try:
-                self.refs.ref([b.block_id for b in blocks[s:]])   # 0 entries (null blocks) skipped there
+                if ids:
+                    self.refs.ref(ids)   # 0 entries (null blocks) skipped there
             except UmallocError:   # refused, nothing changed there: the counts raised here go back too
                 for b in blocks[lead:s]:
                     if b.block_id:
                         counts[b.block_id] -= 1
                 raise
+        for pool, their_blocks in theirs.items():
+            pool.touch(their_blocks)
         if self.metrics_collector:
             for block in blocks:
-                if not block.is_null:
+                if not block.is_null and (block.pool is ref or block.pool is None):
                     self.metrics_collector.on_block_accessed(block)
 
     def free_blocks(self, ordered_blocks: Iterable[Any], evict_first: bool = False) -> None:
