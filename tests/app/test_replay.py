@@ -313,6 +313,18 @@ def test_cli_refuses_bad_arguments(tmp_path):
     assert res.exit_code == 2 and res.output.startswith("error: --arena-bytes: the prefill arena of 1,024 bytes")
 
 
+def test_an_arena_below_its_floor_is_named_by_the_bytes_passed(tmp_path):
+    """Arenas are rounded down to 16-byte multiples; the refusal names the bytes the user passed (1,000 and 1),
+    not the rounded ones."""
+    p = tmp_path / "azure.csv"
+    p.write_text(AZURE_PRESSURE)
+    base = ["replay", "--trace", str(p), "--requests", "2", "--token-scale", "1", "--no-progress"]
+    for arena, side, asked in (("128MiB,1000", "decode", "1,000"), ("1,128MiB", "prefill", "1")):
+        res = CliRunner().invoke(app, [*base, "--arena-bytes", arena])
+        assert res.exit_code == 2, res.output
+        assert res.stderr.startswith(f"error: --arena-bytes: the {side} arena of {asked} bytes "), res.stderr
+
+
 def test_an_arena_below_its_floor_names_the_option_the_side_and_the_bytes_the_slice_needs(tmp_path):
     """``--arena-bytes 1KiB`` named neither the option nor the side (``invalid arena_bytes=1024:
     allowed >= 11960320``). The size it names is enough: the same slice with that many bytes passes the fit."""
