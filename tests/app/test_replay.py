@@ -220,6 +220,24 @@ def test_request_whose_bytes_fit_but_cannot_be_placed_is_refused_up_front(tmp_pa
         assert_clean(r.run())
 
 
+def test_joint_plan_refusal_of_bytes_that_fit_is_named_a_placement(tmp_path):
+    # draft_sliding="own": the drafter's 22 sliding layers are a draft_swa end (window 512) floating next to the
+    # swa end. 1,809 prompt + 199 output tokens peak at 126 pages on full and draft, the 1,024-token window
+    # tail on swa (65 pages) and the 512-token one on draft_swa (33 pages). Those bytes fit a 700 MiB decode
+    # arena with 200 MiB to spare, so a refusal must name a placement, not a size the arena already exceeds.
+    p = tmp_path / "t.jsonl"
+    p.write_text('{"timestamp": 0, "input_length": 1809, "output_length": 199}\n')
+    peak = 126 * PS * (G_FULL_TOKEN + G_DRAFT_TOKEN) + 65 * PS * 40 * 8 * 512 * 2 + 33 * PS * 22 * 1 * 512 * 2
+    assert peak == 493_060_096 and peak + 200 * MIB < 700 * MIB
+    cfg = ReplayConfig(trace=str(p), token_scale=1, draft_sliding="own", decode_arena_bytes=700 * MIB)
+    try:
+        r = Replay(cfg)
+    except UmallocValueError as exc:
+        assert "cannot be placed" in str(exc) and f"holds {peak:,} bytes" in str(exc), str(exc)
+    else:
+        assert_clean(r.run())
+
+
 def test_verification_catches_a_corrupted_page(tmp_path):
     class Corrupting(Replay):
         def _verify_received(self, rs):
@@ -293,6 +311,18 @@ def test_cli_refuses_bad_arguments(tmp_path):
     # an arena too small for the geometry is refused before the progress bar is drawn: the error comes first
     res = runner.invoke(app, ["replay", "--arena-bytes", "1KiB"])
     assert res.exit_code == 2 and res.output.startswith("error: --arena-bytes: the prefill arena of 1,024 bytes")
+
+
+def test_an_arena_below_its_floor_is_named_by_the_bytes_passed(tmp_path):
+    """Arenas are rounded down to 16-byte multiples; the refusal names the bytes the user passed (1,000 and 1),
+    not the rounded ones."""
+    p = tmp_path / "azure.csv"
+    p.write_text(AZURE_PRESSURE)
+    base = ["replay", "--trace", str(p), "--requests", "2", "--token-scale", "1", "--no-progress"]
+    for arena, side, asked in (("128MiB,1000", "decode", "1,000"), ("1,128MiB", "prefill", "1")):
+        res = CliRunner().invoke(app, [*base, "--arena-bytes", arena])
+        assert res.exit_code == 2, res.output
+        assert res.stderr.startswith(f"error: --arena-bytes: the {side} arena of {asked} bytes "), res.stderr
 
 
 def test_an_arena_below_its_floor_names_the_option_the_side_and_the_bytes_the_slice_needs(tmp_path):

@@ -418,6 +418,39 @@ def test_a_refused_touch_changes_nothing(vllm_pool):
         pool.check_invariants()
 
 
+def test_a_touch_of_another_pools_blocks_counts_them_in_their_own_pool(vllm_pool):
+    """A block keeps its pool: touching another pool's blocks raises their counts there (vLLM's touch raises the
+    block's own ``ref_cnt``) and leaves this pool's same ids alone, on the Python path and on the long one; a
+    touch then a free of such a block (free_blocks hands it to its own pool) leaves both pools as before."""
+    from umalloc.integrations.vllm.pool import TOUCH_IN_PYTHON
+
+    pools = [vllm_pool(12, enable_caching=True, hash_block_size=16) for _ in range(2)]
+    p, q = pools
+    mine, theirs = p.get_new_blocks(10), q.get_new_blocks(10)        # ids 1..10 held once in each pool
+    _hashed(q, theirs[9], b"ten")
+    q.free_blocks([theirs[9]])                                       # q's block 10: cached, count 0
+
+    def counts():
+        return [pl.refs.ref_counts.tolist() for pl in pools], [pl.refs.cached().tolist() for pl in pools]
+
+    before = counts()
+    assert before[0] == [[0] + [1] * 10 + [0], [0] + [1] * 9 + [0, 0]] and before[1] == [[], [10]]
+    for blocks in ([theirs[0]], [mine[1], theirs[1], p.null_block, theirs[2]],
+                   [theirs[9]], [mine[0]] * TOUCH_IN_PYTHON + [theirs[3], theirs[3]]):
+        p.touch(blocks)
+        want = [[0] * 12, [0] * 12]                                 # touches per pool and id, by hand
+        for b in blocks:
+            if not b.is_null:
+                want[any(b is t for t in theirs)][b.block_id] += 1
+        got, cached = counts()
+        assert [[x - y for x, y in zip(g, o, strict=True)] for g, o in zip(got, before[0], strict=True)] == want
+        assert cached == [[], [] if any(b is theirs[9] for b in blocks) else [10]]
+        p.free_blocks(list(blocks))
+        assert counts() == before
+        for pl in pools:
+            pl.check_invariants()
+
+
 def test_evicting_shared_and_extra_hashes_leaves_the_map_as_vllms_pool_does(vllm_pool):
     """Blocks evicted by get_new_blocks drop exactly their own map entries, as vLLM's pool: two blocks under one
     hash (the map's dict case), a block with an extra hash (``cached_block_hashes_by_block``), a plain one; one

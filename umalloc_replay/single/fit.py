@@ -4,8 +4,10 @@ runs, with one message naming the largest such request and what to change.
 * Two checks per request and side: its bytes (the empty allocator's joint placement plan,
   :meth:`MultiEndedAllocator.can_alloc`, of its peak on decode and its prompt on prefill, within the static
   pools when there are any), and its admission (:func:`~umalloc_replay.single.prefill.alloc_sequence` of its prompt,
-  then freed, on an empty probe allocator: the floating draft band can split free space so that bytes that fit
-  cannot be placed, Note [Stranded space] in :mod:`umalloc_replay.single.run`).
+  then freed, on an empty probe allocator: a floating band (the ``swa`` end between ``full`` and ``draft``, or
+  the ``draft`` end) can split free space so that bytes that fit cannot be placed, Note [Stranded space] in
+  :mod:`umalloc_replay.single.run`). A joint plan that refuses bytes the arena holds (its floor and one page
+  per end aside) is named a placement too.
 * Hints are given only where they help: ``--requests K`` when the first ``K`` requests of the slice fit;
   ``--compaction lazy`` when the refusal is a placement under ``--compaction off`` that lazy compaction places.
 * The probes hold only tables (their arenas are never written).
@@ -70,14 +72,14 @@ def check_slice_fits(trace: Trace, dec_spec: ArenaSpec, pre_spec: ArenaSpec, *, 
                 nbytes = request_prompt_bytes(spec, r.input_tokens)
                 pooled = True
             if not pooled or not probe.can_alloc(need):
-                bad[side].append((nbytes, r, False))
+                # the joint plan refuses bytes an arena of this size holds: a float band splits the free space
+                bad[side].append((nbytes, r, pooled and nbytes + _slack(spec) <= spec.arena_bytes))
                 continue
             vt = alloc_sequence(probe, r.input_tokens)
             if vt is None:
                 bad[side].append((nbytes, r, True))
             else:
                 probe.free(vt)
-    slack = dec_spec.floor_bytes + sum(e.page_bytes for e in dec_spec.ends)
     first_row = trace.requests[0].request_id
     for side, spec in (("decode", dec_spec), ("prefill", pre_spec)):
         if not bad[side]:
@@ -93,7 +95,7 @@ def check_slice_fits(trace: Trace, dec_spec: ArenaSpec, pre_spec: ArenaSpec, *, 
             raise UmallocValueError(
                 f"{len(bad[side])} request(s) cannot be placed even in an empty {side} arena of {have:,} bytes; "
                 f"the largest, {what}, holds {nbytes:,} bytes, which fit, but the allocator cannot place its "
-                f"ends side by side (the floating draft band splits the free space): allowed a larger {side} "
+                f"ends side by side (a floating band splits the free space): allowed a larger {side} "
                 f"--arena-bytes, a larger --token-scale, --no-draft{fewer}{lazy}")
         if side == "decode" and budget is not None:
             raise UmallocValueError(
@@ -104,7 +106,12 @@ def check_slice_fits(trace: Trace, dec_spec: ArenaSpec, pre_spec: ArenaSpec, *, 
         raise UmallocValueError(
             f"{len(bad[side])} request(s) cannot fit even in an empty {side} arena of {have:,} bytes; the "
             f"largest, {what}, holds {nbytes:,} bytes at its peak: allowed --arena-bytes with {side} >= "
-            f"~{nbytes + slack:,}, a larger --token-scale{fewer}")
+            f"~{nbytes + _slack(spec):,}, a larger --token-scale{fewer}")
+
+
+def _slack(spec: ArenaSpec) -> int:
+    """Bytes of ``spec``'s arena no request can use: its floor and one page per end."""
+    return spec.floor_bytes + sum(e.page_bytes for e in spec.ends)
 
 
 def slice_needs_bytes(ends: tuple, trace: Trace, side: str) -> int:

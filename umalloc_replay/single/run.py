@@ -149,14 +149,15 @@ class Replay:
         dec_b = cfg.decode_arena_bytes or dec_b
         self.prefill_arena_bytes = pre_b // ARENA_ALIGN_BYTES * ARENA_ALIGN_BYTES
         self.decode_arena_bytes = dec_b // ARENA_ALIGN_BYTES * ARENA_ALIGN_BYTES
-        self.pre_spec = self._arena_spec(ends, "prefill", self.prefill_arena_bytes)
+        self.pre_spec = self._arena_spec(ends, "prefill", self.prefill_arena_bytes, pre_b)
         #: vllm layout: vLLM's block pool over the decode bytes (Note [vLLM's block accounting] in
         #: umalloc_replay.single.layouts), enforced as a block budget over a carrier arena of
         #: VLLM_CARRIER_FACTOR times the bytes, which never binds first; None for the other layouts.
-        self.vllm = (vllm_blocks(natural, self._arena_spec(ends, "decode", self.decode_arena_bytes).usable_bytes())
+        self.vllm = (vllm_blocks(natural, self._arena_spec(ends, "decode", self.decode_arena_bytes,
+                                                           dec_b).usable_bytes())
                      if self.layout.name == "vllm" else None)
         carrier = VLLM_CARRIER_FACTOR * self.decode_arena_bytes if self.vllm is not None else self.decode_arena_bytes
-        self.dec_spec = self._arena_spec(ends, "decode", carrier)
+        self.dec_spec = self._arena_spec(ends, "decode", carrier, dec_b)
         #: Static layout: pages each end may hold (Note [SGLang's static SWA split]); None: no budget.
         self.budget = (static_budget_pages(self.dec_spec, self.layout.swa_full_tokens_ratio)  # type: ignore[arg-type]
                        if self.layout.name == "static" else None)
@@ -205,9 +206,10 @@ class Replay:
         self._events = {"prefill": 0, "decode": 0}
 
     # ---- setup ---------------------------------------------------------------------------------------------
-    def _arena_spec(self, ends: tuple, side: str, nbytes: int) -> ArenaSpec:
+    def _arena_spec(self, ends: tuple, side: str, nbytes: int, asked: int) -> ArenaSpec:
         """The ``side`` arena's spec of ``nbytes``; an arena too small to hold even its floor is refused naming
-        the option, the side and the bytes this slice needs there."""
+        the option, the side, the bytes passed (``asked``, before rounding down to :data:`ARENA_ALIGN_BYTES`)
+        and the bytes this slice needs there."""
         try:
             return ArenaSpec(ends, arena_bytes=nbytes)
         except SpecError as exc:
@@ -217,7 +219,7 @@ class Replay:
             probe = ArenaSpec(ends, arena_bytes=1 << 40)
             least = probe.floor_bytes + sum(e.page_bytes for e in ends)
             raise UmallocValueError(
-                f"--arena-bytes: the {side} arena of {nbytes:,} bytes is too small (its floor and one page per "
+                f"--arena-bytes: the {side} arena of {asked:,} bytes is too small (its floor and one page per "
                 f"end alone take {least:,} bytes); this slice needs at least {need:,} bytes on the {side} side: "
                 f"allowed --arena-bytes PREFILL,DECODE with {side.upper()} >= {need:,}") from None
 

@@ -9,7 +9,7 @@ Note [Touch and free paths]
 vLLM's own ``touch`` / ``free_blocks`` are Python loops over block objects (a slot read per null block, a few
 per real one); here a call that reaches a umalloc kernel pays ~0.3 us of argument unboxing plus its id list, and
 a count read or written through a ``memoryview`` costs about two slot reads. So each call takes the cheapest
-exact path. ``touch`` (the most frequent call: a request with no hit touches an empty list, which returns at
+exact path. A block of another pool goes to its own pool's ``touch`` / ``free_blocks``. ``touch`` (the most frequent call: a request with no hit touches an empty list, which returns at
 once) skips the null blocks leading a sliding window's hit by a slot read each, as vLLM does; a rest of at most
 :data:`TOUCH_IN_PYTHON` blocks is vLLM's loop, null blocks skipped by a slot read each and held blocks' counts
 raised in place (``PageRefs.ref_counts``: an engine may raise a held page's count); the blocks found at count 0
@@ -264,26 +264,58 @@ class UmallocBlockPool(BlockPool):  # type: ignore[misc, valid-type, unused-igno
                     break
                 s += 1
             rest = blocks[s:]
+        ref = self._ref
         if len(rest) > TOUCH_IN_PYTHON:   # one PageRefs.ref; null blocks are 0 entries its kernel skips
+            ids = [b.block_id for b in rest if b.pool is ref]
+            theirs = None
+            if len(ids) != len(rest):   # blocks of other pools go to their own pool, as free_blocks does
+                ids, theirs = self._split_pools(rest)
             if self._linked:
                 self._unlink()
-            self.refs.ref([b.block_id for b in rest])
+            if ids:
+                self.refs.ref(ids)
+            if theirs:
+                for pool, their_blocks in theirs.items():
+                    pool.touch(their_blocks)
         elif rest:
             self._touch_short(rest)
         if self.metrics_collector:
             for block in blocks:
-                if not block.is_null:
+                if not block.is_null and (block.pool is ref or block.pool is None):
                     self.metrics_collector.on_block_accessed(block)
+
+    def _split_pools(self, blocks: Sequence[Any]) -> tuple[list[int], dict[Any, list[Any]]]:
+        """(ids of this pool's blocks, null blocks and pool-less blocks -- :meth:`PageRefs.ref` skips 0 entries and
+        refuses ids not in the pool --, the other pools' blocks by pool). O(len(blocks))."""
+        ref = self._ref
+        ids: list[int] = []
+        theirs: dict[Any, list[Any]] = {}
+        for b in blocks:
+            pool = b.pool
+            if pool is ref or pool is None or b.is_null:
+                ids.append(b.block_id)
+            else:
+                pool = pool() if isinstance(pool, weakref.ref) else pool   # 0.34 holds a weakref
+                if pool is not None:
+                    theirs.setdefault(pool, []).append(b)
+        return ids, theirs
 
     def _touch_short(self, blocks: Sequence[Any]) -> None:
         """``touch`` of at most :data:`TOUCH_IN_PYTHON` blocks: vLLM's loop, held blocks' counts raised in place
         (as PageRefs allows), the blocks at count 0 (cached or free) one ``PageRefs.ref`` after it (a block
-        listed twice is counted there once per entry). A refused call puts the raised counts back."""
-        counts = self._counts
-        zeros = None
+        listed twice is counted there once per entry); another pool's blocks go to that pool's ``touch`` after.
+        A refused call puts the raised counts back."""
+        counts, ref = self._counts, self._ref
+        zeros = theirs = None
         try:
             for b in blocks:
                 if b.is_null:
+                    continue
+                if b.pool is not ref and b.pool is not None:   # another pool's block: touched there below
+                    if theirs is None:
+                        theirs = [b]
+                    else:
+                        theirs.append(b)
                     continue
                 v = b.block_id
                 c = counts[v] if v > 0 else 0
@@ -306,15 +338,18 @@ class UmallocBlockPool(BlockPool):  # type: ignore[misc, valid-type, unused-igno
             except UmallocError:   # refused, nothing changed there: nor here
                 self._undo_touch(blocks, None, zeros)
                 raise
+        if theirs is not None:
+            for pool, their_blocks in self._split_pools(theirs)[1].items():
+                pool.touch(their_blocks)
 
     def _undo_touch(self, blocks: Sequence[Any], stop: Any, zeros: list[int] | None) -> None:
         """The counts :meth:`_touch_short` raised go back: every non-null entry of ``blocks`` before ``stop``
-        (all, for ``None``) whose id is not in ``zeros`` (those were not raised)."""
-        counts, skip = self._counts, set(zeros or ())
+        (all, for ``None``) of this pool whose id is not in ``zeros`` (those were not raised)."""
+        counts, skip, ref = self._counts, set(zeros or ()), self._ref
         for b in blocks:
             if b is stop:
                 return
-            if not b.is_null and b.block_id not in skip:
+            if not b.is_null and (b.pool is ref or b.pool is None) and b.block_id not in skip:
                 counts[b.block_id] -= 1
 
     def free_blocks(self, ordered_blocks: Iterable[Any], evict_first: bool = False) -> None:
