@@ -6,23 +6,24 @@ releases are Note [Release seams] in :mod:`umalloc.integrations.vllm.seams`.
 
 Note [Touch and free paths]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~
-vLLM's own ``touch`` / ``free_blocks`` are Python loops over block objects (a slot read per null block, a few
-per real one); here a call that reaches a umalloc kernel pays ~0.3 us of argument unboxing plus its id list, and
-a count read or written through a ``memoryview`` costs about two slot reads. So each call takes the cheapest
-exact path. A block of another pool goes to its own pool's ``touch`` / ``free_blocks``. ``touch`` (the most frequent call: a request with no hit touches an empty list, which returns at
-once) skips the null blocks leading a sliding window's hit by a slot read each, as vLLM does; a rest of at most
-:data:`TOUCH_IN_PYTHON` blocks is vLLM's loop, null blocks skipped by a slot read each and held blocks' counts
-raised in place (``PageRefs.ref_counts``: an engine may raise a held page's count); the blocks found at count 0
-(cached or free) are one ``PageRefs.ref`` after the loop (a refused one puts the raised counts back); a longer
-rest is one ``PageRefs.ref`` of its ids. ``free_blocks`` of several blocks is one ``PageRefs.unref`` of their
-ids, null blocks as 0 entries its kernel skips; of one block, ``PageRefs.unref_one`` (Python unless the block
-goes back to the allocator at or above the spares' floor). Every path ends in the same counts, states and LRU order as the kernel
-path. What bounds ``touch`` below vLLM's speed on short hits: reviving a cached block takes it out of PageRefs'
-LRU, a ``PageRefs.ref`` of ~0.3 us for one id (memoryview links) or ~0.5 us for a few (the kernel call and its
-id list), where vLLM unlinks a block from its free list in ~0.15 us of slot writes; and a held block's count is
-two memoryview accesses where vLLM's is two slot accesses. Counts in the blocks' own ``ref_cnt`` slots (umalloc
-holding each block once while it is positive) make ``touch`` ~15-35% faster but ``free_blocks`` (the count
-arithmetic moves from the kernel into a Python loop) and ``get_new_blocks`` slower, a net loss on every mix.
+vLLM's own ``touch`` / ``free_blocks`` are Python loops over block objects (a slot read per null block, a few per
+real one); here a call that reaches a umalloc kernel pays ~0.3 us of argument unboxing plus its id list, and a count
+read or written through a ``memoryview`` costs about two slot reads. So each call takes the cheapest exact path. A
+block of another pool goes to its own pool's ``touch`` / ``free_blocks``. ``touch`` (the most frequent call: a
+request with no hit touches an empty list, which returns at once) skips the null blocks leading a sliding window's
+hit by a slot read each, as vLLM does; a rest of at most :data:`TOUCH_IN_PYTHON` blocks is vLLM's loop, null blocks
+skipped by a slot read each and held blocks' counts raised in place (``PageRefs.ref_counts``: an engine may raise a
+held page's count); the blocks found at count 0 (cached or free) are one ``PageRefs.ref`` after the loop (a refused
+one puts the raised counts back); a longer rest is one ``PageRefs.ref`` of its ids. ``free_blocks`` of several
+blocks is one ``PageRefs.unref`` of their ids, null blocks as 0 entries its kernel skips; of one block,
+``PageRefs.unref_one`` (Python unless the block goes back to the allocator at or above the spares' floor). Every
+path ends in the same counts, states and LRU order as the kernel path. What bounds ``touch`` below vLLM's speed on
+short hits: reviving a cached block takes it out of PageRefs' LRU, a ``PageRefs.ref`` of ~0.3 us for one id
+(memoryview links) or ~0.5 us for a few (the kernel call and its id list), where vLLM unlinks a block from its free
+list in ~0.15 us of slot writes; and a held block's count is two memoryview accesses where vLLM's is two slot
+accesses. Counts in the blocks' own ``ref_cnt`` slots (umalloc holding each block once while it is positive) make
+``touch`` ~15-35% faster but ``free_blocks`` (the count arithmetic moves from the kernel into a Python loop) and
+``get_new_blocks`` slower, a net loss on every mix.
 
 Threading: as vLLM's pool, called from the scheduler thread only.
 """
